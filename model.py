@@ -122,7 +122,9 @@ class ModelConfig:
             # MMaDA: codes start at len(text tokenizer) = 126349, which the config does not store; the
             # released value is the only one we know of (llada-format.md §1).
             offset = hf.get("text_tokenizer_size", 126349)
-        known = {f.name for f in fields(cls)} | {"embedding_size", "mlp_ratio", "multi_query_attention"}
+        # The HF `vocab_size` may be smaller than the row count (MMaDA); keep it in `extra` for saving.
+        known = {f.name for f in fields(cls)} - {"vocab_size"} | {"embedding_size", "mlp_ratio",
+                                                                  "multi_query_attention"}
         return cls(
             d_model=hf["d_model"], n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=n_kv,
             mlp_hidden_size=hidden, vocab_size=rows,
@@ -153,7 +155,7 @@ class ModelConfig:
         hf.update({
             "d_model": self.d_model, "n_layers": self.n_layers, "n_heads": self.n_heads,
             "n_kv_heads": self.n_kv_heads, "mlp_hidden_size": self.mlp_hidden_size,
-            "vocab_size": hf.get("vocab_size", self.vocab_size) if self.extra else self.vocab_size,
+            "vocab_size": self.extra.get("vocab_size", self.vocab_size),
             "embedding_size": self.vocab_size, "max_sequence_length": self.max_sequence_length,
             "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
             "mask_token_id": self.mask_token_id, "eos_token_id": self.eos_token_id,
