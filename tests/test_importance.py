@@ -1,0 +1,330 @@
+"""Tests for importance.py (masks, seeds, per-token log-probs).
+
+Run: python -m pytest tests/test_importance.py -q
+Monte-Carlo checks use 5-sigma binomial tolerances: they fail on a real bias, not by chance.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import importance as imp
+
+
+class ContextFree(nn.Module):
+    """Logits depend only on the position, never on the input: exact log-probs are known."""
+
+    def __init__(self, L: int, V: int, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.table = nn.Parameter(torch.randn(L, V, generator=g))  # (L, V)
+
+    def forward(self, idx, attention_mask=None):
+        return self.table.unsqueeze(0).expand(idx.shape[0], -1, -1)  # (B, L, V)
+
+
+class Tiny(nn.Module):
+    """Embedding + linear with a bidirectional mean-pool, so masking the input changes every logit."""
+
+    def __init__(self, V: int, d: int = 16, seed: int = 0):
+        super().__init__()
+        with torch.random.fork_rng():  # fixed init without leaking into the global RNG
+            torch.manual_seed(seed)
+            self.emb, self.head = nn.Embedding(V, d), nn.Linear(d, V)
+
+    def forward(self, idx, attention_mask=None):
+        h = self.emb(idx)  # (B, L, d)
+        return self.head(h + h.mean(dim=1, keepdim=True))  # (B, L, V)
+
+
+def sigma5(p: float, n: int) -> float:
+    return 5 * math.sqrt(max(p * (1 - p), 1e-12) / n) + 1e-9
+
+
+def arlike_prob(N: int, r: float) -> torch.Tensor:
+    # independent closed form of method.md §2.5: P(mask_n) = 1 - min(1, 2(1-r)(1 - n/(N-1)))
+    n = torch.arange(N, dtype=torch.float64)
+    return 1 - torch.clamp(2 * (1 - r) * (1 - n / (N - 1)), max=1.0)
+
+
+# -----------------------------------------------------------------------------
+# ratio schedule and seeds
+
+@pytest.mark.parametrize("gamma, table", [
+    (0.6, [.6333, .6667, .7000, .7333, .7667, .8000, .8333, .8667, .9000, .9333, .9667, .999]),
+    (0.8, [.8167, .8333, .8500, .8667, .8833, .9000, .9167, .9333, .9500, .9667, .9833, .999]),
+])
+def test_mask_ratios_match_method_table(gamma, table):
+    assert imp.mask_ratios(12, gamma) == pytest.approx(table, abs=5e-5)
+
+
+def test_mask_ratios_mu1_and_errors():
+    assert imp.mask_ratios(1, 0.6) == [0.999]
+    assert imp.mask_ratios(2, 0.0) == pytest.approx([0.5, 0.999])
+    with pytest.raises(ValueError, match="gamma"):
+        imp.mask_ratios(12, 1.0)
+    with pytest.raises(ValueError, match="gamma"):
+        imp.mask_ratios(12, -0.1)
+    with pytest.raises(ValueError, match="num_iterations"):
+        imp.mask_ratios(0, 0.6)
+
+
+def test_mask_seed_stable_and_distinct():
+    s = imp.mask_seed(42, 3, 17, 5)
+    assert s == imp.mask_seed(42, 3, 17, 5) and 0 <= s < 2**63
+    others = {imp.mask_seed(42, 3, 17, 6), imp.mask_seed(42, 4, 17, 5),
+              imp.mask_seed(42, 3, 18, 5), imp.mask_seed(43, 3, 17, 5)}
+    assert s not in others and len(others) == 4
+    with pytest.raises(ValueError, match="seq_index"):
+        imp.mask_seed(42, 3, -1, 0)
+
+
+# -----------------------------------------------------------------------------
+# reversing operators
+
+def test_arlike_frequencies_monte_carlo():
+    B, N, r = 4000, 32, 0.8
+    m = imp.reverse_mask(torch.ones(B, N, dtype=torch.bool), r, list(range(B)), "arlike").double()
+    freq, p = m.mean(0), arlike_prob(N, r)
+    assert bool(m[:, -1].all()), "last position must always be masked"
+    assert abs(freq[0] - (2 * r - 1)) < sigma5(2 * r - 1, B)
+    for n in range(N):  # whole linear profile, 5 sigma per position
+        assert abs(freq[n] - p[n]) < sigma5(float(p[n]), B), (n, float(freq[n]), float(p[n]))
+    assert abs(m.mean() - r) < sigma5(r, B * N)  # no clamping for r >= 0.5: mean fraction is r
+
+
+def test_arlike_clamps_below_half():
+    B, N, r = 2000, 200, 0.3
+    expected = float(arlike_prob(N, r).mean())
+    assert expected == pytest.approx(0.357, abs=3e-3)  # method.md §2.5: r = 0.3 -> ~0.358, not 0.3
+    m = imp.reverse_mask(torch.ones(B, N, dtype=torch.bool), r, list(range(B)), "arlike").double()
+    assert abs(m.mean() - expected) < sigma5(expected, B * N)
+    assert not m[:, 0].any()  # first 2(1-r)d >= 1 region is never masked
+
+
+def test_arlike_single_token_window():
+    B = 4000
+    m = imp.reverse_mask(torch.ones(B, 1, dtype=torch.bool), 0.7, list(range(B)), "arlike").double()
+    assert abs(m.mean() - 0.7) < sigma5(0.7, B)
+
+
+def test_random_mode_mean():
+    B, N, r = 1000, 64, 0.63
+    m = imp.reverse_mask(torch.ones(B, N, dtype=torch.bool), r, list(range(B)), "random").double()
+    assert abs(m.mean() - r) < sigma5(r, B * N)
+
+
+def test_reverse_mask_deterministic_and_respects_completion_mask():
+    g = torch.Generator().manual_seed(0)
+    cm = torch.rand(8, 40, generator=g) < 0.7  # (B, N) some invalid positions
+    seeds = torch.tensor([imp.mask_seed(1, 2, i, 0) for i in range(8)])
+    a = imp.reverse_mask(cm, 0.9, seeds, "arlike")
+    assert torch.equal(a, imp.reverse_mask(cm, 0.9, seeds.tolist(), "arlike"))  # old == current
+    assert not (a & ~cm).any()
+    other = [imp.mask_seed(1, 2, i, 1) for i in range(8)]  # next inner iteration
+    assert not torch.equal(a, imp.reverse_mask(cm, 0.9, other, "arlike"))
+    with pytest.raises(ValueError, match="mode"):
+        imp.reverse_mask(cm, 0.9, seeds, "low_confidence")
+
+
+# -----------------------------------------------------------------------------
+# build_masks: all estimators
+
+def left_padded_prompt_mask(lengths, P):
+    return torch.stack([torch.arange(P) >= P - n for n in lengths])  # (B, P), left padding False
+
+
+def make_batch(B=8, P=10, N=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, P + 1, (B,), generator=g).tolist()
+    cm = torch.ones(B, N, dtype=torch.bool)
+    cm[:, N - 4:] = torch.rand(B, 4, generator=g) < 0.5  # a few invalid tail positions
+    return left_padded_prompt_mask(lengths, P), cm, lengths
+
+
+@pytest.mark.parametrize("estimator", imp.ESTIMATORS)
+@pytest.mark.parametrize("mu", [1, 4])
+def test_build_masks_shapes_prompt_and_padding(estimator, mu):
+    pm, cm, _ = make_batch()
+    B, P = pm.shape
+    N = cm.shape[1]
+    ins, loss = imp.build_masks(pm, cm, seed=7, step=0, seq_index=range(B), num_iterations=mu,
+                                gamma=0.6, estimator=estimator, p_mask_prompt=0.5, suffix_len=2)
+    assert ins.shape == loss.shape == (mu, B, P + N + 2) and ins.dtype == torch.bool
+    assert not ins[:, :, P + N:].any() and not loss[:, :, P + N:].any()  # suffix untouched
+    assert not (ins[:, :, :P] & ~pm).any(), "prompt padding must never be masked"
+    assert not loss[:, :, :P].any() and not (loss[:, :, P:P + N] & ~cm).any()
+    assert not (loss & ~ins).any(), "every scored position must be masked in the input"
+    if estimator == "d1":
+        assert ins[:, :, P:P + N].all() and torch.equal(loss[:, :, P:P + N], cm.expand(mu, -1, -1))
+        assert ins[:, :, :P].any()
+    else:
+        assert not ins[:, :, :P].any(), "MaskGRPO/UniGRPO never mask the prompt"
+        assert torch.equal(ins, loss)
+
+
+def test_d1_prompt_rate():
+    B, P = 400, 50
+    pm = left_padded_prompt_mask([30] * B, P)
+    ins, _ = imp.build_masks(pm, torch.ones(B, 4, dtype=torch.bool), seed=1, step=0, seq_index=range(B),
+                             num_iterations=1, estimator="d1", p_mask_prompt=0.15)
+    rate = ins[0, :, :P][pm].double().mean()
+    assert abs(rate - 0.15) < sigma5(0.15, B * 30)
+
+
+@pytest.mark.parametrize("estimator", imp.ESTIMATORS)
+def test_world_size_independence(estimator):
+    # One batch of 8 vs two "ranks" of 4, where rank 1 pads its prompts to a different width:
+    # each row's mask depends only on its own global sequence index.
+    pm, cm, lengths = make_batch(B=8, P=10)
+    kw = dict(seed=3, step=5, num_iterations=3, gamma=0.6, estimator=estimator, mode="arlike")
+    full, _ = imp.build_masks(pm, cm, seq_index=torch.arange(100, 108), **kw)
+    pm_b = left_padded_prompt_mask(lengths[4:], 13)  # wider padding on the second half
+    half_a, _ = imp.build_masks(pm[:4], cm[:4], seq_index=[100, 101, 102, 103], **kw)
+    half_b, _ = imp.build_masks(pm_b, cm[4:], seq_index=torch.arange(104, 108), **kw)
+    assert torch.equal(full[:, :4], half_a)
+    assert torch.equal(full[:, 4:, 10:], half_b[:, :, 13:])  # completion window
+    for b in range(4):  # real prompt tokens (right-aligned under left padding)
+        n = lengths[4 + b]
+        assert torch.equal(full[:, 4 + b, 10 - n:10], half_b[:, b, 13 - n:13])
+
+
+def test_masks_change_with_step_and_iteration():
+    pm, cm, _ = make_batch()
+    kw = dict(seq_index=range(8), num_iterations=2, gamma=0.6)
+    a, _ = imp.build_masks(pm, cm, seed=0, step=0, **kw)
+    b, _ = imp.build_masks(pm, cm, seed=0, step=0, **kw)
+    c, _ = imp.build_masks(pm, cm, seed=0, step=1, **kw)
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a[0], a[1])
+
+
+def test_unigrpo_ratios_schedule():
+    mu = 5
+    rs = imp._unigrpo_ratios(0, 0, 3, mu)
+    t1 = round(rs[0] * imp.UNIGRPO_T)
+    assert rs[-1] == 1.0 and rs == sorted(rs) and 0 <= t1 < imp.UNIGRPO_T
+    expect = [math.floor((n - 1) / (mu - 1) * (imp.UNIGRPO_T - t1) + t1) / imp.UNIGRPO_T for n in range(1, mu + 1)]
+    assert rs == expect
+    assert imp._unigrpo_ratios(0, 0, 3, 1) == rs[:1]  # mu = 1 keeps only t_1
+
+
+def test_build_masks_errors():
+    pm, cm, _ = make_batch()
+    with pytest.raises(ValueError, match="estimator"):
+        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(8), num_iterations=2, estimator="trace")
+    with pytest.raises(ValueError, match="seq_index"):
+        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(7), num_iterations=2)
+    with pytest.raises(ValueError, match="gamma"):
+        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(8), num_iterations=2, gamma=1.2)
+
+
+def test_apply_mask():
+    x = torch.arange(12).view(2, 6)
+    m = torch.zeros(2, 6, dtype=torch.bool)
+    m[0, 1] = m[1, 5] = True
+    y = imp.apply_mask(x, m, 99)
+    assert y[0, 1] == 99 and y[1, 5] == 99 and y.eq(99).sum() == 2 and torch.equal(y[~m], x[~m])
+
+
+# -----------------------------------------------------------------------------
+# token_logprobs
+
+def test_token_logprobs_known_answer_and_grad():
+    B, L, V = 3, 7, 11
+    model = ContextFree(L, V)
+    g = torch.Generator().manual_seed(1)
+    tgt = torch.randint(0, V, (B, L), generator=g)
+    pos = torch.rand(B, L, generator=g) < 0.5
+    out = imp.token_logprobs(model, torch.full((B, L), 5), tgt, pos)
+    ref = F.log_softmax(model.table.detach(), -1)[torch.arange(L), tgt]  # (B, L)
+    assert out.dtype == torch.float32
+    assert torch.equal(out[pos], ref[pos]) and not out[~pos].any()
+    out.sum().backward()  # grad flows only into rows of scored positions
+    scored_cols = pos.any(0)
+    assert model.table.grad[scored_cols].abs().sum() > 0
+    assert not model.table.grad[~scored_cols].any()
+
+
+def test_token_logprobs_bf16_logits_upcast():
+    model = ContextFree(4, 9).to(torch.bfloat16)
+    tgt = torch.randint(0, 9, (2, 4), generator=torch.Generator().manual_seed(2))
+    pos = torch.ones(2, 4, dtype=torch.bool)
+    out = imp.token_logprobs(model, tgt, tgt, pos)
+    ref = F.log_softmax(model.table.detach().float(), -1)[torch.arange(4), tgt]
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+
+
+def test_token_logprobs_vocab_slice():
+    B, L, V, lo, hi = 2, 5, 20, 12, 18
+    model = ContextFree(L, V)
+    tgt = torch.randint(lo, hi, (B, L), generator=torch.Generator().manual_seed(3))
+    pos = torch.ones(B, L, dtype=torch.bool)
+    pos[:, 0] = False
+    tgt[:, 0] = 1  # an unscored prompt-like token outside the slice is fine
+    out = imp.token_logprobs(model, tgt, tgt, pos, vocab_slice=(lo, hi))
+    ref = F.log_softmax(model.table.detach()[:, lo:hi], -1)[torch.arange(L), (tgt - lo).clamp(min=0)]
+    assert torch.equal(out[pos], ref[pos]) and not out[:, 0].any()
+    bad = tgt.clone()
+    bad[0, 2] = 3  # scored target outside the codebook columns
+    with pytest.raises(ValueError, match="outside"):
+        imp.token_logprobs(model, bad, bad, pos, vocab_slice=(lo, hi))
+
+
+def test_token_logprobs_device_batch_size():
+    B, L, V = 7, 9, 13
+    g = torch.Generator().manual_seed(4)
+    tgt = torch.randint(0, V, (B, L), generator=g)
+    pos = torch.rand(B, L, generator=g) < 0.6
+    x = imp.apply_mask(tgt, pos, V - 1)
+    cf = ContextFree(L, V)
+    assert torch.equal(imp.token_logprobs(cf, x, tgt, pos), imp.token_logprobs(cf, x, tgt, pos, device_batch_size=3))
+    tiny = Tiny(V)
+    full = imp.token_logprobs(tiny, x, tgt, pos)
+    for dbs in (1, 2, 3, 100):
+        torch.testing.assert_close(imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=dbs), full,
+                                   rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="device_batch_size"):
+        imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=0)
+
+
+def test_log_ratio_exactly_zero_for_same_model():
+    # Old (no_grad) and current (with grad) passes on the same masked input: ratio exactly 1.
+    V, P, N, B = 17, 6, 12, 4
+    tiny = Tiny(V)
+    x = torch.randint(0, V - 1, (B, P + N), generator=torch.Generator().manual_seed(5))
+    pm = torch.ones(B, P, dtype=torch.bool)
+    cm = torch.ones(B, N, dtype=torch.bool)
+    ins, loss = imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(B), num_iterations=3)
+    for j in range(3):
+        xj = imp.apply_mask(x, ins[j], V - 1)
+        with torch.no_grad():
+            old = imp.token_logprobs(tiny, xj, x, loss[j])
+        cur = imp.token_logprobs(tiny, xj, x, loss[j])
+        assert cur.requires_grad and not old.requires_grad
+        assert torch.equal(cur.detach() - old, torch.zeros_like(old))
+        assert loss[j].any()
+
+
+def test_token_logprobs_passes_attention_mask():
+    seen = {}
+
+    class Spy(ContextFree):
+        def forward(self, idx, attn_mask=None):  # model.py may name it attn_mask: passed positionally
+            seen["am"] = attn_mask
+            return super().forward(idx)
+
+    model = Spy(4, 5)
+    am = torch.ones(2, 4, dtype=torch.bool)
+    imp.token_logprobs(model, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long),
+                       torch.ones(2, 4, dtype=torch.bool), attention_mask=am)
+    assert seen["am"] is not None and torch.equal(seen["am"], am)
+
+
+def test_global_rng_untouched():
+    pm, cm, _ = make_batch()
+    state = torch.random.get_rng_state()
+    for est in imp.ESTIMATORS:
+        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(8), num_iterations=3, estimator=est)
+    assert torch.equal(torch.random.get_rng_state(), state)
