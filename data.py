@@ -1,0 +1,263 @@
+"""Local benchmark files -> validated example dicts, and the user-turn prompt for each task.
+
+MaskGRPO (arXiv:2510.02880) trains and evaluates on GSM8K, MATH(500) and MBPP-style code, keeps d1's
+countdown and 4x4 sudoku (shared/docs/method.md §6, §7.5), and scores images on GenEval prompts. This module
+reads each public file format (it never downloads), checks every row *before any model is loaded*, and
+returns one dict per example: the `example` that `rewards.REWARDS[example["task"]](completion, example)`
+receives, plus "prompt", the user-turn text (the chat template is applied later, by model.chat_prompt).
+
+    gsm8k      {"task", "prompt", "question", "answer": "1200"}               (the `#### N` number, no commas)
+    math       {"task", "prompt", "question", "answer": "\\frac{1}{2}"}       (LaTeX; `answer` or last \\boxed{})
+    mbpp       {"task", "prompt", "question", "test_list": [str], "test_setup_code": str}   (+ "entry_point")
+    countdown  {"task", "prompt", "numbers": [30, 100, 93], "target": 23}
+    sudoku     {"task", "prompt", "puzzle": "3102...", "solution": "3142..."}  (16 digits row by row, 0 = empty)
+    geneval    {"task", "prompt": "a photo of a cow", "spec": {"tag", "include", ...}}
+
+Every bad row is reported as `file:line: problem`, the first few at once. Standard library only.
+Check a file: python data.py math ../shared/data/math500.jsonl
+"""
+from __future__ import annotations
+
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+
+TASKS = ("gsm8k", "math", "mbpp", "countdown", "sudoku", "geneval")
+MAX_REPORTED = 5  # problems listed per error; the rest are only counted
+
+# -----------------------------------------------------------------------------------------------------
+# generic readers: every problem carries its file and 1-based line number
+
+
+def _existing(path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path} (this project never downloads data; "
+                                f"give the path of a local copy in the public format, see data.py)")
+    return path
+
+
+def _collect(path: Path, numbered, parse) -> list:
+    """parse(item) for each (line number, item); ValueErrors become `file:line: problem`, raised together."""
+    out, problems = [], []
+    for lineno, item in numbered:
+        try:
+            out.append(parse(item))
+        except ValueError as e:
+            problems.append(f"{path}:{lineno}: {e}")
+    if problems:
+        more = len(problems) - MAX_REPORTED
+        raise ValueError(f"{len(problems)} malformed row(s) in {path}:\n  " + "\n  ".join(problems[:MAX_REPORTED])
+                         + (f"\n  ... and {more} more" if more > 0 else ""))
+    if not out:
+        raise ValueError(f"{path}: the file is empty (no rows); expected one example per line")
+    return out
+
+
+def _json_lines(path: Path):
+    with open(path, "rb") as f:  # bytes: a non-UTF-8 line is then one reported problem, not a crash
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, line
+
+
+def _json_object(line: bytes) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"bad JSON ({e.msg} at column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 ({e.reason})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _get(row: dict, name: str, types):
+    """row[name], or ValueError saying which field is missing or has the wrong type."""
+    if name not in row:
+        raise ValueError(f"missing field {name!r} (the row has: {', '.join(sorted(row)) or 'nothing'})")
+    value = row[name]
+    if not isinstance(value, types) or isinstance(value, bool):
+        wanted = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise ValueError(f"field {name!r} should be {wanted}, got {type(value).__name__} {value!r:.60}")
+    return value
+
+
+def _int(value, name: str) -> int:
+    if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value):
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"{name} should be an integer, got {value!r:.60}")
+
+
+def read_jsonl(path, fields: dict | None = None) -> list[dict]:
+    """The JSON objects of a .jsonl file (blank lines skipped), each checked to have `fields` {name: type}."""
+    def parse(line: bytes) -> dict:
+        row = _json_object(line)
+        for name, types in (fields or {}).items():
+            _get(row, name, types)
+        return row
+
+    path = _existing(path)
+    return _collect(path, _json_lines(path), parse)
+
+
+# -----------------------------------------------------------------------------------------------------
+# one parser per public format: raw row -> example (without "prompt"), ValueError on a bad row
+
+def _gsm8k(row: dict) -> dict:
+    # openai/gsm8k: the worked solution ends in "#### 1,200"; a bare number is accepted too.
+    question, solution = _get(row, "question", str), _get(row, "answer", str)
+    final = solution.rsplit("####", 1)[-1].strip().replace(",", "")
+    if not re.fullmatch(r"-?[0-9]+(?:\.[0-9]+)?", final):
+        raise ValueError(f"field 'answer' should end in '#### <number>', got ...{solution[-60:]!r}")
+    return {"task": "gsm8k", "question": question, "answer": final}
+
+
+def _math(row: dict) -> dict:
+    # MATH500 rows carry "answer"; Hendrycks MATH rows carry a "solution" whose last \boxed{} is the answer.
+    question = _get(row, "problem", str)
+    if "answer" not in row and "solution" not in row:
+        raise ValueError(f"missing field 'answer' or 'solution' (the row has: {', '.join(sorted(row))})")
+    if "answer" in row:
+        answer = _get(row, "answer", str)
+    else:
+        from rewards import extract_boxed  # lazy: only solution-style rows need it
+        answer = extract_boxed(_get(row, "solution", str))
+        if answer is None:
+            raise ValueError("field 'solution' has no closed \\boxed{...} final answer")
+    if not answer.strip():
+        raise ValueError("the answer is empty")
+    return {"task": "math", "question": question, "answer": answer.strip()}
+
+
+def _mbpp(row: dict) -> dict:
+    if "entry_point" in row:  # HumanEval-style: `test` defines check(candidate); calling it is the one test
+        entry = _get(row, "entry_point", str)
+        return {"task": "mbpp", "question": _get(row, "prompt", str), "entry_point": entry,
+                "test_list": [f"{_get(row, 'test', str)}\n\ncheck({entry})\n"], "test_setup_code": ""}
+    tests = _get(row, "test_list", list)
+    if not tests or not all(isinstance(t, str) for t in tests):
+        raise ValueError(f"field 'test_list' should be a non-empty list of str, got {tests!r:.60}")
+    setup = _get(row, "test_setup_code", str) if "test_setup_code" in row else ""
+    return {"task": "mbpp", "question": _get(row, "text", str), "test_list": tests, "test_setup_code": setup}
+
+
+def _countdown(row: dict) -> dict:
+    # d1 test files: {"input": "30,100,93", "output": "23"}; {"nums": [...], "target": 23} is accepted too.
+    numbers = _get(row, "input" if "input" in row or "nums" not in row else "nums", (str, list))
+    numbers = numbers.split(",") if isinstance(numbers, str) else numbers
+    target = _get(row, "output" if "output" in row or "target" not in row else "target", (str, int))
+    if not numbers:
+        raise ValueError("the list of numbers is empty")
+    return {"task": "countdown", "numbers": [_int(n, "each number") for n in numbers],
+            "target": _int(target, "the target")}
+
+
+# rows, columns and 2x2 boxes of a 4x4 grid stored row by row
+_UNITS = ([[4 * r + c for c in range(4)] for r in range(4)] + [[4 * r + c for r in range(4)] for c in range(4)]
+          + [[4 * (r0 + r) + c0 + c for r in (0, 1) for c in (0, 1)] for r0 in (0, 2) for c0 in (0, 2)])
+
+
+def _sudoku(row: dict) -> dict:
+    puzzle, solution = (str(row.get(k) or "").strip() for k in ("puzzle", "solution"))
+    if not re.fullmatch(r"[0-4]{16}", puzzle):
+        raise ValueError(f"puzzle {puzzle!r:.40} should be 16 digits 0-4 (0 = empty cell)")
+    if not re.fullmatch(r"[1-4]{16}", solution):
+        raise ValueError(f"solution {solution!r:.40} should be 16 digits 1-4")
+    if any(p not in ("0", s) for p, s in zip(puzzle, solution)):
+        raise ValueError("the solution contradicts a given digit of the puzzle")
+    if any(sorted(solution[i] for i in unit) != list("1234") for unit in _UNITS):
+        raise ValueError("the solution repeats a digit in a row, column or 2x2 box")
+    return {"task": "sudoku", "puzzle": puzzle, "solution": solution}
+
+
+def _csv_rows(path: Path):
+    # utf-8-sig: spreadsheet exports start with a BOM; a bad byte becomes U+FFFD and fails the digit check
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        reader = csv.DictReader(f)
+        header = [name.strip().lower() for name in reader.fieldnames or []]
+        if not header:
+            return  # _collect reports the empty file
+        missing = [c for c in ("puzzle", "solution") if c not in header]
+        if missing:
+            raise ValueError(f"{path}:1: missing column {missing[0]!r} (header: {','.join(reader.fieldnames)})")
+        reader.fieldnames = header
+        for row in reader:
+            yield reader.line_num, row
+
+
+def _geneval(row: dict) -> dict:
+    # GenEval metadata: {"tag", "include": [{"class", "count", ...}], "exclude"?, "prompt"}
+    prompt, include = _get(row, "prompt", str), _get(row, "include", list)
+    if not include or not all(isinstance(o, dict) and isinstance(o.get("class"), str) for o in include):
+        raise ValueError(f"field 'include' should be a non-empty list of {{'class': ...}} objects, got {include!r:.60}")
+    return {"task": "geneval", "prompt": prompt, "spec": {k: v for k, v in row.items() if k != "prompt"}}
+
+
+_PARSERS = {"gsm8k": _gsm8k, "math": _math, "mbpp": _mbpp, "countdown": _countdown, "sudoku": _sudoku,
+            "geneval": _geneval}
+
+
+def load_dataset(task: str, path) -> list[dict]:
+    """All examples of a local file for `task` (one of TASKS), validated, each with its "prompt".
+
+    gsm8k/math/mbpp/countdown/geneval read .jsonl; sudoku reads a CSV with puzzle,solution columns.
+    "mbpp" also reads HumanEval-style rows (prompt/test/entry_point). Raises FileNotFoundError or ValueError.
+    """
+    if task not in _PARSERS:
+        raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+    path = _existing(path)
+    if task == "sudoku":
+        examples = _collect(path, _csv_rows(path), _sudoku)
+    else:
+        examples = _collect(path, _json_lines(path), lambda line: _PARSERS[task](_json_object(line)))
+    for ex in examples:
+        ex["prompt"] = make_prompt(ex)
+    return examples
+
+
+# -----------------------------------------------------------------------------------------------------
+# prompts (user turn only), paraphrasing the official instructions (method.md §6, §7.5; d1 for countdown/sudoku)
+
+REPLY_FORMAT = "Reply in this format:\n<reasoning>\nyour step-by-step reasoning\n</reasoning>\n{}"
+MATH_INSTRUCTION = ("You are good at mathematics. Work through the question below step by step and put the final "
+                    "answer inside \\boxed{}. " + REPLY_FORMAT.format("\\boxed{final answer}"))
+
+
+def make_prompt(example: dict) -> str:
+    """The user-turn instruction for one example (before the chat template)."""
+    task = example["task"]
+    if task in ("gsm8k", "math"):
+        return f"{MATH_INSTRUCTION}\n\nQuestion: {example['question']}"
+    if task == "mbpp" and "entry_point" in example:
+        return ("You are an expert Python programmer. Complete the function below; keep its name "
+                f"`{example['entry_point']}` and its signature, and reply with the whole function in one "
+                f"```python code block.\n\n{example['question']}")
+    if task == "mbpp":
+        tests = "\n".join(example["test_list"])
+        return (f"You are an expert Python programmer. Your task: {example['question']}\n"
+                f"Your code should pass these tests:\n\n{tests}\n\nReply with the solution in one ```python code block.")
+    if task == "countdown":
+        return (f"Using the numbers {example['numbers']}, each exactly once, and the operations +, -, * and / "
+                f"(parentheses allowed), write an expression equal to {example['target']}. "
+                + REPLY_FORMAT.format("<answer>\nthe expression\n</answer>"))
+    if task == "sudoku":
+        rows = "\n".join(example["puzzle"][i:i + 4] for i in range(0, 16, 4))
+        return ("Solve this 4x4 Sudoku: every row, every column and every 2x2 box must hold the digits 1-4 "
+                f"exactly once. The grid, row by row, with 0 for an empty cell:\n{rows}\n"
+                + REPLY_FORMAT.format("<answer>\nthe 16 digits of the solved grid, row by row\n</answer>"))
+    if task == "geneval":
+        return example["prompt"]  # a text-to-image caption is its own prompt
+    raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(f"usage: python data.py TASK PATH   (TASK: {' | '.join(TASKS)})")
+    data = load_dataset(sys.argv[1], sys.argv[2])
+    print(f"{len(data)} valid {sys.argv[1]} examples; the first prompt:\n\n{data[0]['prompt']}")
