@@ -1,0 +1,184 @@
+"""lora.py: exact start at the base, targets and freezing, adapter switch-off, save/load, merge into a
+Hugging Face checkpoint, bad-input errors, dropout.
+
+    python -m pytest tests/test_lora.py -q
+"""
+import copy
+import functools
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from lora import (LORA_TARGETS, LoRALinear, adapters_disabled, add_lora, load_adapters, lora_state_dict,
+                  lora_stats, merge_lora, save_adapters, trainable_parameters)
+from model import INDEX_NAME, ModelConfig, Transformer
+
+CFG = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=48, vocab_size=64,
+           max_sequence_length=32, mask_token_id=63, eos_token_id=1, pad_token_id=1)
+X = torch.randint(0, 63, (2, 12), generator=torch.Generator().manual_seed(1))  # (B, L) token ids
+
+
+def tiny() -> Transformer:
+    return Transformer(ModelConfig(**CFG)).init_weights(torch.Generator().manual_seed(0)).eval()
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(X)
+
+
+def trained() -> Transformer:
+    """A copy of one adapted tiny model (rank 4, alpha 8) after a few AdamW steps on a toy loss, so every
+    B is nonzero. Trained once per session: the first AdamW pulls in torch._dynamo, seconds on a busy CPU."""
+    return copy.deepcopy(_trained())
+
+
+@functools.cache
+def _trained() -> Transformer:
+    model = add_lora(tiny(), rank=4, alpha=8.0, generator=torch.Generator().manual_seed(2))
+    opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-2)
+    target = torch.randint(0, 64, X.shape, generator=torch.Generator().manual_seed(3))
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(model(X).flatten(0, 1), target.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def test_starts_exactly_at_base():
+    base = logits(tiny())
+    assert torch.equal(logits(add_lora(tiny(), rank=4, alpha=8.0)), base)  # B = 0: the update is exactly 0
+
+
+def test_targets_and_freezing():
+    model = add_lora(tiny(), rank=4, alpha=8.0)
+    adapted = sorted(n for n, m in model.named_modules() if isinstance(m, LoRALinear))
+    assert adapted == sorted(f"blocks.{i}.{t}" for i in range(2) for t in LORA_TARGETS)
+    assert type(model.ff_out) is nn.Linear  # the LM head shares the name `ff_out` but is not adapted
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"{n}.lora_{ab}" for n in adapted for ab in "AB"}
+    assert len(trainable_parameters(model)) == 2 * 7 * 2
+    # Base keys keep their checkpoint names; the adapters add exactly two keys per adapted layer.
+    assert set(tiny().state_dict()) == set(model.state_dict()) - set(lora_state_dict(model))
+    # q/k/v/attn_out: r * (32 + 32) each; ff_proj/up_proj/ff_out: r * (32 + 48) each; per block, 2 blocks.
+    stats = lora_stats(model)
+    assert stats["modules"] == 14 and stats["lora_params"] == 2 * 4 * (4 * 64 + 3 * 80)
+    official = add_lora(tiny(), rank=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "up_proj"))
+    assert lora_stats(official)["modules"] == 8
+
+
+def test_training_moves_and_disable_restores_base():
+    base, model = logits(tiny()), trained()
+    assert all(m.lora_B.abs().sum() > 0 for m in model.modules() if isinstance(m, LoRALinear))
+    for k, v in tiny().state_dict().items():  # the frozen base weights did not move
+        assert torch.equal(model.state_dict()[k], v), k
+    adapted = logits(model)
+    assert (adapted - base).abs().max() > 1e-3
+    with adapters_disabled(model):
+        assert torch.equal(logits(model), base)  # the reference policy is the base model, bit for bit
+    assert torch.equal(logits(model), adapted)
+    with pytest.raises(RuntimeError, match="inside"):
+        with adapters_disabled(model):
+            raise RuntimeError("inside")
+    assert torch.equal(logits(model), adapted)  # restored after the exception too
+
+
+def test_save_load_round_trip(tmp_path):
+    model = trained()
+    save_adapters(model, tmp_path)
+    assert json.loads((tmp_path / "adapters.json").read_text())["targets"] == sorted(LORA_TARGETS)
+    fresh = add_lora(tiny(), rank=4, alpha=8.0, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(logits(load_adapters(fresh, tmp_path)), logits(model))
+    # A plain base model gets the saved adapters added (rank, alpha, targets from adapters.json).
+    assert torch.equal(logits(load_adapters(tiny(), tmp_path)), logits(model))
+    with pytest.raises(ValueError, match="another rank"):
+        load_adapters(add_lora(tiny(), rank=2, alpha=8.0), tmp_path)
+    with pytest.raises(ValueError, match=r"0 missing .*24 unexpected"):
+        load_adapters(add_lora(tiny(), rank=4, alpha=8.0, targets="q_proj"), tmp_path)
+    with pytest.raises(ValueError, match="alpha"):
+        load_adapters(add_lora(tiny(), rank=4, alpha=16.0), tmp_path)
+
+
+def test_merge_then_save_pretrained_matches_adapter_model(tmp_path):
+    """Acceptance: merged and saved in the HF LLaDA layout, reloaded with from_pretrained, the model gives
+    the adapter model's logits. Tolerance 1e-5 (max abs, float32): W + s*B@A is one rounded matrix, while
+    the adapter path rounds W x and s*B(A x) separately, so the two differ by float32 rounding only
+    (measured 8.9e-8 here, on logits of magnitude <= 0.35)."""
+    model = trained()
+    want = logits(model)
+    merge_lora(model)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    model.save_pretrained(tmp_path)
+    reloaded = Transformer.from_pretrained(tmp_path)
+    err = (logits(reloaded) - want).abs().max().item()
+    assert err <= 1e-5, f"merged vs adapter max abs logit diff {err:.3g} > 1e-5"
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    assert set(index["weight_map"]) == {"model.transformer." + k for k in tiny().state_dict()}
+    with safe_open(str(tmp_path / next(iter(index["weight_map"].values()))), framework="pt") as f:
+        assert not any("lora" in k for k in f.keys())
+
+
+def test_bf16_base_keeps_float32_adapters():
+    """The CUDA configuration on the CPU: bf16 base and activations, float32 adapter parameters."""
+    model = add_lora(tiny().to(torch.bfloat16), rank=4, alpha=8.0)
+    out = model(X)
+    assert out.dtype == torch.bfloat16
+    out.float().square().mean().backward()
+    grads = [p.grad for p in trainable_parameters(model)]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)  # B's gradient is nonzero even though B = 0
+    assert merge_lora(model).blocks[0].q_proj.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rank=0), r"rank \(0\) must be an integer >= 1"),
+    (dict(rank=2.5), r"rank \(2.5\)"),
+    (dict(alpha=0.0), r"alpha \(0.0\) must be > 0"),
+    (dict(alpha=-1.0), r"alpha \(-1.0\)"),
+    (dict(dropout=1.0), r"dropout \(1.0\) must be in \[0, 1\)"),
+    (dict(dropout=-0.1), r"dropout \(-0.1\)"),
+    (dict(targets=("q_proj", "o_proj")), r"\['o_proj'\] match no nn.Linear .*available names are \['attn_out'"),
+    (dict(targets=()), "match no nn.Linear"),
+])
+def test_bad_inputs(kwargs, match):
+    model = tiny()
+    with pytest.raises(ValueError, match=match):
+        add_lora(model, **{"rank": 4, "alpha": 8.0, **kwargs})
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())  # nothing half-applied
+
+
+def test_double_add_and_missing_files(tmp_path):
+    with pytest.raises(ValueError, match="already has LoRA adapters"):
+        add_lora(add_lora(tiny(), rank=4, alpha=8.0), rank=4, alpha=8.0)
+    with pytest.raises(ValueError, match="no LoRA adapters to save"):
+        save_adapters(tiny(), tmp_path)
+    with pytest.raises(FileNotFoundError, match="adapters.safetensors"):
+        load_adapters(tiny(), tmp_path)
+
+
+def test_dropout_only_in_train_mode_and_checkpoint_safe():
+    model = trained()
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.lora_dropout = 0.5
+    eval_logits = logits(model)
+    assert torch.equal(logits(model), eval_logits)  # eval: no dropout, deterministic
+    model.train()
+    torch.manual_seed(0)
+    assert not torch.equal(logits(model), eval_logits)
+
+    def grads(checkpointing: bool) -> list[torch.Tensor]:
+        model.set_activation_checkpointing(checkpointing)
+        model.zero_grad()
+        torch.manual_seed(0)
+        model(X).square().mean().backward()
+        return [p.grad.clone() for p in trainable_parameters(model)]
+
+    # Activation checkpointing replays the global RNG in the recompute, so the dropout masks, and hence
+    # the gradients, are the ones of the stored forward pass.
+    for a, b in zip(grads(False), grads(True)):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
