@@ -1,0 +1,620 @@
+"""Reward functions for the text tasks: pure functions from a completion string to a float in [0, 1].
+
+MaskGRPO (arXiv:2510.02880) §6 / shared/docs/method.md §6 scores GSM8K and MATH by the last \\boxed{}
+answer and code by the fraction of unit tests that pass in a sandbox, and keeps d1's countdown and 4x4
+sudoku rewards. Each verifier is written anew from those descriptions (nothing copied from the Hendrycks
+MATH utilities or d1): answer extraction, numeric and LaTeX normalisation, a Fraction-based arithmetic
+parser for countdown (no eval), and a process sandbox for untrusted code (see `run_code`).
+
+Model output never makes a reward raise, however long or strange; a malformed dataset row or argument
+raises ValueError naming the value. Only the standard library is used. `REWARDS` maps a task name to
+`reward(completion, example) -> float` and is the one registry the trainer reads.
+
+Test: python -m pytest tests/test_rewards.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from fractions import Fraction
+
+# -----------------------------------------------------------------------------------------------------
+# answer extraction
+
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"\\.|[{}]", re.S)  # an escaped character (\{, \}, \\) never counts as a brace
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}) with nested braces balanced; None if absent or unclosed.
+
+    "so \\boxed{\\frac{1}{2}}." -> "\\frac{1}{2}";  "\\boxed{1} or \\boxed{2}" -> "2";  "\\boxed{3" -> None
+    """
+    last = None
+    for last in _BOX_OPEN.finditer(text):  # one linear pass; only the last opener is then scanned
+        pass
+    if last is None:
+        return None
+    depth = 1
+    for m in _BRACE.finditer(text, last.end()):
+        if m.group() == "{":
+            depth += 1
+        elif m.group() == "}":
+            depth -= 1
+            if depth == 0:
+                return text[last.end():m.start()]
+    return None  # a truncated generation: the last box never closes
+
+
+def _last_tagged(text: str, tag: str) -> str | None:
+    """Content of the last <tag>...</tag>, found with two rfind calls (a regex would go quadratic)."""
+    close = text.rfind(f"</{tag}>")
+    start = text.rfind(f"<{tag}>", 0, close) if close >= 0 else -1
+    return text[start + len(tag) + 2:close] if start >= 0 else None
+
+
+# -----------------------------------------------------------------------------------------------------
+# GSM8K: numeric answers
+
+_HASH_ANSWER = re.compile(r"####([^\n]*)")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,234,567 -> 1234567 but (2,100) stays a pair
+_PLAIN_NUMBER = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:\s*[a-zA-Z]{2,})*")  # "18 dollars"; not 1e9
+_MAX_NUMBER_CHARS = 100  # longer "numbers" score 0: never int() a 10^6-digit string
+
+
+def extract_answer(text: str) -> str | None:
+    """Final answer of a GSM8K-style text: the last \\boxed{} content, else what follows the last `####`.
+
+    "... \\boxed{72}" -> "72";  "... #### 1,000" -> "1,000";  "no answer" -> None
+    """
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    last = None
+    for last in _HASH_ANSWER.finditer(text):
+        pass
+    return None if last is None else last.group(1).strip()
+
+
+def _to_number(s: str) -> Fraction | None:
+    """Exact value of a plain number with GSM8K dressing ($, commas, %, units, trailing '.'), or None."""
+    if len(s) > _MAX_NUMBER_CHARS:
+        return None
+    s = re.sub(r"\\(?:text|mbox|mathrm)\{([^{}]*)\}", r"\1", s)
+    for junk in ("\\$", "$", "\\%", "%", "\\!", "\\,"):
+        s = s.replace(junk, "")
+    s = _THOUSANDS.sub("", s).strip().rstrip(".")
+    m = _PLAIN_NUMBER.fullmatch(s)
+    return Fraction(m.group(1)) if m else None
+
+
+def gsm8k_reward(completion: str, answer: str) -> float:
+    """1.0 if the completion's final answer equals the reference number (GSM8K `####` line or bare), else 0.0.
+
+    ("... \\boxed{$1,000.00}", "#### 1000") -> 1.0;  ("#### +72 dollars", "72") -> 1.0;  ("\\boxed{71}", "72") -> 0.0
+    """
+    gold = _to_number(extract_answer(answer) or answer) if isinstance(answer, str) else None
+    if gold is None:
+        raise ValueError(f"gsm8k reference answer {str(answer)[:80]!r} is not a number")
+    pred = extract_answer(completion)
+    return float(pred is not None and _to_number(pred) == gold)
+
+
+# -----------------------------------------------------------------------------------------------------
+# MATH: LaTeX answers
+
+_MAX_ANSWER_CHARS = 1000  # beyond this an answer is compared verbatim: normalising it buys nothing
+_UNIT_SUFFIX = re.compile(r"(.+?)\\(?:text|mbox|mathrm)\{\s*[a-zA-Z][a-zA-Z ]*\}(?:\^\{?\d\}?)?", re.S)
+_TEXT_WRAP = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_ONE_TOKEN_ARG = re.compile(r"\\(frac|sqrt)\s*([0-9a-zA-Z]|\\[a-zA-Z]+)")  # \frac12, \sqrt2, \frac\pi4
+_SECOND_ARG = re.compile(r"\\frac\{([^{}]*)\}\s*([0-9a-zA-Z]|\\[a-zA-Z]+)")  # \frac{270}7
+_SIGNED_INT = r"(-?[0-9]{1,40})"
+
+
+def normalize_math(s: str) -> str:
+    """Canonical string of a MATH answer: strips LaTeX spacing, sizing, units, degrees, %, $, 'x =' and spaces.
+
+    "\\left( \\dfrac12, 3 \\right)" -> "(\\frac{1}{2},3)";  "90^\\circ" -> "90";  "x = 10,\\!080." -> "10080"
+    """
+    if len(s) > _MAX_ANSWER_CHARS:
+        return s.strip()
+    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
+    s = re.sub(r"\\[dt]frac(?![a-zA-Z])", r"\\frac", s)
+    s = re.sub(r"(\\\\)|\\[!,;: ]|~", lambda m: m.group(1) or "", s)  # spacing, but keep \\ row breaks
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|°", "", s)
+    for junk in ("\\%", "%", "\\$", "$"):
+        s = s.replace(junk, "")
+    s = s.strip().rstrip(".").strip()
+    unit = _UNIT_SUFFIX.fullmatch(s)  # "15\mbox{ cm}^2" -> "15"; a lone \text{Evelyn} is the answer itself
+    if unit:
+        s = unit.group(1)
+    s = _TEXT_WRAP.sub(r"\1", s)
+    s = _ONE_TOKEN_ARG.sub(r"\\\1{\2}", s)  # \frac12 -> \frac{1}2, \sqrt2 -> \sqrt{2}
+    s = _SECOND_ARG.sub(r"\\frac{\1}{\2}", s)  # \frac{1}2 -> \frac{1}{2}
+    s = re.sub(r"^[a-zA-Z]\s*(?:=|\\in)\s*(?=\S)", "", s)  # "x = 5", "x \in [-2,7]": keep the value
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)  # x^{2} -> x^2, 4210_{5} -> 4210_5
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # commas only when the whole answer is one number
+        s = s.replace(",", "")
+    s = re.sub(r"^\(([A-E])\)$", r"\1", s)  # multiple choice "(B)" -> "B"
+    return s.lower() if s.isalpha() and len(s) > 2 else s  # text answers: "East" == "east"
+
+
+def _math_value(s: str) -> Fraction | None:
+    """Exact value of a normalised integer, decimal, a/b, \\frac{a}{b} or mixed number 1\\frac{4}{5}."""
+    if len(s) > _MAX_NUMBER_CHARS:
+        return None
+    if re.fullmatch(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)", s):
+        return Fraction(s)
+    m = (re.fullmatch(rf"(-?)\\frac\{{{_SIGNED_INT}\}}\{{{_SIGNED_INT}\}}", s)
+         or re.fullmatch(rf"(-?){_SIGNED_INT}/{_SIGNED_INT}", s))
+    if m and int(m.group(3)) != 0:
+        return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
+    m = re.fullmatch(r"(-?)([0-9]{1,40})\\frac\{([0-9]{1,40})\}\{([0-9]{1,40})\}", s)
+    if m and int(m.group(4)) != 0:  # MATH writes mixed numbers as 137\frac{1}{2}
+        return (int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))) * (-1 if m.group(1) else 1)
+    return None
+
+
+def _split_top(s: str, sep: str) -> list[str]:
+    """Split at `sep` outside any (), [] or {} (an interval like (3,4] closes with a different bracket)."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        if s[i] in "([{":
+            depth += 1
+        elif s[i] in ")]}":
+            depth -= 1
+        elif depth == 0 and s.startswith(sep, i):
+            parts.append(s[start:i])
+            start = i + len(sep)
+            i = start
+            continue
+        i += 1
+    return parts + [s[start:]]
+
+
+def _equiv(x: str, y: str, depth: int = 0) -> bool:
+    """Equality of two normalised answers: string, then exact value, then element-wise for unions/tuples/lists."""
+    if x == y:
+        return True
+    vx, vy = _math_value(x), _math_value(y)
+    if vx is not None or vy is not None:
+        return vx == vy
+    if depth >= 3 or len(x) + len(y) > 2 * _MAX_ANSWER_CHARS:
+        return False
+    for sep in ("\\cup", ","):  # (-\infty,2)\cup(3,\infty), then the elements of a bare list "1,-2"
+        px, py = _split_top(x, sep), _split_top(y, sep)
+        if len(px) > 1 or len(py) > 1:
+            return len(px) == len(py) <= 50 and all(_equiv(a, b, depth + 1) for a, b in zip(px, py))
+    if x[:1] in "([" and x[:1] == y[:1] and x[-1:] in ")]" and x[-1:] == y[-1:]:
+        return _equiv(x[1:-1], y[1:-1], depth + 1)  # tuples and intervals keep their bracket kinds and order
+    return False
+
+
+def math_equiv(a: str, b: str) -> bool:
+    """True if two MATH answers are the same after `normalize_math` (exact numeric value where both are numbers).
+
+    ("0.5", "\\frac12") -> True;  ("\\left(3, \\frac{\\pi}{2}\\right)", "(3,\\frac\\pi2)") -> True;  ("2", "3") -> False
+    """
+    return _equiv(normalize_math(a), normalize_math(b))
+
+
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 if the completion's last \\boxed{} is equivalent to the reference (bare answer or boxed solution).
+
+    ("... \\boxed{\\dfrac{1}{2}}", "0.5") -> 1.0;  ("\\boxed{90^\\circ}", "90") -> 1.0;  ("the answer is 2", "2") -> 0.0
+    """
+    if not isinstance(answer, str):
+        raise ValueError(f"math reference answer must be a str, got {answer!r:.80}")
+    gold = extract_boxed(answer)
+    pred = extract_boxed(completion)
+    return float(pred is not None and math_equiv(pred, answer if gold is None else gold))
+
+
+# -----------------------------------------------------------------------------------------------------
+# countdown (d1): an arithmetic equation over given numbers, evaluated by our own parser, never eval
+
+_CD_MAX_CHARS, _CD_MAX_DEPTH, _CD_MAX_DIGITS = 200, 20, 6
+_CD_TOKEN = re.compile(r"\s*([0-9]+|[-+*/()])")
+_CD_SYMBOLS = {"\\times": "*", "\\cdot": "*", "×": "*", "·": "*", "\\div": "/", "÷": "/", "\\left": "",
+               "\\right": "", "$": ""}
+
+
+def _cd_tokens(expr: str) -> list[str]:
+    tokens, pos = [], 0
+    while pos < len(expr):
+        m = _CD_TOKEN.match(expr, pos)
+        if m is None:
+            raise ValueError(f"unexpected character at {pos}")
+        tokens.append(m.group(1))
+        pos = m.end()
+    return tokens
+
+
+def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
+    """Recursive descent: expr = term (+|- term)*, term = factor (*|/ factor)*, factor = int | (expr) | -factor."""
+    pos = 0
+
+    def expr(depth: int) -> Fraction:
+        value = term(depth)
+        while pos < len(tokens) and tokens[pos] in "+-":
+            op = take()
+            value = value + term(depth) if op == "+" else value - term(depth)
+        return value
+
+    def term(depth: int) -> Fraction:
+        value = factor(depth)
+        while pos < len(tokens) and tokens[pos] in "*/":
+            op, rhs = take(), factor(depth)
+            if op == "/" and rhs == 0:
+                raise ValueError("division by zero")
+            value = value * rhs if op == "*" else value / rhs
+        return value
+
+    def factor(depth: int) -> Fraction:
+        if depth > _CD_MAX_DEPTH:
+            raise ValueError("nested too deeply")
+        tok = take()
+        if tok == "(":
+            value = expr(depth + 1)
+            if take() != ")":
+                raise ValueError("unbalanced parenthesis")
+            return value
+        if tok == "-":
+            return -factor(depth + 1)
+        if not tok.isdigit() or len(tok) > _CD_MAX_DIGITS:
+            raise ValueError(f"bad operand {tok!r}")
+        used.append(int(tok))
+        return Fraction(int(tok))
+
+    def take() -> str:
+        nonlocal pos
+        if pos >= len(tokens):
+            raise ValueError("unexpected end")
+        pos += 1
+        return tokens[pos - 1]
+
+    value = expr(0)
+    if pos != len(tokens):
+        raise ValueError(f"trailing token {tokens[pos]!r}")
+    return value
+
+
+def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
+    """d1 countdown reward: 1.0 if the last <answer> (or \\boxed{}) equation uses each number once and hits the
+    target, 0.1 if an equation is there but wrong or invalid, 0.0 if there is none. An "= 23" tail is ignored.
+
+    ("<answer>(100 - 93) + 30 = 37</answer>", [30, 100, 93], 37) -> 1.0;  ("<answer>30+100</answer>", ...) -> 0.1
+    ("<answer>__import__('os').system('ls')</answer>", [30, 100, 93], 37) -> 0.1 (nothing is executed)
+    """
+    if not (isinstance(numbers, (list, tuple)) and numbers and all(type(n) is int for n in numbers)):
+        raise ValueError(f"countdown numbers must be a non-empty list of int, got {numbers!r:.80}")
+    if type(target) is not int:
+        raise ValueError(f"countdown target must be an int, got {target!r:.80}")
+    equation = _last_tagged(completion, "answer")
+    if equation is None:
+        equation = extract_boxed(completion)
+    if equation is None or not equation.strip():
+        return 0.0
+    if len(equation) > _CD_MAX_CHARS:
+        return 0.1
+    for symbol, op in _CD_SYMBOLS.items():
+        equation = equation.replace(symbol, op)
+    used: list[int] = []
+    try:
+        value = _cd_eval(_cd_tokens(equation.split("=")[0].strip()), used)
+    except ValueError:
+        return 0.1
+    return 1.0 if sorted(used) == sorted(numbers) and value == target else 0.1
+
+
+# -----------------------------------------------------------------------------------------------------
+# sudoku 4x4 (d1) and format rewards
+
+
+def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
+    """Fraction of the puzzle's empty cells (0s) filled correctly, from the 16 digits of the last <answer> block
+    (or last \\boxed{}); separators are ignored and any other digit count scores 0 (d1 sudoku reward).
+
+    ("<answer>3142 2431 4213 1324</answer>", "3102200002100320", "3142243142131324") -> 1.0
+    ("<answer>3102200002100320</answer>", same puzzle and solution) -> 0.0;  ("no answer", ...) -> 0.0
+    """
+    for name, grid, digits in (("puzzle", puzzle, "0-4"), ("solution", solution, "1-4")):
+        if not (isinstance(grid, str) and re.fullmatch(f"[{digits}]{{16}}", grid)):
+            raise ValueError(f"sudoku {name} must be 16 digits in [{digits}], got {grid!r:.80}")
+    block = _last_tagged(completion, "answer")
+    if block is None:
+        block = extract_boxed(completion)
+    cells = re.findall(r"[0-9]", block or "")  # ASCII digits only: no unicode look-alikes
+    if len(cells) != 16:
+        return 0.0
+    empty = [i for i, c in enumerate(puzzle) if c == "0"] or list(range(16))
+    return sum(cells[i] == solution[i] for i in empty) / len(empty)
+
+
+def boxed_format_reward(text: str) -> float:
+    """1.0 if the text holds a closed \\boxed{} (official `boxed_format` scaled to [0, 1]), else 0.0.
+
+    "so \\boxed{4}" -> 1.0;  "so 4" -> 0.0;  "\\boxed{4" -> 0.0
+    """
+    return float(extract_boxed(text) is not None)
+
+
+def reasoning_format_reward(text: str) -> float:
+    """1.0 if the text holds <reasoning>...</reasoning> (official `soft_format` scaled to [0, 1]), else 0.0.
+
+    "<reasoning>2+2=4</reasoning> \\boxed{4}" -> 1.0;  "<reasoning>2+2" -> 0.0;  "\\boxed{4}" -> 0.0
+    """
+    start = text.find("<reasoning>")
+    return float(start >= 0 and text.find("</reasoning>", start + len("<reasoning>")) >= 0)
+
+
+# -----------------------------------------------------------------------------------------------------
+# code: a process sandbox for untrusted programs (MaskGRPO §6 runs MBPP-style tests in E2B; we run locally)
+#
+# run_code (this process) starts one supervisor, `python -I -S rewards.py --sandbox-supervisor`, in a new
+# session with an empty environment, a private temporary directory as cwd, the job on stdin and an anonymous
+# result file as stdout. The supervisor forks one worker per test. A worker isolates itself, then runs
+# program + that one test and writes "<test index> <nonce>" to the result file only if both finished without
+# an exception, so sys.exit/os._exit/crashes count as failures and a hanging test costs one timeout, not all.
+# Isolation is set up inside the forked worker rather than in Popen's preexec_fn, which Python documents as
+# unsafe when the caller has threads (the trainer does).
+#   * always: rlimits on CPU seconds, address space, file size, open files, processes and core dumps;
+#     stdin/stdout/stderr on /dev/null (a 100 MB print is never buffered); no inherited environment.
+#   * as root: the worker also takes a fresh random uid (so RLIMIT_NPROC binds, writes outside its own
+#     directory and other processes' /proc entries are refused, and every process it spawned can be killed
+#     by uid, even if it left its session), no_new_privs, a private network namespace (no network), and a
+#     private mount namespace whose cwd, /tmp, /var/tmp, /dev/shm and /run/lock are small private tmpfs.
+#   * not root: no uid switch and no mount namespace; a private network only if user namespaces are allowed.
+#     RLIMIT_NPROC then counts all of the user's processes, so forks mostly fail, but a setsid() child that
+#     got through escapes the group kill, and writes to /tmp or anywhere the user may write are not stopped.
+# The supervisor is a child subreaper, so whatever the worker forked is re-parented to it and reaped: no
+# process and no zombie survives a call (PID 1 of a container often reaps nothing). Only if the supervisor
+# itself wedges past a generous backstop are processes killed from here, and their zombies may remain.
+# Known gaps: world-readable files stay readable; after the uid switch, stdlib modules not in _PRELOAD fail
+# to import when the interpreter lives in an unreadable directory (e.g. /root/.pyenv); a program that
+# searches the harness's memory for the nonce can fake a pass. This is damage control, not a jail.
+
+_SANDBOX_FLAG = "--sandbox-supervisor"
+_SANDBOX_UIDS = (1 << 30, 1 << 24)  # (first, count): random per call, so concurrent calls never share a uid
+_MAX_PROCS, _SCRATCH_MB, _MAX_OPEN_FILES = 4, 16, 64
+_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+_PRELOAD = ("re", "math", "cmath", "collections", "heapq", "itertools", "functools", "operator", "array",
+            "bisect", "copy", "datetime", "string", "statistics", "fractions", "decimal", "random", "typing")
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x20000, 0x10000000, 0x40000000  # linux/sched.h
+_MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 2, 4, 1 << 14, 1 << 18  # linux/mount.h
+_PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 36, 38  # linux/prctl.h
+
+
+def extract_code(completion: str) -> str:
+    """The first ```python fenced block of a completion (to its end if unclosed), else the whole text.
+
+    "Here:\\n```python\\ndef f():\\n    return 1\\n```" -> "def f():\\n    return 1\\n";  "def f(): pass" -> itself
+    """
+    start = completion.find("```python")
+    if start < 0:
+        return completion
+    body = completion[start + len("```python"):]
+    end = body.find("```")
+    return (body if end < 0 else body[:end]).lstrip("\n")
+
+
+def run_code(program: str, tests: list[str], timeout: float = 5.0, memory_mb: int = 512) -> float:
+    """Fraction of `tests` (Python statements, e.g. asserts) that pass after `program`, each in a sandboxed process.
+
+    `timeout` is wall-clock seconds per test; `memory_mb` caps each process's address space.
+    ("def f(x): return x + 1", ["assert f(1) == 2", "assert f(2) == 4"]) -> 0.5;  ("while True: pass", [...]) -> 0.0
+    """
+    if not (isinstance(tests, (list, tuple)) and tests and all(isinstance(t, str) for t in tests)):
+        raise ValueError(f"tests must be a non-empty list of str, got {tests!r:.200}")
+    if not (isinstance(timeout, (int, float)) and 0 < timeout <= 600):
+        raise ValueError(f"timeout must be in (0, 600] seconds, got {timeout!r}")
+    if not (isinstance(memory_mb, int) and memory_mb >= 64):
+        raise ValueError(f"memory_mb must be an int >= 64 (the interpreter alone needs ~30 MB), got {memory_mb!r}")
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    uid = _SANDBOX_UIDS[0] + secrets.randbelow(_SANDBOX_UIDS[1]) if root else None
+    nonce = secrets.token_hex(16)
+    job = json.dumps({"program": program, "tests": list(tests), "timeout": timeout, "memory_mb": memory_mb,
+                      "uid": uid, "nonce": nonce}).encode()  # ensure_ascii: lone surrogates survive the trip
+    try:
+        with tempfile.TemporaryDirectory(prefix="maskgrpo-sandbox-", ignore_cleanup_errors=True) as cwd, \
+                tempfile.TemporaryFile() as out:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), _SANDBOX_FLAG],
+                                    stdin=subprocess.PIPE, stdout=out, stderr=subprocess.DEVNULL, cwd=cwd,
+                                    env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
+            try:  # the supervisor enforces the per-test timeouts; this is only a backstop if it wedges
+                proc.communicate(job, timeout=len(tests) * (timeout + 2.0) + 10.0)
+            except subprocess.TimeoutExpired:
+                _kill_everything(proc, uid)
+            out.seek(0)
+            lines = set(out.read(1 << 16).decode(errors="replace").splitlines())
+    except (OSError, subprocess.SubprocessError):
+        return 0.0
+    return sum(f"{i} {nonce}" in lines for i in range(len(tests))) / len(tests)
+
+
+def code_reward(completion: str, tests: list[str], timeout: float = 5.0) -> float:
+    """Pass rate of the completion's code (see `extract_code`) on `tests`, run by `run_code` (MaskGRPO §6).
+
+    ("```python\\ndef f(x):\\n    return 2*x\\n```", ["assert f(2) == 4"]) -> 1.0;  ("I cannot", [...]) -> 0.0
+    """
+    return run_code(extract_code(completion), tests, timeout)
+
+
+def _kill_everything(proc: subprocess.Popen, uid: int | None) -> None:
+    """Backstop: SIGKILL the supervisor's session and, as root, every process of the sandbox uid; then reap."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    if uid is not None:  # root: every process whose real uid is the sandbox's
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/status") as status:
+                    if any(line.split()[1:2] == [str(uid)] for line in status if line.startswith("Uid:")):
+                        os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
+    proc.wait()
+
+
+def _libc():
+    """The C library through ctypes when it offers the Linux calls we use (unshare, mount, prctl), else None."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc if hasattr(libc, "unshare") and hasattr(libc, "prctl") else None
+    except (ImportError, OSError):
+        return None
+
+
+def _supervise() -> None:
+    """Supervisor process: fork, time, kill and reap one sandboxed worker per test (see the section comment)."""
+    job = json.loads(sys.stdin.buffer.read())
+    libc, uid = _libc(), job["uid"]
+    if libc is not None:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the worker come back to us to be reaped
+    for name in _PRELOAD:  # after the uid switch the stdlib may be unreadable (e.g. under /root): import now
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    for index in range(len(job["tests"])):
+        workdir = os.path.join(os.getcwd(), str(index))
+        os.mkdir(workdir, 0o700)
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+        pid = os.fork()
+        if pid == 0:
+            _work(job, index, workdir, libc)
+        deadline = time.monotonic() + job["timeout"]
+        while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG)[0] == 0:
+            time.sleep(0.002)
+        _kill_worker(pid, uid)
+        reap_until = time.monotonic() + 2.0
+        while time.monotonic() < reap_until:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    time.sleep(0.002)
+            except ChildProcessError:
+                break  # the worker, the killer and every re-parented descendant are gone
+    os._exit(0)
+
+
+def _kill_worker(pid: int, uid: int | None) -> None:
+    """SIGKILL the worker and all it spawned: as root by uid, since kill(-1) from that uid reaches every process
+    of it in any session or group; otherwise the worker's process group, which a setsid() child escapes."""
+    try:
+        killer = os.fork() if uid is not None else -1
+    except OSError:
+        killer = -1
+    if killer == 0:
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the worker leads its own process group
+    except OSError:
+        pass
+
+
+def _work(job: dict, index: int, workdir: str, libc) -> None:
+    """Worker process: isolate, run program + test `index`, report a pass with the nonce. Never returns."""
+    try:
+        os.setpgid(0, 0)
+        out = os.dup(1)
+        _isolate(workdir, job["uid"], job["timeout"], job["memory_mb"], libc)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        scope = {"__name__": "__main__"}
+        exec(compile(job["program"], "<program>", "exec"), scope)
+        exec(compile(job["tests"][index], "<test>", "exec"), scope)
+        os.write(out, f"{index} {job['nonce']}\n".encode())
+    except BaseException:  # SystemExit, MemoryError, KeyboardInterrupt... raised by untrusted code: a failed test
+        pass
+    finally:
+        os._exit(0)
+
+
+def _isolate(workdir: str, uid: int | None, timeout: float, memory_mb: int, libc) -> None:
+    """Apply the sandbox to the current (worker) process; raises if a required step fails, so nothing runs."""
+    import resource
+    os.chdir(workdir)
+    if libc is not None and uid is None:
+        libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET)  # unprivileged: no network if user namespaces are allowed
+    elif libc is not None and libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET) == 0:
+        # make every mount private first, or the tmpfs mounts below would propagate to the host
+        if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) == 0:
+            options = f"size={_SCRATCH_MB}m,mode=0700,uid={uid},gid={uid}".encode()
+            for path in (workdir, *_SCRATCH_DIRS):
+                if os.path.isdir(path):
+                    libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options)
+                if path == workdir:
+                    os.chdir(workdir)  # step onto the fresh tmpfs before /tmp, its parent, is covered
+    cpu = int(timeout) + 1
+    limits = {resource.RLIMIT_CPU: (cpu, cpu + 1), resource.RLIMIT_AS: (memory_mb << 20,) * 2,
+              resource.RLIMIT_FSIZE: (_SCRATCH_MB << 20,) * 2, resource.RLIMIT_NOFILE: (_MAX_OPEN_FILES,) * 2,
+              resource.RLIMIT_NPROC: (_MAX_PROCS,) * 2, resource.RLIMIT_CORE: (0, 0)}
+    for kind, (soft, hard) in limits.items():
+        ceiling = resource.getrlimit(kind)[1]
+        if ceiling != resource.RLIM_INFINITY:  # an unprivileged process cannot raise its hard limit
+            soft, hard = min(soft, ceiling), min(hard, ceiling)
+        resource.setrlimit(kind, (soft, hard))
+    if libc is not None:
+        libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # setuid binaries cannot hand privileges back
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+
+
+# -----------------------------------------------------------------------------------------------------
+# registry: task name -> reward(completion, example) -> float in [0, 1]
+
+
+def _field(example: dict, *names: str):
+    """The first of `names` present in a dataset row (our names first, then the data file's), else ValueError."""
+    for name in names:
+        if name in example:
+            return example[name]
+    raise ValueError(f"example needs one of the keys {names}, has {sorted(example)}")
+
+
+def _countdown(completion: str, example: dict) -> float:
+    numbers, target = _field(example, "numbers", "input"), _field(example, "target", "output")
+    try:  # the d1 test file stores "30,100,93" and "23" as strings
+        numbers = [int(n) for n in numbers.split(",")] if isinstance(numbers, str) else numbers
+        target = int(target) if isinstance(target, str) else target
+    except ValueError:
+        raise ValueError(f"countdown example has non-integer numbers/target: {example!r:.120}") from None
+    return countdown_reward(completion, numbers, target)
+
+
+def _mbpp(completion: str, example: dict) -> float:
+    setup = example.get("test_setup_code") or ""  # MBPP runs it after the solution, before the asserts
+    return run_code(extract_code(completion) + "\n" + setup, _field(example, "test_list"))
+
+
+REWARDS = {
+    "gsm8k": lambda completion, example: gsm8k_reward(completion, _field(example, "answer")),
+    "math": lambda completion, example: math_reward(completion, _field(example, "answer", "solution")),
+    "countdown": _countdown,
+    "sudoku": lambda completion, example: sudoku_reward(completion, _field(example, "puzzle", "Puzzle"),
+                                                        _field(example, "solution", "Solution")),
+    "mbpp": _mbpp,
+    "boxed_format": lambda completion, example: boxed_format_reward(completion),
+}
+
+if __name__ == "__main__" and sys.argv[1:] == [_SANDBOX_FLAG]:
+    _supervise()

@@ -1,0 +1,474 @@
+"""Tests for rewards.py: extraction, GSM8K / MATH / countdown / sudoku rewards, hostile completions, code sandbox.
+
+The MATH, countdown, sudoku and MBPP cases read the real benchmark files in ../shared/data (skipped when
+absent). Sandbox tests run hostile programs and check that each returns a reward quickly and leaves no process.
+
+Run: python -m pytest tests/test_rewards.py -q
+"""
+import csv
+import itertools
+import json
+import operator
+import os
+import re
+import secrets
+import time
+from fractions import Fraction
+
+import pytest
+
+import rewards
+from conftest import shared_path
+from rewards import (REWARDS, boxed_format_reward, code_reward, countdown_reward, extract_answer, extract_boxed,
+                     extract_code, gsm8k_reward, math_equiv, math_reward, normalize_math, reasoning_format_reward,
+                     run_code, sudoku_reward)
+
+ROOT = os.geteuid() == 0  # the uid switch and the private mount/network namespaces need root (see run_code)
+
+
+def read_jsonl(*parts):
+    with open(shared_path(*parts)) as f:
+        return [json.loads(line) for line in f]
+
+
+# -----------------------------------------------------------------------------------------------------
+# extraction
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("\\boxed{5}", "5"),
+    ("a \\boxed{1} b \\boxed{2} c", "2"),
+    ("\\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+    ("\\boxed{a{b{c}}d}", "a{b{c}}d"),
+    ("\\boxed{\\boxed{7}}", "7"),  # the last opener wins
+    ("\\fbox{3}", "3"),
+    ("\\boxed {4}", "4"),
+    ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),  # escaped braces do not count
+    ("\\boxed{\\}}", "\\}"),
+    ("\\boxed{}", ""),
+    ("\\boxed{x}}", "x"),
+    ("\\boxed{5", None),
+    ("\\boxed{1} then \\boxed{2", None),  # a truncated final box is no answer
+    ("\\boxed5", None),
+    ("no box at all", None),
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("so \\boxed{72}", "72"),
+    ("so #### 1,000\nbye", "1,000"),
+    ("#### 5\n#### 6", "6"),
+    ("#### 5 then \\boxed{7}", "7"),
+    ("nothing", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Here:\n```python\ndef f():\n    return 1\n```\nDone", "def f():\n    return 1\n"),
+    ("```python\nx = 1\n```\n```python\ny = 2\n```", "x = 1\n"),
+    ("```python\nx = 1", "x = 1"),  # an unclosed block runs to the end
+    ("def f(): pass", "def f(): pass"),
+])
+def test_extract_code(text, expected):
+    assert extract_code(text) == expected
+
+
+# -----------------------------------------------------------------------------------------------------
+# GSM8K
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("\\boxed{72}", "#### 72", 1.0),
+    ("\\boxed{$1,000.00}", "Natalia ... <<48/2=24>> ...\n#### 1000", 1.0),
+    ("#### +72 dollars", "72", 1.0),
+    ("\\boxed{72.0}", "72", 1.0),
+    ("\\boxed{\\$72}", "72", 1.0),
+    ("\\boxed{72\\%}", "72", 1.0),
+    ("\\boxed{-3}", "-3", 1.0),
+    ("\\boxed{0.5}", ".5", 1.0),
+    ("\\boxed{71}", "72", 0.0),
+    ("\\boxed{7 2}", "72", 0.0),
+    ("\\boxed{1e9}", "1", 0.0),  # a one-letter "unit" is not a unit
+    ("the answer is 72", "72", 0.0),  # no box, no ####
+    ("\\boxed{72", "72", 0.0),
+    ("\\boxed{" + "9" * 10**6 + "}", "72", 0.0),  # never int() a million digits
+])
+def test_gsm8k_reward(completion, answer, expected):
+    assert gsm8k_reward(completion, answer) == expected
+
+
+@pytest.mark.parametrize("answer", ["#### seventy", "", None])
+def test_gsm8k_bad_reference_raises(answer):
+    with pytest.raises(ValueError, match="gsm8k reference"):
+        gsm8k_reward("\\boxed{1}", answer)
+
+
+# -----------------------------------------------------------------------------------------------------
+# MATH
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("\\left( \\dfrac12, 3 \\right)", "(\\frac{1}{2},3)"),
+    ("90^\\circ", "90"),
+    ("x = 10,\\!080.", "10080"),
+    ("\\frac9{19}", "\\frac{9}{19}"),
+    ("\\frac{270}7\\text{ degrees}", "\\frac{270}{7}"),
+    ("11\\sqrt2", "11\\sqrt{2}"),
+    ("15\\mbox{ cm}^2", "15"),
+    ("\\$32,\\!348", "32348"),
+    ("\\text{(B)}", "B"),
+    ("\\text{Evelyn}", "evelyn"),
+    ("4210_{5}", "4210_5"),
+    ("x \\in [-2,7]", "[-2,7]"),
+    ("50\\%", "50"),
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),  # keep row breaks
+])
+def test_normalize_math(raw, expected):
+    assert normalize_math(raw) == expected
+
+
+@pytest.mark.parametrize("a, b, expected", [
+    ("0.5", "\\frac12", True),
+    ("\\frac{1}{2}", "1/2", True),
+    ("-\\frac{3}{8}", "-0.375", True),
+    ("\\frac{-3}{8}", "-\\frac38", True),
+    ("137 \\frac{1}{2}", "137.5", True),
+    ("\\left(3, \\frac{\\pi}{2}\\right)", "(3,\\frac\\pi2)", True),
+    ("(0.5, 3]", "(\\frac{1}{2}, 3]", True),
+    ("(-\\infty, 2) \\cup (3, \\infty)", "(-\\infty,2)\\cup(3,\\infty)", True),
+    ("y = 2x + 3", "2x+3", True),
+    ("\\text{East}", "east", True),
+    ("2", "3", False),
+    ("0.33", "\\frac13", False),  # no tolerance: only exact values are equal
+    ("(3,4]", "(3,4)", False),  # interval ends matter
+    ("(1,2)", "(2,1)", False),  # tuples are ordered
+    ("1,2", "1,2,3", False),
+    ("\\frac{1}{0}", "0", False),
+    ("\\sqrt{2}", "2", False),
+])
+def test_math_equiv(a, b, expected):
+    assert math_equiv(a, b) is expected
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("... \\boxed{\\dfrac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{90^\\circ}", "90", 1.0),
+    ("\\boxed{5}", "We find ... so the answer is $\\boxed{5}$.", 1.0),  # a full solution as reference
+    ("the answer is 2", "2", 0.0),
+    ("\\boxed{3}", "2", 0.0),
+])
+def test_math_reward(completion, answer, expected):
+    assert math_reward(completion, answer) == expected
+
+
+def test_math500_every_answer_matches_itself():
+    rows = read_jsonl("data", "math500.jsonl")
+    assert len(rows) == 500
+    failed = [r["answer"] for r in rows if math_reward(f"\\boxed{{{r['answer']}}}", r["answer"]) != 1.0]
+    assert not failed, f"{len(failed)} answers do not match themselves: {failed[:5]}"
+
+
+def bump_first_digit(answer):
+    """Add 1 (mod 10) to the first digit: always a different value (a leading 9 -> 0 drops a digit)."""
+    m = re.search(r"[0-9]", answer)
+    return None if m is None else answer[:m.start()] + str((int(m.group()) + 1) % 10) + answer[m.end():]
+
+
+def test_math500_perturbed_answers_score_zero():
+    # Appending "+1" changes every answer (number, tuple, interval, text, equation); bumping the first digit
+    # changes every answer that has a digit (the last digit would not do: "15\mbox{ cm}^2" -> "^3" is a unit).
+    rows = read_jsonl("data", "math500.jsonl")
+    plus_one = [r["answer"] for r in rows if math_reward(f"\\boxed{{{r['answer']}+1}}", r["answer"]) != 0.0]
+    bumped = [(r["answer"], bump_first_digit(r["answer"])) for r in rows if bump_first_digit(r["answer"])]
+    wrong = [pair for pair in bumped if math_reward(f"\\boxed{{{pair[1]}}}", pair[0]) != 0.0]
+    assert not plus_one, f"answer+1 still scores for {plus_one[:5]}"
+    assert not wrong, f"bumped digit still scores for {wrong[:5]}"
+    assert len(bumped) == 489  # the other 11 answers (\pi, \text{east}, p - q, ...) have no digit
+
+
+# -----------------------------------------------------------------------------------------------------
+# countdown
+
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+def solve_countdown(numbers, target, want=True):
+    """Brute force over orders, operators and both bracketings: an equation equal (or, want=False, not) to target."""
+    for a, b, c in itertools.permutations(numbers):
+        for o1, o2 in itertools.product(OPS, repeat=2):
+            for expr, value in ((f"({a} {o1} {b}) {o2} {c}", lambda: OPS[o2](OPS[o1](Fraction(a), b), c)),
+                                (f"{a} {o1} ({b} {o2} {c})", lambda: OPS[o1](Fraction(a), OPS[o2](Fraction(b), c)))):
+                try:
+                    if (value() == target) == want:
+                        return expr
+                except ZeroDivisionError:
+                    continue
+    return None
+
+
+def countdown_rows(n=8):
+    rows = read_jsonl("data", "countdown_cd3_test.jsonl")[:n]
+    return [([int(x) for x in r["input"].split(",")], int(r["output"])) for r in rows]
+
+
+def test_countdown_real_rows():
+    for numbers, target in countdown_rows():
+        right, wrong = solve_countdown(numbers, target), solve_countdown(numbers, target, want=False)
+        assert right is not None, f"no solution found for {numbers} -> {target}"
+        assert countdown_reward(f"<reasoning>...</reasoning><answer>{right}</answer>", numbers, target) == 1.0
+        assert countdown_reward(f"<answer>{right} = {target}</answer>", numbers, target) == 1.0
+        assert countdown_reward(f"so \\boxed{{{right}}}", numbers, target) == 1.0
+        assert countdown_reward(f"<answer>{wrong}</answer>", numbers, target) == 0.1
+        assert countdown_reward(f"I think it is {right}", numbers, target) == 0.0
+        assert REWARDS["countdown"](f"<answer>{right}</answer>", {"input": ",".join(map(str, numbers)),
+                                                                  "output": str(target)}) == 1.0
+
+
+@pytest.mark.parametrize("completion, numbers, target, expected", [
+    ("<answer>1 + 2</answer>", [1, 2], 3, 1.0),
+    ("<answer>6 / 4 * 2</answer>", [6, 4, 2], 3, 1.0),  # exact fractions, not floats
+    ("<answer>2 \\times (1 + 2)</answer>", [2, 1, 2], 6, 1.0),
+    ("<answer>-(1 - 4)</answer>", [1, 4], 3, 1.0),
+    ("<answer>1 + 2 + 2</answer>", [1, 2], 5, 0.1),  # a number used twice
+    ("<answer>3</answer>", [1, 2], 3, 0.1),  # numbers not used
+    ("<answer>1 / (2 - 2)</answer>", [1, 2, 2], 3, 0.1),
+    ("<answer>2 ** 3</answer>", [2, 3], 8, 0.1),
+    ("<answer>1.5 * 2</answer>", [2], 3, 0.1),
+    ("<answer>١ + ٢</answer>", [1, 2], 3, 0.1),  # unicode digits are not numbers here
+    ("<answer>" + "(" * 30 + "1 + 2" + ")" * 30 + "</answer>", [1, 2], 3, 0.1),  # nested too deeply
+    ("<answer>" + "1 + 2" + " " * 300 + "</answer>", [1, 2], 3, 0.1),  # over 200 characters
+    ("<answer>1 + 2</answer> <answer>1 - 2</answer>", [1, 2], 3, 0.1),  # the last block counts
+    ("<answer> </answer>", [1, 2], 3, 0.0),
+    ("1 + 2", [1, 2], 3, 0.0),
+])
+def test_countdown_table(completion, numbers, target, expected):
+    assert countdown_reward(completion, numbers, target) == expected
+
+
+@pytest.mark.parametrize("payload", [
+    "__import__('os').system('touch {marker}')",
+    "open('{marker}', 'w')",
+    "(lambda: __import__('os').system('touch {marker}'))()",
+    "1 + 2; import os; os.system('touch {marker}')",
+    "[c for c in ().__class__.__base__.__subclasses__()]",
+])
+def test_countdown_injection_is_never_executed(payload, tmp_path):
+    marker = tmp_path / "pwned"
+    assert countdown_reward(f"<answer>{payload.format(marker=marker)}</answer>", [1, 2], 3) == 0.1
+    assert countdown_reward(f"\\boxed{{{payload.format(marker=marker)}}}", [1, 2], 3) == 0.1
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("numbers, target", [("1,2", 3), ([1, "2"], 3), ([], 3), ([1, 2], "3"), ([True], 1)])
+def test_countdown_bad_config_raises(numbers, target):
+    with pytest.raises(ValueError, match="countdown"):
+        countdown_reward("<answer>1+2</answer>", numbers, target)
+
+
+# -----------------------------------------------------------------------------------------------------
+# sudoku and format rewards
+
+
+def sudoku_rows(n=50):
+    with open(shared_path("data", "sudoku_4x4_test.csv")) as f:
+        return list(csv.DictReader(f))[:n]
+
+
+def test_sudoku_real_rows():
+    for row in sudoku_rows():
+        puzzle, solution = row["Puzzle"], row["Solution"]
+        grid = " | ".join(solution[i:i + 4] for i in range(0, 16, 4))
+        empty = [i for i, c in enumerate(puzzle) if c == "0"]
+        one_wrong = list(solution)
+        one_wrong[empty[0]] = str(int(solution[empty[0]]) % 4 + 1)
+        assert sudoku_reward(f"<answer>\n{grid}\n</answer>", puzzle, solution) == 1.0
+        assert sudoku_reward(f"\\boxed{{{solution}}}", puzzle, solution) == 1.0
+        assert sudoku_reward(f"<answer>{puzzle}</answer>", puzzle, solution) == 0.0
+        assert sudoku_reward(f"<answer>{''.join(one_wrong)}</answer>", puzzle, solution) == pytest.approx(
+            (len(empty) - 1) / len(empty))
+        assert sudoku_reward(f"<answer>{solution[:15]}</answer>", puzzle, solution) == 0.0
+        assert REWARDS["sudoku"](f"<answer>{solution}</answer>", row) == 1.0
+
+
+@pytest.mark.parametrize("puzzle, solution", [("0" * 15, "1" * 16), ("0" * 16, "5" * 16), (1234, "1" * 16)])
+def test_sudoku_bad_config_raises(puzzle, solution):
+    with pytest.raises(ValueError, match="sudoku"):
+        sudoku_reward("<answer>1</answer>", puzzle, solution)
+
+
+@pytest.mark.parametrize("fn, text, expected", [
+    (boxed_format_reward, "so \\boxed{4}", 1.0),
+    (boxed_format_reward, "so 4", 0.0),
+    (boxed_format_reward, "\\boxed{4", 0.0),
+    (reasoning_format_reward, "<reasoning>2+2=4</reasoning> \\boxed{4}", 1.0),
+    (reasoning_format_reward, "<reasoning>\nmulti\nline\n</reasoning>", 1.0),
+    (reasoning_format_reward, "</reasoning><reasoning>", 0.0),
+    (reasoning_format_reward, "\\boxed{4}", 0.0),
+])
+def test_format_rewards(fn, text, expected):
+    assert fn(text) == expected
+
+
+# -----------------------------------------------------------------------------------------------------
+# hostile completions against every registered reward: a float in [0, 1], quickly, never an exception
+
+EXAMPLES = {
+    "gsm8k": {"answer": "#### 72"},
+    "math": {"answer": "\\frac{1}{2}"},
+    "countdown": {"numbers": [30, 100, 93], "target": 37},
+    "sudoku": {"puzzle": "3102200002100320", "solution": "3142243142131324"},
+    "mbpp": {"test_list": ["assert f(1) == 1"], "test_setup_code": ""},
+    "boxed_format": {},
+}
+HOSTILE = {
+    "1e6 chars": "x" * 10**6,
+    "box openers": "\\boxed{" * 100000,
+    "answer openers": "<answer>" * 100000 + "</answer>",
+    "reasoning openers": "<reasoning>" * 100000,
+    "1e6-digit box": "\\boxed{" + "9" * 10**6 + "}",
+    "9**9999-sized number": "#### " + "9" * 9543 + "\n<answer>" + "9" * 9543 + "</answer>",
+    "deep parens": "<answer>" + "(" * 100000 + "1" + ")" * 100000 + "</answer>",
+    "deep braces": "\\boxed{" + "{" * 100000 + "}" * 100000 + "}",
+    "many fracs": "\\boxed{" + "\\frac12" * 50000 + "}",
+    "near-limit tuple": "\\boxed{(" + "(1," * 300 + "1" + ")" * 301 + "}",
+    "unicode": "\\boxed{٣} <answer>١+٢+٣</answer> 🙂 \u202e \ufeff Ω ∑ \\boxed{½}",
+    "null bytes": "\\boxed{\x00}\x00<answer>1\x00+2</answer>\x00```python\n\x00\n```",
+    "lone surrogate": "\\boxed{\ud800} <answer>\udfff</answer> ```python\nx='\ud800'\n```",
+    "unclosed code": "```python\n" + "(" * 100000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(REWARDS))
+@pytest.mark.parametrize("label", sorted(HOSTILE))
+def test_hostile_completions(name, label):
+    start = time.monotonic()
+    value = REWARDS[name](HOSTILE[label], EXAMPLES[name])
+    elapsed = time.monotonic() - start
+    assert isinstance(value, float) and 0.0 <= value <= 1.0
+    assert elapsed < (10.0 if name == "mbpp" else 3.0), f"{name} took {elapsed:.1f}s on {label}"  # hang guard
+
+
+def test_registry_on_real_examples():
+    math_row = read_jsonl("data", "math500.jsonl")[0]
+    mbpp_row = read_jsonl("data", "mbpp.jsonl")[0]
+    assert REWARDS["gsm8k"]("\\boxed{72}", {"answer": "#### 72"}) == 1.0
+    assert REWARDS["math"](f"\\boxed{{{math_row['answer']}}}", math_row) == 1.0
+    assert REWARDS["mbpp"](f"```python\n{mbpp_row['code']}\n```", mbpp_row) == 1.0
+    assert REWARDS["boxed_format"]("\\boxed{1}", {}) == 1.0
+    with pytest.raises(ValueError, match="example needs"):
+        REWARDS["gsm8k"]("\\boxed{72}", {"question": "?"})
+
+
+# -----------------------------------------------------------------------------------------------------
+# code sandbox
+
+
+def processes():
+    """pid -> (real uid, parent pid, command line) of every process, zombies included."""
+    table = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                table[int(pid)] = (int(fields["Uid"].split()[0]), int(fields["PPid"]), f.read())
+        except (OSError, KeyError, ValueError):
+            continue
+    return table
+
+
+@pytest.fixture
+def no_leftovers(monkeypatch):
+    """Pins the sandbox uid of this test, then fails it if a process of that uid (live or zombie) or one of our
+    supervisor children survives. Pinning keeps concurrent test runs on the same machine out of the count."""
+    first, count = rewards._SANDBOX_UIDS
+    uid = first + secrets.randbelow(count)
+    monkeypatch.setattr(rewards, "_SANDBOX_UIDS", (uid, 1))
+    yield
+    flag = rewards._SANDBOX_FLAG.encode()
+    left = {pid: info for pid, info in processes().items()
+            if info[0] == uid or (info[1] == os.getpid() and flag in info[2])}
+    assert not left, f"sandbox processes left behind: {left}"
+
+
+@pytest.mark.parametrize("program, tests, expected, timeout", [
+    ("def f(x):\n    return x + 1", ["assert f(1) == 2", "assert f(2) == 4"], 0.5, 5.0),
+    ("while True: pass", ["assert True"], 0.0, 1.0),
+    ("import time\ntime.sleep(100)", ["assert True"], 0.0, 1.0),
+    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", ["assert True"], 0.0, 1.0),
+    ("x = bytearray(8 * 1024**3)", ["assert True"], 0.0, 5.0),
+    ("x = []\nwhile True:\n    x.append(bytearray(10**7))", ["assert True"], 0.0, 1.0),
+    ("print('x' * 10**8)", ["assert True"], 1.0, 5.0),  # goes to /dev/null, never through our memory
+    ("open('big', 'w').write('x' * 10**8)", ["assert True"], 0.0, 5.0),  # RLIMIT_FSIZE
+    ("import os, time\nif os.fork() == 0:\n    time.sleep(100)", ["assert True"], 1.0, 5.0),  # background child
+    ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(100)", ["assert True"], 1.0, 5.0),
+    ("import os\nos._exit(0)", ["assert True"], 0.0, 5.0),  # exiting early is not passing
+    ("import sys\nsys.exit(0)", ["assert True"], 0.0, 5.0),
+    ("def f():\n    while True: pass", ["f()", "assert True", "assert False"], 1 / 3, 1.0),  # one hang, others run
+    ("def f(n): return f(n + 1)\nf(0)", ["assert True"], 0.0, 5.0),
+    ("x = 1\x00", ["assert True"], 0.0, 5.0),
+    ("syntax error(", ["assert True"], 0.0, 5.0),
+])
+def test_sandbox_hostile_programs(program, tests, expected, timeout, no_leftovers):
+    start = time.monotonic()
+    assert run_code(program, tests, timeout=timeout) == pytest.approx(expected)
+    assert time.monotonic() - start < len(tests) * timeout + 3.0  # hang guard, not a benchmark
+
+
+def test_sandbox_cannot_see_parent_environment(monkeypatch, no_leftovers):
+    monkeypatch.setenv("MASKGRPO_TEST_SECRET", secrets.token_hex(8))
+    program = ("import os\nseen = str(dict(os.environ))\n"
+               f"for pid in (os.getppid(), {os.getpid()}):\n"
+               "    try:\n        seen += open(f'/proc/{pid}/environ', 'rb').read().decode(errors='replace')\n"
+               "    except OSError:\n        pass\n")
+    assert run_code(program, ["assert 'PATH' in seen"]) == 1.0  # the probe itself ran
+    leaked = run_code(program, ["assert 'MASKGRPO_TEST_SECRET' in seen"])
+    # without root the sandbox shares our uid, so /proc/<our pid>/environ stays readable (see run_code)
+    assert leaked == 0.0 or not ROOT
+
+
+@pytest.mark.skipif(not ROOT, reason="writes outside the sandbox dir are only blocked as root (uid switch + tmpfs)")
+def test_sandbox_cannot_write_outside(tmp_path, no_leftovers):
+    token = secrets.token_hex(6)
+    targets = [f"/tmp/x_outside_{token}", f"/dev/shm/x_outside_{token}", f"/var/tmp/x_outside_{token}",
+               os.path.join(os.getcwd(), f"x_outside_{token}"), str(tmp_path / f"x_outside_{token}")]
+    program = "import os\n" + "".join(
+        f"try:\n    open({path!r}, 'w').write('x')\nexcept OSError:\n    pass\n" for path in targets)
+    program += f"for up in ('../x_outside_{token}', '../../x_outside_{token}'):\n" \
+               "    try:\n        open(up, 'w').write('x')\n    except OSError:\n        pass\n" \
+               "open('inside', 'w').write('x')\n"
+    try:
+        assert run_code(program, ["assert open('inside').read() == 'x'"]) == 1.0  # its own dir works
+        assert not [path for path in targets if os.path.exists(path)]
+    finally:  # should the sandbox ever fail, do not leave litter in the project or /tmp
+        for path in filter(os.path.exists, targets):
+            os.remove(path)
+
+
+@pytest.mark.skipif(not ROOT, reason="the private network namespace needs root (unprivileged: user namespaces)")
+def test_sandbox_has_no_network(no_leftovers):
+    # /proc/self/net/dev lists the interfaces of the reader's network namespace: ours has eth0 and more
+    program = "ifaces = [line.split(':')[0].strip() for line in open('/proc/self/net/dev').readlines()[2:]]"
+    assert run_code(program, ["assert ifaces == ['lo']"]) == 1.0
+
+
+def test_mbpp_reference_solutions_pass(no_leftovers):
+    rows = read_jsonl("data", "mbpp.jsonl")[:5]
+    for row in rows:
+        assert run_code(row["code"] + "\n" + row["test_setup_code"], row["test_list"]) == 1.0, row["task_id"]
+    wrong = [run_code(rows[i]["code"], rows[i + 1]["test_list"]) for i in range(4)]  # another task's tests
+    assert all(score < 1.0 for score in wrong)
+    assert code_reward("```python\ndef f(x):\n    return 2 * x\n```", ["assert f(2) == 4"]) == 1.0
+    assert code_reward("I cannot help with that.", ["assert f(2) == 4"]) == 0.0
+
+
+@pytest.mark.parametrize("tests, timeout, memory_mb", [
+    ("assert True", 1.0, 512), ([], 1.0, 512), ([1], 1.0, 512), (["assert True"], 0, 512), (["assert True"], 1.0, 8),
+])
+def test_run_code_bad_config_raises(tests, timeout, memory_mb):
+    with pytest.raises(ValueError):
+        run_code("x = 1", tests, timeout=timeout, memory_mb=memory_mb)
