@@ -1,0 +1,399 @@
+"""Reverse-process samplers for masked diffusion models: text (LLaDA) and images (MMaDA / MaskGRPO).
+
+MaskGRPO (arXiv:2510.02880) rolls out with these samplers (method.md §4):
+  generate        LLaDA's semi-autoregressive block sampler with low-confidence or random remasking
+                  (LLaDA arXiv:2502.09992 and its public generate.py; llada-format.md §6). At temperature 0
+                  it reproduces the public LLaDA generate() token for token.
+  generate_image  over the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`: MaskGRPO's
+                  "emerge" sampler (MDLM ancestral sampling on a cosine schedule, paper Alg. 4) or MMaDA's
+                  MaskGIT confidence sampler, both with optional classifier-free guidance.
+
+Randomness is explicit: every random number is drawn from the `generator` argument, on the generator's own
+device, then moved to the logits' device. A CPU generator gives identical samples on CPU and GPU; a CUDA
+generator avoids the host round trip (use one for LLaDA-8B at temperature > 0, whose float64 Gumbel noise is
+B*L*V numbers per step). The global RNG is never used; a stochastic call without a generator is an error.
+
+    python sample.py --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --chat
+
+Shapes: B batch, P prompt length, N gen_length, L sequence length (P + N for text), V vocabulary,
+n image slots, C codebook size.
+"""
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+REMASKING = ("low_confidence", "random")
+IMAGE_SAMPLERS = ("emerge", "maskgit")
+
+
+# -----------------------------------------------------------------------------------------------------
+# shared pieces
+
+
+def _uniform(shape, generator, device, dtype=torch.float64):
+    """U[0, 1) draws made on the generator's device, then moved to `device`."""
+    if generator is None:
+        raise ValueError("this call samples at random but generator is None; pass e.g. "
+                         "generator=torch.Generator().manual_seed(0) (a CPU generator gives the same samples "
+                         "on every device)")
+    return torch.rand(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
+
+
+def _forward(model, x, attention_mask):
+    logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
+    assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
+    return logits
+
+
+def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
+    """Tokens to reveal at each of `steps` steps: num_masked (B,) int64 -> (B, steps) int64, rows summing
+    to num_masked. LLaDA Eq. (8): with its linear noise schedule the expected number of tokens revealed
+    per step is constant, so c tokens over s steps get c // s each, the remainder going one apiece to the
+    earliest steps."""
+    if steps < 1:
+        raise ValueError(f"steps ({steps}) must be >= 1")
+    i = torch.arange(steps, device=num_masked.device)                              # (S,)
+    c = num_masked.long()[:, None]                                                 # (B, 1)
+    return c // steps + (i[None, :] < c % steps).long()                            # (B, S)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: float, generator=None) -> torch.Tensor:
+    """A sample of softmax(logits / temperature) for every row: (..., V) -> (...) int64; plain argmax at
+    temperature 0. LLaDA's form exp(l) / (-log u)^tau has the argmax of l / tau + Gumbel; we keep that exact
+    expression so that the same uniforms pick the same tokens as the reference."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    # float64 Gumbel: float32 uniforms truncate the noise tail, which lowers the effective temperature and
+    # the diversity of masked-diffusion samples (arXiv:2409.02908). The official MaskGRPO trainer draws it
+    # in bf16 (method.md §9 item 18); we do not.
+    l64 = logits.double()                                                          # (..., V)
+    u = _uniform(l64.shape, generator, l64.device)                                 # (..., V)
+    return (l64.exp() / (-torch.log(u)) ** temperature).argmax(-1)
+
+
+def select_top_k(confidence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """bool (B, L): row j marks the counts[j] positions that torch.topk(confidence[j], counts[j]) returns.
+
+    Same rule as LLaDA's per-row topk loop, ties included: one batched topk per distinct count (in LLaDA
+    every row starts a block with the same number of masks, so one call per step). A stable argsort rank
+    would not do: CPU topk breaks ties with nth_element, in no fixed index order, and bf16 confidences near
+    p = 1 tie often, so exact reproduction needs topk's own choice (llada-format.md §6, checklist item 3).
+    Batched == per-row topk is checked on CPU by tests/test_sample.py; not verified on CUDA."""
+    select = torch.zeros_like(confidence, dtype=torch.bool)                        # (B, L)
+    for k in counts.unique().tolist():
+        rows = (counts == k).nonzero().squeeze(1)                                  # (b,)
+        idx = torch.topk(confidence[rows], k, dim=-1).indices                      # (b, k)
+        select[rows[:, None], idx] = True
+    return select
+
+
+# -----------------------------------------------------------------------------------------------------
+# text: LLaDA semi-autoregressive low-confidence sampler
+
+
+def _check_text_args(prompt_ids, attention_mask, gen_length, block_length, steps, temperature, cfg_scale,
+                     remasking, mask_id):
+    if prompt_ids.dim() != 2 or prompt_ids.is_floating_point():
+        raise ValueError(f"prompt_ids must be a (B, P) integer tensor, got {prompt_ids.dtype} "
+                         f"{tuple(prompt_ids.shape)}")
+    for name, v in (("gen_length", gen_length), ("block_length", block_length), ("steps", steps)):
+        if v < 1:
+            raise ValueError(f"{name} ({v}) must be >= 1")
+    if gen_length % block_length:
+        divisor = max(d for d in range(1, block_length + 1) if gen_length % d == 0)
+        raise ValueError(f"gen_length ({gen_length}) must be divisible by block_length ({block_length}); try "
+                         f"block_length={divisor} or gen_length={-(-gen_length // block_length) * block_length}")
+    num_blocks = gen_length // block_length
+    if steps % num_blocks:
+        lower = steps // num_blocks * num_blocks
+        hint = f"steps={lower} or " if lower else ""
+        raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks, gen_length // "
+                         f"block_length = {num_blocks}, since every block gets the same number of steps; "
+                         f"try {hint}steps={lower + num_blocks}")
+    if steps > gen_length:
+        raise ValueError(f"steps ({steps}) > gen_length ({gen_length}): the extra steps would reveal nothing "
+                         f"and only cost forward passes; use steps <= {gen_length}")
+    if temperature < 0:
+        raise ValueError(f"temperature ({temperature}) must be >= 0 (0 = greedy)")
+    if cfg_scale < 0:
+        raise ValueError(f"cfg_scale ({cfg_scale}) must be >= 0 (0 = no guidance)")
+    if remasking not in REMASKING:
+        raise ValueError(f"remasking ({remasking!r}) must be one of {REMASKING}")
+    real = torch.ones_like(prompt_ids, dtype=torch.bool)
+    if attention_mask is not None:
+        if attention_mask.shape != prompt_ids.shape:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have the prompt's shape "
+                             f"{tuple(prompt_ids.shape)} (1 = real token, 0 = left padding)")
+        real = attention_mask.bool()
+        if (prompt_ids[~real] == mask_id).any():
+            raise ValueError(f"the prompt padding uses the mask id ({mask_id}): padding would be generated "
+                             "over; pad with the EOS id, as LLaDA does")
+    hits = ((prompt_ids == mask_id) & real).nonzero()
+    if len(hits):
+        raise ValueError(f"prompt_ids contains the mask id ({mask_id}) at (row, position) "
+                         f"{hits[:4].tolist()}; LLaDA would silently generate a token there. Remove it, or "
+                         "check that mask_id and the tokenizer come from the same checkpoint")
+    return num_blocks, steps // num_blocks
+
+
+def _text_logits(model, x, attention_mask, prompt_index, cfg_scale, mask_id):
+    """(B, L, V) logits for the current x, with unsupervised classifier-free guidance when cfg_scale > 0."""
+    if cfg_scale == 0:
+        return _forward(model, x, attention_mask)
+    # Unsupervised CFG (arXiv:2410.18514, as in LLaDA's generate.py): the unconditional input is x with the
+    # prompt hidden behind masks; both halves run in one batch with the padding mask duplicated.
+    x_u = x.masked_fill(prompt_index, mask_id)                                     # (B, L)
+    mask2 = None if attention_mask is None else attention_mask.repeat(2, 1)        # (2B, L)
+    cond, uncond = _forward(model, torch.cat([x, x_u]), mask2).chunk(2)            # 2 x (B, L, V)
+    # l_u + (w + 1)(l_c - l_u), evaluated in this order so bf16 rounding matches the reference.
+    return uncond + (cfg_scale + 1) * (cond - uncond)
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
+             remasking="low_confidence", mask_id, generator=None, attention_mask=None, logits_eos_inf=False,
+             confidence_eos_eot_inf=False, eos_id=None, eot_id=None, progress=False):
+    """LLaDA's semi-autoregressive sampler (llada-format.md §6; method.md §4.1).
+
+    prompt_ids (B, P) int64, left-padded; attention_mask (B, P) with 1 = real token (optional; it is passed
+    to the model extended with ones for the completion). Returns x (B, P + N), prompt included.
+
+    The completion is split into gen_length / block_length blocks, denoised left to right with
+    steps / num_blocks steps each. Every step predicts x0 for all positions (Gumbel-max at temperature > 0)
+    and reveals, in the current block, the transfer_schedule count of masked positions with the highest
+    confidence: p(x0) for "low_confidence", a uniform draw for "random". Positions whose x0 is the mask id
+    stay masks, as in the reference. The model should be in eval mode.
+
+    Args:
+        cfg_scale: guidance weight w; logits = l_u + (w + 1)(l_c - l_u), l_u with the prompt masked.
+        generator: torch.Generator for the Gumbel noise (temperature > 0) and "random" confidences.
+        logits_eos_inf: never predict EOS (eos_id, default model.config.eos_token_id).
+        confidence_eos_eot_inf: give EOT predictions (eot_id) confidence 0, and EOS ones too at
+            temperature 0, exactly as LLaDA's flag does (llada-format.md §5).
+    """
+    num_blocks, steps_per_block = _check_text_args(prompt_ids, attention_mask, gen_length, block_length, steps,
+                                                   temperature, cfg_scale, remasking, mask_id)
+    if eos_id is None:
+        eos_id = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if (logits_eos_inf or confidence_eos_eot_inf) and eos_id is None:
+        raise ValueError("logits_eos_inf / confidence_eos_eot_inf need eos_id, and the model has no "
+                         "config.eos_token_id to default to")
+    if confidence_eos_eot_inf and eot_id is None:
+        raise ValueError("confidence_eos_eot_inf needs eot_id, the <|eot_id|> token id (126348 for LLaDA)")
+    B, P = prompt_ids.shape
+    x = torch.full((B, P + gen_length), mask_id, dtype=torch.long, device=prompt_ids.device)  # (B, L)
+    x[:, :P] = prompt_ids
+    if attention_mask is not None:
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, gen_length)], dim=1)  # (B, L)
+    # Computed once, before anything is revealed: CFG's unconditional input masks exactly these positions.
+    prompt_index = x != mask_id                                                    # (B, L)
+
+    bar = tqdm(total=steps, desc="denoising", disable=not progress, leave=False)
+    for b in range(num_blocks):
+        end = P + (b + 1) * block_length
+        counts = transfer_schedule((x[:, end - block_length:end] == mask_id).sum(1), steps_per_block)  # (B, s)
+        for i in range(steps_per_block):
+            masked = x == mask_id                                                  # (B, L)
+            logits = _text_logits(model, x, attention_mask, prompt_index, cfg_scale, mask_id)  # (B, L, V)
+            if logits_eos_inf:
+                logits[..., eos_id] = -math.inf
+            x0 = gumbel_argmax(logits, temperature, generator)                     # (B, L)
+            if confidence_eos_eot_inf:
+                # LLaDA sets the noisy logits' EOS and the clean logits' EOT to -inf *after* choosing x0, so
+                # only the confidence changes; at temperature 0 the noisy logits are the same tensor, so EOS
+                # is hit too (llada-format.md §5).
+                logits[..., eot_id] = -math.inf
+                if temperature == 0:
+                    logits[..., eos_id] = -math.inf
+            if remasking == "low_confidence":
+                # Softmax in the logits' own dtype (bf16 for LLaDA-8B), as the reference: a float32 softmax
+                # would break bf16 ties differently and change the output (llada-format.md §6 item 2).
+                conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # (B, L)
+            else:
+                conf = _uniform(x.shape, generator, x.device, torch.float32)       # (B, L)
+            conf[:, end:] = -math.inf  # later blocks wait their turn: the semi-autoregressive order
+            x0 = torch.where(masked, x0, x)
+            conf = torch.where(masked, conf, -math.inf)  # before topk, as the reference (§6 item 4)
+            x = torch.where(select_top_k(conf, counts[:, i]), x0, x)
+            bar.update()
+    bar.close()
+    return x
+
+
+# -----------------------------------------------------------------------------------------------------
+# images: emerge (MaskGRPO Alg. 4) and MaskGIT (MMaDA t2i_generate)
+
+
+def _cosine(u: float) -> float:
+    """Masked fraction at normalised time u in [0, 1] (method.md §4.4): kappa(u) = cos(pi u / 2)."""
+    return math.cos(math.pi * u / 2)
+
+
+def _sample_categorical(probs, generator):
+    """One draw per row of probs (..., C) float64 by inverse CDF: (...,) int64. One uniform per draw, so a
+    CPU generator stays cheap for 1024 x 8192 image probabilities (Gumbel-max would need (..., C) noise) and
+    gives the same codes on every device; float64 cumulative sums keep the 8192 bins exact to ~1e-16."""
+    cdf = probs.cumsum(-1)                                                         # (..., C)
+    # Scale by the total so rounding in the sum cannot leave u past the last bin.
+    u = _uniform(probs.shape[:-1], generator, probs.device) * cdf[..., -1]         # (...,)
+    idx = torch.searchsorted(cdf, u[..., None], right=True).squeeze(-1)           # first bin with cdf > u
+    return idx.clamp_max(probs.shape[-1] - 1)
+
+
+def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask, cfg_scale):
+    """float64 probabilities (B, n, C) over the codebook at the image slots, with CFG when cfg_scale > 0."""
+    if cfg_scale == 0:
+        logits = _forward(model, x, attention_mask)[:, span, codes]                # (B, n, C)
+    else:
+        # The unconditional input is the empty-caption prompt around the *current* image (method.md §4.5).
+        x_u = uncond_ids.clone()
+        x_u[:, span] = x[:, span]
+        masks = None
+        if attention_mask is not None or uncond_mask is not None:
+            masks = torch.cat([m if m is not None else torch.ones_like(x) for m in (attention_mask, uncond_mask)])
+        cond, uncond = _forward(model, torch.cat([x, x_u]), masks)[:, span, codes].chunk(2)  # 2 x (B, n, C)
+        # MMaDA / method.md §4.5: (1 + w) l_c - w l_u, in MMaDA's order of evaluation.
+        logits = (1 + cfg_scale) * cond - cfg_scale * uncond
+    # Softmax in float64 (MMaDA samples from bf16 probabilities): with 8192 codes, bf16 rounds away the tail.
+    return F.softmax(logits.double(), dim=-1)
+
+
+@torch.no_grad()
+def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler="emerge", cfg_scale=0.0,
+                   uncond_input_ids=None, generator=None, attention_mask=None, uncond_attention_mask=None,
+                   temperature=1.0, code_offset=None, codebook_size=None, mask_id=None, progress=False):
+    """Fill the image slots input_ids[:, image_start : image_start + num_tokens] (all mask ids on entry)
+    with image tokens (code + code_offset): (B, L) -> (B, L). Nothing outside the slots changes.
+
+    sampler "emerge" (MaskGRPO Alg. 4, method.md §4.3): MDLM ancestral sampling with kappa(u) = cos(pi u/2);
+    a masked slot is revealed at step s with probability (kappa_t - kappa_s) / kappa_t and then frozen, so
+    the expected masked fraction after step s is kappa((s+1)/T). It samples from p itself; temperature must
+    stay 1 (the official sampler takes a temperature and ignores it, method.md §9 item 30).
+    sampler "maskgit" (method.md §4.2, MMaDA t2i_generate): sample every slot, keep the known ones, and
+    re-mask the floor(n cos(pi/2 (s+1)/T)) least confident; temperature scales the Gumbel choice noise.
+
+    Args:
+        uncond_input_ids: (B, L) unconditional prompt for CFG (cfg_scale > 0); its image slots are replaced
+            by the current image at every step. uncond_attention_mask is its padding mask. Both are unused
+            at cfg_scale 0, so a caller can sweep w down to 0 without changing its batch.
+        code_offset, codebook_size, mask_id: default to model.config.image_token_offset / codebook_size /
+            mask_token_id.
+        generator: torch.Generator for every draw (required).
+    """
+    config = getattr(model, "config", None)
+    code_offset = code_offset if code_offset is not None else getattr(config, "image_token_offset", None)
+    codebook_size = codebook_size if codebook_size is not None else getattr(config, "codebook_size", None)
+    mask_id = mask_id if mask_id is not None else getattr(config, "mask_token_id", None)
+    if code_offset is None or not codebook_size or mask_id is None:
+        raise ValueError(f"code_offset ({code_offset}), codebook_size ({codebook_size}) and mask_id ({mask_id}) "
+                         "are needed: pass them, or use a model whose config has image_token_offset, "
+                         "codebook_size and mask_token_id (an MMaDA checkpoint)")
+    if sampler not in IMAGE_SAMPLERS:
+        raise ValueError(f"sampler ({sampler!r}) must be one of {IMAGE_SAMPLERS}")
+    if steps < 1:
+        raise ValueError(f"steps ({steps}) must be >= 1; MaskGRPO uses 12 for rollouts, 32 for evaluation")
+    if temperature < 0 or (sampler == "emerge" and temperature != 1.0):
+        raise ValueError(f"temperature ({temperature}) must be >= 0 for maskgit and 1.0 for emerge, which "
+                         "samples from the model's distribution itself (paper Alg. 4)")
+    if cfg_scale < 0:
+        raise ValueError(f"cfg_scale ({cfg_scale}) must be >= 0 (0 = no guidance; MaskGRPO uses 3.0-3.5)")
+    if cfg_scale > 0 and (uncond_input_ids is None or uncond_input_ids.shape != input_ids.shape):
+        shape = None if uncond_input_ids is None else tuple(uncond_input_ids.shape)
+        raise ValueError(f"cfg_scale {cfg_scale} > 0 needs uncond_input_ids of shape {tuple(input_ids.shape)} "
+                         f"(got {shape}): the empty-caption prompt in the same layout")
+    B, L = input_ids.shape
+    for name, m in (("attention_mask", attention_mask), ("uncond_attention_mask", uncond_attention_mask)):
+        if m is not None and m.shape != input_ids.shape:
+            raise ValueError(f"{name} {tuple(m.shape)} must have the shape of input_ids {(B, L)} "
+                             "(1 = real token, 0 = padding)")
+    if not (0 <= image_start and num_tokens >= 1 and image_start + num_tokens <= L):
+        raise ValueError(f"image slots [{image_start}, {image_start + num_tokens}) do not fit in a sequence of "
+                         f"length {L}")
+    span = slice(image_start, image_start + num_tokens)
+    if not (input_ids[:, span] == mask_id).all():
+        raise ValueError(f"input_ids[:, {image_start}:{image_start + num_tokens}] must all be the mask id "
+                         f"({mask_id}); check image_start / num_tokens against the <|soi|> position")
+    if (input_ids == mask_id).sum() != B * num_tokens:
+        raise ValueError(f"input_ids holds mask ids ({mask_id}) outside the image slots, which would never be "
+                         "filled; check image_start / num_tokens")
+    codes = slice(code_offset, code_offset + codebook_size)
+    n = num_tokens
+
+    x = input_ids.clone()                                                          # (B, L)
+    for s in tqdm(range(steps), desc="image steps", disable=not progress, leave=False):
+        probs = _image_probs(model, x, span, codes, attention_mask, uncond_input_ids, uncond_attention_mask,
+                             cfg_scale)                                            # (B, n, C)
+        masked = x[:, span] == mask_id                                             # (B, n)
+        sampled = _sample_categorical(probs, generator)                            # (B, n)
+        if sampler == "emerge":
+            if s < steps - 1:
+                k_t, k_s = _cosine(s / steps), _cosine((s + 1) / steps)
+                # Paper Alg. 4: a masked slot draws from the (C+1)-way categorical
+                # [p(v) (k_t - k_s)/k_t ..., stay masked: k_s/k_t]. We draw "reveal?" and the code
+                # separately, which is the same distribution: P(code v) = (1 - k_s/k_t) p(v).
+                reveal = masked & (_uniform((B, n), generator, x.device) < (k_t - k_s) / k_t)  # (B, n)
+            else:
+                reveal = masked  # last step: every remaining slot is sampled from p
+            x[:, span] = torch.where(reveal, sampled + code_offset, x[:, span])  # decoded slots stay frozen
+            continue
+        # maskgit: known slots keep their code; unknown ones take this step's sample.
+        sampled = torch.where(masked, sampled, x[:, span] - code_offset)          # (B, n)
+        if s == steps - 1:
+            x[:, span] = sampled + code_offset  # the last step decodes everything (MMaDA returns the sample)
+            break
+        logp = probs.gather(-1, sampled[..., None]).squeeze(-1).log()             # (B, n); > -inf: p > 0
+        # Annealed choice temperature tau_s = tau (1 - (s+1)/T), canonical MaskGIT. MMaDA re-assigns tau
+        # inside the loop, so its annealing compounds across steps (method.md §9 item 32); not reproduced.
+        tau = temperature * (1 - (s + 1) / steps)
+        if tau > 0:
+            u = _uniform((B, n), generator, x.device)
+            logp = logp + tau * -torch.log(-torch.log(u))  # float64 Gumbel (arXiv:2409.02908)
+        conf = torch.where(masked, logp, math.inf)  # known slots are never re-masked
+        # MaskGIT cosine schedule: floor(n cos(pi/2 (s+1)/T)) stay masked, clamped to [1, unknown - 1] so
+        # each step reveals at least one slot and keeps at least one for later (MMaDA's clamp).
+        target = math.floor(n * _cosine((s + 1) / steps))
+        num_remask = (masked.sum(1) - 1).clamp(max=target).clamp(min=1)                    # (B,)
+        # Re-mask exactly num_remask lowest (stable rank; MMaDA's "< cutoff" re-masks fewer on exact ties).
+        rank = conf.argsort(dim=-1, stable=True).argsort(dim=-1)                           # (B, n)
+        remask = rank < num_remask[:, None]
+        x[:, span] = torch.where(remask, mask_id, sampled + code_offset)
+    return x
+
+
+# -----------------------------------------------------------------------------------------------------
+# command line
+
+
+def main(argv=None):
+    from model import Transformer, chat_prompt, load_tokenizer
+
+    p = argparse.ArgumentParser(description="Sample a completion from a LLaDA-style checkpoint.")
+    p.add_argument("--ckpt", required=True, help="directory with config.json, *.safetensors, tokenizer.json")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--gen_length", type=int, default=64)
+    p.add_argument("--block_length", type=int, default=16)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (temperature > 0)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the LLaDA-Instruct chat template")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    model = Transformer.from_pretrained(args.ckpt, device=device, dtype=dtype)
+    tok = load_tokenizer(args.ckpt, model.config)
+    text = chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    # No special-token insertion: the chat template already holds BOS (llada-format.md §5).
+    prompt = torch.tensor([tok.encode(text, add_special_tokens=False).ids], device=device)  # (1, P)
+    out = generate(model, prompt, gen_length=args.gen_length, block_length=args.block_length,
+                   steps=args.steps, temperature=args.temperature, mask_id=model.config.mask_token_id,
+                   generator=torch.Generator(device).manual_seed(args.seed), progress=True)
+    completion = tok.decode(out[0, prompt.shape[1]:].tolist(), skip_special_tokens=True)
+    print(completion)
+    return completion
+
+
+if __name__ == "__main__":
+    main()
