@@ -1,0 +1,402 @@
+"""Toy tasks for the laptop preset: one vocabulary, two modalities, one small masked diffusion model.
+
+Text: procedurally generated arithmetic word problems answered as written-out steps and a final
+`\\boxed{N}` that a GSM8K-style reward reads (MaskGRPO arXiv:2510.02880 §4.1 trains on GSM8K).
+Image: text-to-image on a tiny grid where every cell is one image token whose code is a palette colour,
+scored by a GenEval-style verifier (colour, count, relative position), the role GenEval/UnifiedReward
+play for MMaDA in the paper. Sequences follow the LLaDA/MMaDA layouts (shared/docs/llada-format.md §5):
+
+    text   <|startoftext|> question | answer <|endoftext|>...   (completion padded with EOS, as LLaDA SFT)
+    image  [iPAD]... <|t2i|> <|startoftext|> caption <|endoftext|> <|soi|> image codes <|eoi|>
+
+Everything here is pure Python seeded by `random.Random` (no torch), so tasks and rewards are testable
+alone. `noise` (default 0) makes a controlled fraction of SFT targets "plausible but wrong" (off-by-one
+answers, skipped steps, wrong colours/counts/positions), which turns the SFT model into a mixture of right
+and wrong behaviours for RL to sort out. In the toy's few-minute SFT budget it was measured to slow
+learning more than it helps (text 0.20 vs 0.36 sampled reward at noise 0.5 vs 0), so the toy trains
+on clean data and relies on the short SFT leaving the model at partial reward. Held-out evaluation always
+scores against the *true* answer/spec.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# -----------------------------------------------------------------------------------------------------
+# vocabulary
+
+# LLaDA/MMaDA special-token names (llada-format.md §5). EOS doubles as pad, as in LLaDA-Instruct.
+BOS, EOS, MASK = "<|startoftext|>", "<|endoftext|>", "<|mdm_mask|>"
+T2I, SOI, EOI, IPAD = "<|t2i|>", "<|soi|>", "<|eoi|>", "[iPAD]"
+UNK = "[UNK]"  # WordLevel needs one; no generated text ever maps to it (tested)
+SPECIAL_TOKENS = [BOS, EOS, UNK, T2I, SOI, EOI, IPAD, MASK]
+
+NAMES = {"ann": "she", "sue": "she", "eve": "she", "amy": "she", "bob": "he", "tom": "he", "max": "he",
+         "sam": "he"}
+OBJECTS = ["apples", "pens", "books", "cards", "coins", "eggs", "shells", "stamps"]
+ADD_VERBS = ["buys {} more", "finds {} more", "gets {} more"]     # each step: x + n
+SUB_VERBS = ["gives {} away", "loses {}", "sells {}"]            # each step: x - n
+
+# Palette: code 0 is background; code c >= 1 is COLOURS[c - 1]. ANSI 256-colour index for render_image.
+COLOURS = ["red", "green", "blue", "yellow", "purple", "cyan", "white"]
+ANSI = [236, 196, 46, 27, 226, 129, 51, 231]
+CODEBOOK_SIZE = 1 + len(COLOURS)
+COUNT_WORDS = {1: "a", 2: "two", 3: "three", 4: "four"}
+RELATIONS = {"left of": (1, -1), "right of": (1, 1), "above": (0, -1), "below": (0, 1)}  # (axis, sign)
+PLACES = {"top row": (0, "first"), "bottom row": (0, "last"), "left column": (1, "first"),
+          "right column": (1, "last")}
+
+WORDS = sorted(set(NAMES) | set(NAMES.values()) | set(OBJECTS) | set(COLOURS) | set(COUNT_WORDS.values())
+               | {w for v in ADD_VERBS + SUB_VERBS for w in v.split() if w != "{}"}
+               | {w for k in list(RELATIONS) + list(PLACES) for w in k.split()}
+               | {"has", "and", "how", "many", "does", "have", "block", "blocks", "in", "the"})
+SYMBOLS = [".", ",", "?", "+", "-", "="]
+BOXED = "\\boxed{"
+
+# Pre-tokenization: Metaspace turns each space into "▁" glued to the next word (and prepends one at the
+# start), then the regex isolates `\boxed{`, words, single digits, and single symbols, each optionally
+# led by "▁". Single-digit tokens keep the vocabulary tiny and make numbers compositional; the
+# Metaspace decoder maps "▁" back to spaces and drops the leading one, so decode(encode(s)) == s.
+_PIECE = r"▁?(?:\\boxed\{|[a-z]+|[0-9]|[^▁a-z0-9])"
+
+
+def build_tokenizer() -> Tokenizer:
+    """The toy word-level tokenizer: special tokens, then text pieces; image codes are NOT tokens of
+    the text tokenizer but ids appended after it (MMaDA: code c <-> id len(text_tokenizer) + c).
+
+        tok = build_tokenizer()
+        tok.encode("ann has 3 apples").tokens == ["▁ann", "▁has", "▁3", "▁apples"]
+        tok.decode(tok.encode("5 . \\\\boxed{5}").ids) == "5 . \\\\boxed{5}"
+    """
+    pieces = [f"▁{w}" for w in WORDS] + [f"▁{s}" for s in SYMBOLS] + [f"▁{BOXED}", "}"]
+    pieces += [d for d in "0123456789"] + [f"▁{d}" for d in "0123456789"]
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + pieces)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+        pre_tokenizers.Split(Regex(_PIECE), behavior="isolated"),
+    ])
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    # Marking them special makes decode(..., skip_special_tokens=True) drop EOS padding and masks.
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok
+
+
+@dataclass(frozen=True)
+class Specials:
+    """Token ids resolved by name, so no id literal appears anywhere else."""
+    bos: int
+    eos: int
+    pad: int
+    mask: int
+    t2i: int
+    soi: int
+    eoi: int
+    ipad: int
+    image_token_offset: int   # image code c is token id image_token_offset + c
+    codebook_size: int
+    vocab_size: int           # embedding rows: text tokenizer + codebook
+
+
+def specials(tok: Tokenizer) -> Specials:
+    def tid(s):
+        i = tok.token_to_id(s)
+        if i is None:
+            raise ValueError(f"tokenizer has no {s!r}; build it with tasks.build_tokenizer()")
+        return i
+    offset = tok.get_vocab_size(with_added_tokens=True)  # MMaDA: codes start at len(text tokenizer)
+    return Specials(bos=tid(BOS), eos=tid(EOS), pad=tid(EOS), mask=tid(MASK), t2i=tid(T2I), soi=tid(SOI),
+                    eoi=tid(EOI), ipad=tid(IPAD), image_token_offset=offset, codebook_size=CODEBOOK_SIZE,
+                    vocab_size=offset + CODEBOOK_SIZE)
+
+
+def model_config_overrides(tok: Tokenizer) -> dict:
+    """The vocabulary fields of model.ModelConfig: `ModelConfig(d_model=..., **model_config_overrides(tok))`."""
+    s = specials(tok)
+    return dict(vocab_size=s.vocab_size, mask_token_id=s.mask, eos_token_id=s.eos, pad_token_id=s.pad,
+                bos_token_id=s.bos, image_token_offset=s.image_token_offset, codebook_size=s.codebook_size)
+
+
+def split_of(prompt: str, test_fraction: float = 0.2) -> str:
+    """Deterministic train/test assignment by prompt hash, so held-out prompts are never trained on."""
+    h = int.from_bytes(hashlib.sha1(prompt.encode()).digest()[:8], "big") / 2**64
+    return "test" if h < test_fraction else "train"
+
+
+def _draw(rng: random.Random, make, split: str):
+    # Rejection-sample until the prompt lands in the requested split (~1.25 draws for train).
+    if split not in ("train", "test", "any"):
+        raise ValueError(f"split must be 'train', 'test' or 'any', got {split!r}")
+    while True:
+        ex = make()
+        if split == "any" or split_of(ex["prompt"]) == split:
+            return ex
+
+
+# -----------------------------------------------------------------------------------------------------
+# text task: arithmetic word problems with a \boxed{} answer
+
+
+def make_text_example(rng: random.Random, split: str = "train", noise: float = 0.0, max_value: int = 9,
+                      max_steps: int = 2) -> dict:
+    """One word problem with 1..max_steps add/subtract steps; every intermediate value in [0, max_value].
+
+    With probability `noise` the completion is a plausible wrong target (SFT data only): the final box
+    off by one, the last step skipped, or one step's result off by one and carried forward. `answer` is
+    always the true result.
+
+        make_text_example(random.Random(0)) -> {
+          "prompt": "sue has 1 shells . she loses 1 and gets 6 more . how many shells does she have ?",
+          "completion": "1 - 1 = 0 , 0 + 6 = 6 . \\\\boxed{6}", "answer": "6"}
+    """
+    def make():
+        name, obj = rng.choice(sorted(NAMES)), rng.choice(OBJECTS)
+        x = rng.randint(1, max_value)
+        clauses, steps = [], []  # steps: (left, op, n, result)
+        for _ in range(rng.randint(1, max_steps)):
+            ops = [o for o in "+-" if (o == "+" and x < max_value) or (o == "-" and x > 0)]
+            op = rng.choice(ops)
+            n = rng.randint(1, max_value - x) if op == "+" else rng.randint(1, x)
+            clauses.append(rng.choice(ADD_VERBS if op == "+" else SUB_VERBS).format(n))
+            steps.append((x, op, n, x + n if op == "+" else x - n))
+            x = steps[-1][3]
+        actions = " and ".join([" , ".join(clauses[:-1]), clauses[-1]] if len(clauses) > 1 else clauses)
+        prompt = (f"{name} has {steps[0][0]} {obj} . {NAMES[name]} {actions} . "
+                  f"how many {obj} does {NAMES[name]} have ?")
+        return dict(prompt=prompt, steps=steps, answer=str(x))
+
+    ex = _draw(rng, make, split)
+    steps = ex.pop("steps")
+    boxed = steps[-1][3]
+    if rng.random() < noise:
+        steps, boxed = _wrong_target(rng, steps, max_value)
+    work = " , ".join(f"{a} {op} {n} = {r}" for a, op, n, r in steps)
+    ex["completion"] = f"{work} . {BOXED}{boxed}}}"
+    return ex
+
+
+def _wrong_target(rng: random.Random, steps: list, max_value: int) -> tuple[list, int]:
+    # A plausible mistake -> (steps written, boxed value): the last step skipped (its input boxed), one
+    # step's result off by one and carried through, or right working with the box off by one. Values
+    # stay in [0, max_value] and the format is unchanged, so a wrong target differs from a right one
+    # only in its numbers, never in tokens or length the clean data lacks.
+    kind = rng.choice(["skip", "slip", "off_by_one"])
+    if kind == "skip" and len(steps) > 1:
+        return steps[:-1], steps[-2][3]
+    if kind == "slip":
+        i = rng.randrange(len(steps))
+        out = list(steps[:i]) + [steps[i][:3] + (steps[i][3] + rng.choice([-1, 1]),)]
+        for _, op, n, _ in steps[i + 1:]:
+            a = out[-1][3]
+            out.append((a, op, n, a + n if op == "+" else a - n))
+        if all(0 <= r <= max_value for *_, r in out):
+            return out, out[-1][3]
+    final = steps[-1][3]
+    return steps, rng.choice([v for v in (final - 1, final + 1) if 0 <= v <= max_value])
+
+
+_BOX = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def text_reward(completion_text: str, example: dict) -> float:
+    """1.0 if the last \\boxed{} in the decoded completion holds the true answer, else 0.0 (no format
+    credit: the toy's SFT model always writes a box, so a format term would only add a constant).
+
+        text_reward("3 + 4 = 7 . \\\\boxed{7}", {"answer": "7"}) == 1.0
+        text_reward("3 + 4 = 8 . \\\\boxed{8}", {"answer": "7"}) == 0.0
+        text_reward("3 + 4 = 7", {"answer": "7"}) == 0.0      # no box
+    """
+    boxes = _BOX.findall(completion_text)
+    return float(bool(boxes) and boxes[-1].strip() == example["answer"])
+
+
+def encode_text(tok: Tokenizer, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
+    """(prompt_ids, completion_ids): prompt = BOS + question; completion = answer + EOS padding to
+    exactly gen_length tokens (LLaDA SFT pads answers with EOS, so the model learns where to stop).
+    Batch prompts by left-padding with specials(tok).pad and attention 0 on the pads (LLaDA §10.1)."""
+    s = specials(tok)
+    prompt = [s.bos] + tok.encode(example["prompt"], add_special_tokens=False).ids
+    answer = tok.encode(example["completion"], add_special_tokens=False).ids
+    if len(answer) >= gen_length:
+        raise ValueError(f"completion needs {len(answer)} tokens + 1 EOS but gen_length is {gen_length}; "
+                         "raise gen_length or lower max_steps/max_value")
+    return prompt, answer + [s.eos] * (gen_length - len(answer))
+
+
+def text_lengths(tok: Tokenizer, max_value: int = 9, max_steps: int = 2, n: int = 2000) -> tuple[int, int]:
+    """(longest prompt, longest completion) in tokens over n random examples, for sizing buffers."""
+    rng = random.Random(0)
+    p = c = 0
+    for _ in range(n):
+        ex = make_text_example(rng, "any", 0.5, max_value, max_steps)
+        pi, ci = encode_text(tok, ex, 10_000)
+        p, c = max(p, len(pi)), max(c, len(tok.encode(ex["completion"], add_special_tokens=False).ids))
+    return p, c
+
+
+# -----------------------------------------------------------------------------------------------------
+# image task: GenEval-style prompts on a width x width grid of palette codes
+
+
+def make_image_example(rng: random.Random, split: str = "train", noise: float = 0.0, width: int = 4) -> dict:
+    """One caption, its checkable spec, and one valid target grid (row-major codes, 0 = background).
+
+    Categories as in GenEval: single object, counting, two objects, relative position, and placement
+    ("in the top row"). Every object is one cell of its colour, so "count" is a number of cells.
+    With probability `noise` the target grid breaks one check (SFT data only).
+
+        make_image_example(random.Random(1)) -> {"prompt": "three purple blocks",
+          "spec": {"width": 4, "counts": {"purple": 3}, "relation": None, "place": None},
+          "image": [0, 0, 0, 5, 0, 0, 0, 5, 0, 0, 0, 0, 5, 0, 0, 0]}
+    """
+    def make():
+        kind = rng.choice(["single", "count", "two", "relation", "place"])
+        a, b = rng.sample(COLOURS, 2)
+        spec = {"width": width, "counts": {a: 1}, "relation": None, "place": None}
+        if kind == "single":
+            prompt = f"a {a} block"
+        elif kind == "count":
+            n = rng.randint(2, len(COUNT_WORDS))
+            spec["counts"] = {a: n}
+            prompt = f"{COUNT_WORDS[n]} {a} blocks"
+        elif kind == "two":
+            spec["counts"] = {a: 1, b: 1}
+            prompt = f"a {a} block and a {b} block"
+        elif kind == "relation":
+            rel = rng.choice(sorted(RELATIONS))
+            spec["counts"], spec["relation"] = {a: 1, b: 1}, [a, rel, b]
+            prompt = f"a {a} block {rel} a {b} block"
+        else:
+            place = rng.choice(sorted(PLACES))
+            spec["place"] = [a, place]
+            prompt = f"a {a} block in the {place}"
+        return dict(prompt=prompt, spec=spec)
+
+    ex = _draw(rng, make, split)
+    spec = ex["spec"]
+    cells = width * width
+    while True:  # rejection-sample a grid that satisfies every check (a handful of tries at most)
+        image = [0] * cells
+        free = rng.sample(range(cells), sum(spec["counts"].values()))
+        k = 0
+        for c, n in spec["counts"].items():
+            for _ in range(n):
+                image[free[k]] = COLOURS.index(c) + 1
+                k += 1
+        if image_reward(image, spec) == 1.0:
+            break
+    if rng.random() < noise:
+        image = _corrupt(rng, image, spec)
+    ex["image"] = image
+    return ex
+
+
+def _corrupt(rng: random.Random, image: list[int], spec: dict) -> list[int]:
+    # A plausible mistake that fails at least one check: recolour one object, add or drop one, or move
+    # one (which only fails a relation/placement check, hence the retry).
+    filled = [i for i, c in enumerate(image) if c]
+    empty = [i for i, c in enumerate(image) if not c]
+    while True:
+        bad, i = list(image), rng.choice(filled)
+        kind = rng.choice(["colour", "add", "drop", "move"])
+        if kind == "colour":
+            bad[i] = rng.choice([c for c in range(1, CODEBOOK_SIZE) if c != image[i]])
+        elif kind == "drop":
+            bad[i] = 0
+        else:
+            j = rng.choice(empty)
+            bad[j] = image[i]
+            if kind == "move":
+                bad[i] = 0
+        if image_reward(bad, spec) < 1.0:
+            return bad
+
+
+def image_checks(codes: list[int], spec: dict) -> list[bool]:
+    """The verifier's individual checks: for each named colour its exact cell count; the relation or
+    placement if any; and "no stray colours" (the set of colours present equals the named set)."""
+    w = spec["width"]
+    cells = {c: [divmod(i, w) for i, x in enumerate(codes) if x == COLOURS.index(c) + 1] for c in COLOURS}
+    checks = [len(cells[c]) == n for c, n in spec["counts"].items()]
+    present = {c for c in COLOURS if cells[c]}
+    checks.append(present == set(spec["counts"]))
+    if spec["relation"]:
+        a, rel, b = spec["relation"]
+        axis, sign = RELATIONS[rel]
+        # Every cell of a strictly on the named side of every cell of b (GenEval compares box centres;
+        # with one-cell objects this is the same thing).
+        checks.append(bool(cells[a]) and bool(cells[b]) and
+                      all(sign * (q[axis] - p[axis]) > 0 for p in cells[b] for q in cells[a]))
+    if spec["place"]:
+        a, place = spec["place"]
+        axis, end = PLACES[place]
+        line = 0 if end == "first" else w - 1
+        checks.append(bool(cells[a]) and all(p[axis] == line for p in cells[a]))
+    return checks
+
+
+def image_reward(codes: list[int], spec: dict) -> float:
+    """Fraction of satisfied checks in [0, 1] (GenEval itself is all-or-nothing per prompt; a fraction
+    gives RL a denser signal; `image_strict` is the all-or-nothing score for reporting).
+
+        spec = {"width": 2, "counts": {"red": 1}, "relation": None, "place": None}
+        image_reward([1, 0, 0, 0], spec) == 1.0     # one red cell, nothing else
+        image_reward([1, 1, 0, 0], spec) == 0.5     # two reds: count wrong, colours right
+        image_reward([0, 0, 0, 0], spec) == 0.0     # empty grid
+    """
+    if len(codes) != spec["width"] ** 2:
+        return 0.0
+    checks = image_checks(codes, spec)
+    return sum(checks) / len(checks)
+
+
+def image_strict(codes: list[int], spec: dict) -> float:
+    """GenEval-style all-or-nothing: 1.0 only if every check passes."""
+    return float(image_reward(codes, spec) == 1.0)
+
+
+def encode_image_prompt(tok: Tokenizer, prompt_text: str, text_len: int, num_tokens: int
+                        ) -> tuple[list[int], int, list[int]]:
+    """MMaDA t2i layout (llada-format.md §5): [iPAD]*pad <|t2i|> BOS caption EOS <|soi|> mask*num_tokens
+    <|eoi|>. The text part is left-padded with [iPAD] to exactly text_len tokens (truncated and
+    re-terminated with EOS if longer). prompt_text "" gives the unconditional prompt used for CFG.
+    Returns (input_ids, image_start, attention_mask) with attention 0 on the [iPAD] positions; the
+    image slots are input_ids[image_start : image_start + num_tokens]."""
+    s = specials(tok)
+    text = [s.t2i, s.bos] + tok.encode(prompt_text, add_special_tokens=False).ids + [s.eos]
+    if len(text) > text_len:
+        text = text[:text_len - 1] + [s.eos]
+    pad = text_len - len(text)
+    ids = [s.ipad] * pad + text + [s.soi] + [s.mask] * num_tokens + [s.eoi]
+    return ids, text_len + 1, [0] * pad + [1] * (len(ids) - pad)
+
+
+def image_text_len(tok: Tokenizer, n: int = 2000) -> int:
+    """Longest t2i text part (<|t2i|> BOS caption EOS) over n random captions: the text_len to pad to."""
+    rng = random.Random(0)
+    return 3 + max(len(tok.encode(make_image_example(rng, "any")["prompt"], add_special_tokens=False).ids)
+                   for _ in range(n))
+
+
+def codes_to_ids(tok: Tokenizer, codes: list[int]) -> list[int]:
+    off = specials(tok).image_token_offset
+    return [off + c for c in codes]
+
+
+def ids_to_codes(tok: Tokenizer, ids: list[int]) -> list[int]:
+    """Inverse of codes_to_ids; any id outside the image range (e.g. a leftover mask) becomes -1."""
+    s = specials(tok)
+    return [i - s.image_token_offset if 0 <= i - s.image_token_offset < s.codebook_size else -1 for i in ids]
+
+
+def render_image(codes: list[int], width: int) -> str:
+    """The grid as ANSI 256-colour blocks, one row per line ('??' for an invalid code)."""
+    rows = []
+    for r in range(0, len(codes), width):
+        rows.append("".join(f"\x1b[48;5;{ANSI[c]}m  \x1b[0m" if 0 <= c < len(ANSI) else "??"
+                            for c in codes[r:r + width]))
+    return "\n".join(rows)
