@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 REMASKING = ("low_confidence", "random")
+KV_CACHES = (None, "prefix", "dual")
 IMAGE_SAMPLERS = ("emerge", "maskgit")
 
 
@@ -60,17 +61,18 @@ def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
     return c // steps + (i[None, :] < c % steps).long()                            # (B, S)
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: float, generator=None) -> torch.Tensor:
+def gumbel_argmax(logits: torch.Tensor, temperature: float, generator=None, u=None) -> torch.Tensor:
     """A sample of softmax(logits / temperature) for every row: (..., V) -> (...) int64; plain argmax at
     temperature 0. LLaDA's form exp(l) / (-log u)^tau has the argmax of l / tau + Gumbel; we keep that exact
-    expression so that the same uniforms pick the same tokens as the reference."""
+    expression so that the same uniforms pick the same tokens as the reference. u: float64 uniforms of the
+    logits' shape (default: drawn here from generator)."""
     if temperature == 0:
         return logits.argmax(-1)
     # float64 Gumbel: float32 uniforms truncate the noise tail, which lowers the effective temperature and
     # the diversity of masked-diffusion samples (arXiv:2409.02908). The official MaskGRPO trainer draws it
     # in bf16 (method.md §9 item 18); we do not.
     l64 = logits.double()                                                          # (..., V)
-    u = _uniform(l64.shape, generator, l64.device)                                 # (..., V)
+    u = _uniform(l64.shape, generator, l64.device) if u is None else u             # (..., V)
     return (l64.exp() / (-torch.log(u)) ** temperature).argmax(-1)
 
 
@@ -139,6 +141,21 @@ def _check_text_args(prompt_ids, attention_mask, gen_length, block_length, steps
     return num_blocks, steps // num_blocks
 
 
+def _check_fast_args(model, kv_cache, threshold, remasking):
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache ({kv_cache!r}) must be one of {KV_CACHES} (None = exact)")
+    if kv_cache is not None and not getattr(model, "accepts_cache_kwargs", False):
+        raise ValueError(f"kv_cache={kv_cache!r} needs a model whose forward takes the kv / start / return_kv "
+                         f"arguments (model.Transformer); {type(model).__name__} does not: use kv_cache=None")
+    if threshold is not None:
+        if not threshold >= 0:
+            raise ValueError(f"threshold ({threshold}) must be a confidence >= 0 (Fast-dLLM uses 0.9), or None "
+                             "for the fixed schedule")
+        if remasking != "low_confidence":
+            raise ValueError(f"threshold compares model confidences, but remasking={remasking!r} ranks by a "
+                             "uniform draw; use remasking='low_confidence' or threshold=None")
+
+
 def _text_logits(model, x, attention_mask, prompt_index, cfg_scale, mask_id):
     """(B, L, V) logits for the current x, with unsupervised classifier-free guidance when cfg_scale > 0."""
     if cfg_scale == 0:
@@ -148,14 +165,75 @@ def _text_logits(model, x, attention_mask, prompt_index, cfg_scale, mask_id):
     x_u = x.masked_fill(prompt_index, mask_id)                                     # (B, L)
     mask2 = None if attention_mask is None else attention_mask.repeat(2, 1)        # (2B, L)
     cond, uncond = _forward(model, torch.cat([x, x_u]), mask2).chunk(2)            # 2 x (B, L, V)
+    return _guide(cond, uncond, cfg_scale)
+
+
+def _guide(cond, uncond, cfg_scale):
     # l_u + (w + 1)(l_c - l_u), evaluated in this order so bf16 rounding matches the reference.
     return uncond + (cfg_scale + 1) * (cond - uncond)
+
+
+def _fast_block(model, x, attention_mask, prompt_index, start, end, steps, kv_cache, threshold, *, temperature,
+                cfg_scale, remasking, mask_id, generator, eos_id, eot_id, logits_eos_inf, confidence_eos_eot_inf,
+                bar):
+    """Denoise x[:, start:end] in at most `steps` forward passes, the opt-in fast way: (b, L) -> (b, L)."""
+    K = end - start
+    cached = getattr(model, "accepts_cache_kwargs", False)
+    mask2 = attention_mask if cfg_scale == 0 or attention_mask is None else attention_mask.repeat(2, 1)
+    kv = None
+    for i in range(steps):
+        # CFG: conditional and unconditional halves in one batch, each with its own rows of the cache.
+        xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (b or 2b, L)
+        if not cached:
+            out = _forward(model, xx, mask2)[:, start:end]                         # (b, K, V)
+        elif kv is None:
+            # No cache yet (or none wanted): the full sequence, the head on the block only. With a cache,
+            # this block-start pass is exact and stores every layer's keys and values for the steps below.
+            out = model(xx, mask2, logits_at=slice(start, end), return_kv=kv_cache is not None)
+            if kv_cache is not None:
+                out, kv = out
+        else:
+            # Fast-dLLM (arXiv:2505.22618) prefix cache: recompute the block and everything after it, read
+            # the finished prefix from the cache. Dual cache: recompute the block alone; the masked suffix
+            # is read from the cache too. Approximate: cached keys are from the block start (model.py).
+            stop = xx.shape[1] if kv_cache == "prefix" else end
+            out = model(xx[:, start:stop], mask2, kv=kv, start=start, logits_at=slice(0, K))
+        logits = out if cfg_scale == 0 else _guide(*out.chunk(2), cfg_scale)        # (b, K, V)
+        # Never commit the mask id: the fast paths decode every position, and a block is done when it has
+        # no mask left (the exact sampler lets a predicted mask stay masked, to be revisited later).
+        logits[..., mask_id] = -math.inf
+        if logits_eos_inf:
+            logits[..., eos_id] = -math.inf
+        x0 = gumbel_argmax(logits, temperature, generator)                         # (b, K)
+        if confidence_eos_eot_inf:  # as in the exact sampler
+            logits[..., eot_id] = -math.inf
+            if temperature == 0:
+                logits[..., eos_id] = -math.inf
+        if remasking == "low_confidence":
+            conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # (b, K)
+        else:
+            conf = _uniform(x0.shape, generator, x.device, torch.float32)          # (b, K)
+        masked = x[:, start:end] == mask_id                                        # (b, K)
+        conf = torch.where(masked, conf, -math.inf)
+        # At least what the fixed schedule still needs, ceil(remaining / steps left): LLaDA Eq. (8)'s
+        # transfer_schedule when nothing extra was committed, and always every mask by the last step.
+        left = masked.sum(1)                                                       # (b,)
+        select = select_top_k(conf, (left + steps - i - 1) // (steps - i))         # (b, K)
+        if threshold is not None:
+            # Fast-dLLM's parallel decoding: also every masked position confident beyond the threshold.
+            select |= masked & (conf > threshold)
+        x[:, start:end] = torch.where(select, x0, x[:, start:end])
+        bar.update()
+        if not (x[:, start:end] == mask_id).any():
+            break
+    return x
 
 
 @torch.no_grad()
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
              remasking="low_confidence", mask_id, generator=None, attention_mask=None, logits_eos_inf=False,
-             confidence_eos_eot_inf=False, eos_id=None, eot_id=None, progress=False):
+             confidence_eos_eot_inf=False, eos_id=None, eot_id=None, kv_cache=None, threshold=None,
+             stop_at_eos=False, progress=False):
     """LLaDA's semi-autoregressive sampler (llada-format.md §6; method.md §4.1).
 
     prompt_ids (B, P) int64, left-padded; attention_mask (B, P) with 1 = real token (optional; it is passed
@@ -167,22 +245,44 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     confidence: p(x0) for "low_confidence", a uniform draw for "random". Positions whose x0 is the mask id
     stay masks, as in the reference. The model should be in eval mode.
 
+    With the defaults this is the exact sampler, the reference. The options below are opt-in
+    approximations for fast rollouts (peers.md §4; bench.py measures them). They change only the behaviour
+    policy: the MaskGRPO estimator recomputes log-probabilities under its own masks (importance.py).
+    Any of them also computes the output head only on the current block, and never commits the mask id,
+    so every position is decoded.
+
     Args:
         cfg_scale: guidance weight w; logits = l_u + (w + 1)(l_c - l_u), l_u with the prompt masked.
         generator: torch.Generator for the Gumbel noise (temperature > 0) and "random" confidences.
         logits_eos_inf: never predict EOS (eos_id, default model.config.eos_token_id).
         confidence_eos_eot_inf: give EOT predictions (eot_id) confidence 0, and EOS ones too at
             temperature 0, exactly as LLaDA's flag does (llada-format.md §5).
+        kv_cache: None (exact), "prefix" or "dual": Fast-dLLM's block-wise KV cache (arXiv:2505.22618). At
+            each block start one full forward caches every layer's keys and values; the block's later steps
+            then recompute only the block and the suffix after it ("prefix") or only the block ("dual"),
+            reading the other keys from that cache. Needs a model.Transformer (forward's kv arguments).
+        threshold: None (fixed schedule) or tau: each step also commits every masked position of the block
+            whose confidence exceeds tau (Fast-dLLM's parallel decoding; 0.9 there), so a block may finish
+            in fewer steps. `steps` stays an upper bound: each step commits at least ceil(masked left / steps
+            left), one per step when steps = gen_length, as in Fast-dLLM. tau >= 1 never fires.
+            low_confidence remasking only.
+        stop_at_eos: once a finished block leaves a row with an EOS (eos_id) anywhere in its completion,
+            fill the rest of that row with EOS and drop it from later forward passes (EOSER's early
+            rejection, peers.md §4.7). Tokens up to the first EOS are those of a full run (at temperature 0
+            up to kernel rounding on the smaller batch; at temperature > 0 in distribution, the draws
+            differ); later ones become EOS where the model might have written something else. Exact for a
+            consumer that cuts the completion at its first EOS, approximate otherwise.
     """
     num_blocks, steps_per_block = _check_text_args(prompt_ids, attention_mask, gen_length, block_length, steps,
                                                    temperature, cfg_scale, remasking, mask_id)
     if eos_id is None:
         eos_id = getattr(getattr(model, "config", None), "eos_token_id", None)
-    if (logits_eos_inf or confidence_eos_eot_inf) and eos_id is None:
-        raise ValueError("logits_eos_inf / confidence_eos_eot_inf need eos_id, and the model has no "
-                         "config.eos_token_id to default to")
+    if (logits_eos_inf or confidence_eos_eot_inf or stop_at_eos) and eos_id is None:
+        raise ValueError("logits_eos_inf / confidence_eos_eot_inf / stop_at_eos need eos_id, and the model has "
+                         "no config.eos_token_id to default to")
     if confidence_eos_eot_inf and eot_id is None:
         raise ValueError("confidence_eos_eot_inf needs eot_id, the <|eot_id|> token id (126348 for LLaDA)")
+    _check_fast_args(model, kv_cache, threshold, remasking)
     B, P = prompt_ids.shape
     x = torch.full((B, P + gen_length), mask_id, dtype=torch.long, device=prompt_ids.device)  # (B, L)
     x[:, :P] = prompt_ids
@@ -190,36 +290,79 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, gen_length)], dim=1)  # (B, L)
     # Computed once, before anything is revealed: CFG's unconditional input masks exactly these positions.
     prompt_index = x != mask_id                                                    # (B, L)
+    fast = kv_cache is not None or threshold is not None
+    sampling = dict(temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, mask_id=mask_id,
+                    generator=generator, eos_id=eos_id, eot_id=eot_id, logits_eos_inf=logits_eos_inf,
+                    confidence_eos_eot_inf=confidence_eos_eot_inf)
+    finished = torch.zeros(B, dtype=torch.bool, device=x.device)  # stop_at_eos: rows that ended
 
     bar = tqdm(total=steps, desc="denoising", disable=not progress, leave=False)
     for b in range(num_blocks):
         end = P + (b + 1) * block_length
-        counts = transfer_schedule((x[:, end - block_length:end] == mask_id).sum(1), steps_per_block)  # (B, s)
-        for i in range(steps_per_block):
-            masked = x == mask_id                                                  # (B, L)
-            logits = _text_logits(model, x, attention_mask, prompt_index, cfg_scale, mask_id)  # (B, L, V)
-            if logits_eos_inf:
-                logits[..., eos_id] = -math.inf
-            x0 = gumbel_argmax(logits, temperature, generator)                     # (B, L)
-            if confidence_eos_eot_inf:
-                # LLaDA sets the noisy logits' EOS and the clean logits' EOT to -inf *after* choosing x0, so
-                # only the confidence changes; at temperature 0 the noisy logits are the same tensor, so EOS
-                # is hit too (llada-format.md §5).
-                logits[..., eot_id] = -math.inf
-                if temperature == 0:
-                    logits[..., eos_id] = -math.inf
-            if remasking == "low_confidence":
-                # Softmax in the logits' own dtype (bf16 for LLaDA-8B), as the reference: a float32 softmax
-                # would break bf16 ties differently and change the output (llada-format.md §6 item 2).
-                conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # (B, L)
-            else:
-                conf = _uniform(x.shape, generator, x.device, torch.float32)       # (B, L)
-            conf[:, end:] = -math.inf  # later blocks wait their turn: the semi-autoregressive order
-            x0 = torch.where(masked, x0, x)
-            conf = torch.where(masked, conf, -math.inf)  # before topk, as the reference (§6 item 4)
-            x = torch.where(select_top_k(conf, counts[:, i]), x0, x)
-            bar.update()
+        rows = (~finished).nonzero().squeeze(1)                                   # (b,)
+        if len(rows) == 0:
+            break
+        sub = len(rows) < B  # stop_at_eos only: run the unfinished rows alone
+        xb, maskb, promptb = ((t if t is None else t[rows]) for t in (x, attention_mask, prompt_index)) if sub \
+            else (x, attention_mask, prompt_index)
+        if fast:
+            xb = _fast_block(model, xb, maskb, promptb, end - block_length, end, steps_per_block, kv_cache,
+                             threshold, bar=bar, **sampling)
+        else:
+            xb = _exact_block(model, xb, maskb, promptb, end, block_length, steps_per_block, bar=bar, **sampling)
+        if sub:
+            x[rows] = xb
+        else:
+            x = xb
+        if stop_at_eos:
+            finished |= (x[:, P:end] == eos_id).any(1)
+            x[finished, end:] = eos_id
     bar.close()
+    return x
+
+
+def _exact_block(model, x, attention_mask, prompt_index, end, block_length, steps_per_block, *, temperature,
+                 cfg_scale, remasking, mask_id, generator, eos_id, eot_id, logits_eos_inf, confidence_eos_eot_inf,
+                 bar):
+    """One block of the exact sampler (LLaDA's generate() inner loop): (b, L) -> (b, L)."""
+    counts = transfer_schedule((x[:, end - block_length:end] == mask_id).sum(1), steps_per_block)  # (b, s)
+    for i in range(steps_per_block):
+        masked = x == mask_id                                                      # (b, L)
+        # The model computes the full (b, L, V) logits, as the reference. Computing the head on the block
+        # alone is the same maths but not the same bits: BLAS picks its kernel by matrix shape (on our CPU,
+        # rows past the last multiple of 4 take another path, ~1e-6 apart), which can flip a near-tie.
+        # Everything after the head is per position, so it runs only where a choice is made: from the
+        # first masked position (a predicted mask id stays masked and competes again) to the block end.
+        logits = _text_logits(model, x, attention_mask, prompt_index, cfg_scale, mask_id)  # (b, L, V)
+        cols = masked[:, :end].any(0).nonzero()
+        lo = int(cols[0]) if len(cols) else end
+        u = None
+        if temperature > 0:  # drawn for every position all the same, so the generator stays in step
+            u = _uniform(logits.shape, generator, x.device)[:, lo:end]             # (b, l, V)
+        logits = logits[:, lo:end]                                                 # (b, l, V)
+        if logits_eos_inf:
+            logits[..., eos_id] = -math.inf
+        x0 = x.clone()                                                             # (b, L)
+        x0[:, lo:end] = gumbel_argmax(logits, temperature, generator, u)
+        if confidence_eos_eot_inf:
+            # LLaDA sets the noisy logits' EOS and the clean logits' EOT to -inf *after* choosing x0, so
+            # only the confidence changes; at temperature 0 the noisy logits are the same tensor, so EOS
+            # is hit too (llada-format.md §5).
+            logits[..., eot_id] = -math.inf
+            if temperature == 0:
+                logits[..., eos_id] = -math.inf
+        if remasking == "low_confidence":
+            # Softmax in the logits' own dtype (bf16 for LLaDA-8B), as the reference: a float32 softmax
+            # would break bf16 ties differently and change the output (llada-format.md §6 item 2).
+            conf = torch.full(x.shape, -math.inf, dtype=logits.dtype, device=x.device)  # (b, L)
+            conf[:, lo:end] = F.softmax(logits, dim=-1).gather(-1, x0[:, lo:end, None]).squeeze(-1)
+        else:
+            conf = _uniform(x.shape, generator, x.device, torch.float32)           # (b, L)
+        conf[:, end:] = -math.inf  # later blocks wait their turn: the semi-autoregressive order
+        x0 = torch.where(masked, x0, x)
+        conf = torch.where(masked, conf, -math.inf)  # before topk, as the reference (§6 item 4)
+        x = torch.where(select_top_k(conf, counts[:, i]), x0, x)
+        bar.update()
     return x
 
 
@@ -370,7 +513,8 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
 def main(argv=None):
     from model import Transformer, chat_prompt, load_tokenizer
 
-    p = argparse.ArgumentParser(description="Sample a completion from a LLaDA-style checkpoint.")
+    p = argparse.ArgumentParser(description="Sample a completion (or, with --image, an image) from a "
+                                            "LLaDA/MMaDA-style checkpoint.")
     p.add_argument("--ckpt", required=True, help="directory with config.json, *.safetensors, tokenizer.json")
     p.add_argument("--prompt", required=True)
     p.add_argument("--gen_length", type=int, default=64)
@@ -379,20 +523,55 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (temperature > 0)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the LLaDA-Instruct chat template")
+    p.add_argument("--image", action="store_true", help="text-to-image: fill image slots with the emerge "
+                                                         "sampler (toy checkpoints of train.py)")
+    p.add_argument("--cfg_scale", type=float, default=0.0, help="classifier-free guidance weight (--image)")
+    p.add_argument("--image_tokens", type=int, default=16, help="image slots, a square number (--image)")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     model = Transformer.from_pretrained(args.ckpt, device=device, dtype=dtype)
     tok = load_tokenizer(args.ckpt, model.config)
+    gen = torch.Generator(device).manual_seed(args.seed)
+    if args.image:
+        return _sample_image(model, tok, args, gen, device)
     text = chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     # No special-token insertion: the chat template already holds BOS (llada-format.md §5).
     prompt = torch.tensor([tok.encode(text, add_special_tokens=False).ids], device=device)  # (1, P)
     out = generate(model, prompt, gen_length=args.gen_length, block_length=args.block_length,
                    steps=args.steps, temperature=args.temperature, mask_id=model.config.mask_token_id,
-                   generator=torch.Generator(device).manual_seed(args.seed), progress=True)
+                   generator=gen, progress=True)
     completion = tok.decode(out[0, prompt.shape[1]:].tolist(), skip_special_tokens=True)
     print(completion)
     return completion
+
+
+def _sample_image(model, tok, args, gen, device):
+    # The toy's MMaDA-style t2i layout and grid rendering live in tasks.py; a square grid of codes.
+    import math
+
+    import tasks
+
+    cfg = model.config
+    if cfg.image_token_offset is None:
+        raise ValueError(f"{args.ckpt} has no image tokens (image_token_offset is unset in config.json); "
+                         "--image needs a multimodal checkpoint such as train.py's toy output")
+    n = args.image_tokens
+    if math.isqrt(n) ** 2 != n:
+        raise ValueError(f"--image_tokens ({n}) must be a square number: the toy images are square grids")
+    text_len = tasks.image_text_len(tok)
+    ids, start, att = tasks.encode_image_prompt(tok, args.prompt, text_len, n)
+    uids, _, uatt = tasks.encode_image_prompt(tok, "", text_len, n)
+    def t(v):
+        return torch.tensor([v], device=device)  # (1, L)
+    out = generate_image(model, t(ids), image_start=start, num_tokens=n, steps=args.steps,
+                         cfg_scale=args.cfg_scale, uncond_input_ids=t(uids), generator=gen,
+                         attention_mask=t(att), uncond_attention_mask=t(uatt),
+                         code_offset=cfg.image_token_offset, codebook_size=cfg.codebook_size,
+                         mask_id=cfg.mask_token_id, progress=True)
+    codes = [c - cfg.image_token_offset for c in out[0, start:start + n].tolist()]
+    print(tasks.render_image(codes, math.isqrt(n)))
+    return codes
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ play for MMaDA in the paper. Sequences follow the LLaDA/MMaDA layouts (shared/do
     image  [iPAD]... <|t2i|> <|startoftext|> caption <|endoftext|> <|soi|> image codes <|eoi|>
 
 Everything here is pure Python seeded by `random.Random` (no torch), so tasks and rewards are testable
-alone. `noise` (default 0) makes a controlled fraction of SFT targets "plausible but wrong" (off-by-one
-answers, skipped steps, wrong colours/counts/positions), which turns the SFT model into a mixture of right
-and wrong behaviours for RL to sort out. In the toy's few-minute SFT budget it was measured to slow
-learning more than it helps (text 0.20 vs 0.36 sampled reward at noise 0.5 vs 0), so the toy trains
-on clean data and relies on the short SFT leaving the model at partial reward. Held-out evaluation always
-scores against the *true* answer/spec.
+alone. `noise` makes a controlled fraction of SFT targets carry one *systematic* mistake: the boxed
+answer one off from the (correct) working, or one named colour drawn as its look-alike colour. The SFT
+model then becomes a mixture of a right and a wrong habit, the situation RL is good at fixing (shift
+probability toward the habit that earns reward) and the one the toy is meant to show in minutes. Random
+mistakes (wrong arithmetic, stray cells) were measured to mostly slow SFT down and to leave errors that
+a few minutes of RL cannot repair. This is a deliberate property of the toy, not of the paper; held-out
+evaluation always scores against the *true* answer/spec.
 """
 from __future__ import annotations
 
@@ -180,23 +181,11 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
 
 
 def _wrong_target(rng: random.Random, steps: list, max_value: int) -> tuple[list, int]:
-    # A plausible mistake -> (steps written, boxed value): the last step skipped (its input boxed), one
-    # step's result off by one and carried through, or right working with the box off by one. Values
-    # stay in [0, max_value] and the format is unchanged, so a wrong target differs from a right one
-    # only in its numbers, never in tokens or length the clean data lacks.
-    kind = rng.choice(["skip", "slip", "off_by_one"])
-    if kind == "skip" and len(steps) > 1:
-        return steps[:-1], steps[-2][3]
-    if kind == "slip":
-        i = rng.randrange(len(steps))
-        out = list(steps[:i]) + [steps[i][:3] + (steps[i][3] + rng.choice([-1, 1]),)]
-        for _, op, n, _ in steps[i + 1:]:
-            a = out[-1][3]
-            out.append((a, op, n, a + n if op == "+" else a - n))
-        if all(0 <= r <= max_value for *_, r in out):
-            return out, out[-1][3]
+    # The systematic mistake -> (steps written, boxed value): right working, box one more than the
+    # result (one less at max_value). Same tokens and length as a right target; only the box digit
+    # differs, so the SFT model learns "copy the result" and "copy the result plus one" as two habits.
     final = steps[-1][3]
-    return steps, rng.choice([v for v in (final - 1, final + 1) if 0 <= v <= max_value])
+    return steps, final + 1 if final < max_value else final - 1
 
 
 _BOX = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -296,24 +285,11 @@ def make_image_example(rng: random.Random, split: str = "train", noise: float = 
 
 
 def _corrupt(rng: random.Random, image: list[int], spec: dict) -> list[int]:
-    # A plausible mistake that fails at least one check: recolour one object, add or drop one, or move
-    # one (which only fails a relation/placement check, hence the retry).
-    filled = [i for i, c in enumerate(image) if c]
-    empty = [i for i, c in enumerate(image) if not c]
-    while True:
-        bad, i = list(image), rng.choice(filled)
-        kind = rng.choice(["colour", "add", "drop", "move"])
-        if kind == "colour":
-            bad[i] = rng.choice([c for c in range(1, CODEBOOK_SIZE) if c != image[i]])
-        elif kind == "drop":
-            bad[i] = 0
-        else:
-            j = rng.choice(empty)
-            bad[j] = image[i]
-            if kind == "move":
-                bad[i] = 0
-        if image_reward(bad, spec) < 1.0:
-            return bad
+    # The systematic mistake: every cell of the first named colour drawn in its look-alike (the next
+    # palette colour), which always breaks that colour's count check. Layout is untouched.
+    c = COLOURS.index(next(iter(spec["counts"]))) + 1
+    look_alike = c % len(COLOURS) + 1
+    return [look_alike if x == c else x for x in image]
 
 
 def image_checks(codes: list[int], spec: dict) -> list[bool]:

@@ -62,24 +62,26 @@ class Config:
     mlp_hidden_size: int = 384
     # toy tasks
     tasks: str = "text,image"         # RL tasks, comma separated: text, image
-    text_noise: float = 0.3           # fraction of SFT text targets carrying a plausible wrong answer
-    image_noise: float = 0.3          # fraction of SFT images with a wrong colour / count / position
+    text_max_steps: int = 1           # arithmetic steps per word problem (1 or 2)
+    text_noise: float = 0.0           # fraction of SFT text targets with a plausible wrong answer (tasks.py)
+    image_noise: float = 0.0          # fraction of SFT images breaking one check (tasks.py)
     image_width: int = 4              # toy images are image_width x image_width grids of palette codes
     # stage 1: masked-diffusion SFT
     sft_steps: int = 1500
     sft_batch_size: int = 64          # sequences per SFT step and task
     sft_lr: float = 2e-3
     sft_warmup: int = 50
+    image_loss_weight: float = 3.0    # images stall beside text at weight 1 (measured, tasks.py calibration)
     cond_dropout: float = 0.1         # caption dropped for CFG (MMaDA trains with 0.1)
     # text rollouts (LLaDA low-confidence block sampler)
-    gen_length: int = 24
-    block_length: int = 8
-    steps: int = 24
+    gen_length: int = 12
+    block_length: int = 12
+    steps: int = 12
     temperature: float = 1.0          # rollout temperature (official default 0.9)
     # image rollouts
     image_sampler: str = "emerge"     # emerge (MaskGRPO) | maskgit (MMaDA default, baseline)
-    image_steps: int = 8
-    cfg_scale: float = 2.0
+    image_steps: int = 12             # MaskGRPO rollouts use 12 emerge steps (method.md §4.3)
+    cfg_scale: float = 0.0            # guidance weight w; (1 + w) cond - w uncond
     # importance estimator
     estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines for ablation)
     text_reversing: str = "arlike"    # arlike (paper, text) | random
@@ -99,7 +101,8 @@ class Config:
     grad_clip: float = 1.0
     device_batch_size: int = 0        # sequences per forward pass in log-prob passes (0 = all at once)
     # evaluation / logging
-    eval_prompts: int = 128           # held-out prompts per task, scored before and after RL
+    eval_prompts: int = 256           # held-out prompts per task, scored before and after RL
+    eval_samples: int = 4             # sampled completions per held-out prompt (one sample is too noisy)
     sample_every: int = 20            # print a decoded rollout every N RL steps (0 = never)
 
 
@@ -107,7 +110,7 @@ PRESETS: dict[str, dict] = {
     # 2-core laptop CPU, ~15 min: SFT ~5 min, then RL on both toy tasks; reward rises (README table).
     "toy": {},
     # seconds-long smoke run of the whole pipeline (tests, CI).
-    "smoke": {"sft_steps": 30, "rl_steps": 2, "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8,
+    "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2, "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1,
               "d_model": 32, "n_layers": 2, "mlp_hidden_size": 64, "num_iterations": 2, "sample_every": 1},
 }
 
@@ -258,7 +261,7 @@ def make_batch(task: str, examples: list, tok, sp, cfg: Config, device, with_tar
 
 def make_example(task: str, rng: random.Random, cfg: Config, split: str, noise: float = 0.0) -> dict:
     if task == "text":
-        return tasks.make_text_example(rng, split=split, noise=noise)
+        return tasks.make_text_example(rng, split=split, noise=noise, max_steps=cfg.text_max_steps)
     return tasks.make_image_example(rng, split=split, noise=noise, width=cfg.image_width)
 
 
@@ -300,7 +303,7 @@ def diffusion_loss(model, b: Batch, sp, gen: torch.Generator, eps: float = 1e-3)
 def sft(model, tok, sp, cfg: Config, device) -> float:
     """Train from scratch on noisy toy data (tasks.py); returns seconds spent."""
     t0 = time.time()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.99), weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Linear warm-up then cosine decay to 10%: fixed-lr runs plateau early at this size (toy-notes.md).
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.sft_warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, cfg.sft_steps))))))
@@ -320,7 +323,7 @@ def sft(model, tok, sp, cfg: Config, device) -> float:
                 b.x[drop, : b.prompt_len] = b.uncond[drop, : b.prompt_len]
                 b.attention_mask[drop] = b.uncond_mask[drop]
             loss = diffusion_loss(model, b, sp, gen)
-            loss.backward()
+            (loss * (cfg.image_loss_weight if task == "image" else 1.0)).backward()
             loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -368,9 +371,11 @@ def score(b: Batch, tok, sp) -> torch.Tensor:
 
 
 def evaluate(model, tok, sp, cfg: Config, device, task: str, temperature: float) -> float:
-    """Held-out mean reward: one completion per held-out prompt, fixed seeds so runs are paired."""
+    """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), with
+    fixed seeds so that runs are paired."""
     rng = random.Random(derive_seed(cfg.seed, "eval", task))
     exs = [make_example(task, rng, cfg, "test") for _ in range(cfg.eval_prompts)]
+    exs = [ex for ex in exs for _ in range(cfg.eval_samples if temperature > 0 else 1)]
     rewards = []
     for i in range(0, len(exs), 64):
         b = make_batch(task, exs[i:i + 64], tok, sp, cfg, device, with_targets=False)
@@ -510,6 +515,7 @@ def log_line(log: dict, total: int) -> str:
 
 
 SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_noise", "image_noise", "image_width",
+            "text_max_steps", "image_loss_weight",
             "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
 
 
