@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+import sample
 import tasks
 import train
 from model import Transformer, load_tokenizer
@@ -31,6 +32,12 @@ def test_smoke_run(tmp_path):
     model = Transformer.from_pretrained(out / "final")
     tok = load_tokenizer(out / "final", model.config)
     assert tok.get_vocab_size() == tasks.build_tokenizer().get_vocab_size()
+    # The sampling CLI reads the written checkpoint, for a text and an image prompt.
+    text = sample.main(["--ckpt", str(out / "final"), "--prompt", "bob has 3 pens . how many pens does he have ?",
+                        "--gen_length", "12", "--block_length", "12", "--steps", "12"])
+    assert isinstance(text, str)
+    codes = sample.main(["--ckpt", str(out / "final"), "--prompt", "two red blocks", "--image", "--steps", "4"])
+    assert len(codes) == 16 and all(0 <= c < tasks.CODEBOOK_SIZE for c in codes)
     # Re-run the same RL config from the cached SFT model: the SFT stage is skipped, and the result is
     # deterministic, so the final weights give the same logits as the first run's.
     again = train.main(["--preset", "smoke", f"--out_dir={out}"])
