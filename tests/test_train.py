@@ -50,7 +50,7 @@ def test_smoke_run(tmp_path):
 
 @pytest.mark.parametrize("argv,match", [
     (["--gen_length=20", "--block_length=8"], r"gen_length \(20\) must be divisible by block_length \(8\)"),
-    (["--steps=5"], r"steps \(5\) must be a positive multiple"),
+    (["--steps=5", "--block_length=4"], r"steps \(5\) must be a positive multiple of the number of blocks \(3\)"),
     (["--group_size=1"], r"group_size \(1\) must be >= 2"),
     (["--gamma_text=1.0"], r"gamma_text \(1.0\) must be in \[0, 1\)"),
     (["--clip_eps=0"], r"clip_eps \(0.0\) must be > 0"),
