@@ -19,7 +19,7 @@ def test_smoke_run(tmp_path):
     """A few SFT and RL steps of the whole pipeline: finite losses, one log line per step, a final
     checkpoint in the Hugging Face layout that reloads to identical logits, a summary with both tasks."""
     out = tmp_path / "run"
-    summary = train.main(["--preset", "smoke", f"--out_dir={out}"])
+    summary = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1"])
     lines = [json.loads(s) for s in (out / "log.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1]
     for l in lines:
@@ -40,7 +40,7 @@ def test_smoke_run(tmp_path):
     assert len(codes) == 16 and all(0 <= c < tasks.CODEBOOK_SIZE for c in codes)
     # Re-run the same RL config from the cached SFT model: the SFT stage is skipped, and the result is
     # deterministic, so the final weights give the same logits as the first run's.
-    again = train.main(["--preset", "smoke", f"--out_dir={out}"])
+    again = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1"])
     assert again["seconds"]["sft"] == summary["seconds"]["sft"]
     model2 = Transformer.from_pretrained(out / "final")
     x = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
