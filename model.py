@@ -222,13 +222,22 @@ class Block(nn.Module):
         self.up_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)   # up: no activation
         self.ff_out = nn.Linear(cfg.mlp_hidden_size, d, bias=False)    # down projection
 
-    def forward(self, x, cos, sin, attn_mask=None):
+    def forward(self, x, cos, sin, attn_mask=None, kv=None, start=0, return_kv=False):
+        """x (B, L, D) -> (B, L, D) [, (k, v) each (B, Hkv, Lk, Dh)]. With kv = (k, v) cached for Lk positions,
+        x holds positions [start, start + L) only, and its fresh keys replace those rows of the cache."""
         B, L, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)      # (B, H, L, Dh)
         k = self.k_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, L, Dh)
         v = self.v_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, L, Dh)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:
+            # Keys stay in sequence order (cached prefix, fresh slice, cached suffix), so a key-padding mask
+            # over the full sequence lines up with them. Cached after RoPE: positions are absolute.
+            end = start + L
+            k = torch.cat([kv[0][:, :, :start], k, kv[0][:, :, end:]], dim=2)             # (B, Hkv, Lk, Dh)
+            v = torch.cat([kv[1][:, :, :start], v, kv[1][:, :, end:]], dim=2)             # (B, Hkv, Lk, Dh)
+        new_kv = (k, v)  # before the GQA repeat: a cache of Hkv heads, not H
         if self.n_kv_heads != self.n_heads:  # grouped-query attention: each kv head serves H/Hkv heads
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -236,7 +245,8 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)  # (B, H, L, Dh)
         x = x + self.attn_out(y.transpose(1, 2).reshape(B, L, -1))
         h = self.ff_norm(x)
-        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+        x = x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+        return (x, new_kv) if return_kv else x
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -268,23 +278,55 @@ class Transformer(nn.Module):
         cos, sin = self._rope_cache[key]
         return cos[:length], sin[:length]
 
-    def forward(self, input_ids, attention_mask=None):
+    accepts_cache_kwargs = True  # tells sample.generate that forward takes the fast-sampling options
+
+    def forward(self, input_ids, attention_mask=None, *, logits_at=None, return_kv=False, kv=None, start=0):
         """input_ids (B, L) int64; attention_mask (B, L) with 1 = real token, 0 = padding (optional).
-        Returns logits (B, L, V) in the parameter dtype."""
-        B, L = input_ids.shape
-        cos, sin = self.rope(L, input_ids.device)
+        Returns logits (B, L, V) in the parameter dtype.
+
+        Keyword-only options for fast sampling (sample.generate); the defaults are the exact forward:
+            logits_at: a slice; compute the head only at those positions (same maths, though BLAS may round
+                a smaller matrix differently in the last bit).
+            return_kv: also return every layer's keys and values: a list of (k, v), each (B, Hkv, L, Dh).
+            kv, start: the cached path, an APPROXIMATION once the cache is stale. input_ids (B, l) are the
+                positions [start, start + l) of a sequence whose other keys and values come from kv (a
+                return_kv list for the same batch, Lk positions); attention_mask then covers all Lk. With a
+                cache of the current tokens this equals the exact forward up to rounding; with an older
+                one it does not, since bidirectional attention lets every key depend on every token.
+                Fast-dLLM (arXiv:2505.22618) finds the drift small across the steps of one block."""
+        B, l = input_ids.shape
+        if kv is None and start:
+            raise ValueError(f"start ({start}) > 0 runs a slice of a sequence and needs the keys and values of "
+                             "the rest of it: pass kv, the list a return_kv=True call returned")
+        Lk = start + l if kv is None else kv[0][0].shape[2]
+        if kv is not None and (len(kv) != len(self.blocks) or start + l > Lk or kv[0][0].shape[0] != B):
+            raise ValueError(f"kv ({len(kv)} layers of {tuple(kv[0][0].shape)}) cannot serve positions "
+                             f"[{start}, {start + l}) of a batch of {B} in this {len(self.blocks)}-layer model; "
+                             "build it with return_kv=True on the same batch")
+        if kv is not None and attention_mask is not None and attention_mask.shape != (B, Lk):
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must cover every key, {(B, Lk)}")
+        cos, sin = self.rope(Lk, input_ids.device)
+        cos, sin = cos[start:start + l], sin[start:start + l]  # absolute positions, left padding included
         mask = None
         if attention_mask is not None:
             # Key-padding mask on a bidirectional attention (the Oct-2025 HF LLaDA behaviour, §4.6):
             # no query attends to a pad key. Pad queries still attend to real keys, so no row is empty.
-            mask = attention_mask.bool()[:, None, None, :]                       # (B, 1, 1, L)
-        x = self.wte(input_ids)                                                  # (B, L, D)
-        for block in self.blocks:
-            if self.activation_checkpointing and torch.is_grad_enabled():
+            # On the cached path it covers the cached keys too, so left padding stays hidden.
+            mask = attention_mask.bool()[:, None, None, :]                       # (B, 1, 1, Lk)
+        x = self.wte(input_ids)                                                  # (B, l, D)
+        new_kv = []
+        for i, block in enumerate(self.blocks):
+            if kv is not None or return_kv:
+                x, layer_kv = block(x, cos, sin, mask, None if kv is None else kv[i], start, return_kv=True)
+                new_kv.append(layer_kv)
+            elif self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask)
-        return self.ff_out(self.ln_f(x))                                          # (B, L, V)
+        if logits_at is not None:
+            x = x[:, logits_at]                                                  # (B, l', D)
+        logits = self.ff_out(self.ln_f(x))                                       # (B, l, V)
+        return (logits, new_kv) if return_kv else logits
 
     def set_activation_checkpointing(self, on: bool = True) -> "Transformer":
         """Recompute each block in the backward pass instead of storing its activations (needed at 8B)."""

@@ -3,7 +3,9 @@
 MaskGRPO (arXiv:2510.02880) rolls out with these samplers (method.md §4):
   generate        LLaDA's semi-autoregressive block sampler with low-confidence or random remasking
                   (LLaDA arXiv:2502.09992 and its public generate.py; llada-format.md §6). At temperature 0
-                  it reproduces the public LLaDA generate() token for token.
+                  it reproduces the public LLaDA generate() token for token. Opt-in approximations for
+                  fast rollouts: kv_cache="prefix"/"dual" and threshold (Fast-dLLM, arXiv:2505.22618;
+                  bench.py), stop_at_eos (early EOS stop); the defaults are the exact sampler.
   generate_image  over the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`: MaskGRPO's
                   "emerge" sampler (MDLM ancestral sampling on a cosine schedule, paper Alg. 4) or MMaDA's
                   MaskGIT confidence sampler, both with optional classifier-free guidance.
@@ -214,11 +216,14 @@ def _fast_block(model, x, attention_mask, prompt_index, start, end, steps, kv_ca
         else:
             conf = _uniform(x0.shape, generator, x.device, torch.float32)          # (b, K)
         masked = x[:, start:end] == mask_id                                        # (b, K)
-        conf = torch.where(masked, conf, -math.inf)
+        # topk over a full-length row, -inf outside the block, as the exact sampler: confidences tie (at
+        # p = 1, in bf16), and topk breaks ties by the row it is given (select_top_k).
+        full = torch.full(x.shape, -math.inf, dtype=conf.dtype, device=x.device)   # (b, L)
+        full[:, start:end] = torch.where(masked, conf, -math.inf)
         # At least what the fixed schedule still needs, ceil(remaining / steps left): LLaDA Eq. (8)'s
         # transfer_schedule when nothing extra was committed, and always every mask by the last step.
         left = masked.sum(1)                                                       # (b,)
-        select = select_top_k(conf, (left + steps - i - 1) // (steps - i))         # (b, K)
+        select = select_top_k(full, (left + steps - i - 1) // (steps - i))[:, start:end]  # (b, K)
         if threshold is not None:
             # Fast-dLLM's parallel decoding: also every masked position confident beyond the threshold.
             select |= masked & (conf > threshold)
@@ -302,9 +307,11 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
         rows = (~finished).nonzero().squeeze(1)                                   # (b,)
         if len(rows) == 0:
             break
-        sub = len(rows) < B  # stop_at_eos only: run the unfinished rows alone
-        xb, maskb, promptb = ((t if t is None else t[rows]) for t in (x, attention_mask, prompt_index)) if sub \
-            else (x, attention_mask, prompt_index)
+        sub = len(rows) < B  # stop_at_eos only: the unfinished rows run alone
+        if sub:
+            xb, maskb, promptb = x[rows], None if attention_mask is None else attention_mask[rows], prompt_index[rows]
+        else:
+            xb, maskb, promptb = x, attention_mask, prompt_index
         if fast:
             xb = _fast_block(model, xb, maskb, promptb, end - block_length, end, steps_per_block, kv_cache,
                              threshold, bar=bar, **sampling)

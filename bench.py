@@ -1,0 +1,237 @@
+"""Rollout speed of sample.generate's fast options against the exact sampler (a benchmark, not a test).
+
+    python bench.py --threads 1   # both models, one repetition (~25 min on one busy CPU core)
+    python bench.py --reps 3      # the table shows medians over 3 interleaved repetitions
+    python bench.py --quick       # smoke run, ~1 min: gen length 64, a 2-layer 256-d "llada"
+
+One table, all measured in this run: tokens/second of the exact sampler (the reference) and of the opt-in
+approximations, Fast-dLLM's prefix and dual KV caches and its confidence-threshold parallel decoding
+(arXiv:2505.22618), alone and combined; the ratio to the exact sampler; forward passes; token agreement
+with the exact output at temperature 0; peak memory. Prompt 64 (left-padded to 48-64 real tokens), gen
+length 256, block 32, batch 8, steps 256: one token per step on the fixed schedule, at least one with a
+threshold.
+
+Models. Both random (no CPU-trainable model fills 256 tokens sensibly), init std 1/sqrt(d) rather than
+LLaDA's 0.02: at 0.02 every masked position sees little but the mask embedding, all predict one token and
+whole blocks repeat it. Random networks are still repetitive and chaotic, so stale cached keys move their
+argmax more than a trained model's: the agreement column is a pessimistic bound, and accuracy is a question
+for a trained model (the toy RL comparison). The mask id's logit is pinned low (never_predict_mask), as in a
+trained LLaDA. A random model's confidences carry no information, so each head is scaled (a logit
+temperature) to make threshold 0.9 with a cache commit about as many tokens per forward pass as Fast-dLLM
+does on LLaDA-8B GSM8K (2.77 tokens/forward, d3LLM leaderboard; calibrated offline with the dual cache):
+that sets the threshold rows' pass count, shown in "tok/fwd"; the cache rows (one token per step) do not
+depend on it. Without a cache they fire more often (toy ~4x, llada ~1.25x; a random model's confidences
+shift a lot with stale keys), so the "threshold" row's pass count is not the cached rows'.
+  toy    train.py's toy dims: d 128, 4 layers, MLP 384, vocab 150; head scale 16.
+  llada  LLaDA-shaped: d 512, 4 layers, 8 heads, MLP 1536, vocab 32000; head scale 26 (--head_scale).
+At this size the 32000-row head costs as much as the 4 layers, and the exact sampler computes it at all
+L = 320 positions (as the reference does; sample.py says why). The fast paths compute it on the 32-token
+block only; the note under the table times that share (and --all adds the threshold=1.0 row, the fixed
+schedule with the block-only head, to separate it from the caches). On LLaDA-8B the head is ~7% of a step.
+
+Time is wall clock around one generate() call; "x exact" is the median over repetitions of the speed ratio
+to the exact sampler in the same repetition (configurations interleaved, so other load hits them alike).
+Peak memory: CUDA max_memory_allocated; on CPU the growth of the resident set during the call, polled each
+millisecond from /proc/self/statm after handing freed heap back to the OS (glibc malloc_trim), so peaks
+shorter than a millisecond can be missed. It is measured on the first repetition.
+"""
+import argparse
+import contextlib
+import ctypes
+import os
+import statistics
+import threading
+import time
+
+import torch
+
+from model import ModelConfig, Transformer
+from sample import generate
+
+EOS = 0
+P, K, B = 64, 32, 8
+CONFIGS = [  # name, kv_cache, threshold
+    ("exact", None, None),
+    ("prefix", "prefix", None),
+    ("dual", "dual", None),
+    ("threshold", None, 0.9),
+    ("prefix+threshold", "prefix", 0.9),
+    ("dual+threshold", "dual", 0.9),
+]
+BLOCK_HEAD = ("block head (thr 1.0)", None, 1.0)  # fixed schedule, head on the block: the exact-maths saving
+
+
+# -----------------------------------------------------------------------------------------------------
+# models
+
+
+def never_predict_mask(model):
+    """Pin the mask id's logit far below the others, as a trained LLaDA's: otherwise a random model's exact
+    sampler commits the mask id now and then (it stays masked and competes again), which the fast paths never
+    do, and rows would differ for that reason alone. Residual dimension 0 becomes a constant: the embedding
+    writes c there and no block writes to it, so after ln_f it is positive at every position, and the head's
+    mask row reads it with a large negative weight."""
+    with torch.no_grad():
+        model.wte.weight[:, 0] = model.wte.weight.std()
+        for block in model.blocks:
+            block.attn_out.weight[0] = 0
+            block.ff_out.weight[0] = 0
+        row = model.ff_out.weight[model.config.mask_token_id]
+        row.zero_()
+        row[0] = -1e4
+    return model
+
+
+def random_model(vocab, d_model, n_layers, n_heads, head_scale):
+    cfg = ModelConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads,
+                      mlp_hidden_size=3 * d_model, vocab_size=vocab, mask_token_id=vocab - 1, eos_token_id=EOS,
+                      pad_token_id=EOS)
+    model = Transformer(cfg).init_weights(torch.Generator().manual_seed(0), std=d_model ** -0.5)
+    with torch.no_grad():
+        model.ff_out.weight.mul_(head_scale)
+    prompts = torch.randint(1, vocab - 1, (B, P), generator=torch.Generator().manual_seed(2))   # (B, P)
+    # Rows keep 48..64 real tokens, left-padded with EOS: the batch > 1 padding case caches must get right.
+    real = torch.linspace(48, P, B).long()                                                     # (B,)
+    mask = (torch.arange(P)[None, :] >= P - real[:, None]).long()                              # (B, P)
+    return never_predict_mask(model).eval(), prompts.masked_fill(mask == 0, EOS), mask
+
+
+# -----------------------------------------------------------------------------------------------------
+# measurement
+
+
+class PeakMemory:
+    """Peak memory growth in MB inside the `with` block (see the module docstring); nan if unmeasurable."""
+
+    def __init__(self, device):
+        self.cuda, self.peak, self.libc = device.type == "cuda", float("nan"), None
+        if not self.cuda and os.path.exists("/proc/self/statm"):
+            try:
+                self.libc = ctypes.CDLL("libc.so.6")
+            except OSError:
+                pass
+
+    @staticmethod
+    def _rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _poll(self):
+        while not self._stop.wait(0.001):
+            self._max = max(self._max, self._rss())
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+        elif self.libc is not None:
+            self.libc.malloc_trim(0)
+            self._base = self._max = self._rss()
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = (torch.cuda.max_memory_allocated() - self._base) / 2**20
+        elif self.libc is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = (max(self._max, self._rss()) - self._base) / 2**20
+
+
+def run(model, prompts, mask, gen_length, kv_cache, threshold, memory):
+    """One generate() call: (output, seconds, forward passes, peak MB or nan)."""
+    calls = [0]
+    hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    mem = PeakMemory(prompts.device) if memory else None
+    sync = torch.cuda.synchronize if prompts.device.type == "cuda" else (lambda: None)
+    try:
+        with mem or contextlib.nullcontext():
+            sync()
+            t0 = time.perf_counter()
+            out = generate(model, prompts, attention_mask=mask, gen_length=gen_length, block_length=K,
+                           steps=gen_length, mask_id=model.config.mask_token_id, kv_cache=kv_cache,
+                           threshold=threshold)
+            sync()
+            seconds = time.perf_counter() - t0
+    finally:
+        hook.remove()
+    return out, seconds, calls[0], mem.peak if mem else float("nan")
+
+
+def head_share(model, prompts, gen_length):
+    """Seconds of one exact step's forward with the full head and with the head on one block only."""
+    x = torch.cat([prompts, prompts.new_full((B, gen_length), model.config.mask_token_id)], 1)  # (B, L)
+    times = []
+    with torch.no_grad():
+        for logits_at in (None, slice(P, P + K), None, slice(P, P + K)):
+            t0 = time.perf_counter()
+            model(x, logits_at=logits_at)
+            times.append(time.perf_counter() - t0)
+    return times[2], times[3]
+
+
+def bench(name, model, prompts, mask, gen_length, reps, configs):
+    stats = {c[0]: {"tps": [], "ratio": []} for c in configs}
+    outs = {}
+    for rep in range(reps):
+        exact_tps = None
+        for cname, kv_cache, threshold in configs:
+            out, sec, calls, peak = run(model, prompts, mask, gen_length, kv_cache, threshold, memory=rep == 0)
+            tps = B * gen_length / sec
+            exact_tps = exact_tps or tps  # "exact" runs first in every repetition
+            stats[cname]["tps"].append(tps)
+            stats[cname]["ratio"].append(tps / exact_tps)
+            if rep == 0:
+                outs[cname] = out
+                stats[cname].update(calls=calls, peak=peak)
+    exact = outs["exact"]
+    for cname, *_ in configs:
+        s, out = stats[cname], outs[cname]
+        assert torch.equal(out[:, :P], prompts), f"{cname} changed the prompt"
+        agree = (out[:, P:] == exact[:, P:]).float().mean().item()
+        print(f"| {name:5s} | {cname:20s} | {s['calls']:4d} | {gen_length / s['calls']:7.2f} | "
+              f"{statistics.median(s['tps']):8.1f} | {statistics.median(s['ratio']):6.2f}x | "
+              f"{100 * agree:6.1f}% | {s['peak']:7.1f} |", flush=True)
+    full, block = head_share(model, prompts, gen_length)
+    return f"{name}: one full forward {full:.3f}s with the head at all {P + gen_length} positions, " \
+           f"{block:.3f}s with it on one block"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Tokens/second of sample.generate's fast options vs the exact sampler")
+    p.add_argument("--quick", action="store_true", help="smoke run: gen length 64 and a 2-layer 256-d 'llada'")
+    p.add_argument("--reps", type=int, default=1, help="interleaved repetitions; the table shows medians")
+    p.add_argument("--all", action="store_true", help="add the threshold=1.0 row (block-only head, exact schedule)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--head_scale", type=float, default=26.0, help="logit scale of the 'llada' head (docstring)")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    gen_length = 64 if args.quick else 256
+    big = (256, 2, 4) if args.quick else (512, 4, 8)
+    models = {"toy": random_model(150, 128, 4, 4, 16.0), "llada": random_model(32000, *big, args.head_scale)}
+    configs = CONFIGS + [BLOCK_HEAD] * args.all
+    load = os.getloadavg() if hasattr(os, "getloadavg") else ()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, load average {load}")
+    print(f"prompt {P} (left-padded), gen {gen_length}, block {K}, batch {B}, steps {gen_length}, temperature 0, "
+          f"reps {args.reps}\n")
+    print("| model | sampler              | fwd  | tok/fwd | tokens/s | x exact |  agree  | peak MB |")
+    print("|-------|----------------------|------|---------|----------|---------|---------|---------|")
+    notes = []
+    for name, (model, prompts, mask) in models.items():
+        notes.append(bench(name, model.to(device), prompts.to(device), mask.to(device), gen_length, args.reps,
+                           configs))
+    print("\n" + "\n".join(notes))
+    if hasattr(os, "getloadavg"):
+        print(f"load average at the end {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
