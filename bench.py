@@ -1,7 +1,8 @@
 """Rollout speed of sample.generate's fast options against the exact sampler (a benchmark, not a test).
 
-    python bench.py --threads 1   # both models, one repetition (~25 min on one busy CPU core)
-    python bench.py --reps 3      # the table shows medians over 3 interleaved repetitions
+    python bench.py --threads 1   # both models, one repetition: ~20 min on one CPU core, 11 of them
+                                  # the exact sampler on "llada" (8 x 256 steps over 320 x 32000 logits)
+    python bench.py --reps 3 --all   # medians of 3 interleaved repetitions, plus the block-head row (~80 min)
     python bench.py --quick       # smoke run, ~1 min: gen length 64, a 2-layer 256-d "llada"
 
 One table, all measured in this run: tokens/second of the exact sampler (the reference) and of the opt-in
