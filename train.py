@@ -79,6 +79,8 @@ class Config:
     block_length: int = 12
     steps: int = 12
     temperature: float = 1.0          # rollout temperature (official default 0.9)
+    kv_cache: str = "none"            # none (exact) | prefix | dual: Fast-dLLM block KV cache for text rollouts
+    threshold: float = 0.0            # > 0: also commit every masked token more confident than this (Fast-dLLM)
     # image rollouts
     image_sampler: str = "emerge"     # emerge (MaskGRPO) | maskgit (MMaDA default, baseline)
     image_steps: int = 12             # MaskGRPO rollouts use 12 emerge steps (method.md §4.3)
@@ -164,6 +166,8 @@ def validate(cfg: Config) -> None:
     bad = [t for t in cfg.tasks.split(",") if t not in ("text", "image")]
     need(not bad and cfg.tasks, f"tasks ({cfg.tasks!r}) must be a comma-separated subset of text,image")
     need(cfg.temperature >= 0, f"temperature ({cfg.temperature}) must be >= 0")
+    need(cfg.kv_cache in ("none", "prefix", "dual"), f"kv_cache ({cfg.kv_cache!r}) must be none, prefix or dual")
+    need(0 <= cfg.threshold < 1, f"threshold ({cfg.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
     need(cfg.dtype in ("auto", "float32", "bfloat16"),
          f"dtype ({cfg.dtype!r}) must be auto, float32 or bfloat16 (float16 needs a grad scaler, which this code omits)")
     for k in ("sft_steps", "rl_steps", "eval_prompts", "device_batch_size"):
@@ -340,12 +344,15 @@ def sft(model, tok, sp, cfg: Config, device) -> float:
 
 
 @torch.no_grad()
-def rollout(model, b: Batch, sp, cfg: Config, gen: torch.Generator, temperature: float) -> Batch:
-    """Fill the window of every row with the policy's sample (a new Batch; prompts unchanged)."""
+def rollout(model, b: Batch, sp, cfg: Config, gen: torch.Generator, temperature: float, fast: bool = False) -> Batch:
+    """Fill the window of every row with the policy's sample (a new Batch; prompts unchanged). fast: use
+    cfg.kv_cache / cfg.threshold for text (RL rollouts only; evaluation always uses the exact sampler)."""
     if b.task == "text":
         x = sample.generate(model, b.x[:, : b.prompt_len], gen_length=b.window, block_length=cfg.block_length,
                             steps=cfg.steps, temperature=temperature, mask_id=sp.mask, generator=gen,
-                            attention_mask=b.attention_mask[:, : b.prompt_len])
+                            attention_mask=b.attention_mask[:, : b.prompt_len],
+                            kv_cache=None if not fast or cfg.kv_cache == "none" else cfg.kv_cache,
+                            threshold=(cfg.threshold or None) if fast else None)
     else:
         x = sample.generate_image(model, b.x, image_start=b.prompt_len, num_tokens=b.window,
                                   steps=cfg.image_steps, sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale,
@@ -420,7 +427,8 @@ def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int) -> R
     exs = [ex for ex in prompts for _ in range(cfg.group_size)]        # each prompt G times, consecutively
     model.eval()  # old log-probs without dropout (method.md §9 item 19); our model has none anyway
     b = make_batch(task, exs, tok, sp, cfg, device, with_targets=False)
-    b = rollout(model, b, sp, cfg, generator(device, cfg.seed, "rollout", task, step), cfg.temperature)
+    b = rollout(model, b, sp, cfg, generator(device, cfg.seed, "rollout", task, step), cfg.temperature,
+                fast=True)
     rewards = score(b, tok, sp)                                                        # (B,)
     adv = grpo.group_advantages(rewards, group_size=cfg.group_size).to(device)         # (B,)
 
