@@ -37,11 +37,18 @@ IMAGE_SAMPLERS = ("emerge", "maskgit")
 
 
 def _uniform(shape, generator, device, dtype=torch.float64):
-    """U[0, 1) draws made on the generator's device, then moved to `device`."""
+    """U[0, 1) draws made on the generator's device, then moved to `device`. generator may also be a list
+    with one generator per row (shape[0] of them): row i then depends on its own generator only, so a
+    sequence gets the same sample whatever batch, process or world size it is generated in (train.py)."""
     if generator is None:
         raise ValueError("this call samples at random but generator is None; pass e.g. "
                          "generator=torch.Generator().manual_seed(0) (a CPU generator gives the same samples "
                          "on every device)")
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != shape[0]:
+            raise ValueError(f"got {len(generator)} per-row generators for a batch of {shape[0]} rows")
+        return torch.stack([torch.rand(shape[1:], generator=g, device=g.device, dtype=dtype).to(device)
+                            for g in generator])
     return torch.rand(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
 
 
@@ -258,7 +265,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
 
     Args:
         cfg_scale: guidance weight w; logits = l_u + (w + 1)(l_c - l_u), l_u with the prompt masked.
-        generator: torch.Generator for the Gumbel noise (temperature > 0) and "random" confidences.
+        generator: torch.Generator for the Gumbel noise (temperature > 0) and "random" confidences, or a
+            list of B generators, one per row (a row's sample then does not depend on its batch).
         logits_eos_inf: never predict EOS (eos_id, default model.config.eos_token_id).
         confidence_eos_eot_inf: give EOT predictions (eot_id) confidence 0, and EOS ones too at
             temperature 0, exactly as LLaDA's flag does (llada-format.md §5).
@@ -310,6 +318,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
         sub = len(rows) < B  # stop_at_eos only: the unfinished rows run alone
         if sub:
             xb, maskb, promptb = x[rows], None if attention_mask is None else attention_mask[rows], prompt_index[rows]
+            if isinstance(generator, (list, tuple)):  # per-row generators follow their rows
+                sampling["generator"] = [generator[i] for i in rows.tolist()]
         else:
             xb, maskb, promptb = x, attention_mask, prompt_index
         if fast:
@@ -431,7 +441,7 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
             at cfg_scale 0, so a caller can sweep w down to 0 without changing its batch.
         code_offset, codebook_size, mask_id: default to model.config.image_token_offset / codebook_size /
             mask_token_id.
-        generator: torch.Generator for every draw (required).
+        generator: torch.Generator for every draw (required), or a list of B generators, one per row.
     """
     config = getattr(model, "config", None)
     code_offset = code_offset if code_offset is not None else getattr(config, "image_token_offset", None)
