@@ -4,6 +4,7 @@
                                   # the exact sampler on "llada" (8 x 256 steps over 320 x 32000 logits)
     python bench.py --reps 3 --all   # medians of 3 interleaved repetitions, plus the block-head row (~80 min)
     python bench.py --quick       # smoke run, ~1 min: gen length 64, a 2-layer 256-d "llada"
+    python bench.py --sandbox     # the code reward's sandbox instead: programs/s, tests/s, kill time (~15 s)
 
 One table, all measured in this run: tokens/second of the exact sampler (the reference) and of the opt-in
 approximations, Fast-dLLM's prefix and dual KV caches and its confidence-threshold parallel decoding
@@ -48,6 +49,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from sample import generate
+from sandbox import run_code
 
 EOS = 0
 P, K, B = 64, 32, 8
@@ -203,6 +205,37 @@ def bench(name, model, prompts, mask, gen_length, reps, configs):
            f"{block:.3f}s with it on one block"
 
 
+# -----------------------------------------------------------------------------------------------------
+# sandbox throughput (--sandbox): code-task rollouts wait on it, one run_code call per completion
+
+SANDBOX_TASKS = [  # MBPP-style: a reference solution and its three asserts, all passing
+    ("def add(a, b):\n    return a + b",
+     ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]),
+    ("def rev(s):\n    return s[::-1]", ["assert rev('abc') == 'cba'", "assert rev('') == ''", "assert rev('a') == 'a'"]),
+    ("def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
+     ["assert fib(0) == 0", "assert fib(10) == 55", "assert fib(30) == 832040"]),
+    ("import re\ndef words(s):\n    return re.findall(r'[a-z]+', s.lower())",
+     ["assert words('Hi there') == ['hi', 'there']", "assert words('') == []", "assert words('a1b') == ['a', 'b']"]),
+]
+
+
+def bench_sandbox(programs, loop_timeout=1.0):
+    """Programs/s and tests/s of sequential run_code calls, then how long an endless loop takes to be killed."""
+    tasks = [SANDBOX_TASKS[i % len(SANDBOX_TASKS)] for i in range(programs)]
+    t0 = time.perf_counter()
+    scores = [run_code(program, tests) for program, tests in tasks]
+    seconds = time.perf_counter() - t0
+    assert all(score == 1.0 for score in scores), f"a reference solution failed in the sandbox: {scores}"
+    n_tests = sum(len(tests) for _, tests in tasks)
+    print(f"sandbox ({'root: uid switch + namespaces' if os.geteuid() == 0 else 'not root: rlimits only'}): "
+          f"{programs} programs, {n_tests} tests in {seconds:.2f}s = {programs / seconds:.1f} programs/s, "
+          f"{n_tests / seconds:.1f} tests/s (one call at a time, one forked worker per test)")
+    t0 = time.perf_counter()
+    score = run_code("while True:\n    pass", ["assert True"], timeout=loop_timeout)
+    print(f"endless loop, timeout {loop_timeout:.1f}s: reward {score}, killed and reaped after "
+          f"{time.perf_counter() - t0:.2f}s")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Tokens/second of sample.generate's fast options vs the exact sampler")
     p.add_argument("--quick", action="store_true", help="smoke run: gen length 64 and a 2-layer 256-d 'llada'")
@@ -211,7 +244,13 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--head_scale", type=float, default=26.0, help="logit scale of the 'llada' head (docstring)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--sandbox", action="store_true", help="time the code sandbox instead of the sampler")
+    p.add_argument("--programs", type=int, default=100, help="programs run through the sandbox by --sandbox")
     args = p.parse_args(argv)
+    if args.sandbox:
+        if args.programs < 1:
+            p.error(f"--programs must be >= 1, got {args.programs}")
+        return bench_sandbox(args.programs)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -1,7 +1,7 @@
-"""Tests for rewards.py: extraction, GSM8K / MATH / countdown / sudoku rewards, hostile completions, code sandbox.
+"""Tests for rewards.py: extraction, GSM8K / MATH / countdown / sudoku rewards, hostile completions.
 
 The MATH, countdown, sudoku and MBPP cases read the real benchmark files in ../shared/data (skipped when
-absent). Sandbox tests run hostile programs and check that each returns a reward quickly and leaves no process.
+absent). The code sandbox is tested in test_sandbox.py, the remote image scorer in test_scorer.py.
 
 Run: python -m pytest tests/test_rewards.py -q
 """
@@ -11,19 +11,14 @@ import json
 import operator
 import os
 import re
-import secrets
 import time
 from fractions import Fraction
 
 import pytest
 
-import rewards
 from conftest import shared_path
-from rewards import (REWARDS, boxed_format_reward, code_reward, countdown_reward, extract_answer, extract_boxed,
-                     extract_code, gsm8k_reward, math_equiv, math_reward, normalize_math, reasoning_format_reward,
-                     run_code, sudoku_reward)
-
-ROOT = os.geteuid() == 0  # the uid switch and the private mount/network namespaces need root (see run_code)
+from rewards import (REWARDS, boxed_format_reward, countdown_reward, extract_answer, extract_boxed, extract_code,
+                     gsm8k_reward, math_equiv, math_reward, normalize_math, reasoning_format_reward, sudoku_reward)
 
 
 def read_jsonl(*parts):
@@ -361,114 +356,3 @@ def test_registry_on_real_examples():
     assert REWARDS["boxed_format"]("\\boxed{1}", {}) == 1.0
     with pytest.raises(ValueError, match="example needs"):
         REWARDS["gsm8k"]("\\boxed{72}", {"question": "?"})
-
-
-# -----------------------------------------------------------------------------------------------------
-# code sandbox
-
-
-def processes():
-    """pid -> (real uid, parent pid, command line) of every process, zombies included."""
-    table = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                table[int(pid)] = (int(fields["Uid"].split()[0]), int(fields["PPid"]), f.read())
-        except (OSError, KeyError, ValueError):
-            continue
-    return table
-
-
-@pytest.fixture
-def no_leftovers(monkeypatch):
-    """Pins the sandbox uid of this test, then fails it if a process of that uid (live or zombie) or one of our
-    supervisor children survives. Pinning keeps concurrent test runs on the same machine out of the count."""
-    first, count = rewards._SANDBOX_UIDS
-    uid = first + secrets.randbelow(count)
-    monkeypatch.setattr(rewards, "_SANDBOX_UIDS", (uid, 1))
-    yield
-    flag = rewards._SANDBOX_FLAG.encode()
-    left = {pid: info for pid, info in processes().items()
-            if info[0] == uid or (info[1] == os.getpid() and flag in info[2])}
-    assert not left, f"sandbox processes left behind: {left}"
-
-
-@pytest.mark.parametrize("program, tests, expected, timeout", [
-    ("def f(x):\n    return x + 1", ["assert f(1) == 2", "assert f(2) == 4"], 0.5, 5.0),
-    ("while True: pass", ["assert True"], 0.0, 1.0),
-    ("import time\ntime.sleep(100)", ["assert True"], 0.0, 1.0),
-    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", ["assert True"], 0.0, 1.0),
-    ("x = bytearray(8 * 1024**3)", ["assert True"], 0.0, 5.0),
-    ("x = []\nwhile True:\n    x.append(bytearray(10**7))", ["assert True"], 0.0, 1.0),
-    ("print('x' * 10**8)", ["assert True"], 1.0, 5.0),  # goes to /dev/null, never through our memory
-    ("open('big', 'w').write('x' * 10**8)", ["assert True"], 0.0, 5.0),  # RLIMIT_FSIZE
-    ("import os, time\nif os.fork() == 0:\n    time.sleep(100)", ["assert True"], 1.0, 5.0),  # background child
-    ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(100)", ["assert True"], 1.0, 5.0),
-    ("import os\nos._exit(0)", ["assert True"], 0.0, 5.0),  # exiting early is not passing
-    ("import sys\nsys.exit(0)", ["assert True"], 0.0, 5.0),
-    ("def f():\n    while True: pass", ["f()", "assert True", "assert False"], 1 / 3, 1.0),  # one hang, others run
-    ("def f(n): return f(n + 1)\nf(0)", ["assert True"], 0.0, 5.0),
-    ("x = 1\x00", ["assert True"], 0.0, 5.0),
-    ("syntax error(", ["assert True"], 0.0, 5.0),
-])
-def test_sandbox_hostile_programs(program, tests, expected, timeout, no_leftovers):
-    start = time.monotonic()
-    assert run_code(program, tests, timeout=timeout) == pytest.approx(expected)
-    assert time.monotonic() - start < len(tests) * timeout + 3.0  # hang guard, not a benchmark
-
-
-def test_sandbox_cannot_see_parent_environment(monkeypatch, no_leftovers):
-    monkeypatch.setenv("MASKGRPO_TEST_SECRET", secrets.token_hex(8))
-    program = ("import os\nseen = str(dict(os.environ))\n"
-               f"for pid in (os.getppid(), {os.getpid()}):\n"
-               "    try:\n        seen += open(f'/proc/{pid}/environ', 'rb').read().decode(errors='replace')\n"
-               "    except OSError:\n        pass\n")
-    assert run_code(program, ["assert 'PATH' in seen"]) == 1.0  # the probe itself ran
-    leaked = run_code(program, ["assert 'MASKGRPO_TEST_SECRET' in seen"])
-    # without root the sandbox shares our uid, so /proc/<our pid>/environ stays readable (see run_code)
-    assert leaked == 0.0 or not ROOT
-
-
-@pytest.mark.skipif(not ROOT, reason="writes outside the sandbox dir are only blocked as root (uid switch + tmpfs)")
-def test_sandbox_cannot_write_outside(tmp_path, no_leftovers):
-    token = secrets.token_hex(6)
-    targets = [f"/tmp/x_outside_{token}", f"/dev/shm/x_outside_{token}", f"/var/tmp/x_outside_{token}",
-               os.path.join(os.getcwd(), f"x_outside_{token}"), str(tmp_path / f"x_outside_{token}")]
-    program = "import os\n" + "".join(
-        f"try:\n    open({path!r}, 'w').write('x')\nexcept OSError:\n    pass\n" for path in targets)
-    program += f"for up in ('../x_outside_{token}', '../../x_outside_{token}'):\n" \
-               "    try:\n        open(up, 'w').write('x')\n    except OSError:\n        pass\n" \
-               "open('inside', 'w').write('x')\n"
-    try:
-        assert run_code(program, ["assert open('inside').read() == 'x'"]) == 1.0  # its own dir works
-        assert not [path for path in targets if os.path.exists(path)]
-    finally:  # should the sandbox ever fail, do not leave litter in the project or /tmp
-        for path in filter(os.path.exists, targets):
-            os.remove(path)
-
-
-@pytest.mark.skipif(not ROOT, reason="the private network namespace needs root (unprivileged: user namespaces)")
-def test_sandbox_has_no_network(no_leftovers):
-    # /proc/self/net/dev lists the interfaces of the reader's network namespace: ours has eth0 and more
-    program = "ifaces = [line.split(':')[0].strip() for line in open('/proc/self/net/dev').readlines()[2:]]"
-    assert run_code(program, ["assert ifaces == ['lo']"]) == 1.0
-
-
-def test_mbpp_reference_solutions_pass(no_leftovers):
-    rows = read_jsonl("data", "mbpp.jsonl")[:5]
-    for row in rows:
-        assert run_code(row["code"] + "\n" + row["test_setup_code"], row["test_list"]) == 1.0, row["task_id"]
-    wrong = [run_code(rows[i]["code"], rows[i + 1]["test_list"]) for i in range(4)]  # another task's tests
-    assert all(score < 1.0 for score in wrong)
-    assert code_reward("```python\ndef f(x):\n    return 2 * x\n```", ["assert f(2) == 4"]) == 1.0
-    assert code_reward("I cannot help with that.", ["assert f(2) == 4"]) == 0.0
-
-
-@pytest.mark.parametrize("tests, timeout, memory_mb", [
-    ("assert True", 1.0, 512), ([], 1.0, 512), ([1], 1.0, 512), (["assert True"], 0, 512), (["assert True"], 1.0, 8),
-])
-def test_run_code_bad_config_raises(tests, timeout, memory_mb):
-    with pytest.raises(ValueError):
-        run_code("x = 1", tests, timeout=timeout, memory_mb=memory_mb)

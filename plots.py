@@ -1,0 +1,246 @@
+"""Pictures of a run: training curves from out_dir/log.jsonl, and a grid of toy images.
+
+Optional: everything here needs Pillow (`pip install -e ".[plots]"`). Without it each function prints
+one line saying so and returns None, so training and the tests of the core never depend on it. The
+axes are drawn by hand with PIL.ImageDraw: three line panels do not justify matplotlib as an extra.
+
+    python plots.py out/toy          # writes out/toy/curves.png from out/toy/log.jsonl
+"""
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+# RGB for the toy image codes: 0 is the background (ANSI 236 in tasks.render_image), code c >= 1 is
+# tasks.COLOURS[c - 1] = red, green, blue, yellow, purple, cyan, white.
+PALETTE = ((48, 48, 48), (230, 50, 50), (40, 190, 70), (50, 100, 240), (250, 210, 30),
+           (150, 60, 200), (40, 210, 220), (245, 245, 245))
+TASK_COLOURS = {"text": (30, 110, 190), "image": (230, 110, 20)}
+OTHER_COLOURS = [(40, 150, 60), (180, 40, 150), (110, 110, 110)]  # tasks beyond the toy's two
+PANELS = [("reward", "reward"), ("kl", "KL to reference (k3)"), ("clipfrac", "clip fraction")]
+PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # three panels: 900 x 300, legible at 100%
+# Image grid geometry (pixels). Every toy image is scaled to about IMAGE_PX whatever its width, and a
+# prompt is wrapped to at most CAPTION_LINES lines, so the picture's size depends only on the counts.
+IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES = 96, 90, 150, 14, 12, 3
+INSTALL_HINT = 'plots.py: no picture written, Pillow is missing; pip install -e ".[plots]" gives the pictures'
+
+
+def _pil():
+    # Imported here, not at the top, so that `import plots` works without the extra.
+    try:
+        from PIL import Image, ImageDraw, ImageFont
+    except ImportError:
+        print(INSTALL_HINT)
+        return None
+    return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
+
+
+def _text(draw, x, y, s, font, fill=(0, 0, 0), align="left"):
+    # Positions from textlength rather than Pillow's anchors, which the bitmap fallback font rejects.
+    w = draw.textlength(s, font=font)
+    draw.text((x - {"left": 0, "centre": w / 2, "right": w}[align], y), s, font=font, fill=fill)
+
+
+# -----------------------------------------------------------------------------
+# training curves
+
+
+def _read_log(log_path) -> list[dict]:
+    # One dict per RL step. A truncated last line is skipped: it is a run that is still writing it.
+    path = Path(log_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; train.py writes log.jsonl into its --out_dir")
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path} line {i + 1} is not JSON ({e}); is this a train.py log?") from None
+    if not records:
+        raise ValueError(f"{path} has no records; train.py writes one per RL step, so no step is logged yet")
+    return records
+
+
+def _nice_ticks(lo: float, hi: float, n: int = 4) -> list[float]:
+    # Steps of 1, 2 or 5 x 10^k, so tick labels are short round numbers; the range is widened to ticks.
+    raw = (hi - lo or abs(hi) or 1.0) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw * 0.999)
+    start, stop = math.floor(lo / step + 1e-9) * step, math.ceil(hi / step - 1e-9) * step
+    stop = max(stop, start + step)  # a flat series still gets an axis with height
+    return [start + k * step for k in range(round((stop - start) / step) + 1)]
+
+
+def _tick_label(t: float, step: float) -> str:
+    return f"{t:.{max(0, -math.floor(math.log10(step) + 1e-9))}f}"  # as many decimals as the step needs
+
+
+def _fade(rgb, keep: float):
+    return tuple(round(keep * c + (1 - keep) * 255) for c in rgb)
+
+
+def _draw_panel(draw, font, x0: int, title: str, series: dict, colours: dict, window: int):
+    left, right, top, bottom = x0 + 50, x0 + PANEL_W - 14, 46, PANEL_H - 36  # plot area inside the panel
+    xs = [x for pts in series.values() for x, _ in pts]
+    ys = [y for pts in series.values() for _, y in pts]
+    # y is widened to round ticks; x spans exactly the logged steps, so the curves reach both edges.
+    yt = _nice_ticks(min(ys), max(ys))
+    xlo, xhi = min(xs), max(max(xs), min(xs) + 1)
+    xt = _nice_ticks(xlo, xhi)
+    px = lambda x: left + (x - xlo) / (xhi - xlo) * (right - left)
+    py = lambda y: bottom - (y - yt[0]) / (yt[-1] - yt[0]) * (bottom - top)
+    grey = (90, 90, 90)
+    for t in yt:
+        draw.line([(left, py(t)), (right, py(t))], fill=(228, 228, 228))
+        _text(draw, left - 5, py(t) - FONT_SIZE / 2 - 1, _tick_label(t, yt[1] - yt[0]), font, grey, "right")
+    for t in (t for t in xt if xlo <= t <= xhi):
+        draw.line([(px(t), bottom), (px(t), bottom + 4)], fill=grey)
+        _text(draw, px(t), bottom + 6, _tick_label(t, xt[1] - xt[0]), font, grey, "centre")
+    draw.line([(left, top), (left, bottom), (right, bottom)], fill=grey)
+    _text(draw, (left + right) / 2, bottom + 20, "RL step", font, grey, "centre")
+    _text(draw, x0 + 10, 6, title, font)
+    if window > 1:
+        _text(draw, x0 + PANEL_W - 14, 6, f"bold: {window}-step mean", font, grey, "right")
+    legend_x = x0 + 10
+    for task in series:  # legend on its own line, so a long title never runs into it
+        draw.line([(legend_x, 31), (legend_x + 14, 31)], fill=colours[task], width=2)
+        _text(draw, legend_x + 18, 23, task, font, colours[task])
+        legend_x += 30 + draw.textlength(task, font=font)
+    # Raw per-step values faint under a trailing moving average (each point the mean of the last
+    # `window` logged values), drawn after every faint line so no task's average hides under another's.
+    for faint in (True, False):
+        for task, pts in series.items():
+            if faint:
+                line, colour, width = pts, _fade(colours[task], 0.3), 1
+            else:
+                avg = [sum(y for _, y in pts[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1))
+                       for i in range(len(pts))]
+                line, colour, width = [(x, a) for (x, _), a in zip(pts, avg)], colours[task], 2
+            xy = [(px(x), py(y)) for x, y in line]
+            if len(xy) > 1:
+                draw.line(xy, fill=colour, width=width, joint="curve")
+            else:  # a single logged step: a dot, since a one-point line draws nothing
+                draw.ellipse([xy[0][0] - 2, xy[0][1] - 2, xy[0][0] + 2, xy[0][1] + 2], fill=colour)
+
+
+def plot_curves(log_path, png_path) -> Path | None:
+    """Reward, KL and clip fraction per task against RL step, one PANEL_W x PANEL_H panel each.
+
+    A panel whose metric no task logged is left out; NaN or missing values are skipped point by point.
+    Returns the PNG path, or None (after printing the install hint) when Pillow is absent."""
+    records = _read_log(log_path)
+    tasks = sorted({k.split("/")[0] for r in records for k in r if "/" in k},
+                   key=lambda t: ((list(TASK_COLOURS) + [t]).index(t), t))  # text, image, then the rest A-Z
+    colours = {t: TASK_COLOURS.get(t, OTHER_COLOURS[k % len(OTHER_COLOURS)]) for k, t in enumerate(tasks)}
+    panels = []
+    for metric, title in PANELS:
+        series = {}
+        for task in tasks:
+            pts = [(r.get("step", i), r.get(f"{task}/{metric}")) for i, r in enumerate(records)]
+            pts = [(x, float(y)) for x, y in pts if isinstance(y, (int, float)) and math.isfinite(y)]
+            if pts:
+                series[task] = pts
+        if series:
+            panels.append((title, series))
+    if not panels:
+        raise ValueError(f"{log_path} logs none of " + ", ".join(f"<task>/{m}" for m, _ in PANELS))
+    if (pil := _pil()) is None:
+        return None
+    Image, ImageDraw, font = pil
+    picture = Image.new("RGB", (PANEL_W * len(panels), PANEL_H), "white")
+    draw = ImageDraw.Draw(picture)
+    window = max(1, len(records) // 10)  # about a tenth of the run: 5 steps for the toy's 50
+    for k, (title, series) in enumerate(panels):
+        _draw_panel(draw, font, k * PANEL_W, title, series, colours, window)
+    picture.save(png_path)
+    return Path(png_path)
+
+
+# -----------------------------------------------------------------------------
+# image grid
+
+
+def _cell_box(row: int, col: int, r: int, c: int, width: int) -> tuple[int, int, int, int]:
+    # (x0, y0, x1, y1) of cell (r, c) of the image in grid row `row`, column `col`.
+    cell = max(1, IMAGE_PX // width)
+    x = MARGIN + LABEL_W + col * COL_W + (COL_W - cell * width) // 2 + c * cell
+    y = MARGIN + row * (IMAGE_PX + ROW_GAP) + r * cell
+    return x, y, x + cell - 1, y + cell - 1
+
+
+def _wrap(draw, s: str, font, max_px: float) -> list[str]:
+    # Greedy word wrap by pixel width; past CAPTION_LINES the last line ends in "..."
+    lines = []
+    for word in s.split():
+        if lines and draw.textlength(lines[-1] + " " + word, font=font) <= max_px:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    if len(lines) > CAPTION_LINES:
+        lines = lines[:CAPTION_LINES - 1] + [lines[CAPTION_LINES - 1] + " ..."]
+    return lines
+
+
+def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], width: int, png_path,
+               palette=PALETTE) -> Path | None:
+    """Toy images as coloured squares: one grid row per (name, images), one column per prompt.
+
+    Each image is width*width row-major palette codes (tasks.make_image_example's "image"). A code
+    outside the palette (tasks.ids_to_codes gives -1 for a leftover mask) is drawn as a grey crossed cell.
+    Size in pixels: 2*MARGIN + LABEL_W + len(prompts)*COL_W wide,
+    2*MARGIN + len(rows)*(IMAGE_PX + ROW_GAP) + CAPTION_LINES*(FONT_SIZE + 3) high."""
+    for name, images in rows:
+        if len(images) != len(prompts):
+            raise ValueError(f"row {name!r} has {len(images)} images for {len(prompts)} prompts; "
+                             "give one image per prompt")
+        for j, codes in enumerate(images):
+            if len(codes) != width * width:
+                raise ValueError(f"row {name!r} image {j} has {len(codes)} codes, expected width*width = "
+                                 f"{width * width}")
+    if (pil := _pil()) is None:
+        return None
+    Image, ImageDraw, font = pil
+    line_h = FONT_SIZE + 3
+    grid_h = len(rows) * (IMAGE_PX + ROW_GAP)
+    size = (2 * MARGIN + LABEL_W + len(prompts) * COL_W, 2 * MARGIN + grid_h + CAPTION_LINES * line_h)
+    picture = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(picture)
+    for i, (name, images) in enumerate(rows):
+        label = _wrap(draw, name, font, LABEL_W - 8)
+        y = _cell_box(i, 0, 0, 0, width)[1] + (IMAGE_PX - len(label) * line_h) / 2  # centred on the row
+        for k, line in enumerate(label):
+            _text(draw, MARGIN, y + k * line_h, line, font)
+        for j, codes in enumerate(images):
+            # A darker frame behind cells inset by one pixel: thin lines between cells, so a reader can
+            # count blocks even where two cells of one colour touch (counting is half the verifier).
+            x0, y0, _, _ = _cell_box(i, j, 0, 0, width)
+            _, _, x1, y1 = _cell_box(i, j, width - 1, width - 1, width)
+            draw.rectangle((x0, y0, x1 + 1, y1 + 1), fill=(20, 20, 20))
+            for idx, code in enumerate(codes):
+                x0, y0, x1, y1 = _cell_box(i, j, *divmod(idx, width), width)
+                box = (x0 + 1, y0 + 1, x1, y1)
+                if 0 <= code < len(palette):
+                    draw.rectangle(box, fill=tuple(palette[code]))
+                else:
+                    draw.rectangle(box, fill=(150, 150, 150))
+                    draw.line(box, fill=(90, 90, 90), width=2)
+                    draw.line((box[0], box[3], box[2], box[1]), fill=(90, 90, 90), width=2)
+    for j, prompt in enumerate(prompts):
+        centre = MARGIN + LABEL_W + j * COL_W + COL_W / 2
+        for k, line in enumerate(_wrap(draw, prompt, font, COL_W - 10)):
+            _text(draw, centre, MARGIN + grid_h + k * line_h, line, font, align="centre")
+    picture.save(png_path)
+    return Path(png_path)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Redraw RUN_DIR/curves.png from RUN_DIR/log.jsonl.")
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args()
+    out = plot_curves(args.run_dir / "log.jsonl", args.run_dir / "curves.png")
+    if out is None:
+        sys.exit(1)
+    print(f"wrote {out}")

@@ -1,0 +1,117 @@
+"""Pictures of a run. Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_plots.py
+
+The drawing tests need the optional Pillow extra (in the dev extra, so CI runs them) and skip without it;
+the missing-Pillow path is tested by hiding the module."""
+import json
+import math
+import sys
+
+import pytest
+
+import plots
+
+
+def write_log(path, n=30, tasks=("text", "image")):
+    # A synthetic train.py log: rising reward, a KL that grows, one NaN, and a step where image is absent.
+    with open(path, "w") as f:
+        for step in range(n):
+            rec = {"step": step, "grad_norm": 1.0, "seconds": 2.0}
+            for k, task in enumerate(tasks):
+                rec[f"{task}/reward"] = 0.3 + 0.4 * step / n + 0.05 * math.sin(step + k)
+                rec[f"{task}/kl"] = float("nan") if step == 3 else 0.001 * step
+                rec[f"{task}/clipfrac"] = 0.02 / (1 + step)
+                rec[f"{task}/loss"] = 0.01
+            if step == 5:
+                rec = {k: v for k, v in rec.items() if not k.startswith("image/")}
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def test_curves_png_has_expected_size_and_content(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    out = plots.plot_curves(write_log(tmp_path / "log.jsonl"), tmp_path / "curves.png")
+    assert out == tmp_path / "curves.png"
+    with Image.open(out) as im:
+        assert im.size == (3 * plots.PANEL_W, plots.PANEL_H)
+        colours = im.convert("RGB").getcolors(maxcolors=1 << 16)
+    assert len(colours) > 10, "the picture is (nearly) one colour: nothing was drawn"
+    # Both task colours appear: each task got its own line.
+    present = {c for _, c in colours}
+    assert plots.TASK_COLOURS["text"] in present and plots.TASK_COLOURS["image"] in present
+
+
+def test_curves_skip_panels_whose_metric_is_missing(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "text/reward": s / 10}) + "\n" for s in range(10)))
+    with Image.open(plots.plot_curves(log, tmp_path / "c.png")) as im:
+        assert im.size == (plots.PANEL_W, plots.PANEL_H)  # reward only: one panel
+
+
+def test_curves_single_step_and_truncated_last_line(tmp_path):
+    pytest.importorskip("PIL")
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"step": 0, "text/reward": 0.5, "text/kl": 0.0}) + '\n{"step": 1, "text/rew')
+    assert plots.plot_curves(log, tmp_path / "c.png").is_file()
+
+
+def test_empty_log_raises(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n")
+    with pytest.raises(ValueError, match="no records"):
+        plots.plot_curves(log, tmp_path / "c.png")
+    with pytest.raises(FileNotFoundError, match="out_dir"):
+        plots.plot_curves(tmp_path / "missing.jsonl", tmp_path / "c.png")
+
+
+def test_log_without_known_metrics_raises(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"step": 0, "grad_norm": 1.0}) + "\n")
+    with pytest.raises(ValueError, match="reward"):
+        plots.plot_curves(log, tmp_path / "c.png")
+
+
+def test_image_grid_size_and_cell_colours(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    width, prompts = 4, ["a red block", "two blue blocks", "a cyan block in the top row"]
+    # Image (row i, column j) has code 1 + (i * 3 + j) % 7 at cell (1, 2), an invalid -1 at (3, 3), else 0.
+    rows = []
+    for i, name in enumerate(["before RL", "after RL"]):
+        images = []
+        for j in range(len(prompts)):
+            codes = [0] * width * width
+            codes[1 * width + 2] = 1 + (i * 3 + j) % 7
+            codes[3 * width + 3] = -1
+            images.append(codes)
+        rows.append((name, images))
+    out = plots.image_grid(rows, prompts, width, tmp_path / "grid.png")
+    with Image.open(out) as im:
+        im = im.convert("RGB")
+        assert im.size == (2 * plots.MARGIN + plots.LABEL_W + 3 * plots.COL_W,
+                           2 * plots.MARGIN + 2 * (plots.IMAGE_PX + plots.ROW_GAP)
+                           + plots.CAPTION_LINES * (plots.FONT_SIZE + 3))
+        for i in range(2):
+            for j in range(3):
+                def centre(r, c):
+                    x0, y0, x1, y1 = plots._cell_box(i, j, r, c, width)
+                    return (x0 + x1) // 2, (y0 + y1) // 2
+                assert im.getpixel(centre(1, 2)) == plots.PALETTE[1 + (i * 3 + j) % 7]
+                assert im.getpixel(centre(0, 0)) == plots.PALETTE[0]
+                assert im.getpixel(centre(3, 3)) not in plots.PALETTE  # invalid code: not a palette colour
+
+
+def test_image_grid_rejects_bad_shapes(tmp_path):
+    with pytest.raises(ValueError, match="one image per prompt"):
+        plots.image_grid([("a", [[0] * 16])], ["p", "q"], 4, tmp_path / "g.png")
+    with pytest.raises(ValueError, match="width\\*width = 16"):
+        plots.image_grid([("a", [[0] * 15])], ["p"], 4, tmp_path / "g.png")
+
+
+def test_without_pillow_returns_none_and_prints_hint(tmp_path, monkeypatch, capsys):
+    # None in sys.modules makes `from PIL import ...` raise ImportError, as if Pillow were not installed.
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    assert plots.plot_curves(write_log(tmp_path / "log.jsonl"), tmp_path / "c.png") is None
+    assert plots.image_grid([("a", [[0] * 16])], ["p"], 4, tmp_path / "g.png") is None
+    out = capsys.readouterr().out
+    assert out.count('pip install -e ".[plots]"') == 2 and len(out.splitlines()) == 2
+    assert not (tmp_path / "c.png").exists() and not (tmp_path / "g.png").exists()
