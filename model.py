@@ -395,14 +395,16 @@ class Transformer(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval()
 
-    def save_pretrained(self, path, max_shard_bytes: int = 4 << 30) -> None:
+    def save_pretrained(self, path, max_shard_bytes: int = 4 << 30, state_dict: dict | None = None) -> None:
         """Write config.json, model-0000K-of-0000N.safetensors shards and model.safetensors.index.json,
-        the layout the public LLaDA code (and our from_pretrained) loads."""
+        the layout the public LLaDA code (and our from_pretrained) loads. state_dict: the tensors to
+        write instead of self.state_dict() (e.g. the full state gathered from FSDP2 shards)."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        tensors = {HF_PREFIX + k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state_dict = self.state_dict() if state_dict is None else state_dict
+        tensors = {HF_PREFIX + k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
         shards: list[dict] = [{}]
         size = 0
         for key in sorted(tensors):
@@ -422,7 +424,7 @@ class Transformer(nn.Module):
                 total += t.numel() * t.element_size()
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        dtype = next(self.parameters()).dtype
+        dtype = next(iter(tensors.values())).dtype
         (path / CONFIG_NAME).write_text(json.dumps(self.config.to_hf(dtype), indent=2) + "\n")
 
 

@@ -335,14 +335,18 @@ def image_strict(codes: list[int], spec: dict) -> float:
     return float(image_reward(codes, spec) == 1.0)
 
 
-def encode_image_prompt(tok: Tokenizer, prompt_text: str, text_len: int, num_tokens: int
-                        ) -> tuple[list[int], int, list[int]]:
+def encode_image_prompt(tok: Tokenizer, prompt_text: str, text_len: int, num_tokens: int,
+                        sp: Specials | None = None) -> tuple[list[int], int, list[int]]:
     """MMaDA t2i layout (llada-format.md §5): [iPAD]*pad <|t2i|> BOS caption EOS <|soi|> mask*num_tokens
     <|eoi|>. The text part is left-padded with [iPAD] to exactly text_len tokens (truncated and
     re-terminated with EOS if longer). prompt_text "" gives the unconditional prompt used for CFG.
     Returns (input_ids, image_start, attention_mask) with attention 0 on the [iPAD] positions; the
-    image slots are input_ids[image_start : image_start + num_tokens]."""
-    s = specials(tok)
+    image slots are input_ids[image_start : image_start + num_tokens]. sp: the token ids (default: the toy
+    tokenizer's, by name; train.model_specials gives an MMaDA checkpoint's)."""
+    s = sp or specials(tok)
+    if None in (s.t2i, s.soi, s.eoi, s.ipad):
+        raise ValueError("the tokenizer lacks MMaDA's <|t2i|> / <|soi|> / <|eoi|> / [iPAD] tokens: text-to-image "
+                         "needs an MMaDA checkpoint (its tokenizer.json), not a text-only LLaDA one")
     text = [s.t2i, s.bos] + tok.encode(prompt_text, add_special_tokens=False).ids + [s.eos]
     if len(text) > text_len:
         text = text[:text_len - 1] + [s.eos]

@@ -2,6 +2,8 @@
 
     python train.py --preset toy                       # laptop CPU: SFT + RL on toy text and image tasks
     python train.py --preset toy --estimator=d1        # any Config field can be overridden: --field=value
+    torchrun --nproc_per_node=8 train.py --preset llada8b --init_from=DIR --train_data=gsm8k=train.jsonl
+    python train.py --preset llada8b --dry_run         # parameters, memory per GPU and FLOPs, no weights
 
 Stage 1 (SFT) trains the toy model from scratch with the masked-diffusion loss (LLaDA / MDLM: mask each
 completion token with probability t ~ U(0, 1), cross-entropy on the masked tokens weighted by 1/t). It is
@@ -17,16 +19,22 @@ cached in out_dir/sft, so a second run goes straight to RL. Stage 2 (RL) is Mask
                        on grpo.policy_loss (clipped surrogate + beta * k3 KL to the SFT reference)
 
 Everything is written to out_dir: log.jsonl (one line per RL step), summary.json (held-out mean reward
-before/after RL per task), final/ (the RL model in the Hugging Face LLaDA layout, with tokenizer.json).
+before/after RL per task), final/ (the RL model in the Hugging Face LLaDA layout, with tokenizer.json; with
+LoRA also final/adapters.*). Under torchrun the rollouts are sharded by global prompt index and the model
+by FSDP2 (scale.py); every random draw is seeded by (seed, step, global index), so the world size does not
+change the result.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import json
 import math
+import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -36,11 +44,16 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import data
 import grpo
 import importance
+import lora
+import rewards
 import sample
+import scale
 import tasks
-from model import ModelConfig, Transformer, load_tokenizer
+from model import ModelConfig, Transformer, chat_prompt, load_tokenizer, num_params
+from scale import print0
 
 # -----------------------------------------------------------------------------------------------------
 # config
@@ -57,16 +70,27 @@ class Config:
     # model
     init_from: str = "scratch"        # "scratch" (toy model below, trained by SFT) or a checkpoint directory
     sft_dir: str = ""                 # where the SFT model is cached ("" = out_dir/sft); share it across runs
-    d_model: int = 128                # scratch model dims
+    d_model: int = 128                # scratch model dims (and --dry_run's, when init_from has no config.json)
     n_layers: int = 4
     n_heads: int = 4
     mlp_hidden_size: int = 384
-    # toy tasks
-    tasks: str = "text,image"         # RL tasks, comma separated: text, image
+    vocab_size: int = 0               # --dry_run only: embedding rows (0 = the toy tokenizer's)
+    lora_rank: int = 0                # > 0: train LoRA adapters only (lora.py); the reference is adapters-off
+    lora_alpha: float = 64.0
+    lora_dropout: float = 0.0
+    activation_checkpointing: bool = False  # recompute each block in backward (needed at 8B)
+    # tasks and data
+    tasks: str = "text,image"         # RL tasks, comma separated: toy text, image; or gsm8k, math, mbpp,
+                                      # countdown, sudoku (text) and geneval (image) with --train_data
+    train_data: str = ""              # task=path[,task=path]: local files in their public format (data.py)
+    eval_data: str = ""               # task=path[,...]: held-out sets scored before and after RL
+    max_prompt_len: int = 256         # real text prompts keep their last max_prompt_len tokens
+    image_text_len: int = 0           # t2i text part, left-padded with [iPAD] (0 = longest toy caption; MMaDA 257)
+    image_scorer_url: str = ""        # geneval rewards: POST to this scorer (rewards.RemoteScorer)
     text_max_steps: int = 1           # arithmetic steps per word problem (1 or 2)
     text_noise: float = 0.4           # fraction of SFT text targets with the box off by one (tasks.py)
     image_noise: float = 0.4          # fraction of SFT images with one colour drawn as its look-alike
-    image_width: int = 4              # toy images are image_width x image_width grids of palette codes
+    image_width: int = 4              # images are image_width x image_width tokens (MMaDA 512 px: 32)
     # stage 1: masked-diffusion SFT
     sft_steps: int = 600
     sft_batch_size: int = 64          # sequences per SFT step and task
@@ -102,11 +126,13 @@ class Config:
     lr: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    device_batch_size: int = 0        # sequences per forward pass in log-prob passes (0 = all at once)
+    device_batch_size: int = 0        # sequences per forward pass in rollouts and log-prob passes (0 = all)
     # evaluation / logging
     eval_prompts: int = 256           # held-out prompts per task, scored before and after RL
     eval_samples: int = 4             # sampled completions per held-out prompt (one sample is too noisy)
     sample_every: int = 20            # print a decoded rollout every N RL steps (0 = never)
+    dry_run: bool = False             # print parameters, memory per GPU and FLOPs per step; no weights, no run
+    dry_run_gpus: int = 8             # world size assumed by --dry_run
 
 
 PRESETS: dict[str, dict] = {
@@ -115,7 +141,30 @@ PRESETS: dict[str, dict] = {
     # seconds-long smoke run of the whole pipeline (tests, CI).
     "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2, "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1,
               "d_model": 32, "n_layers": 2, "mlp_hidden_size": 64, "num_iterations": 2, "sample_every": 1},
+    # LLaDA-8B-Instruct text RL, the paper's settings (method.md §7.1-7.2): G 6, 16 prompts per step,
+    # mu 12, gamma 0.6, beta 0.01, eps 0.2, lr 3e-6, AdamW (0.9, 0.99) wd 0.1, grad clip 0.2, LoRA r 128 /
+    # alpha 64 / dropout 0.05, 256 tokens in blocks of 32 with 128 steps at temperature 0.9.
+    # Give --init_from=DIR (weights, config.json, tokenizer.json) and --train_data=gsm8k=FILE.
+    "llada8b": {"init_from": "", "tasks": "gsm8k", "d_model": 4096, "n_layers": 32, "n_heads": 32,
+                "mlp_hidden_size": 12288, "vocab_size": 126464, "gen_length": 256, "block_length": 32,
+                "steps": 128, "temperature": 0.9, "group_size": 6, "prompts_per_step": 16, "num_iterations": 12,
+                "gamma_text": 0.6, "beta": 0.01, "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1,
+                "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0, "lora_dropout": 0.05,
+                "activation_checkpointing": True, "device_batch_size": 6, "rl_steps": 8000, "eval_prompts": 256,
+                "eval_samples": 1, "sample_every": 50},
+    # MMaDA-8B text-to-image RL (method.md §7.3): emerge rollouts, 12 steps, CFG 3.0, G 9, mu 6, gamma 0.8,
+    # 1024 image tokens (32 x 32) after a 257-token text part. Rewards come from a remote scorer.
+    "mmada8b": {"init_from": "", "tasks": "geneval", "d_model": 4096, "n_layers": 32, "n_heads": 32,
+                "mlp_hidden_size": 12288, "vocab_size": 134656, "image_width": 32, "image_text_len": 257,
+                "image_steps": 12, "cfg_scale": 3.0, "group_size": 9, "prompts_per_step": 6, "num_iterations": 6,
+                "gamma_image": 0.8, "beta": 0.01, "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1,
+                "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0, "lora_dropout": 0.05,
+                "activation_checkpointing": True, "device_batch_size": 3, "rl_steps": 8000, "eval_prompts": 64,
+                "eval_samples": 1, "sample_every": 50},
 }
+
+TOY_TASKS = ("text", "image")
+IMAGE_TASKS = ("image", "geneval")  # generated as image tokens; everything else is text
 
 
 def _parse_bool(s: str) -> bool:
@@ -163,8 +212,34 @@ def validate(cfg: Config) -> None:
     need(cfg.text_reversing in importance.MODES, f"text_reversing ({cfg.text_reversing!r}) must be one of {importance.MODES}")
     need(cfg.loss_norm in grpo.NORMS, f"loss_norm ({cfg.loss_norm!r}) must be one of {grpo.NORMS}")
     need(cfg.image_sampler in ("emerge", "maskgit"), f"image_sampler ({cfg.image_sampler!r}) must be emerge or maskgit")
-    bad = [t for t in cfg.tasks.split(",") if t not in ("text", "image")]
-    need(not bad and cfg.tasks, f"tasks ({cfg.tasks!r}) must be a comma-separated subset of text,image")
+    known = TOY_TASKS + data.TASKS
+    bad = [t for t in task_list(cfg) if t not in known]
+    need(not bad and cfg.tasks, f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")
+    real = [t for t in task_list(cfg) if t not in TOY_TASKS]
+    need(not real or cfg.dry_run or cfg.init_from not in ("", "scratch"),
+         f"tasks {real} need a pretrained model: pass --init_from=DIR (a LLaDA/MMaDA checkpoint directory)")
+    need(cfg.init_from != "" or cfg.dry_run, "init_from is empty: pass --init_from=DIR, the local checkpoint")
+    train_files = data_paths(cfg.train_data, "train_data")
+    for t in real:
+        need(t in train_files or cfg.dry_run, f"task {t!r} needs its training file: --train_data={t}=PATH")
+    for field_name, paths in (("train_data", train_files), ("eval_data", data_paths(cfg.eval_data, "eval_data"))):
+        extra = [t for t in paths if t not in real]
+        need(not extra, f"{field_name} names {extra}, which are not among the RL tasks {task_list(cfg)}")
+    need("geneval" not in real or cfg.image_scorer_url or cfg.dry_run,
+         "task geneval needs a reward model: --image_scorer_url=http://HOST:PORT (rewards.RemoteScorer; "
+         "`python rewards.py --stub-scorer` serves a stand-in)")
+    need(cfg.lora_rank >= 0, f"lora_rank ({cfg.lora_rank}) must be >= 0 (0 = full fine-tuning)")
+    need(cfg.lora_rank == 0 or (cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1),
+         f"lora_alpha ({cfg.lora_alpha}) must be > 0 and lora_dropout ({cfg.lora_dropout}) in [0, 1)")
+    need(cfg.lora_rank == 0 or cfg.init_from != "scratch",
+         "lora_rank > 0 with init_from=scratch: the toy model is trained from scratch by SFT, so there is no "
+         "pretrained base to adapt; pass --init_from=DIR (for instance a toy run's out_dir/final)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # validated before the process group exists
+    need(cfg.prompts_per_step % world == 0,
+         f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by the world size ({world}): groups are "
+         f"never split across ranks; try --prompts_per_step={world * max(1, cfg.prompts_per_step // world)}")
+    need(cfg.max_prompt_len >= 8, f"max_prompt_len ({cfg.max_prompt_len}) must be >= 8")
+    need(cfg.image_width >= 1 and cfg.image_text_len >= 0, "image_width must be >= 1 and image_text_len >= 0")
     need(cfg.temperature >= 0, f"temperature ({cfg.temperature}) must be >= 0")
     need(cfg.kv_cache in ("none", "prefix", "dual"), f"kv_cache ({cfg.kv_cache!r}) must be none, prefix or dual")
     need(0 <= cfg.threshold < 1, f"threshold ({cfg.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
@@ -176,20 +251,32 @@ def validate(cfg: Config) -> None:
         need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1")
 
 
+def task_list(cfg: Config) -> list[str]:
+    return [t for t in cfg.tasks.split(",") if t]
+
+
+def data_paths(spec: str, name: str) -> dict[str, str]:
+    """"gsm8k=a.jsonl,math=b.jsonl" -> {"gsm8k": "a.jsonl", "math": "b.jsonl"}."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        task, eq, path = item.partition("=")
+        if not eq or not path or task not in data.TASKS:
+            raise ValueError(f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(data.TASKS)}")
+        out[task] = path
+    return out
+
+
 # -----------------------------------------------------------------------------------------------------
 # setup
 
 
 def setup(cfg: Config) -> tuple[torch.device, torch.dtype]:
-    """Pick device and compute dtype once, and say why."""
+    """Pick device and compute dtype once (joining torchrun's process group if there is one), and say why."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(cfg.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device ({cfg.device!r}) asks for CUDA, but torch sees no GPU; use --device=cpu")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device ({cfg.device!r}) asks for CUDA, but torch sees no GPU; use --device=cpu")
+    device = scale.init(cfg.device)
     if cfg.dtype == "auto":
         # bf16 on GPUs that support it (the released LLaDA weights are bf16); float32 on CPU, where bf16
         # matmuls are slow and the toy model is small.
@@ -197,7 +284,8 @@ def setup(cfg: Config) -> tuple[torch.device, torch.dtype]:
         dtype = torch.bfloat16 if bf16 else torch.float32
     else:
         dtype = getattr(torch, cfg.dtype)
-    print(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, torch threads {torch.get_num_threads()}")
+    print0(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, torch threads {torch.get_num_threads()}, "
+           f"world size {scale.world()}")
     return device, dtype
 
 
@@ -236,23 +324,42 @@ class Batch:
     def window_slice(self):
         return slice(self.prompt_len, self.prompt_len + self.window)
 
+    def rows(self, rows: slice) -> "Batch":
+        """This rank's rows of a global batch (same padding as every other rank's)."""
+        pick = lambda t: None if t is None else t[rows]
+        return Batch(self.task, self.x[rows], self.attention_mask[rows], self.prompt_len, self.window,
+                     pick(self.uncond), pick(self.uncond_mask), self.examples[rows])
+
 
 def make_batch(task: str, examples: list, tok, sp, cfg: Config, device, with_targets: bool) -> Batch:
-    """Token tensors for `examples`; the window holds the target (SFT) or mask ids (rollout prompts)."""
+    """Token tensors for `examples`; the window holds the target (SFT) or mask ids (rollout prompts).
+    Text prompts are left-padded to the longest in `examples`: build the *global* batch on every rank and
+    take rows from it (Batch.rows), so that a sequence's padding, and hence its logits, do not depend on
+    the world size."""
+    if task in IMAGE_TASKS:
+        return _image_batch(task, examples, tok, sp, cfg, device, with_targets)
     if task == "text":
         pairs = [tasks.encode_text(tok, ex, cfg.gen_length) for ex in examples]
-        P = max(len(p) for p, _ in pairs)
-        rows, att = [], []
-        for p, c in pairs:
-            pad = P - len(p)
-            window = c if with_targets else [sp.mask] * cfg.gen_length
-            rows.append([sp.pad] * pad + p + window)  # LLaDA left-pads prompts with EOS
-            att.append([0] * pad + [1] * (len(p) + cfg.gen_length))
-        x = torch.tensor(rows, device=device)
-        return Batch(task, x, torch.tensor(att, device=device), P, cfg.gen_length, examples=examples)
+    else:  # a benchmark prompt in the LLaDA chat template, cut from the left like the official code
+        pairs = [(tok.encode(chat_prompt([{"role": "user", "content": ex["prompt"]}]),
+                             add_special_tokens=False).ids[-cfg.max_prompt_len:], None) for ex in examples]
+    P = max(len(p) for p, _ in pairs)
+    rows, att = [], []
+    for p, c in pairs:
+        pad = P - len(p)
+        window = c if with_targets else [sp.mask] * cfg.gen_length
+        rows.append([sp.pad] * pad + p + window)  # LLaDA left-pads prompts with EOS
+        att.append([0] * pad + [1] * (len(p) + cfg.gen_length))
+    x = torch.tensor(rows, device=device)
+    return Batch(task, x, torch.tensor(att, device=device), P, cfg.gen_length, examples=examples)
+
+
+def _image_batch(task, examples, tok, sp, cfg: Config, device, with_targets: bool) -> Batch:
+    """MMaDA's t2i layout (tasks.encode_image_prompt), with the empty-caption prompt for CFG."""
     n = cfg.image_width ** 2
-    enc = [tasks.encode_image_prompt(tok, ex["prompt"], image_text_len(tok), n) for ex in examples]
-    unc = tasks.encode_image_prompt(tok, "", image_text_len(tok), n)
+    text_len = cfg.image_text_len or image_text_len(tok)
+    enc = [tasks.encode_image_prompt(tok, ex["prompt"], text_len, n, sp) for ex in examples]
+    unc = tasks.encode_image_prompt(tok, "", text_len, n, sp)
     x = torch.tensor([e[0] for e in enc], device=device)
     att = torch.tensor([e[2] for e in enc], device=device)
     start = enc[0][1]
@@ -282,7 +389,45 @@ def image_text_len(tok) -> int:
 
 def vocab_slice(task: str, sp):
     """Image positions are scored over the image-code columns only (MMaDA / method.md §2.6)."""
-    return (sp.image_token_offset, sp.image_token_offset + sp.codebook_size) if task == "image" else None
+    return (sp.image_token_offset, sp.image_token_offset + sp.codebook_size) if task in IMAGE_TASKS else None
+
+
+def model_specials(tok, mc: ModelConfig) -> tasks.Specials:
+    """Token ids of a pretrained LLaDA/MMaDA checkpoint: from its config.json, and the MMaDA markers from
+    its tokenizer by name (None where LLaDA has none; only the image tasks need them)."""
+    return tasks.Specials(bos=mc.bos_token_id, eos=mc.eos_token_id, pad=mc.pad_token_id, mask=mc.mask_token_id,
+                          t2i=tok.token_to_id("<|t2i|>"), soi=tok.token_to_id("<|soi|>"),
+                          eoi=tok.token_to_id("<|eoi|>"), ipad=tok.token_to_id("[iPAD]"),
+                          image_token_offset=mc.image_token_offset, codebook_size=mc.codebook_size,
+                          vocab_size=mc.vocab_size)
+
+
+def load_data(cfg: Config) -> dict:
+    """{task: {"train": examples, "test": examples}} for the benchmark tasks, read and checked before any
+    model is loaded (data.py reports every malformed row with its file and line)."""
+    out = {}
+    evals = data_paths(cfg.eval_data, "eval_data")
+    for task, path in data_paths(cfg.train_data, "train_data").items():
+        out[task] = {"train": data.load_dataset(task, path),
+                     "test": data.load_dataset(task, evals[task]) if task in evals else []}
+    return out
+
+
+def draw_prompts(task: str, cfg: Config, step: int, datasets: dict) -> list:
+    """The global prompts of one RL step, identical on every rank: toy tasks draw fresh examples from
+    (seed, step); a dataset is walked in a fresh seeded permutation per epoch, so step s always sees the
+    same prompts (and a resumed run continues where it stopped)."""
+    if task in TOY_TASKS:
+        rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
+        return [make_example(task, rng, cfg, "train") for _ in range(cfg.prompts_per_step)]
+    rows = datasets[task]["train"]
+    out = []
+    for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
+        epoch, pos = divmod(i, len(rows))
+        order = list(range(len(rows)))
+        random.Random(derive_seed(cfg.seed, "epoch", task, epoch)).shuffle(order)
+        out.append(rows[order[pos]])
+    return out
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -344,63 +489,104 @@ def sft(model, tok, sp, cfg: Config, device) -> float:
 
 
 @torch.no_grad()
-def rollout(model, b: Batch, sp, cfg: Config, gen: torch.Generator, temperature: float, fast: bool = False) -> Batch:
-    """Fill the window of every row with the policy's sample (a new Batch; prompts unchanged). fast: use
-    cfg.kv_cache / cfg.threshold for text (RL rollouts only; evaluation always uses the exact sampler)."""
-    if b.task == "text":
-        x = sample.generate(model, b.x[:, : b.prompt_len], gen_length=b.window, block_length=cfg.block_length,
-                            steps=cfg.steps, temperature=temperature, mask_id=sp.mask, generator=gen,
-                            attention_mask=b.attention_mask[:, : b.prompt_len],
-                            kv_cache=None if not fast or cfg.kv_cache == "none" else cfg.kv_cache,
-                            threshold=(cfg.threshold or None) if fast else None)
-    else:
-        x = sample.generate_image(model, b.x, image_start=b.prompt_len, num_tokens=b.window,
-                                  steps=cfg.image_steps, sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale,
-                                  uncond_input_ids=b.uncond, generator=gen, attention_mask=b.attention_mask,
-                                  uncond_attention_mask=b.uncond_mask, code_offset=sp.image_token_offset,
-                                  codebook_size=sp.codebook_size, mask_id=sp.mask)
-    return Batch(b.task, x, b.attention_mask, b.prompt_len, b.window, b.uncond, b.uncond_mask, b.examples)
+def rollout(model, b: Batch, sp, cfg: Config, gens: list, temperature: float, fast: bool = False) -> Batch:
+    """Fill the window of every row with the policy's sample (a new Batch; prompts unchanged). gens: one
+    generator per row, so a row's sample depends on its own seed only. Rows go through device_batch_size
+    at a time. fast: use cfg.kv_cache / cfg.threshold for text (RL rollouts only; evaluation always uses
+    the exact sampler)."""
+    chunk = cfg.device_batch_size or len(gens)
+    out = []
+    with scale.full_weights(model):
+        for s in range(0, len(gens), chunk):
+            rows = slice(s, s + chunk)
+            c, g = b.rows(rows), gens[rows]
+            if c.task not in IMAGE_TASKS:
+                x = sample.generate(model, c.x[:, : c.prompt_len], gen_length=c.window,
+                                    block_length=cfg.block_length, steps=cfg.steps, temperature=temperature,
+                                    mask_id=sp.mask, generator=g, attention_mask=c.attention_mask[:, : c.prompt_len],
+                                    kv_cache=None if not fast or cfg.kv_cache == "none" else cfg.kv_cache,
+                                    threshold=(cfg.threshold or None) if fast else None)
+            else:
+                x = sample.generate_image(model, c.x, image_start=c.prompt_len, num_tokens=c.window,
+                                          steps=cfg.image_steps, sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale,
+                                          uncond_input_ids=c.uncond, generator=g, attention_mask=c.attention_mask,
+                                          uncond_attention_mask=c.uncond_mask, code_offset=sp.image_token_offset,
+                                          codebook_size=sp.codebook_size, mask_id=sp.mask)
+            out.append(x)
+    return Batch(b.task, torch.cat(out), b.attention_mask, b.prompt_len, b.window, b.uncond, b.uncond_mask,
+                 b.examples)
 
 
 def decode_window(b: Batch, tok, sp) -> list:
-    """Completion text (text task) or image codes (image task) per row."""
+    """Completion text (text tasks) or image codes (image tasks) per row."""
     w = b.x[:, b.window_slice].tolist()
-    if b.task == "text":
+    if b.task not in IMAGE_TASKS:
         return [tok.decode(row, skip_special_tokens=True) for row in w]
     return [[c - sp.image_token_offset for c in row] for row in w]
 
 
-def score(b: Batch, tok, sp) -> torch.Tensor:
-    """Reward in [0, 1] per row."""
+def score(b: Batch, tok, sp, scorer=None) -> torch.Tensor:
+    """Reward in [0, 1] per row: the toy verifiers (tasks.py), the benchmark verifiers (rewards.REWARDS),
+    or, for geneval images, the remote scorer."""
     outs = decode_window(b, tok, sp)
-    fn = tasks.text_reward if b.task == "text" else tasks.image_reward
-    key = None if b.task == "text" else "spec"
-    return torch.tensor([fn(o, ex if key is None else ex[key]) for o, ex in zip(outs, b.examples)])
+    if b.task == "geneval":
+        return torch.tensor(scorer([ex["prompt"] for ex in b.examples], outs), dtype=torch.float32)
+    if b.task == "text":
+        fn = tasks.text_reward
+    elif b.task == "image":
+        fn = lambda codes, ex: tasks.image_reward(codes, ex["spec"])
+    else:
+        fn = rewards.REWARDS[b.task]
+    return torch.tensor([fn(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
 
 
-def evaluate(model, tok, sp, cfg: Config, device, task: str, temperature: float) -> float:
-    """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), with
-    fixed seeds so that runs are paired."""
-    rng = random.Random(derive_seed(cfg.seed, "eval", task))
-    exs = [make_example(task, rng, cfg, "test") for _ in range(cfg.eval_prompts)]
+def eval_examples(task: str, cfg: Config, datasets: dict) -> list:
+    """The held-out prompts: fixed toy draws from the test split, or the first eval_prompts of eval_data."""
+    if task in TOY_TASKS:
+        rng = random.Random(derive_seed(cfg.seed, "eval", task))
+        return [make_example(task, rng, cfg, "test") for _ in range(cfg.eval_prompts)]
+    return datasets.get(task, {}).get("test", [])[: cfg.eval_prompts]
+
+
+def evaluate(model, tok, sp, cfg: Config, device, task: str, temperature: float, datasets: dict | None = None,
+             scorer=None, records: list | None = None) -> float | None:
+    """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each
+    from a generator seeded by its index, so that runs are paired and the world size changes nothing.
+    Ranks take interleaved rows of every 64-example batch. records: if given, one dict per scored row of
+    this rank is appended (index, prompt, output, reward). None when the task has no held-out set."""
+    exs = eval_examples(task, cfg, datasets or {})
+    if not exs:
+        return None
     exs = [ex for ex in exs for _ in range(cfg.eval_samples if temperature > 0 else 1)]
-    rewards = []
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
     for i in range(0, len(exs), 64):
-        b = make_batch(task, exs[i:i + 64], tok, sp, cfg, device, with_targets=False)
-        gen = generator(device, cfg.seed, "eval-sampling", task, i)
-        rewards.append(score(rollout(model, b, sp, cfg, gen, temperature), tok, sp))
-    return torch.cat(rewards).mean().item()
+        mine = slice(scale.rank(), None, scale.world())
+        b = make_batch(task, exs[i:i + 64], tok, sp, cfg, device, with_targets=False).rows(mine)
+        idx = list(range(i, min(i + 64, len(exs))))[mine]
+        if not idx:
+            continue
+        gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
+        b = rollout(model, b, sp, cfg, gens, temperature)
+        r = score(b, tok, sp, scorer)
+        total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
+        if records is not None:
+            outs = decode_window(b, tok, sp)
+            records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
+                           for j, ex, o, v in zip(idx, b.examples, outs, r.tolist()))
+    total = scale.all_sum(total)
+    return (total[0] / total[1]).item()
 
 
 def show(b: Batch, rewards, tok, sp, n: int = 1) -> None:
     outs = decode_window(b, tok, sp)
     for i in range(n):
         prompt = b.examples[i]["prompt"]
-        if b.task == "text":
-            print(f"  [text] {prompt!r} -> {outs[i]!r}  reward {rewards[i]:.2f}")
+        if b.task not in IMAGE_TASKS:
+            print0(f"  [{b.task}] {prompt[-200:]!r} -> {outs[i]!r}  reward {rewards[i]:.2f}")
         else:
-            print(f"  [image] {prompt!r}  reward {rewards[i]:.2f}")
-            print(tasks.render_image(outs[i], int(math.isqrt(len(outs[i])))))
+            print0(f"  [{b.task}] {prompt!r}  reward {rewards[i]:.2f}")
+            if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
+                print0(tasks.render_image(outs[i], int(math.isqrt(len(outs[i])))))
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -409,10 +595,10 @@ def show(b: Batch, rewards, tok, sp, n: int = 1) -> None:
 
 @dataclass
 class Rollout:
-    """One task's rollout batch, ready for mu inner updates."""
+    """One task's rollout batch (this rank's rows), ready for mu inner updates."""
     batch: Batch
-    rewards: torch.Tensor       # (B,)
-    adv: torch.Tensor           # (B,)
+    rewards: torch.Tensor       # (B_global,) every rank's rewards, for advantages and metrics
+    adv: torch.Tensor           # (B,) this rank's rows
     inputs: list                # mu x (B, L) masked inputs, one per inner iteration
     loss_masks: torch.Tensor    # (mu, B, L) positions scored in iteration j (masked in that input)
     logp_old: list              # mu x (B, L) float32
@@ -420,27 +606,31 @@ class Rollout:
 
 
 @torch.no_grad()
-def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int) -> Rollout:
-    """Steps 1-5 of the loop for one task: rollouts, rewards, advantages, masks, old/ref log-probs."""
-    rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
-    prompts = [make_example(task, rng, cfg, "train") for _ in range(cfg.prompts_per_step)]
+def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, datasets: dict, scorer=None) -> Rollout:
+    """Steps 1-5 of the loop for one task: rollouts, rewards, advantages, masks, old/ref log-probs.
+    ref: the reference model, or None for "this model with its LoRA adapters switched off"."""
+    prompts = draw_prompts(task, cfg, step, datasets)
     exs = [ex for ex in prompts for _ in range(cfg.group_size)]        # each prompt G times, consecutively
-    model.eval()  # old log-probs without dropout (method.md §9 item 19); our model has none anyway
-    b = make_batch(task, exs, tok, sp, cfg, device, with_targets=False)
-    b = rollout(model, b, sp, cfg, generator(device, cfg.seed, "rollout", task, step), cfg.temperature,
-                fast=True)
-    rewards = score(b, tok, sp)                                                        # (B,)
-    adv = grpo.group_advantages(rewards, group_size=cfg.group_size).to(device)         # (B,)
+    # Every rank builds the global batch (cheap: token ids) and keeps its own whole groups. The sequence
+    # index (global prompt index * G + member) seeds the rollout noise and the masks, so each sequence's
+    # randomness depends on (seed, task, step, index) only, not on the process or batch slot it lands in.
+    rows = scale.shard_rows(len(exs))
+    seq_index = list(range(len(exs)))[rows]
+    model.eval()  # old log-probs without dropout (method.md §9 item 19)
+    b = make_batch(task, exs, tok, sp, cfg, device, with_targets=False).rows(rows)
+    gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
+    b = rollout(model, b, sp, cfg, gens, cfg.temperature, fast=True)
+    # Rewards of all ranks, in global order: each group is normalised over its whole group (grpo.py).
+    rewards = scale.all_gather_rows(score(b, tok, sp, scorer).to(device)).cpu()       # (B_global,)
+    adv = grpo.group_advantages(rewards, group_size=cfg.group_size)[rows].to(device)   # (B,)
 
     B, L = b.x.shape
-    # Sequence index (prompt index * G + member) feeds the mask seeds: each sequence's masks depend on
-    # (seed, task, step, index) only, not on which process or batch slot scores it.
-    seq_index = list(range(B))
+    image = task in IMAGE_TASKS
     in_masks, loss_masks = importance.build_masks(
         b.prompt_mask, torch.ones(B, b.window, dtype=torch.bool, device=device),
         seed=derive_seed(cfg.seed, "masks", task), step=step, seq_index=seq_index,
-        num_iterations=cfg.num_iterations, gamma=cfg.gamma_text if task == "text" else cfg.gamma_image,
-        estimator=cfg.estimator, mode=cfg.text_reversing if task == "text" else "random",
+        num_iterations=cfg.num_iterations, gamma=cfg.gamma_image if image else cfg.gamma_text,
+        estimator=cfg.estimator, mode="random" if image else cfg.text_reversing,
         p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)      # (mu, B, L) each
     inputs = [importance.apply_mask(b.x, in_masks[j], sp.mask) for j in range(cfg.num_iterations)]
     # Log-probs use conditional logits only (no CFG), as the official code does at HEAD (method.md §4.5).
@@ -449,21 +639,25 @@ def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int) -> R
     logp_old = [importance.token_logprobs(model, inputs[j], b.x, loss_masks[j], **kw) for j in range(len(inputs))]
     logp_ref = None
     if cfg.beta > 0:
-        logp_ref = [importance.token_logprobs(ref, inputs[j], b.x, loss_masks[j], **kw) for j in range(len(inputs))]
+        with lora.adapters_disabled(model) if ref is None else contextlib.nullcontext():
+            logp_ref = [importance.token_logprobs(ref or model, inputs[j], b.x, loss_masks[j], **kw)
+                        for j in range(len(inputs))]
     return Rollout(b, rewards, adv, inputs, loss_masks, logp_old, logp_ref)
 
 
 def policy_backward(model, r: Rollout, j: int, cfg: Config, sp) -> dict:
     """Step 6 for one task and inner iteration j: re-score mask j with the current policy, backpropagate
     the GRPO loss. Rows go through in chunks of device_batch_size; each chunk's loss is weighted by its
-    share of the normaliser, so the gradient equals that of one full-batch pass."""
+    share of the normaliser over *all ranks' rows*, so the gradient equals that of one full-batch pass
+    in a single process. Returns this rank's share-weighted statistics (rl_step sums them over ranks)."""
     b, mask = r.batch, r.loss_masks[j]                                                   # mask (B, L)
     B = b.x.shape[0]
     chunk = cfg.device_batch_size or B
-    if cfg.loss_norm == "token":
-        total = mask.sum().clamp(min=1)
-    else:
-        total = mask.any(-1).sum().clamp(min=1)
+    count = (lambda m: m.sum()) if cfg.loss_norm == "token" else (lambda m: m.any(-1).sum())
+    total = scale.all_sum(count(mask).float()).clamp(min=1)
+    # FSDP2 averages gradients over the ranks; scaling by the world size turns that mean into the sum
+    # of the ranks' shares, i.e. the single-process gradient.
+    world = scale.world()
     stats_sum: dict = {}
     for s in range(0, B, chunk):
         rows = slice(s, s + chunk)
@@ -472,26 +666,42 @@ def policy_backward(model, r: Rollout, j: int, cfg: Config, sp) -> dict:
         loss, stats = grpo.policy_loss(logp, r.logp_old[j][rows], r.adv[rows], mask[rows], clip_eps=cfg.clip_eps,
                                        beta=cfg.beta, logp_ref=None if r.logp_ref is None else r.logp_ref[j][rows],
                                        norm=cfg.loss_norm)
-        share = (mask[rows].sum() if cfg.loss_norm == "token" else mask[rows].any(-1).sum()) / total
-        (loss * share).backward()
+        share = count(mask[rows]).float() / total
+        (loss * share * world).backward()
         for k, v in stats.items():
-            stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * float(share)
+            if k.endswith("_max"):
+                stats_sum[k] = max(stats_sum.get(k, -math.inf), float(v))
+            else:  # means weighted by their share of the normaliser; counts summed
+                stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * (1.0 if k == "num_tokens" else float(share))
         stats_sum["loss"] = stats_sum.get("loss", 0.0) + loss.item() * float(share)
     return stats_sum
 
 
-def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int) -> tuple[dict, list]:
+def reduce_stats(stats: dict, device) -> dict:
+    """Combine policy_backward's statistics over ranks (the same keys on every rank): maxima by max,
+    share-weighted means and counts by sum."""
+    keys = sorted(stats)
+    t = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
+    is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
+    maxed = scale.all_max(torch.where(is_max, t, -math.inf))
+    summed = scale.all_sum(torch.where(is_max, 0.0, t))
+    return dict(zip(keys, torch.where(is_max, maxed, summed).tolist()))
+
+
+def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int, datasets: dict, scorer=None
+            ) -> tuple[dict, list]:
     t0 = time.time()
-    rolls = [collect(model, ref, task, tok, sp, cfg, device, step) for task in cfg.tasks.split(",")]
+    rolls = [collect(model, ref, task, tok, sp, cfg, device, step, datasets, scorer) for task in task_list(cfg)]
     t_roll = time.time() - t0
     model.train()
+    params = lora.trainable_parameters(model)
     agg: dict = {}
     for j in range(cfg.num_iterations):
         opt.zero_grad(set_to_none=True)
         for r in rolls:
-            for k, v in policy_backward(model, r, j, cfg, sp).items():
+            for k, v in reduce_stats(policy_backward(model, r, j, cfg, sp), device).items():
                 agg[f"{r.batch.task}/{k}"] = agg.get(f"{r.batch.task}/{k}", 0.0) + v / cfg.num_iterations
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
     model.eval()
     log = {"step": step}
@@ -503,7 +713,8 @@ def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int) -> tuple[d
         flat = r.rewards.view(-1, cfg.group_size)
         log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
         log.update({k: v for k, v in agg.items() if k.startswith(t + "/")})
-    log["grad_norm"] = float(grad_norm)
+    # Under FSDP2 the norm is a DTensor over the ranks' shards; full_tensor() is its value.
+    log["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     log["rollout_s"] = t_roll
     log["seconds"] = time.time() - t0
     return log, rolls
@@ -511,7 +722,7 @@ def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int) -> tuple[d
 
 def log_line(log: dict, total: int) -> str:
     parts = [f"step {log['step'] + 1}/{total}"]
-    for t in ("text", "image"):
+    for t in sorted({k.split("/")[0] for k in log if k.endswith("/reward")}):
         if f"{t}/reward" in log:
             parts.append(f"{t} reward {log[f'{t}/reward']:.3f} loss {log[f'{t}/loss']:+.4f} "
                          f"clip {log[f'{t}/clipfrac']:.3f} kl {log[f'{t}/kl']:.4f}")
@@ -529,83 +740,179 @@ SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_n
 
 
 def load_or_train_sft(cfg: Config, tok, sp, device, dtype) -> tuple[Transformer, float]:
-    """The SFT model, from out_dir/sft when it was trained with the same settings, else trained now."""
-    if cfg.init_from != "scratch":
-        model = Transformer.from_pretrained(cfg.init_from, device=device, dtype=dtype)
-        load_tokenizer(cfg.init_from, model.config)
-        return model, 0.0
+    """The toy SFT model, from out_dir/sft when it was trained with the same settings, else trained now
+    (by rank 0 alone under torchrun; the other ranks wait, then read the same files)."""
     sft_dir = Path(cfg.sft_dir or Path(cfg.out_dir) / "sft")
     # tasks.py's source is part of the key: a change to the toy data invalidates the cached model.
     tasks_hash = hashlib.sha1(Path(tasks.__file__).read_bytes()).hexdigest()
     meta = {k: getattr(cfg, k) for k in SFT_KEYS} | {"tasks_sha1": tasks_hash}
     meta_file = sft_dir / "sft_meta.json"
-    if meta_file.is_file() and json.loads(meta_file.read_text()) == meta:
-        print(f"loading cached SFT model from {sft_dir} (delete it to retrain)")
-        model = Transformer.from_pretrained(sft_dir, device=device, dtype=dtype)
-        return model, json.loads((sft_dir / "sft_seconds.json").read_text())["seconds"]
-    mc = ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
-                     mlp_hidden_size=cfg.mlp_hidden_size, **tasks.model_config_overrides(tok))
-    model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
-    print(f"SFT from scratch: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"{cfg.sft_steps} steps")
-    seconds = sft(model, tok, sp, cfg, device)
-    model.save_pretrained(sft_dir)
-    tok.save(str(sft_dir / "tokenizer.json"))
-    (sft_dir / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
-    meta_file.write_text(json.dumps(meta, indent=2))  # written last: its presence means "complete"
-    return model, seconds
+    cached = lambda: meta_file.is_file() and json.loads(meta_file.read_text()) == meta
+    if not cached() and scale.rank() == 0:
+        mc = ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
+                         mlp_hidden_size=cfg.mlp_hidden_size, **tasks.model_config_overrides(tok))
+        model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
+        print(f"SFT from scratch: {num_params(model) / 1e6:.2f}M parameters, {cfg.sft_steps} steps")
+        seconds = sft(model, tok, sp, cfg, device)
+        model.save_pretrained(sft_dir)
+        tok.save(str(sft_dir / "tokenizer.json"))
+        (sft_dir / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
+        meta_file.write_text(json.dumps(meta, indent=2))  # written last: its presence means "complete"
+    scale.barrier()
+    print0(f"loading the SFT model from {sft_dir} (delete it to retrain)")
+    model = Transformer.from_pretrained(sft_dir, device=device, dtype=dtype)
+    return model, json.loads((sft_dir / "sft_seconds.json").read_text())["seconds"]
 
 
-def evaluate_all(model, tok, sp, cfg: Config, device) -> dict:
+def load_model(cfg: Config, device, dtype):
+    """(model, tokenizer, special ids, SFT seconds): the toy SFT model, or a pretrained checkpoint."""
+    toy = all(t in TOY_TASKS for t in task_list(cfg))
+    if cfg.init_from == "scratch":
+        tok = tasks.build_tokenizer()
+        sp = tasks.specials(tok)
+        model, seconds = load_or_train_sft(cfg, tok, sp, device, dtype)
+        return model, tok, sp, seconds
+    model = Transformer.from_pretrained(cfg.init_from, device=device, dtype=dtype)
+    tok = load_tokenizer(cfg.init_from, model.config)
+    # Toy tasks on a toy checkpoint (e.g. a LoRA run from a toy run's final/) read its ids by name.
+    sp = tasks.specials(tok) if toy else model_specials(tok, model.config)
+    return model, tok, sp, 0.0
+
+
+def evaluate_all(model, tok, sp, cfg: Config, device, datasets: dict | None = None, scorer=None) -> dict:
+    """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data
+    are left out."""
     res = {}
-    for task in cfg.tasks.split(","):
-        res[task] = evaluate(model, tok, sp, cfg, device, task, cfg.temperature)
-        if task == "text":
-            res["text_greedy"] = evaluate(model, tok, sp, cfg, device, task, 0.0)
+    for task in task_list(cfg):
+        r = evaluate(model, tok, sp, cfg, device, task, cfg.temperature, datasets, scorer)
+        if r is None:
+            continue
+        res[task] = r
+        if task not in IMAGE_TASKS:
+            res[f"{task}_greedy"] = evaluate(model, tok, sp, cfg, device, task, 0.0, datasets, scorer)
     return res
+
+
+def save_model(model, cfg: Config, path: Path, tok) -> None:
+    """The trained policy in the Hugging Face LLaDA layout (with tokenizer.json). With LoRA: the adapters
+    (path/adapters.safetensors + adapters.json, the exact record) and the merged full checkpoint beside
+    them. A collective under FSDP2: every rank calls it; rank 0 writes."""
+    state = scale.full_state_dict(model)
+    if scale.rank() != 0:
+        return
+    if cfg.lora_rank:
+        # An unsharded copy on CPU to merge into (16 GB for LLaDA-8B in bf16, on rank 0 only).
+        dtype = next(v for k, v in state.items() if k.endswith(".weight")).dtype
+        with torch.device("meta"):
+            plain = Transformer(model.config)
+        plain = plain.to(dtype).to_empty(device="cpu")
+        lora.add_lora(plain, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
+        plain.load_state_dict(state)
+        lora.save_adapters(plain, path)
+        lora.merge_lora(plain).save_pretrained(path)
+    else:
+        model.save_pretrained(path, state_dict=state)
+    tok.save(str(path / "tokenizer.json"))
+
+
+def dry_run(cfg: Config) -> dict:
+    """--dry_run: the model on the meta device (no memory), its parameter count, and scale.budget's
+    memory per GPU and FLOPs per RL step at the preset's batch sizes, for 1, 8 and 16 GPUs."""
+    cfg_file = Path(cfg.init_from) / "config.json" if cfg.init_from not in ("", "scratch") else None
+    if cfg_file is not None and cfg_file.is_file():
+        mc = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    else:
+        vocab = cfg.vocab_size or tasks.model_config_overrides(tasks.build_tokenizer())["vocab_size"]
+        mc = ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
+                         mlp_hidden_size=cfg.mlp_hidden_size, vocab_size=vocab, mask_token_id=vocab - 1)
+    with torch.device("meta"):
+        model = Transformer(mc)
+    n = num_params(model)
+    per_block = sum(m.in_features + m.out_features for name, m in model.blocks[0].named_children()
+                    if name in lora.LORA_TARGETS)
+    n_lora = cfg.lora_rank * per_block * mc.n_layers
+    image = any(t in IMAGE_TASKS for t in task_list(cfg))
+    seq_len = (cfg.image_text_len or 32) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
+    steps = cfg.image_steps if image else cfg.steps
+    seqs = cfg.prompts_per_step * cfg.group_size * len(task_list(cfg))
+    cols = sorted({1, 8, 16, cfg.dry_run_gpus})
+    rows = []
+    for w in cols:
+        per_rank = cfg.device_batch_size or max(1, seqs // w)
+        rows.append(scale.budget(mc, n, world_size=w, lora_params=n_lora, seqs_per_rank=per_rank, seq_len=seq_len,
+                                 gen_length=cfg.gen_length, steps=steps, num_iterations=cfg.num_iterations,
+                                 beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing))
+    print(f"model: {n:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
+          f"LoRA r={cfg.lora_rank}: {n_lora:,} adapter parameters")
+    print(f"RL step: {seqs} sequences of {seq_len} tokens, {steps} denoising steps, mu={cfg.num_iterations}, "
+          f"device_batch_size {cfg.device_batch_size or 'all'}, activation checkpointing "
+          f"{'on' if cfg.activation_checkpointing else 'off'}")
+    print("| GB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for key, label in (("weights_gb", "weights (bf16, sharded)"), ("full_ft_gb", "full fine-tuning"),
+                       ("lora_gb", f"LoRA r={cfg.lora_rank}"), ("rollout_gb", "rollouts (unsharded weights)"),
+                       ("activations_gb", "  of which activations"), ("logits_gb", "  of which logits")):
+        print(f"| {label} | " + " | ".join(f"{r[key]:.1f}" for r in rows) + " |")
+    r = rows[0]
+    print(f"FLOPs per RL step: rollouts {r['flops_rollout']:.2e}, old/ref scoring {r['flops_scoring']:.2e}, "
+          f"updates {r['flops_update']:.2e}, total {r['flops_total']:.2e}")
+    return {"params": n, "lora_params": n_lora, "budget": dict(zip(cols, rows))}
 
 
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
+    if cfg.dry_run:
+        return dry_run(cfg)
     device, dtype = setup(cfg)
+    datasets = load_data(cfg)  # malformed data fails here, before any model is loaded
+    scorer = rewards.RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-    print("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
+    if scale.rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
 
-    tok = tasks.build_tokenizer()
-    sp = tasks.specials(tok)
-    model, sft_seconds = load_or_train_sft(cfg, tok, sp, device, dtype)
+    model, tok, sp, sft_seconds = load_model(cfg, device, dtype)
     ref = None
-    if cfg.beta > 0:  # the reference policy is the SFT model, frozen
-        ref = copy.deepcopy(model).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-    n_tasks = len(cfg.tasks.split(","))
-    print(f"RL: {cfg.rl_steps} rollout steps x {cfg.prompts_per_step} prompts x G={cfg.group_size} per task "
-          f"({n_tasks} task(s)), {cfg.num_iterations} optimizer steps per rollout batch")
+    if cfg.lora_rank:  # the reference policy is this model with its adapters switched off (collect)
+        lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, generator=generator("cpu", cfg.seed, "lora"))
+        print0("LoRA: {modules} modules, {lora_params:,} trainable of {total_params:,} parameters".format(
+            **lora.lora_stats(model)))
+    elif cfg.beta > 0:  # the reference policy is the starting model, frozen
+        ref = scale.shard(copy.deepcopy(model).eval().requires_grad_(False))
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    model = scale.shard(model)
+    opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
+                            weight_decay=cfg.weight_decay)
+    print0(f"RL: {cfg.rl_steps} rollout steps x {cfg.prompts_per_step} prompts x G={cfg.group_size} per task "
+           f"({', '.join(task_list(cfg))}), {cfg.num_iterations} optimizer steps per rollout batch, "
+           f"{scale.world()} process(es)")
 
-    before = evaluate_all(model, tok, sp, cfg, device)
-    print("held-out mean reward before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()))
+    before = evaluate_all(model, tok, sp, cfg, device, datasets, scorer)
+    print0("held-out mean reward before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()))
     t_rl = time.time()
-    with open(out / "log.jsonl", "w") as logf:
-        for step in range(cfg.rl_steps):
-            log, rolls = rl_step(model, ref, opt, tok, sp, cfg, device, step)
-            print(log_line(log, cfg.rl_steps))
+    logf = open(out / "log.jsonl", "w") if scale.rank() == 0 else None
+    for step in range(cfg.rl_steps):
+        log, rolls = rl_step(model, ref, opt, tok, sp, cfg, device, step, datasets, scorer)
+        print0(log_line(log, cfg.rl_steps))
+        if logf:
             logf.write(json.dumps(log) + "\n")
             logf.flush()
-            if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
-                for r in rolls:
-                    show(r.batch, r.rewards, tok, sp)
+        if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
+            for r in rolls:
+                show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, sp)
+    if logf:
+        logf.close()
     rl_seconds = time.time() - t_rl
-    after = evaluate_all(model, tok, sp, cfg, device)
-    print("held-out mean reward after RL:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
+    after = evaluate_all(model, tok, sp, cfg, device, datasets, scorer)
+    print0("held-out mean reward after RL:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
 
-    model.save_pretrained(out / "final")
-    tok.save(str(out / "final" / "tokenizer.json"))
+    save_model(model, cfg, out / "final", tok)
     summary = {k: {"before": before[k], "after": after[k]} for k in before}
     summary["seconds"] = {"sft": sft_seconds, "rl": rl_seconds}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"wrote {out / 'final'} and {out / 'summary.json'}")
+    if scale.rank() == 0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print0(f"wrote {out / 'final'} and {out / 'summary.json'}")
     return summary
 
 
@@ -614,3 +921,5 @@ if __name__ == "__main__":
         main()
     except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
         sys.exit(f"error: {e}")
+    finally:
+        scale.close()
