@@ -160,11 +160,12 @@ def budget(model_config, n_params: int, *, world_size: int, lora_params: int, se
 
     Full fine-tuning: bf16 weights (2 B/param), gradients in the same dtype (2 B) and AdamW's two float32
     moments (8 B), all sharded over the ranks by FSDP2. LoRA: the frozen base (sharded too) plus float32
-    adapters with their gradients and moments
-    (4 B weight + 4 B grad + 8 B moments). Activations: per token and layer, checkpointing keeps the block
-    input (d_model values); without it a LLaDA block keeps about 16 d_model + 3 mlp_hidden values
-    (attention inputs/outputs, norms, the SwiGLU intermediates), in bf16. The logits of one log-prob
-    pass are seq x vocab in float32 (log-softmax), the largest single tensor at 126k vocabulary."""
+    adapters with gradients and moments (16 B/param). An update chunk adds its activations (per token and
+    layer, checkpointing keeps the block input, d_model values, and recomputes one block at a time;
+    without it a LLaDA block keeps about 16 d_model + 3 mlp_hidden values) and its float32 logits with
+    their log-softmax (seq x vocab, the largest tensor at a 126k vocabulary). A rollout holds the whole
+    model unsharded (scale.full_weights) beside the sharded state, plus float64 Gumbel noise over the
+    logits."""
     c = model_config
     gb = 1024 ** 3
     weights = n_params * bytes_per_param / world_size
@@ -173,17 +174,19 @@ def budget(model_config, n_params: int, *, world_size: int, lora_params: int, se
     if activation_checkpointing:  # one block is recomputed at a time, with its full activations
         acts += seqs_per_rank * seq_len * (16 * c.d_model + 3 * c.mlp_hidden_size) * bytes_per_param
     logits = seqs_per_rank * seq_len * c.vocab_size * 4 * 2  # float32 logits and their log-softmax
-    full_ft = weights + n_params * (bytes_per_param + 8) / world_size + acts + logits
-    lora = weights + lora_params * 16 / world_size + acts + logits
-    # Rollouts hold unsharded weights (full_weights) and no activations for backward.
-    rollout = n_params * bytes_per_param + seqs_per_rank * seq_len * c.vocab_size * 8  # float64 Gumbel noise
+    state_full = weights + n_params * (bytes_per_param + 8) / world_size  # + grads + AdamW moments
+    state_lora = weights + lora_params * 16 / world_size
+    # Rollouts gather the whole model (full_weights) beside the sharded state, and draw float64 Gumbel
+    # noise over the logits; they keep no activations for backward.
+    gather = n_params * bytes_per_param - weights + seqs_per_rank * seq_len * c.vocab_size * 8
     # FLOPs: 2 N per token forward, 6 N forward+backward; attention adds 4 L d per layer per token.
     fwd_tok = 2 * n_params + 4 * seq_len * c.d_model * c.n_layers
     seqs = seqs_per_rank * world_size
     flops_rollout = seqs * steps * seq_len * fwd_tok  # no KV cache: every step re-runs the sequence
     flops_scoring = seqs * num_iterations * seq_len * fwd_tok * (1 + (beta > 0))  # old + ref passes
     flops_update = seqs * num_iterations * seq_len * 3 * fwd_tok
-    return {"weights_gb": weights / gb, "full_ft_gb": full_ft / gb, "lora_gb": lora / gb,
-            "rollout_gb": rollout / gb, "activations_gb": acts / gb, "logits_gb": logits / gb,
+    return {"weights_gb": weights / gb, "full_ft_gb": (state_full + acts + logits) / gb,
+            "full_ft_rollout_gb": (state_full + gather) / gb, "lora_gb": (state_lora + acts + logits) / gb,
+            "lora_rollout_gb": (state_lora + gather) / gb, "activations_gb": acts / gb, "logits_gb": logits / gb,
             "flops_rollout": flops_rollout, "flops_scoring": flops_scoring, "flops_update": flops_update,
             "flops_total": flops_rollout + flops_scoring + flops_update, "gen_length": gen_length}

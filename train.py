@@ -849,9 +849,10 @@ def dry_run(cfg: Config) -> dict:
           f"{'on' if cfg.activation_checkpointing else 'off'}")
     print("| GB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
     print("|---|" + "---|" * len(cols))
-    for key, label in (("weights_gb", "weights (bf16, sharded)"), ("full_ft_gb", "full fine-tuning"),
-                       ("lora_gb", f"LoRA r={cfg.lora_rank}"), ("rollout_gb", "rollouts (unsharded weights)"),
-                       ("activations_gb", "  of which activations"), ("logits_gb", "  of which logits")):
+    for key, label in (("weights_gb", "weights (bf16, sharded)"), ("full_ft_gb", "full fine-tuning, update"),
+                       ("full_ft_rollout_gb", "full fine-tuning, rollout"), ("lora_gb", f"LoRA r={cfg.lora_rank}, update"),
+                       ("lora_rollout_gb", f"LoRA r={cfg.lora_rank}, rollout"),
+                       ("activations_gb", "activations per update chunk"), ("logits_gb", "logits per log-prob chunk")):
         print(f"| {label} | " + " | ".join(f"{r[key]:.1f}" for r in rows) + " |")
     r = rows[0]
     print(f"FLOPs per RL step: rollouts {r['flops_rollout']:.2e}, old/ref scoring {r['flops_scoring']:.2e}, "

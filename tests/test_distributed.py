@@ -99,7 +99,7 @@ def test_dry_run_llada8b(capsys):
     assert res["params"] == 8_015_581_184
     assert res["lora_params"] == 335_544_320  # r=128 on all seven projections (lora.py, llada-format.md §8)
     text = capsys.readouterr().out
-    assert "8,015,581,184 parameters" in text and "| LoRA r=128 |" in text
+    assert "8,015,581,184 parameters" in text and "| LoRA r=128, update |" in text
     b8 = res["budget"][8]
     # 8B bf16 weights over 8 GPUs = 1.87 GB; full fine-tuning adds 2 + 8 B/param sharded: ~7.5 GB more.
     assert b8["weights_gb"] == pytest.approx(8_015_581_184 * 2 / 8 / 2**30)

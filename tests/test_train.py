@@ -83,3 +83,76 @@ def test_toy_preset_reward_rises(tmp_path):
     for task in ("text", "image"):
         gain = summary[task]["after"] - summary[task]["before"]
         assert gain >= 0.05, f"{task}: {summary[task]}"
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """A smoke-trained toy checkpoint (MMaDA-like: text tokens, image codes and the t2i markers)."""
+    out = tmp_path_factory.mktemp("ckpt")
+    train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1", "--rl_steps=0", "--eval_prompts=1"])
+    return out / "final"
+
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "data"
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "math", "countdown", "sudoku", "mbpp"])
+def test_benchmark_text_task_runs(tiny_ckpt, tmp_path, task):
+    """The benchmark path end to end on a tiny checkpoint: data file -> chat prompt -> rollouts ->
+    rewards.REWARDS -> update -> held-out eval -> final checkpoint (rewards are ~0 for a toy model)."""
+    path = FIXTURES / (f"{task}.csv" if task == "sudoku" else f"{task}.jsonl")
+    out = tmp_path / task
+    summary = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1", f"--init_from={tiny_ckpt}",
+                          f"--tasks={task}", f"--train_data={task}={path}", f"--eval_data={task}={path}",
+                          "--rl_steps=1", "--eval_prompts=2", "--gen_length=16", "--block_length=16", "--steps=8"])
+    line = json.loads((out / "log.jsonl").read_text())
+    assert 0.0 <= line[f"{task}/reward"] <= 1.0 and math.isfinite(line[f"{task}/loss"])
+    assert set(summary[task]) == {"before", "after"} and f"{task}_greedy" in summary
+    assert (out / "final" / "tokenizer.json").is_file()
+
+
+def test_geneval_with_remote_scorer(tiny_ckpt, tmp_path, monkeypatch):
+    """Text-to-image on GenEval prompts with rewards from the stub scorer over HTTP (rewards.serve_stub):
+    the logged reward is the stub's rule (fraction of distinct codes) of the rollouts."""
+    import rewards
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    server = rewards.serve_stub(0)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        out = tmp_path / "geneval"
+        path = FIXTURES / "geneval.jsonl"
+        summary = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1", f"--init_from={tiny_ckpt}",
+                              "--tasks=geneval", f"--train_data=geneval={path}", f"--eval_data=geneval={path}",
+                              f"--image_scorer_url={url}", "--rl_steps=1", "--eval_prompts=3", "--image_text_len=24"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    line = json.loads((out / "log.jsonl").read_text())
+    assert 0.0 < line["geneval/reward"] <= 1.0  # distinct codes / 16 > 0 for any image
+    assert 0.0 < summary["geneval"]["before"] <= 1.0
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--tasks=gsm8k"], r"need a pretrained model: pass --init_from"),
+    (["--tasks=gsm8k", "--init_from=x"], r"task 'gsm8k' needs its training file: --train_data=gsm8k=PATH"),
+    (["--tasks=gsm8k", "--init_from=x", "--train_data=gsm8k"], r"must be TASK=PATH"),
+    (["--tasks=gsm8k", "--init_from=x", "--train_data=gsm8k=a", "--eval_data=math=b"], r"eval_data names \['math'\]"),
+    (["--tasks=geneval", "--init_from=x", "--train_data=geneval=a"], r"needs a reward model: --image_scorer_url"),
+    (["--lora_rank=4"], r"lora_rank > 0 with init_from=scratch"),
+    (["--lora_rank=-1"], r"lora_rank \(-1\) must be >= 0"),
+])
+def test_benchmark_config_errors(argv, match):
+    with pytest.raises(ValueError, match=match):
+        train.parse_args(["--preset", "smoke", *argv])
+
+
+def test_prompts_must_split_over_ranks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"prompts_per_step \(2\) must be divisible by the world size \(3\)"):
+        train.parse_args(["--preset", "smoke"])
+
+
+def test_missing_data_file_fails_before_model(tmp_path):
+    with pytest.raises(FileNotFoundError, match="dataset file not found"):
+        train.main(["--preset", "smoke", f"--out_dir={tmp_path}", f"--init_from={tmp_path / 'nope'}",
+                    "--tasks=gsm8k", f"--train_data=gsm8k={tmp_path / 'missing.jsonl'}"])
