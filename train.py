@@ -35,6 +35,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -44,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import checkpoint
 import data
 import grpo
 import importance
@@ -131,6 +133,11 @@ class Config:
     eval_prompts: int = 256           # held-out prompts per task, scored before and after RL
     eval_samples: int = 4             # sampled completions per held-out prompt (one sample is too noisy)
     sample_every: int = 20            # print a decoded rollout every N RL steps (0 = never)
+    # checkpoints and failures (checkpoint.py)
+    checkpoint_every: int = 10        # RL steps between checkpoints in out_dir/checkpoints (0 = never)
+    keep_last: int = 2                # complete checkpoints kept (0 = all)
+    resume: bool = False              # continue from the latest complete checkpoint in out_dir
+    max_bad_steps: int = 3            # stop after this many consecutive steps with non-finite loss/grad/reward
     dry_run: bool = False             # print parameters, memory per GPU and FLOPs per step; no weights, no run
     dry_run_gpus: int = 8             # world size assumed by --dry_run
 
@@ -140,7 +147,8 @@ PRESETS: dict[str, dict] = {
     "toy": {},
     # seconds-long smoke run of the whole pipeline (tests, CI).
     "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2, "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1,
-              "d_model": 32, "n_layers": 2, "mlp_hidden_size": 64, "num_iterations": 2, "sample_every": 1},
+              "d_model": 32, "n_layers": 2, "mlp_hidden_size": 64, "num_iterations": 2, "sample_every": 1,
+              "checkpoint_every": 0},
     # LLaDA-8B-Instruct text RL, the paper's settings (method.md §7.1-7.2): G 6, 16 prompts per step,
     # mu 12, gamma 0.6, beta 0.01, eps 0.2, lr 3e-6, AdamW (0.9, 0.99) wd 0.1, grad clip 0.2, LoRA r 128 /
     # alpha 64 / dropout 0.05, 256 tokens in blocks of 32 with 128 steps at temperature 0.9.
@@ -151,7 +159,7 @@ PRESETS: dict[str, dict] = {
                 "gamma_text": 0.6, "beta": 0.01, "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1,
                 "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0, "lora_dropout": 0.05,
                 "activation_checkpointing": True, "device_batch_size": 6, "rl_steps": 8000, "eval_prompts": 256,
-                "eval_samples": 1, "sample_every": 50},
+                "eval_samples": 1, "sample_every": 50, "checkpoint_every": 100},
     # MMaDA-8B text-to-image RL (method.md §7.3): emerge rollouts, 12 steps, CFG 3.0, G 9, mu 6, gamma 0.8,
     # 1024 image tokens (32 x 32) after a 257-token text part. Rewards come from a remote scorer.
     "mmada8b": {"init_from": "", "tasks": "geneval", "d_model": 4096, "n_layers": 32, "n_heads": 32,
@@ -160,7 +168,7 @@ PRESETS: dict[str, dict] = {
                 "gamma_image": 0.8, "beta": 0.01, "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1,
                 "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0, "lora_dropout": 0.05,
                 "activation_checkpointing": True, "device_batch_size": 3, "rl_steps": 8000, "eval_prompts": 64,
-                "eval_samples": 1, "sample_every": 50},
+                "eval_samples": 1, "sample_every": 50, "checkpoint_every": 100},
 }
 
 TOY_TASKS = ("text", "image")
@@ -238,6 +246,9 @@ def validate(cfg: Config) -> None:
     need(cfg.prompts_per_step % world == 0,
          f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by the world size ({world}): groups are "
          f"never split across ranks; try --prompts_per_step={world * max(1, cfg.prompts_per_step // world)}")
+    for k in ("checkpoint_every", "keep_last"):
+        need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0 (0 = {'never' if k == 'checkpoint_every' else 'keep all'})")
+    need(cfg.max_bad_steps >= 1, f"max_bad_steps ({cfg.max_bad_steps}) must be >= 1")
     need(cfg.max_prompt_len >= 8, f"max_prompt_len ({cfg.max_prompt_len}) must be >= 8")
     need(cfg.image_width >= 1 and cfg.image_text_len >= 0, "image_width must be >= 1 and image_text_len >= 0")
     need(cfg.temperature >= 0, f"temperature ({cfg.temperature}) must be >= 0")
@@ -593,6 +604,14 @@ def show(b: Batch, rewards, tok, sp, n: int = 1) -> None:
 # stage 2: MaskGRPO
 
 
+class BadStep(Exception):
+    """Rewards that are not finite numbers in [0, 1]: the RL step is skipped (rl_step's caller counts it)."""
+
+
+class TrainingStopped(RuntimeError):
+    """Too many consecutive bad steps: the run stops with a message naming the last good checkpoint."""
+
+
 @dataclass
 class Rollout:
     """One task's rollout batch (this rank's rows), ready for mu inner updates."""
@@ -622,6 +641,11 @@ def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, data
     b = rollout(model, b, sp, cfg, gens, cfg.temperature, fast=True)
     # Rewards of all ranks, in global order: each group is normalised over its whole group (grpo.py).
     rewards = scale.all_gather_rows(score(b, tok, sp, scorer).to(device)).cpu()       # (B_global,)
+    bad = (~torch.isfinite(rewards) | (rewards < 0) | (rewards > 1)).nonzero().flatten().tolist()
+    if bad:  # a reward function's NaN or out-of-range value is reported, never averaged into the update
+        i = bad[0]
+        raise BadStep(f"{len(bad)} {task} reward(s) not a finite number in [0, 1], first {rewards[i].item()} "
+                      f"at sequence {i} (prompt {i // cfg.group_size}); check the reward function or scorer")
     adv = grpo.group_advantages(rewards, group_size=cfg.group_size)[rows].to(device)   # (B,)
 
     B, L = b.x.shape
@@ -696,15 +720,28 @@ def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int, datasets: 
     model.train()
     params = lora.trainable_parameters(model)
     agg: dict = {}
+    skipped = 0
     for j in range(cfg.num_iterations):
         opt.zero_grad(set_to_none=True)
+        losses = []
         for r in rolls:
-            for k, v in reduce_stats(policy_backward(model, r, j, cfg, sp), device).items():
+            stats = reduce_stats(policy_backward(model, r, j, cfg, sp), device)
+            losses.append(stats["loss"])
+            for k, v in stats.items():
                 agg[f"{r.batch.task}/{k}"] = agg.get(f"{r.batch.task}/{k}", 0.0) + v / cfg.num_iterations
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        # Under FSDP2 the norm is a DTensor over the ranks' shards; full_tensor() is its value.
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        # Losses and the norm are reduced over ranks, so every rank takes the same decision.
+        if not (math.isfinite(grad_norm) and all(map(math.isfinite, losses))):
+            skipped += 1
+            print0(f"warning: step {step + 1} update {j + 1}: non-finite loss {losses} or gradient norm "
+                   f"{grad_norm}; update skipped")
+            opt.zero_grad(set_to_none=True)
+            continue
         opt.step()
     model.eval()
-    log = {"step": step}
+    log = {"step": step, "skipped_updates": skipped}
     for r in rolls:
         t = r.batch.task
         log[f"{t}/reward"] = r.rewards.mean().item()
@@ -713,8 +750,7 @@ def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int, datasets: 
         flat = r.rewards.view(-1, cfg.group_size)
         log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
         log.update({k: v for k, v in agg.items() if k.startswith(t + "/")})
-    # Under FSDP2 the norm is a DTensor over the ranks' shards; full_tensor() is its value.
-    log["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    log["grad_norm"] = grad_norm
     log["rollout_s"] = t_roll
     log["seconds"] = time.time() - t0
     return log, rolls
@@ -860,17 +896,119 @@ def dry_run(cfg: Config) -> dict:
     return {"params": n, "lora_params": n_lora, "budget": dict(zip(cols, rows))}
 
 
+GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
+
+
+def image_snapshot(model, tok, sp, cfg: Config, device) -> list | None:
+    """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the
+    before and after pictures differ only by the policy. None without the toy image task."""
+    if "image" not in task_list(cfg):
+        return None
+    exs = eval_examples("image", cfg, {})[:GRID_PROMPTS]
+    b = make_batch("image", exs, tok, sp, cfg, device, with_targets=False)
+    gens = [generator(device, cfg.seed, "grid", i) for i in range(len(exs))]
+    return decode_window(rollout(model, b, sp, cfg, gens, cfg.temperature), tok, sp)
+
+
+def write_pictures(cfg: Config, out: Path, grid: list) -> None:
+    """out_dir/curves.png (reward, KL, clip fraction per step) and out_dir/images.png (toy images before
+    and after RL, prompt under each), when Pillow is installed (plots.py says how to get it otherwise)."""
+    import plots
+
+    if (out / "log.jsonl").is_file() and (out / "log.jsonl").stat().st_size:
+        plots.plot_curves(out / "log.jsonl", out / "curves.png")
+    if grid[0][1] is not None:
+        prompts = [ex["prompt"] for ex in eval_examples("image", cfg, {})[:GRID_PROMPTS]]
+        plots.image_grid(grid, prompts, cfg.image_width, out / "images.png")
+
+
+# Fields that may change between a run and its resumption; any other difference is refused.
+RESUMABLE = ("resume", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
+             "max_bad_steps", "device_batch_size", "out_dir")
+
+
+def reference_identity(cfg: Config) -> dict:
+    """What the reference policy (and the starting point) is: the SFT cache key or the init_from
+    checkpoint's config and index, so a resumed run cannot silently change its KL anchor."""
+    if cfg.init_from == "scratch":
+        meta = Path(cfg.sft_dir or Path(cfg.out_dir) / "sft") / "sft_meta.json"
+        return {"sft_meta": json.loads(meta.read_text()) if meta.is_file() else None}
+    root = Path(cfg.init_from)
+    digest = hashlib.sha1()
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (root / name).is_file():
+            digest.update((root / name).read_bytes())
+    return {"init_from": str(root.resolve()), "sha1": digest.hexdigest()}
+
+
+def startup_checks(cfg: Config, out: Path) -> None:
+    """Before any heavy work: out_dir writable with room for a checkpoint, sequence lengths that fit the
+    model, and no stale checkpoints that a fresh run would silently mix with."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"out_dir {out} is not writable ({e.strerror}); pass --out_dir=a writable directory") from None
+    mc = None
+    if cfg.init_from != "scratch":
+        cfg_file = Path(cfg.init_from) / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file} not found: --init_from must be a LLaDA/MMaDA checkpoint directory")
+        mc = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+        image = any(t in IMAGE_TASKS for t in task_list(cfg))
+        need = (cfg.image_text_len or 64) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
+        if need > mc.max_sequence_length:
+            raise ValueError(f"sequences of up to {need} tokens exceed the model's max_sequence_length "
+                             f"({mc.max_sequence_length}); lower --max_prompt_len / --gen_length (or image sizes)")
+    if cfg.checkpoint_every:
+        mc = mc or ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                               n_kv_heads=cfg.n_heads, mlp_hidden_size=cfg.mlp_hidden_size, vocab_size=128)
+        with torch.device("meta"):
+            n = num_params(Transformer(mc))
+        # float32 weights + AdamW moments (an upper bound; LoRA saves far less), twice for the rotation.
+        size = 2 * n * 12
+        free = shutil.disk_usage(out).free
+        if free < size:
+            raise ValueError(f"out_dir {out} has {free / 2**30:.1f} GB free, but a checkpoint needs about "
+                             f"{size / 2**30:.1f} GB; free space, pick another --out_dir or set --checkpoint_every=0")
+    if not cfg.resume and checkpoint.latest(out) is not None:
+        raise ValueError(f"out_dir {out} already holds checkpoints (latest {checkpoint.latest(out).name}): pass "
+                         "--resume=true to continue that run, or choose another --out_dir")
+
+
+@contextlib.contextmanager
+def graceful_stop():
+    """SIGTERM / SIGINT (pre-emption, Ctrl-C) set a flag: the current step finishes, a checkpoint is
+    written, and the run exits. A second signal interrupts at once."""
+    flag = {"signal": 0}
+
+    def handler(signum, frame):
+        if flag["signal"]:
+            raise KeyboardInterrupt
+        flag["signal"] = signum
+        print0(f"caught {signal.Signals(signum).name}: finishing this step, then writing a checkpoint")
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     if cfg.dry_run:
         return dry_run(cfg)
     device, dtype = setup(cfg)
-    datasets = load_data(cfg)  # malformed data fails here, before any model is loaded
-    scorer = rewards.RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     out = Path(cfg.out_dir)
+    datasets = load_data(cfg)  # malformed data fails here, before any model is loaded
     if scale.rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
+        startup_checks(cfg, out)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    scale.barrier()
+    scorer = rewards.RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
 
     model, tok, sp, sft_seconds = load_model(cfg, device, dtype)
@@ -889,30 +1027,94 @@ def main(argv=None) -> dict:
            f"({', '.join(task_list(cfg))}), {cfg.num_iterations} optimizer steps per rollout batch, "
            f"{scale.world()} process(es)")
 
-    before = evaluate_all(model, tok, sp, cfg, device, datasets, scorer)
+    identity = reference_identity(cfg)
+    start, bad_total, before = 0, 0, None
+    last = checkpoint.latest(out) if cfg.resume else None
+    if last is not None:
+        state = checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0)
+        changed = sorted(k for k, v in asdict(cfg).items() if k not in RESUMABLE and state["config"].get(k) != v)
+        if changed:
+            raise ValueError(f"cannot resume {last}: these settings differ from the saved run: "
+                             + ", ".join(f"{k} {state['config'].get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
+        if state["reference"] != identity:
+            raise ValueError(f"cannot resume {last}: the reference policy changed (saved {state['reference']}, "
+                             f"now {identity}); resume with the same --init_from / SFT model")
+        start, bad_total, before = state["step"], state["bad_steps"], state["before"]
+        print0(f"resumed from {last} at step {start}")
+    elif cfg.resume:
+        print0(f"--resume: no complete checkpoint in {out / checkpoint.DIRNAME}; starting from step 0")
+
+    if before is None:
+        before = evaluate_all(model, tok, sp, cfg, device, datasets, scorer)
     print0("held-out mean reward before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()))
-    t_rl = time.time()
-    logf = open(out / "log.jsonl", "w") if scale.rank() == 0 else None
-    for step in range(cfg.rl_steps):
-        log, rolls = rl_step(model, ref, opt, tok, sp, cfg, device, step, datasets, scorer)
-        print0(log_line(log, cfg.rl_steps))
-        if logf:
-            logf.write(json.dumps(log) + "\n")
-            logf.flush()
-        if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
-            for r in rolls:
-                show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, sp)
-    if logf:
-        logf.close()
+    grid = [(("before RL" if start == 0 else f"step {start}"), image_snapshot(model, tok, sp, cfg, device))]
+
+    def save_checkpoint(step):
+        state = {"step": step, "config": asdict(cfg), "before": before, "reference": identity,
+                 "bad_steps": bad_total, "world_size": scale.world()}
+        return checkpoint.save(out, step, model, opt, state, keep_last=cfg.keep_last,
+                               trainable_only=cfg.lora_rank > 0)
+
+    t_rl, bad_run = time.time(), 0
+    logf = timef = None
+    if scale.rank() == 0:
+        # log.jsonl holds the metrics of steps < start (the resumed run rewrites what came later);
+        # wall times go to times.jsonl, so that a repeated run gives an identical log.jsonl.
+        kept = [l for l in (out / "log.jsonl").read_text().splitlines() if json.loads(l)["step"] < start] \
+            if start and (out / "log.jsonl").is_file() else []
+        (out / "log.jsonl").write_text("".join(l + "\n" for l in kept))
+        logf, timef = open(out / "log.jsonl", "a"), open(out / "times.jsonl", "a" if start else "w")
+    with graceful_stop() as stop:
+        for step in range(start, cfg.rl_steps):
+            try:
+                log, rolls = rl_step(model, ref, opt, tok, sp, cfg, device, step, datasets, scorer)
+                bad = log["skipped_updates"] > 0
+                print0(log_line(log, cfg.rl_steps))
+            except BadStep as e:
+                log, rolls, bad = {"step": step, "bad_reward": str(e)}, [], True
+                print0(f"warning: step {step + 1} skipped: {e}")
+            bad_run = bad_run + 1 if bad else 0
+            bad_total += bad
+            log["bad_steps"] = bad_total
+            times = {k: log.pop(k) for k in ("seconds", "rollout_s") if k in log}
+            if logf:
+                logf.write(json.dumps(log) + "\n")
+                logf.flush()
+                timef.write(json.dumps({"step": step, **times}) + "\n")
+                timef.flush()
+            if bad_run >= cfg.max_bad_steps:
+                good = checkpoint.latest(out)
+                raise TrainingStopped(
+                    f"{bad_run} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
+                    f"above), stopping at step {step + 1}. Last good checkpoint: "
+                    f"{good if good else 'none (set --checkpoint_every)'}; fix the cause (a lower --lr, the "
+                    "reward function) and continue with --resume=true")
+            if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
+                for r in rolls:
+                    show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, sp)
+            # Every rank must stop at the same step: the flag is reduced over ranks.
+            stopping = scale.all_max(torch.tensor([stop["signal"]], device=device)).item()
+            if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or stopping:
+                path = save_checkpoint(step + 1)
+                print0(f"checkpoint {path}")
+            if stopping:
+                print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step + 1}; continue with the "
+                       "same command and --resume=true")
+                raise SystemExit(128 + int(stopping))
+    for f in (logf, timef):
+        if f:
+            f.close()
     rl_seconds = time.time() - t_rl
     after = evaluate_all(model, tok, sp, cfg, device, datasets, scorer)
     print0("held-out mean reward after RL:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
+    grid.append(("after RL", image_snapshot(model, tok, sp, cfg, device)))
 
     save_model(model, cfg, out / "final", tok)
     summary = {k: {"before": before[k], "after": after[k]} for k in before}
     summary["seconds"] = {"sft": sft_seconds, "rl": rl_seconds}
     if scale.rank() == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_pictures(cfg, out, grid)
     print0(f"wrote {out / 'final'} and {out / 'summary.json'}")
     return summary
 
@@ -920,7 +1122,7 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
+    except (ValueError, FileNotFoundError, TrainingStopped) as e:  # user errors: one clear line, no traceback
         sys.exit(f"error: {e}")
     finally:
         scale.close()

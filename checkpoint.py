@@ -1,0 +1,134 @@
+"""Resumable training state: atomic, sharded, rotated checkpoints.
+
+    out_dir/checkpoints/step-00000010/      a complete checkpoint: the state after 10 RL steps
+        .metadata, __0_0.distcp, ...        model (or, with LoRA, adapter) and AdamW tensors
+        state.json                          step, config, held-out rewards before RL, reference identity
+    out_dir/checkpoints/step-00000020.tmp/  being written (or left by a crash): never loaded, removed later
+
+The tensors go through torch.distributed.checkpoint (DCP), PyTorch's own sharded format: under FSDP2
+every rank writes its shards in parallel, and DCP reshards on load, so a run saved on 8 GPUs resumes on
+4 (or on one process). A single process uses the same two calls, so there is one code path.
+
+Atomicity: everything is written into `step-N.tmp`, fsynced, then the directory is renamed to `step-N`
+and its parent fsynced. A rename is atomic on POSIX file systems, so a checkpoint directory without the
+`.tmp` suffix is complete by construction; a kill at any moment leaves at worst a `.tmp` directory,
+which `latest` ignores and the next `save` deletes.
+
+Randomness needs no saved RNG state: every random draw in train.py comes from a generator seeded by
+(seed, step, index), and the data position is the step itself (train.draw_prompts), so a resumed step
+draws exactly what the uninterrupted run drew.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+import scale
+
+DIRNAME, PREFIX, TMP = "checkpoints", "step-", ".tmp"
+# Fault injection for tests/test_resume.py: SIGKILL this process in the middle of writing the
+# checkpoint of this step (tensors written, directory not yet renamed). Unset in normal use.
+KILL_ENV = "MASKGRPO_KILL_DURING_CHECKPOINT"
+
+
+@contextmanager
+def _quiet():
+    """DCP warns that it 'assumes a single process' whenever there is no process group: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _step_dir(out_dir, step: int, tmp: bool = False) -> Path:
+    return Path(out_dir) / DIRNAME / f"{PREFIX}{step:08d}{TMP if tmp else ''}"
+
+
+def complete(out_dir) -> list[Path]:
+    """Complete checkpoints in out_dir, oldest first."""
+    root = Path(out_dir) / DIRNAME
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(TMP)
+             and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def latest(out_dir) -> Path | None:
+    done = complete(out_dir)
+    return done[-1] if done else None
+
+
+def _fsync_tree(path: Path) -> None:
+    """Flush every file of a directory, then the directory entries themselves, to stable storage."""
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _options(trainable_only: bool) -> StateDictOptions:
+    # With LoRA the frozen base is the --init_from checkpoint, already on disk: save only the adapters.
+    return StateDictOptions(ignore_frozen_params=trainable_only)
+
+
+def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainable_only: bool = False) -> Path:
+    """Write the checkpoint of `step` atomically and keep only the newest keep_last complete ones
+    (0 keeps all). A collective under FSDP2: every rank calls it. Returns the final directory."""
+    tmp, final = _step_dir(out_dir, step, tmp=True), _step_dir(out_dir, step)
+    if scale.rank() == 0:
+        for stale in (tmp, final):  # a crash's leftovers, or a checkpoint of a run we were told to redo
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    scale.barrier()
+    model_sd, optim_sd = get_state_dict(model, opt, options=_options(trainable_only))
+    with _quiet():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    scale.barrier()
+    if scale.rank() == 0:
+        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+        if os.environ.get(KILL_ENV) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+        if keep_last:
+            for old in complete(out_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        for p in final.parent.glob(f"{PREFIX}*{TMP}"):  # older crash leftovers
+            shutil.rmtree(p, ignore_errors=True)
+    scale.barrier()
+    return final
+
+
+def load(path, model, opt, *, trainable_only: bool = False) -> dict:
+    """Restore model (or adapter) and optimizer tensors in place from a complete checkpoint; returns its
+    state.json. Works at any world size (DCP reshards)."""
+    path = Path(path)
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no state.json)")
+    model_sd, optim_sd = get_state_dict(model, opt, options=_options(trainable_only))
+    with _quiet():
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=_options(trainable_only))
+    return json.loads((path / "state.json").read_text())
