@@ -560,11 +560,12 @@ def eval_examples(task: str, cfg: Config, datasets: dict) -> list:
 
 
 def evaluate(model, tok, sp, cfg: Config, device, task: str, temperature: float, datasets: dict | None = None,
-             scorer=None, records: list | None = None) -> float | None:
+             scorer=None, records: list | None = None, progress=None) -> float | None:
     """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each
     from a generator seeded by its index, so that runs are paired and the world size changes nothing.
     Ranks take interleaved rows of every 64-example batch. records: if given, one dict per scored row of
-    this rank is appended (index, prompt, output, reward). None when the task has no held-out set."""
+    this rank is appended (index, prompt, output, reward); progress(n) is called after each batch of n
+    rows (evaluate.py's bar). None when the task has no held-out set."""
     exs = eval_examples(task, cfg, datasets or {})
     if not exs:
         return None
@@ -580,6 +581,8 @@ def evaluate(model, tok, sp, cfg: Config, device, task: str, temperature: float,
         b = rollout(model, b, sp, cfg, gens, temperature)
         r = score(b, tok, sp, scorer)
         total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
+        if progress is not None:
+            progress(len(idx))
         if records is not None:
             outs = decode_window(b, tok, sp)
             records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}

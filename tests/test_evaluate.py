@@ -1,0 +1,125 @@
+"""evaluate.py: --run reproduces a run's summary.json, the per-completion JSONL of every benchmark task,
+pass@k on hand-made records, and one-line errors for bad input.
+
+    OMP_NUM_THREADS=1 python -m pytest -q tests/test_evaluate.py
+"""
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import data
+import evaluate
+import train
+
+FIXTURES = Path(__file__).parent / "fixtures" / "data"
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = {"task", "mode", "prompt_index", "sample", "prompt", "output", "reward"}
+# Short rollouts for the benchmark prompts (the toy model is not expected to solve them).
+FAST = ["--preset", "smoke", "--threads=1", "--gen_length=16", "--block_length=16", "--steps=8"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A finished smoke run of train.py: sft/, final/, config.json and summary.json."""
+    d = tmp_path_factory.mktemp("run")
+    train.main(["--preset", "smoke", f"--out_dir={d}", "--threads=1", "--rl_steps=1", "--eval_prompts=8"])
+    return d
+
+
+def test_run_mode_reproduces_summary(run_dir, tmp_path, capsys):
+    """Acceptance 1 of issue 7: sft/ and final/ re-scored with the run's config give summary.json's numbers;
+    a summary that disagrees exits 1, and a config field train.Config lacks is named (exit 2)."""
+    assert evaluate.main(["--run", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert f"all {2 * (len(summary) - 1)} numbers match" in out and "| text_greedy |" in out
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    summary["image"]["after"] += 0.01
+    (copy / "summary.json").write_text(json.dumps(summary))
+    assert evaluate.main(["--run", str(copy)]) == 1
+    assert "NOT all" in capsys.readouterr().out
+
+    config = json.loads((copy / "config.json").read_text()) | {"bogus_field": 1}
+    (copy / "config.json").write_text(json.dumps(config))
+    assert evaluate.main(["--run", str(copy)]) == 2
+    assert "['bogus_field']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("task,file,limit", [("gsm8k", "gsm8k.jsonl", None), ("math", "math.jsonl", 2),
+                                             ("countdown", "countdown.jsonl", None), ("sudoku", "sudoku.csv", None),
+                                             ("mbpp", "mbpp.jsonl", None)])
+def test_benchmark_jsonl(run_dir, tmp_path, capsys, task, file, limit):
+    """One row per (prompt, sample): greedy once and k = 2 samples per prompt, the documented keys, rewards
+    in [0, 1], prompts in file order (the whole file, or the first --limit rows), and the table row."""
+    out = tmp_path / "rows.jsonl"
+    argv = ["--ckpt", str(run_dir / "final"), "--task", task, "--data", str(FIXTURES / file), "--samples", "2",
+            "--out", str(out), *FAST] + (["--limit", str(limit)] if limit else [])
+    assert evaluate.main(argv) == 0
+    examples = data.load_dataset(task, FIXTURES / file)[:limit]
+    n = len(examples)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["mode"], r["prompt_index"], r["sample"]) for r in rows) == sorted(
+        [("greedy", i, 0) for i in range(n)] + [("sampled", i, s) for i in range(n) for s in range(2)])
+    for r in rows:
+        assert set(r) == KEYS and r["task"] == task and isinstance(r["output"], str)
+        assert 0.0 <= r["reward"] <= 1.0 and r["prompt"] == examples[r["prompt_index"]]["prompt"]
+    mean = sum(r["reward"] for r in rows if r["mode"] == "sampled") / (2 * n)
+    assert f"| {task} | {n} | " in capsys.readouterr().out
+    assert evaluate.summarize(rows)["mean_reward"] == pytest.approx(mean)
+
+
+def test_pass_at_k_by_hand():
+    """Three prompts, k = 2: prompt 0 has a correct sample, prompt 1 only near misses (0.999 is below the
+    1 - 1e-6 bar), prompt 2 a sample within the tolerance; greedy solves prompt 0 only."""
+    def rec(mode, i, s, reward):
+        return {"task": "t", "mode": mode, "prompt_index": i, "sample": s, "prompt": "", "output": "", "reward": reward}
+    records = [rec("greedy", 0, 0, 1.0), rec("greedy", 1, 0, 0.0), rec("greedy", 2, 0, 0.5),
+               rec("sampled", 0, 0, 0.0), rec("sampled", 0, 1, 1.0),
+               rec("sampled", 1, 0, 0.5), rec("sampled", 1, 1, 0.999),
+               rec("sampled", 2, 0, 1 - 1e-7), rec("sampled", 2, 1, 0.0)]
+    row = evaluate.summarize(records)
+    assert (row["n"], row["k"]) == (3, 2)
+    assert row["greedy_pass@1"] == pytest.approx(1 / 3) and row["pass@k"] == pytest.approx(2 / 3)
+    assert row["mean_reward"] == pytest.approx((1.0 + 0.5 + 0.999 + 1 - 1e-7) / 6)
+    # Image tasks have no greedy rows: the greedy column is empty, the rest is unchanged.
+    assert evaluate.summarize(records[3:])["greedy_pass@1"] is None
+    # Chen et al.'s estimator: 1 - C(n - c, k) / C(n, k); with n = k it is "any correct".
+    assert evaluate.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)
+    assert evaluate.pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert evaluate.pass_at_k(3, 0, 3) == 0.0 and evaluate.pass_at_k(3, 1, 3) == 1.0
+    with pytest.raises(ValueError, match="different numbers of samples"):
+        evaluate.summarize(records + [rec("sampled", 0, 2, 1.0)])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--ckpt", "/no/such/dir", "--task", "gsm8k", "--data", "x.jsonl"], "checkpoint directory not found: /no/such/dir"),
+    (["--task", "gsm9k", "--data", "x.jsonl"], "unknown task 'gsm9k'; choose one of"),
+    (["--task", "gsm8k", "--data", "/no/such/file.jsonl"], "dataset file not found: /no/such/file.jsonl"),
+    (["--task", "gsm8k"], "pass --data PATH"),
+    (["--task", "text", "--data", "x.jsonl"], "drop --data"),
+    (["--task", "text", "--no_such_field=1"], r"unknown argument\(s\) \['--no_such_field=1'\]"),
+    (["--task", "text", "--temperature=0"], r"temperature \(0.0\) must be > 0"),
+    (["--run", "/no/such/run"], "/no/such/run/config.json not found"),
+])
+def test_bad_input_is_one_line(run_dir, capsys, argv, match):
+    if "--ckpt" not in argv and "--run" not in argv:
+        argv = ["--ckpt", str(run_dir / "final"), *argv]
+    assert evaluate.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    assert re.search(match, err), err
+
+
+def test_cli_exit_code():
+    """The command itself: exit code 2 and one line on stderr, no traceback."""
+    p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--ckpt", "/no/such/dir", "--task", "text"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.strip().startswith("error: checkpoint directory not found")
+    assert "\n" not in p.stderr.strip()

@@ -1,0 +1,193 @@
+"""Reliability (issue 6): kill a run anywhere and resume it bit-identically; same seed, same log;
+non-finite losses and rewards skipped, counted and, when they persist, stopped; SIGTERM writes a
+checkpoint; every user-facing input error has its message.
+
+    python -m pytest tests/test_resume.py -q        # ~1-2 min on 2 CPU cores
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+import grpo
+import train
+from model import Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--rl_steps=6", "--checkpoint_every=1", "--keep_last=2"]
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    """One SFT model shared by every run below (the SFT stage is not what is being tested)."""
+    out = tmp_path_factory.mktemp("sft-run")
+    train.main(["--preset=smoke", f"--out_dir={out}", "--threads=1", "--rl_steps=0", "--eval_prompts=1"])
+    return out / "sft"
+
+
+def spawn(args, env_extra=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def weights(path):
+    return dict(Transformer.from_pretrained(path).named_parameters())
+
+
+def test_killed_anywhere_resumes_bit_identical(sft_dir, tmp_path):
+    """SIGKILL (1) in the middle of writing checkpoint 3, (2) in the middle of step 5, (3) during the
+    held-out evaluation right after a resume; each time --resume=true continues, and the final weights
+    and log.jsonl equal those of an uninterrupted run bit for bit."""
+    base = RUN + [f"--sft_dir={sft_dir}"]
+    ref = tmp_path / "uninterrupted"
+    train.main(base + [f"--out_dir={ref}"])
+
+    out = tmp_path / "killed"
+    args = base + [f"--out_dir={out}"]
+    # (1) the process kills itself after the tensors of checkpoint 3 are written, before the rename
+    p = spawn(args, {checkpoint.KILL_ENV: "3"})
+    p.communicate(timeout=600)
+    assert p.returncode == -signal.SIGKILL
+    assert (out / "checkpoints" / "step-00000003.tmp").is_dir()
+    assert checkpoint.latest(out).name == "step-00000002"  # the half-written one is never chosen
+    # (2) killed from outside while it runs step 5
+    p = spawn(args + ["--resume=true"])
+    for line in p.stdout:
+        if line.startswith("step 4/6"):
+            time.sleep(0.05)
+            p.kill()
+            break
+    p.wait(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    assert not any(d.name.endswith(".tmp") and d.name.startswith("step-00000003")
+                   for d in (out / "checkpoints").iterdir())  # the next save cleaned the leftover
+    # (3) killed as soon as it says it resumed (during the first rollouts)
+    p = spawn(args + ["--resume=true"])
+    for line in p.stdout:
+        if line.startswith("resumed from"):
+            p.kill()
+            break
+    p.wait(timeout=60)
+    # and finally to the end
+    p = spawn(args + ["--resume=true"])
+    text, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, text[-3000:]
+    assert "resumed from" in text
+
+    a, b = weights(ref / "final"), weights(out / "final")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert (ref / "log.jsonl").read_text() == (out / "log.jsonl").read_text()
+    assert json.loads((ref / "summary.json").read_text())["image"] == json.loads((out / "summary.json").read_text())["image"]
+    assert len(checkpoint.complete(out)) == 2  # keep_last
+
+
+def test_same_seed_same_log(sft_dir, tmp_path):
+    args = ["--preset=smoke", "--threads=1", "--sample_every=0", f"--sft_dir={sft_dir}", "--rl_steps=2"]
+    train.main(args + [f"--out_dir={tmp_path / 'a'}"])
+    train.main(args + [f"--out_dir={tmp_path / 'b'}"])
+    assert (tmp_path / "a" / "log.jsonl").read_text() == (tmp_path / "b" / "log.jsonl").read_text()
+
+
+def test_sigterm_writes_checkpoint_and_resumes(sft_dir, tmp_path):
+    out = tmp_path / "term"
+    args = RUN + [f"--sft_dir={sft_dir}", f"--out_dir={out}", "--checkpoint_every=0"]
+    p = spawn(args)
+    for line in p.stdout:
+        if line.startswith("step 2/6"):
+            p.send_signal(signal.SIGTERM)
+            break
+    text = p.stdout.read()
+    p.wait(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, text
+    assert "stopped by SIGTERM" in text and "--resume=true" in text
+    state = json.loads((checkpoint.latest(out) / "state.json").read_text())
+    assert state["step"] >= 2
+    p = spawn(args + ["--resume=true"])
+    text, _ = p.communicate(timeout=600)
+    assert p.returncode == 0 and f"resumed from {checkpoint.latest(out)}" in text
+
+
+def inject(monkeypatch, reward_steps=(), loss_steps=()):
+    """NaN rewards from the reward function during RL steps `reward_steps`, NaN losses in `loss_steps`."""
+    current = {"step": None}
+    collect, score, policy_loss = train.collect, train.score, grpo.policy_loss
+
+    def collect_(*args, **kw):
+        current["step"] = args[7]
+        try:
+            return collect(*args, **kw)
+        finally:
+            current["step"] = None
+
+    def score_(b, *args, **kw):
+        r = score(b, *args, **kw)
+        return torch.full_like(r, math.nan) if current["step"] in reward_steps else r
+
+    def policy_loss_(*args, **kw):
+        loss, stats = policy_loss(*args, **kw)
+        return (loss * math.nan, stats) if rl_step_now["step"] in loss_steps else (loss, stats)
+
+    rl_step, rl_step_now = train.rl_step, {"step": None}
+
+    def rl_step_(*args, **kw):
+        rl_step_now["step"] = args[7]
+        return rl_step(*args, **kw)
+
+    monkeypatch.setattr(train, "collect", collect_)
+    monkeypatch.setattr(train, "score", score_)
+    monkeypatch.setattr(grpo, "policy_loss", policy_loss_)
+    monkeypatch.setattr(train, "rl_step", rl_step_)
+
+
+def test_nan_reward_and_loss_are_skipped_and_logged(sft_dir, tmp_path, monkeypatch, capsys):
+    inject(monkeypatch, reward_steps={1}, loss_steps={2})
+    out = tmp_path / "nan"
+    train.main(RUN + [f"--sft_dir={sft_dir}", f"--out_dir={out}", "--max_bad_steps=3"])
+    logs = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in logs] == list(range(6))
+    assert "not a finite number in [0, 1]" in logs[1]["bad_reward"] and "text/loss" not in logs[1]
+    assert logs[2]["skipped_updates"] == 2 and logs[3]["skipped_updates"] == 0  # both mu updates of step 2
+    assert [l["bad_steps"] for l in logs] == [0, 1, 2, 2, 2, 2]
+    text = capsys.readouterr().out
+    assert "warning: step 2 skipped" in text and "warning: step 3 update 1: non-finite loss" in text
+    # The skipped steps left the weights finite.
+    assert all(torch.isfinite(p).all() for p in weights(out / "final").values())
+
+
+def test_persistent_failures_stop_the_run(sft_dir, tmp_path, monkeypatch):
+    inject(monkeypatch, reward_steps={2, 4}, loss_steps={3})
+    out = tmp_path / "stop"
+    with pytest.raises(train.TrainingStopped, match=r"3 consecutive bad steps .* stopping at step 5\. Last good "
+                                                    r"checkpoint: .*step-00000004"):
+        train.main(RUN + [f"--sft_dir={sft_dir}", f"--out_dir={out}", "--max_bad_steps=3"])
+    logs = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()]
+    assert [l["bad_steps"] for l in logs] == [0, 0, 1, 2, 3]
+
+
+def test_resume_at_another_world_size(sft_dir, tmp_path):
+    """A checkpoint written by 2 FSDP2 processes resumes in one process (DCP reshards) and ends where a
+    single-process run ends, to float32 rounding."""
+    base = ["--preset=smoke", "--threads=1", "--sample_every=0", f"--sft_dir={sft_dir}", "--checkpoint_every=1"]
+    one = tmp_path / "one"
+    train.main(base + [f"--out_dir={one}", "--rl_steps=3"])
+    two = tmp_path / "two"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "train.py", *base, f"--out_dir={two}", "--rl_steps=2"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    summary = train.main(base + [f"--out_dir={two}", "--rl_steps=3", "--resume=true"])
+    a, b = weights(one / "final"), weights(two / "final")
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-6), name
+    assert summary["image"]["before"] == pytest.approx(json.loads((one / "summary.json").read_text())["image"]["before"])
