@@ -540,6 +540,10 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (temperature > 0)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the LLaDA-Instruct chat template")
+    p.add_argument("--kv_cache", choices=["prefix", "dual"], default=None,
+                   help="Fast-dLLM block KV cache (approximate; default: the exact sampler)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="also commit every masked token more confident than this (Fast-dLLM uses 0.9)")
     p.add_argument("--image", action="store_true", help="text-to-image: fill image slots with the emerge "
                                                          "sampler (toy checkpoints of train.py)")
     p.add_argument("--cfg_scale", type=float, default=0.0, help="classifier-free guidance weight (--image)")
@@ -557,7 +561,7 @@ def main(argv=None):
     prompt = torch.tensor([tok.encode(text, add_special_tokens=False).ids], device=device)  # (1, P)
     out = generate(model, prompt, gen_length=args.gen_length, block_length=args.block_length,
                    steps=args.steps, temperature=args.temperature, mask_id=model.config.mask_token_id,
-                   generator=gen, progress=True)
+                   generator=gen, kv_cache=args.kv_cache, threshold=args.threshold, progress=True)
     completion = tok.decode(out[0, prompt.shape[1]:].tolist(), skip_special_tokens=True)
     print(completion)
     return completion

@@ -191,3 +191,78 @@ def test_resume_at_another_world_size(sft_dir, tmp_path):
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-6), name
     assert summary["image"]["before"] == pytest.approx(json.loads((one / "summary.json").read_text())["image"]["before"])
+
+
+def _with_checkpoint(out, sft_dir):
+    train.main(["--preset=smoke", "--threads=1", "--sample_every=0", f"--sft_dir={sft_dir}", f"--out_dir={out}",
+                "--rl_steps=1", "--checkpoint_every=1", "--eval_prompts=1"])
+
+
+def _tamper_reference(out, sft_dir):
+    _with_checkpoint(out, sft_dir)
+    state_file = checkpoint.latest(out) / "state.json"
+    state = json.loads(state_file.read_text())
+    state["reference"] = {"init_from": "/somewhere/else", "sha1": "0"}
+    state_file.write_text(json.dumps(state))
+
+
+def _bad_jsonl(out, sft_dir):
+    (out / "bad.jsonl").write_text('{"question": "q", "answer": "#### 3"}\n{"question": 1}\nnot json\n')
+
+
+def _no_space(out, sft_dir, monkeypatch):
+    import shutil
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 1000))
+
+
+# (name, prepare(out, sft_dir[, monkeypatch]), argv (with {out}, {sft}, {fix} filled in), error type, message)
+FIX = Path(__file__).parent / "fixtures" / "data"
+INPUTS = [
+    ("out_dir is a file", lambda o, s: o.parent.joinpath("file").write_text("x"), ["--out_dir={out}/../file/run"],
+     ValueError, r"out_dir .* is not writable .* pass --out_dir=a writable directory"),
+    ("checkpoints without --resume", _with_checkpoint, [], ValueError,
+     r"already holds checkpoints \(latest step-00000001\): pass --resume=true"),
+    ("resume with other settings", _with_checkpoint, ["--resume=true", "--lr=0.5", "--group_size=2"], ValueError,
+     r"these settings differ from the saved run: group_size 4 -> 2, lr 0.0001 -> 0.5"),
+    ("resume with another reference", _tamper_reference, ["--resume=true"], ValueError,
+     r"the reference policy changed"),
+    ("no room for a checkpoint", _no_space, ["--checkpoint_every=1"], ValueError,
+     r"has 0.0 GB free, but a checkpoint needs about .* GB; .* --checkpoint_every=0"),
+    ("malformed data file", _bad_jsonl, ["--init_from={out}", "--tasks=gsm8k", "--train_data=gsm8k={out}/bad.jsonl"],
+     ValueError, r"2 malformed row\(s\) in .*bad.jsonl:\n  .*bad.jsonl:2: .*\n  .*bad.jsonl:3: bad JSON"),
+    ("missing data file", None, ["--init_from={out}", "--tasks=gsm8k", "--train_data=gsm8k={out}/none.jsonl"],
+     FileNotFoundError, r"dataset file not found: .*none.jsonl .* never downloads"),
+    ("init_from without config.json", None, ["--init_from={out}", "--tasks=gsm8k", f"--train_data=gsm8k={FIX}/gsm8k.jsonl"],
+     FileNotFoundError, r"config.json not found: --init_from must be a LLaDA/MMaDA checkpoint directory"),
+    ("sequence longer than the model", None, ["--init_from={sft}", "--tasks=gsm8k", f"--train_data=gsm8k={FIX}/gsm8k.jsonl",
+                                              "--max_prompt_len=5000"],
+     ValueError, r"sequences of up to 5012 tokens exceed the model's max_sequence_length \(4096\)"),
+    ("CUDA asked for, absent", None, ["--device=cuda"], ValueError, r"asks for CUDA, but torch sees no GPU"),
+    ("max_bad_steps 0", None, ["--max_bad_steps=0"], ValueError, r"max_bad_steps \(0\) must be >= 1"),
+    ("keep_last negative", None, ["--keep_last=-1"], ValueError, r"keep_last \(-1\) must be >= 0"),
+    ("checkpoint_every negative", None, ["--checkpoint_every=-2"], ValueError, r"checkpoint_every \(-2\) must be >= 0"),
+    ("group of one", None, ["--group_size=1"], ValueError, r"group_size \(1\) must be >= 2"),
+    ("mu 0", None, ["--num_iterations=0"], ValueError, r"num_iterations \(0\) must be >= 1"),
+    ("gamma 1", None, ["--gamma_image=1"], ValueError, r"gamma_image \(1.0\) must be in \[0, 1\)"),
+    ("clip 0", None, ["--clip_eps=0"], ValueError, r"clip_eps \(0.0\) must be > 0"),
+    ("blocks", None, ["--gen_length=12", "--block_length=5"], ValueError, r"gen_length \(12\) must be divisible"),
+    ("steps per block", None, ["--block_length=4", "--steps=4"], ValueError,
+     r"steps \(4\) must be a positive multiple of the number of blocks \(3\)"),
+    ("unknown preset", None, ["--preset=llama"], ValueError, r"unknown preset 'llama'"),
+    ("bad threshold", None, ["--threshold=1.5"], ValueError, r"threshold \(1.5\) must be in \[0, 1\)"),
+    ("bad kv cache", None, ["--kv_cache=full"], ValueError, r"kv_cache \('full'\) must be none, prefix or dual"),
+]
+
+
+@pytest.mark.parametrize("name,prepare,argv,error,match", INPUTS, ids=[row[0] for row in INPUTS])
+def test_user_input_errors(name, prepare, argv, error, match, sft_dir, tmp_path, monkeypatch):
+    """Every user-facing input of issue 6's list, with the message it gets (before any heavy work)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    if prepare is not None:
+        prepare(out, sft_dir, *((monkeypatch,) if prepare is _no_space else ()))
+    args = ["--preset=smoke", "--threads=1", "--sample_every=0", f"--sft_dir={sft_dir}", f"--out_dir={out}",
+            "--rl_steps=1", "--eval_prompts=1"]
+    args += [a.format(out=out, sft=sft_dir) for a in argv]
+    with pytest.raises(error, match=match):
+        train.main(args)

@@ -512,3 +512,6 @@ def test_cli(tmp_path, capsys):
                         "--block_length", "4", "--steps", "4"])
     assert capsys.readouterr().out.strip() == text.strip()
     assert all(t in words for t in text.split())
+    fast = sample.main(["--ckpt", str(tmp_path), "--prompt", "w1 w2 w3", "--gen_length", "8",
+                        "--block_length", "4", "--steps", "8", "--kv_cache", "prefix", "--threshold", "0.9"])
+    assert len(fast.split()) == 8 and all(t in words for t in fast.split())
