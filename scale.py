@@ -124,17 +124,24 @@ def full_weights(model):
     rollouts (threshold decoding ends a block early, stop_at_eos drops rows) and evaluation. Sharded
     forwards all-gather every block on every pass, a collective all ranks must join, so they would
     deadlock; here one all-gather up front replaces the per-step ones (128 diffusion steps would gather
-    the 16 GB of LLaDA-8B weights 128 times). The weights are resharded on exit."""
-    mods = _fsdp_modules(model) if world() > 1 else []
+    the 16 GB of LLaDA-8B weights 128 times).
+    The weights are resharded on exit. Re-entrant: a nested use (evaluate -> rollout) does nothing, so a
+    rank with no rows of its own in some batch can skip the inner one without deadlocking the others."""
+    outer = world() > 1 and not getattr(model, "_full_weights", False)
+    mods = _fsdp_modules(model) if outer else []
     for m in mods:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
+    if outer:
+        model._full_weights = True
     try:
         yield model
     finally:
         for m in mods:
             m.reshard()
             m.set_reshard_after_forward(True, recurse=False)
+        if outer:
+            model._full_weights = False
 
 
 def full_state_dict(model) -> dict:

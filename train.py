@@ -142,6 +142,13 @@ class Config:
     dry_run_gpus: int = 8             # world size assumed by --dry_run
 
 
+# Shared by the 8B presets (method.md §7.1): LLaDA-8B shape, beta 0.01, eps 0.2, lr 3e-6, AdamW wd 0.1, grad
+# clip 0.2, LoRA r 128 / alpha 64 / dropout 0.05, 8000 steps, a checkpoint every 100.
+_8B = {"init_from": "", "d_model": 4096, "n_layers": 32, "n_heads": 32, "mlp_hidden_size": 12288, "beta": 0.01,
+       "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1, "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0,
+       "lora_dropout": 0.05, "activation_checkpointing": True, "rl_steps": 8000, "eval_samples": 1,
+       "sample_every": 50, "checkpoint_every": 100}
+
 PRESETS: dict[str, dict] = {
     # 2-core laptop CPU: SFT from scratch, then RL on both toy tasks; held-out reward rises (README).
     "toy": {},
@@ -149,26 +156,18 @@ PRESETS: dict[str, dict] = {
     "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2, "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1,
               "d_model": 32, "n_layers": 2, "mlp_hidden_size": 64, "num_iterations": 2, "sample_every": 1,
               "checkpoint_every": 0},
-    # LLaDA-8B-Instruct text RL, the paper's settings (method.md §7.1-7.2): G 6, 16 prompts per step,
-    # mu 12, gamma 0.6, beta 0.01, eps 0.2, lr 3e-6, AdamW (0.9, 0.99) wd 0.1, grad clip 0.2, LoRA r 128 /
-    # alpha 64 / dropout 0.05, 256 tokens in blocks of 32 with 128 steps at temperature 0.9.
+    # LLaDA-8B-Instruct text RL, the paper's settings (method.md §7.1-7.2): G 6, 16 prompts per step, mu 12,
+    # gamma 0.6, 256 tokens in blocks of 32 with 128 steps at temperature 0.9; shared 8B settings below.
     # Give --init_from=DIR (weights, config.json, tokenizer.json) and --train_data=gsm8k=FILE.
-    "llada8b": {"init_from": "", "tasks": "gsm8k", "d_model": 4096, "n_layers": 32, "n_heads": 32,
-                "mlp_hidden_size": 12288, "vocab_size": 126464, "gen_length": 256, "block_length": 32,
-                "steps": 128, "temperature": 0.9, "group_size": 6, "prompts_per_step": 16, "num_iterations": 12,
-                "gamma_text": 0.6, "beta": 0.01, "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1,
-                "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0, "lora_dropout": 0.05,
-                "activation_checkpointing": True, "device_batch_size": 6, "rl_steps": 8000, "eval_prompts": 256,
-                "eval_samples": 1, "sample_every": 50, "checkpoint_every": 100},
+    "llada8b": {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "block_length": 32, "steps": 128,
+                "temperature": 0.9, "group_size": 6, "prompts_per_step": 16, "num_iterations": 12, "gamma_text": 0.6,
+                "device_batch_size": 6, "eval_prompts": 256},
     # MMaDA-8B text-to-image RL (method.md §7.3): emerge rollouts, 12 steps, CFG 3.0, G 9, mu 6, gamma 0.8,
-    # 1024 image tokens (32 x 32) after a 257-token text part. Rewards come from a remote scorer.
-    "mmada8b": {"init_from": "", "tasks": "geneval", "d_model": 4096, "n_layers": 32, "n_heads": 32,
-                "mlp_hidden_size": 12288, "vocab_size": 134656, "image_width": 32, "image_text_len": 257,
-                "image_steps": 12, "cfg_scale": 3.0, "group_size": 9, "prompts_per_step": 6, "num_iterations": 6,
-                "gamma_image": 0.8, "beta": 0.01, "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1,
-                "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0, "lora_dropout": 0.05,
-                "activation_checkpointing": True, "device_batch_size": 3, "rl_steps": 8000, "eval_prompts": 64,
-                "eval_samples": 1, "sample_every": 50, "checkpoint_every": 100},
+    # 1024 image tokens (32 x 32) after a 257-token text part; rewards from a remote scorer. 8 prompts per
+    # step (the official 6 GPUs ran 2 x 3 completions each; 8 divides over 8 or 16 GPUs).
+    "mmada8b": {**_8B, "tasks": "geneval", "vocab_size": 134656, "image_width": 32, "image_text_len": 257,
+                "image_steps": 12, "cfg_scale": 3.0, "group_size": 9, "prompts_per_step": 8, "num_iterations": 6,
+                "gamma_image": 0.8, "device_batch_size": 3, "eval_prompts": 64},
 }
 
 TOY_TASKS = ("text", "image")
@@ -571,22 +570,24 @@ def evaluate(model, tok, sp, cfg: Config, device, task: str, temperature: float,
         return None
     exs = [ex for ex in exs for _ in range(cfg.eval_samples if temperature > 0 else 1)]
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
-    for i in range(0, len(exs), 64):
-        mine = slice(scale.rank(), None, scale.world())
-        b = make_batch(task, exs[i:i + 64], tok, sp, cfg, device, with_targets=False).rows(mine)
-        idx = list(range(i, min(i + 64, len(exs))))[mine]
-        if not idx:
-            continue
-        gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
-        b = rollout(model, b, sp, cfg, gens, temperature)
-        r = score(b, tok, sp, scorer)
-        total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
-        if progress is not None:
-            progress(len(idx))
-        if records is not None:
-            outs = decode_window(b, tok, sp)
-            records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
-                           for j, ex, o, v in zip(idx, b.examples, outs, r.tolist()))
+    # Entered by every rank, also one without rows in some batch (rollout's own is then a no-op).
+    with scale.full_weights(model):
+        for i in range(0, len(exs), 64):
+            mine = slice(scale.rank(), None, scale.world())
+            b = make_batch(task, exs[i:i + 64], tok, sp, cfg, device, with_targets=False).rows(mine)
+            idx = list(range(i, min(i + 64, len(exs))))[mine]
+            if not idx:
+                continue
+            gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
+            b = rollout(model, b, sp, cfg, gens, temperature)
+            r = score(b, tok, sp, scorer)
+            total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
+            if progress is not None:
+                progress(len(idx))
+            if records is not None:
+                outs = decode_window(b, tok, sp)
+                records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
+                               for j, ex, o, v in zip(idx, b.examples, outs, r.tolist()))
     total = scale.all_sum(total)
     return (total[0] / total[1]).item()
 
@@ -1007,8 +1008,8 @@ def main(argv=None) -> dict:
     device, dtype = setup(cfg)
     out = Path(cfg.out_dir)
     datasets = load_data(cfg)  # malformed data fails here, before any model is loaded
+    startup_checks(cfg, out)  # on every rank, so that none waits for a rank that stopped
     if scale.rank() == 0:
-        startup_checks(cfg, out)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     scale.barrier()
     scorer = rewards.RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
