@@ -27,9 +27,9 @@ from tqdm import tqdm
 
 import data
 import lora
-import rewards
 import scale
 import train
+from scorer import RemoteScorer
 
 CORRECT_TOL = 1e-6  # reward >= 1 - CORRECT_TOL is a solved prompt (float32 rewards of exactly 1 pass)
 TASKS = train.TOY_TASKS + data.TASKS
@@ -112,7 +112,7 @@ def score_checkpoint(cfg: train.Config, out: str | None = None, limit: int | Non
     datasets = train.load_data(cfg)  # a missing or malformed file fails here, before the model loads
     if task in datasets and limit is None:  # benchmarks: every row of the file unless --limit
         cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
-    scorer = rewards.RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
+    scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     model, tok, sp, _ = train.load_model(cfg, device, dtype)
     n = len(train.eval_examples(task, cfg, datasets))
     modes = [("sampled", cfg.temperature, cfg.eval_samples)]
@@ -154,7 +154,7 @@ def check_run(run_dir: str) -> bool:
     summary = json.loads((run / "summary.json").read_text())
     device, dtype = train.setup(cfg)
     datasets = train.load_data(cfg)
-    scorer = rewards.RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
+    scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     # As train.main: the RL start is the SFT model for scratch runs, else init_from. LoRA runs start from
     # init_from with zero adapters (the same outputs) and end as init_from + final/adapters.*, the exact
     # record of the trained policy (final/'s merged weights differ from it by rounding).

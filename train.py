@@ -56,6 +56,7 @@ import scale
 import tasks
 from model import ModelConfig, Transformer, chat_prompt, load_tokenizer, num_params
 from scale import print0
+from scorer import RemoteScorer
 
 # -----------------------------------------------------------------------------------------------------
 # config
@@ -88,7 +89,7 @@ class Config:
     eval_data: str = ""               # task=path[,...]: held-out sets scored before and after RL
     max_prompt_len: int = 256         # real text prompts keep their last max_prompt_len tokens
     image_text_len: int = 0           # t2i text part, left-padded with [iPAD] (0 = longest toy caption; MMaDA 257)
-    image_scorer_url: str = ""        # geneval rewards: POST to this scorer (rewards.RemoteScorer)
+    image_scorer_url: str = ""        # geneval rewards: POST to this scorer (scorer.RemoteScorer)
     text_max_steps: int = 1           # arithmetic steps per word problem (1 or 2)
     text_noise: float = 0.4           # fraction of SFT text targets with the box off by one (tasks.py)
     image_noise: float = 0.4          # fraction of SFT images with one colour drawn as its look-alike
@@ -233,8 +234,8 @@ def validate(cfg: Config) -> None:
         extra = [t for t in paths if t not in real]
         need(not extra, f"{field_name} names {extra}, which are not among the RL tasks {task_list(cfg)}")
     need("geneval" not in real or cfg.image_scorer_url or cfg.dry_run,
-         "task geneval needs a reward model: --image_scorer_url=http://HOST:PORT (rewards.RemoteScorer; "
-         "`python rewards.py --stub-scorer` serves a stand-in)")
+         "task geneval needs a reward model: --image_scorer_url=http://HOST:PORT (scorer.RemoteScorer; "
+         "`python scorer.py --stub` serves a stand-in)")
     need(cfg.lora_rank >= 0, f"lora_rank ({cfg.lora_rank}) must be >= 0 (0 = full fine-tuning)")
     need(cfg.lora_rank == 0 or (cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1),
          f"lora_alpha ({cfg.lora_alpha}) must be > 0 and lora_dropout ({cfg.lora_dropout}) in [0, 1)")
@@ -1012,7 +1013,7 @@ def main(argv=None) -> dict:
     if scale.rank() == 0:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     scale.barrier()
-    scorer = rewards.RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
+    scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
 
     model, tok, sp, sft_seconds = load_model(cfg, device, dtype)

@@ -112,11 +112,11 @@ def test_benchmark_text_task_runs(tiny_ckpt, tmp_path, task):
 
 
 def test_geneval_with_remote_scorer(tiny_ckpt, tmp_path, monkeypatch):
-    """Text-to-image on GenEval prompts with rewards from the stub scorer over HTTP (rewards.serve_stub):
+    """Text-to-image on GenEval prompts with rewards from the stub scorer over HTTP (scorer.serve_stub):
     the logged reward is the stub's rule (fraction of distinct codes) of the rollouts."""
-    import rewards
+    import scorer
     monkeypatch.setenv("no_proxy", "127.0.0.1")
-    server = rewards.serve_stub(0)
+    server = scorer.serve_stub(0)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         out = tmp_path / "geneval"
