@@ -1,4 +1,5 @@
-"""Resumable training state: atomic, sharded, rotated checkpoints.
+"""Resumable training state: atomic, sharded, rotated checkpoints; what a resume may change; stopping on a
+signal with a checkpoint.
 
     out_dir/checkpoints/step-00000010/      a complete checkpoint: the state after 10 RL steps
         .metadata, __0_0.distcp, ...        model (or, with LoRA, adapter) and AdamW tensors
@@ -132,3 +133,34 @@ def load(path, model, opt, *, trainable_only: bool = False) -> dict:
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=_options(trainable_only))
     return json.loads((path / "state.json").read_text())
+
+
+def check_resumable(path, state: dict, config: dict, reference: dict, may_change) -> None:
+    """Refuse to continue a run under settings that would change its result (any config field not in
+    may_change), or against another reference policy (the KL anchor), listing what differs."""
+    changed = sorted(k for k, v in config.items() if k not in may_change and state["config"].get(k) != v)
+    if changed:
+        raise ValueError(f"cannot resume {path}: these settings differ from the saved run: "
+                         + ", ".join(f"{k} {state['config'].get(k)!r} -> {config[k]!r}" for k in changed))
+    if state["reference"] != reference:
+        raise ValueError(f"cannot resume {path}: the reference policy changed (saved {state['reference']}, "
+                         f"now {reference}); resume with the same --init_from / SFT model")
+
+
+@contextmanager
+def graceful_stop():
+    """SIGTERM / SIGINT (pre-emption, Ctrl-C) set a flag: the current step finishes, a checkpoint is
+    written, and the run exits. A second signal interrupts at once."""
+    flag = {"signal": 0}
+
+    def handler(signum, frame):
+        if flag["signal"]:
+            raise KeyboardInterrupt
+        flag["signal"] = signum
+        scale.print0(f"caught {signal.Signals(signum).name}: finishing this step, then writing a checkpoint")
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)

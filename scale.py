@@ -160,8 +160,8 @@ def full_state_dict(model) -> dict:
 
 
 def budget(model_config, n_params: int, *, world_size: int, lora_params: int, seqs_per_rank: int,
-           seq_len: int, gen_length: int, steps: int, num_iterations: int, beta: float,
-           activation_checkpointing: bool, bytes_per_param: int = 2) -> dict:
+           seq_len: int, steps: int, num_iterations: int, beta: float, activation_checkpointing: bool,
+           bytes_per_param: int = 2) -> dict:
     """Back-of-the-envelope memory per GPU (GB) and FLOPs per RL step, for --dry_run. Estimates, not
     measurements: they leave out the CUDA context, allocator fragmentation and NCCL buffers (a few GB).
 
@@ -196,4 +196,39 @@ def budget(model_config, n_params: int, *, world_size: int, lora_params: int, se
             "full_ft_rollout_gb": (state_full + gather) / gb, "lora_gb": (state_lora + acts + logits) / gb,
             "lora_rollout_gb": (state_lora + gather) / gb, "activations_gb": acts / gb, "logits_gb": logits / gb,
             "flops_rollout": flops_rollout, "flops_scoring": flops_scoring, "flops_update": flops_update,
-            "flops_total": flops_rollout + flops_scoring + flops_update, "gen_length": gen_length}
+            "flops_total": flops_rollout + flops_scoring + flops_update}
+
+
+def dry_run(mc, *, seqs: int, seq_len: int, steps: int, lora_rank: int, num_iterations: int, beta: float,
+            device_batch_size: int, activation_checkpointing: bool, gpus: int) -> dict:
+    """Build the model on the meta device (no memory), count its parameters and LoRA's, and print the
+    budget table for 1, 8, 16 and `gpus` GPUs; returns the numbers (tests, README)."""
+    from lora import LORA_TARGETS
+    from model import Transformer, num_params
+
+    with torch.device("meta"):
+        model = Transformer(mc)
+    n = num_params(model)
+    per_block = sum(m.in_features + m.out_features for name, m in model.blocks[0].named_children()
+                    if name in LORA_TARGETS)
+    n_lora = lora_rank * per_block * mc.n_layers
+    cols = sorted({1, 8, 16, gpus})
+    rows = [budget(mc, n, world_size=w, lora_params=n_lora, seqs_per_rank=device_batch_size or max(1, seqs // w),
+                   seq_len=seq_len, steps=steps, num_iterations=num_iterations, beta=beta,
+                   activation_checkpointing=activation_checkpointing) for w in cols]
+    print(f"model: {n:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
+          f"LoRA r={lora_rank}: {n_lora:,} adapter parameters")
+    print(f"RL step: {seqs} sequences of {seq_len} tokens, {steps} denoising steps, mu={num_iterations}, "
+          f"device_batch_size {device_batch_size or 'all'}, activation checkpointing "
+          f"{'on' if activation_checkpointing else 'off'}")
+    print("| GB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for key, label in (("weights_gb", "weights (bf16, sharded)"), ("full_ft_gb", "full fine-tuning, update"),
+                       ("full_ft_rollout_gb", "full fine-tuning, rollout"), ("lora_gb", f"LoRA r={lora_rank}, update"),
+                       ("lora_rollout_gb", f"LoRA r={lora_rank}, rollout"),
+                       ("activations_gb", "activations per update chunk"), ("logits_gb", "logits per log-prob chunk")):
+        print(f"| {label} | " + " | ".join(f"{r[key]:.1f}" for r in rows) + " |")
+    r = rows[0]
+    print(f"FLOPs per RL step: rollouts {r['flops_rollout']:.2e}, old/ref scoring {r['flops_scoring']:.2e}, "
+          f"updates {r['flops_update']:.2e}, total {r['flops_total']:.2e}")
+    return {"params": n, "lora_params": n_lora, "budget": dict(zip(cols, rows))}

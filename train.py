@@ -858,7 +858,7 @@ def save_model(model, cfg: Config, path: Path, tok) -> None:
 
 def dry_run(cfg: Config) -> dict:
     """--dry_run: the model on the meta device (no memory), its parameter count, and scale.budget's
-    memory per GPU and FLOPs per RL step at the preset's batch sizes, for 1, 8 and 16 GPUs."""
+    memory per GPU and FLOPs per RL step at the preset's batch sizes (scale.dry_run prints the table)."""
     cfg_file = Path(cfg.init_from) / "config.json" if cfg.init_from not in ("", "scratch") else None
     if cfg_file is not None and cfg_file.is_file():
         mc = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
@@ -866,39 +866,12 @@ def dry_run(cfg: Config) -> dict:
         vocab = cfg.vocab_size or tasks.model_config_overrides(tasks.build_tokenizer())["vocab_size"]
         mc = ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
                          mlp_hidden_size=cfg.mlp_hidden_size, vocab_size=vocab, mask_token_id=vocab - 1)
-    with torch.device("meta"):
-        model = Transformer(mc)
-    n = num_params(model)
-    per_block = sum(m.in_features + m.out_features for name, m in model.blocks[0].named_children()
-                    if name in lora.LORA_TARGETS)
-    n_lora = cfg.lora_rank * per_block * mc.n_layers
     image = any(t in IMAGE_TASKS for t in task_list(cfg))
     seq_len = (cfg.image_text_len or 32) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
-    steps = cfg.image_steps if image else cfg.steps
-    seqs = cfg.prompts_per_step * cfg.group_size * len(task_list(cfg))
-    cols = sorted({1, 8, 16, cfg.dry_run_gpus})
-    rows = []
-    for w in cols:
-        per_rank = cfg.device_batch_size or max(1, seqs // w)
-        rows.append(scale.budget(mc, n, world_size=w, lora_params=n_lora, seqs_per_rank=per_rank, seq_len=seq_len,
-                                 gen_length=cfg.gen_length, steps=steps, num_iterations=cfg.num_iterations,
-                                 beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing))
-    print(f"model: {n:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
-          f"LoRA r={cfg.lora_rank}: {n_lora:,} adapter parameters")
-    print(f"RL step: {seqs} sequences of {seq_len} tokens, {steps} denoising steps, mu={cfg.num_iterations}, "
-          f"device_batch_size {cfg.device_batch_size or 'all'}, activation checkpointing "
-          f"{'on' if cfg.activation_checkpointing else 'off'}")
-    print("| GB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
-    print("|---|" + "---|" * len(cols))
-    for key, label in (("weights_gb", "weights (bf16, sharded)"), ("full_ft_gb", "full fine-tuning, update"),
-                       ("full_ft_rollout_gb", "full fine-tuning, rollout"), ("lora_gb", f"LoRA r={cfg.lora_rank}, update"),
-                       ("lora_rollout_gb", f"LoRA r={cfg.lora_rank}, rollout"),
-                       ("activations_gb", "activations per update chunk"), ("logits_gb", "logits per log-prob chunk")):
-        print(f"| {label} | " + " | ".join(f"{r[key]:.1f}" for r in rows) + " |")
-    r = rows[0]
-    print(f"FLOPs per RL step: rollouts {r['flops_rollout']:.2e}, old/ref scoring {r['flops_scoring']:.2e}, "
-          f"updates {r['flops_update']:.2e}, total {r['flops_total']:.2e}")
-    return {"params": n, "lora_params": n_lora, "budget": dict(zip(cols, rows))}
+    return scale.dry_run(mc, seqs=cfg.prompts_per_step * cfg.group_size * len(task_list(cfg)), seq_len=seq_len,
+                         steps=cfg.image_steps if image else cfg.steps, lora_rank=cfg.lora_rank,
+                         num_iterations=cfg.num_iterations, beta=cfg.beta, device_batch_size=cfg.device_batch_size,
+                         activation_checkpointing=cfg.activation_checkpointing, gpus=cfg.dry_run_gpus)
 
 
 GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
@@ -983,25 +956,6 @@ def startup_checks(cfg: Config, out: Path) -> None:
                          "--resume=true to continue that run, or choose another --out_dir")
 
 
-@contextlib.contextmanager
-def graceful_stop():
-    """SIGTERM / SIGINT (pre-emption, Ctrl-C) set a flag: the current step finishes, a checkpoint is
-    written, and the run exits. A second signal interrupts at once."""
-    flag = {"signal": 0}
-
-    def handler(signum, frame):
-        if flag["signal"]:
-            raise KeyboardInterrupt
-        flag["signal"] = signum
-        print0(f"caught {signal.Signals(signum).name}: finishing this step, then writing a checkpoint")
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield flag
-    finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
-
-
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     if cfg.dry_run:
@@ -1037,13 +991,7 @@ def main(argv=None) -> dict:
     last = checkpoint.latest(out) if cfg.resume else None
     if last is not None:
         state = checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0)
-        changed = sorted(k for k, v in asdict(cfg).items() if k not in RESUMABLE and state["config"].get(k) != v)
-        if changed:
-            raise ValueError(f"cannot resume {last}: these settings differ from the saved run: "
-                             + ", ".join(f"{k} {state['config'].get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
-        if state["reference"] != identity:
-            raise ValueError(f"cannot resume {last}: the reference policy changed (saved {state['reference']}, "
-                             f"now {identity}); resume with the same --init_from / SFT model")
+        checkpoint.check_resumable(last, state, asdict(cfg), identity, RESUMABLE)
         start, bad_total, before = state["step"], state["bad_steps"], state["before"]
         print0(f"resumed from {last} at step {start}")
     elif cfg.resume:
@@ -1069,7 +1017,7 @@ def main(argv=None) -> dict:
             if start and (out / "log.jsonl").is_file() else []
         (out / "log.jsonl").write_text("".join(l + "\n" for l in kept))
         logf, timef = open(out / "log.jsonl", "a"), open(out / "times.jsonl", "a" if start else "w")
-    with graceful_stop() as stop:
+    with checkpoint.graceful_stop() as stop:
         for step in range(start, cfg.rl_steps):
             try:
                 log, rolls = rl_step(model, ref, opt, tok, sp, cfg, device, step, datasets, scorer)
