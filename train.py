@@ -727,6 +727,10 @@ def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int, datasets: 
     agg: dict = {}
     skipped = 0
     for j in range(cfg.num_iterations):
+        # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it; lora.py):
+        # seeded per (step, j, rank), so a resumed run draws the same masks. Dropout masks span a rank's
+        # batch, so with --lora_dropout > 0 the result depends on the world size; nothing else does.
+        torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
         opt.zero_grad(set_to_none=True)
         losses = []
         for r in rolls:
