@@ -130,8 +130,9 @@ def load(path, model, opt, *, trainable_only: bool = False) -> dict:
     model_sd, optim_sd = get_state_dict(model, opt, options=_options(trainable_only))
     with _quiet():
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    # Loading adapters only leaves the frozen base (from --init_from) as it is: not strict then.
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=_options(trainable_only))
+                   options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only))
     return json.loads((path / "state.json").read_text())
 
 
