@@ -36,10 +36,12 @@ IMAGE_SAMPLERS = ("emerge", "maskgit")
 # shared pieces
 
 
-def _uniform(shape, generator, device, dtype=torch.float64):
+def _uniform(shape, generator, device, dtype=torch.float64, active=None):
     """U[0, 1) draws made on the generator's device, then moved to `device`. generator may also be a list
     with one generator per row (shape[0] of them): row i then depends on its own generator only, so a
-    sequence gets the same sample whatever batch, process or world size it is generated in (train.py)."""
+    sequence gets the same sample whatever batch, process or world size it is generated in (train.py).
+    active: with per-row generators, the rows that draw (the others get 0.5 and leave their generator
+    untouched), so a row that finished early does not advance its stream while its batch mates go on."""
     if generator is None:
         raise ValueError("this call samples at random but generator is None; pass e.g. "
                          "generator=torch.Generator().manual_seed(0) (a CPU generator gives the same samples "
@@ -47,8 +49,9 @@ def _uniform(shape, generator, device, dtype=torch.float64):
     if isinstance(generator, (list, tuple)):
         if len(generator) != shape[0]:
             raise ValueError(f"got {len(generator)} per-row generators for a batch of {shape[0]} rows")
+        idle = torch.full(shape[1:], 0.5, dtype=dtype, device=device)
         return torch.stack([torch.rand(shape[1:], generator=g, device=g.device, dtype=dtype).to(device)
-                            for g in generator])
+                            if active is None or active[i] else idle for i, g in enumerate(generator)])
     return torch.rand(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
 
 
@@ -213,7 +216,11 @@ def _fast_block(model, x, attention_mask, prompt_index, start, end, steps, kv_ca
         logits[..., mask_id] = -math.inf
         if logits_eos_inf:
             logits[..., eos_id] = -math.inf
-        x0 = gumbel_argmax(logits, temperature, generator)                         # (b, K)
+        # Rows whose block is already done draw nothing: with per-row generators a row's stream then
+        # advances exactly as when it is decoded alone (train.py's world-size independence).
+        active = (x[:, start:end] == mask_id).any(1).tolist()                      # (b,)
+        u = _uniform(logits.shape, generator, logits.device, active=active) if temperature > 0 else None
+        x0 = gumbel_argmax(logits, temperature, generator, u)                      # (b, K)
         if confidence_eos_eot_inf:  # as in the exact sampler
             logits[..., eot_id] = -math.inf
             if temperature == 0:
@@ -221,7 +228,7 @@ def _fast_block(model, x, attention_mask, prompt_index, start, end, steps, kv_ca
         if remasking == "low_confidence":
             conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # (b, K)
         else:
-            conf = _uniform(x0.shape, generator, x.device, torch.float32)          # (b, K)
+            conf = _uniform(x0.shape, generator, x.device, torch.float32, active=active)  # (b, K)
         masked = x[:, start:end] == mask_id                                        # (b, K)
         # topk over a full-length row, -inf outside the block, as the exact sampler: confidences tie (at
         # p = 1, in bf16), and topk breaks ties by the row it is given (select_top_k).

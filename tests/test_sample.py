@@ -145,6 +145,25 @@ def test_per_row_generators_make_rows_batch_independent(kw):
         generate(model, p, generator=[gen(0)] * 3, **args)
 
 
+def test_per_row_generators_threshold_rows_finishing_apart():
+    """Threshold decoding ends a block when *every* row is done; a row that finished early must not keep
+    drawing from its generator, or its next block would depend on its batch mates."""
+    def fn(x, attention_mask=None):
+        B, L = x.shape
+        logits = 0.01 * torch.arange(V, dtype=torch.float32).expand(B, L, V).clone()  # flat: slow rows
+        sure = x[:, 0] == 0                                                            # peaked: fast rows
+        logits[sure, :, 5] = logits[sure, :, 6] = 20.0   # p ~ 0.5 each: all commit at once, 5 or 6 by the noise
+        logits[..., MASK] = -math.inf
+        return logits
+    p = torch.tensor([[0, 3, 4], [1, 3, 4]])
+    args = dict(gen_length=12, block_length=4, steps=12, mask_id=MASK, temperature=1.0, threshold=0.4)
+    whole = generate(Recorder(fn), p, generator=[gen(1), gen(2)], **args)
+    assert set(whole[0, 3:].tolist()) == {5, 6}  # the fast row's tokens do depend on its noise
+    for i in range(2):
+        alone = generate(Recorder(fn), p[i:i + 1], generator=[gen(1 + i)], **args)
+        assert torch.equal(alone[0], whole[i]), i
+
+
 def test_per_row_generators_image():
     model, ids, start = image_stub(4, 16)
     kw = dict(image_start=start, num_tokens=16, steps=4, code_offset=OFFSET, codebook_size=C, mask_id=MASK)
