@@ -96,16 +96,18 @@ def close() -> None:
 # FSDP2
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """FSDP2 over the ranks: each block is one all-gather unit, then the root (embedding, final norm and
-    head). Parameters keep the dtype they were loaded in (bf16 on CUDA); gradients are reduce-scattered
-    in float32 so that summing 8+ ranks of bf16 does not lose the small ones. The identity in one process.
-    Call after add_lora (FSDP2 shards frozen and trainable parameters alike) and before the optimizer."""
+    head). The sharded parameters keep the dtype they were loaded in (float32 master weights for full
+    fine-tuning, a bf16 base for LoRA); the all-gathered copies that compute are in compute_dtype (bf16
+    on CUDA); gradients are reduce-scattered in float32 so that summing 8+ ranks does not lose the small
+    ones. The identity in one process. Call after add_lora (FSDP2 shards frozen and trainable parameters
+    alike) and before the optimizer."""
     if world() == 1:
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -165,9 +167,11 @@ def budget(model_config, n_params: int, *, world_size: int, lora_params: int, se
     """Back-of-the-envelope memory per GPU (GB) and FLOPs per RL step, for --dry_run. Estimates, not
     measurements: they leave out the CUDA context, allocator fragmentation and NCCL buffers (a few GB).
 
-    Full fine-tuning: bf16 weights (2 B/param), gradients in the same dtype (2 B) and AdamW's two float32
-    moments (8 B), all sharded over the ranks by FSDP2. LoRA: the frozen base (sharded too) plus float32
-    adapters with gradients and moments (16 B/param). An update chunk adds its activations (per token and
+    Full fine-tuning: float32 master weights, float32 gradients and AdamW's two float32 moments (16 B per
+    parameter) plus a float32 reference copy (4 B, when beta > 0), sharded over the ranks by FSDP2;
+    compute uses bf16 copies gathered one block at a time.
+    LoRA: the frozen bf16 base (2 B/param, sharded too) plus float32 adapters with gradients and moments
+    (16 B/param); its reference policy is the base itself. An update chunk adds its activations (per token and
     layer, checkpointing keeps the block input, d_model values, and recomputes one block at a time;
     without it a LLaDA block keeps about 16 d_model + 3 mlp_hidden values) and its float32 logits with
     their log-softmax (seq x vocab, the largest tensor at a 126k vocabulary). A rollout holds the whole
@@ -181,11 +185,12 @@ def budget(model_config, n_params: int, *, world_size: int, lora_params: int, se
     if activation_checkpointing:  # one block is recomputed at a time, with its full activations
         acts += seqs_per_rank * seq_len * (16 * c.d_model + 3 * c.mlp_hidden_size) * bytes_per_param
     logits = seqs_per_rank * seq_len * c.vocab_size * 4 * 2  # float32 logits and their log-softmax
-    state_full = weights + n_params * (bytes_per_param + 8) / world_size  # + grads + AdamW moments
+    # float32 weights, gradients and AdamW moments, and the frozen reference copy (float32) when beta > 0
+    state_full = n_params * (16 + 4 * (beta > 0)) / world_size
     state_lora = weights + lora_params * 16 / world_size
-    # Rollouts gather the whole model (full_weights) beside the sharded state, and draw float64 Gumbel
-    # noise over the logits; they keep no activations for backward.
-    gather = n_params * bytes_per_param - weights + seqs_per_rank * seq_len * c.vocab_size * 8
+    # Rollouts gather the whole model in bf16 (full_weights) beside the sharded state, and draw float64
+    # Gumbel noise over the logits; they keep no activations for backward.
+    gather = n_params * bytes_per_param * (world_size > 1) + seqs_per_rank * seq_len * c.vocab_size * 8
     # FLOPs: 2 N per token forward, 6 N forward+backward; attention adds 4 L d per layer per token.
     fwd_tok = 2 * n_params + 4 * seq_len * c.d_model * c.n_layers
     seqs = seqs_per_rank * world_size
@@ -223,7 +228,7 @@ def dry_run(mc, *, seqs: int, seq_len: int, steps: int, lora_rank: int, num_iter
           f"{'on' if activation_checkpointing else 'off'}")
     print("| GB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
     print("|---|" + "---|" * len(cols))
-    for key, label in (("weights_gb", "weights (bf16, sharded)"), ("full_ft_gb", "full fine-tuning, update"),
+    for key, label in (("weights_gb", "bf16 weights, sharded"), ("full_ft_gb", "full fine-tuning, update"),
                        ("full_ft_rollout_gb", "full fine-tuning, rollout"), ("lora_gb", f"LoRA r={lora_rank}, update"),
                        ("lora_rollout_gb", f"LoRA r={lora_rank}, rollout"),
                        ("activations_gb", "activations per update chunk"), ("logits_gb", "logits per log-prob chunk")):

@@ -838,8 +838,9 @@ def evaluate_all(model, tok, sp, cfg: Config, device, datasets: dict | None = No
     return res
 
 
-def save_model(model, cfg: Config, path: Path, tok) -> None:
-    """The trained policy in the Hugging Face LLaDA layout (with tokenizer.json). With LoRA: the adapters
+def save_model(model, cfg: Config, path: Path, tok, dtype: torch.dtype) -> None:
+    """The trained policy in the Hugging Face LLaDA layout (with tokenizer.json), weights in `dtype` (the
+    compute dtype: bf16 for LLaDA, whatever the master weights were). With LoRA: the adapters
     (path/adapters.safetensors + adapters.json, the exact record) and the merged full checkpoint beside
     them. A collective under FSDP2: every rank calls it; rank 0 writes."""
     state = scale.full_state_dict(model)
@@ -856,7 +857,7 @@ def save_model(model, cfg: Config, path: Path, tok) -> None:
         lora.save_adapters(plain, path)
         lora.merge_lora(plain).save_pretrained(path)
     else:
-        model.save_pretrained(path, state_dict=state)
+        model.save_pretrained(path, state_dict={k: v.to(dtype) for k, v in state.items()})
     tok.save(str(path / "tokenizer.json"))
 
 
@@ -974,16 +975,22 @@ def main(argv=None) -> dict:
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
 
-    model, tok, sp, sft_seconds = load_model(cfg, device, dtype)
+    # Full fine-tuning keeps float32 master weights: AdamW's steps at lr 3e-6 are far below bf16's spacing
+    # near LLaDA's weights and would round away (lora.py says the same of adapters). Under torchrun FSDP2
+    # computes in `dtype` from them; one process computes in float32 (use LoRA or torchrun for bf16).
+    master = torch.float32 if cfg.lora_rank == 0 else dtype
+    if master != dtype:
+        print0(f"full fine-tuning: float32 master weights, {'bf16 compute (FSDP2)' if scale.world() > 1 else 'float32 compute'}")
+    model, tok, sp, sft_seconds = load_model(cfg, device, master)
     ref = None
     if cfg.lora_rank:  # the reference policy is this model with its adapters switched off (collect)
         lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, generator=generator("cpu", cfg.seed, "lora"))
         print0("LoRA: {modules} modules, {lora_params:,} trainable of {total_params:,} parameters".format(
             **lora.lora_stats(model)))
     elif cfg.beta > 0:  # the reference policy is the starting model, frozen
-        ref = scale.shard(copy.deepcopy(model).eval().requires_grad_(False))
+        ref = scale.shard(copy.deepcopy(model).eval().requires_grad_(False), compute_dtype=dtype)
     model.set_activation_checkpointing(cfg.activation_checkpointing)
-    model = scale.shard(model)
+    model = scale.shard(model, compute_dtype=dtype)
     opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                             weight_decay=cfg.weight_decay)
     print0(f"RL: {cfg.rl_steps} rollout steps x {cfg.prompts_per_step} prompts x G={cfg.group_size} per task "
@@ -1066,7 +1073,7 @@ def main(argv=None) -> dict:
     print0("held-out mean reward after RL:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
     grid.append(("after RL", image_snapshot(model, tok, sp, cfg, device)))
 
-    save_model(model, cfg, out / "final", tok)
+    save_model(model, cfg, out / "final", tok, dtype)
     summary = {k: {"before": before[k], "after": after[k]} for k in before}
     summary["seconds"] = {"sft": sft_seconds, "rl": rl_seconds}
     if scale.rank() == 0:
