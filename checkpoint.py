@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +39,7 @@ DIRNAME, PREFIX, TMP = "checkpoints", "step-", ".tmp"
 # Fault injection for tests/test_resume.py: SIGKILL this process in the middle of writing the
 # checkpoint of this step (tensors written, directory not yet renamed). Unset in normal use.
 KILL_ENV = "MASKGRPO_KILL_DURING_CHECKPOINT"
+REPEAT_WINDOW = 5.0  # seconds in which a second signal is torchrun's copy of the first, not a new one
 
 
 @contextmanager
@@ -92,9 +94,11 @@ def _options(trainable_only: bool) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=trainable_only)
 
 
-def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainable_only: bool = False) -> Path:
+def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainable_only: bool = False,
+         protect=None) -> Path:
     """Write the checkpoint of `step` atomically and keep only the newest keep_last complete ones
-    (0 keeps all). A collective under FSDP2: every rank calls it. Returns the final directory."""
+    (0 keeps all), and `protect` (the last one written after a good step) whatever its age. A collective
+    under FSDP2: every rank calls it. Returns the final directory."""
     tmp, final = _step_dir(out_dir, step, tmp=True), _step_dir(out_dir, step)
     if scale.rank() == 0:
         for stale in (tmp, final):  # a crash's leftovers, or a checkpoint of a run we were told to redo
@@ -113,8 +117,15 @@ def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainab
         os.rename(tmp, final)
         _fsync_dir(final.parent)
         if keep_last:
+            keep = Path(protect).resolve() if protect else None
             for old in complete(out_dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                if old.resolve() == keep:
+                    continue
+                # Renamed first: a kill during the delete leaves a .tmp directory, never a checkpoint
+                # directory with state.json but missing shards.
+                doomed = old.with_name(old.name + TMP)
+                os.rename(old, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
         for p in final.parent.glob(f"{PREFIX}*{TMP}"):  # older crash leftovers
             shutil.rmtree(p, ignore_errors=True)
     scale.barrier()
@@ -151,14 +162,19 @@ def check_resumable(path, state: dict, config: dict, reference: dict, may_change
 @contextmanager
 def graceful_stop():
     """SIGTERM / SIGINT (pre-emption, Ctrl-C) set a flag: the current step finishes, a checkpoint is
-    written, and the run exits. A second signal interrupts at once."""
-    flag = {"signal": 0}
+    written, and the run exits. A second signal more than REPEAT_WINDOW seconds later interrupts at once.
+    Under torchrun the launcher SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30)
+    after forwarding a signal: set it above one step plus a checkpoint write (README)."""
+    flag = {"signal": 0, "at": 0.0}
 
     def handler(signum, frame):
-        if flag["signal"]:
+        # torchrun forwards the signal it gets to every worker, so Ctrl-C or a scheduler that signals
+        # every task arrives twice within moments: only a later one means "stop now".
+        if flag["signal"] and time.monotonic() - flag["at"] > REPEAT_WINDOW:
             raise KeyboardInterrupt
-        flag["signal"] = signum
-        scale.print0(f"caught {signal.Signals(signum).name}: finishing this step, then writing a checkpoint")
+        if not flag["signal"]:
+            flag["signal"], flag["at"] = signum, time.monotonic()
+            scale.print0(f"caught {signal.Signals(signum).name}: finishing this step, then writing a checkpoint")
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield flag

@@ -132,7 +132,9 @@ def full_weights(model):
     outer = world() > 1 and not getattr(model, "_full_weights", False)
     mods = _fsdp_modules(model) if outer else []
     for m in mods:
-        m.set_reshard_after_forward(False, recurse=False)
+        # The root keeps FSDP2's own setting (it never reshards after forward); the blocks stay gathered.
+        if m is not model:
+            m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     if outer:
         model._full_weights = True
@@ -141,7 +143,8 @@ def full_weights(model):
     finally:
         for m in mods:
             m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
+            if m is not model:
+                m.set_reshard_after_forward(True, recurse=False)
         if outer:
             model._full_weights = False
 

@@ -541,7 +541,13 @@ def score(b: Batch, tok, sp, scorer=None) -> torch.Tensor:
     or, for geneval images, the remote scorer."""
     outs = decode_window(b, tok, sp)
     if b.task == "geneval":
-        return torch.tensor(scorer([ex["prompt"] for ex in b.examples], outs), dtype=torch.float32)
+        try:
+            return torch.tensor(scorer([ex["prompt"] for ex in b.examples], outs), dtype=torch.float32)
+        except (ValueError, OSError, RuntimeError) as e:
+            # Down, refusing, or replying NaN: NaN rewards, which the gathered check in collect turns into a
+            # skipped step on every rank (a rank that raised alone would leave the others waiting).
+            print(f"warning: image scorer failed ({e}); this batch gets NaN rewards", flush=True)
+            return torch.full((len(outs),), math.nan)
     if b.task == "text":
         fn = tasks.text_reward
     elif b.task == "image":
@@ -794,6 +800,7 @@ def load_or_train_sft(cfg: Config, tok, sp, device, dtype) -> tuple[Transformer,
     meta_file = sft_dir / "sft_meta.json"
     cached = lambda: meta_file.is_file() and json.loads(meta_file.read_text()) == meta
     if not cached() and scale.rank() == 0:
+        meta_file.unlink(missing_ok=True)  # the old key must not vouch for half-overwritten weights
         mc = ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
                          mlp_hidden_size=cfg.mlp_hidden_size, **tasks.model_config_overrides(tok))
         model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
@@ -879,6 +886,23 @@ def dry_run(cfg: Config) -> dict:
                          activation_checkpointing=cfg.activation_checkpointing, gpus=cfg.dry_run_gpus)
 
 
+def keep_steps_before(path: Path, start: int) -> Path:
+    """Rewrite a jsonl log to its lines with step < start (all of it is dropped when start is 0), atomically
+    (temporary file, then rename), skipping a line cut short by a crash; returns path for appending."""
+    kept = []
+    if start and path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] < start:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(l + "\n" for l in kept))
+    os.replace(tmp, path)
+    return path
+
+
 GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
 
 
@@ -888,6 +912,8 @@ def image_snapshot(model, tok, sp, cfg: Config, device) -> list | None:
     if "image" not in task_list(cfg):
         return None
     exs = eval_examples("image", cfg, {})[:GRID_PROMPTS]
+    if not exs:
+        return None
     b = make_batch("image", exs, tok, sp, cfg, device, with_targets=False)
     gens = [generator(device, cfg.seed, "grid", i) for i in range(len(exs))]
     return decode_window(rollout(model, b, sp, cfg, gens, cfg.temperature), tok, sp)
@@ -900,14 +926,15 @@ def write_pictures(cfg: Config, out: Path, grid: list) -> None:
 
     if (out / "log.jsonl").is_file() and (out / "log.jsonl").stat().st_size:
         plots.plot_curves(out / "log.jsonl", out / "curves.png")
-    if grid[0][1] is not None:
+    if grid[0][1] is not None and grid[1][1] is not None:
         prompts = [ex["prompt"] for ex in eval_examples("image", cfg, {})[:GRID_PROMPTS]]
         plots.image_grid(grid, prompts, cfg.image_width, out / "images.png")
 
 
 # Fields that may change between a run and its resumption; any other difference is refused.
+# lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
 RESUMABLE = ("resume", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
-             "max_bad_steps", "device_batch_size", "out_dir")
+             "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip")
 
 
 def reference_identity(cfg: Config) -> dict:
@@ -921,6 +948,11 @@ def reference_identity(cfg: Config) -> dict:
     for name in ("config.json", "model.safetensors.index.json"):
         if (root / name).is_file():
             digest.update((root / name).read_bytes())
+    # Hashing 16 GB of weights would take minutes; their names, sizes and modification times catch a
+    # replaced checkpoint in practice.
+    for f in sorted(root.glob("*.safetensors")):
+        st = f.stat()
+        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return {"init_from": str(root.resolve()), "sha1": digest.hexdigest()}
 
 
@@ -956,9 +988,13 @@ def startup_checks(cfg: Config, out: Path) -> None:
         if free < size:
             raise ValueError(f"out_dir {out} has {free / 2**30:.1f} GB free, but a checkpoint needs about "
                              f"{size / 2**30:.1f} GB; free space, pick another --out_dir or set --checkpoint_every=0")
-    if not cfg.resume and checkpoint.latest(out) is not None:
-        raise ValueError(f"out_dir {out} already holds checkpoints (latest {checkpoint.latest(out).name}): pass "
+    last = checkpoint.latest(out)
+    if last is not None and not cfg.resume:
+        raise ValueError(f"out_dir {out} already holds checkpoints (latest {last.name}): pass "
                          "--resume=true to continue that run, or choose another --out_dir")
+    if last is not None:  # before anything is loaded or config.json is overwritten
+        state = json.loads((last / "state.json").read_text())
+        checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), RESUMABLE)
 
 
 def main(argv=None) -> dict:
@@ -968,7 +1004,14 @@ def main(argv=None) -> dict:
     device, dtype = setup(cfg)
     out = Path(cfg.out_dir)
     datasets = load_data(cfg)  # malformed data fails here, before any model is loaded
-    startup_checks(cfg, out)  # on every rank, so that none waits for a rank that stopped
+    # On every rank, and agreed: if one rank fails (a node-local disk, say), all stop here together.
+    error = None
+    try:
+        startup_checks(cfg, out)
+    except (ValueError, OSError) as e:
+        error = e
+    if scale.all_max(torch.tensor([int(error is not None)], device=device)).item():
+        raise error or ValueError("another rank failed its start-up checks (its message is above)")
     if scale.rank() == 0:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     scale.barrier()
@@ -998,36 +1041,39 @@ def main(argv=None) -> dict:
            f"{scale.world()} process(es)")
 
     identity = reference_identity(cfg)
-    start, bad_total, before = 0, 0, None
+    # What a resumed run must continue from (startup_checks has refused incompatible settings already).
+    state = {"step": 0, "before": None, "bad_steps": 0, "bad_run": 0, "rl_seconds": 0.0, "last_good": None,
+             "grid_before": None}
     last = checkpoint.latest(out) if cfg.resume else None
     if last is not None:
-        state = checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0)
-        checkpoint.check_resumable(last, state, asdict(cfg), identity, RESUMABLE)
-        start, bad_total, before = state["step"], state["bad_steps"], state["before"]
-        print0(f"resumed from {last} at step {start}")
+        state.update(checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0))
+        for group in opt.param_groups:  # the saved optimizer carries the old lr; --lr may change on resume
+            group["lr"] = cfg.lr
+        print0(f"resumed from {last} at step {state['step']}")
     elif cfg.resume:
         print0(f"--resume: no complete checkpoint in {out / checkpoint.DIRNAME}; starting from step 0")
-
-    if before is None:
-        before = evaluate_all(model, tok, sp, cfg, device, datasets, scorer)
+    start = state["step"]
+    if state["before"] is None:
+        state["before"] = evaluate_all(model, tok, sp, cfg, device, datasets, scorer)
+        state["grid_before"] = image_snapshot(model, tok, sp, cfg, device)
+    before = state["before"]
     print0("held-out mean reward before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in before.items()))
-    grid = [(("before RL" if start == 0 else f"step {start}"), image_snapshot(model, tok, sp, cfg, device))]
 
     def save_checkpoint(step):
-        state = {"step": step, "config": asdict(cfg), "before": before, "reference": identity,
-                 "bad_steps": bad_total, "world_size": scale.world()}
-        return checkpoint.save(out, step, model, opt, state, keep_last=cfg.keep_last,
-                               trainable_only=cfg.lora_rank > 0)
+        saved = {**state, "step": step, "config": asdict(cfg), "reference": identity, "world_size": scale.world(),
+                 "rl_seconds": state["rl_seconds"] + time.time() - t_rl}
+        path = checkpoint.save(out, step, model, opt, saved, keep_last=cfg.keep_last, trainable_only=cfg.lora_rank > 0,
+                               protect=state["last_good"])
+        if state["bad_run"] == 0:  # written after a good step: where to go back to if things go wrong
+            state["last_good"] = str(path)
+        return path
 
-    t_rl, bad_run = time.time(), 0
+    t_rl = time.time()
     logf = timef = None
     if scale.rank() == 0:
-        # log.jsonl holds the metrics of steps < start (the resumed run rewrites what came later);
-        # wall times go to times.jsonl, so that a repeated run gives an identical log.jsonl.
-        kept = [l for l in (out / "log.jsonl").read_text().splitlines() if json.loads(l)["step"] < start] \
-            if start and (out / "log.jsonl").is_file() else []
-        (out / "log.jsonl").write_text("".join(l + "\n" for l in kept))
-        logf, timef = open(out / "log.jsonl", "a"), open(out / "times.jsonl", "a" if start else "w")
+        # The logs keep the steps before `start` (a resumed run rewrites what came later). Wall times go
+        # to times.jsonl, so that a repeated run gives an identical log.jsonl.
+        logf, timef = (open(keep_steps_before(out / name, start), "a") for name in ("log.jsonl", "times.jsonl"))
     with checkpoint.graceful_stop() as stop:
         for step in range(start, cfg.rl_steps):
             try:
@@ -1037,22 +1083,22 @@ def main(argv=None) -> dict:
             except BadStep as e:
                 log, rolls, bad = {"step": step, "bad_reward": str(e)}, [], True
                 print0(f"warning: step {step + 1} skipped: {e}")
-            bad_run = bad_run + 1 if bad else 0
-            bad_total += bad
-            log["bad_steps"] = bad_total
+            state["bad_run"] = state["bad_run"] + 1 if bad else 0
+            state["bad_steps"] += bad
+            log["bad_steps"] = state["bad_steps"]
             times = {k: log.pop(k) for k in ("seconds", "rollout_s") if k in log}
             if logf:
                 logf.write(json.dumps(log) + "\n")
                 logf.flush()
                 timef.write(json.dumps({"step": step, **times}) + "\n")
                 timef.flush()
-            if bad_run >= cfg.max_bad_steps:
-                good = checkpoint.latest(out)
+            if state["bad_run"] >= cfg.max_bad_steps:
                 raise TrainingStopped(
-                    f"{bad_run} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
-                    f"above), stopping at step {step + 1}. Last good checkpoint: "
-                    f"{good if good else 'none (set --checkpoint_every)'}; fix the cause (a lower --lr, the "
-                    "reward function) and continue with --resume=true")
+                    f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the "
+                    f"warnings above), stopping at step {step + 1}. Last good checkpoint: "
+                    f"{state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or "
+                    "--grad_clip, the reward function or scorer) and continue from it with --resume=true "
+                    "(delete the newer checkpoints first)")
             if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
                 for r in rolls:
                     show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, sp)
@@ -1068,10 +1114,10 @@ def main(argv=None) -> dict:
     for f in (logf, timef):
         if f:
             f.close()
-    rl_seconds = time.time() - t_rl
+    rl_seconds = state["rl_seconds"] + time.time() - t_rl  # over every segment of a resumed run
     after = evaluate_all(model, tok, sp, cfg, device, datasets, scorer)
     print0("held-out mean reward after RL:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
-    grid.append(("after RL", image_snapshot(model, tok, sp, cfg, device)))
+    grid = [("before RL", state["grid_before"]), ("after RL", image_snapshot(model, tok, sp, cfg, device))]
 
     save_model(model, cfg, out / "final", tok, dtype)
     summary = {k: {"before": before[k], "after": after[k]} for k in before}
@@ -1086,7 +1132,7 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FileNotFoundError, TrainingStopped) as e:  # user errors: one clear line, no traceback
+    except (ValueError, OSError, TrainingStopped) as e:  # user errors: one clear line, no traceback
         sys.exit(f"error: {e}")
     finally:
         scale.close()

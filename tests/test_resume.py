@@ -167,11 +167,14 @@ def test_nan_reward_and_loss_are_skipped_and_logged(sft_dir, tmp_path, monkeypat
 def test_persistent_failures_stop_the_run(sft_dir, tmp_path, monkeypatch):
     inject(monkeypatch, reward_steps={2, 4}, loss_steps={3})
     out = tmp_path / "stop"
+    # Checkpoints after steps 3 and 4 were written during the bad streak: the last good one is step 2's.
     with pytest.raises(train.TrainingStopped, match=r"3 consecutive bad steps .* stopping at step 5\. Last good "
-                                                    r"checkpoint: .*step-00000004"):
+                                                    r"checkpoint: .*step-00000002;"):
         train.main(RUN + [f"--sft_dir={sft_dir}", f"--out_dir={out}", "--max_bad_steps=3"])
     logs = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()]
     assert [l["bad_steps"] for l in logs] == [0, 0, 1, 2, 3]
+    # keep_last=2 rotated step 1 away but kept the last good checkpoint beside the two newest.
+    assert [p.name for p in checkpoint.complete(out)] == ["step-00000002", "step-00000003", "step-00000004"]
 
 
 def test_resume_at_another_world_size(sft_dir, tmp_path):
@@ -222,8 +225,8 @@ INPUTS = [
      ValueError, r"out_dir .* is not writable .* pass --out_dir=a writable directory"),
     ("checkpoints without --resume", _with_checkpoint, [], ValueError,
      r"already holds checkpoints \(latest step-00000001\): pass --resume=true"),
-    ("resume with other settings", _with_checkpoint, ["--resume=true", "--lr=0.5", "--group_size=2"], ValueError,
-     r"these settings differ from the saved run: group_size 4 -> 2, lr 0.0001 -> 0.5"),
+    ("resume with other settings", _with_checkpoint, ["--resume=true", "--lr=0.5", "--group_size=2", "--beta=0.5"],
+     ValueError, r"these settings differ from the saved run: beta 0.01 -> 0.5, group_size 4 -> 2$"),
     ("resume with another reference", _tamper_reference, ["--resume=true"], ValueError,
      r"the reference policy changed"),
     ("no room for a checkpoint", _no_space, ["--checkpoint_every=1"], ValueError,

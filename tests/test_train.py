@@ -161,3 +161,22 @@ def test_missing_data_file_fails_before_model(tmp_path):
     with pytest.raises(FileNotFoundError, match="dataset file not found"):
         train.main(["--preset", "smoke", f"--out_dir={tmp_path}", f"--init_from={tmp_path / 'nope'}",
                     "--tasks=gsm8k", f"--train_data=gsm8k={tmp_path / 'missing.jsonl'}"])
+
+
+def test_scorer_failure_skips_the_step(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """A scorer that is down gives NaN rewards: the step is skipped on every rank, logged, and the run
+    stops after max_bad_steps of them in a row, instead of a traceback (or a hang under torchrun)."""
+    import scorer
+
+    def down(self, prompts, codes):
+        raise ConnectionError("image scorer at http://127.0.0.1:9 failed 4 attempts")
+    monkeypatch.setattr(scorer.RemoteScorer, "__call__", down)
+    out = tmp_path / "down"
+    path = FIXTURES / "geneval.jsonl"
+    with pytest.raises(train.TrainingStopped, match="2 consecutive bad steps"):
+        train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1", f"--init_from={tiny_ckpt}",
+                    "--tasks=geneval", f"--train_data=geneval={path}", "--image_scorer_url=http://127.0.0.1:9",
+                    "--rl_steps=3", "--max_bad_steps=2", "--image_text_len=24"])
+    lines = [json.loads(s) for s in (out / "log.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all("not a finite number" in l["bad_reward"] for l in lines)
+    assert "warning: image scorer failed (image scorer at http://127.0.0.1:9" in capsys.readouterr().out
