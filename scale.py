@@ -133,8 +133,7 @@ def full_weights(model):
     mods = _fsdp_modules(model) if outer else []
     for m in mods:
         # The root keeps FSDP2's own setting (it never reshards after forward); the blocks stay gathered.
-        if m is not model:
-            m.set_reshard_after_forward(False, recurse=False)
+        m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     if outer:
         model._full_weights = True
@@ -143,8 +142,7 @@ def full_weights(model):
     finally:
         for m in mods:
             m.reshard()
-            if m is not model:
-                m.set_reshard_after_forward(True, recurse=False)
+            m.set_reshard_after_forward(True, recurse=False)
         if outer:
             model._full_weights = False
 
