@@ -2,7 +2,7 @@
 
 Optional: everything here needs Pillow (`pip install -e ".[plots]"`). Without it each function prints
 one line saying so and returns None, so training and the tests of the core never depend on it. The
-axes are drawn by hand with PIL.ImageDraw: three line panels do not justify matplotlib as an extra.
+axes are drawn by hand with PIL.ImageDraw: four line panels do not justify matplotlib as an extra.
 
     python plots.py out/toy          # writes out/toy/curves.png from out/toy/log.jsonl
 """
@@ -18,8 +18,9 @@ PALETTE = ((48, 48, 48), (230, 50, 50), (40, 190, 70), (50, 100, 240), (250, 210
            (150, 60, 200), (40, 210, 220), (245, 245, 245))
 TASK_COLOURS = {"text": (30, 110, 190), "image": (230, 110, 20)}
 OTHER_COLOURS = [(40, 150, 60), (180, 40, 150), (110, 110, 110)]  # tasks beyond the toy's two
-PANELS = [("reward", "reward"), ("kl", "KL to reference (k3)"), ("clipfrac", "clip fraction")]
-PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # three panels: 900 x 300, legible at 100%
+PANELS = [("reward", "reward"), ("solved", "accuracy (reward = 1)"), ("kl", "KL to reference (k3)"),
+          ("clipfrac", "clip fraction")]
+PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # four panels: 1200 x 300, legible at 100%
 # Image grid geometry (pixels). Every toy image is scaled to about IMAGE_PX whatever its width, and a
 # prompt is wrapped to at most CAPTION_LINES lines, so the picture's size depends only on the counts.
 IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES = 96, 90, 150, 14, 12, 3
@@ -127,7 +128,7 @@ def _draw_panel(draw, font, x0: int, title: str, series: dict, colours: dict, wi
 
 
 def plot_curves(log_path, png_path) -> Path | None:
-    """Reward, KL and clip fraction per task against RL step, one PANEL_W x PANEL_H panel each.
+    """Reward, accuracy, KL and clip fraction per task against RL step, one PANEL_W x PANEL_H panel each.
 
     A panel whose metric no task logged is left out; NaN or missing values are skipped point by point.
     Returns the PNG path, or None (after printing the install hint) when Pillow is absent."""
