@@ -76,8 +76,8 @@ def test_overrides_and_types():
 def test_toy_preset_reward_rises(tmp_path):
     """The full toy preset (~10 min on 2 cores) raises held-out mean reward on both tasks.
 
-    Measured at the default seed with one thread (the README table): text +0.14, image +0.17; over three
-    seeds the smallest gain was +0.08 (text, seed 2). Other thread counts or CPUs round differently and
+    Measured at the default seed with one thread (the README table): text +0.13, image +0.23; over three
+    seeds the smallest gain was +0.06 (text, seed 2). Other thread counts or CPUs round differently and
     follow another trajectory, so this guards the mechanism with a margin (+0.05) rather than pinning the
     README's figures; a broken estimator or loss sign gives a gain near zero or below."""
     summary = train.main(["--preset", "toy", f"--out_dir={tmp_path}", "--threads=1"])
