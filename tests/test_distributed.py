@@ -19,9 +19,10 @@ from model import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 # Fast rollouts (prefix cache + threshold) make ranks run different numbers of forward passes, which
-# only works because rollouts hold the unsharded weights (scale.full_weights): exercise that too.
+# only works because rollouts hold the unsharded weights (scale.full_weights): exercise that too, and CFG
+# (the unconditional rows are sharded with the conditional ones).
 ARGS = ["--preset=smoke", "--threads=1", "--sample_every=0", "--block_length=4", "--steps=12",
-        "--kv_cache=prefix", "--threshold=0.5", "--rl_steps=2",
+        "--kv_cache=prefix", "--threshold=0.5", "--rl_steps=2", "--cfg_scale=1.5",
         "--eval_prompts=65"]  # the last eval batch has one row: a rank without rows must not deadlock the other
 COMPARED = ("reward", "solved", "loss", "kl", "clipfrac", "ratio_mean", "ratio_max", "num_tokens")
 

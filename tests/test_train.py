@@ -128,7 +128,8 @@ def test_geneval_with_remote_scorer(tiny_ckpt, tmp_path, monkeypatch):
         path = FIXTURES / "geneval.jsonl"
         summary = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1", f"--init_from={tiny_ckpt}",
                               "--tasks=geneval", f"--train_data=geneval={path}", f"--eval_data=geneval={path}",
-                              f"--image_scorer_url={url}", "--rl_steps=1", "--eval_prompts=3", "--image_text_len=24"])
+                              f"--image_scorer_url={url}", "--rl_steps=1", "--eval_prompts=3", "--image_text_len=24",
+                              "--cfg_scale=2.0"])
     finally:
         server.shutdown()
         server.server_close()
