@@ -6,7 +6,7 @@
     python evaluate.py --run out/toy                         # re-score a run's sft/ and final/ vs summary.json
 
 Tasks: gsm8k, math, countdown, sudoku, mbpp (sandboxed, rewards.REWARDS) and geneval (--image_scorer_url),
-which read --data; the toy tasks text and image, which need none. Every completion comes from train.evaluate,
+which read --data; the toy tasks text and image, which need none. Every completion comes from episodes.evaluate,
 the function train.py scores its held-out sets with, so under the same Config the numbers are the run's own
 (`--run` checks exactly that, and exits 1 if any differs by more than 1e-6). A completion counts as correct
 when its reward is >= 1 - 1e-6; pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374, §2.1) with
@@ -26,13 +26,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 import data
+import episodes
 import lora
 import scale
 import train
 from scorer import RemoteScorer
 
 CORRECT_TOL = 1e-6  # reward >= 1 - CORRECT_TOL is a solved prompt (float32 rewards of exactly 1 pass)
-TASKS = train.TOY_TASKS + data.TASKS
+TASKS = episodes.TOY_TASKS + data.TASKS
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -87,7 +88,7 @@ def build_config(args, overrides: list[str]) -> train.Config:
     if not Path(args.ckpt).is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {args.ckpt} (pass a folder with config.json, "
                                 f"*.safetensors and tokenizer.json, e.g. out/toy/final)")
-    toy = args.task in train.TOY_TASKS
+    toy = args.task in episodes.TOY_TASKS
     if toy == bool(args.data):
         raise ValueError(f"task {args.task!r} " + ("draws its held-out prompts from --seed: drop --data" if toy
                                                    else "reads its prompts from a local file: pass --data PATH"))
@@ -100,7 +101,7 @@ def build_config(args, overrides: list[str]) -> train.Config:
     implied += [f"--eval_samples={args.samples}"] if args.samples else []
     implied += [f"--eval_prompts={args.limit}"] if args.limit else []
     cfg = train.parse_args(overrides + implied)  # ours last: argparse keeps the last value of a flag
-    if cfg.temperature <= 0:  # train.evaluate then draws one completion per prompt: there is no pass@k
+    if cfg.temperature <= 0:  # episodes.evaluate then draws one completion per prompt: there is no pass@k
         raise ValueError(f"temperature ({cfg.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
     return cfg
 
@@ -109,22 +110,22 @@ def score_checkpoint(cfg: train.Config, out: str | None = None, limit: int | Non
     """Greedy and sampled completions of cfg.init_from on the single task of cfg: (table row, records)."""
     task = cfg.tasks
     device, dtype = train.setup(cfg)
-    datasets = train.load_data(cfg)  # a missing or malformed file fails here, before the model loads
+    datasets = episodes.load_data(cfg)  # a missing or malformed file fails here, before the model loads
     if task in datasets and limit is None:  # benchmarks: every row of the file unless --limit
         cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     model, tok, sp, _ = train.load_model(cfg, device, dtype)
-    n = len(train.eval_examples(task, cfg, datasets))
+    n = len(episodes.eval_examples(task, cfg, datasets))
     modes = [("sampled", cfg.temperature, cfg.eval_samples)]
-    if task not in train.IMAGE_TASKS:  # as train.evaluate_all: images have no greedy decoding
+    if task not in episodes.IMAGE_TASKS:  # as episodes.evaluate_all: images have no greedy decoding
         modes.insert(0, ("greedy", 0.0, 1))
     records = []
-    # The bar counts completions; train.evaluate reports after each batch of (up to) 64.
+    # The bar counts completions; episodes.evaluate reports after each batch of (up to) 64.
     with tqdm(total=n * sum(k for *_, k in modes), desc=f"eval {task}", unit="completion", leave=False) as bar:
         for mode, temperature, k in modes:
             rows: list[dict] = []
-            train.evaluate(model, tok, sp, cfg, device, task, temperature, datasets, scorer, rows, bar.update)
-            # train.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
+            episodes.evaluate(model, tok, sp, cfg, device, task, temperature, datasets, scorer, rows, bar.update)
+            # episodes.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
             records += [{"task": task, "mode": mode, "prompt_index": r["index"] // k, "sample": r["index"] % k,
                          "prompt": r["prompt"], "output": r["output"], "reward": r["reward"]} for r in rows]
     if out:
@@ -139,7 +140,7 @@ def score_checkpoint(cfg: train.Config, out: str | None = None, limit: int | Non
 
 def check_run(run_dir: str) -> bool:
     """Re-score a train.py run with its own config.json: the model before RL (the SFT model, or init_from)
-    and final/ after, through train.evaluate_all; print them beside summary.json. True if all agree."""
+    and final/ after, through episodes.evaluate_all; print them beside summary.json. True if all agree."""
     run = Path(run_dir)
     for f in ("config.json", "summary.json"):
         if not (run / f).is_file():
@@ -153,7 +154,7 @@ def check_run(run_dir: str) -> bool:
     train.validate(cfg)
     summary = json.loads((run / "summary.json").read_text())
     device, dtype = train.setup(cfg)
-    datasets = train.load_data(cfg)
+    datasets = episodes.load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     # As train.main: the RL start is the SFT model for scratch runs, else init_from. LoRA runs start from
     # init_from with zero adapters (the same outputs) and end as init_from + final/adapters.*, the exact
@@ -167,7 +168,7 @@ def check_run(run_dir: str) -> bool:
         model, tok, sp, _ = train.load_model(replace(cfg, init_from=ckpt), device, dtype)
         if label == "after" and cfg.lora_rank:
             lora.load_adapters(model, run / "final")
-        evals[label] = train.evaluate_all(model.eval(), tok, sp, cfg, device, datasets, scorer)
+        evals[label] = episodes.evaluate_all(model.eval(), tok, sp, cfg, device, datasets, scorer)
     keys = [k for k in summary if k != "seconds"] + sorted(set(evals["before"]) - set(summary))
     rows, ok = [], True
     for k in keys:

@@ -16,7 +16,6 @@ Test: python -m pytest tests/test_rewards.py -q
 """
 from __future__ import annotations
 
-import math
 import re
 from fractions import Fraction
 
