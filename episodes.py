@@ -142,10 +142,11 @@ _TEXT_LEN: dict = {}
 
 
 def image_text_len(tok) -> int:
-    """Caption part of every t2i prompt, padded to the longest toy caption (computed once)."""
-    if "n" not in _TEXT_LEN:
-        _TEXT_LEN["n"] = tasks.image_text_len(tok)
-    return _TEXT_LEN["n"]
+    """Caption part of every t2i prompt, padded to the longest toy caption (computed once per vocabulary)."""
+    key = tok.get_vocab_size(with_added_tokens=True)
+    if key not in _TEXT_LEN:
+        _TEXT_LEN[key] = tasks.image_text_len(tok)
+    return _TEXT_LEN[key]
 
 
 def vocab_slice(task: str, sp):
@@ -182,12 +183,13 @@ def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
         rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
         return [make_example(task, rng, cfg, "train") for _ in range(cfg.prompts_per_step)]
     rows = datasets[task]["train"]
-    out = []
+    out, orders = [], {}
     for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
         epoch, pos = divmod(i, len(rows))
-        order = list(range(len(rows)))
-        random.Random(derive_seed(cfg.seed, "epoch", task, epoch)).shuffle(order)
-        out.append(rows[order[pos]])
+        if epoch not in orders:  # one shuffle per epoch touched by this step (at most two)
+            orders[epoch] = list(range(len(rows)))
+            random.Random(derive_seed(cfg.seed, "epoch", task, epoch)).shuffle(orders[epoch])
+        out.append(rows[orders[epoch][pos]])
     return out
 
 

@@ -246,6 +246,19 @@ def validate(cfg: Config) -> None:
     need(cfg.prompts_per_step % world == 0,
          f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by the world size ({world}): groups are "
          f"never split across ranks; try --prompts_per_step={world * max(1, cfg.prompts_per_step // world)}")
+    for k in ("eval_samples", "dry_run_gpus"):
+        need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1")
+    for k in ("threads", "sample_every", "vocab_size", "weight_decay"):
+        need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0")
+    need(cfg.lr > 0, f"lr ({cfg.lr}) must be > 0 (paper: 3e-6 at 8B; the toy uses 1e-4)")
+    need(cfg.grad_clip > 0, f"grad_clip ({cfg.grad_clip}) must be > 0: 0 would zero every gradient (paper: 0.2)")
+    need(cfg.cfg_scale >= 0, f"cfg_scale ({cfg.cfg_scale}) must be >= 0 (0 = no guidance; MaskGRPO uses 3.0)")
+    need(0 <= cfg.p_mask_prompt <= 1, f"p_mask_prompt ({cfg.p_mask_prompt}) must be in [0, 1] (d1 uses 0.15)")
+    images_only = all(t in IMAGE_TASKS for t in task_list(cfg))
+    need(not (images_only and (cfg.kv_cache != "none" or cfg.threshold)),
+         f"kv_cache / threshold apply to text rollouts, but tasks ({cfg.tasks!r}) has no text task; drop them")
+    need(not cfg.image_scorer_url or "geneval" in task_list(cfg),
+         f"image_scorer_url is set but no task uses it (tasks {cfg.tasks!r}); add geneval or drop the flag")
     for k in ("checkpoint_every", "keep_last"):
         need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0 (0 = {'never' if k == 'checkpoint_every' else 'keep all'})")
     need(cfg.max_bad_steps >= 1, f"max_bad_steps ({cfg.max_bad_steps}) must be >= 1")
@@ -513,6 +526,13 @@ def log_line(log: dict, total: int) -> str:
 # main
 
 
+def scratch_config(cfg: Config, **vocab) -> ModelConfig:
+    """The model shape given by the Config's d_model / n_layers / n_heads / mlp_hidden_size fields, with
+    the vocabulary fields passed in (the toy tokenizer's, or --vocab_size for --dry_run)."""
+    return ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
+                       mlp_hidden_size=cfg.mlp_hidden_size, **vocab)
+
+
 SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_noise", "image_noise", "image_width",
             "text_max_steps", "image_loss_weight",
             "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
@@ -529,8 +549,7 @@ def load_or_train_sft(cfg: Config, tok, sp, device, dtype) -> tuple[Transformer,
     cached = lambda: meta_file.is_file() and json.loads(meta_file.read_text()) == meta
     if not cached() and scale.rank() == 0:
         meta_file.unlink(missing_ok=True)  # the old key must not vouch for half-overwritten weights
-        mc = ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
-                         mlp_hidden_size=cfg.mlp_hidden_size, **tasks.model_config_overrides(tok))
+        mc = scratch_config(cfg, **tasks.model_config_overrides(tok))
         model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
         print(f"SFT from scratch: {num_params(model) / 1e6:.2f}M parameters, {cfg.sft_steps} steps")
         seconds = sft(model, tok, sp, cfg, device)
@@ -590,8 +609,7 @@ def dry_run(cfg: Config) -> dict:
         mc = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
     else:
         vocab = cfg.vocab_size or tasks.model_config_overrides(tasks.build_tokenizer())["vocab_size"]
-        mc = ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
-                         mlp_hidden_size=cfg.mlp_hidden_size, vocab_size=vocab, mask_token_id=vocab - 1)
+        mc = scratch_config(cfg, vocab_size=vocab, mask_token_id=vocab - 1)
     image = any(t in IMAGE_TASKS for t in task_list(cfg))
     seq_len = (cfg.image_text_len or 32) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
     return scale.dry_run(mc, seqs=cfg.prompts_per_step * cfg.group_size * len(task_list(cfg)), seq_len=seq_len,
@@ -664,8 +682,7 @@ def startup_checks(cfg: Config, out: Path) -> None:
             raise ValueError(f"sequences of up to {need} tokens exceed the model's max_sequence_length "
                              f"({mc.max_sequence_length}); lower --max_prompt_len / --gen_length (or image sizes)")
     if cfg.checkpoint_every:
-        mc = mc or ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                               n_kv_heads=cfg.n_heads, mlp_hidden_size=cfg.mlp_hidden_size, vocab_size=128)
+        mc = mc or scratch_config(cfg, vocab_size=128)
         with torch.device("meta"):
             n = num_params(Transformer(mc))
         # float32 weights + AdamW moments (an upper bound; LoRA saves far less), twice for the rotation.

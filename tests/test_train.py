@@ -60,6 +60,15 @@ def test_smoke_run(tmp_path):
     (["--tasks=audio"], r"tasks \('audio'\) must be"),
     (["--dtype=float16"], r"float16 needs a grad scaler"),
     (["--preset", "huge"], r"unknown preset 'huge'"),
+    (["--eval_samples=0"], r"eval_samples \(0\) must be >= 1"),
+    (["--dry_run_gpus=0"], r"dry_run_gpus \(0\) must be >= 1"),
+    (["--sample_every=-1"], r"sample_every \(-1\) must be >= 0"),
+    (["--lr=0"], r"lr \(0.0\) must be > 0"),
+    (["--grad_clip=0"], r"grad_clip \(0.0\) must be > 0: 0 would zero every gradient"),
+    (["--cfg_scale=-1"], r"cfg_scale \(-1.0\) must be >= 0"),
+    (["--p_mask_prompt=2"], r"p_mask_prompt \(2.0\) must be in \[0, 1\]"),
+    (["--tasks=image", "--threshold=0.9"], r"kv_cache / threshold apply to text rollouts"),
+    (["--image_scorer_url=http://x:1"], r"image_scorer_url is set but no task uses it"),
 ])
 def test_bad_config(argv, match):
     with pytest.raises(ValueError, match=match):
