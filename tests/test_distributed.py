@@ -2,7 +2,8 @@
 acceptance 1), with full fine-tuning and with LoRA; the LoRA run's merged checkpoint reproduces the
 adapter model (acceptance 3); --dry_run reports LLaDA-8B's parameter count (acceptance 2).
 
-    python -m pytest tests/test_distributed.py -q      # ~1-2 min on 2 CPU cores
+    python -m pytest tests/test_distributed.py -q      # ~1 min on 2 CPU cores (the torchrun tests are
+                                                       # marked slow: they run in CI, not under -m "not slow")
 """
 import json
 import os
@@ -66,6 +67,7 @@ def single(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(single, tmp_path):
     """Same global batch on 1 and 2 processes: identical rewards, the same first-step loss and weights."""
     out = tmp_path / "two"
@@ -76,6 +78,7 @@ def test_two_processes_match_one(single, tmp_path):
     assert first["image/loss"] != 0.0 and logs(out)[0]["image/loss"] == pytest.approx(first["image/loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_two_processes_and_merge(single, tmp_path):
     """LoRA from the single run's checkpoint, on 1 and on 2 processes: the same run; the merged checkpoint
     loads with Transformer.from_pretrained and gives the adapter model's logits (float32, atol 1e-5)."""

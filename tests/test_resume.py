@@ -2,7 +2,8 @@
 non-finite losses and rewards skipped, counted and, when they persist, stopped; SIGTERM writes a
 checkpoint; every user-facing input error has its message.
 
-    python -m pytest tests/test_resume.py -q        # ~1-2 min on 2 CPU cores
+    python -m pytest tests/test_resume.py -q        # ~1 min on 2 CPU cores (the subprocess kill / SIGTERM /
+                                                    # torchrun tests are marked slow: CI runs them)
 """
 import json
 import math
@@ -43,6 +44,7 @@ def weights(path):
     return dict(Transformer.from_pretrained(path).named_parameters())
 
 
+@pytest.mark.slow
 def test_killed_anywhere_resumes_bit_identical(sft_dir, tmp_path):
     """SIGKILL (1) in the middle of writing checkpoint 3, (2) in the middle of step 5, (3) during the
     held-out evaluation right after a resume; each time --resume=true continues, and the final weights
@@ -98,6 +100,7 @@ def test_same_seed_same_log(sft_dir, tmp_path):
     assert (tmp_path / "a" / "log.jsonl").read_text() == (tmp_path / "b" / "log.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_sigterm_writes_checkpoint_and_resumes(sft_dir, tmp_path):
     out = tmp_path / "term"
     args = RUN + [f"--sft_dir={sft_dir}", f"--out_dir={out}", "--checkpoint_every=0"]
@@ -177,6 +180,7 @@ def test_persistent_failures_stop_the_run(sft_dir, tmp_path, monkeypatch):
     assert [p.name for p in checkpoint.complete(out)] == ["step-00000002", "step-00000003", "step-00000004"]
 
 
+@pytest.mark.slow
 def test_resume_at_another_world_size(sft_dir, tmp_path):
     """A checkpoint written by 2 FSDP2 processes resumes in one process (DCP reshards) and ends where a
     single-process run ends, to float32 rounding."""
