@@ -25,12 +25,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import data
-import episodes
-import lora
-import scale
+from infra import data
+from infra import episodes
+from infra import lora
+from infra import scale
 import train
-from scorer import RemoteScorer
+from infra.scorer import RemoteScorer
 
 CORRECT_TOL = 1e-6  # reward >= 1 - CORRECT_TOL is a solved prompt (float32 rewards of exactly 1 pass)
 TASKS = episodes.TOY_TASKS + data.TASKS

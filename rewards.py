@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from sandbox import run_code  # the API is rewards.run_code(program, tests, timeout) -> float
+from infra.sandbox import run_code  # the API is rewards.run_code(program, tests, timeout) -> float
 
 # -----------------------------------------------------------------------------------------------------
 # answer extraction

@@ -48,19 +48,19 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import checkpoint
-import data
+from infra import checkpoint
+from infra import data
 import grpo
 import importance
-import lora
-import scale
+from infra import lora
+from infra import scale
 import tasks
-from episodes import (IMAGE_TASKS, TOY_TASKS, Batch, data_paths, derive_seed, draw_prompts, evaluate_all,
+from infra.episodes import (IMAGE_TASKS, TOY_TASKS, Batch, data_paths, derive_seed, draw_prompts, evaluate_all,
                       generator, image_snapshot, load_data, make_batch, make_example, model_specials, rollout,
                       score, show, task_list, vocab_slice, write_pictures)
 from model import ModelConfig, Transformer, load_tokenizer, num_params
-from scale import print0
-from scorer import RemoteScorer
+from infra.scale import print0
+from infra.scorer import RemoteScorer
 
 # -----------------------------------------------------------------------------------------------------
 # config
@@ -235,7 +235,7 @@ def validate(cfg: Config) -> None:
         need(not extra, f"{field_name} names {extra}, which are not among the RL tasks {task_list(cfg)}")
     need("geneval" not in real or cfg.image_scorer_url or cfg.dry_run,
          "task geneval needs a reward model: --image_scorer_url=http://HOST:PORT (scorer.RemoteScorer; "
-         "`python scorer.py --stub` serves a stand-in)")
+         "`python -m infra.scorer --stub` serves a stand-in)")
     need(cfg.lora_rank >= 0, f"lora_rank ({cfg.lora_rank}) must be >= 0 (0 = full fine-tuning)")
     need(cfg.lora_rank == 0 or (cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1),
          f"lora_alpha ({cfg.lora_alpha}) must be > 0 and lora_dropout ({cfg.lora_dropout}) in [0, 1)")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import shared_path
 
-import data
+from infra import data
 
 FIX = Path(__file__).parent / "fixtures" / "data"
 

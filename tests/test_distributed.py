@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import lora
+from infra import lora
 import train
 from model import Transformer
 

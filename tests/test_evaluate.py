@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import data
+from infra import data
 import evaluate
 import train
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from conftest import shared_path
+from conftest import REFERENCE
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -79,7 +79,7 @@ FAST = [("prefix", None), ("dual", None), (None, 0.6), ("prefix", 0.6), ("dual",
 
 @pytest.mark.parametrize("name", ["gen_32_32_32", "gen_32_8_16", "gen_24_8_24", "gen_cfg1.5_32_8_16"])
 def test_defaults_reproduce_reference_generations(name):
-    path = shared_path("reference", "tiny-llada")
+    path = REFERENCE
     model, ref = Transformer.from_pretrained(path), load_file(str(path / "reference_generations.safetensors"))
     *cfg, G, K, S = name.split("_")[1:]
     cfg_scale = float(cfg[0].removeprefix("cfg")) if cfg else 0.0

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from lora import (LORA_TARGETS, LoRALinear, adapters_disabled, add_lora, load_adapters, lora_state_dict,
+from infra.lora import (LORA_TARGETS, LoRALinear, adapters_disabled, add_lora, load_adapters, lora_state_dict,
                   lora_stats, merge_lora, save_adapters, trainable_parameters)
 from model import INDEX_NAME, ModelConfig, Transformer
 

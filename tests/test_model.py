@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import shared_path
+from conftest import REFERENCE
 from safetensors.torch import load_file, save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -23,7 +23,7 @@ def tiny(**kw) -> Transformer:
 
 def test_reference_logits():
     """Acceptance 1: our forward pass reproduces logits written by the public LLaDA HF code."""
-    ref_dir = shared_path("reference", "tiny-llada")
+    ref_dir = REFERENCE
     ref = load_file(str(ref_dir / "reference_logits.safetensors"))
     model = Transformer.from_pretrained(ref_dir)
     # The reference numbers match the math SDPA kernel; the CPU flash kernel accumulates in another
@@ -37,7 +37,7 @@ def test_reference_logits():
 def test_round_trip_matches_reference_layout(tmp_path):
     """Acceptance 3: save then load gives bit-identical logits, and the written checkpoint has the
     reference's config fields, index layout, key names and shapes."""
-    ref_dir = shared_path("reference", "tiny-llada")
+    ref_dir = REFERENCE
     model = Transformer.from_pretrained(ref_dir)
     model.save_pretrained(tmp_path, max_shard_bytes=200_000)  # force several shards, like the reference
     again = Transformer.from_pretrained(tmp_path)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import plots
+from infra import plots
 
 
 def write_log(path, n=30, tasks=("text", "image")):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+from infra import checkpoint
 import grpo
 import train
 from model import Transformer

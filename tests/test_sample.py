@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import shared_path
+from conftest import REFERENCE
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -66,7 +66,7 @@ def gen(seed):
 
 @pytest.fixture(scope="module")
 def reference():
-    path = shared_path("reference", "tiny-llada")
+    path = REFERENCE
     return Transformer.from_pretrained(path), load_file(str(path / "reference_generations.safetensors"))
 
 

@@ -14,10 +14,10 @@ import time
 import pytest
 
 import rewards
-import sandbox
+from infra import sandbox
 from conftest import shared_path
 from rewards import code_reward
-from sandbox import run_code
+from infra.sandbox import run_code
 
 ROOT = os.geteuid() == 0  # the uid switch and the private mount/network namespaces need root (see sandbox.py)
 

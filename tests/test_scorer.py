@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from scorer import RemoteScorer, _StubHandler, serve_stub, stub_score
+from infra.scorer import RemoteScorer, _StubHandler, serve_stub, stub_score
 
 PROMPTS = ["three green blocks", "a red block left of a blue block", "an empty image"]
 CODES = [[3, 3, 5, 1], [7] * 16, []]

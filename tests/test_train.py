@@ -128,7 +128,7 @@ def test_benchmark_text_task_runs(tiny_ckpt, tmp_path, task):
 def test_geneval_with_remote_scorer(tiny_ckpt, tmp_path, monkeypatch):
     """Text-to-image on GenEval prompts with rewards from the stub scorer over HTTP (scorer.serve_stub):
     the logged reward is the stub's rule (fraction of distinct codes) of the rollouts."""
-    import scorer
+    from infra import scorer
     monkeypatch.setenv("no_proxy", "127.0.0.1")
     server = scorer.serve_stub(0)
     try:
@@ -176,7 +176,7 @@ def test_missing_data_file_fails_before_model(tmp_path):
 def test_scorer_failure_skips_the_step(tiny_ckpt, tmp_path, monkeypatch, capsys):
     """A scorer that is down gives NaN rewards: the step is skipped on every rank, logged, and the run
     stops after max_bad_steps of them in a row, instead of a traceback (or a hang under torchrun)."""
-    import scorer
+    from infra import scorer
 
     def down(self, prompts, codes):
         raise ConnectionError("image scorer at http://127.0.0.1:9 failed 4 attempts")

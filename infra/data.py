@@ -14,7 +14,7 @@ receives, plus "prompt", the user-turn text (the chat template is applied later,
     geneval    {"task", "prompt": "a photo of a cow", "spec": {"tag", "include", ...}}
 
 Every bad row is reported as `file:line: problem`, the first few at once. Standard library only.
-Check a file: python data.py math ../shared/data/math500.jsonl
+Check a file: python -m infra.data math ../shared/data/math500.jsonl
 """
 from __future__ import annotations
 
@@ -258,6 +258,6 @@ def make_prompt(example: dict) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit(f"usage: python data.py TASK PATH   (TASK: {' | '.join(TASKS)})")
+        sys.exit(f"usage: python -m infra.data TASK PATH   (TASK: {' | '.join(TASKS)})")
     data = load_dataset(sys.argv[1], sys.argv[2])
     print(f"{len(data)} valid {sys.argv[1]} examples; the first prompt:\n\n{data[0]['prompt']}")

@@ -209,7 +209,7 @@ def dry_run(mc, *, seqs: int, seq_len: int, steps: int, lora_rank: int, num_iter
             device_batch_size: int, activation_checkpointing: bool, gpus: int) -> dict:
     """Build the model on the meta device (no memory), count its parameters and LoRA's, and print the
     budget table for 1, 8, 16 and `gpus` GPUs; returns the numbers (tests, README)."""
-    from lora import LORA_TARGETS
+    from infra.lora import LORA_TARGETS
     from model import Transformer, num_params
 
     with torch.device("meta"):

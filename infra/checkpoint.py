@@ -33,7 +33,7 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-import scale
+from infra import scale
 
 DIRNAME, PREFIX, TMP = "checkpoints", "step-", ".tmp"
 # Fault injection for tests/test_resume.py: SIGKILL this process in the middle of writing the

@@ -1,10 +1,10 @@
 """Rollout speed of sample.generate's fast options against the exact sampler (a benchmark, not a test).
 
-    python bench.py --threads 1   # both models, one repetition: ~20 min on one CPU core, 11 of them
+    python -m infra.bench --threads 1   # both models, one repetition: ~20 min on one CPU core, 11 of them
                                   # the exact sampler on "llada" (8 x 256 steps over 320 x 32000 logits)
-    python bench.py --reps 3 --all   # medians of 3 interleaved repetitions, plus the block-head row (~80 min)
-    python bench.py --quick       # smoke run, ~1 min: gen length 64, a 2-layer 256-d "llada"
-    python bench.py --sandbox     # the code reward's sandbox instead: programs/s, tests/s, kill time (~15 s)
+    python -m infra.bench --reps 3 --all   # medians of 3 interleaved repetitions, plus the block-head row (~80 min)
+    python -m infra.bench --quick       # smoke run, ~1 min: gen length 64, a 2-layer 256-d "llada"
+    python -m infra.bench --sandbox     # the code reward's sandbox instead: programs/s, tests/s, kill time (~15 s)
 
 One table, all measured in this run: tokens/second of the exact sampler (the reference) and of the opt-in
 approximations, Fast-dLLM's prefix and dual KV caches and its confidence-threshold parallel decoding
@@ -49,7 +49,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from sample import generate
-from sandbox import run_code
+from infra.sandbox import run_code
 
 EOS = 0
 P, K, B = 64, 32, 8

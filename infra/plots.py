@@ -4,7 +4,7 @@ Optional: everything here needs Pillow (`pip install -e ".[plots]"`). Without it
 one line saying so and returns None, so training and the tests of the core never depend on it. The
 axes are drawn by hand with PIL.ImageDraw: four line panels do not justify matplotlib as an extra.
 
-    python plots.py out/toy          # writes out/toy/curves.png from out/toy/log.jsonl
+    python -m infra.plots out/toy          # writes out/toy/curves.png from out/toy/log.jsonl
 """
 import argparse
 import json

@@ -5,7 +5,7 @@ POSTs each rollout batch to a reward server. Standard library only (urllib, http
 
     scorer = RemoteScorer("http://127.0.0.1:8765")          # train.py --image_scorer_url
     scorer(["three green blocks"], [[3, 3, 5, 1]])          # -> [0.75]
-    python scorer.py --stub --port 8765                     # a model-free stand-in server
+    python -m infra.scorer --stub --port 8765                     # a model-free stand-in server
 
 Test: python -m pytest tests/test_scorer.py -q
 """
@@ -32,7 +32,7 @@ import urllib.request
 # A real server decodes the VQ codes with its own image tokenizer and runs its reward models. The stub
 # below answers by a rule simple enough to check by hand, so the pipeline runs without any model.
 
-_STUB_HINT = "python scorer.py --stub --port 8765, then use http://127.0.0.1:8765"
+_STUB_HINT = "python -m infra.scorer --stub --port 8765, then use http://127.0.0.1:8765"
 
 
 class RemoteScorer:

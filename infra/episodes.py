@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-import data
+from infra import data
 import rewards
 import sample
-import scale
+from infra import scale
 import tasks
 from model import ModelConfig, chat_prompt
-from scale import print0
+from infra.scale import print0
 
 TOY_TASKS = ("text", "image")
 IMAGE_TASKS = ("image", "geneval")  # generated as image tokens; everything else is text
@@ -346,7 +346,7 @@ def image_snapshot(model, tok, sp, cfg, device) -> list | None:
 def write_pictures(cfg, out: Path, grid: list) -> None:
     """out_dir/curves.png (reward, KL, clip fraction per step) and out_dir/images.png (toy images before
     and after RL, prompt under each), when Pillow is installed (plots.py says how to get it otherwise)."""
-    import plots
+    from infra import plots
 
     if (out / "log.jsonl").is_file() and (out / "log.jsonl").stat().st_size:
         plots.plot_curves(out / "log.jsonl", out / "curves.png")
