@@ -37,7 +37,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -48,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from infra import checkpoint
+from infra import budget, checkpoint
 from infra import data
 import grpo
 import importance
@@ -601,23 +600,6 @@ def save_model(model, cfg: Config, path: Path, tok, dtype: torch.dtype) -> None:
     tok.save(str(path / "tokenizer.json"))
 
 
-def dry_run(cfg: Config) -> dict:
-    """--dry_run: the model on the meta device (no memory), its parameter count, and scale.budget's
-    memory per GPU and FLOPs per RL step at the preset's batch sizes (scale.dry_run prints the table)."""
-    cfg_file = Path(cfg.init_from) / "config.json" if cfg.init_from not in ("", "scratch") else None
-    if cfg_file is not None and cfg_file.is_file():
-        mc = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
-    else:
-        vocab = cfg.vocab_size or tasks.model_config_overrides(tasks.build_tokenizer())["vocab_size"]
-        mc = scratch_config(cfg, vocab_size=vocab, mask_token_id=vocab - 1)
-    image = any(t in IMAGE_TASKS for t in task_list(cfg))
-    seq_len = (cfg.image_text_len or 32) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
-    return scale.dry_run(mc, seqs=cfg.prompts_per_step * cfg.group_size * len(task_list(cfg)), seq_len=seq_len,
-                         steps=cfg.image_steps if image else cfg.steps, lora_rank=cfg.lora_rank,
-                         num_iterations=cfg.num_iterations, beta=cfg.beta, device_batch_size=cfg.device_batch_size,
-                         activation_checkpointing=cfg.activation_checkpointing, gpus=cfg.dry_run_gpus)
-
-
 def keep_steps_before(path: Path, start: int) -> Path:
     """Rewrite a jsonl log to its lines with step < start (all of it is dropped when start is 0), atomically
     (temporary file, then rename), skipping a line cut short by a crash; returns path for appending."""
@@ -682,15 +664,7 @@ def startup_checks(cfg: Config, out: Path) -> None:
             raise ValueError(f"sequences of up to {need} tokens exceed the model's max_sequence_length "
                              f"({mc.max_sequence_length}); lower --max_prompt_len / --gen_length (or image sizes)")
     if cfg.checkpoint_every:
-        mc = mc or scratch_config(cfg, vocab_size=128)
-        with torch.device("meta"):
-            n = num_params(Transformer(mc))
-        # float32 weights + AdamW moments (an upper bound; LoRA saves far less), twice for the rotation.
-        size = 2 * n * 12
-        free = shutil.disk_usage(out).free
-        if free < size:
-            raise ValueError(f"out_dir {out} has {free / 2**30:.1f} GB free, but a checkpoint needs about "
-                             f"{size / 2**30:.1f} GB; free space, pick another --out_dir or set --checkpoint_every=0")
+        budget.check_disk(cfg, out, mc or scratch_config(cfg, vocab_size=128))
     last = checkpoint.latest(out)
     if last is not None and not cfg.resume:
         raise ValueError(f"out_dir {out} already holds checkpoints (latest {last.name}): pass "
@@ -703,7 +677,7 @@ def startup_checks(cfg: Config, out: Path) -> None:
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     if cfg.dry_run:
-        return dry_run(cfg)
+        return budget.dry_run(cfg)
     device, dtype = setup(cfg)
     out = Path(cfg.out_dir)
     datasets = load_data(cfg)  # malformed data fails here, before any model is loaded
