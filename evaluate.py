@@ -16,11 +16,10 @@ draw), so their greedy column is empty. Single process; user errors print one li
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -28,7 +27,7 @@ from tqdm import tqdm
 from infra import data
 from infra import episodes
 from infra import lora
-from infra import scale
+from infra import cli, run, scale
 import train
 from infra.scorer import RemoteScorer
 
@@ -69,54 +68,73 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
-def build_config(args, overrides: list[str]) -> train.Config:
-    """train.parse_args over --preset / --field=value overrides, plus what --ckpt/--task/--data imply."""
-    known = {f.name for f in fields(train.Config)} | {"preset"}
-    bad, takes_value = [], False  # a bare token is only allowed as the value of a preceding --field
-    for a in overrides:
-        if a.startswith("--"):
-            bad += [] if a[2:].split("=")[0] in known else [a]
-            takes_value = "=" not in a
-        else:
-            bad += [] if takes_value else [a]
-            takes_value = False
-    if bad:
-        raise ValueError(f"unknown argument(s) {bad}; evaluate.py takes --ckpt/--task/--data/--limit/--samples/"
-                         f"--out/--run, --preset NAME and train.Config fields as --field=value")
-    if args.task not in TASKS:
-        raise ValueError(f"unknown task {args.task!r}; choose one of {', '.join(TASKS)}")
-    if not Path(args.ckpt).is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {args.ckpt} (pass a folder with config.json, "
+@dataclass
+class Options(train.Config):
+    """evaluate.py's flags: its own below, and every train.Config field (the generation settings above all)."""
+    ckpt: str = ""          # checkpoint directory (config.json, *.safetensors, tokenizer.json)
+    task: str = ""          # one of TASKS
+    data: str = ""          # local benchmark file in its public format (infra/data.py); not for toy tasks
+    limit: int = 0          # first N prompts (0: the whole file; toy tasks: eval_prompts)
+    samples: int = -1       # k sampled completions per prompt for pass@k (-1: the task's default, 0: greedy only)
+    out: str = ""           # write one JSON line per completion here
+    run: str = ""           # out_dir of a train.py run: re-score it and compare with its summary.json
+
+
+# The official evaluation settings of the paper's code: GSM8K and MATH500 greedy, 256 tokens in blocks of 16
+# with 128 steps, the answer turn opened with "<reasoning>"; GenEval 4 images per prompt from 32 emerge steps
+# with CFG 3.5. Toy tasks keep the settings their checkpoint was trained with (generation.json).
+OFFICIAL = {"gsm8k": {"gen_length": 256, "block_length": 16, "steps": 128, "prompt_prefill": "<reasoning>",
+                      "samples": 0},
+            "geneval": {"image_steps": 32, "image_sampler": "emerge", "cfg_scale": 3.5, "samples": 4}}
+OFFICIAL["math"] = OFFICIAL["gsm8k"]
+
+
+def parse_options(argv=None) -> Options:
+    """Flags over the preset over the task's official settings over the checkpoint's generation.json."""
+    first = cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS)
+    saved = run.read_generation_settings(first.ckpt) if first.ckpt and not first.run else {}
+    saved.pop("tasks", None)
+    return cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS,
+                     defaults={**saved, **OFFICIAL.get(first.task, {})})
+
+
+def build_config(o: Options) -> train.Config:
+    """The train.Config that evaluates o.ckpt on o.task, checked like a training run's."""
+    if o.task not in TASKS:
+        raise ValueError(f"unknown task {o.task!r}; choose one of {', '.join(TASKS)}")
+    if not Path(o.ckpt).is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {o.ckpt} (pass a folder with config.json, "
                                 f"*.safetensors and tokenizer.json, e.g. out/toy/final)")
-    toy = args.task in episodes.TOY_TASKS
-    if toy == bool(args.data):
-        raise ValueError(f"task {args.task!r} " + ("draws its held-out prompts from --seed: drop --data" if toy
-                                                   else "reads its prompts from a local file: pass --data PATH"))
-    for name in ("limit", "samples"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name} ({getattr(args, name)}) must be >= 1")
-    # load_data keys on train_data, so the evaluation file is given as both (only "test" is scored).
-    implied = [f"--init_from={args.ckpt}", f"--tasks={args.task}"]
-    implied += [] if toy else [f"--train_data={args.task}={args.data}", f"--eval_data={args.task}={args.data}"]
-    implied += [f"--eval_samples={args.samples}"] if args.samples else []
-    implied += [f"--eval_prompts={args.limit}"] if args.limit else []
-    cfg = train.parse_args(overrides + implied)  # ours last: argparse keeps the last value of a flag
-    if cfg.temperature <= 0:  # episodes.evaluate then draws one completion per prompt: there is no pass@k
-        raise ValueError(f"temperature ({cfg.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
-    return cfg
+    toy = o.task in episodes.TOY_TASKS
+    if toy == bool(o.data):
+        raise ValueError(f"task {o.task!r} " + ("draws its held-out prompts from --seed: drop --data" if toy
+                                                else "reads its prompts from a local file: pass --data PATH"))
+    if o.limit < 0 or o.samples < -1:
+        raise ValueError(f"--limit ({o.limit}) must be >= 0 and --samples ({o.samples}) >= 0")
+    samples = o.eval_samples if o.samples == -1 else o.samples
+    if samples and o.temperature <= 0:  # episodes.evaluate then draws one completion per prompt: no pass@k
+        raise ValueError(f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
+    implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1)}
+    if not toy:  # load_data keys on train_data, so the evaluation file is given as both (only "test" is scored)
+        implied.update(train_data=f"{o.task}={o.data}", eval_data=f"{o.task}={o.data}")
+    if o.limit:
+        implied["eval_prompts"] = o.limit
+    cfg = replace(train.Config(**{f.name: getattr(o, f.name) for f in fields(train.Config)}), **implied)
+    train.validate(cfg)
+    return cfg, samples
 
 
-def score_checkpoint(cfg: train.Config, out: str | None = None, limit: int | None = None) -> tuple[dict, list]:
+def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: int = 1) -> tuple[dict, list]:
     """Greedy and sampled completions of cfg.init_from on the single task of cfg: (table row, records)."""
     task = cfg.tasks
-    device, dtype = train.setup(cfg)
+    device, dtype = run.setup(cfg)
     datasets = episodes.load_data(cfg)  # a missing or malformed file fails here, before the model loads
-    if task in datasets and limit is None:  # benchmarks: every row of the file unless --limit
+    if task in datasets and not limit:  # benchmarks: every row of the file unless --limit
         cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
-    model, tok, sp, _ = train.load_model(cfg, device, dtype)
+    model, tok, sp, _ = run.load_model(cfg, device, dtype, train.sft)
     n = len(episodes.eval_examples(task, cfg, datasets))
-    modes = [("sampled", cfg.temperature, cfg.eval_samples)]
+    modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
     if task not in episodes.IMAGE_TASKS:  # as episodes.evaluate_all: images have no greedy decoding
         modes.insert(0, ("greedy", 0.0, 1))
     records = []
@@ -141,33 +159,33 @@ def score_checkpoint(cfg: train.Config, out: str | None = None, limit: int | Non
 def check_run(run_dir: str) -> bool:
     """Re-score a train.py run with its own config.json: the model before RL (the SFT model, or init_from)
     and final/ after, through episodes.evaluate_all; print them beside summary.json. True if all agree."""
-    run = Path(run_dir)
+    out_dir = Path(run_dir)
     for f in ("config.json", "summary.json"):
-        if not (run / f).is_file():
-            raise FileNotFoundError(f"{run / f} not found; --run takes the out_dir of a finished train.py run")
-    raw = json.loads((run / "config.json").read_text())
+        if not (out_dir / f).is_file():
+            raise FileNotFoundError(f"{out_dir / f} not found; --run takes the out_dir of a finished train.py run")
+    raw = json.loads((out_dir / "config.json").read_text())
     unknown = sorted(set(raw) - {f.name for f in fields(train.Config)})
     if unknown:
-        raise ValueError(f"{run / 'config.json'} has fields unknown to train.Config: {unknown}; it was written by "
+        raise ValueError(f"{out_dir / 'config.json'} has fields unknown to train.Config: {unknown}; it was written by "
                          f"another version of train.py (check it out, or delete those fields)")
     cfg = train.Config(**raw)
     train.validate(cfg)
-    summary = json.loads((run / "summary.json").read_text())
-    device, dtype = train.setup(cfg)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    device, dtype = run.setup(cfg)
     datasets = episodes.load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     # As train.main: the RL start is the SFT model for scratch runs, else init_from. LoRA runs start from
     # init_from with zero adapters (the same outputs) and end as init_from + final/adapters.*, the exact
     # record of the trained policy (final/'s merged weights differ from it by rounding).
-    start = cfg.init_from if cfg.init_from != "scratch" else cfg.sft_dir or str(run / "sft")
+    start = cfg.init_from if cfg.init_from != "scratch" else cfg.sft_dir or str(out_dir / "sft")
     evals = {}
     for label in tqdm(("before", "after"), desc="checkpoints", leave=False):
-        ckpt = start if label == "before" or cfg.lora_rank else str(run / "final")
+        ckpt = start if label == "before" or cfg.lora_rank else str(out_dir / "final")
         if not Path(ckpt).is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {ckpt} (the run's {label}-RL model)")
-        model, tok, sp, _ = train.load_model(replace(cfg, init_from=ckpt), device, dtype)
+        model, tok, sp, _ = run.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
         if label == "after" and cfg.lora_rank:
-            lora.load_adapters(model, run / "final")
+            lora.load_adapters(model, out_dir / "final")
         evals[label] = episodes.evaluate_all(model.eval(), tok, sp, cfg, device, datasets, scorer)
     keys = [k for k in summary if k != "seconds"] + sorted(set(evals["before"]) - set(summary))
     rows, ok = [], True
@@ -176,31 +194,23 @@ def check_run(run_dir: str) -> bool:
         ok &= all(a is not None and b is not None and abs(a - b) <= 1e-6 for a, b in pair)
         rows.append([k, pair[0][0], pair[0][1], pair[1][0], pair[1][1]])
     print(table(["key", "summary before", "eval before", "summary after", "eval after"], rows))
-    print(f"{'all' if ok else 'NOT all'} {2 * len(keys)} numbers match {run / 'summary.json'} to 1e-6")
+    print(f"{'all' if ok else 'NOT all'} {2 * len(keys)} numbers match {out_dir / 'summary.json'} to 1e-6")
     return ok
 
 
 def main(argv=None) -> int:
     """Exit code: 0 done (and, with --run, every number matches), 1 a --run mismatch, 2 a user error."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                epilog="Any train.Config field may follow as --field=value, and --preset NAME.")
-    p.add_argument("--ckpt", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
-    p.add_argument("--task", help=f"one of {', '.join(TASKS)}")
-    p.add_argument("--data", help="local benchmark file in its public format (data.py); not for toy tasks")
-    p.add_argument("--limit", type=int, help="first N prompts (default: the whole file; toy: eval_prompts)")
-    p.add_argument("--samples", type=int, help="k, sampled completions per prompt (default: eval_samples)")
-    p.add_argument("--out", help="write one JSON line per completion here")
-    p.add_argument("--run", help="out_dir of a train.py run: re-score it and compare with its summary.json")
-    args, overrides = p.parse_known_args(argv)
     try:
-        if args.run:
-            given = [f"--{n}" for n in ("ckpt", "task", "data", "limit", "samples", "out") if getattr(args, n)]
-            if given or overrides:
-                raise ValueError(f"--run re-scores with the run's own config.json; drop {given + overrides}")
-            return 0 if check_run(args.run) else 1
-        if not (args.ckpt and args.task):
+        o = parse_options(argv)
+        if o.run:
+            extra = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--run")]
+            if [a for a in extra if a != o.run]:
+                raise ValueError(f"--run re-scores with the run's own config.json; drop {extra}")
+            return 0 if check_run(o.run) else 1
+        if not (o.ckpt and o.task):
             raise ValueError("pass --ckpt DIR --task TASK [--data PATH], or --run OUT_DIR")
-        score_checkpoint(build_config(args, overrides), args.out, args.limit)
+        cfg, samples = build_config(o)
+        score_checkpoint(cfg, o.out, o.limit, samples)
         return 0
     except (ValueError, OSError) as e:  # user errors (bad flag, missing file, scorer down): one line
         print(f"error: {e}", file=sys.stderr)

@@ -95,7 +95,7 @@ def print_budget(mc, *, seqs: int, seq_len: int, steps: int, lora_rank: int, num
 def dry_run(cfg) -> dict:
     """--dry_run: the model on the meta device (no memory), its parameter count, and budget's
     memory per GPU and FLOPs per RL step at the preset's batch sizes (print_budget prints the table)."""
-    from train import scratch_config  # train.py imports this module
+    from infra.run import scratch_config  # infra/run.py imports this module
     cfg_file = Path(cfg.init_from) / "config.json" if cfg.init_from not in ("", "scratch") else None
     if cfg_file is not None and cfg_file.is_file():
         mc = ModelConfig.from_hf(json.loads(cfg_file.read_text()))

@@ -102,7 +102,7 @@ def make_batch(task: str, examples: list, tok, sp, cfg, device, with_targets: bo
     if task == "text":
         pairs = [tasks.encode_text(tok, ex, cfg.gen_length) for ex in examples]
     else:  # a benchmark prompt in the LLaDA chat template, cut from the left like the official code
-        pairs = [(tok.encode(chat_prompt([{"role": "user", "content": ex["prompt"]}]),
+        pairs = [(tok.encode(chat_prompt([{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill,
                              add_special_tokens=False).ids[-cfg.max_prompt_len:], None) for ex in examples]
     P = max(len(p) for p, _ in pairs)
     rows, att = [], []

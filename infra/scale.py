@@ -82,6 +82,26 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def chunks(n: int, size: int) -> list[slice]:
+    """Row slices of at most `size` rows (all n rows when size is 0): the one way rollouts, scoring and
+    updates split a batch into device_batch_size forward passes."""
+    size = size or n
+    return [slice(s, s + size) for s in range(0, n, size)]
+
+
+def backward_sum(loss: torch.Tensor) -> None:
+    """Backpropagate this rank's share of a loss that is a *sum* over ranks. FSDP2 averages gradients over
+    the ranks; scaling by the world size turns that mean back into the sum, the single-process gradient."""
+    (loss * world()).backward()
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Clip the global gradient norm and return it as a float, the same on every rank (under FSDP2 the
+    norm is a DTensor over the ranks' shards; full_tensor() is its value)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
 def barrier() -> None:
     if world() > 1:
         dist.barrier()

@@ -1,0 +1,483 @@
+"""Everything a training run does besides the algorithm: settings checked at the boundary, device and
+dtype, the toy SFT cache and model loading, start-up checks, logs, checkpoints and resume, signals,
+non-finite guards and the final save. train.py calls it through a few names (validate, setup, load_model,
+startup_checks, Run) so that its own text is the method.
+
+A Run keeps the state a resumed run must continue from (step, the held-out rewards before RL, bad-step
+counters, RL seconds, the last good checkpoint), writes log.jsonl (one line per RL step; wall times go to
+times.jsonl so that a repeated run gives an identical log.jsonl), stops after max_bad_steps consecutive bad
+steps, and on SIGTERM/SIGINT writes a checkpoint and exits 128 + signal (checkpoint.py). Every rank makes
+the same decisions: flags are reduced over ranks before they are acted on.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+import grpo
+import importance
+import tasks
+from infra import budget, checkpoint, data, lora, scale
+from infra.episodes import (IMAGE_TASKS, TOY_TASKS, data_paths, generator, model_specials, show, task_list,
+                            write_pictures)
+from infra.scale import print0
+from model import ModelConfig, Transformer, load_tokenizer, num_params
+
+# -----------------------------------------------------------------------------------------------------
+# settings, device
+
+
+def validate(cfg) -> None:
+    """Refuse impossible settings before any heavy work, naming the value and a fix."""
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(msg)
+    need(cfg.gen_length % cfg.block_length == 0,
+         f"gen_length ({cfg.gen_length}) must be divisible by block_length ({cfg.block_length})")
+    blocks = cfg.gen_length // cfg.block_length
+    need(cfg.steps % blocks == 0 and cfg.steps >= blocks,
+         f"steps ({cfg.steps}) must be a positive multiple of the number of blocks ({blocks}); "
+         f"try --steps={blocks * max(1, cfg.steps // blocks)}")
+    need(cfg.group_size >= 2, f"group_size ({cfg.group_size}) must be >= 2: GRPO compares completions of a group")
+    need(cfg.num_iterations >= 1, f"num_iterations ({cfg.num_iterations}) must be >= 1")
+    for g in ("gamma_text", "gamma_image"):
+        need(0 <= getattr(cfg, g) < 1, f"{g} ({getattr(cfg, g)}) must be in [0, 1)")
+    need(cfg.clip_eps > 0, f"clip_eps ({cfg.clip_eps}) must be > 0 (paper: 0.2)")
+    need(cfg.beta >= 0, f"beta ({cfg.beta}) must be >= 0")
+    need(cfg.estimator in importance.ESTIMATORS, f"estimator ({cfg.estimator!r}) must be one of {importance.ESTIMATORS}")
+    need(cfg.text_reversing in importance.MODES, f"text_reversing ({cfg.text_reversing!r}) must be one of {importance.MODES}")
+    need(cfg.loss_norm in grpo.NORMS, f"loss_norm ({cfg.loss_norm!r}) must be one of {grpo.NORMS}")
+    need(cfg.image_sampler in ("emerge", "maskgit"), f"image_sampler ({cfg.image_sampler!r}) must be emerge or maskgit")
+    known = TOY_TASKS + data.TASKS
+    bad = [t for t in task_list(cfg) if t not in known]
+    need(not bad and cfg.tasks, f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")
+    real = [t for t in task_list(cfg) if t not in TOY_TASKS]
+    need(not real or cfg.dry_run or cfg.init_from not in ("", "scratch"),
+         f"tasks {real} need a pretrained model: pass --init_from=DIR (a LLaDA/MMaDA checkpoint directory)")
+    need(cfg.init_from != "" or cfg.dry_run, "init_from is empty: pass --init_from=DIR, the local checkpoint")
+    train_files = data_paths(cfg.train_data, "train_data")
+    for t in real:
+        need(t in train_files or cfg.dry_run, f"task {t!r} needs its training file: --train_data={t}=PATH")
+    for field_name, paths in (("train_data", train_files), ("eval_data", data_paths(cfg.eval_data, "eval_data"))):
+        extra = [t for t in paths if t not in real]
+        need(not extra, f"{field_name} names {extra}, which are not among the RL tasks {task_list(cfg)}")
+    need("geneval" not in real or cfg.image_scorer_url or cfg.dry_run,
+         "task geneval needs a reward model: --image_scorer_url=http://HOST:PORT (scorer.RemoteScorer; "
+         "`python -m infra.scorer --stub` serves a stand-in)")
+    need(cfg.lora_rank >= 0, f"lora_rank ({cfg.lora_rank}) must be >= 0 (0 = full fine-tuning)")
+    need(cfg.lora_rank == 0 or (cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1),
+         f"lora_alpha ({cfg.lora_alpha}) must be > 0 and lora_dropout ({cfg.lora_dropout}) in [0, 1)")
+    need(cfg.lora_rank == 0 or cfg.init_from != "scratch",
+         "lora_rank > 0 with init_from=scratch: the toy model is trained from scratch by SFT, so there is no "
+         "pretrained base to adapt; pass --init_from=DIR (for instance a toy run's out_dir/final)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # validated before the process group exists
+    need(cfg.prompts_per_step % world == 0,
+         f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by the world size ({world}): groups are "
+         f"never split across ranks; try --prompts_per_step={world * max(1, cfg.prompts_per_step // world)}")
+    for k in ("eval_samples", "dry_run_gpus"):
+        need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1")
+    for k in ("threads", "sample_every", "vocab_size", "weight_decay"):
+        need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0")
+    need(cfg.lr > 0, f"lr ({cfg.lr}) must be > 0 (paper: 3e-6 at 8B; the toy uses 1e-4)")
+    need(cfg.grad_clip > 0, f"grad_clip ({cfg.grad_clip}) must be > 0: 0 would zero every gradient (paper: 0.2)")
+    need(cfg.cfg_scale >= 0, f"cfg_scale ({cfg.cfg_scale}) must be >= 0 (0 = no guidance; MaskGRPO uses 3.0)")
+    need(0 <= cfg.p_mask_prompt <= 1, f"p_mask_prompt ({cfg.p_mask_prompt}) must be in [0, 1] (d1 uses 0.15)")
+    images_only = all(t in IMAGE_TASKS for t in task_list(cfg))
+    need(not (images_only and (cfg.kv_cache != "none" or cfg.threshold)),
+         f"kv_cache / threshold apply to text rollouts, but tasks ({cfg.tasks!r}) has no text task; drop them")
+    need(not cfg.image_scorer_url or "geneval" in task_list(cfg),
+         f"image_scorer_url is set but no task uses it (tasks {cfg.tasks!r}); add geneval or drop the flag")
+    for k in ("checkpoint_every", "keep_last"):
+        need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0 (0 = {'never' if k == 'checkpoint_every' else 'keep all'})")
+    need(cfg.max_bad_steps >= 1, f"max_bad_steps ({cfg.max_bad_steps}) must be >= 1")
+    need(cfg.max_prompt_len >= 8, f"max_prompt_len ({cfg.max_prompt_len}) must be >= 8")
+    need(cfg.image_width >= 1 and cfg.image_text_len >= 0, "image_width must be >= 1 and image_text_len >= 0")
+    need(cfg.temperature >= 0, f"temperature ({cfg.temperature}) must be >= 0")
+    need(cfg.kv_cache in ("none", "prefix", "dual"), f"kv_cache ({cfg.kv_cache!r}) must be none, prefix or dual")
+    need(0 <= cfg.threshold < 1, f"threshold ({cfg.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
+    need(cfg.dtype in ("auto", "float32", "bfloat16"),
+         f"dtype ({cfg.dtype!r}) must be auto, float32 or bfloat16 (float16 needs a grad scaler, which this code omits)")
+    for k in ("sft_steps", "rl_steps", "eval_prompts", "device_batch_size"):
+        need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0")
+    for k in ("prompts_per_step", "sft_batch_size", "image_steps"):
+        need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1")
+
+
+
+def setup(cfg) -> tuple[torch.device, torch.dtype]:
+    """Pick device and compute dtype once (joining torchrun's process group if there is one), and say why."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device ({cfg.device!r}) asks for CUDA, but torch sees no GPU; use --device=cpu")
+    device = scale.init(cfg.device)
+    if cfg.dtype == "auto":
+        # bf16 on GPUs that support it (the released LLaDA weights are bf16); float32 on CPU, where bf16
+        # matmuls are slow and the toy model is small.
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        dtype = torch.bfloat16 if bf16 else torch.float32
+    else:
+        dtype = getattr(torch, cfg.dtype)
+    print0(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, torch threads {torch.get_num_threads()}, "
+           f"world size {scale.world()}")
+    return device, dtype
+
+
+
+class BadStep(Exception):
+    """Rewards that are not finite numbers in [0, 1]: the RL step is skipped (rl_step's caller counts it)."""
+
+
+class TrainingStopped(RuntimeError):
+    """Too many consecutive bad steps: the run stops with a message naming the last good checkpoint."""
+
+
+
+def reduce_stats(stats: dict, device) -> dict:
+    """Combine policy_backward's statistics over ranks (the same keys on every rank): maxima by max,
+    share-weighted means and counts by sum."""
+    keys = sorted(stats)
+    t = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
+    is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
+    maxed = scale.all_max(torch.where(is_max, t, -math.inf))
+    summed = scale.all_sum(torch.where(is_max, 0.0, t))
+    return dict(zip(keys, torch.where(is_max, maxed, summed).tolist()))
+
+
+
+def log_line(log: dict, total: int) -> str:
+    parts = [f"step {log['step'] + 1}/{total}"]
+    for t in sorted({k.split("/")[0] for k in log if k.endswith("/reward")}):
+        if f"{t}/reward" in log:
+            parts.append(f"{t} reward {log[f'{t}/reward']:.3f} loss {log[f'{t}/loss']:+.4f} "
+                         f"clip {log[f'{t}/clipfrac']:.3f} kl {log[f'{t}/kl']:.4f}")
+    parts.append(f"{log['seconds']:.1f}s")
+    return " | ".join(parts)
+
+
+
+def scratch_config(cfg, **vocab) -> ModelConfig:
+    """The model shape given by the Config's d_model / n_layers / n_heads / mlp_hidden_size fields, with
+    the vocabulary fields passed in (the toy tokenizer's, or --vocab_size for --dry_run)."""
+    return ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
+                       mlp_hidden_size=cfg.mlp_hidden_size, **vocab)
+
+
+SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_noise", "image_noise", "image_width",
+            "text_max_steps", "image_loss_weight",
+            "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
+
+
+def load_or_train_sft(cfg, tok, sp, device, dtype, sft) -> tuple[Transformer, float]:
+    """The toy SFT model, from out_dir/sft when it was trained with the same settings, else trained now
+    by `sft(model, tok, sp, cfg, device) -> seconds` (by rank 0 alone under torchrun; the other ranks wait,
+    then read the same files)."""
+    sft_dir = Path(cfg.sft_dir or Path(cfg.out_dir) / "sft")
+    # tasks.py's source is part of the key: a change to the toy data invalidates the cached model.
+    tasks_hash = hashlib.sha1(Path(tasks.__file__).read_bytes()).hexdigest()
+    meta = {k: getattr(cfg, k) for k in SFT_KEYS} | {"tasks_sha1": tasks_hash}
+    meta_file = sft_dir / "sft_meta.json"
+    cached = lambda: meta_file.is_file() and json.loads(meta_file.read_text()) == meta
+    if not cached() and scale.rank() == 0:
+        meta_file.unlink(missing_ok=True)  # the old key must not vouch for half-overwritten weights
+        mc = scratch_config(cfg, **tasks.model_config_overrides(tok))
+        model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
+        print(f"SFT from scratch: {num_params(model) / 1e6:.2f}M parameters, {cfg.sft_steps} steps")
+        seconds = sft(model, tok, sp, cfg, device)
+        model.save_pretrained(sft_dir)
+        tok.save(str(sft_dir / "tokenizer.json"))
+        (sft_dir / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
+        meta_file.write_text(json.dumps(meta, indent=2))  # written last: its presence means "complete"
+    scale.barrier()
+    print0(f"loading the SFT model from {sft_dir} (delete it to retrain)")
+    model = Transformer.from_pretrained(sft_dir, device=device, dtype=dtype)
+    return model, json.loads((sft_dir / "sft_seconds.json").read_text())["seconds"]
+
+
+def load_model(cfg, device, dtype, sft):
+    """(model, tokenizer, special ids, SFT seconds): the toy SFT model, or a pretrained checkpoint."""
+    toy = all(t in TOY_TASKS for t in task_list(cfg))
+    if cfg.init_from == "scratch":
+        tok = tasks.build_tokenizer()
+        sp = tasks.specials(tok)
+        model, seconds = load_or_train_sft(cfg, tok, sp, device, dtype, sft)
+        return model, tok, sp, seconds
+    model = Transformer.from_pretrained(cfg.init_from, device=device, dtype=dtype)
+    tok = load_tokenizer(cfg.init_from, model.config)
+    # Toy tasks on a toy checkpoint (e.g. a LoRA run from a toy run's final/) read its ids by name.
+    sp = tasks.specials(tok) if toy else model_specials(tok, model.config)
+    return model, tok, sp, 0.0
+
+
+def load_policy(cfg, device, dtype, sft):
+    """(policy, reference, tokenizer, special ids, SFT seconds), sharded under torchrun and ready to train.
+
+    Full fine-tuning keeps float32 master weights: AdamW's steps at lr 3e-6 are far below bf16's spacing
+    near LLaDA's weights and would round away (lora.py says the same of adapters). Under torchrun FSDP2
+    computes in `dtype` from them; one process computes in float32 (use LoRA or torchrun for bf16).
+    The reference policy is the starting model: with LoRA, the policy with its adapters switched off
+    (reference None); otherwise a frozen copy, built only when the KL term needs it (beta > 0)."""
+    master = torch.float32 if cfg.lora_rank == 0 else dtype
+    if master != dtype:
+        print0(f"full fine-tuning: float32 master weights, {'bf16 compute (FSDP2)' if scale.world() > 1 else 'float32 compute'}")
+    model, tok, sp, sft_seconds = load_model(cfg, device, master, sft)
+    ref = None
+    if cfg.lora_rank:
+        lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, generator=generator("cpu", cfg.seed, "lora"))
+        print0("LoRA: {modules} modules, {lora_params:,} trainable of {total_params:,} parameters".format(
+            **lora.lora_stats(model)))
+    elif cfg.beta > 0:
+        ref = scale.shard(copy.deepcopy(model).eval().requires_grad_(False), compute_dtype=dtype)
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    return scale.shard(model, compute_dtype=dtype), ref, tok, sp, sft_seconds
+
+
+def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
+    """The trained policy in the Hugging Face LLaDA layout (with tokenizer.json), weights in `dtype` (the
+    compute dtype: bf16 for LLaDA, whatever the master weights were). With LoRA: the adapters
+    (path/adapters.safetensors + adapters.json, the exact record) and the merged full checkpoint beside
+    them. A collective under FSDP2: every rank calls it; rank 0 writes."""
+    state = scale.full_state_dict(model)
+    if scale.rank() != 0:
+        return
+    if cfg.lora_rank:
+        # An unsharded copy on CPU to merge into (16 GB for LLaDA-8B in bf16, on rank 0 only).
+        dtype = next(v for k, v in state.items() if k.endswith(".weight")).dtype
+        with torch.device("meta"):
+            plain = Transformer(model.config)
+        plain = plain.to(dtype).to_empty(device="cpu")
+        lora.add_lora(plain, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
+        plain.load_state_dict(state)
+        lora.save_adapters(plain, path)
+        lora.merge_lora(plain).save_pretrained(path)
+    else:
+        model.save_pretrained(path, state_dict={k: v.to(dtype) for k, v in state.items()})
+    tok.save(str(path / "tokenizer.json"))
+    (path / GENERATION_FILE).write_text(json.dumps(generation_settings(cfg), indent=2) + "\n")
+
+
+# A checkpoint carries the settings it was trained to generate with, so that sample.py and evaluate.py
+# decode it as it was trained (each flag still overrides them).
+GENERATION_FILE = "generation.json"
+GENERATION_KEYS = ("tasks", "gen_length", "block_length", "steps", "temperature", "image_steps", "image_sampler",
+                   "cfg_scale", "image_width", "image_text_len", "max_prompt_len", "prompt_prefill")
+
+
+def generation_settings(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in GENERATION_KEYS}
+
+
+def read_generation_settings(path) -> dict:
+    """The generation settings saved beside a checkpoint ({} for one written elsewhere, e.g. LLaDA's own)."""
+    f = Path(path) / GENERATION_FILE
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def keep_steps_before(path: Path, start: int) -> Path:
+    """Rewrite a jsonl log to its lines with step < start (all of it is dropped when start is 0), atomically
+    (temporary file, then rename), skipping a line cut short by a crash; returns path for appending."""
+    kept = []
+    if start and path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] < start:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(l + "\n" for l in kept))
+    os.replace(tmp, path)
+    return path
+
+
+# Fields that may change between a run and its resumption; any other difference is refused.
+# lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
+RESUMABLE = ("resume", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
+             "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip")
+
+
+def reference_identity(cfg) -> dict:
+    """What the reference policy (and the starting point) is: the SFT cache key or the init_from
+    checkpoint's config and index, so a resumed run cannot silently change its KL anchor."""
+    if cfg.init_from == "scratch":
+        meta = Path(cfg.sft_dir or Path(cfg.out_dir) / "sft") / "sft_meta.json"
+        return {"sft_meta": json.loads(meta.read_text()) if meta.is_file() else None}
+    root = Path(cfg.init_from)
+    digest = hashlib.sha1()
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (root / name).is_file():
+            digest.update((root / name).read_bytes())
+    # Hashing 16 GB of weights would take minutes; their names, sizes and modification times catch a
+    # replaced checkpoint in practice.
+    for f in sorted(root.glob("*.safetensors")):
+        st = f.stat()
+        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return {"init_from": str(root.resolve()), "sha1": digest.hexdigest()}
+
+
+def startup_checks(cfg, device) -> None:
+    """On every rank, and agreed: if one rank fails (a node-local disk, say), all stop here together.
+    Then rank 0 writes out_dir/config.json."""
+    out = Path(cfg.out_dir)
+    error = None
+    try:
+        _check_out_dir(cfg, out)
+    except (ValueError, OSError) as e:
+        error = e
+    if scale.all_max(torch.tensor([int(error is not None)], device=device)).item():
+        raise error or ValueError("another rank failed its start-up checks (its message is above)")
+    if scale.rank() == 0:
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    scale.barrier()
+    print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
+
+
+def _check_out_dir(cfg, out: Path) -> None:
+    """Before any heavy work: out_dir writable with room for a checkpoint, sequence lengths that fit the
+    model, and no stale checkpoints that a fresh run would silently mix with."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"out_dir {out} is not writable ({e.strerror}); pass --out_dir=a writable directory") from None
+    mc = None
+    if cfg.init_from != "scratch":
+        cfg_file = Path(cfg.init_from) / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file} not found: --init_from must be a LLaDA/MMaDA checkpoint directory")
+        mc = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+        image = any(t in IMAGE_TASKS for t in task_list(cfg))
+        need = (cfg.image_text_len or 64) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
+        if need > mc.max_sequence_length:
+            raise ValueError(f"sequences of up to {need} tokens exceed the model's max_sequence_length "
+                             f"({mc.max_sequence_length}); lower --max_prompt_len / --gen_length (or image sizes)")
+    if cfg.checkpoint_every:
+        budget.check_disk(cfg, out, mc or scratch_config(cfg, vocab_size=128))
+    last = checkpoint.latest(out)
+    if last is not None and not cfg.resume:
+        raise ValueError(f"out_dir {out} already holds checkpoints (latest {last.name}): pass "
+                         "--resume=true to continue that run, or choose another --out_dir")
+    if last is not None:  # before anything is loaded or config.json is overwritten
+        state = json.loads((last / "state.json").read_text())
+        checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), RESUMABLE)
+
+
+
+
+# -----------------------------------------------------------------------------------------------------
+# the run: logs, checkpoints, resume, signals, bad steps
+
+
+class Run:
+    """The bookkeeping around train.py's loop, used as `with Run(cfg, model, opt, device) as run:`.
+    Construction resumes from the latest complete checkpoint when --resume is set (run.start is the first
+    step to take, run.state["before"] the held-out rewards measured before RL); inside the block SIGTERM and
+    SIGINT only set a flag; `record` is called once per RL step with that step's log; `finish` writes the
+    model, summary.json and the pictures."""
+
+    def __init__(self, cfg, model, opt, device):
+        self.cfg, self.model, self.opt, self.device = cfg, model, opt, device
+        self.out = Path(cfg.out_dir)
+        self.identity = reference_identity(cfg)
+        # What a resumed run must continue from (startup_checks has refused incompatible settings already).
+        self.state = {"step": 0, "before": None, "bad_steps": 0, "bad_run": 0, "rl_seconds": 0.0,
+                      "last_good": None, "grid_before": None}
+        last = checkpoint.latest(self.out) if cfg.resume else None
+        if last is not None:
+            self.state.update(checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0))
+            for group in opt.param_groups:  # the saved optimizer carries the old lr; --lr may change on resume
+                group["lr"] = cfg.lr
+            print0(f"resumed from {last} at step {self.state['step']}")
+        elif cfg.resume:
+            print0(f"--resume: no complete checkpoint in {self.out / checkpoint.DIRNAME}; starting from step 0")
+        self.start = self.state["step"]
+        self.t0 = time.time()
+        self.logf = self.timef = None
+        if scale.rank() == 0:
+            # The logs keep the steps before `start` (a resumed run rewrites what came later).
+            self.logf, self.timef = (open(keep_steps_before(self.out / name, self.start), "a")
+                                     for name in ("log.jsonl", "times.jsonl"))
+        self._stop = checkpoint.graceful_stop()
+
+    def __enter__(self):
+        self.signal = self._stop.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.rl_end = self.rl_seconds()
+        self._stop.__exit__(*exc)
+        for f in (self.logf, self.timef):
+            if f:
+                f.close()
+
+    def rl_seconds(self) -> float:
+        return self.state["rl_seconds"] + time.time() - self.t0  # over every segment of a resumed run
+
+    def record(self, step: int, log: dict, rolls: list, tok, sp) -> None:
+        """Count bad steps, write the logs, show samples, checkpoint on cadence or on a signal."""
+        cfg, state = self.cfg, self.state
+        bad = "bad_reward" in log or log.get("skipped_updates", 0) > 0
+        if "bad_reward" in log:
+            print0(f"warning: step {step + 1} skipped: {log['bad_reward']}")
+        else:
+            print0(log_line(log, cfg.rl_steps))
+        state["bad_run"] = state["bad_run"] + 1 if bad else 0
+        state["bad_steps"] += bad
+        log["bad_steps"] = state["bad_steps"]
+        times = {k: log.pop(k) for k in ("seconds", "rollout_s") if k in log}
+        if self.logf:
+            self.logf.write(json.dumps(log) + "\n")
+            self.logf.flush()
+            self.timef.write(json.dumps({"step": step, **times}) + "\n")
+            self.timef.flush()
+        if state["bad_run"] >= cfg.max_bad_steps:
+            raise TrainingStopped(
+                f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the "
+                f"warnings above), stopping at step {step + 1}. Last good checkpoint: "
+                f"{state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or "
+                "--grad_clip, the reward function or scorer) and continue from it with --resume=true "
+                "(delete the newer checkpoints first)")
+        if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
+            for r in rolls:
+                show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, sp)
+        # Every rank must stop at the same step: the flag is reduced over ranks.
+        stopping = scale.all_max(torch.tensor([self.signal["signal"]], device=self.device)).item()
+        if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or stopping:
+            print0(f"checkpoint {self._save_checkpoint(step + 1)}")
+        if stopping:
+            print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step + 1}; continue with the "
+                   "same command and --resume=true")
+            raise SystemExit(128 + int(stopping))
+
+    def _save_checkpoint(self, step: int) -> Path:
+        saved = {**self.state, "step": step, "config": asdict(self.cfg), "reference": self.identity,
+                 "world_size": scale.world(), "rl_seconds": self.rl_seconds()}
+        path = checkpoint.save(self.out, step, self.model, self.opt, saved, keep_last=self.cfg.keep_last,
+                               trainable_only=self.cfg.lora_rank > 0, protect=self.state["last_good"])
+        if self.state["bad_run"] == 0:  # written after a good step: where to go back to if things go wrong
+            self.state["last_good"] = str(path)
+        return path
+
+    def finish(self, after: dict, grid_after, tok, dtype, sft_seconds: float) -> dict:
+        """Write out_dir/final (the policy, with tokenizer.json and generation.json), summary.json (held-out
+        mean reward before/after RL per task, and seconds) and the pictures; returns the summary."""
+        before = self.state["before"]
+        save_model(self.model, self.cfg, self.out / "final", tok, dtype)
+        summary = {k: {"before": before[k], "after": after[k]} for k in before}
+        summary["seconds"] = {"sft": sft_seconds, "rl": self.rl_end}
+        if scale.rank() == 0:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_pictures(self.cfg, self.out, [("before RL", self.state["grid_before"]), ("after RL", grid_after)])
+        print0(f"wrote {self.out / 'final'} and {self.out / 'summary.json'}")
+        return summary
