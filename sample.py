@@ -20,8 +20,8 @@ B*L*V numbers per step). The global RNG is never used; a stochastic call without
 Shapes: B batch, P prompt length, N gen_length, L sequence length (P + N for text), V vocabulary,
 n image slots, C codebook size.
 """
-import argparse
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -534,71 +534,90 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
 # command line
 
 
-def main(argv=None):
-    from model import Transformer, chat_prompt, load_tokenizer
+@dataclass
+class Options:
+    """python sample.py --ckpt DIR --prompt TEXT [--image] [--field=value ...]. A checkpoint written by
+    train.py carries its generation settings (generation.json), used unless a flag overrides them; the
+    rest default to LLaDA's own (64 tokens in blocks of 16, 64 steps, greedy)."""
+    ckpt: str = ""              # directory with config.json, *.safetensors, tokenizer.json
+    prompt: str = ""
+    image: bool = False         # text-to-image (toy checkpoints of train.py): fill the image slots
+    gen_length: int = 64
+    block_length: int = 16
+    steps: int = 64
+    temperature: float = 0.0
+    seed: int = 0               # seeds the sampling generator (temperature > 0, images)
+    prompt_format: str = "auto"  # auto (as train.py trained the checkpoint, else raw) | toy | chat | raw
+    prompt_prefill: str = ""    # text that opens the assistant turn (chat format)
+    kv_cache: str = "none"      # none (exact) | prefix | dual: Fast-dLLM block KV cache (approximate)
+    threshold: float = 0.0      # > 0: also commit every masked token more confident than this
+    image_steps: int = 12
+    image_sampler: str = "emerge"
+    cfg_scale: float = 0.0      # classifier-free guidance weight (images)
+    image_width: int = 4        # images are image_width x image_width tokens
+    image_text_len: int = 0     # caption part of the t2i prompt (0: the longest toy caption)
 
-    p = argparse.ArgumentParser(description="Sample a completion (or, with --image, an image) from a "
-                                            "LLaDA/MMaDA-style checkpoint.")
-    p.add_argument("--ckpt", required=True, help="directory with config.json, *.safetensors, tokenizer.json")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--gen_length", type=int, default=64)
-    p.add_argument("--block_length", type=int, default=16)
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (temperature > 0)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the LLaDA-Instruct chat template")
-    p.add_argument("--kv_cache", choices=["prefix", "dual"], default=None,
-                   help="Fast-dLLM block KV cache (approximate; default: the exact sampler)")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="also commit every masked token more confident than this (Fast-dLLM uses 0.9)")
-    p.add_argument("--image", action="store_true", help="text-to-image: fill image slots with the emerge "
-                                                         "sampler (toy checkpoints of train.py)")
-    p.add_argument("--cfg_scale", type=float, default=0.0, help="classifier-free guidance weight (--image)")
-    p.add_argument("--image_tokens", type=int, default=16, help="image slots, a square number (--image)")
-    args = p.parse_args(argv)
+
+def main(argv=None):
+    from infra import cli
+    from infra.run import read_generation_settings
+    from model import Transformer, chat_prompt, load_tokenizer
+    import tasks
+
+    first = cli.parse(Options, argv, description="Sample from a LLaDA/MMaDA-style checkpoint.")
+    saved = read_generation_settings(first.ckpt) if first.ckpt else {}
+    toy = any(t in ("text", "image") for t in saved.pop("tasks", "").split(","))
+    known = {k: v for k, v in saved.items() if k in Options.__dataclass_fields__ and k != "temperature"}
+    o = cli.parse(Options, argv, description="Sample from a LLaDA/MMaDA-style checkpoint.", defaults=known)
+    if not (o.ckpt and o.prompt):
+        raise SystemExit("error: pass --ckpt DIR --prompt TEXT")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    model = Transformer.from_pretrained(args.ckpt, device=device, dtype=dtype)
-    tok = load_tokenizer(args.ckpt, model.config)
-    gen = torch.Generator(device).manual_seed(args.seed)
-    if args.image:
-        return _sample_image(model, tok, args, gen, device)
-    text = chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    # No special-token insertion: the chat template already holds BOS (llada-format.md §5).
-    prompt = torch.tensor([tok.encode(text, add_special_tokens=False).ids], device=device)  # (1, P)
-    out = generate(model, prompt, gen_length=args.gen_length, block_length=args.block_length,
-                   steps=args.steps, temperature=args.temperature, mask_id=model.config.mask_token_id,
-                   generator=gen, kv_cache=args.kv_cache, threshold=args.threshold, progress=True)
+    model = Transformer.from_pretrained(o.ckpt, device=device, dtype=dtype)
+    tok = load_tokenizer(o.ckpt, model.config)
+    gen = torch.Generator(device).manual_seed(o.seed)
+    if o.image:
+        return _sample_image(model, tok, o, gen, device)
+    # auto: as the checkpoint was trained (toy tasks, or chat for benchmarks); raw for any other checkpoint.
+    fmt = o.prompt_format if o.prompt_format != "auto" else "raw" if not saved else "toy" if toy else "chat"
+    if fmt == "toy":  # as train.py's toy text task: BOS + question (tasks.encode_text)
+        ids = [tasks.specials(tok).bos] + tok.encode(o.prompt, add_special_tokens=False).ids
+    elif fmt in ("chat", "raw"):  # the chat template already holds BOS
+        text = chat_prompt([{"role": "user", "content": o.prompt}]) + o.prompt_prefill if fmt == "chat" else o.prompt
+        ids = tok.encode(text, add_special_tokens=False).ids
+    else:
+        raise SystemExit(f"error: prompt_format ({o.prompt_format!r}) must be auto, toy, chat or raw")
+    prompt = torch.tensor([ids], device=device)                                          # (1, P)
+    out = generate(model, prompt, gen_length=o.gen_length, block_length=o.block_length, steps=o.steps,
+                   temperature=o.temperature, mask_id=model.config.mask_token_id, generator=gen,
+                   kv_cache=None if o.kv_cache == "none" else o.kv_cache, threshold=o.threshold or None,
+                   progress=True)
     completion = tok.decode(out[0, prompt.shape[1]:].tolist(), skip_special_tokens=True)
     print(completion)
     return completion
 
 
-def _sample_image(model, tok, args, gen, device):
-    # The toy's MMaDA-style t2i layout and grid rendering live in tasks.py; a square grid of codes.
-    import math
-
+def _sample_image(model, tok, o, gen, device):
+    # The toy's MMaDA-style t2i layout and grid rendering live in tasks.py.
     import tasks
 
     cfg = model.config
     if cfg.image_token_offset is None:
-        raise ValueError(f"{args.ckpt} has no image tokens (image_token_offset is unset in config.json); "
+        raise SystemExit(f"error: {o.ckpt} has no image tokens (image_token_offset is unset in config.json); "
                          "--image needs a multimodal checkpoint such as train.py's toy output")
-    n = args.image_tokens
-    if math.isqrt(n) ** 2 != n:
-        raise ValueError(f"--image_tokens ({n}) must be a square number: the toy images are square grids")
-    text_len = tasks.image_text_len(tok)
-    ids, start, att = tasks.encode_image_prompt(tok, args.prompt, text_len, n)
+    n = o.image_width ** 2
+    text_len = o.image_text_len or tasks.image_text_len(tok)
+    ids, start, att = tasks.encode_image_prompt(tok, o.prompt, text_len, n)
     uids, _, uatt = tasks.encode_image_prompt(tok, "", text_len, n)
     def t(v):
-        return torch.tensor([v], device=device)  # (1, L)
-    out = generate_image(model, t(ids), image_start=start, num_tokens=n, steps=args.steps,
-                         cfg_scale=args.cfg_scale, uncond_input_ids=t(uids), generator=gen,
+        return torch.tensor([v], device=device)                                        # (1, L)
+    out = generate_image(model, t(ids), image_start=start, num_tokens=n, steps=o.image_steps,
+                         sampler=o.image_sampler, cfg_scale=o.cfg_scale, uncond_input_ids=t(uids), generator=gen,
                          attention_mask=t(att), uncond_attention_mask=t(uatt),
                          code_offset=cfg.image_token_offset, codebook_size=cfg.codebook_size,
                          mask_id=cfg.mask_token_id, progress=True)
     codes = [c - cfg.image_token_offset for c in out[0, start:start + n].tolist()]
-    print(tasks.render_image(codes, math.isqrt(n)))
+    print(tasks.render_image(codes, o.image_width))
     return codes
 
 

@@ -27,11 +27,12 @@ def parser(cls, description: str, presets: dict | None = None) -> argparse.Argum
         p.add_argument("--preset", default=next(iter(presets)), help=f"one of {', '.join(presets)}")
     types = {"int": int, "float": float, "str": str, "bool": parse_bool}
     for f in fields(cls):
+        kind = f.type if isinstance(f.type, str) else f.type.__name__  # with or without postponed annotations
         default = "required" if f.default is MISSING else f"default {f.default!r}"
-        if f.type == "bool":  # bare --flag means true
+        if kind == "bool":  # bare --flag means true
             p.add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, default=None, help=default)
         else:
-            p.add_argument(f"--{f.name}", type=types[f.type], default=None, help=default)
+            p.add_argument(f"--{f.name}", type=types[kind], default=None, help=default)
     return p
 
 

@@ -34,10 +34,11 @@ def test_smoke_run(tmp_path):
     tok = load_tokenizer(out / "final", model.config)
     assert tok.get_vocab_size() == tasks.build_tokenizer().get_vocab_size()
     # The sampling CLI reads the written checkpoint, for a text and an image prompt.
-    text = sample.main(["--ckpt", str(out / "final"), "--prompt", "bob has 3 pens . how many pens does he have ?",
-                        "--gen_length", "12", "--block_length", "12", "--steps", "12"])
-    assert isinstance(text, str)
-    codes = sample.main(["--ckpt", str(out / "final"), "--prompt", "two red blocks", "--image", "--steps", "4"])
+    # With no generation flags it decodes as the run was trained (generation.json: 12 tokens, toy prompt).
+    assert json.loads((out / "final" / "generation.json").read_text())["gen_length"] == 12
+    text = sample.main(["--ckpt", str(out / "final"), "--prompt", "bob has 3 pens . how many pens does he have ?"])
+    assert isinstance(text, str) and len(tok.encode(text, add_special_tokens=False).ids) <= 12
+    codes = sample.main(["--ckpt", str(out / "final"), "--prompt", "two red blocks", "--image", "--image_steps", "4"])
     assert len(codes) == 16 and all(0 <= c < tasks.CODEBOOK_SIZE for c in codes)
     # Re-run the same RL config from the cached SFT model: the SFT stage is skipped, and the result is
     # deterministic, so the final weights give the same logits as the first run's.

@@ -1,0 +1,61 @@
+"""infra/cli.py, the one flag style of train.py, sample.py and evaluate.py: dataclass fields as flags, in
+either `--field=value` or `--field value` form, booleans also bare; presets under flags; errors in one line.
+
+    python -m pytest tests/test_cli.py -q
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+import train
+from infra import cli
+
+
+@dataclass
+class Opts:
+    name: str = "a"
+    n: int = 1
+    x: float = 0.5
+    flag: bool = False
+
+
+PRESETS = {"base": {}, "big": {"n": 10, "flag": True}}
+
+
+@pytest.mark.parametrize("argv,expect", [
+    ([], Opts()),
+    (["--flag"], Opts(flag=True)),                         # bare boolean
+    (["--flag=false"], Opts(flag=False)),
+    (["--flag", "true", "--n", "3"], Opts(flag=True, n=3)),  # space-separated values
+    (["--n=3", "--x=1"], Opts(n=3, x=1.0)),                 # an int typed for a float field is fine
+    (["--preset=big"], Opts(n=10, flag=True)),
+    (["--preset", "big", "--n=2", "--flag=no"], Opts(n=2, flag=False)),  # flags beat the preset
+])
+def test_parse(argv, expect):
+    assert cli.parse(Opts, argv, presets=PRESETS) == expect
+
+
+def test_defaults_sit_under_preset_and_flags():
+    assert cli.parse(Opts, [], defaults={"n": 7}) == Opts(n=7)
+    assert cli.parse(Opts, ["--n=8"], defaults={"n": 7}) == Opts(n=8)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--nope=1"], r"unknown argument\(s\) \['--nope=1'\]"),
+    (["--n=two"], r"--n.*'two'"),
+    (["--flag=maybe"], r"expected true or false, got 'maybe'"),
+    (["--preset=huge"], r"unknown preset 'huge'"),
+])
+def test_errors_are_value_errors(argv, match):
+    with pytest.raises(ValueError, match=match):
+        cli.parse(Opts, argv, presets=PRESETS)
+
+
+def test_train_boolean_flags_work_bare():
+    """--dry_run and --resume work bare, as people type them."""
+    assert train.parse_args(["--preset=llada8b", "--dry_run"]).dry_run is True
+    assert train.parse_args(["--resume"]).resume is True
+    assert train.parse_args(["--resume=true"]).resume is True
+    assert train.parse_args(["--resume", "false"]).resume is False

@@ -1,0 +1,56 @@
+"""The 8B presets against the official MaskGRPO settings, value by value, with the source of each.
+
+Sources (github.com/martian422/MaskGRPO): configs/rl.yaml (shared optimisation settings),
+scripts/train/t2t_grpo_train.sh (text: LLaDA-8B-Instruct) and scripts/train/t2i_grpo_train.sh (images:
+MMaDA-8B). Their max_steps / save_steps count optimizer steps; a rollout batch here gives num_iterations
+(mu) optimizer steps, as in the official trainer, which draws a new batch every mu steps.
+
+    python -m pytest tests/test_presets.py -q
+"""
+import train
+
+OFFICIAL_MAX_STEPS = 8000    # configs/rl.yaml: max_steps
+OFFICIAL_SAVE_STEPS = 500    # configs/rl.yaml: save_steps
+
+
+def cfg(name):
+    return train.Config(**train.PRESETS[name])
+
+
+def test_shared_optimisation_settings():
+    for name in ("llada8b", "mmada8b"):
+        c = cfg(name)
+        assert c.beta == 0.01            # configs/rl.yaml: beta
+        assert c.clip_eps == 0.2         # configs/rl.yaml: epsilon
+        assert c.lr == 3e-6              # configs/rl.yaml: learning_rate
+        assert c.weight_decay == 0.1     # configs/rl.yaml: weight_decay (AdamW, betas 0.9 / 0.99)
+        assert c.grad_clip == 0.2        # configs/rl.yaml: max_grad_norm
+        assert (c.lora_rank, c.lora_alpha, c.lora_dropout) == (128, 64.0, 0.05)  # configs/rl.yaml: lora_r/alpha/dropout
+
+
+def test_llada8b_text():
+    c = cfg("llada8b")
+    assert c.num_iterations == 12                    # t2t_grpo_train.sh: --num_iterations 12 (paper: mu = 12)
+    assert c.gamma_text == 0.6                       # t2t_grpo_train.sh: --min_mask_rate 0.6
+    assert c.text_reversing == "arlike"              # t2t_grpo_train.sh: --remasking arlike
+    assert c.group_size == 6                         # t2t_grpo_train.sh: num_generations 6
+    assert c.prompts_per_step * c.group_size == 96   # 8 GPUs x per-device 6 x gradient accumulation 2
+    assert (c.gen_length, c.steps, c.block_length) == (256, 128, 16)  # t2t_grpo_train.sh: max_completion_length,
+    assert c.temperature == 0.9                      # diffusion_steps, block_length; MaskGRPOConfig default temperature
+    assert c.max_prompt_len == 256                   # configs/rl.yaml: max_prompt_length
+    assert c.p_mask_prompt == 0.15                   # configs/rl.yaml: p_mask_prompt (d1 only)
+    # Optimizer steps: within one rollout batch of the official 8000; checkpoints every ~500.
+    assert abs(c.rl_steps * c.num_iterations - OFFICIAL_MAX_STEPS) < c.num_iterations
+    assert abs(c.checkpoint_every * c.num_iterations - OFFICIAL_SAVE_STEPS) < c.num_iterations
+
+
+def test_mmada8b_images():
+    c = cfg("mmada8b")
+    assert c.num_iterations == 6                     # t2i_grpo_train.sh: --num_iterations 6
+    assert c.gamma_image == 0.8                      # paper (Fig. 5a); t2i_grpo_train_w_server.sh: min_mask_rate 0.8
+    assert c.group_size == 9                         # t2i_grpo_train.sh: num_generations 9
+    assert c.cfg_scale == 3.0                        # t2i_grpo_train.sh: cfg 3.0
+    assert (c.image_sampler, c.image_steps) == ("emerge", 12)  # MaskGRPO emerge sampler, 12 rollout steps
+    assert c.image_width ** 2 == 1024                # 512 px images: 32 x 32 VQ tokens
+    assert abs(c.rl_steps * c.num_iterations - OFFICIAL_MAX_STEPS) < c.num_iterations
+    assert abs(c.checkpoint_every * c.num_iterations - OFFICIAL_SAVE_STEPS) < c.num_iterations
