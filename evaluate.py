@@ -1,6 +1,6 @@
 """Score a checkpoint on one task without training: greedy pass@1, sampled pass@k and mean reward.
 
-    python evaluate.py --ckpt DIR --task gsm8k --data ../shared/data/gsm8k.jsonl [--limit N] [--samples K]
+    python evaluate.py --ckpt DIR --task gsm8k --data gsm8k_test.jsonl [--limit N] [--samples K]
                        [--out FILE.jsonl] [--preset llada8b] [--gen_length=256 ...]    # any train.Config field
     python evaluate.py --ckpt out/toy/final --task text      # toy tasks draw held-out prompts from --seed
     python evaluate.py --run out/toy                         # re-score a run's sft/ and final/ vs summary.json

@@ -4,7 +4,8 @@ LLaDA (arXiv:2502.09992) is a LLaMA-style Transformer with the causal mask remov
 mask token: every position sees the whole sequence and predicts the clean token behind each mask.
 MMaDA (arXiv:2505.15809) is the same network with 8192 image-code rows appended to the vocabulary.
 
-This file reproduces the public LLaDA modelling code's numerics (shared/docs/llada-format.md §4):
+This file reproduces the public LLaDA modelling code's numerics (tests/test_model.py checks it against
+logits that code wrote, tests/fixtures/tiny-llada):
 RMSNorm and rotary embeddings computed in float32, separate q/k/v projections, SwiGLU with the SiLU on
 `ff_proj`, untied output head. Module names mirror the checkpoint keys (`q_proj`, `attn_out`, `ff_proj`,
 ...), so a checkpoint key is our state-dict key behind the prefix `model.transformer.`, and a LoRA
@@ -29,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-# Every checkpoint key is "model.transformer." + our state-dict key (llada-format.md §2): the HF wrapper
+# Every checkpoint key is "model.transformer." + our state-dict key: the HF wrapper
 # LLaDAModelLM holds `model`, which holds the ModuleDict `transformer`.
 HF_PREFIX = "model.transformer."
 CONFIG_NAME = "config.json"
@@ -37,7 +38,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 # config.json values the reference code accepts but that would change the architecture. We implement the
-# released LLaDA/MMaDA architecture only, so anything else is refused up front (llada-format.md §3).
+# released LLaDA/MMaDA architecture only, so anything else is refused up front.
 _REQUIRED_VALUES = {
     "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
     "alibi": False, "weight_tying": False, "include_bias": False, "attention_layer_norm": False,
@@ -57,7 +58,7 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 4            # < n_heads gives grouped-query attention
-    mlp_hidden_size: int = 384     # LLaDA-8B: 12288 (not mlp_ratio * d_model; llada-format.md §1)
+    mlp_hidden_size: int = 384     # LLaDA-8B: 12288 (not mlp_ratio * d_model)
     vocab_size: int = 128          # embedding / head rows (LLaDA's `embedding_size or vocab_size`)
     max_sequence_length: int = 4096  # only sizes the rotary table, as in the reference
     rope_theta: float = 500000.0
@@ -66,7 +67,7 @@ class ModelConfig:
     eos_token_id: int = 1
     pad_token_id: int = 1
     bos_token_id: int | None = None
-    # MMaDA image tokens: image code c is token id image_token_offset + c (llada-format.md §1).
+    # MMaDA image tokens: image code c is token id image_token_offset + c.
     image_token_offset: int | None = None
     codebook_size: int | None = None
     # config.json fields we do not interpret, kept so save_pretrained writes them back unchanged.
@@ -120,7 +121,7 @@ class ModelConfig:
         offset = hf.get("image_token_offset")
         if offset is None and hf.get("codebook_size") and hf.get("llm_vocab_size"):
             # MMaDA: codes start at len(text tokenizer) = 126349, which the config does not store; the
-            # released value is the only one we know of (llada-format.md §1).
+            # released value is the only one we know of.
             offset = hf.get("text_tokenizer_size", 126349)
         # The HF `vocab_size` may be smaller than the row count (MMaDA); keep it in `extra` for saving.
         known = {f.name for f in fields(cls)} - {"vocab_size"} | {"embedding_size", "mlp_ratio",
@@ -138,7 +139,7 @@ class ModelConfig:
         )
 
     def to_hf(self, dtype: torch.dtype) -> dict:
-        """The config.json the public LLaDA code reads (every field of llada-format.md §3)."""
+        """The config.json the public LLaDA code reads (every field it needs)."""
         hf = {
             "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0,
             "architectures": ["LLaDAModelLM"], "attention_dropout": 0.0, "attention_layer_norm": False,
@@ -212,7 +213,7 @@ class Block(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, dh
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
         # Separate q/k/v GEMMs rather than one fused projection: fusing can change cuBLAS tiling and
-        # therefore the low bits of bf16 outputs (llada-format.md §4.3).
+        # therefore the low bits of bf16 outputs.
         self.q_proj = nn.Linear(d, cfg.n_heads * dh, bias=False)
         self.k_proj = nn.Linear(d, cfg.n_kv_heads * dh, bias=False)
         self.v_proj = nn.Linear(d, cfg.n_kv_heads * dh, bias=False)
@@ -348,7 +349,7 @@ class Transformer(nn.Module):
         return self
 
     # -------------------------------------------------------------------------------------------------
-    # checkpoint I/O (Hugging Face LLaDA layout, llada-format.md §2)
+    # checkpoint I/O (Hugging Face LLaDA layout)
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Transformer":
@@ -449,7 +450,7 @@ def _weight_map(path: Path) -> dict[str, str]:
 
 
 # -----------------------------------------------------------------------------------------------------
-# tokenizer and chat template (llada-format.md §5)
+# tokenizer and chat template
 
 
 def load_tokenizer(path, model_config: ModelConfig | None = None):
@@ -470,7 +471,7 @@ def load_tokenizer(path, model_config: ModelConfig | None = None):
 
 
 def chat_prompt(messages: list[dict], bos: str = "<|startoftext|>") -> str:
-    """LLaDA-Instruct chat template as a string (llada-format.md §5). Encode the result with
+    """LLaDA-Instruct chat template as a string. Encode the result with
     add_special_tokens=False; the special-token strings inside map to their ids.
 
     chat_prompt([{"role": "user", "content": "Q"}]) ==

@@ -284,14 +284,17 @@ def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, data
         p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)      # (mu, B, L) each
     inputs = [importance.apply_mask(b.x, in_masks[j], sp.mask) for j in range(cfg.num_iterations)]
 
-    # 5. old and reference log-probs on the same masked inputs; conditional logits only (no CFG)
+    # 5. old and reference log-probs on the same masked inputs; conditional logits only (no CFG). Under
+    # FSDP2 the weights are gathered once for all of these forwards, not once per forward.
     kw = dict(attention_mask=b.attention_mask, vocab_slice=vocab_slice(task, sp),
               device_batch_size=cfg.device_batch_size or None)
-    logp_old = [importance.token_logprobs(model, inputs[j], b.x, loss_masks[j], **kw) for j in range(len(inputs))]
+    with scale.full_weights(model):
+        logp_old = [importance.token_logprobs(model, inputs[j], b.x, loss_masks[j], **kw) for j in range(len(inputs))]
     logp_ref = None
     if cfg.beta > 0:
-        with lora.adapters_disabled(model) if ref is None else contextlib.nullcontext():
-            logp_ref = [importance.token_logprobs(ref or model, inputs[j], b.x, loss_masks[j], **kw)
+        reference = model if ref is None else ref
+        with scale.full_weights(reference), lora.adapters_disabled(model) if ref is None else contextlib.nullcontext():
+            logp_ref = [importance.token_logprobs(reference, inputs[j], b.x, loss_masks[j], **kw)
                         for j in range(len(inputs))]
     return Rollout(b, rewards, adv, inputs, loss_masks, logp_old, logp_ref)
 
@@ -319,6 +322,8 @@ def policy_backward(model, r: Rollout, j: int, cfg: Config, sp) -> dict:
 def merge_stats(acc: dict, stats: dict, share: float, loss: float) -> None:
     """Accumulate one chunk's statistics: maxima by max, means weighted by the chunk's share, counts summed."""
     for k, v in stats.items():
+        if k == "adv_abs_mean":  # a mean over rows, not tokens: rl_step logs it from all rows instead
+            continue
         if k.endswith("_max"):
             acc[k] = max(acc.get(k, -math.inf), float(v))
         else:
@@ -366,6 +371,7 @@ def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int, datasets: 
         flat = r.rewards.view(-1, cfg.group_size)
         log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
         log.update({k: v for k, v in agg.items() if k.startswith(t + "/")})
+        log[f"{t}/adv_abs_mean"] = grpo.group_advantages(r.rewards, group_size=cfg.group_size).abs().mean().item()
     log["grad_norm"] = grad_norm
     log["rollout_s"] = t_roll
     log["seconds"] = time.time() - t0

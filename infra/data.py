@@ -1,7 +1,7 @@
 """Local benchmark files -> validated example dicts, and the user-turn prompt for each task.
 
 MaskGRPO (arXiv:2510.02880) trains and evaluates on GSM8K, MATH(500) and MBPP-style code, keeps d1's
-countdown and 4x4 sudoku (shared/docs/method.md §6, §7.5), and scores images on GenEval prompts. This module
+countdown and 4x4 sudoku (the paper's evaluation setup), and scores images on GenEval prompts. This module
 reads each public file format (it never downloads), checks every row *before any model is loaded*, and
 returns one dict per example: the `example` that `rewards.REWARDS[example["task"]](completion, example)`
 receives, plus "prompt", the user-turn text (the chat template is applied later, by model.chat_prompt).
@@ -14,7 +14,7 @@ receives, plus "prompt", the user-turn text (the chat template is applied later,
     geneval    {"task", "prompt": "a photo of a cow", "spec": {"tag", "include", ...}}
 
 Every bad row is reported as `file:line: problem`, the first few at once. Standard library only.
-Check a file: python -m infra.data math ../shared/data/math500.jsonl
+Check a file: python -m infra.data math math500.jsonl
 """
 from __future__ import annotations
 
@@ -222,7 +222,7 @@ def load_dataset(task: str, path) -> list[dict]:
 
 
 # -----------------------------------------------------------------------------------------------------
-# prompts (user turn only), paraphrasing the official instructions (method.md §6, §7.5; d1 for countdown/sudoku)
+# prompts (user turn only), paraphrasing the official instructions (the official evaluation; d1, arXiv:2504.12216, for countdown/sudoku)
 
 REPLY_FORMAT = "Reply in this format:\n<reasoning>\nyour step-by-step reasoning\n</reasoning>\n{}"
 MATH_INSTRUCTION = ("You are good at mathematics. Work through the question below step by step and put the final "

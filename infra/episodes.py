@@ -150,7 +150,7 @@ def image_text_len(tok) -> int:
 
 
 def vocab_slice(task: str, sp):
-    """Image positions are scored over the image-code columns only (MMaDA / method.md §2.6)."""
+    """Image positions are scored over the image-code columns only (MMaDA arXiv:2505.15809: the image head predicts codes)."""
     return (sp.image_token_offset, sp.image_token_offset + sp.codebook_size) if task in IMAGE_TASKS else None
 
 

@@ -2,10 +2,10 @@
 
 LoRA (Hu et al., arXiv:2106.09685) freezes a pretrained weight W (out, in) and learns a low-rank update,
 y = W x + (alpha / r) * B A x, with A (r, in) random and B (out, r) zero, so training starts exactly at the
-base model. MaskGRPO trains LLaDA-8B this way (r 128, alpha 64, dropout 0.05; method.md §7.1), and its
-reference policy is the same network with the adapters switched off (method.md §5.5), so no second 8B
-copy is held. Unlike the official recipe, whose Llama-named target list matched only q/k/v/up (method.md
-§9 item 21), LORA_TARGETS below names all seven block projections with LLaDA's own names.
+base model. MaskGRPO trains LLaDA-8B this way (r 128, alpha 64, dropout 0.05 in its released config), and
+its reference policy is the same network with the adapters switched off, so no second 8B copy is held.
+Unlike the official recipe, whose Llama-named target list matched only q/k/v/up (docs/differences.md),
+LORA_TARGETS below names all seven block projections with LLaDA's own names.
 
     model = add_lora(Transformer.from_pretrained(path), rank=128, alpha=64)
     opt = torch.optim.AdamW(trainable_parameters(model), lr=3e-6)
@@ -23,10 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The seven nn.Linear of a LLaDA "llama" block (llada-format.md §2). The top-level LM head is also
+# The seven nn.Linear of a LLaDA "llama" block. The top-level LM head is also
 # called `ff_out`; add_lora only looks inside `model.blocks`, so the head is never matched by this name.
 # At LLaDA-8B and r = 128 all seven give 335.5M adapter parameters (4.2%), ~5.4 GB as float32 with grads
-# and AdamW state; the official q/k/v/up subset gives 167.8M (llada-format.md §8).
+# and AdamW state; the official q/k/v/up subset gives 167.8M.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapters.safetensors", "adapters.json"
 
@@ -46,8 +46,8 @@ class LoRALinear(nn.Linear):
     base state-dict keys stay `blocks.N.q_proj.weight`; the adapter adds `lora_A` (r, in), `lora_B` (out, r).
 
     The adapter parameters are float32 even when the base is bf16: AdamW's small steps (lr 3e-6) would be
-    lost to bf16's 2^-8 spacing (llada-format.md §8). The forward casts them to the input dtype, the same
-    "weight follows the activation" rule as the rest of the model (style.md §3.8), so one code path runs
+    lost to bf16's 2^-8 spacing. The forward casts them to the input dtype, the same
+    "weight follows the activation" rule as the rest of the model , so one code path runs
     float32 on CPU and bf16 on CUDA, and the gradient still lands in the float32 parameters.
     """
 
@@ -132,7 +132,7 @@ def lora_stats(model: nn.Module) -> dict:
 
 @contextmanager
 def adapters_disabled(model: nn.Module):
-    """Run the base model (the GRPO reference policy, method.md §5.5) inside the block; each adapter's
+    """Run the base model (the GRPO reference policy) inside the block; each adapter's
     previous on/off state comes back afterwards, also when the block raises."""
     modules = [m for _, m in _adapted(model)]
     before = [m.disabled for m in modules]

@@ -1,6 +1,6 @@
 """Image rewards from a remote scorer: MMaDA's CLIP / HPS / UnifiedReward models run elsewhere, behind HTTP.
 
-MaskGRPO's text-to-image rewards (method.md §6) need models this project cannot ship, so the trainer
+MaskGRPO's text-to-image rewards (the paper's image experiments) need models this project cannot ship, so the trainer
 POSTs each rollout batch to a reward server. Standard library only (urllib, http.server).
 
     scorer = RemoteScorer("http://127.0.0.1:8765")          # train.py --image_scorer_url
