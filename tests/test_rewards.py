@@ -106,49 +106,6 @@ def test_gsm8k_bad_reference_raises(answer):
 # MATH
 
 
-@pytest.mark.parametrize("raw, expected", [
-    ("\\left( \\dfrac12, 3 \\right)", "(\\frac{1}{2},3)"),
-    ("90^\\circ", "90"),
-    ("x = 10,\\!080.", "10080"),
-    ("\\frac9{19}", "\\frac{9}{19}"),
-    ("\\frac{270}7\\text{ degrees}", "\\frac{270}{7}"),
-    ("11\\sqrt2", "11\\sqrt{2}"),
-    ("15\\mbox{ cm}^2", "15"),
-    ("\\$32,\\!348", "32348"),
-    ("\\text{(B)}", "B"),
-    ("\\text{Evelyn}", "evelyn"),
-    ("4210_{5}", "4210_5"),
-    ("x \\in [-2,7]", "[-2,7]"),
-    ("50\\%", "50"),
-    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),  # keep row breaks
-])
-def test_normalize_math(raw, expected):
-    assert normalize_math(raw) == expected
-
-
-@pytest.mark.parametrize("a, b, expected", [
-    ("0.5", "\\frac12", True),
-    ("\\frac{1}{2}", "1/2", True),
-    ("-\\frac{3}{8}", "-0.375", True),
-    ("\\frac{-3}{8}", "-\\frac38", True),
-    ("137 \\frac{1}{2}", "137.5", True),
-    ("\\left(3, \\frac{\\pi}{2}\\right)", "(3,\\frac\\pi2)", True),
-    ("(0.5, 3]", "(\\frac{1}{2}, 3]", True),
-    ("(-\\infty, 2) \\cup (3, \\infty)", "(-\\infty,2)\\cup(3,\\infty)", True),
-    ("y = 2x + 3", "2x+3", True),
-    ("\\text{East}", "east", True),
-    ("2", "3", False),
-    ("0.33", "\\frac13", False),  # no tolerance: only exact values are equal
-    ("(3,4]", "(3,4)", False),  # interval ends matter
-    ("(1,2)", "(2,1)", False),  # tuples are ordered
-    ("1,2", "1,2,3", False),
-    ("\\frac{1}{0}", "0", False),
-    ("\\sqrt{2}", "2", False),
-])
-def test_math_equiv(a, b, expected):
-    assert math_equiv(a, b) is expected
-
-
 @pytest.mark.parametrize("completion, answer, expected", [
     ("... \\boxed{\\dfrac{1}{2}}", "0.5", 1.0),
     ("\\boxed{90^\\circ}", "90", 1.0),
