@@ -11,7 +11,8 @@ UnifiedReward) need models we cannot ship: infra/scorer.py asks an HTTP server f
 Model output never makes a reward raise, however long or strange; a malformed dataset row or argument
 raises ValueError naming the value. Only the standard library is used. `REWARDS` maps a task name to
 `reward(completion, example) -> float` and is the one registry the trainer reads: correctness only, 0 or 1.
-`SHAPED` holds the official runs' shaped GSM8K and MATH rewards (format + correctness), same signature.
+`SHAPED` holds the official runs' shaped GSM8K and MATH rewards (format + correctness), same signature,
+divided by their maximum total so that they too lie in [0, 1].
 
 Test: python -m pytest tests/test_rewards.py tests/test_latex.py -q
 """
@@ -98,11 +99,15 @@ def gsm8k_reward(completion: str, answer: str) -> float:
 
     ("... \\boxed{$1,000.00}", "#### 1000") -> 1.0;  ("#### +72 dollars", "72") -> 1.0;  ("\\boxed{71}", "72") -> 0.0
     """
+    pred = extract_answer(completion)
+    return float(pred is not None and _to_number(pred) == _gsm8k_gold(answer))
+
+
+def _gsm8k_gold(answer: str) -> Fraction:
     gold = _to_number(extract_answer(answer) or answer) if isinstance(answer, str) else None
     if gold is None:
         raise ValueError(f"gsm8k reference answer {str(answer)[:80]!r} is not a number")
-    pred = extract_answer(completion)
-    return float(pred is not None and _to_number(pred) == gold)
+    return gold
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -332,20 +337,22 @@ SHAPED_MAX = {"gsm8k": 3.0, "math": 2.5}
 
 def gsm8k_shaped_reward(completion: str, answer: str) -> float:
     """Official GSM8K reward / 3.0: <reasoning>..</reasoning> anywhere 0.5, an answer of ASCII digits only 0.5,
-    a correct answer 2.0. The answer is the last closed \\boxed{} (the whole completion when there is none);
-    correctness is `gsm8k_reward` (equal numbers: "\\boxed{72.0}" counts, as an exact string match would not).
+    a correct answer 2.0. The answer is the last closed \\boxed{} (the whole completion when there is none), and
+    it is correct when it is the reference number (equal values: "72.0" counts, as an exact string would not).
 
     ("<reasoning>..</reasoning> \\boxed{72}", "72") -> 1.0;  ("\\boxed{72}", "72") -> 2.5 / 3;  ("-3", "72") -> 0.0
     """
-    boxed = extract_boxed(completion)
-    digits = re.fullmatch(r"[0-9]+", completion if boxed is None else boxed) is not None
-    total = 0.5 * reasoning_format_reward(completion) + 0.5 * digits + 2.0 * gsm8k_reward(completion, answer)
+    gold, boxed = _gsm8k_gold(answer), extract_boxed(completion)
+    pred = completion if boxed is None else boxed
+    total = (0.5 * reasoning_format_reward(completion) + 0.5 * (re.fullmatch(r"[0-9]+", pred) is not None)
+             + 2.0 * (_to_number(pred) == gold))
     return total / SHAPED_MAX["gsm8k"]
 
 
 def math_shaped_reward(completion: str, answer: str) -> float:
-    """Official MATH reward / 2.5: a correct last \\boxed{} 2.0, plus 0.5 if "\\boxed" occurs in the completion at
-    all (closed or not), else 0.25. So a completion scores at least 0.1, and a correct boxed one 1.0.
+    """Official MATH reward / 2.5: a correct last \\boxed{} 2.0 (by `math_equiv`, which accepts more forms than the
+    official string match), plus 0.5 if "\\boxed" occurs in the completion at all (closed or not), else 0.25.
+    So a completion scores at least 0.1, and a correct boxed one 1.0.
 
     ("so \\boxed{\\frac12}", "0.5") -> 1.0;  ("so \\boxed{3}", "0.5") -> 0.2;  ("so 1/2", "0.5") -> 0.1
     """

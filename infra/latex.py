@@ -23,7 +23,6 @@ Test: python -m pytest tests/test_latex.py -q
 """
 from __future__ import annotations
 
-import cmath
 import math
 import re
 from fractions import Fraction

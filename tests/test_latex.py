@@ -128,7 +128,8 @@ KINDS = {
         [("\\text{proj}_{\\mathbf b} \\mathbf a = \\begin{pmatrix} 1/5 \\\\ 18/5 \\end{pmatrix}",
           "\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}"),
          ("2x = 6", "6"), ("x + y = 5", "5"), ("x^2 = 9", "9"), ("y = 5 = z", "5"), ("f(3) = 12", "13"),
-         ("5x - 7y + 11z + 4 = 0", "0"), ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} 2 \\\\ 1 \\end{pmatrix}"),
+         ("5x - 7y + 11z + 4 = 0", "0"),
+         ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} 2 \\\\ 1 \\end{pmatrix}"),
          ("\\begin{pmatrix} 1 & 2 \\\\ 3 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 & 3 \\end{pmatrix}")]),
 }
 
