@@ -1,25 +1,28 @@
 """Reward functions: pure functions from a completion string to a float in [0, 1].
 
-MaskGRPO (arXiv:2510.02880) §6 / shared/docs/method.md §6 scores GSM8K and MATH by the last \\boxed{}
-answer and code by the fraction of unit tests that pass in a sandbox, and keeps d1's countdown and 4x4
-sudoku rewards. Each verifier is written anew from those descriptions (nothing copied from the Hendrycks
-MATH utilities or d1): answer extraction, numeric and LaTeX normalisation, a Fraction-based arithmetic
-parser for countdown (no eval); untrusted code runs in sandbox.py (`run_code` is re-exported here).
-MMaDA's image rewards (CLIP, HPS, UnifiedReward) need models we cannot ship: scorer.py asks an HTTP
-server for them.
+MaskGRPO (arXiv:2510.02880) §6 scores GSM8K and MATH by the last \\boxed{} answer and code by the fraction
+of unit tests that pass in a sandbox, and keeps d1's (arXiv:2504.12216) countdown and 4x4 sudoku rewards.
+Each verifier is written anew from those descriptions (nothing copied from the Hendrycks MATH utilities or
+d1): answer extraction, numeric normalisation, a Fraction-based arithmetic parser for countdown (no eval).
+LaTeX answer equivalence lives in infra/latex.py (`math_equiv` and `normalize_math` are re-exported here);
+untrusted code runs in infra/sandbox.py (`run_code` is re-exported here). MMaDA's image rewards (CLIP, HPS,
+UnifiedReward) need models we cannot ship: infra/scorer.py asks an HTTP server for them.
 
 Model output never makes a reward raise, however long or strange; a malformed dataset row or argument
 raises ValueError naming the value. Only the standard library is used. `REWARDS` maps a task name to
-`reward(completion, example) -> float` and is the one registry the trainer reads.
+`reward(completion, example) -> float` and is the one registry the trainer reads: correctness only, 0 or 1.
+`SHAPED` holds the official runs' shaped GSM8K and MATH rewards (format + correctness), same signature,
+divided by their maximum total so that they too lie in [0, 1].
 
-Test: python -m pytest tests/test_rewards.py -q
+Test: python -m pytest tests/test_rewards.py tests/test_latex.py -q
 """
 from __future__ import annotations
 
 import re
 from fractions import Fraction
 
-from infra.sandbox import run_code  # the issue's API is rewards.run_code(program, tests, timeout) -> float
+from infra.latex import math_equiv, normalize_math  # noqa: F401 (re-exported: callers import them from here)
+from infra.sandbox import run_code  # the public API is rewards.run_code(program, tests, timeout) -> float
 
 # -----------------------------------------------------------------------------------------------------
 # answer extraction
@@ -96,110 +99,19 @@ def gsm8k_reward(completion: str, answer: str) -> float:
 
     ("... \\boxed{$1,000.00}", "#### 1000") -> 1.0;  ("#### +72 dollars", "72") -> 1.0;  ("\\boxed{71}", "72") -> 0.0
     """
+    pred = extract_answer(completion)
+    return float(pred is not None and _to_number(pred) == _gsm8k_gold(answer))
+
+
+def _gsm8k_gold(answer: str) -> Fraction:
     gold = _to_number(extract_answer(answer) or answer) if isinstance(answer, str) else None
     if gold is None:
         raise ValueError(f"gsm8k reference answer {str(answer)[:80]!r} is not a number")
-    pred = extract_answer(completion)
-    return float(pred is not None and _to_number(pred) == gold)
+    return gold
 
 
 # -----------------------------------------------------------------------------------------------------
-# MATH: LaTeX answers
-
-_MAX_ANSWER_CHARS = 1000  # beyond this an answer is compared verbatim: normalising it buys nothing
-_UNIT_SUFFIX = re.compile(r"(.+?)\\(?:text|mbox|mathrm)\{\s*[a-zA-Z][a-zA-Z ]*\}(?:\^\{?\d\}?)?", re.S)
-_TEXT_WRAP = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
-_ONE_TOKEN_ARG = re.compile(r"\\(frac|sqrt)\s*([0-9a-zA-Z]|\\[a-zA-Z]+)")  # \frac12, \sqrt2, \frac\pi4
-_SECOND_ARG = re.compile(r"\\frac\{([^{}]*)\}\s*([0-9a-zA-Z]|\\[a-zA-Z]+)")  # \frac{270}7
-_SIGNED_INT = r"(-?[0-9]{1,40})"
-
-
-def normalize_math(s: str) -> str:
-    """Canonical string of a MATH answer: strips LaTeX spacing, sizing, units, degrees, %, $, 'x =' and spaces.
-
-    "\\left( \\dfrac12, 3 \\right)" -> "(\\frac{1}{2},3)";  "90^\\circ" -> "90";  "x = 10,\\!080." -> "10080"
-    """
-    if len(s) > _MAX_ANSWER_CHARS:
-        return s.strip()
-    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
-    s = re.sub(r"\\[dt]frac(?![a-zA-Z])", r"\\frac", s)
-    s = re.sub(r"(\\\\)|\\[!,;: ]|~", lambda m: m.group(1) or "", s)  # spacing, but keep \\ row breaks
-    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|°", "", s)
-    for junk in ("\\%", "%", "\\$", "$"):
-        s = s.replace(junk, "")
-    s = s.strip().rstrip(".").strip()
-    unit = _UNIT_SUFFIX.fullmatch(s)  # "15\mbox{ cm}^2" -> "15"; a lone \text{Evelyn} is the answer itself
-    if unit:
-        s = unit.group(1)
-    s = _TEXT_WRAP.sub(r"\1", s)
-    s = _ONE_TOKEN_ARG.sub(r"\\\1{\2}", s)  # \frac12 -> \frac{1}2, \sqrt2 -> \sqrt{2}
-    s = _SECOND_ARG.sub(r"\\frac{\1}{\2}", s)  # \frac{1}2 -> \frac{1}{2}
-    s = re.sub(r"^[a-zA-Z]\s*(?:=|\\in)\s*(?=\S)", "", s)  # "x = 5", "x \in [-2,7]": keep the value
-    s = re.sub(r"\s+", "", s).rstrip(".")
-    s = re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)  # x^{2} -> x^2, 4210_{5} -> 4210_5
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # commas only when the whole answer is one number
-        s = s.replace(",", "")
-    s = re.sub(r"^\(([A-E])\)$", r"\1", s)  # multiple choice "(B)" -> "B"
-    return s.lower() if s.isalpha() and len(s) > 2 else s  # text answers: "East" == "east"
-
-
-def _math_value(s: str) -> Fraction | None:
-    """Exact value of a normalised integer, decimal, a/b, \\frac{a}{b} or mixed number 1\\frac{4}{5}."""
-    if len(s) > _MAX_NUMBER_CHARS:
-        return None
-    if re.fullmatch(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)", s):
-        return Fraction(s)
-    m = (re.fullmatch(rf"(-?)\\frac\{{{_SIGNED_INT}\}}\{{{_SIGNED_INT}\}}", s)
-         or re.fullmatch(rf"(-?){_SIGNED_INT}/{_SIGNED_INT}", s))
-    if m and int(m.group(3)) != 0:
-        return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
-    m = re.fullmatch(r"(-?)([0-9]{1,40})\\frac\{([0-9]{1,40})\}\{([0-9]{1,40})\}", s)
-    if m and int(m.group(4)) != 0:  # MATH writes mixed numbers as 137\frac{1}{2}
-        return (int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))) * (-1 if m.group(1) else 1)
-    return None
-
-
-def _split_top(s: str, sep: str) -> list[str]:
-    """Split at `sep` outside any (), [] or {} (an interval like (3,4] closes with a different bracket)."""
-    parts, depth, start, i = [], 0, 0, 0
-    while i < len(s):
-        if s[i] in "([{":
-            depth += 1
-        elif s[i] in ")]}":
-            depth -= 1
-        elif depth == 0 and s.startswith(sep, i):
-            parts.append(s[start:i])
-            start = i + len(sep)
-            i = start
-            continue
-        i += 1
-    return parts + [s[start:]]
-
-
-def _equiv(x: str, y: str, depth: int = 0) -> bool:
-    """Equality of two normalised answers: string, then exact value, then element-wise for unions/tuples/lists."""
-    if x == y:
-        return True
-    vx, vy = _math_value(x), _math_value(y)
-    if vx is not None or vy is not None:
-        return vx == vy
-    if depth >= 3 or len(x) + len(y) > 2 * _MAX_ANSWER_CHARS:
-        return False
-    for sep in ("\\cup", ","):  # (-\infty,2)\cup(3,\infty), then the elements of a bare list "1,-2"
-        px, py = _split_top(x, sep), _split_top(y, sep)
-        if len(px) > 1 or len(py) > 1:
-            return len(px) == len(py) <= 50 and all(_equiv(a, b, depth + 1) for a, b in zip(px, py))
-    if x[:1] in "([" and x[:1] == y[:1] and x[-1:] in ")]" and x[-1:] == y[-1:]:
-        return _equiv(x[1:-1], y[1:-1], depth + 1)  # tuples and intervals keep their bracket kinds and order
-    return False
-
-
-def math_equiv(a: str, b: str) -> bool:
-    """True if two MATH answers are the same after `normalize_math` (exact numeric value where both are numbers).
-
-    ("0.5", "\\frac12") -> True;  ("\\left(3, \\frac{\\pi}{2}\\right)", "(3,\\frac\\pi2)") -> True;  ("2", "3") -> False
-    """
-    return _equiv(normalize_math(a), normalize_math(b))
+# MATH: LaTeX answers, compared by infra/latex.py
 
 
 def math_reward(completion: str, answer: str) -> float:
@@ -412,4 +324,43 @@ REWARDS = {
                                                         _field(example, "solution", "Solution")),
     "mbpp": _mbpp,
     "boxed_format": lambda completion, example: boxed_format_reward(completion),
+}
+
+
+# -----------------------------------------------------------------------------------------------------
+# shaped rewards of the official MaskGRPO runs: format terms + correctness, divided by the maximum total.
+# (r - mean) / std advantages do not depend on that scale (up to the std epsilon); under r - mean alone
+# (d1's advantages) the division scales every step by 1 / SHAPED_MAX[task], like a learning-rate factor.
+
+SHAPED_MAX = {"gsm8k": 3.0, "math": 2.5}
+
+
+def gsm8k_shaped_reward(completion: str, answer: str) -> float:
+    """Official GSM8K reward / 3.0: <reasoning>..</reasoning> anywhere 0.5, an answer of ASCII digits only 0.5,
+    a correct answer 2.0. The answer is the last closed \\boxed{} (the whole completion when there is none), and
+    it is correct when it is the reference number (equal values: "72.0" counts, as an exact string would not).
+
+    ("<reasoning>..</reasoning> \\boxed{72}", "72") -> 1.0;  ("\\boxed{72}", "72") -> 2.5 / 3;  ("-3", "72") -> 0.0
+    """
+    gold, boxed = _gsm8k_gold(answer), extract_boxed(completion)
+    pred = completion if boxed is None else boxed
+    total = (0.5 * reasoning_format_reward(completion) + 0.5 * (re.fullmatch(r"[0-9]+", pred) is not None)
+             + 2.0 * (_to_number(pred) == gold))
+    return total / SHAPED_MAX["gsm8k"]
+
+
+def math_shaped_reward(completion: str, answer: str) -> float:
+    """Official MATH reward / 2.5: a correct last \\boxed{} 2.0 (by `math_equiv`, which accepts more forms than the
+    official string match), plus 0.5 if "\\boxed" occurs in the completion at all (closed or not), else 0.25.
+    So a completion scores at least 0.1, and a correct boxed one 1.0.
+
+    ("so \\boxed{\\frac12}", "0.5") -> 1.0;  ("so \\boxed{3}", "0.5") -> 0.2;  ("so 1/2", "0.5") -> 0.1
+    """
+    total = 2.0 * math_reward(completion, answer) + (0.5 if "\\boxed" in completion else 0.25)
+    return total / SHAPED_MAX["math"]
+
+
+SHAPED = {
+    "gsm8k": lambda completion, example: gsm8k_shaped_reward(completion, _field(example, "answer")),
+    "math": lambda completion, example: math_shaped_reward(completion, _field(example, "answer", "solution")),
 }

@@ -1,7 +1,8 @@
-"""Tests for rewards.py: extraction, GSM8K / MATH / countdown / sudoku rewards, hostile completions.
+"""Tests for rewards.py: extraction, GSM8K / MATH / countdown / sudoku rewards, shaped rewards, hostile completions.
 
-The MATH, countdown, sudoku and MBPP cases read the real benchmark files in ../shared/data (skipped when
-absent). The code sandbox is tested in test_sandbox.py, the remote image scorer in test_scorer.py.
+The MATH, countdown, sudoku and MBPP cases read the real benchmark files through conftest.shared_path (skipped when
+absent). LaTeX equivalence is tested in test_latex.py, the code sandbox in test_sandbox.py, the remote image
+scorer in test_scorer.py.
 
 Run: python -m pytest tests/test_rewards.py -q
 """
@@ -9,7 +10,6 @@ import csv
 import itertools
 import json
 import operator
-import os
 import re
 import time
 from fractions import Fraction
@@ -17,8 +17,9 @@ from fractions import Fraction
 import pytest
 
 from conftest import shared_path
-from rewards import (REWARDS, boxed_format_reward, countdown_reward, extract_answer, extract_boxed, extract_code,
-                     gsm8k_reward, math_equiv, math_reward, normalize_math, reasoning_format_reward, sudoku_reward)
+from rewards import (REWARDS, SHAPED, SHAPED_MAX, boxed_format_reward, countdown_reward, extract_answer,
+                     extract_boxed, extract_code, gsm8k_reward, gsm8k_shaped_reward, math_reward, math_shaped_reward,
+                     reasoning_format_reward, sudoku_reward)
 
 
 def read_jsonl(*parts):
@@ -104,49 +105,6 @@ def test_gsm8k_bad_reference_raises(answer):
 
 # -----------------------------------------------------------------------------------------------------
 # MATH
-
-
-@pytest.mark.parametrize("raw, expected", [
-    ("\\left( \\dfrac12, 3 \\right)", "(\\frac{1}{2},3)"),
-    ("90^\\circ", "90"),
-    ("x = 10,\\!080.", "10080"),
-    ("\\frac9{19}", "\\frac{9}{19}"),
-    ("\\frac{270}7\\text{ degrees}", "\\frac{270}{7}"),
-    ("11\\sqrt2", "11\\sqrt{2}"),
-    ("15\\mbox{ cm}^2", "15"),
-    ("\\$32,\\!348", "32348"),
-    ("\\text{(B)}", "B"),
-    ("\\text{Evelyn}", "evelyn"),
-    ("4210_{5}", "4210_5"),
-    ("x \\in [-2,7]", "[-2,7]"),
-    ("50\\%", "50"),
-    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),  # keep row breaks
-])
-def test_normalize_math(raw, expected):
-    assert normalize_math(raw) == expected
-
-
-@pytest.mark.parametrize("a, b, expected", [
-    ("0.5", "\\frac12", True),
-    ("\\frac{1}{2}", "1/2", True),
-    ("-\\frac{3}{8}", "-0.375", True),
-    ("\\frac{-3}{8}", "-\\frac38", True),
-    ("137 \\frac{1}{2}", "137.5", True),
-    ("\\left(3, \\frac{\\pi}{2}\\right)", "(3,\\frac\\pi2)", True),
-    ("(0.5, 3]", "(\\frac{1}{2}, 3]", True),
-    ("(-\\infty, 2) \\cup (3, \\infty)", "(-\\infty,2)\\cup(3,\\infty)", True),
-    ("y = 2x + 3", "2x+3", True),
-    ("\\text{East}", "east", True),
-    ("2", "3", False),
-    ("0.33", "\\frac13", False),  # no tolerance: only exact values are equal
-    ("(3,4]", "(3,4)", False),  # interval ends matter
-    ("(1,2)", "(2,1)", False),  # tuples are ordered
-    ("1,2", "1,2,3", False),
-    ("\\frac{1}{0}", "0", False),
-    ("\\sqrt{2}", "2", False),
-])
-def test_math_equiv(a, b, expected):
-    assert math_equiv(a, b) is expected
 
 
 @pytest.mark.parametrize("completion, answer, expected", [
@@ -309,6 +267,78 @@ def test_format_rewards(fn, text, expected):
 
 
 # -----------------------------------------------------------------------------------------------------
+# shaped rewards, as the official MaskGRPO runs compute them (github.com/martian422/MaskGRPO, commit b74ba3c):
+#   grpo/mask_grpo_train.py picks the reward functions per dataset, each with weight 1 (GRPOConfig reward_weights
+#   default None; grpo/mask_grpo_trainer.py sums them with nansum):
+#   * gsm8k: soft_format_reward_func + int_reward_func + correctness_reward_func (grpo/reward_func.py), max 3.0
+#     - soft_format_reward_func: 0.5 if re.search("<reasoning>.*?</reasoning>", DOTALL) finds a match, else 0
+#     - int_reward_func: 0.5 if the answer .isdigit(), else 0 (we accept ASCII digits only; str.isdigit also
+#       takes e.g. superscripts). The answer is remove_boxed(last_boxed_only_string(text)), from
+#       grpo/math500_utils.py: the last closed \boxed{...} content, or the whole text when there is none.
+#     - correctness_reward_func: 2.0 if that answer == the text after "####" (exact strings), else 0. We
+#       compare numbers: "72.0" and "1,000" count, as they would not there.
+#   * math500: correctness_reward_func_math + boxed_and_answer_tags_format_reward (grpo/reward_func.py), max 2.5
+#     - correctness_reward_func_math: 2.0 if is_equiv(last boxed answer, last boxed answer of the reference
+#       solution) (grpo/math500_utils.py), else 0; we use math_equiv.
+#     - boxed_and_answer_tags_format_reward: 0.5 * boxed_in_answer, and boxed_in_answer (grpo/math500_utils.py)
+#       is 1.0 if the substring "\boxed" occurs in the completion, else 0.5: so 0.5 or 0.25.
+#   d1 (github.com/dllm-reasoning/d1, diffu-grpo/reward_func.py) has the same weights but reads the answer from
+#   <answer> tags and its soft format needs <reasoning>..</reasoning> then <answer>..</answer> (re.match, at
+#   the start); MaskGRPO's text rewards read \boxed{} instead, as here.
+
+R, B = "<reasoning>\nwork\n</reasoning>\n", "\\boxed"
+
+
+@pytest.mark.parametrize("completion, answer, total", [
+    (f"{R}{B}{{72}}", "72", 3.0),  # format + integer + correct
+    (f"{R}{B}{{72}}", "#### 72", 3.0),  # a raw GSM8K solution as reference
+    (f"{B}{{72}}", "72", 2.5),  # no reasoning tags
+    (f"<reasoning>a\nb</reasoning>{B}{{71}}", "72", 1.0),  # format and integer, wrong
+    (f"{R}{B}{{72.0}}", "72", 2.5),  # correct number, not an integer string
+    (f"{R}{B}{{-3}}", "-3", 2.5),  # negative: .isdigit() is False
+    (f"{R}{B}{{1,000}}", "1000", 2.5),
+    (f"{R}{B}{{ 72}}", "72", 2.5),  # the box content is not stripped before the digit test
+    (f"{R}the answer is 72", "72", 0.5),  # no box: the whole text is the answer, not digits
+    (f"{R}#### 72", "72", 0.5),  # "####" is not read (gsm8k_reward reads it)
+    ("72", "72", 2.5),  # ... so a bare "72" is an integer answer, and correct
+    (f"{R}{B}{{72}} {B}{{71}}", "72", 1.0),  # the last box counts
+    (f"{R}{B}{{72", "72", 0.5),  # unclosed box: no answer
+    (f"</reasoning><reasoning>{B}{{72}}", "72", 2.5),  # tags in the wrong order are no format
+    ("", "72", 0.0),
+])
+def test_gsm8k_shaped(completion, answer, total):
+    assert gsm8k_shaped_reward(completion, answer) == pytest.approx(total / 3.0)
+    assert SHAPED["gsm8k"](completion, {"answer": answer}) == pytest.approx(total / 3.0)
+
+
+@pytest.mark.parametrize("completion, answer, total", [
+    (f"{R}{B}{{\\frac{{\\sqrt{{3}}}}{{3}}}}", "\\frac{\\sqrt{3}}{3}", 2.5),
+    (f"so {B}{{\\sqrt{{3}}/3}}", "\\frac{\\sqrt{3}}{3}", 2.5),
+    (f"so {B}{{\\sqrt{{3}}/2}}", "\\frac{\\sqrt{3}}{3}", 0.5),  # wrong, boxed
+    (f"so {B}{{5}}", "We find ... so the answer is $\\boxed{5}$.", 2.5),  # a full solution as reference
+    ("so the answer is 5", "5", 0.25),  # correct but not boxed: no correctness, half format
+    (f"so {B}{{5", "5", 0.5),  # an unclosed box still contains "\\boxed"
+    (f"{B} 5", "5", 0.5),
+    ("", "5", 0.25),  # the minimum is 0.25 / 2.5 = 0.1, never 0
+])
+def test_math_shaped(completion, answer, total):
+    assert math_shaped_reward(completion, answer) == pytest.approx(total / 2.5)
+    assert SHAPED["math"](completion, {"answer": answer}) == pytest.approx(total / 2.5)
+
+
+def test_shaped_registry():
+    assert set(SHAPED) == {"gsm8k", "math"} and SHAPED_MAX == {"gsm8k": 3.0, "math": 2.5}
+    rows = read_jsonl("data", "math500.jsonl")
+    right = [SHAPED["math"](f"{R}{B}{{{r['answer']}}}", r) for r in rows]
+    assert right == [1.0] * len(rows)
+    assert SHAPED["math"](f"{B}{{{rows[0]['answer']}+1}}", rows[0]) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="gsm8k reference"):
+        SHAPED["gsm8k"](f"{B}{{72}}", {"answer": "seventy-two"})
+    with pytest.raises(ValueError, match="example needs"):
+        SHAPED["math"](f"{B}{{1}}", {"question": "?"})
+
+
+# -----------------------------------------------------------------------------------------------------
 # hostile completions against every registered reward: a float in [0, 1], quickly, never an exception
 
 EXAMPLES = {
@@ -337,11 +367,15 @@ HOSTILE = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(REWARDS))
+ALL_REWARDS = {**REWARDS, **{f"shaped_{task}": fn for task, fn in SHAPED.items()}}
+EXAMPLES.update({f"shaped_{task}": EXAMPLES[task] for task in SHAPED})
+
+
+@pytest.mark.parametrize("name", sorted(ALL_REWARDS))
 @pytest.mark.parametrize("label", sorted(HOSTILE))
 def test_hostile_completions(name, label):
     start = time.monotonic()
-    value = REWARDS[name](HOSTILE[label], EXAMPLES[name])
+    value = ALL_REWARDS[name](HOSTILE[label], EXAMPLES[name])
     elapsed = time.monotonic() - start
     assert isinstance(value, float) and 0.0 <= value <= 1.0
     assert elapsed < (10.0 if name == "mbpp" else 3.0), f"{name} took {elapsed:.1f}s on {label}"  # hang guard

@@ -1,0 +1,425 @@
+"""LaTeX answer equivalence for the MATH reward: `normalize_math(s) -> str`, `math_equiv(a, b) -> bool`.
+
+MaskGRPO (arXiv:2510.02880) §6 rewards a MATH completion whose last \\boxed{} answer equals the reference.
+Model answers are written many ways, so two answers are compared in three stages, written anew for this
+project (nothing copied from the Hendrycks MATH utilities or a computer algebra system):
+  1. `normalize_math`: a canonical string (LaTeX spacing, sizing, \\text{}, units, degrees, %, $, "x =", spaces).
+  2. `value`: the exact value of a constant expression, from our own bounded parser (never eval): integers,
+     decimals, + - * / \\times \\cdot \\div, implicit products, \\frac, \\sqrt, \\sqrt[n], ^, !, \\binom, i, \\pi.
+     Rational and Gaussian-rational results stay exact Fractions; anything with an irrational part (\\sqrt3,
+     \\pi) becomes a complex float, and only two irrational values are compared, to 1e-9 relative.
+  3. `_equiv`: structure. Bare lists ("3, 5, 7": the solutions of an equation) and sets \\{..\\} are unordered,
+     tuples, intervals and matrices are ordered, a union's pieces are unordered, and a leading "name =" is
+     dropped when the other answer has no "=".
+
+The contract is one-sided: a wrong answer must never be accepted; a right answer written in a form we do not
+know may be rejected. Hence: a decimal never equals an irrational ("1.414" != \\sqrt2), numbers carry no
+tolerance when exact ("0.33" != \\frac13), units are dropped only from a fixed list of unit words, and the
+"name =" left-hand side must hold no operator or leading digit ("2x = 6" is not the answer 6). Sizes are
+bounded (answers over 1000 characters compare verbatim, Fractions over 4096 bits, factorials over 200 and
+nesting over 40 are refused), so a hostile completion cannot hang the trainer or eat its memory.
+
+Test: python -m pytest tests/test_latex.py -q
+"""
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+from functools import lru_cache
+
+MAX_ANSWER_CHARS = 1000  # beyond this an answer is compared verbatim: normalising it buys nothing
+_MAX_BITS, _MAX_FACTORIAL, _MAX_DEPTH, _MAX_ROOT = 4096, 200, 40, 12
+
+# -----------------------------------------------------------------------------------------------------
+# stage 1: a canonical string
+
+_UNIT_SUFFIX = re.compile(r"(.+?)\\(?:text|mbox|mathrm)\{\s*[a-zA-Z][a-zA-Z ]*\}(?:\^\{?\d\}?)?", re.S)
+_UNIT_WORDS = (r"units?|cm|mm|km|meters?|metres?|centimeters?|inch(?:es)?|feet|foot|ft|yards?|miles?|mph|"
+               r"degrees?|dollars?|cents?|seconds?|minutes?|hours?|days?|weeks?|years?|pounds?|ounces?|"
+               r"gallons?|liters?|litres?|grams?|kg")
+_PLAIN_UNIT = re.compile(rf"(.*?[0-9}}])\s*(?:(?:square|sq|cubic)\s+)?(?:{_UNIT_WORDS})(?:\^\{{?[23]\}}?)?\.?", re.S)
+_TEXT_WRAP = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_ONE_TOKEN_ARG = re.compile(r"\\(frac|sqrt)\s*([0-9a-zA-Z]|\\[a-zA-Z]+)")  # \frac12, \sqrt2, \frac\pi4
+_SECOND_ARG = re.compile(r"\\frac\{([^{}]*)\}\s*([0-9a-zA-Z]|\\[a-zA-Z]+)")  # \frac{270}7
+_THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")  # 10,080 but not "3, 500" (a list of two numbers)
+
+
+def normalize_math(s: str) -> str:
+    """Canonical string of a MATH answer: strips LaTeX spacing, sizing, units, degrees, %, $, 'x =' and spaces.
+
+    "\\left( \\dfrac12, 3 \\right)" -> "(\\frac{1}{2},3)";  "90^\\circ" -> "90";  "x = 10,\\!080." -> "10080"
+    """
+    if len(s) > MAX_ANSWER_CHARS:
+        return s.strip()
+    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
+    s = re.sub(r"\\[dt]frac(?![a-zA-Z])", r"\\frac", s)
+    s = re.sub(r",\s*\\!\s*", ",", s)  # 11,\! 111: a thousands comma, whatever the spaces around it
+    s = re.sub(r"(\\\\)|\\[!,;: ]|~", lambda m: m.group(1) or "", s)  # spacing, but keep \\ row breaks
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|°", "", s)
+    for junk in ("\\%", "%", "\\$", "$"):
+        s = s.replace(junk, "")
+    s = s.strip().rstrip(".").strip()
+    unit = _UNIT_SUFFIX.fullmatch(s) or _PLAIN_UNIT.fullmatch(s)  # "15\mbox{ cm}^2", "12 cm" -> the number
+    if unit:  # a lone \text{Evelyn} is the answer itself: a unit needs a number before it
+        s = unit.group(1).strip()
+    s = _TEXT_WRAP.sub(r"\1", s)
+    s = _ONE_TOKEN_ARG.sub(r"\\\1{\2}", s)  # \frac12 -> \frac{1}2, \sqrt2 -> \sqrt{2}
+    s = _SECOND_ARG.sub(r"\\frac{\1}{\2}", s)  # \frac{1}2 -> \frac{1}{2}
+    s = re.sub(r"^[a-zA-Z]\s*(?:=|\\in)\s*(?=\S)", "", s)  # "x = 5", "x \in [-2,7]": keep the value
+    if _THOUSANDS.fullmatch(s.strip()):  # commas only when the whole answer is one number, checked before
+        s = s.replace(",", "")  # spaces go, so "3, 500" stays a list
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)  # x^{2} -> x^2, 4210_{5} -> 4210_5
+    s = re.sub(r"^\(([A-E])\)$", r"\1", s)  # multiple choice "(B)" -> "B"
+    return s.lower() if s.isalpha() and len(s) > 2 else s  # text answers: "East" == "east"
+
+
+# -----------------------------------------------------------------------------------------------------
+# stage 2: the value of a constant expression. A value is a pair of Fractions (re, im) while exact, else
+# a complex float. Every operation refuses (raises _Refuse) rather than build a huge or undefined number.
+
+
+class _Refuse(Exception):
+    """Not a constant we evaluate (a variable, an unknown command), or too large: compare as strings."""
+
+
+_TOKEN = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+|\\[a-zA-Z]+|[a-zA-Z]|[-+*/^!(){}\[\]]")
+_MIXED = re.compile(r"(-?)([0-9]{1,40})\\frac\{([0-9]{1,40})\}\{([0-9]{1,40})\}")  # 137\frac{1}{2} = 137.5
+
+
+def _check(v):
+    if isinstance(v, tuple):
+        for q in v:
+            if max(q.numerator.bit_length(), q.denominator.bit_length()) > _MAX_BITS:
+                raise _Refuse("too large")
+        return v
+    if not (math.isfinite(v.real) and math.isfinite(v.imag)):
+        raise _Refuse("not finite")
+    return v
+
+
+def _approx(v) -> complex:
+    try:
+        return complex(float(v[0]), float(v[1])) if isinstance(v, tuple) else v
+    except OverflowError:
+        raise _Refuse("too large for a float") from None
+
+
+def _add(a, b, sign=1):
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return _check((a[0] + sign * b[0], a[1] + sign * b[1]))
+    return _check(_approx(a) + sign * _approx(b))
+
+
+def _mul(a, b):
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return _check((a[0] * b[0] - a[1] * b[1], a[0] * b[1] + a[1] * b[0]))
+    return _check(_approx(a) * _approx(b))
+
+
+def _div(a, b):
+    if b == (0, 0) or b == 0:
+        raise _Refuse("division by zero")
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        n = b[0] * b[0] + b[1] * b[1]
+        return _check(((a[0] * b[0] + a[1] * b[1]) / n, (a[1] * b[0] - a[0] * b[1]) / n))
+    return _check(_approx(a) / _approx(b))
+
+
+def _root(a, n: int):
+    """Principal n-th root; exact when a is a rational n-th power (\\sqrt{4} = 2, \\sqrt{-9} = 3i)."""
+    if not isinstance(a, tuple):
+        if a.imag or a.real < 0:
+            raise _Refuse("root of a complex or negative irrational number")
+        return _check(complex(a.real ** (1 / n)))
+    if a[1] != 0:
+        raise _Refuse("root of a complex number")
+    q, sign = a[0], 1
+    if q < 0:
+        if n % 2 == 0 and n != 2:
+            raise _Refuse("even root of a negative number")
+        q, sign = -q, (-1 if n % 2 else 1)
+    num, den = (round(x ** (1 / n)) if x < 2 ** 1000 else -1 for x in (q.numerator, q.denominator))
+    if num >= 0 and den > 0 and num ** n == q.numerator and den ** n == q.denominator:
+        r = Fraction(num, den)
+    else:
+        r = float(q) ** (1 / n)
+    if a[0] < 0 and n == 2:  # \sqrt{-9} = 3i
+        return (Fraction(0), r) if isinstance(r, Fraction) else complex(0, r)
+    return (sign * r, Fraction(0)) if isinstance(r, Fraction) else complex(sign * r)
+
+
+def _pow(a, b):
+    one = (Fraction(1), Fraction(0))
+    if isinstance(b, tuple) and b[1] == 0 and b[0].denominator == 1:  # an integer power
+        n = int(b[0])
+        if abs(n) > _MAX_BITS:
+            raise _Refuse("power too large")
+        if not isinstance(a, tuple):
+            try:
+                return _check(a ** n)
+            except (OverflowError, ZeroDivisionError):
+                raise _Refuse("power overflows") from None
+        result, base, k = one, (a if n >= 0 else _div(one, a)), abs(n)
+        while k:  # square and multiply: each product is checked, so no step exceeds 2 * _MAX_BITS
+            if k & 1:
+                result = _mul(result, base)
+            k >>= 1
+            base = _mul(base, base) if k else base
+        return result
+    if isinstance(b, tuple) and b[1] == 0 and b[0].numerator in (1, -1) and b[0].denominator <= _MAX_ROOT:
+        r = _root(a, b[0].denominator)  # x^{1/2} = \sqrt{x}
+        return r if b[0] > 0 else _div(one, r)
+    base, exp = _approx(a), _approx(b)
+    if base.imag or base.real <= 0:
+        raise _Refuse("non-integer power of a non-positive or complex base")
+    try:
+        return _check(base ** exp)
+    except (OverflowError, ZeroDivisionError):
+        raise _Refuse("power overflows") from None
+
+
+def _factorial(a, k: int = 0):
+    if not (isinstance(a, tuple) and a[1] == 0 and a[0].denominator == 1 and 0 <= a[0] <= _MAX_FACTORIAL):
+        raise _Refuse("factorial of a large or non-natural number")
+    return (Fraction(math.factorial(int(a[0])) // (math.factorial(k) if k else 1)), Fraction(0))
+
+
+class _Parser:
+    """Recursive descent: expr = term (+|- term)*;  term = unary ((* | / | \\times | \\cdot | \\div)? unary)*;
+    unary = (+|-) unary | power;  power = postfix (^ arg)?;  postfix = atom !*;
+    atom = number | i | \\pi | (expr) | {expr} | \\frac arg arg | \\sqrt([n])? arg | \\binom arg arg."""
+
+    def __init__(self, tokens: list[str]):
+        self.tokens, self.pos, self.depth = tokens, 0, 0
+
+    def peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def take(self, expected: str | None = None) -> str:
+        tok = self.peek()
+        if tok is None or (expected is not None and tok != expected):
+            raise _Refuse(f"expected {expected!r}, got {tok!r}")
+        self.pos += 1
+        return tok
+
+    def expr(self):
+        value = self.term()
+        while self.peek() in ("+", "-"):
+            sign = 1 if self.take() == "+" else -1
+            value = _add(value, self.term(), sign)
+        return value
+
+    def term(self):
+        value = self.unary()
+        while self.peek() is not None and self.peek() not in ("+", "-", ")", "}", "]"):
+            op = self.peek()
+            if op in ("*", "/", "\\times", "\\cdot", "\\div"):
+                self.take()
+            elif op == "\\frac" and re.fullmatch(r"[0-9.]+", self.tokens[self.pos - 1]):
+                raise _Refuse("2\\frac{1}{2} is a mixed number, not a product")
+            value = _div(value, self.unary()) if op in ("/", "\\div") else _mul(value, self.unary())
+        return value
+
+    def nest(self, step: int) -> None:
+        """Count open groups, signs and arguments: "------1" or "\\sqrt\\sqrt..." must not exhaust the stack."""
+        self.depth += step
+        if self.depth > _MAX_DEPTH:
+            raise _Refuse("nested too deeply")
+
+    def unary(self):
+        if self.peek() in ("+", "-"):
+            sign = self.take()
+            self.nest(1)
+            value = self.unary()
+            self.nest(-1)
+            return value if sign == "+" else _mul((Fraction(-1), Fraction(0)), value)
+        return self.power()
+
+    def power(self):
+        value = self.postfix()
+        if self.peek() == "^":
+            self.take()
+            return _pow(value, self.arg())
+        return value
+
+    def postfix(self):
+        value = self.atom()
+        while self.peek() == "!":
+            self.take()
+            value = _factorial(value)
+        return value
+
+    def arg(self):
+        """A braced group, or one token: the argument of ^, \\frac, \\sqrt (\\frac12, x^2)."""
+        if self.peek() == "{":
+            return self.group("{", "}")
+        tok = self.take()
+        if re.fullmatch(r"[0-9]+", tok):  # x^2; but x^10 reads as x^1 then 0 in LaTeX: ambiguous, refuse
+            if len(tok) > 1:
+                raise _Refuse(f"multi-digit argument {tok!r} without braces")
+            return (Fraction(int(tok)), Fraction(0))
+        self.pos -= 1
+        self.nest(1)
+        value = self.atom()
+        self.nest(-1)
+        return value
+
+    def group(self, open_: str, close: str):
+        self.take(open_)
+        self.nest(1)
+        value = self.expr()
+        self.nest(-1)
+        self.take(close)
+        return value
+
+    def atom(self):
+        tok = self.peek()
+        if tok in ("(", "{"):
+            return self.group(tok, ")" if tok == "(" else "}")
+        self.take()
+        if re.fullmatch(r"[0-9.]+", tok):
+            return _check((Fraction(tok), Fraction(0)))
+        if tok == "i":
+            return (Fraction(0), Fraction(1))
+        if tok == "\\pi":
+            return complex(math.pi)
+        if tok == "\\frac":
+            return _div(self.arg(), self.arg())
+        if tok == "\\binom":
+            n, k = self.arg(), self.arg()
+            if not (isinstance(n, tuple) and isinstance(k, tuple) and k[1] == 0 and k[0].denominator == 1
+                    and 0 <= k[0] <= n[0]):
+                raise _Refuse("binomial of non-naturals")
+            return _div(_factorial(n, int(k[0])), _factorial(_add(n, k, -1)))
+        if tok == "\\sqrt":
+            n = 2
+            if self.peek() == "[":
+                index = self.group("[", "]")
+                if not (isinstance(index, tuple) and index[1] == 0 and index[0] in range(2, _MAX_ROOT + 1)):
+                    raise _Refuse("root index")
+                n = int(index[0])
+            return _root(self.arg(), n)
+        raise _Refuse(f"not a constant: {tok!r}")
+
+
+@lru_cache(maxsize=4096)
+def value(s: str):
+    """Exact (Fraction re, Fraction im) or complex-float value of a normalised constant expression, else None.
+
+    "7!\\times2!" -> (10080, 0);  "7i-2" -> (-2, 7);  "\\sqrt{3}/3" -> 0.577...+0j;  "2x" -> None
+    """
+    if len(s) > MAX_ANSWER_CHARS or not s:
+        return None
+    m = _MIXED.fullmatch(s)
+    if m and int(m.group(4)) != 0:  # MATH writes mixed numbers as 137\frac{1}{2}
+        q = (int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))) * (-1 if m.group(1) else 1)
+        return (q, Fraction(0))
+    tokens = _TOKEN.findall(s)
+    if "".join(tokens) != s:
+        return None  # a character we do not evaluate (",", "|", "&", unicode ...)
+    parser = _Parser(tokens)
+    try:
+        result = parser.expr()
+        if parser.peek() is not None:
+            raise _Refuse(f"trailing {parser.peek()!r}")
+    except (_Refuse, RecursionError, ZeroDivisionError, OverflowError, ValueError):
+        return None
+    return result
+
+
+def _same_value(a, b) -> bool:
+    """Exact values compare exactly; irrational ones to 1e-9 relative; an exact one never equals an irrational."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return a == b
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+
+
+# -----------------------------------------------------------------------------------------------------
+# stage 3: structure
+
+
+def _split_top(s: str, sep: str) -> list[str]:
+    """Split at `sep` outside any (), [] or {} (an interval like (3,4] closes with a different bracket)."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        if s[i] in "([{":
+            depth += 1
+        elif s[i] in ")]}":
+            depth -= 1
+        elif depth == 0 and s.startswith(sep, i):
+            parts.append(s[start:i])
+            start = i + len(sep)
+            i = start
+            continue
+        i += 1
+    return parts + [s[start:]]
+
+
+def _rhs_of_name(s: str) -> str | None:
+    """"\\text{proj}_{\\mathbf b}\\mathbf a=(1,2)" -> "(1,2)": the value after a left-hand side that only names it.
+
+    The name holds no operator and does not start with a digit: "2x=6" or "x+y=5" keep their "=".
+    """
+    parts = _split_top(s, "=")
+    if len(parts) != 2 or not parts[1] or re.match(r"[0-9]", parts[0]) or not re.search(r"[a-zA-Z]", parts[0]):
+        return None
+    return None if re.search(r"[-+*/^<>!,]|\\(?:times|cdot|div|pm)", parts[0]) else parts[1]
+
+
+def _matrix_rows(s: str) -> list[list[str]] | None:
+    """Entries of a pmatrix/bmatrix by row, "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}" -> [["1", "2"], ["3", "4"]]."""
+    m = re.fullmatch(r"\\begin\{([pb]matrix)\}(.*?)(?:\\\\)*\\end\{\1\}", s, re.S)
+    return None if m is None else [row.split("&") for row in m.group(2).split("\\\\")]
+
+
+def _all_match(xs: list[str], ys: list[str], ordered: bool, depth: int) -> bool:
+    """Element-wise equivalence, in order or as a multiset (greedy: equivalence is an equivalence relation)."""
+    if len(xs) != len(ys) or len(xs) > 50:
+        return False
+    if ordered:
+        return all(_equiv(a, b, depth + 1) for a, b in zip(xs, ys))
+    free = list(ys)
+    for a in xs:
+        hit = next((k for k, b in enumerate(free) if _equiv(a, b, depth + 1)), None)
+        if hit is None:
+            return False
+        free.pop(hit)
+    return True
+
+
+def _equiv(x: str, y: str, depth: int = 0, ordered: bool = False) -> bool:
+    """Equality of two normalised answers: string, then value, then the structure (see the module docstring)."""
+    if x == y:
+        return True
+    if depth >= 6 or len(x) + len(y) > 2 * MAX_ANSWER_CHARS:
+        return False
+    if ("=" in x) != ("=" in y):  # a leading "name =" on one side only
+        rx, ry = _rhs_of_name(x) if "=" in x else x, _rhs_of_name(y) if "=" in y else y
+        return rx is not None and ry is not None and _equiv(rx, ry, depth + 1)
+    vx, vy = value(x), value(y)
+    if vx is not None or vy is not None:
+        return vx is not None and vy is not None and _same_value(vx, vy)
+    for sep, in_order in (("\\cup", False), (",", ordered)):  # a union's pieces, then a list's elements
+        px, py = _split_top(x, sep), _split_top(y, sep)
+        if len(px) > 1 or len(py) > 1:
+            return _all_match(px, py, in_order, depth)
+    rows_x, rows_y = _matrix_rows(x), _matrix_rows(y)
+    if rows_x is not None and rows_y is not None:  # the same shape, then entry by entry in order
+        return ([len(r) for r in rows_x] == [len(r) for r in rows_y]
+                and _all_match(sum(rows_x, []), sum(rows_y, []), True, depth))
+    if x.startswith("\\{") and x.endswith("\\}") and y.startswith("\\{") and y.endswith("\\}"):
+        return _all_match(_split_top(x[2:-2], ","), _split_top(y[2:-2], ","), False, depth)  # sets: unordered
+    if x[:1] in "([" and x[:1] == y[:1] and x[-1:] in ")]" and x[-1:] == y[-1:]:
+        return _equiv(x[1:-1], y[1:-1], depth + 1, ordered=True)  # tuples and intervals keep order and ends
+    return False
+
+
+def math_equiv(a: str, b: str) -> bool:
+    """True if two MATH answers are equivalent: same canonical string, same value, or same structure.
+
+    ("0.5", "\\frac12") -> True;  ("\\sqrt{3}/3", "\\frac{\\sqrt{3}}{3}") -> True;  ("7i - 2", "-2 + 7i") -> True
+    ("3, 7, 5", "3, 5, 7") -> True;  ("(3,5)", "(5,3)") -> False;  ("0.33", "\\frac13") -> False
+    """
+    return _equiv(normalize_math(a), normalize_math(b))
