@@ -80,6 +80,8 @@ class Config:
                                       # GSM8K/MATH evaluation: "<reasoning>")
     image_text_len: int = 0           # t2i text part, left-padded with [iPAD] (0 = longest toy caption; MMaDA 257)
     image_scorer_url: str = ""        # geneval rewards: POST to this scorer (scorer.RemoteScorer)
+    reward_shaping: str = "none"      # none (correctness, 0/1) | official: GSM8K/MATH format + correctness terms
+                                      # of the official runs, divided by their maximum (rewards.SHAPED)
     text_max_steps: int = 1           # arithmetic steps per word problem (1 or 2)
     text_noise: float = 0.4           # fraction of SFT text targets with the box off by one (tasks.py)
     image_noise: float = 0.4          # fraction of SFT images with one colour drawn as its look-alike
@@ -141,7 +143,8 @@ class Config:
 # tests/test_presets.py pins every value to its source.
 _8B = {"init_from": "", "d_model": 4096, "n_layers": 32, "n_heads": 32, "mlp_hidden_size": 12288, "beta": 0.01,
        "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1, "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0,
-       "lora_dropout": 0.05, "activation_checkpointing": True, "eval_samples": 1, "sample_every": 50}
+       "lora_dropout": 0.05, "activation_checkpointing": True, "eval_samples": 1, "sample_every": 50,
+       "reward_shaping": "official"}
 
 PRESETS: dict[str, dict] = {
     # 2-core laptop CPU: SFT from scratch, then RL on both toy tasks; held-out reward rises (README).
@@ -243,6 +246,7 @@ class Rollout:
     loss_masks: torch.Tensor    # (mu, B, L) positions scored in iteration j (the ones masked in its input)
     logp_old: list              # mu x (B, L) float32
     logp_ref: list | None       # mu x (B, L) float32, or None when beta = 0
+    seconds: dict               # wall time of each phase (times.jsonl)
 
 
 @torch.no_grad()
@@ -259,16 +263,21 @@ def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, data
     b = make_batch(task, exs, tok, sp, cfg, device, with_targets=False).rows(rows)
 
     # 1. rollouts: one generator per sequence
+    t0 = time.time()
     gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
     b = rollout(model, b, sp, cfg, gens, cfg.temperature, fast=True)
+    t1 = time.time()
 
     # 2. rewards, gathered in global order: a group is normalised over all of its members
-    rewards = scale.all_gather_rows(score(b, tok, sp, scorer).to(device)).cpu()       # (B_global,)
+    shaped = cfg.reward_shaping == "official"
+    rewards = scale.all_gather_rows(score(b, tok, sp, scorer, shaped).to(device)).cpu()  # (B_global,)
     bad = (~torch.isfinite(rewards) | (rewards < 0) | (rewards > 1)).nonzero().flatten().tolist()
     if bad:  # a NaN or out-of-range reward is reported and the step skipped, never averaged in
         i = bad[0]
         raise BadStep(f"{len(bad)} {task} reward(s) not a finite number in [0, 1], first {rewards[i].item()} "
                       f"at sequence {i} (prompt {i // cfg.group_size}); check the reward function or scorer")
+
+    t2 = time.time()
 
     # 3. advantages (GRPO, arXiv:2402.03300 §4.1.2)
     adv = grpo.group_advantages(rewards, group_size=cfg.group_size)[rows].to(device)   # (B,)
@@ -296,7 +305,8 @@ def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, data
         with scale.full_weights(reference), lora.adapters_disabled(model) if ref is None else contextlib.nullcontext():
             logp_ref = [importance.token_logprobs(reference, inputs[j], b.x, loss_masks[j], **kw)
                         for j in range(len(inputs))]
-    return Rollout(b, rewards, adv, inputs, loss_masks, logp_old, logp_ref)
+    seconds = {"rollout_s": t1 - t0, "reward_s": t2 - t1, "logprob_s": time.time() - t2}
+    return Rollout(b, rewards, adv, inputs, loss_masks, logp_old, logp_ref, seconds)
 
 
 def policy_backward(model, r: Rollout, j: int, cfg: Config, sp) -> dict:
@@ -336,7 +346,7 @@ def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int, datasets: 
     """One rollout batch and its mu optimizer steps; returns the step's log and its rollouts."""
     t0 = time.time()
     rolls = [collect(model, ref, task, tok, sp, cfg, device, step, datasets, scorer) for task in task_list(cfg)]
-    t_roll = time.time() - t0
+    t_update = time.time()
     model.train()
     params = lora.trainable_parameters(model)
     agg: dict = {}
@@ -373,7 +383,9 @@ def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int, datasets: 
         log.update({k: v for k, v in agg.items() if k.startswith(t + "/")})
         log[f"{t}/adv_abs_mean"] = grpo.group_advantages(r.rewards, group_size=cfg.group_size).abs().mean().item()
     log["grad_norm"] = grad_norm
-    log["rollout_s"] = t_roll
+    for k in rolls[0].seconds:  # phase times, summed over tasks; Run.record moves them to times.jsonl
+        log[k] = sum(r.seconds[k] for r in rolls)
+    log["update_s"] = time.time() - t_update
     log["seconds"] = time.time() - t0
     return log, rolls
 

@@ -234,9 +234,10 @@ def decode_window(b: Batch, tok, sp) -> list:
     return [[c - sp.image_token_offset for c in row] for row in w]
 
 
-def score(b: Batch, tok, sp, scorer=None) -> torch.Tensor:
-    """Reward in [0, 1] per row: the toy verifiers (tasks.py), the benchmark verifiers (rewards.REWARDS),
-    or, for geneval images, the remote scorer."""
+def score(b: Batch, tok, sp, scorer=None, shaped: bool = False) -> torch.Tensor:
+    """Reward in [0, 1] per row: the toy verifiers (tasks.py), the benchmark verifiers (rewards.REWARDS,
+    or rewards.SHAPED, the official format + correctness terms, where shaped and the task has them), or,
+    for geneval images, the remote scorer."""
     outs = decode_window(b, tok, sp)
     if b.task == "geneval":
         try:
@@ -251,7 +252,7 @@ def score(b: Batch, tok, sp, scorer=None) -> torch.Tensor:
     elif b.task == "image":
         fn = lambda codes, ex: tasks.image_reward(codes, ex["spec"])
     else:
-        fn = rewards.REWARDS[b.task]
+        fn = rewards.SHAPED[b.task] if shaped and b.task in rewards.SHAPED else rewards.REWARDS[b.task]
     return torch.tensor([fn(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
 
 

@@ -56,6 +56,7 @@ def validate(cfg) -> None:
     need(cfg.estimator in importance.ESTIMATORS, f"estimator ({cfg.estimator!r}) must be one of {importance.ESTIMATORS}")
     need(cfg.text_reversing in importance.MODES, f"text_reversing ({cfg.text_reversing!r}) must be one of {importance.MODES}")
     need(cfg.loss_norm in grpo.NORMS, f"loss_norm ({cfg.loss_norm!r}) must be one of {grpo.NORMS}")
+    need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")
     need(cfg.image_sampler in ("emerge", "maskgit"), f"image_sampler ({cfg.image_sampler!r}) must be emerge or maskgit")
     known = TOY_TASKS + data.TASKS
     bad = [t for t in task_list(cfg) if t not in known]
@@ -435,7 +436,7 @@ class Run:
         state["bad_run"] = state["bad_run"] + 1 if bad else 0
         state["bad_steps"] += bad
         log["bad_steps"] = state["bad_steps"]
-        times = {k: log.pop(k) for k in ("seconds", "rollout_s") if k in log}
+        times = {k: log.pop(k) for k in list(log) if k == "seconds" or k.endswith("_s")}
         if self.logf:
             self.logf.write(json.dumps(log) + "\n")
             self.logf.flush()

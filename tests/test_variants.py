@@ -17,7 +17,7 @@ from infra import lora, run
 from model import Transformer
 
 
-def fake_score(b, tok, sp, scorer=None):
+def fake_score(b, tok, sp, scorer=None, shaped=False):
     """A deterministic reward in {0, 0.5, 1} per row, from the sampled window: groups get spread."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 
@@ -64,7 +64,7 @@ def test_device_batch_size_gives_the_same_update(base, monkeypatch):
     two, _, w2 = rl_step(base, monkeypatch, "--device_batch_size=2")
     assert one.keys() == two.keys()
     for k in one:
-        if k not in ("seconds", "rollout_s"):
+        if k != "seconds" and not k.endswith("_s"):
             assert two[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k
     for a, b in zip(w1.parameters(), w2.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
@@ -94,3 +94,15 @@ def test_unigrpo_ratios_differ_per_sequence(base, monkeypatch):
     window = torch.zeros_like(r.loss_masks[0])
     window[:, r.batch.window_slice] = True
     assert not (r.loss_masks & ~window).any()  # only completion positions are ever scored
+
+
+def test_reward_shaping_reaches_the_benchmark_rewards(monkeypatch):
+    """--reward_shaping=official scores GSM8K with the official format + correctness terms (divided by
+    their maximum, rewards.SHAPED); the default keeps the 0/1 correctness reward."""
+    from infra import episodes
+    texts = ["<reasoning>3 + 4 = 7</reasoning> \\boxed{7}", "\\boxed{8}", "no answer"]
+    monkeypatch.setattr(episodes, "decode_window", lambda b, tok, sp: texts)
+    b = episodes.Batch("gsm8k", torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4), 2, 2,
+                       examples=[{"prompt": "q", "answer": "7"}] * 3)
+    assert episodes.score(b, None, None).tolist() == [1.0, 0.0, 0.0]
+    assert episodes.score(b, None, None, shaped=True).tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
