@@ -7,7 +7,7 @@
 
 Stage 1 (`sft`) trains the toy model from scratch with the masked-diffusion loss (LLaDA arXiv:2502.09992,
 MDLM arXiv:2406.07524); it is cached in out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880,
-Alg. 1), one rollout batch at a time:
+Alg. 5), one rollout batch at a time:
 
     1. rollouts      G completions per prompt: LLaDA block sampler (text), emerge sampler + CFG (images)
     2. rewards       verifiers in rewards.py / tasks.py, or a remote image scorer; finite, in [0, 1]
@@ -102,7 +102,7 @@ class Config:
     threshold: float = 0.0            # > 0: also commit every masked token more confident than this (Fast-dLLM)
     # image rollouts
     image_sampler: str = "emerge"     # emerge (MaskGRPO) | maskgit (MMaDA default, baseline)
-    image_steps: int = 12             # MaskGRPO rollouts use 12 emerge steps (paper §4.2, Alg. 4)
+    image_steps: int = 12             # MaskGRPO rollouts use 12 emerge steps (paper Alg. 4)
     cfg_scale: float = 0.0            # guidance weight w; (1 + w) cond - w uncond
     # importance estimator
     estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines for ablation)
@@ -282,7 +282,7 @@ def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, data
     # 3. advantages (GRPO, arXiv:2402.03300 §4.1.2)
     adv = grpo.group_advantages(rewards, group_size=cfg.group_size)[rows].to(device)   # (B,)
 
-    # 4. reversing masks: mask j of every sequence, with ratio t_j of the truncated schedule (paper §3.3)
+    # 4. reversing masks: mask j of every sequence, with ratio t_j of the truncated schedule (docs/method.md §3)
     B, L = b.x.shape
     image = task in IMAGE_TASKS
     in_masks, loss_masks = importance.build_masks(
