@@ -247,12 +247,14 @@ class Rollout:
     logp_old: list              # mu x (B, L) float32
     logp_ref: list | None       # mu x (B, L) float32, or None when beta = 0
     seconds: dict               # wall time of each phase (times.jsonl)
+    order: torch.Tensor | None = None  # (B, L) sampler step at which each position was revealed (diagnosis)
 
 
 @torch.no_grad()
-def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, datasets: dict, scorer=None) -> Rollout:
+def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, datasets: dict, scorer=None,
+            with_order: bool = False) -> Rollout:
     """Steps 1-5 for one task. ref: the reference model, or None for "this model with its LoRA adapters
-    switched off"."""
+    switched off". with_order: also keep the sampler's decoding order (infra/diagnose.py)."""
     prompts = draw_prompts(task, cfg, step, datasets)
     exs = [ex for ex in prompts for _ in range(cfg.group_size)]        # each prompt G times, consecutively
     # Every rank builds the global batch (token ids: cheap) and keeps its own whole groups. A sequence's
@@ -265,7 +267,7 @@ def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, data
     # 1. rollouts: one generator per sequence
     t0 = time.time()
     gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
-    b = rollout(model, b, sp, cfg, gens, cfg.temperature, fast=True)
+    b, order = rollout(model, b, sp, cfg, gens, cfg.temperature, fast=True, return_order=with_order)
     t1 = time.time()
 
     # 2. rewards, gathered in global order: a group is normalised over all of its members
@@ -306,7 +308,7 @@ def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, data
             logp_ref = [importance.token_logprobs(reference, inputs[j], b.x, loss_masks[j], **kw)
                         for j in range(len(inputs))]
     seconds = {"rollout_s": t1 - t0, "reward_s": t2 - t1, "logprob_s": time.time() - t2}
-    return Rollout(b, rewards, adv, inputs, loss_masks, logp_old, logp_ref, seconds)
+    return Rollout(b, rewards, adv, inputs, loss_masks, logp_old, logp_ref, seconds, order)
 
 
 def policy_backward(model, r: Rollout, j: int, cfg: Config, sp) -> dict:
@@ -341,6 +343,30 @@ def merge_stats(acc: dict, stats: dict, share: float, loss: float) -> None:
     acc["loss"] = acc.get("loss", 0.0) + loss * share
 
 
+def update(model, opt, rolls: list, j: int, cfg: Config, sp, device, step: int) -> tuple[dict, float, bool]:
+    """Inner iteration j of step 6: one optimizer step on every task's loss for mask j. Returns the
+    statistics ("task/name"), the gradient norm, and whether the step was taken (not when a loss or the
+    gradient is not finite)."""
+    # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
+    # per (step, j, rank) so that a resumed run draws the same masks.
+    torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
+    opt.zero_grad(set_to_none=True)
+    stats, losses = {}, []
+    for r in rolls:
+        s = reduce_stats(policy_backward(model, r, j, cfg, sp), device)
+        losses.append(s["loss"])
+        stats.update({f"{r.batch.task}/{k}": v for k, v in s.items()})
+    grad_norm = scale.clip_grad_norm(lora.trainable_parameters(model), cfg.grad_clip)
+    # Losses and the norm are the same on every rank, so every rank takes the same decision.
+    if not (math.isfinite(grad_norm) and all(map(math.isfinite, losses))):
+        print0(f"warning: step {step + 1} update {j + 1}: non-finite loss {losses} or gradient norm "
+               f"{grad_norm}; update skipped")
+        opt.zero_grad(set_to_none=True)
+        return stats, grad_norm, False
+    opt.step()
+    return stats, grad_norm, True
+
+
 def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int, datasets: dict, scorer=None
             ) -> tuple[dict, list]:
     """One rollout batch and its mu optimizer steps; returns the step's log and its rollouts."""
@@ -348,29 +374,13 @@ def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int, datasets: 
     rolls = [collect(model, ref, task, tok, sp, cfg, device, step, datasets, scorer) for task in task_list(cfg)]
     t_update = time.time()
     model.train()
-    params = lora.trainable_parameters(model)
     agg: dict = {}
     skipped = 0
     for j in range(cfg.num_iterations):
-        # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
-        # per (step, j, rank) so that a resumed run draws the same masks.
-        torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
-        opt.zero_grad(set_to_none=True)
-        losses = []
-        for r in rolls:
-            stats = reduce_stats(policy_backward(model, r, j, cfg, sp), device)
-            losses.append(stats["loss"])
-            for k, v in stats.items():
-                agg[f"{r.batch.task}/{k}"] = agg.get(f"{r.batch.task}/{k}", 0.0) + v / cfg.num_iterations
-        grad_norm = scale.clip_grad_norm(params, cfg.grad_clip)
-        # Losses and the norm are the same on every rank, so every rank takes the same decision.
-        if not (math.isfinite(grad_norm) and all(map(math.isfinite, losses))):
-            skipped += 1
-            print0(f"warning: step {step + 1} update {j + 1}: non-finite loss {losses} or gradient norm "
-                   f"{grad_norm}; update skipped")
-            opt.zero_grad(set_to_none=True)
-            continue
-        opt.step()
+        stats, grad_norm, ok = update(model, opt, rolls, j, cfg, sp, device, step)
+        skipped += not ok
+        for k, v in stats.items():
+            agg[k] = agg.get(k, 0.0) + v / cfg.num_iterations
     model.eval()
     log = {"step": step, "skipped_updates": skipped}
     for r in rolls:

@@ -198,32 +198,35 @@ def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
 
 
 @torch.no_grad()
-def rollout(model, b: Batch, sp, cfg, gens: list, temperature: float, fast: bool = False) -> Batch:
-    """Fill the window of every row with the policy's sample (a new Batch; prompts unchanged). gens: one
-    generator per row, so a row's sample depends on its own seed only. Rows go through device_batch_size
-    at a time. fast: use cfg.kv_cache / cfg.threshold for text (RL rollouts only; evaluation always uses
-    the exact sampler)."""
-    chunk = cfg.device_batch_size or len(gens)
-    out = []
+def rollout(model, b: Batch, sp, cfg, gens: list, temperature: float, fast: bool = False,
+            return_order: bool = False) -> tuple[Batch, torch.Tensor | None]:
+    """Fill the window of every row with the policy's sample: (a new Batch with prompts unchanged, and
+    the decoding order (B, L) when return_order, else None). gens: one generator per row, so a row's sample
+    depends on its own seed only. Rows go through device_batch_size at a time. fast: use cfg.kv_cache /
+    cfg.threshold for text (RL rollouts only; evaluation always uses the exact sampler)."""
+    xs, orders = [], []
+    want = {"return_order": True} if return_order else {}
     with scale.full_weights(model):
-        for s in range(0, len(gens), chunk):
-            rows = slice(s, s + chunk)
+        for rows in scale.chunks(len(gens), cfg.device_batch_size):
             c, g = b.rows(rows), gens[rows]
             if c.task not in IMAGE_TASKS:
                 x = sample.generate(model, c.x[:, : c.prompt_len], gen_length=c.window,
                                     block_length=cfg.block_length, steps=cfg.steps, temperature=temperature,
                                     mask_id=sp.mask, generator=g, attention_mask=c.attention_mask[:, : c.prompt_len],
                                     kv_cache=None if not fast or cfg.kv_cache == "none" else cfg.kv_cache,
-                                    threshold=(cfg.threshold or None) if fast else None)
+                                    threshold=(cfg.threshold or None) if fast else None, **want)
             else:
                 x = sample.generate_image(model, c.x, image_start=c.prompt_len, num_tokens=c.window,
                                           steps=cfg.image_steps, sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale,
                                           uncond_input_ids=c.uncond, generator=g, attention_mask=c.attention_mask,
                                           uncond_attention_mask=c.uncond_mask, code_offset=sp.image_token_offset,
-                                          codebook_size=sp.codebook_size, mask_id=sp.mask)
-            out.append(x)
-    return Batch(b.task, torch.cat(out), b.attention_mask, b.prompt_len, b.window, b.uncond, b.uncond_mask,
-                 b.examples)
+                                          codebook_size=sp.codebook_size, mask_id=sp.mask, **want)
+            if return_order:
+                x, order = x
+                orders.append(order)
+            xs.append(x)
+    out = Batch(b.task, torch.cat(xs), b.attention_mask, b.prompt_len, b.window, b.uncond, b.uncond_mask, b.examples)
+    return out, torch.cat(orders) if return_order else None
 
 
 def decode_window(b: Batch, tok, sp) -> list:
@@ -285,7 +288,7 @@ def evaluate(model, tok, sp, cfg, device, task: str, temperature: float, dataset
             if not idx:
                 continue
             gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
-            b = rollout(model, b, sp, cfg, gens, temperature)
+            b, _ = rollout(model, b, sp, cfg, gens, temperature)
             r = score(b, tok, sp, scorer)
             total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
             if progress is not None:
@@ -341,7 +344,7 @@ def image_snapshot(model, tok, sp, cfg, device) -> list | None:
         return None
     b = make_batch("image", exs, tok, sp, cfg, device, with_targets=False)
     gens = [generator(device, cfg.seed, "grid", i) for i in range(len(exs))]
-    return decode_window(rollout(model, b, sp, cfg, gens, cfg.temperature), tok, sp)
+    return decode_window(rollout(model, b, sp, cfg, gens, cfg.temperature)[0], tok, sp)
 
 
 def write_pictures(cfg, out: Path, grid: list) -> None:
