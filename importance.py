@@ -2,15 +2,14 @@
 
 A masked diffusion model's sequence likelihood is intractable, so GRPO's pi_theta(o) / pi_old(o) is estimated:
 the paper argues (§3) that two policies' masked log-likelihoods at one masked state differ by about as much as
-their per-step decoding log-likelihoods. Inner iteration j re-masks the finished completion with a seeded
-reversing operator o^t ~ Rev(o, t_j, S_j) and scores pi_theta, pi_old and pi_ref on that same input, so a
-mask is a function of (seed, ratio, N) alone. decoding_logprob computes the exact quantity being estimated.
-Per rollout step (train.py), j = 0..mu-1:
+their per-step decoding log-likelihoods (decoding_logprob computes those exactly). Inner iteration j re-masks
+the completion with a seeded reversing operator o^t ~ Rev(o, t_j, S_j) and scores pi_theta, pi_old and pi_ref on
+that same input; a mask is a function of (seed, ratio, N) alone. Per rollout step (train.py), j = 0..mu-1:
     in_masks, loss_masks = build_masks(prompt_mask, completion_mask, seed=, step=, seq_index=, num_iterations=mu)
     x_j = apply_mask(x, in_masks[j], mask_id)                   # the same x_j for old, ref and current policy
     logp_old[j] = token_logprobs(model, x_j, x, loss_masks[j])   # no_grad; with grad -> grpo.policy_loss
-Shapes: B sequences, P prompt, N generation window, S suffix after it (<|eoi|> for images), L = P + N + S.
-How this differs from the official code, and why: docs/differences.md.
+Shapes: B sequences, P prompt, N generation window, S suffix (<|eoi|> for images), L = P + N + S. Differences
+from the official code, and why: docs/differences.md.
 """
 import hashlib
 import math
@@ -75,15 +74,13 @@ def mask_ratios(num_iterations: int, gamma: float) -> list[float]:
         raise ValueError(f"num_iterations ({num_iterations}) must be >= 1; try --num_iterations=12 (paper)")
     if not 0.0 <= gamma < 1.0:
         raise ValueError(f"gamma ({gamma}) must be in [0, 1); the paper uses 0.6 (text) and 0.8 (images)")
-    # Truncation: low ratios leave the model nearly certain, so ratios ~ 1 and no signal (paper Fig. 5a).
-    # The smallest ratio used is gamma + (1-gamma)/mu, never gamma itself.
+    # Truncation (Fig. 5a): at low ratios the model is nearly certain, ratios ~ 1. Smallest used: gamma + (1-gamma)/mu.
     return [min(gamma + (1.0 - gamma) * (j + 1) / num_iterations, MAX_RATIO) for j in range(num_iterations)]
 
 
 def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
-    # Alg. 1 (AR-like reversing): d_n = 1 - n/(N-1) falls linearly over the window, and token n stays
-    # visible with prob keep_n = min(1, d_n (1-r) N / sum(d)). Late tokens, where semi-AR rollouts differ,
-    # are masked most (Fig. 2). The masked fraction is r for r >= 0.5; below, the clamp raises it.
+    # Alg. 1 (AR-like reversing): token n stays visible with prob min(1, d_n (1-r) N / sum(d)), d_n = 1 - n/(N-1),
+    # so late tokens, where semi-AR rollouts differ, are masked most (Fig. 2). Masked fraction: r if r >= 0.5, else more.
     d = torch.ones(1, dtype=torch.float64) if N == 1 else 1.0 - torch.arange(N, dtype=torch.float64) / (N - 1)
     return (d * (1.0 - ratio) * N / d.sum()).clamp(max=1.0)  # (N,); N = 1 keeps with prob 1 - r
 
@@ -129,15 +126,12 @@ def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float
     # spaced from t_1 to T. r_1 is drawn per sequence, so it does not depend on the world size either.
     g = torch.Generator().manual_seed(_stable_seed(b"maskgrpo/unigrpo-t1", seed, step, seq_index))
     t1 = math.floor(torch.rand((), generator=g, dtype=torch.float64).item() * UNIGRPO_T)
-    if mu == 1:
-        return [t1 / UNIGRPO_T]
-    return [math.floor((n - 1) / (mu - 1) * (UNIGRPO_T - t1) + t1) / UNIGRPO_T for n in range(1, mu + 1)]
+    return [math.floor((n - 1) / max(mu - 1, 1) * (UNIGRPO_T - t1) + t1) / UNIGRPO_T for n in range(1, mu + 1)]
 
 
 def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int,
-                seq_index, num_iterations: int, gamma: float = 0.6, estimator: str = "maskgrpo",
-                mode: str = "arlike", p_mask_prompt: float = 0.15,
-                suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                seq_index, num_iterations: int, gamma: float = 0.6, estimator: str = "maskgrpo", mode: str = "arlike",
+                p_mask_prompt: float = 0.15, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The mu (input mask, loss mask) pairs of one rollout step, bool (mu, B, L) each, over [prompt | window | suffix].
     prompt_mask: bool (B, P), True at real prompt tokens; completion_mask: bool (B, N), True where the window may
     be scored (d1: completion_mask_until_eos); seq_index: global sequence index per row. estimator "maskgrpo":
@@ -197,7 +191,6 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     if device_batch_size is not None and device_batch_size < 1:
         raise ValueError(f"device_batch_size ({device_batch_size}) must be >= 1 (or None for one pass)")
     lo, hi = vocab_slice if vocab_slice is not None else (0, None)
-    tgt = targets - lo  # (B, L)
     chunks = []
     for s in range(0, B, device_batch_size or max(B, 1)):
         rows = slice(s, s + (device_batch_size or B))
@@ -207,7 +200,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
         assert logits.shape[:2] == input_ids[rows].shape, f"logits {tuple(logits.shape)} for input {L=}"
         pos = positions[rows]  # (b, L)
         sel = logits[pos][:, lo:hi]  # (T, V'): select before the float32 upcast, not a (b, L, V) copy
-        t = tgt[rows][pos]  # (T,)
+        t = targets[rows][pos] - lo  # (T,) indices into the scored columns
         if t.numel() and (t.min() < 0 or t.max() >= sel.shape[-1]):
             bad = int(((t < 0) | (t >= sel.shape[-1])).sum())
             raise ValueError(f"{bad} target(s) fall outside the scored vocabulary {vocab_slice or (0, sel.shape[-1])}")
