@@ -80,7 +80,7 @@ def mask_ratios(num_iterations: int, gamma: float) -> list[float]:
 
 def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
     # Alg. 1 (AR-like reversing): token n stays visible with prob min(1, d_n (1-r) N / sum(d)), d_n = 1 - n/(N-1),
-    # so late tokens, where semi-AR rollouts differ, are masked most (Fig. 2). Masked fraction: r if r >= 0.5, else more.
+    # so late tokens, where semi-AR rollouts differ, are masked most (Fig. 2). Masked fraction r if r >= 0.5, else more.
     d = torch.ones(1, dtype=torch.float64) if N == 1 else 1.0 - torch.arange(N, dtype=torch.float64) / (N - 1)
     return (d * (1.0 - ratio) * N / d.sum()).clamp(max=1.0)  # (N,); N = 1 keeps with prob 1 - r
 
