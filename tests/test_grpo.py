@@ -39,6 +39,19 @@ def test_equal_rewards_give_exact_zero(dtype):
     assert group_advantages(torch.tensor([[1, 1], [0, 1]])).dtype == torch.float32  # int rewards
 
 
+def test_d1_advantages_are_reward_minus_group_mean():
+    # d1's diffu-grpo/diffu_grpo_trainer.py, _generate_and_score_completions: advantages = rewards - the group
+    # mean, repeated over the group; the group std is computed for logging only.
+    G = 6
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.0,   # mixed group
+                            0.0, 0.0, 0.0, 0.0, 0.0, 2.0,   # one success
+                            0.3, 0.9, 0.1, 0.2, 0.7, 0.4])  # (3 * G,) consecutive groups
+    d1 = rewards - rewards.view(-1, G).mean(dim=1).repeat_interleave(G)
+    A = group_advantages(rewards, group_size=G, scale_by_std=False)
+    assert torch.equal(A, d1)
+    assert not torch.allclose(group_advantages(rewards, group_size=G), d1)  # the std division differs
+
+
 def test_nan_and_bad_shapes_raise():
     R = torch.zeros(3, 4)
     R[1, 2] = float("nan")
