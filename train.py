@@ -40,8 +40,9 @@ from tqdm import tqdm
 import grpo
 import importance
 from infra import budget, cli, lora, scale
-from infra.episodes import (IMAGE_TASKS, Batch, derive_seed, draw_prompts, evaluate_all, generator, image_snapshot,
-                            load_data, make_batch, make_example, rollout, score, task_list, vocab_slice)
+from importance import derive_seed, generator
+from infra.episodes import (IMAGE_TASKS, Batch, draw_prompts, evaluate_all, image_snapshot, load_data, make_batch,
+                            make_example, rollout, score, task_list, vocab_slice)
 from infra.run import BadStep, Run, TrainingStopped, load_policy, reduce_stats, setup, startup_checks, validate
 from infra.scale import print0
 from infra.scorer import RemoteScorer
@@ -119,6 +120,8 @@ class Config:
     clip_eps: float = 0.2
     beta: float = 0.01                # k3 KL coefficient against the SFT reference (0 skips the ref pass)
     loss_norm: str = "token"          # token (official code) | sequence (paper's 1/|o_i|)
+    adv_std: str = "auto"             # divide advantages by the group std: on | off | auto (off for d1, as
+                                      # d1's trainer: A = r - mean; on otherwise, as MaskGRPO's)
     lr: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -282,13 +285,16 @@ def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, data
     t2 = time.time()
 
     # 3. advantages (GRPO, arXiv:2402.03300 §4.1.2)
-    adv = grpo.group_advantages(rewards, group_size=cfg.group_size)[rows].to(device)   # (B,)
+    adv = advantages(rewards, cfg)[rows].to(device)                                    # (B,)
 
     # 4. reversing masks: mask j of every sequence, with ratio t_j of the truncated schedule (docs/method.md §3)
     B, L = b.x.shape
     image = task in IMAGE_TASKS
+    scored = torch.ones(B, b.window, dtype=torch.bool, device=device)
+    if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
+        scored = importance.completion_mask_until_eos(b.x[:, b.window_slice], sp.eos)
     in_masks, loss_masks = importance.build_masks(
-        b.prompt_mask, torch.ones(B, b.window, dtype=torch.bool, device=device),
+        b.prompt_mask, scored,
         seed=derive_seed(cfg.seed, "masks", task), step=step, seq_index=seq_index,
         num_iterations=cfg.num_iterations, gamma=cfg.gamma_image if image else cfg.gamma_text,
         estimator=cfg.estimator, mode="random" if image else cfg.text_reversing,
@@ -309,6 +315,12 @@ def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, data
                         for j in range(len(inputs))]
     seconds = {"rollout_s": t1 - t0, "reward_s": t2 - t1, "logprob_s": time.time() - t2}
     return Rollout(b, rewards, adv, inputs, loss_masks, logp_old, logp_ref, seconds, order)
+
+
+def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Group-relative advantages of the global rewards, with or without the division by the group std."""
+    std = cfg.adv_std == "on" or (cfg.adv_std == "auto" and cfg.estimator != "d1")
+    return grpo.group_advantages(rewards, group_size=cfg.group_size, scale_by_std=std)
 
 
 def policy_backward(model, r: Rollout, j: int, cfg: Config, sp) -> dict:
@@ -391,7 +403,7 @@ def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int, datasets: 
         flat = r.rewards.view(-1, cfg.group_size)
         log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
         log.update({k: v for k, v in agg.items() if k.startswith(t + "/")})
-        log[f"{t}/adv_abs_mean"] = grpo.group_advantages(r.rewards, group_size=cfg.group_size).abs().mean().item()
+        log[f"{t}/adv_abs_mean"] = advantages(r.rewards, cfg).abs().mean().item()
     log["grad_norm"] = grad_norm
     for k in rolls[0].seconds:  # phase times, summed over tasks; Run.record moves them to times.jsonl
         log[k] = sum(r.seconds[k] for r in rolls)

@@ -5,13 +5,12 @@ trained on: the toy tasks (tasks.py) and the benchmark files (data.py) turned in
 layouts, rollouts with the samplers of sample.py (steps 1-2 of the loop in train.py's docstring), the
 verifiers and the remote image scorer, and the held-out evaluation before and after RL.
 
-Randomness is explicit and world-size free: derive_seed hashes (run seed, purpose, step, index), and each
+Randomness is explicit and world-size free: importance.derive_seed hashes (run seed, purpose, step, index), and each
 sequence is sampled from its own generator, so a sequence gets the same completion in any batch, on any
 number of processes. `cfg` below is train.Config (duck-typed here to avoid a circular import).
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from dataclasses import dataclass
@@ -19,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from infra import data
 import rewards
 import sample
-from infra import scale
 import tasks
-from model import ModelConfig, chat_prompt
+from importance import derive_seed, generator
+from infra import data, scale
 from infra.scale import print0
+from model import ModelConfig, chat_prompt
 
 TOY_TASKS = ("text", "image")
 IMAGE_TASKS = ("image", "geneval")  # generated as image tokens; everything else is text
@@ -44,20 +43,6 @@ def data_paths(spec: str, name: str) -> dict[str, str]:
             raise ValueError(f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(data.TASKS)}")
         out[task] = path
     return out
-
-
-# -----------------------------------------------------------------------------------------------------
-# seeds
-
-
-def derive_seed(*parts) -> int:
-    """A stable 63-bit seed from (run seed, purpose, step, ...): same on every device and world size."""
-    h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & (2**63 - 1)
-
-
-def generator(device, *parts) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(derive_seed(*parts))
 
 
 # -----------------------------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ import grpo
 import importance
 import tasks
 from infra import budget, checkpoint, data, lora, scale
-from infra.episodes import (IMAGE_TASKS, TOY_TASKS, data_paths, generator, model_specials, show, task_list,
-                            write_pictures)
+from importance import generator
+from infra.episodes import IMAGE_TASKS, TOY_TASKS, data_paths, model_specials, show, task_list, write_pictures
 from infra.scale import print0
 from model import ModelConfig, Transformer, load_tokenizer, num_params
 
@@ -56,6 +56,7 @@ def validate(cfg) -> None:
     need(cfg.estimator in importance.ESTIMATORS, f"estimator ({cfg.estimator!r}) must be one of {importance.ESTIMATORS}")
     need(cfg.text_reversing in importance.MODES, f"text_reversing ({cfg.text_reversing!r}) must be one of {importance.MODES}")
     need(cfg.loss_norm in grpo.NORMS, f"loss_norm ({cfg.loss_norm!r}) must be one of {grpo.NORMS}")
+    need(cfg.adv_std in ("auto", "on", "off"), f"adv_std ({cfg.adv_std!r}) must be auto, on or off")
     need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")
     need(cfg.image_sampler in ("emerge", "maskgit"), f"image_sampler ({cfg.image_sampler!r}) must be emerge or maskgit")
     known = TOY_TASKS + data.TASKS

@@ -106,3 +106,27 @@ def test_reward_shaping_reaches_the_benchmark_rewards(monkeypatch):
                        examples=[{"prompt": "q", "answer": "7"}] * 3)
     assert episodes.score(b, None, None).tolist() == [1.0, 0.0, 0.0]
     assert episodes.score(b, None, None, shaped=True).tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
+
+
+def test_d1_is_d1(base, monkeypatch):
+    """--estimator=d1 as d1's diffu-GRPO trainer: the whole completion masked in the input, some prompt
+    tokens masked (p 0.15), the loss mask ending at the first EOS, and advantages r - mean (no std)."""
+    _, (r,), _ = rl_step(base, monkeypatch, "--estimator=d1", "--num_iterations=2")
+    tok, sp, _ = base
+    b = r.batch
+    win = b.window_slice
+    for j in range(2):
+        assert (r.inputs[j][:, win] == sp.mask).all()
+    assert (torch.stack(r.inputs)[:, :, : b.prompt_len] == sp.mask).any()
+    tokens = b.x[:, win]
+    is_eos = tokens == sp.eos
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], b.window, dtype=torch.long))
+    want = torch.arange(b.window)[None] <= first[:, None]          # up to and including the first EOS
+    assert (~is_eos.any(1)).any() or is_eos.sum() > is_eos.any(1).sum(), "need rows with EOS padding"
+    for j in range(2):
+        assert torch.equal(r.loss_masks[j][:, win], want)
+    groups = r.rewards.view(-1, 4)
+    assert torch.allclose(r.adv.view(-1, 4), groups - groups.mean(1, keepdim=True), atol=1e-6)
+    # The same flags with --adv_std=on divide by the group std again.
+    _, (s,), _ = rl_step(base, monkeypatch, "--estimator=d1", "--num_iterations=2", "--adv_std=on")
+    assert not torch.allclose(s.adv, r.adv)

@@ -1,0 +1,220 @@
+"""Why the estimator works, measured: each importance estimator against the exact decoding log-ratio.
+
+    python importance.py --diagnose --ckpt out/toy/sft                  # text and image, toy settings
+    python importance.py --diagnose --ckpt out/toy_long/sft --preset toy_long --tasks=text
+
+GRPO needs log pi_theta(o) - log pi_old(o) for each rollout o. For a masked diffusion model the exact
+value along the path the sampler took is the decoding log-likelihood difference
+Delta = l_theta(o) - l_old(o), l_pi(o) = sum_s sum_{k revealed at step s} log pi(o_k | c, x^(s))
+(importance.decoding_logprob, from the order the sampler recorded). The estimators instead sum per-token
+log-ratios on one seeded masked copy of o (importance.build_masks + token_logprobs, the code training
+runs). This script measures, in the training regime, how well each estimate tracks Delta:
+
+1. pi_old = the checkpoint. Rollouts from pi_old for prompts_per_step x group_size sequences per task,
+   with the decoding order kept (train.collect(with_order=True)).
+2. One real MaskGRPO step with the Config's settings (train.update, mu times): theta_j is the policy after
+   j updates, the one inner iteration j scores in training.
+3. For j = 1 .. mu-1 and every sequence: Delta_j exactly; and, for each estimator, `draws` estimates
+   (mask seeds differ between draws), each the sum of the log-ratios log pi_theta_j - log pi_old over the
+   positions the estimator scores with the mask of iteration j.
+4. Per estimator: Pearson and Spearman correlation of estimate and Delta over (sequence, j) pairs, one
+   draw at a time then averaged; sign agreement; the spread over draws (mean standard deviation of one
+   sequence's estimates over draws, divided by the standard deviation of Delta over sequences); the
+   fraction of scored tokens whose ratio lies inside the clip range [1 - eps, 1 + eps].
+
+It prints one table per task and writes a PNG (`--png`): estimate vs Delta per estimator, and the
+masking probability by completion position of each reversing operator beside the sampler's measured
+decode order (the paper's Fig. 2, measured on the model).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+import torch
+
+import importance
+import tasks
+import train
+from infra import cli, plots
+from infra.episodes import IMAGE_TASKS, task_list, vocab_slice
+from infra.run import read_generation_settings, setup, validate
+from model import Transformer, load_tokenizer
+
+# (label, estimator, reversing mode, gamma or None for the Config's): the rows of the table.
+ESTIMATORS = [("d1", "d1", "arlike", None), ("UniGRPO", "unigrpo", "random", None),
+              ("MaskGRPO random", "maskgrpo", "random", None)] + \
+             [(f"MaskGRPO AR-like g={g}", "maskgrpo", "arlike", g) for g in (0.0, 0.3, 0.6, 0.8)]
+
+
+@dataclass
+class Options(train.Config):
+    diagnose: bool = False   # the switch that selects this script in `python importance.py --diagnose`
+    ckpt: str = ""           # pi_old: a checkpoint in the Hugging Face layout with tokenizer.json
+    draws: int = 4           # mask draws per estimator and inner iteration
+    png: str = "diagnose.png"
+
+
+def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
+    den = (a.norm() * b.norm()).item()
+    return (a @ b).item() / den if den > 0 else float("nan")
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    rank = lambda v: v.argsort().argsort().double()  # ties are rare in continuous log-ratios
+    return pearson(rank(a), rank(b))
+
+
+@torch.no_grad()
+def estimate(theta, old, r, mask_in, mask_loss, sp) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence sum of log pi_theta - log pi_old over the scored positions of one mask, as training
+    computes them (importance.token_logprobs), and the per-token ratios: ((B,), (T,))."""
+    b = r.batch
+    x_in = importance.apply_mask(b.x, mask_in, sp.mask)
+    kw = dict(attention_mask=b.attention_mask, vocab_slice=vocab_slice(b.task, sp))
+    lr = importance.token_logprobs(theta, x_in, b.x, mask_loss, **kw) - importance.token_logprobs(
+        old, x_in, b.x, mask_loss, **kw)                                                  # (B, L)
+    return lr.sum(-1), lr[mask_loss].exp()
+
+
+def diagnose_task(o: Options, task: str, old, tok, sp, device) -> dict:
+    cfg = replace(o, tasks=task)
+    # 1. rollouts from pi_old, with the decoding order
+    r = train.collect(old, None, task, tok, sp, cfg, device, 0, {}, None, with_order=True)
+    # 2. one MaskGRPO step: theta_j after j updates (the reference policy is pi_old itself, as in the
+    # first step of a run)
+    theta = copy.deepcopy(old)
+    opt = torch.optim.AdamW(theta.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    thetas = []
+    theta.train()
+    for j in range(cfg.num_iterations):
+        if j:
+            thetas.append(copy.deepcopy(theta).eval())
+        train.update(theta, opt, [r], j, cfg, sp, device, 0)
+    # 3. exact Delta_j and every estimator's estimates
+    b, kw = r.batch, dict(attention_mask=r.batch.attention_mask, vocab_slice=vocab_slice(task, sp), mask_id=sp.mask)
+    l_old = importance.decoding_logprob(old, b.x, r.order, **kw)                           # (B,)
+    deltas = [importance.decoding_logprob(t, b.x, r.order, **kw) - l_old for t in thetas]  # (mu-1) x (B,)
+    B, L = b.x.shape
+    window = torch.ones(B, b.window, dtype=torch.bool, device=device)
+    eos_window = importance.completion_mask_until_eos(b.x[:, b.window_slice], sp.eos)
+    rows = {}
+    for label, est, mode, gamma in ESTIMATORS:
+        if task in IMAGE_TASKS and mode == "arlike" and est == "maskgrpo" and gamma not in (None, cfg.gamma_image):
+            continue  # images use random reversing only; one AR-like row at the image gamma is enough
+        g = (cfg.gamma_image if task in IMAGE_TASKS else cfg.gamma_text) if gamma is None else gamma
+        per_draw, ratios = [], []
+        for k in range(o.draws):
+            ins, outs = importance.build_masks(
+                b.prompt_mask, eos_window if est == "d1" and task not in IMAGE_TASKS else window,
+                seed=importance.derive_seed(cfg.seed, "diagnose", task, label, k), step=0,
+                seq_index=list(range(B)), num_iterations=cfg.num_iterations, gamma=g, estimator=est, mode=mode,
+                p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)
+            ests = []
+            for j, t in enumerate(thetas, start=1):
+                e, rat = estimate(t, old, r, ins[j], outs[j], sp)
+                ests.append(e)
+                ratios.append(rat)
+            per_draw.append(torch.cat(ests))                                             # ((mu-1) B,)
+        exact = torch.cat(deltas)
+        draws = torch.stack(per_draw)                                                     # (draws, (mu-1) B)
+        rat = torch.cat(ratios)
+        rows[label] = {
+            "pearson": sum(pearson(d, exact) for d in draws) / len(draws),
+            "spearman": sum(spearman(d, exact) for d in draws) / len(draws),
+            "sign": ((draws.sign() == exact.sign()).double().mean()).item(),
+            "spread": (draws.std(0).mean() / exact.std().clamp(min=1e-12)).item(),
+            "in_clip": ((rat - 1).abs() <= cfg.clip_eps).double().mean().item(),
+            "scatter": (exact.tolist(), draws[0].tolist()),
+        }
+    rows["_order"] = order_curve(r, cfg, task)
+    return rows
+
+
+def order_curve(r, cfg, task: str) -> dict:
+    """Fig. 2, measured: for a mask ratio t, the probability that completion position n is masked under
+    each reversing operator, and the fraction of rollouts in which the sampler revealed position n in the
+    last t of its steps (the state a ratio-t mask imitates)."""
+    b, o = r.batch, r.order[:, r.batch.window_slice].double()                             # (B, N)
+    N = b.window
+    t = cfg.gamma_image if task in IMAGE_TASKS else cfg.gamma_text
+    total = o.max().item() + 1
+    sampler = (o >= (1 - t) * total).double().mean(0).tolist()                            # (N,)
+    arlike = (1 - importance._arlike_keep(N, t)).tolist()
+    return {"ratio": t, "sampler": sampler, "arlike": arlike, "random": [t] * N}
+
+
+def print_table(task: str, rows: dict) -> None:
+    print(f"\n{task}: estimate vs exact decoding log-ratio (pooled over inner iterations j >= 1)")
+    print("| estimator | Pearson | Spearman | sign agreement | spread / sd(Delta) | tokens in clip range |")
+    print("|---|---|---|---|---|---|")
+    for label, m in rows.items():
+        if not label.startswith("_"):
+            print(f"| {label} | {m['pearson']:.3f} | {m['spearman']:.3f} | {m['sign']:.3f} | {m['spread']:.3f} "
+                  f"| {m['in_clip']:.3f} |")
+
+
+def draw(results: dict, path: str) -> None:
+    """One row of panels per task: a scatter per estimator, then the Fig. 2 panel."""
+    pil = plots._pil()
+    if pil is None:
+        return
+    Image, ImageDraw, font = pil
+    S, M = 170, 22
+    ncol = max(len(r) for r in results.values())
+    img = Image.new("RGB", (ncol * (S + M) + M, len(results) * (S + 2 * M) + M), "white")
+    d = ImageDraw.Draw(img)
+    for row, (task, rows) in enumerate(results.items()):
+        y0 = M + row * (S + 2 * M)
+        for col, (label, m) in enumerate(rows.items()):
+            x0 = M + col * (S + M)
+            d.rectangle([x0, y0, x0 + S, y0 + S], outline=(0, 0, 0))
+            if label == "_order":
+                d.text((x0, y0 - 16), f"{task}: P(masked) by position, t={m['ratio']}", fill=(0, 0, 0), font=font)
+                for name, colour in (("sampler", (0, 0, 0)), ("arlike", (30, 110, 190)), ("random", (230, 110, 20))):
+                    ys = m[name]
+                    pts = [(x0 + S * i / max(1, len(ys) - 1), y0 + S * (1 - v)) for i, v in enumerate(ys)]
+                    d.line(pts, fill=colour, width=2)
+                continue
+            d.text((x0, y0 - 16), f"{task}: {label}", fill=(0, 0, 0), font=font)
+            ex, es = m["scatter"]
+            lo_x, hi_x = min(ex), max(ex)
+            lo_y, hi_y = min(es), max(es)
+            for a, b in zip(ex, es):
+                px = x0 + S * (a - lo_x) / max(hi_x - lo_x, 1e-12)
+                py = y0 + S * (1 - (b - lo_y) / max(hi_y - lo_y, 1e-12))
+                d.ellipse([px - 1.5, py - 1.5, px + 1.5, py + 1.5], fill=(30, 110, 190))
+    img.save(path)
+    print(f"wrote {path} (x: exact Delta, y: one draw of the estimate; last panel: black = sampler, "
+          "blue = AR-like reversing, orange = random reversing)")
+
+
+def main(argv=None) -> dict:
+    first = cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS)
+    saved = read_generation_settings(first.ckpt) if first.ckpt else {}
+    saved.pop("tasks", None)
+    o = cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS, defaults=saved)
+    if not o.diagnose or not o.ckpt:
+        raise ValueError("usage: python importance.py --diagnose --ckpt DIR [--preset NAME] [--field=value ...]")
+    if o.num_iterations < 2 or o.draws < 2:
+        raise ValueError(f"num_iterations ({o.num_iterations}) and draws ({o.draws}) must be >= 2")
+    validate(replace(o, init_from=o.ckpt))
+    device, _ = setup(o)
+    old = Transformer.from_pretrained(o.ckpt, device=device, dtype=torch.float32).eval()
+    tok = load_tokenizer(o.ckpt, old.config)
+    sp = tasks.specials(tok)
+    results = {}
+    for task in task_list(o):
+        results[task] = diagnose_task(o, task, old, tok, sp, device)
+        print_table(task, results[task])
+    if o.png:
+        draw(results, o.png)
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
