@@ -249,7 +249,7 @@ def toy_prompts(ckpt, n, device):
 SANDBOX_TASKS = [  # MBPP-style: a reference solution and its three asserts, all passing
     ("def add(a, b):\n    return a + b",
      ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]),
-    p = argparse.ArgumentParser(description="Tokens/second of sample.generate, exact and fast, vs LLaDA generate()")
+    ("def rev(s):\n    return s[::-1]", ["assert rev('abc') == 'cba'", "assert rev('') == ''", "assert rev('a') == 'a'"]),
     ("def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
      ["assert fib(0) == 0", "assert fib(10) == 55", "assert fib(30) == 832040"]),
     ("import re\ndef words(s):\n    return re.findall(r'[a-z]+', s.lower())",
@@ -275,7 +275,7 @@ def bench_sandbox(programs, loop_timeout=1.0):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Tokens/second of sample.generate, exact and fast, vs LLaDA's generate()")
+    p = argparse.ArgumentParser(description="Tokens/second of sample.generate, exact and fast, vs LLaDA generate()")
     p.add_argument("--quick", action="store_true", help="smoke run: gen length 64 and a 2-layer 256-d 'llada'")
     p.add_argument("--reps", type=int, default=1, help="interleaved repetitions; the table shows medians")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
