@@ -225,7 +225,7 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, attn_mask=None, kv=None, start=0, return_kv=False):
         """x (B, L, D) -> (B, L, D) [, (k, v) each (B, Hkv, Lk, Dh)]. With kv = (k, v) cached for Lk positions,
-        x holds positions [start, start + L) only, and its fresh keys replace those rows of the cache."""
+        x holds positions [start, start + L) only, and its fresh keys overwrite those rows of the cache in place."""
         B, L, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)      # (B, H, L, Dh)
@@ -233,11 +233,11 @@ class Block(nn.Module):
         v = self.v_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, L, Dh)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
-            # Keys stay in sequence order (cached prefix, fresh slice, cached suffix), so a key-padding mask
-            # over the full sequence lines up with them. Cached after RoPE: positions are absolute.
-            end = start + L
-            k = torch.cat([kv[0][:, :, :start], k, kv[0][:, :, end:]], dim=2)             # (B, Hkv, Lk, Dh)
-            v = torch.cat([kv[1][:, :, :start], v, kv[1][:, :, end:]], dim=2)             # (B, Hkv, Lk, Dh)
+            # The fresh slice overwrites its rows of the cache in place (no copy of the whole cache per layer
+            # and step), so keys stay in sequence order and a key-padding mask over the full sequence lines up
+            # with them. Cached after RoPE: positions are absolute.
+            kv[0][:, :, start:start + L], kv[1][:, :, start:start + L] = k, v
+            k, v = kv                                                                     # (B, Hkv, Lk, Dh)
         new_kv = (k, v)  # before the GQA repeat: a cache of Hkv heads, not H
         if self.n_kv_heads != self.n_heads:  # grouped-query attention: each kv head serves H/Hkv heads
             rep = self.n_heads // self.n_kv_heads
@@ -291,7 +291,8 @@ class Transformer(nn.Module):
             return_kv: also return every layer's keys and values: a list of (k, v), each (B, Hkv, L, Dh).
             kv, start: the cached path, an APPROXIMATION once the cache is stale. input_ids (B, l) are the
                 positions [start, start + l) of a sequence whose other keys and values come from kv (a
-                return_kv list for the same batch, Lk positions); attention_mask then covers all Lk. With a
+                return_kv list for the same batch, Lk positions, whose rows [start, start + l) this call
+                overwrites in place with the fresh keys and values); attention_mask then covers all Lk. With a
                 cache of the current tokens this equals the exact forward up to rounding; with an older
                 one it does not, since bidirectional attention lets every key depend on every token.
                 Fast-dLLM (arXiv:2505.22618) finds the drift small across the steps of one block."""

@@ -1,19 +1,19 @@
 """Reverse-process samplers for masked diffusion models: text (LLaDA) and images (MMaDA / MaskGRPO).
 
-MaskGRPO (arXiv:2510.02880) rolls out with these samplers (method.md §4):
-  generate        LLaDA's semi-autoregressive block sampler with low-confidence or random remasking
-                  (LLaDA arXiv:2502.09992 and its public generate.py; llada-format.md §6). At temperature 0
-                  it reproduces the public LLaDA generate() token for token. Opt-in approximations for
-                  fast rollouts: kv_cache="prefix"/"dual" and threshold (Fast-dLLM, arXiv:2505.22618;
-                  bench.py), stop_at_eos (early EOS stop); the defaults are the exact sampler.
-  generate_image  over the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`: MaskGRPO's
-                  "emerge" sampler (MDLM ancestral sampling on a cosine schedule, paper Alg. 4) or MMaDA's
-                  MaskGIT confidence sampler, both with optional classifier-free guidance.
+MaskGRPO (arXiv:2510.02880) rolls out with these samplers:
+  generate        LLaDA's semi-autoregressive block sampler with low-confidence or random remasking (LLaDA
+                  arXiv:2502.09992 and its public generate.py); at temperature 0 it reproduces the public
+                  generate() token for token. Opt-in approximations for fast rollouts: kv_cache="prefix"/"dual"
+                  and threshold (Fast-dLLM, arXiv:2505.22618; infra/bench.py measures them), stop_at_eos.
+  generate_image  over the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`: MaskGRPO's "emerge"
+                  sampler (MDLM ancestral sampling on a cosine schedule, paper Alg. 4) or MMaDA's MaskGIT
+                  confidence sampler, both with optional classifier-free guidance.
+Both can return the decoding order (return_order=True): the step at which each position was revealed, from
+which the states the sampler saw are rebuilt (importance.py scores trajectories that way).
 
-Randomness is explicit: every random number is drawn from the `generator` argument, on the generator's own
-device, then moved to the logits' device. A CPU generator gives identical samples on CPU and GPU; a CUDA
-generator avoids the host round trip (use one for LLaDA-8B at temperature > 0, whose float64 Gumbel noise is
-B*L*V numbers per step). The global RNG is never used; a stochastic call without a generator is an error.
+Randomness is explicit: every random number comes from the `generator` argument (one, or one per row), drawn
+on the generator's own device; a CPU generator gives identical samples on CPU and GPU. The global RNG is never
+used; a stochastic call without a generator is an error.
 
     python sample.py --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --chat
 
@@ -30,35 +30,69 @@ from tqdm import tqdm
 REMASKING = ("low_confidence", "random")
 KV_CACHES = (None, "prefix", "dual")
 IMAGE_SAMPLERS = ("emerge", "maskgit")
+# BLAS takes another kernel (other rounding) for a GEMM of a few rows (on our 2-thread CPU, fewer than 12).
+# With the head on at least this many rows, every row gets the same bits as in the full-sequence GEMM.
+MIN_HEAD_ROWS = 32
 
 
 # -----------------------------------------------------------------------------------------------------
 # shared pieces
 
 
-def _uniform(shape, generator, device, dtype=torch.float64, active=None):
-    """U[0, 1) draws made on the generator's device, then moved to `device`. generator may also be a list
-    with one generator per row (shape[0] of them): row i then depends on its own generator only, so a
-    sequence gets the same sample whatever batch, process or world size it is generated in (train.py).
-    active: with per-row generators, the rows that draw (the others get 0.5 and leave their generator
-    untouched), so a row that finished early does not advance its stream while its batch mates go on."""
+def _skip(g, n, dtype):
+    """Advance CPU generator g past n uniforms of `dtype` without keeping them. Its Mersenne Twister spends
+    two 32-bit words on a float64 and one on a float32 or a uint8 randint, so 1-byte draws replay the stream
+    in an eighth of the memory (tests/test_sample.py checks this against the full draw)."""
+    words = n * (2 if dtype == torch.float64 else 1)
+    for i in range(0, words, 1 << 24):
+        torch.randint(0, 2, (min(1 << 24, words - i),), generator=g, dtype=torch.uint8)
+
+
+def _uniform(shape, generator, device, dtype=torch.float64, active=None, cols=None):
+    """U[0, 1) draws of `shape`, made on the generator's device and moved to `device`. generator may be a list
+    of shape[0] generators, one per row: row i then depends on its own generator only, so a sequence gets the
+    same sample in any batch, process or world size (train.py).
+    active: with per-row generators, the rows that draw (the others get 0.5 and leave their stream alone).
+    cols: a slice of dim 1; only those columns are returned and drawn. A CPU generator still advances as if
+    the whole shape were drawn (same numbers as the full draw, without its memory); another device's
+    generator draws the columns alone (its numbers depend on the draw size anyway)."""
     if generator is None:
         raise ValueError("this call samples at random but generator is None; pass e.g. "
                          "generator=torch.Generator().manual_seed(0) (a CPU generator gives the same samples "
                          "on every device)")
-    if isinstance(generator, (list, tuple)):
-        if len(generator) != shape[0]:
-            raise ValueError(f"got {len(generator)} per-row generators for a batch of {shape[0]} rows")
-        idle = torch.full(shape[1:], 0.5, dtype=dtype, device=device)
-        return torch.stack([torch.rand(shape[1:], generator=g, device=g.device, dtype=dtype).to(device)
-                            if active is None or active[i] else idle for i, g in enumerate(generator)])
-    return torch.rand(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
+    rows = generator if isinstance(generator, (list, tuple)) else None
+    if rows is not None and len(rows) != shape[0]:
+        raise ValueError(f"got {len(rows)} per-row generators for a batch of {shape[0]} rows")
+    if rows is None and cols is None:
+        return torch.rand(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
+    lo, hi = (0, shape[1]) if cols is None else (cols.start, cols.stop)
+    out = torch.empty((shape[0], hi - lo, *shape[2:]), dtype=dtype, device=device)
+    per_col = math.prod(shape[2:])
+    for i, g in enumerate(rows or [generator] * shape[0]):
+        if rows is not None and active is not None and not active[i]:
+            out[i] = 0.5
+            continue
+        cpu = g.device.type == "cpu"
+        _skip(g, lo * per_col * cpu, dtype)
+        out[i] = torch.rand(out.shape[1:], generator=g, device=g.device, dtype=dtype)
+        _skip(g, (shape[1] - hi) * per_col * cpu, dtype)
+    return out
 
 
-def _forward(model, x, attention_mask):
-    logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
-    assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
-    return logits
+def _forward(model, x, attention_mask, lo=0, end=None, **kw):
+    """Logits (B, end - lo, V) at positions [lo, end) of x from a full forward pass. The head runs on those
+    positions only (widened to MIN_HEAD_ROWS rows, see above) when the model takes logits_at (model.py).
+    kw (return_kv) makes it return (logits, kv)."""
+    B, L = x.shape
+    end = L if end is None else end
+    if not getattr(model, "accepts_cache_kwargs", False):
+        logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
+        assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
+        return logits[:, lo:end]
+    w = min(L, max(end - lo, -(-MIN_HEAD_ROWS // B)))
+    a = min(lo, L - w)                                                             # [a, a + w) holds [lo, end)
+    out = model(x, attention_mask, logits_at=slice(a, a + w), **kw)
+    return (out[0][:, lo - a:end - a], out[1]) if kw.get("return_kv") else out[:, lo - a:end - a]
 
 
 def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
@@ -73,28 +107,24 @@ def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
     return c // steps + (i[None, :] < c % steps).long()                            # (B, S)
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: float, generator=None, u=None) -> torch.Tensor:
-    """A sample of softmax(logits / temperature) for every row: (..., V) -> (...) int64; plain argmax at
-    temperature 0. LLaDA's form exp(l) / (-log u)^tau has the argmax of l / tau + Gumbel; we keep that exact
-    expression so that the same uniforms pick the same tokens as the reference. u: float64 uniforms of the
-    logits' shape (default: drawn here from generator)."""
+def gumbel_argmax(logits: torch.Tensor, temperature: float, u=None) -> torch.Tensor:
+    """A sample of softmax(logits / temperature) for every row: (..., V) -> (...) int64, given float64
+    uniforms u of the logits' shape; plain argmax at temperature 0. LLaDA's form exp(l) / (-log u)^tau has
+    the argmax of l / tau + Gumbel; the same expression makes the same uniforms pick the same tokens."""
     if temperature == 0:
         return logits.argmax(-1)
-    # float64 Gumbel: float32 uniforms truncate the noise tail, which lowers the effective temperature and
-    # the diversity of masked-diffusion samples (arXiv:2409.02908). The official MaskGRPO trainer draws it
-    # in bf16 (method.md §9 item 18); we do not.
-    l64 = logits.double()                                                          # (..., V)
-    u = _uniform(l64.shape, generator, l64.device) if u is None else u             # (..., V)
-    return (l64.exp() / (-torch.log(u)) ** temperature).argmax(-1)
+    # float64: float32 uniforms truncate the Gumbel tail, which lowers the effective temperature and the
+    # diversity of masked-diffusion samples (arXiv:2409.02908); the official trainer uses bf16
+    # (docs/differences.md).
+    return (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
 
 
 def select_top_k(confidence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """bool (B, L): row j marks the counts[j] positions that torch.topk(confidence[j], counts[j]) returns.
 
-    Same rule as LLaDA's per-row topk loop, ties included: one batched topk per distinct count (in LLaDA
-    every row starts a block with the same number of masks, so one call per step). A stable argsort rank
-    would not do: CPU topk breaks ties with nth_element, in no fixed index order, and bf16 confidences near
-    p = 1 tie often, so exact reproduction needs topk's own choice (llada-format.md §6, checklist item 3).
+    Same rule as LLaDA's per-row topk loop, ties included: one batched topk per distinct count. A stable
+    argsort rank would not do: CPU topk breaks ties in no fixed index order, and bf16 confidences near p = 1
+    tie often, so exact reproduction needs topk's own choice, on the same full-length row.
     Batched == per-row topk is checked on CPU by tests/test_sample.py; not verified on CUDA."""
     select = torch.zeros_like(confidence, dtype=torch.bool)                        # (B, L)
     for k in counts.unique().tolist():
@@ -104,12 +134,18 @@ def select_top_k(confidence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor
     return select
 
 
+def _record(order, before, after, mask_id, s):
+    """order[i, j] = s where position j was masked in `before` and is not in `after` (in place, views too)."""
+    if order is not None:
+        order[(before == mask_id) & (after != mask_id)] = s
+
+
 # -----------------------------------------------------------------------------------------------------
 # text: LLaDA semi-autoregressive low-confidence sampler
 
 
 def _check_text_args(prompt_ids, attention_mask, gen_length, block_length, steps, temperature, cfg_scale,
-                     remasking, mask_id):
+                     remasking, mask_id, model, kv_cache, threshold):
     if prompt_ids.dim() != 2 or prompt_ids.is_floating_point():
         raise ValueError(f"prompt_ids must be a (B, P) integer tensor, got {prompt_ids.dtype} "
                          f"{tuple(prompt_ids.shape)}")
@@ -150,34 +186,18 @@ def _check_text_args(prompt_ids, attention_mask, gen_length, block_length, steps
         raise ValueError(f"prompt_ids contains the mask id ({mask_id}) at (row, position) "
                          f"{hits[:4].tolist()}; LLaDA would silently generate a token there. Remove it, or "
                          "check that mask_id and the tokenizer come from the same checkpoint")
-    return num_blocks, steps // num_blocks
-
-
-def _check_fast_args(model, kv_cache, threshold, remasking):
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache ({kv_cache!r}) must be one of {KV_CACHES} (None = exact)")
     if kv_cache is not None and not getattr(model, "accepts_cache_kwargs", False):
         raise ValueError(f"kv_cache={kv_cache!r} needs a model whose forward takes the kv / start / return_kv "
                          f"arguments (model.Transformer); {type(model).__name__} does not: use kv_cache=None")
-    if threshold is not None:
-        if not threshold >= 0:
-            raise ValueError(f"threshold ({threshold}) must be a confidence >= 0 (Fast-dLLM uses 0.9), or None "
-                             "for the fixed schedule")
-        if remasking != "low_confidence":
-            raise ValueError(f"threshold compares model confidences, but remasking={remasking!r} ranks by a "
-                             "uniform draw; use remasking='low_confidence' or threshold=None")
-
-
-def _text_logits(model, x, attention_mask, prompt_index, cfg_scale, mask_id):
-    """(B, L, V) logits for the current x, with unsupervised classifier-free guidance when cfg_scale > 0."""
-    if cfg_scale == 0:
-        return _forward(model, x, attention_mask)
-    # Unsupervised CFG (arXiv:2410.18514, as in LLaDA's generate.py): the unconditional input is x with the
-    # prompt hidden behind masks; both halves run in one batch with the padding mask duplicated.
-    x_u = x.masked_fill(prompt_index, mask_id)                                     # (B, L)
-    mask2 = None if attention_mask is None else attention_mask.repeat(2, 1)        # (2B, L)
-    cond, uncond = _forward(model, torch.cat([x, x_u]), mask2).chunk(2)            # 2 x (B, L, V)
-    return _guide(cond, uncond, cfg_scale)
+    if threshold is not None and not threshold >= 0:
+        raise ValueError(f"threshold ({threshold}) must be a confidence >= 0 (Fast-dLLM uses 0.9), or None "
+                         "for the fixed schedule")
+    if threshold is not None and remasking != "low_confidence":
+        raise ValueError(f"threshold compares model confidences, but remasking={remasking!r} ranks by a "
+                         "uniform draw; use remasking='low_confidence' or threshold=None")
+    return num_blocks, steps // num_blocks
 
 
 def _guide(cond, uncond, cfg_scale):
@@ -185,65 +205,75 @@ def _guide(cond, uncond, cfg_scale):
     return uncond + (cfg_scale + 1) * (cond - uncond)
 
 
-def _fast_block(model, x, attention_mask, prompt_index, start, end, steps, kv_cache, threshold, *, temperature,
-                cfg_scale, remasking, mask_id, generator, eos_id, eot_id, logits_eos_inf, confidence_eos_eot_inf,
-                bar):
-    """Denoise x[:, start:end] in at most `steps` forward passes, the opt-in fast way: (b, L) -> (b, L)."""
-    K = end - start
-    cached = getattr(model, "accepts_cache_kwargs", False)
+def _block(model, x, attention_mask, prompt_index, start, end, steps, order, s0, *, kv_cache, threshold,
+           temperature, cfg_scale, remasking, mask_id, generator, eos_id, eot_id, logits_eos_inf,
+           confidence_eos_eot_inf, bar):
+    """Denoise x[:, start:end] in `steps` steps (at most, on the fast paths), in place: (b, L) -> (b, L).
+    The exact sampler is LLaDA's generate() inner loop; order (b, L) gets step s0 + i for what step i reveals."""
+    B, L = x.shape
+    exact = kv_cache is None and threshold is None
+    counts = transfer_schedule((x[:, start:end] == mask_id).sum(1), steps) if exact else None  # (b, steps)
     mask2 = attention_mask if cfg_scale == 0 or attention_mask is None else attention_mask.repeat(2, 1)
     kv = None
     for i in range(steps):
-        # CFG: conditional and unconditional halves in one batch, each with its own rows of the cache.
+        masked = x == mask_id                                                      # (b, L)
+        # The exact sampler lets a predicted mask id stay masked, and it competes again later, even from an
+        # earlier block: its choices run from the first masked position to the block end. The fast paths
+        # never commit the mask id, so everything before the block is decoded.
+        cols = masked[:, :end].any(0).nonzero() if exact else None
+        lo = (int(cols[0]) if len(cols) else end) if exact else start
+        # CFG (arXiv:2410.18514, as LLaDA's generate.py): the unconditional half has the prompt masked.
         xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (b or 2b, L)
-        if not cached:
-            out = _forward(model, xx, mask2)[:, start:end]                         # (b, K, V)
-        elif kv is None:
-            # No cache yet (or none wanted): the full sequence, the head on the block only. With a cache,
-            # this block-start pass is exact and stores every layer's keys and values for the steps below.
-            out = model(xx, mask2, logits_at=slice(start, end), return_kv=kv_cache is not None)
-            if kv_cache is not None:
-                out, kv = out
+        if kv is None:
+            # A full forward with the head only where a choice is made. With a cache, this block-start pass
+            # is exact and stores every layer's keys and values for the steps below.
+            out = _forward(model, xx, mask2, lo, end, return_kv=kv_cache is not None)  # (b or 2b, l, V)
+            out, kv = out if kv_cache is not None else (out, None)
         else:
-            # Fast-dLLM (arXiv:2505.22618) prefix cache: recompute the block and everything after it, read
-            # the finished prefix from the cache. Dual cache: recompute the block alone; the masked suffix
-            # is read from the cache too. Approximate: cached keys are from the block start (model.py).
-            stop = xx.shape[1] if kv_cache == "prefix" else end
-            out = model(xx[:, start:stop], mask2, kv=kv, start=start, logits_at=slice(0, K))
-        logits = out if cfg_scale == 0 else _guide(*out.chunk(2), cfg_scale)        # (b, K, V)
-        # Never commit the mask id: the fast paths decode every position, and a block is done when it has
-        # no mask left (the exact sampler lets a predicted mask stay masked, to be revisited later).
-        logits[..., mask_id] = -math.inf
+            # Fast-dLLM (arXiv:2505.22618) prefix cache: recompute the block and everything after it; dual
+            # cache: the block alone. The rest is read from the cache of the block start, so it is stale.
+            stop = L if kv_cache == "prefix" else end
+            out = model(xx[:, start:stop], mask2, kv=kv, start=start, logits_at=slice(0, end - start))
+        logits = out if cfg_scale == 0 else _guide(*out.chunk(2), cfg_scale)        # (b, l, V)
+        if not exact:  # never commit the mask id: a block is done when it has no mask left
+            logits[..., mask_id] = -math.inf
         if logits_eos_inf:
             logits[..., eos_id] = -math.inf
-        # Rows whose block is already done draw nothing: with per-row generators a row's stream then
-        # advances exactly as when it is decoded alone (train.py's world-size independence).
-        active = (x[:, start:end] == mask_id).any(1).tolist()                      # (b,)
-        u = _uniform(logits.shape, generator, logits.device, active=active) if temperature > 0 else None
-        x0 = gumbel_argmax(logits, temperature, generator, u)                      # (b, K)
-        if confidence_eos_eot_inf:  # as in the exact sampler
+        # The exact sampler draws every row's noise over the whole sequence (LLaDA's generator stream); the
+        # fast paths draw over the block, and a row whose block is done draws nothing, so with per-row
+        # generators a row's stream advances as when it is decoded alone.
+        draw = dict(cols=slice(lo, end)) if exact else dict(active=masked[:, start:end].any(1).tolist())
+        width = L if exact else end - start
+        u = _uniform((B, width, logits.shape[-1]), generator, x.device, **draw) if temperature > 0 else None
+        x0 = gumbel_argmax(logits, temperature, u)                                 # (b, l)
+        if confidence_eos_eot_inf:
+            # LLaDA sets the noisy logits' EOS and the clean logits' EOT to -inf *after* choosing x0, so only
+            # the confidence changes; at temperature 0 the noisy logits are the same tensor, so EOS is hit too.
             logits[..., eot_id] = -math.inf
             if temperature == 0:
                 logits[..., eos_id] = -math.inf
         if remasking == "low_confidence":
-            conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # (b, K)
+            # Softmax in the logits' own dtype (bf16 for LLaDA-8B), as the reference: a float32 softmax would
+            # break bf16 ties differently and change the output.
+            conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # (b, l)
         else:
-            conf = _uniform(x0.shape, generator, x.device, torch.float32, active=active)  # (b, K)
-        masked = x[:, start:end] == mask_id                                        # (b, K)
-        # topk over a full-length row, -inf outside the block, as the exact sampler: confidences tie (at
-        # p = 1, in bf16), and topk breaks ties by the row it is given (select_top_k).
-        full = torch.full(x.shape, -math.inf, dtype=conf.dtype, device=x.device)   # (b, L)
-        full[:, start:end] = torch.where(masked, conf, -math.inf)
-        # At least what the fixed schedule still needs, ceil(remaining / steps left): LLaDA Eq. (8)'s
-        # transfer_schedule when nothing extra was committed, and always every mask by the last step.
-        left = masked.sum(1)                                                       # (b,)
-        select = select_top_k(full, (left + steps - i - 1) // (steps - i))[:, start:end]  # (b, K)
-        if threshold is not None:
-            # Fast-dLLM's parallel decoding: also every masked position confident beyond the threshold.
-            select |= masked & (conf > threshold)
-        x[:, start:end] = torch.where(select, x0, x[:, start:end])
+            conf = _uniform((B, width), generator, x.device, torch.float32, **draw)  # (b, l)
+        m = masked[:, lo:end]                                                      # (b, l)
+        # topk over full-length rows with -inf elsewhere, as LLaDA: confidences tie (at p = 1, in bf16) and
+        # topk breaks ties by the row it is given (select_top_k).
+        full = torch.full((B, L), -math.inf, dtype=conf.dtype, device=x.device)   # (b, L)
+        full[:, lo:end] = torch.where(m, conf, -math.inf)
+        # Fast paths: at least what the fixed schedule still needs, ceil(masked left / steps left), which is
+        # transfer_schedule when nothing extra was committed, and every mask by the last step.
+        left = masked[:, start:end].sum(1)                                         # (b,)
+        select = select_top_k(full, counts[:, i] if exact else (left + steps - i - 1) // (steps - i))[:, lo:end]
+        if threshold is not None:  # Fast-dLLM's parallel decoding: also every masked position beyond tau
+            select |= m & (conf > threshold)
+        new = torch.where(select & m, x0, x[:, lo:end])                            # (b, l)
+        _record(None if order is None else order[:, lo:end], x[:, lo:end], new, mask_id, s0 + i)
+        x[:, lo:end] = new
         bar.update()
-        if not (x[:, start:end] == mask_id).any():
+        if not exact and not (x[:, start:end] == mask_id).any():
             break
     return x
 
@@ -252,23 +282,24 @@ def _fast_block(model, x, attention_mask, prompt_index, start, end, steps, kv_ca
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
              remasking="low_confidence", mask_id, generator=None, attention_mask=None, logits_eos_inf=False,
              confidence_eos_eot_inf=False, eos_id=None, eot_id=None, kv_cache=None, threshold=None,
-             stop_at_eos=False, progress=False):
-    """LLaDA's semi-autoregressive sampler (llada-format.md §6; method.md §4.1).
+             stop_at_eos=False, return_order=False, progress=False):
+    """LLaDA's semi-autoregressive sampler (LLaDA arXiv:2502.09992; MaskGRPO's text rollouts).
 
     prompt_ids (B, P) int64, left-padded; attention_mask (B, P) with 1 = real token (optional; it is passed
-    to the model extended with ones for the completion). Returns x (B, P + N), prompt included.
+    to the model extended with ones for the completion). Returns x (B, P + N), prompt included, and with
+    return_order=True also order (B, P + N) int64: the step s at which each position was revealed, counted
+    across blocks (block b's step i is b * steps // num_blocks + i), -1 where no step revealed anything (the
+    prompt). The state before step s is x with every position of order >= s masked.
 
     The completion is split into gen_length / block_length blocks, denoised left to right with
-    steps / num_blocks steps each. Every step predicts x0 for all positions (Gumbel-max at temperature > 0)
-    and reveals, in the current block, the transfer_schedule count of masked positions with the highest
-    confidence: p(x0) for "low_confidence", a uniform draw for "random". Positions whose x0 is the mask id
-    stay masks, as in the reference. The model should be in eval mode.
+    steps / num_blocks steps each. Every step predicts x0 (Gumbel-max at temperature > 0) and reveals, in the
+    current block, the transfer_schedule count of masked positions with the highest confidence: p(x0) for
+    "low_confidence", a uniform draw for "random". Positions whose x0 is the mask id stay masks, as in the
+    reference. The model should be in eval mode. The output head runs only where a choice is made.
 
-    With the defaults this is the exact sampler, the reference. The options below are opt-in
-    approximations for fast rollouts (peers.md §4; bench.py measures them). They change only the behaviour
-    policy: the MaskGRPO estimator recomputes log-probabilities under its own masks (importance.py).
-    Any of them also computes the output head only on the current block, and never commits the mask id,
-    so every position is decoded.
+    With the defaults this is the exact sampler, the reference. The options below are opt-in approximations
+    for fast rollouts (infra/bench.py measures them). They change only the behaviour policy: the MaskGRPO
+    estimator recomputes log-probabilities under its own masks (importance.py). They never commit the mask id.
 
     Args:
         cfg_scale: guidance weight w; logits = l_u + (w + 1)(l_c - l_u), l_u with the prompt masked.
@@ -276,7 +307,7 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
             list of B generators, one per row (a row's sample then does not depend on its batch).
         logits_eos_inf: never predict EOS (eos_id, default model.config.eos_token_id).
         confidence_eos_eot_inf: give EOT predictions (eot_id) confidence 0, and EOS ones too at
-            temperature 0, exactly as LLaDA's flag does (llada-format.md §5).
+            temperature 0, exactly as LLaDA's flag does.
         kv_cache: None (exact), "prefix" or "dual": Fast-dLLM's block-wise KV cache (arXiv:2505.22618). At
             each block start one full forward caches every layer's keys and values; the block's later steps
             then recompute only the block and the suffix after it ("prefix") or only the block ("dual"),
@@ -284,17 +315,15 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
         threshold: None (fixed schedule) or tau: each step also commits every masked position of the block
             whose confidence exceeds tau (Fast-dLLM's parallel decoding; 0.9 there), so a block may finish
             in fewer steps. `steps` stays an upper bound: each step commits at least ceil(masked left / steps
-            left), one per step when steps = gen_length, as in Fast-dLLM. tau >= 1 never fires.
-            low_confidence remasking only.
-        stop_at_eos: once a finished block leaves a row with an EOS (eos_id) anywhere in its completion,
-            fill the rest of that row with EOS and drop it from later forward passes (EOSER's early
-            rejection, peers.md §4.7). Tokens up to the first EOS are those of a full run (at temperature 0
-            up to kernel rounding on the smaller batch; at temperature > 0 in distribution, the draws
-            differ); later ones become EOS where the model might have written something else. Exact for a
-            consumer that cuts the completion at its first EOS, approximate otherwise.
+            left). tau >= 1 never fires. low_confidence remasking only.
+        stop_at_eos: once a finished block leaves a row with an EOS (eos_id) in its completion, fill the rest
+            of that row with EOS and drop it from later forward passes (early rejection). Tokens up to the
+            first EOS are those of a full run (at temperature 0 up to kernel rounding on the smaller batch; at
+            temperature > 0 in distribution); exact for a consumer that cuts at the first EOS.
     """
     num_blocks, steps_per_block = _check_text_args(prompt_ids, attention_mask, gen_length, block_length, steps,
-                                                   temperature, cfg_scale, remasking, mask_id)
+                                                   temperature, cfg_scale, remasking, mask_id, model, kv_cache,
+                                                   threshold)
     if eos_id is None:
         eos_id = getattr(getattr(model, "config", None), "eos_token_id", None)
     if (logits_eos_inf or confidence_eos_eot_inf or stop_at_eos) and eos_id is None:
@@ -302,92 +331,41 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
                          "no config.eos_token_id to default to")
     if confidence_eos_eot_inf and eot_id is None:
         raise ValueError("confidence_eos_eot_inf needs eot_id, the <|eot_id|> token id (126348 for LLaDA)")
-    _check_fast_args(model, kv_cache, threshold, remasking)
+    if stop_at_eos and return_order:
+        raise ValueError("stop_at_eos fills rows with EOS that no step decoded, so they have no order; "
+                         "use return_order with stop_at_eos=False")
     B, P = prompt_ids.shape
     x = torch.full((B, P + gen_length), mask_id, dtype=torch.long, device=prompt_ids.device)  # (B, L)
     x[:, :P] = prompt_ids
+    order = torch.full_like(x, -1) if return_order else None                      # (B, L)
     if attention_mask is not None:
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, gen_length)], dim=1)  # (B, L)
     # Computed once, before anything is revealed: CFG's unconditional input masks exactly these positions.
     prompt_index = x != mask_id                                                    # (B, L)
-    fast = kv_cache is not None or threshold is not None
-    sampling = dict(temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, mask_id=mask_id,
-                    generator=generator, eos_id=eos_id, eot_id=eot_id, logits_eos_inf=logits_eos_inf,
-                    confidence_eos_eot_inf=confidence_eos_eot_inf)
+    sampling = dict(kv_cache=kv_cache, threshold=threshold, temperature=temperature, cfg_scale=cfg_scale,
+                    remasking=remasking, mask_id=mask_id, generator=generator, eos_id=eos_id, eot_id=eot_id,
+                    logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf)
     finished = torch.zeros(B, dtype=torch.bool, device=x.device)  # stop_at_eos: rows that ended
 
     bar = tqdm(total=steps, desc="denoising", disable=not progress, leave=False)
     for b in range(num_blocks):
-        end = P + (b + 1) * block_length
+        start, end = P + b * block_length, P + (b + 1) * block_length
         rows = (~finished).nonzero().squeeze(1)                                   # (b,)
         if len(rows) == 0:
             break
-        sub = len(rows) < B  # stop_at_eos only: the unfinished rows run alone
-        if sub:
-            xb, maskb, promptb = x[rows], None if attention_mask is None else attention_mask[rows], prompt_index[rows]
-            if isinstance(generator, (list, tuple)):  # per-row generators follow their rows
-                sampling["generator"] = [generator[i] for i in rows.tolist()]
-        else:
-            xb, maskb, promptb = x, attention_mask, prompt_index
-        if fast:
-            xb = _fast_block(model, xb, maskb, promptb, end - block_length, end, steps_per_block, kv_cache,
-                             threshold, bar=bar, **sampling)
-        else:
-            xb = _exact_block(model, xb, maskb, promptb, end, block_length, steps_per_block, bar=bar, **sampling)
-        if sub:
-            x[rows] = xb
-        else:
-            x = xb
+        if len(rows) == B:
+            _block(model, x, attention_mask, prompt_index, start, end, steps_per_block, order,
+                   b * steps_per_block, bar=bar, **sampling)
+        else:  # stop_at_eos only: the unfinished rows run alone, per-row generators following their rows
+            gens = [generator[i] for i in rows.tolist()] if isinstance(generator, (list, tuple)) else generator
+            x[rows] = _block(model, x[rows], None if attention_mask is None else attention_mask[rows],
+                             prompt_index[rows], start, end, steps_per_block, None, 0, bar=bar,
+                             **{**sampling, "generator": gens})
         if stop_at_eos:
             finished |= (x[:, P:end] == eos_id).any(1)
             x[finished, end:] = eos_id
     bar.close()
-    return x
-
-
-def _exact_block(model, x, attention_mask, prompt_index, end, block_length, steps_per_block, *, temperature,
-                 cfg_scale, remasking, mask_id, generator, eos_id, eot_id, logits_eos_inf, confidence_eos_eot_inf,
-                 bar):
-    """One block of the exact sampler (LLaDA's generate() inner loop): (b, L) -> (b, L)."""
-    counts = transfer_schedule((x[:, end - block_length:end] == mask_id).sum(1), steps_per_block)  # (b, s)
-    for i in range(steps_per_block):
-        masked = x == mask_id                                                      # (b, L)
-        # The model computes the full (b, L, V) logits, as the reference. Computing the head on the block
-        # alone is the same maths but not the same bits: BLAS picks its kernel by matrix shape (on our CPU,
-        # rows past the last multiple of 4 take another path, ~1e-6 apart), which can flip a near-tie.
-        # Everything after the head is per position, so it runs only where a choice is made: from the
-        # first masked position (a predicted mask id stays masked and competes again) to the block end.
-        logits = _text_logits(model, x, attention_mask, prompt_index, cfg_scale, mask_id)  # (b, L, V)
-        cols = masked[:, :end].any(0).nonzero()
-        lo = int(cols[0]) if len(cols) else end
-        u = None
-        if temperature > 0:  # drawn for every position all the same, so the generator stays in step
-            u = _uniform(logits.shape, generator, x.device)[:, lo:end]             # (b, l, V)
-        logits = logits[:, lo:end]                                                 # (b, l, V)
-        if logits_eos_inf:
-            logits[..., eos_id] = -math.inf
-        x0 = x.clone()                                                             # (b, L)
-        x0[:, lo:end] = gumbel_argmax(logits, temperature, generator, u)
-        if confidence_eos_eot_inf:
-            # LLaDA sets the noisy logits' EOS and the clean logits' EOT to -inf *after* choosing x0, so
-            # only the confidence changes; at temperature 0 the noisy logits are the same tensor, so EOS
-            # is hit too (llada-format.md §5).
-            logits[..., eot_id] = -math.inf
-            if temperature == 0:
-                logits[..., eos_id] = -math.inf
-        if remasking == "low_confidence":
-            # Softmax in the logits' own dtype (bf16 for LLaDA-8B), as the reference: a float32 softmax
-            # would break bf16 ties differently and change the output (llada-format.md §6 item 2).
-            conf = torch.full(x.shape, -math.inf, dtype=logits.dtype, device=x.device)  # (b, L)
-            conf[:, lo:end] = F.softmax(logits, dim=-1).gather(-1, x0[:, lo:end, None]).squeeze(-1)
-        else:
-            conf = _uniform(x.shape, generator, x.device, torch.float32)           # (b, L)
-        conf[:, end:] = -math.inf  # later blocks wait their turn: the semi-autoregressive order
-        x0 = torch.where(masked, x0, x)
-        conf = torch.where(masked, conf, -math.inf)  # before topk, as the reference (§6 item 4)
-        x = torch.where(select_top_k(conf, counts[:, i]), x0, x)
-        bar.update()
-    return x
+    return (x, order) if return_order else x
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -395,7 +373,7 @@ def _exact_block(model, x, attention_mask, prompt_index, end, block_length, step
 
 
 def _cosine(u: float) -> float:
-    """Masked fraction at normalised time u in [0, 1] (method.md §4.4): kappa(u) = cos(pi u / 2)."""
+    """Masked fraction at normalised time u in [0, 1]: kappa(u) = cos(pi u / 2) (paper Alg. 4)."""
     return math.cos(math.pi * u / 2)
 
 
@@ -413,17 +391,17 @@ def _sample_categorical(probs, generator):
 def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask, cfg_scale):
     """float64 probabilities (B, n, C) over the codebook at the image slots, with CFG when cfg_scale > 0."""
     if cfg_scale == 0:
-        logits = _forward(model, x, attention_mask)[:, span, codes]                # (B, n, C)
+        logits = _forward(model, x, attention_mask, span.start, span.stop)[..., codes]  # (B, n, C)
     else:
-        # The unconditional input is the empty-caption prompt around the *current* image (method.md §4.5).
+        # The unconditional input is the empty-caption prompt around the *current* image (MMaDA).
         x_u = uncond_ids.clone()
         x_u[:, span] = x[:, span]
         masks = None
         if attention_mask is not None or uncond_mask is not None:
             masks = torch.cat([m if m is not None else torch.ones_like(x) for m in (attention_mask, uncond_mask)])
-        cond, uncond = _forward(model, torch.cat([x, x_u]), masks)[:, span, codes].chunk(2)  # 2 x (B, n, C)
-        # MMaDA / method.md §4.5: (1 + w) l_c - w l_u, in MMaDA's order of evaluation.
-        logits = (1 + cfg_scale) * cond - cfg_scale * uncond
+        out = _forward(model, torch.cat([x, x_u]), masks, span.start, span.stop)[..., codes]  # (2B, n, C)
+        cond, uncond = out.chunk(2)
+        logits = (1 + cfg_scale) * cond - cfg_scale * uncond  # MMaDA's (1 + w) l_c - w l_u, in its order
     # Softmax in float64 (MMaDA samples from bf16 probabilities): with 8192 codes, bf16 rounds away the tail.
     return F.softmax(logits.double(), dim=-1)
 
@@ -431,15 +409,18 @@ def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask,
 @torch.no_grad()
 def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler="emerge", cfg_scale=0.0,
                    uncond_input_ids=None, generator=None, attention_mask=None, uncond_attention_mask=None,
-                   temperature=1.0, code_offset=None, codebook_size=None, mask_id=None, progress=False):
+                   temperature=1.0, code_offset=None, codebook_size=None, mask_id=None, return_order=False,
+                   progress=False):
     """Fill the image slots input_ids[:, image_start : image_start + num_tokens] (all mask ids on entry)
-    with image tokens (code + code_offset): (B, L) -> (B, L). Nothing outside the slots changes.
+    with image tokens (code + code_offset): (B, L) -> (B, L), and with return_order=True also order (B, L),
+    the step at which each slot was revealed (-1 outside the slots), as generate's. Nothing outside the
+    slots changes.
 
-    sampler "emerge" (MaskGRPO Alg. 4, method.md §4.3): MDLM ancestral sampling with kappa(u) = cos(pi u/2);
+    sampler "emerge" (MaskGRPO Alg. 4): MDLM ancestral sampling with kappa(u) = cos(pi u/2);
     a masked slot is revealed at step s with probability (kappa_t - kappa_s) / kappa_t and then frozen, so
     the expected masked fraction after step s is kappa((s+1)/T). It samples from p itself; temperature must
-    stay 1 (the official sampler takes a temperature and ignores it, method.md §9 item 30).
-    sampler "maskgit" (method.md §4.2, MMaDA t2i_generate): sample every slot, keep the known ones, and
+    stay 1 (the official sampler takes a temperature and ignores it, docs/differences.md).
+    sampler "maskgit" (MMaDA t2i_generate): sample every slot, keep the known ones, and
     re-mask the floor(n cos(pi/2 (s+1)/T)) least confident; temperature scales the Gumbel choice noise.
 
     Args:
@@ -490,6 +471,7 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
     n = num_tokens
 
     x = input_ids.clone()                                                          # (B, L)
+    order = torch.full_like(x, -1) if return_order else None                      # (B, L)
     for s in tqdm(range(steps), desc="image steps", disable=not progress, leave=False):
         probs = _image_probs(model, x, span, codes, attention_mask, uncond_input_ids, uncond_attention_mask,
                              cfg_scale)                                            # (B, n, C)
@@ -504,16 +486,19 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
                 reveal = masked & (_uniform((B, n), generator, x.device) < (k_t - k_s) / k_t)  # (B, n)
             else:
                 reveal = masked  # last step: every remaining slot is sampled from p
-            x[:, span] = torch.where(reveal, sampled + code_offset, x[:, span])  # decoded slots stay frozen
+            new = torch.where(reveal, sampled + code_offset, x[:, span])  # decoded slots stay frozen
+            _record(None if order is None else order[:, span], x[:, span], new, mask_id, s)
+            x[:, span] = new
             continue
         # maskgit: known slots keep their code; unknown ones take this step's sample.
         sampled = torch.where(masked, sampled, x[:, span] - code_offset)          # (B, n)
-        if s == steps - 1:
-            x[:, span] = sampled + code_offset  # the last step decodes everything (MMaDA returns the sample)
+        if s == steps - 1:  # the last step decodes everything (MMaDA returns the sample)
+            _record(None if order is None else order[:, span], x[:, span], sampled + code_offset, mask_id, s)
+            x[:, span] = sampled + code_offset
             break
         logp = probs.gather(-1, sampled[..., None]).squeeze(-1).log()             # (B, n); > -inf: p > 0
         # Annealed choice temperature tau_s = tau (1 - (s+1)/T), canonical MaskGIT. MMaDA re-assigns tau
-        # inside the loop, so its annealing compounds across steps (method.md §9 item 32); not reproduced.
+        # inside the loop, so its annealing compounds across steps (docs/differences.md); not reproduced.
         tau = temperature * (1 - (s + 1) / steps)
         if tau > 0:
             u = _uniform((B, n), generator, x.device)
@@ -526,8 +511,11 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
         # Re-mask exactly num_remask lowest (stable rank; MMaDA's "< cutoff" re-masks fewer on exact ties).
         rank = conf.argsort(dim=-1, stable=True).argsort(dim=-1)                           # (B, n)
         remask = rank < num_remask[:, None]
-        x[:, span] = torch.where(remask, mask_id, sampled + code_offset)
-    return x
+        new = torch.where(remask, mask_id, sampled + code_offset)
+        _record(None if order is None else order[:, span], x[:, span], new, mask_id, s)
+        x[:, span] = new
+    return (x, order) if return_order else x
+
 
 
 # -----------------------------------------------------------------------------------------------------

@@ -1,38 +1,36 @@
-"""Rollout speed of sample.generate's fast options against the exact sampler (a benchmark, not a test).
+"""Rollout speed of sample.generate against LLaDA's public generate(), exact and fast (a benchmark, not a test).
 
-    python -m infra.bench --threads 1   # both models, one repetition: ~20 min on one CPU core, 11 of them
-                                  # the exact sampler on "llada" (8 x 256 steps over 320 x 32000 logits)
-    python -m infra.bench --reps 3 --all   # medians of 3 interleaved repetitions, plus the block-head row (~80 min)
-    python -m infra.bench --quick       # smoke run, ~1 min: gen length 64, a 2-layer 256-d "llada"
-    python -m infra.bench --sandbox     # the code reward's sandbox instead: programs/s, tests/s, kill time (~15 s)
+    python -m infra.bench --threads 1           # both random models, one repetition
+    python -m infra.bench --quick --threads 1   # smoke run: gen length 64, a 2-layer 256-d "llada"
+    python -m infra.bench --ckpt out/toy/sft --threads 1   # a trained checkpoint on toy text prompts
+    python -m infra.bench --reps 3              # medians of 3 interleaved repetitions
+    python -m infra.bench --sandbox             # the code reward's sandbox instead: programs/s, kill time
 
-One table, all measured in this run: tokens/second of the exact sampler (the reference) and of the opt-in
-approximations, Fast-dLLM's prefix and dual KV caches and its confidence-threshold parallel decoding
-(arXiv:2505.22618), alone and combined; the ratio to the exact sampler; forward passes; token agreement
-with the exact output at temperature 0; peak memory. Prompt 64 (left-padded to 48-64 real tokens), gen
-length 256, block 32, batch 8, steps 256: one token per step on the fixed schedule, at least one with a
-threshold.
+One table, all measured in this run: tokens/second of LLaDA's public generate() loop (re-implemented below:
+the output head and the softmax over the whole sequence at every step), of sample.generate's exact sampler
+(the same tokens, the head only where a step chooses) and of the opt-in approximations, Fast-dLLM's prefix
+and dual KV caches and its confidence-threshold parallel decoding (arXiv:2505.22618), alone and combined;
+the speed ratio to the public loop; forward passes; token agreement with the public loop's output at
+temperature 0; peak memory. Random models: prompt 64 (left-padded to 48-64 real tokens), gen length 256,
+block 32, batch 8, steps 256: one token per step on the fixed schedule, at least one with a threshold.
 
 Models. Both random (no CPU-trainable model fills 256 tokens sensibly), init std 1/sqrt(d) rather than
 LLaDA's 0.02: at 0.02 every masked position sees little but the mask embedding, all predict one token and
 whole blocks repeat it. Random networks are still repetitive and chaotic, so stale cached keys move their
-argmax more than a trained model's: the agreement column is a pessimistic bound, and accuracy is a question
-for a trained model (the toy RL comparison). The mask id's logit is pinned low (never_predict_mask), as in a
-trained LLaDA. A random model's confidences carry no information, so each head is scaled (a logit
-temperature) to make threshold 0.9 with a cache commit about as many tokens per forward pass as Fast-dLLM
-does on LLaDA-8B GSM8K (2.77 tokens/forward, d3LLM leaderboard; calibrated offline with the dual cache):
-that sets the threshold rows' pass count, shown in "tok/fwd"; the cache rows (one token per step) do not
-depend on it. Without a cache they fire more often (toy ~4x, llada ~1.25x; a random model's confidences
-shift a lot with stale keys), so the "threshold" row's pass count is not the cached rows'.
+argmax more than a trained model's: the agreement column is a pessimistic bound (--ckpt measures a trained
+model). The mask id's logit is pinned low (never_predict_mask), as in a trained LLaDA. A random model's
+confidences carry no information, so each head is scaled (a logit temperature) to make threshold 0.9 with a
+cache commit about as many tokens per forward pass as Fast-dLLM does on LLaDA-8B GSM8K (2.77 tokens/forward,
+d3LLM leaderboard; calibrated offline with the dual cache): that sets the threshold rows' pass count, shown in
+"tok/fwd"; the cache rows (one token per step) do not depend on it.
   toy    train.py's toy dims: d 128, 4 layers, MLP 384, vocab 150; head scale 16.
   llada  LLaDA-shaped: d 512, 4 layers, 8 heads, MLP 1536, vocab 32000; head scale 26 (--head_scale).
-At this size the 32000-row head costs as much as the 4 layers, and the exact sampler computes it at all
-L = 320 positions (as the reference does; sample.py says why). The fast paths compute it on the 32-token
-block only; the note under the table times that share (and --all adds the threshold=1.0 row, the fixed
-schedule with the block-only head, to separate it from the caches). On LLaDA-8B the head is ~7% of a step.
+At this size the 32000-row head costs as much as the 4 layers; on LLaDA-8B it is ~6% of a forward pass.
+--ckpt: a train.py checkpoint (e.g. the toy's sft/) on held-out toy text prompts with its own generation
+settings and a 4x longer one (4 blocks); the reward column scores the completions with tasks.py.
 
-Time is wall clock around one generate() call; "x exact" is the median over repetitions of the speed ratio
-to the exact sampler in the same repetition (configurations interleaved, so other load hits them alike).
+Time is wall clock around one generate() call; "x LLaDA" is the median over repetitions of the speed ratio
+to the public loop in the same repetition (configurations interleaved, so other load hits them alike).
 Peak memory: CUDA max_memory_allocated; on CPU the growth of the resident set during the call, polled each
 millisecond from /proc/self/statm after handing freed heap back to the OS (glibc malloc_trim), so peaks
 shorter than a millisecond can be missed. It is measured on the first repetition.
@@ -53,7 +51,8 @@ from infra.sandbox import run_code
 
 EOS = 0
 P, K, B = 64, 32, 8
-CONFIGS = [  # name, kv_cache, threshold
+CONFIGS = [  # name, kv_cache, threshold; "LLaDA generate()" is llada_generate below
+    ("LLaDA generate()", "public", None),
     ("exact", None, None),
     ("prefix", "prefix", None),
     ("dual", "dual", None),
@@ -61,7 +60,31 @@ CONFIGS = [  # name, kv_cache, threshold
     ("prefix+threshold", "prefix", 0.9),
     ("dual+threshold", "dual", 0.9),
 ]
-BLOCK_HEAD = ("block head (thr 1.0)", None, 1.0)  # fixed schedule, head on the block: the exact-maths saving
+
+
+@torch.no_grad()
+def llada_generate(model, prompt, attention_mask, gen_length, block_length, steps, mask_id):
+    """LLaDA's public generate() at temperature 0 with low-confidence remasking, as that code computes it:
+    the head and the softmax over all L positions at every step, then a per-row topk. Gives sample.generate's
+    exact tokens (tests/test_sample.py checks the same loop against it); here it is the speed baseline."""
+    b, p = prompt.shape
+    x = torch.cat([prompt, prompt.new_full((b, gen_length), mask_id)], 1)           # (B, L)
+    am = torch.cat([attention_mask, attention_mask.new_ones(b, gen_length)], 1)    # (B, L)
+    spb = steps // (gen_length // block_length)
+    for end in range(p + block_length, p + gen_length + 1, block_length):
+        n = (x[:, end - block_length:end] == mask_id).sum(1).tolist()
+        for i in range(spb):
+            masked = x == mask_id                                                  # (B, L)
+            logits = model(x, attention_mask=am)                                   # (B, L, V)
+            x0 = logits.argmax(-1)                                                 # (B, L)
+            conf = torch.softmax(logits, -1).gather(-1, x0[..., None]).squeeze(-1)  # (B, L)
+            conf[:, end:] = -torch.inf
+            x0 = torch.where(masked, x0, x)
+            conf = torch.where(masked, conf, -torch.inf)
+            for j in range(b):
+                idx = torch.topk(conf[j], n[j] // spb + (i < n[j] % spb)).indices
+                x[j, idx] = x0[j, idx]
+    return x
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -146,19 +169,22 @@ class PeakMemory:
             self.peak = (max(self._max, self._rss()) - self._base) / 2**20
 
 
-def run(model, prompts, mask, gen_length, kv_cache, threshold, memory):
-    """One generate() call: (output, seconds, forward passes, peak MB or nan)."""
+def run(model, prompts, mask, gen, kv_cache, threshold, memory):
+    """One generate() call: (output, seconds, forward passes, peak MB or nan). gen: (gen_length, block, steps)."""
     calls = [0]
     hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     mem = PeakMemory(prompts.device) if memory else None
     sync = torch.cuda.synchronize if prompts.device.type == "cuda" else (lambda: None)
+    mask_id = model.config.mask_token_id
     try:
         with mem or contextlib.nullcontext():
             sync()
             t0 = time.perf_counter()
-            out = generate(model, prompts, attention_mask=mask, gen_length=gen_length, block_length=K,
-                           steps=gen_length, mask_id=model.config.mask_token_id, kv_cache=kv_cache,
-                           threshold=threshold)
+            if kv_cache == "public":
+                out = llada_generate(model, prompts, mask, *gen, mask_id)
+            else:
+                out = generate(model, prompts, attention_mask=mask, gen_length=gen[0], block_length=gen[1],
+                               steps=gen[2], mask_id=mask_id, kv_cache=kv_cache, threshold=threshold)
             sync()
             seconds = time.perf_counter() - t0
     finally:
@@ -166,43 +192,55 @@ def run(model, prompts, mask, gen_length, kv_cache, threshold, memory):
     return out, seconds, calls[0], mem.peak if mem else float("nan")
 
 
-def head_share(model, prompts, gen_length):
-    """Seconds of one exact step's forward with the full head and with the head on one block only."""
-    x = torch.cat([prompts, prompts.new_full((B, gen_length), model.config.mask_token_id)], 1)  # (B, L)
-    times = []
-    with torch.no_grad():
-        for logits_at in (None, slice(P, P + K), None, slice(P, P + K)):
-            t0 = time.perf_counter()
-            model(x, logits_at=logits_at)
-            times.append(time.perf_counter() - t0)
-    return times[2], times[3]
-
-
-def bench(name, model, prompts, mask, gen_length, reps, configs):
+def bench(name, model, prompts, mask, gen, reps, configs, reward=None):
+    """Print one table row per configuration; reward(out) -> mean reward adds a column."""
     stats = {c[0]: {"tps": [], "ratio": []} for c in configs}
     outs = {}
+    p = prompts.shape[1]
     for rep in range(reps):
-        exact_tps = None
+        base = None
         for cname, kv_cache, threshold in configs:
-            out, sec, calls, peak = run(model, prompts, mask, gen_length, kv_cache, threshold, memory=rep == 0)
-            tps = B * gen_length / sec
-            exact_tps = exact_tps or tps  # "exact" runs first in every repetition
+            out, sec, calls, peak = run(model, prompts, mask, gen, kv_cache, threshold, memory=rep == 0)
+            tps = prompts.shape[0] * gen[0] / sec
+            base = base or tps  # the public loop runs first in every repetition
             stats[cname]["tps"].append(tps)
-            stats[cname]["ratio"].append(tps / exact_tps)
+            stats[cname]["ratio"].append(tps / base)
             if rep == 0:
                 outs[cname] = out
                 stats[cname].update(calls=calls, peak=peak)
-    exact = outs["exact"]
+    ref = outs[configs[0][0]]
     for cname, *_ in configs:
         s, out = stats[cname], outs[cname]
-        assert torch.equal(out[:, :P], prompts), f"{cname} changed the prompt"
-        agree = (out[:, P:] == exact[:, P:]).float().mean().item()
-        print(f"| {name:5s} | {cname:20s} | {s['calls']:4d} | {gen_length / s['calls']:7.2f} | "
+        assert torch.equal(out[:, :p], prompts), f"{cname} changed the prompt"
+        agree = (out[:, p:] == ref[:, p:]).float().mean().item()
+        extra = f" {reward(out):6.3f} |" if reward else ""
+        print(f"| {name:5s} | {cname:16s} | {s['calls']:4d} | {gen[0] / s['calls']:7.2f} | "
               f"{statistics.median(s['tps']):8.1f} | {statistics.median(s['ratio']):6.2f}x | "
-              f"{100 * agree:6.1f}% | {s['peak']:7.1f} |", flush=True)
-    full, block = head_share(model, prompts, gen_length)
-    return f"{name}: one full forward {full:.3f}s with the head at all {P + gen_length} positions, " \
-           f"{block:.3f}s with it on one block"
+              f"{100 * agree:6.1f}% | {s['peak']:7.1f} |{extra}", flush=True)
+
+
+def toy_prompts(ckpt, n, device):
+    """A train.py checkpoint with n held-out toy text prompts, left-padded, and a reward function."""
+    import random
+
+    import train
+    from infra import episodes
+    from model import load_tokenizer
+
+    model = Transformer.from_pretrained(ckpt, device=device).eval()
+    tok = load_tokenizer(ckpt, model.config)
+    sp = episodes.model_specials(tok, model.config)
+    cfg = train.parse_args(["--preset", "toy"])
+    rng = random.Random(0)
+    exs = [episodes.make_example("text", rng, cfg, "test") for _ in range(n)]
+    b = episodes.make_batch("text", exs, tok, sp, cfg, device, with_targets=False)
+    P_ = b.prompt_len
+
+    def reward(out):  # the whole completion, however long, through the toy verifier
+        b_out = episodes.Batch("text", out, torch.ones_like(out), P_, out.shape[1] - P_, examples=exs)
+        return episodes.score(b_out, tok, sp).mean().item()
+    gens = [(cfg.gen_length, cfg.block_length, cfg.steps), (4 * cfg.gen_length, cfg.block_length, 4 * cfg.steps)]
+    return model, b.x[:, :P_], b.attention_mask[:, :P_], gens, reward
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -237,12 +275,13 @@ def bench_sandbox(programs, loop_timeout=1.0):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Tokens/second of sample.generate's fast options vs the exact sampler")
+    p = argparse.ArgumentParser(description="Tokens/second of sample.generate, exact and fast, vs LLaDA generate()")
     p.add_argument("--quick", action="store_true", help="smoke run: gen length 64 and a 2-layer 256-d 'llada'")
     p.add_argument("--reps", type=int, default=1, help="interleaved repetitions; the table shows medians")
-    p.add_argument("--all", action="store_true", help="add the threshold=1.0 row (block-only head, exact schedule)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--head_scale", type=float, default=26.0, help="logit scale of the 'llada' head (docstring)")
+    p.add_argument("--ckpt", default="", help="a train.py checkpoint directory: its toy text prompts instead")
+    p.add_argument("--prompts", type=int, default=64, help="held-out toy prompts with --ckpt")
     p.add_argument("--device", default="cpu")
     p.add_argument("--sandbox", action="store_true", help="time the code sandbox instead of the sampler")
     p.add_argument("--programs", type=int, default=100, help="programs run through the sandbox by --sandbox")
@@ -251,26 +290,34 @@ def main(argv=None):
         if args.programs < 1:
             p.error(f"--programs must be >= 1, got {args.programs}")
         return bench_sandbox(args.programs)
+    if args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    gen_length = 64 if args.quick else 256
-    big = (256, 2, 4) if args.quick else (512, 4, 8)
-    models = {"toy": random_model(150, 128, 4, 4, 16.0), "llada": random_model(32000, *big, args.head_scale)}
-    configs = CONFIGS + [BLOCK_HEAD] * args.all
     load = os.getloadavg() if hasattr(os, "getloadavg") else ()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, load average {load}")
-    print(f"prompt {P} (left-padded), gen {gen_length}, block {K}, batch {B}, steps {gen_length}, temperature 0, "
-          f"reps {args.reps}\n")
-    print("| model | sampler              | fwd  | tok/fwd | tokens/s | x exact |  agree  | peak MB |")
-    print("|-------|----------------------|------|---------|----------|---------|---------|---------|")
-    notes = []
-    for name, (model, prompts, mask) in models.items():
-        notes.append(bench(name, model.to(device), prompts.to(device), mask.to(device), gen_length, args.reps,
-                           configs))
-    print("\n" + "\n".join(notes))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, load average {load}, "
+          f"reps {args.reps}, temperature 0")
+    head = "| model | sampler          | fwd  | tok/fwd | tokens/s | x LLaDA |  agree  | peak MB |"
+    rule = "|-------|------------------|------|---------|----------|---------|---------|---------|"
+    if args.ckpt:
+        model, prompts, mask, gens, reward = toy_prompts(args.ckpt, args.prompts, device)
+        for gen in gens:
+            print(f"\n{args.ckpt}: {len(prompts)} toy text prompts ({prompts.shape[1]} tokens, left-padded), "
+                  f"gen {gen[0]}, block {gen[1]}, steps {gen[2]}\n")
+            print(head + " reward |\n" + rule + "--------|")
+            bench("ckpt", model, prompts, mask, gen, args.reps, CONFIGS, reward)
+    else:
+        gen_length = 64 if args.quick else 256
+        big = (256, 2, 4) if args.quick else (512, 4, 8)
+        models = {"toy": random_model(150, 128, 4, 4, 16.0), "llada": random_model(32000, *big, args.head_scale)}
+        print(f"prompt {P} (left-padded), gen {gen_length}, block {K}, batch {B}, steps {gen_length}\n")
+        print(head + "\n" + rule)
+        for name, (model, prompts, mask) in models.items():
+            bench(name, model.to(device), prompts.to(device), mask.to(device), (gen_length, K, gen_length),
+                  args.reps, CONFIGS)
     if hasattr(os, "getloadavg"):
-        print(f"load average at the end {os.getloadavg()}")
+        print(f"\nload average at the end {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -188,10 +188,19 @@ def test_random_remasking_order_follows_generator():
 
 
 def llada_loop(model, prompt, gen_length, block_length, steps, temperature, cfg_scale, remasking, mask_id,
-               eos_id=None, eot_id=None, logits_eos_inf=False, confidence_eos_eot_inf=False):
-    """LLaDA's generate() as llada-format.md §6 describes it: global RNG and a per-row topk loop. Written
-    for this test, independent of sample.py, including the noisy/clean logits aliasing at temperature 0."""
+               eos_id=None, eot_id=None, logits_eos_inf=False, confidence_eos_eot_inf=False, gens=None,
+               attention_mask=None):
+    """LLaDA's public generate(): the global RNG (or gens, one generator per row, each drawing its row of
+    the same shapes), the head and the noise over the whole sequence, and a per-row topk loop. Written for
+    this test, independent of sample.py, including the noisy/clean logits aliasing at temperature 0."""
+    def rand(shape, dtype):
+        if gens is None:
+            return torch.rand(shape, dtype=dtype)
+        return torch.stack([torch.rand(shape[1:], generator=g, dtype=dtype) for g in gens])
+
     B, P = prompt.shape
+    kw = {} if attention_mask is None else {"attention_mask": torch.cat(
+        [attention_mask, torch.ones(B, gen_length, dtype=attention_mask.dtype)], 1).repeat(1 + (cfg_scale > 0), 1)}
     x = torch.full((B, P + gen_length), mask_id)
     x[:, :P] = prompt
     prompt_index = x != mask_id
@@ -205,24 +214,24 @@ def llada_loop(model, prompt, gen_length, block_length, steps, temperature, cfg_
             if cfg_scale > 0:
                 un = x.clone()
                 un[prompt_index] = mask_id
-                lc, lu = model(torch.cat([x, un])).chunk(2)
+                lc, lu = model(torch.cat([x, un]), **kw).chunk(2)
                 logits = lu + (cfg_scale + 1) * (lc - lu)
             else:
-                logits = model(x)
+                logits = model(x, **kw)
             if logits_eos_inf:
                 logits[:, :, eos_id] = -math.inf
             if temperature == 0:
                 noisy = logits
             else:
                 l64 = logits.to(torch.float64)
-                noisy = l64.exp() / (-torch.log(torch.rand_like(l64))) ** temperature
+                noisy = l64.exp() / (-torch.log(rand(l64.shape, torch.float64))) ** temperature
             x0 = noisy.argmax(-1)
             if confidence_eos_eot_inf:
                 noisy[:, :, eos_id] = logits[:, :, eot_id] = -math.inf
             if remasking == "low_confidence":
                 x0_p = F.softmax(logits, -1).gather(-1, x0[..., None]).squeeze(-1)
             else:
-                x0_p = torch.rand(x.shape)
+                x0_p = rand(x.shape, torch.float32)
             x0_p[:, end:] = -math.inf
             x0 = torch.where(mask_index, x0, x)
             conf = torch.where(mask_index, x0_p, -math.inf)
@@ -255,6 +264,120 @@ def test_matches_llada_loop(temperature, remasking, cfg_scale, flag):
     assert torch.equal(got, want)
     if flag:
         assert not torch.equal(got, plain)
+
+
+def toy_shaped(seed=0):
+    """train.py's toy dims (d 128, MLP 384, vocab 150), 2 layers: the head's GEMM has the toy's shape."""
+    cfg = ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=384, vocab_size=150,
+                      max_sequence_length=64, mask_token_id=149, eos_token_id=1, pad_token_id=1)
+    return Transformer(cfg).init_weights(gen(seed), std=0.1).eval()
+
+
+@pytest.mark.parametrize("B, G, K, S, temperature, remasking, cfg_scale", [
+    (8, 12, 12, 12, 1.0, "low_confidence", 0.0),  # the toy's rollouts: one block, per-row generators
+    (1, 12, 12, 12, 1.0, "low_confidence", 0.0), (3, 16, 4, 8, 0.0, "low_confidence", 0.0),
+    (5, 16, 8, 16, 0.8, "low_confidence", 1.5), (4, 12, 4, 6, 0.7, "random", 0.0)])
+def test_exact_sampler_is_the_full_sequence_computation_bit_for_bit(B, G, K, S, temperature, remasking, cfg_scale):
+    """The exact sampler computes the head only where a step chooses and draws the noise only there, yet
+    gives torch.equal tokens to the computation over the whole sequence (LLaDA's, with per-row generators
+    and left padding), so the toy's numbers do not change."""
+    model, p = toy_shaped(), prompts(B=B, P=9, high=140)
+    am = torch.ones_like(p)
+    am[0, :4] = 0
+    p[am == 0] = 1
+    kw = dict(gen_length=G, block_length=K, steps=S, temperature=temperature, cfg_scale=cfg_scale,
+              remasking=remasking, mask_id=149)
+    with torch.no_grad():
+        want = llada_loop(model, p, **kw, gens=[gen(20 + i) for i in range(B)], attention_mask=am)
+    got = generate(model, p, generator=[gen(20 + i) for i in range(B)], attention_mask=am, **kw)
+    assert torch.equal(got, want)
+
+
+def test_head_on_a_few_positions_is_the_full_head_bit_for_bit():
+    """BLAS rounds a GEMM of a few rows differently (on our CPU, fewer than 4 per thread), which can flip a
+    near-tie; the sampler's head therefore spans at least MIN_HEAD_ROWS rows, and equals the full head."""
+    model = toy_shaped()
+    for B in (1, 2, 3):
+        x = torch.randint(0, 149, (B, 20), generator=gen(B))
+        full = model(x)
+        for lo, end in ((19, 20), (10, 11), (0, 2), (5, 8), (0, 20)):
+            assert torch.equal(sample._forward(model, x, None, lo, end), full[:, lo:end]), (B, lo, end)
+
+
+def test_uniform_columns_replay_the_full_draw():
+    """cols returns the full draw's columns, and the generator ends where the full draw leaves it."""
+    for dtype in (torch.float64, torch.float32):
+        for shared in (True, False):
+            make = (lambda: gen(7)) if shared else (lambda: [gen(7 + i) for i in range(3)])
+            full_g, part_g = make(), make()
+            full = sample._uniform((3, 9, 5), full_g, "cpu", dtype)
+            part = sample._uniform((3, 9, 5), part_g, "cpu", dtype, cols=slice(2, 6))
+            assert part.shape == (3, 4, 5) and torch.equal(part, full[:, 2:6])
+            after = [sample._uniform((3, 2), g, "cpu") for g in (full_g, part_g)]
+            assert torch.equal(*after)
+    idle = sample._uniform((3, 4), [gen(1), gen(2), gen(3)], "cpu", active=[True, False, True])
+    assert (idle[1] == 0.5).all() and torch.equal(idle[2], torch.rand(4, generator=gen(3), dtype=torch.float64))
+
+
+def replay(order, final, mask_id):
+    """The states the sampler saw: x^(s) = final with every position of order >= s masked, s = 0, 1, ..."""
+    return [final.masked_fill(order >= s, mask_id) for s in range(int(order.max()) + 1)]
+
+
+@pytest.mark.parametrize("temperature, remasking, G, K, S", [
+    (0.0, "low_confidence", 16, 8, 8), (1.0, "low_confidence", 12, 4, 12), (0.8, "random", 12, 6, 6)])
+def test_text_order_replays_the_sampler(monkeypatch, temperature, remasking, G, K, S):
+    """return_order: the states rebuilt from the order are the sampler's own inputs, step by step, and the
+    replayed model gives the probabilities the sampler chose from (its argmax at temperature 0)."""
+    model, p = tiny_model(), prompts(B=3, P=5, high=60)
+    seen, forward = [], sample._forward
+    def spy(model_, x, mask, lo=0, end=None, **kw):
+        out = forward(model_, x, mask, lo, end, **kw)
+        seen.append((x.clone(), lo, out[0] if kw.get("return_kv") else out))
+        return out
+    monkeypatch.setattr(sample, "_forward", spy)
+    kw = dict(gen_length=G, block_length=K, steps=S, temperature=temperature, remasking=remasking, mask_id=63)
+    plain = generate(model, p, generator=[gen(i) for i in range(3)], **kw)
+    seen.clear()
+    out, order = generate(model, p, generator=[gen(i) for i in range(3)], return_order=True, **kw)
+    assert torch.equal(out, plain)
+    assert (order[:, :5] == -1).all() and torch.equal(order[:, 5:] >= 0, out[:, 5:] != 63)
+    assert order.max() == S - 1 and len(seen) == S
+    for s, (x_s, (x_seen, lo, logits)) in enumerate(zip(replay(order, out, 63), seen)):
+        assert torch.equal(x_s, x_seen)
+        full = model(x_s)                                                            # (B, L, V)
+        # The head on the chosen positions only is the full-sequence head, bit for bit (MIN_HEAD_ROWS).
+        assert torch.equal(full[:, lo:lo + logits.shape[1]], logits)
+        rows, pos = (order == s).nonzero(as_tuple=True)
+        assert (pos >= lo).all()
+        if temperature == 0:
+            assert torch.equal(full[rows, pos].argmax(-1), out[rows, pos])
+
+
+@pytest.mark.parametrize("sampler", ["emerge", "maskgit"])
+def test_image_order_replays_the_sampler(monkeypatch, sampler):
+    model = tiny_model()
+    ids, start = image_layout(3, 9)
+    ids = ids.clone()
+    ids[ids == MASK] = 63
+    n, seen, probs_fn = 9, [], sample._image_probs
+    def spy(model_, x, *a):
+        out = probs_fn(model_, x, *a)
+        seen.append((x.clone(), out))
+        return out
+    monkeypatch.setattr(sample, "_image_probs", spy)
+    kw = dict(image_start=start, num_tokens=n, steps=4, sampler=sampler, code_offset=OFFSET, codebook_size=C,
+              mask_id=63)
+    plain = generate_image(model, ids, generator=[gen(i) for i in range(3)], **kw)
+    seen.clear()
+    out, order = generate_image(model, ids, generator=[gen(i) for i in range(3)], return_order=True, **kw)
+    assert torch.equal(out, plain) and len(seen) == 4
+    span = slice(start, start + n)
+    assert (order[:, span] >= 0).all() and (order[:, :start] == -1).all() and (order[:, start + n:] == -1).all()
+    for s, (x_s, (x_seen, probs)) in enumerate(zip(replay(order, out, 63), seen)):
+        assert torch.equal(x_s, x_seen)
+        assert torch.equal(F.softmax(model(x_s)[:, span, OFFSET:OFFSET + C].double(), -1), probs)
+        assert ((order == s) <= (x_s == 63)).all()  # step s reveals slots that x^(s) has masked
 
 
 @pytest.mark.parametrize("L, dtype", [(40, torch.float32), (300, torch.float32), (300, torch.bfloat16)])
