@@ -228,3 +228,11 @@ def decoding_logprob(model, x: torch.Tensor, order: torch.Tensor, *, attention_m
             total = total + token_logprobs(model, state, x, revealed, attention_mask=attention_mask,
                                            vocab_slice=vocab_slice).sum(-1)
     return total
+
+
+if __name__ == "__main__":  # python importance.py --diagnose --ckpt DIR: the estimators against the exact
+    from infra import diagnose  # decoding log-ratio (infra/diagnose.py)
+    try:
+        diagnose.main()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None

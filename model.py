@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch

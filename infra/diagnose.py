@@ -161,23 +161,26 @@ def draw(results: dict, path: str) -> None:
     if pil is None:
         return
     Image, ImageDraw, font = pil
-    S, M = 170, 22
+    S, M = 170, 24
     ncol = max(len(r) for r in results.values())
-    img = Image.new("RGB", (ncol * (S + M) + M, len(results) * (S + 2 * M) + M), "white")
+    img = Image.new("RGB", (ncol * (S + M) + M, len(results) * (S + 2 * M) + 2 * M), "white")
     d = ImageDraw.Draw(img)
+    d.text((M, img.height - M), "scatter: x = exact decoding log-ratio, y = one draw of the estimate. Last panel: "
+           "P(position masked) at ratio t; black = the sampler's decode order, blue = AR-like reversing, "
+           "orange = random reversing", fill=(0, 0, 0), font=font)
     for row, (task, rows) in enumerate(results.items()):
         y0 = M + row * (S + 2 * M)
         for col, (label, m) in enumerate(rows.items()):
             x0 = M + col * (S + M)
             d.rectangle([x0, y0, x0 + S, y0 + S], outline=(0, 0, 0))
             if label == "_order":
-                d.text((x0, y0 - 16), f"{task}: P(masked) by position, t={m['ratio']}", fill=(0, 0, 0), font=font)
+                d.text((x0, y0 - 16), f"{task}: P(masked), t={m['ratio']}", fill=(0, 0, 0), font=font)
                 for name, colour in (("sampler", (0, 0, 0)), ("arlike", (30, 110, 190)), ("random", (230, 110, 20))):
                     ys = m[name]
                     pts = [(x0 + S * i / max(1, len(ys) - 1), y0 + S * (1 - v)) for i, v in enumerate(ys)]
                     d.line(pts, fill=colour, width=2)
                 continue
-            d.text((x0, y0 - 16), f"{task}: {label}", fill=(0, 0, 0), font=font)
+            d.text((x0, y0 - 16), f"{task}: {label.replace('MaskGRPO ', '')}", fill=(0, 0, 0), font=font)
             ex, es = m["scatter"]
             lo_x, hi_x = min(ex), max(ex)
             lo_y, hi_y = min(es), max(es)
@@ -186,8 +189,7 @@ def draw(results: dict, path: str) -> None:
                 py = y0 + S * (1 - (b - lo_y) / max(hi_y - lo_y, 1e-12))
                 d.ellipse([px - 1.5, py - 1.5, px + 1.5, py + 1.5], fill=(30, 110, 190))
     img.save(path)
-    print(f"wrote {path} (x: exact Delta, y: one draw of the estimate; last panel: black = sampler, "
-          "blue = AR-like reversing, orange = random reversing)")
+    print(f"wrote {path}")
 
 
 def main(argv=None) -> dict:

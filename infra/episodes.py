@@ -190,7 +190,6 @@ def rollout(model, b: Batch, sp, cfg, gens: list, temperature: float, fast: bool
     depends on its own seed only. Rows go through device_batch_size at a time. fast: use cfg.kv_cache /
     cfg.threshold for text (RL rollouts only; evaluation always uses the exact sampler)."""
     xs, orders = [], []
-    want = {"return_order": True} if return_order else {}
     with scale.full_weights(model):
         for rows in scale.chunks(len(gens), cfg.device_batch_size):
             c, g = b.rows(rows), gens[rows]
@@ -199,13 +198,13 @@ def rollout(model, b: Batch, sp, cfg, gens: list, temperature: float, fast: bool
                                     block_length=cfg.block_length, steps=cfg.steps, temperature=temperature,
                                     mask_id=sp.mask, generator=g, attention_mask=c.attention_mask[:, : c.prompt_len],
                                     kv_cache=None if not fast or cfg.kv_cache == "none" else cfg.kv_cache,
-                                    threshold=(cfg.threshold or None) if fast else None, **want)
+                                    threshold=(cfg.threshold or None) if fast else None, return_order=return_order)
             else:
                 x = sample.generate_image(model, c.x, image_start=c.prompt_len, num_tokens=c.window,
                                           steps=cfg.image_steps, sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale,
                                           uncond_input_ids=c.uncond, generator=g, attention_mask=c.attention_mask,
                                           uncond_attention_mask=c.uncond_mask, code_offset=sp.image_token_offset,
-                                          codebook_size=sp.codebook_size, mask_id=sp.mask, **want)
+                                          codebook_size=sp.codebook_size, mask_id=sp.mask, return_order=return_order)
             if return_order:
                 x, order = x
                 orders.append(order)

@@ -1,0 +1,69 @@
+"""infra/diagnose.py (`python importance.py --diagnose`): it runs end to end on a small checkpoint and
+prints every estimator row, and its log-ratios are the training code's for the same masks.
+
+    python -m pytest tests/test_diagnose.py -q
+"""
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import importance
+import tasks
+import train
+from infra import diagnose
+from model import Transformer, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("diag")
+    train.main(["--preset=smoke", "--rl_steps=0", "--eval_prompts=2", f"--out_dir={out}", "--threads=1"])
+    return out / "sft"
+
+
+def test_log_ratios_are_the_training_codes(sft_dir):
+    """After one update, the estimate diagnose computes with the training masks of iteration j equals the
+    sum of log pi_theta - logp_old[j], with logp_old[j] as train.collect computed it."""
+    old = Transformer.from_pretrained(sft_dir).eval()
+    tok = load_tokenizer(sft_dir, old.config)
+    sp = tasks.specials(tok)
+    cfg = train.parse_args(["--preset=smoke", "--tasks=text"])
+    r = train.collect(old, None, "text", tok, sp, cfg, torch.device("cpu"), 0, {}, with_order=True)
+    assert r.order is not None and (r.order[:, r.batch.window_slice] >= 0).all()
+    assert (r.order[:, : r.batch.prompt_len] == -1).all()
+    theta = copy.deepcopy(old)
+    opt = torch.optim.AdamW(theta.parameters(), lr=1e-2)
+    train.update(theta.train(), opt, [r], 0, cfg, sp, torch.device("cpu"), 0)
+    theta.eval()
+    in_mask = r.inputs[1] == sp.mask
+    est, ratios = diagnose.estimate(theta, old, r, in_mask, r.loss_masks[1], sp)
+    lp = importance.token_logprobs(theta, r.inputs[1], r.batch.x, r.loss_masks[1], attention_mask=r.batch.attention_mask)
+    want = ((lp - r.logp_old[1]) * r.loss_masks[1]).sum(-1)
+    torch.testing.assert_close(est, want, rtol=0, atol=1e-6)
+    assert est.abs().max() > 0  # the update moved the policy
+    # and with theta = old every estimate and the exact log-ratio are exactly 0
+    est0, _ = diagnose.estimate(old, old, r, in_mask, r.loss_masks[1], sp)
+    assert torch.equal(est0, torch.zeros_like(est0))
+
+
+@pytest.mark.slow
+def test_cli_prints_every_row(sft_dir, tmp_path):
+    png = tmp_path / "d.png"
+    p = subprocess.run([sys.executable, "importance.py", "--diagnose", f"--ckpt={sft_dir}", "--preset=smoke",
+                        "--draws=2", "--threads=1", f"--png={png}"], cwd=ROOT, capture_output=True, text=True,
+                       env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    for task in ("text", "image"):
+        assert f"{task}: estimate vs exact" in p.stdout
+    for label, *_ in diagnose.ESTIMATORS:
+        assert f"| {label} |" in p.stdout
+    assert png.is_file()
+    bad = subprocess.run([sys.executable, "importance.py", f"--ckpt={sft_dir}"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert bad.returncode == 1 and bad.stderr.startswith("error: usage")
