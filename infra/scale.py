@@ -175,7 +175,19 @@ def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> t
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    # FSDP2 never reshards a root after its forward: for training that saves gathering the embedding and
+    # head again for the backward. After a forward without gradients (scoring outside full_weights) no
+    # backward follows, and a root left gathered would keep its unsharded parameters registered on the
+    # module, so model.parameters() would return those (which never receive gradients) instead of the
+    # sharded ones the optimizer holds: train.py's gradient clipping would then miss the root. Reshard
+    # the root after such a forward; gradient forwards keep FSDP2's behaviour.
+    model.register_forward_hook(_reshard_root_without_grad)
     return model
+
+
+def _reshard_root_without_grad(module, args, output) -> None:
+    if not torch.is_grad_enabled() and not getattr(module, "_full_weights", False):
+        module.reshard()
 
 
 def _fsdp_modules(model):
@@ -196,11 +208,10 @@ def full_weights(model):
     outer = world() > 1 and not getattr(model, "_full_weights", False)
     mods = _fsdp_modules(model) if outer else []
     for m in mods:
-        # Hold every unit gathered, the root included. The root's setting is toggled too, although FSDP2
-        # by itself never reshards a root after forward: left to FSDP2, 2 gloo ranks give a different
-        # gradient norm from one process in tests/test_distributed.py (losses equal). So the root reshards
-        # after each forward, and an update chunk gathers it twice (forward and backward).
-        m.set_reshard_after_forward(False, recurse=False)
+        # Blocks would reshard after each forward: hold them gathered. The root's setting is FSDP2's (it
+        # does not reshard after forward); here it is only gathered up front and resharded on exit.
+        if m is not model:
+            m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     if outer:
         model._full_weights = True
@@ -209,7 +220,8 @@ def full_weights(model):
     finally:
         for m in mods:
             m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
+            if m is not model:
+                m.set_reshard_after_forward(True, recurse=False)
         if outer:
             model._full_weights = False
 

@@ -143,8 +143,19 @@ with torch.no_grad():
     with scale.full_weights(model):
         held = model(x[scale.shard_rows(4)], mask[scale.shard_rows(4)])
 plain, held = scale.all_gather_rows(plain), scale.all_gather_rows(held)
+states = []
+if scale.world() > 1:  # is the root (embedding, norm, head) sharded: after a forward without gradients,
+    from torch.distributed.tensor import DTensor  # inside a gradient forward, after its backward
+    sharded = lambda: isinstance(model.wte.weight, DTensor)
+    with torch.no_grad():
+        model(x[scale.shard_rows(4)])
+    states.append(sharded())
+    loss = model(x[scale.shard_rows(4)]).float().square().mean()
+    states.append(sharded())
+    loss.backward()
+    states.append(sharded())
 if scale.rank() == 0:
-    torch.save({"plain": plain, "held": held}, sys.argv[1])
+    torch.save({"plain": plain, "held": held, "root_sharded": states}, sys.argv[1])
 scale.close()
 """
 
@@ -164,6 +175,9 @@ def test_bf16_logits_do_not_depend_on_the_world_size(tmp_path):
     assert one["plain"].dtype == torch.bfloat16 and one["plain"].shape == (4, 40, 96)
     assert torch.equal(one["plain"], two["plain"]), (one["plain"].float() - two["plain"].float()).abs().max()
     assert torch.equal(one["held"], two["held"])
+    # The root is FSDP2's to manage: kept gathered from a gradient forward to its backward (one all-gather
+    # per update chunk, not two), resharded after a forward without gradients (scale.shard).
+    assert two["root_sharded"] == [True, False, True]
 
 
 def test_dry_run_llada8b(capsys):
