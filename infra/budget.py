@@ -1,7 +1,10 @@
-"""The dry-run budget: parameters, memory per GPU and FLOPs per RL step, without loading any weights; and
-the start-up disk check sized from the same numbers.
+"""The dry-run budget: parameters, FLOPs per RL step and for the whole run, a wall-time and GPU-hour
+estimate, and memory per GPU, without loading any weights; and the start-up disk check.
 
     python train.py --preset llada8b --dry_run
+
+Every figure here is an estimate from the model shape and the config, written so that it can be checked
+by hand (tests/test_budget.py holds the hand derivation for LLaDA-8B).
 """
 from __future__ import annotations
 
@@ -15,108 +18,268 @@ import tasks
 from infra.episodes import IMAGE_TASKS, task_list
 from model import ModelConfig, Transformer, num_params
 
-def budget(model_config, n_params: int, *, world_size: int, lora_params: int, seqs_per_rank: int,
-           seq_len: int, steps: int, num_iterations: int, beta: float, activation_checkpointing: bool,
-           bytes_per_param: int = 2) -> dict:
-    """Back-of-the-envelope memory per GPU (GB) and FLOPs per RL step, for --dry_run. Estimates, not
-    measurements: they leave out the CUDA context, allocator fragmentation and NCCL buffers (a few GB).
-
-    Full fine-tuning: float32 master weights, float32 gradients and AdamW's two float32 moments (16 B per
-    parameter) plus a float32 reference copy (4 B, when beta > 0), sharded over the ranks by FSDP2;
-    compute uses bf16 copies gathered one block at a time.
-    LoRA: the frozen bf16 base (2 B/param, sharded too) plus float32 adapters with gradients and moments
-    (16 B/param); its reference policy is the base itself. An update chunk adds its activations (per token and
-    layer, checkpointing keeps the block input, d_model values, and recomputes one block at a time;
-    without it a LLaDA block keeps about 16 d_model + 3 mlp_hidden values) and its float32 logits with
-    their log-softmax (seq x vocab, the largest tensor at a 126k vocabulary). A rollout holds the whole
-    model unsharded (scale.full_weights) beside the sharded state, plus float64 Gumbel noise over the
-    logits."""
-    c = model_config
-    gb = 1024 ** 3
-    weights = n_params * bytes_per_param / world_size
-    per_tok_layer = c.d_model if activation_checkpointing else 16 * c.d_model + 3 * c.mlp_hidden_size
-    acts = seqs_per_rank * seq_len * c.n_layers * per_tok_layer * bytes_per_param
-    if activation_checkpointing:  # one block is recomputed at a time, with its full activations
-        acts += seqs_per_rank * seq_len * (16 * c.d_model + 3 * c.mlp_hidden_size) * bytes_per_param
-    logits = seqs_per_rank * seq_len * c.vocab_size * 4 * 2  # float32 logits and their log-softmax
-    # float32 weights, gradients and AdamW moments, and the frozen reference copy (float32) when beta > 0
-    state_full = n_params * (16 + 4 * (beta > 0)) / world_size
-    state_lora = weights + lora_params * 16 / world_size
-    # Rollouts gather the whole model in bf16 (full_weights) beside the sharded state, and draw float64
-    # Gumbel noise over the logits; they keep no activations for backward.
-    gather = n_params * bytes_per_param * (world_size > 1) + seqs_per_rank * seq_len * c.vocab_size * 8
-    # FLOPs: 2 N per token forward, 6 N forward+backward; attention adds 4 L d per layer per token.
-    fwd_tok = 2 * n_params + 4 * seq_len * c.d_model * c.n_layers
-    seqs = seqs_per_rank * world_size
-    flops_rollout = seqs * steps * seq_len * fwd_tok  # no KV cache: every step re-runs the sequence
-    flops_scoring = seqs * num_iterations * seq_len * fwd_tok * (1 + (beta > 0))  # old + ref passes
-    flops_update = seqs * num_iterations * seq_len * 3 * fwd_tok
-    return {"weights_gb": weights / gb, "full_ft_gb": (state_full + acts + logits) / gb,
-            "full_ft_rollout_gb": (state_full + gather) / gb, "lora_gb": (state_lora + acts + logits) / gb,
-            "lora_rollout_gb": (state_lora + gather) / gb, "activations_gb": acts / gb, "logits_gb": logits / gb,
-            "flops_rollout": flops_rollout, "flops_scoring": flops_scoring, "flops_update": flops_update,
-            "flops_total": flops_rollout + flops_scoring + flops_update}
+GB = 1024 ** 3
+# The GPU the time estimate is stated for, its dense bf16 peak (NVIDIA's A100 datasheet: 312 TFLOP/s
+# without sparsity), and the fraction of it assumed to be achieved. The MFU is an assumption, not a
+# measurement: this code has not run on a GPU. Large-batch bf16 transformer training commonly reaches
+# 35-50% on A100s; rollouts here are full-sequence forwards of 6-12 sequences per GPU, so the low end.
+GPU_NAME = "A100-80GB SXM"
+GPU_PEAK_FLOPS = 312e12
+ASSUMED_MFU = 0.35
 
 
-def print_budget(mc, *, seqs: int, seq_len: int, steps: int, lora_rank: int, num_iterations: int, beta: float,
-            device_batch_size: int, activation_checkpointing: bool, gpus: int) -> dict:
-    """Build the model on the meta device (no memory), count its parameters and LoRA's, and print the
-    budget table for 1, 8, 16 and `gpus` GPUs; returns the numbers (tests, README)."""
+# -----------------------------------------------------------------------------------------------------
+# shape
+
+
+def shape(mc: ModelConfig, lora_rank: int) -> dict:
+    """Parameter counts from a meta-device model (no memory): total, embedding, head, one block's matrices,
+    and LoRA's adapters (rank r on every LORA_TARGETS projection: r * (in + out) each)."""
     from infra.lora import LORA_TARGETS
 
     with torch.device("meta"):
         model = Transformer(mc)
-    n = num_params(model)
-    per_block = sum(m.in_features + m.out_features for name, m in model.blocks[0].named_children()
-                    if name in LORA_TARGETS)
-    n_lora = lora_rank * per_block * mc.n_layers
-    cols = sorted({1, 8, 16, gpus})
-    rows = [budget(mc, n, world_size=w, lora_params=n_lora, seqs_per_rank=device_batch_size or max(1, seqs // w),
-                   seq_len=seq_len, steps=steps, num_iterations=num_iterations, beta=beta,
-                   activation_checkpointing=activation_checkpointing) for w in cols]
-    print(f"model: {n:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
-          f"LoRA r={lora_rank}: {n_lora:,} adapter parameters")
-    print(f"RL step: {seqs} sequences of {seq_len} tokens, {steps} denoising steps, mu={num_iterations}, "
-          f"device_batch_size {device_batch_size or 'all'}, activation checkpointing "
-          f"{'on' if activation_checkpointing else 'off'}")
-    print("| GB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
-    print("|---|" + "---|" * len(cols))
-    for key, label in (("weights_gb", "bf16 weights, sharded"), ("full_ft_gb", "full fine-tuning, update"),
-                       ("full_ft_rollout_gb", "full fine-tuning, rollout"), ("lora_gb", f"LoRA r={lora_rank}, update"),
-                       ("lora_rollout_gb", f"LoRA r={lora_rank}, rollout"),
-                       ("activations_gb", "activations per update chunk"), ("logits_gb", "logits per log-prob chunk")):
-        print(f"| {label} | " + " | ".join(f"{r[key]:.1f}" for r in rows) + " |")
-    r = rows[0]
-    print(f"FLOPs per RL step: rollouts {r['flops_rollout']:.2e}, old/ref scoring {r['flops_scoring']:.2e}, "
-          f"updates {r['flops_update']:.2e}, total {r['flops_total']:.2e}")
-    return {"params": n, "lora_params": n_lora, "budget": dict(zip(cols, rows))}
+    block = model.blocks[0]
+    linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    return {"params": num_params(model), "embedding": model.wte.weight.numel(), "head": model.ff_out.weight.numel(),
+            "block_params": num_params(block), "block_matmul": sum(m.weight.numel() for m in linears),
+            "lora_params": lora_rank * mc.n_layers * sum(m.in_features + m.out_features for name, m in
+                                                         block.named_children() if name in LORA_TARGETS)}
 
 
-def dry_run(cfg) -> dict:
-    """--dry_run: the model on the meta device (no memory), its parameter count, and budget's
-    memory per GPU and FLOPs per RL step at the preset's batch sizes (print_budget prints the table)."""
+# -----------------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int, rollout: str, steps: int,
+          block_length: int, cfg_scale: float, num_iterations: int, beta: float, lora: bool,
+          activation_checkpointing: bool) -> dict:
+    """Global FLOPs of one RL step (one rollout batch: every task's prompts_per_step * group_size
+    sequences, all ranks together), by phase. A multiply-add is 2 FLOPs.
+
+    Per token of a forward pass: 2 per weight of every block matrix and of the head (the embedding is a
+    lookup), plus attention, 4 * keys * d_model per layer (QK^T and the weighted sum of V).
+    - rollouts: `steps` denoising passes over the whole sequence ("exact": no KV cache, as LLaDA's
+      sampler; "image": MMaDA's sampler, likewise); with CFG each pass runs the unconditional rows too.
+      "prefix"/"dual" (Fast-dLLM caches): one full pass per block, then only the tokens from the block on
+      (prefix) or the block itself (dual), attending to all keys, the head over the block only. Threshold
+      decoding can end a block early: these are upper bounds then.
+    - scoring: the old policy's log-probabilities for each of the mu masks, and the reference's when
+      beta > 0 (LoRA: the same model with adapters off), one forward each, head at every position.
+    - updates: mu optimizer steps over all sequences: a forward, the backward (full fine-tuning: input
+      and weight gradients, 2x the forward; LoRA: input gradients of the frozen matrices, 1x, plus the
+      adapters' both), and with activation checkpointing the blocks' forward once more."""
+    d, nl = mc.d_model, mc.n_layers
+    body, head = nl * s["block_matmul"], s["head"]
+    adapters = s["lora_params"] if lora else 0
+
+    def fwd(tokens, keys, head_tokens=None):  # FLOPs of a forward over `tokens` query positions
+        head_tokens = tokens if head_tokens is None else head_tokens
+        return tokens * (2 * (body + adapters) + 4 * keys * d * nl) + head_tokens * 2 * head
+
+    cfg_rows = 2 if cfg_scale > 0 else 1
+    if rollout in ("exact", "image"):
+        per_seq = steps * fwd(seq_len, seq_len)
+    else:  # Fast-dLLM block caches
+        blocks = (seq_len - prompt_len) // block_length
+        spb = steps // blocks
+        per_seq = 0
+        for b in range(blocks):
+            start = prompt_len + b * block_length
+            q = seq_len - start if rollout == "prefix" else block_length
+            per_seq += fwd(seq_len, seq_len, block_length) + (spb - 1) * fwd(q, seq_len, block_length)
+    roll = seqs * cfg_rows * per_seq
+    score = seqs * num_iterations * (1 + (beta > 0)) * fwd(seq_len, seq_len)
+    attn = 4 * seq_len * d * nl
+    if lora:  # input gradients through frozen matrices (2 per weight), adapters' input and weight gradients
+        bwd = 2 * (body + head) + 4 * adapters + 2 * attn
+    else:
+        bwd = 4 * (body + head) + 2 * attn
+    recompute = 2 * (body + adapters) + attn if activation_checkpointing else 0
+    update = seqs * num_iterations * seq_len * (fwd(1, seq_len) + bwd + recompute)
+    return {"rollout": roll, "scoring": score, "update": update, "step": roll + score + update,
+            "per_rollout_seq": cfg_rows * per_seq}
+
+
+# -----------------------------------------------------------------------------------------------------
+# memory
+
+
+def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
+           cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
+           codebook: int = 8192) -> dict:
+    """Memory per GPU in GB (2^30 bytes), by component, for one world size. Estimates: the CUDA context,
+    allocator fragmentation and NCCL buffers (a few GB) are left out.
+
+    Sharded state (FSDP2 splits it over the ranks): full fine-tuning keeps float32 master weights,
+    gradients and AdamW's two moments (16 B/param) and, with beta > 0, a float32 reference copy (4 B);
+    LoRA keeps the frozen base in the compute dtype (2 B) and float32 adapters with gradients and moments
+    (16 B). One process holds all of it and computes from it directly, so it gathers nothing.
+    Gathered (world_size > 1, compute dtype): the root (embedding, final norm, head) stays gathered from
+    an update chunk's forward to its backward; blocks are gathered one at a time, two with the next
+    one's prefetch; a rollout holds the whole model (scale.full_weights).
+    An update chunk of `chunk` sequences keeps its activations (checkpointing: each block's input,
+    d_model values per token and layer, plus one block's full activations while it is recomputed, about
+    16 d_model + 3 mlp_hidden values per token; without it every block's) and the head's logits: the bf16
+    output, a float32 copy and its log-softmax (10 B per entry).
+    A rollout forward of `chunk` sequences (twice the rows with CFG) makes bf16 logits over every position;
+    the text sampler then draws float64 Gumbel noise over the current block's columns only (the uniforms,
+    the float64 logits and the noisy sum: 24 B, and a bf16 softmax: 2 B), the image sampler a float64
+    softmax over the codebook at every image position."""
+    c, w = mc, world_size
+    n = s["params"]
+    per_tok_block = 16 * c.d_model + 3 * c.mlp_hidden_size
+    rows = {}
+    rows["full_state"] = n * (16 + 4 * (beta > 0)) / w
+    rows["lora_state"] = n * compute_bytes / w + s["lora_params"] * 16 / w
+    gathered = w > 1
+    rows["root_gathered"] = (s["embedding"] + s["head"] + c.d_model) * compute_bytes * gathered
+    block = s["block_params"] + s["lora_params"] / c.n_layers
+    rows["blocks_gathered"] = 2 * block * compute_bytes * gathered
+    rows["model_gathered"] = (n + s["lora_params"]) * compute_bytes * gathered
+    tokens = chunk * seq_len
+    if activation_checkpointing:
+        acts = tokens * c.n_layers * c.d_model * compute_bytes + tokens * per_tok_block * compute_bytes
+    else:
+        acts = tokens * c.n_layers * per_tok_block * compute_bytes
+    rows["activations"] = acts
+    rows["logits"] = tokens * c.vocab_size * 10
+    cfg_rows = 2 if cfg_scale > 0 else 1
+    model_logits = cfg_rows * tokens * c.vocab_size * 2
+    if image:
+        sampler = chunk * sampled * codebook * 8 * 2  # float64 probabilities and their cumulative sum
+    else:
+        sampler = chunk * sampled * c.vocab_size * (24 + 2)
+    rows["sampling"] = model_logits + sampler
+    update_common = rows["root_gathered"] + rows["blocks_gathered"] + acts + rows["logits"]
+    rollout_common = rows["model_gathered"] + rows["sampling"]
+    rows["full_update"] = rows["full_state"] + update_common
+    rows["full_rollout"] = rows["full_state"] + rollout_common
+    rows["lora_update"] = rows["lora_state"] + update_common
+    rows["lora_rollout"] = rows["lora_state"] + rollout_common
+    out = {k: v / GB for k, v in rows.items()}
+    # names kept from the earlier table (README, tests)
+    out.update(weights_gb=n * compute_bytes / w / GB, full_ft_gb=out["full_update"], lora_gb=out["lora_update"],
+               full_ft_rollout_gb=out["full_rollout"], lora_rollout_gb=out["lora_rollout"],
+               activations_gb=out["activations"], logits_gb=out["logits"])
+    return out
+
+
+MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state", "LoRA state, sharded"),
+               ("root_gathered", "gathered embedding + head (update)"), ("blocks_gathered", "gathered blocks (2)"),
+               ("model_gathered", "gathered model (rollout)"), ("activations", "activations per update chunk"),
+               ("logits", "logits per update chunk"), ("sampling", "sampling transients per rollout chunk"),
+               ("full_update", "full fine-tuning, update peak"), ("full_rollout", "full fine-tuning, rollout peak"),
+               ("lora_update", "LoRA, update peak"), ("lora_rollout", "LoRA, rollout peak"))
+
+
+# -----------------------------------------------------------------------------------------------------
+# the dry run
+
+
+def model_config(cfg) -> ModelConfig:
+    """The model shape of a train.Config: --init_from's config.json, else the scratch shape."""
     from infra.run import scratch_config  # infra/run.py imports this module
     cfg_file = Path(cfg.init_from) / "config.json" if cfg.init_from not in ("", "scratch") else None
     if cfg_file is not None and cfg_file.is_file():
-        mc = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+        return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    vocab = cfg.vocab_size or tasks.model_config_overrides(tasks.build_tokenizer())["vocab_size"]
+    return scratch_config(cfg, vocab_size=vocab, mask_token_id=vocab - 1)
+
+
+def dry_run(cfg) -> dict:
+    """--dry_run: print and return the schedule, FLOPs (per RL step, per run), the time estimate on
+    GPU_NAME at ASSUMED_MFU, and the memory table, from the model shape alone (no weights)."""
+    mc = model_config(cfg)
+    names = task_list(cfg)
+    image = any(t in IMAGE_TASKS for t in names)
+    if image:
+        prompt_len = (cfg.image_text_len or 32) + 2
+        seq_len, rollout, steps = prompt_len + cfg.image_width ** 2, "image", cfg.image_steps
     else:
-        vocab = cfg.vocab_size or tasks.model_config_overrides(tasks.build_tokenizer())["vocab_size"]
-        mc = scratch_config(cfg, vocab_size=vocab, mask_token_id=vocab - 1)
-    image = any(t in IMAGE_TASKS for t in task_list(cfg))
-    seq_len = (cfg.image_text_len or 32) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
-    return print_budget(mc, seqs=cfg.prompts_per_step * cfg.group_size * len(task_list(cfg)), seq_len=seq_len,
-                         steps=cfg.image_steps if image else cfg.steps, lora_rank=cfg.lora_rank,
-                         num_iterations=cfg.num_iterations, beta=cfg.beta, device_batch_size=cfg.device_batch_size,
-                         activation_checkpointing=cfg.activation_checkpointing, gpus=cfg.dry_run_gpus)
+        prompt_len = cfg.max_prompt_len
+        seq_len, steps = prompt_len + cfg.gen_length, cfg.steps
+        rollout = "exact" if cfg.kv_cache == "none" else cfg.kv_cache
+    seqs = cfg.prompts_per_step * cfg.group_size * len(names)
+    lora = cfg.lora_rank > 0
+    s = shape(mc, cfg.lora_rank)
+    f = flops(mc, s, seqs=seqs, seq_len=seq_len, prompt_len=prompt_len, rollout=rollout, steps=steps,
+              block_length=cfg.block_length, cfg_scale=cfg.cfg_scale, num_iterations=cfg.num_iterations,
+              beta=cfg.beta, lora=lora, activation_checkpointing=cfg.activation_checkpointing)
+    evaluation = 2 * cfg.eval_prompts * cfg.eval_samples * len(names) * f["per_rollout_seq"]  # before + after
+    run = f["step"] * cfg.rl_steps + evaluation
+    gpus = cfg.dry_run_gpus
+    step_s = f["step"] / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU)
+    run_h = run / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU) / 3600
+    opt_steps = cfg.rl_steps * cfg.num_iterations
+    # world sizes the global batch splits evenly over (train.py requires it)
+    cols = [w for w in sorted({1, 8, 16, gpus}) if seqs % w == 0]
+    chunk = {w: min(cfg.device_batch_size or seqs // w, seqs // w) for w in cols}
+    mem = {w: memory(mc, s, world_size=w, chunk=chunk[w], seq_len=seq_len,
+                     sampled=cfg.image_width ** 2 if image else cfg.block_length, image=image,
+                     cfg_scale=cfg.cfg_scale, beta=cfg.beta,
+                     activation_checkpointing=cfg.activation_checkpointing) for w in cols}
+
+    print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
+          f"LoRA r={cfg.lora_rank}: {s['lora_params']:,} adapter parameters")
+    print(f"RL step: {seqs} sequences ({cfg.prompts_per_step} prompts x G={cfg.group_size} x {len(names)} task(s)) "
+          f"of {seq_len} tokens, {steps} denoising steps ({rollout}), mu={cfg.num_iterations}, "
+          f"{'LoRA' if lora else 'full fine-tuning'}, activation checkpointing "
+          f"{'on' if cfg.activation_checkpointing else 'off'}, device_batch_size {cfg.device_batch_size or 'all'}")
+    ckpt = (f"a checkpoint every {cfg.checkpoint_every} rollout batches = "
+            f"{cfg.checkpoint_every * cfg.num_iterations:,} optimizer steps" if cfg.checkpoint_every else "no checkpoints")
+    print(f"schedule: {cfg.rl_steps:,} rollout batches x mu {cfg.num_iterations} = {opt_steps:,} optimizer steps; {ckpt}")
+    print(f"global FLOPs per RL step: {f['step']:.2e} (rollouts {f['rollout']:.2e}, old/ref scoring "
+          f"{f['scoring']:.2e}, updates {f['update']:.2e})")
+    print(f"global FLOPs per run: {run:.2e} ({cfg.rl_steps:,} RL steps, and {evaluation:.2e} for the held-out "
+          f"evaluation before and after)")
+    print(f"time on {gpus} x {GPU_NAME} (bf16 dense peak {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s, assumed MFU "
+          f"{ASSUMED_MFU:.0%}): {step_s:.0f} s per RL step, {run_h:.1f} h per run = {run_h * gpus:,.0f} GPU-hours")
+    print("| GB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for key, label in MEMORY_ROWS:
+        print(f"| {label} | " + " | ".join(f"{mem[w][key]:.1f}" for w in cols) + " |")
+    print(f"(update chunk: {', '.join(f'{chunk[w]} seq' for w in cols)}; rollouts chunk the same way; "
+          "FSDP2 gathers only with more than one GPU)")
+    return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs,
+            "seq_len": seq_len, "flops": {**f, "evaluation": evaluation, "run": run},
+            "rollout_batches": cfg.rl_steps, "optimizer_steps": opt_steps,
+            "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.num_iterations,
+            "gpu": GPU_NAME, "gpus": gpus, "mfu": ASSUMED_MFU, "seconds_per_step": step_s, "run_hours": run_h,
+            "gpu_hours": run_h * gpus, "budget": mem}
+
+
+# -----------------------------------------------------------------------------------------------------
+# disk
+
+
+def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
+    """Bytes of one checkpoint as checkpoint.save writes it: with LoRA the adapters (float32) and their
+    AdamW moments (two float32 tensors each); with full fine-tuning every parameter in float32 (the master
+    weights train.py keeps) and its two moments. 1 MB more for state.json, step counters and DCP metadata."""
+    s = shape(mc, cfg.lora_rank)
+    trained = s["lora_params"] if cfg.lora_rank > 0 else s["params"]
+    return trained * 4 * 3 + 2 ** 20
+
+
+def checkpoints_on_disk(cfg) -> int:
+    """Checkpoints present at once: keep_last complete ones plus the one being written before the oldest
+    is deleted (keep_last 0 keeps every one: rl_steps // checkpoint_every, and one on a stop signal)."""
+    if cfg.keep_last:
+        return cfg.keep_last + 1
+    return cfg.rl_steps // max(cfg.checkpoint_every, 1) + 1
 
 
 def check_disk(cfg, out: Path, mc) -> None:
-    """Refuse to start when out_dir cannot hold the checkpoints the run will write."""
-    with torch.device("meta"):
-        n = num_params(Transformer(mc))
-    # float32 weights + AdamW moments (an upper bound; LoRA saves far less), twice for the rotation.
-    size = 2 * n * 12
+    """Refuse to start when out_dir cannot hold the checkpoints the run will keep during rotation."""
+    one = checkpoint_bytes(cfg, mc)
+    k = checkpoints_on_disk(cfg)
+    size = one * k
     free = shutil.disk_usage(out).free
     if free < size:
-        raise ValueError(f"out_dir {out} has {free / 2**30:.1f} GB free, but a checkpoint needs about "
-                         f"{size / 2**30:.1f} GB; free space, pick another --out_dir or set --checkpoint_every=0")
+        what = "LoRA adapters and their AdamW moments" if cfg.lora_rank > 0 else \
+            "float32 weights and AdamW moments (full fine-tuning)"
+        raise ValueError(f"out_dir {out} has {free / GB:.1f} GB free, but a checkpoint needs about {one / GB:.1f} "
+                         f"GB ({what}) and rotation keeps {k} at once (--keep_last={cfg.keep_last}): "
+                         f"{size / GB:.1f} GB; free space, pick another --out_dir, lower --keep_last, use LoRA "
+                         "(--lora_rank) or set --checkpoint_every=0")

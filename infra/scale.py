@@ -16,7 +16,9 @@ only move rewards, token counts and statistics.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -25,17 +27,42 @@ import torch.distributed as dist
 # process group
 
 
+# How long a collective may wait for the slowest rank before the run fails. Rank 0 alone writes the final
+# safetensors and fsyncs checkpoints while the others wait at a barrier: a full fine-tuning checkpoint of an
+# 8B model (float32 weights and AdamW moments, about 96 GB) takes minutes on a network file system, past
+# NCCL's 10-minute default. Set the environment variable to change it (minutes).
+TIMEOUT_ENV = "MASKGRPO_COLLECTIVE_TIMEOUT_MIN"
+DEFAULT_TIMEOUT_MIN = 60
+
+
+def collective_timeout() -> datetime.timedelta:
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_MIN))
+    try:
+        minutes = float(raw)
+    except ValueError:
+        minutes = -1.0
+    if not minutes > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of minutes (default {DEFAULT_TIMEOUT_MIN})")
+    return datetime.timedelta(minutes=minutes)
+
+
 def init(device_name: str) -> torch.device:
     """Join torchrun's process group when WORLD_SIZE > 1 and return this rank's device. device_name is
-    train.py's --device ("auto", "cpu", "cuda", "cuda:N"); under torchrun each rank takes cuda:LOCAL_RANK."""
+    train.py's --device ("auto", "cpu", "cuda", "cuda:N"); under torchrun each rank takes cuda:LOCAL_RANK.
+    On CUDA the group is bound to that device (device_id), so NCCL sets up its communicator at once
+    instead of guessing the device at the first collective."""
     want_cuda = device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available())
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return torch.device("cuda" if device_name == "auto" and want_cuda else
                             ("cpu" if device_name == "auto" else device_name))
     if not dist.is_initialized():
+        timeout = collective_timeout()
         if want_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if want_cuda else "gloo")
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cuda", torch.cuda.current_device()) if want_cuda else torch.device("cpu")
 
 
@@ -107,8 +134,41 @@ def barrier() -> None:
         dist.barrier()
 
 
-def close() -> None:
-    if dist.is_initialized():
+def _clean_exit() -> bool:
+    """Whether the exception being handled (if any) is an exit every rank takes together: none (the run
+    returned), or SystemExit with an integer status (train.py's stop on SIGTERM/SIGINT, agreed over ranks
+    before the checkpoint). Errors and KeyboardInterrupt may be one rank's alone."""
+    exc = sys.exc_info()[1]
+    return exc is None or (isinstance(exc, SystemExit) and (exc.code is None or isinstance(exc.code, int)))
+
+
+def close(ok: bool | None = None) -> None:
+    """Leave the process group; call it once per process on every path (train.py does, in a finally).
+    ok: every rank is on its way out together, so wait for the others first; None infers it from the
+    exception being handled (_clean_exit). A no-op in one process, after --dry_run, or when called twice.
+
+    Why the barrier: without it a rank that has finished (rank 1 after the final state-dict gather,
+    while rank 0 writes the safetensors) enters interpreter shutdown right after its last collective,
+    while gloo's worker thread may still be releasing that collective's tensors. A native thread that
+    needs the GIL during shutdown is ended by Python mid-unwind, which aborts the process ("terminate
+    called without an active exception"): the likely cause of a rare abort seen at the end of finished
+    runs. After the barrier every earlier collective has completed on every rank and the workers are
+    idle. destroy_process_group does not stop gloo's threads; they end when the group object is freed,
+    which FSDP2's parameter hooks (a reference cycle through C++) delay to process exit, where idle
+    threads are harmless.
+    After an error the barrier is skipped: the other ranks may be inside a collective that will never
+    complete, and waiting would only turn the error into a timeout."""
+    if not dist.is_initialized():
+        return
+    if ok is None:
+        ok = _clean_exit()
+    try:
+        if ok and world() > 1:
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier()
+    finally:
         dist.destroy_process_group()
 
 
@@ -127,11 +187,27 @@ def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> t
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # cast_forward_inputs=False: FSDP2 would otherwise cast every floating-point input of a sharded module
+    # to compute_dtype, including the float32 RoPE cos/sin tables the model passes to each block; rotary
+    # angles in bf16 change the logits, so the world size would change the result. The blocks cast what
+    # they need themselves (model.py).
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    # FSDP2 never reshards a root after its forward: for training that saves gathering the embedding and
+    # head again for the backward. After a forward without gradients (scoring outside full_weights) no
+    # backward follows, and a root left gathered would keep its unsharded parameters registered on the
+    # module, so model.parameters() would return those (which never receive gradients) instead of the
+    # sharded ones the optimizer holds: train.py's gradient clipping would then miss the root. Reshard
+    # the root after such a forward; gradient forwards keep FSDP2's behaviour.
+    model.register_forward_hook(_reshard_root_without_grad)
     return model
+
+
+def _reshard_root_without_grad(module, args, output) -> None:
+    if not torch.is_grad_enabled() and not getattr(module, "_full_weights", False):
+        module.reshard()
 
 
 def _fsdp_modules(model):
@@ -152,8 +228,10 @@ def full_weights(model):
     outer = world() > 1 and not getattr(model, "_full_weights", False)
     mods = _fsdp_modules(model) if outer else []
     for m in mods:
-        # The root keeps FSDP2's own setting (it never reshards after forward); the blocks stay gathered.
-        m.set_reshard_after_forward(False, recurse=False)
+        # Blocks would reshard after each forward: hold them gathered. The root's setting is FSDP2's (it
+        # does not reshard after forward); here it is only gathered up front and resharded on exit.
+        if m is not model:
+            m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     if outer:
         model._full_weights = True
@@ -162,7 +240,8 @@ def full_weights(model):
     finally:
         for m in mods:
             m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
+            if m is not model:
+                m.set_reshard_after_forward(True, recurse=False)
         if outer:
             model._full_weights = False
 

@@ -2,7 +2,7 @@
 acceptance 1), with full fine-tuning and with LoRA; the LoRA run's merged checkpoint reproduces the
 adapter model (acceptance 3); --dry_run reports LLaDA-8B's parameter count (acceptance 2).
 
-    python -m pytest tests/test_distributed.py -q      # ~1 min on 2 CPU cores (the torchrun tests are
+    python -m pytest tests/test_distributed.py -q      # ~8 min on 2 CPU cores (the torchrun tests are
                                                        # marked slow: they run in CI, not under -m "not slow")
 """
 import json
@@ -28,12 +28,19 @@ ARGS = ["--preset=smoke", "--threads=1", "--sample_every=0", "--block_length=4",
 COMPARED = ("reward", "solved", "loss", "kl", "clipfrac", "ratio_mean", "ratio_max", "num_tokens")
 
 
+def launch(args, nproc=1, script="train.py"):
+    """Run script in one process, or under torchrun with nproc gloo ranks; torchrun exits 0 only when
+    every rank did."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_SHOW_CPP_STACKTRACES="1")
+    cmd = [sys.executable, script, *args] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
 def run(args, nproc=1):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "train.py", *args] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *args]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    res = launch(args, nproc)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "terminate called" not in res.stderr, res.stderr[-3000:]
     return res.stdout
 
 
@@ -99,12 +106,86 @@ def test_lora_two_processes_and_merge(single, tmp_path):
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
+@pytest.mark.slow
+def test_every_rank_exits_cleanly_run_after_run(single, tmp_path):
+    """A finished 2-process run exits 0 on every rank, run after run: the finished rank waits at a
+    barrier in scale.close instead of entering interpreter shutdown while the other still writes (a
+    rare SIGABRT at exit, "terminate called without an active exception", otherwise). Then an error
+    on every rank (a fresh run into an out_dir with checkpoints) exits 1 with its message, no abort."""
+    quick = ARGS + [f"--sft_dir={single / 'sft'}", "--rl_steps=1", "--eval_prompts=2", "--checkpoint_every=1"]
+    for i in range(3):
+        res = launch(quick + [f"--out_dir={tmp_path / str(i)}"], nproc=2)
+        assert res.returncode == 0 and "terminate called" not in res.stderr, (i, res.stderr[-3000:])
+        assert "wrote" in res.stdout
+    res = launch(quick + [f"--out_dir={tmp_path / '0'}"], nproc=2)
+    assert res.returncode == 1 and "already holds checkpoints" in res.stderr, res.stderr[-3000:]
+    assert "terminate called" not in res.stderr and "SIGABRT" not in res.stderr, res.stderr[-3000:]
+
+
+BF16_LOGITS = """
+import sys, torch
+from infra import scale
+from model import ModelConfig, Transformer
+scale.init("cpu")
+mc = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=128, vocab_size=96,
+                 max_sequence_length=64, mask_token_id=95)
+model = Transformer(mc)
+model.init_weights(torch.Generator().manual_seed(0))
+x = torch.randint(0, 96, (4, 40), generator=torch.Generator().manual_seed(1))
+mask = torch.ones_like(x)
+mask[0, :5] = 0  # left padding in one row
+if scale.world() == 1:
+    model = model.to(torch.bfloat16)  # the bf16 weights a single process computes with
+else:
+    model = scale.shard(model, compute_dtype=torch.bfloat16)  # float32 shards, gathered in bf16
+with torch.no_grad():
+    plain = model(x[scale.shard_rows(4)], mask[scale.shard_rows(4)])
+    with scale.full_weights(model):
+        held = model(x[scale.shard_rows(4)], mask[scale.shard_rows(4)])
+plain, held = scale.all_gather_rows(plain), scale.all_gather_rows(held)
+states = []
+if scale.world() > 1:  # is the root (embedding, norm, head) sharded: after a forward without gradients,
+    from torch.distributed.tensor import DTensor  # inside a gradient forward, after its backward
+    sharded = lambda: isinstance(model.wte.weight, DTensor)
+    with torch.no_grad():
+        model(x[scale.shard_rows(4)])
+    states.append(sharded())
+    loss = model(x[scale.shard_rows(4)]).float().square().mean()
+    states.append(sharded())
+    loss.backward()
+    states.append(sharded())
+if scale.rank() == 0:
+    torch.save({"plain": plain, "held": held, "root_sharded": states}, sys.argv[1])
+scale.close()
+"""
+
+
+@pytest.mark.slow
+def test_bf16_logits_do_not_depend_on_the_world_size(tmp_path):
+    """bf16 compute on 2 gloo ranks (FSDP2 gathers bf16 copies of float32 shards) gives exactly the logits
+    of one process computing with the same weights in bf16, sharded forwards and full_weights alike.
+    FSDP2's default cast_forward_inputs=True would round the float32 RoPE tables to bf16 on the way into
+    each block (logits then differ by up to ~1e-2)."""
+    script = tmp_path / "bf16_logits.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + BF16_LOGITS)
+    for nproc, name in ((1, "one.pt"), (2, "two.pt")):
+        res = launch([str(tmp_path / name)], nproc=nproc, script=str(script))
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert one["plain"].dtype == torch.bfloat16 and one["plain"].shape == (4, 40, 96)
+    assert torch.equal(one["plain"], two["plain"]), (one["plain"].float() - two["plain"].float()).abs().max()
+    assert torch.equal(one["held"], two["held"])
+    # The root is FSDP2's to manage: kept gathered from a gradient forward to its backward (one all-gather
+    # per update chunk, not two), resharded after a forward without gradients (scale.shard).
+    assert two["root_sharded"] == [True, False, True]
+
+
 def test_dry_run_llada8b(capsys):
     res = train.main(["--preset=llada8b", "--dry_run=true"])
     assert res["params"] == 8_015_581_184
-    assert res["lora_params"] == 335_544_320  # r=128 on all seven projections (lora.py, llada-format.md §8)
+    assert res["lora_params"] == 335_544_320  # r=128 on all seven projections (lora.py)
     text = capsys.readouterr().out
-    assert "8,015,581,184 parameters" in text and "| LoRA r=128, update |" in text
+    assert "8,015,581,184 parameters" in text and "| LoRA, update peak |" in text
     b8 = res["budget"][8]
     # 8B bf16 weights over 8 GPUs = 1.87 GB; full fine-tuning adds 2 + 8 B/param sharded: ~7.5 GB more.
     assert b8["weights_gb"] == pytest.approx(8_015_581_184 * 2 / 8 / 2**30)
@@ -114,3 +195,11 @@ def test_dry_run_llada8b(capsys):
 def test_dry_run_mmada8b():
     res = train.main(["--preset=mmada8b", "--dry_run=true"])
     assert res["params"] == 8_015_581_184 + 2 * 8192 * 4096  # 8192 image-code rows in embedding and head
+    assert res["seqs_per_step"] == 8 * 9 and res["seq_len"] == 257 + 2 + 32 * 32
+
+
+def test_close_is_safe_without_a_group():
+    """scale.close is a no-op in one process and after --dry_run (no group), and may be called twice."""
+    from infra import scale
+    scale.close()
+    scale.close(ok=False)

@@ -1,0 +1,105 @@
+"""The dry-run figures against a hand derivation, and the start-up disk check sized to what a checkpoint
+holds (infra/budget.py).
+
+    python -m pytest tests/test_budget.py -q      # seconds; no weights are loaded
+"""
+import shutil
+
+import pytest
+
+import train
+from infra import budget
+
+
+def test_llada8b_flops_match_the_hand_derivation(capsys):
+    """LLaDA-8B, the llada8b preset (LoRA r=128, activation checkpointing, beta > 0, no KV cache).
+
+    By hand, with N = 8.0e9 parameters and 2 N FLOPs per token of a forward (attention, ~2% at 512
+    tokens, and the embedding lookup, which costs nothing but is in N, roughly cancel):
+      sequences per RL step  S = 16 prompts x G 6 x 1 task = 96, each of T = 256 + 256 = 512 tokens
+      rollouts   128 denoising steps, each a forward over the whole sequence:  S T x 128 x 2N
+      scoring    old and reference log-probs for each of mu = 12 masks:      S T x 12 x 2 x 2N
+      updates    mu = 12 optimizer steps over all S sequences: forward 2N, recomputed forward 2N
+                 (checkpointing), backward through frozen weights 2N (input gradients only):  S T x 12 x 6N
+      total      S T x 2N x (128 + 24 + 36) = 49,152 x 1.6e10 x 188 = 1.48e17 FLOPs per RL step
+    The whole run is that times rl_steps (plus the held-out evaluation); on 8 A100s at 312 TFLOP/s and
+    35% MFU one step takes 1.48e17 / (8 x 312e12 x 0.35) = 170 s."""
+    res = train.main(["--preset=llada8b", "--dry_run=true"])
+    N, S, T = 8.0e9, 16 * 6 * 1, 256 + 256
+    by_hand = S * T * 2 * N * (128 + 12 * 2 + 12 * 3)
+    f = res["flops"]
+    assert f["step"] == pytest.approx(by_hand, rel=0.10)
+    assert f["rollout"] == pytest.approx(S * T * 128 * 2 * N, rel=0.10)
+    text = capsys.readouterr().out
+    assert f"global FLOPs per RL step: {f['step']:.2e}" in text
+    cfg = train.parse_args(["--preset=llada8b", "--dry_run=true"])
+    assert f["run"] == pytest.approx(f["step"] * cfg.rl_steps + f["evaluation"])
+    assert res["optimizer_steps"] == cfg.rl_steps * cfg.num_iterations
+    assert f"{res['optimizer_steps']:,} optimizer steps" in text
+    assert res["checkpoint_every_optimizer_steps"] == cfg.checkpoint_every * cfg.num_iterations
+    assert res["seconds_per_step"] == pytest.approx(f["step"] / (8 * budget.GPU_PEAK_FLOPS * budget.ASSUMED_MFU))
+    assert res["gpu_hours"] == pytest.approx(res["run_hours"] * 8)
+    assert budget.GPU_NAME in text and "assumed MFU 35%" in text
+
+
+def test_schedule_follows_the_config(capsys):
+    res = train.main(["--preset=llada8b", "--dry_run=true", "--rl_steps=667", "--checkpoint_every=42"])
+    text = capsys.readouterr().out
+    assert res["optimizer_steps"] == 8004 and "667 rollout batches x mu 12 = 8,004 optimizer steps" in text
+    assert "a checkpoint every 42 rollout batches = 504 optimizer steps" in text
+
+
+def test_full_fine_tuning_costs_more_to_update():
+    """Full fine-tuning's backward adds the weight gradients of every matrix (2 per weight: 7.5e9 weights
+    once the 0.52e9-row embedding lookup is left out), but has no adapters, which LoRA runs in the
+    forward, the recomputed forward and the backward (input and weight gradients): 8 per adapter weight,
+    0.34e9 of them. Rollouts and scoring are the same forwards apart from the adapters."""
+    lora = train.main(["--preset=llada8b", "--dry_run=true"])["flops"]
+    full = train.main(["--preset=llada8b", "--dry_run=true", "--lora_rank=0"])["flops"]
+    S, T, mu = 96, 512, 12
+    assert full["update"] - lora["update"] == pytest.approx(S * T * mu * (2 * 7.5e9 - 8 * 0.34e9), rel=0.05)
+    assert lora["rollout"] - full["rollout"] == pytest.approx(S * T * 128 * 2 * 0.34e9, rel=0.05)
+
+
+def test_memory_table_has_the_gathered_parts():
+    res = train.main(["--preset=llada8b", "--dry_run=true"])
+    one, eight = res["budget"][1], res["budget"][8]
+    s, gb = res["shape"], 1024 ** 3
+    # the embedding and head (126464 x 4096 each) in bf16, gathered for an update chunk: 1.93 GB
+    assert eight["root_gathered"] == pytest.approx((s["embedding"] + s["head"] + 4096) * 2 / gb)
+    assert one["root_gathered"] == 0 and one["model_gathered"] == 0  # one process gathers nothing
+    # a rollout holds the whole model in bf16 beside the sharded state
+    assert eight["lora_rollout"] == pytest.approx(eight["lora_state"] + eight["model_gathered"] + eight["sampling"])
+    assert eight["model_gathered"] > 15
+    # sampling: the bf16 logits of 6 sequences x 512 positions, and float64 noise over one 32-column block
+    assert eight["sampling"] == pytest.approx((6 * 512 * 126464 * 2 + 6 * 32 * 126464 * 26) / gb)
+    assert eight["weights_gb"] == pytest.approx(8_015_581_184 * 2 / 8 / gb)
+
+
+def _free(monkeypatch, gb):
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 ** 13, 10 ** 13 - int(gb * 2 ** 30),
+                                                                                  int(gb * 2 ** 30)))
+
+
+def test_disk_check_lora_passes_full_is_refused(tmp_path, monkeypatch):
+    """A LoRA checkpoint of LLaDA-8B holds 335.5M float32 adapters and their two AdamW moments: 3.75 GB;
+    keep_last=2 plus the one being written is 11.3 GB, which 12 GB free hold. Full fine-tuning saves
+    float32 weights and moments of all 8.0B parameters (89.6 GB each) and is refused there."""
+    lora = train.parse_args(["--preset=llada8b", "--dry_run=true"])
+    mc = budget.model_config(lora)
+    assert budget.checkpoint_bytes(lora, mc) == pytest.approx(335_544_320 * 12, rel=1e-3)
+    _free(monkeypatch, 12)
+    budget.check_disk(lora, tmp_path, mc)
+    full = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_rank=0"])
+    with pytest.raises(ValueError, match=r"has 12.0 GB free, but a checkpoint needs about 89.6 GB \(float32 weights "
+                                         r"and AdamW moments \(full fine-tuning\)\) and rotation keeps 3 at once "
+                                         r"\(--keep_last=2\): 268.7 GB; .*--checkpoint_every=0"):
+        budget.check_disk(full, tmp_path, mc)
+    _free(monkeypatch, 11)
+    with pytest.raises(ValueError, match=r"LoRA adapters"):
+        budget.check_disk(lora, tmp_path, mc)
+
+
+def test_keep_all_counts_every_checkpoint():
+    cfg = train.parse_args(["--preset=smoke", "--rl_steps=10", "--checkpoint_every=3", "--keep_last=0"])
+    assert budget.checkpoints_on_disk(cfg) == 4  # steps 3, 6, 9 and one written on a stop signal
