@@ -17,6 +17,7 @@ import torch
 import tasks
 from infra.episodes import IMAGE_TASKS, task_list
 from model import ModelConfig, Transformer, num_params
+from sample import MIN_HEAD_ROWS
 
 GB = 1024 ** 3
 # The GPU the time estimate is stated for, its dense bf16 peak (NVIDIA's A100 datasheet: 312 TFLOP/s
@@ -145,7 +146,10 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     rows["activations"] = acts
     rows["logits"] = tokens * c.vocab_size * 10
     cfg_rows = 2 if cfg_scale > 0 else 1
-    model_logits = cfg_rows * tokens * c.vocab_size * 2
+    # The text sampler computes the head only over the current block (sample.py, at least MIN_HEAD_ROWS
+    # rows per chunk); the image samplers over the whole sequence.
+    head_rows = chunk * seq_len if image else chunk * max(sampled, -(-MIN_HEAD_ROWS // chunk))
+    model_logits = cfg_rows * head_rows * c.vocab_size * 2
     if image:
         sampler = chunk * sampled * codebook * 8 * 2  # float64 probabilities and their cumulative sum
     else:
