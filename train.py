@@ -11,7 +11,7 @@ Alg. 5), one rollout batch at a time:
 
     1. rollouts      G completions per prompt: LLaDA block sampler (text), emerge sampler + CFG (images)
     2. rewards       verifiers in rewards.py / tasks.py, or a remote image scorer; finite, in [0, 1]
-    3. advantages    grpo.group_advantages: (R - mean) / std within each group of G
+    3. advantages    grpo.group_advantages: (R - mean) / std within each group of G (d1: R - mean)
     4. masks         importance.build_masks: mu re-masked copies of every completion (AR-like reversing
                      for text, random for images, truncated ratio schedule, shared seeds)
     5. old/ref       importance.token_logprobs on exactly those masked inputs, without gradient
@@ -23,7 +23,8 @@ the official code. Everything a run writes goes to out_dir: log.jsonl, summary.j
 before and after RL), final/ (Hugging Face LLaDA layout, tokenizer.json, generation.json), checkpoints/
 (--resume continues), curves.png, images.png. The bookkeeping (logs, checkpoints, resume, signals,
 start-up checks) is infra/run.py; torchrun and FSDP2 are infra/scale.py. Every random draw is seeded by
-(seed, step, global sequence index), so the world size does not change the result.
+(seed, step, global sequence index), so the world size does not change the result (LoRA dropout
+aside: its masks span a rank's rows).
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ from tqdm import tqdm
 
 import grpo
 import importance
-from infra import budget, cli, lora, scale
 from importance import derive_seed, generator
+from infra import budget, cli, lora, scale
 from infra.episodes import (IMAGE_TASKS, Batch, draw_prompts, evaluate_all, image_snapshot, load_data, make_batch,
                             make_example, rollout, score, task_list, vocab_slice)
 from infra.run import BadStep, Run, TrainingStopped, load_policy, reduce_stats, setup, startup_checks, validate
@@ -185,8 +186,8 @@ def parse_args(argv=None) -> Config:
 
 
 def diffusion_loss(model, b: Batch, sp, gen: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
-    """The masked-diffusion negative ELBO (LLaDA Eq. 3 / MDLM Eq. 10): t ~ U(eps, 1) per sequence, each
-    completion token masked with probability t, cross-entropy on the masked tokens weighted by 1/t,
+    """The masked-diffusion negative ELBO (MDLM, LLaDA; docs/method.md §1): t ~ U(eps, 1) per sequence,
+    each completion token masked with probability t, cross-entropy on the masked tokens weighted by 1/t,
     normalised by the completion length (LLaDA's SFT loss: the prompt is never masked)."""
     B, L = b.x.shape
     t = torch.rand(B, 1, generator=gen) * (1 - eps) + eps                              # (B, 1)
