@@ -123,3 +123,29 @@ def test_cli_exit_code():
                        capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 2 and p.stderr.strip().startswith("error: checkpoint directory not found")
     assert "\n" not in p.stderr.strip()
+
+
+@pytest.mark.parametrize("task,want", [
+    # The official MaskGRPO evaluation of GSM8K / MATH500: greedy, 256 tokens in blocks of 16 with
+    # 128 steps, the answer turn opened with "<reasoning>"; GenEval: 4 images per prompt, 32 emerge
+    # steps, CFG 3.5.
+    ("gsm8k", {"gen_length": 256, "block_length": 16, "steps": 128, "prompt_prefill": "<reasoning>", "samples": 0}),
+    ("math", {"gen_length": 256, "block_length": 16, "steps": 128, "prompt_prefill": "<reasoning>", "samples": 0}),
+    ("geneval", {"image_steps": 32, "image_sampler": "emerge", "cfg_scale": 3.5, "samples": 4}),
+])
+def test_official_evaluation_defaults(task, want, tmp_path):
+    o = evaluate.parse_options(["--ckpt", str(tmp_path), "--task", task])
+    assert {k: getattr(o, k) for k in want} == want
+    # a flag still wins
+    assert evaluate.parse_options(["--ckpt", str(tmp_path), "--task", task, "--steps=64"]).steps == 64
+
+
+def test_checkpoint_generation_settings_are_the_defaults(tmp_path):
+    """A toy checkpoint's generation.json sets the defaults of a toy task; a benchmark task's official
+    settings come on top of it."""
+    (tmp_path / "generation.json").write_text(json.dumps({"tasks": "text", "gen_length": 12, "block_length": 12,
+                                                          "steps": 12}))
+    o = evaluate.parse_options(["--ckpt", str(tmp_path), "--task", "text"])
+    assert (o.gen_length, o.block_length, o.steps) == (12, 12, 12)
+    o = evaluate.parse_options(["--ckpt", str(tmp_path), "--task", "gsm8k"])
+    assert (o.gen_length, o.block_length, o.steps) == (256, 16, 128)
