@@ -69,11 +69,10 @@ def _uniform(shape, generator, device, dtype=torch.float64, active=None, cols=No
     return out
 
 
-def _forward(model, x, attention_mask, lo=0, end=None, **kw):
+def _forward(model, x, attention_mask, lo, end, **kw):
     """Logits (B, end - lo, V) at positions [lo, end) of a full forward pass, the head on those positions
     only (widened to MIN_HEAD_ROWS rows) if the model takes logits_at. return_kv=True adds the cache."""
     B, L = x.shape
-    end = L if end is None else end
     if not getattr(model, "accepts_cache_kwargs", False):
         logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
         assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
@@ -176,20 +175,21 @@ def _block(model, x, attention_mask, prompt_index, start, end, steps, order, s0,
         masked = x == mask_id                                                      # (b, L)
         # LLaDA lets a predicted mask id stay masked to compete again, even past its block, so the exact
         # sampler chooses from the first masked position on; the fast paths never commit the mask id.
-        cols = masked[:, :end].any(0).nonzero()
-        lo = (int(cols[0]) if len(cols) else end) if exact else start
+        lo = start
+        if exact:
+            cols = masked[:, :end].any(0).nonzero()
+            lo = int(cols[0]) if len(cols) else end
         # CFG (arXiv:2410.18514, as LLaDA's generate.py): the unconditional half has the prompt masked.
         xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (b or 2b, L)
         if kv is None:  # a full forward (with a cache, the block start's, which stores the keys and values)
-            out = _forward(model, xx, mask2, lo, end, return_kv=kv_cache is not None)  # (b or 2b, l, V)
-            out, kv = out if kv_cache is not None else (out, None)
+            logits = _forward(model, xx, mask2, lo, end, return_kv=kv_cache is not None)  # (b or 2b, l, V)
+            logits, kv = logits if kv_cache is not None else (logits, None)
         else:  # Fast-dLLM: recompute the block and what follows (prefix) or the block alone (dual)
             stop = L if kv_cache == "prefix" else end
-            out = model(xx[:, start:stop], mask2, kv=kv, start=start, logits_at=slice(0, end - start))
+            logits = model(xx[:, start:stop], mask2, kv=kv, start=start, logits_at=slice(0, end - start))
         if cfg_scale:  # l_u + (w + 1)(l_c - l_u), in this order so bf16 rounds as the reference
-            cond, uncond = out.chunk(2)
-            out = uncond + (cfg_scale + 1) * (cond - uncond)
-        logits = out                                                               # (b, l, V)
+            cond, uncond = logits.chunk(2)
+            logits = uncond + (cfg_scale + 1) * (cond - uncond)                   # (b, l, V)
         if not exact:
             logits[..., mask_id] = -math.inf
         if logits_eos_inf:
@@ -241,8 +241,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     masked positions with the highest confidence: p(x0) for "low_confidence", a uniform draw for "random".
     A position whose x0 is the mask id stays masked, as in LLaDA. The model should be in eval mode.
 
-    The defaults are the exact sampler. The fast options are approximations of the behaviour policy only
-    (MaskGRPO recomputes log-probabilities under its own masks, importance.py); they never commit the mask id.
+    The defaults are the exact sampler. The fast options approximate the behaviour policy only (MaskGRPO
+    rescores under its own masks, importance.py); they never commit the mask id.
 
     Args:
         cfg_scale: guidance weight w; logits = l_u + (w + 1)(l_c - l_u), l_u with the prompt masked.
@@ -301,8 +301,7 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
 # images: emerge (MaskGRPO Alg. 4) and MaskGIT (MMaDA t2i_generate)
 
 
-def _cosine(u: float) -> float:
-    """Masked fraction at normalised time u in [0, 1]: kappa(u) = cos(pi u / 2) (paper Alg. 4)."""
+def _cosine(u: float) -> float:  # masked fraction at time u in [0, 1]: kappa(u) = cos(pi u / 2) (Alg. 4)
     return math.cos(math.pi * u / 2)
 
 
@@ -322,9 +321,8 @@ def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask,
     else:  # the unconditional input is the empty-caption prompt around the *current* image (MMaDA)
         x_u = uncond_ids.clone()
         x_u[:, span] = x[:, span]
-        masks = None
-        if attention_mask is not None or uncond_mask is not None:
-            masks = torch.cat([m if m is not None else torch.ones_like(x) for m in (attention_mask, uncond_mask)])
+        masks = None if attention_mask is None and uncond_mask is None else torch.cat(
+            [m if m is not None else torch.ones_like(x) for m in (attention_mask, uncond_mask)])
         cond, uncond = _forward(model, torch.cat([x, x_u]), masks, span.start, span.stop)[..., codes].chunk(2)
         logits = (1 + cfg_scale) * cond - cfg_scale * uncond  # MMaDA's (1 + w) l_c - w l_u, in its order
     # float64 (MMaDA samples from bf16 probabilities): with 8192 codes, bf16 rounds away the tail.
