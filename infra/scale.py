@@ -1,7 +1,6 @@
-"""Running at scale: torchrun process groups, FSDP2 sharding, cross-rank reductions, and the dry-run budget.
+"""Running at scale: torchrun process groups, FSDP2 sharding, cross-rank reductions.
 
     torchrun --nproc_per_node=8 train.py --preset llada8b --init_from=/models/LLaDA-8B-Instruct ...
-    python train.py --preset llada8b --dry_run            # parameters, memory per GPU, FLOPs; no weights
 
 A single process needs none of this: every function below is a no-op (or the identity) when WORLD_SIZE is
 unset or 1, so train.py has one code path. With WORLD_SIZE > 1 the model is sharded with FSDP2, PyTorch's
