@@ -369,7 +369,8 @@ def update(model, opt, rolls: list, j: int, cfg: Config, sp, device, step: int) 
         s = reduce_stats(policy_backward(model, r, j, cfg, sp), device)
         losses.append(s["loss"])
         stats.update({f"{r.batch.task}/{k}": v for k, v in s.items()})
-    grad_norm = scale.clip_grad_norm(lora.trainable_parameters(model), cfg.grad_clip)
+    # The optimizer's own parameters: under FSDP2 the module may expose gathered copies between passes.
+    grad_norm = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
     # Losses and the norm are the same on every rank, so every rank takes the same decision.
     if not (math.isfinite(grad_norm) and all(map(math.isfinite, losses))):
         print0(f"warning: step {step + 1} update {j + 1}: non-finite loss {losses} or gradient norm "
