@@ -4,7 +4,8 @@ Text: procedurally generated arithmetic word problems answered as written-out st
 `\\boxed{N}` that a GSM8K-style reward reads (MaskGRPO arXiv:2510.02880 §4.1 trains on GSM8K).
 Image: text-to-image on a tiny grid where every cell is one image token whose code is a palette colour,
 scored by a GenEval-style verifier (colour, count, relative position), the role GenEval/UnifiedReward
-play for MMaDA in the paper. Sequences follow the LLaDA/MMaDA layouts (shared/docs/llada-format.md §5):
+play for MMaDA in the paper. Sequences follow the LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809)
+layouts, with their special-token names:
 
     text   <|startoftext|> question | answer <|endoftext|>...   (completion padded with EOS, as LLaDA SFT)
     image  [iPAD]... <|t2i|> <|startoftext|> caption <|endoftext|> <|soi|> image codes <|eoi|>
@@ -30,7 +31,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 # -----------------------------------------------------------------------------------------------------
 # vocabulary
 
-# LLaDA/MMaDA special-token names (llada-format.md §5). EOS doubles as pad, as in LLaDA-Instruct.
+# LLaDA/MMaDA special-token names (their released tokenizers). EOS doubles as pad, as in LLaDA-Instruct.
 BOS, EOS, MASK = "<|startoftext|>", "<|endoftext|>", "<|mdm_mask|>"
 T2I, SOI, EOI, IPAD = "<|t2i|>", "<|soi|>", "<|eoi|>", "[iPAD]"
 UNK = "[UNK]"  # WordLevel needs one; no generated text ever maps to it (tested)
@@ -206,7 +207,7 @@ def text_reward(completion_text: str, example: dict) -> float:
 def encode_text(tok: Tokenizer, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
     """(prompt_ids, completion_ids): prompt = BOS + question; completion = answer + EOS padding to
     exactly gen_length tokens (LLaDA SFT pads answers with EOS, so the model learns where to stop).
-    Batch prompts by left-padding with specials(tok).pad and attention 0 on the pads (LLaDA §10.1)."""
+    Batch prompts by left-padding with specials(tok).pad and attention 0 on the pads (sample.generate)."""
     s = specials(tok)
     prompt = [s.bos] + tok.encode(example["prompt"], add_special_tokens=False).ids
     answer = tok.encode(example["completion"], add_special_tokens=False).ids
@@ -337,7 +338,7 @@ def image_strict(codes: list[int], spec: dict) -> float:
 
 def encode_image_prompt(tok: Tokenizer, prompt_text: str, text_len: int, num_tokens: int,
                         sp: Specials | None = None) -> tuple[list[int], int, list[int]]:
-    """MMaDA t2i layout (llada-format.md §5): [iPAD]*pad <|t2i|> BOS caption EOS <|soi|> mask*num_tokens
+    """MMaDA t2i layout (arXiv:2505.15809): [iPAD]*pad <|t2i|> BOS caption EOS <|soi|> mask*num_tokens
     <|eoi|>. The text part is left-padded with [iPAD] to exactly text_len tokens (truncated and
     re-terminated with EOS if longer). prompt_text "" gives the unconditional prompt used for CFG.
     Returns (input_ids, image_start, attention_mask) with attention 0 on the [iPAD] positions; the

@@ -144,3 +144,40 @@ def test_docstring_examples(tok):
     assert tasks.make_image_example(random.Random(1))["prompt"] == "three purple blocks"
     assert tok.encode("ann has 3 apples").tokens == ["▁ann", "▁has", "▁3", "▁apples"]
     assert tasks.image_text_len(tok) == 11
+
+
+# The default toy's text data, pinned: the `toy` preset (text_max_steps 1, text_noise 0.4) must keep drawing
+# exactly these examples, so that its runs reproduce. A digest of 500 draws per setting, plus the first two.
+DEFAULT_TEXT_DATA = [
+    # (max_steps, noise, split): sha1 of the JSON of 500 draws from random.Random(0), first 16 hex digits
+    ((1, 0.4, "train"), "845c4626c26a21b5"),
+    ((1, 0.0, "test"), "4cef12d3ce7081e1"),
+    ((2, 0.4, "train"), "b8a2b9c2b6e19268"),
+    ((2, 0.0, "any"), "da7739b8e03597b9"),
+]
+
+
+def _text_draws(max_steps, noise, split, n=500):
+    rng = random.Random(0)
+    return [tasks.make_text_example(rng, split, noise, max_steps=max_steps) for _ in range(n)]
+
+
+@pytest.mark.parametrize("args,digest", DEFAULT_TEXT_DATA)
+def test_default_text_data_unchanged(args, digest):
+    import hashlib
+    import json
+    assert hashlib.sha1(json.dumps(_text_draws(*args)).encode()).hexdigest()[:16] == digest
+
+
+def test_default_text_data_first_examples():
+    assert _text_draws(1, 0.4, "train", 2) == [
+        {"prompt": "sue has 1 shells . she loses 1 . how many shells does she have ?", "answer": "0",
+         "completion": "1 - 1 = 0 . \\boxed{0}"},
+        {"prompt": "sam has 9 cards . he gives 3 away . how many cards does he have ?", "answer": "6",
+         "completion": "9 - 3 = 6 . \\boxed{6}"}]
+    assert _text_draws(1, 0.0, "test", 2)[1] == {
+        "prompt": "ann has 7 eggs . she finds 2 more . how many eggs does she have ?", "answer": "9",
+        "completion": "7 + 2 = 9 . \\boxed{9}"}
+    assert _text_draws(2, 0.4, "train", 2)[1] == {
+        "prompt": "bob has 2 coins . he sells 2 . how many coins does he have ?", "answer": "0",
+        "completion": "2 - 2 = 0 . \\boxed{1}"}  # a noisy target: the box one more than the working
