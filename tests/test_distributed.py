@@ -1,6 +1,6 @@
-"""Scale-out on CPU: torchrun with 2 gloo processes and FSDP2 gives the single-process run (issue 4,
-acceptance 1), with full fine-tuning and with LoRA; the LoRA run's merged checkpoint reproduces the
-adapter model (acceptance 3); --dry_run reports LLaDA-8B's parameter count (acceptance 2).
+"""Scale-out on CPU: torchrun with 2 gloo processes and FSDP2 gives the single-process run, with full
+fine-tuning and with LoRA; the LoRA run's merged checkpoint reproduces the adapter model; --dry_run reports
+LLaDA-8B's parameter count.
 
     python -m pytest tests/test_distributed.py -q      # ~8 min on 2 CPU cores (the torchrun tests are
                                                        # marked slow: they run in CI, not under -m "not slow")

@@ -32,7 +32,7 @@ def run_dir(tmp_path_factory):
 
 
 def test_run_mode_reproduces_summary(run_dir, tmp_path, capsys):
-    """Acceptance 1 of issue 7: sft/ and final/ re-scored with the run's config give summary.json's numbers;
+    """sft/ and final/ re-scored with the run's config give summary.json's numbers;
     a summary that disagrees exits 1, and a config field train.Config lacks is named (exit 2)."""
     assert evaluate.main(["--run", str(run_dir)]) == 0
     out = capsys.readouterr().out

@@ -22,7 +22,7 @@ def tiny(**kw) -> Transformer:
 
 
 def test_reference_logits():
-    """Acceptance 1: our forward pass reproduces logits written by the public LLaDA HF code."""
+    """Our forward pass reproduces logits written by the public LLaDA HF code."""
     ref_dir = REFERENCE
     ref = load_file(str(ref_dir / "reference_logits.safetensors"))
     model = Transformer.from_pretrained(ref_dir)
@@ -35,7 +35,7 @@ def test_reference_logits():
 
 
 def test_round_trip_matches_reference_layout(tmp_path):
-    """Acceptance 3: save then load gives bit-identical logits, and the written checkpoint has the
+    """Save then load gives bit-identical logits, and the written checkpoint has the
     reference's config fields, index layout, key names and shapes."""
     ref_dir = REFERENCE
     model = Transformer.from_pretrained(ref_dir)
@@ -110,7 +110,7 @@ def test_chat_prompt():
 
 
 # -----------------------------------------------------------------------------------------------------
-# bad input (acceptance 5)
+# bad input
 
 
 @pytest.fixture

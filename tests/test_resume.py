@@ -1,4 +1,4 @@
-"""Reliability (issue 6): kill a run anywhere and resume it bit-identically; same seed, same log;
+"""Reliability: kill a run anywhere and resume it bit-identically; same seed, same log;
 non-finite losses and rewards skipped, counted and, when they persist, stopped; SIGTERM writes a
 checkpoint; every user-facing input error has its message.
 
@@ -274,7 +274,7 @@ INPUTS = [
 @pytest.mark.parametrize("name,prepare,argv,error,match", INPUTS,
                          ids=[row.values[0] if hasattr(row, "values") else row[0] for row in INPUTS])
 def test_user_input_errors(name, prepare, argv, error, match, sft_dir, tmp_path, monkeypatch):
-    """Every user-facing input of issue 6's list, with the message it gets (before any heavy work)."""
+    """Every user-facing input error, with the message it gets (before any heavy work)."""
     out = tmp_path / "run"
     out.mkdir()
     if prepare is not None:

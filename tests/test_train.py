@@ -94,7 +94,7 @@ def test_toy_preset_reward_rises(tmp_path):
     for task in ("text", "image"):
         gain = summary[task]["after"] - summary[task]["before"]
         assert gain >= 0.05, f"{task}: {summary[task]}"
-    # The pictures of issue 7 (Pillow is in the dev extra) and the periodic checkpoints.
+    # The pictures (Pillow is in the dev extra) and the periodic checkpoints.
     from PIL import Image
     assert Image.open(tmp_path / "curves.png").size[0] >= 600 and Image.open(tmp_path / "images.png").size[0] >= 600
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] and (tmp_path / "times.jsonl").is_file()
