@@ -145,11 +145,13 @@ def _draw(rng: random.Random, make, split: str):
 
 def make_text_example(rng: random.Random, split: str = "train", noise: float = 0.0, max_value: int = 9,
                       max_steps: int = 2) -> dict:
-    """One word problem with 1..max_steps add/subtract steps; every intermediate value in [0, max_value].
+    """One word problem with max_steps - 1 or max_steps add/subtract steps (at least one, so the default
+    toy's max_steps 1 and 2 give 1 and 1..2); every intermediate value in [0, max_value]. Each step is
+    written out as `a + n = r` (5 tokens with one-digit values), so max_steps 6 gives completions of 33 or
+    39 tokens, long enough to span several semi-autoregressive blocks (the `toy_long` preset in train.py).
 
-    With probability `noise` the completion is a plausible wrong target (SFT data only): the final box
-    off by one, the last step skipped, or one step's result off by one and carried forward. `answer` is
-    always the true result.
+    With probability `noise` the completion is the systematic wrong target of `_wrong_target` (SFT data
+    only): right working, box one off. `answer` is always the true result.
 
         make_text_example(random.Random(0)) -> {
           "prompt": "sue has 1 shells . she loses 1 and gets 6 more . how many shells does she have ?",
@@ -159,7 +161,7 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
         name, obj = rng.choice(sorted(NAMES)), rng.choice(OBJECTS)
         x = rng.randint(1, max_value)
         clauses, steps = [], []  # steps: (left, op, n, result)
-        for _ in range(rng.randint(1, max_steps)):
+        for _ in range(rng.randint(max(1, max_steps - 1), max_steps)):
             ops = [o for o in "+-" if (o == "+" and x < max_value) or (o == "-" and x > 0)]
             op = rng.choice(ops)
             n = rng.randint(1, max_value - x) if op == "+" else rng.randint(1, x)

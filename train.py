@@ -153,6 +153,9 @@ _8B = {"init_from": "", "d_model": 4096, "n_layers": 32, "n_heads": 32, "mlp_hid
 PRESETS: dict[str, dict] = {
     # 2-core laptop CPU: SFT from scratch, then RL on both toy tasks; held-out reward rises (README).
     "toy": {},
+    # Text only, with long completions: 5-6 written-out steps (33 or 39 tokens) decoded in 5 blocks of 8, one
+    # token per step, so that decode order and the reversing operators have room to matter.
+    "toy_long": {"tasks": "text", "text_max_steps": 6, "gen_length": 40, "block_length": 8, "steps": 40},
     # seconds-long smoke run of the whole pipeline (tests, CI).
     "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2,
               "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1, "d_model": 32,

@@ -181,3 +181,34 @@ def test_default_text_data_first_examples():
     assert _text_draws(2, 0.4, "train", 2)[1] == {
         "prompt": "bob has 2 coins . he sells 2 . how many coins does he have ?", "answer": "0",
         "completion": "2 - 2 = 0 . \\boxed{1}"}  # a noisy target: the box one more than the working
+
+
+def _steps_of(completion):
+    work = completion.split(" . ")[0]
+    return [s.split() for s in work.split(" , ")]  # each: [a, op, n, "=", r]
+
+
+def test_long_examples_chain_and_length(tok):
+    rng = random.Random(2)
+    counts = set()
+    for _ in range(400):
+        ex = tasks.make_text_example(rng, noise=0.0, max_steps=6)
+        steps = _steps_of(ex["completion"])
+        counts.add(len(steps))
+        for k, (a, op, n, eq, r) in enumerate(steps):
+            assert eq == "=" and int(r) == (int(a) + int(n) if op == "+" else int(a) - int(n))
+            assert 0 <= int(r) <= 9 and (k == 0 or a == steps[k - 1][4])  # each step starts from the last result
+        assert steps[-1][4] == ex["answer"] and tasks.text_reward(ex["completion"], ex) == 1.0
+        n_tok = len(tok.encode(ex["completion"], add_special_tokens=False).ids)
+        assert n_tok == 6 * len(steps) + 3 and n_tok >= 32  # 5 per step, a comma between, ". \boxed{ d }"
+    assert counts == {5, 6}  # max_steps - 1 or max_steps
+
+
+def test_toy_long_preset_is_long_and_fits(tok):
+    import train
+    from infra.run import validate
+    cfg = train.Config(**train.PRESETS["toy_long"])
+    validate(cfg)
+    _, longest = tasks.text_lengths(tok, max_steps=cfg.text_max_steps)
+    assert cfg.tasks == "text" and 32 <= longest < cfg.gen_length  # room for at least one EOS
+    assert cfg.gen_length // cfg.block_length >= 4 and cfg.steps == cfg.gen_length  # one token per step, 4+ blocks
