@@ -53,6 +53,7 @@ EOS = 0
 P, K, B = 64, 32, 8
 CONFIGS = [  # name, kv_cache, threshold; "LLaDA generate()" is llada_generate below
     ("LLaDA generate()", "public", None),
+    ("exact, full head", "full head", None),
     ("exact", None, None),
     ("prefix", "prefix", None),
     ("dual", "dual", None),
@@ -169,6 +170,19 @@ class PeakMemory:
             self.peak = (max(self._max, self._rss()) - self._base) / 2**20
 
 
+class FullHead(torch.nn.Module):
+    """The model behind a forward that takes only (input_ids, attention_mask), as a Hugging Face model's:
+    sample.generate then computes the head at every position and slices, which is what the exact sampler
+    did before it passed logits_at (the "exact, full head" row)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.model(input_ids, attention_mask)
+
+
 def run(model, prompts, mask, gen, kv_cache, threshold, memory):
     """One generate() call: (output, seconds, forward passes, peak MB or nan). gen: (gen_length, block, steps)."""
     calls = [0]
@@ -182,6 +196,9 @@ def run(model, prompts, mask, gen, kv_cache, threshold, memory):
             t0 = time.perf_counter()
             if kv_cache == "public":
                 out = llada_generate(model, prompts, mask, *gen, mask_id)
+            elif kv_cache == "full head":  # the same sampler on a model without logits_at: the head everywhere
+                out = generate(FullHead(model), prompts, attention_mask=mask, gen_length=gen[0],
+                               block_length=gen[1], steps=gen[2], mask_id=mask_id)
             else:
                 out = generate(model, prompts, attention_mask=mask, gen_length=gen[0], block_length=gen[1],
                                steps=gen[2], mask_id=mask_id, kv_cache=kv_cache, threshold=threshold)

@@ -5,6 +5,8 @@ one line saying so and returns None, so training and the tests of the core never
 axes are drawn by hand with PIL.ImageDraw: four line panels do not justify matplotlib as an extra.
 
     python -m infra.plots out/toy          # writes out/toy/curves.png from out/toy/log.jsonl
+    python -m infra.plots --compare d1=out/d1-s0,out/d1-s1 MaskGRPO=out/m-s0,out/m-s1 --png kl.png
+                                           # KL and reward per step, one line per label (mean over its runs)
 """
 import argparse
 import json
@@ -237,11 +239,63 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
     return Path(png_path)
 
 
+def group_means(groups: dict[str, list], key: str) -> dict[str, list[tuple[int, float]]]:
+    """{label: [(step, mean of `key` over the label's run directories that logged it at that step)]};
+    labels with no finite value are left out."""
+    out = {}
+    for label, run_dirs in groups.items():
+        per_step: dict = {}
+        for d in run_dirs:
+            for i, r in enumerate(_read_log(Path(d) / "log.jsonl")):
+                y = r.get(key)
+                if isinstance(y, (int, float)) and math.isfinite(y):
+                    per_step.setdefault(r.get("step", i), []).append(float(y))
+        if per_step:
+            out[label] = [(x, sum(v) / len(v)) for x, v in sorted(per_step.items())]
+    return out
+
+
+def compare_runs(groups: dict[str, list], png_path, task: str = "text",
+                 metrics=(("kl", "KL to reference (k3)"), ("reward", "rollout reward"))) -> Path | None:
+    """One panel per metric, one line per label: the per-step mean of `task/metric` over the label's runs
+    (e.g. the seeds of one estimator), as the paper's Fig. 5 (bottom) draws the KL of each method."""
+    colours = dict(zip(groups, [TASK_COLOURS["text"], TASK_COLOURS["image"]] + OTHER_COLOURS))
+    if len(colours) < len(groups):
+        raise ValueError(f"at most {len(colours)} labels per picture, got {len(groups)}")
+    panels = [(f"{task}: {title}", series) for metric, title in metrics
+              if (series := group_means(groups, f"{task}/{metric}"))]
+    if not panels:
+        raise ValueError(f"no run logs {task}/" + " or ".join(m for m, _ in metrics))
+    if (pil := _pil()) is None:
+        return None
+    Image, ImageDraw, font = pil
+    picture = Image.new("RGB", (PANEL_W * len(panels), PANEL_H), "white")
+    draw = ImageDraw.Draw(picture)
+    steps = max(len(pts) for _, series in panels for pts in series.values())
+    for k, (title, series) in enumerate(panels):
+        _draw_panel(draw, font, k * PANEL_W, title, series, colours, max(1, steps // 10))
+    picture.save(png_path)
+    return Path(png_path)
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Redraw RUN_DIR/curves.png from RUN_DIR/log.jsonl.")
-    parser.add_argument("run_dir", type=Path)
+    parser = argparse.ArgumentParser(description="Redraw RUN_DIR/curves.png from RUN_DIR/log.jsonl, or "
+                                     "compare runs with --compare LABEL=DIR[,DIR...] ... --png FILE.")
+    parser.add_argument("run_dir", type=Path, nargs="?")
+    parser.add_argument("--compare", nargs="+", default=[], metavar="LABEL=DIR[,DIR...]")
+    parser.add_argument("--png", type=Path, help="the --compare picture")
+    parser.add_argument("--task", default="text")
     args = parser.parse_args()
-    out = plot_curves(args.run_dir / "log.jsonl", args.run_dir / "curves.png")
+    if args.compare:
+        bad = [g for g in args.compare if "=" not in g]
+        if bad or args.png is None:
+            parser.error(f"--compare takes LABEL=DIR[,DIR...] groups and needs --png; got {bad or args.compare}")
+        groups = {g.split("=", 1)[0]: g.split("=", 1)[1].split(",") for g in args.compare}
+        out = compare_runs(groups, args.png, args.task)
+    elif args.run_dir is None:
+        parser.error("give RUN_DIR, or --compare LABEL=DIR[,DIR...] --png FILE")
+    else:
+        out = plot_curves(args.run_dir / "log.jsonl", args.run_dir / "curves.png")
     if out is None:
         sys.exit(1)
     print(f"wrote {out}")

@@ -115,3 +115,29 @@ def test_without_pillow_returns_none_and_prints_hint(tmp_path, monkeypatch, caps
     out = capsys.readouterr().out
     assert out.count('pip install -e ".[plots]"') == 2 and len(out.splitlines()) == 2
     assert not (tmp_path / "c.png").exists() and not (tmp_path / "g.png").exists()
+
+
+def _run(tmp_path, name, kls):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "log.jsonl").write_text("".join(json.dumps({"step": s, "text/kl": k, "text/reward": 0.5})
+                                         + "\n" for s, k in enumerate(kls)))
+    return d
+
+
+def test_group_means_average_runs_step_by_step(tmp_path):
+    a, b = _run(tmp_path, "a", [1.0, 2.0, float("nan")]), _run(tmp_path, "b", [3.0, 4.0, 5.0])
+    means = plots.group_means({"x": [a, b], "y": [a]}, "text/kl")
+    assert means == {"x": [(0, 2.0), (1, 3.0), (2, 5.0)], "y": [(0, 1.0), (1, 2.0)]}
+    assert plots.group_means({"x": [a]}, "image/kl") == {}
+
+
+def test_compare_runs_png(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    groups = {"d1": [_run(tmp_path, "a", [0.1, 0.3])], "MaskGRPO": [_run(tmp_path, "b", [0.2, 0.1])]}
+    with Image.open(plots.compare_runs(groups, tmp_path / "kl.png")) as im:
+        assert im.size == (2 * plots.PANEL_W, plots.PANEL_H)  # KL and reward panels
+        present = {c for _, c in im.convert("RGB").getcolors(maxcolors=1 << 16)}
+    assert plots.TASK_COLOURS["text"] in present and plots.TASK_COLOURS["image"] in present  # one line per label
+    with pytest.raises(ValueError, match="no run logs"):
+        plots.compare_runs(groups, tmp_path / "x.png", task="image")
