@@ -23,6 +23,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -356,43 +357,12 @@ class Transformer(nn.Module):
         """Load a LLaDA/MMaDA checkpoint directory: config.json plus model.safetensors or sharded
         model-*.safetensors with model.safetensors.index.json. The model is built on the meta device
         and each tensor is read straight into `dtype` on `device`, so an 8B bf16 load never holds a
-        float32 copy or a second set of weights."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass the folder that "
-                                    "holds config.json and the *.safetensors files")
-        if not (path / CONFIG_NAME).is_file():
-            raise FileNotFoundError(f"{path / CONFIG_NAME} not found: a LLaDA checkpoint needs its config.json")
-        config = ModelConfig.from_hf(json.loads((path / CONFIG_NAME).read_text()))
-        weight_map = _weight_map(path)
-
+        float32 copy or a second set of weights. (Under torchrun infra/run.py's load_sharded reads the
+        same tensors, through read_checkpoint, into each rank's shard instead.)"""
+        config, tensors = read_checkpoint(path, device)
         with torch.device("meta"):
             model = cls(config)
-        expected = {HF_PREFIX + k: tuple(v.shape) for k, v in model.state_dict().items()}
-        missing = sorted(set(expected) - set(weight_map))
-        unexpected = sorted(set(weight_map) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {path} does not match the LLaDA architecture of its config: "
-                             f"{len(missing)} missing tensors {missing[:8]}, {len(unexpected)} unexpected "
-                             f"tensors {unexpected[:8]}")
-
-        state = {}
-        by_file: dict[str, list[str]] = {}
-        for key, fname in weight_map.items():
-            by_file.setdefault(fname, []).append(key)
-        for fname, keys in sorted(by_file.items()):
-            with safe_open(str(path / fname), framework="pt", device=str(device)) as f:
-                present = set(f.keys())
-                for key in keys:
-                    if key not in present:
-                        raise ValueError(f"{fname} does not contain {key}, which the index assigns to it")
-                    shape = tuple(f.get_slice(key).get_shape())
-                    if shape != expected[key]:
-                        raise ValueError(f"tensor {key} has shape {shape} in {fname}, but the config "
-                                         f"implies {expected[key]}; the config.json and weights disagree")
-                    state[key[len(HF_PREFIX):]] = f.get_tensor(key).to(dtype)
+        state = {key: t.to(dtype) for key, t in tensors}
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval()
 
@@ -427,6 +397,50 @@ class Transformer(nn.Module):
         (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         dtype = next(iter(tensors.values())).dtype
         (path / CONFIG_NAME).write_text(json.dumps(self.config.to_hf(dtype), indent=2) + "\n")
+
+
+def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """(config, tensors) of a LLaDA/MMaDA checkpoint directory. tensors yields (state-dict key, tensor in
+    its stored dtype on `device`) one tensor at a time, so a caller can keep what it needs of each (the
+    whole tensor, or one rank's shard) before the next is read. The key set is checked against the
+    config's architecture up front, each shape as its tensor is read."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass the folder that "
+                                "holds config.json and the *.safetensors files")
+    if not (path / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{path / CONFIG_NAME} not found: a LLaDA checkpoint needs its config.json")
+    config = ModelConfig.from_hf(json.loads((path / CONFIG_NAME).read_text()))
+    weight_map = _weight_map(path)
+
+    with torch.device("meta"):
+        expected = {HF_PREFIX + k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
+    missing = sorted(set(expected) - set(weight_map))
+    unexpected = sorted(set(weight_map) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the LLaDA architecture of its config: "
+                         f"{len(missing)} missing tensors {missing[:8]}, {len(unexpected)} unexpected "
+                         f"tensors {unexpected[:8]}")
+
+    def tensors():
+        by_file: dict[str, list[str]] = {}
+        for key, fname in weight_map.items():
+            by_file.setdefault(fname, []).append(key)
+        for fname, keys in sorted(by_file.items()):
+            with safe_open(str(path / fname), framework="pt", device=str(device)) as f:
+                present = set(f.keys())
+                for key in keys:
+                    if key not in present:
+                        raise ValueError(f"{fname} does not contain {key}, which the index assigns to it")
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != expected[key]:
+                        raise ValueError(f"tensor {key} has shape {shape} in {fname}, but the config "
+                                         f"implies {expected[key]}; the config.json and weights disagree")
+                    yield key[len(HF_PREFIX):], f.get_tensor(key)
+
+    return config, tensors()
 
 
 def _weight_map(path: Path) -> dict[str, str]:

@@ -11,8 +11,8 @@ the same decisions: flags are reduced over ranks before they are acted on.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -30,7 +30,7 @@ from infra import budget, checkpoint, data, lora, scale
 from importance import generator
 from infra.episodes import IMAGE_TASKS, TOY_TASKS, data_paths, model_specials, show, task_list, write_pictures
 from infra.scale import print0
-from model import ModelConfig, Transformer, load_tokenizer, num_params
+from model import ModelConfig, Transformer, load_tokenizer, num_params, read_checkpoint
 
 # -----------------------------------------------------------------------------------------------------
 # settings, device
@@ -179,10 +179,10 @@ SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_n
             "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
 
 
-def load_or_train_sft(cfg, tok, sp, device, dtype, sft) -> tuple[Transformer, float]:
-    """The toy SFT model, from out_dir/sft when it was trained with the same settings, else trained now
-    by `sft(model, tok, sp, cfg, device) -> seconds` (by rank 0 alone under torchrun; the other ranks wait,
-    then read the same files)."""
+def load_or_train_sft(cfg, tok, sp, device, dtype, sft) -> tuple[Path, float]:
+    """(directory, SFT seconds) of the toy SFT model: out_dir/sft when it was trained with the same
+    settings, else trained now by `sft(model, tok, sp, cfg, device) -> seconds` (by rank 0 alone under
+    torchrun; the other ranks wait, then every rank reads the same files)."""
     sft_dir = Path(cfg.sft_dir or Path(cfg.out_dir) / "sft")
     # tasks.py's source is part of the key: a change to the toy data invalidates the cached model.
     tasks_hash = hashlib.sha1(Path(tasks.__file__).read_bytes()).hexdigest()
@@ -201,23 +201,29 @@ def load_or_train_sft(cfg, tok, sp, device, dtype, sft) -> tuple[Transformer, fl
         meta_file.write_text(json.dumps(meta, indent=2))  # written last: its presence means "complete"
     scale.barrier()
     print0(f"loading the SFT model from {sft_dir} (delete it to retrain)")
-    model = Transformer.from_pretrained(sft_dir, device=device, dtype=dtype)
-    return model, json.loads((sft_dir / "sft_seconds.json").read_text())["seconds"]
+    return sft_dir, json.loads((sft_dir / "sft_seconds.json").read_text())["seconds"]
 
 
-def load_model(cfg, device, dtype, sft):
-    """(model, tokenizer, special ids, SFT seconds): the toy SFT model, or a pretrained checkpoint."""
-    toy = all(t in TOY_TASKS for t in task_list(cfg))
+def find_model(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
+    """(checkpoint directory, tokenizer, special ids, SFT seconds) to start from: init_from, or for the toy
+    out_dir/sft (trained first when missing or stale)."""
     if cfg.init_from == "scratch":
         tok = tasks.build_tokenizer()
         sp = tasks.specials(tok)
-        model, seconds = load_or_train_sft(cfg, tok, sp, device, dtype, sft)
-        return model, tok, sp, seconds
-    model = Transformer.from_pretrained(cfg.init_from, device=device, dtype=dtype)
-    tok = load_tokenizer(cfg.init_from, model.config)
+        path, seconds = load_or_train_sft(cfg, tok, sp, device, dtype, sft)
+        return path, tok, sp, seconds
+    config, _ = read_checkpoint(cfg.init_from)  # checks the directory; reads no weights
+    tok = load_tokenizer(cfg.init_from, config)
     # Toy tasks on a toy checkpoint (e.g. a LoRA run from a toy run's final/) read its ids by name.
-    sp = tasks.specials(tok) if toy else model_specials(tok, model.config)
-    return model, tok, sp, 0.0
+    toy = all(t in TOY_TASKS for t in task_list(cfg))
+    sp = tasks.specials(tok) if toy else model_specials(tok, config)
+    return Path(cfg.init_from), tok, sp, 0.0
+
+
+def load_model(cfg, device, dtype, sft):
+    """(model, tokenizer, special ids, SFT seconds): the toy SFT model, or a pretrained checkpoint, whole."""
+    path, tok, sp, seconds = find_model(cfg, device, dtype, sft)
+    return Transformer.from_pretrained(path, device=device, dtype=dtype), tok, sp, seconds
 
 
 def load_policy(cfg, device, dtype, sft):
@@ -227,20 +233,78 @@ def load_policy(cfg, device, dtype, sft):
     near LLaDA's weights and would round away (lora.py says the same of adapters). Under torchrun FSDP2
     computes in `dtype` from them; one process computes in float32 (use LoRA or torchrun for bf16).
     The reference policy is the starting model: with LoRA, the policy with its adapters switched off
-    (reference None); otherwise a frozen copy, built only when the KL term needs it (beta > 0)."""
+    (reference None); otherwise a frozen second copy read from the same checkpoint, built only when the
+    KL term needs it (beta > 0)."""
     master = torch.float32 if cfg.lora_rank == 0 else dtype
     if master != dtype:
         print0(f"full fine-tuning: float32 master weights, {'bf16 compute (FSDP2)' if scale.world() > 1 else 'float32 compute'}")
-    model, tok, sp, sft_seconds = load_model(cfg, device, master, sft)
-    ref = None
+    path, tok, sp, sft_seconds = find_model(cfg, device, master, sft)
+    adapt = None
     if cfg.lora_rank:
-        lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, generator=generator("cpu", cfg.seed, "lora"))
+        adapt = lambda m: lora.add_lora(m, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
+                                        generator=generator("cpu", cfg.seed, "lora"))
+    model = load_sharded(path, device, master, dtype, adapt)
+    if cfg.lora_rank:
         print0("LoRA: {modules} modules, {lora_params:,} trainable of {total_params:,} parameters".format(
             **lora.lora_stats(model)))
-    elif cfg.beta > 0:
-        ref = scale.shard(copy.deepcopy(model).eval().requires_grad_(False), compute_dtype=dtype)
+    ref = None
+    if not cfg.lora_rank and cfg.beta > 0:
+        ref = load_sharded(path, device, master, dtype, lambda m: m.requires_grad_(False))
     model.set_activation_checkpointing(cfg.activation_checkpointing)
-    return scale.shard(model, compute_dtype=dtype), ref, tok, sp, sft_seconds
+    return model, ref, tok, sp, sft_seconds
+
+
+def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
+    """Transformer.from_pretrained(path) in `dtype`, then adapt(model) (add_lora, freezing), then
+    scale.shard(model, compute_dtype); in one process that is exactly what happens.
+
+    Under torchrun no rank ever holds the whole model: loading it whole first would put every rank's
+    device at the full float32 size (32 GB for LLaDA-8B, twice that with the reference) before sharding.
+    So the model is built, adapted and sharded on the meta device (no memory), each rank allocates only
+    its shards on `device`, and every checkpoint tensor is read on the CPU, one at a time, for each rank
+    to copy in its own rows (scale.fill_shard): about one shard plus one tensor in transit per rank."""
+    if scale.world() == 1:
+        model = Transformer.from_pretrained(path, device=device, dtype=dtype)
+        return adapt(model) if adapt else model
+    config, tensors = read_checkpoint(path)  # on the CPU
+    with torch.device("meta"):
+        model = Transformer(config).to(dtype).eval()  # eval(): as from_pretrained returns it
+    added = _adapt_on_meta(model, adapt) if adapt else {}
+    model = scale.shard(model, compute_dtype=compute_dtype)
+    model.to_empty(device=device)
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    with torch.no_grad():
+        for name, full in itertools.chain(tensors, added.items()):
+            scale.fill_shard(targets.pop(name), full)
+    if targets:  # a tensor to_empty left uninitialised would silently train from garbage
+        raise RuntimeError(f"{path}: no values for {sorted(targets)[:8]}")
+    return model
+
+
+def _adapt_on_meta(model: Transformer, adapt) -> dict[str, torch.Tensor]:
+    """Run adapt(model) on a meta-device model and return the parameters it added, on the CPU with the
+    values it gave them (LoRA's lora_A and lora_B), leaving meta placeholders in the model.
+
+    LoRALinear draws lora_A from the seeded generator on the CPU, then moves it to its base weight's
+    device: on meta the values would be lost. So while adapt runs, every weight is an empty CPU
+    stand-in (the adapters land on the CPU, drawn in the same order as in one process), and the meta
+    weights go back afterwards, frozen or not as adapt left the stand-ins."""
+    def put(name, p):
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, p)
+
+    before = dict(model.named_parameters())
+    for name, p in before.items():
+        put(name, torch.nn.Parameter(torch.empty(0), p.requires_grad))
+    adapt(model)
+    added = {}
+    for name, p in list(model.named_parameters()):
+        if name in before:
+            put(name, before[name].requires_grad_(p.requires_grad))
+        else:
+            added[name] = p.detach()
+            put(name, torch.nn.Parameter(p.detach().to("meta"), p.requires_grad))
+    return added
 
 
 def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:

@@ -254,3 +254,26 @@ def full_state_dict(model) -> dict:
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return sd if rank() == 0 else {}
+
+
+@torch.no_grad()
+def fill_shard(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy into `target`, a parameter or buffer of a model shard() split (materialised on its device),
+    this rank's part of `full`, the whole tensor (on the CPU), cast to target's dtype. Only that part
+    travels to the device.
+
+    FSDP2 splits dim 0 of each parameter as torch.chunk does: ceil(rows / ranks) rows per rank, so the
+    last ranks may hold fewer rows or none; the padding it adds lives in its own storage, not in the
+    local tensor. Buffers are not sharded and take the whole tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(target, DTensor):
+        if tuple(target.placements) != (Shard(0),):
+            raise ValueError(f"fill_shard expects shard()'s dim-0 sharding, got {target.placements}")
+        mesh = target.device_mesh
+        parts = full.chunk(mesh.size())
+        full = parts[mesh.get_local_rank()] if mesh.get_local_rank() < len(parts) else full[:0]
+        target = target.to_local()
+    if target.shape != full.shape:  # a different split rule would otherwise copy the wrong rows
+        raise ValueError(f"local shard {tuple(target.shape)} does not match rows {tuple(full.shape)} of the full tensor")
+    target.copy_(full)
