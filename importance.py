@@ -212,6 +212,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     return torch.cat(chunks) if chunks else torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)
 
 
+@torch.no_grad()  # a measurement: a graph kept across all the steps would hold every step's activations
 def decoding_logprob(model, x: torch.Tensor, order: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                      vocab_slice: tuple[int, int] | None = None, mask_id: int) -> torch.Tensor:
     """Exact decoding log-likelihood l_pi(o) = sum_s sum_{k revealed at step s} log pi(o_k | c, x^(s)): (B,) fp32.
