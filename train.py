@@ -154,8 +154,10 @@ PRESETS: dict[str, dict] = {
     # 2-core laptop CPU: SFT from scratch, then RL on both toy tasks; held-out reward rises (README).
     "toy": {},
     # Text only, with long completions: 5-6 written-out steps (33 or 39 tokens) decoded in 5 blocks of 8, one
-    # token per step, so that decode order and the reversing operators have room to matter.
-    "toy_long": {"tasks": "text", "text_max_steps": 6, "gen_length": 40, "block_length": 8, "steps": 40},
+    # token per step, so that decode order and the reversing operators have room to matter. 20 RL steps
+    # and 64 held-out prompts keep a run near 10 minutes on one core (README, "Why the estimator works").
+    "toy_long": {"tasks": "text", "text_max_steps": 6, "gen_length": 40, "block_length": 8, "steps": 40,
+                 "rl_steps": 20, "eval_prompts": 64},
     # seconds-long smoke run of the whole pipeline (tests, CI).
     "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2,
               "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1, "d_model": 32,
