@@ -11,17 +11,18 @@ the output head and the softmax over the whole sequence at every step), of sampl
 (the same tokens, the head only where a step chooses) and of the opt-in approximations, Fast-dLLM's prefix
 and dual KV caches and its confidence-threshold parallel decoding (arXiv:2505.22618), alone and combined;
 the speed ratio to the public loop; forward passes; token agreement with the public loop's output at
-temperature 0; peak memory. Random models: prompt 64 (left-padded to 48-64 real tokens), gen length 256,
-block 32, batch 8, steps 256: one token per step on the fixed schedule, at least one with a threshold.
+temperature 0; peak memory. Random models: prompt 64 (left-padded to 48-64 real tokens), gen length 128,
+block 32, batch 8, steps 128: one token per step on the fixed schedule, at least one with a threshold
+(`--gen_length 256` for longer answers; the default keeps a run near 30 minutes on one CPU core).
 
-Models. Both random (no CPU-trainable model fills 256 tokens sensibly), init std 1/sqrt(d) rather than
+Models. Both random (no CPU-trainable model fills 128 tokens sensibly), init std 1/sqrt(d) rather than
 LLaDA's 0.02: at 0.02 every masked position sees little but the mask embedding, all predict one token and
 whole blocks repeat it. Random networks are still repetitive and chaotic, so stale cached keys move their
 argmax more than a trained model's: the agreement column is a pessimistic bound (--ckpt measures a trained
 model). The mask id's logit is pinned low (never_predict_mask), as in a trained LLaDA. A random model's
 confidences carry no information, so each head is scaled (a logit temperature) to make threshold 0.9 with a
 cache commit about as many tokens per forward pass as Fast-dLLM does on LLaDA-8B GSM8K (2.77 tokens/forward,
-d3LLM leaderboard; calibrated offline with the dual cache): that sets the threshold rows' pass count, shown in
+d3LLM leaderboard; calibrated offline with the dual cache at gen length 256): that sets the threshold rows' pass count, shown in
 "tok/fwd"; the cache rows (one token per step) do not depend on it.
   toy    train.py's toy dims: d 128, 4 layers, MLP 384, vocab 150; head scale 16.
   llada  LLaDA-shaped: d 512, 4 layers, 8 heads, MLP 1536, vocab 32000; head scale 26 (--head_scale).
@@ -296,6 +297,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="smoke run: gen length 64 and a 2-layer 256-d 'llada'")
     p.add_argument("--reps", type=int, default=1, help="interleaved repetitions; the table shows medians")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--gen_length", type=int, default=128, help="tokens per answer (random models; a multiple of 32)")
     p.add_argument("--head_scale", type=float, default=26.0, help="logit scale of the 'llada' head (docstring)")
     p.add_argument("--ckpt", default="", help="a train.py checkpoint directory: its toy text prompts instead")
     p.add_argument("--prompts", type=int, default=64, help="held-out toy prompts with --ckpt")
@@ -325,7 +327,7 @@ def main(argv=None):
             print(head + " reward |\n" + rule + "--------|")
             bench("ckpt", model, prompts, mask, gen, args.reps, CONFIGS, reward)
     else:
-        gen_length = 64 if args.quick else 256
+        gen_length = 64 if args.quick else args.gen_length
         big = (256, 2, 4) if args.quick else (512, 4, 8)
         models = {"toy": random_model(150, 128, 4, 4, 16.0), "llada": random_model(32000, *big, args.head_scale)}
         print(f"prompt {P} (left-padded), gen {gen_length}, block {K}, batch {B}, steps {gen_length}\n")
