@@ -311,6 +311,8 @@ def main(argv=None):
         return bench_sandbox(args.programs)
     if args.reps < 1:
         p.error(f"--reps must be >= 1, got {args.reps}")
+    if args.gen_length < K or args.gen_length % K:
+        p.error(f"--gen_length must be a positive multiple of the block length {K}, got {args.gen_length}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
