@@ -13,7 +13,8 @@ and dual KV caches and its confidence-threshold parallel decoding (arXiv:2505.22
 the speed ratio to the public loop; forward passes; token agreement with the public loop's output at
 temperature 0; peak memory. Random models: prompt 64 (left-padded to 48-64 real tokens), gen length 128,
 block 32, batch 8, steps 128: one token per step on the fixed schedule, at least one with a threshold
-(`--gen_length 256` for longer answers; the default keeps a run near 30 minutes on one CPU core).
+(`--gen_length 256` for longer answers; a default run took about 40 minutes on one core of a shared
+2-core machine).
 
 Models. Both random (no CPU-trainable model fills 128 tokens sensibly), init std 1/sqrt(d) rather than
 LLaDA's 0.02: at 0.02 every masked position sees little but the mask embedding, all predict one token and

@@ -150,12 +150,17 @@ def plot_curves(log_path, png_path) -> Path | None:
             panels.append((title, series))
     if not panels:
         raise ValueError(f"{log_path} logs none of " + ", ".join(f"<task>/{m}" for m, _ in PANELS))
+    return _save_panels(panels, colours, len(records), png_path)
+
+
+def _save_panels(panels: list, colours: dict, steps: int, png_path) -> Path | None:
+    """Draw (title, series) panels side by side and save the PNG; None (with the hint) without Pillow."""
     if (pil := _pil()) is None:
         return None
     Image, ImageDraw, font = pil
     picture = Image.new("RGB", (PANEL_W * len(panels), PANEL_H), "white")
     draw = ImageDraw.Draw(picture)
-    window = max(1, len(records) // 10)  # about a tenth of the run: 5 steps for the toy's 50
+    window = max(1, steps // 10)  # about a tenth of the run: 5 steps for the toy's 50
     for k, (title, series) in enumerate(panels):
         _draw_panel(draw, font, k * PANEL_W, title, series, colours, window)
     picture.save(png_path)
@@ -266,16 +271,7 @@ def compare_runs(groups: dict[str, list], png_path, task: str = "text",
               if (series := group_means(groups, f"{task}/{metric}"))]
     if not panels:
         raise ValueError(f"no run logs {task}/" + " or ".join(m for m, _ in metrics))
-    if (pil := _pil()) is None:
-        return None
-    Image, ImageDraw, font = pil
-    picture = Image.new("RGB", (PANEL_W * len(panels), PANEL_H), "white")
-    draw = ImageDraw.Draw(picture)
-    steps = max(len(pts) for _, series in panels for pts in series.values())
-    for k, (title, series) in enumerate(panels):
-        _draw_panel(draw, font, k * PANEL_W, title, series, colours, max(1, steps // 10))
-    picture.save(png_path)
-    return Path(png_path)
+    return _save_panels(panels, colours, max(len(pts) for _, ser in panels for pts in ser.values()), png_path)
 
 
 if __name__ == "__main__":
@@ -291,6 +287,8 @@ if __name__ == "__main__":
         if bad or args.png is None:
             parser.error(f"--compare takes LABEL=DIR[,DIR...] groups and needs --png; got {bad or args.compare}")
         groups = {g.split("=", 1)[0]: g.split("=", 1)[1].split(",") for g in args.compare}
+        if len(groups) < len(args.compare):
+            parser.error(f"--compare labels must differ, got {[g.split('=', 1)[0] for g in args.compare]}")
         out = compare_runs(groups, args.png, args.task)
     elif args.run_dir is None:
         parser.error("give RUN_DIR, or --compare LABEL=DIR[,DIR...] --png FILE")
