@@ -154,8 +154,8 @@ PRESETS: dict[str, dict] = {
     # 2-core laptop CPU: SFT from scratch, then RL on both toy tasks; held-out reward rises (README).
     "toy": {},
     # Text only, with long completions: 5-6 written-out steps (33 or 39 tokens) decoded in 5 blocks of 8, one
-    # token per step, so that decode order and the reversing operators have room to matter. 20 RL steps
-    # and 64 held-out prompts keep a run near 10 minutes on one core (README, "Why the estimator works").
+    # token per step, so that decode order and the reversing operators have room to matter. With 20 RL
+    # steps and 64 held-out prompts, RL took 5-13 min on one shared core, after a 12-16 min SFT (README).
     "toy_long": {"tasks": "text", "text_max_steps": 6, "gen_length": 40, "block_length": 8, "steps": 40,
                  "rl_steps": 20, "eval_prompts": 64},
     # seconds-long smoke run of the whole pipeline (tests, CI).
