@@ -215,9 +215,8 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # user errors (bad flag, missing file, scorer down): one line
         print(f"error: {e}", file=sys.stderr)
         return 2
-    finally:
-        scale.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with scale.process_exit():  # leaves the process group on every path (infra/scale.py)
+        sys.exit(main())

@@ -453,9 +453,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError, TrainingStopped) as e:  # user errors: one clear line, no traceback
-        raise SystemExit(f"error: {e}")
-    finally:
-        scale.close()
+    with scale.process_exit():  # leaves the process group on every path (infra/scale.py)
+        try:
+            main()
+        except (ValueError, OSError, TrainingStopped) as e:  # user errors: one clear line, no traceback
+            raise SystemExit(f"error: {e}")

@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import os
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -142,7 +143,8 @@ def _clean_exit() -> bool:
 
 
 def close(ok: bool | None = None) -> None:
-    """Leave the process group; call it once per process on every path (train.py does, in a finally).
+    """Leave the process group; call it once per process on every path (process_exit does it for the
+    entry points).
     ok: every rank is on its way out together, so wait for the others first; None infers it from the
     exception being handled (_clean_exit). A no-op in one process, after --dry_run, or when called twice.
 
@@ -152,9 +154,8 @@ def close(ok: bool | None = None) -> None:
     needs the GIL during shutdown is ended by Python mid-unwind, which aborts the process ("terminate
     called without an active exception"): the likely cause of a rare abort seen at the end of finished
     runs. After the barrier every earlier collective has completed on every rank and the workers are
-    idle. destroy_process_group does not stop gloo's threads; they end when the group object is freed,
-    which FSDP2's parameter hooks (a reference cycle through C++) delay to process exit, where idle
-    threads are harmless.
+    idle (they still run after destroy_process_group: process_exit below ends a torchrun rank without
+    interpreter teardown).
     After an error the barrier is skipped: the other ranks may be inside a collective that will never
     complete, and waiting would only turn the error into a timeout."""
     if not dist.is_initialized():
@@ -169,6 +170,54 @@ def close(ok: bool | None = None) -> None:
                 dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def exit_status(exc: BaseException | None) -> int:
+    """The exit status Python gives a script that ends with exc (None: it returned), printing what Python
+    would print: SystemExit's message, KeyboardInterrupt's 128 + SIGINT, a traceback otherwise."""
+    if exc is None:
+        return 0
+    if isinstance(exc, SystemExit):
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    traceback.print_exception(exc)
+    return 1
+
+
+@contextlib.contextmanager
+def process_exit():
+    """Wrap an entry point's body (`with scale.process_exit(): main()`): on every way out it leaves the
+    process group (close, with its barrier on a clean exit), and a torchrun rank then ends the process
+    at once with the status Python would have given it, after flushing stdout and stderr; in one
+    process it changes nothing.
+
+    Why not let Python end the rank: destroy_process_group does not stop gloo's threads once FSDP2 has
+    run. Something FSDP2 set up still references the group after the model is freed, and two
+    `pt_gloo_runloop` threads and `gloo_tcp_loop` are still running after close (torch 2.13, CPU).
+    Interpreter teardown would then free the group and whatever it holds while those native threads
+    run: the kind of teardown that ends in "terminate called without an active exception" (SIGABRT)
+    on a rank that has finished its work. Every file the run writes is closed (checkpoints fsynced)
+    by then, so teardown has nothing left to do; os._exit skips it."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    try:
+        try:
+            yield
+        finally:
+            close()  # sees the exception on its way out, if any, and then skips its barrier
+    except BaseException as exc:  # every way out, SystemExit and Ctrl-C included
+        if not launched:
+            raise
+        status = exit_status(exc)
+    else:
+        status = 0
+    if launched:  # torchrun starts ranks unbuffered (python -u); other launchers may not
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 # -----------------------------------------------------------------------------------------------------

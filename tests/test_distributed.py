@@ -198,6 +198,65 @@ def test_dry_run_mmada8b():
     assert res["seqs_per_step"] == 8 * 9 and res["seq_len"] == 257 + 2 + 32 * 32
 
 
+PROCESS_EXIT = """
+import atexit, sys, torch
+from infra import scale
+atexit.register(print, "interpreter teardown ran", flush=True)
+with scale.process_exit():
+    scale.init("cpu")
+    print(f"rank {scale.rank()} worked")
+    t = scale.all_sum(torch.ones(3))
+    if sys.argv[1] == "raise":
+        raise RuntimeError(f"rank {scale.rank()} failed")
+    if sys.argv[1] == "message":
+        raise SystemExit(f"error: rank {scale.rank()} stops")
+"""
+
+
+@pytest.mark.slow
+def test_process_exit_ends_every_rank_with_python_status(tmp_path):
+    """Under torchrun, scale.process_exit ends each rank with the status and output Python would give it
+    (0; 1 with the traceback; 1 with the message), without interpreter teardown (the atexit line never
+    prints); in one process it leaves the exit to Python (the atexit line prints)."""
+    script = tmp_path / "process_exit.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + PROCESS_EXIT)
+    for how, status, err in (("return", 0, ""), ("raise", 1, "RuntimeError: rank 1 failed"),
+                             ("message", 1, "error: rank 1 stops")):
+        res = launch([how], nproc=2, script=str(script))
+        assert res.returncode == status, (how, res.stdout[-3000:], res.stderr[-3000:])
+        assert "rank 0 worked" in res.stdout and "rank 1 worked" in res.stdout, (how, res.stdout)
+        assert err in res.stderr and "terminate called" not in res.stderr, (how, res.stderr[-3000:])
+        assert "interpreter teardown ran" not in res.stdout, how
+    res = launch(["message"], script=str(script))
+    assert res.returncode == 1 and "error: rank 0 stops" in res.stderr
+    assert "rank 0 worked" in res.stdout and "interpreter teardown ran" in res.stdout
+
+
+def test_exit_status_is_pythons(capsys):
+    """The status and message process_exit gives a torchrun rank are those Python gives a script."""
+    from infra import scale
+    assert [scale.exit_status(e) for e in (None, SystemExit(), SystemExit(0), SystemExit(143))] == [0, 0, 0, 143]
+    assert scale.exit_status(KeyboardInterrupt()) == 130
+    assert scale.exit_status(SystemExit("error: bad flag")) == 1
+    assert capsys.readouterr().err == "error: bad flag\n"
+    try:
+        raise RuntimeError("deep inside")
+    except RuntimeError as e:
+        assert scale.exit_status(e) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.endswith("RuntimeError: deep inside\n")
+
+
+def test_process_exit_in_one_process_leaves_the_exit_to_python(monkeypatch):
+    from infra import scale
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with scale.process_exit():
+        pass
+    with pytest.raises(SystemExit, match="stop"):
+        with scale.process_exit():
+            raise SystemExit("stop")
+
+
 def test_close_is_safe_without_a_group():
     """scale.close is a no-op in one process and after --dry_run (no group), and may be called twice."""
     from infra import scale
