@@ -4,7 +4,9 @@ The LLaDA reference checkpoint ships in tests/fixtures/tiny-llada (REFERENCE), s
 equivalence tests. The real benchmark files live in a `../shared` folder beside the project in development
 and CI; a user who cloned the project alone does not have it, so tests that need it skip with a reason.
 With MASKGRPO_REQUIRE_SHARED=1 (set by .ci/run) a missing file fails the test instead."""
+import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -24,3 +26,25 @@ def shared_path(*parts: str) -> Path:
             pytest.fail(f"{p} not found, and MASKGRPO_REQUIRE_SHARED=1 forbids skipping")
         pytest.skip(f"{p} not found (the ../shared folder ships with the dev/CI checkout only)")
     return p
+
+
+class OverBudget(BaseException):
+    """Raised into code under test by cpu_budget; a BaseException so that the code's own `except Exception`
+    (a parser that turns any error into "no value") cannot swallow it."""
+
+
+@contextlib.contextmanager
+def cpu_budget(seconds: float):
+    """Fail the block when this process spends more than `seconds` of CPU time in it: a hang guard that
+    load from other processes cannot trip, as a wall-clock limit can on a shared 2-core machine (CPU
+    time of child processes is not counted)."""
+    def over(signum, frame):
+        raise OverBudget(f"more than {seconds} s of CPU time: a hang?")
+
+    previous = signal.signal(signal.SIGPROF, over)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)

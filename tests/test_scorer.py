@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from infra import scorer
 from infra.scorer import RemoteScorer, _StubHandler, serve_stub, stub_score
 
 PROMPTS = ["three green blocks", "a red block left of a blue block", "an empty image"]
@@ -62,16 +63,17 @@ def test_codes_may_be_numpy_rows(serve):
     assert RemoteScorer(serve())(PROMPTS[:2], np.array([[1, 2, 2, 2], [4, 5, 6, 7]])) == [0.5, 1.0]
 
 
-def test_server_down_raises_after_retries():
+def test_server_down_raises_after_retries(monkeypatch):
     with socket.socket() as s:  # a port that was free a moment ago and now has no listener
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    start = time.monotonic()
+    slept = []
+    monkeypatch.setattr(scorer.time, "sleep", slept.append)
     with pytest.raises(ConnectionError, match="failed 3 attempts") as info:
         RemoteScorer(url, timeout=0.5, retries=2, backoff=0.01)(PROMPTS, CODES)
     assert url in str(info.value) and "--stub" in str(info.value) and "last error" in str(info.value)
-    assert time.monotonic() - start < 3.0
+    assert slept == [0.01, 0.02]  # backoff * 2**k before the k-th retry, and no other wait
 
 
 def test_timeout_is_retried_then_raises(serve):
