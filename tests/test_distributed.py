@@ -1,9 +1,11 @@
 """Scale-out on CPU: torchrun with 2 gloo processes and FSDP2 gives the single-process run, with full
 fine-tuning and with LoRA; the LoRA run's merged checkpoint reproduces the adapter model; --dry_run reports
-LLaDA-8B's parameter count.
+LLaDA-8B's parameter count; every rank of a finished run exits 0, run after run, and every way out of
+scale.process_exit gives Python's status.
 
-    python -m pytest tests/test_distributed.py -q      # ~8 min on 2 CPU cores (the torchrun tests are
-                                                       # marked slow: they run in CI, not under -m "not slow")
+    python -m pytest tests/test_distributed.py -q      # ~2.5 min on 2 idle CPU cores, ~4 min with two
+                                                       # busy loops on them (the torchrun tests are marked
+                                                       # slow: they run in CI, not under -m "not slow")
 """
 import json
 import os
