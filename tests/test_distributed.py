@@ -207,7 +207,7 @@ atexit.register(print, "interpreter teardown ran", flush=True)
 with scale.process_exit():
     scale.init("cpu")
     print(f"rank {scale.rank()} worked")
-    t = scale.all_sum(torch.ones(3))
+    scale.all_sum(torch.ones(3))  # a collective before the way out
     if sys.argv[1] == "raise":
         raise RuntimeError(f"rank {scale.rank()} failed")
     if sys.argv[1] == "message":
