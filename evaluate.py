@@ -6,7 +6,7 @@
     python evaluate.py --run out/toy                         # re-score a run's sft/ and final/ vs summary.json
 
 Tasks: gsm8k, math, countdown, sudoku, mbpp (sandboxed, rewards.REWARDS) and geneval (--image_scorer_url),
-which read --data; the toy tasks text and image, which need none. Every completion comes from episodes.evaluate,
+which read --data; the toy tasks text and image, which need none. Every completion comes from train.evaluate,
 the function train.py scores its held-out sets with, so under the same Config the numbers are the run's own
 (`--run` checks exactly that, and exits 1 if any differs by more than 1e-6). A completion counts as correct
 when its reward is >= 1 - 1e-6; pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374, §2.1) with
@@ -24,15 +24,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from infra import data
-from infra import episodes
-from infra import lora
-from infra import cli, run, scale
+import tasks
 import train
+from infra import cli, data, lora, run, scale
+from infra.data import load_data
 from infra.scorer import RemoteScorer
 
 CORRECT_TOL = 1e-6  # reward >= 1 - CORRECT_TOL is a solved prompt (float32 rewards of exactly 1 pass)
-TASKS = episodes.TOY_TASKS + data.TASKS
+TASKS = tasks.TOY_TASKS + data.TASKS
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -98,21 +97,22 @@ def parse_options(argv=None) -> Options:
                      defaults={**saved, **OFFICIAL.get(first.task, {})})
 
 
-def build_config(o: Options) -> train.Config:
-    """The train.Config that evaluates o.ckpt on o.task, checked like a training run's."""
+def build_config(o: Options) -> tuple[train.Config, int]:
+    """The train.Config that evaluates o.ckpt on o.task, checked like a training run's, and the number of
+    samples per prompt."""
     if o.task not in TASKS:
         raise ValueError(f"unknown task {o.task!r}; choose one of {', '.join(TASKS)}")
     if not Path(o.ckpt).is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {o.ckpt} (pass a folder with config.json, "
                                 f"*.safetensors and tokenizer.json, e.g. out/toy/final)")
-    toy = o.task in episodes.TOY_TASKS
+    toy = o.task in tasks.TOY_TASKS
     if toy == bool(o.data):
         raise ValueError(f"task {o.task!r} " + ("draws its held-out prompts from --seed: drop --data" if toy
                                                 else "reads its prompts from a local file: pass --data PATH"))
     if o.limit < 0 or o.samples < -1:
         raise ValueError(f"--limit ({o.limit}) must be >= 0 and --samples ({o.samples}) >= 0")
     samples = o.eval_samples if o.samples == -1 else o.samples
-    if samples and o.temperature <= 0:  # episodes.evaluate then draws one completion per prompt: no pass@k
+    if samples and o.temperature <= 0:  # train.evaluate then draws one completion per prompt: no pass@k
         raise ValueError(f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
     implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1)}
     if not toy:  # load_data keys on train_data, so the evaluation file is given as both (only "test" is scored)
@@ -128,22 +128,23 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
     """Greedy and sampled completions of cfg.init_from on the single task of cfg: (table row, records)."""
     task = cfg.tasks
     device, dtype = run.setup(cfg)
-    datasets = episodes.load_data(cfg)  # a missing or malformed file fails here, before the model loads
+    datasets = load_data(cfg)  # a missing or malformed file fails here, before the model loads
     if task in datasets and not limit:  # benchmarks: every row of the file unless --limit
         cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
-    model, tok, sp, _ = run.load_model(cfg, device, dtype, train.sft)
-    n = len(episodes.eval_examples(task, cfg, datasets))
+    model, tok, ids, _ = run.load_model(cfg, device, dtype, train.sft)
+    n = len(tasks.eval_examples(task, cfg, datasets))
+    ctx = train.Ctx(cfg, tok, ids, device, datasets, scorer)
     modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
-    if task not in episodes.IMAGE_TASKS:  # as episodes.evaluate_all: images have no greedy decoding
+    if task not in tasks.IMAGE_TASKS:  # as train.evaluate_all: images have no greedy decoding
         modes.insert(0, ("greedy", 0.0, 1))
     records = []
-    # The bar counts completions; episodes.evaluate reports after each batch of (up to) 64.
+    # The bar counts completions; train.evaluate reports after each batch of (up to) 64.
     with tqdm(total=n * sum(k for *_, k in modes), desc=f"eval {task}", unit="completion", leave=False) as bar:
         for mode, temperature, k in modes:
             rows: list[dict] = []
-            episodes.evaluate(model, tok, sp, cfg, device, task, temperature, datasets, scorer, rows, bar.update)
-            # episodes.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
+            train.evaluate(model, ctx, task, temperature, rows, bar.update)
+            # train.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
             records += [{"task": task, "mode": mode, "prompt_index": r["index"] // k, "sample": r["index"] % k,
                          "prompt": r["prompt"], "output": r["output"], "reward": r["reward"]} for r in rows]
     if out:
@@ -158,7 +159,7 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
 
 def check_run(run_dir: str) -> bool:
     """Re-score a train.py run with its own config.json: the model before RL (the SFT model, or init_from)
-    and final/ after, through episodes.evaluate_all; print them beside summary.json. True if all agree."""
+    and final/ after, through train.evaluate_all; print them beside summary.json. True if all agree."""
     out_dir = Path(run_dir)
     for f in ("config.json", "summary.json"):
         if not (out_dir / f).is_file():
@@ -172,7 +173,7 @@ def check_run(run_dir: str) -> bool:
     train.validate(cfg)
     summary = json.loads((out_dir / "summary.json").read_text())
     device, dtype = run.setup(cfg)
-    datasets = episodes.load_data(cfg)
+    datasets = load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     # As train.main: the RL start is the SFT model for scratch runs, else init_from. LoRA runs start from
     # init_from with zero adapters (the same outputs) and end as init_from + final/adapters.*, the exact
@@ -183,10 +184,10 @@ def check_run(run_dir: str) -> bool:
         ckpt = start if label == "before" or cfg.lora_rank else str(out_dir / "final")
         if not Path(ckpt).is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {ckpt} (the run's {label}-RL model)")
-        model, tok, sp, _ = run.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
+        model, tok, ids, _ = run.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
         if label == "after" and cfg.lora_rank:
             lora.load_adapters(model, out_dir / "final")
-        evals[label] = episodes.evaluate_all(model.eval(), tok, sp, cfg, device, datasets, scorer)
+        evals[label] = train.evaluate_all(model.eval(), train.Ctx(cfg, tok, ids, device, datasets, scorer))
     keys = [k for k in summary if k != "seconds"] + sorted(set(evals["before"]) - set(summary))
     rows, ok = [], True
     for k in keys:

@@ -9,17 +9,23 @@ untrusted code runs in infra/sandbox.py (`run_code` is re-exported here). MMaDA'
 UnifiedReward) need models we cannot ship: infra/scorer.py asks an HTTP server for them.
 
 Model output never makes a reward raise, however long or strange; a malformed dataset row or argument
-raises ValueError naming the value. Only the standard library is used. `REWARDS` maps a task name to
-`reward(completion, example) -> float` and is the one registry the trainer reads: correctness only, 0 or 1.
-`SHAPED` holds the official runs' shaped GSM8K and MATH rewards (format + correctness), same signature,
-divided by their maximum total so that they too lie in [0, 1].
+raises ValueError naming the value. The verifiers use only the standard library. `REWARDS` maps a task name to
+`reward(completion, example) -> float` for the benchmark tasks: correctness only, 0 or 1. `SHAPED` holds
+the official runs' shaped GSM8K and MATH rewards (format + correctness), same signature, divided by their
+maximum total so that they too lie in [0, 1]. `score`, the RL loop's reward step, dispatches a batch to
+these, to the toy verifiers of tasks.py, or to the remote image scorer.
 
 Test: python -m pytest tests/test_rewards.py tests/test_latex.py -q
 """
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
+
+import torch
+
+import tasks
 
 from infra.latex import math_equiv, normalize_math  # noqa: F401 (re-exported: callers import them from here)
 from infra.sandbox import run_code  # the public API is rewards.run_code(program, tests, timeout) -> float
@@ -281,14 +287,6 @@ def extract_code(completion: str) -> str:
     return (body if end < 0 else body[:end]).lstrip("\n")
 
 
-def code_reward(completion: str, tests: list[str], timeout: float = 5.0) -> float:
-    """Pass rate of the completion's code (see `extract_code`) on `tests`, run by `run_code` (MaskGRPO §6).
-
-    ("```python\\ndef f(x):\\n    return 2*x\\n```", ["assert f(2) == 4"]) -> 1.0;  ("I cannot", [...]) -> 0.0
-    """
-    return run_code(extract_code(completion), tests, timeout)
-
-
 # -----------------------------------------------------------------------------------------------------
 # registry: task name -> reward(completion, example) -> float in [0, 1]
 
@@ -364,3 +362,25 @@ SHAPED = {
     "gsm8k": lambda completion, example: gsm8k_shaped_reward(completion, _field(example, "answer")),
     "math": lambda completion, example: math_shaped_reward(completion, _field(example, "answer", "solution")),
 }
+
+
+def score(b: tasks.Batch, tok, ids, scorer=None, shaped: bool = False) -> torch.Tensor:
+    """Step 2 of the RL loop: a reward in [0, 1] per row of b. The toy verifiers (tasks.py), the benchmark
+    verifiers (REWARDS, or SHAPED, the official format + correctness terms, where shaped and the task has
+    them), or, for geneval images, the remote scorer."""
+    outs = tasks.decode_window(b, tok, ids)
+    if b.task == "geneval":
+        try:
+            return torch.tensor(scorer([ex["prompt"] for ex in b.examples], outs), dtype=torch.float32)
+        except (ValueError, OSError, RuntimeError) as e:
+            # Down, refusing, or replying NaN: NaN rewards, which train.rl_step's gathered check turns into a
+            # skipped step on every rank (a rank that raised alone would leave the others waiting).
+            print(f"warning: image scorer failed ({e}); this batch gets NaN rewards", flush=True)
+            return torch.full((len(outs),), math.nan)
+    if b.task == "text":
+        fn = tasks.text_reward
+    elif b.task == "image":
+        fn = lambda codes, ex: tasks.image_reward(codes, ex["spec"])
+    else:
+        fn = SHAPED[b.task] if shaped and b.task in SHAPED else REWARDS[b.task]
+    return torch.tensor([fn(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)

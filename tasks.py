@@ -26,7 +26,21 @@ import random
 import re
 from dataclasses import dataclass
 
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from importance import derive_seed
+from model import TokenIds, chat_prompt
+
+TOY_TASKS = ("text", "image")
+IMAGE_TASKS = ("image", "geneval")  # generated as image tokens; everything else is text
+
+
+GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
+
+
+def task_list(cfg) -> list[str]:
+    return [t for t in cfg.tasks.split(",") if t]
 
 # -----------------------------------------------------------------------------------------------------
 # vocabulary
@@ -88,37 +102,22 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
-@dataclass(frozen=True)
-class Specials:
-    """Token ids resolved by name, so no id literal appears anywhere else."""
-    bos: int
-    eos: int
-    pad: int
-    mask: int
-    t2i: int
-    soi: int
-    eoi: int
-    ipad: int
-    image_token_offset: int   # image code c is token id image_token_offset + c
-    codebook_size: int
-    vocab_size: int           # embedding rows: text tokenizer + codebook
-
-
-def specials(tok: Tokenizer) -> Specials:
+def token_ids(tok: Tokenizer) -> TokenIds:
+    """The toy vocabulary's special ids, looked up by name."""
     def tid(s):
         i = tok.token_to_id(s)
         if i is None:
             raise ValueError(f"tokenizer has no {s!r}; build it with tasks.build_tokenizer()")
         return i
     offset = tok.get_vocab_size(with_added_tokens=True)  # MMaDA: codes start at len(text tokenizer)
-    return Specials(bos=tid(BOS), eos=tid(EOS), pad=tid(EOS), mask=tid(MASK), t2i=tid(T2I), soi=tid(SOI),
+    return TokenIds(bos=tid(BOS), eos=tid(EOS), pad=tid(EOS), mask=tid(MASK), t2i=tid(T2I), soi=tid(SOI),
                     eoi=tid(EOI), ipad=tid(IPAD), image_token_offset=offset, codebook_size=CODEBOOK_SIZE,
                     vocab_size=offset + CODEBOOK_SIZE)
 
 
 def model_config_overrides(tok: Tokenizer) -> dict:
     """The vocabulary fields of model.ModelConfig: `ModelConfig(d_model=..., **model_config_overrides(tok))`."""
-    s = specials(tok)
+    s = token_ids(tok)
     return dict(vocab_size=s.vocab_size, mask_token_id=s.mask, eos_token_id=s.eos, pad_token_id=s.pad,
                 bos_token_id=s.bos, image_token_offset=s.image_token_offset, codebook_size=s.codebook_size)
 
@@ -209,29 +208,14 @@ def text_reward(completion_text: str, example: dict) -> float:
 def encode_text(tok: Tokenizer, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
     """(prompt_ids, completion_ids): prompt = BOS + question; completion = answer + EOS padding to
     exactly gen_length tokens (LLaDA SFT pads answers with EOS, so the model learns where to stop).
-    Batch prompts by left-padding with specials(tok).pad and attention 0 on the pads (sample.generate)."""
-    s = specials(tok)
+    Batch prompts by left-padding with token_ids(tok).pad and attention 0 on the pads (sample.generate)."""
+    s = token_ids(tok)
     prompt = [s.bos] + tok.encode(example["prompt"], add_special_tokens=False).ids
     answer = tok.encode(example["completion"], add_special_tokens=False).ids
     if len(answer) >= gen_length:
         raise ValueError(f"completion needs {len(answer)} tokens + 1 EOS but gen_length is {gen_length}; "
                          "raise gen_length or lower max_steps/max_value")
     return prompt, answer + [s.eos] * (gen_length - len(answer))
-
-
-def text_lengths(tok: Tokenizer, max_value: int = 9, max_steps: int = 2, n: int = 2000) -> tuple[int, int]:
-    """(longest prompt, longest completion) in tokens over n random examples, for sizing buffers."""
-    rng = random.Random(0)
-    p = c = 0
-    for _ in range(n):
-        ex = make_text_example(rng, "any", 0.5, max_value, max_steps)
-        pi, ci = encode_text(tok, ex, 10_000)
-        p, c = max(p, len(pi)), max(c, len(tok.encode(ex["completion"], add_special_tokens=False).ids))
-    return p, c
-
-
-# -----------------------------------------------------------------------------------------------------
-# image task: GenEval-style prompts on a width x width grid of palette codes
 
 
 def make_image_example(rng: random.Random, split: str = "train", noise: float = 0.0, width: int = 4) -> dict:
@@ -320,7 +304,7 @@ def image_checks(codes: list[int], spec: dict) -> list[bool]:
 
 def image_reward(codes: list[int], spec: dict) -> float:
     """Fraction of satisfied checks in [0, 1] (GenEval itself is all-or-nothing per prompt; a fraction
-    gives RL a denser signal; `image_strict` is the all-or-nothing score for reporting).
+    gives RL a denser signal).
 
         spec = {"width": 2, "counts": {"red": 1}, "relation": None, "place": None}
         image_reward([1, 0, 0, 0], spec) == 1.0     # one red cell, nothing else
@@ -333,20 +317,15 @@ def image_reward(codes: list[int], spec: dict) -> float:
     return sum(checks) / len(checks)
 
 
-def image_strict(codes: list[int], spec: dict) -> float:
-    """GenEval-style all-or-nothing: 1.0 only if every check passes."""
-    return float(image_reward(codes, spec) == 1.0)
-
-
 def encode_image_prompt(tok: Tokenizer, prompt_text: str, text_len: int, num_tokens: int,
-                        sp: Specials | None = None) -> tuple[list[int], int, list[int]]:
+                        ids: TokenIds | None = None) -> tuple[list[int], int, list[int]]:
     """MMaDA t2i layout (arXiv:2505.15809): [iPAD]*pad <|t2i|> BOS caption EOS <|soi|> mask*num_tokens
     <|eoi|>. The text part is left-padded with [iPAD] to exactly text_len tokens (truncated and
     re-terminated with EOS if longer). prompt_text "" gives the unconditional prompt used for CFG.
     Returns (input_ids, image_start, attention_mask) with attention 0 on the [iPAD] positions; the
-    image slots are input_ids[image_start : image_start + num_tokens]. sp: the token ids (default: the toy
-    tokenizer's, by name; train.model_specials gives an MMaDA checkpoint's)."""
-    s = sp or specials(tok)
+    image slots are input_ids[image_start : image_start + num_tokens]. ids: the token ids (default: the toy
+    tokenizer's, by name; infra/hf.token_ids gives a released checkpoint's)."""
+    s = ids or token_ids(tok)
     if None in (s.t2i, s.soi, s.eoi, s.ipad):
         raise ValueError("the tokenizer lacks MMaDA's <|t2i|> / <|soi|> / <|eoi|> / [iPAD] tokens: text-to-image "
                          "needs an MMaDA checkpoint (its tokenizer.json), not a text-only LLaDA one")
@@ -366,13 +345,13 @@ def image_text_len(tok: Tokenizer, n: int = 2000) -> int:
 
 
 def codes_to_ids(tok: Tokenizer, codes: list[int]) -> list[int]:
-    off = specials(tok).image_token_offset
+    off = token_ids(tok).image_token_offset
     return [off + c for c in codes]
 
 
 def ids_to_codes(tok: Tokenizer, ids: list[int]) -> list[int]:
     """Inverse of codes_to_ids; any id outside the image range (e.g. a leftover mask) becomes -1."""
-    s = specials(tok)
+    s = token_ids(tok)
     return [i - s.image_token_offset if 0 <= i - s.image_token_offset < s.codebook_size else -1 for i in ids]
 
 
@@ -383,3 +362,131 @@ def render_image(codes: list[int], width: int) -> str:
         rows.append("".join(f"\x1b[48;5;{ANSI[c]}m  \x1b[0m" if 0 <= c < len(ANSI) else "??"
                             for c in codes[r:r + width]))
     return "\n".join(rows)
+
+
+# -----------------------------------------------------------------------------------------------------
+# batches: examples of any task -> token tensors [prompt | window | suffix]
+
+
+@dataclass
+class Batch:
+    """A batch of sequences laid out as [prompt (P) | window (N) | suffix (S)]. The window is what the
+    model generates: the text completion, or the image slots between <|soi|> and <|eoi|>."""
+    task: str
+    x: torch.Tensor                 # (B, L) token ids; the window holds targets (SFT) or rollouts (RL)
+    attention_mask: torch.Tensor    # (B, L) 1 = real token, 0 = left padding
+    prompt_len: int                 # P
+    window: int                     # N
+    uncond: torch.Tensor | None = None       # (B, L) unconditional prompt for CFG (image)
+    uncond_mask: torch.Tensor | None = None  # (B, L)
+    examples: list | None = None
+
+    @property
+    def prompt_mask(self):          # (B, P) real prompt tokens (never masked by the MaskGRPO estimator)
+        return self.attention_mask[:, : self.prompt_len].bool()
+
+    @property
+    def window_slice(self):
+        return slice(self.prompt_len, self.prompt_len + self.window)
+
+    def rows(self, rows: slice) -> "Batch":
+        """This rank's rows of a global batch (same padding as every other rank's)."""
+        pick = lambda t: None if t is None else t[rows]
+        return Batch(self.task, self.x[rows], self.attention_mask[rows], self.prompt_len, self.window,
+                     pick(self.uncond), pick(self.uncond_mask), self.examples[rows])
+
+
+def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: bool) -> Batch:
+    """Token tensors for `examples`; the window holds the target (SFT) or mask ids (rollout prompts).
+    Text prompts are left-padded to the longest in `examples`: build the *global* batch on every rank and
+    take rows from it (Batch.rows), so that a sequence's padding, and hence its logits, do not depend on
+    the world size."""
+    if task in IMAGE_TASKS:
+        return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
+    if task == "text":
+        pairs = [encode_text(tok, ex, cfg.gen_length) for ex in examples]
+    else:  # a benchmark prompt in the LLaDA chat template, cut from the left like the official code
+        pairs = [(tok.encode(chat_prompt([{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill,
+                             add_special_tokens=False).ids[-cfg.max_prompt_len:], None) for ex in examples]
+    P = max(len(p) for p, _ in pairs)
+    rows, att = [], []
+    for p, c in pairs:
+        pad = P - len(p)
+        window = c if with_targets else [ids.mask] * cfg.gen_length
+        rows.append([ids.pad] * pad + p + window)  # LLaDA left-pads prompts with EOS
+        att.append([0] * pad + [1] * (len(p) + cfg.gen_length))
+    x = torch.tensor(rows, device=device)
+    return Batch(task, x, torch.tensor(att, device=device), P, cfg.gen_length, examples=examples)
+
+
+def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> Batch:
+    """MMaDA's t2i layout (tasks.encode_image_prompt), with the empty-caption prompt for CFG."""
+    n = cfg.image_width ** 2
+    text_len = cfg.image_text_len or caption_len(tok)
+    enc = [encode_image_prompt(tok, ex["prompt"], text_len, n, ids) for ex in examples]
+    unc = encode_image_prompt(tok, "", text_len, n, ids)
+    x = torch.tensor([e[0] for e in enc], device=device)
+    att = torch.tensor([e[2] for e in enc], device=device)
+    start = enc[0][1]
+    if with_targets:
+        x[:, start:start + n] = torch.tensor([ex["image"] for ex in examples], device=device) + ids.image_token_offset
+    B = len(examples)
+    uncond = torch.tensor(unc[0], device=device).expand(B, -1).clone()
+    uncond_mask = torch.tensor(unc[2], device=device).expand(B, -1).clone()
+    return Batch(task, x, att, start, n, uncond, uncond_mask, examples)
+
+
+def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 0.0) -> dict:
+    if task == "text":
+        return make_text_example(rng, split=split, noise=noise, max_steps=cfg.text_max_steps)
+    return make_image_example(rng, split=split, noise=noise, width=cfg.image_width)
+
+
+_TEXT_LEN: dict = {}
+
+
+def caption_len(tok) -> int:
+    """Caption part of every t2i prompt, padded to the longest toy caption (computed once per vocabulary)."""
+    key = tok.get_vocab_size(with_added_tokens=True)
+    if key not in _TEXT_LEN:
+        _TEXT_LEN[key] = image_text_len(tok)
+    return _TEXT_LEN[key]
+
+
+def vocab_slice(task: str, ids):
+    """Image positions are scored over the image-code columns only (MMaDA arXiv:2505.15809: the image head predicts codes)."""
+    return (ids.image_token_offset, ids.image_token_offset + ids.codebook_size) if task in IMAGE_TASKS else None
+
+
+def decode_window(b: Batch, tok, ids) -> list:
+    """Completion text (text tasks) or image codes (image tasks) per row."""
+    w = b.x[:, b.window_slice].tolist()
+    if b.task not in IMAGE_TASKS:
+        return [tok.decode(row, skip_special_tokens=True) for row in w]
+    return [[c - ids.image_token_offset for c in row] for row in w]
+
+
+def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
+    """The global prompts of one RL step, identical on every rank: toy tasks draw fresh examples from
+    (seed, step); a dataset is walked in a fresh seeded permutation per epoch, so step s always sees the
+    same prompts (and a resumed run continues where it stopped)."""
+    if task in TOY_TASKS:
+        rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
+        return [make_example(task, rng, cfg, "train") for _ in range(cfg.prompts_per_step)]
+    rows = datasets[task]["train"]
+    out, orders = [], {}
+    for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
+        epoch, pos = divmod(i, len(rows))
+        if epoch not in orders:  # one shuffle per epoch touched by this step (at most two)
+            orders[epoch] = list(range(len(rows)))
+            random.Random(derive_seed(cfg.seed, "epoch", task, epoch)).shuffle(orders[epoch])
+        out.append(rows[orders[epoch][pos]])
+    return out
+
+
+def eval_examples(task: str, cfg, datasets: dict) -> list:
+    """The held-out prompts: fixed toy draws from the test split, or the first eval_prompts of eval_data."""
+    if task in TOY_TASKS:
+        rng = random.Random(derive_seed(cfg.seed, "eval", task))
+        return [make_example(task, rng, cfg, "test") for _ in range(cfg.eval_prompts)]
+    return datasets.get(task, {}).get("test", [])[: cfg.eval_prompts]

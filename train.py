@@ -32,7 +32,7 @@ import contextlib
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +40,17 @@ from tqdm import tqdm
 
 import grpo
 import importance
+import rewards
+import sample
 from importance import derive_seed, generator
-from infra import budget, cli, lora, scale
-from infra.episodes import (IMAGE_TASKS, Batch, draw_prompts, evaluate_all, image_snapshot, load_data, make_batch,
-                            make_example, rollout, score, task_list, vocab_slice)
-from infra.run import BadStep, Run, TrainingStopped, load_policy, reduce_stats, setup, startup_checks, validate
+from infra import budget, cli, fast_sample, lora, scale
+from infra.data import load_data
+from infra.run import BadStep, Clock, Run, StepStats, TrainingStopped, load_policy, setup, startup_checks, validate
 from infra.scale import print0
 from infra.scorer import RemoteScorer
+from model import TokenIds
+from tasks import (GRID_PROMPTS, IMAGE_TASKS, Batch, decode_window, draw_prompts, eval_examples, make_batch, make_example,
+                   task_list, vocab_slice)
 
 # -----------------------------------------------------------------------------------------------------
 # config
@@ -190,7 +194,7 @@ def parse_args(argv=None) -> Config:
 # stage 1: masked-diffusion SFT
 
 
-def diffusion_loss(model, b: Batch, sp, gen: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
+def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
     """The masked-diffusion negative ELBO (MDLM, LLaDA; docs/method.md §1): t ~ U(eps, 1) per sequence,
     each completion token masked with probability t, cross-entropy on the masked tokens weighted by 1/t,
     normalised by the completion length (LLaDA's SFT loss: the prompt is never masked)."""
@@ -200,14 +204,14 @@ def diffusion_loss(model, b: Batch, sp, gen: torch.Generator, eps: float = 1e-3)
     region[:, b.window_slice] = True
     masked = (torch.rand(B, L, generator=gen) < t) & region                            # (B, L)
     masked, t = masked.to(b.x.device), t.to(b.x.device)
-    logits = model(b.x.masked_fill(masked, sp.mask), b.attention_mask)                # (B, L, V)
+    logits = model(b.x.masked_fill(masked, ids.mask), b.attention_mask)                # (B, L, V)
     # Image positions predict image codes only, so the softmax runs over the codebook columns.
-    lo, hi = vocab_slice(b.task, sp) or (0, logits.shape[-1])
+    lo, hi = vocab_slice(b.task, ids) or (0, logits.shape[-1])
     ce = F.cross_entropy(logits[masked][:, lo:hi].float(), b.x[masked] - lo, reduction="none")  # (T,)
     return (ce / t.expand(B, L)[masked]).sum() / (B * b.window)
 
 
-def sft(model, tok, sp, cfg: Config, device) -> float:
+def sft(model, tok, ids, cfg: Config, device) -> float:
     """Train the toy model from scratch on noisy toy data (tasks.py); returns the seconds spent."""
     t0 = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -223,13 +227,13 @@ def sft(model, tok, sp, cfg: Config, device) -> float:
         for task in ("text", "image"):
             noise = cfg.text_noise if task == "text" else cfg.image_noise
             exs = [make_example(task, rng, cfg, "train", noise) for _ in range(cfg.sft_batch_size)]
-            b = make_batch(task, exs, tok, sp, cfg, device, with_targets=True)
+            b = make_batch(task, exs, tok, ids, cfg, device, with_targets=True)
             if task == "image":
                 # Caption dropout: the unconditional prompt teaches the model p(image), which CFG needs.
                 drop = torch.rand(len(exs), generator=gen) < cfg.cond_dropout
                 b.x[drop, : b.prompt_len] = b.uncond[drop, : b.prompt_len]
                 b.attention_mask[drop] = b.uncond_mask[drop]
-            loss = diffusion_loss(model, b, sp, gen)
+            loss = diffusion_loss(model, b, ids, gen)
             (loss * (cfg.image_loss_weight if task == "image" else 1.0)).backward()
             loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -246,6 +250,56 @@ def sft(model, tok, sp, cfg: Config, device) -> float:
 
 
 @dataclass
+class Ctx:
+    """What every function of the loop needs besides the model: the settings, the tokenizer and its
+    special ids, the device, the benchmark data and the optional remote image scorer."""
+    cfg: Config
+    tok: object                       # tokenizers.Tokenizer
+    ids: TokenIds
+    device: torch.device
+    datasets: dict                    # {task: {"train": rows, "test": rows}} (infra/data.load_data)
+    scorer: object = None             # infra/scorer.RemoteScorer for geneval rewards
+
+
+@torch.no_grad()
+def rollout(model, b: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False,
+            return_order: bool = False):
+    """Fill the window of every row of b with the policy's sample: a new Batch (prompts unchanged), and the
+    decoding order (B, L) when return_order. gens: one generator per row, so a row's sample depends on its
+    own seed only. fast: RL rollouts may use cfg.kv_cache / cfg.threshold (infra/fast_sample.py);
+    evaluation always uses the exact sampler."""
+    cfg, ids = ctx.cfg, ctx.ids
+    text_sampler = fast_sample.generate if fast and (cfg.kv_cache != "none" or cfg.threshold) else sample.generate
+    xs, orders = [], []
+    with scale.full_weights(model):
+        for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
+            c, g = b.rows(rows), gens[rows]
+            if c.task not in IMAGE_TASKS:
+                kw = dict(kv_cache=cfg.kv_cache, threshold=cfg.threshold) if text_sampler is not sample.generate else {}
+                x = text_sampler(model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
+                                 steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
+                                 attention_mask=c.attention_mask[:, : c.prompt_len], return_order=return_order, **kw)
+            else:
+                x = sample.generate_image(model, c.x, image_start=c.prompt_len, num_tokens=c.window,
+                                          steps=cfg.image_steps, sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale,
+                                          uncond_input_ids=c.uncond, generator=g, attention_mask=c.attention_mask,
+                                          uncond_attention_mask=c.uncond_mask, code_offset=ids.image_token_offset,
+                                          codebook_size=ids.codebook_size, mask_id=ids.mask, return_order=return_order)
+            x, order = x if return_order else (x, None)
+            xs.append(x)
+            orders.append(order)
+    out = replace(b, x=torch.cat(xs))
+    return (out, torch.cat(orders)) if return_order else out
+
+
+def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Group-relative advantages (GRPO, arXiv:2402.03300 §4.1.2) of the global rewards, divided by the
+    group std or not (d1's trainer: A = r - mean)."""
+    std = cfg.adv_std == "on" or (cfg.adv_std == "auto" and cfg.estimator != "d1")
+    return grpo.group_advantages(rewards, group_size=cfg.group_size, scale_by_std=std)
+
+
+@dataclass
 class Rollout:
     """One task's rollout batch (this rank's rows), ready for the mu inner updates."""
     batch: Batch
@@ -255,168 +309,189 @@ class Rollout:
     loss_masks: torch.Tensor    # (mu, B, L) positions scored in iteration j (the ones masked in its input)
     logp_old: list              # mu x (B, L) float32
     logp_ref: list | None       # mu x (B, L) float32, or None when beta = 0
-    seconds: dict               # wall time of each phase (times.jsonl)
-    order: torch.Tensor | None = None  # (B, L) sampler step at which each position was revealed (diagnosis)
 
 
-@torch.no_grad()
-def collect(model, ref, task: str, tok, sp, cfg: Config, device, step: int, datasets: dict, scorer=None,
-            with_order: bool = False) -> Rollout:
-    """Steps 1-5 for one task. ref: the reference model, or None for "this model with its LoRA adapters
-    switched off". with_order: also keep the sampler's decoding order (infra/diagnose.py)."""
-    prompts = draw_prompts(task, cfg, step, datasets)
-    exs = [ex for ex in prompts for _ in range(cfg.group_size)]        # each prompt G times, consecutively
-    # Every rank builds the global batch (token ids: cheap) and keeps its own whole groups. A sequence's
-    # global index seeds its rollout noise and its masks, so its randomness is the same on any process.
-    rows = scale.shard_rows(len(exs))
-    seq_index = list(range(len(exs)))[rows]
-    model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
-    b = make_batch(task, exs, tok, sp, cfg, device, with_targets=False).rows(rows)
+def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
+    """One MaskGRPO step (paper Alg. 5): steps 1-5 build every task's rollout batch, step 6 takes mu
+    optimizer steps on it. ref: the reference model, or None for "this model with its LoRA adapters off".
+    Returns the step's log and its rollouts."""
+    cfg, device = ctx.cfg, ctx.device
+    clock, rolls = Clock(), []
+    for task in task_list(cfg):
+        # Every rank builds the global batch (token ids: cheap) and keeps its own whole groups. A sequence's
+        # global index seeds its rollout noise and its masks, so its randomness is the same on any process.
+        prompts = draw_prompts(task, cfg, step, ctx.datasets)
+        exs = [ex for ex in prompts for _ in range(cfg.group_size)]     # each prompt G times, consecutively
+        rows = scale.shard_rows(len(exs))
+        seq_index = list(range(len(exs)))[rows]
+        model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
+        b = make_batch(task, exs, ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(rows)
 
-    # 1. rollouts: one generator per sequence
-    t0 = time.time()
-    gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
-    b, order = rollout(model, b, sp, cfg, gens, cfg.temperature, fast=True, return_order=with_order)
-    t1 = time.time()
+        # 1. rollouts: G completions per prompt, one generator per sequence
+        gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
+        b = rollout(model, b, ctx, gens, cfg.temperature, fast=True)
+        clock.lap("rollout_s")
 
-    # 2. rewards, gathered in global order: a group is normalised over all of its members
-    shaped = cfg.reward_shaping == "official"
-    rewards = scale.all_gather_rows(score(b, tok, sp, scorer, shaped).to(device)).cpu()  # (B_global,)
-    bad = (~torch.isfinite(rewards) | (rewards < 0) | (rewards > 1)).nonzero().flatten().tolist()
-    if bad:  # a NaN or out-of-range reward is reported and the step skipped, never averaged in
-        i = bad[0]
-        raise BadStep(f"{len(bad)} {task} reward(s) not a finite number in [0, 1], first {rewards[i].item()} "
-                      f"at sequence {i} (prompt {i // cfg.group_size}); check the reward function or scorer")
+        # 2. rewards, gathered in global order: a group is normalised over all of its members
+        shaped = cfg.reward_shaping == "official"
+        r = scale.all_gather_rows(rewards.score(b, ctx.tok, ctx.ids, ctx.scorer, shaped).to(device)).cpu()  # (B_global,)
+        bad = (~torch.isfinite(r) | (r < 0) | (r > 1)).nonzero().flatten().tolist()
+        if bad:  # a NaN or out-of-range reward is reported and the step skipped, never averaged in
+            raise BadStep(f"{len(bad)} {task} reward(s) not a finite number in [0, 1], first {r[bad[0]].item()} at "
+                          f"sequence {bad[0]} (prompt {bad[0] // cfg.group_size}); check the reward function or scorer")
+        clock.lap("reward_s")
 
-    t2 = time.time()
+        # 3. advantages, within each group of G
+        adv = advantages(r, cfg)[rows].to(device)                                          # (B,)
 
-    # 3. advantages (GRPO, arXiv:2402.03300 §4.1.2)
-    adv = advantages(rewards, cfg)[rows].to(device)                                    # (B,)
+        # 4. reversing masks: mask j of every sequence at ratio t_j of the truncated schedule (paper Eq. 8-10;
+        # AR-like reversing for text, random for images; shared seeds, paper §4.3)
+        B, L = b.x.shape
+        image = task in IMAGE_TASKS
+        scored = torch.ones(B, b.window, dtype=torch.bool, device=device)
+        if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
+            scored = importance.completion_mask_until_eos(b.x[:, b.window_slice], ctx.ids.eos)
+        in_masks, loss_masks = importance.build_masks(
+            b.prompt_mask, scored,
+            seed=derive_seed(cfg.seed, "masks", task), step=step, seq_index=seq_index,
+            num_iterations=cfg.num_iterations, gamma=cfg.gamma_image if image else cfg.gamma_text,
+            estimator=cfg.estimator, mode="random" if image else cfg.text_reversing,
+            p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)      # (mu, B, L) each
+        inputs = [importance.apply_mask(b.x, in_masks[j], ctx.ids.mask) for j in range(cfg.num_iterations)]
 
-    # 4. reversing masks: mask j of every sequence, with ratio t_j of the truncated schedule (docs/method.md §3)
-    B, L = b.x.shape
-    image = task in IMAGE_TASKS
-    scored = torch.ones(B, b.window, dtype=torch.bool, device=device)
-    if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
-        scored = importance.completion_mask_until_eos(b.x[:, b.window_slice], sp.eos)
-    in_masks, loss_masks = importance.build_masks(
-        b.prompt_mask, scored,
-        seed=derive_seed(cfg.seed, "masks", task), step=step, seq_index=seq_index,
-        num_iterations=cfg.num_iterations, gamma=cfg.gamma_image if image else cfg.gamma_text,
-        estimator=cfg.estimator, mode="random" if image else cfg.text_reversing,
-        p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)      # (mu, B, L) each
-    inputs = [importance.apply_mask(b.x, in_masks[j], sp.mask) for j in range(cfg.num_iterations)]
+        # 5. old and reference log-probs on the same masked inputs; conditional logits only (no CFG). Under
+        # FSDP2 the weights are gathered once for all of these forwards, not once per forward.
+        kw = dict(attention_mask=b.attention_mask, vocab_slice=vocab_slice(task, ctx.ids),
+                  device_batch_size=cfg.device_batch_size or None)
+        with torch.no_grad(), scale.full_weights(model):
+            logp_old = [importance.token_logprobs(model, x_j, b.x, m_j, **kw) for x_j, m_j in zip(inputs, loss_masks)]
+        logp_ref = None
+        if cfg.beta > 0:
+            reference = model if ref is None else ref
+            with torch.no_grad(), scale.full_weights(reference), \
+                    lora.adapters_disabled(model) if ref is None else contextlib.nullcontext():
+                logp_ref = [importance.token_logprobs(reference, x_j, b.x, m_j, **kw)
+                            for x_j, m_j in zip(inputs, loss_masks)]
+        clock.lap("logprob_s")
+        rolls.append(Rollout(b, r, adv, inputs, loss_masks, logp_old, logp_ref))
 
-    # 5. old and reference log-probs on the same masked inputs; conditional logits only (no CFG). Under
-    # FSDP2 the weights are gathered once for all of these forwards, not once per forward.
-    kw = dict(attention_mask=b.attention_mask, vocab_slice=vocab_slice(task, sp),
-              device_batch_size=cfg.device_batch_size or None)
-    with scale.full_weights(model):
-        logp_old = [importance.token_logprobs(model, inputs[j], b.x, loss_masks[j], **kw) for j in range(len(inputs))]
-    logp_ref = None
-    if cfg.beta > 0:
-        reference = model if ref is None else ref
-        with scale.full_weights(reference), lora.adapters_disabled(model) if ref is None else contextlib.nullcontext():
-            logp_ref = [importance.token_logprobs(reference, inputs[j], b.x, loss_masks[j], **kw)
-                        for j in range(len(inputs))]
-    seconds = {"rollout_s": t1 - t0, "reward_s": t2 - t1, "logprob_s": time.time() - t2}
-    return Rollout(b, rewards, adv, inputs, loss_masks, logp_old, logp_ref, seconds, order)
-
-
-def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Group-relative advantages of the global rewards, with or without the division by the group std."""
-    std = cfg.adv_std == "on" or (cfg.adv_std == "auto" and cfg.estimator != "d1")
-    return grpo.group_advantages(rewards, group_size=cfg.group_size, scale_by_std=std)
-
-
-def policy_backward(model, r: Rollout, j: int, cfg: Config, sp) -> dict:
-    """Step 6 for one task and inner iteration j: re-score mask j with the current policy and backpropagate
-    the GRPO loss, device_batch_size rows at a time. Each chunk's loss is weighted by its share of the
-    normaliser over all ranks' rows, so the gradient is that of one full-batch pass in one process."""
-    b, mask = r.batch, r.loss_masks[j]                                                   # mask (B, L)
-    count = (lambda m: m.sum()) if cfg.loss_norm == "token" else (lambda m: m.any(-1).sum())
-    total = scale.all_sum(count(mask).float()).clamp(min=1)
-    stats_sum: dict = {}
-    for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
-        logp = importance.token_logprobs(model, r.inputs[j][rows], b.x[rows], mask[rows],
-                                         attention_mask=b.attention_mask[rows], vocab_slice=vocab_slice(b.task, sp))
-        loss, stats = grpo.policy_loss(logp, r.logp_old[j][rows], r.adv[rows], mask[rows], clip_eps=cfg.clip_eps,
-                                       beta=cfg.beta, logp_ref=None if r.logp_ref is None else r.logp_ref[j][rows],
-                                       norm=cfg.loss_norm)
-        share = count(mask[rows]).float() / total
-        scale.backward_sum(loss * share)
-        merge_stats(stats_sum, stats, float(share), loss.item())
-    return stats_sum
-
-
-def merge_stats(acc: dict, stats: dict, share: float, loss: float) -> None:
-    """Accumulate one chunk's statistics: maxima by max, means weighted by the chunk's share, counts summed."""
-    for k, v in stats.items():
-        if k == "adv_abs_mean":  # a mean over rows, not tokens: rl_step logs it from all rows instead
-            continue
-        if k.endswith("_max"):
-            acc[k] = max(acc.get(k, -math.inf), float(v))
-        else:
-            acc[k] = acc.get(k, 0.0) + float(v) * (1.0 if k == "num_tokens" else share)
-    acc["loss"] = acc.get("loss", 0.0) + loss * share
-
-
-def update(model, opt, rolls: list, j: int, cfg: Config, sp, device, step: int) -> tuple[dict, float, bool]:
-    """Inner iteration j of step 6: one optimizer step on every task's loss for mask j. Returns the
-    statistics ("task/name"), the gradient norm, and whether the step was taken (not when a loss or the
-    gradient is not finite)."""
-    # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
-    # per (step, j, rank) so that a resumed run draws the same masks.
-    torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
-    opt.zero_grad(set_to_none=True)
-    stats, losses = {}, []
-    for r in rolls:
-        s = reduce_stats(policy_backward(model, r, j, cfg, sp), device)
-        losses.append(s["loss"])
-        stats.update({f"{r.batch.task}/{k}": v for k, v in s.items()})
-    # The optimizer's own parameters: under FSDP2 the module may expose gathered copies between passes.
-    grad_norm = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
-    # Losses and the norm are the same on every rank, so every rank takes the same decision.
-    if not (math.isfinite(grad_norm) and all(map(math.isfinite, losses))):
-        print0(f"warning: step {step + 1} update {j + 1}: non-finite loss {losses} or gradient norm "
-               f"{grad_norm}; update skipped")
-        opt.zero_grad(set_to_none=True)
-        return stats, grad_norm, False
-    opt.step()
-    return stats, grad_norm, True
-
-
-def rl_step(model, ref, opt, tok, sp, cfg: Config, device, step: int, datasets: dict, scorer=None
-            ) -> tuple[dict, list]:
-    """One rollout batch and its mu optimizer steps; returns the step's log and its rollouts."""
-    t0 = time.time()
-    rolls = [collect(model, ref, task, tok, sp, cfg, device, step, datasets, scorer) for task in task_list(cfg)]
-    t_update = time.time()
+    # 6. mu inner updates: iteration j re-scores mask j with the current policy and takes one optimizer step
+    # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 4)
     model.train()
-    agg: dict = {}
-    skipped = 0
+    stats, skipped = StepStats(cfg.num_iterations), 0
     for j in range(cfg.num_iterations):
-        stats, grad_norm, ok = update(model, opt, rolls, j, cfg, sp, device, step)
-        skipped += not ok
-        for k, v in stats.items():
-            agg[k] = agg.get(k, 0.0) + v / cfg.num_iterations
+        # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
+        # per (step, j, rank) so that a resumed run draws the same masks.
+        torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
+        opt.zero_grad(set_to_none=True)
+        for ro in rolls:
+            b, mask = ro.batch, ro.loss_masks[j]                                           # mask (B, L)
+            # Each chunk's loss is weighted by its share of the normaliser over all ranks' rows, so the
+            # gradient is that of one full-batch pass in one process.
+            count = (lambda m: m.sum()) if cfg.loss_norm == "token" else (lambda m: m.any(-1).sum())
+            total = scale.all_sum(count(mask).float()).clamp(min=1)
+            for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
+                logp = importance.token_logprobs(model, ro.inputs[j][rows], b.x[rows], mask[rows],
+                                                 attention_mask=b.attention_mask[rows],
+                                                 vocab_slice=vocab_slice(b.task, ctx.ids))
+                loss, s = grpo.policy_loss(logp, ro.logp_old[j][rows], ro.adv[rows], mask[rows],
+                                           clip_eps=cfg.clip_eps, beta=cfg.beta, norm=cfg.loss_norm,
+                                           logp_ref=None if ro.logp_ref is None else ro.logp_ref[j][rows])
+                share = count(mask[rows]).float() / total
+                scale.backward_sum(loss * share)
+                stats.add(b.task, s, float(share), loss.item())
+        losses = stats.end_update(device)
+        # The optimizer's own parameters: under FSDP2 the module may expose gathered copies between passes.
+        grad_norm = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
+        # Losses and the norm are the same on every rank, so every rank takes the same decision.
+        if not (math.isfinite(grad_norm) and all(map(math.isfinite, losses))):
+            print0(f"warning: step {step + 1} update {j + 1}: non-finite loss {losses} or gradient norm {grad_norm}; "
+                   "update skipped")
+            opt.zero_grad(set_to_none=True)
+            skipped += 1
+            continue
+        opt.step()
     model.eval()
+    clock.lap("update_s")
+
     log = {"step": step, "skipped_updates": skipped}
-    for r in rolls:
-        t = r.batch.task
-        log[f"{t}/reward"] = r.rewards.mean().item()
-        log[f"{t}/solved"] = (r.rewards >= 0.999).float().mean().item()
+    for ro in rolls:
+        t, flat = ro.batch.task, ro.rewards.view(-1, cfg.group_size)
+        log[f"{t}/reward"] = ro.rewards.mean().item()
+        log[f"{t}/solved"] = (ro.rewards >= 0.999).float().mean().item()
         # Groups whose completions all got the same reward carry no GRPO signal (zero advantage).
-        flat = r.rewards.view(-1, cfg.group_size)
         log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
-        log.update({k: v for k, v in agg.items() if k.startswith(t + "/")})
-        log[f"{t}/adv_abs_mean"] = advantages(r.rewards, cfg).abs().mean().item()
+        log.update(stats.mean(t))
+        log[f"{t}/adv_abs_mean"] = advantages(ro.rewards, cfg).abs().mean().item()
     log["grad_norm"] = grad_norm
-    for k in rolls[0].seconds:  # phase times, summed over tasks; Run.record moves them to times.jsonl
-        log[k] = sum(r.seconds[k] for r in rolls)
-    log["update_s"] = time.time() - t_update
-    log["seconds"] = time.time() - t0
+    log.update(clock.laps())  # phase times; Run.record moves them to times.jsonl
     return log, rolls
+
+
+# -----------------------------------------------------------------------------------------------------
+# held-out evaluation (before and after RL; evaluate.py)
+
+
+def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None
+             ) -> float | None:
+    """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each
+    from a generator seeded by its index, so that runs are paired and the world size changes nothing.
+    Ranks take interleaved rows of every 64-example batch. records: if given, one dict per scored row of
+    this rank is appended (index, prompt, output, reward); progress(n) is called after each batch of n
+    rows (evaluate.py's bar). None when the task has no held-out set."""
+    cfg, device = ctx.cfg, ctx.device
+    exs = eval_examples(task, cfg, ctx.datasets)
+    if not exs:
+        return None
+    exs = [ex for ex in exs for _ in range(cfg.eval_samples if temperature > 0 else 1)]
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
+    # Entered by every rank, also one without rows in some batch (rollout's own is then a no-op).
+    with scale.full_weights(model):
+        for i in range(0, len(exs), 64):
+            mine = slice(scale.rank(), None, scale.world())
+            b = make_batch(task, exs[i:i + 64], ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(mine)
+            idx = list(range(i, min(i + 64, len(exs))))[mine]
+            if not idx:
+                continue
+            gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
+            b = rollout(model, b, ctx, gens, temperature)
+            r = rewards.score(b, ctx.tok, ctx.ids, ctx.scorer)
+            total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
+            if progress is not None:
+                progress(len(idx))
+            if records is not None:
+                outs = decode_window(b, ctx.tok, ctx.ids)
+                records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
+                               for j, ex, o, v in zip(idx, b.examples, outs, r.tolist()))
+    total = scale.all_sum(total)
+    return (total[0] / total[1]).item()
+
+
+def evaluate_all(model, ctx: Ctx) -> dict:
+    """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data
+    are left out."""
+    res = {}
+    for task in task_list(ctx.cfg):
+        r = evaluate(model, ctx, task, ctx.cfg.temperature)
+        if r is None:
+            continue
+        res[task] = r
+        if task not in IMAGE_TASKS:
+            res[f"{task}_greedy"] = evaluate(model, ctx, task, 0.0)
+    return res
+
+
+def image_snapshot(model, ctx: Ctx) -> list | None:
+    """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the
+    before and after pictures differ only by the policy. None without the toy image task."""
+    if "image" not in task_list(ctx.cfg):
+        return None
+    exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS]
+    if not exs:
+        return None
+    b = make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)
+    gens = [generator(ctx.device, ctx.cfg.seed, "grid", i) for i in range(len(exs))]
+    return decode_window(rollout(model, b, ctx, gens, ctx.cfg.temperature), ctx.tok, ctx.ids)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -431,25 +506,26 @@ def main(argv=None) -> dict:
     datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
     startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
-    model, ref, tok, sp, sft_seconds = load_policy(cfg, device, dtype, sft)
+    model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
+    ctx = Ctx(cfg, tok, ids, device, datasets, scorer)
     opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                             weight_decay=cfg.weight_decay)
     print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.num_iterations} optimizer steps, {cfg.prompts_per_step} "
            f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es)")
     with Run(cfg, model, opt, device) as run:
         if run.state["before"] is None:
-            run.state["before"] = evaluate_all(model, tok, sp, cfg, device, datasets, scorer)
-            run.state["grid_before"] = image_snapshot(model, tok, sp, cfg, device)
+            run.state["before"] = evaluate_all(model, ctx)
+            run.state["grid_before"] = image_snapshot(model, ctx)
         print0("held-out mean reward before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in run.state["before"].items()))
         for step in range(run.start, cfg.rl_steps):
             try:
-                log, rolls = rl_step(model, ref, opt, tok, sp, cfg, device, step, datasets, scorer)
+                log, rolls = rl_step(model, ref, opt, ctx, step)
             except BadStep as e:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
-            run.record(step, log, rolls, tok, sp)
-    after = evaluate_all(model, tok, sp, cfg, device, datasets, scorer)
+            run.record(step, log, rolls, tok, ids)
+    after = evaluate_all(model, ctx)
     print0("held-out mean reward after RL:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
-    return run.finish(after, image_snapshot(model, tok, sp, cfg, device), tok, dtype, sft_seconds)
+    return run.finish(after, image_snapshot(model, ctx), tok, dtype, sft_seconds)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import torch
 from model import ModelConfig, Transformer
 from sample import generate
 from infra.sandbox import run_code
+from infra import hf
 
 EOS = 0
 P, K, B = 64, 32, 8
@@ -243,21 +244,22 @@ def toy_prompts(ckpt, n, device):
     import random
 
     import train
-    from infra import episodes
-    from model import load_tokenizer
+    import rewards
+    import tasks
+    from infra.hf import load_tokenizer
 
-    model = Transformer.from_pretrained(ckpt, device=device).eval()
+    model = hf.from_pretrained(ckpt, device=device).eval()
     tok = load_tokenizer(ckpt, model.config)
-    sp = episodes.model_specials(tok, model.config)
+    ids = hf.token_ids(tok, model.config)
     cfg = train.parse_args(["--preset", "toy"])
     rng = random.Random(0)
-    exs = [episodes.make_example("text", rng, cfg, "test") for _ in range(n)]
-    b = episodes.make_batch("text", exs, tok, sp, cfg, device, with_targets=False)
+    exs = [tasks.make_example("text", rng, cfg, "test") for _ in range(n)]
+    b = tasks.make_batch("text", exs, tok, ids, cfg, device, with_targets=False)
     P_ = b.prompt_len
 
     def reward(out):  # the whole completion, however long, through the toy verifier
-        b_out = episodes.Batch("text", out, torch.ones_like(out), P_, out.shape[1] - P_, examples=exs)
-        return episodes.score(b_out, tok, sp).mean().item()
+        b_out = tasks.Batch("text", out, torch.ones_like(out), P_, out.shape[1] - P_, examples=exs)
+        return rewards.score(b_out, tok, ids).mean().item()
     gens = [(cfg.gen_length, cfg.block_length, cfg.steps), (4 * cfg.gen_length, cfg.block_length, 4 * cfg.steps)]
     return model, b.x[:, :P_], b.attention_mask[:, :P_], gens, reward
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from model import ModelConfig, Transformer, num_params
+from infra import hf
 
 
 def rss_mb() -> float:
@@ -37,7 +38,7 @@ def rank_main(way: str, ckpt: str) -> None:
     device = scale.init("cpu")
     base = rss_mb()
     if way == "old":
-        model = Transformer.from_pretrained(ckpt, device=device, dtype=torch.float32)
+        model = hf.from_pretrained(ckpt, device=device, dtype=torch.float32)
         ref = scale.shard(copy.deepcopy(model).eval().requires_grad_(False), compute_dtype=torch.bfloat16)
         model = scale.shard(model, compute_dtype=torch.bfloat16)
     else:
@@ -62,7 +63,7 @@ def main(argv=None) -> None:
                          vocab_size=32000, mask_token_id=31999)
         model = Transformer(mc).init_weights(torch.Generator().manual_seed(0)).to(torch.bfloat16)
         n, size = num_params(model), sum(t.numel() * 2 for t in model.state_dict().values())
-        model.save_pretrained(tmp, max_shard_bytes=size // 6 + 1)
+        hf.save_pretrained(model, tmp, max_shard_bytes=size // 6 + 1)
         del model
         print(f"{n / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB bf16 on disk, float32 model "
               f"{2 * size / 2**20:.0f} MiB; {o.nproc} gloo ranks, policy + reference")

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra.episodes import IMAGE_TASKS, task_list
+from tasks import IMAGE_TASKS, task_list
 from model import ModelConfig, Transformer, num_params
 from sample import MIN_HEAD_ROWS
+from infra import hf
 
 GB = 1024 ** 3
 # The GPU the time estimate is stated for, its dense bf16 peak (NVIDIA's A100 datasheet: 312 TFLOP/s
@@ -181,12 +182,18 @@ MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state",
 # the dry run
 
 
+def scratch_config(cfg, **vocab) -> ModelConfig:
+    """The model shape given by the Config's d_model / n_layers / n_heads / mlp_hidden_size fields, with
+    the vocabulary fields passed in (the toy tokenizer's, or --vocab_size for --dry_run)."""
+    return ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
+                       mlp_hidden_size=cfg.mlp_hidden_size, **vocab)
+
+
 def model_config(cfg) -> ModelConfig:
     """The model shape of a train.Config: --init_from's config.json, else the scratch shape."""
-    from infra.run import scratch_config  # infra/run.py imports this module
     cfg_file = Path(cfg.init_from) / "config.json" if cfg.init_from not in ("", "scratch") else None
     if cfg_file is not None and cfg_file.is_file():
-        return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+        return hf.config_from_hf(json.loads(cfg_file.read_text()))
     vocab = cfg.vocab_size or tasks.model_config_overrides(tasks.build_tokenizer())["vocab_size"]
     return scratch_config(cfg, vocab_size=vocab, mask_token_id=vocab - 1)
 

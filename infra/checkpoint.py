@@ -16,7 +16,7 @@ and its parent fsynced. A rename is atomic on POSIX file systems, so a checkpoin
 which `latest` ignores and the next `save` deletes.
 
 Randomness needs no saved RNG state: every random draw in train.py comes from a generator seeded by
-(seed, step, index), and the data position is the step itself (episodes.draw_prompts), so a resumed step
+(seed, step, index), and the data position is the step itself (tasks.draw_prompts), so a resumed step
 draws exactly what the uninterrupted run drew.
 """
 from __future__ import annotations

@@ -261,3 +261,25 @@ if __name__ == "__main__":
         sys.exit(f"usage: python -m infra.data TASK PATH   (TASK: {' | '.join(TASKS)})")
     data = load_dataset(sys.argv[1], sys.argv[2])
     print(f"{len(data)} valid {sys.argv[1]} examples; the first prompt:\n\n{data[0]['prompt']}")
+
+
+def data_paths(spec: str, name: str) -> dict[str, str]:
+    """"gsm8k=a.jsonl,math=b.jsonl" -> {"gsm8k": "a.jsonl", "math": "b.jsonl"}."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        task, eq, path = item.partition("=")
+        if not eq or not path or task not in TASKS:
+            raise ValueError(f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(TASKS)}")
+        out[task] = path
+    return out
+
+
+def load_data(cfg) -> dict:
+    """{task: {"train": examples, "test": examples}} for the benchmark tasks, read and checked before any
+    model is loaded (data.py reports every malformed row with its file and line)."""
+    out = {}
+    evals = data_paths(cfg.eval_data, "eval_data")
+    for task, path in data_paths(cfg.train_data, "train_data").items():
+        out[task] = {"train": load_dataset(task, path),
+                     "test": load_dataset(task, evals[task]) if task in evals else []}
+    return out

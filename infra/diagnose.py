@@ -11,9 +11,9 @@ log-ratios on one seeded masked copy of o (importance.build_masks + token_logpro
 runs). This script measures, in the training regime, how well each estimate tracks Delta:
 
 1. pi_old = the checkpoint. Rollouts from pi_old for prompts_per_step x group_size sequences per task,
-   with the decoding order kept (train.collect(with_order=True)).
-2. One real MaskGRPO step with the Config's settings (train.update, mu times): theta_j is the policy after
-   j updates, the one inner iteration j scores in training.
+   with the decoding order kept (train.rollout(return_order=True), the generators train.rl_step uses).
+2. One real MaskGRPO step with the Config's settings (train.rl_step on a copy of pi_old): theta_j is the
+   policy after j of its mu updates, the one inner iteration j scores in training.
 3. For j = 1 .. mu-1 and every sequence: Delta_j exactly; and, for each estimator, `draws` estimates
    (mask seeds differ between draws), each the sum of the log-ratios log pi_theta_j - log pi_old over the
    positions the estimator scores with the mask of iteration j.
@@ -37,9 +37,11 @@ import importance
 import tasks
 import train
 from infra import cli, plots
-from infra.episodes import IMAGE_TASKS, task_list, vocab_slice
+from tasks import IMAGE_TASKS, draw_prompts, make_batch, task_list, vocab_slice
 from infra.run import read_generation_settings, setup, validate
-from model import Transformer, load_tokenizer
+from model import Transformer
+from infra.hf import load_tokenizer
+from infra import hf
 
 # (label, estimator, reversing mode, gamma or None for the Config's): the rows of the table.
 ESTIMATORS = [("d1", "d1", "arlike", None), ("UniGRPO", "unigrpo", "random", None),
@@ -67,38 +69,56 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def estimate(theta, old, r, mask_in, mask_loss, sp) -> tuple[torch.Tensor, torch.Tensor]:
+def estimate(theta, old, r, mask_in, mask_loss, ids) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence sum of log pi_theta - log pi_old over the scored positions of one mask, as training
     computes them (importance.token_logprobs), and the per-token ratios: ((B,), (T,))."""
     b = r.batch
-    x_in = importance.apply_mask(b.x, mask_in, sp.mask)
-    kw = dict(attention_mask=b.attention_mask, vocab_slice=vocab_slice(b.task, sp))
+    x_in = importance.apply_mask(b.x, mask_in, ids.mask)
+    kw = dict(attention_mask=b.attention_mask, vocab_slice=vocab_slice(b.task, ids))
     lr = importance.token_logprobs(theta, x_in, b.x, mask_loss, **kw) - importance.token_logprobs(
         old, x_in, b.x, mask_loss, **kw)                                                  # (B, L)
     return lr.sum(-1), lr[mask_loss].exp()
 
 
-def diagnose_task(o: Options, task: str, old, tok, sp, device) -> dict:
+class _Snapshots:
+    """An optimizer that keeps a copy of the model after each of its first mu - 1 steps: theta_1 ..
+    theta_{mu-1}, the policies inner iterations 1 .. mu-1 of train.rl_step score with."""
+
+    def __init__(self, model, opt, mu: int):
+        self.model, self.opt, self.mu, self.thetas = model, opt, mu, []
+
+    def __getattr__(self, name):
+        return getattr(self.opt, name)
+
+    def step(self):
+        self.opt.step()
+        if len(self.thetas) < self.mu - 1:
+            self.thetas.append(copy.deepcopy(self.model).eval())
+
+
+def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     cfg = replace(o, tasks=task)
-    # 1. rollouts from pi_old, with the decoding order
-    r = train.collect(old, None, task, tok, sp, cfg, device, 0, {}, None, with_order=True)
-    # 2. one MaskGRPO step: theta_j after j updates (the reference policy is pi_old itself, as in the
-    # first step of a run)
+    ctx = train.Ctx(cfg, tok, ids, device, {})
+    # 1. rollouts from pi_old with the decoding order: rl_step's prompts and per-sequence generators at step 0
+    exs = [ex for ex in draw_prompts(task, cfg, 0, {}) for _ in range(cfg.group_size)]
+    b = make_batch(task, exs, tok, ids, cfg, device, with_targets=False)
+    gens = [importance.generator(device, cfg.seed, "rollout", task, 0, i) for i in range(len(exs))]
+    b, order = train.rollout(old, b, ctx, gens, cfg.temperature, fast=True, return_order=True)
+    # 2. one MaskGRPO step from a copy of pi_old (the reference is pi_old itself, as in a run's first step);
+    # it draws the same rollouts
     theta = copy.deepcopy(old)
-    opt = torch.optim.AdamW(theta.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-    thetas = []
-    theta.train()
-    for j in range(cfg.num_iterations):
-        if j:
-            thetas.append(copy.deepcopy(theta).eval())
-        train.update(theta, opt, [r], j, cfg, sp, device, 0)
+    opt = _Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
+                                              weight_decay=cfg.weight_decay), cfg.num_iterations)
+    _, (r,) = train.rl_step(theta, None, opt, ctx, 0)
+    assert torch.equal(r.batch.x, b.x), "rl_step drew other rollouts than train.rollout with its generators"
+    thetas = opt.thetas
     # 3. exact Delta_j and every estimator's estimates
-    b, kw = r.batch, dict(attention_mask=r.batch.attention_mask, vocab_slice=vocab_slice(task, sp), mask_id=sp.mask)
-    l_old = importance.decoding_logprob(old, b.x, r.order, **kw)                           # (B,)
-    deltas = [importance.decoding_logprob(t, b.x, r.order, **kw) - l_old for t in thetas]  # (mu-1) x (B,)
+    b, kw = r.batch, dict(attention_mask=r.batch.attention_mask, vocab_slice=vocab_slice(task, ids), mask_id=ids.mask)
+    l_old = importance.decoding_logprob(old, b.x, order, **kw)                           # (B,)
+    deltas = [importance.decoding_logprob(t, b.x, order, **kw) - l_old for t in thetas]  # (mu-1) x (B,)
     B, L = b.x.shape
     window = torch.ones(B, b.window, dtype=torch.bool, device=device)
-    eos_window = importance.completion_mask_until_eos(b.x[:, b.window_slice], sp.eos)
+    eos_window = importance.completion_mask_until_eos(b.x[:, b.window_slice], ids.eos)
     rows = {}
     for label, est, mode, gamma in ESTIMATORS:
         if task in IMAGE_TASKS and mode == "arlike" and est == "maskgrpo" and gamma not in (None, cfg.gamma_image):
@@ -113,7 +133,7 @@ def diagnose_task(o: Options, task: str, old, tok, sp, device) -> dict:
                 p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)
             ests = []
             for j, t in enumerate(thetas, start=1):
-                e, rat = estimate(t, old, r, ins[j], outs[j], sp)
+                e, rat = estimate(t, old, r, ins[j], outs[j], ids)
                 ests.append(e)
                 ratios.append(rat)
             per_draw.append(torch.cat(ests))                                             # ((mu-1) B,)
@@ -128,15 +148,15 @@ def diagnose_task(o: Options, task: str, old, tok, sp, device) -> dict:
             "in_clip": ((rat - 1).abs() <= cfg.clip_eps).double().mean().item(),
             "scatter": (exact.tolist(), draws[0].tolist()),
         }
-    rows["_order"] = order_curve(r, cfg, task)
+    rows["_order"] = order_curve(b, order, cfg, task)
     return rows
 
 
-def order_curve(r, cfg, task: str) -> dict:
+def order_curve(b, order, cfg, task: str) -> dict:
     """Fig. 2, measured: for a mask ratio t, the probability that completion position n is masked under
     each reversing operator, and the fraction of rollouts in which the sampler revealed position n in the
     last t of its steps (the state a ratio-t mask imitates)."""
-    b, o = r.batch, r.order[:, r.batch.window_slice].double()                             # (B, N)
+    o = order[:, b.window_slice].double()                             # (B, N)
     N = b.window
     t = cfg.gamma_image if task in IMAGE_TASKS else cfg.gamma_text
     total = o.max().item() + 1
@@ -203,12 +223,12 @@ def main(argv=None) -> dict:
         raise ValueError(f"num_iterations ({o.num_iterations}) and draws ({o.draws}) must be >= 2")
     validate(replace(o, init_from=o.ckpt))
     device, _ = setup(o)
-    old = Transformer.from_pretrained(o.ckpt, device=device, dtype=torch.float32).eval()
+    old = hf.from_pretrained(o.ckpt, device=device, dtype=torch.float32).eval()
     tok = load_tokenizer(o.ckpt, old.config)
-    sp = tasks.specials(tok)
+    ids = tasks.token_ids(tok)
     results = {}
     for task in task_list(o):
-        results[task] = diagnose_task(o, task, old, tok, sp, device)
+        results[task] = diagnose_task(o, task, old, tok, ids, device)
         print_table(task, results[task])
     if o.png:
         draw(results, o.png)

@@ -7,10 +7,10 @@ its reference policy is the same network with the adapters switched off, so no s
 Unlike the official recipe, whose Llama-named target list matched only q/k/v/up (docs/differences.md),
 LORA_TARGETS below names all seven block projections with LLaDA's own names.
 
-    model = add_lora(Transformer.from_pretrained(path), rank=128, alpha=64)
+    model = add_lora(hf.from_pretrained(path), rank=128, alpha=64)
     opt = torch.optim.AdamW(trainable_parameters(model), lr=3e-6)
     with adapters_disabled(model): ref_logits = model(x)   # pi_ref
-    save_adapters(model, "out/adapters"); merge_lora(model).save_pretrained("out/merged")
+    save_adapters(model, "out/adapters"); hf.save_pretrained(merge_lora(model), "out/merged")
 """
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight, W <- W + (alpha / r) B A, and swap each LoRALinear back
-    to a plain nn.Linear, so `model.save_pretrained(dir)` writes exactly the original LLaDA key set.
+    to a plain nn.Linear, so `hf.save_pretrained(model, dir)` writes exactly the original LLaDA key set.
 
     The product is formed in float32 and rounded once to the weight dtype. With bf16 weights, update
     entries below half of W's bf16 spacing vanish in the rounding, so keep save_adapters' output as the

@@ -1,7 +1,7 @@
 """Everything a training run does besides the algorithm: settings checked at the boundary, device and
 dtype, the toy SFT cache and model loading, start-up checks, logs, checkpoints and resume, signals,
-non-finite guards and the final save. train.py calls it through a few names (validate, setup, load_model,
-startup_checks, Run) so that its own text is the method.
+non-finite guards and the final save. train.py calls it through a few names (validate, setup, load_policy,
+startup_checks, Run, and the step's Clock and StepStats) so that its own text is the method.
 
 A Run keeps the state a resumed run must continue from (step, the held-out rewards before RL, bad-step
 counters, RL seconds, the last good checkpoint), writes log.jsonl (one line per RL step; wall times go to
@@ -26,11 +26,14 @@ import torch
 import grpo
 import importance
 import tasks
-from infra import budget, checkpoint, data, lora, scale
 from importance import generator
-from infra.episodes import IMAGE_TASKS, TOY_TASKS, data_paths, model_specials, show, task_list, write_pictures
+from infra import budget, checkpoint, data, hf, lora, scale
+from infra.budget import scratch_config
+from infra.data import data_paths
+from infra.hf import load_tokenizer, read_checkpoint
 from infra.scale import print0
-from model import ModelConfig, Transformer, load_tokenizer, num_params, read_checkpoint
+from model import ModelConfig, Transformer, num_params
+from tasks import IMAGE_TASKS, TOY_TASKS, task_list
 
 # -----------------------------------------------------------------------------------------------------
 # settings, device
@@ -144,16 +147,59 @@ class TrainingStopped(RuntimeError):
 
 
 
-def reduce_stats(stats: dict, device) -> dict:
-    """Combine policy_backward's statistics over ranks (the same keys on every rank): maxima by max,
-    share-weighted means and counts by sum."""
-    keys = sorted(stats)
-    t = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
-    is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
-    maxed = scale.all_max(torch.where(is_max, t, -math.inf))
-    summed = scale.all_sum(torch.where(is_max, 0.0, t))
-    return dict(zip(keys, torch.where(is_max, maxed, summed).tolist()))
+class Clock:
+    """Wall time of the phases of one RL step: lap(name) adds the time since the last lap to that name."""
 
+    def __init__(self):
+        self.t0 = self.last = time.time()
+        self.times: dict = {}
+
+    def lap(self, name: str) -> None:
+        now = time.time()
+        self.times[name] = self.times.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def laps(self) -> dict:
+        return {**self.times, "seconds": time.time() - self.t0}
+
+
+class StepStats:
+    """grpo.policy_loss statistics of one RL step, per task: within an update, each row chunk's are merged
+    (maxima by max, means weighted by the chunk's share of the loss normaliser, counts summed); end_update
+    reduces them over ranks; mean(task) averages them over the mu updates."""
+
+    def __init__(self, num_iterations: int):
+        self.mu, self.update, self.total = num_iterations, {}, {}
+
+    def add(self, task: str, stats: dict, share: float, loss: float) -> None:
+        acc = self.update.setdefault(task, {})
+        for k, v in stats.items():
+            if k == "adv_abs_mean":  # a mean over rows, not tokens: rl_step logs it from all rows instead
+                continue
+            if k.endswith("_max"):
+                acc[k] = max(acc.get(k, -math.inf), float(v))
+            else:
+                acc[k] = acc.get(k, 0.0) + float(v) * (1.0 if k == "num_tokens" else share)
+        acc["loss"] = acc.get("loss", 0.0) + loss * share
+
+    def end_update(self, device) -> list[float]:
+        """Reduce this update's statistics over ranks, add them to the step's; returns each task's loss."""
+        losses = []
+        for task, acc in self.update.items():
+            keys = sorted(acc)
+            t = torch.tensor([acc[k] for k in keys], dtype=torch.float64, device=device)
+            is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
+            maxed = scale.all_max(torch.where(is_max, t, -math.inf))
+            summed = scale.all_sum(torch.where(is_max, 0.0, t))
+            reduced = dict(zip(keys, torch.where(is_max, maxed, summed).tolist()))
+            for k, v in reduced.items():
+                self.total[f"{task}/{k}"] = self.total.get(f"{task}/{k}", 0.0) + v / self.mu
+            losses.append(reduced["loss"])
+        self.update = {}
+        return losses
+
+    def mean(self, task: str) -> dict:
+        return {k: v for k, v in self.total.items() if k.startswith(task + "/")}
 
 
 def log_line(log: dict, total: int) -> str:
@@ -167,21 +213,14 @@ def log_line(log: dict, total: int) -> str:
 
 
 
-def scratch_config(cfg, **vocab) -> ModelConfig:
-    """The model shape given by the Config's d_model / n_layers / n_heads / mlp_hidden_size fields, with
-    the vocabulary fields passed in (the toy tokenizer's, or --vocab_size for --dry_run)."""
-    return ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
-                       mlp_hidden_size=cfg.mlp_hidden_size, **vocab)
-
-
 SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_noise", "image_noise", "image_width",
             "text_max_steps", "image_loss_weight",
             "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
 
 
-def load_or_train_sft(cfg, tok, sp, device, dtype, sft) -> tuple[Path, float]:
+def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
     """(directory, SFT seconds) of the toy SFT model: out_dir/sft when it was trained with the same
-    settings, else trained now by `sft(model, tok, sp, cfg, device) -> seconds` (by rank 0 alone under
+    settings, else trained now by `sft(model, tok, ids, cfg, device) -> seconds` (by rank 0 alone under
     torchrun; the other ranks wait, then every rank reads the same files)."""
     sft_dir = Path(cfg.sft_dir or Path(cfg.out_dir) / "sft")
     # tasks.py's source is part of the key: a change to the toy data invalidates the cached model.
@@ -194,8 +233,8 @@ def load_or_train_sft(cfg, tok, sp, device, dtype, sft) -> tuple[Path, float]:
         mc = scratch_config(cfg, **tasks.model_config_overrides(tok))
         model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
         print(f"SFT from scratch: {num_params(model) / 1e6:.2f}M parameters, {cfg.sft_steps} steps")
-        seconds = sft(model, tok, sp, cfg, device)
-        model.save_pretrained(sft_dir)
+        seconds = sft(model, tok, ids, cfg, device)
+        hf.save_pretrained(model, sft_dir)
         tok.save(str(sft_dir / "tokenizer.json"))
         (sft_dir / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
         meta_file.write_text(json.dumps(meta, indent=2))  # written last: its presence means "complete"
@@ -209,21 +248,21 @@ def find_model(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
     out_dir/sft (trained first when missing or stale)."""
     if cfg.init_from == "scratch":
         tok = tasks.build_tokenizer()
-        sp = tasks.specials(tok)
-        path, seconds = load_or_train_sft(cfg, tok, sp, device, dtype, sft)
-        return path, tok, sp, seconds
+        ids = tasks.token_ids(tok)
+        path, seconds = load_or_train_sft(cfg, tok, ids, device, dtype, sft)
+        return path, tok, ids, seconds
     config, _ = read_checkpoint(cfg.init_from)  # checks the directory; reads no weights
     tok = load_tokenizer(cfg.init_from, config)
     # Toy tasks on a toy checkpoint (e.g. a LoRA run from a toy run's final/) read its ids by name.
     toy = all(t in TOY_TASKS for t in task_list(cfg))
-    sp = tasks.specials(tok) if toy else model_specials(tok, config)
-    return Path(cfg.init_from), tok, sp, 0.0
+    ids = tasks.token_ids(tok) if toy else hf.token_ids(tok, config)
+    return Path(cfg.init_from), tok, ids, 0.0
 
 
 def load_model(cfg, device, dtype, sft):
     """(model, tokenizer, special ids, SFT seconds): the toy SFT model, or a pretrained checkpoint, whole."""
-    path, tok, sp, seconds = find_model(cfg, device, dtype, sft)
-    return Transformer.from_pretrained(path, device=device, dtype=dtype), tok, sp, seconds
+    path, tok, ids, seconds = find_model(cfg, device, dtype, sft)
+    return hf.from_pretrained(path, device=device, dtype=dtype), tok, ids, seconds
 
 
 def load_policy(cfg, device, dtype, sft):
@@ -238,7 +277,7 @@ def load_policy(cfg, device, dtype, sft):
     master = torch.float32 if cfg.lora_rank == 0 else dtype
     if master != dtype:
         print0(f"full fine-tuning: float32 master weights, {'bf16 compute (FSDP2)' if scale.world() > 1 else 'float32 compute'}")
-    path, tok, sp, sft_seconds = find_model(cfg, device, master, sft)
+    path, tok, ids, sft_seconds = find_model(cfg, device, master, sft)
     adapt = None
     if cfg.lora_rank:
         adapt = lambda m: lora.add_lora(m, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
@@ -251,11 +290,11 @@ def load_policy(cfg, device, dtype, sft):
     if not cfg.lora_rank and cfg.beta > 0:
         ref = load_sharded(path, device, master, dtype, lambda m: m.requires_grad_(False))
     model.set_activation_checkpointing(cfg.activation_checkpointing)
-    return model, ref, tok, sp, sft_seconds
+    return model, ref, tok, ids, sft_seconds
 
 
 def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
-    """Transformer.from_pretrained(path) in `dtype`, then adapt(model) (add_lora, freezing), then
+    """hf.from_pretrained(path) in `dtype`, then adapt(model) (add_lora, freezing), then
     scale.shard(model, compute_dtype); in one process that is exactly what happens.
 
     Under torchrun no rank ever holds the whole model: loading it whole first would put every rank's
@@ -264,7 +303,7 @@ def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
     its shards on `device`, and every checkpoint tensor is read on the CPU, one at a time, for each rank
     to copy in its own rows (scale.fill_shard): about one shard plus one tensor in transit per rank."""
     if scale.world() == 1:
-        model = Transformer.from_pretrained(path, device=device, dtype=dtype)
+        model = hf.from_pretrained(path, device=device, dtype=dtype)
         return adapt(model) if adapt else model
     config, tensors = read_checkpoint(path)  # on the CPU
     with torch.device("meta"):
@@ -324,9 +363,9 @@ def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
         lora.add_lora(plain, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
         plain.load_state_dict(state)
         lora.save_adapters(plain, path)
-        lora.merge_lora(plain).save_pretrained(path)
+        hf.save_pretrained(lora.merge_lora(plain), path)
     else:
-        model.save_pretrained(path, state_dict={k: v.to(dtype) for k, v in state.items()})
+        hf.save_pretrained(model, path, state_dict={k: v.to(dtype) for k, v in state.items()})
     tok.save(str(path / "tokenizer.json"))
     (path / GENERATION_FILE).write_text(json.dumps(generation_settings(cfg), indent=2) + "\n")
 
@@ -422,7 +461,7 @@ def _check_out_dir(cfg, out: Path) -> None:
         cfg_file = Path(cfg.init_from) / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{cfg_file} not found: --init_from must be a LLaDA/MMaDA checkpoint directory")
-        mc = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+        mc = hf.config_from_hf(json.loads(cfg_file.read_text()))
         image = any(t in IMAGE_TASKS for t in task_list(cfg))
         need = (cfg.image_text_len or 64) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
         if need > mc.max_sequence_length:
@@ -490,7 +529,7 @@ class Run:
     def rl_seconds(self) -> float:
         return self.state["rl_seconds"] + time.time() - self.t0  # over every segment of a resumed run
 
-    def record(self, step: int, log: dict, rolls: list, tok, sp) -> None:
+    def record(self, step: int, log: dict, rolls: list, tok, ids) -> None:
         """Count bad steps, write the logs, show samples, checkpoint on cadence or on a signal."""
         cfg, state = self.cfg, self.state
         bad = "bad_reward" in log or log.get("skipped_updates", 0) > 0
@@ -516,7 +555,7 @@ class Run:
                 "(delete the newer checkpoints first)")
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
-                show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, sp)
+                show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
         # Every rank must stop at the same step: the flag is reduced over ranks.
         stopping = scale.all_max(torch.tensor([self.signal["signal"]], device=self.device)).item()
         if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or stopping:
@@ -547,3 +586,28 @@ class Run:
             write_pictures(self.cfg, self.out, [("before RL", self.state["grid_before"]), ("after RL", grid_after)])
         print0(f"wrote {self.out / 'final'} and {self.out / 'summary.json'}")
         return summary
+
+
+def show(b, rewards, tok, ids, n: int = 1) -> None:
+    """Print n decoded rollouts with their rewards."""
+    outs = tasks.decode_window(b, tok, ids)
+    for i in range(n):
+        prompt = b.examples[i]["prompt"]
+        if b.task not in IMAGE_TASKS:
+            print0(f"  [{b.task}] {prompt[-200:]!r} -> {outs[i]!r}  reward {rewards[i]:.2f}")
+        else:
+            print0(f"  [{b.task}] {prompt!r}  reward {rewards[i]:.2f}")
+            if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
+                print0(tasks.render_image(outs[i], int(math.isqrt(len(outs[i])))))
+
+
+def write_pictures(cfg, out: Path, grid: list) -> None:
+    """out_dir/curves.png (reward, KL, clip fraction per step) and out_dir/images.png (toy images before
+    and after RL, prompt under each), when Pillow is installed (plots.py says how to get it otherwise)."""
+    from infra import plots
+
+    if (out / "log.jsonl").is_file() and (out / "log.jsonl").stat().st_size:
+        plots.plot_curves(out / "log.jsonl", out / "curves.png")
+    if grid[0][1] is not None and grid[1][1] is not None:
+        prompts = [ex["prompt"] for ex in tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS]]
+        plots.image_grid(grid, prompts, cfg.image_width, out / "images.png")

@@ -49,6 +49,7 @@ sys.path.insert(0, {root!r})
 import torch
 import train
 from infra import scale
+from infra import hf
 try:
     train.main(sys.argv[1:])
     print(f"peak rank {{scale.rank()}}: {{torch.cuda.max_memory_allocated()}}", flush=True)
@@ -82,7 +83,7 @@ def test_two_gpu_lora_bf16_checkpointing(tmp_path):
     assert len(peaks) == 2, res.stdout[-2000:]
 
     cfg = train.parse_args(args)
-    mc = ModelConfig.from_hf(json.loads((base / "sft" / "config.json").read_text()))
+    mc = hf.config_from_hf(json.loads((base / "sft" / "config.json").read_text()))
     s = budget.shape(mc, cfg.lora_rank)
     est = 0.0
     for image, seq_len, sampled in ((False, cfg.max_prompt_len + cfg.gen_length, cfg.block_length),

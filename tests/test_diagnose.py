@@ -15,7 +15,9 @@ import importance
 import tasks
 import train
 from infra import diagnose
-from model import Transformer, load_tokenizer
+from model import Transformer
+from infra.hf import load_tokenizer
+from infra import hf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,26 +31,31 @@ def sft_dir(tmp_path_factory):
 
 def test_log_ratios_are_the_training_codes(sft_dir):
     """After one update, the estimate diagnose computes with the training masks of iteration j equals the
-    sum of log pi_theta - logp_old[j], with logp_old[j] as train.collect computed it."""
-    old = Transformer.from_pretrained(sft_dir).eval()
+    sum of log pi_theta - logp_old[j], with logp_old[j] as train.rl_step computed it; and the rollout the
+    diagnosis redraws with its decoding order is the one rl_step trained on."""
+    old = hf.from_pretrained(sft_dir).eval()
     tok = load_tokenizer(sft_dir, old.config)
-    sp = tasks.specials(tok)
-    cfg = train.parse_args(["--preset=smoke", "--tasks=text"])
-    r = train.collect(old, None, "text", tok, sp, cfg, torch.device("cpu"), 0, {}, with_order=True)
-    assert r.order is not None and (r.order[:, r.batch.window_slice] >= 0).all()
-    assert (r.order[:, : r.batch.prompt_len] == -1).all()
+    ids = tasks.token_ids(tok)
+    cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--lr=1e-2"])
+    ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
+    exs = [ex for ex in tasks.draw_prompts("text", cfg, 0, {}) for _ in range(cfg.group_size)]
+    b = tasks.make_batch("text", exs, tok, ids, cfg, ctx.device, with_targets=False)
+    gens = [importance.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(exs))]
+    b, order = train.rollout(old, b, ctx, gens, cfg.temperature, fast=True, return_order=True)
+    assert (order[:, b.window_slice] >= 0).all() and (order[:, : b.prompt_len] == -1).all()
     theta = copy.deepcopy(old)
-    opt = torch.optim.AdamW(theta.parameters(), lr=1e-2)
-    train.update(theta.train(), opt, [r], 0, cfg, sp, torch.device("cpu"), 0)
-    theta.eval()
-    in_mask = r.inputs[1] == sp.mask
-    est, ratios = diagnose.estimate(theta, old, r, in_mask, r.loss_masks[1], sp)
-    lp = importance.token_logprobs(theta, r.inputs[1], r.batch.x, r.loss_masks[1], attention_mask=r.batch.attention_mask)
+    opt = diagnose._Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr), cfg.num_iterations)
+    _, (r,) = train.rl_step(theta, None, opt, ctx, 0)
+    assert torch.equal(r.batch.x, b.x)
+    theta1 = opt.thetas[0]  # after update 0: the policy inner iteration 1 scores
+    in_mask = r.inputs[1] == ids.mask
+    est, ratios = diagnose.estimate(theta1, old, r, in_mask, r.loss_masks[1], ids)
+    lp = importance.token_logprobs(theta1, r.inputs[1], r.batch.x, r.loss_masks[1], attention_mask=r.batch.attention_mask)
     want = ((lp - r.logp_old[1]) * r.loss_masks[1]).sum(-1)
     torch.testing.assert_close(est, want, rtol=0, atol=1e-6)
     assert est.abs().max() > 0  # the update moved the policy
     # and with theta = old every estimate and the exact log-ratio are exactly 0
-    est0, _ = diagnose.estimate(old, old, r, in_mask, r.loss_masks[1], sp)
+    est0, _ = diagnose.estimate(old, old, r, in_mask, r.loss_masks[1], ids)
     assert torch.equal(est0, torch.zeros_like(est0))
 
 

@@ -64,7 +64,7 @@ def assert_same_run(one, two):
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     for task in ("text", "text_greedy", "image"):
         assert s1[task] == pytest.approx(s2[task], abs=1e-6)
-    m1, m2 = (Transformer.from_pretrained(d / "final") for d in (one, two))
+    m1, m2 = (hf.from_pretrained(d / "final") for d in (one, two))
     for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
         assert torch.allclose(p, q, atol=1e-6), name
 
@@ -98,12 +98,12 @@ def test_lora_two_processes_and_merge(single, tmp_path):
     run(lora_args + [f"--out_dir={two}"], nproc=2)
     assert_same_run(one, two)
 
-    merged = Transformer.from_pretrained(one / "final")
-    adapted = lora.load_adapters(Transformer.from_pretrained(base), one / "final")
+    merged = hf.from_pretrained(one / "final")
+    adapted = lora.load_adapters(hf.from_pretrained(base), one / "final")
     assert lora.lora_stats(adapted)["modules"] == 7 * merged.config.n_layers
     x = torch.randint(0, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want, got, start = adapted(x), merged(x), Transformer.from_pretrained(base)(x)
+        want, got, start = adapted(x), merged(x), hf.from_pretrained(base)(x)
     assert (want - start).abs().max() > 1e-3  # the adapters learned something, so the check has teeth
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
@@ -203,6 +203,7 @@ def test_dry_run_mmada8b():
 PROCESS_EXIT = """
 import atexit, sys, torch
 from infra import scale
+from infra import hf
 atexit.register(print, "interpreter teardown ran", flush=True)
 with scale.process_exit():
     scale.init("cpu")

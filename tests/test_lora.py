@@ -14,7 +14,9 @@ from safetensors import safe_open
 
 from infra.lora import (LORA_TARGETS, LoRALinear, adapters_disabled, add_lora, load_adapters, lora_state_dict,
                   lora_stats, merge_lora, save_adapters, trainable_parameters)
-from model import INDEX_NAME, ModelConfig, Transformer
+from model import ModelConfig, Transformer
+from infra.hf import INDEX_NAME
+from infra import hf
 
 CFG = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=48, vocab_size=64,
            max_sequence_length=32, mask_token_id=63, eos_token_id=1, pad_token_id=1)
@@ -112,8 +114,8 @@ def test_merge_then_save_pretrained_matches_adapter_model(tmp_path):
     want = logits(model)
     merge_lora(model)
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
-    model.save_pretrained(tmp_path)
-    reloaded = Transformer.from_pretrained(tmp_path)
+    hf.save_pretrained(model, tmp_path)
+    reloaded = hf.from_pretrained(tmp_path)
     err = (logits(reloaded) - want).abs().max().item()
     assert err <= 1e-5, f"merged vs adapter max abs logit diff {err:.3g} > 1e-5"
     index = json.loads((tmp_path / INDEX_NAME).read_text())

@@ -11,7 +11,9 @@ from conftest import REFERENCE
 from safetensors.torch import load_file, save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model import HF_PREFIX, ModelConfig, Transformer, chat_prompt, load_tokenizer
+from model import ModelConfig, Transformer, chat_prompt
+from infra.hf import HF_PREFIX, load_tokenizer
+from infra import hf
 
 
 def tiny(**kw) -> Transformer:
@@ -25,7 +27,7 @@ def test_reference_logits():
     """Our forward pass reproduces logits written by the public LLaDA HF code."""
     ref_dir = REFERENCE
     ref = load_file(str(ref_dir / "reference_logits.safetensors"))
-    model = Transformer.from_pretrained(ref_dir)
+    model = hf.from_pretrained(ref_dir)
     # The reference numbers match the math SDPA kernel; the CPU flash kernel accumulates in another
     # order and lands ~1.1e-5 away (both are ~1.2e-5 from a float64 evaluation), so pin the kernel.
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
@@ -38,9 +40,9 @@ def test_round_trip_matches_reference_layout(tmp_path):
     """Save then load gives bit-identical logits, and the written checkpoint has the
     reference's config fields, index layout, key names and shapes."""
     ref_dir = REFERENCE
-    model = Transformer.from_pretrained(ref_dir)
-    model.save_pretrained(tmp_path, max_shard_bytes=200_000)  # force several shards, like the reference
-    again = Transformer.from_pretrained(tmp_path)
+    model = hf.from_pretrained(ref_dir)
+    hf.save_pretrained(model, tmp_path, max_shard_bytes=200_000)  # force several shards, like the reference
+    again = hf.from_pretrained(tmp_path)
     x = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(x), again(x))
@@ -67,11 +69,11 @@ def test_round_trip_matches_reference_layout(tmp_path):
 
 def test_single_file_and_bf16_load(tmp_path):
     model = tiny()
-    model.save_pretrained(tmp_path)  # small: one shard; also accept a single model.safetensors
+    hf.save_pretrained(model, tmp_path)  # small: one shard; also accept a single model.safetensors
     (shard,) = [p for p in tmp_path.glob("model-*.safetensors")]
     shard.rename(tmp_path / "model.safetensors")
     (tmp_path / "model.safetensors.index.json").unlink()
-    loaded = Transformer.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    loaded = hf.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
     x = torch.randint(0, 60, (2, 10))
     with torch.no_grad():
@@ -115,7 +117,7 @@ def test_chat_prompt():
 
 @pytest.fixture
 def ckpt(tmp_path):
-    tiny().save_pretrained(tmp_path / "ck", max_shard_bytes=20_000)
+    hf.save_pretrained(tiny(), tmp_path / "ck", max_shard_bytes=20_000)
     return tmp_path / "ck"
 
 
@@ -136,27 +138,27 @@ def _edit_shard(path, fn):
 
 def test_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        Transformer.from_pretrained(tmp_path / "nope")
+        hf.from_pretrained(tmp_path / "nope")
 
 
 def test_missing_config(ckpt):
     (ckpt / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="config.json"):
-        Transformer.from_pretrained(ckpt)
+        hf.from_pretrained(ckpt)
 
 
 def test_missing_weights(ckpt):
     for f in ckpt.glob("*.safetensors*"):
         f.unlink()
     with pytest.raises(FileNotFoundError, match="safetensors"):
-        Transformer.from_pretrained(ckpt)
+        hf.from_pretrained(ckpt)
 
 
 def test_index_names_missing_shard(ckpt):
     victim = sorted(ckpt.glob("model-*.safetensors"))[0]
     victim.unlink()
     with pytest.raises(FileNotFoundError, match=victim.name):
-        Transformer.from_pretrained(ckpt)
+        hf.from_pretrained(ckpt)
 
 
 def test_missing_tensor_listed(ckpt):
@@ -164,7 +166,7 @@ def test_missing_tensor_listed(ckpt):
         del t[HF_PREFIX + "ln_f.weight"], index["weight_map"][HF_PREFIX + "ln_f.weight"]
     _edit_shard(ckpt, drop)
     with pytest.raises(ValueError, match="missing tensors.*ln_f.weight"):
-        Transformer.from_pretrained(ckpt)
+        hf.from_pretrained(ckpt)
 
 
 def test_unexpected_tensor_listed(ckpt):
@@ -173,7 +175,7 @@ def test_unexpected_tensor_listed(ckpt):
         index["weight_map"][HF_PREFIX + "blocks.0.q_proj.bias"] = shard
     _edit_shard(ckpt, add)
     with pytest.raises(ValueError, match="unexpected tensors.*q_proj.bias"):
-        Transformer.from_pretrained(ckpt)
+        hf.from_pretrained(ckpt)
 
 
 def test_index_points_at_wrong_shard(ckpt):
@@ -183,13 +185,13 @@ def test_index_points_at_wrong_shard(ckpt):
     index["weight_map"][key] = next(f for f in files if f != index["weight_map"][key])
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="does not contain .*ln_f.weight"):
-        Transformer.from_pretrained(ckpt)
+        hf.from_pretrained(ckpt)
 
 
 def test_shape_mismatch(ckpt):
     _edit_shard(ckpt, lambda t, index, shard: t.__setitem__(HF_PREFIX + "ln_f.weight", torch.ones(31)))
     with pytest.raises(ValueError, match=r"ln_f.weight has shape \(31,\).*\(32,\)"):
-        Transformer.from_pretrained(ckpt)
+        hf.from_pretrained(ckpt)
 
 
 @pytest.mark.parametrize("field,value", [("block_type", "sequential"), ("activation_type", "swiglu"),
@@ -198,7 +200,7 @@ def test_shape_mismatch(ckpt):
 def test_unsupported_config(ckpt, field, value):
     _edit_config(ckpt, **{field: value})
     with pytest.raises(ValueError, match=f"unsupported config values.*{field}"):
-        Transformer.from_pretrained(ckpt)
+        hf.from_pretrained(ckpt)
 
 
 def test_pad_equals_mask():

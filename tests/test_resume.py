@@ -19,8 +19,10 @@ import torch
 
 from infra import checkpoint
 import grpo
+import rewards
 import train
 from model import Transformer
+from infra import hf
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--rl_steps=6", "--checkpoint_every=1", "--keep_last=2"]
@@ -41,7 +43,7 @@ def spawn(args, env_extra=None):
 
 
 def weights(path):
-    return dict(Transformer.from_pretrained(path).named_parameters())
+    return dict(hf.from_pretrained(path).named_parameters())
 
 
 @pytest.mark.slow
@@ -131,32 +133,25 @@ def test_sigterm_writes_checkpoint_and_resumes(sft_dir, tmp_path):
 
 def inject(monkeypatch, reward_steps=(), loss_steps=()):
     """NaN rewards from the reward function during RL steps `reward_steps`, NaN losses in `loss_steps`."""
-    current = {"step": None}
-    collect, score, policy_loss = train.collect, train.score, grpo.policy_loss
+    now = {"step": None}
+    rl_step, score, policy_loss = train.rl_step, rewards.score, grpo.policy_loss
 
-    def collect_(*args, **kw):
-        current["step"] = args[7]
+    def rl_step_(model, ref, opt, ctx, step):
+        now["step"] = step
         try:
-            return collect(*args, **kw)
+            return rl_step(model, ref, opt, ctx, step)
         finally:
-            current["step"] = None
+            now["step"] = None
 
     def score_(b, *args, **kw):
         r = score(b, *args, **kw)
-        return torch.full_like(r, math.nan) if current["step"] in reward_steps else r
+        return torch.full_like(r, math.nan) if now["step"] in reward_steps else r
 
     def policy_loss_(*args, **kw):
         loss, stats = policy_loss(*args, **kw)
-        return (loss * math.nan, stats) if rl_step_now["step"] in loss_steps else (loss, stats)
+        return (loss * math.nan, stats) if now["step"] in loss_steps else (loss, stats)
 
-    rl_step, rl_step_now = train.rl_step, {"step": None}
-
-    def rl_step_(*args, **kw):
-        rl_step_now["step"] = args[7]
-        return rl_step(*args, **kw)
-
-    monkeypatch.setattr(train, "collect", collect_)
-    monkeypatch.setattr(train, "score", score_)
+    monkeypatch.setattr(rewards, "score", score_)
     monkeypatch.setattr(grpo, "policy_loss", policy_loss_)
     monkeypatch.setattr(train, "rl_step", rl_step_)
 

@@ -15,7 +15,7 @@ import pytest
 import rewards
 from infra import sandbox
 from conftest import shared_path
-from rewards import code_reward
+from rewards import REWARDS
 from infra.sandbox import run_code
 
 ROOT = os.geteuid() == 0  # the uid switch and the private mount/network namespaces need root (see sandbox.py)
@@ -125,8 +125,9 @@ def test_mbpp_reference_solutions_pass(no_leftovers):
         assert run_code(row["code"] + "\n" + row["test_setup_code"], row["test_list"]) == 1.0, row["task_id"]
     wrong = [run_code(rows[i]["code"], rows[i + 1]["test_list"]) for i in range(4)]  # another task's tests
     assert all(score < 1.0 for score in wrong)
-    assert code_reward("```python\ndef f(x):\n    return 2 * x\n```", ["assert f(2) == 4"]) == 1.0
-    assert code_reward("I cannot help with that.", ["assert f(2) == 4"]) == 0.0
+    row = {"test_list": ["assert f(2) == 4"]}
+    assert REWARDS["mbpp"]("```python\ndef f(x):\n    return 2 * x\n```", row) == 1.0
+    assert REWARDS["mbpp"]("I cannot help with that.", row) == 0.0
 
 
 @pytest.mark.parametrize("tests, timeout, memory_mb", [

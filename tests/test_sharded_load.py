@@ -22,7 +22,7 @@ x = torch.randint(0, 92, (2, 16), generator=torch.Generator().manual_seed(1))
 result = {}
 for name, dtype, extra in (("full", torch.float32, {}), ("lora", torch.bfloat16, dict(lora_rank=3, lora_alpha=6.0))):
     cfg = train.Config(init_from=ckpt, beta=0.01, seed=5, **extra)
-    model, ref, tok, sp, _ = run.load_policy(cfg, device, dtype, sft)
+    model, ref, tok, ids, _ = run.load_policy(cfg, device, dtype, sft)
     with torch.no_grad():
         logits = model(x[scale.shard_rows(2)])  # a sharded forward: FSDP2's lazy init re-pads the shards
     logits = scale.all_gather_rows(logits)

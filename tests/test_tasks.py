@@ -12,7 +12,7 @@ def tok():
 
 
 def test_specials_resolved_and_distinct(tok):
-    s = tasks.specials(tok)
+    s = tasks.token_ids(tok)
     ids = [s.bos, s.eos, s.mask, s.t2i, s.soi, s.eoi, s.ipad]
     assert len(set(ids)) == len(ids)
     assert s.pad == s.eos and s.pad != s.mask
@@ -36,7 +36,7 @@ def test_text_round_trip_and_no_unknown_tokens(tok):
             assert unk not in ids
             assert tok.decode(ids) == text
         prompt, completion = tasks.encode_text(tok, ex, 40)
-        assert len(completion) == 40 and completion[-1] == tasks.specials(tok).eos
+        assert len(completion) == 40 and completion[-1] == tasks.token_ids(tok).eos
         assert tok.decode(completion, skip_special_tokens=True) == ex["completion"]
         assert tok.decode(prompt, skip_special_tokens=True) == ex["prompt"]
 
@@ -94,7 +94,7 @@ def test_image_reward_examples():
 
 
 def test_image_codes_map_to_ids_and_back(tok):
-    s = tasks.specials(tok)
+    s = tasks.token_ids(tok)
     codes = list(range(s.codebook_size))
     ids = tasks.codes_to_ids(tok, codes)
     assert ids == [s.image_token_offset + c for c in codes]
@@ -103,7 +103,7 @@ def test_image_codes_map_to_ids_and_back(tok):
 
 
 def test_encode_image_prompt_layout(tok):
-    s = tasks.specials(tok)
+    s = tasks.token_ids(tok)
     ids, start, att = tasks.encode_image_prompt(tok, "two red blocks", 12, 16)
     caption = tok.encode("two red blocks", add_special_tokens=False).ids
     pad = 12 - (len(caption) + 3)
@@ -209,6 +209,8 @@ def test_toy_long_preset_is_long_and_fits(tok):
     from infra.run import validate
     cfg = train.Config(**train.PRESETS["toy_long"])
     validate(cfg)
-    _, longest = tasks.text_lengths(tok, max_steps=cfg.text_max_steps)
+    rng = random.Random(0)
+    longest = max(len(tok.encode(tasks.make_text_example(rng, "any", 0.5, 9, cfg.text_max_steps)["completion"],
+                                 add_special_tokens=False).ids) for _ in range(2000))
     assert cfg.tasks == "text" and 32 <= longest < cfg.gen_length  # room for at least one EOS
     assert cfg.gen_length // cfg.block_length >= 4 and cfg.steps == cfg.gen_length  # one token per step, 4+ blocks

@@ -12,7 +12,10 @@ import torch
 import sample
 import tasks
 import train
-from model import Transformer, load_tokenizer
+from model import Transformer
+from infra.hf import load_tokenizer
+from infra import hf
+from infra import sample_cli
 
 
 def test_smoke_run(tmp_path):
@@ -30,21 +33,21 @@ def test_smoke_run(tmp_path):
     assert json.loads((out / "summary.json").read_text())["seconds"]["rl"] > 0
     assert (out / "curves.png").is_file() and (out / "images.png").is_file()  # Pillow: in the dev extra
 
-    model = Transformer.from_pretrained(out / "final")
+    model = hf.from_pretrained(out / "final")
     tok = load_tokenizer(out / "final", model.config)
     assert tok.get_vocab_size() == tasks.build_tokenizer().get_vocab_size()
     # The sampling CLI reads the written checkpoint, for a text and an image prompt.
     # With no generation flags it decodes as the run was trained (generation.json: 12 tokens, toy prompt).
     assert json.loads((out / "final" / "generation.json").read_text())["gen_length"] == 12
-    text = sample.main(["--ckpt", str(out / "final"), "--prompt", "bob has 3 pens . how many pens does he have ?"])
+    text = sample_cli.main(["--ckpt", str(out / "final"), "--prompt", "bob has 3 pens . how many pens does he have ?"])
     assert isinstance(text, str) and len(tok.encode(text, add_special_tokens=False).ids) <= 12
-    codes = sample.main(["--ckpt", str(out / "final"), "--prompt", "two red blocks", "--image", "--image_steps", "4"])
+    codes = sample_cli.main(["--ckpt", str(out / "final"), "--prompt", "two red blocks", "--image", "--image_steps", "4"])
     assert len(codes) == 16 and all(0 <= c < tasks.CODEBOOK_SIZE for c in codes)
     # Re-run the same RL config from the cached SFT model: the SFT stage is skipped, and the result is
     # deterministic, so the final weights give the same logits as the first run's.
     again = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1"])
     assert again["seconds"]["sft"] == summary["seconds"]["sft"]
-    model2 = Transformer.from_pretrained(out / "final")
+    model2 = hf.from_pretrained(out / "final")
     x = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(x), model2(x))

@@ -12,12 +12,13 @@ import torch
 
 import grpo
 import tasks
+import rewards
 import train
 from infra import lora, run
 from model import Transformer
 
 
-def fake_score(b, tok, sp, scorer=None, shaped=False):
+def fake_score(b, tok, ids, scorer=None, shaped=False):
     """A deterministic reward in {0, 0.5, 1} per row, from the sampled window: groups get spread."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 
@@ -25,22 +26,22 @@ def fake_score(b, tok, sp, scorer=None, shaped=False):
 @pytest.fixture(scope="module")
 def base():
     tok = tasks.build_tokenizer()
-    sp = tasks.specials(tok)
+    ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text"])
     model = Transformer(run.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
-    return tok, sp, model.eval()
+    return tok, ids, model.eval()
 
 
 def rl_step(base, monkeypatch, *flags):
     """One rl_step from a fresh copy of the base model: (log, rollouts, trained model)."""
-    tok, sp, model = base
-    monkeypatch.setattr(train, "score", fake_score)
+    tok, ids, model = base
+    monkeypatch.setattr(rewards, "score", fake_score)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4", *flags])
     policy = copy.deepcopy(model)
     ref = copy.deepcopy(model) if cfg.beta > 0 else None
     opt = torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr, betas=(0.9, 0.99))
-    log, rolls = train.rl_step(policy, ref, opt, tok, sp, cfg, torch.device("cpu"), 0, {}, None)
+    log, rolls = train.rl_step(policy, ref, opt, train.Ctx(cfg, tok, ids, torch.device("cpu"), {}), 0)
     return log, rolls, policy
 
 
@@ -99,27 +100,28 @@ def test_unigrpo_ratios_differ_per_sequence(base, monkeypatch):
 def test_reward_shaping_reaches_the_benchmark_rewards(monkeypatch):
     """--reward_shaping=official scores GSM8K with the official format + correctness terms (divided by
     their maximum, rewards.SHAPED); the default keeps the 0/1 correctness reward."""
-    from infra import episodes
+    import rewards
+    import tasks
     texts = ["<reasoning>3 + 4 = 7</reasoning> \\boxed{7}", "\\boxed{8}", "no answer"]
-    monkeypatch.setattr(episodes, "decode_window", lambda b, tok, sp: texts)
-    b = episodes.Batch("gsm8k", torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4), 2, 2,
+    monkeypatch.setattr(tasks, "decode_window", lambda b, tok, ids: texts)
+    b = tasks.Batch("gsm8k", torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4), 2, 2,
                        examples=[{"prompt": "q", "answer": "7"}] * 3)
-    assert episodes.score(b, None, None).tolist() == [1.0, 0.0, 0.0]
-    assert episodes.score(b, None, None, shaped=True).tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
+    assert rewards.score(b, None, None).tolist() == [1.0, 0.0, 0.0]
+    assert rewards.score(b, None, None, shaped=True).tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
 
 
 def test_d1_is_d1(base, monkeypatch):
     """--estimator=d1 as d1's diffu-GRPO trainer: the whole completion masked in the input, some prompt
     tokens masked (p 0.15), the loss mask ending at the first EOS, and advantages r - mean (no std)."""
     _, (r,), _ = rl_step(base, monkeypatch, "--estimator=d1", "--num_iterations=2")
-    tok, sp, _ = base
+    tok, ids, _ = base
     b = r.batch
     win = b.window_slice
     for j in range(2):
-        assert (r.inputs[j][:, win] == sp.mask).all()
-    assert (torch.stack(r.inputs)[:, :, : b.prompt_len] == sp.mask).any()
+        assert (r.inputs[j][:, win] == ids.mask).all()
+    assert (torch.stack(r.inputs)[:, :, : b.prompt_len] == ids.mask).any()
     tokens = b.x[:, win]
-    is_eos = tokens == sp.eos
+    is_eos = tokens == ids.eos
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], b.window, dtype=torch.long))
     want = torch.arange(b.window)[None] <= first[:, None]          # up to and including the first EOS
     assert (~is_eos.any(1)).any() or is_eos.sum() > is_eos.any(1).sum(), "need rows with EOS padding"

@@ -1,0 +1,46 @@
+"""Per-row random streams for the samplers: uniform draws where each row of a batch may have its own
+generator, so that a sequence gets the same sample in any batch, process or world size.
+
+`uniform(shape, generator, device, cols=...)` returns only some columns of a draw but leaves a CPU
+generator where the full draw would have left it, so that a sampler which computes the head on a few
+positions still consumes LLaDA's full-sequence stream (tests/test_sample.py checks it against the full
+draw). Leaf module: imports nothing from the project.
+"""
+import math
+
+import torch
+
+
+def _skip(g: torch.Generator, n: int, dtype) -> None:
+    """Advance CPU generator g past n uniforms of `dtype` unkept: its Mersenne Twister spends two 32-bit
+    words on a float64 and one on a float32 or a uint8."""
+    words = n * (2 if dtype == torch.float64 else 1)
+    for i in range(0, words, 1 << 24):
+        torch.randint(0, 2, (min(1 << 24, words - i),), generator=g, dtype=torch.uint8)
+
+
+def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=None) -> torch.Tensor:
+    """U[0, 1) draws of `shape`, made on the generator's device, moved to `device`. generator: one
+    torch.Generator, or a list of shape[0], one per row (row i then depends on its own only). active: with
+    per-row generators, the rows that draw (the others get 0.5 and leave their stream alone). cols: a slice
+    of dim 1, the only columns returned; a CPU generator advances past the others as if it drew them (the
+    full draw's numbers without its memory); another device's generator skips them."""
+    if generator is None:
+        raise ValueError("this call samples at random but generator is None; pass e.g. generator="
+                         "torch.Generator().manual_seed(0) (a CPU generator gives the same samples on every device)")
+    rows = generator if isinstance(generator, (list, tuple)) else None
+    if rows is not None and len(rows) != shape[0]:
+        raise ValueError(f"got {len(rows)} per-row generators for a batch of {shape[0]} rows")
+    if rows is None and cols is None:
+        return torch.rand(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
+    lo, hi = (0, shape[1]) if cols is None else (cols.start, cols.stop)
+    out = torch.empty((shape[0], hi - lo, *shape[2:]), dtype=dtype, device=device)
+    per_col = math.prod(shape[2:])
+    for i, g in enumerate(rows or [generator] * shape[0]):
+        if rows is not None and active is not None and not active[i]:
+            out[i] = 0.5
+            continue
+        _skip(g, lo * per_col * (g.device.type == "cpu"), dtype)
+        out[i] = torch.rand(out.shape[1:], generator=g, device=g.device, dtype=dtype)
+        _skip(g, (shape[1] - hi) * per_col * (g.device.type == "cpu"), dtype)
+    return out
