@@ -18,24 +18,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int | None = None, eps: 
     rewards: (num_groups, G), or flat (num_groups * G,) with group_size (each group's members consecutive).
     std is unbiased (N - 1), as in the official code. scale_by_std=False gives R - mean_g, as d1 does."""
     flat = rewards.dim() == 1
-    if flat:
-        if group_size is None or group_size < 1 or rewards.numel() % group_size:
-            raise ValueError(f"flat rewards of length {rewards.numel()} need a group_size that divides it "
-                             f"(got {group_size}); or pass rewards shaped (num_groups, G)")
-        R = rewards.reshape(-1, group_size)  # (num_groups, G)
-    else:
-        assert rewards.dim() == 2, f"rewards must be (num_groups, G) or flat, got {tuple(rewards.shape)}"
-        R = rewards
-    G = R.shape[1]
-    if G < 2:
-        raise ValueError(f"group size ({G}) must be >= 2: GRPO compares completions within a group; try --group_size=4")
+    assert rewards.dim() == 2 or (group_size and rewards.numel() % group_size == 0), \
+        f"flat rewards of length {rewards.numel()} need a group_size that divides it, got {group_size}"
+    R = rewards.reshape(-1, group_size) if flat else rewards  # (num_groups, G)
     R = R.float() if not R.is_floating_point() else R  # integer rewards -> float32
-    bad = ~torch.isfinite(R)  # (num_groups, G)
-    if bad.any():
-        where = [tuple(ix) for ix in bad.nonzero().tolist()[:5]]
-        raise ValueError(f"{int(bad.sum())} non-finite reward(s) at (group, member) {where}"
-                         f"{' ...' if bad.sum() > 5 else ''}; fix the reward function (it should return a "
-                         f"float, 0.0 for unparsable output) rather than letting them be averaged away")
+    assert R.shape[1] >= 2 and torch.isfinite(R).all(), "GRPO compares >= 2 finite rewards within a group"
     mean = R.mean(dim=1, keepdim=True)  # (num_groups, 1)
     adv = R - mean  # (num_groups, G)
     if scale_by_std:
@@ -60,12 +47,8 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     tokens; "sequence": mean over each sequence's scored tokens, then over the sequences that have any.
     No scored token gives loss 0 with zero grads. stats: clipfrac (tokens whose gradient the clip removes),
     kl, ratio_mean, ratio_max, adv_abs_mean, num_tokens."""
-    if clip_eps <= 0 or beta < 0:
-        raise ValueError(f"clip_eps ({clip_eps}) must be > 0 and beta ({beta}) >= 0; the official recipe: 0.2, 0.01")
-    if beta > 0 and logp_ref is None:
-        raise ValueError(f"beta ({beta}) > 0 needs logp_ref; compute reference log-probs or set --beta=0")
-    if norm not in NORMS:
-        raise ValueError(f"norm ({norm!r}) must be one of {NORMS}")
+    assert clip_eps > 0 and beta >= 0 and norm in NORMS and (beta == 0 or logp_ref is not None), \
+        f"clip_eps {clip_eps} > 0, beta {beta} >= 0 (> 0 needs logp_ref), norm {norm!r} in {NORMS}"
     assert logp.shape == logp_old.shape == mask.shape and mask.dtype == torch.bool, \
         f"logp {tuple(logp.shape)}, logp_old {tuple(logp_old.shape)}, bool mask {tuple(mask.shape)} must match"
     assert adv.shape == logp.shape[:1], f"adv must be (B,) = ({logp.shape[0]},), got {tuple(adv.shape)}"

@@ -68,13 +68,13 @@ class Config:
     init_from: str = "scratch"        # "scratch" (toy model below, trained by SFT) or a checkpoint directory
     sft_dir: str = ""                 # where the SFT model is cached ("" = out_dir/sft); share it across runs
     d_model: int = 128                # scratch model dims (and --dry_run's, when init_from has no config.json)
-    n_layers: int = 4
-    n_heads: int = 4
-    mlp_hidden_size: int = 384
+    n_layers: int = 4                 # transformer blocks (LLaDA-8B: 32)
+    n_heads: int = 4                  # attention heads; d_model must divide by it (LLaDA-8B: 32)
+    mlp_hidden_size: int = 384        # SwiGLU hidden width (LLaDA-8B: 12288)
     vocab_size: int = 0               # --dry_run only: embedding rows (0 = the toy tokenizer's)
     lora_rank: int = 0                # > 0: train LoRA adapters only (lora.py); the reference is adapters-off
-    lora_alpha: float = 64.0
-    lora_dropout: float = 0.0
+    lora_alpha: float = 64.0          # LoRA scale alpha / rank on the adapter output (official: 64)
+    lora_dropout: float = 0.0         # dropout on the LoRA input, in [0, 1) (official: 0.05)
     activation_checkpointing: bool = False  # recompute each block in backward (needed at 8B)
     # tasks and data
     tasks: str = "text,image"         # RL tasks, comma separated: toy text, image; or gsm8k, math, mbpp,
@@ -93,16 +93,17 @@ class Config:
     image_noise: float = 0.4          # fraction of SFT images with one colour drawn as its look-alike
     image_width: int = 4              # images are image_width x image_width tokens (MMaDA 512 px: 32)
     # stage 1: masked-diffusion SFT
-    sft_steps: int = 600
+    sft_steps: int = 600              # optimizer steps of the toy SFT stage (0 with --init_from)
     sft_batch_size: int = 64          # sequences per SFT step and task
-    sft_lr: float = 2e-3
-    sft_warmup: int = 50
+    sft_lr: float = 2e-3              # SFT peak learning rate (AdamW), after warm-up, cosine-decayed to 10%
+    sft_warmup: int = 50              # SFT linear warm-up steps
     image_loss_weight: float = 3.0    # images stall beside text at weight 1 (measured, tasks.py calibration)
     cond_dropout: float = 0.1         # caption dropped for CFG (MMaDA trains with 0.1)
     # text rollouts (LLaDA low-confidence block sampler)
-    gen_length: int = 12
-    block_length: int = 12
-    steps: int = 12
+    gen_length: int = 12              # completion tokens N per text rollout (official: 256)
+    block_length: int = 12            # semi-autoregressive block size; divides gen_length (official: 16)
+    steps: int = 12                   # denoising steps per text rollout, a multiple of the number of blocks
+                                      # and at most gen_length (official: 128)
     temperature: float = 1.0          # rollout temperature (official default 0.9)
     kv_cache: str = "none"            # none (exact) | prefix | dual: Fast-dLLM block KV cache for text rollouts
     threshold: float = 0.0            # > 0: also commit every masked token more confident than this (Fast-dLLM)
@@ -122,14 +123,14 @@ class Config:
                                       # takes rl_steps * num_iterations optimizer steps (--dry_run prints both)
     prompts_per_step: int = 8         # per task
     group_size: int = 8               # G completions per prompt
-    clip_eps: float = 0.2
+    clip_eps: float = 0.2             # PPO clip range epsilon of the ratio, > 0 (paper: 0.2)
     beta: float = 0.01                # k3 KL coefficient against the SFT reference (0 skips the ref pass)
     loss_norm: str = "token"          # token (official code) | sequence (paper's 1/|o_i|)
     adv_std: str = "auto"             # divide advantages by the group std: on | off | auto (off for d1, as
                                       # d1's trainer: A = r - mean; on otherwise, as MaskGRPO's)
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    lr: float = 1e-4                  # RL learning rate (AdamW, constant; official: 3e-6)
+    weight_decay: float = 0.0         # AdamW weight decay in RL (official: 0.1)
+    grad_clip: float = 1.0            # gradient-norm clip per optimizer step (official: 0.2)
     device_batch_size: int = 0        # sequences per forward pass in rollouts and log-prob passes (0 = all)
     # evaluation / logging
     eval_prompts: int = 256           # held-out prompts per task, scored before and after RL

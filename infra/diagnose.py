@@ -54,7 +54,7 @@ class Options(train.Config):
     diagnose: bool = False   # the switch that selects this script in `python importance.py --diagnose`
     ckpt: str = ""           # pi_old: a checkpoint in the Hugging Face layout with tokenizer.json
     draws: int = 4           # mask draws per estimator and inner iteration
-    png: str = "diagnose.png"
+    png: str = "diagnose.png"  # the estimate-vs-exact scatter and decode-order figure ("" = none)
 
 
 def pearson(a: torch.Tensor, b: torch.Tensor) -> float:

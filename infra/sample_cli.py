@@ -25,19 +25,19 @@ class Options:
     train.py carries its generation settings (generation.json), used unless a flag overrides them; the
     rest default to LLaDA's own (64 tokens in blocks of 16, 64 steps, greedy)."""
     ckpt: str = ""              # directory with config.json, *.safetensors, tokenizer.json
-    prompt: str = ""
+    prompt: str = ""              # the text to complete, or the caption to draw (--image)
     image: bool = False         # text-to-image (toy checkpoints of train.py): fill the image slots
-    gen_length: int = 64
-    block_length: int = 16
-    steps: int = 64
-    temperature: float = 0.0
+    gen_length: int = 64          # completion tokens
+    block_length: int = 16        # semi-autoregressive block size; divides gen_length
+    steps: int = 64               # denoising steps, a multiple of the number of blocks, <= gen_length
+    temperature: float = 0.0      # Gumbel-max sampling temperature (0 = greedy)
     seed: int = 0               # seeds the sampling generator (temperature > 0, images)
     prompt_format: str = "auto"  # auto (as train.py trained the checkpoint, else raw) | toy | chat | raw
     prompt_prefill: str = ""    # text that opens the assistant turn (chat format)
     kv_cache: str = "none"      # none (exact) | prefix | dual: Fast-dLLM block KV cache (approximate)
     threshold: float = 0.0      # > 0: also commit every masked token more confident than this
-    image_steps: int = 12
-    image_sampler: str = "emerge"
+    image_steps: int = 12         # image denoising steps (MaskGRPO: 12 for rollouts, 32 for evaluation)
+    image_sampler: str = "emerge" # emerge (MaskGRPO Alg. 4) | maskgit (MMaDA)
     cfg_scale: float = 0.0      # classifier-free guidance weight (images)
     image_width: int = 4        # images are image_width x image_width tokens
     image_text_len: int = 0     # caption part of the t2i prompt (0: the longest toy caption)

@@ -59,3 +59,19 @@ def test_train_boolean_flags_work_bare():
     assert train.parse_args(["--resume"]).resume is True
     assert train.parse_args(["--resume=true"]).resume is True
     assert train.parse_args(["--resume", "false"]).resume is False
+
+
+def test_every_flag_has_a_meaning_in_help():
+    """--help shows, for every flag of every entry point, the comment written beside its field."""
+    from dataclasses import fields
+
+    import evaluate
+    from infra import diagnose, sample_cli
+
+    for cls in (train.Config, evaluate.Options, sample_cli.Options, diagnose.Options):
+        comments = cli.field_comments(cls)
+        assert [f.name for f in fields(cls) if not comments.get(f.name)] == [], cls
+    text = cli.parser(train.Config, "", train.PRESETS).format_help()
+    flat = " ".join(text.split())  # argparse wraps the help text
+    assert "steps per text rollout, a multiple of the number of blocks and at most gen_length" in flat
+    assert "arlike (paper, text) | random (default 'arlike')" in flat

@@ -52,18 +52,15 @@ def test_d1_advantages_are_reward_minus_group_mean():
     assert not torch.allclose(group_advantages(rewards, group_size=G), d1)  # the std division differs
 
 
-def test_nan_and_bad_shapes_raise():
+def test_preconditions_are_asserted():
+    """Settings are validated at the command line (infra/run.validate) and rewards checked by train.rl_step
+    before they get here; the maths asserts what it needs: finite rewards and groups of >= 2 that tile."""
     R = torch.zeros(3, 4)
     R[1, 2] = float("nan")
-    R[2, 0] = float("inf")
-    with pytest.raises(ValueError, match=r"2 non-finite reward\(s\) at \(group, member\) \[\(1, 2\), \(2, 0\)\]"):
-        group_advantages(R)
-    with pytest.raises(ValueError, match="group size"):
-        group_advantages(torch.zeros(4, 1))
-    with pytest.raises(ValueError, match="group_size"):
-        group_advantages(torch.zeros(10))
-    with pytest.raises(ValueError, match="group_size"):
-        group_advantages(torch.zeros(10), group_size=4)
+    for bad in (dict(rewards=R), dict(rewards=torch.zeros(4, 1)), dict(rewards=torch.zeros(10)),
+                dict(rewards=torch.zeros(10), group_size=4)):
+        with pytest.raises(AssertionError):
+            group_advantages(**bad)
 
 
 # -----------------------------------------------------------------------------
@@ -176,9 +173,6 @@ def test_empty_mask_and_errors():
         assert loss.item() == 0.0 and loss.requires_grad and not logp.grad.any()
         assert stats["num_tokens"] == 0.0 and stats["clipfrac"] == 0.0
     args = (logp, torch.zeros(2, 3), torch.ones(2), empty)
-    with pytest.raises(ValueError, match="clip_eps"):
-        policy_loss(*args, clip_eps=0.0)
-    with pytest.raises(ValueError, match="logp_ref"):
-        policy_loss(*args, clip_eps=0.2, beta=0.1)
-    with pytest.raises(ValueError, match="norm"):
-        policy_loss(*args, clip_eps=0.2, norm="group")
+    for bad in (dict(clip_eps=0.0), dict(clip_eps=0.2, beta=0.1), dict(clip_eps=0.2, norm="group")):
+        with pytest.raises(AssertionError):
+            policy_loss(*args, **bad)
