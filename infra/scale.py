@@ -267,7 +267,7 @@ def _fsdp_modules(model):
 @contextlib.contextmanager
 def full_weights(model):
     """Hold the unsharded weights for a stretch of forward passes whose count differs between ranks:
-    rollouts (threshold decoding ends a block early, stop_at_eos drops rows) and evaluation. Sharded
+    rollouts (threshold decoding ends a block early) and evaluation. Sharded
     forwards all-gather every block on every pass, a collective all ranks must join, so they would
     deadlock; here one all-gather up front replaces the per-step ones (128 diffusion steps would gather
     the 16 GB of LLaDA-8B weights 128 times).
