@@ -8,6 +8,9 @@ that same input; a mask is a function of (seed, ratio, N) alone. Per rollout ste
     in_masks, loss_masks = build_masks(prompt_mask, completion_mask, seed=, step=, seq_index=, num_iterations=mu)
     x_j = apply_mask(x, in_masks[j], mask_id)                   # the same x_j for old, ref and current policy
     logp_old[j] = token_logprobs(model, x_j, x, loss_masks[j])   # no_grad; with grad -> grpo.policy_loss
+The "trajectory" estimator is what the others approximate: trajectory_masks turns the sampler's decoding
+order into one (state, revealed tokens) pair per decoding step, so that every token is scored under the
+state in which it was revealed; the sum of those log-probs is decoding_logprob's exact l_pi(o).
 Shapes: B sequences, P prompt, N generation window, S suffix (<|eoi|> for images), L = P + N + S. Differences
 from the official code, and why: docs/differences.md.
 """
@@ -18,7 +21,8 @@ import struct
 import torch
 import torch.nn.functional as F
 
-ESTIMATORS = ("maskgrpo", "d1", "unigrpo")
+MASK_ESTIMATORS = ("maskgrpo", "d1", "unigrpo")  # the ones build_masks draws masks for
+ESTIMATORS = MASK_ESTIMATORS + ("trajectory",)   # trajectory: the sampler's own states (trajectory_masks)
 MODES = ("arlike", "random")
 MAX_RATIO = 0.999  # the last ratio of the schedule would be 1.0; the official code clamps it here
 UNIGRPO_T = 1000   # UniGRPO's number of discrete timesteps; MMaDA (arXiv:2505.15809) does not state it
@@ -137,8 +141,8 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
     be scored (d1: completion_mask_until_eos); seq_index: global sequence index per row. estimator "maskgrpo":
     `mode` reversing at the gamma schedule; "d1": prompt masked with p_mask_prompt, window fully masked;
     "unigrpo": random reversing at UniGRPO's ratios."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator ({estimator!r}) must be one of {ESTIMATORS}")
+    if estimator not in MASK_ESTIMATORS:
+        raise ValueError(f"estimator ({estimator!r}) must be one of {MASK_ESTIMATORS}")
     if mode not in MODES:
         raise ValueError(f"mode ({mode!r}) must be one of {MODES}")
     assert 0.0 <= p_mask_prompt <= 1.0 and num_iterations >= 1, f"{p_mask_prompt=} in [0, 1], {num_iterations=} >= 1"
@@ -212,6 +216,16 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     return torch.cat(chunks) if chunks else torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)
 
 
+def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoding path as (input mask, loss mask) pairs, bool (T, B, L) each, one per sampler step s < T:
+    the input masks every position revealed at s or later (x^(s), the state the sampler saw), the loss mask
+    the positions revealed at s. order: (B, L) long, the step each position was revealed at, -1 where it
+    never was masked (the prompt). num_steps: T (default: the last step in order, + 1)."""
+    assert not order.is_floating_point() and bool((order >= -1).all()), "order: integer (B, L), -1 = never masked"
+    steps = torch.arange(int(order.max()) + 1 if num_steps is None else num_steps, device=order.device)
+    return order >= steps[:, None, None], order == steps[:, None, None]     # (T, B, L) each
+
+
 @torch.no_grad()  # a measurement: a graph kept across all the steps would hold every step's activations
 def decoding_logprob(model, x: torch.Tensor, order: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                      vocab_slice: tuple[int, int] | None = None, mask_id: int) -> torch.Tensor:
@@ -219,15 +233,12 @@ def decoding_logprob(model, x: torch.Tensor, order: torch.Tensor, *, attention_m
     x: (B, L) finished sequences; order: (B, L) long, the sampler step at which each position was revealed
     (-1 = never masked, e.g. the prompt). x^(s) = x with every position of order >= s masked is the state the
     sampler saw at step s (arXiv:2510.02880 §3). One batched forward per step."""
-    assert order.shape == x.shape and not order.is_floating_point() and bool((order >= -1).all()), \
-        "order: integer (B, L), the step each position was revealed at, -1 where it never was masked"
+    assert order.shape == x.shape, "order: (B, L), the step each position was revealed at"
     total = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)  # (B,)
-    for s in range(int(order.max()) + 1):
-        revealed = order == s  # (B, L)
+    for state, revealed in zip(*trajectory_masks(order)):
         if revealed.any():
-            state = apply_mask(x, order >= s, mask_id)  # x^(s)
-            total = total + token_logprobs(model, state, x, revealed, attention_mask=attention_mask,
-                                           vocab_slice=vocab_slice).sum(-1)
+            total = total + token_logprobs(model, apply_mask(x, state, mask_id), x, revealed,
+                                           attention_mask=attention_mask, vocab_slice=vocab_slice).sum(-1)
     return total
 
 

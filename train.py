@@ -112,7 +112,8 @@ class Config:
     image_steps: int = 12             # MaskGRPO rollouts use 12 emerge steps (paper Alg. 4)
     cfg_scale: float = 0.0            # guidance weight w; (1 + w) cond - w uncond
     # importance estimator
-    estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines for ablation)
+    estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines for ablation) | trajectory (the exact
+                                      # decoding-path log-ratio the others approximate: one forward per step)
     text_reversing: str = "arlike"    # arlike (paper, text) | random
     gamma_text: float = 0.6           # truncation: mask ratios live in (gamma, 1) (paper: 0.6 text)
     gamma_image: float = 0.8          # (paper: 0.8 image)
@@ -306,10 +307,11 @@ class Rollout:
     batch: Batch
     rewards: torch.Tensor       # (B_global,) every rank's rewards, for advantages and metrics
     adv: torch.Tensor           # (B,) this rank's rows
-    inputs: list                # mu x (B, L) masked inputs, one per inner iteration
-    loss_masks: torch.Tensor    # (mu, B, L) positions scored in iteration j (the ones masked in its input)
-    logp_old: list              # mu x (B, L) float32
-    logp_ref: list | None       # mu x (B, L) float32, or None when beta = 0
+    inputs: list                # mu x (B, L) masked inputs, one per inner iteration (trajectory: T decoding states)
+    loss_masks: torch.Tensor    # (mu or T, B, L) positions scored with each input (the ones masked in it;
+                                # trajectory: the ones revealed at that step)
+    logp_old: list              # mu or T x (B, L) float32
+    logp_ref: list | None       # mu or T x (B, L) float32, or None when beta = 0
 
 
 def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
@@ -328,9 +330,12 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
         b = make_batch(task, exs, ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(rows)
 
-        # 1. rollouts: G completions per prompt, one generator per sequence
+        # 1. rollouts: G completions per prompt, one generator per sequence (with the decoding order for the
+        # trajectory estimator)
         gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
-        b = rollout(model, b, ctx, gens, cfg.temperature, fast=True)
+        trajectory = cfg.estimator == "trajectory"
+        b, order = rollout(model, b, ctx, gens, cfg.temperature, fast=True, return_order=True) if trajectory \
+            else (rollout(model, b, ctx, gens, cfg.temperature, fast=True), None)
         clock.lap("rollout_s")
 
         # 2. rewards, gathered in global order: a group is normalised over all of its members
@@ -346,19 +351,27 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         adv = advantages(r, cfg)[rows].to(device)                                          # (B,)
 
         # 4. reversing masks: mask j of every sequence at ratio t_j of the truncated schedule (paper Eq. 8-10;
-        # AR-like reversing for text, random for images; shared seeds, paper §4.3)
+        # AR-like reversing for text, random for images; shared seeds, paper §4.3). The trajectory estimator
+        # instead takes the sampler's own states, one per decoding step, each scoring the tokens it revealed.
         B, L = b.x.shape
         image = task in IMAGE_TASKS
-        scored = torch.ones(B, b.window, dtype=torch.bool, device=device)
-        if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
-            scored = importance.completion_mask_until_eos(b.x[:, b.window_slice], ctx.ids.eos)
-        in_masks, loss_masks = importance.build_masks(
-            b.prompt_mask, scored,
-            seed=derive_seed(cfg.seed, "masks", task), step=step, seq_index=seq_index,
-            num_iterations=cfg.num_iterations, gamma=cfg.gamma_image if image else cfg.gamma_text,
-            estimator=cfg.estimator, mode="random" if image else cfg.text_reversing,
-            p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)      # (mu, B, L) each
-        inputs = [importance.apply_mask(b.x, in_masks[j], ctx.ids.mask) for j in range(cfg.num_iterations)]
+        if trajectory:
+            in_masks, loss_masks = importance.trajectory_masks(order, cfg.image_steps if image else cfg.steps)
+            # Steps in which no rank revealed anything (threshold decoding ends blocks early) are dropped,
+            # the same ones on every rank.
+            keep = scale.all_max(loss_masks.flatten(1).any(1).to(device, torch.float32)).bool().cpu()
+            in_masks, loss_masks = in_masks[keep], loss_masks[keep]                  # (T, B, L) each
+        else:
+            scored = torch.ones(B, b.window, dtype=torch.bool, device=device)
+            if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
+                scored = importance.completion_mask_until_eos(b.x[:, b.window_slice], ctx.ids.eos)
+            in_masks, loss_masks = importance.build_masks(
+                b.prompt_mask, scored,
+                seed=derive_seed(cfg.seed, "masks", task), step=step, seq_index=seq_index,
+                num_iterations=cfg.num_iterations, gamma=cfg.gamma_image if image else cfg.gamma_text,
+                estimator=cfg.estimator, mode="random" if image else cfg.text_reversing,
+                p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)  # (mu, B, L) each
+        inputs = [importance.apply_mask(b.x, m, ctx.ids.mask) for m in in_masks]
 
         # 5. old and reference log-probs on the same masked inputs; conditional logits only (no CFG). Under
         # FSDP2 the weights are gathered once for all of these forwards, not once per forward.
@@ -386,21 +399,25 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
         opt.zero_grad(set_to_none=True)
         for ro in rolls:
-            b, mask = ro.batch, ro.loss_masks[j]                                           # mask (B, L)
-            # Each chunk's loss is weighted by its share of the normaliser over all ranks' rows, so the
-            # gradient is that of one full-batch pass in one process.
+            # The input and loss masks this update scores: mask j, or for the trajectory estimator every
+            # decoding step's state. Each chunk's loss is weighted by its share of the normaliser over all
+            # ranks' rows and views, so the gradient is that of one full-batch pass in one process.
+            b = ro.batch
+            views = range(len(ro.inputs)) if cfg.estimator == "trajectory" else [j]
             count = (lambda m: m.sum()) if cfg.loss_norm == "token" else (lambda m: m.any(-1).sum())
-            total = scale.all_sum(count(mask).float()).clamp(min=1)
-            for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
-                logp = importance.token_logprobs(model, ro.inputs[j][rows], b.x[rows], mask[rows],
-                                                 attention_mask=b.attention_mask[rows],
-                                                 vocab_slice=vocab_slice(b.task, ctx.ids))
-                loss, s = grpo.policy_loss(logp, ro.logp_old[j][rows], ro.adv[rows], mask[rows],
-                                           clip_eps=cfg.clip_eps, beta=cfg.beta, norm=cfg.loss_norm,
-                                           logp_ref=None if ro.logp_ref is None else ro.logp_ref[j][rows])
-                share = count(mask[rows]).float() / total
-                scale.backward_sum(loss * share)
-                stats.add(b.task, s, float(share), loss.item())
+            total = scale.all_sum(sum(count(ro.loss_masks[v]) for v in views).float()).clamp(min=1)
+            for v in views:
+                mask = ro.loss_masks[v]                                                    # (B, L)
+                for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
+                    logp = importance.token_logprobs(model, ro.inputs[v][rows], b.x[rows], mask[rows],
+                                                     attention_mask=b.attention_mask[rows],
+                                                     vocab_slice=vocab_slice(b.task, ctx.ids))
+                    loss, s = grpo.policy_loss(logp, ro.logp_old[v][rows], ro.adv[rows], mask[rows],
+                                               clip_eps=cfg.clip_eps, beta=cfg.beta, norm=cfg.loss_norm,
+                                               logp_ref=None if ro.logp_ref is None else ro.logp_ref[v][rows])
+                    share = count(mask[rows]).float() / total
+                    scale.backward_sum(loss * share)
+                    stats.add(b.task, s, float(share), loss.item())
         losses = stats.end_update(device)
         # The optimizer's own parameters: under FSDP2 the module may expose gathered copies between passes.
         grad_norm = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)

@@ -55,7 +55,7 @@ def shape(mc: ModelConfig, lora_rank: int) -> dict:
 
 def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int, rollout: str, steps: int,
           block_length: int, cfg_scale: float, num_iterations: int, beta: float, lora: bool,
-          activation_checkpointing: bool) -> dict:
+          activation_checkpointing: bool, trajectory: bool = False) -> dict:
     """Global FLOPs of one RL step (one rollout batch: every task's prompts_per_step * group_size
     sequences, all ranks together), by phase. A multiply-add is 2 FLOPs.
 
@@ -70,7 +70,9 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
       beta > 0 (LoRA: the same model with adapters off), one forward each, head at every position.
     - updates: mu optimizer steps over all sequences: a forward, the backward (full fine-tuning: input
       and weight gradients, 2x the forward; LoRA: input gradients of the frozen matrices, 1x, plus the
-      adapters' both), and with activation checkpointing the blocks' forward once more."""
+      adapters' both), and with activation checkpointing the blocks' forward once more.
+    - trajectory: the exact-path estimator scores the state of every decoding step instead of mu masks,
+      so scoring takes `steps` forwards per sequence, and each of the mu updates `steps` forward-backwards."""
     d, nl = mc.d_model, mc.n_layers
     body, head = nl * s["block_matmul"], s["head"]
     adapters = s["lora_params"] if lora else 0
@@ -91,14 +93,15 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
             q = seq_len - start if rollout == "prefix" else block_length
             per_seq += fwd(seq_len, seq_len, block_length) + (spb - 1) * fwd(q, seq_len, block_length)
     roll = seqs * cfg_rows * per_seq
-    score = seqs * num_iterations * (1 + (beta > 0)) * fwd(seq_len, seq_len)
+    views = steps if trajectory else num_iterations  # masked inputs scored per sequence, old and ref
+    score = seqs * views * (1 + (beta > 0)) * fwd(seq_len, seq_len)
     attn = 4 * seq_len * d * nl
     if lora:  # input gradients through frozen matrices (2 per weight), adapters' input and weight gradients
         bwd = 2 * (body + head) + 4 * adapters + 2 * attn
     else:
         bwd = 4 * (body + head) + 2 * attn
     recompute = 2 * (body + adapters) + attn if activation_checkpointing else 0
-    update = seqs * num_iterations * seq_len * (fwd(1, seq_len) + bwd + recompute)
+    update = seqs * num_iterations * (steps if trajectory else 1) * seq_len * (fwd(1, seq_len) + bwd + recompute)
     return {"rollout": roll, "scoring": score, "update": update, "step": roll + score + update,
             "per_rollout_seq": cfg_rows * per_seq}
 
@@ -216,7 +219,8 @@ def dry_run(cfg) -> dict:
     s = shape(mc, cfg.lora_rank)
     f = flops(mc, s, seqs=seqs, seq_len=seq_len, prompt_len=prompt_len, rollout=rollout, steps=steps,
               block_length=cfg.block_length, cfg_scale=cfg.cfg_scale, num_iterations=cfg.num_iterations,
-              beta=cfg.beta, lora=lora, activation_checkpointing=cfg.activation_checkpointing)
+              beta=cfg.beta, lora=lora, activation_checkpointing=cfg.activation_checkpointing,
+              trajectory=cfg.estimator == "trajectory")
     evaluation = 2 * cfg.eval_prompts * cfg.eval_samples * len(names) * f["per_rollout_seq"]  # before + after
     run = f["step"] * cfg.rl_steps + evaluation
     gpus = cfg.dry_run_gpus

@@ -59,6 +59,8 @@ def validate(cfg) -> None:
     need(cfg.estimator in importance.ESTIMATORS, f"estimator ({cfg.estimator!r}) must be one of {importance.ESTIMATORS}")
     need(cfg.text_reversing in importance.MODES, f"text_reversing ({cfg.text_reversing!r}) must be one of {importance.MODES}")
     need(cfg.loss_norm in grpo.NORMS, f"loss_norm ({cfg.loss_norm!r}) must be one of {grpo.NORMS}")
+    need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
+         "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
     need(cfg.adv_std in ("auto", "on", "off"), f"adv_std ({cfg.adv_std!r}) must be auto, on or off")
     need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")
     need(cfg.image_sampler in ("emerge", "maskgit"), f"image_sampler ({cfg.image_sampler!r}) must be emerge or maskgit")

@@ -160,7 +160,7 @@ def make_batch(B=8, P=10, N=24, seed=0):
     return left_padded_prompt_mask(lengths, P), cm, lengths
 
 
-@pytest.mark.parametrize("estimator", imp.ESTIMATORS)
+@pytest.mark.parametrize("estimator", imp.MASK_ESTIMATORS)
 @pytest.mark.parametrize("mu", [1, 4])
 def test_build_masks_shapes_prompt_and_padding(estimator, mu):
     pm, cm, _ = make_batch()
@@ -221,7 +221,7 @@ def test_d1_prompt_rate():
     assert abs(rate - 0.15) < sigma5(0.15, B * 30)
 
 
-@pytest.mark.parametrize("estimator", imp.ESTIMATORS)
+@pytest.mark.parametrize("estimator", imp.MASK_ESTIMATORS)
 def test_world_size_independence(estimator):
     # One batch of 8 vs two "ranks" of 4, where rank 1 pads its prompts to a different width:
     # each row's mask depends only on its own global sequence index.
@@ -372,7 +372,7 @@ def test_token_logprobs_passes_attention_mask():
 def test_global_rng_untouched():
     pm, cm, _ = make_batch()
     state = torch.random.get_rng_state()
-    for est in imp.ESTIMATORS:
+    for est in imp.MASK_ESTIMATORS:
         imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(8), num_iterations=3, estimator=est)
     assert torch.equal(torch.random.get_rng_state(), state)
 
