@@ -46,13 +46,14 @@ def save_tiny_checkpoint(path, seed=0):
     return path
 
 
-def build(ckpt, *flags, float64=False):
+def build(ckpt, *flags, float64=False, device=CPU, dtype=torch.float32):
     """(cfg, policy, ref, opt, tok, sp) exactly as train.main sets them up, from `ckpt` and smoke-preset flags.
     float64: cast policy and reference to float64, for tests that compare token choices across batch
-    compositions (float32 kernels of other row counts round differently and can flip a near-tie)."""
+    compositions (float32 kernels of other row counts round differently and can flip a near-tie).
+    device / dtype: as train.main's setup() returns them (tests/test_cuda.py passes cuda and bfloat16)."""
     cfg = train.parse_args(["--preset=smoke", f"--init_from={ckpt}", "--prompts_per_step=2", "--group_size=4",
                             "--num_iterations=3", *flags])
-    policy, ref, tok, sp, _ = run.load_policy(cfg, CPU, torch.float32, sft=None)
+    policy, ref, tok, sp, _ = run.load_policy(cfg, device, dtype, sft=None)
     if float64:
         policy = policy.double()
         ref = None if ref is None else ref.double()
@@ -75,7 +76,7 @@ class Update:
     weights: nn.Module | None = None
 
 
-def run_step(cfg, policy, ref, opt, tok, sp, step, *, prompts=None):
+def run_step(cfg, policy, ref, opt, tok, sp, step, *, prompts=None, device=CPU):
     """One train.rl_step at `step`: (log, rollouts, [Update per inner iteration]). prompts: a fixed list
     of examples used instead of the step's own draw (to see the rollout noise alone)."""
     updates = []
@@ -98,7 +99,7 @@ def run_step(cfg, policy, ref, opt, tok, sp, step, *, prompts=None):
     if prompts is not None:
         train.draw_prompts = lambda task, cfg_, step_, datasets: prompts
     try:
-        log, rolls = train.rl_step(policy, ref, opt, tok, sp, cfg, CPU, step, {}, None)
+        log, rolls = train.rl_step(policy, ref, opt, tok, sp, cfg, device, step, {}, None)
     finally:
         train.update, train.score, train.draw_prompts = real_update, real_score, real_draw
         handle.remove()
