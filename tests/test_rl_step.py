@@ -24,7 +24,6 @@ import torch.nn.functional as F
 import tasks
 import train
 from infra import lora, run
-from infra.episodes import Batch
 from model import Transformer
 
 CPU = torch.device("cpu")
@@ -76,15 +75,16 @@ class Update:
     weights: nn.Module | None = None
 
 
-def run_step(cfg, policy, ref, opt, tok, sp, step, *, prompts=None, device=CPU):
+def run_step(cfg, policy, ref, opt, tok, sp, step, *, prompts=None, device=CPU, keep_weights=True):
     """One train.rl_step at `step`: (log, rollouts, [Update per inner iteration]). prompts: a fixed list
-    of examples used instead of the step's own draw (to see the rollout noise alone)."""
+    of examples used instead of the step's own draw (to see the rollout noise alone). keep_weights: copy
+    the weights each update saw (not possible for an FSDP2 module, which cannot be deep-copied)."""
     updates = []
 
     def before_step(optimizer, args, kwargs):
         # The optimizer runs after backward and clipping, before the weights move: the state of update j.
         u = updates[-1]
-        u.weights = copy.deepcopy(policy)
+        u.weights = copy.deepcopy(policy) if keep_weights else None
         u.grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
 
     def spy_update(model, opt_, rolls, j, *a, **kw):
