@@ -1,0 +1,428 @@
+"""The RL step end to end, checked against quantities computed here from the paper's equations.
+
+Every test drives train.rl_step (through `run_step`, the one helper that knows its signature) on a tiny
+random checkpoint loaded through infra/run.load_policy, with mu >= 3 inner iterations, text and image.
+Expected values never come from the code under test: log-probs are a plain log_softmax of the model's
+logits written below (over the image codes for image positions), advantages are GRPO's
+(R - mean) / (std + eps) per group, and the loss is MaskGRPO's clipped per-token surrogate plus beta times
+the k3 KL (arXiv:2510.02880 Eqs. 9-11, token normalisation as the official code), differentiated by
+autograd on a copy of the weights the update saw. The SFT loss is checked against its closed form.
+
+    python -m pytest tests/test_rl_step.py -q
+"""
+import copy
+import functools
+import math
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import rewards
+import tasks
+import train
+from infra import lora, run
+from model import Transformer
+from infra import hf
+
+CPU = torch.device("cpu")
+
+
+# -----------------------------------------------------------------------------------------------------
+# the two helpers that touch train.py / infra: building a policy, and running one RL step
+
+
+def save_tiny_checkpoint(path, seed=0):
+    """A randomly initialised toy-vocabulary model (d 32, 2 layers) and the toy tokenizer, written as a
+    checkpoint directory that --init_from can load, as a pretrained LLaDA / MMaDA would be."""
+    tok = tasks.build_tokenizer()
+    cfg = train.parse_args(["--preset=smoke"])
+    model = Transformer(run.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model.init_weights(torch.Generator().manual_seed(seed))
+    hf.save_pretrained(model, path)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def build(ckpt, *flags, float64=False, device=CPU, dtype=torch.float32):
+    """(cfg, policy, ref, opt, tok, ids) exactly as train.main sets them up, from `ckpt` and smoke-preset flags.
+    float64: cast policy and reference to float64, for tests that compare token choices across batch
+    compositions (float32 kernels of other row counts round differently and can flip a near-tie).
+    device / dtype: as train.main's setup() returns them (tests/test_cuda.py passes cuda and bfloat16)."""
+    cfg = train.parse_args(["--preset=smoke", f"--init_from={ckpt}", "--prompts_per_step=2", "--group_size=4",
+                            "--num_iterations=3", *flags])
+    policy, ref, tok, ids, _ = run.load_policy(cfg, device, dtype, sft=None)
+    if float64:
+        policy = policy.double()
+        ref = None if ref is None else ref.double()
+    opt = torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr, betas=(0.9, 0.99),
+                            weight_decay=cfg.weight_decay)
+    return cfg, policy, ref, opt, tok, ids
+
+
+def fake_score(b, tok, ids, scorer=None, shaped=False):
+    """A reward in {0, 0.5, 1} from the sampled window: an untrained model's groups then carry signal."""
+    return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
+
+
+@dataclass
+class Update:
+    """What inner iteration j of a step saw: its logged statistics, the gradients the optimizer was about
+    to apply (after clipping), and the weights they were computed at."""
+    stats: dict
+    grads: dict = field(default_factory=dict)
+    weights: nn.Module | None = None
+
+
+def run_step(cfg, policy, ref, opt, tok, ids, step, *, prompts=None, device=CPU, keep_weights=True):
+    """One train.rl_step at `step`: (log, rollouts, [Update per inner iteration]). prompts: a fixed list
+    of examples used instead of the step's own draw (to see the rollout noise alone). keep_weights: copy
+    the weights each update saw (not possible for an FSDP2 module, which cannot be deep-copied)."""
+    updates = []
+
+    def before_step(optimizer, args, kwargs):
+        # The optimizer runs after backward and clipping, before the weights move: the state of update j.
+        u = updates[-1]
+        u.weights = copy.deepcopy(policy) if keep_weights else None
+        u.grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+    class SpyStats(train.StepStats):
+        def end_update(self, device):  # once per inner update, after its backward passes (one process)
+            updates.append(Update(stats={f"{t}/{k}": v for t, acc in self.update.items() for k, v in acc.items()}))
+            return super().end_update(device)
+
+    real_stats, real_score, real_draw = train.StepStats, rewards.score, train.draw_prompts
+    handle = opt.register_step_pre_hook(before_step)
+    train.StepStats, rewards.score = SpyStats, fake_score
+    if prompts is not None:
+        train.draw_prompts = lambda task, cfg_, step_, datasets: prompts
+    try:
+        log, rolls = train.rl_step(policy, ref, opt, train.Ctx(cfg, tok, ids, device, {}), step)
+    finally:
+        train.StepStats, rewards.score, train.draw_prompts = real_stats, real_score, real_draw
+        handle.remove()
+    return log, rolls, updates
+
+
+# -----------------------------------------------------------------------------------------------------
+# independent re-implementations of the paper's quantities
+
+
+def naive_logp(model, r, j):
+    """log pi(o_k | c, o^{t_j}) at the positions scored in iteration j, 0 elsewhere: (B, L) float32. Image
+    positions are scored over the codebook columns only, since the sampler draws codes only (MMaDA)."""
+    b = r.batch
+    with torch.no_grad():
+        logits = model(r.inputs[j], b.attention_mask).float()                      # (B, L, V)
+    lo, hi = (0, logits.shape[-1]) if b.task == "text" else image_columns()
+    lp = F.log_softmax(logits[..., lo:hi], dim=-1)                                 # (B, L, V')
+    tgt = (b.x - lo).clamp(0, hi - lo - 1)                                         # (B, L)
+    out = lp.gather(-1, tgt[..., None])[..., 0]
+    return torch.where(r.loss_masks[j], out, torch.zeros_like(out))
+
+
+@functools.cache
+def image_columns():
+    # The image codes: the toy tokenizer appends them after the text vocabulary (tasks.py), as MMaDA appends
+    # its VQ codes; a window position holds offset + code.
+    ids = tasks.token_ids(tasks.build_tokenizer())
+    return ids.image_token_offset, ids.image_token_offset + tasks.CODEBOOK_SIZE
+
+
+def naive_advantages(rewards, G):
+    """GRPO (arXiv:2402.03300 §4.1.2): (R - mean) / (std + 1e-4) per group of G, unbiased std; exactly 0
+    for a group whose rewards are all equal."""
+    out = []
+    for g in rewards.view(-1, G).tolist():
+        mean = sum(g) / G
+        std = math.sqrt(sum((v - mean) ** 2 for v in g) / (G - 1))
+        out += [0.0 if max(g) == min(g) else (v - mean) / (std + 1e-4) for v in g]
+    return torch.tensor(out)
+
+
+def naive_loss(logp, old, ref, adv, mask, eps, beta):
+    """MaskGRPO's per-token objective (Eqs. 9-11; the official code's PPO clip and token mean):
+    -min(rho A, clip(rho, 1 - eps, 1 + eps) A) + beta (exp(ref - logp) - (ref - logp) - 1), averaged over
+    the tokens masked in this iteration."""
+    terms = []
+    for b, k in mask.nonzero().tolist():
+        rho = torch.exp(logp[b, k] - old[b, k])
+        A = adv[b]
+        term = -torch.minimum(rho * A, rho.clamp(1 - eps, 1 + eps) * A)
+        d = ref[b, k] - logp[b, k]
+        terms.append(term + beta * (torch.exp(d) - d - 1))
+    return torch.stack(terms).mean()
+
+
+def naive_update_grads(u, r, j, old, ref, adv, cfg):
+    """Autograd of naive_loss at the weights update j saw, clipped to cfg.grad_clip by the global norm."""
+    model = copy.deepcopy(u.weights)
+    model.zero_grad(set_to_none=True)
+    b = r.batch
+    logits = model(r.inputs[j], b.attention_mask).float()                          # (B, L, V)
+    lo, hi = (0, logits.shape[-1]) if b.task == "text" else image_columns()
+    lp = F.log_softmax(logits[..., lo:hi], dim=-1).gather(-1, (b.x - lo).clamp(0, hi - lo - 1)[..., None])[..., 0]
+    naive_loss(lp, old, ref, adv, r.loss_masks[j], cfg.clip_eps, cfg.beta).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+    scale = min(1.0, cfg.grad_clip / (norm + 1e-6))  # clip_grad_norm_'s rule: max_norm / (norm + 1e-6)
+    return {n: g * scale for n, g in grads.items()}
+
+
+def masked_mean(values, mask):
+    return float(values[mask].double().mean())
+
+
+# -----------------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+TASK_FLAGS = {"text": ["--tasks=text"], "image": ["--tasks=image"]}
+
+
+# -----------------------------------------------------------------------------------------------------
+# ratios at lr ~ 0 and at a real learning rate
+
+
+@pytest.mark.parametrize("task", ["text", "image"])
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_ratios_are_exactly_one_when_the_weights_do_not_move(ckpt, task, lora_rank):
+    """At lr 1e-30 AdamW's steps (about lr per weight) round away in float32, so every inner iteration
+    re-scores pi_old itself: each update's ratio statistics are exactly 1, nothing is clipped, and the KL
+    to the reference (which the policy still is) is exactly 0. Exact by construction: the update scores
+    the same weights on the same masked input in the same chunks as the old pass did, with deterministic
+    CPU kernels, and the ratio is exp(0). A pass that rescored another iteration's input, or scored image
+    positions over another vocabulary than the old pass, moves the ratio off 1."""
+    flags = [*TASK_FLAGS[task], "--lr=1e-30", "--device_batch_size=3"]
+    if lora_rank:
+        flags += [f"--lora_rank={lora_rank}", "--lora_alpha=8"]
+    cfg, policy, ref, opt, tok, ids = build(ckpt, *flags)
+    start = copy.deepcopy(policy.state_dict())
+    log, (r,), updates = run_step(cfg, policy, ref, opt, tok, ids, 0)
+    assert len(updates) == cfg.num_iterations == 3
+    assert r.adv.abs().sum() > 0, "the stand-in rewards must give the groups signal"
+    for j, u in enumerate(updates):
+        s = u.stats
+        assert s[f"{task}/num_tokens"] > 0
+        assert (s[f"{task}/ratio_max"], s[f"{task}/clipfrac"], s[f"{task}/kl"]) == (1.0, 0.0, 0.0), j
+        # The logged mean is a sum over chunks weighted by their share of the tokens (3 + 3 + 2 rows): the
+        # shares' float rounding, not the ratios, can leave it 1e-8 off. A wrong input moves it by >> 1e-3.
+        assert s[f"{task}/ratio_mean"] == pytest.approx(1.0, abs=1e-6), j
+    # The premise: no weight moved by more than a few lr (LoRA's B starts at exactly 0, so it does take
+    # steps of ~1e-30, which vanish next to the base layer's outputs of order 1).
+    for k, v in policy.state_dict().items():
+        assert (v - start[k]).abs().max() <= 1e-28, k
+
+
+@pytest.mark.parametrize("task", ["text", "image"])
+def test_update_follows_the_paper_objective(ckpt, task):
+    """Two RL steps at a real learning rate (1e-2, so that ratios move and some clip) with beta 0.5 (so that
+    the KL term is a visible part of the gradient). For every step and inner iteration j = 0..2:
+      - the masked input is the clean sequence with exactly the scored positions masked, prompt untouched;
+      - the old log-probs are the rollout policy's and the reference log-probs the initial model's,
+        recomputed here (at step 1 the two differ: the policy has moved);
+      - the logged ratio and KL statistics are those of the weights update j saw;
+      - the gradient the optimizer applies is autograd of the paper's objective at those weights;
+      - the first update of a step has ratio 1; later ones do not (the update uses pi_old's log-probs,
+        not its own)."""
+    cfg, policy, ref, opt, tok, ids = build(ckpt, *TASK_FLAGS[task], "--lr=1e-2", "--beta=0.5")
+    initial = hf.from_pretrained(ckpt)  # the reference policy: the starting checkpoint
+    for step in (0, 1):
+        rollout_policy = copy.deepcopy(policy).eval()
+        log, (r,), updates = run_step(cfg, policy, ref, opt, tok, ids, step)
+        b = r.batch
+        adv = naive_advantages(r.rewards, cfg.group_size)
+        torch.testing.assert_close(r.adv, adv, rtol=1e-5, atol=1e-5)
+        assert adv.abs().sum() > 0
+        for j, u in enumerate(updates):
+            mask = r.loss_masks[j]
+            assert mask.any() and not mask[:, : b.prompt_len].any()
+            assert torch.equal(r.inputs[j], b.x.masked_fill(mask, ids.mask))
+            old, ref_lp = naive_logp(rollout_policy, r, j), naive_logp(initial, r, j)
+            torch.testing.assert_close(r.logp_old[j], old, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(r.logp_ref[j], ref_lp, rtol=1e-5, atol=1e-5)
+            if step == 1:
+                assert (old - ref_lp).abs().max() > 1e-3, "after an update pi_old is not the reference"
+            cur = naive_logp(u.weights, r, j)
+            ratio = torch.exp(cur - old)
+            s = u.stats
+            assert s[f"{task}/ratio_mean"] == pytest.approx(masked_mean(ratio, mask), rel=1e-4)
+            d = ref_lp - cur
+            assert s[f"{task}/kl"] == pytest.approx(masked_mean(torch.exp(d) - d - 1, mask), rel=1e-3, abs=1e-7)
+            if j == 0 and step == 0:
+                assert s[f"{task}/ratio_max"] == 1.0  # untouched weights, same input: exactly exp(0)
+            if j >= 1:
+                assert abs(s[f"{task}/ratio_mean"] - 1) > 1e-4 or abs(s[f"{task}/ratio_max"] - 1) > 1e-3, j
+            want = naive_update_grads(u, r, j, old, ref_lp, adv, cfg)
+            assert want.keys() == u.grads.keys()
+            top = max(float(g.abs().max()) for g in want.values())
+            assert top > 0
+            for n, g in want.items():
+                # Tolerance relative to the largest gradient entry: float32 sums in another order.
+                torch.testing.assert_close(u.grads[n], g, rtol=1e-3, atol=1e-4 * top, msg=f"{task} step {step} j {j} {n}")
+        assert sum(u.stats[f"{task}/clipfrac"] for u in updates) > 0, "lr 1e-2 should clip some tokens"
+
+
+def test_lora_reference_is_the_base_with_adapters_off(ckpt):
+    """With LoRA the reference is the base network (the checkpoint), not the adapted policy. The adapters
+    are given nonzero B first, so the policy differs from the base already at the first step."""
+    cfg, policy, ref, opt, tok, ids = build(ckpt, "--tasks=text", "--lora_rank=4", "--lora_alpha=8", "--beta=0.5")
+    assert ref is None  # the reference is the policy with its adapters off
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for m in policy.modules():
+            if isinstance(m, lora.LoRALinear):
+                m.lora_B.copy_(0.5 * torch.randn(m.lora_B.shape, generator=g))
+    base = hf.from_pretrained(ckpt)
+    adapted = copy.deepcopy(policy).eval()
+    _, (r,), updates = run_step(cfg, policy, ref, opt, tok, ids, 0)
+    for j in range(cfg.num_iterations):
+        ref_lp, old = naive_logp(base, r, j), naive_logp(adapted, r, j)
+        assert (ref_lp - old).abs().max() > 1e-2, "the adapters must change the log-probs for this test"
+        torch.testing.assert_close(r.logp_ref[j], ref_lp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r.logp_old[j], old, rtol=1e-5, atol=1e-5)
+    d = ref_lp - naive_logp(updates[-1].weights, r, cfg.num_iterations - 1)
+    want = masked_mean(torch.exp(d) - d - 1, r.loss_masks[-1])
+    assert updates[-1].stats["text/kl"] == pytest.approx(want, rel=1e-3)
+    assert policy.training is False  # rl_step leaves the policy in eval mode
+
+
+# -----------------------------------------------------------------------------------------------------
+# masks and rollout noise
+
+
+def arlike_mask_prob(N, t):
+    # Alg. 1 (AR-like reversing), closed form: position n of N is masked with 1 - min(1, 2 (1 - t)(1 - n / (N - 1))).
+    return [1 - min(1.0, 2 * (1 - t) * (1 - n / (N - 1))) for n in range(N)]
+
+
+@pytest.mark.parametrize("task", ["text", "image"])
+def test_masks_of_inner_iterations_are_independent(ckpt, task):
+    """Iteration j masks with its own seed S_j, so masks j < k are independent draws, not nested ones (one
+    shared uniform per position would give mask_j within mask_k, since t_j < t_k). The number of positions
+    masked in j but not in k must match sum_n p_j(n) (1 - p_k(n)) under independence, within 5 sigma;
+    nesting gives exactly 0. gamma 0 spreads t_j = 1/3, 2/3, 0.999."""
+    gamma = "--gamma_text=0" if task == "text" else "--gamma_image=0"
+    cfg, policy, ref, opt, tok, ids = build(ckpt, *TASK_FLAGS[task], gamma, "--prompts_per_step=4", "--lr=1e-30")
+    _, (r,), _ = run_step(cfg, policy, ref, opt, tok, ids, 0)
+    B, N = r.batch.x.shape[0], r.batch.window
+    win = r.loss_masks[:, :, r.batch.window_slice]                                 # (mu, B, N)
+    t = [1 / 3, 2 / 3, 0.999]
+    p = [arlike_mask_prob(N, tj) if task == "text" else [tj] * N for tj in t]
+    for j, k in ((0, 1), (0, 2), (1, 2)):
+        q = [p[j][n] * (1 - p[k][n]) for n in range(N)]
+        expected = B * sum(q)
+        sd = math.sqrt(B * sum(x * (1 - x) for x in q))
+        got = int((win[j] & ~win[k]).sum())
+        assert abs(got - expected) <= 5 * sd + 1, (j, k, got, expected)
+    pairs = win[0] & ~win[1]
+    assert pairs.any(), "masks 0 and 1 are nested"
+
+
+@pytest.mark.parametrize("task", ["text", "image"])
+def test_rollout_noise_depends_on_step_and_sequence_only(ckpt, task):
+    """Rollouts on fixed prompts with weights that do not move (lr 1e-30): the same (seed, step, sequence)
+    gives the same completion in a fresh run and in a batch of another size; another step gives other
+    completions, and so do the members of one group. A float64 model, so that another batch size (other
+    BLAS kernels) cannot flip a near-tie in the sampler and only the noise decides."""
+    smoke = train.parse_args(["--preset=smoke"])
+    prompts = [train.make_example(task, random.Random(i), smoke, "train") for i in range(2)]
+    flags = [*TASK_FLAGS[task], "--lr=1e-30"]
+
+    def windows(step, prompts_, *extra):
+        cfg, policy, ref, opt, tok, ids = build(ckpt, *flags, f"--prompts_per_step={len(prompts_)}", *extra,
+                                               float64=True)
+        _, (r,), _ = run_step(cfg, policy, ref, opt, tok, ids, step, prompts=prompts_)
+        return r.batch.x[:, r.batch.window_slice]
+
+    first = windows(3, prompts)
+    assert torch.equal(windows(3, prompts), first)                  # a fresh run: the same completions
+    assert torch.equal(windows(3, prompts[:1]), first[:4])          # half the batch: sequences 0..3 alike
+    assert torch.equal(windows(3, prompts, "--device_batch_size=3")[4:], first[4:])
+    other = windows(4, prompts)
+    assert (other != first).any(1).float().mean() >= 0.5, "another step must draw other noise"
+    assert len({tuple(w) for w in first[:4].tolist()}) >= 2, "members of a group must draw different noise"
+
+
+# -----------------------------------------------------------------------------------------------------
+# the SFT loss
+
+
+class FixedLogits(nn.Module):
+    """Logits that depend on the position only (table[k] at position k), and a record of the input: the
+    per-token cross-entropies are then known whatever is masked."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table, self.seen = table, []
+
+    def forward(self, x, attention_mask=None):
+        self.seen.append(x.clone())
+        return self.table[: x.shape[1]].expand(x.shape[0], -1, -1)
+
+
+def sft_batch(task, B, seed=0):
+    tok = tasks.build_tokenizer()
+    ids = tasks.token_ids(tok)
+    cfg = train.parse_args(["--preset=smoke"])
+    rng = random.Random(seed)
+    exs = [train.make_example(task, rng, cfg, "train") for _ in range(B)]
+    return train.make_batch(task, exs, tok, ids, cfg, CPU, with_targets=True), ids
+
+
+@pytest.mark.parametrize("task", ["text", "image"])
+def test_diffusion_loss_is_the_weighted_elbo(task):
+    """train.diffusion_loss on a model whose log-probs are known: for t ~ U(eps, 1) per sequence and
+    each window token masked with probability t, the loss is
+        (1 / (B N)) sum_b (1 / t_b) sum_{k masked in b} -log p(o_k)            (MDLM, LLaDA SFT loss)
+    with p over the whole vocabulary for text and over the image codes for images. Two checks:
+      - exact: replaying the documented draws (t first, then the uniforms) reproduces the masks the
+        model was shown, and the loss equals the formula on them;
+      - in expectation, derived by hand: E[1[masked] / t] = 1 for every token, so the mean loss over many
+        sequences is the mean cross-entropy of the window (about 1.0 of it with eps = 1e-3); without the
+        1/t weight it would be E[t] = 0.5 of it."""
+    B = 4000
+    b, ids = sft_batch(task, B)
+    L, V = b.x.shape[1], ids.vocab_size
+    table = 2.0 * torch.randn(L, V, generator=torch.Generator().manual_seed(1))
+    model = FixedLogits(table)
+    lo, hi = (0, V) if task == "text" else (ids.image_token_offset, ids.image_token_offset + ids.codebook_size)
+    logp = F.log_softmax(table[:, lo:hi].double(), -1)                              # (L, V')
+    pos = torch.arange(L).expand(B, L)                                               # (B, L)
+    ce = -logp[pos, (b.x - lo).clamp(0, hi - lo - 1)]                               # (B, L) per-token CE
+    eps = 1e-3
+    g = torch.Generator().manual_seed(5)
+    replay = torch.Generator().manual_seed(5)
+    loss = train.diffusion_loss(model, b, ids, g, eps=eps).item()
+
+    t = torch.rand(B, 1, generator=replay) * (1 - eps) + eps
+    u = torch.rand(B, L, generator=replay)
+    window = torch.zeros(B, L, dtype=torch.bool)
+    window[:, b.window_slice] = True
+    masked = (u < t) & window
+    assert torch.equal(model.seen[0] == ids.mask, masked), "the replayed draws are not the loss's masks"
+    exact = float((ce * masked / t.double()).sum()) / (B * b.window)
+    assert loss == pytest.approx(exact, rel=1e-5)
+
+    mean_ce = float(ce[:, b.window_slice].mean())
+    # Per sequence the weighted sum has variance about log(1/eps) / N times mean_ce^2: 5 sigma over B rows.
+    tol = 5 * mean_ce * math.sqrt(math.log(1 / eps) / b.window / B) * 2
+    assert abs(loss - mean_ce) < tol, (loss, mean_ce, tol)
+    assert abs(0.5 * mean_ce - mean_ce) > 3 * tol  # the check separates the weighted loss from the unweighted
+
+
+def test_diffusion_loss_never_masks_the_prompt():
+    b, ids = sft_batch("text", 64)
+    model = FixedLogits(torch.zeros(b.x.shape[1], ids.vocab_size))
+    train.diffusion_loss(model, b, ids, torch.Generator().manual_seed(0))
+    seen = model.seen[0]
+    assert torch.equal(seen[:, : b.prompt_len], b.x[:, : b.prompt_len])
+    assert (seen[:, b.window_slice] == ids.mask).any()
