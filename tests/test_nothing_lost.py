@@ -109,8 +109,8 @@ def test_ctrl_c_during_sft_stops_cleanly(tmp_path, monkeypatch, capsys):
 def test_finished_run_is_refused_not_overwritten(finished, extra):
     """A run without checkpoints (checkpoint_every=0, as in the smoke preset) is still a finished run."""
     before = tree_digest(finished)
-    with pytest.raises(ValueError, match=rf"out_dir {finished} holds a finished run \(final/, log.jsonl, "
-                                         r"summary.json\)") as e:
+    with pytest.raises(ValueError, match=rf"out_dir {finished} holds a run \(final/, log.jsonl, "
+                                         r"summary.json\) and no checkpoint") as e:
         train.main([*TINY, f"--out_dir={finished}", *extra])
     assert "choose another --out_dir" in str(e.value)
     assert tree_digest(finished) == before
