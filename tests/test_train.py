@@ -43,11 +43,13 @@ def test_smoke_run(tmp_path):
     assert isinstance(text, str) and len(tok.encode(text, add_special_tokens=False).ids) <= 12
     codes = sample_cli.main(["--ckpt", str(out / "final"), "--prompt", "two red blocks", "--image", "--image_steps", "4"])
     assert len(codes) == 16 and all(0 <= c < tasks.CODEBOOK_SIZE for c in codes)
-    # Re-run the same RL config from the cached SFT model: the SFT stage is skipped, and the result is
-    # deterministic, so the final weights give the same logits as the first run's.
-    again = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1"])
+    # Re-run the same RL config from the cached SFT model (into another out_dir: the finished run is never
+    # overwritten): the SFT stage is skipped, and the result is deterministic, so the final weights give
+    # the same logits as the first run's.
+    again = train.main(["--preset", "smoke", f"--out_dir={tmp_path / 'again'}", f"--sft_dir={out / 'sft'}",
+                        "--threads=1"])
     assert again["seconds"]["sft"] == summary["seconds"]["sft"]
-    model2 = hf.from_pretrained(out / "final")
+    model2 = hf.from_pretrained(tmp_path / "again" / "final")
     x = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(x), model2(x))
