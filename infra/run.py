@@ -718,7 +718,9 @@ def show(b, rewards, tok, ids, n: int = 1) -> None:
         else:
             print0(f"  [{b.task}] {prompt!r}  reward {rewards[i]:.2f}")
             if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
-                print0(tasks.render_image(outs[i], int(math.isqrt(len(outs[i])))))
+                from infra import plots  # (ANSI colours on a terminal only, letters in a log file)
+
+                print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
 
 
 def write_pictures(cfg, out: Path, grid: list) -> None:

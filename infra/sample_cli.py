@@ -109,7 +109,9 @@ def encode_checked(tok, text: str) -> list[int]:
     unk = getattr(tok.model, "unk_token", None)
     unk_id = tok.token_to_id(unk) if unk else None
     if unk_id is not None:
-        lost = [text[a:b] for (a, b), i in zip(enc.offsets, enc.ids) if i == unk_id and text[a:b] != unk]
+        # Offsets include the space a Metaspace pre-tokenizer folds into a piece: shown without it.
+        lost = [text[a:b].strip() or text[a:b] for (a, b), i in zip(enc.offsets, enc.ids)
+                if i == unk_id and text[a:b] != unk]
         if lost:
             print(f"warning: {len(lost)} piece(s) of the prompt are not in the tokenizer's vocabulary and become "
                   f"{unk}: {', '.join(map(repr, lost[:10]))}{' ...' if len(lost) > 10 else ''}", file=sys.stderr)

@@ -4,6 +4,7 @@
     python -m pytest tests/test_train.py -q -m slow    # the full toy preset (~10 min), checks the reward gain
 """
 import json
+import re
 import math
 
 import pytest
@@ -18,13 +19,16 @@ from infra import hf
 from infra import sample_cli
 
 
-def test_smoke_run(tmp_path):
+def test_smoke_run(tmp_path, capsys):
     """A few SFT and RL steps of the whole pipeline: finite losses, one log line per step, a final
     checkpoint in the Hugging Face layout that reloads to identical logits, a summary with both tasks."""
     out = tmp_path / "run"
     summary = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1"])
     lines = [json.loads(s) for s in (out / "log.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1]
+    # The console counts steps as log.jsonl (and so the plots' x axis) does.
+    printed = [int(m) for m in re.findall(r"^step (\d+)/2 ", capsys.readouterr().out, re.M)]
+    assert printed == [l["step"] for l in lines]
     for l in lines:
         for task in ("text", "image"):
             assert math.isfinite(l[f"{task}/loss"]) and 0.0 <= l[f"{task}/reward"] <= 1.0
