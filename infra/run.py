@@ -497,7 +497,7 @@ def keep_steps_before(path: Path, start: int) -> Path:
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 # lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
-RESUMABLE = ("resume", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
+RESUMABLE = ("resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
              "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip")
 
 
