@@ -12,7 +12,9 @@ the function train.py scores its held-out sets with, so under the same Config th
 when its reward is >= 1 - 1e-6; pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374, §2.1) with
 n = k samples per prompt at the config temperature; mean reward averages the sampled completions (the
 number train.py logs as the held-out reward). Image tasks have no greedy decoding (the image samplers always
-draw), so their greedy column is empty. Single process; user errors print one line and exit with code 2.
+draw), so their greedy column is empty. --out FILE is checked before anything is evaluated (a directory, an
+unwritable path or an earlier result is refused) and gets each batch's records as soon as they are scored, so
+Ctrl-C keeps them (exit code 130). Single process; user errors print one line and exit with code 2.
 """
 from __future__ import annotations
 
