@@ -12,7 +12,9 @@ the function train.py scores its held-out sets with, so under the same Config th
 when its reward is >= 1 - 1e-6; pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374, §2.1) with
 n = k samples per prompt at the config temperature; mean reward averages the sampled completions (the
 number train.py logs as the held-out reward). Image tasks have no greedy decoding (the image samplers always
-draw), so their greedy column is empty. Single process; user errors print one line and exit with code 2.
+draw), so their greedy column is empty. --out FILE is checked before anything is evaluated (a directory, an
+unwritable path or an earlier result is refused) and gets each batch's records as soon as they are scored, so
+Ctrl-C keeps them (exit code 130). Single process; user errors print one line and exit with code 2.
 """
 from __future__ import annotations
 
@@ -21,8 +23,6 @@ import math
 import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-
-from tqdm import tqdm
 
 import tasks
 import train
@@ -124,15 +124,66 @@ def build_config(o: Options) -> tuple[train.Config, int]:
     return cfg, samples
 
 
+def open_out(out: str):
+    """The --out file, opened before anything is evaluated: a directory, an unwritable place or an earlier
+    evaluation's file is refused now, not after hours of scoring (and a result is never overwritten)."""
+    path = Path(out)
+    if path.is_dir():
+        raise ValueError(f"--out {out} is a directory; give a file in it, e.g. --out {path / 'eval.jsonl'}")
+    if path.is_file() and path.stat().st_size:
+        raise ValueError(f"--out {out} already exists (an earlier evaluation?); choose another path, or delete it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "w")
+    except OSError as e:
+        raise ValueError(f"--out {out} is not writable ({e.strerror}: {e.filename}); choose a writable path") from None
+
+
+class Scored(list):
+    """The `records` list train.evaluate extends once per scored batch: each record is also written to the
+    --out file at once (and flushed), so an interrupted evaluation keeps every completion it scored."""
+
+    def __init__(self, task: str, mode: str, k: int, file=None):
+        super().__init__()
+        self.task, self.mode, self.k, self.file = task, mode, k, file
+
+    def extend(self, rows):
+        # train.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
+        recs = [{"task": self.task, "mode": self.mode, "prompt_index": r["index"] // self.k,
+                 "sample": r["index"] % self.k, "prompt": r["prompt"], "output": r["output"], "reward": r["reward"]}
+                for r in rows]
+        super().extend(recs)
+        if self.file is not None:
+            self.file.writelines(json.dumps(r) + "\n" for r in recs)
+            self.file.flush()
+
+
 def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: int = 1) -> tuple[dict, list]:
-    """Greedy and sampled completions of cfg.init_from on the single task of cfg: (table row, records)."""
+    """Greedy and sampled completions of cfg.init_from on the single task of cfg: (table row, records),
+    the records also written to `out` (JSON lines) as they are scored."""
     task = cfg.tasks
+    sink = open_out(out) if out else None
+    try:
+        return _score(cfg, task, sink, limit, samples)
+    except KeyboardInterrupt:
+        if sink is not None:
+            sink.flush()
+            n = sum(1 for _ in open(out))
+            print(f"interrupted (Ctrl-C): {n} scored completions kept in {out}", file=sys.stderr)
+        raise
+    finally:
+        if sink is not None:
+            sink.close()
+
+
+def _score(cfg, task, sink, limit, samples):
     device, dtype = run.setup(cfg)
     datasets = load_data(cfg)  # a missing or malformed file fails here, before the model loads
     if task in datasets and not limit:  # benchmarks: every row of the file unless --limit
         cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     model, tok, ids, _ = run.load_model(cfg, device, dtype, train.sft)
+    run.report_truncation(cfg, tok, datasets)
     n = len(tasks.eval_examples(task, cfg, datasets))
     ctx = train.Ctx(cfg, tok, ids, device, datasets, scorer)
     modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
@@ -140,17 +191,12 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
         modes.insert(0, ("greedy", 0.0, 1))
     records = []
     # The bar counts completions; train.evaluate reports after each batch of (up to) 64.
-    with tqdm(total=n * sum(k for *_, k in modes), desc=f"eval {task}", unit="completion", leave=False) as bar:
+    with cli.progress_bar(total=n * sum(k for *_, k in modes), desc=f"eval {task}", unit="completion",
+                          leave=False) as bar:
         for mode, temperature, k in modes:
-            rows: list[dict] = []
+            rows = Scored(task, mode, k, sink)
             train.evaluate(model, ctx, task, temperature, rows, bar.update)
-            # train.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
-            records += [{"task": task, "mode": mode, "prompt_index": r["index"] // k, "sample": r["index"] % k,
-                         "prompt": r["prompt"], "output": r["output"], "reward": r["reward"]} for r in rows]
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+            records += rows
     row = summarize(records)
     print(table(["task", "n", "greedy pass@1", f"pass@{row['k']}", "mean reward"],
                 [[task, row["n"], row["greedy_pass@1"], row["pass@k"], row["mean_reward"]]]))
@@ -180,7 +226,7 @@ def check_run(run_dir: str) -> bool:
     # record of the trained policy (final/'s merged weights differ from it by rounding).
     start = cfg.init_from if cfg.init_from != "scratch" else cfg.sft_dir or str(out_dir / "sft")
     evals = {}
-    for label in tqdm(("before", "after"), desc="checkpoints", leave=False):
+    for label in cli.progress_bar(("before", "after"), desc="checkpoints", leave=False):
         ckpt = start if label == "before" or cfg.lora_rank else str(out_dir / "final")
         if not Path(ckpt).is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {ckpt} (the run's {label}-RL model)")
@@ -200,7 +246,8 @@ def check_run(run_dir: str) -> bool:
 
 
 def main(argv=None) -> int:
-    """Exit code: 0 done (and, with --run, every number matches), 1 a --run mismatch, 2 a user error."""
+    """Exit code: 0 done (and, with --run, every number matches), 1 a --run mismatch, 2 a user error,
+    130 Ctrl-C (the completions scored so far are in --out)."""
     try:
         o = parse_options(argv)
         if o.run:
@@ -215,7 +262,9 @@ def main(argv=None) -> int:
         return 0
     except (ValueError, OSError) as e:  # user errors (bad flag, missing file, scorer down): one line
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.USER_ERROR
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -244,7 +244,4 @@ def decoding_logprob(model, x: torch.Tensor, order: torch.Tensor, *, attention_m
 
 if __name__ == "__main__":  # python importance.py --diagnose --ckpt DIR: the estimators against the exact
     from infra import diagnose  # decoding log-ratio (infra/diagnose.py)
-    try:
-        diagnose.main()
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    diagnose.run()

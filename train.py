@@ -31,21 +31,22 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import signal
 import time
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import grpo
 import importance
 import rewards
 import sample
 from importance import derive_seed, generator
-from infra import budget, cli, fast_sample, lora, scale
+from infra import budget, checkpoint, cli, fast_sample, lora, scale
 from infra.data import load_data
-from infra.run import BadStep, Clock, Run, StepStats, TrainingStopped, load_policy, setup, startup_checks, validate
+from infra.run import (BadStep, Clock, Run, StepStats, TrainingStopped, load_policy, report_truncation, setup,
+                       startup_checks, validate)
 from infra.scale import print0
 from infra.scorer import RemoteScorer
 from model import TokenIds
@@ -67,6 +68,8 @@ class Config:
     # model
     init_from: str = "scratch"        # "scratch" (toy model below, trained by SFT) or a checkpoint directory
     sft_dir: str = ""                 # where the SFT model is cached ("" = out_dir/sft); share it across runs
+    retrain_sft: bool = False         # replace an SFT model in sft_dir trained with other settings (otherwise
+                                      # refused: runs sharing one sft_dir would overwrite each other's)
     d_model: int = 128                # scratch model dims (and --dry_run's, when init_from has no config.json)
     n_layers: int = 4                 # transformer blocks (LLaDA-8B: 32)
     n_heads: int = 4                  # attention heads; d_model must divide by it (LLaDA-8B: 32)
@@ -214,7 +217,9 @@ def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3
 
 
 def sft(model, tok, ids, cfg: Config, device) -> float:
-    """Train the toy model from scratch on noisy toy data (tasks.py); returns the seconds spent."""
+    """Train the toy model from scratch on noisy toy data (tasks.py); returns the seconds spent. SIGINT or
+    SIGTERM finishes the current step and exits with 128 + signal: SFT keeps no checkpoint (it takes minutes
+    on a laptop, not hours), so the next run restarts it, and sft_dir is left as it was."""
     t0 = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Linear warm-up, then cosine decay to 10%: a fixed learning rate plateaus early at this size.
@@ -223,26 +228,35 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
     rng = random.Random(derive_seed(cfg.seed, "sft-data"))
     gen = generator("cpu", cfg.seed, "sft-mask")
     model.train()
-    bar = tqdm(range(cfg.sft_steps), desc="sft", dynamic_ncols=True)
-    for step in bar:
-        loss_sum = 0.0
-        for task in ("text", "image"):
-            noise = cfg.text_noise if task == "text" else cfg.image_noise
-            exs = [make_example(task, rng, cfg, "train", noise) for _ in range(cfg.sft_batch_size)]
-            b = make_batch(task, exs, tok, ids, cfg, device, with_targets=True)
-            if task == "image":
-                # Caption dropout: the unconditional prompt teaches the model p(image), which CFG needs.
-                drop = torch.rand(len(exs), generator=gen) < cfg.cond_dropout
-                b.x[drop, : b.prompt_len] = b.uncond[drop, : b.prompt_len]
-                b.attention_mask[drop] = b.uncond_mask[drop]
-            loss = diffusion_loss(model, b, ids, gen)
-            (loss * (cfg.image_loss_weight if task == "image" else 1.0)).backward()
-            loss_sum += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{loss_sum:.3f}")
+    loss_sum = 0.0
+    with checkpoint.graceful_stop() as stop:
+        bar = cli.progress_bar(range(cfg.sft_steps), desc="sft", dynamic_ncols=True)
+        for step in bar:
+            if stop["signal"]:
+                print0(f"SFT stopped by {signal.Signals(stop['signal']).name} after {step} of {cfg.sft_steps} "
+                       "steps; SFT keeps no checkpoint, so the next run restarts SFT from step 0 (an SFT model "
+                       "already in sft_dir is unchanged)")
+                raise SystemExit(128 + stop["signal"])
+            loss_sum = 0.0
+            for task in ("text", "image"):
+                noise = cfg.text_noise if task == "text" else cfg.image_noise
+                exs = [make_example(task, rng, cfg, "train", noise) for _ in range(cfg.sft_batch_size)]
+                b = make_batch(task, exs, tok, ids, cfg, device, with_targets=True)
+                if task == "image":
+                    # Caption dropout: the unconditional prompt teaches the model p(image), which CFG needs.
+                    drop = torch.rand(len(exs), generator=gen) < cfg.cond_dropout
+                    b.x[drop, : b.prompt_len] = b.uncond[drop, : b.prompt_len]
+                    b.attention_mask[drop] = b.uncond_mask[drop]
+                loss = diffusion_loss(model, b, ids, gen)
+                (loss * (cfg.image_loss_weight if task == "image" else 1.0)).backward()
+                loss_sum += loss.item()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            bar.set_postfix(loss=f"{loss_sum:.3f}")
+    # The bar is silent in a log file: one line says how SFT ended.
+    print0(f"SFT: {cfg.sft_steps} steps in {time.time() - t0:.0f}s, last loss {loss_sum:.3f}")
     model.eval()
     return time.time() - t0
 
@@ -423,7 +437,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         grad_norm = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
         # Losses and the norm are the same on every rank, so every rank takes the same decision.
         if not (math.isfinite(grad_norm) and all(map(math.isfinite, losses))):
-            print0(f"warning: step {step + 1} update {j + 1}: non-finite loss {losses} or gradient norm {grad_norm}; "
+            print0(f"warning: step {step} update {j}: non-finite loss {losses} or gradient norm {grad_norm}; "
                    "update skipped")
             opt.zero_grad(set_to_none=True)
             skipped += 1
@@ -526,15 +540,21 @@ def main(argv=None) -> dict:
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
     ctx = Ctx(cfg, tok, ids, device, datasets, scorer)
+    report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
     opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                             weight_decay=cfg.weight_decay)
     print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.num_iterations} optimizer steps, {cfg.prompts_per_step} "
-           f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es)")
+           f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "
+           f"steps count from 0, as in log.jsonl")
     with Run(cfg, model, opt, device) as run:
         if run.state["before"] is None:
             run.state["before"] = evaluate_all(model, ctx)
             run.state["grid_before"] = image_snapshot(model, ctx)
-        print0("held-out mean reward before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in run.state["before"].items()))
+        if run.state["before"]:
+            print0("held-out mean reward before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in run.state["before"].items()))
+        else:
+            print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
+                   "(and --eval_prompts > 0)")
         for step in range(run.start, cfg.rl_steps):
             try:
                 log, rolls = rl_step(model, ref, opt, ctx, step)
@@ -542,13 +562,16 @@ def main(argv=None) -> dict:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
             run.record(step, log, rolls, tok, ids)
     after = evaluate_all(model, ctx)
-    print0("held-out mean reward after RL:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
+    if after:
+        print0("held-out mean reward after RL:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
     return run.finish(after, image_snapshot(model, ctx), tok, dtype, sft_seconds)
 
 
 if __name__ == "__main__":
-    with scale.process_exit():  # leaves the process group on every path (infra/scale.py)
+    # User errors: one line naming the value, the file and the fix, exit status 2 (infra/cli.py). A run that
+    # stopped on bad steps is not the user's typo: one line too, exit status 1.
+    with scale.process_exit(), cli.user_errors():  # process_exit leaves the process group on every path
         try:
             main()
-        except (ValueError, OSError, TrainingStopped) as e:  # user errors: one clear line, no traceback
-            raise SystemExit(f"error: {e}")
+        except TrainingStopped as e:
+            raise SystemExit(f"error: {e}") from None

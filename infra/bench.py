@@ -296,7 +296,8 @@ def bench_sandbox(programs, loop_timeout=1.0):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Tokens/second of sample.generate, exact and fast, vs LLaDA generate()")
+    p = argparse.ArgumentParser(description="Tokens/second of sample.generate, exact and fast, vs LLaDA generate()",
+                                allow_abbrev=False, exit_on_error=False)  # errors: one line (infra/cli.py)
     p.add_argument("--quick", action="store_true", help="smoke run: gen length 64 and a 2-layer 256-d 'llada'")
     p.add_argument("--reps", type=int, default=1, help="interleaved repetitions; the table shows medians")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
@@ -307,15 +308,20 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--sandbox", action="store_true", help="time the code sandbox instead of the sampler")
     p.add_argument("--programs", type=int, default=100, help="programs run through the sandbox by --sandbox")
-    args = p.parse_args(argv)
+    try:
+        args, unknown = p.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ValueError(str(e)) from None
+    if unknown:
+        raise ValueError(f"unknown argument(s) {unknown}; see python -m infra.bench --help")
     if args.sandbox:
         if args.programs < 1:
-            p.error(f"--programs must be >= 1, got {args.programs}")
+            raise ValueError(f"--programs must be >= 1, got {args.programs}")
         return bench_sandbox(args.programs)
     if args.reps < 1:
-        p.error(f"--reps must be >= 1, got {args.reps}")
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
     if args.gen_length < K or args.gen_length % K:
-        p.error(f"--gen_length must be a positive multiple of the block length {K}, got {args.gen_length}")
+        raise ValueError(f"--gen_length must be a positive multiple of the block length {K}, got {args.gen_length}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -345,4 +351,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from infra import cli
+
+    with cli.user_errors():
+        main()

@@ -13,7 +13,10 @@ every rank writes its shards in parallel, and DCP reshards on load, so a run sav
 Atomicity: everything is written into `step-N.tmp`, fsynced, then the directory is renamed to `step-N`
 and its parent fsynced. A rename is atomic on POSIX file systems, so a checkpoint directory without the
 `.tmp` suffix is complete by construction; a kill at any moment leaves at worst a `.tmp` directory,
-which `latest` ignores and the next `save` deletes.
+which `latest` ignores and the next `save` deletes. A complete checkpoint damaged afterwards (a shard
+deleted or cut short by a full disk or a partial copy, state.json edited) is found by `damage` from DCP's
+own index of every tensor's file, offset and length, without reading the tensors; `--resume` then falls
+back to the newest intact checkpoint and says which one to remove (`latest_intact`).
 
 Randomness needs no saved RNG state: every random draw in train.py comes from a generator seeded by
 (seed, step, index), and the data position is the step itself (tasks.draw_prompts), so a resumed step
@@ -69,7 +72,44 @@ def latest(out_dir) -> Path | None:
     return done[-1] if done else None
 
 
-def _fsync_tree(path: Path) -> None:
+def damage(path) -> str | None:
+    """What is wrong with the complete checkpoint `path`, or None when it is intact: state.json must be a
+    JSON object, and every byte range DCP's .metadata assigns to a shard file must lie inside that file."""
+    path = Path(path)
+    try:
+        state = json.loads((path / "state.json").read_text())
+        if not isinstance(state, dict) or "step" not in state:
+            return f"{path / 'state.json'} holds no checkpoint state"
+    except (ValueError, OSError) as e:
+        return f"{path / 'state.json'} is unreadable ({e})"
+    try:
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # DCP raises whatever its unpickler met: a missing or truncated .metadata
+        return f"{path / '.metadata'} is unreadable ({type(e).__name__}: {e})"
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        f = path / name
+        if not f.is_file():
+            return f"its shard {f} is missing"
+        if f.stat().st_size < size:
+            return f"its shard {f} is truncated ({f.stat().st_size} of at least {size} bytes)"
+    return None
+
+
+def latest_intact(out_dir) -> tuple[Path | None, list[str]]:
+    """(the newest complete checkpoint that is not damaged, or None; one line per newer damaged one)."""
+    skipped = []
+    for path in reversed(complete(out_dir)):
+        problem = damage(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path} is damaged: {problem}")
+    return None, skipped
+
+
+def fsync_tree(path: Path) -> None:
     """Flush every file of a directory, then the directory entries themselves, to stable storage."""
     for p in sorted(path.rglob("*")):
         if p.is_file():
@@ -113,7 +153,7 @@ def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainab
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
         if os.environ.get(KILL_ENV) == str(step):
             os.kill(os.getpid(), signal.SIGKILL)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         os.rename(tmp, final)
         _fsync_dir(final.parent)
         if keep_last:
@@ -138,6 +178,9 @@ def load(path, model, opt, *, trainable_only: bool = False) -> dict:
     path = Path(path)
     if not (path / "state.json").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no state.json)")
+    problem = damage(path)
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is damaged: {problem}; remove it to resume from an older one")
     model_sd, optim_sd = get_state_dict(model, opt, options=_options(trainable_only))
     with _quiet():
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))

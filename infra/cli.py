@@ -1,19 +1,32 @@
-"""One command-line style for train.py, sample.py and evaluate.py: a dataclass is the list of options.
+"""One command-line style for every entry point: a dataclass is the list of options, a user error is one
+line, and progress bars stay readable in a log file.
 
 Every field of the dataclass becomes a flag of its own name, given as `--field=value` or `--field value`;
-a boolean also works bare (`--dry_run`) or with a value (`--resume=true`, `--resume false`). With presets,
-the value of a field comes from, in order of precedence: the flag, then `--preset NAME`, then the dataclass
-default. Only int, float, str and bool fields exist, so no configuration language is needed. `--help`
-gives each flag the comment written beside its field in the dataclass (and any comment lines under it).
+a boolean also works bare (`--dry_run`) or with a value (`--resume=true`, `--resume false`). Flags match
+exactly, never by prefix: `--sft_step=1` is refused, not taken for --sft_steps. With presets, the value of a
+field comes from, in order of precedence: the flag, then `--preset NAME`, then the dataclass default. Only
+int, float, str and bool fields exist, so no configuration language is needed. `--help` gives each flag the
+comment written beside its field in the dataclass (and any comment lines under it).
+
+`with user_errors():` around an entry point's body turns a ValueError or OSError (a bad flag, a missing or
+damaged file) into one line `error: ...` on stderr and exit status 2, and Ctrl-C into exit status 130,
+without a traceback. `progress_bar` is tqdm, drawn only when stderr is a terminal.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import inspect
 import io
 import re
+import sys
 import tokenize
+from contextlib import contextmanager
 from dataclasses import MISSING, fields
+
+from tqdm import tqdm
+
+USER_ERROR = 2  # exit status of a user error, as argparse's own
 
 
 def parse_bool(s: str) -> bool:
@@ -47,7 +60,8 @@ def parser(cls, description: str, presets: dict | None = None) -> argparse.Argum
     """An ArgumentParser with one flag per field of `cls` (and --preset when presets are given); every
     default is None so that `given` below sees which flags were typed."""
     usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below)"
-    p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False)
+    # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
+    p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False, allow_abbrev=False)
     if presets is not None:
         p.add_argument("--preset", default=next(iter(presets)), help=f"one of {', '.join(presets)}")
     types = {"int": int, "float": float, "str": str, "bool": parse_bool}
@@ -71,7 +85,11 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     except argparse.ArgumentError as e:  # a value of the wrong type: one line naming flag and value
         raise ValueError(str(e)) from None
     if unknown:
-        raise ValueError(f"unknown argument(s) {unknown}; the flags are the fields of {cls.__name__} (--help)")
+        names = [f"--{f.name}" for f in fields(cls)] + (["--preset"] if presets is not None else [])
+        close = {u: difflib.get_close_matches(u.split("=")[0], names, n=1) for u in unknown if u.startswith("--")}
+        hint = "; ".join(f"did you mean {m[0]} (not {u.split('=')[0]})?" for u, m in close.items() if m)
+        raise ValueError(f"unknown argument(s) {unknown}; the flags are the fields of {cls.__name__} (--help)"
+                         + (f"; {hint}" if hint else ""))
     given = {k: v for k, v in vars(args).items() if v is not None and k != "preset"}
     base = dict(defaults or {})
     if presets is not None:
@@ -82,3 +100,31 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     if missing:
         raise ValueError("missing " + ", ".join(f"--{m}" for m in missing))
     return cls(**{**base, **given})
+
+
+@contextmanager
+def user_errors():
+    """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2; Ctrl-C -> exit 130.
+    Either way no traceback: the message names the value, the file and the fix, which is all a user needs.
+    Programming errors (anything else) keep their traceback."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(USER_ERROR)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
+
+
+def bars_shown(file=None) -> bool:
+    """Progress bars only on a terminal: redirected, tqdm's carriage-return updates pile up into one line."""
+    file = file or sys.stderr
+    return hasattr(file, "isatty") and file.isatty()
+
+
+def progress_bar(iterable=None, **kwargs):
+    """tqdm, drawn on stderr when it is a terminal and silent otherwise (a log file gets the summary lines
+    the callers print instead). The one place every bar of the project is made."""
+    kwargs.setdefault("disable", not bars_shown(kwargs.get("file")))
+    return tqdm(iterable, **kwargs)

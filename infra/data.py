@@ -256,13 +256,6 @@ def make_prompt(example: dict) -> str:
     raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit(f"usage: python -m infra.data TASK PATH   (TASK: {' | '.join(TASKS)})")
-    data = load_dataset(sys.argv[1], sys.argv[2])
-    print(f"{len(data)} valid {sys.argv[1]} examples; the first prompt:\n\n{data[0]['prompt']}")
-
-
 def data_paths(spec: str, name: str) -> dict[str, str]:
     """"gsm8k=a.jsonl,math=b.jsonl" -> {"gsm8k": "a.jsonl", "math": "b.jsonl"}."""
     out = {}
@@ -283,3 +276,20 @@ def load_data(cfg) -> dict:
         out[task] = {"train": load_dataset(task, path),
                      "test": load_dataset(task, evals[task]) if task in evals else []}
     return out
+
+
+def main(argv=None) -> list[dict]:
+    """python -m infra.data TASK PATH: check a file, print its size and first prompt."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        raise ValueError(f"usage: python -m infra.data TASK PATH   (TASK: {' | '.join(TASKS)}); got {argv}")
+    data = load_dataset(*argv)
+    print(f"{len(data)} valid {argv[0]} examples; the first prompt:\n\n{data[0]['prompt']}")
+    return data
+
+
+if __name__ == "__main__":
+    from infra import cli
+
+    with cli.user_errors():
+        main()

@@ -235,8 +235,11 @@ def main(argv=None) -> dict:
     return results
 
 
-if __name__ == "__main__":
-    try:
+def run() -> None:
+    """`python importance.py --diagnose ...`: main() with user errors as one line and exit status 2."""
+    with cli.user_errors():
         main()
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    run()

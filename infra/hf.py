@@ -11,12 +11,15 @@ the public code wrote (tests/fixtures/tiny-llada).
 from __future__ import annotations
 
 import json
+import os
+import stat
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
@@ -40,6 +43,49 @@ _ZERO_FIELDS = ("attention_dropout", "residual_dropout", "embedding_dropout")
 
 
 # -----------------------------------------------------------------------------------------------------
+# reading files a user may have damaged: every error names the file
+
+
+def read_json(file, fix: str = "re-copy it from where it came from"):
+    """The JSON object in `file`; a truncated or edited file is a ValueError naming it, its position and `fix`."""
+    file = Path(file)
+    try:
+        value = json.loads(file.read_bytes())
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file} is not UTF-8 text ({e.reason}); {fix}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); {fix}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} holds a JSON {type(value).__name__}, not an object; {fix}")
+    return value
+
+
+@contextmanager
+def _safetensors_file(file: Path, device="cpu"):
+    """safe_open(file), with the library's errors (an empty, truncated or random file says only
+    'incomplete metadata' or 'header too small') naming the file."""
+    try:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a complete safetensors file ({e}); it was cut short or damaged: "
+                         "re-download or re-copy the checkpoint") from None
+
+
+def read_config(path) -> ModelConfig:
+    """The ModelConfig of checkpoint directory `path` (its config.json), every error naming the file."""
+    file = Path(path) / CONFIG_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found: a LLaDA/MMaDA checkpoint directory holds config.json")
+    try:
+        return config_from_hf(read_json(file, "re-copy the checkpoint's config.json"))
+    except ValueError as e:
+        raise ValueError(str(e) if str(file) in str(e) else f"{file}: {e}") from None
+    except TypeError as e:  # a field of the wrong type (a string for n_layers, say)
+        raise ValueError(f"{file}: a field has the wrong type ({e}); re-copy the checkpoint's config.json") from None
+
+
+# -----------------------------------------------------------------------------------------------------
 # config.json
 
 
@@ -59,6 +105,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
     missing = [k for k in need if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks required fields {missing}")
+    small = {k: hf[k] for k in ("d_model", "n_layers", "n_heads") if not (isinstance(hf[k], int) and hf[k] >= 1)}
+    if small:
+        raise ValueError(f"config.json sizes {small} must be positive integers")
     n_kv = hf.get("n_kv_heads")
     if n_kv is None:
         n_kv = 1 if hf.get("multi_query_attention") else hf["n_heads"]
@@ -161,6 +210,15 @@ def save_pretrained(model: Transformer, path, max_shard_bytes: int = 4 << 30, st
     (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     dtype = next(iter(tensors.values())).dtype
     (path / CONFIG_NAME).write_text(json.dumps(config_to_hf(model.config, dtype), indent=2) + "\n")
+    for i in range(n):
+        same_mode(path / f"model-{i + 1:05d}-of-{n:05d}.safetensors", path / CONFIG_NAME)
+
+
+def same_mode(file: Path, like: Path) -> None:
+    """Give `file` the permissions of `like`, a file written beside it with open() (so under the umask):
+    safetensors creates its files 0600, which would leave the weights of a shared checkpoint unreadable
+    to the group while its config.json and tokenizer.json are readable."""
+    os.chmod(file, stat.S_IMODE(os.stat(like).st_mode))
 
 
 def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
@@ -172,9 +230,7 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass the folder that "
                                 "holds config.json and the *.safetensors files")
-    if not (path / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{path / CONFIG_NAME} not found: a LLaDA checkpoint needs its config.json")
-    config = config_from_hf(json.loads((path / CONFIG_NAME).read_text()))
+    config = read_config(path)
     weight_map = _weight_map(path)
 
     with torch.device("meta"):
@@ -191,14 +247,14 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
         for key, fname in weight_map.items():
             by_file.setdefault(fname, []).append(key)
         for fname, keys in sorted(by_file.items()):
-            with safe_open(str(path / fname), framework="pt", device=str(device)) as f:
+            with _safetensors_file(path / fname, device) as f:
                 present = set(f.keys())
                 for key in keys:
                     if key not in present:
-                        raise ValueError(f"{fname} does not contain {key}, which the index assigns to it")
+                        raise ValueError(f"{path / fname} does not contain {key}, which the index assigns to it")
                     shape = tuple(f.get_slice(key).get_shape())
                     if shape != expected[key]:
-                        raise ValueError(f"tensor {key} has shape {shape} in {fname}, but the config "
+                        raise ValueError(f"tensor {key} has shape {shape} in {path / fname}, but the config "
                                          f"implies {expected[key]}; the config.json and weights disagree")
                     yield key[len(HF_PREFIX):], f.get_tensor(key)
 
@@ -208,7 +264,7 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
 def _weight_map(path: Path) -> dict[str, str]:
     """Tensor key -> shard file name, from the index when there is one, else from model.safetensors."""
     if (path / INDEX_NAME).is_file():
-        weight_map = json.loads((path / INDEX_NAME).read_text()).get("weight_map")
+        weight_map = read_json(path / INDEX_NAME, "re-download or re-copy the checkpoint").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{path / INDEX_NAME} has no 'weight_map' dict")
         absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
@@ -217,7 +273,7 @@ def _weight_map(path: Path) -> dict[str, str]:
                                     "re-download or re-copy the checkpoint")
         return weight_map
     if (path / SINGLE_NAME).is_file():
-        with safe_open(str(path / SINGLE_NAME), framework="pt") as f:
+        with _safetensors_file(path / SINGLE_NAME) as f:
             return {k: SINGLE_NAME for k in f.keys()}
     raise FileNotFoundError(f"no {INDEX_NAME} or {SINGLE_NAME} in {path}; a LLaDA checkpoint stores its "
                             "weights as safetensors")
@@ -230,7 +286,11 @@ def load_tokenizer(path, model_config: ModelConfig | None = None):
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found; the checkpoint directory must contain tokenizer.json")
-    tok = Tokenizer.from_file(str(file))
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises a bare Exception ("expected ident at line 1 ...")
+        raise ValueError(f"{file} is not a valid tokenizer.json ({e}); re-copy it from the checkpoint's "
+                         "source") from None
     if model_config is not None and tok.get_vocab_size(with_added_tokens=True) > model_config.vocab_size:
         raise ValueError(f"tokenizer {file} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the "
                          f"model has only {model_config.vocab_size} embedding rows; they come from different "

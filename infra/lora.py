@@ -165,6 +165,9 @@ def save_adapters(model: nn.Module, path) -> None:
     config = {"rank": m.rank, "alpha": m.alpha, "dropout": m.lora_dropout,
               "targets": sorted({n.rsplit(".", 1)[-1] for n, _ in mods})}
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    from infra.hf import same_mode
+
+    same_mode(path / ADAPTER_WEIGHTS, path / ADAPTER_CONFIG)  # safetensors writes 0600; the rest is umask
 
 
 def load_adapters(model: nn.Module, path) -> nn.Module:

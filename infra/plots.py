@@ -29,6 +29,26 @@ IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES = 96, 90, 150, 14, 12, 
 INSTALL_HINT = 'plots.py: no picture written, Pillow is missing; pip install -e ".[plots]" gives the pictures'
 
 
+def have_pillow() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("PIL") is not None
+
+
+def text_image(codes: list[int], width: int, stream=None) -> str:
+    """A toy image for the console: ANSI colour blocks on a terminal (tasks.render_image), else one letter
+    per cell (. background, then the initials of tasks.COLOURS, ? an invalid code), so that a log file or a
+    pipe gets no escape codes."""
+    import tasks
+
+    stream = stream or sys.stdout
+    if hasattr(stream, "isatty") and stream.isatty():
+        return tasks.render_image(codes, width)
+    letters = "." + "".join(c[0] for c in tasks.COLOURS)  # r g b y p c w: the initials differ
+    return "\n".join(" ".join(letters[c] if 0 <= c < len(letters) else "?" for c in codes[r:r + width])
+                     for r in range(0, len(codes), width))
+
+
 def _pil():
     # Imported here, not at the top, so that `import plots` works without the extra.
     try:
@@ -274,26 +294,40 @@ def compare_runs(groups: dict[str, list], png_path, task: str = "text",
     return _save_panels(panels, colours, max(len(pts) for _, ser in panels for pts in ser.values()), png_path)
 
 
-if __name__ == "__main__":
+def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description="Redraw RUN_DIR/curves.png from RUN_DIR/log.jsonl, or "
-                                     "compare runs with --compare LABEL=DIR[,DIR...] ... --png FILE.")
+                                     "compare runs with --compare LABEL=DIR[,DIR...] ... --png FILE.",
+                                     allow_abbrev=False, exit_on_error=False)
     parser.add_argument("run_dir", type=Path, nargs="?")
     parser.add_argument("--compare", nargs="+", default=[], metavar="LABEL=DIR[,DIR...]")
     parser.add_argument("--png", type=Path, help="the --compare picture")
     parser.add_argument("--task", default="text")
-    args = parser.parse_args()
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ValueError(str(e)) from None
+    if unknown:
+        raise ValueError(f"unknown argument(s) {unknown}; see python -m infra.plots --help")
+    if not have_pillow():
+        raise ValueError('no picture written: Pillow is missing; pip install -e ".[plots]" (or pip install pillow)')
     if args.compare:
         bad = [g for g in args.compare if "=" not in g]
         if bad or args.png is None:
-            parser.error(f"--compare takes LABEL=DIR[,DIR...] groups and needs --png; got {bad or args.compare}")
+            raise ValueError(f"--compare takes LABEL=DIR[,DIR...] groups and needs --png; got {bad or args.compare}")
         groups = {g.split("=", 1)[0]: g.split("=", 1)[1].split(",") for g in args.compare}
         if len(groups) < len(args.compare):
-            parser.error(f"--compare labels must differ, got {[g.split('=', 1)[0] for g in args.compare]}")
+            raise ValueError(f"--compare labels must differ, got {[g.split('=', 1)[0] for g in args.compare]}")
         out = compare_runs(groups, args.png, args.task)
     elif args.run_dir is None:
-        parser.error("give RUN_DIR, or --compare LABEL=DIR[,DIR...] --png FILE")
+        raise ValueError("give RUN_DIR (a train.py out_dir), or --compare LABEL=DIR[,DIR...] --png FILE")
     else:
         out = plot_curves(args.run_dir / "log.jsonl", args.run_dir / "curves.png")
-    if out is None:
-        sys.exit(1)
     print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    from infra import cli
+
+    with cli.user_errors():
+        main()

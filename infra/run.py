@@ -16,6 +16,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from dataclasses import asdict
@@ -32,24 +33,48 @@ from infra.budget import scratch_config
 from infra.data import data_paths
 from infra.hf import load_tokenizer, read_checkpoint
 from infra.scale import print0
-from model import ModelConfig, Transformer, num_params
+from model import ModelConfig, Transformer, chat_prompt, num_params
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
 
 # -----------------------------------------------------------------------------------------------------
 # settings, device
 
 
+def _need(ok, msg):
+    if not ok:
+        raise ValueError(msg)
+
+
+def validate_generation(o) -> None:
+    """The sampler settings train.py's Config and sample.py's options share (same names, same rules):
+    checked here, once, for both, so that the samplers only assert their preconditions."""
+    need = _need
+    for k in ("gen_length", "block_length", "steps", "image_steps", "image_width"):
+        need(getattr(o, k) >= 1, f"{k} ({getattr(o, k)}) must be >= 1")
+    need(o.gen_length % o.block_length == 0,
+         f"gen_length ({o.gen_length}) must be divisible by block_length ({o.block_length}); "
+         f"try --block_length={o.gen_length}")
+    blocks = o.gen_length // o.block_length
+    need(o.steps % blocks == 0 and o.steps >= blocks,
+         f"steps ({o.steps}) must be a positive multiple of the number of blocks ({blocks}); "
+         f"try --steps={blocks * max(1, o.steps // blocks)}")
+    need(o.temperature >= 0, f"temperature ({o.temperature}) must be >= 0")
+    need(o.kv_cache in ("none", "prefix", "dual"), f"kv_cache ({o.kv_cache!r}) must be none, prefix or dual")
+    need(0 <= o.threshold < 1, f"threshold ({o.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
+    need(o.image_sampler in ("emerge", "maskgit"), f"image_sampler ({o.image_sampler!r}) must be emerge or maskgit")
+    need(o.cfg_scale >= 0, f"cfg_scale ({o.cfg_scale}) must be >= 0 (0 = no guidance; MaskGRPO uses 3.0)")
+    need(o.image_text_len >= 0, f"image_text_len ({o.image_text_len}) must be >= 0 (0 = the longest toy caption)")
+
+
 def validate(cfg) -> None:
     """Refuse impossible settings before any heavy work, naming the value and a fix."""
-    def need(ok, msg):
-        if not ok:
-            raise ValueError(msg)
-    need(cfg.gen_length % cfg.block_length == 0,
-         f"gen_length ({cfg.gen_length}) must be divisible by block_length ({cfg.block_length})")
-    blocks = cfg.gen_length // cfg.block_length
-    need(cfg.steps % blocks == 0 and cfg.steps >= blocks,
-         f"steps ({cfg.steps}) must be a positive multiple of the number of blocks ({blocks}); "
-         f"try --steps={blocks * max(1, cfg.steps // blocks)}")
+    need = _need
+    validate_generation(cfg)
+    if cfg.init_from == "scratch" or cfg.dry_run:  # the sizes of the model built here (else: its config.json)
+        for k in ("d_model", "n_layers", "n_heads", "mlp_hidden_size"):
+            need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1: a model needs at least one of each")
+        need(cfg.d_model % cfg.n_heads == 0 and (cfg.d_model // cfg.n_heads) % 2 == 0,
+             f"d_model ({cfg.d_model}) must be n_heads ({cfg.n_heads}) times an even head size (rotary embeddings)")
     need(cfg.group_size >= 2, f"group_size ({cfg.group_size}) must be >= 2: GRPO compares completions of a group")
     need(cfg.num_iterations >= 1, f"num_iterations ({cfg.num_iterations}) must be >= 1")
     for g in ("gamma_text", "gamma_image"):
@@ -63,7 +88,6 @@ def validate(cfg) -> None:
          "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
     need(cfg.adv_std in ("auto", "on", "off"), f"adv_std ({cfg.adv_std!r}) must be auto, on or off")
     need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")
-    need(cfg.image_sampler in ("emerge", "maskgit"), f"image_sampler ({cfg.image_sampler!r}) must be emerge or maskgit")
     known = TOY_TASKS + data.TASKS
     bad = [t for t in task_list(cfg) if t not in known]
     need(not bad and cfg.tasks, f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")
@@ -96,7 +120,6 @@ def validate(cfg) -> None:
         need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0")
     need(cfg.lr > 0, f"lr ({cfg.lr}) must be > 0 (paper: 3e-6 at 8B; the toy uses 1e-4)")
     need(cfg.grad_clip > 0, f"grad_clip ({cfg.grad_clip}) must be > 0: 0 would zero every gradient (paper: 0.2)")
-    need(cfg.cfg_scale >= 0, f"cfg_scale ({cfg.cfg_scale}) must be >= 0 (0 = no guidance; MaskGRPO uses 3.0)")
     need(0 <= cfg.p_mask_prompt <= 1, f"p_mask_prompt ({cfg.p_mask_prompt}) must be in [0, 1] (d1 uses 0.15)")
     images_only = all(t in IMAGE_TASKS for t in task_list(cfg))
     need(not (images_only and (cfg.kv_cache != "none" or cfg.threshold)),
@@ -107,15 +130,11 @@ def validate(cfg) -> None:
         need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0 (0 = {'never' if k == 'checkpoint_every' else 'keep all'})")
     need(cfg.max_bad_steps >= 1, f"max_bad_steps ({cfg.max_bad_steps}) must be >= 1")
     need(cfg.max_prompt_len >= 8, f"max_prompt_len ({cfg.max_prompt_len}) must be >= 8")
-    need(cfg.image_width >= 1 and cfg.image_text_len >= 0, "image_width must be >= 1 and image_text_len >= 0")
-    need(cfg.temperature >= 0, f"temperature ({cfg.temperature}) must be >= 0")
-    need(cfg.kv_cache in ("none", "prefix", "dual"), f"kv_cache ({cfg.kv_cache!r}) must be none, prefix or dual")
-    need(0 <= cfg.threshold < 1, f"threshold ({cfg.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
     need(cfg.dtype in ("auto", "float32", "bfloat16"),
          f"dtype ({cfg.dtype!r}) must be auto, float32 or bfloat16 (float16 needs a grad scaler, which this code omits)")
     for k in ("sft_steps", "rl_steps", "eval_prompts", "device_batch_size"):
         need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0")
-    for k in ("prompts_per_step", "sft_batch_size", "image_steps"):
+    for k in ("prompts_per_step", "sft_batch_size"):
         need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1")
 
 
@@ -205,7 +224,8 @@ class StepStats:
 
 
 def log_line(log: dict, total: int) -> str:
-    parts = [f"step {log['step'] + 1}/{total}"]
+    # 0-based, as log.jsonl and the plots count: the last step of a 50-step run is "step 49/50".
+    parts = [f"step {log['step']}/{total}"]
     for t in sorted({k.split("/")[0] for k in log if k.endswith("/reward")}):
         if f"{t}/reward" in log:
             parts.append(f"{t} reward {log[f'{t}/reward']:.3f} loss {log[f'{t}/loss']:+.4f} "
@@ -220,29 +240,100 @@ SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_n
             "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
 
 
-def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
-    """(directory, SFT seconds) of the toy SFT model: out_dir/sft when it was trained with the same
-    settings, else trained now by `sft(model, tok, ids, cfg, device) -> seconds` (by rank 0 alone under
-    torchrun; the other ranks wait, then every rank reads the same files)."""
-    sft_dir = Path(cfg.sft_dir or Path(cfg.out_dir) / "sft")
-    # tasks.py's source is part of the key: a change to the toy data invalidates the cached model.
+def sft_key(cfg) -> dict:
+    """What the toy SFT model depends on: the SFT_KEYS settings and tasks.py's source (its toy data)."""
     tasks_hash = hashlib.sha1(Path(tasks.__file__).read_bytes()).hexdigest()
-    meta = {k: getattr(cfg, k) for k in SFT_KEYS} | {"tasks_sha1": tasks_hash}
+    return {k: getattr(cfg, k) for k in SFT_KEYS} | {"tasks_sha1": tasks_hash}
+
+
+def sft_dir_of(cfg) -> Path:
+    return Path(cfg.sft_dir or Path(cfg.out_dir) / "sft")
+
+
+def check_sft_cache(cfg) -> bool:
+    """True when sft_dir holds an SFT model trained with cfg's settings (reuse it), False when it is new
+    (train it); a model trained with other settings is refused, naming them, unless --retrain_sft=true.
+    Never silently replaced: several runs may share one --sft_dir, and SFT can take an hour."""
+    sft_dir = sft_dir_of(cfg)
     meta_file = sft_dir / "sft_meta.json"
-    cached = lambda: meta_file.is_file() and json.loads(meta_file.read_text()) == meta
-    if not cached() and scale.rank() == 0:
-        meta_file.unlink(missing_ok=True)  # the old key must not vouch for half-overwritten weights
+    if meta_file.is_file():
+        saved, meta = hf.read_json(meta_file, "pass --retrain_sft=true to train the SFT model again"), sft_key(cfg)
+        if saved == meta:
+            return True
+        diff = [f"{k} {saved.get(k)!r} -> {meta[k]!r}" for k in meta if k != "tasks_sha1" and saved.get(k) != meta[k]]
+        if saved.get("tasks_sha1") != meta["tasks_sha1"]:
+            diff.append("tasks.py (the toy data) changed")
+        problem = f"holds an SFT model trained with other settings: {', '.join(diff)}"
+    elif sft_dir.is_dir() and any(sft_dir.iterdir()):
+        problem = "holds files but no sft_meta.json, so not an SFT model this code wrote"
+    else:
+        return False
+    if not cfg.retrain_sft:
+        raise ValueError(f"sft_dir {sft_dir} {problem}; pass --retrain_sft=true to replace it, or give this "
+                         "run its own --sft_dir")
+    return False
+
+
+def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
+    """(directory, SFT seconds) of the toy SFT model: sft_dir when it was trained with the same settings,
+    else trained now by `sft(model, tok, ids, cfg, device) -> seconds` (by rank 0 alone under torchrun; the
+    other ranks wait, then every rank reads the same files).
+
+    Written atomically: into a temporary directory beside sft_dir, which replaces it by rename once complete
+    (sft_meta.json last), so a crash or Ctrl-C at any moment leaves the old model, or none, never a mix."""
+    sft_dir = sft_dir_of(cfg)
+    cached = check_sft_cache(cfg)
+    if not cached and scale.rank() == 0:
         mc = scratch_config(cfg, **tasks.model_config_overrides(tok))
         model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
         print(f"SFT from scratch: {num_params(model) / 1e6:.2f}M parameters, {cfg.sft_steps} steps")
         seconds = sft(model, tok, ids, cfg, device)
-        hf.save_pretrained(model, sft_dir)
-        tok.save(str(sft_dir / "tokenizer.json"))
-        (sft_dir / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
-        meta_file.write_text(json.dumps(meta, indent=2))  # written last: its presence means "complete"
+        sft_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp, old = (sft_dir.with_name(f".{sft_dir.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
+        try:
+            hf.save_pretrained(model, tmp)
+            tok.save(str(tmp / "tokenizer.json"))
+            (tmp / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
+            (tmp / "sft_meta.json").write_text(json.dumps(sft_key(cfg), indent=2))
+            checkpoint.fsync_tree(tmp)
+            if sft_dir.exists():  # the model being replaced (--retrain_sft) stays whole until the new one is in
+                os.rename(sft_dir, old)
+            try:
+                os.rename(tmp, sft_dir)
+            except OSError:
+                if old.exists():
+                    os.rename(old, sft_dir)
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+        print(f"saved the SFT model to {sft_dir} (later runs with the same settings reuse it)")
     scale.barrier()
-    print0(f"loading the SFT model from {sft_dir} (delete it to retrain)")
-    return sft_dir, json.loads((sft_dir / "sft_seconds.json").read_text())["seconds"]
+    if cached:
+        print0(f"loading the SFT model from {sft_dir} (trained with these settings; --retrain_sft=true retrains it)")
+    seconds = hf.read_json(sft_dir / "sft_seconds.json", "pass --retrain_sft=true to train it again")["seconds"]
+    return sft_dir, seconds
+
+
+def report_truncation(cfg, tok, datasets: dict) -> dict:
+    """Say how many benchmark prompts --max_prompt_len cuts (tasks.make_batch keeps their last max_prompt_len
+    tokens, as the official code): {(task, split): (cut, total, longest)}, printed when anything is cut."""
+    cut = {}
+    for task, splits in datasets.items():
+        if task in IMAGE_TASKS:
+            continue
+        for split, exs in splits.items():
+            if not exs:
+                continue
+            texts = [chat_prompt([{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill for ex in exs]
+            lengths = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
+            n = sum(length > cfg.max_prompt_len for length in lengths)
+            if n:
+                cut[(task, split)] = (n, len(lengths), max(lengths))
+                print0(f"note: {n} of {len(lengths)} {task} {split} prompts are longer than --max_prompt_len="
+                       f"{cfg.max_prompt_len} tokens (the longest {max(lengths)}) and keep only their last "
+                       f"{cfg.max_prompt_len}; raise --max_prompt_len to keep them whole")
+    return cut
 
 
 def find_model(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
@@ -386,7 +477,7 @@ def generation_settings(cfg) -> dict:
 def read_generation_settings(path) -> dict:
     """The generation settings saved beside a checkpoint ({} for one written elsewhere, e.g. LLaDA's own)."""
     f = Path(path) / GENERATION_FILE
-    return json.loads(f.read_text()) if f.is_file() else {}
+    return hf.read_json(f, f"delete it to use the defaults and flags only") if f.is_file() else {}
 
 
 def keep_steps_before(path: Path, start: int) -> Path:
@@ -408,7 +499,7 @@ def keep_steps_before(path: Path, start: int) -> Path:
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 # lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
-RESUMABLE = ("resume", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
+RESUMABLE = ("resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
              "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip")
 
 
@@ -416,8 +507,8 @@ def reference_identity(cfg) -> dict:
     """What the reference policy (and the starting point) is: the SFT cache key or the init_from
     checkpoint's config and index, so a resumed run cannot silently change its KL anchor."""
     if cfg.init_from == "scratch":
-        meta = Path(cfg.sft_dir or Path(cfg.out_dir) / "sft") / "sft_meta.json"
-        return {"sft_meta": json.loads(meta.read_text()) if meta.is_file() else None}
+        meta = sft_dir_of(cfg) / "sft_meta.json"
+        return {"sft_meta": hf.read_json(meta) if meta.is_file() else None}
     root = Path(cfg.init_from)
     digest = hashlib.sha1()
     for name in ("config.json", "model.safetensors.index.json"):
@@ -448,9 +539,14 @@ def startup_checks(cfg, device) -> None:
     print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
 
 
+FINISHED = ("final", "log.jsonl", "summary.json")  # what a run leaves besides checkpoints (config.json is
+                                                  # written at start-up, so a run that failed early has one)
+
+
 def _check_out_dir(cfg, out: Path) -> None:
     """Before any heavy work: out_dir writable with room for a checkpoint, sequence lengths that fit the
-    model, and no stale checkpoints that a fresh run would silently mix with."""
+    model, no finished run or stale checkpoints that a fresh run would silently overwrite or mix with,
+    and an SFT cache that is this run's or none."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
@@ -460,24 +556,48 @@ def _check_out_dir(cfg, out: Path) -> None:
         raise ValueError(f"out_dir {out} is not writable ({e.strerror}); pass --out_dir=a writable directory") from None
     mc = None
     if cfg.init_from != "scratch":
-        cfg_file = Path(cfg.init_from) / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file} not found: --init_from must be a LLaDA/MMaDA checkpoint directory")
-        mc = hf.config_from_hf(json.loads(cfg_file.read_text()))
+        if not (Path(cfg.init_from) / "config.json").is_file():
+            raise FileNotFoundError(f"{Path(cfg.init_from) / 'config.json'} not found: --init_from must be a "
+                                    "LLaDA/MMaDA checkpoint directory")
+        mc = hf.read_config(cfg.init_from)
         image = any(t in IMAGE_TASKS for t in task_list(cfg))
         need = (cfg.image_text_len or 64) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
         if need > mc.max_sequence_length:
             raise ValueError(f"sequences of up to {need} tokens exceed the model's max_sequence_length "
                              f"({mc.max_sequence_length}); lower --max_prompt_len / --gen_length (or image sizes)")
+    else:
+        check_sft_cache(cfg)
     if cfg.checkpoint_every:
         budget.check_disk(cfg, out, mc or scratch_config(cfg, vocab_size=128))
-    last = checkpoint.latest(out)
-    if last is not None and not cfg.resume:
-        raise ValueError(f"out_dir {out} already holds checkpoints (latest {last.name}): pass "
+    any_checkpoint = checkpoint.latest(out)
+    if any_checkpoint is not None and not cfg.resume:
+        raise ValueError(f"out_dir {out} already holds checkpoints (latest {any_checkpoint.name}): pass "
                          "--resume=true to continue that run, or choose another --out_dir")
-    if last is not None:  # before anything is loaded or config.json is overwritten
-        state = json.loads((last / "state.json").read_text())
+    finished = [f"{n}/" if (out / n).is_dir() else n for n in FINISHED if (out / n).exists()]
+    if finished and any_checkpoint is None:
+        # Without checkpoints (checkpoint_every=0, or fewer steps than it) there is nothing to resume from:
+        # this run would start again and replace the files.
+        raise ValueError(f"out_dir {out} holds a run ({', '.join(finished)}) and no checkpoint to "
+                         f"resume from{'' if cfg.resume else ' (--resume=true continues from checkpoints only)'}"
+                         "; choose another --out_dir, or delete that run")
+    if any_checkpoint is not None:  # before anything is loaded or config.json is overwritten
+        last = resume_point(out)
+        state = hf.read_json(last / "state.json", "remove that checkpoint directory")
         checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), RESUMABLE)
+
+
+def resume_point(out: Path, quiet: bool = True) -> Path:
+    """The newest intact checkpoint of out (checkpoint.latest_intact); newer damaged ones are named, with
+    the fix, unless quiet. None intact: a ValueError listing every problem."""
+    last, skipped = checkpoint.latest_intact(out)
+    if last is None:
+        raise ValueError(f"--resume: no intact checkpoint in {out / checkpoint.DIRNAME}: " + "; ".join(skipped)
+                         + "; remove the damaged directories, or choose another --out_dir")
+    if not quiet:
+        for line in skipped:
+            print0(f"warning: {line}; resuming from the newest intact checkpoint, {last.name} (remove the "
+                   "damaged one to silence this)")
+    return last
 
 
 
@@ -500,7 +620,7 @@ class Run:
         # What a resumed run must continue from (startup_checks has refused incompatible settings already).
         self.state = {"step": 0, "before": None, "bad_steps": 0, "bad_run": 0, "rl_seconds": 0.0,
                       "last_good": None, "grid_before": None}
-        last = checkpoint.latest(self.out) if cfg.resume else None
+        last = resume_point(self.out, quiet=False) if cfg.resume and checkpoint.latest(self.out) else None
         if last is not None:
             self.state.update(checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0))
             for group in opt.param_groups:  # the saved optimizer carries the old lr; --lr may change on resume
@@ -536,7 +656,7 @@ class Run:
         cfg, state = self.cfg, self.state
         bad = "bad_reward" in log or log.get("skipped_updates", 0) > 0
         if "bad_reward" in log:
-            print0(f"warning: step {step + 1} skipped: {log['bad_reward']}")
+                    print0(f"warning: step {step} skipped: {log['bad_reward']}")
         else:
             print0(log_line(log, cfg.rl_steps))
         state["bad_run"] = state["bad_run"] + 1 if bad else 0
@@ -551,7 +671,7 @@ class Run:
         if state["bad_run"] >= cfg.max_bad_steps:
             raise TrainingStopped(
                 f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the "
-                f"warnings above), stopping at step {step + 1}. Last good checkpoint: "
+                f"warnings above), stopping at step {step}. Last good checkpoint: "
                 f"{state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or "
                 "--grad_clip, the reward function or scorer) and continue from it with --resume=true "
                 "(delete the newer checkpoints first)")
@@ -563,7 +683,7 @@ class Run:
         if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or stopping:
             print0(f"checkpoint {self._save_checkpoint(step + 1)}")
         if stopping:
-            print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step + 1}; continue with the "
+            print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with the "
                    "same command and --resume=true")
             raise SystemExit(128 + int(stopping))
 
@@ -600,7 +720,9 @@ def show(b, rewards, tok, ids, n: int = 1) -> None:
         else:
             print0(f"  [{b.task}] {prompt!r}  reward {rewards[i]:.2f}")
             if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
-                print0(tasks.render_image(outs[i], int(math.isqrt(len(outs[i])))))
+                from infra import plots  # (ANSI colours on a terminal only, letters in a log file)
+
+                print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
 
 
 def write_pictures(cfg, out: Path, grid: list) -> None:

@@ -1,22 +1,30 @@
-"""The sampling command line: `python sample.py --ckpt DIR --prompt TEXT [--image] [--field=value ...]`.
+"""The sampling command line: `python sample.py --ckpt DIR --prompt TEXT [--image [--png FILE]] [--field=value ...]`.
 
     python sample.py --ckpt out/toy/final --prompt "bob has 3 pens . how many pens does he have ?"
-    python sample.py --ckpt out/toy/final --image --prompt "two red blocks"
+    python sample.py --ckpt out/toy/final --image --prompt "two red blocks" --png red.png
     python sample.py --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
+
+Every setting is checked before the weights are read, with the rules train.py applies to the same names
+(infra/run.validate_generation), and the prompt is checked against the checkpoint: characters the
+tokenizer does not know are named (they become its unknown token), and a prompt that does not fit the
+model's max_sequence_length is refused. A user error is one line and exit status 2 (infra/cli.py).
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 import sample
 import tasks
-from infra import cli, fast_sample, hf
+from infra import cli, fast_sample, hf, plots
 from infra.hf import load_tokenizer
-from infra.run import read_generation_settings
+from infra.run import read_generation_settings, validate_generation
 from model import chat_prompt
+
+FORMATS = ("auto", "toy", "chat", "raw")
 
 
 @dataclass
@@ -27,6 +35,7 @@ class Options:
     ckpt: str = ""              # directory with config.json, *.safetensors, tokenizer.json
     prompt: str = ""              # the text to complete, or the caption to draw (--image)
     image: bool = False         # text-to-image (toy checkpoints of train.py): fill the image slots
+    png: str = ""                 # with --image: also write the picture to this PNG file (needs Pillow)
     gen_length: int = 64          # completion tokens
     block_length: int = 16        # semi-autoregressive block size; divides gen_length
     steps: int = 64               # denoising steps, a multiple of the number of blocks, <= gen_length
@@ -45,64 +54,117 @@ class Options:
 
 def main(argv=None):
     first = cli.parse(Options, argv, description="Sample from a LLaDA/MMaDA-style checkpoint.")
-    saved = read_generation_settings(first.ckpt) if first.ckpt else {}
+    if not first.ckpt:
+        raise ValueError("--ckpt is missing: pass --ckpt DIR, a folder with config.json, *.safetensors and "
+                         "tokenizer.json (e.g. out/toy/final)")
+    saved = read_generation_settings(first.ckpt) if Path(first.ckpt).is_dir() else {}
     toy = any(t in ("text", "image") for t in saved.pop("tasks", "").split(","))
     known = {k: v for k, v in saved.items() if k in Options.__dataclass_fields__ and k != "temperature"}
     o = cli.parse(Options, argv, description="Sample from a LLaDA/MMaDA-style checkpoint.", defaults=known)
-    if not (o.ckpt and o.prompt):
-        raise SystemExit("error: pass --ckpt DIR --prompt TEXT")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    model = hf.from_pretrained(o.ckpt, device=device, dtype=dtype)
-    tok = load_tokenizer(o.ckpt, model.config)
-    gen = torch.Generator(device).manual_seed(o.seed)
+    check_options(o)
+    config = hf.read_config(o.ckpt)  # config.json and tokenizer.json first: the prompt is checked before
+    tok = load_tokenizer(o.ckpt, config)  # gigabytes of weights are read
     if o.image:
-        return _sample_image(model, tok, o, gen, device)
+        return _sample_image(config, tok, o)
     # auto: as the checkpoint was trained (toy tasks, or chat for benchmarks); raw for any other checkpoint.
     fmt = o.prompt_format if o.prompt_format != "auto" else "raw" if not saved else "toy" if toy else "chat"
     if fmt == "toy":  # as train.py's toy text task: BOS + question (tasks.encode_text)
-        ids = [tasks.token_ids(tok).bos] + tok.encode(o.prompt, add_special_tokens=False).ids
-    elif fmt in ("chat", "raw"):  # the chat template already holds BOS
+        text, head = o.prompt, [tasks.token_ids(tok).bos]
+    else:  # the chat template already holds BOS
         text = chat_prompt([{"role": "user", "content": o.prompt}]) + o.prompt_prefill if fmt == "chat" else o.prompt
-        ids = tok.encode(text, add_special_tokens=False).ids
-    else:
-        raise SystemExit(f"error: prompt_format ({o.prompt_format!r}) must be auto, toy, chat or raw")
+        head = []
+    ids = head + encode_checked(tok, text)
+    check_length(len(ids), o.gen_length, config, o.ckpt)
+    model, device, gen = _load(o)
     prompt = torch.tensor([ids], device=device)                                          # (1, P)
     out = fast_sample.generate(model, prompt, gen_length=o.gen_length, block_length=o.block_length, steps=o.steps,
                    temperature=o.temperature, mask_id=model.config.mask_token_id, generator=gen,
                    kv_cache=None if o.kv_cache == "none" else o.kv_cache, threshold=o.threshold or None,
-                   progress=True)
+                   progress=cli.bars_shown())
     completion = tok.decode(out[0, prompt.shape[1]:].tolist(), skip_special_tokens=True)
     print(completion)
     return completion
 
 
-def _sample_image(model, tok, o, gen, device):
-    # The toy's MMaDA-style t2i layout and grid rendering live in tasks.py.
-    cfg = model.config
+def check_options(o: Options) -> None:
+    """Every setting, before anything is read: the rules train.py applies to the same names, then sample.py's own."""
+    if not o.prompt.strip():
+        raise ValueError(f"--prompt is {'empty' if not o.prompt else 'only whitespace'}: pass the text to "
+                         "complete, e.g. --prompt \"What is 7 * 8?\"")
+    validate_generation(o)
+    if o.prompt_format not in FORMATS:
+        raise ValueError(f"prompt_format ({o.prompt_format!r}) must be one of {', '.join(FORMATS)}")
+    if o.png and not o.image:
+        raise ValueError(f"--png {o.png} draws an image sample: add --image, or drop --png")
+    if o.png and not plots.have_pillow():
+        raise ValueError(f"--png {o.png} needs Pillow, which is not installed: pip install pillow")
+    if o.png and not Path(o.png).parent.is_dir():
+        raise ValueError(f"--png {o.png}: the directory {Path(o.png).parent} does not exist")
+
+
+def encode_checked(tok, text: str) -> list[int]:
+    """tok's ids of text, with a warning naming the characters that become the unknown token (a word-level
+    tokenizer's [UNK], say): the model sees none of them, and silently dropping meaning is a bad surprise."""
+    enc = tok.encode(text, add_special_tokens=False)
+    unk = getattr(tok.model, "unk_token", None)
+    unk_id = tok.token_to_id(unk) if unk else None
+    if unk_id is not None:
+        # Offsets include the space a Metaspace pre-tokenizer folds into a piece: shown without it.
+        lost = [text[a:b].strip() or text[a:b] for (a, b), i in zip(enc.offsets, enc.ids)
+                if i == unk_id and text[a:b] != unk]
+        if lost:
+            print(f"warning: {len(lost)} piece(s) of the prompt are not in the tokenizer's vocabulary and become "
+                  f"{unk}: {', '.join(map(repr, lost[:10]))}{' ...' if len(lost) > 10 else ''}", file=sys.stderr)
+    return enc.ids
+
+
+def check_length(prompt_len: int, gen_length: int, config, ckpt: str) -> None:
+    """Refuse a sequence longer than the model's positions: past them the output is garbage, slowly."""
+    if prompt_len + gen_length > config.max_sequence_length:
+        raise ValueError(f"the prompt is {prompt_len} tokens and --gen_length={gen_length}: {prompt_len + gen_length} "
+                         f"> the model's max_sequence_length {config.max_sequence_length} ({Path(ckpt) / 'config.json'}); "
+                         "shorten the prompt or lower --gen_length")
+
+
+def _load(o: Options):
+    """(model, device, generator): the weights on the GPU when there is one, in bf16 when it supports it."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return hf.from_pretrained(o.ckpt, device=device, dtype=dtype), device, torch.Generator(device).manual_seed(o.seed)
+
+
+def _sample_image(cfg, tok, o):
+    # The toy's MMaDA-style t2i layout lives in tasks.py; its pictures in infra/plots.py.
     if cfg.image_token_offset is None:
-        raise SystemExit(f"error: {o.ckpt} has no image tokens (image_token_offset is unset in config.json); "
+        raise ValueError(f"{o.ckpt} has no image tokens (image_token_offset is unset in config.json); "
                          "--image needs a multimodal checkpoint such as train.py's toy output")
     n = o.image_width ** 2
     text_len = o.image_text_len or tasks.image_text_len(tok)
+    caption = encode_checked(tok, o.prompt)
+    if len(caption) + 3 > text_len:  # <|t2i|> BOS caption EOS, cut to text_len by tasks.encode_image_prompt
+        print(f"warning: the caption is {len(caption)} tokens; only its first {text_len - 3} fit the text part "
+              f"(--image_text_len={text_len})", file=sys.stderr)
     ids, start, att = tasks.encode_image_prompt(tok, o.prompt, text_len, n)
+    check_length(len(ids) - n, n, cfg, o.ckpt)
     uids, _, uatt = tasks.encode_image_prompt(tok, "", text_len, n)
+    model, device, gen = _load(o)
+
     def t(v):
         return torch.tensor([v], device=device)                                        # (1, L)
     out = sample.generate_image(model, t(ids), image_start=start, num_tokens=n, steps=o.image_steps,
                          sampler=o.image_sampler, cfg_scale=o.cfg_scale, uncond_input_ids=t(uids), generator=gen,
                          attention_mask=t(att), uncond_attention_mask=t(uatt),
                          code_offset=cfg.image_token_offset, codebook_size=cfg.codebook_size,
-                         mask_id=cfg.mask_token_id, progress=True)
+                         mask_id=cfg.mask_token_id, progress=cli.bars_shown())
     codes = [c - cfg.image_token_offset for c in out[0, start:start + n].tolist()]
-    print(tasks.render_image(codes, o.image_width))
+    print(plots.text_image(codes, o.image_width, sys.stdout))
+    if o.png:
+        plots.image_grid([("sample", [codes])], [o.prompt], o.image_width, o.png)
+        print(f"wrote {o.png}", file=sys.stderr)
     return codes
 
 
 def run() -> None:
     """`python sample.py`: main() with user errors as one line on stderr and exit status 2."""
-    try:
+    with cli.user_errors():
         main()
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

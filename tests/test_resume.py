@@ -69,7 +69,7 @@ def test_killed_anywhere_resumes_bit_identical(sft_dir, tmp_path):
     # same result), so (3) resumes at step 3 or 4 (the kill may land while checkpoint 4 is written).
     p = spawn(args + ["--resume=true", "--rl_steps=1000", "--keep_last=0"])
     for line in p.stdout:
-        if line.startswith("step 4/"):
+        if line.startswith("step 3/"):  # 0-based: printed once 4 steps are done
             p.kill()
             break
     p.wait(timeout=60)
@@ -117,7 +117,7 @@ def test_sigterm_writes_checkpoint_and_resumes(sft_dir, tmp_path):
     args = RUN + [f"--sft_dir={sft_dir}", f"--out_dir={out}", "--checkpoint_every=0"]
     p = spawn(args + ["--rl_steps=1000"])
     for line in p.stdout:
-        if line.startswith("step 2/"):
+        if line.startswith("step 1/"):  # 0-based: printed once 2 steps are done
             p.send_signal(signal.SIGTERM)
             break
     text = p.stdout.read()
@@ -166,7 +166,8 @@ def test_nan_reward_and_loss_are_skipped_and_logged(sft_dir, tmp_path, monkeypat
     assert logs[2]["skipped_updates"] == 2 and logs[3]["skipped_updates"] == 0  # both mu updates of step 2
     assert [l["bad_steps"] for l in logs] == [0, 1, 2, 2, 2, 2]
     text = capsys.readouterr().out
-    assert "warning: step 2 skipped" in text and "warning: step 3 update 1: non-finite loss" in text
+    # The console counts steps and updates from 0, as log.jsonl does.
+    assert "warning: step 1 skipped" in text and "warning: step 2 update 0: non-finite loss" in text
     # The skipped steps left the weights finite.
     assert all(torch.isfinite(p).all() for p in weights(out / "final").values())
 
@@ -175,7 +176,7 @@ def test_persistent_failures_stop_the_run(sft_dir, tmp_path, monkeypatch):
     inject(monkeypatch, reward_steps={2, 4}, loss_steps={3})
     out = tmp_path / "stop"
     # Checkpoints after steps 3 and 4 were written during the bad streak: the last good one is step 2's.
-    with pytest.raises(train.TrainingStopped, match=r"3 consecutive bad steps .* stopping at step 5\. Last good "
+    with pytest.raises(train.TrainingStopped, match=r"3 consecutive bad steps .* stopping at step 4\. Last good "
                                                     r"checkpoint: .*step-00000002;"):
         train.main(RUN + [f"--sft_dir={sft_dir}", f"--out_dir={out}", "--max_bad_steps=3"])
     logs = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()]

@@ -4,6 +4,7 @@
     python -m pytest tests/test_train.py -q -m slow    # the full toy preset (~10 min), checks the reward gain
 """
 import json
+import re
 import math
 
 import pytest
@@ -18,13 +19,16 @@ from infra import hf
 from infra import sample_cli
 
 
-def test_smoke_run(tmp_path):
+def test_smoke_run(tmp_path, capsys):
     """A few SFT and RL steps of the whole pipeline: finite losses, one log line per step, a final
     checkpoint in the Hugging Face layout that reloads to identical logits, a summary with both tasks."""
     out = tmp_path / "run"
     summary = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1"])
     lines = [json.loads(s) for s in (out / "log.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1]
+    # The console counts steps as log.jsonl (and so the plots' x axis) does.
+    printed = [int(m) for m in re.findall(r"^step (\d+)/2 ", capsys.readouterr().out, re.M)]
+    assert printed == [l["step"] for l in lines]
     for l in lines:
         for task in ("text", "image"):
             assert math.isfinite(l[f"{task}/loss"]) and 0.0 <= l[f"{task}/reward"] <= 1.0
@@ -43,11 +47,13 @@ def test_smoke_run(tmp_path):
     assert isinstance(text, str) and len(tok.encode(text, add_special_tokens=False).ids) <= 12
     codes = sample_cli.main(["--ckpt", str(out / "final"), "--prompt", "two red blocks", "--image", "--image_steps", "4"])
     assert len(codes) == 16 and all(0 <= c < tasks.CODEBOOK_SIZE for c in codes)
-    # Re-run the same RL config from the cached SFT model: the SFT stage is skipped, and the result is
-    # deterministic, so the final weights give the same logits as the first run's.
-    again = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1"])
+    # Re-run the same RL config from the cached SFT model (into another out_dir: the finished run is never
+    # overwritten): the SFT stage is skipped, and the result is deterministic, so the final weights give
+    # the same logits as the first run's.
+    again = train.main(["--preset", "smoke", f"--out_dir={tmp_path / 'again'}", f"--sft_dir={out / 'sft'}",
+                        "--threads=1"])
     assert again["seconds"]["sft"] == summary["seconds"]["sft"]
-    model2 = hf.from_pretrained(out / "final")
+    model2 = hf.from_pretrained(tmp_path / "again" / "final")
     x = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(x), model2(x))

@@ -1,0 +1,158 @@
+"""Nothing a user made is destroyed: a shared SFT model trained with other settings, a finished run, and a
+finished (or interrupted) evaluation all survive a rerun; Ctrl-C during SFT stops cleanly.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_nothing_lost.py -q
+"""
+import hashlib
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+import evaluate
+import rewards
+import train
+from infra import hf
+
+# A two-step SFT and no RL: enough to leave a complete run (sft/, final/, summary.json, log.jsonl).
+TINY = ["--preset=smoke", "--threads=1", "--sample_every=0", "--sft_steps=2", "--rl_steps=0", "--eval_prompts=1"]
+
+
+def tree_digest(root: Path) -> dict:
+    """{relative path: sha1 of its bytes} of every file under root: equal digests mean nothing changed."""
+    return {str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished toy run (out_dir) with its SFT model in out_dir/sft."""
+    out = tmp_path_factory.mktemp("finished")
+    train.main([*TINY, f"--out_dir={out}"])
+    return out
+
+
+@pytest.fixture
+def shared_sft(finished, tmp_path):
+    """A copy of the finished run's SFT model, as a --sft_dir several runs share."""
+    import shutil
+
+    d = tmp_path / "shared-sft"
+    shutil.copytree(finished / "sft", d)
+    return d
+
+
+# -----------------------------------------------------------------------------------------------------
+# a shared SFT model
+
+
+def test_sft_model_of_other_settings_is_refused_not_overwritten(shared_sft, tmp_path):
+    before = tree_digest(shared_sft)
+    with pytest.raises(ValueError) as e:
+        train.main([*TINY, f"--sft_dir={shared_sft}", f"--out_dir={tmp_path / 'run'}", "--seed=1", "--sft_steps=3"])
+    msg = str(e.value)
+    # The message names the directory, every differing setting with both values, and the two ways out.
+    assert str(shared_sft) in msg and "seed 0 -> 1" in msg and "sft_steps 2 -> 3" in msg, msg
+    assert "--retrain_sft=true" in msg and "--sft_dir" in msg, msg
+    assert tree_digest(shared_sft) == before
+
+
+def test_retrain_sft_replaces_the_model(shared_sft, tmp_path):
+    train.main([*TINY, f"--sft_dir={shared_sft}", f"--out_dir={tmp_path / 'run'}", "--seed=1", "--retrain_sft=true"])
+    assert json.loads((shared_sft / "sft_meta.json").read_text())["seed"] == 1
+
+
+def test_interrupted_retraining_keeps_the_old_model(shared_sft, tmp_path, monkeypatch):
+    """The cache is written beside the old one and swapped in at the end: a crash while the new weights
+    are being written leaves the old model, with its sft_meta.json, as it was."""
+    before = tree_digest(shared_sft)
+
+    def crash(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(hf, "save_pretrained", crash)
+    with pytest.raises(OSError):
+        train.main([*TINY, f"--sft_dir={shared_sft}", f"--out_dir={tmp_path / 'run'}", "--seed=1",
+                    "--retrain_sft=true"])
+    assert tree_digest(shared_sft) == before
+    assert sorted(p.name for p in shared_sft.parent.iterdir()) == ["run", "shared-sft"]  # no temporary left
+
+
+def test_ctrl_c_during_sft_stops_cleanly(tmp_path, monkeypatch, capsys):
+    """SIGINT in the middle of SFT: the step finishes, the run exits with 128 + 2 and says that SFT will
+    restart; nothing half-trained is left in --sft_dir."""
+    calls = {"n": 0}
+    loss = train.diffusion_loss
+
+    def interrupted_loss(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # during the second SFT step (two tasks per step)
+            os.kill(os.getpid(), signal.SIGINT)
+        return loss(*args, **kwargs)
+    monkeypatch.setattr(train, "diffusion_loss", interrupted_loss)
+    sft_dir = tmp_path / "sft"
+    with pytest.raises(SystemExit) as e:
+        train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={tmp_path / 'run'}", "--sft_steps=50"])
+    assert e.value.code == 128 + signal.SIGINT
+    out = capsys.readouterr().out
+    assert "SFT stopped by SIGINT after 2 of 50 steps" in out and "restarts SFT from step 0" in out, out
+    assert calls["n"] == 4  # the interrupted step was finished, no later one was started
+    assert not sft_dir.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+# -----------------------------------------------------------------------------------------------------
+# a finished run
+
+
+@pytest.mark.parametrize("extra", [[], ["--resume=true"]])
+def test_finished_run_is_refused_not_overwritten(finished, extra):
+    """A run without checkpoints (checkpoint_every=0, as in the smoke preset) is still a finished run."""
+    before = tree_digest(finished)
+    with pytest.raises(ValueError, match=rf"out_dir {finished} holds a run \(final/, log.jsonl, "
+                                         r"summary.json\) and no checkpoint") as e:
+        train.main([*TINY, f"--out_dir={finished}", *extra])
+    assert "choose another --out_dir" in str(e.value)
+    assert tree_digest(finished) == before
+
+
+# -----------------------------------------------------------------------------------------------------
+# a finished evaluation
+
+
+def _no_evaluation(*args, **kwargs):
+    raise AssertionError("evaluated before --out was checked")
+
+
+@pytest.mark.parametrize("bad,reason", [("dir", "is a directory"), ("file/under/a/file.jsonl", "not a directory"),
+                                        ("done.jsonl", "already exists")])
+def test_evaluate_checks_out_before_evaluating(finished, tmp_path, monkeypatch, capsys, bad, reason):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "done.jsonl").write_text('{"reward": 1.0}\n')
+    monkeypatch.setattr(train, "evaluate", _no_evaluation)
+    out = tmp_path / bad
+    assert evaluate.main(["--ckpt", str(finished / "final"), "--task", "text", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --out {out} ") and reason in err.lower() and "\n" not in err, err
+    assert (tmp_path / "done.jsonl").read_text() == '{"reward": 1.0}\n'
+
+
+def test_interrupted_evaluation_keeps_what_it_scored(finished, tmp_path, monkeypatch, capsys):
+    """Records are written as each batch of 64 is scored: Ctrl-C in the third batch keeps the first two."""
+    score = rewards.score
+    calls = {"n": 0}
+
+    def interrupted_score(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return score(*args, **kwargs)
+    monkeypatch.setattr(rewards, "score", interrupted_score)
+    out = tmp_path / "eval.jsonl"
+    code = evaluate.main(["--ckpt", str(finished / "final"), "--task", "text", "--limit=200", "--samples=0",
+                          "--out", str(out)])
+    assert code == 130
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_index"] for r in lines] == list(range(128))
+    assert f"128 scored completions kept in {out}" in capsys.readouterr().err
