@@ -112,7 +112,8 @@ class Config:
     cfg_scale: float = 0.0            # guidance weight w; (1 + w) cond - w uncond
     # importance estimator
     estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines for ablation)
-    text_reversing: str = "arlike"    # arlike (paper, text) | random
+    text_reversing: str = "arlike"    # arlike (paper Alg. 1) | random | arlike_official (the released runs' masks:
+                                      # the ramp also spans the prompt, docs/differences.md)
     gamma_text: float = 0.6           # truncation: mask ratios live in (gamma, 1) (paper: 0.6 text)
     gamma_image: float = 0.8          # (paper: 0.8 image)
     num_iterations: int = 4           # mu: inner updates per rollout batch, one mask ratio each (paper: 12)
