@@ -107,3 +107,128 @@ def test_build_masks_uses_each_rows_real_prompt_length():
 def test_official_mode_needs_the_prompt_length():
     with pytest.raises(ValueError, match="prompt_len"):
         imp.reverse_mask(torch.ones(2, 8, dtype=torch.bool), 0.7, [0, 1], "arlike_official")
+
+
+# -----------------------------------------------------------------------------
+# LoRA targets
+
+def lora_param_count(targets):
+    from infra.lora import add_lora, lora_stats
+    from model import ModelConfig, Transformer
+    mc = ModelConfig(vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288)
+    with torch.device("meta"):
+        model = Transformer(mc)
+    return lora_stats(add_lora(model, rank=128, alpha=64.0, targets=targets))["lora_params"]
+
+
+def test_lora_parameter_counts_at_llada8b_shape():
+    from infra.lora import TARGET_SETS
+    # By hand: an adapter on W (out, in) holds r (in + out). LLaDA-8B: d 4096, MLP 12288, 32 heads of 128 and
+    # 32 key/value heads (q, k, v and attn_out are 4096 x 4096); 32 blocks; r 128.
+    r, d, h, layers = 128, 4096, 12288, 32
+    official = layers * r * (3 * (d + d) + (d + h))             # q, k, v, up_proj
+    everything = layers * r * (4 * (d + d) + 3 * (d + h))      # + attn_out, ff_proj, ff_out
+    assert official == 167_772_160 and everything == 335_544_320
+    assert lora_param_count(TARGET_SETS["official"]) == official
+    assert lora_param_count(TARGET_SETS["all"]) == everything
+
+
+def test_dry_run_reports_the_configured_lora_set(capsys):
+    import train
+    assert train.main(["--preset=llada8b", "--dry_run"])["lora_params"] == 167_772_160      # preset: official
+    assert train.main(["--preset=llada8b", "--dry_run", "--lora_targets=all"])["lora_params"] == 335_544_320
+    assert "LoRA r=128 on the 'all' targets: 335,544,320 adapter parameters" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="lora_targets"):
+        train.parse_args(["--preset=llada8b", "--dry_run", "--lora_targets=qv"])
+
+
+# -----------------------------------------------------------------------------
+# attention over padding, system prompt
+
+def toy_image_batch(mode):
+    import tasks
+    import train
+    tok = tasks.build_tokenizer()
+    ids = tasks.token_ids(tok)
+    cfg = train.Config(attend_padding=mode)
+    import random
+    rng = random.Random(0)
+    exs = [tasks.make_example("image", rng, cfg, "train") for _ in range(4)]
+    return tasks.make_batch("image", exs, tok, ids, cfg, torch.device("cpu"), with_targets=True), tok
+
+
+def test_attend_padding_on_equals_no_attention_mask():
+    import tasks
+    from model import ModelConfig, Transformer
+    off, tok = toy_image_batch("off")
+    on, _ = toy_image_batch("on")
+    assert torch.equal(on.x, off.x) and not off.attention_mask.all()  # the toy captions are left-padded
+    assert on.attention_mask.all() and on.uncond_mask.all()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**tasks.model_config_overrides(tok), d_model=32, n_layers=2, n_heads=4,
+                                    mlp_hidden_size=64)).eval()
+    with torch.no_grad():
+        free = model(on.x)
+        assert torch.equal(model(on.x, on.attention_mask), free)           # all ones = no mask, bit for bit
+        assert not torch.allclose(model(off.x, off.attention_mask), free)  # masking the pad keys changes logits
+
+
+def test_attend_padding_auto_is_on_for_geneval_only():
+    import tasks
+    import train
+    cfg = train.Config()
+    assert cfg.attend_padding == "auto"
+    assert tasks.attends_padding(cfg, "geneval")
+    assert not any(tasks.attends_padding(cfg, t) for t in ("image", "text", "gsm8k"))
+    assert all(tasks.attends_padding(train.Config(attend_padding="on"), t) for t in ("image", "gsm8k"))
+    assert train.Config(**train.PRESETS["mmada8b"]).attend_padding == "auto"
+
+
+class Recorder:
+    """A tokenizer stand-in that records the text make_batch encodes."""
+
+    def __init__(self):
+        self.seen = []
+
+    def encode(self, text, add_special_tokens=False):
+        self.seen.append(text)
+        return type("Enc", (), {"ids": [5] * 3})()
+
+
+@pytest.mark.parametrize("system", ["", "You are a math expert."])
+def test_system_prompt_opens_a_system_turn(system):
+    import tasks
+    import train
+    ids = tasks.token_ids(tasks.build_tokenizer())
+    rec = Recorder()
+    cfg = train.Config(system_prompt=system, gen_length=4, block_length=4, steps=4)
+    tasks.make_batch("gsm8k", [{"prompt": "Q?"}], rec, ids, cfg, torch.device("cpu"), with_targets=False)
+    turn = lambda role, text: f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>"
+    want = ("<|startoftext|>" + (turn("system", system) if system else "") + turn("user", "Q?")
+            + "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert rec.seen == [want]
+
+
+# -----------------------------------------------------------------------------
+# measurements behind docs/differences.md (infra/official.py)
+
+def test_strided_indices_under_gradient_accumulation():
+    from infra.official import strided_indices
+    # By hand, mu 12 and accumulation 2: micro-batch m scores index m mod 12 (the counter is m + 1 when
+    # compute_loss runs), slot m mod 2, so slot 0 gets the even indices twice and slot 1 the odd ones.
+    assert strided_indices(12, 2, 12) == [[0, 2, 4, 6, 8, 10] * 2, [1, 3, 5, 7, 9, 11] * 2]
+    assert strided_indices(12, 1, 12) == [list(range(12))]              # without accumulation: in order
+    assert strided_indices(6, 2, 6) == [[0, 2, 4] * 2, [1, 3, 5] * 2]   # t2i_grpo_train.sh
+
+
+def test_float64_gumbel_samples_the_tempered_softmax():
+    from infra.official import entropy_top1, gumbel_stats
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
+    tau = 0.9
+    p = [math.exp(v / tau) for v in logits.tolist()]
+    p = [v / sum(p) for v in p]                                          # softmax(l / tau), by hand
+    h_want = -sum(v * math.log(v) for v in p)
+    h, top = gumbel_stats(logits, tau, torch.float64, 20000, torch.Generator().manual_seed(0))
+    assert abs(top - p[0]) < sigma5(p[0], 20000)
+    assert h == pytest.approx(h_want, abs=0.02)
+    assert entropy_top1(torch.tensor(p)) == pytest.approx((h_want, p[0]))
