@@ -43,9 +43,9 @@ def gumbel_stats(logits: torch.Tensor, temperature: float, dtype: torch.dtype, d
     return entropy_top1(counts / draws)
 
 
-def example_logits(V: int = 2000, scale: float = 2.6, seed: int = 0) -> torch.Tensor:
+def example_logits(V: int = 2000, scale: float = 6.0, seed: int = 0) -> torch.Tensor:
     """A fixed categorical over V tokens, rounded to bf16 as a bf16 model emits it: Gaussian logits times
-    `scale`, which at tau 0.9 gives a target entropy near 2 nats (a token the model is unsure about)."""
+    `scale`, which at tau 0.9 gives a target entropy of 2.09 nats (a token the model is unsure about)."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(V, generator=g, dtype=torch.float64) * scale).to(torch.bfloat16).double()
 
