@@ -232,3 +232,12 @@ def test_float64_gumbel_samples_the_tempered_softmax():
     assert abs(top - p[0]) < sigma5(p[0], 20000)
     assert h == pytest.approx(h_want, abs=0.02)
     assert entropy_top1(torch.tensor(p)) == pytest.approx((h_want, p[0]))
+
+
+def test_official_ratios_cli_prints_the_table(capsys):
+    assert diagnose.main(["--diagnose", "--official_ratios"]) == {}
+    out = capsys.readouterr().out
+    assert "| gamma | nominal ratio t_j | P = 20 | P = 100 | P = 150 | P = 256 |" in out
+    r = 0.6 + 0.4 / 12
+    cells = " | ".join(f"{sum(official_mask_prob(P, 256, r)) / 256:.3f}" for P in (20, 100, 150, 256))
+    assert f"| 0.6 | 0.633 | {cells} |" in out and "0.769" in cells
