@@ -182,6 +182,7 @@ PRESETS: dict[str, dict] = {
     # LLaDA-8B-Instruct text RL (official t2t script): G 6, 16 prompts per step, mu 12, gamma 0.6, 256 tokens
     # in blocks of 16 with 128 steps at temperature 0.9; 667 x 12 = 8,004 optimizer steps (official 8,000),
     # a checkpoint every 42 x 12 = 504 (official 500). Give --init_from=DIR and --train_data=gsm8k=FILE.
+    # Reversing is the paper's AR-like operator; --text_reversing=arlike_official gives the released run's masks.
     "llada8b": {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "block_length": 16, "steps": 128,
                 "temperature": 0.9, "group_size": 6, "prompts_per_step": 16, "num_iterations": 12, "gamma_text": 0.6,
                 "device_batch_size": 6, "eval_prompts": 256, "rl_steps": 667, "checkpoint_every": 42},
