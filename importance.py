@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 MASK_ESTIMATORS = ("maskgrpo", "d1", "unigrpo")  # the ones build_masks draws masks for
 ESTIMATORS = MASK_ESTIMATORS + ("trajectory",)   # trajectory: the sampler's own states (trajectory_masks)
-MODES = ("arlike", "random")
+MODES = ("arlike", "random", "arlike_official")  # text reversing operators (reverse_mask)
 MAX_RATIO = 0.999  # the last ratio of the schedule would be 1.0; the official code clamps it here
 UNIGRPO_T = 1000   # UniGRPO's number of discrete timesteps; MMaDA (arXiv:2505.15809) does not state it
 
@@ -89,22 +89,50 @@ def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
     return (d * (1.0 - ratio) * N / d.sum()).clamp(max=1.0)  # (N,); N = 1 keeps with prob 1 - r
 
 
-def reverse_mask(completion_mask: torch.Tensor, ratio, seeds, mode: str = "arlike") -> torch.Tensor:
-    """Seeded reversing o^t ~ Rev(o, t, S) of the window: "arlike" (Alg. 1) or "random" (Alg. 2). completion_mask:
-    bool (B, N), True where a token may be masked; ratio: float or one per row; seeds: one int per row.
-    Returns bool (B, N), True = replace by the mask token; row b depends on (seeds[b], ratio[b], N) only."""
+def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
+    # The official AR-like operator as its call site applies it (martian422/MaskGRPO, grpo/mask_grpo_trainer.py:
+    # _get_per_token_logps_uni builds prompt_index 1-D, shape (L,), and remask_ar reads its prompt length as
+    # prompt_index[0].sum(), i.e. 1). Its ramp therefore spans the L - 1 positions 1..L-1 of [prompt | window],
+    # and prompt positions, never masked, use up its high-keep start. Window token n (absolute position P + n)
+    # stays visible with prob min(1, 2 (1-r) (1 - (P + n - 1) / (L - 2))), L = P + N: the paper's ramp over
+    # L - 1 positions, of which the window holds the last N. The masked share of the window then grows with P.
+    head = min(P, 1)  # the official prompt length: 1 (0 only if there were no prompt at all)
+    return _arlike_keep(P + N - head, ratio)[P - head:]  # (N,)
+
+
+def reverse_mask(completion_mask: torch.Tensor, ratio, seeds, mode: str = "arlike", prompt_len=None) -> torch.Tensor:
+    """Seeded reversing o^t ~ Rev(o, t, S) of the window: "arlike" (Alg. 1), "random" (Alg. 2) or
+    "arlike_official" (the official code's AR-like masks, _arlike_official_keep). completion_mask: bool (B, N),
+    True where a token may be masked; ratio: float or one per row; seeds: one int per row; prompt_len: each
+    row's prompt length P (an int or one per row; "arlike_official" only). Returns bool (B, N), True = replace
+    by the mask token; row b depends on (seeds[b], ratio[b], N) only, and for "arlike_official" on P too."""
     if mode not in MODES:
         raise ValueError(f"mode ({mode!r}) must be one of {MODES}")
     assert completion_mask.dtype == torch.bool and completion_mask.dim() == 2, "completion_mask: bool (B, N)"
     B, N = completion_mask.shape
     seeds, ratios = _per_row(seeds, B, "seeds", int), _per_row(ratio, B, "ratio", float)
     assert all(0.0 <= r <= 1.0 for r in ratios), f"mask ratios {ratios} must lie in [0, 1]"
+    if mode == "arlike_official" and prompt_len is None:
+        raise ValueError('mode "arlike_official" needs prompt_len: its masks depend on the prompt length')
+    plens = _per_row(prompt_len if prompt_len is not None else 0, B, "prompt_len", int)
+    assert all(p >= 0 for p in plens), f"prompt lengths {plens} must be >= 0"
     mask = torch.zeros(B, N, dtype=torch.bool)  # (B, N)
     for b in range(B):
         # A fresh CPU generator per row: independent of the device (CPU and CUDA streams differ) and batch mates.
         u = torch.rand(N, generator=torch.Generator().manual_seed(seeds[b]), dtype=torch.float64)  # (N,)
-        mask[b] = u < ratios[b] if mode == "random" else u >= _arlike_keep(N, ratios[b])
+        if mode == "random":
+            mask[b] = u < ratios[b]
+        elif mode == "arlike":
+            mask[b] = u >= _arlike_keep(N, ratios[b])
+        else:
+            mask[b] = u >= _arlike_official_keep(plens[b], N, ratios[b])
     return mask.to(completion_mask.device) & completion_mask  # (B, N)
+
+
+def official_completion_ratio(P: int, N: int, ratio: float) -> float:
+    """Expected masked fraction of an N-token window behind a P-token prompt under "arlike_official" at nominal
+    ratio `ratio` (the paper's operator masks exactly `ratio` for ratio >= 0.5). docs/differences.md tabulates it."""
+    return float((1.0 - _arlike_official_keep(P, N, ratio)).mean())
 
 
 def completion_mask_until_eos(window_tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -139,7 +167,7 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
     """The mu (input mask, loss mask) pairs of one rollout step, bool (mu, B, L) each, over [prompt | window | suffix].
     prompt_mask: bool (B, P), True at real prompt tokens; completion_mask: bool (B, N), True where the window may
     be scored (d1: completion_mask_until_eos); seq_index: global sequence index per row. estimator "maskgrpo":
-    `mode` reversing at the gamma schedule; "d1": prompt masked with p_mask_prompt, window fully masked;
+    `mode` reversing at the gamma schedule ("arlike_official" uses each row's prompt length, prompt_mask.sum(1)); "d1": prompt masked with p_mask_prompt, window fully masked;
     "unigrpo": random reversing at UniGRPO's ratios."""
     if estimator not in MASK_ESTIMATORS:
         raise ValueError(f"estimator ({estimator!r}) must be one of {MASK_ESTIMATORS}")
@@ -150,6 +178,9 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
         prompt_mask.shape[0] == completion_mask.shape[0], "prompt_mask (B, P), completion_mask (B, N): bool"
     (B, P), N, mu = prompt_mask.shape, completion_mask.shape[1], num_iterations
     idx = _per_row(seq_index, B, "seq_index", int)
+    # "arlike_official" reads each row's real prompt length: the official runs put one unpadded prompt group on a
+    # GPU, so the P it saw was the prompt's own length, never a batch's padded one (docs/differences.md).
+    prompt_len = prompt_mask.sum(1).tolist()  # [B]
     if estimator == "maskgrpo":
         ratios = [[r] * B for r in mask_ratios(mu, gamma)]  # [mu][B]
     elif estimator == "unigrpo":
@@ -168,7 +199,8 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
             loss_masks[j, :, window] = completion_mask
         else:
             # The prompt is never masked (§3). Only tokens masked in THIS iteration carry a ratio.
-            m = reverse_mask(completion_mask, ratios[j], seeds, mode if estimator == "maskgrpo" else "random")
+            m = reverse_mask(completion_mask, ratios[j], seeds, mode if estimator == "maskgrpo" else "random",
+                             prompt_len=prompt_len)
             in_masks[j, :, window] = loss_masks[j, :, window] = m  # (B, N)
     return in_masks, loss_masks
 

@@ -232,7 +232,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope(Lk, input_ids.device)
         cos, sin = cos[start:start + l], sin[start:start + l]  # absolute positions, left padding included
         mask = None
-        if attention_mask is not None:
+        # An all-ones mask is no mask (tasks.attends_padding): the unmasked attention, bit for bit.
+        if attention_mask is not None and not bool(attention_mask.all()):
             # Key-padding mask on a bidirectional attention (the public LLaDA modelling code since Oct 2025):
             # no query attends to a pad key. Pad queries still attend to real keys, so no row is empty.
             # On the cached path it covers the cached keys too, so left padding stays hidden.

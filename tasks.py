@@ -406,7 +406,8 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
     if task == "text":
         pairs = [encode_text(tok, ex, cfg.gen_length) for ex in examples]
     else:  # a benchmark prompt in the LLaDA chat template, cut from the left like the official code
-        pairs = [(tok.encode(chat_prompt([{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill,
+        system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        pairs = [(tok.encode(chat_prompt(system + [{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill,
                              add_special_tokens=False).ids[-cfg.max_prompt_len:], None) for ex in examples]
     P = max(len(p) for p, _ in pairs)
     rows, att = [], []
@@ -416,7 +417,17 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
         rows.append([ids.pad] * pad + p + window)  # LLaDA left-pads prompts with EOS
         att.append([0] * pad + [1] * (len(p) + cfg.gen_length))
     x = torch.tensor(rows, device=device)
-    return Batch(task, x, torch.tensor(att, device=device), P, cfg.gen_length, examples=examples)
+    att = torch.tensor(att, device=device)
+    return Batch(task, x, att.fill_(1) if attends_padding(cfg, task) else att, P, cfg.gen_length, examples=examples)
+
+
+def attends_padding(cfg, task: str) -> bool:
+    """Config.attend_padding resolved for a task. "auto" is on for geneval, the MMaDA-checkpoint image task:
+    MMaDA's official modelling code calls attention with attn_mask=None, so its checkpoints saw their [iPAD]
+    padding. It is off for text (the official text runs have no padding: one prompt group per GPU) and for the
+    toy image task, whose model is trained here, with pad keys masked. On, a batch's attention mask is all
+    ones, which model.forward treats as no mask."""
+    return cfg.attend_padding == "on" or (cfg.attend_padding == "auto" and task == "geneval")
 
 
 def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> Batch:
@@ -433,6 +444,8 @@ def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> B
     B = len(examples)
     uncond = torch.tensor(unc[0], device=device).expand(B, -1).clone()
     uncond_mask = torch.tensor(unc[2], device=device).expand(B, -1).clone()
+    if attends_padding(cfg, task):  # conditional and CFG's unconditional passes alike
+        att, uncond_mask = att.fill_(1), uncond_mask.fill_(1)
     return Batch(task, x, att, start, n, uncond, uncond_mask, examples)
 
 

@@ -78,6 +78,11 @@ class Config:
     lora_rank: int = 0                # > 0: train LoRA adapters only (lora.py); the reference is adapters-off
     lora_alpha: float = 64.0          # LoRA scale alpha / rank on the adapter output (official: 64)
     lora_dropout: float = 0.0         # dropout on the LoRA input, in [0, 1) (official: 0.05)
+    lora_targets: str = "all"         # LoRA'd block projections: all (the seven) | official (q/k/v/up, what the
+                                      # official run's Llama-named list matched; infra/lora.TARGET_SETS)
+    attend_padding: str = "auto"      # on: attention sees the [iPAD]/EOS padding, as the official MMaDA/LLaDA
+                                      # modelling does (it drops the attention bias) | off: pad keys are masked |
+                                      # auto: on for geneval (MMaDA checkpoints), off for text and toy images
     activation_checkpointing: bool = False  # recompute each block in backward (needed at 8B)
     # tasks and data
     tasks: str = "text,image"         # RL tasks, comma separated: toy text, image; or gsm8k, math, mbpp,
@@ -87,6 +92,8 @@ class Config:
     max_prompt_len: int = 256         # real text prompts keep their last max_prompt_len tokens
     prompt_prefill: str = ""          # text that opens the assistant turn of benchmark prompts (official
                                       # GSM8K/MATH evaluation: "<reasoning>")
+    system_prompt: str = ""           # a system turn before benchmark prompts' user turn ("" = none);
+                                      # docs/differences.md describes the official runs' instruction
     image_text_len: int = 0           # t2i text part, left-padded with [iPAD] (0 = longest toy caption; MMaDA 257)
     image_scorer_url: str = ""        # geneval rewards: POST to this scorer (scorer.RemoteScorer)
     reward_shaping: str = "none"      # none (correctness, 0/1) | official: GSM8K/MATH format + correctness terms
@@ -117,7 +124,8 @@ class Config:
     # importance estimator
     estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines for ablation) | trajectory (the exact
                                       # decoding-path log-ratio the others approximate: one forward per step)
-    text_reversing: str = "arlike"    # arlike (paper, text) | random
+    text_reversing: str = "arlike"    # arlike (paper Alg. 1) | random | arlike_official (the released runs' masks:
+                                      # the ramp also spans the prompt, docs/differences.md)
     gamma_text: float = 0.6           # truncation: mask ratios live in (gamma, 1) (paper: 0.6 text)
     gamma_image: float = 0.8          # (paper: 0.8 image)
     num_iterations: int = 4           # mu: inner updates per rollout batch, one mask ratio each (paper: 12)
@@ -151,13 +159,18 @@ class Config:
 
 # Shared by the 8B presets: the official MaskGRPO configuration (the paper's Appendix settings, and its
 # released configs/rl.yaml): LLaDA-8B shape, beta 0.01, eps 0.2, lr 3e-6, AdamW weight decay 0.1, grad clip
-# 0.2, LoRA r 128 / alpha 64 / dropout 0.05. The official max_steps 8000 and save_steps 500 count optimizer
-# steps; here a rollout batch gives num_iterations of them, so the presets below divide by mu.
-# tests/test_presets.py pins every value to its source.
+# 0.2, LoRA r 128 / alpha 64 / dropout 0.05. LoRA on the "official" targets (q/k/v/up), the layers the released
+# runs trained, since these presets reproduce them; --lora_targets=all adapts all seven. The official
+# max_steps 8000 and save_steps 500 count optimizer steps; here a rollout batch gives num_iterations of them,
+# so the presets below divide by mu. tests/test_presets.py pins every value to its source.
 _8B = {"init_from": "", "d_model": 4096, "n_layers": 32, "n_heads": 32, "mlp_hidden_size": 12288, "beta": 0.01,
        "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1, "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0,
-       "lora_dropout": 0.05, "activation_checkpointing": True, "eval_samples": 1, "sample_every": 50,
-       "reward_shaping": "official"}
+       "lora_dropout": 0.05, "lora_targets": "official", "activation_checkpointing": True, "eval_samples": 1,
+       "sample_every": 50, "reward_shaping": "official"}
+# MMaDA-8B text-to-image: emerge rollouts of 12 steps (the trainer's default), 1024 image tokens (32 x 32)
+# after a 257-token text part, rewards from a remote scorer, attention over the [iPAD] padding (auto).
+_MMADA = {**_8B, "tasks": "geneval", "vocab_size": 134656, "image_width": 32, "image_text_len": 257,
+          "image_steps": 12, "group_size": 9, "device_batch_size": 3, "eval_prompts": 64}
 
 PRESETS: dict[str, dict] = {
     # 2-core laptop CPU: SFT from scratch, then RL on both toy tasks; held-out reward rises (README).
@@ -174,17 +187,30 @@ PRESETS: dict[str, dict] = {
     # LLaDA-8B-Instruct text RL (official t2t script): G 6, 16 prompts per step, mu 12, gamma 0.6, 256 tokens
     # in blocks of 16 with 128 steps at temperature 0.9; 667 x 12 = 8,004 optimizer steps (official 8,000),
     # a checkpoint every 42 x 12 = 504 (official 500). Give --init_from=DIR and --train_data=gsm8k=FILE.
+    # Reversing is the paper's AR-like operator; --text_reversing=arlike_official gives the released run's masks.
     "llada8b": {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "block_length": 16, "steps": 128,
                 "temperature": 0.9, "group_size": 6, "prompts_per_step": 16, "num_iterations": 12, "gamma_text": 0.6,
                 "device_batch_size": 6, "eval_prompts": 256, "rl_steps": 667, "checkpoint_every": 42},
-    # MMaDA-8B text-to-image RL (official t2i scripts): emerge rollouts, 12 steps, CFG 3.0, G 9, mu 6, gamma
-    # 0.8, 1024 image tokens (32 x 32) after a 257-token text part; rewards from a remote scorer. 8 prompts
-    # per step (the official 6 GPUs ran 2 x 3 completions each; 8 divides over 8 or 16 GPUs).
+    # MMaDA-8B text-to-image RL, exactly scripts/train/t2i_grpo_train.sh (with configs/rl.yaml): G 9, mu 6,
+    # gamma 0.6, CFG 3.0, eps 0.2. Its 6 GPUs x 3 completions x gradient accumulation 2 = 36 completions, i.e.
+    # 4 prompts of 9, per optimizer step; here 4 prompts run on 1, 2 or 4 GPUs (a group stays on one rank).
     # 1334 x 6 = 8,004 optimizer steps, a checkpoint every 84 x 6 = 504.
-    "mmada8b": {**_8B, "tasks": "geneval", "vocab_size": 134656, "image_width": 32, "image_text_len": 257,
-                "image_steps": 12, "cfg_scale": 3.0, "group_size": 9, "prompts_per_step": 8, "num_iterations": 6,
-                "gamma_image": 0.8, "device_batch_size": 3, "eval_prompts": 64, "rl_steps": 1334,
-                "checkpoint_every": 84},
+    "mmada8b": {**_MMADA, "cfg_scale": 3.0, "prompts_per_step": 4, "num_iterations": 6, "gamma_image": 0.6,
+                "clip_eps": 0.2, "rl_steps": 1334, "checkpoint_every": 84, "dry_run_gpus": 4},
+    # The other image script, scripts/train/t2i_grpo_train_w_server.sh: G 9, gamma 0.8 (the paper's image
+    # value), CFG 3.5, eps 0.001; 6 GPUs x 3 x accumulation 4 = 72 completions = 8 prompts per optimizer step.
+    # It leaves NUM_ITER unset, so `--num_iterations` receives no value and the parser stops; with the flag
+    # dropped, configs/rl.yaml's num_iterations 12 applies (MaskGRPOConfig's own default, 1, would crash the
+    # MaskGRPO path), so mu 12 here. 667 x 12 = 8,004 optimizer steps, a checkpoint every 42 x 12 = 504.
+    "mmada8b_server": {**_MMADA, "cfg_scale": 3.5, "prompts_per_step": 8, "num_iterations": 12,
+                       "gamma_image": 0.8, "clip_eps": 0.001, "rl_steps": 667, "checkpoint_every": 42},
+    # d1's own diffu-GRPO run (dllm-reasoning/d1, diffu-grpo/slurm_scripts/train.yaml and gsm_base.sbatch) on
+    # the llada8b settings it shares: beta 0.04, eps 0.5, blocks of 32, prompts cut to 200 tokens, G 6, 16
+    # prompts, mu 12. `--preset llada8b --estimator=d1` is the estimator ablation (MaskGRPO's beta, eps, blocks).
+    "d1_official": {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "block_length": 32,
+                    "steps": 128, "temperature": 0.9, "group_size": 6, "prompts_per_step": 16, "num_iterations": 12,
+                    "device_batch_size": 6, "eval_prompts": 256, "rl_steps": 667, "checkpoint_every": 42,
+                    "estimator": "d1", "beta": 0.04, "clip_eps": 0.5, "max_prompt_len": 200},
 }
 
 

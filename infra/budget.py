@@ -34,10 +34,11 @@ ASSUMED_MFU = 0.35
 # shape
 
 
-def shape(mc: ModelConfig, lora_rank: int) -> dict:
+def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
     """Parameter counts from a meta-device model (no memory): total, embedding, head, one block's matrices,
-    and LoRA's adapters (rank r on every LORA_TARGETS projection: r * (in + out) each)."""
-    from infra.lora import LORA_TARGETS
+    and LoRA's adapters (rank r on every projection of lora.TARGET_SETS[lora_targets]: r * (in + out) each)."""
+    from infra.lora import TARGET_SETS
+    targets = TARGET_SETS[lora_targets]
 
     with torch.device("meta"):
         model = Transformer(mc)
@@ -46,7 +47,7 @@ def shape(mc: ModelConfig, lora_rank: int) -> dict:
     return {"params": num_params(model), "embedding": model.wte.weight.numel(), "head": model.ff_out.weight.numel(),
             "block_params": num_params(block), "block_matmul": sum(m.weight.numel() for m in linears),
             "lora_params": lora_rank * mc.n_layers * sum(m.in_features + m.out_features for name, m in
-                                                         block.named_children() if name in LORA_TARGETS)}
+                                                         block.named_children() if name in targets)}
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -216,7 +217,7 @@ def dry_run(cfg) -> dict:
         rollout = "exact" if cfg.kv_cache == "none" else cfg.kv_cache
     seqs = cfg.prompts_per_step * cfg.group_size * len(names)
     lora = cfg.lora_rank > 0
-    s = shape(mc, cfg.lora_rank)
+    s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     f = flops(mc, s, seqs=seqs, seq_len=seq_len, prompt_len=prompt_len, rollout=rollout, steps=steps,
               block_length=cfg.block_length, cfg_scale=cfg.cfg_scale, num_iterations=cfg.num_iterations,
               beta=cfg.beta, lora=lora, activation_checkpointing=cfg.activation_checkpointing,
@@ -236,7 +237,7 @@ def dry_run(cfg) -> dict:
                      activation_checkpointing=cfg.activation_checkpointing) for w in cols}
 
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
-          f"LoRA r={cfg.lora_rank}: {s['lora_params']:,} adapter parameters")
+          f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters")
     print(f"RL step: {seqs} sequences ({cfg.prompts_per_step} prompts x G={cfg.group_size} x {len(names)} task(s)) "
           f"of {seq_len} tokens, {steps} denoising steps ({rollout}), mu={cfg.num_iterations}, "
           f"{'LoRA' if lora else 'full fine-tuning'}, activation checkpointing "
@@ -244,6 +245,13 @@ def dry_run(cfg) -> dict:
     ckpt = (f"a checkpoint every {cfg.checkpoint_every} rollout batches = "
             f"{cfg.checkpoint_every * cfg.num_iterations:,} optimizer steps" if cfg.checkpoint_every else "no checkpoints")
     print(f"schedule: {cfg.rl_steps:,} rollout batches x mu {cfg.num_iterations} = {opt_steps:,} optimizer steps; {ckpt}")
+    # The settings an official script fixes, in its own terms, to compare line by line (tests/test_presets.py).
+    gamma = cfg.gamma_image if image else cfg.gamma_text
+    print(f"settings: G {cfg.group_size}, {cfg.prompts_per_step} prompts per optimizer step, mu {cfg.num_iterations}, "
+          f"gamma {gamma}, CFG {cfg.cfg_scale}, eps {cfg.clip_eps}, beta {cfg.beta}, lr {cfg.lr}, estimator "
+          f"{cfg.estimator}{'' if image else f' ({cfg.text_reversing})'}, LoRA r {cfg.lora_rank} alpha {cfg.lora_alpha:g} "
+          f"dropout {cfg.lora_dropout} on {cfg.lora_targets}, attention over padding "
+          f"{'on' if any(tasks.attends_padding(cfg, t) for t in names) else 'off'}")
     print(f"global FLOPs per RL step: {f['step']:.2e} (rollouts {f['rollout']:.2e}, old/ref scoring "
           f"{f['scoring']:.2e}, updates {f['update']:.2e})")
     print(f"global FLOPs per run: {run:.2e} ({cfg.rl_steps:,} RL steps, and {evaluation:.2e} for the held-out "
@@ -272,7 +280,7 @@ def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
     """Bytes of one checkpoint as checkpoint.save writes it: with LoRA the adapters (float32) and their
     AdamW moments (two float32 tensors each); with full fine-tuning every parameter in float32 (the master
     weights train.py keeps) and its two moments. 1 MB more for state.json, step counters and DCP metadata."""
-    s = shape(mc, cfg.lora_rank)
+    s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     trained = s["lora_params"] if cfg.lora_rank > 0 else s["params"]
     return trained * 4 * 3 + 2 ** 20
 

@@ -2,6 +2,7 @@
 
     python importance.py --diagnose --ckpt out/toy/sft                  # text and image, toy settings
     python importance.py --diagnose --ckpt out/toy_long/sft --preset toy_long --tasks=text
+    python importance.py --diagnose --official_ratios   # the official AR-like operator's effective mask ratios
 
 GRPO needs log pi_theta(o) - log pi_old(o) for each rollout o. For a masked diffusion model the exact
 value along the path the sampler took is the decoding log-likelihood difference
@@ -46,7 +47,8 @@ from infra import hf
 # (label, estimator, reversing mode, gamma or None for the Config's): the rows of the table.
 ESTIMATORS = [("d1", "d1", "arlike", None), ("UniGRPO", "unigrpo", "random", None),
               ("MaskGRPO random", "maskgrpo", "random", None)] + \
-             [(f"MaskGRPO AR-like g={g}", "maskgrpo", "arlike", g) for g in (0.0, 0.3, 0.6, 0.8)]
+             [(f"MaskGRPO AR-like g={g}", "maskgrpo", "arlike", g) for g in (0.0, 0.3, 0.6, 0.8)] + \
+             [("MaskGRPO AR-like official", "maskgrpo", "arlike_official", None)]  # text only, as in the official code
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Options(train.Config):
     ckpt: str = ""           # pi_old: a checkpoint in the Hugging Face layout with tokenizer.json
     draws: int = 4           # mask draws per estimator and inner iteration
     png: str = "diagnose.png"  # the estimate-vs-exact scatter and decode-order figure ("" = none)
+    official_ratios: bool = False  # print the "arlike_official" effective-ratio table (docs/differences.md), no ckpt
 
 
 def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -123,6 +126,8 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     for label, est, mode, gamma in ESTIMATORS:
         if task in IMAGE_TASKS and mode == "arlike" and est == "maskgrpo" and gamma not in (None, cfg.gamma_image):
             continue  # images use random reversing only; one AR-like row at the image gamma is enough
+        if task in IMAGE_TASKS and mode == "arlike_official":
+            continue  # the official image path always reverses at random (remask_t2i)
         g = (cfg.gamma_image if task in IMAGE_TASKS else cfg.gamma_text) if gamma is None else gamma
         per_draw, ratios = [], []
         for k in range(o.draws):
@@ -163,6 +168,18 @@ def order_curve(b, order, cfg, task: str) -> dict:
     sampler = (o >= (1 - t) * total).double().mean(0).tolist()                            # (N,)
     arlike = (1 - importance._arlike_keep(N, t)).tolist()
     return {"ratio": t, "sampler": sampler, "arlike": arlike, "random": [t] * N}
+
+
+def official_ratio_table(prompt_lens=(20, 100, 150, 256), N: int = 256, gammas=(0.6, 0.8), mu: int = 12) -> str:
+    """Markdown: the masked fraction of an N-token window under the official AR-like operator, per prompt length
+    P and per ratio of the gamma schedules (importance.mask_ratios); the paper's operator masks the ratio itself."""
+    lines = [f"| gamma | nominal ratio t_j | " + " | ".join(f"P = {p}" for p in prompt_lens) + " |",
+             "|---|---|" + "---|" * len(prompt_lens)]
+    for g in gammas:
+        for t in importance.mask_ratios(mu, g):
+            cells = " | ".join(f"{importance.official_completion_ratio(p, N, t):.3f}" for p in prompt_lens)
+            lines.append(f"| {g} | {t:.3f} | {cells} |")
+    return "\n".join(lines)
 
 
 def print_table(task: str, rows: dict) -> None:
@@ -217,6 +234,9 @@ def main(argv=None) -> dict:
     saved = read_generation_settings(first.ckpt) if first.ckpt else {}
     saved.pop("tasks", None)
     o = cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS, defaults=saved)
+    if o.official_ratios:  # python importance.py --diagnose --official_ratios: the official text run's N 256, mu 12
+        print(official_ratio_table())
+        return {}
     if not o.diagnose or not o.ckpt:
         raise ValueError("usage: python importance.py --diagnose --ckpt DIR [--preset NAME] [--field=value ...]")
     if o.num_iterations < 2 or o.draws < 2:

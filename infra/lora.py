@@ -4,8 +4,9 @@ LoRA (Hu et al., arXiv:2106.09685) freezes a pretrained weight W (out, in) and l
 y = W x + (alpha / r) * B A x, with A (r, in) random and B (out, r) zero, so training starts exactly at the
 base model. MaskGRPO trains LLaDA-8B this way (r 128, alpha 64, dropout 0.05 in its released config), and
 its reference policy is the same network with the adapters switched off, so no second 8B copy is held.
-Unlike the official recipe, whose Llama-named target list matched only q/k/v/up (docs/differences.md),
-LORA_TARGETS below names all seven block projections with LLaDA's own names.
+TARGET_SETS below names the two choices (Config.lora_targets): "all", the seven block projections with
+LLaDA's own names, or "official", the four that the official recipe's Llama-named list actually matched in
+LLaDA and MMaDA (docs/differences.md, "LoRA targets").
 
     model = add_lora(hf.from_pretrained(path), rank=128, alpha=64)
     opt = torch.optim.AdamW(trainable_parameters(model), lr=3e-6)
@@ -25,9 +26,14 @@ import torch.nn.functional as F
 
 # The seven nn.Linear of a LLaDA "llama" block. The top-level LM head is also
 # called `ff_out`; add_lora only looks inside `model.blocks`, so the head is never matched by this name.
-# At LLaDA-8B and r = 128 all seven give 335.5M adapter parameters (4.2%), ~5.4 GB as float32 with grads
-# and AdamW state; the official q/k/v/up subset gives 167.8M.
+# At LLaDA-8B and r = 128 all seven give 335,544,320 adapter parameters (4.2%), ~5.4 GB as float32 with
+# grads and AdamW state.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
+# The official run (martian422/MaskGRPO, grpo/mask_grpo_train.py) lists Llama names, q/k/v/o/up/down/gate_proj;
+# peft matches module names, so in a LLaDA/MMaDA block (attn_out, ff_proj, ff_out) only these four exist:
+# 167,772,160 adapter parameters at LLaDA-8B and r = 128, half of the seven.
+OFFICIAL_TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj")
+TARGET_SETS = {"all": LORA_TARGETS, "official": OFFICIAL_TARGETS}
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapters.safetensors", "adapters.json"
 
 

@@ -88,6 +88,7 @@ def validate(cfg) -> None:
          "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
     need(cfg.adv_std in ("auto", "on", "off"), f"adv_std ({cfg.adv_std!r}) must be auto, on or off")
     need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")
+    need(cfg.attend_padding in ("auto", "on", "off"), f"attend_padding ({cfg.attend_padding!r}) must be auto, on or off")
     known = TOY_TASKS + data.TASKS
     bad = [t for t in task_list(cfg) if t not in known]
     need(not bad and cfg.tasks, f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")
@@ -105,6 +106,7 @@ def validate(cfg) -> None:
          "task geneval needs a reward model: --image_scorer_url=http://HOST:PORT (scorer.RemoteScorer; "
          "`python -m infra.scorer --stub` serves a stand-in)")
     need(cfg.lora_rank >= 0, f"lora_rank ({cfg.lora_rank}) must be >= 0 (0 = full fine-tuning)")
+    need(cfg.lora_targets in lora.TARGET_SETS, f"lora_targets ({cfg.lora_targets!r}) must be one of {tuple(lora.TARGET_SETS)}")
     need(cfg.lora_rank == 0 or (cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1),
          f"lora_alpha ({cfg.lora_alpha}) must be > 0 and lora_dropout ({cfg.lora_dropout}) in [0, 1)")
     need(cfg.lora_rank == 0 or cfg.init_from != "scratch",
@@ -374,7 +376,7 @@ def load_policy(cfg, device, dtype, sft):
     adapt = None
     if cfg.lora_rank:
         adapt = lambda m: lora.add_lora(m, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                                        generator=generator("cpu", cfg.seed, "lora"))
+                                        lora.TARGET_SETS[cfg.lora_targets], generator=generator("cpu", cfg.seed, "lora"))
     model = load_sharded(path, device, master, dtype, adapt)
     if cfg.lora_rank:
         print0("LoRA: {modules} modules, {lora_params:,} trainable of {total_params:,} parameters".format(
@@ -453,7 +455,7 @@ def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
         with torch.device("meta"):
             plain = Transformer(model.config)
         plain = plain.to(dtype).to_empty(device="cpu")
-        lora.add_lora(plain, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
+        lora.add_lora(plain, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, lora.TARGET_SETS[cfg.lora_targets])
         plain.load_state_dict(state)
         lora.save_adapters(plain, path)
         hf.save_pretrained(lora.merge_lora(plain), path)

@@ -56,8 +56,8 @@ def test_full_fine_tuning_costs_more_to_update():
     """Full fine-tuning's backward adds the weight gradients of every matrix (2 per weight: 7.5e9 weights
     once the 0.52e9-row embedding lookup is left out), but has no adapters, which LoRA runs in the
     forward, the recomputed forward and the backward (input and weight gradients): 8 per adapter weight,
-    0.34e9 of them. Rollouts and scoring are the same forwards apart from the adapters."""
-    lora = train.main(["--preset=llada8b", "--dry_run=true"])["flops"]
+    0.34e9 of them (all seven projections). Rollouts and scoring are the same forwards apart from the adapters."""
+    lora = train.main(["--preset=llada8b", "--dry_run=true", "--lora_targets=all"])["flops"]
     full = train.main(["--preset=llada8b", "--dry_run=true", "--lora_rank=0"])["flops"]
     S, T, mu = 96, 512, 12
     assert full["update"] - lora["update"] == pytest.approx(S * T * mu * (2 * 7.5e9 - 8 * 0.34e9), rel=0.05)
@@ -65,7 +65,7 @@ def test_full_fine_tuning_costs_more_to_update():
 
 
 def test_memory_table_has_the_gathered_parts():
-    res = train.main(["--preset=llada8b", "--dry_run=true"])
+    res = train.main(["--preset=llada8b", "--dry_run=true", "--lora_targets=all"])
     one, eight = res["budget"][1], res["budget"][8]
     s, gb = res["shape"], 1024 ** 3
     # the embedding and head (126464 x 4096 each) and the final norm (4096) in bf16, gathered for an
@@ -94,10 +94,10 @@ def _free(monkeypatch, gb):
 
 
 def test_disk_check_lora_passes_full_is_refused(tmp_path, monkeypatch):
-    """A LoRA checkpoint of LLaDA-8B holds 335.5M float32 adapters and their two AdamW moments: 3.75 GB;
-    keep_last=2 plus the one being written is 11.3 GB, which 12 GB free hold. Full fine-tuning saves
+    """A LoRA checkpoint of LLaDA-8B on all seven projections holds 335.5M float32 adapters and their two
+    AdamW moments: 3.75 GB; keep_last=2 plus the one being written is 11.3 GB, which 12 GB free hold. Full fine-tuning saves
     float32 weights and moments of all 8.0B parameters (89.6 GB each) and is refused there."""
-    lora = train.parse_args(["--preset=llada8b", "--dry_run=true"])
+    lora = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_targets=all"])
     mc = budget.model_config(lora)
     assert budget.checkpoint_bytes(lora, mc) == pytest.approx(335_544_320 * 12, rel=1e-3)
     _free(monkeypatch, 12)

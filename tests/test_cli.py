@@ -74,4 +74,4 @@ def test_every_flag_has_a_meaning_in_help():
     text = cli.parser(train.Config, "", train.PRESETS).format_help()
     flat = " ".join(text.split())  # argparse wraps the help text
     assert "steps per text rollout, a multiple of the number of blocks and at most gen_length" in flat
-    assert "arlike (paper, text) | random (default 'arlike')" in flat
+    assert "arlike (paper Alg. 1) | random | arlike_official" in flat

@@ -215,7 +215,7 @@ def test_bf16_logits_do_not_depend_on_the_world_size(tmp_path):
 def test_dry_run_llada8b(capsys):
     res = train.main(["--preset=llada8b", "--dry_run=true"])
     assert res["params"] == 8_015_581_184
-    assert res["lora_params"] == 335_544_320  # r=128 on all seven projections (lora.py)
+    assert res["lora_params"] == 167_772_160  # r=128 on the official q/k/v/up (lora.py; all seven: 335,544,320)
     text = capsys.readouterr().out
     assert "8,015,581,184 parameters" in text and "| LoRA, update peak |" in text
     b8 = res["budget"][8]
@@ -227,7 +227,7 @@ def test_dry_run_llada8b(capsys):
 def test_dry_run_mmada8b():
     res = train.main(["--preset=mmada8b", "--dry_run=true"])
     assert res["params"] == 8_015_581_184 + 2 * 8192 * 4096  # 8192 image-code rows in embedding and head
-    assert res["seqs_per_step"] == 8 * 9 and res["seq_len"] == 257 + 2 + 32 * 32
+    assert res["seqs_per_step"] == 4 * 9 and res["seq_len"] == 257 + 2 + 32 * 32  # t2i_grpo_train.sh: 36
 
 
 PROCESS_EXIT = """
