@@ -54,9 +54,8 @@ def _stable_seed(tag: bytes, *ints: int) -> int:
 def mask_seed(seed: int, step: int, seq_index: int, j: int) -> int:
     """Seed S_j of one sequence's mask in inner iteration j of rollout `step` (the paper's controlled seed).
     seq_index is GLOBAL (prompt index * G + member), never the rank: masks do not depend on the world size."""
-    for name, v in dict(seed=seed, step=step, seq_index=seq_index, j=j).items():
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
-            raise ValueError(f"{name} ({v!r}) must be a non-negative int < 2**63")
+    assert all(type(v) is int and 0 <= v < 2**63 for v in (seed, step, seq_index, j)), \
+        f"seed, step, seq_index, j ({seed}, {step}, {seq_index}, {j}) must be non-negative ints < 2**63"
     return _stable_seed(b"maskgrpo/mask", seed, step, seq_index, j)
 
 
@@ -64,8 +63,7 @@ def _per_row(values, B: int, name: str, cast) -> list:
     if isinstance(values, (int, float)) and not isinstance(values, bool):
         return [cast(values)] * B  # a scalar is broadcast
     values = values.tolist() if torch.is_tensor(values) else list(values)
-    if len(values) != B:
-        raise ValueError(f"{name} has {len(values)} entries but the batch has {B} rows")
+    assert len(values) == B, f"{name} has {len(values)} entries but the batch has {B} rows"
     return [cast(v) for v in values]
 
 
@@ -74,10 +72,7 @@ def _per_row(values, B: int, name: str, cast) -> list:
 
 def mask_ratios(num_iterations: int, gamma: float) -> list[float]:
     """Mask ratio t_j of inner iterations j = 0..mu-1: gamma + (1-gamma)(j+1)/mu (arXiv:2510.02880 Alg. 5)."""
-    if num_iterations < 1:
-        raise ValueError(f"num_iterations ({num_iterations}) must be >= 1; try --num_iterations=12 (paper)")
-    if not 0.0 <= gamma < 1.0:
-        raise ValueError(f"gamma ({gamma}) must be in [0, 1); the paper uses 0.6 (text) and 0.8 (images)")
+    assert num_iterations >= 1 and 0.0 <= gamma < 1.0, f"num_iterations {num_iterations} >= 1, gamma {gamma} in [0, 1)"
     # Truncation (Fig. 5a): at low ratios the model is nearly certain, ratios ~ 1. Smallest used: gamma + (1-gamma)/mu.
     return [min(gamma + (1.0 - gamma) * (j + 1) / num_iterations, MAX_RATIO) for j in range(num_iterations)]
 
@@ -106,14 +101,12 @@ def reverse_mask(completion_mask: torch.Tensor, ratio, seeds, mode: str = "arlik
     True where a token may be masked; ratio: float or one per row; seeds: one int per row; prompt_len: each
     row's prompt length P (an int or one per row; "arlike_official" only). Returns bool (B, N), True = replace
     by the mask token; row b depends on (seeds[b], ratio[b], N) only, and for "arlike_official" on P too."""
-    if mode not in MODES:
-        raise ValueError(f"mode ({mode!r}) must be one of {MODES}")
+    assert mode in MODES, f"mode {mode!r} must be one of {MODES}"
     assert completion_mask.dtype == torch.bool and completion_mask.dim() == 2, "completion_mask: bool (B, N)"
     B, N = completion_mask.shape
     seeds, ratios = _per_row(seeds, B, "seeds", int), _per_row(ratio, B, "ratio", float)
     assert all(0.0 <= r <= 1.0 for r in ratios), f"mask ratios {ratios} must lie in [0, 1]"
-    if mode == "arlike_official" and prompt_len is None:
-        raise ValueError('mode "arlike_official" needs prompt_len: its masks depend on the prompt length')
+    assert mode != "arlike_official" or prompt_len is not None, "arlike_official masks depend on prompt_len"
     plens = _per_row(prompt_len if prompt_len is not None else 0, B, "prompt_len", int)
     assert all(p >= 0 for p in plens), f"prompt lengths {plens} must be >= 0"
     mask = torch.zeros(B, N, dtype=torch.bool)  # (B, N)
@@ -169,10 +162,7 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
     be scored (d1: completion_mask_until_eos); seq_index: global sequence index per row. estimator "maskgrpo":
     `mode` reversing at the gamma schedule ("arlike_official" uses each row's prompt length, prompt_mask.sum(1)); "d1": prompt masked with p_mask_prompt, window fully masked;
     "unigrpo": random reversing at UniGRPO's ratios."""
-    if estimator not in MASK_ESTIMATORS:
-        raise ValueError(f"estimator ({estimator!r}) must be one of {MASK_ESTIMATORS}")
-    if mode not in MODES:
-        raise ValueError(f"mode ({mode!r}) must be one of {MODES}")
+    assert estimator in MASK_ESTIMATORS and mode in MODES, f"estimator {estimator!r} in {MASK_ESTIMATORS}, mode {mode!r} in {MODES}"
     assert 0.0 <= p_mask_prompt <= 1.0 and num_iterations >= 1, f"{p_mask_prompt=} in [0, 1], {num_iterations=} >= 1"
     assert prompt_mask.dtype == completion_mask.dtype == torch.bool and \
         prompt_mask.shape[0] == completion_mask.shape[0], "prompt_mask (B, P), completion_mask (B, N): bool"
@@ -224,8 +214,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     assert input_ids.shape == targets.shape == positions.shape and positions.dtype == torch.bool, \
         "input_ids, targets and bool positions must share one (B, L) shape"
     B, L = input_ids.shape
-    if device_batch_size is not None and device_batch_size < 1:
-        raise ValueError(f"device_batch_size ({device_batch_size}) must be >= 1 (or None for one pass)")
+    assert device_batch_size is None or device_batch_size >= 1, f"device_batch_size {device_batch_size} >= 1 or None"
     lo, hi = vocab_slice if vocab_slice is not None else (0, None)
     chunks = []
     for s in range(0, B, device_batch_size or max(B, 1)):

@@ -105,7 +105,7 @@ def test_build_masks_uses_each_rows_real_prompt_length():
 
 
 def test_official_mode_needs_the_prompt_length():
-    with pytest.raises(ValueError, match="prompt_len"):
+    with pytest.raises(AssertionError, match="prompt_len"):
         imp.reverse_mask(torch.ones(2, 8, dtype=torch.bool), 0.7, [0, 1], "arlike_official")
 
 
