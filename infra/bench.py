@@ -48,9 +48,9 @@ import time
 import torch
 
 from model import ModelConfig, Transformer
-from sample import generate
+from infra import cli, hf
+from infra.fast_sample import generate
 from infra.sandbox import run_code
-from infra import hf
 
 EOS = 0
 P, K, B = 64, 32, 8
@@ -308,12 +308,7 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--sandbox", action="store_true", help="time the code sandbox instead of the sampler")
     p.add_argument("--programs", type=int, default=100, help="programs run through the sandbox by --sandbox")
-    try:
-        args, unknown = p.parse_known_args(argv)
-    except argparse.ArgumentError as e:
-        raise ValueError(str(e)) from None
-    if unknown:
-        raise ValueError(f"unknown argument(s) {unknown}; see python -m infra.bench --help")
+    args = cli.parse_known(p, argv, "bench")
     if args.sandbox:
         if args.programs < 1:
             raise ValueError(f"--programs must be >= 1, got {args.programs}")

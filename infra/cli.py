@@ -77,6 +77,18 @@ def parser(cls, description: str, presets: dict | None = None) -> argparse.Argum
     return p
 
 
+def parse_known(p: argparse.ArgumentParser, argv, name: str) -> argparse.Namespace:
+    """p.parse_known_args for a module with its own argparse flags (python -m infra.NAME): a bad value or an
+    unknown flag is a ValueError of one line."""
+    try:
+        args, unknown = p.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ValueError(str(e)) from None
+    if unknown:
+        raise ValueError(f"unknown argument(s) {unknown}; see python -m infra.{name} --help")
+    return args
+
+
 def parse(cls, argv=None, *, description: str = "", presets: dict | None = None, defaults: dict | None = None):
     """Build `cls` from the command line. defaults: values that replace the dataclass defaults (for
     instance a checkpoint's own generation settings), overridden in turn by the preset and the flags."""

@@ -41,15 +41,9 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     num_blocks = gen_length // block_length
     spb = steps // max(num_blocks, 1)
     assert gen_length % block_length == 0 and spb >= 1, (gen_length, block_length, steps)
-    B, P = prompt_ids.shape
-    x = torch.cat([prompt_ids.long(), prompt_ids.new_full((B, gen_length), mask_id).long()], 1)  # (B, L)
-    L = x.shape[1]
-    order = torch.full_like(x, -1) if return_order else None                      # (B, L)
-    if attention_mask is not None:
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, gen_length)], 1)  # (B, L)
-        if cfg_scale:
-            attention_mask = attention_mask.repeat(2, 1)                           # (2B, L)
-    prompt_index = x != mask_id
+    x, order, attention_mask, prompt_index = sample.canvas(prompt_ids, gen_length, mask_id, attention_mask,
+                                                           cfg_scale, return_order)
+    (B, L), P = x.shape, prompt_ids.shape[1]
     bar = tqdm(total=spb * num_blocks, desc="denoising", disable=not progress, leave=False)
     for blk in range(num_blocks):
         start, end = P + blk * block_length, P + (blk + 1) * block_length

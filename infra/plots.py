@@ -302,12 +302,7 @@ def main(argv=None) -> Path:
     parser.add_argument("--compare", nargs="+", default=[], metavar="LABEL=DIR[,DIR...]")
     parser.add_argument("--png", type=Path, help="the --compare picture")
     parser.add_argument("--task", default="text")
-    try:
-        args, unknown = parser.parse_known_args(argv)
-    except argparse.ArgumentError as e:
-        raise ValueError(str(e)) from None
-    if unknown:
-        raise ValueError(f"unknown argument(s) {unknown}; see python -m infra.plots --help")
+    args = cli.parse_known(parser, argv, "plots")
     if not have_pillow():
         raise ValueError('no picture written: Pillow is missing; pip install -e ".[plots]" (or pip install pillow)')
     if args.compare:
