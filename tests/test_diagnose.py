@@ -73,4 +73,4 @@ def test_cli_prints_every_row(sft_dir, tmp_path):
     assert png.is_file()
     bad = subprocess.run([sys.executable, "importance.py", f"--ckpt={sft_dir}"], cwd=ROOT, capture_output=True,
                          text=True)
-    assert bad.returncode == 1 and bad.stderr.startswith("error: usage")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: usage")  # a user error: one line, status 2
