@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra import lora
+from infra import hf, lora
 import train
 from model import Transformer
 
@@ -233,7 +233,6 @@ def test_dry_run_mmada8b():
 PROCESS_EXIT = """
 import atexit, sys, torch
 from infra import scale
-from infra import hf
 atexit.register(print, "interpreter teardown ran", flush=True)
 with scale.process_exit():
     scale.init("cpu")
