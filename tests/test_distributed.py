@@ -120,7 +120,7 @@ def test_two_processes_match_one(single, tmp_path):
 @pytest.mark.slow
 def test_lora_two_processes_and_merge(single, tmp_path):
     """LoRA from the single run's checkpoint, on 1 and on 2 processes: the same run; the merged checkpoint
-    loads with Transformer.from_pretrained and gives the adapter model's logits (float32, atol 1e-5)."""
+    loads with infra.hf.from_pretrained and gives the adapter model's logits (float32, atol 1e-5)."""
     base = single / "final"
     lora_args = ARGS + [f"--init_from={base}", "--lora_rank=4", "--lora_alpha=8", "--lr=1e-2"]
     one, two = tmp_path / "one", tmp_path / "two"

@@ -41,6 +41,7 @@ scale.close()
 @pytest.fixture(scope="module")
 def loads(tmp_path_factory):
     import tasks
+    from infra import hf
     from model import ModelConfig, Transformer
 
     tmp = tmp_path_factory.mktemp("sharded_load")
@@ -48,7 +49,7 @@ def loads(tmp_path_factory):
     vocab = tasks.model_config_overrides(tok) | {"vocab_size": 101}
     mc = ModelConfig(d_model=36, n_layers=2, n_heads=2, n_kv_heads=2, mlp_hidden_size=75, **vocab)
     ckpt = tmp / "ckpt"
-    Transformer(mc).init_weights(torch.Generator().manual_seed(0)).save_pretrained(ckpt, max_shard_bytes=20_000)
+    hf.save_pretrained(Transformer(mc).init_weights(torch.Generator().manual_seed(0)), ckpt, max_shard_bytes=20_000)
     tok.save(str(ckpt / "tokenizer.json"))
     script = tmp / "load.py"
     script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + LOAD)
