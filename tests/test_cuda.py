@@ -142,7 +142,7 @@ def random_weights(mc, device, dtype, seed=0):
 
 def synthetic_rollout(model, mc, B, prompt_len, gen_len, device, seed=0):
     """A text rollout of B random sequences with one inner iteration's mask (ratio about 0.7) and its old
-    and reference log-probs, shaped as train.collect returns it, for one update chunk."""
+    and reference log-probs, shaped as train.rl_step builds it, for one update chunk."""
     g = torch.Generator().manual_seed(seed)
     L = prompt_len + gen_len
     x = torch.randint(0, mc.vocab_size - 1000, (B, L), generator=g).to(device)
