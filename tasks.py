@@ -12,8 +12,8 @@ layouts, with their special-token names:
 
 Everything here is pure Python seeded by `random.Random` (no torch), so tasks and rewards are testable
 alone. `noise` makes a controlled fraction of SFT targets carry one *systematic* mistake: the boxed
-answer one off from the (correct) working, or one named colour drawn as its look-alike colour. The SFT
-model then becomes a mixture of a right and a wrong habit, the situation RL is good at fixing (shift
+answer copied from the wrong number of the (correct) working, or one named colour drawn as its
+look-alike colour. The SFT model then becomes a mixture of a right and a wrong habit, the situation RL is good at fixing (shift
 probability toward the habit that earns reward) and the one the toy is meant to show in minutes. Random
 mistakes (wrong arithmetic, stray cells) were measured to mostly slow SFT down and to leave errors that
 a few minutes of RL cannot repair. This is a deliberate property of the toy, not of the paper; held-out
@@ -150,7 +150,7 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
     39 tokens, long enough to span several semi-autoregressive blocks (the `toy_long` preset in train.py).
 
     With probability `noise` the completion is the systematic wrong target of `_wrong_target` (SFT data
-    only): right working, box one off. `answer` is always the true result.
+    only): right working, box holding the amount before the last step. `answer` is always the true result.
 
         make_text_example(random.Random(0)) -> {
           "prompt": "sue has 1 shells . she loses 1 and gets 6 more . how many shells does she have ?",
@@ -183,11 +183,18 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
 
 
 def _wrong_target(rng: random.Random, steps: list, max_value: int) -> tuple[list, int]:
-    # The systematic mistake -> (steps written, boxed value): right working, box one more than the
-    # result (one less at max_value). Same tokens and length as a right target; only the box digit
-    # differs, so the SFT model learns "copy the result" and "copy the result plus one" as two habits.
-    final = steps[-1][3]
-    return steps, final + 1 if final < max_value else final - 1
+    # The systematic mistake -> (steps written, boxed value): right working, but the box holds the amount
+    # *before* the last step (for one step: the starting amount), as if the last action were forgotten.
+    # Same tokens and length as a right target; only the box digit differs, so the SFT model learns
+    # "copy the result" and "copy the last step's first number" as two habits. It is never the answer
+    # (every step moves the amount by n >= 1), and the only way to reward is to switch habits.
+    # Measured on the default toy: with a box "one more than the result", RL mostly learned to write the
+    # working's result one *less* than the truth so that "result + 1" landed on the answer (of 512 sampled
+    # held-out completions after RL, wrong working rose from 49 to 185, the off-by-one habit fell only
+    # from 168 to 42), which broke the working, made text gains fragile (+0.06 to +0.13 over seeds) and
+    # lowered greedy accuracy. Copying a number that no nearby digit shift can make right leaves no such
+    # shortcut.
+    return steps, steps[-1][0]
 
 
 _BOX = re.compile(r"\\boxed\{([^{}]*)\}")

@@ -99,7 +99,7 @@ class Config:
     reward_shaping: str = "none"      # none (correctness, 0/1) | official: GSM8K/MATH format + correctness terms
                                       # of the official runs, divided by their maximum (rewards.SHAPED)
     text_max_steps: int = 1           # arithmetic steps per word problem (1 or 2)
-    text_noise: float = 0.4           # fraction of SFT text targets with the box off by one (tasks.py)
+    text_noise: float = 0.4           # fraction of SFT text targets boxing the amount before the last step (tasks.py)
     image_noise: float = 0.4          # fraction of SFT images with one colour drawn as its look-alike
     image_width: int = 4              # images are image_width x image_width tokens (MMaDA 512 px: 32)
     # stage 1: masked-diffusion SFT

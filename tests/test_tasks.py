@@ -150,9 +150,9 @@ def test_docstring_examples(tok):
 # exactly these examples, so that its runs reproduce. A digest of 500 draws per setting, plus the first two.
 DEFAULT_TEXT_DATA = [
     # (max_steps, noise, split): sha1 of the JSON of 500 draws from random.Random(0), first 16 hex digits
-    ((1, 0.4, "train"), "845c4626c26a21b5"),
+    ((1, 0.4, "train"), "3c358dc5def4ed5a"),
     ((1, 0.0, "test"), "4cef12d3ce7081e1"),
-    ((2, 0.4, "train"), "b8a2b9c2b6e19268"),
+    ((2, 0.4, "train"), "f0be1e6a3ec27208"),
     ((2, 0.0, "any"), "da7739b8e03597b9"),
 ]
 
@@ -180,7 +180,7 @@ def test_default_text_data_first_examples():
         "completion": "7 + 2 = 9 . \\boxed{9}"}
     assert _text_draws(2, 0.4, "train", 2)[1] == {
         "prompt": "bob has 2 coins . he sells 2 . how many coins does he have ?", "answer": "0",
-        "completion": "2 - 2 = 0 . \\boxed{1}"}  # a noisy target: the box one more than the working
+        "completion": "2 - 2 = 0 . \\boxed{2}"}  # a noisy target: the box holds the amount before the step
 
 
 def _steps_of(completion):
