@@ -93,16 +93,14 @@ def test_overrides_and_types():
 
 @pytest.mark.slow
 def test_toy_preset_reward_rises(tmp_path):
-    """The full toy preset (~10 min on 2 cores) raises held-out mean reward on both tasks.
-
-    Measured at the default seed with one thread (the README table): text +0.13, image +0.23; over three
-    seeds the smallest gain was +0.06 (text, seed 2). Other thread counts or CPUs round differently and
-    follow another trajectory, so this guards the mechanism with a margin (+0.05) rather than pinning the
-    README's figures; a broken estimator or loss sign gives a gain near zero or below."""
+    """The full toy preset raises held-out mean reward on both tasks by at least +0.10, the bar the toy is
+    built to clear on any machine: over seeds 0-4 on one CPU the smallest gains were text +0.16 and image
+    +0.17 (docs/results.md), and other CPUs and thread counts follow other trajectories of the same kind.
+    A broken estimator or loss sign gives a gain near zero or below."""
     summary = train.main(["--preset", "toy", f"--out_dir={tmp_path}", "--threads=1"])
     for task in ("text", "image"):
         gain = summary[task]["after"] - summary[task]["before"]
-        assert gain >= 0.05, f"{task}: {summary[task]}"
+        assert gain >= 0.10, f"{task}: {summary[task]}"
     # The pictures (Pillow is in the dev extra) and the periodic checkpoints.
     from PIL import Image
     assert Image.open(tmp_path / "curves.png").size[0] >= 600 and Image.open(tmp_path / "images.png").size[0] >= 600
