@@ -393,8 +393,9 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         # 3. advantages, within each group of G
         adv = advantages(r, cfg)[rows].to(device)                                          # (B,)
 
-        # 4. reversing masks: mask j of every sequence at ratio t_j of the truncated schedule (paper Eq. 8-10;
-        # AR-like reversing for text, random for images; shared seeds, paper §4.3). The trajectory estimator
+        # 4. reversing masks: mask j of every sequence at ratio t_j of the truncated schedule (paper Alg. 5),
+        # AR-like reversing for text, random for images (Alg. 1, 2), from seeds shared by the old, reference
+        # and current passes; the masked log-likelihoods give the ratios of Eqs. 9-10. The trajectory estimator
         # instead takes the sampler's own states, one per decoding step, each scoring the tokens it revealed.
         B, L = b.x.shape
         image = task in IMAGE_TASKS
@@ -433,7 +434,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         rolls.append(Rollout(b, r, adv, inputs, loss_masks, logp_old, logp_ref))
 
     # 6. mu inner updates: iteration j re-scores mask j with the current policy and takes one optimizer step
-    # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 4)
+    # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
     model.train()
     stats, skipped = StepStats(cfg.num_iterations), 0
     for j in range(cfg.num_iterations):
