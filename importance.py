@@ -188,7 +188,7 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
             in_masks[j, :, window] = True
             loss_masks[j, :, window] = completion_mask
         else:
-            # The prompt is never masked (§3). Only tokens masked in THIS iteration carry a ratio.
+            # The prompt is never masked (paper §3; docs/method.md §3). Only tokens masked in THIS iteration carry a ratio.
             m = reverse_mask(completion_mask, ratios[j], seeds, mode if estimator == "maskgrpo" else "random",
                              prompt_len=prompt_len)
             in_masks[j, :, window] = loss_masks[j, :, window] = m  # (B, N)

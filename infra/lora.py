@@ -65,7 +65,7 @@ class LoRALinear(nn.Linear):
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
         self.weight, self.bias = base.weight, base.bias
         self.rank, self.alpha, self.lora_dropout = rank, alpha, dropout
-        self.scaling = alpha / rank  # LoRA §4.1: dividing by r keeps the update size stable across ranks
+        self.scaling = alpha / rank  # LoRA arXiv:2106.09685 §4.1: dividing by r keeps the update size stable across ranks
         self.disabled = False        # True: behave exactly as the base layer (the reference policy)
         self.train(base.training)    # a new module starts in train mode; follow the layer it replaces
         # A is drawn on the CPU in float32 and then moved, so a CPU and a CUDA run get the same A. The
