@@ -13,10 +13,10 @@ layouts, with their special-token names:
 Everything here is pure Python seeded by `random.Random` (no torch), so tasks and rewards are testable
 alone. `noise` makes a controlled fraction of SFT targets carry one *systematic* mistake: the boxed
 answer copied from the wrong number of the (correct) working, or one named colour drawn as its
-look-alike colour. The SFT model then becomes a mixture of a right and a wrong habit, the situation RL is good at fixing (shift
-probability toward the habit that earns reward) and the one the toy is meant to show in minutes. Random
-mistakes (wrong arithmetic, stray cells) were measured to mostly slow SFT down and to leave errors that
-a few minutes of RL cannot repair. This is a deliberate property of the toy, not of the paper; held-out
+look-alike colour. The SFT model then becomes a mixture of a right and a wrong habit, the situation RL
+is good at fixing (shift probability toward the habit that earns reward) and the one the toy is meant
+to show in minutes. Random mistakes (wrong arithmetic, stray cells) were measured to mostly slow SFT
+down and to leave errors that a few minutes of RL cannot repair. This is a deliberate property of the toy, not of the paper; held-out
 evaluation always scores against the *true* answer/spec.
 """
 from __future__ import annotations
@@ -187,13 +187,12 @@ def _wrong_target(rng: random.Random, steps: list, max_value: int) -> tuple[list
     # *before* the last step (for one step: the starting amount), as if the last action were forgotten.
     # Same tokens and length as a right target; only the box digit differs, so the SFT model learns
     # "copy the result" and "copy the last step's first number" as two habits. It is never the answer
-    # (every step moves the amount by n >= 1), and the only way to reward is to switch habits.
-    # Measured on the default toy: with a box "one more than the result", RL mostly learned to write the
-    # working's result one *less* than the truth so that "result + 1" landed on the answer (of 512 sampled
-    # held-out completions after RL, wrong working rose from 49 to 185, the off-by-one habit fell only
-    # from 168 to 42), which broke the working, made text gains fragile (+0.06 to +0.13 over seeds) and
-    # lowered greedy accuracy. Copying a number that no nearby digit shift can make right leaves no such
-    # shortcut.
+    # (every step moves the amount by n >= 1), and no small shift of a working digit makes it one.
+    # Why not "box = result + 1": measured on the default toy (seed 0, 512 sampled held-out completions),
+    # RL cut that habit from 168 to 42 but also learned to write the working's result one *less* than the
+    # truth so that "result + 1" landed on the answer; wrong working rose from 49 to 185, greedy accuracy
+    # fell, and text gains were +0.06 to +0.13 across seeds and CPUs. With this target (and 80 RL steps)
+    # seeds 0-4 gained +0.16 to +0.25 (docs/results.md).
     return steps, steps[-1][0]
 
 
