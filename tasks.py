@@ -16,8 +16,8 @@ answer copied from the wrong number of the (correct) working, or one named colou
 look-alike colour. The SFT model then becomes a mixture of a right and a wrong habit, the situation RL
 is good at fixing (shift probability toward the habit that earns reward) and the one the toy is meant
 to show in minutes. Random mistakes (wrong arithmetic, stray cells) were measured to mostly slow SFT
-down and to leave errors that a few minutes of RL cannot repair. This is a deliberate property of the toy, not of the paper; held-out
-evaluation always scores against the *true* answer/spec.
+down and to leave errors that a few minutes of RL cannot repair. This is a deliberate property of the
+toy, not of the paper; held-out evaluation always scores against the *true* answer/spec.
 """
 from __future__ import annotations
 
