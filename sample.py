@@ -16,7 +16,6 @@ callers (train.py, infra/sample_cli.py) validate the settings; the samplers asse
 Shapes: B batch, P prompt, N gen_length, L sequence (P + N for text), V vocabulary, n image slots, C codes.
 """
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

@@ -346,7 +346,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from infra import cli
-
     with cli.user_errors():
         main()

@@ -40,7 +40,6 @@ import train
 from infra import cli, plots
 from tasks import IMAGE_TASKS, draw_prompts, make_batch, task_list, vocab_slice
 from infra.run import read_generation_settings, setup, validate
-from model import Transformer
 from infra.hf import load_tokenizer
 from infra import hf
 
@@ -173,7 +172,7 @@ def order_curve(b, order, cfg, task: str) -> dict:
 def official_ratio_table(prompt_lens=(20, 100, 150, 256), N: int = 256, gammas=(0.6, 0.8), mu: int = 12) -> str:
     """Markdown: the masked fraction of an N-token window under the official AR-like operator, per prompt length
     P and per ratio of the gamma schedules (importance.mask_ratios); the paper's operator masks the ratio itself."""
-    lines = [f"| gamma | nominal ratio t_j | " + " | ".join(f"P = {p}" for p in prompt_lens) + " |",
+    lines = ["| gamma | nominal ratio t_j | " + " | ".join(f"P = {p}" for p in prompt_lens) + " |",
              "|---|---|" + "---|" * len(prompt_lens)]
     for g in gammas:
         for t in importance.mask_ratios(mu, g):

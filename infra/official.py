@@ -16,7 +16,6 @@ The effective mask ratios of the official AR-like operator are importance.offici
 """
 from __future__ import annotations
 
-import math
 
 import torch
 

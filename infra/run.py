@@ -33,7 +33,7 @@ from infra.budget import scratch_config
 from infra.data import data_paths
 from infra.hf import load_tokenizer, read_checkpoint
 from infra.scale import print0
-from model import ModelConfig, Transformer, chat_prompt, num_params
+from model import Transformer, chat_prompt, num_params
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
 
 # -----------------------------------------------------------------------------------------------------
@@ -479,7 +479,7 @@ def generation_settings(cfg) -> dict:
 def read_generation_settings(path) -> dict:
     """The generation settings saved beside a checkpoint ({} for one written elsewhere, e.g. LLaDA's own)."""
     f = Path(path) / GENERATION_FILE
-    return hf.read_json(f, f"delete it to use the defaults and flags only") if f.is_file() else {}
+    return hf.read_json(f, "delete it to use the defaults and flags only") if f.is_file() else {}
 
 
 def keep_steps_before(path: Path, start: int) -> Path:
