@@ -42,6 +42,11 @@ GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/imag
 def task_list(cfg) -> list[str]:
     return [t for t in cfg.tasks.split(",") if t]
 
+
+def sft_tasks(cfg) -> tuple[str, ...]:
+    """The toy tasks the SFT stage trains: those the run asks for (a text-only run spends no SFT on images)."""
+    return tuple(t for t in TOY_TASKS if t in task_list(cfg))
+
 # -----------------------------------------------------------------------------------------------------
 # vocabulary
 

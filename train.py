@@ -51,7 +51,7 @@ from infra.scale import print0
 from infra.scorer import RemoteScorer
 from model import TokenIds
 from tasks import (GRID_PROMPTS, IMAGE_TASKS, Batch, decode_window, draw_prompts, eval_examples, make_batch, make_example,
-                   task_list, vocab_slice)
+                   sft_tasks, task_list, vocab_slice)
 
 # -----------------------------------------------------------------------------------------------------
 # config
@@ -246,9 +246,10 @@ def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3
 
 
 def sft(model, tok, ids, cfg: Config, device) -> float:
-    """Train the toy model from scratch on noisy toy data (tasks.py); returns the seconds spent. SIGINT or
-    SIGTERM finishes the current step and exits with 128 + signal: SFT keeps no checkpoint (it takes minutes
-    on a laptop, not hours), so the next run restarts it, and sft_dir is left as it was."""
+    """Train the toy model from scratch on noisy toy data (tasks.py) of the run's toy tasks; returns the
+    seconds spent. SIGINT or SIGTERM finishes the current step and exits with 128 + signal: SFT keeps no
+    checkpoint (it takes minutes on a laptop, not hours), so the next run restarts it, and sft_dir is left
+    as it was."""
     t0 = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Linear warm-up, then cosine decay to 10%: a fixed learning rate plateaus early at this size.
@@ -267,7 +268,7 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
                        "already in sft_dir is unchanged)")
                 raise SystemExit(128 + stop["signal"])
             loss_sum = 0.0
-            for task in ("text", "image"):
+            for task in sft_tasks(cfg):
                 noise = cfg.text_noise if task == "text" else cfg.image_noise
                 exs = [make_example(task, rng, cfg, "train", noise) for _ in range(cfg.sft_batch_size)]
                 b = make_batch(task, exs, tok, ids, cfg, device, with_targets=True)
@@ -284,7 +285,9 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
             sched.step()
             opt.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss_sum:.3f}")
-    # The bar is silent in a log file: one line says how SFT ended.
+            if bar.disable and (step + 1) % max(1, cfg.sft_steps // 10) == 0 and step + 1 < cfg.sft_steps:
+                print0(f"sft step {step + 1}/{cfg.sft_steps}: loss {loss_sum:.3f}, {time.time() - t0:.0f}s")
+    # The bar is silent in a log file: a line every tenth of the steps above, and one for the end.
     print0(f"SFT: {cfg.sft_steps} steps in {time.time() - t0:.0f}s, last loss {loss_sum:.3f}")
     model.eval()
     return time.time() - t0

@@ -51,8 +51,11 @@ def field_comments(cls) -> dict[str, str]:
             if tok.type == tokenize.NAME and tok.start[1] == 4 and re.match(rf"\s*{tok.string}\s*:", tok.line):
                 current = tok.string if tok.string in klass.__dataclass_fields__ else None
             elif tok.type == tokenize.COMMENT and current:
-                text = tok.string.lstrip("#").strip()
-                out[current] = f"{out[current]} {text}" if current in out and tok.line.strip().startswith("#") else text
+                text, alone = tok.string.lstrip("#").strip(), tok.line.strip().startswith("#")
+                if alone and tok.start[1] <= 4:  # a section heading ("    # model"), not a continuation
+                    current = None
+                else:
+                    out[current] = f"{out[current]} {text}" if current in out and alone else text
     return out
 
 

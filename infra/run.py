@@ -243,9 +243,10 @@ SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_n
 
 
 def sft_key(cfg) -> dict:
-    """What the toy SFT model depends on: the SFT_KEYS settings and tasks.py's source (its toy data)."""
+    """What the toy SFT model depends on: the SFT_KEYS settings, the toy tasks it trains and tasks.py's source
+    (its toy data)."""
     tasks_hash = hashlib.sha1(Path(tasks.__file__).read_bytes()).hexdigest()
-    return {k: getattr(cfg, k) for k in SFT_KEYS} | {"tasks_sha1": tasks_hash}
+    return {k: getattr(cfg, k) for k in SFT_KEYS} | {"sft_tasks": list(tasks.sft_tasks(cfg)), "tasks_sha1": tasks_hash}
 
 
 def sft_dir_of(cfg) -> Path:
@@ -260,9 +261,15 @@ def check_sft_cache(cfg) -> bool:
     meta_file = sft_dir / "sft_meta.json"
     if meta_file.is_file():
         saved, meta = hf.read_json(meta_file, "pass --retrain_sft=true to train the SFT model again"), sft_key(cfg)
-        if saved == meta:
+        # A model trained on more toy tasks serves a run on fewer (a text-only ablation from the toy's SFT
+        # model); models saved before sft_tasks was recorded were trained on both.
+        trained, wanted = saved.pop("sft_tasks", list(TOY_TASKS)), meta.pop("sft_tasks")
+        covered = set(wanted) <= set(trained)
+        if saved == meta and covered:
             return True
         diff = [f"{k} {saved.get(k)!r} -> {meta[k]!r}" for k in meta if k != "tasks_sha1" and saved.get(k) != meta[k]]
+        if not covered:
+            diff.append(f"toy tasks {trained} -> {wanted}")
         if saved.get("tasks_sha1") != meta["tasks_sha1"]:
             diff.append("tasks.py (the toy data) changed")
         problem = f"holds an SFT model trained with other settings: {', '.join(diff)}"

@@ -75,3 +75,21 @@ def test_every_flag_has_a_meaning_in_help():
     flat = " ".join(text.split())  # argparse wraps the help text
     assert "steps per text rollout, a multiple of the number of blocks and at most gen_length" in flat
     assert "arlike (paper Alg. 1) | random | arlike_official" in flat
+
+
+@dataclass
+class Sectioned:
+    # io
+    out: str = "o"            # where it goes
+                              # (and stays)
+    # model
+    width: int = 4            # how wide
+
+
+def test_section_headings_are_not_part_of_the_field_above():
+    """A comment line at the field column heads the next section; only lines indented under the comment
+    continue it (train.Config's "# model" once ended the help of --threads)."""
+    assert cli.field_comments(Sectioned) == {"out": "where it goes (and stays)", "width": "how wide"}
+    comments = cli.field_comments(train.Config)
+    assert comments["threads"] == "torch CPU threads (0 = torch's default)"
+    assert comments["activation_checkpointing"] == "recompute each block in backward (needed at 8B)"

@@ -64,6 +64,43 @@ def test_retrain_sft_replaces_the_model(shared_sft, tmp_path):
     assert json.loads((shared_sft / "sft_meta.json").read_text())["seed"] == 1
 
 
+def test_sft_trains_only_the_runs_toy_tasks(tmp_path, monkeypatch):
+    """A text-only run spends no SFT on images; the model it saves serves text runs and is refused, with
+    the tasks named, by a run that also needs images. The toy's two-task model serves a text-only run."""
+    seen = []
+    loss = train.diffusion_loss
+
+    def recording_loss(model, b, *args, **kwargs):
+        seen.append(b.task)
+        return loss(model, b, *args, **kwargs)
+    monkeypatch.setattr(train, "diffusion_loss", recording_loss)
+    text_sft = tmp_path / "text-sft"
+    train.main([*TINY, "--tasks=text", f"--sft_dir={text_sft}", f"--out_dir={tmp_path / 'a'}"])
+    assert seen == ["text", "text"]  # two SFT steps, one text batch each
+    assert json.loads((text_sft / "sft_meta.json").read_text())["sft_tasks"] == ["text"]
+    before = tree_digest(text_sft)
+    with pytest.raises(ValueError) as e:
+        train.main([*TINY, f"--sft_dir={text_sft}", f"--out_dir={tmp_path / 'b'}"])
+    assert "toy tasks ['text'] -> ['text', 'image']" in str(e.value), str(e.value)
+    assert tree_digest(text_sft) == before
+    seen.clear()
+    both_sft = tmp_path / "both-sft"
+    train.main([*TINY, f"--sft_dir={both_sft}", f"--out_dir={tmp_path / 'c'}"])
+    assert seen == ["text", "image", "text", "image"]
+    seen.clear()
+    train.main([*TINY, "--tasks=text", f"--sft_dir={both_sft}", f"--out_dir={tmp_path / 'd'}"])
+    assert seen == []  # reused, not retrained
+
+
+def test_sft_model_saved_without_its_tasks_counts_as_both(shared_sft, tmp_path):
+    """sft_meta.json written before the trained tasks were recorded: those models were trained on both."""
+    meta = json.loads((shared_sft / "sft_meta.json").read_text())
+    del meta["sft_tasks"]
+    (shared_sft / "sft_meta.json").write_text(json.dumps(meta))
+    train.main([*TINY, "--tasks=text", f"--sft_dir={shared_sft}", f"--out_dir={tmp_path / 'run'}"])
+    assert "sft_tasks" not in json.loads((shared_sft / "sft_meta.json").read_text())  # reused as it was
+
+
 def test_interrupted_retraining_keeps_the_old_model(shared_sft, tmp_path, monkeypatch):
     """The cache is written beside the old one and swapped in at the end: a crash while the new weights
     are being written leaves the old model, with its sft_meta.json, as it was."""
