@@ -4,6 +4,7 @@
                        [--out FILE.jsonl] [--preset llada8b] [--gen_length=256 ...]    # any train.Config field
     python evaluate.py --ckpt out/toy/final --task text      # toy tasks draw held-out prompts from --seed
     python evaluate.py --run out/toy                         # re-score a run's sft/ and final/ vs summary.json
+    python evaluate.py --compare=before.jsonl,after.jsonl    # gain of two --out files, paired by prompt
 
 Tasks: gsm8k, math, countdown, sudoku, mbpp (sandboxed, rewards.REWARDS) and geneval (--image_scorer_url),
 which read --data; the toy tasks text and image, which need none. Every completion comes from train.evaluate,
@@ -77,6 +78,8 @@ class Options(train.Config):
     samples: int = -1       # k sampled completions per prompt for pass@k (-1: the task's default, 0: greedy only)
     out: str = ""           # write one JSON line per completion here
     run: str = ""           # out_dir of a train.py run: re-score it and compare with its summary.json
+    compare: str = ""       # BEFORE.jsonl,AFTER.jsonl: two --out files of the same prompts; prints the gain
+                            # and its standard error paired by prompt
 
 
 # The official evaluation settings of the paper's code: GSM8K and MATH500 greedy, 256 tokens in blocks of 16
@@ -203,6 +206,35 @@ def _score(cfg, task, sink, limit, samples):
     return row, records
 
 
+def compare(before: str, after: str) -> list[list]:
+    """Rows [mode, prompts, before, after, gain, paired SE, gain / SE] of two --out files scored on the same
+    prompts (e.g. a run's sft/ and final/ under one Config). Each prompt's mean over its samples is paired
+    across the files, so the SE is sd(per-prompt difference) / sqrt(prompts): the prompt-to-prompt spread
+    that both evaluations share cancels, which the SE of each mean alone would count twice."""
+    def read(path):
+        per: dict = {}
+        for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+            try:
+                r = json.loads(line)
+                per.setdefault(r["mode"], {}).setdefault(r["prompt_index"], (r["prompt"], []))[1].append(r["reward"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path} line {i} is not an evaluate.py --out record; pass two --out files")
+        return per
+    a, b = read(before), read(after)
+    rows = []
+    for mode in [m for m in ("greedy", "sampled") if m in a or m in b]:
+        if a.get(mode, {}).keys() != b.get(mode, {}).keys() or any(
+                a[mode][j][0] != b[mode][j][0] for j in a[mode]):
+            raise ValueError(f"{before} and {after} hold other {mode} prompts; score both with the same "
+                             "Config (seed, eval_prompts or --limit)")
+        d = [sum(b[mode][j][1]) / len(b[mode][j][1]) - sum(a[mode][j][1]) / len(a[mode][j][1]) for j in a[mode]]
+        n, gain = len(d), sum(d) / len(d)
+        se = math.sqrt(sum((x - gain) ** 2 for x in d) / (n - 1) / n) if n > 1 else float("nan")
+        mean = lambda per: sum(sum(v) for _, v in per.values()) / sum(len(v) for _, v in per.values())
+        rows.append([mode, n, mean(a[mode]), mean(b[mode]), gain, se, gain / se if se > 0 else None])
+    return rows
+
+
 def check_run(run_dir: str) -> bool:
     """Re-score a train.py run with its own config.json: the model before RL (the SFT model, or init_from)
     and final/ after, through train.evaluate_all; print them beside summary.json. True if all agree."""
@@ -250,6 +282,12 @@ def main(argv=None) -> int:
     130 Ctrl-C (the completions scored so far are in --out)."""
     try:
         o = parse_options(argv)
+        if o.compare:
+            files = [f for f in o.compare.split(",") if f]
+            if len(files) != 2 or not all(Path(f).is_file() for f in files):
+                raise ValueError(f"--compare takes two existing --out files, BEFORE.jsonl,AFTER.jsonl; got {o.compare!r}")
+            print(table(["mode", "prompts", "before", "after", "gain", "paired SE", "gain / SE"], compare(*files)))
+            return 0
         if o.run:
             extra = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--run")]
             if [a for a in extra if a != o.run]:

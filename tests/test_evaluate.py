@@ -149,3 +149,26 @@ def test_checkpoint_generation_settings_are_the_defaults(tmp_path):
     assert (o.gen_length, o.block_length, o.steps) == (12, 12, 12)
     o = evaluate.parse_options(["--ckpt", str(tmp_path), "--task", "gsm8k"])
     assert (o.gen_length, o.block_length, o.steps) == (256, 16, 128)
+
+
+def test_compare_pairs_prompts_by_hand(tmp_path, capsys):
+    """--compare on hand-made records. Prompt 0: 2 samples 0,0 -> 1,1 (diff +1); prompt 1: 1,1 -> 1,0
+    (diff -0.5); prompt 2: 0,1 -> 1,1 (diff +0.5). Gain = 1/3; the diffs' sd = sqrt(((2/3)^2 + (5/6)^2 +
+    (1/6)^2) / 2) = sqrt(7) / (2 sqrt(3)) = 0.7638, so the paired SE is 0.7638 / sqrt(3) = 0.4410."""
+    def write(name, rewards):
+        p = tmp_path / name
+        p.write_text("".join(json.dumps({"task": "text", "mode": "sampled", "prompt_index": j, "sample": s,
+                                         "prompt": f"q{j}", "output": "", "reward": r}) + "\n"
+                             for j, rs in enumerate(rewards) for s, r in enumerate(rs)))
+        return str(p)
+    a, b = write("a.jsonl", [[0, 0], [1, 1], [0, 1]]), write("b.jsonl", [[1, 1], [1, 0], [1, 1]])
+    [row] = evaluate.compare(a, b)
+    assert row[:2] == ["sampled", 3] and row[2] == pytest.approx(0.5) and row[3] == pytest.approx(5 / 6)
+    assert row[4] == pytest.approx(1 / 3) and row[5] == pytest.approx(0.44096, abs=1e-5)
+    assert row[6] == pytest.approx((1 / 3) / 0.44096, abs=1e-4)
+    assert evaluate.main([f"--compare={a},{b}"]) == 0 and "| sampled | 3 | 0.500000 | 0.833333 |" in capsys.readouterr().out
+    c = write("c.jsonl", [[1, 1], [1, 0]])  # another prompt set
+    assert evaluate.main([f"--compare={a},{c}"]) == 2
+    assert "hold other sampled prompts" in capsys.readouterr().err
+    assert evaluate.main([f"--compare={a}"]) == 2
+    assert "--compare takes two existing --out files" in capsys.readouterr().err
