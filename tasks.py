@@ -151,8 +151,8 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
                       max_steps: int = 2) -> dict:
     """One word problem with max_steps - 1 or max_steps add/subtract steps (at least one, so the default
     toy's max_steps 1 and 2 give 1 and 1..2); every intermediate value in [0, max_value]. Each step is
-    written out as `a + n = r` (5 tokens with one-digit values), so max_steps 6 gives completions of 33 or
-    39 tokens, long enough to span several semi-autoregressive blocks (the `toy_long` preset in train.py).
+    written out as `a + n = r` (5 tokens with one-digit values), so max_steps 4 gives completions of 21 or
+    27 tokens, which the `toy_long` preset in train.py decodes in several semi-autoregressive blocks.
 
     With probability `noise` the completion is the systematic wrong target of `_wrong_target` (SFT data
     only): right working, box holding the amount before the last step. `answer` is always the true result.
