@@ -19,7 +19,8 @@ from pathlib import Path
 PALETTE = ((48, 48, 48), (230, 50, 50), (40, 190, 70), (50, 100, 240), (250, 210, 30),
            (150, 60, 200), (40, 210, 220), (245, 245, 245))
 TASK_COLOURS = {"text": (30, 110, 190), "image": (230, 110, 20)}
-OTHER_COLOURS = [(40, 150, 60), (180, 40, 150), (110, 110, 110)]  # tasks beyond the toy's two
+# Tasks beyond the toy's two, and --compare labels beyond two (an ablation of seven rows).
+OTHER_COLOURS = [(40, 150, 60), (180, 40, 150), (110, 110, 110), (200, 40, 40), (150, 120, 30)]
 PANELS = [("reward", "reward"), ("solved", "accuracy (reward = 1)"), ("kl", "KL to reference (k3)"),
           ("clipfrac", "clip fraction")]
 PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # four panels: 1200 x 300, legible at 100%
@@ -106,7 +107,16 @@ def _fade(rgb, keep: float):
 
 
 def _draw_panel(draw, font, x0: int, title: str, series: dict, colours: dict, window: int):
-    left, right, top, bottom = x0 + 50, x0 + PANEL_W - 14, 46, PANEL_H - 36  # plot area inside the panel
+    # The legend sits on its own lines under the title, so a long title never runs into it; it wraps when
+    # the labels are too many for one line, and the plot area starts below it.
+    places, lx, ly = [], x0 + 10, 23
+    for task in series:
+        width = 30 + draw.textlength(task, font=font)
+        if lx + width > x0 + PANEL_W - 14 and places:
+            lx, ly = x0 + 10, ly + FONT_SIZE + 4
+        places.append((task, lx, ly))
+        lx += width
+    left, right, top, bottom = x0 + 50, x0 + PANEL_W - 14, ly + 23, PANEL_H - 36  # plot area inside the panel
     xs = [x for pts in series.values() for x, _ in pts]
     ys = [y for pts in series.values() for _, y in pts]
     # y is widened to round ticks; x spans exactly the logged steps, so the curves reach both edges.
@@ -127,11 +137,9 @@ def _draw_panel(draw, font, x0: int, title: str, series: dict, colours: dict, wi
     _text(draw, x0 + 10, 6, title, font)
     if window > 1:
         _text(draw, x0 + PANEL_W - 14, 6, f"bold: {window}-step mean", font, grey, "right")
-    legend_x = x0 + 10
-    for task in series:  # legend on its own line, so a long title never runs into it
-        draw.line([(legend_x, 31), (legend_x + 14, 31)], fill=colours[task], width=2)
-        _text(draw, legend_x + 18, 23, task, font, colours[task])
-        legend_x += 30 + draw.textlength(task, font=font)
+    for task, lx, ly in places:
+        draw.line([(lx, ly + 8), (lx + 14, ly + 8)], fill=colours[task], width=2)
+        _text(draw, lx + 18, ly, task, font, colours[task])
     # Raw per-step values faint under a trailing moving average (each point the mean of the last
     # `window` logged values), drawn after every faint line so no task's average hides under another's.
     for faint in (True, False):

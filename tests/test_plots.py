@@ -141,3 +141,22 @@ def test_compare_runs_png(tmp_path):
     assert plots.TASK_COLOURS["text"] in present and plots.TASK_COLOURS["image"] in present  # one line per label
     with pytest.raises(ValueError, match="no run logs"):
         plots.compare_runs(groups, tmp_path / "x.png", task="image")
+
+
+def test_compare_seven_labels_wraps_the_legend(tmp_path):
+    """An ablation's seven rows get seven colours, and the legend wraps onto a second line above the plot
+    area instead of running past the panel's edge."""
+    Image = pytest.importorskip("PIL.Image")
+    names = ["d1", "UniGRPO", "random", "MaskGRPO", "official", "trajectory", "gamma0"]
+    groups = {n: [_run(tmp_path, n, [0.1 * k, 0.2])] for k, n in enumerate(names)}
+    with Image.open(plots.compare_runs(groups, tmp_path / "kl.png")) as im:
+        rgb = im.convert("RGB")
+        colours = [plots.TASK_COLOURS["text"], plots.TASK_COLOURS["image"]] + plots.OTHER_COLOURS
+        present = {c for _, c in rgb.getcolors(maxcolors=1 << 16)}
+        assert set(colours) <= present
+        # Three labels fit on a 300-pixel line: the seventh's swatch is on the third legend line, y = 23 +
+        # 2 * (13 + 4) + 8 = 65, inside the left panel; the first line's swatches are at y = 31.
+        assert colours[6] in [rgb.getpixel((x, 65)) for x in range(plots.PANEL_W)]
+        assert colours[6] not in [rgb.getpixel((x, 31)) for x in range(plots.PANEL_W)]
+    with pytest.raises(ValueError, match="at most 7 labels"):
+        plots.compare_runs({**groups, "eighth": groups["d1"]}, tmp_path / "x.png")
