@@ -11,6 +11,7 @@ axes are drawn by hand with PIL.ImageDraw: four line panels do not justify matpl
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -272,9 +273,10 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
     return Path(png_path)
 
 
-def group_means(groups: dict[str, list], key: str) -> dict[str, list[tuple[int, float]]]:
-    """{label: [(step, mean of `key` over the label's run directories that logged it at that step)]};
-    labels with no finite value are left out."""
+def group_medians(groups: dict[str, list], key: str) -> dict[str, list[tuple[int, float]]]:
+    """{label: [(step, median of `key` over the label's run directories that logged it at that step)]};
+    labels with no finite value are left out. The median, because one seed's k3 KL can jump by orders of
+    magnitude for a step (up to 1e7 on the long toy) and a mean would draw only that step."""
     out = {}
     for label, run_dirs in groups.items():
         per_step: dict = {}
@@ -284,7 +286,7 @@ def group_means(groups: dict[str, list], key: str) -> dict[str, list[tuple[int, 
                 if isinstance(y, (int, float)) and math.isfinite(y):
                     per_step.setdefault(r.get("step", i), []).append(float(y))
         if per_step:
-            out[label] = [(x, sum(v) / len(v)) for x, v in sorted(per_step.items())]
+            out[label] = [(x, statistics.median(v)) for x, v in sorted(per_step.items())]
     return out
 
 
@@ -296,7 +298,7 @@ def compare_runs(groups: dict[str, list], png_path, task: str = "text",
     if len(colours) < len(groups):
         raise ValueError(f"at most {len(colours)} labels per picture, got {len(groups)}")
     panels = [(f"{task}: {title}", series) for metric, title in metrics
-              if (series := group_means(groups, f"{task}/{metric}"))]
+              if (series := group_medians(groups, f"{task}/{metric}"))]
     if not panels:
         raise ValueError(f"no run logs {task}/" + " or ".join(m for m, _ in metrics))
     return _save_panels(panels, colours, max(len(pts) for _, ser in panels for pts in ser.values()), png_path)

@@ -125,11 +125,13 @@ def _run(tmp_path, name, kls):
     return d
 
 
-def test_group_means_average_runs_step_by_step(tmp_path):
+def test_group_medians_take_runs_step_by_step(tmp_path):
     a, b = _run(tmp_path, "a", [1.0, 2.0, float("nan")]), _run(tmp_path, "b", [3.0, 4.0, 5.0])
-    means = plots.group_means({"x": [a, b], "y": [a]}, "text/kl")
-    assert means == {"x": [(0, 2.0), (1, 3.0), (2, 5.0)], "y": [(0, 1.0), (1, 2.0)]}
-    assert plots.group_means({"x": [a]}, "image/kl") == {}
+    c = _run(tmp_path, "c", [1e7, 3.5, 6.0])  # one seed's KL spike at step 0 does not move the median
+    medians = plots.group_medians({"x": [a, b], "y": [a], "z": [a, b, c]}, "text/kl")
+    assert medians["x"] == [(0, 2.0), (1, 3.0), (2, 5.0)] and medians["y"] == [(0, 1.0), (1, 2.0)]
+    assert medians["z"] == [(0, 3.0), (1, 3.5), (2, 5.5)]  # medians of {1, 3, 1e7}, {2, 4, 3.5}, {5, 6}
+    assert plots.group_medians({"x": [a]}, "image/kl") == {}
 
 
 def test_compare_runs_png(tmp_path):
