@@ -221,6 +221,7 @@ def compare(before: str, after: str) -> list[list]:
                 raise ValueError(f"{path} line {i} is not an evaluate.py --out record; pass two --out files")
         return per
     a, b = read(before), read(after)
+    mean = lambda per: sum(sum(v) for _, v in per.values()) / sum(len(v) for _, v in per.values())
     rows = []
     for mode in [m for m in ("greedy", "sampled") if m in a or m in b]:
         if a.get(mode, {}).keys() != b.get(mode, {}).keys() or any(
@@ -230,7 +231,6 @@ def compare(before: str, after: str) -> list[list]:
         d = [sum(b[mode][j][1]) / len(b[mode][j][1]) - sum(a[mode][j][1]) / len(a[mode][j][1]) for j in a[mode]]
         n, gain = len(d), sum(d) / len(d)
         se = math.sqrt(sum((x - gain) ** 2 for x in d) / (n - 1) / n) if n > 1 else float("nan")
-        mean = lambda per: sum(sum(v) for _, v in per.values()) / sum(len(v) for _, v in per.values())
         rows.append([mode, n, mean(a[mode]), mean(b[mode]), gain, se, gain / se if se > 0 else None])
     return rows
 
@@ -282,14 +282,18 @@ def main(argv=None) -> int:
     130 Ctrl-C (the completions scored so far are in --out)."""
     try:
         o = parse_options(argv)
+        argv = argv if argv is not None else sys.argv[1:]
         if o.compare:
+            extra = [a for a in argv if not a.startswith("--compare") and a != o.compare]
+            if extra:
+                raise ValueError(f"--compare reads two --out files and takes no other flag; drop {extra}")
             files = [f for f in o.compare.split(",") if f]
             if len(files) != 2 or not all(Path(f).is_file() for f in files):
                 raise ValueError(f"--compare takes two existing --out files, BEFORE.jsonl,AFTER.jsonl; got {o.compare!r}")
             print(table(["mode", "prompts", "before", "after", "gain", "paired SE", "gain / SE"], compare(*files)))
             return 0
         if o.run:
-            extra = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--run")]
+            extra = [a for a in argv if not a.startswith("--run")]
             if [a for a in extra if a != o.run]:
                 raise ValueError(f"--run re-scores with the run's own config.json; drop {extra}")
             return 0 if check_run(o.run) else 1

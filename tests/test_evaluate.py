@@ -172,3 +172,5 @@ def test_compare_pairs_prompts_by_hand(tmp_path, capsys):
     assert "hold other sampled prompts" in capsys.readouterr().err
     assert evaluate.main([f"--compare={a}"]) == 2
     assert "--compare takes two existing --out files" in capsys.readouterr().err
+    assert evaluate.main([f"--compare={a},{b}", "--seed=3"]) == 2  # not silently ignored
+    assert "takes no other flag; drop ['--seed=3']" in capsys.readouterr().err
