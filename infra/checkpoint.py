@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -202,6 +203,19 @@ def check_resumable(path, state: dict, config: dict, reference: dict, may_change
                          f"now {reference}); resume with the same --init_from / SFT model")
 
 
+def _say_in_handler(text: str) -> None:
+    """Print from a signal handler (rank 0). The signal can arrive while this thread is inside a print;
+    re-entering the buffered sys.stdout there raises "reentrant call", so the line goes straight to the
+    file descriptor (print0 flushes every line, so the order holds). A stdout with no descriptor (a test's
+    capture) gets an ordinary print."""
+    if scale.rank() != 0:
+        return
+    try:
+        os.write(sys.stdout.fileno(), (text + "\n").encode())
+    except (AttributeError, OSError, ValueError):
+        print(text, flush=True)
+
+
 @contextmanager
 def graceful_stop():
     """SIGTERM / SIGINT (pre-emption, Ctrl-C) set a flag: the current step finishes, a checkpoint is
@@ -217,7 +231,7 @@ def graceful_stop():
             raise KeyboardInterrupt
         if not flag["signal"]:
             flag["signal"], flag["at"] = signum, time.monotonic()
-            scale.print0(f"caught {signal.Signals(signum).name}: finishing this step, then writing a checkpoint")
+            _say_in_handler(f"caught {signal.Signals(signum).name}: finishing this step, then writing a checkpoint")
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield flag
