@@ -364,10 +364,11 @@ SHAPED = {
 }
 
 
-def score(b: tasks.Batch, tok, ids, scorer=None, shaped: bool = False) -> torch.Tensor:
-    """Step 2 of the RL loop: a reward in [0, 1] per row of b. The toy verifiers (tasks.py), the benchmark
-    verifiers (REWARDS, or SHAPED, the official format + correctness terms, where shaped and the task has
-    them), or, for geneval images, the remote scorer."""
+def score(b: tasks.Batch, tok, ids, scorer=None, shaped: bool = False, text_reward: str = "answer") -> torch.Tensor:
+    """Step 2 of the RL loop: a reward in [0, 1] per row of b. The toy verifiers (tasks.py; text_reward
+    picks the text one from tasks.TEXT_REWARDS), the benchmark verifiers (REWARDS, or SHAPED, the official
+    format + correctness terms, where shaped and the task has them), or, for geneval images, the remote
+    scorer."""
     outs = tasks.decode_window(b, tok, ids)
     if b.task == "geneval":
         try:
@@ -378,7 +379,7 @@ def score(b: tasks.Batch, tok, ids, scorer=None, shaped: bool = False) -> torch.
             print(f"warning: image scorer failed ({e}); this batch gets NaN rewards", flush=True)
             return torch.full((len(outs),), math.nan)
     if b.task == "text":
-        fn = tasks.text_reward
+        fn = tasks.TEXT_REWARDS[text_reward]
     elif b.task == "image":
         fn = lambda codes, ex: tasks.image_reward(codes, ex["spec"])
     else:

@@ -155,11 +155,13 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
     27 tokens, which the `toy_long` preset in train.py decodes in several semi-autoregressive blocks.
 
     With probability `noise` the completion is the systematic wrong target of `_wrong_target` (SFT data
-    only): right working, box holding the amount before the last step. `answer` is always the true result.
+    only): right working, box holding the amount before the last step. `answer` is always the true result
+    and `solution` the right completion, which `solution_reward` compares with.
 
         make_text_example(random.Random(0)) -> {
           "prompt": "sue has 1 shells . she loses 1 and gets 6 more . how many shells does she have ?",
-          "completion": "1 - 1 = 0 , 0 + 6 = 6 . \\\\boxed{6}", "answer": "6"}
+          "completion": "1 - 1 = 0 , 0 + 6 = 6 . \\\\boxed{6}", "answer": "6",
+          "solution": "1 - 1 = 0 , 0 + 6 = 6 . \\\\boxed{6}"}
     """
     def make():
         name, obj = rng.choice(sorted(NAMES)), rng.choice(OBJECTS)
@@ -179,12 +181,14 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
 
     ex = _draw(rng, make, split)
     steps = ex.pop("steps")
-    boxed = steps[-1][3]
-    if rng.random() < noise:
-        steps, boxed = _wrong_target(rng, steps, max_value)
-    work = " , ".join(f"{a} {op} {n} = {r}" for a, op, n, r in steps)
-    ex["completion"] = f"{work} . {BOXED}{boxed}}}"
+    ex["solution"] = _written(steps, steps[-1][3])
+    ex["completion"] = _written(*_wrong_target(rng, steps, max_value)) if rng.random() < noise else ex["solution"]
     return ex
+
+
+def _written(steps: list, boxed: int) -> str:
+    work = " , ".join(f"{a} {op} {n} = {r}" for a, op, n, r in steps)
+    return f"{work} . {BOXED}{boxed}}}"
 
 
 def _wrong_target(rng: random.Random, steps: list, max_value: int) -> tuple[list, int]:
@@ -214,6 +218,23 @@ def text_reward(completion_text: str, example: dict) -> float:
     """
     boxes = _BOX.findall(completion_text)
     return float(bool(boxes) and boxes[-1].strip() == example["answer"])
+
+
+def solution_reward(completion_text: str, example: dict) -> float:
+    """1.0 if the completion is the whole right solution, every step of the working as the problem states
+    it and the box holding the answer, else 0.0 (the long toy's verifier, --text_reward=solution).
+
+    Why the long toy checks the working: with 3-4 written-out steps and the box-only `text_reward`, RL runs
+    lost right working (greedy accuracy fell on most seeds; docs/results.md), as no reward term read those
+    tokens. The working of these problems is unique, so the check is an exact comparison.
+
+        solution_reward("3 + 4 = 7 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 1.0
+        solution_reward("3 + 4 = 6 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 0.0
+    """
+    return float(completion_text.strip() == example["solution"])
+
+
+TEXT_REWARDS = {"answer": text_reward, "solution": solution_reward}  # --text_reward
 
 
 def encode_text(tok: Tokenizer, example: dict, gen_length: int) -> tuple[list[int], list[int]]:

@@ -99,6 +99,8 @@ class Config:
     reward_shaping: str = "none"      # none (correctness, 0/1) | official: GSM8K/MATH format + correctness terms
                                       # of the official runs, divided by their maximum (rewards.SHAPED)
     text_max_steps: int = 1           # arithmetic steps per word problem (1 or 2)
+    text_reward: str = "answer"       # toy text verifier: answer (the last \boxed{}) | solution (the whole
+                                      # written-out solution: every step and the box; tasks.solution_reward)
     text_noise: float = 0.4           # fraction of SFT text targets boxing the amount before the last step (tasks.py)
     image_noise: float = 0.4          # fraction of SFT images with one colour drawn as its look-alike
     image_width: int = 4              # images are image_width x image_width tokens (MMaDA 512 px: 32)
@@ -183,8 +185,8 @@ PRESETS: dict[str, dict] = {
     # 20% noise and 2,400 text-only SFT steps make the SFT model competent (0.44-0.79 held-out over seeds
     # 0-2; 18-33 min on a shared core); 30 RL steps (10-13 min) gain > 3 standard errors on seeds 0 and 1,
     # nothing on seed 2 (docs/results.md).
-    "toy_long": {"tasks": "text", "text_max_steps": 4, "text_noise": 0.2, "gen_length": 32, "block_length": 8,
-                 "steps": 32, "sft_steps": 2400, "rl_steps": 30, "eval_prompts": 256},
+    "toy_long": {"tasks": "text", "text_max_steps": 4, "text_noise": 0.2, "text_reward": "solution",
+                 "gen_length": 32, "block_length": 8, "steps": 32, "sft_steps": 2400, "rl_steps": 30, "eval_prompts": 256},
     # seconds-long smoke run of the whole pipeline (tests, CI).
     "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2,
               "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1, "d_model": 32,
@@ -388,7 +390,8 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
 
         # 2. rewards, gathered in global order: a group is normalised over all of its members
         shaped = cfg.reward_shaping == "official"
-        r = scale.all_gather_rows(rewards.score(b, ctx.tok, ctx.ids, ctx.scorer, shaped).to(device)).cpu()  # (B_global,)
+        r = rewards.score(b, ctx.tok, ctx.ids, ctx.scorer, shaped, cfg.text_reward)
+        r = scale.all_gather_rows(r.to(device)).cpu()                                      # (B_global,)
         bad = (~torch.isfinite(r) | (r < 0) | (r > 1)).nonzero().flatten().tolist()
         if bad:  # a NaN or out-of-range reward is reported and the step skipped, never averaged in
             raise BadStep(f"{len(bad)} {task} reward(s) not a finite number in [0, 1], first {r[bad[0]].item()} at "
@@ -522,7 +525,7 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
                 continue
             gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
             b = rollout(model, b, ctx, gens, temperature)
-            r = rewards.score(b, ctx.tok, ctx.ids, ctx.scorer)
+            r = rewards.score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
             total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
             if progress is not None:
                 progress(len(idx))

@@ -87,6 +87,7 @@ def validate(cfg) -> None:
     need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
          "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
     need(cfg.adv_std in ("auto", "on", "off"), f"adv_std ({cfg.adv_std!r}) must be auto, on or off")
+    need(cfg.text_reward in tasks.TEXT_REWARDS, f"text_reward ({cfg.text_reward!r}) must be one of {tuple(tasks.TEXT_REWARDS)}")
     need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")
     need(cfg.attend_padding in ("auto", "on", "off"), f"attend_padding ({cfg.attend_padding!r}) must be auto, on or off")
     known = TOY_TASKS + data.TASKS

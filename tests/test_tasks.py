@@ -166,21 +166,44 @@ def _text_draws(max_steps, noise, split, n=500):
 def test_default_text_data_unchanged(args, digest):
     import hashlib
     import json
-    assert hashlib.sha1(json.dumps(_text_draws(*args)).encode()).hexdigest()[:16] == digest
+    # The fields the default toy trains and scores on; `solution` (the long toy's verifier) is left out.
+    draws = [{k: ex[k] for k in ("prompt", "answer", "completion")} for ex in _text_draws(*args)]
+    assert hashlib.sha1(json.dumps(draws).encode()).hexdigest()[:16] == digest
 
 
 def test_default_text_data_first_examples():
     assert _text_draws(1, 0.4, "train", 2) == [
         {"prompt": "sue has 1 shells . she loses 1 . how many shells does she have ?", "answer": "0",
-         "completion": "1 - 1 = 0 . \\boxed{0}"},
+         "completion": "1 - 1 = 0 . \\boxed{0}", "solution": "1 - 1 = 0 . \\boxed{0}"},
         {"prompt": "sam has 9 cards . he gives 3 away . how many cards does he have ?", "answer": "6",
-         "completion": "9 - 3 = 6 . \\boxed{6}"}]
+         "completion": "9 - 3 = 6 . \\boxed{6}", "solution": "9 - 3 = 6 . \\boxed{6}"}]
     assert _text_draws(1, 0.0, "test", 2)[1] == {
         "prompt": "ann has 7 eggs . she finds 2 more . how many eggs does she have ?", "answer": "9",
-        "completion": "7 + 2 = 9 . \\boxed{9}"}
+        "completion": "7 + 2 = 9 . \\boxed{9}", "solution": "7 + 2 = 9 . \\boxed{9}"}
     assert _text_draws(2, 0.4, "train", 2)[1] == {
         "prompt": "bob has 2 coins . he sells 2 . how many coins does he have ?", "answer": "0",
-        "completion": "2 - 2 = 0 . \\boxed{2}"}  # a noisy target: the box holds the amount before the step
+        "completion": "2 - 2 = 0 . \\boxed{2}",  # a noisy target: the box holds the amount before the step
+        "solution": "2 - 2 = 0 . \\boxed{0}"}  # what the long toy's verifier compares with
+
+
+def test_solution_reward_reads_every_step_and_the_box():
+    ex = {"prompt": "amy has 4 pens . she buys 3 more and sells 5 . how many pens does she have ?", "answer": "2",
+          "solution": "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"}
+    right = "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"
+    assert tasks.solution_reward(right, ex) == 1.0 and tasks.text_reward(right, ex) == 1.0
+    for wrong in ("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}",  # wrong working, right box: the box-only reward pays
+                  "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{7}",  # right working, the amount before the last step boxed
+                  "4 + 3 = 7 . \\boxed{2}",                # a step left out
+                  "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2} 3"):  # text after the box
+        assert tasks.solution_reward(wrong, ex) == 0.0
+    assert tasks.text_reward("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}", ex) == 1.0
+    # The scorer picks the verifier by name; the toy runs' decoded completions have no leading/trailing space.
+    assert tasks.TEXT_REWARDS == {"answer": tasks.text_reward, "solution": tasks.solution_reward}
+
+
+def test_long_toy_is_scored_by_its_solution():
+    import train
+    assert train.PRESETS["toy_long"]["text_reward"] == "solution" and train.Config().text_reward == "answer"
 
 
 def _steps_of(completion):

@@ -24,7 +24,7 @@ from infra import lora, run
 from model import Transformer
 
 
-def fake_score(b, tok, ids, scorer=None, shaped=False):
+def fake_score(b, tok, ids, scorer=None, shaped=False, text_reward="answer"):
     """A deterministic reward in {0, 0.5, 1} per row, from the sampled window: groups get spread."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 

@@ -18,7 +18,7 @@ from infra import lora, run
 from model import Transformer
 
 
-def fake_score(b, tok, ids, scorer=None, shaped=False):
+def fake_score(b, tok, ids, scorer=None, shaped=False, text_reward="answer"):
     """A deterministic reward in {0, 0.5, 1} per row, from the sampled window: groups get spread."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 
@@ -134,6 +134,27 @@ def test_reward_shaping_reaches_the_benchmark_rewards(monkeypatch):
                        examples=[{"prompt": "q", "answer": "7"}] * 3)
     assert rewards.score(b, None, None).tolist() == [1.0, 0.0, 0.0]
     assert rewards.score(b, None, None, shaped=True).tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
+
+
+def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
+    """--text_reward picks the toy text verifier for the RL rewards and for the held-out scores alike: a
+    completion with a wrong step and the right box earns 1 under `answer` and 0 under `solution`."""
+    tok, ids, model = base
+    solution = "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"
+    example = {"prompt": "amy has 4 pens", "answer": "2", "completion": solution, "solution": solution}
+    monkeypatch.setattr(tasks, "decode_window", lambda b, tok, ids: ["4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}"] * len(b.x))
+    monkeypatch.setattr(train, "eval_examples", lambda task, cfg, datasets: [example] * 3)
+    monkeypatch.setattr(train, "draw_prompts", lambda task, cfg, step, datasets: [example] * cfg.prompts_per_step)
+    for name, want in (("answer", 1.0), ("solution", 0.0)):
+        cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4",
+                                "--num_iterations=1", "--gen_length=16", "--block_length=16", "--steps=16",
+                                f"--text_reward={name}"])
+        ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
+        assert train.evaluate(copy.deepcopy(model), ctx, "text", 0.0) == want
+        policy = copy.deepcopy(model)
+        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
+        _, (r,) = train.rl_step(policy, copy.deepcopy(model), opt, ctx, 0)
+        assert r.rewards.tolist() == [want] * 8
 
 
 def test_d1_is_d1(base, monkeypatch):
