@@ -230,7 +230,7 @@ def compare(before: str, after: str) -> list[list]:
                              "Config (seed, eval_prompts or --limit)")
         d = [sum(b[mode][j][1]) / len(b[mode][j][1]) - sum(a[mode][j][1]) / len(a[mode][j][1]) for j in a[mode]]
         n, gain = len(d), sum(d) / len(d)
-        se = math.sqrt(sum((x - gain) ** 2 for x in d) / (n - 1) / n) if n > 1 else float("nan")
+        se = run.paired_se(d) if n > 1 else float("nan")
         rows.append([mode, n, mean(a[mode]), mean(b[mode]), gain, se, gain / se if se > 0 else None])
     return rows
 

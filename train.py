@@ -20,7 +20,7 @@ Alg. 5), one rollout batch at a time:
 
 docs/method.md derives each step; docs/differences.md lists where this code departs from the paper and
 the official code. Everything a run writes goes to out_dir: log.jsonl, summary.json (held-out mean reward
-before and after RL), final/ (Hugging Face LLaDA layout, tokenizer.json, generation.json), checkpoints/
+before and after RL, the gain's standard error paired by prompt), final/ (Hugging Face LLaDA layout, tokenizer.json, generation.json), checkpoints/
 (--resume continues), curves.png, images.png. The bookkeeping (logs, checkpoints, resume, signals,
 start-up checks) is infra/run.py; torchrun and FSDP2 are infra/scale.py. Every random draw is seeded by
 (seed, step, global sequence index), so the world size does not change the result (LoRA dropout
@@ -502,18 +502,21 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
 # held-out evaluation (before and after RL; evaluate.py)
 
 
-def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None
-             ) -> float | None:
+def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
+             prompt_means: list | None = None) -> float | None:
     """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each
     from a generator seeded by its index, so that runs are paired and the world size changes nothing.
     Ranks take interleaved rows of every 64-example batch. records: if given, one dict per scored row of
-    this rank is appended (index, prompt, output, reward); progress(n) is called after each batch of n
-    rows (evaluate.py's bar). None when the task has no held-out set."""
+    this rank is appended (index, prompt, output, reward); prompt_means: if given, receives each held-out
+    prompt's mean reward, gathered over ranks (for the paired standard error of a gain); progress(n) is
+    called after each batch of n rows (evaluate.py's bar). None when the task has no held-out set."""
     cfg, device = ctx.cfg, ctx.device
     exs = eval_examples(task, cfg, ctx.datasets)
     if not exs:
         return None
-    exs = [ex for ex in exs for _ in range(cfg.eval_samples if temperature > 0 else 1)]
+    k = cfg.eval_samples if temperature > 0 else 1
+    per_prompt = torch.zeros(len(exs), dtype=torch.float64, device=device)  # summed reward of each prompt
+    exs = [ex for ex in exs for _ in range(k)]
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
     # Entered by every rank, also one without rows in some batch (rollout's own is then a no-op).
     with scale.full_weights(model):
@@ -527,6 +530,7 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
             b = rollout(model, b, ctx, gens, temperature)
             r = rewards.score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
             total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
+            per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
             if progress is not None:
                 progress(len(idx))
             if records is not None:
@@ -534,20 +538,26 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
                 records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
                                for j, ex, o, v in zip(idx, b.examples, outs, r.tolist()))
     total = scale.all_sum(total)
+    if prompt_means is not None:
+        prompt_means.extend((scale.all_sum(per_prompt) / k).tolist())
     return (total[0] / total[1]).item()
 
 
-def evaluate_all(model, ctx: Ctx) -> dict:
+def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None) -> dict:
     """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data
-    are left out."""
+    are left out. prompt_means: if given, receives the per-prompt means of each, under the same keys."""
     res = {}
     for task in task_list(ctx.cfg):
-        r = evaluate(model, ctx, task, ctx.cfg.temperature)
-        if r is None:
-            continue
-        res[task] = r
-        if task not in IMAGE_TASKS:
-            res[f"{task}_greedy"] = evaluate(model, ctx, task, 0.0)
+        for key, temperature in ((task, ctx.cfg.temperature), (f"{task}_greedy", 0.0)):
+            if key != task and task in IMAGE_TASKS:  # images have no greedy decoding
+                continue
+            means = []
+            r = evaluate(model, ctx, task, temperature, prompt_means=means)
+            if r is None:
+                break
+            res[key] = r
+            if prompt_means is not None:
+                prompt_means[key] = means
     return res
 
 
@@ -586,7 +596,8 @@ def main(argv=None) -> dict:
            f"steps count from 0, as in log.jsonl")
     with Run(cfg, model, opt, device) as run:
         if run.state["before"] is None:
-            run.state["before"] = evaluate_all(model, ctx)
+            run.state["before_by_prompt"] = {}
+            run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"])
             run.state["grid_before"] = image_snapshot(model, ctx)
         if run.state["before"]:
             print0("held-out mean reward before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in run.state["before"].items()))
@@ -599,10 +610,14 @@ def main(argv=None) -> dict:
             except BadStep as e:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
             run.record(step, log, rolls, tok, ids)
-    after = evaluate_all(model, ctx)
+    after_by_prompt = {}
+    after = evaluate_all(model, ctx, after_by_prompt)
+    summary = run.finish(after, after_by_prompt, image_snapshot(model, ctx), tok, dtype, sft_seconds)
     if after:
-        print0("held-out mean reward after RL:  " + ", ".join(f"{k} {v:.3f}" for k, v in after.items()))
-    return run.finish(after, image_snapshot(model, ctx), tok, dtype, sft_seconds)
+        print0("held-out mean reward after RL:  " + ", ".join(
+            f"{k} {v:.3f}" + (f" ({v - summary[k]['before']:+.3f} ± {summary[k]['gain_se']:.3f})"
+                              if "gain_se" in summary[k] else "") for k, v in after.items()))
+    return summary
 
 
 if __name__ == "__main__":

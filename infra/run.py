@@ -162,6 +162,14 @@ def setup(cfg) -> tuple[torch.device, torch.dtype]:
 
 
 
+def paired_se(d: list) -> float:
+    """Standard error of the mean of per-prompt differences d (after - before on the same prompts):
+    sd(d) / sqrt(n), so that the prompt-to-prompt spread both scores share cancels."""
+    n = len(d)
+    m = sum(d) / n
+    return math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1) / n)
+
+
 class BadStep(Exception):
     """Rewards that are not finite numbers in [0, 1]: the RL step is skipped (rl_step's caller counts it)."""
 
@@ -628,8 +636,8 @@ class Run:
         self.out = Path(cfg.out_dir)
         self.identity = reference_identity(cfg)
         # What a resumed run must continue from (startup_checks has refused incompatible settings already).
-        self.state = {"step": 0, "before": None, "bad_steps": 0, "bad_run": 0, "rl_seconds": 0.0,
-                      "last_good": None, "grid_before": None}
+        self.state = {"step": 0, "before": None, "before_by_prompt": None, "bad_steps": 0, "bad_run": 0,
+                      "rl_seconds": 0.0, "last_good": None, "grid_before": None}
         last = resume_point(self.out, quiet=False) if cfg.resume and checkpoint.latest(self.out) else None
         if last is not None:
             self.state.update(checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0))
@@ -706,12 +714,16 @@ class Run:
             self.state["last_good"] = str(path)
         return path
 
-    def finish(self, after: dict, grid_after, tok, dtype, sft_seconds: float) -> dict:
+    def finish(self, after: dict, after_by_prompt: dict, grid_after, tok, dtype, sft_seconds: float) -> dict:
         """Write out_dir/final (the policy, with tokenizer.json and generation.json), summary.json (held-out
-        mean reward before/after RL per task, and seconds) and the pictures; returns the summary."""
-        before = self.state["before"]
+        mean reward before/after RL per task, the gain's standard error paired by prompt, and seconds) and
+        the pictures; returns the summary."""
+        before, before_by_prompt = self.state["before"], self.state.get("before_by_prompt") or {}
         save_model(self.model, self.cfg, self.out / "final", tok, dtype)
         summary = {k: {"before": before[k], "after": after[k]} for k in before}
+        for k in summary:
+            if len(before_by_prompt.get(k, ())) == len(after_by_prompt.get(k, ())) > 1:
+                summary[k]["gain_se"] = paired_se([a - b for a, b in zip(after_by_prompt[k], before_by_prompt[k])])
         summary["seconds"] = {"sft": sft_seconds, "rl": self.rl_end}
         if scale.rank() == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

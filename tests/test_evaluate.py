@@ -27,8 +27,41 @@ FAST = ["--preset", "smoke", "--threads=1", "--gen_length=16", "--block_length=1
 def run_dir(tmp_path_factory):
     """A finished smoke run of train.py: sft/, final/, config.json and summary.json."""
     d = tmp_path_factory.mktemp("run")
-    train.main(["--preset", "smoke", f"--out_dir={d}", "--threads=1", "--rl_steps=1", "--eval_prompts=8"])
+    train.main(["--preset", "smoke", f"--out_dir={d}", "--threads=1", "--rl_steps=1", "--eval_prompts=8",
+                "--eval_samples=2"])
     return d
+
+
+def test_summary_gain_se_is_paired_by_prompt(run_dir, tmp_path):
+    """summary.json's gain_se is sd(after - before) / sqrt(prompts) over the per-prompt mean rewards: here
+    from evaluate.py --out records of sft/ and final/, averaged per prompt and differenced by hand."""
+    import statistics
+    summary = json.loads((run_dir / "summary.json").read_text())
+    seen = []
+    for task in ("text", "image"):
+        per = {}
+        for label in ("sft", "final"):
+            out = tmp_path / f"{task}-{label}.jsonl"
+            assert evaluate.main(["--preset", "smoke", "--threads=1", "--eval_prompts=8", "--eval_samples=2",
+                                  "--ckpt", str(run_dir / label), "--task", task, "--out", str(out)]) == 0
+            for r in map(json.loads, out.read_text().splitlines()):
+                per.setdefault((r["mode"], label), {}).setdefault(r["prompt_index"], []).append(r["reward"])
+        for mode, key in (("sampled", task), ("greedy", f"{task}_greedy")):
+            if (mode, "sft") not in per:
+                continue
+            before, after = per[(mode, "sft")], per[(mode, "final")]
+            assert len(before) == 8 and all(len(v) == (2 if mode == "sampled" else 1) for v in before.values())
+            d = [statistics.mean(after[j]) - statistics.mean(before[j]) for j in sorted(before)]
+            assert summary[key]["after"] - summary[key]["before"] == pytest.approx(statistics.mean(d), abs=1e-12)
+            assert summary[key]["gain_se"] == pytest.approx(statistics.stdev(d) / len(d) ** 0.5, abs=1e-12)
+            seen.append(summary[key]["gain_se"])
+    assert len(seen) == 3
+
+
+def test_paired_se_by_hand():
+    # d = [1, 0, 0]: mean 1/3, sample variance ((2/3)^2 + 2 (1/3)^2) / 2 = 1/3, SE = sqrt(1/3) / sqrt(3) = 1/3
+    from infra.run import paired_se
+    assert paired_se([1.0, 0.0, 0.0]) == pytest.approx(1 / 3)
 
 
 def test_run_mode_reproduces_summary(run_dir, tmp_path, capsys):

@@ -33,7 +33,7 @@ def test_smoke_run(tmp_path, capsys):
         for task in ("text", "image"):
             assert math.isfinite(l[f"{task}/loss"]) and 0.0 <= l[f"{task}/reward"] <= 1.0
     for task in ("text", "image"):
-        assert set(summary[task]) == {"before", "after"}
+        assert set(summary[task]) == {"before", "after", "gain_se"}
     assert json.loads((out / "summary.json").read_text())["seconds"]["rl"] > 0
     assert (out / "curves.png").is_file() and (out / "images.png").is_file()  # Pillow: in the dev extra
 
@@ -129,7 +129,7 @@ def test_benchmark_text_task_runs(tiny_ckpt, tmp_path, task):
                           "--rl_steps=1", "--eval_prompts=2", "--gen_length=16", "--block_length=16", "--steps=8"])
     line = json.loads((out / "log.jsonl").read_text())
     assert 0.0 <= line[f"{task}/reward"] <= 1.0 and math.isfinite(line[f"{task}/loss"])
-    assert set(summary[task]) == {"before", "after"} and f"{task}_greedy" in summary
+    assert set(summary[task]) == {"before", "after", "gain_se"} and f"{task}_greedy" in summary
     assert (out / "final" / "tokenizer.json").is_file()
 
 

@@ -157,6 +157,19 @@ def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
         assert r.rewards.tolist() == [want] * 8
 
 
+def test_evaluate_prompt_means_average_each_prompts_samples(base):
+    """train.evaluate's prompt_means: held-out prompt j's mean over its eval_samples completions, which are
+    rows j * k .. j * k + k - 1 of its records (toy images: rewards are fractions, so prompts differ)."""
+    tok, ids, model = base
+    cfg = train.parse_args(["--preset=smoke", "--tasks=image", "--eval_prompts=6", "--eval_samples=3"])
+    records, means = [], []
+    mean = train.evaluate(model, train.Ctx(cfg, tok, ids, torch.device("cpu"), {}), "image", 1.0, records,
+                          prompt_means=means)
+    want = [sum(r["reward"] for r in records if r["index"] // 3 == j) / 3 for j in range(6)]
+    assert len(records) == 18 and means == pytest.approx(want, abs=1e-12) and len(set(want)) > 1
+    assert mean == pytest.approx(sum(want) / 6, rel=1e-6)  # the mean sums float32 rewards
+
+
 def test_d1_is_d1(base, monkeypatch):
     """--estimator=d1 as d1's diffu-GRPO trainer: the whole completion masked in the input, some prompt
     tokens masked (p 0.15), the loss mask ending at the first EOS, and advantages r - mean (no std)."""
