@@ -182,11 +182,13 @@ PRESETS: dict[str, dict] = {
     "toy": {},
     # Text only, with long completions: 3-4 written-out steps (21 or 27 tokens) decoded as 32 tokens in 4
     # blocks of 8, one token per step, so that decode order and the reversing operators have room to matter.
-    # 20% noise and 2,400 text-only SFT steps make the SFT model competent (0.44-0.79 held-out over seeds
-    # 0-2; 18-33 min on a shared core); 30 RL steps (10-13 min) gain > 3 standard errors on seeds 0 and 1,
-    # nothing on seed 2 (docs/results.md).
+    # Measured (docs/results.md): 2,400 SFT steps left some seeds unable to do the working; the box-only
+    # reward pays wrong working (15% of one SFT model's greedy answers); lr 1e-4 damaged a competent model
+    # (greedy 0.98 -> 0.85); 8 prompts per step moved one by +0.043, 16 by +0.073. Hence 4,800 SFT steps, the whole-solution reward, lr 3e-5, 16 prompts x 8 per
+    # step for 40 steps, and 512 held-out prompts (4 samples each) for a paired standard error near 0.013.
     "toy_long": {"tasks": "text", "text_max_steps": 4, "text_noise": 0.2, "text_reward": "solution",
-                 "gen_length": 32, "block_length": 8, "steps": 32, "sft_steps": 2400, "rl_steps": 30, "eval_prompts": 256},
+                 "gen_length": 32, "block_length": 8, "steps": 32, "sft_steps": 4800, "rl_steps": 40,
+                 "prompts_per_step": 16, "lr": 3e-5, "eval_prompts": 512},
     # seconds-long smoke run of the whole pipeline (tests, CI).
     "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2,
               "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1, "d_model": 32,
