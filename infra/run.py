@@ -166,6 +166,7 @@ def paired_se(d: list) -> float:
     """Standard error of the mean of per-prompt differences d (after - before on the same prompts):
     sd(d) / sqrt(n), so that the prompt-to-prompt spread both scores share cancels."""
     n = len(d)
+    assert n > 1, "a standard error needs two or more prompts"
     m = sum(d) / n
     return math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1) / n)
 
