@@ -22,9 +22,9 @@ docs/method.md derives each step; docs/differences.md lists where this code depa
 the official code. Everything a run writes goes to out_dir: log.jsonl, summary.json (held-out mean reward
 before and after RL, the gain's standard error paired by prompt), final/ (Hugging Face LLaDA layout,
 tokenizer.json, generation.json), checkpoints/ (--resume continues), curves.png, images.png. The
-bookkeeping (logs, checkpoints, resume, signals, start-up checks) is infra/run.py; torchrun and FSDP2 are infra/scale.py. Every random draw is seeded by
-(seed, step, global sequence index), so the world size does not change the result (LoRA dropout
-aside: its masks span a rank's rows).
+bookkeeping (logs, checkpoints, resume, signals, start-up checks) is infra/run.py; torchrun and FSDP2 are
+infra/scale.py. Every random draw is seeded by (seed, step, global sequence index), so the world size does
+not change the result (LoRA dropout aside: its masks span a rank's rows).
 """
 from __future__ import annotations
 
