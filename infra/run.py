@@ -11,6 +11,7 @@ the same decisions: flags are reduced over ranks before they are acted on.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import itertools
 import json
@@ -603,6 +604,56 @@ def _check_out_dir(cfg, out: Path) -> None:
         last = resume_point(out)
         state = hf.read_json(last / "state.json", "remove that checkpoint directory")
         checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), RESUMABLE)
+    if scale.rank() == 0:
+        _claim_out_dir(out)
+
+
+PID_FILE = "run.pid"
+
+
+def _claim_out_dir(out: Path) -> None:
+    """Two runs started at once in one out_dir would both pass the checks above and then overwrite each
+    other's logs and model. The first to create out/run.pid (atomically) holds the directory until it
+    exits; a pid file whose process is gone (a killed run) is taken over."""
+    pid_file = out / PID_FILE
+    for _ in range(3):
+        try:
+            fd = os.open(pid_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                holder = int(pid_file.read_text().strip() or 0)
+            except (OSError, ValueError):
+                holder = 0
+            if holder and holder != os.getpid() and _alive(holder):
+                raise ValueError(f"out_dir {out} is in use by the running process {holder} ({pid_file}); wait "
+                                 "for it to end, choose another --out_dir, or delete that file if no run holds it")
+            pid_file.unlink(missing_ok=True)  # our own (an earlier main() in this process) or a dead run's
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        atexit.register(release_out_dir, out)
+        return
+    raise ValueError(f"out_dir {out}: could not create {pid_file}; choose another --out_dir")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def release_out_dir(out: Path) -> None:
+    """Remove out/run.pid if this process holds it."""
+    pid_file = Path(out) / PID_FILE
+    try:
+        if int(pid_file.read_text().strip()) == os.getpid():
+            pid_file.unlink()
+    except (OSError, ValueError):
+        pass
 
 
 def resume_point(out: Path, quiet: bool = True) -> Path:
@@ -675,7 +726,7 @@ class Run:
         cfg, state = self.cfg, self.state
         bad = "bad_reward" in log or log.get("skipped_updates", 0) > 0
         if "bad_reward" in log:
-                    print0(f"warning: step {step} skipped: {log['bad_reward']}")
+            print0(f"warning: step {step} skipped: {log['bad_reward']}")
         else:
             print0(log_line(log, cfg.rl_steps))
         state["bad_run"] = state["bad_run"] + 1 if bad else 0
@@ -730,6 +781,8 @@ class Run:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             write_pictures(self.cfg, self.out, [("before RL", self.state["grid_before"]), ("after RL", grid_after)])
         print0(f"wrote {self.out / 'final'} and {self.out / 'summary.json'}")
+        if scale.rank() == 0:
+            release_out_dir(self.out)
         return summary
 
 

@@ -153,6 +153,41 @@ def test_finished_run_is_refused_not_overwritten(finished, extra):
     assert tree_digest(finished) == before
 
 
+def test_a_running_run_holds_its_out_dir(tmp_path):
+    """Two runs started at once in one out_dir both see it empty; the second must refuse, not overwrite."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out = tmp_path / "run"
+        out.mkdir()
+        (out / "run.pid").write_text(f"{holder.pid}\n")
+        with pytest.raises(ValueError, match=rf"out_dir {out} is in use by the running process {holder.pid}") as e:
+            train.main([*TINY, f"--out_dir={out}"])
+        assert "choose another --out_dir" in str(e.value)
+        assert sorted(p.name for p in out.iterdir()) == ["run.pid"]  # nothing of the second run was written
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_dead_runs_pid_file_is_taken_over_and_released(tmp_path):
+    """A killed run leaves run.pid behind; a later run takes the directory over and removes the file at
+    the end, so the directory then reads as an ordinary finished run."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.pid").write_text(f"{gone.pid}\n")
+    summary = train.main([*TINY, f"--out_dir={out}"])
+    assert "text" in summary and (out / "summary.json").is_file()
+    assert not (out / "run.pid").exists()
+
+
 # -----------------------------------------------------------------------------------------------------
 # a finished evaluation
 
