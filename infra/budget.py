@@ -167,7 +167,7 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     rows["lora_update"] = rows["lora_state"] + update_common
     rows["lora_rollout"] = rows["lora_state"] + rollout_common
     out = {k: v / GB for k, v in rows.items()}
-    # names kept from the earlier table (README, tests)
+    # the short names that the README and tests read
     out.update(weights_gb=n * compute_bytes / w / GB, full_ft_gb=out["full_update"], lora_gb=out["lora_update"],
                full_ft_rollout_gb=out["full_rollout"], lora_rollout_gb=out["lora_rollout"],
                activations_gb=out["activations"], logits_gb=out["logits"])
