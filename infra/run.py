@@ -609,6 +609,7 @@ def _check_out_dir(cfg, out: Path) -> None:
 
 
 PID_FILE = "run.pid"
+_HELD: set[Path] = set()
 
 
 def _claim_out_dir(out: Path) -> None:
@@ -631,7 +632,9 @@ def _claim_out_dir(out: Path) -> None:
             continue
         with os.fdopen(fd, "w") as f:
             f.write(f"{os.getpid()}\n")
-        atexit.register(release_out_dir, out)
+        if out not in _HELD:  # one exit hook per directory, however often main() runs in this process
+            _HELD.add(out)
+            atexit.register(release_out_dir, out)
         return
     raise ValueError(f"out_dir {out}: could not create {pid_file}; choose another --out_dir")
 

@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,9 +157,6 @@ def test_finished_run_is_refused_not_overwritten(finished, extra):
 
 def test_a_running_run_holds_its_out_dir(tmp_path):
     """Two runs started at once in one out_dir both see it empty; the second must refuse, not overwrite."""
-    import subprocess
-    import sys
-
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         out = tmp_path / "run"
@@ -175,9 +174,6 @@ def test_a_running_run_holds_its_out_dir(tmp_path):
 def test_a_dead_runs_pid_file_is_taken_over_and_released(tmp_path):
     """A killed run leaves run.pid behind; a later run takes the directory over and removes the file at
     the end, so the directory then reads as an ordinary finished run."""
-    import subprocess
-    import sys
-
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     out = tmp_path / "run"
