@@ -348,3 +348,65 @@ def test_seed_changes_the_rollouts(toy, monkeypatch):
         _, _, (r,), _ = rl_step(toy, monkeypatch, "--tasks=text", f"--seed={seed}", "--num_iterations=1", calls=[])
         windows.append(r.batch.x[:, r.batch.window_slice])
     assert (windows[0] != windows[1]).any(1).float().mean() >= 0.5
+
+
+# -----------------------------------------------------------------------------------------------------
+# the whole entry point at non-default settings
+
+
+def test_main_passes_its_settings_to_the_optimizer_and_the_run(toy, tmp_path, monkeypatch, capsys):
+    """train.main from a checkpoint (no SFT), two RL steps: AdamW gets --lr=3e-4 and --weight_decay=0.05
+    (betas 0.9, 0.99), keeps that learning rate at every optimizer step (constant in RL), and the model
+    gets --activation_checkpointing; --sample_every=2 prints a rollout after step 1 only; the summary
+    holds the sampled and the greedy held-out scores of --eval_prompts=3 prompts, with a paired SE."""
+    tok, ids, model = toy
+    ckpt = tmp_path / "ckpt"
+    hf.save_pretrained(model.float(), ckpt)
+    tok.save(str(ckpt / "tokenizer.json"))
+    made, lrs, checkpointing = [], [], []
+
+    class AdamW(torch.optim.AdamW):
+        def __init__(self, params, **kwargs):
+            made.append(kwargs)
+            super().__init__(params, **kwargs)
+
+    real = Transformer.set_activation_checkpointing
+
+    def set_ac(self, on=True):
+        checkpointing.append(on)
+        return real(self, on)
+
+    monkeypatch.setattr(torch.optim, "AdamW", AdamW)
+    monkeypatch.setattr(Transformer, "set_activation_checkpointing", set_ac)
+    monkeypatch.setattr(rewards, "score", fake_score)
+    handle = register_optimizer_step_pre_hook(lambda opt, a, k: lrs.append(
+        (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])))
+    try:
+        summary = train.main(["--preset=smoke", f"--init_from={ckpt}", "--tasks=text", f"--out_dir={tmp_path / 'out'}",
+                              "--threads=1", "--rl_steps=2", "--lr=3e-4", "--weight_decay=0.05", "--num_iterations=2",
+                              "--activation_checkpointing=true", "--sample_every=2", "--eval_prompts=3",
+                              "--eval_samples=2", "--checkpoint_every=0", "--dtype=float32", "--device=cpu"])
+    finally:
+        handle.remove()
+    assert made == [{"lr": 3e-4, "betas": (0.9, 0.99), "weight_decay": 0.05}]
+    assert lrs == [(3e-4, 0.05)] * 4
+    assert checkpointing == [True]
+    out = capsys.readouterr().out
+    assert out.count("  [text] ") == 1 and out.index("  [text] ") > out.index("step 1/2")
+    assert set(summary) == {"text", "text_greedy", "seconds"} and "gain_se" in summary["text_greedy"]
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_dry_run_model_shape_and_gpus(capsys, gpus):
+    """--dry_run at a non-default shape: the parameter count is the LLaDA layout's by hand (embedding and
+    output head V x d each; per block q, k, v, o d x d each, the SwiGLU's three d x h, two RMSNorm
+    weights; the final norm), and --dry_run_gpus divides the time per step but not the GPU-hours."""
+    d, V, L, h = 48, 1000, 3, 80
+    flags = ["--preset=smoke", "--dry_run", f"--vocab_size={V}", f"--d_model={d}", f"--n_layers={L}", "--n_heads=6",
+             f"--mlp_hidden_size={h}"]
+    r = train.main(flags + [f"--dry_run_gpus={gpus}"])
+    one = train.main(flags + ["--dry_run_gpus=1"])
+    assert r["params"] == 2 * V * d + L * (4 * d * d + 3 * d * h + 2 * d) + d
+    assert r["gpus"] == gpus
+    assert r["seconds_per_step"] == pytest.approx(one["seconds_per_step"] / gpus)
+    assert r["gpu_hours"] == pytest.approx(one["gpu_hours"])
