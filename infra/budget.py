@@ -325,7 +325,7 @@ def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float
         return None
     fix = [f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)}"] if torchrun else []
     if slurm:
-        fix.append(f"ask Slurm for the signal early (sbatch --signal=B:TERM@{2 * math.ceil(need)}) and check "
+        fix.append(f"ask Slurm for the signal early (sbatch --signal=TERM@{2 * math.ceil(need)}) and check "
                    "KillWait (scontrol show config)")
     who = " and ".join((["torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] if torchrun else [])
                        + (["Slurm's KillWait (default assumed)"] if slurm else []))

@@ -3,6 +3,7 @@ holds (infra/budget.py).
 
     python -m pytest tests/test_budget.py -q      # seconds; no weights are loaded
 """
+import math
 import shutil
 
 import pytest
@@ -115,3 +116,40 @@ def test_disk_check_lora_passes_full_is_refused(tmp_path, monkeypatch):
 def test_keep_all_counts_every_checkpoint():
     cfg = train.parse_args(["--preset=smoke", "--rl_steps=10", "--checkpoint_every=3", "--keep_last=0"])
     assert budget.checkpoints_on_disk(cfg) == 4  # steps 3, 6, 9 and one written on a stop signal
+
+
+@pytest.mark.parametrize("env, step, ckpt, fires", [
+    ({}, 500.0, 50.0, False),                                                   # no launcher: the user's kill decides
+    ({"TORCHELASTIC_RUN_ID": "x"}, 20.0, 5.0, False),                           # torchrun default 30 s > 25 s
+    ({"TORCHELASTIC_RUN_ID": "x"}, 26.0, 5.0, True),                            # 31 s > 30 s
+    ({"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "400"}, 165.0, 8.0, False),
+    ({"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}, 165.0, 8.0, True),
+    ({"SLURM_JOB_ID": "7"}, 10.0, 1.0, False), ({"SLURM_JOB_ID": "7"}, 40.0, 1.0, True),
+    # inside Slurm a raised torchrun timeout does not lift KillWait's (assumed) 30 s
+    ({"SLURM_JOB_ID": "7", "TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "400"}, 165.0, 8.0, True)])
+def test_kill_delay_warning(env, step, ckpt, fires):
+    """The start-up warning fires exactly when the launcher's SIGKILL would come before one step plus a
+    checkpoint (by hand: the delay is TORCH_ELASTIC_SHUTDOWN_TIMEOUT under torchrun, 30 s by default, and
+    Slurm's KillWait default 30 s), and names what to set: twice the need, rounded up."""
+    text = budget.kill_delay_warning(env, step, ckpt)
+    assert (text is not None) == fires
+    if fires:
+        assert text.startswith("warning: a SIGTERM gets SIGKILL") and "\n" not in text
+        if "TORCHELASTIC_RUN_ID" in env:
+            assert f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(step + ckpt)}" in text
+        if "SLURM_JOB_ID" in env:
+            assert f"--signal=TERM@{2 * math.ceil(step + ckpt)}" in text and "KillWait" in text
+
+
+def test_kill_delay_start_up_hook(capsys, monkeypatch):
+    """warn_kill_delay prices the llada8b step on the dry run's numbers (1.48e17 FLOPs on 8 A100s at 35%:
+    about 170 s, tests above) plus its 2 GB LoRA checkpoint: under torchrun's default 30 s it warns; the
+    smoke preset (a toy step of microseconds at that speed) does not; without a launcher it computes nothing."""
+    env = {"TORCHELASTIC_RUN_ID": "x"}
+    budget.warn_kill_delay(train.parse_args(["--preset=llada8b", "--dry_run=true"]), 8, env=env)
+    out = capsys.readouterr().out
+    assert "warning: a SIGTERM gets SIGKILL 30 s later" in out and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=" in out
+    budget.warn_kill_delay(train.parse_args(["--preset=smoke"]), 2, env=env)
+    monkeypatch.setattr(budget, "model_config", lambda cfg: 1 / 0)
+    budget.warn_kill_delay(train.parse_args(["--preset=llada8b", "--dry_run=true"]), 8, env={})
+    assert capsys.readouterr().out == ""
