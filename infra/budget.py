@@ -116,7 +116,7 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
 
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
            cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
-           codebook: int = 8192, scored: int | None = None) -> dict:
+           codebook: int = 8192, scored: int | None = None, head_len: int | None = None) -> dict:
     """Memory per GPU in GB (2^30 bytes), by component, for one world size. Estimates: the CUDA context,
     allocator fragmentation and NCCL buffers (a few GB) are left out.
 
@@ -126,15 +126,20 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     (16 B). One process holds all of it and computes from it directly, so it gathers nothing.
     Gathered (world_size > 1, compute dtype): the root (embedding, final norm, head) stays gathered from
     an update chunk's forward to its backward; blocks are gathered one at a time, two with the next
-    one's prefetch; a rollout holds the whole model (scale.full_weights).
+    one's prefetch; a rollout holds the whole model (scale.full_weights). Each all-gather first fills a
+    flat buffer of the whole group, then copies it into the unsharded parameters: for a moment the group
+    is there twice, so the largest group (the root at LLaDA's shape) adds one more copy to every phase.
     An update chunk of `chunk` sequences keeps its activations (checkpointing: each block's input,
     d_model values per token and layer, plus one block's full activations while it is recomputed, about
-    16 d_model + 3 mlp_hidden values per token; without it every block's) and the head's logits: the bf16
-    output, a float32 copy and its log-softmax (10 B per entry).
-    A rollout forward of `chunk` sequences (twice the rows with CFG) makes bf16 logits over every position;
-    the text sampler then draws float64 Gumbel noise over the current block's columns only (the uniforms,
-    the float64 logits and the noisy sum: 24 B, and a bf16 softmax: 2 B), the image sampler a float64
-    softmax over the codebook at every image position."""
+    16 d_model + 3 mlp_hidden values per token; without it every block's) and the head's logits: the
+    compute-dtype output at the `head_len` positions per sequence the head runs on (default: all), and at
+    the `scored` positions (default: all) a compute-dtype copy, its float32 cast and log-softmax
+    (importance.token_logprobs; 10 B per entry in bf16).
+    A rollout forward of `chunk` sequences (twice the rows with CFG) makes bf16 logits over the current
+    block (text; at least MIN_HEAD_ROWS rows) or every position (images); the text sampler then draws
+    float64 Gumbel noise over the block's columns (the uniforms, the float64 logits and the noisy sum:
+    24 B, and a bf16 softmax: 2 B), the image sampler a float64 softmax over the codebook at every image
+    position."""
     c, w = mc, world_size
     n = s["params"]
     per_tok_block = 16 * c.d_model + 3 * c.mlp_hidden_size
@@ -142,9 +147,11 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     rows["full_state"] = n * (16 + 4 * (beta > 0)) / w
     rows["lora_state"] = n * compute_bytes / w + s["lora_params"] * 16 / w
     gathered = w > 1
-    rows["root_gathered"] = (s["embedding"] + s["head"] + c.d_model) * compute_bytes * gathered
+    root = s["embedding"] + s["head"] + c.d_model
+    rows["root_gathered"] = root * compute_bytes * gathered
     block = s["block_params"] + s["lora_params"] / c.n_layers
     rows["blocks_gathered"] = 2 * block * compute_bytes * gathered
+    rows["allgather_buffer"] = max(root, block) * compute_bytes * gathered
     rows["model_gathered"] = (n + s["lora_params"]) * compute_bytes * gathered
     tokens = chunk * seq_len
     if activation_checkpointing:
@@ -152,8 +159,8 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     else:
         acts = tokens * c.n_layers * per_tok_block * compute_bytes
     rows["activations"] = acts
-    scored = seq_len if scored is None else scored
-    rows["logits"] = tokens * c.vocab_size * 2 + chunk * scored * c.vocab_size * 8
+    scored, head_len = (seq_len if v is None else v for v in (scored, head_len))
+    rows["logits"] = chunk * c.vocab_size * (head_len * compute_bytes + scored * (compute_bytes + 8))
     cfg_rows = 2 if cfg_scale > 0 else 1
     # The text sampler computes the head only over the current block (sample.py, at least MIN_HEAD_ROWS
     # rows per chunk); the image samplers over the whole sequence.
@@ -164,8 +171,8 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     else:
         sampler = chunk * sampled * c.vocab_size * (24 + 2)
     rows["sampling"] = model_logits + sampler
-    update_common = rows["root_gathered"] + rows["blocks_gathered"] + acts + rows["logits"]
-    rollout_common = rows["model_gathered"] + rows["sampling"]
+    update_common = rows["root_gathered"] + rows["blocks_gathered"] + rows["allgather_buffer"] + acts + rows["logits"]
+    rollout_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["sampling"]
     rows["full_update"] = rows["full_state"] + update_common
     rows["full_rollout"] = rows["full_state"] + rollout_common
     rows["lora_update"] = rows["lora_state"] + update_common
@@ -180,6 +187,7 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
 
 MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state", "LoRA state, sharded"),
                ("root_gathered", "gathered embedding + head (update)"), ("blocks_gathered", "gathered blocks (2)"),
+               ("allgather_buffer", "all-gather buffer (largest group)"),
                ("model_gathered", "gathered model (rollout)"), ("activations", "activations per update chunk"),
                ("logits", "logits per update chunk"), ("sampling", "sampling transients per rollout chunk"),
                ("full_update", "full fine-tuning, update peak"), ("full_rollout", "full fine-tuning, rollout peak"),
