@@ -557,6 +557,7 @@ def startup_checks(cfg, device) -> None:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     scale.barrier()
     print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
+    budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
 
 
 FINISHED = ("final", "log.jsonl", "summary.json")  # what a run leaves besides checkpoints (config.json is
