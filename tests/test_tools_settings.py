@@ -181,3 +181,17 @@ def test_stub_scorer_refuses_prompts_and_images_of_different_counts():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_bench_on_a_checkpoint(toy_ckpt, capsys):
+    """--ckpt: held-out toy prompts at the checkpoint's toy settings and 4x longer, with a reward column."""
+    path, _ = toy_ckpt
+    bench.main(["--ckpt", str(path), "--prompts", "2", "--threads", "1"])
+    out = capsys.readouterr().out
+    tables = re.findall(r"2 toy text prompts \(\d+ tokens, left-padded\), gen (\d+), block (\d+), steps (\d+)", out)
+    assert len(tables) == 2 and int(tables[1][0]) == 4 * int(tables[0][0]) and int(tables[1][2]) == 4 * int(tables[0][2])
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ckpt")]
+    assert len(rows) == 2 * len(bench.CONFIGS) and all(0 <= float(r[9]) <= 1 for r in rows)
+    for r in rows:
+        if r[2].strip() in ("exact, full head", "exact"):
+            assert r[7].strip() == "100.0%"
