@@ -464,3 +464,23 @@ def test_load_policy_adapts_what_the_lora_flags_say(toy, tmp_path, targets, name
     assert ref is not full and not any(p.requires_grad for p in ref.parameters())
     assert train.load_policy(parse(f"--init_from={ckpt}", "--tasks=text", "--beta=0"), CPU, torch.float32,
                              train.sft)[1] is None
+
+
+def test_benchmark_prompt_prefill_and_length():
+    """A benchmark prompt is the chat template of the question, then --prompt_prefill (the official
+    GSM8K evaluation opens the answer with "<reasoning>"), encoded and cut to its last --max_prompt_len
+    tokens (the official code cuts from the left)."""
+    seen = []
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            seen.append(text)
+            return type("Enc", (), {"ids": list(range(100, 120))})()
+
+    ids = tasks.token_ids(tasks.build_tokenizer())
+    cfg = parse("--prompt_prefill=<reasoning>", "--max_prompt_len=8")
+    b = tasks.make_batch("gsm8k", [{"prompt": "Q?"}], Tok(), ids, cfg, CPU, with_targets=False)
+    assert seen == ["<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nQ?<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n<reasoning>"]
+    assert b.prompt_len == 8 and b.x[0, :8].tolist() == list(range(112, 120))
+    assert (b.x[0, 8:] == ids.mask).all() and b.window == cfg.gen_length
