@@ -15,6 +15,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from infra import cli
+
 # RGB for the toy image codes: 0 is the background (ANSI 236 in tasks.render_image), code c >= 1 is
 # tasks.COLOURS[c - 1] = red, green, blue, yellow, purple, cyan, white.
 PALETTE = ((48, 48, 48), (230, 50, 50), (40, 190, 70), (50, 100, 240), (250, 210, 30),
@@ -332,7 +334,5 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    from infra import cli
-
     with cli.user_errors():
         main()

@@ -162,3 +162,24 @@ def test_compare_seven_labels_wraps_the_legend(tmp_path):
         assert colours[6] not in [rgb.getpixel((x, 31)) for x in range(plots.PANEL_W)]
     with pytest.raises(ValueError, match="at most 7 labels"):
         plots.compare_runs({**groups, "eighth": groups["d1"]}, tmp_path / "x.png")
+
+
+def test_cli_redraws_and_compares(tmp_path, capsys):
+    """python -m infra.plots RUN_DIR redraws curves.png; --compare LABEL=DIR,DIR LABEL=DIR --png FILE
+    --task image draws the image metric's picture; a --task no run logs is refused, naming it."""
+    pytest.importorskip("PIL")
+    runs = []
+    for i in range(3):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        write_log(d / "log.jsonl", n=10)
+        runs.append(str(d))
+    assert plots.main([runs[0]]) == tmp_path / "run0" / "curves.png"
+    assert (tmp_path / "run0" / "curves.png").is_file()
+    png = tmp_path / "cmp.png"
+    assert plots.main(["--compare", f"a={runs[0]},{runs[1]}", f"b={runs[2]}", "--png", str(png), "--task", "image"]) == png
+    assert png.is_file() and f"wrote {png}" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no run logs sound/"):
+        plots.main(["--compare", f"a={runs[0]}", "--png", str(png), "--task", "sound"])
+    with pytest.raises(ValueError, match="labels must differ"):
+        plots.main(["--compare", f"a={runs[0]}", f"a={runs[1]}", "--png", str(png)])
