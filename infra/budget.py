@@ -8,6 +8,7 @@ by hand (tests/test_budget.py holds the hand derivation for LLaDA-8B).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -59,7 +60,7 @@ def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
 
 def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int, rollout: str, steps: int,
           block_length: int, cfg_scale: float, num_iterations: int, beta: float, lora: bool,
-          activation_checkpointing: bool, trajectory: bool = False) -> dict:
+          activation_checkpointing: bool, trajectory: bool = False, trajectory_states: int = 0) -> dict:
     """Global FLOPs of one RL step (one rollout batch: every task's prompts_per_step * group_size
     sequences, all ranks together), by phase. A multiply-add is 2 FLOPs.
 
@@ -76,7 +77,8 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
       and weight gradients, 2x the forward; LoRA: input gradients of the frozen matrices, 1x, plus the
       adapters' both), and with activation checkpointing the blocks' forward once more.
     - trajectory: the exact-path estimator scores the state of every decoding step instead of mu masks,
-      so scoring takes `steps` forwards per sequence, and each of the mu updates `steps` forward-backwards."""
+      so scoring takes `steps` forwards per sequence, and each of the mu updates `steps` forward-backwards;
+      with trajectory_states = K > 0 each update takes K (at most `steps`) and scoring min(mu K, steps)."""
     d, nl = mc.d_model, mc.n_layers
     body, head = nl * s["block_matmul"], s["head"]
     adapters = s["lora_params"] if lora else 0
@@ -97,7 +99,8 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
             q = seq_len - start if rollout == "prefix" else block_length
             per_seq += fwd(seq_len, seq_len, block_length) + (spb - 1) * fwd(q, seq_len, block_length)
     roll = seqs * cfg_rows * per_seq
-    views = steps if trajectory else num_iterations  # masked inputs scored per sequence, old and ref
+    per_update = min(trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
+    views = min(num_iterations * per_update, steps) if trajectory else num_iterations  # scored, old and ref
     score = seqs * views * (1 + (beta > 0)) * fwd(seq_len, seq_len)
     attn = 4 * seq_len * d * nl
     if lora:  # input gradients through frozen matrices (2 per weight), adapters' input and weight gradients
@@ -105,7 +108,7 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
     else:
         bwd = 4 * (body + head) + 2 * attn
     recompute = 2 * (body + adapters) + attn if activation_checkpointing else 0
-    update = seqs * num_iterations * (steps if trajectory else 1) * seq_len * (fwd(1, seq_len) + bwd + recompute)
+    update = seqs * num_iterations * per_update * seq_len * (fwd(1, seq_len) + bwd + recompute)
     return {"rollout": roll, "scoring": score, "update": update, "step": roll + score + update,
             "per_rollout_seq": cfg_rows * per_seq}
 
@@ -237,7 +240,8 @@ def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
     return flops(mc, s, seqs=p["seqs"], seq_len=p["seq_len"], prompt_len=p["prompt_len"], rollout=p["rollout"],
                  steps=p["steps"], block_length=cfg.block_length, cfg_scale=cfg.cfg_scale,
                  num_iterations=cfg.num_iterations, beta=cfg.beta, lora=cfg.lora_rank > 0,
-                 activation_checkpointing=cfg.activation_checkpointing, trajectory=cfg.estimator == "trajectory")
+                 activation_checkpointing=cfg.activation_checkpointing, trajectory=cfg.estimator == "trajectory",
+                 trajectory_states=cfg.trajectory_states)
 
 
 def dry_run(cfg) -> dict:
@@ -250,6 +254,8 @@ def dry_run(cfg) -> dict:
     lora = cfg.lora_rank > 0
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     f = step_flops(cfg, mc, s)
+    maskgrpo = step_flops(dataclasses.replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # the same step with
+    # MaskGRPO's mu masks, for comparison
     evaluation = 2 * cfg.eval_prompts * cfg.eval_samples * len(names) * f["per_rollout_seq"]  # before + after
     run = f["step"] * cfg.rl_steps + evaluation
     gpus = cfg.dry_run_gpus
@@ -282,6 +288,10 @@ def dry_run(cfg) -> dict:
           f"{'on' if any(tasks.attends_padding(cfg, t) for t in names) else 'off'}")
     print(f"global FLOPs per RL step: {f['step']:.2e} (rollouts {f['rollout']:.2e}, old/ref scoring "
           f"{f['scoring']:.2e}, updates {f['update']:.2e})")
+    if cfg.estimator == "trajectory":
+        states = f"{cfg.trajectory_states} decoding state(s) per update" if cfg.trajectory_states else "every decoding state"
+        print(f"trajectory estimator, {states}: {f['step']:.2e} FLOPs per RL step against {maskgrpo:.2e} for "
+              f"MaskGRPO's mu = {cfg.num_iterations} masks, {f['step'] / maskgrpo:.2f} x")
     print(f"global FLOPs per run: {run:.2e} ({cfg.rl_steps:,} RL steps, and {evaluation:.2e} for the held-out "
           f"evaluation before and after)")
     print(f"time on {gpus} x {GPU_NAME} (bf16 dense peak {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s, assumed MFU "

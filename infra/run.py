@@ -87,6 +87,10 @@ def validate(cfg) -> None:
     need(cfg.loss_norm in grpo.NORMS, f"loss_norm ({cfg.loss_norm!r}) must be one of {grpo.NORMS}")
     need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
          "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
+    need(cfg.trajectory_states >= 0, f"trajectory_states ({cfg.trajectory_states}) must be >= 0 (0 = every "
+         "decoding state; K > 0 scores K of them per update)")
+    need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
+         f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add --estimator=trajectory or drop it")
     need(cfg.adv_std in ("auto", "on", "off"), f"adv_std ({cfg.adv_std!r}) must be auto, on or off")
     need(cfg.text_reward in tasks.TEXT_REWARDS, f"text_reward ({cfg.text_reward!r}) must be one of {tuple(tasks.TEXT_REWARDS)}")
     need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")
@@ -182,19 +186,25 @@ class TrainingStopped(RuntimeError):
 
 
 class Clock:
-    """Wall time of the phases of one RL step: lap(name) adds the time since the last lap to that name."""
+    """Wall and process CPU time of the phases of one RL step: lap("rollout_s") adds the wall seconds since
+    the last lap to rollout_s and the CPU seconds (time.process_time: every thread of this process) to
+    rollout_cpu_s. CPU seconds compare compute between runs on a shared machine, where wall time counts the
+    other jobs' share of the cores too."""
 
     def __init__(self):
         self.t0 = self.last = time.time()
+        self.cpu0 = self.cpu_last = time.process_time()
         self.times: dict = {}
 
     def lap(self, name: str) -> None:
-        now = time.time()
+        now, cpu = time.time(), time.process_time()
+        cpu_name = name.removesuffix("_s") + "_cpu_s"
         self.times[name] = self.times.get(name, 0.0) + now - self.last
-        self.last = now
+        self.times[cpu_name] = self.times.get(cpu_name, 0.0) + cpu - self.cpu_last
+        self.last, self.cpu_last = now, cpu
 
     def laps(self) -> dict:
-        return {**self.times, "seconds": time.time() - self.t0}
+        return {**self.times, "seconds": time.time() - self.t0, "cpu_s": time.process_time() - self.cpu0}
 
 
 class StepStats:
