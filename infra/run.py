@@ -29,7 +29,7 @@ import grpo
 import importance
 import tasks
 from importance import generator
-from infra import budget, checkpoint, data, hf, lora, scale
+from infra import budget, checkpoint, data, hf, lora, phases, scale
 from infra.budget import scratch_config
 from infra.data import data_paths
 from infra.hf import load_tokenizer, read_checkpoint
@@ -519,7 +519,7 @@ def keep_steps_before(path: Path, start: int) -> Path:
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 # lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
-RESUMABLE = ("resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
+RESUMABLE = ("resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
              "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip")
 
 
@@ -756,8 +756,8 @@ class Run:
         if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or stopping:
             print0(f"checkpoint {self._save_checkpoint(step + 1)}")
         if stopping:
-            print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with the "
-                   "same command and --resume=true")
+            print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with: "
+                   f"{phases.resume_command()}")
             raise SystemExit(128 + int(stopping))
 
     def _save_checkpoint(self, step: int) -> Path:
