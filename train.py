@@ -589,8 +589,8 @@ def image_snapshot(model, ctx: Ctx) -> list | None:
 
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
-    if cfg.dry_run:
-        return budget.dry_run(cfg)
+    if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
+        return claims.dry_run(cfg, budget.dry_run)
     phases.remember_command(argv)   # for the messages that name the command continuing this run
     finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
     if finished is not None:

@@ -17,18 +17,9 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from infra import checkpoint, hf, scale
-from infra.run import RESUMABLE, check_sft_cache, sft_dir_of
+from infra import checkpoint, data, hf, scale
+from infra.run import RESUMABLE, check_sft_cache, reference_identity, resume_point, sft_dir_of
 from infra.scale import print0
-
-
-def _saved_config(out: Path, last: Path | None) -> tuple[dict, str]:
-    """(the settings of the run in out, the file they come from): its latest checkpoint's, else config.json."""
-    if last is not None:
-        f = last / "state.json"
-        return hf.read_json(f, "remove that checkpoint directory").get("config", {}), str(f)
-    f = out / "config.json"
-    return hf.read_json(f, f"delete {f} to start a new run there"), str(f)
 
 
 def check_resume(cfg) -> dict | None:
@@ -45,11 +36,23 @@ def check_resume(cfg) -> dict | None:
     if last is None and not (out / "config.json").is_file():
         raise ValueError(f"--resume: out_dir {out} holds no run (no config.json, no {checkpoint.DIRNAME}/); check "
                          "the path, or drop --resume to start a new run there")
-    saved, source = _saved_config(out, last)
+    # The real conflicts first: the SFT cache check that follows would name only the SFT settings (and
+    # advise retraining the reference).
+    here = asdict(cfg)
+    if last is not None:
+        last = resume_point(out)  # the newest intact one, which the run resumes from
+        state = hf.read_json(last / "state.json", "remove that checkpoint directory")
+        checkpoint.check_resumable(last, state, here, reference_identity(cfg), RESUMABLE)
+    else:
+        saved = hf.read_json(out / "config.json", f"delete {out / 'config.json'} to start a new run there")
+        changed = sorted(k for k, v in here.items() if k not in RESUMABLE and saved.get(k) != v)
+        if changed:
+            raise ValueError(f"cannot resume {out}: these settings differ from the saved run ({out / 'config.json'}): "
+                             + ", ".join(f"{k} {saved.get(k)!r} -> {here[k]!r}" for k in changed))
     summary = out / "summary.json"
     if summary.is_file():
         config = out / "config.json"  # the finished run's own settings (a checkpoint may be older)
-        done = (hf.read_json(config, f"re-create {config}") if config.is_file() else saved).get("rl_steps")
+        done = (hf.read_json(config, f"re-create {config}") if config.is_file() else state["config"]).get("rl_steps")
         if cfg.rl_steps == done:
             print0(f"out_dir {out} holds a finished run ({done} RL steps; {summary}, {out / 'final'}): nothing to "
                    f"do, nothing rewritten. `python evaluate.py --run={out}` scores it again; --extend=true with a "
@@ -65,13 +68,6 @@ def check_resume(cfg) -> dict | None:
         if last is None or int(last.name[len(checkpoint.PREFIX):]) != done:
             raise ValueError(f"--extend: out_dir {out} has no checkpoint of its last step ({done}) to continue from "
                              f"(latest: {last.name if last else 'none'}); start a new run with another --out_dir")
-    here = asdict(cfg)
-    changed = sorted(k for k, v in here.items() if k not in RESUMABLE and saved.get(k) != v)
-    if changed:
-        raise ValueError(f"cannot resume {out}: these settings differ from the run's ({source}): "
-                         + ", ".join(f"{k} {saved.get(k)!r} -> {here[k]!r}" for k in changed)
-                         + "; give the run's own settings (--preset sets several), or start a new run with "
-                         "another --out_dir")
     return None
 
 
@@ -143,3 +139,21 @@ def _release(pid_file: Path) -> None:
             pid_file.unlink()
     except (OSError, ValueError):
         pass
+
+
+def dry_run(cfg, report):
+    """--dry_run: report(cfg) on one process (under torchrun the process group is not joined, so RANK
+    says which), after checking that the files a real run reads exist: the --init_from folder and the
+    data files (the recipe is "check, then run")."""
+    if cfg.init_from not in ("", "scratch") and not (Path(cfg.init_from) / "config.json").is_file():
+        where = Path(cfg.init_from)
+        raise ValueError(f"--init_from {where} {'has no config.json' if where.is_dir() else 'does not exist'}: the "
+                         "run would stop there; pass the LLaDA/MMaDA checkpoint folder (or no --init_from for the "
+                         "preset's model shape)")
+    for flag in ("train_data", "eval_data"):
+        for task, path in data.data_paths(getattr(cfg, flag), flag).items():
+            if not Path(path).is_file():
+                raise ValueError(f"--{flag} {task}={path}: no such file; the run would stop there")
+    if os.environ.get("RANK", "0") != "0":
+        return {}
+    return report(cfg)

@@ -50,6 +50,8 @@ def validate_generation(o) -> None:
     """The sampler settings train.py's Config and sample.py's options share (same names, same rules):
     checked here, once, for both, so that the samplers only assert their preconditions."""
     need = _need
+    for k, v in vars(o).items():  # inf or nan would pass the range checks below (inf > 0) and fail mid-run
+        need(not isinstance(v, float) or math.isfinite(v), f"{k} ({v}) must be a finite number")
     for k in ("gen_length", "block_length", "steps", "image_steps", "image_width"):
         need(getattr(o, k) >= 1, f"{k} ({getattr(o, k)}) must be >= 1")
     need(o.gen_length % o.block_length == 0,
@@ -812,5 +814,6 @@ def write_pictures(cfg, out: Path, grid: list) -> None:
     if (out / "log.jsonl").is_file() and (out / "log.jsonl").stat().st_size:
         plots.plot_curves(out / "log.jsonl", out / "curves.png")
     if grid[0][1] is not None and grid[1][1] is not None:
-        prompts = [ex["prompt"] for ex in tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS]]
-        plots.image_grid(grid, prompts, cfg.image_width, out / "images.png")
+        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
+        plots.toy_image_panel(grid, tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS], cfg.image_width,
+                              out / "images.png", summary)

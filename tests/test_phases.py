@@ -38,7 +38,7 @@ def signal_on_call(monkeypatch, module, name, n, sig):
     def wrapper(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == n:
-            assert signal.getsignal(sig) not in (signal.SIG_DFL, None), \
+            assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.default_int_handler, None), \
                 f"no {sig.name} handler in {name}: the signal would end the run silently"
             os.kill(os.getpid(), sig)
         return original(*args, **kwargs)
@@ -188,7 +188,21 @@ def test_resume_names_the_real_conflicts(sft_dir, finished_with_checkpoint, tmp_
         train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1", "--checkpoint_every=1",
                     "--resume=true", "--seed=1", "--group_size=3"])
     msg = str(e.value)
+    assert f"cannot resume {out}: these settings differ from the saved run ({out / 'config.json'}): " in msg, msg
     assert "seed 0 -> 1" in msg and "group_size 4 -> 3" in msg and "retrain_sft" not in msg, msg
+
+
+def test_resume_of_a_checkpoint_names_the_real_conflicts(sft_dir, finished_with_checkpoint, tmp_path, monkeypatch):
+    """The same with a checkpoint: the seed (which the SFT cache also depends on) is named with the rest."""
+    import shutil
+
+    monkeypatch.setattr(train, "sft", no_sft)
+    out = tmp_path / "run"
+    shutil.copytree(finished_with_checkpoint, out)
+    (out / "summary.json").unlink()  # stopped during its final evaluation
+    with pytest.raises(ValueError, match=r"these settings differ from the saved run: group_size 4 -> 3, seed 0 -> 1$"):
+        train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1", "--checkpoint_every=1",
+                    "--resume=true", "--seed=1", "--group_size=3"])
 
 
 # -----------------------------------------------------------------------------------------------------
