@@ -220,8 +220,8 @@ def _say_in_handler(text: str) -> None:
 def graceful_stop(doing: str = "finishing this step, then writing a checkpoint"):
     """SIGTERM / SIGINT (pre-emption, Ctrl-C) set a flag: the current step finishes, a checkpoint is
     written, and the run exits (`doing` is what the caught signal's line says happens next; flag["doing"]
-    may change it as the phase moves on; infra/phases.py lists every phase's). A second signal more than REPEAT_WINDOW seconds later interrupts at once.
-    Under torchrun the launcher SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30)
+    may change it as the phase moves on; infra/phases.py lists every phase's). A second signal more than
+    REPEAT_WINDOW seconds later interrupts at once. Under torchrun the launcher SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30)
     after forwarding a signal: set it above one step plus a checkpoint write (README)."""
     flag = {"signal": 0, "at": 0.0, "doing": doing}
 

@@ -119,7 +119,8 @@ def _claim(pid_file: Path, sft_dir: Path) -> None:
                 f.write(f"{os.getpid()}\n")
             return
     except OSError as e:
-        raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass --sft_dir=a writable folder") from None
+        raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass --sft_dir=a writable folder") \
+            from None
     raise ValueError(f"sft_dir {sft_dir}: could not create {pid_file}; pass another --sft_dir")
 
 

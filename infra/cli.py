@@ -4,8 +4,9 @@ line, and progress bars stay readable in a log file.
 Every field of the dataclass becomes a flag of its own name, given as `--field=value` or `--field value`;
 a boolean also works bare (`--dry_run`) or with a value (`--resume=true`, `--resume false`). Flags match
 exactly, never by prefix: `--sft_step=1` is refused, not taken for --sft_steps. A flag given twice takes its
-last value (`--seed=1 --seed=2` is seed 2; --help says so), so that a command can be extended by appending. With presets, the value of a
-field comes from, in order of precedence: the flag, then `--preset NAME`, then the dataclass default. Only
+last value (`--seed=1 --seed=2` is seed 2; --help says so), so that a command can be extended by appending.
+With presets, the value of a field comes from, in order of precedence: the flag, then `--preset NAME`, then
+the dataclass default (--help shows the value under the preset given, or the default one). Only
 int, float, str and bool fields exist, so no configuration language is needed. `--help` gives each flag the
 comment written beside its field in the dataclass (and any comment lines under it).
 

@@ -130,6 +130,12 @@ def final(run):
                    f"{cfg.rl_steps} RL steps; finish the run (the final evaluation and save) with: "
                    f"{resume_command()}")
             raise SystemExit(128 + s.signum) from None
+        except KeyboardInterrupt:  # a second Ctrl-C: out at once, but say what is kept
+            kept = _last_step_checkpoint(run)
+            print0("interrupted during the final evaluation or save: " + (
+                f"{kept} holds the model after all {cfg.rl_steps} RL steps; finish the run with: {resume_command()}"
+                if kept else "no checkpoint of the last RL step was written (checkpoint_every=0)"))
+            raise
     if flag["signal"]:
         print0(f"stopped by {signal.Signals(flag['signal']).name} after the final save: the run is complete "
                f"({run.out / 'final'}, {run.out / 'summary.json'})")

@@ -103,9 +103,11 @@ def check_options(o: Options) -> None:
         raise ValueError(f"--png {o.png} needs Pillow, which is not installed: pip install pillow")
     if o.png and not Path(o.png).parent.is_dir():
         raise ValueError(f"--png {o.png}: the directory {Path(o.png).parent} does not exist")
-    if o.png and (Path(o.png).is_dir() or Path(o.png).suffix.lower() != ".png"):
-        raise ValueError(f"--png {o.png} {'is a folder' if Path(o.png).is_dir() else 'does not end in .png'}: pass "
-                         f"the picture's file name, e.g. --png {Path(o.png) / 'sample.png' if Path(o.png).is_dir() else Path(o.png).with_suffix('.png')}")
+    png = Path(o.png)
+    if o.png and (png.is_dir() or png.suffix.lower() != ".png"):  # PIL would fail after the sampling
+        problem, example = ("is a folder", png / "sample.png") if png.is_dir() else \
+            ("does not end in .png", png.with_suffix(".png"))
+        raise ValueError(f"--png {o.png} {problem}: pass the picture's file name, e.g. --png {example}")
 
 
 def encode_checked(tok, text: str) -> list[int]:
