@@ -386,6 +386,14 @@ def checkpoints_on_disk(cfg) -> int:
     return cfg.rl_steps // max(cfg.checkpoint_every, 1) + 1
 
 
+def _bytes(n: float) -> str:
+    """A size in the largest unit that leaves it at least 1 (1.5 MB, not 0.0 GB)."""
+    for unit, size in (("GB", GB), ("MB", 2 ** 20), ("KB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
 def check_disk(cfg, out: Path, mc) -> None:
     """Refuse to start when out_dir cannot hold the checkpoints the run will keep during rotation."""
     one = checkpoint_bytes(cfg, mc)
@@ -395,7 +403,7 @@ def check_disk(cfg, out: Path, mc) -> None:
     if free < size:
         what = "LoRA adapters and their AdamW moments" if cfg.lora_rank > 0 else \
             "float32 weights and AdamW moments (full fine-tuning)"
-        raise ValueError(f"out_dir {out} has {free / GB:.1f} GB free, but a checkpoint needs about {one / GB:.1f} "
-                         f"GB ({what}) and rotation keeps {k} at once (--keep_last={cfg.keep_last}): "
-                         f"{size / GB:.1f} GB; free space, pick another --out_dir, lower --keep_last, use LoRA "
+        raise ValueError(f"out_dir {out} has {_bytes(free)} free, but a checkpoint needs about {_bytes(one)} "
+                         f"({what}) and rotation keeps {k} at once (--keep_last={cfg.keep_last}): "
+                         f"{_bytes(size)}; free space, pick another --out_dir, lower --keep_last, use LoRA "
                          "(--lora_rank) or set --checkpoint_every=0")

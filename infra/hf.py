@@ -78,7 +78,11 @@ def read_config(path) -> ModelConfig:
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: a LLaDA/MMaDA checkpoint directory holds config.json")
     try:
-        return config_from_hf(read_json(file, "re-copy the checkpoint's config.json"))
+        hf = read_json(file, "re-copy the checkpoint's config.json")
+        if "rl_steps" in hf and "out_dir" in hf:  # train.py's settings: a run's out_dir, whose model is final/
+            raise ValueError(f"{file} holds a training run's settings, not a model's: {path} is a run's out_dir; "
+                             f"did you mean {Path(path) / 'final'}?")
+        return config_from_hf(hf)
     except ValueError as e:
         raise ValueError(str(e) if str(file) in str(e) else f"{file}: {e}") from None
     except TypeError as e:  # a field of the wrong type (a string for n_layers, say)
@@ -103,6 +107,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     # would silently build another network; require the architecture fields instead.
     need = ["d_model", "n_layers", "n_heads", "mask_token_id"]
     missing = [k for k in need if k not in hf]
+    if missing and not any(k in hf for k in need[:3]):  # another architecture's names (n_layer, hidden_size...)
+        kind = hf.get("model_type") or ", ".join(hf.get("architectures") or []) or "no model_type"
+        raise ValueError(f"not a LLaDA/MMaDA checkpoint (model_type {kind!r}): this implementation loads the "
+                         "LLaDA and MMaDA architectures only; pass a LLaDA/MMaDA checkpoint directory")
     if missing:
         raise ValueError(f"config.json lacks required fields {missing}")
     small = {k: hf[k] for k in ("d_model", "n_layers", "n_heads") if not (isinstance(hf[k], int) and hf[k] >= 1)}

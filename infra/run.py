@@ -29,7 +29,7 @@ import grpo
 import importance
 import tasks
 from importance import generator
-from infra import budget, checkpoint, data, hf, lora, scale
+from infra import budget, checkpoint, data, hf, lora, phases, scale
 from infra.budget import scratch_config
 from infra.data import data_paths
 from infra.hf import load_tokenizer, read_checkpoint
@@ -50,6 +50,8 @@ def validate_generation(o) -> None:
     """The sampler settings train.py's Config and sample.py's options share (same names, same rules):
     checked here, once, for both, so that the samplers only assert their preconditions."""
     need = _need
+    for k, v in vars(o).items():  # inf or nan would pass the range checks below (inf > 0) and fail mid-run
+        need(not isinstance(v, float) or math.isfinite(v), f"{k} ({v}) must be a finite number")
     for k in ("gen_length", "block_length", "steps", "image_steps", "image_width"):
         need(getattr(o, k) >= 1, f"{k} ({getattr(o, k)}) must be >= 1")
     need(o.gen_length % o.block_length == 0,
@@ -529,7 +531,7 @@ def keep_steps_before(path: Path, start: int) -> Path:
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 # lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
-RESUMABLE = ("resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
+RESUMABLE = ("resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
              "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip")
 
 
@@ -767,8 +769,8 @@ class Run:
         if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or stopping:
             print0(f"checkpoint {self._save_checkpoint(step + 1)}")
         if stopping:
-            print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with the "
-                   "same command and --resume=true")
+            print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with: "
+                   f"{phases.resume_command()}")
             raise SystemExit(128 + int(stopping))
 
     def _save_checkpoint(self, step: int) -> Path:
@@ -826,5 +828,6 @@ def write_pictures(cfg, out: Path, grid: list) -> None:
     if (out / "log.jsonl").is_file() and (out / "log.jsonl").stat().st_size:
         plots.plot_curves(out / "log.jsonl", out / "curves.png")
     if grid[0][1] is not None and grid[1][1] is not None:
-        prompts = [ex["prompt"] for ex in tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS]]
-        plots.image_grid(grid, prompts, cfg.image_width, out / "images.png")
+        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
+        plots.toy_image_panel(grid, tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS], cfg.image_width,
+                              out / "images.png", summary)
