@@ -179,7 +179,7 @@ _8B = {"init_from": "", "d_model": 4096, "n_layers": 32, "n_heads": 32, "mlp_hid
 # MMaDA-8B text-to-image: emerge rollouts of 12 steps (the trainer's default), 1024 image tokens (32 x 32)
 # after a 257-token text part, rewards from a remote scorer, attention over the [iPAD] padding (auto).
 _MMADA = {**_8B, "tasks": "geneval", "vocab_size": 134656, "image_width": 32, "image_text_len": 257,
-          "image_steps": 12, "group_size": 9, "device_batch_size": 3, "eval_prompts": 64}
+          "image_steps": 12, "group_size": 9, "device_batch_size": 9, "eval_prompts": 64}
 
 PRESETS: dict[str, dict] = {
     # 2-core laptop CPU: SFT from scratch, then RL on both toy tasks; held-out reward rises (README).
@@ -204,7 +204,7 @@ PRESETS: dict[str, dict] = {
     # Reversing is the paper's AR-like operator; --text_reversing=arlike_official gives the released run's masks.
     "llada8b": {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "block_length": 16, "steps": 128,
                 "temperature": 0.9, "group_size": 6, "prompts_per_step": 16, "num_iterations": 12, "gamma_text": 0.6,
-                "device_batch_size": 6, "eval_prompts": 256, "rl_steps": 667, "checkpoint_every": 42},
+                "device_batch_size": 12, "eval_prompts": 256, "rl_steps": 667, "checkpoint_every": 42},
     # MMaDA-8B text-to-image RL, exactly scripts/train/t2i_grpo_train.sh (with configs/rl.yaml): G 9, mu 6,
     # gamma 0.6, CFG 3.0, eps 0.2. Its 6 GPUs x 3 completions x gradient accumulation 2 = 36 completions, i.e.
     # 4 prompts of 9, per optimizer step; here 4 prompts run on 1, 2 or 4 GPUs (a group stays on one rank).

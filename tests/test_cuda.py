@@ -337,7 +337,7 @@ def test_update_chunk_memory_on_a_padded_batch(big):
     s = budget.shape(mc, PRESET.lora_rank, PRESET.lora_targets)
     est = budget.memory(mc, s, world_size=1, chunk=B, seq_len=P + N, sampled=BIG["block"], image=False,
                         cfg_scale=0.0, beta=PRESET.beta, activation_checkpointing=True,
-                        scored=N)["lora_update"]
+                        scored=N, head_len=N)["lora_update"]
     assert math.isfinite(stats["loss"]) and est > 0
     what = f"4. update chunk, {mc.n_layers} layers, {B} x {P + N} padded"
     if not HAS_CUDA:
