@@ -131,7 +131,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
             if cfg_scale:  # l_u + (w + 1)(l_c - l_u), in this order so that bf16 rounds as the reference
                 cond, uncond = logits.chunk(2)
                 logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, l, V)
-            # Each row's noise over the whole sequence (LLaDA's stream), kept on the columns [lo, end).
+            # Each row's noise over the whole sequence (LLaDA's stream), kept on the columns [lo, end); which
+            # number lands on which column does not depend on lo, so not on the batch mates (infra/rng.py).
             u = uniform((B, L, logits.shape[-1]), generator, x.device, cols=slice(lo, end)) if temperature > 0 else None
             x0 = gumbel_argmax(logits, temperature, u)                             # (B, l)
             if remasking == "low_confidence":  # in the logits' dtype, as LLaDA (float32 breaks bf16 ties)

@@ -133,6 +133,8 @@ class Config:
     gamma_image: float = 0.8          # (paper: 0.8 image)
     num_iterations: int = 4           # mu: inner updates per rollout batch, one mask ratio each (paper: 12)
     p_mask_prompt: float = 0.15       # d1 only: prompt-token masking probability
+    trajectory_states: int = 0        # trajectory only: K decoding states per update, drawn per sequence and
+                                      # weighted T/K (unbiased, importance.draw_states); 0 = every state
     # GRPO
     rl_steps: int = 80                # rollout batches; each gives num_iterations optimizer steps, so a run
                                       # takes rl_steps * num_iterations optimizer steps (--dry_run prints both).
@@ -321,11 +323,11 @@ class Ctx:
 
 @torch.no_grad()
 def rollout(model, b: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False,
-            return_order: bool = False):
+            return_order: bool = False, stats: dict | None = None):
     """Fill the window of every row of b with the policy's sample: a new Batch (prompts unchanged), and the
     decoding order (B, L) when return_order. gens: one generator per row, so a row's sample depends on its
     own seed only. fast: RL rollouts may use cfg.kv_cache / cfg.threshold (infra/fast_sample.py);
-    evaluation always uses the exact sampler."""
+    evaluation always uses the exact sampler. stats: fast text rollouts count what they commit into it."""
     cfg, ids = ctx.cfg, ctx.ids
     text_sampler = fast_sample.generate if fast and (cfg.kv_cache != "none" or cfg.threshold) else sample.generate
     xs, orders = [], []
@@ -333,7 +335,8 @@ def rollout(model, b: Batch, ctx: Ctx, gens: list, temperature: float, fast: boo
         for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
             c, g = b.rows(rows), gens[rows]
             if c.task not in IMAGE_TASKS:
-                kw = dict(kv_cache=cfg.kv_cache, threshold=cfg.threshold) if text_sampler is not sample.generate else {}
+                kw = dict(kv_cache=cfg.kv_cache, threshold=cfg.threshold, stats=stats) \
+                    if text_sampler is not sample.generate else {}
                 x = text_sampler(model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
                                  steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
                                  attention_mask=c.attention_mask[:, : c.prompt_len], return_order=return_order, **kw)
@@ -368,6 +371,7 @@ class Rollout:
                                 # trajectory: the ones revealed at that step)
     logp_old: list              # mu or T x (B, L) float32
     logp_ref: list | None       # mu or T x (B, L) float32, or None when beta = 0
+    draw: importance.StateDraw | None = None  # --trajectory_states: the views of each update, the normaliser
 
 
 def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
@@ -375,7 +379,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
     optimizer steps on it. ref: the reference model, or None for "this model with its LoRA adapters off".
     Returns the step's log and its rollouts."""
     cfg, device = ctx.cfg, ctx.device
-    clock, rolls = Clock(), []
+    clock, rolls, fast_log = Clock(), [], {}
     for task in task_list(cfg):
         # Every rank builds the global batch (token ids: cheap) and keeps its own whole groups. A sequence's
         # global index seeds its rollout noise and its masks, so its randomness is the same on any process.
@@ -390,8 +394,10 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         # trajectory estimator)
         gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
         trajectory = cfg.estimator == "trajectory"
-        b, order = rollout(model, b, ctx, gens, cfg.temperature, fast=True, return_order=True) if trajectory \
-            else (rollout(model, b, ctx, gens, cfg.temperature, fast=True), None)
+        fast = {} if (cfg.kv_cache != "none" or cfg.threshold) and task not in IMAGE_TASKS else None
+        b, order = rollout(model, b, ctx, gens, cfg.temperature, True, True, fast) if trajectory \
+            else (rollout(model, b, ctx, gens, cfg.temperature, True, stats=fast), None)
+        fast_log.update(fast_sample.step_summary(task, fast, device))
         clock.lap("rollout_s")
 
         # 2. rewards, gathered in global order: a group is normalised over all of its members
@@ -419,6 +425,10 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
             # the same ones on every rank.
             keep = scale.all_max(loss_masks.flatten(1).any(1).to(device, torch.float32)).bool().cpu()
             in_masks, loss_masks = in_masks[keep], loss_masks[keep]                  # (T, B, L) each
+            if cfg.trajectory_states:  # K of the T states per update (U = min(mu K, T) views)
+                in_masks, loss_masks, draw = importance.subsample_states(
+                    in_masks, loss_masks, cfg.trajectory_states, cfg.num_iterations, step=step, seq_index=seq_index,
+                    seed=derive_seed(cfg.seed, "trajectory-states", task))          # (U, B, L) each
         else:
             scored = torch.ones(B, b.window, dtype=torch.bool, device=device)
             if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
@@ -445,7 +455,8 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
                 logp_ref = [importance.token_logprobs(reference, x_j, b.x, m_j, **kw)
                             for x_j, m_j in zip(inputs, loss_masks)]
         clock.lap("logprob_s")
-        rolls.append(Rollout(b, r, adv, inputs, loss_masks, logp_old, logp_ref))
+        rolls.append(Rollout(b, r, adv, inputs, loss_masks, logp_old, logp_ref,
+                             draw if trajectory and cfg.trajectory_states else None))
 
     # 6. mu inner updates: iteration j re-scores mask j with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
@@ -458,12 +469,13 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         opt.zero_grad(set_to_none=True)
         for ro in rolls:
             # The input and loss masks this update scores: mask j, or for the trajectory estimator every
-            # decoding step's state. Each chunk's loss is weighted by its share of the normaliser over all
+            # decoding step's state (--trajectory_states: K of them, weighted T/K through the normaliser). Each chunk's loss is weighted by its share of the normaliser over all
             # ranks' rows and views, so the gradient is that of one full-batch pass in one process.
             b = ro.batch
-            views = range(len(ro.inputs)) if cfg.estimator == "trajectory" else [j]
+            views = ro.draw.updates[j] if ro.draw else range(len(ro.inputs)) if cfg.estimator == "trajectory" else [j]
             count = (lambda m: m.sum()) if cfg.loss_norm == "token" else (lambda m: m.any(-1).sum())
-            total = scale.all_sum(sum(count(ro.loss_masks[v]) for v in views).float()).clamp(min=1)
+            total = scale.all_sum(ro.draw.norm if ro.draw else sum(count(ro.loss_masks[v]) for v in views).float())
+            total = total.clamp(min=1)
             for v in views:
                 mask = ro.loss_masks[v]                                                    # (B, L)
                 for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
@@ -500,6 +512,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         log.update(stats.mean(t))
         log[f"{t}/adv_abs_mean"] = advantages(ro.rewards, cfg).abs().mean().item()
     log["grad_norm"] = grad_norm
+    log.update(fast_log)  # committed tokens per step and their confidence, with --threshold / --kv_cache only
     log.update(clock.laps())  # phase times; Run.record moves them to times.jsonl
     return log, rolls
 

@@ -120,6 +120,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if n_kv is None:
         n_kv = 1 if hf.get("multi_query_attention") else hf["n_heads"]
     hidden = hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"]
+    eos = hf.get("eos_token_id", hf["mask_token_id"] - 1)
     rows = hf.get("embedding_size") or hf.get("vocab_size")
     offset = hf.get("image_token_offset")
     if offset is None and hf.get("codebook_size") and hf.get("llm_vocab_size"):
@@ -134,8 +135,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         mlp_hidden_size=hidden, vocab_size=rows,
         max_sequence_length=hf.get("max_sequence_length", 4096),
         rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-        mask_token_id=hf["mask_token_id"], eos_token_id=hf.get("eos_token_id", hf["mask_token_id"] - 1),
-        pad_token_id=hf.get("pad_token_id", hf.get("eos_token_id", 0)),
+        mask_token_id=hf["mask_token_id"], eos_token_id=eos,
+        pad_token_id=hf.get("pad_token_id", eos),  # LLaDA pads with the EOS id, given or defaulted
         bos_token_id=hf.get("bos_token_id"), image_token_offset=offset,
         codebook_size=hf.get("codebook_size"),
         extra={k: v for k, v in hf.items() if k not in known},

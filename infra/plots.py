@@ -7,6 +7,7 @@ axes are drawn by hand with PIL.ImageDraw: four line panels do not justify matpl
     python -m infra.plots out/toy          # writes out/toy/curves.png from out/toy/log.jsonl
     python -m infra.plots --compare d1=out/d1-s0,out/d1-s1 MaskGRPO=out/m-s0,out/m-s1 --png kl.png
                                            # KL and reward per step, one line per label (mean over its runs)
+    python -m infra.plots --compare ... --x=cpu_seconds --png r.png   # against cumulative RL seconds
 """
 import argparse
 import json
@@ -14,6 +15,8 @@ import math
 import statistics
 import sys
 from pathlib import Path
+
+from infra import cli
 
 # RGB for the toy image codes: 0 is the background (ANSI 236 in tasks.render_image), code c >= 1 is
 # tasks.COLOURS[c - 1] = red, green, blue, yellow, purple, cyan, white.
@@ -107,7 +110,7 @@ def _fade(rgb, keep: float):
     return tuple(round(keep * c + (1 - keep) * 255) for c in rgb)
 
 
-def _draw_panel(draw, font, x0: int, title: str, series: dict, colours: dict, window: int):
+def _draw_panel(draw, font, x0: int, title: str, series: dict, colours: dict, window: int, xlabel: str = "RL step"):
     # The legend sits on its own lines under the title, so a long title never runs into it; it wraps when
     # the labels are too many for one line, and the plot area starts below it.
     places, lx, ly = [], x0 + 10, 23
@@ -134,7 +137,7 @@ def _draw_panel(draw, font, x0: int, title: str, series: dict, colours: dict, wi
         draw.line([(px(t), bottom), (px(t), bottom + 4)], fill=grey)
         _text(draw, px(t), bottom + 6, _tick_label(t, xt[1] - xt[0]), font, grey, "centre")
     draw.line([(left, top), (left, bottom), (right, bottom)], fill=grey)
-    _text(draw, (left + right) / 2, bottom + 20, "RL step", font, grey, "centre")
+    _text(draw, (left + right) / 2, bottom + 20, xlabel, font, grey, "centre")
     _text(draw, x0 + 10, 6, title, font)
     if window > 1:
         _text(draw, x0 + PANEL_W - 14, 6, f"bold: {window}-step mean", font, grey, "right")
@@ -206,7 +209,8 @@ def held_out_lines(summary: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None) -> Path | None:
+def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None,
+                 xlabel: str = "RL step") -> Path | None:
     """Draw (title, series) panels side by side and save the PNG; None (with the hint) without Pillow.
     held: held_out_lines of the run, drawn as a last panel."""
     if (pil := _pil()) is None:
@@ -216,7 +220,7 @@ def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None) -
     draw = ImageDraw.Draw(picture)
     window = max(1, steps // 10)  # about a tenth of the run: 5 steps for the toy's 50
     for k, (title, series) in enumerate(panels):
-        _draw_panel(draw, font, k * PANEL_W, title, series, colours, window)
+        _draw_panel(draw, font, k * PANEL_W, title, series, colours, window, xlabel)
     if held:
         x0, line_h = len(panels) * PANEL_W + 10, FONT_SIZE + 5
         _text(draw, x0, 6, "held-out mean reward", font)
@@ -330,35 +334,56 @@ def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summ
     return image_grid(grid, [ex["prompt"] for ex in examples], width, png_path, scores=scores, notes=tuple(notes))
 
 
-def group_medians(groups: dict[str, list], key: str) -> dict[str, list[tuple[int, float]]]:
+X_AXES = {"step": "RL step", "seconds": "cumulative RL seconds (wall)", "cpu_seconds": "cumulative RL CPU seconds"}
+
+
+def _cumulative_seconds(run_dir, x: str) -> dict:
+    # {step: seconds of steps 0..step}, from times.jsonl ("seconds": wall; "cpu_s": process CPU time).
+    col = {"seconds": "seconds", "cpu_seconds": "cpu_s"}[x]
+    total, out = 0.0, {}
+    for i, r in enumerate(_read_log(Path(run_dir) / "times.jsonl")):
+        if col not in r:
+            raise ValueError(f"{run_dir}/times.jsonl has no {col!r} (runs before CPU times were logged): use --x=seconds")
+        total += r[col]
+        out[r.get("step", i)] = total
+    return out
+
+
+def group_medians(groups: dict[str, list], key: str, x: str = "step") -> dict[str, list[tuple[float, float]]]:
     """{label: [(step, median of `key` over the label's run directories that logged it at that step)]};
     labels with no finite value are left out. The median, because one seed's k3 KL can jump by orders of
-    magnitude for a step (up to 1e7 on the long toy) and a mean would draw only that step."""
+    magnitude for a step (up to 1e7 on the long toy) and a mean would draw only that step. x "seconds" or
+    "cpu_seconds": the first coordinate is instead the median over those runs of the cumulative RL seconds
+    at the end of that step (times.jsonl), so that estimators of different cost share one axis."""
     out = {}
     for label, run_dirs in groups.items():
         per_step: dict = {}
         for d in run_dirs:
+            clock = None if x == "step" else _cumulative_seconds(d, x)
             for i, r in enumerate(_read_log(Path(d) / "log.jsonl")):
-                y = r.get(key)
-                if isinstance(y, (int, float)) and math.isfinite(y):
-                    per_step.setdefault(r.get("step", i), []).append(float(y))
+                y, step = r.get(key), r.get("step", i)
+                if isinstance(y, (int, float)) and math.isfinite(y) and (clock is None or step in clock):
+                    per_step.setdefault(step, []).append((step if clock is None else clock[step], float(y)))
         if per_step:
-            out[label] = [(x, statistics.median(v)) for x, v in sorted(per_step.items())]
+            out[label] = [(statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
+                          for _, v in sorted(per_step.items())]
     return out
 
 
 def compare_runs(groups: dict[str, list], png_path, task: str = "text",
-                 metrics=(("kl", "KL to reference (k3)"), ("reward", "rollout reward"))) -> Path | None:
-    """One panel per metric, one line per label: the per-step mean of `task/metric` over the label's runs
-    (e.g. the seeds of one estimator), as the paper's Fig. 5 (bottom) draws the KL of each method."""
+                 metrics=(("kl", "KL to reference (k3)"), ("reward", "rollout reward")), x: str = "step") -> Path | None:
+    """One panel per metric, one line per label: the per-step median of `task/metric` over the label's runs
+    (e.g. the seeds of one estimator), as the paper's Fig. 5 (bottom) draws the KL of each method; against
+    the RL step, or with x = "seconds" / "cpu_seconds" against cumulative RL seconds (group_medians)."""
     colours = dict(zip(groups, [TASK_COLOURS["text"], TASK_COLOURS["image"]] + OTHER_COLOURS))
     if len(colours) < len(groups):
         raise ValueError(f"at most {len(colours)} labels per picture, got {len(groups)}")
     panels = [(f"{task}: {title}", series) for metric, title in metrics
-              if (series := group_medians(groups, f"{task}/{metric}"))]
+              if (series := group_medians(groups, f"{task}/{metric}", x))]
     if not panels:
         raise ValueError(f"no run logs {task}/" + " or ".join(m for m, _ in metrics))
-    return _save_panels(panels, colours, max(len(pts) for _, ser in panels for pts in ser.values()), png_path)
+    return _save_panels(panels, colours, max(len(pts) for _, ser in panels for pts in ser.values()), png_path,
+                        xlabel=X_AXES[x])
 
 
 def main(argv=None) -> Path:
@@ -369,6 +394,8 @@ def main(argv=None) -> Path:
     parser.add_argument("--compare", nargs="+", default=[], metavar="LABEL=DIR[,DIR...]")
     parser.add_argument("--png", type=Path, help="the --compare picture")
     parser.add_argument("--task", default="text")
+    parser.add_argument("--x", default="step", choices=list(X_AXES), help="--compare's horizontal axis: RL step, "
+                        "or cumulative RL seconds from each run's times.jsonl (wall, or process CPU time)")
     args = cli.parse_known(parser, argv, "plots")
     if not have_pillow():
         raise ValueError('no picture written: Pillow is missing; pip install -e ".[plots]" (or pip install pillow)')
@@ -379,7 +406,7 @@ def main(argv=None) -> Path:
         groups = {g.split("=", 1)[0]: g.split("=", 1)[1].split(",") for g in args.compare}
         if len(groups) < len(args.compare):
             raise ValueError(f"--compare labels must differ, got {[g.split('=', 1)[0] for g in args.compare]}")
-        out = compare_runs(groups, args.png, args.task)
+        out = compare_runs(groups, args.png, args.task, x=args.x)
     elif args.run_dir is None:
         raise ValueError("give RUN_DIR (a train.py out_dir), or --compare LABEL=DIR[,DIR...] --png FILE")
     else:
@@ -389,7 +416,5 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    from infra import cli
-
     with cli.user_errors():
         main()

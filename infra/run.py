@@ -89,6 +89,10 @@ def validate(cfg) -> None:
     need(cfg.loss_norm in grpo.NORMS, f"loss_norm ({cfg.loss_norm!r}) must be one of {grpo.NORMS}")
     need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
          "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
+    need(cfg.trajectory_states >= 0, f"trajectory_states ({cfg.trajectory_states}) must be >= 0 (0 = every "
+         "decoding state; K > 0 scores K of them per update)")
+    need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
+         f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add --estimator=trajectory or drop it")
     need(cfg.adv_std in ("auto", "on", "off"), f"adv_std ({cfg.adv_std!r}) must be auto, on or off")
     need(cfg.text_reward in tasks.TEXT_REWARDS, f"text_reward ({cfg.text_reward!r}) must be one of {tuple(tasks.TEXT_REWARDS)}")
     need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")
@@ -184,19 +188,25 @@ class TrainingStopped(RuntimeError):
 
 
 class Clock:
-    """Wall time of the phases of one RL step: lap(name) adds the time since the last lap to that name."""
+    """Wall and process CPU time of the phases of one RL step: lap("rollout_s") adds the wall seconds since
+    the last lap to rollout_s and the CPU seconds (time.process_time: every thread of this process) to
+    rollout_cpu_s. CPU seconds compare compute between runs on a shared machine, where wall time counts the
+    other jobs' share of the cores too."""
 
     def __init__(self):
         self.t0 = self.last = time.time()
+        self.cpu0 = self.cpu_last = time.process_time()
         self.times: dict = {}
 
     def lap(self, name: str) -> None:
-        now = time.time()
+        now, cpu = time.time(), time.process_time()
+        cpu_name = name.removesuffix("_s") + "_cpu_s"
         self.times[name] = self.times.get(name, 0.0) + now - self.last
-        self.last = now
+        self.times[cpu_name] = self.times.get(cpu_name, 0.0) + cpu - self.cpu_last
+        self.last, self.cpu_last = now, cpu
 
     def laps(self) -> dict:
-        return {**self.times, "seconds": time.time() - self.t0}
+        return {**self.times, "seconds": time.time() - self.t0, "cpu_s": time.process_time() - self.cpu0}
 
 
 class StepStats:
@@ -559,6 +569,7 @@ def startup_checks(cfg, device) -> None:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     scale.barrier()
     print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
+    budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
 
 
 FINISHED = ("final", "log.jsonl", "summary.json")  # what a run leaves besides checkpoints (config.json is
@@ -765,8 +776,11 @@ class Run:
     def _save_checkpoint(self, step: int) -> Path:
         saved = {**self.state, "step": step, "config": asdict(self.cfg), "reference": self.identity,
                  "world_size": scale.world(), "rl_seconds": self.rl_seconds()}
+        # After a good step the checkpoint being written is itself the last good one (the newest, which
+        # rotation keeps): the previous one needs no protection, or --keep_last=1 would keep two.
+        protect = self.state["last_good"] if self.state["bad_run"] else None
         path = checkpoint.save(self.out, step, self.model, self.opt, saved, keep_last=self.cfg.keep_last,
-                               trainable_only=self.cfg.lora_rank > 0, protect=self.state["last_good"])
+                               trainable_only=self.cfg.lora_rank > 0, protect=protect)
         if self.state["bad_run"] == 0:  # written after a good step: where to go back to if things go wrong
             self.state["last_good"] = str(path)
         return path
