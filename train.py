@@ -67,7 +67,8 @@ class Config:
     threads: int = 0                  # torch CPU threads (0 = torch's default)
     # model
     init_from: str = "scratch"        # "scratch" (toy model below, trained by SFT) or a checkpoint directory
-    sft_dir: str = ""                 # where the SFT model is cached ("" = out_dir/sft); share it across runs
+    sft_dir: str = ""                 # where the SFT model is cached ("" = out_dir/sft); runs with the same SFT
+                                      # settings may share it: one trains it, held (SFT_DIR.run.pid) till saved
     retrain_sft: bool = False         # replace an SFT model in sft_dir trained with other settings (otherwise
                                       # refused: runs sharing one sft_dir would overwrite each other's)
     d_model: int = 128                # scratch model dims (and --dry_run's, when init_from has no config.json)
