@@ -295,3 +295,30 @@ def test_one_process_needs_no_process_group(monkeypatch):
     assert target.tolist() == [[0, 1, 2], [3, 4, 5]]
     with pytest.raises(ValueError, match="does not match rows"):
         scale.fill_shard(torch.zeros(3, 3), torch.zeros(2, 3))
+
+
+# -----------------------------------------------------------------------------------------------------
+# damaged checkpoints
+
+
+def test_damage_is_named_and_load_refuses_it(tmp_path):
+    """A checkpoint's state.json that is not a JSON object with a step, or unreadable, and a missing
+    .metadata are each named; load refuses a directory without state.json and a damaged checkpoint."""
+    out = tmp_path / "run"
+    run_steps(config(out, "--checkpoint_every=1", "--rl_steps=1"), [GOOD(0)])
+    ckpt = out / "checkpoints" / "step-00000001"
+    model, opt = tiny()
+    assert checkpoint.damage(ckpt) is None
+    state = (ckpt / "state.json").read_text()
+    (ckpt / "state.json").write_text("[1, 2]")
+    assert checkpoint.damage(ckpt).endswith("state.json holds no checkpoint state")
+    (ckpt / "state.json").write_text("{")
+    assert "state.json is unreadable" in checkpoint.damage(ckpt)
+    with pytest.raises(ValueError, match=r"checkpoint .*step-00000001 is damaged: .*; remove it"):
+        checkpoint.load(ckpt, model, opt)
+    (ckpt / "state.json").write_text(state)
+    (ckpt / ".metadata").unlink()
+    assert ".metadata is unreadable" in checkpoint.damage(ckpt)
+    (ckpt / "state.json").unlink()
+    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
+        checkpoint.load(ckpt, model, opt)
