@@ -43,7 +43,7 @@ import importance
 import rewards
 import sample
 from importance import derive_seed, generator
-from infra import budget, checkpoint, cli, fast_sample, lora, scale
+from infra import budget, checkpoint, claims, cli, fast_sample, lora, phases, scale
 from infra.data import load_data
 from infra.run import (BadStep, Clock, Run, StepStats, TrainingStopped, load_policy, report_truncation, setup,
                        startup_checks, validate)
@@ -132,6 +132,8 @@ class Config:
     gamma_image: float = 0.8          # (paper: 0.8 image)
     num_iterations: int = 4           # mu: inner updates per rollout batch, one mask ratio each (paper: 12)
     p_mask_prompt: float = 0.15       # d1 only: prompt-token masking probability
+    trajectory_states: int = 0        # trajectory only: K decoding states per update, drawn per sequence and
+                                      # weighted T/K (unbiased, importance.draw_states); 0 = every state
     # GRPO
     rl_steps: int = 80                # rollout batches; each gives num_iterations optimizer steps, so a run
                                       # takes rl_steps * num_iterations optimizer steps (--dry_run prints both).
@@ -157,6 +159,8 @@ class Config:
     checkpoint_every: int = 10        # rollout batches between checkpoints in out_dir/checkpoints (0 = never)
     keep_last: int = 2                # complete checkpoints kept (0 = all)
     resume: bool = False              # continue from the latest complete checkpoint in out_dir
+    extend: bool = False              # with --resume and a larger --rl_steps: train a finished run further,
+                                      # replacing its final/ and summary.json (otherwise refused)
     max_bad_steps: int = 3            # stop after this many consecutive steps with non-finite loss/grad/reward
     dry_run: bool = False             # print parameters, memory per GPU and FLOPs per step; no weights, no run
     dry_run_gpus: int = 8             # world size assumed by --dry_run
@@ -256,7 +260,7 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
     """Train the toy model from scratch on noisy toy data (tasks.py) of the run's toy tasks; returns the
     seconds spent. SIGINT or SIGTERM finishes the current step and exits with 128 + signal: SFT keeps no
     checkpoint (it takes minutes on a laptop, not hours), so the next run restarts it, and sft_dir is left
-    as it was."""
+    as it was (infra/phases.py: every phase's stop)."""
     t0 = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Linear warm-up, then cosine decay to 10%: a fixed learning rate plateaus early at this size.
@@ -266,13 +270,13 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
     gen = generator("cpu", cfg.seed, "sft-mask")
     model.train()
     loss_sum = 0.0
-    with checkpoint.graceful_stop() as stop:
+    with checkpoint.graceful_stop("finishing this SFT step, then stopping (SFT keeps no checkpoint)") as stop:
         bar = cli.progress_bar(range(cfg.sft_steps), desc="sft", dynamic_ncols=True)
         for step in bar:
             if stop["signal"]:
                 print0(f"SFT stopped by {signal.Signals(stop['signal']).name} after {step} of {cfg.sft_steps} "
-                       "steps; SFT keeps no checkpoint, so the next run restarts SFT from step 0 (an SFT model "
-                       "already in sft_dir is unchanged)")
+                       "steps; SFT keeps no checkpoint, so the next run restarts SFT from step 0 (nothing was "
+                       f"written to the sft_dir); start it again with: {phases.resume_command()}")
                 raise SystemExit(128 + stop["signal"])
             loss_sum = 0.0
             for task in sft_tasks(cfg):
@@ -318,11 +322,11 @@ class Ctx:
 
 @torch.no_grad()
 def rollout(model, b: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False,
-            return_order: bool = False):
+            return_order: bool = False, stats: dict | None = None):
     """Fill the window of every row of b with the policy's sample: a new Batch (prompts unchanged), and the
     decoding order (B, L) when return_order. gens: one generator per row, so a row's sample depends on its
     own seed only. fast: RL rollouts may use cfg.kv_cache / cfg.threshold (infra/fast_sample.py);
-    evaluation always uses the exact sampler."""
+    evaluation always uses the exact sampler. stats: fast text rollouts count what they commit into it."""
     cfg, ids = ctx.cfg, ctx.ids
     text_sampler = fast_sample.generate if fast and (cfg.kv_cache != "none" or cfg.threshold) else sample.generate
     xs, orders = [], []
@@ -330,7 +334,8 @@ def rollout(model, b: Batch, ctx: Ctx, gens: list, temperature: float, fast: boo
         for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
             c, g = b.rows(rows), gens[rows]
             if c.task not in IMAGE_TASKS:
-                kw = dict(kv_cache=cfg.kv_cache, threshold=cfg.threshold) if text_sampler is not sample.generate else {}
+                kw = dict(kv_cache=cfg.kv_cache, threshold=cfg.threshold, stats=stats) \
+                    if text_sampler is not sample.generate else {}
                 x = text_sampler(model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
                                  steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
                                  attention_mask=c.attention_mask[:, : c.prompt_len], return_order=return_order, **kw)
@@ -365,6 +370,7 @@ class Rollout:
                                 # trajectory: the ones revealed at that step)
     logp_old: list              # mu or T x (B, L) float32
     logp_ref: list | None       # mu or T x (B, L) float32, or None when beta = 0
+    draw: importance.StateDraw | None = None  # --trajectory_states: the views of each update, the normaliser
 
 
 def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
@@ -372,7 +378,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
     optimizer steps on it. ref: the reference model, or None for "this model with its LoRA adapters off".
     Returns the step's log and its rollouts."""
     cfg, device = ctx.cfg, ctx.device
-    clock, rolls = Clock(), []
+    clock, rolls, fast_log = Clock(), [], {}
     for task in task_list(cfg):
         # Every rank builds the global batch (token ids: cheap) and keeps its own whole groups. A sequence's
         # global index seeds its rollout noise and its masks, so its randomness is the same on any process.
@@ -387,8 +393,10 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         # trajectory estimator)
         gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
         trajectory = cfg.estimator == "trajectory"
-        b, order = rollout(model, b, ctx, gens, cfg.temperature, fast=True, return_order=True) if trajectory \
-            else (rollout(model, b, ctx, gens, cfg.temperature, fast=True), None)
+        fast = {} if (cfg.kv_cache != "none" or cfg.threshold) and task not in IMAGE_TASKS else None
+        b, order = rollout(model, b, ctx, gens, cfg.temperature, True, True, fast) if trajectory \
+            else (rollout(model, b, ctx, gens, cfg.temperature, True, stats=fast), None)
+        fast_log.update(fast_sample.step_summary(task, fast, device))
         clock.lap("rollout_s")
 
         # 2. rewards, gathered in global order: a group is normalised over all of its members
@@ -416,6 +424,10 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
             # the same ones on every rank.
             keep = scale.all_max(loss_masks.flatten(1).any(1).to(device, torch.float32)).bool().cpu()
             in_masks, loss_masks = in_masks[keep], loss_masks[keep]                  # (T, B, L) each
+            if cfg.trajectory_states:  # K of the T states per update (U = min(mu K, T) views)
+                in_masks, loss_masks, draw = importance.subsample_states(
+                    in_masks, loss_masks, cfg.trajectory_states, cfg.num_iterations, step=step, seq_index=seq_index,
+                    seed=derive_seed(cfg.seed, "trajectory-states", task))          # (U, B, L) each
         else:
             scored = torch.ones(B, b.window, dtype=torch.bool, device=device)
             if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
@@ -442,7 +454,8 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
                 logp_ref = [importance.token_logprobs(reference, x_j, b.x, m_j, **kw)
                             for x_j, m_j in zip(inputs, loss_masks)]
         clock.lap("logprob_s")
-        rolls.append(Rollout(b, r, adv, inputs, loss_masks, logp_old, logp_ref))
+        rolls.append(Rollout(b, r, adv, inputs, loss_masks, logp_old, logp_ref,
+                             draw if trajectory and cfg.trajectory_states else None))
 
     # 6. mu inner updates: iteration j re-scores mask j with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
@@ -455,12 +468,13 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         opt.zero_grad(set_to_none=True)
         for ro in rolls:
             # The input and loss masks this update scores: mask j, or for the trajectory estimator every
-            # decoding step's state. Each chunk's loss is weighted by its share of the normaliser over all
+            # decoding step's state (--trajectory_states: K of them, weighted T/K through the normaliser). Each chunk's loss is weighted by its share of the normaliser over all
             # ranks' rows and views, so the gradient is that of one full-batch pass in one process.
             b = ro.batch
-            views = range(len(ro.inputs)) if cfg.estimator == "trajectory" else [j]
+            views = ro.draw.updates[j] if ro.draw else range(len(ro.inputs)) if cfg.estimator == "trajectory" else [j]
             count = (lambda m: m.sum()) if cfg.loss_norm == "token" else (lambda m: m.any(-1).sum())
-            total = scale.all_sum(sum(count(ro.loss_masks[v]) for v in views).float()).clamp(min=1)
+            total = scale.all_sum(ro.draw.norm if ro.draw else sum(count(ro.loss_masks[v]) for v in views).float())
+            total = total.clamp(min=1)
             for v in views:
                 mask = ro.loss_masks[v]                                                    # (B, L)
                 for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
@@ -497,6 +511,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         log.update(stats.mean(t))
         log[f"{t}/adv_abs_mean"] = advantages(ro.rewards, cfg).abs().mean().item()
     log["grad_norm"] = grad_norm
+    log.update(fast_log)  # committed tokens per step and their confidence, with --threshold / --kv_cache only
     log.update(clock.laps())  # phase times; Run.record moves them to times.jsonl
     return log, rolls
 
@@ -506,13 +521,14 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
 
 
 def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
-             prompt_means: list | None = None) -> float | None:
+             prompt_means: list | None = None, stop=None) -> float | None:
     """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each
     from a generator seeded by its index, so that runs are paired and the world size changes nothing.
     Ranks take interleaved rows of every 64-example batch. records: if given, one dict per scored row of
     this rank is appended (index, prompt, output, reward); prompt_means: if given, receives each held-out
     prompt's mean reward, gathered over ranks (for the paired standard error of a gain); progress(n) is
-    called after each batch of n rows (evaluate.py's bar). None when the task has no held-out set."""
+    called after each batch of n rows (evaluate.py's bar); stop() before each batch, on every rank (it
+    raises to end a run on a signal: infra/phases.py). None when the task has no held-out set."""
     cfg, device = ctx.cfg, ctx.device
     exs = eval_examples(task, cfg, ctx.datasets)
     if not exs:
@@ -524,6 +540,8 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
     # Entered by every rank, also one without rows in some batch (rollout's own is then a no-op).
     with scale.full_weights(model):
         for i in range(0, len(exs), 64):
+            if stop is not None:
+                stop()
             mine = slice(scale.rank(), None, scale.world())
             b = make_batch(task, exs[i:i + 64], ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(mine)
             idx = list(range(i, min(i + 64, len(exs))))[mine]
@@ -546,16 +564,17 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
     return (total[0] / total[1]).item()
 
 
-def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None) -> dict:
+def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None, stop=None) -> dict:
     """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data
-    are left out. prompt_means: if given, receives the per-prompt means of each, under the same keys."""
+    are left out. prompt_means: if given, receives the per-prompt means of each, under the same keys;
+    stop: as evaluate's."""
     res = {}
     for task in task_list(ctx.cfg):
         for key, temperature in ((task, ctx.cfg.temperature), (f"{task}_greedy", 0.0)):
             if key != task and task in IMAGE_TASKS:  # images have no greedy decoding
                 continue
             means = []
-            r = evaluate(model, ctx, task, temperature, prompt_means=means)
+            r = evaluate(model, ctx, task, temperature, prompt_means=means, stop=stop)
             if r is None:
                 break
             res[key] = r
@@ -583,13 +602,18 @@ def image_snapshot(model, ctx: Ctx) -> list | None:
 
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
-    if cfg.dry_run:
-        return budget.dry_run(cfg)
+    if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
+        return claims.dry_run(cfg, budget.dry_run)
+    phases.remember_command(argv)   # for the messages that name the command continuing this run
+    finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
+    if finished is not None:
+        return finished
     device, dtype = setup(cfg)
     datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
-    startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
-    scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
-    model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
+    with claims.sft_dir_claimed(cfg):  # a folder, writable, and this run's alone until its SFT model is saved
+        startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
+        scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
+        model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
     ctx = Ctx(cfg, tok, ids, device, datasets, scorer)
     report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
     opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
@@ -599,9 +623,11 @@ def main(argv=None) -> dict:
            f"steps count from 0, as in log.jsonl")
     with Run(cfg, model, opt, device) as run:
         if run.state["before"] is None:
-            run.state["before_by_prompt"] = {}
-            run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"])
-            run.state["grid_before"] = image_snapshot(model, ctx)
+            with phases.before_rl(run):  # a signal stops it after the current batch
+                stop = phases.Stop(run.signal, device)
+                run.state["before_by_prompt"] = {}
+                run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
+                run.state["grid_before"] = image_snapshot(model, ctx)
         if run.state["before"]:
             print0("held-out mean reward before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in run.state["before"].items()))
         else:
@@ -614,8 +640,11 @@ def main(argv=None) -> dict:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
             run.record(step, log, rolls, tok, ids)
     after_by_prompt = {}
-    after = evaluate_all(model, ctx, after_by_prompt)
-    summary = run.finish(after, after_by_prompt, image_snapshot(model, ctx), tok, dtype, sft_seconds)
+    with phases.final(run) as stop:  # the last step is checkpointed first; a signal stops after a batch
+        after = evaluate_all(model, ctx, after_by_prompt, stop)
+        grid_after = image_snapshot(model, ctx)
+        stop.saving()
+        summary = run.finish(after, after_by_prompt, grid_after, tok, dtype, sft_seconds)
     if after:
         print0("held-out mean reward after RL:  " + ", ".join(
             f"{k} {v:.3f}" + (f" ({v - summary[k]['before']:+.3f} ± {summary[k]['gain_se']:.3f})"

@@ -18,16 +18,39 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import sample
+from infra import scale
 from infra.rng import uniform
 
 KV_CACHES = ("none", "prefix", "dual")
 
 
+def _count(stats: dict, committed: torch.Tensor, conf: torch.Tensor) -> None:
+    # committed: tokens committed by each active row at one step; conf: their sampled tokens' probabilities.
+    for k, v in (("row_steps", committed.numel()), ("tokens", int(committed.sum())),
+                 ("conf_sum", float(conf.double().sum()))):
+        stats[k] = stats.get(k, 0) + v
+    stats["max"] = max(stats.get("max", 0), int(committed.max()) if committed.numel() else 0)
+
+
+def step_summary(task: str, stats: dict | None, device) -> dict:
+    """Log entries of one RL step's fast rollouts, over all ranks: tokens committed per decoding step and
+    row (mean, max; the exact sampler commits gen_length / steps) and the mean probability of the committed
+    tokens under the sampling distribution (Fast-dLLM thresholds it). {} without stats."""
+    if stats is None:
+        return {}
+    sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
+                                      dtype=torch.float64, device=device)).tolist()
+    top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()
+    return {f"{task}/committed_per_step": sums[1] / max(sums[0], 1), f"{task}/committed_per_step_max": top,
+            f"{task}/committed_conf": sums[2] / max(sums[1], 1)}
+
+
 @torch.no_grad()
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
              remasking="low_confidence", mask_id, generator=None, attention_mask=None, kv_cache=None,
-             threshold=None, return_order=False, progress=False):
-    """sample.generate with kv_cache (None | "none" | "prefix" | "dual") and threshold (None or 0 = off)."""
+             threshold=None, return_order=False, progress=False, stats=None):
+    """sample.generate with kv_cache (None | "none" | "prefix" | "dual") and threshold (None or 0 = off).
+    stats: a dict that receives running sums of what each step committed (step_summary reads them)."""
     kv_cache = None if kv_cache in (None, "none") else kv_cache
     threshold = threshold or None
     common = dict(gen_length=gen_length, block_length=block_length, steps=steps, temperature=temperature,
@@ -79,6 +102,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
             if threshold is not None:
                 select |= m & (conf > threshold)
             new = torch.where(select & m, x0, x[:, start:end])                     # (B, l)
+            if stats is not None:  # per row that still had masked tokens: how many it committed, how sure
+                _count(stats, (select & m)[m.any(1)].sum(1), conf[select & m])
             if order is not None:
                 order[:, start:end][m & (new != mask_id)] = blk * spb + i
             x[:, start:end] = new

@@ -29,7 +29,7 @@ import grpo
 import importance
 import tasks
 from importance import generator
-from infra import budget, checkpoint, data, hf, lora, scale
+from infra import budget, checkpoint, data, hf, lora, phases, scale
 from infra.budget import scratch_config
 from infra.data import data_paths
 from infra.hf import load_tokenizer, read_checkpoint
@@ -50,6 +50,8 @@ def validate_generation(o) -> None:
     """The sampler settings train.py's Config and sample.py's options share (same names, same rules):
     checked here, once, for both, so that the samplers only assert their preconditions."""
     need = _need
+    for k, v in vars(o).items():  # inf or nan would pass the range checks below (inf > 0) and fail mid-run
+        need(not isinstance(v, float) or math.isfinite(v), f"{k} ({v}) must be a finite number")
     for k in ("gen_length", "block_length", "steps", "image_steps", "image_width"):
         need(getattr(o, k) >= 1, f"{k} ({getattr(o, k)}) must be >= 1")
     need(o.gen_length % o.block_length == 0,
@@ -87,6 +89,10 @@ def validate(cfg) -> None:
     need(cfg.loss_norm in grpo.NORMS, f"loss_norm ({cfg.loss_norm!r}) must be one of {grpo.NORMS}")
     need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
          "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
+    need(cfg.trajectory_states >= 0, f"trajectory_states ({cfg.trajectory_states}) must be >= 0 (0 = every "
+         "decoding state; K > 0 scores K of them per update)")
+    need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
+         f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add --estimator=trajectory or drop it")
     need(cfg.adv_std in ("auto", "on", "off"), f"adv_std ({cfg.adv_std!r}) must be auto, on or off")
     need(cfg.text_reward in tasks.TEXT_REWARDS, f"text_reward ({cfg.text_reward!r}) must be one of {tuple(tasks.TEXT_REWARDS)}")
     need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")
@@ -182,19 +188,25 @@ class TrainingStopped(RuntimeError):
 
 
 class Clock:
-    """Wall time of the phases of one RL step: lap(name) adds the time since the last lap to that name."""
+    """Wall and process CPU time of the phases of one RL step: lap("rollout_s") adds the wall seconds since
+    the last lap to rollout_s and the CPU seconds (time.process_time: every thread of this process) to
+    rollout_cpu_s. CPU seconds compare compute between runs on a shared machine, where wall time counts the
+    other jobs' share of the cores too."""
 
     def __init__(self):
         self.t0 = self.last = time.time()
+        self.cpu0 = self.cpu_last = time.process_time()
         self.times: dict = {}
 
     def lap(self, name: str) -> None:
-        now = time.time()
+        now, cpu = time.time(), time.process_time()
+        cpu_name = name.removesuffix("_s") + "_cpu_s"
         self.times[name] = self.times.get(name, 0.0) + now - self.last
-        self.last = now
+        self.times[cpu_name] = self.times.get(cpu_name, 0.0) + cpu - self.cpu_last
+        self.last, self.cpu_last = now, cpu
 
     def laps(self) -> dict:
-        return {**self.times, "seconds": time.time() - self.t0}
+        return {**self.times, "seconds": time.time() - self.t0, "cpu_s": time.process_time() - self.cpu0}
 
 
 class StepStats:
@@ -519,7 +531,7 @@ def keep_steps_before(path: Path, start: int) -> Path:
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 # lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
-RESUMABLE = ("resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
+RESUMABLE = ("resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
              "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip")
 
 
@@ -557,6 +569,7 @@ def startup_checks(cfg, device) -> None:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     scale.barrier()
     print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
+    budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
 
 
 FINISHED = ("final", "log.jsonl", "summary.json")  # what a run leaves besides checkpoints (config.json is
@@ -756,8 +769,8 @@ class Run:
         if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or stopping:
             print0(f"checkpoint {self._save_checkpoint(step + 1)}")
         if stopping:
-            print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with the "
-                   "same command and --resume=true")
+            print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with: "
+                   f"{phases.resume_command()}")
             raise SystemExit(128 + int(stopping))
 
     def _save_checkpoint(self, step: int) -> Path:
@@ -815,5 +828,6 @@ def write_pictures(cfg, out: Path, grid: list) -> None:
     if (out / "log.jsonl").is_file() and (out / "log.jsonl").stat().st_size:
         plots.plot_curves(out / "log.jsonl", out / "curves.png")
     if grid[0][1] is not None and grid[1][1] is not None:
-        prompts = [ex["prompt"] for ex in tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS]]
-        plots.image_grid(grid, prompts, cfg.image_width, out / "images.png")
+        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
+        plots.toy_image_panel(grid, tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS], cfg.image_width,
+                              out / "images.png", summary)
