@@ -11,6 +11,7 @@ whole file takes a few seconds.
 """
 import json
 import shutil
+import signal
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -25,9 +26,9 @@ CPU = torch.device("cpu")
 
 # The settings a resume may change, written out by hand (README: a resumed run continues the same run;
 # only where it runs, how often it logs and checkpoints, how it batches its forwards, how many steps it
-# takes and the two knobs a run stopped by bad steps continues more carefully with). Any other change
+# takes (and --extend, which lets a finished run take more) and the two knobs a run stopped by bad steps continues more carefully with). Any other change
 # would alter the result and must be refused.
-MAY_CHANGE = {"resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every",
+MAY_CHANGE = {"resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every",
               "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip"}
 
 
@@ -322,3 +323,31 @@ def test_damage_is_named_and_load_refuses_it(tmp_path):
     (ckpt / "state.json").unlink()
     with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
         checkpoint.load(ckpt, model, opt)
+
+
+def test_a_signal_writes_a_checkpoint_off_cadence_and_exits(tmp_path):
+    """SIGTERM during step 1 with --checkpoint_every=0: the step is logged, a checkpoint of the 2 steps
+    done is written anyway, and the run exits with 128 + 15."""
+    out = tmp_path / "run"
+    cfg = config(out, "--checkpoint_every=0", "--rl_steps=5")
+    out.mkdir()
+    model, opt = tiny()
+    with pytest.raises(SystemExit) as e, Run(cfg, model, opt, CPU) as run:
+        run.record(0, GOOD(0), [], None, None)
+        run.signal["signal"] = signal.SIGTERM
+        run.record(1, GOOD(1), [], None, None)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert names(out) == ["step-00000002"] and log_steps(out) == [0, 1]
+
+
+def test_resume_without_a_checkpoint_starts_at_zero_and_drops_a_cut_log_line(tmp_path, capsys):
+    """--resume in an out_dir with no complete checkpoint starts at step 0 and says so; a resume keeps
+    the log lines before its start and skips one cut short by a kill."""
+    out = tmp_path / "run"
+    assert run_steps(config(out, "--checkpoint_every=0", "--resume=true"), []).start == 0
+    assert "no complete checkpoint" in capsys.readouterr().out
+    run_steps(config(out, "--checkpoint_every=2", "--rl_steps=3"), [GOOD(s) for s in range(3)])
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "text/rew')
+    with Run(config(out, "--checkpoint_every=2", "--rl_steps=5", "--resume=true"), *tiny(), CPU) as run:
+        assert run.start == 2 and log_steps(out) == [0, 1]

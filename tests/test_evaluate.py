@@ -145,7 +145,7 @@ def test_pass_at_k_by_hand():
     (["--task", "text", "--samples=-2"], r"--samples \(-2\) >= 0"),
     ([], r"pass --ckpt DIR --task TASK"),
     (["--compare=a.jsonl"], r"--compare takes two existing --out files"),
-    (["--run", "/no/such/run", "--seed=1"], r"--run re-scores with the run's own config.json; drop"),
+    (["--run", "/no/such/run", "--seed=1"], r"--run re-scores with the run's own config.json, which --seed would change; drop it"),
 ])
 def test_bad_input_is_one_line(run_dir, capsys, argv, match):
     if "--task" in argv and "--ckpt" not in argv:
