@@ -20,7 +20,7 @@ import torch
 
 import train
 from infra import checkpoint, scale
-from infra.run import RESUMABLE, Run, TrainingStopped, release_out_dir, startup_checks
+from infra.run import RESUMABLE, Run, TrainingStopped, check_sft_cache, release_out_dir, startup_checks
 
 CPU = torch.device("cpu")
 
@@ -351,3 +351,37 @@ def test_resume_without_a_checkpoint_starts_at_zero_and_drops_a_cut_log_line(tmp
         f.write('{"step": 3, "text/rew')
     with Run(config(out, "--checkpoint_every=2", "--rl_steps=5", "--resume=true"), *tiny(), CPU) as run:
         assert run.start == 2 and log_steps(out) == [0, 1]
+
+
+def test_the_next_save_removes_older_crash_leftovers(tmp_path):
+    """A `step-N.tmp` of an earlier crash is deleted by the next checkpoint save (checkpoint.py)."""
+    out = tmp_path / "run"
+    _fake_checkpoint(out / "checkpoints" / "step-00000007.tmp", 7)
+    run_steps(config(out, "--checkpoint_every=1", "--rl_steps=1"), [GOOD(0)])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001"]
+
+
+def test_a_second_signal_later_interrupts_at_once(monkeypatch):
+    """The first SIGTERM sets the flag; a copy within REPEAT_WINDOW seconds (torchrun forwards the one it
+    got) changes nothing; one later than that raises KeyboardInterrupt."""
+    now = [100.0]
+    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: now[0])
+    with checkpoint.graceful_stop() as flag:
+        handler = signal.getsignal(signal.SIGTERM)
+        handler(signal.SIGTERM, None)
+        assert flag["signal"] == signal.SIGTERM
+        now[0] += checkpoint.REPEAT_WINDOW / 2
+        handler(signal.SIGINT, None)
+        assert flag["signal"] == signal.SIGTERM
+        now[0] += checkpoint.REPEAT_WINDOW
+        with pytest.raises(KeyboardInterrupt):
+            handler(signal.SIGTERM, None)
+
+
+def test_an_sft_dir_with_foreign_files_is_refused(tmp_path):
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds files but no sft_meta.json.*--retrain_sft=true"):
+        check_sft_cache(config(tmp_path / "run", f"--sft_dir={sft}"))
+    assert check_sft_cache(config(tmp_path / "run", f"--sft_dir={tmp_path / 'empty'}")) is False

@@ -130,3 +130,12 @@ def test_pearson_and_spearman_by_hand():
     assert diagnose.spearman(a, b) == pytest.approx(1.0)
     assert diagnose.spearman(a, -b) == pytest.approx(-1.0)
     assert math.isnan(diagnose.pearson(a, torch.ones(3)))
+
+
+@pytest.mark.parametrize("argv,match", [(["--diagnose"], "usage: python importance.py --diagnose --ckpt DIR"),
+                                        (["--diagnose", "--ckpt=x", "--draws=1"], r"draws \(1\) must be >= 2"),
+                                        (["--diagnose", "--ckpt=x", "--num_iterations=1"],
+                                         r"num_iterations \(1\) and draws \(4\) must be >= 2")])
+def test_main_refuses(argv, match):
+    with pytest.raises(ValueError, match=match):
+        diagnose.main(argv)
