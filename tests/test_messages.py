@@ -119,7 +119,8 @@ def test_dry_run_checks_the_model_folder_and_data_files(capsys, flag, problem):
 
 def test_every_readme_torchrun_command_names_its_out_dir():
     text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "install_and_8b.md").read_text()
-    commands = re.findall(r"^torchrun .*?(?<!\\)$", text.replace("\\\n", " "), flags=re.M)
+    code = "\n".join(re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.M | re.S))  # commands, not prose
+    commands = re.findall(r"^torchrun .*?(?<!\\)$", code.replace("\\\n", " "), flags=re.M)
     assert commands and all("--out_dir=" in c for c in commands), [c for c in commands if "--out_dir=" not in c]
 
 
