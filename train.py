@@ -469,8 +469,9 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
         opt.zero_grad(set_to_none=True)
         for ro in rolls:
             # The input and loss masks this update scores: mask j, or for the trajectory estimator every
-            # decoding step's state (--trajectory_states: K of them, weighted T/K through the normaliser). Each chunk's loss is weighted by its share of the normaliser over all
-            # ranks' rows and views, so the gradient is that of one full-batch pass in one process.
+            # decoding step's state (--trajectory_states: K of them, weighted T/K through the normaliser).
+            # Each chunk's loss is weighted by its share of the normaliser over all ranks' rows and views,
+            # so the gradient is that of one full-batch pass in one process.
             b = ro.batch
             views = ro.draw.updates[j] if ro.draw else range(len(ro.inputs)) if cfg.estimator == "trajectory" else [j]
             count = (lambda m: m.sum()) if cfg.loss_norm == "token" else (lambda m: m.any(-1).sum())

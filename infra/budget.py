@@ -317,7 +317,8 @@ def dry_run(cfg) -> dict:
     print(f"global FLOPs per RL step: {f['step']:.2e} (rollouts {f['rollout']:.2e}, old/ref scoring "
           f"{f['scoring']:.2e}, updates {f['update']:.2e})")
     if cfg.estimator == "trajectory":
-        states = f"{cfg.trajectory_states} decoding state(s) per update" if cfg.trajectory_states else "every decoding state"
+        states = (f"{cfg.trajectory_states} decoding state(s) per update" if cfg.trajectory_states
+                  else "every decoding state")
         print(f"trajectory estimator, {states}: {f['step']:.2e} FLOPs per RL step against {maskgrpo:.2e} for "
               f"MaskGRPO's mu = {cfg.num_iterations} masks, {f['step'] / maskgrpo:.2f} x")
     print(f"global FLOPs per run: {run:.2e} ({cfg.rl_steps:,} RL steps, and {evaluation:.2e} for the held-out "
