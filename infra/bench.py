@@ -49,18 +49,18 @@ import torch
 
 from model import ModelConfig, Transformer
 from infra import cli, hf
-from infra.fast_sample import generate
+from sample import generate
 from infra.sandbox import run_code
 
 EOS = 0
 P, K, B = 64, 32, 8
 CONFIGS = [  # name, kv_cache, threshold; "LLaDA generate()" is llada_generate below
-    ("LLaDA generate()", "public", None),
-    ("exact, full head", "full head", None),
-    ("exact", None, None),
-    ("prefix", "prefix", None),
-    ("dual", "dual", None),
-    ("threshold", None, 0.9),
+    ("LLaDA generate()", "public", 0.0),
+    ("exact, full head", "full head", 0.0),
+    ("exact", "none", 0.0),
+    ("prefix", "prefix", 0.0),
+    ("dual", "dual", 0.0),
+    ("threshold", "none", 0.9),
     ("prefix+threshold", "prefix", 0.9),
     ("dual+threshold", "dual", 0.9),
 ]

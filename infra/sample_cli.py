@@ -19,7 +19,7 @@ import torch
 
 import sample
 import tasks
-from infra import cli, fast_sample, hf, plots
+from infra import cli, hf, plots
 from infra.hf import load_tokenizer
 from infra.run import read_generation_settings, validate_generation
 from model import chat_prompt
@@ -77,9 +77,9 @@ def main(argv=None):
     check_length(len(ids), o.gen_length, config, o.ckpt)
     model, device, gen = _load(o)
     prompt = torch.tensor([ids], device=device)                                          # (1, P)
-    out = fast_sample.generate(model, prompt, gen_length=o.gen_length, block_length=o.block_length, steps=o.steps,
+    out = sample.generate(model, prompt, gen_length=o.gen_length, block_length=o.block_length, steps=o.steps,
                    temperature=o.temperature, mask_id=model.config.mask_token_id, generator=gen,
-                   kv_cache=None if o.kv_cache == "none" else o.kv_cache, threshold=o.threshold or None,
+                   kv_cache=o.kv_cache, threshold=o.threshold,
                    progress=cli.bars_shown())
     completion = tok.decode(out[0, prompt.shape[1]:].tolist(), skip_special_tokens=True)
     print(completion)
