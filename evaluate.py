@@ -27,7 +27,7 @@ from pathlib import Path
 
 import tasks
 import train
-from infra import cli, data, lora, run, scale
+from infra import cli, data, load, lora, run, scale, settings
 from infra.data import load_data
 from infra.scorer import RemoteScorer
 
@@ -94,7 +94,7 @@ OFFICIAL["math"] = OFFICIAL["gsm8k"]
 def parse_options(argv=None) -> Options:
     """Flags over the preset over the task's official settings over the checkpoint's generation.json."""
     first = cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS)
-    saved = run.read_generation_settings(first.ckpt) if first.ckpt and not first.run else {}
+    saved = settings.read_generation_settings(first.ckpt) if first.ckpt and not first.run else {}
     saved.pop("tasks", None)
     return cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS,
                      defaults={**saved, **OFFICIAL.get(first.task, {})})
@@ -180,13 +180,13 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
 
 
 def _score(cfg, task, sink, limit, samples):
-    device, dtype = run.setup(cfg)
+    device, dtype = settings.setup(cfg)
     datasets = load_data(cfg)  # a missing or malformed file fails here, before the model loads
     if task in datasets and not limit:  # benchmarks: every row of the file unless --limit
         cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
-    model, tok, ids, _ = run.load_model(cfg, device, dtype, train.sft)
-    run.report_truncation(cfg, tok, datasets)
+    model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
+    load.report_truncation(cfg, tok, datasets)
     n = len(tasks.eval_examples(task, cfg, datasets))
     ctx = train.Ctx(cfg, tok, ids, device, datasets, scorer)
     modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
@@ -250,7 +250,7 @@ def check_run(run_dir: str) -> bool:
     cfg = train.Config(**raw)
     train.validate(cfg)
     summary = json.loads((out_dir / "summary.json").read_text())
-    device, dtype = run.setup(cfg)
+    device, dtype = settings.setup(cfg)
     datasets = load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     # As train.main: the RL start is the SFT model for scratch runs, else init_from. LoRA runs start from
@@ -262,7 +262,7 @@ def check_run(run_dir: str) -> bool:
         ckpt = start if label == "before" or cfg.lora_rank else str(out_dir / "final")
         if not Path(ckpt).is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {ckpt} (the run's {label}-RL model)")
-        model, tok, ids, _ = run.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
+        model, tok, ids, _ = load.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
         if label == "after" and cfg.lora_rank:
             lora.load_adapters(model, out_dir / "final")
         evals[label] = train.evaluate_all(model.eval(), train.Ctx(cfg, tok, ids, device, datasets, scorer))

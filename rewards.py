@@ -364,11 +364,11 @@ SHAPED = {
 }
 
 
-def score(b: tasks.Batch, tok, ids, scorer=None, shaped: bool = False, text_reward: str = "answer") -> torch.Tensor:
+def score(b: tasks.Batch, tok, ids, scorer=None, shaping: str = "none", text_reward: str = "answer") -> torch.Tensor:
     """Step 2 of the RL loop: a reward in [0, 1] per row of b. The toy verifiers (tasks.py; text_reward
-    picks the text one from tasks.TEXT_REWARDS), the benchmark verifiers (REWARDS, or SHAPED, the official
-    format + correctness terms, where shaped and the task has them), or, for geneval images, the remote
-    scorer."""
+    picks the text one from tasks.TEXT_REWARDS), the benchmark verifiers (REWARDS, or with shaping="official"
+    SHAPED, the official format + correctness terms, where the task has them), or, for geneval images, the
+    remote scorer."""
     outs = tasks.decode_window(b, tok, ids)
     if b.task == "geneval":
         try:
@@ -383,5 +383,5 @@ def score(b: tasks.Batch, tok, ids, scorer=None, shaped: bool = False, text_rewa
     elif b.task == "image":
         fn = lambda codes, ex: tasks.image_reward(codes, ex["spec"])
     else:
-        fn = SHAPED[b.task] if shaped and b.task in SHAPED else REWARDS[b.task]
+        fn = SHAPED[b.task] if shaping == "official" and b.task in SHAPED else REWARDS[b.task]
     return torch.tensor([fn(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)

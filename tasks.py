@@ -29,8 +29,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from importance import derive_seed
-from model import TokenIds, chat_prompt
+from infra.rng import derive_seed
 
 TOY_TASKS = ("text", "image")
 IMAGE_TASKS = ("image", "geneval")  # generated as image tokens; everything else is text
@@ -49,6 +48,40 @@ def sft_tasks(cfg) -> tuple[str, ...]:
 
 # -----------------------------------------------------------------------------------------------------
 # vocabulary
+
+@dataclass(frozen=True)
+class TokenIds:
+    """The special-token ids a masked diffusion model reads and writes, resolved once by name from the
+    tokenizer and config (tasks.token_ids for the toy vocabulary, infra/hf.token_ids for a released
+    checkpoint), so that no id literal appears anywhere else. The MMaDA image fields are None for a
+    text-only checkpoint (LLaDA); only the image tasks read them."""
+    bos: int | None
+    eos: int
+    pad: int                      # LLaDA left-pads with the EOS id
+    mask: int                     # the absorbing state m of the diffusion process
+    vocab_size: int               # embedding rows: text tokenizer + image codebook
+    t2i: int | None = None        # MMaDA text-to-image task marker
+    soi: int | None = None        # start / end of the image slots
+    eoi: int | None = None
+    ipad: int | None = None       # MMaDA's caption padding
+    image_token_offset: int | None = None  # image code c is token id image_token_offset + c
+    codebook_size: int | None = None
+
+
+def chat_prompt(messages: list[dict], bos: str = "<|startoftext|>") -> str:
+    """LLaDA-Instruct chat template as a string. Encode the result with
+    add_special_tokens=False; the special-token strings inside map to their ids.
+
+    chat_prompt([{"role": "user", "content": "Q"}]) ==
+    "<|startoftext|><|start_header_id|>user<|end_header_id|>\\n\\nQ<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\\n\\n"
+    """
+    turns = [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
+             for m in messages]
+    # The template has no add_generation_prompt switch: it always opens the assistant turn.
+    return bos + "".join(turns) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
 
 # LLaDA/MMaDA special-token names (their released tokenizers). EOS doubles as pad, as in LLaDA-Instruct.
 BOS, EOS, MASK = "<|startoftext|>", "<|endoftext|>", "<|mdm_mask|>"

@@ -9,26 +9,27 @@ Stage 1 (`sft`) trains the toy model from scratch with the masked-diffusion loss
 MDLM arXiv:2406.07524); it is cached in out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880,
 Alg. 5), one rollout batch at a time:
 
-    1. rollouts      G completions per prompt: LLaDA block sampler (text), emerge sampler + CFG (images)
-    2. rewards       verifiers in rewards.py / tasks.py, or a remote image scorer; finite, in [0, 1]
+    1. rollouts      rollout: G completions per prompt with their decoding order; sample.generate (text,
+                     LLaDA's block sampler) or sample.generate_image (emerge sampler + CFG)
+    2. rewards       rewards.score: verifiers in rewards.py / tasks.py, or a remote image scorer; in [0, 1]
     3. advantages    grpo.group_advantages: (R - mean) / std within each group of G (d1: R - mean)
-    4. masks         importance.build_masks: mu re-masked copies of every completion (AR-like reversing
-                     for text, random for images, truncated ratio schedule, shared seeds)
-    5. old/ref       importance.token_logprobs on exactly those masked inputs, without gradient
-    6. mu updates    inner iteration j re-scores mask j with the current policy and takes one optimizer step
-                     on grpo.policy_loss (clipped per-token ratio + beta * k3 KL to the reference)
+    4. views         importance.views: the estimator's K masked inputs and the positions each scores (mu
+                     re-masked copies of every completion, or the sampler's T states for "trajectory")
+    5. old/ref       importance.token_logprobs on exactly those inputs, without gradient -> an Experience
+    6. mu updates    update j re-scores its views with the current policy (backward_loss: grpo.policy_loss,
+                     the clipped per-token ratio + beta * k3 KL, as one full-batch mean) and steps
 
 docs/method.md derives each step; docs/differences.md lists where this code departs from the paper and
 the official code. Everything a run writes goes to out_dir: log.jsonl, summary.json (held-out mean reward
 before and after RL, the gain's standard error paired by prompt), final/ (Hugging Face LLaDA layout,
 tokenizer.json, generation.json), checkpoints/ (--resume continues), curves.png, images.png. The
+settings are checked in infra/settings.py, the policy and its reference loaded by infra/load.py, and the run's
 bookkeeping (logs, checkpoints, resume, signals, start-up checks) is infra/run.py; torchrun and FSDP2 are
 infra/scale.py. Every random draw is seeded by (seed, step, global sequence index), so the world size does
 not change the result (LoRA dropout aside: its masks span a rank's rows).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import signal
@@ -42,16 +43,16 @@ import grpo
 import importance
 import rewards
 import sample
-from importance import derive_seed, generator
-from infra import budget, checkpoint, cli, fast_sample, lora, scale
+from infra import budget, checkpoint, cli, lora, scale
 from infra.data import load_data
-from infra.run import (BadStep, Clock, Run, StepStats, TrainingStopped, load_policy, report_truncation, setup,
-                       startup_checks, validate)
+from infra.load import load_policy, report_truncation
+from infra.rng import derive_seed, generator
+from infra.run import Run, TrainingStopped, startup_checks
 from infra.scale import print0
 from infra.scorer import RemoteScorer
-from model import TokenIds
-from tasks import (GRID_PROMPTS, IMAGE_TASKS, Batch, decode_window, draw_prompts, eval_examples, make_batch, make_example,
-                   sft_tasks, task_list, vocab_slice)
+from infra.settings import setup, validate
+from tasks import (GRID_PROMPTS, IMAGE_TASKS, Batch, TokenIds, decode_window, draw_prompts, eval_examples, make_batch,
+                   make_example, sft_tasks, task_list, vocab_slice)
 
 # -----------------------------------------------------------------------------------------------------
 # config
@@ -61,47 +62,38 @@ from tasks import (GRID_PROMPTS, IMAGE_TASKS, Batch, decode_window, draw_prompts
 class Config:
     # io / system
     out_dir: str = "out/toy"          # everything this run writes goes here
-    seed: int = 0                     # every random draw derives from (seed, step, index)
+    seed: int = 0                     # every random draw derives from (seed, purpose, step, index): infra/rng.py
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     dtype: str = "auto"               # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
     threads: int = 0                  # torch CPU threads (0 = torch's default)
     # model
     init_from: str = "scratch"        # "scratch" (toy model below, trained by SFT) or a checkpoint directory
     sft_dir: str = ""                 # where the SFT model is cached ("" = out_dir/sft); share it across runs
-    retrain_sft: bool = False         # replace an SFT model in sft_dir trained with other settings (otherwise
-                                      # refused: runs sharing one sft_dir would overwrite each other's)
-    d_model: int = 128                # scratch model dims (and --dry_run's, when init_from has no config.json)
+    retrain_sft: bool = False         # replace an SFT model in sft_dir trained with other settings (else refused)
+    d_model: int = 128                # scratch model width (and --dry_run's, when init_from has no config.json)
     n_layers: int = 4                 # transformer blocks (LLaDA-8B: 32)
     n_heads: int = 4                  # attention heads; d_model must divide by it (LLaDA-8B: 32)
     mlp_hidden_size: int = 384        # SwiGLU hidden width (LLaDA-8B: 12288)
     vocab_size: int = 0               # --dry_run only: embedding rows (0 = the toy tokenizer's)
-    lora_rank: int = 0                # > 0: train LoRA adapters only (lora.py); the reference is adapters-off
+    lora_rank: int = 0                # > 0: train LoRA adapters only; the reference is the adapters-off policy
     lora_alpha: float = 64.0          # LoRA scale alpha / rank on the adapter output (official: 64)
     lora_dropout: float = 0.0         # dropout on the LoRA input, in [0, 1) (official: 0.05)
-    lora_targets: str = "all"         # LoRA'd block projections: all (the seven) | official (q/k/v/up, what the
-                                      # official run's Llama-named list matched; infra/lora.TARGET_SETS)
-    attend_padding: str = "auto"      # on: attention sees the [iPAD]/EOS padding, as the official MMaDA/LLaDA
-                                      # modelling does (it drops the attention bias) | off: pad keys are masked |
-                                      # auto: on for geneval (MMaDA checkpoints), off for text and toy images
+    lora_targets: str = "all"         # LoRA'd block projections: all (the seven) | official (q/k/v/up)
+    attend_padding: str = "auto"      # attention over [iPAD]/EOS padding: on | off | auto (on for geneval only)
     activation_checkpointing: bool = False  # recompute each block in backward (needed at 8B)
     # tasks and data
-    tasks: str = "text,image"         # RL tasks, comma separated: toy text, image; or gsm8k, math, mbpp,
-                                      # countdown, sudoku (text) and geneval (image) with --train_data
-    train_data: str = ""              # task=path[,task=path]: local files in their public format (data.py)
+    tasks: str = "text,image"         # RL tasks, comma separated: text, image (toy); gsm8k, math, mbpp, countdown, sudoku, geneval
+    train_data: str = ""              # task=path[,task=path]: local files in their public format (infra/data.py)
     eval_data: str = ""               # task=path[,...]: held-out sets scored before and after RL
     max_prompt_len: int = 256         # real text prompts keep their last max_prompt_len tokens
-    prompt_prefill: str = ""          # text that opens the assistant turn of benchmark prompts (official
-                                      # GSM8K/MATH evaluation: "<reasoning>")
-    system_prompt: str = ""           # a system turn before benchmark prompts' user turn ("" = none);
-                                      # docs/differences.md describes the official runs' instruction
+    prompt_prefill: str = ""          # text that opens the assistant turn of benchmark prompts (e.g. "<reasoning>")
+    system_prompt: str = ""           # a system turn before benchmark prompts' user turn ("" = none)
     image_text_len: int = 0           # t2i text part, left-padded with [iPAD] (0 = longest toy caption; MMaDA 257)
-    image_scorer_url: str = ""        # geneval rewards: POST to this scorer (scorer.RemoteScorer)
-    reward_shaping: str = "none"      # none (correctness, 0/1) | official: GSM8K/MATH format + correctness terms
-                                      # of the official runs, divided by their maximum (rewards.SHAPED)
-    text_max_steps: int = 1           # arithmetic steps per word problem (1 or 2)
-    text_reward: str = "answer"       # toy text verifier: answer (the last \boxed{}) | solution (the whole
-                                      # written-out solution: every step and the box; tasks.solution_reward)
-    text_noise: float = 0.4           # fraction of SFT text targets boxing the amount before the last step (tasks.py)
+    image_scorer_url: str = ""        # geneval rewards: POST to this scorer (infra/scorer.py)
+    reward_shaping: str = "none"      # benchmark rewards: none (correct 0/1) | official (format + correctness, rewards.SHAPED)
+    text_max_steps: int = 1           # arithmetic steps per toy word problem (1 to 4)
+    text_reward: str = "answer"       # toy text verifier: answer (the last \\boxed{}) | solution (every step and the box)
+    text_noise: float = 0.4           # fraction of SFT text targets boxing the amount before the last step
     image_noise: float = 0.4          # fraction of SFT images with one colour drawn as its look-alike
     image_width: int = 4              # images are image_width x image_width tokens (MMaDA 512 px: 32)
     # stage 1: masked-diffusion SFT
@@ -109,51 +101,43 @@ class Config:
     sft_batch_size: int = 64          # sequences per SFT step and task
     sft_lr: float = 2e-3              # SFT peak learning rate (AdamW), after warm-up, cosine-decayed to 10%
     sft_warmup: int = 50              # SFT linear warm-up steps
-    image_loss_weight: float = 3.0    # images stall beside text at weight 1 (measured, tasks.py calibration)
-    cond_dropout: float = 0.1         # caption dropped for CFG (MMaDA trains with 0.1)
+    image_loss_weight: float = 3.0    # weight of the image SFT loss beside text's 1
+    cond_dropout: float = 0.1         # fraction of SFT captions dropped, for CFG (MMaDA: 0.1)
     # text rollouts (LLaDA low-confidence block sampler)
     gen_length: int = 12              # completion tokens N per text rollout (official: 256)
     block_length: int = 12            # semi-autoregressive block size; divides gen_length (official: 16)
-    steps: int = 12                   # denoising steps per text rollout, a multiple of the number of blocks
-                                      # and at most gen_length (official: 128)
+    steps: int = 12                   # denoising steps per text rollout: a multiple of the blocks, <= gen_length
     temperature: float = 1.0          # rollout temperature (official default 0.9)
     kv_cache: str = "none"            # none (exact) | prefix | dual: Fast-dLLM block KV cache for text rollouts
     threshold: float = 0.0            # > 0: also commit every masked token more confident than this (Fast-dLLM)
     # image rollouts
     image_sampler: str = "emerge"     # emerge (MaskGRPO) | maskgit (MMaDA default, baseline)
-    image_steps: int = 12             # MaskGRPO rollouts use 12 emerge steps (paper Alg. 4)
-    cfg_scale: float = 0.0            # guidance weight w; (1 + w) cond - w uncond
-    # importance estimator
-    estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines for ablation) | trajectory (the exact
-                                      # decoding-path log-ratio the others approximate: one forward per step)
-    text_reversing: str = "arlike"    # arlike (paper Alg. 1) | random | arlike_official (the released runs' masks:
-                                      # the ramp also spans the prompt, docs/differences.md)
-    gamma_text: float = 0.6           # truncation: mask ratios live in (gamma, 1) (paper: 0.6 text)
-    gamma_image: float = 0.8          # (paper: 0.8 image)
-    num_iterations: int = 4           # mu: inner updates per rollout batch, one mask ratio each (paper: 12)
-    p_mask_prompt: float = 0.15       # d1 only: prompt-token masking probability
+    image_steps: int = 12             # image denoising steps (paper Alg. 4: 12)
+    cfg_scale: float = 0.0            # image guidance weight w: (1 + w) cond - w uncond
+    # importance estimator (importance.views)
+    estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines) | trajectory (exact decoding path)
+    text_reversing: str = "arlike"    # maskgrpo's text masks: arlike (paper Alg. 1) | random | arlike_official
+    gamma_text: float = 0.6           # maskgrpo: text mask ratios live in (gamma, 1) (paper: 0.6)
+    gamma_image: float = 0.8          # maskgrpo: image mask ratios live in (gamma, 1) (paper: 0.8)
+    num_iterations: int = 4           # mu: inner updates per rollout batch (paper: 12)
+    p_mask_prompt: float = 0.15       # d1: prompt-token masking probability
     # GRPO
-    rl_steps: int = 80                # rollout batches; each gives num_iterations optimizer steps, so a run
-                                      # takes rl_steps * num_iterations optimizer steps (--dry_run prints both).
-                                      # Toy: 80, because at 50 the text training reward was still rising over
-                                      # its last 10 steps on seeds 0-2 (image flattens after ~20) and held-out
-                                      # text gains sat at +0.10 to +0.13, too close to the toy's +0.10 bar
-    prompts_per_step: int = 8         # per task
+    rl_steps: int = 80                # rollout batches; each gives num_iterations optimizer steps
+    prompts_per_step: int = 8         # prompts per rollout batch and task
     group_size: int = 8               # G completions per prompt
     clip_eps: float = 0.2             # PPO clip range epsilon of the ratio, > 0 (paper: 0.2)
-    beta: float = 0.01                # k3 KL coefficient against the SFT reference (0 skips the ref pass)
+    beta: float = 0.01                # k3 KL coefficient against the reference (0 skips the reference pass)
     loss_norm: str = "token"          # token (official code) | sequence (paper's 1/|o_i|)
-    adv_std: str = "auto"             # divide advantages by the group std: on | off | auto (off for d1, as
-                                      # d1's trainer: A = r - mean; on otherwise, as MaskGRPO's)
+    adv_std: str = "auto"             # divide advantages by the group std: on | off | auto (off for d1, as d1)
     lr: float = 1e-4                  # RL learning rate (AdamW, constant; official: 3e-6)
     weight_decay: float = 0.0         # AdamW weight decay in RL (official: 0.1)
     grad_clip: float = 1.0            # gradient-norm clip per optimizer step (official: 0.2)
     device_batch_size: int = 0        # sequences per forward pass in rollouts and log-prob passes (0 = all)
     # evaluation / logging
     eval_prompts: int = 256           # held-out prompts per task, scored before and after RL
-    eval_samples: int = 4             # sampled completions per held-out prompt (one sample is too noisy)
+    eval_samples: int = 4             # sampled completions per held-out prompt
     sample_every: int = 20            # print a decoded rollout every N RL steps (0 = never)
-    # checkpoints and failures (checkpoint.py)
+    # checkpoints and failures (infra/checkpoint.py)
     checkpoint_every: int = 10        # rollout batches between checkpoints in out_dir/checkpoints (0 = never)
     keep_last: int = 2                # complete checkpoints kept (0 = all)
     resume: bool = False              # continue from the latest complete checkpoint in out_dir
@@ -162,70 +146,38 @@ class Config:
     dry_run_gpus: int = 8             # world size assumed by --dry_run
 
 
-# Shared by the 8B presets: the official MaskGRPO configuration (the paper's Appendix settings, and its
-# released configs/rl.yaml): LLaDA-8B shape, beta 0.01, eps 0.2, lr 3e-6, AdamW weight decay 0.1, grad clip
-# 0.2, LoRA r 128 / alpha 64 / dropout 0.05. LoRA on the "official" targets (q/k/v/up), the layers the released
-# runs trained, since these presets reproduce them; --lora_targets=all adapts all seven. The official
-# max_steps 8000 and save_steps 500 count optimizer steps; here a rollout batch gives num_iterations of them,
-# so the presets below divide by mu. tests/test_presets.py pins every value to its source.
+# Presets: the settings each one changes from the defaults above. Where each value comes from (the official
+# scripts, the measurements behind the toy ones) is docs/differences.md "Presets"; tests/test_presets.py pins them.
 _8B = {"init_from": "", "d_model": 4096, "n_layers": 32, "n_heads": 32, "mlp_hidden_size": 12288, "beta": 0.01,
        "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1, "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0,
        "lora_dropout": 0.05, "lora_targets": "official", "activation_checkpointing": True, "eval_samples": 1,
        "sample_every": 50, "reward_shaping": "official"}
-# MMaDA-8B text-to-image: emerge rollouts of 12 steps (the trainer's default), 1024 image tokens (32 x 32)
-# after a 257-token text part, rewards from a remote scorer, attention over the [iPAD] padding (auto).
+_LLADA = {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "steps": 128, "temperature": 0.9,
+          "group_size": 6, "prompts_per_step": 16, "num_iterations": 12, "device_batch_size": 6, "eval_prompts": 256,
+          "rl_steps": 667, "checkpoint_every": 42}
 _MMADA = {**_8B, "tasks": "geneval", "vocab_size": 134656, "image_width": 32, "image_text_len": 257,
           "image_steps": 12, "group_size": 9, "device_batch_size": 3, "eval_prompts": 64}
 
 PRESETS: dict[str, dict] = {
-    # 2-core laptop CPU: SFT from scratch, then RL on both toy tasks; held-out reward rises (README).
-    "toy": {},
-    # Text only, with long completions: 3-4 written-out steps (21 or 27 tokens) decoded as 32 tokens in 4
-    # blocks of 8, one token per step, so that decode order and the reversing operators have room to matter.
-    # Measured (docs/results.md): 2,400 SFT steps left some seeds unable to do the working; the box-only
-    # reward pays wrong working (15% of one SFT model's greedy answers); lr 1e-4 damaged a competent model
-    # (greedy 0.98 -> 0.85); 8 prompts per step moved one by +0.043, 16 by +0.073. Hence 4,800 SFT steps, the
-    # whole-solution reward, lr 3e-5, 16 prompts x G = 8 per step for 40 steps, and 512 held-out prompts (4
-    # samples each). Seeds 0-2: SFT 0.80 held-out, RL +0.078 to +0.098, each over 10 paired standard errors.
+    "toy": {},  # 2-core laptop CPU: SFT from scratch, then RL on both toy tasks
     "toy_long": {"tasks": "text", "text_max_steps": 4, "text_noise": 0.2, "text_reward": "solution",
                  "gen_length": 32, "block_length": 8, "steps": 32, "sft_steps": 4800, "rl_steps": 40,
                  "prompts_per_step": 16, "lr": 3e-5, "eval_prompts": 512},
-    # seconds-long smoke run of the whole pipeline (tests, CI).
     "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2,
               "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1, "d_model": 32,
               "n_layers": 2, "mlp_hidden_size": 64, "num_iterations": 2, "sample_every": 1, "checkpoint_every": 0},
-    # LLaDA-8B-Instruct text RL (official t2t script): G 6, 16 prompts per step, mu 12, gamma 0.6, 256 tokens
-    # in blocks of 16 with 128 steps at temperature 0.9; 667 x 12 = 8,004 optimizer steps (official 8,000),
-    # a checkpoint every 42 x 12 = 504 (official 500). Give --init_from=DIR and --train_data=gsm8k=FILE.
-    # Reversing is the paper's AR-like operator; --text_reversing=arlike_official gives the released run's masks.
-    "llada8b": {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "block_length": 16, "steps": 128,
-                "temperature": 0.9, "group_size": 6, "prompts_per_step": 16, "num_iterations": 12, "gamma_text": 0.6,
-                "device_batch_size": 6, "eval_prompts": 256, "rl_steps": 667, "checkpoint_every": 42},
-    # MMaDA-8B text-to-image RL, exactly scripts/train/t2i_grpo_train.sh (with configs/rl.yaml): G 9, mu 6,
-    # gamma 0.6, CFG 3.0, eps 0.2. Its 6 GPUs x 3 completions x gradient accumulation 2 = 36 completions, i.e.
-    # 4 prompts of 9, per optimizer step; here 4 prompts run on 1, 2 or 4 GPUs (a group stays on one rank).
-    # 1334 x 6 = 8,004 optimizer steps, a checkpoint every 84 x 6 = 504.
+    "llada8b": {**_LLADA, "block_length": 16, "gamma_text": 0.6},
     "mmada8b": {**_MMADA, "cfg_scale": 3.0, "prompts_per_step": 4, "num_iterations": 6, "gamma_image": 0.6,
                 "clip_eps": 0.2, "rl_steps": 1334, "checkpoint_every": 84, "dry_run_gpus": 4},
-    # The other image script, scripts/train/t2i_grpo_train_w_server.sh: G 9, gamma 0.8 (the paper's image
-    # value), CFG 3.5, eps 0.001; 6 GPUs x 3 x accumulation 4 = 72 completions = 8 prompts per optimizer step.
-    # It leaves NUM_ITER unset, so `--num_iterations` receives no value and the parser stops; with the flag
-    # dropped, configs/rl.yaml's num_iterations 12 applies (MaskGRPOConfig's own default, 1, would crash the
-    # MaskGRPO path), so mu 12 here. 667 x 12 = 8,004 optimizer steps, a checkpoint every 42 x 12 = 504.
     "mmada8b_server": {**_MMADA, "cfg_scale": 3.5, "prompts_per_step": 8, "num_iterations": 12,
                        "gamma_image": 0.8, "clip_eps": 0.001, "rl_steps": 667, "checkpoint_every": 42},
-    # d1's own diffu-GRPO run (dllm-reasoning/d1, diffu-grpo/slurm_scripts/train.yaml and gsm_base.sbatch) on
-    # the llada8b settings it shares: beta 0.04, eps 0.5, blocks of 32, prompts cut to 200 tokens, G 6, 16
-    # prompts, mu 12. `--preset llada8b --estimator=d1` is the estimator ablation (MaskGRPO's beta, eps, blocks).
-    "d1_official": {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "block_length": 32,
-                    "steps": 128, "temperature": 0.9, "group_size": 6, "prompts_per_step": 16, "num_iterations": 12,
-                    "device_batch_size": 6, "eval_prompts": 256, "rl_steps": 667, "checkpoint_every": 42,
-                    "estimator": "d1", "beta": 0.04, "clip_eps": 0.5, "max_prompt_len": 200},
+    "d1_official": {**_LLADA, "block_length": 32, "estimator": "d1", "beta": 0.04, "clip_eps": 0.5,
+                    "max_prompt_len": 200},
 }
 
 
 def parse_args(argv=None) -> Config:
-    """Dataclass defaults, then PRESETS[--preset], then the flags; checked once, here (infra/run.validate)."""
+    """Dataclass defaults, then PRESETS[--preset], then the flags; checked once, here (infra/settings.validate)."""
     cfg = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
     validate(cfg)
     return cfg
@@ -317,34 +269,32 @@ class Ctx:
 
 
 @torch.no_grad()
-def rollout(model, b: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False,
-            return_order: bool = False):
-    """Fill the window of every row of b with the policy's sample: a new Batch (prompts unchanged), and the
-    decoding order (B, L) when return_order. gens: one generator per row, so a row's sample depends on its
-    own seed only. fast: RL rollouts may use cfg.kv_cache / cfg.threshold (infra/fast_sample.py);
-    evaluation always uses the exact sampler."""
+def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False):
+    """Fill the window of every row with the policy's sample: (a new Batch, prompts unchanged; the decoding
+    order (B, L), the sampler step each position was revealed at, -1 for the prompt). gens: one generator per
+    row, so a row's sample depends on its own seed only. fast: text rollouts use --kv_cache / --threshold
+    (the Fast-dLLM options of sample.generate, off by default); evaluation keeps the exact sampler."""
     cfg, ids = ctx.cfg, ctx.ids
-    text_sampler = fast_sample.generate if fast and (cfg.kv_cache != "none" or cfg.threshold) else sample.generate
     xs, orders = [], []
     with scale.full_weights(model):
         for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
-            c, g = b.rows(rows), gens[rows]
-            if c.task not in IMAGE_TASKS:
-                kw = dict(kv_cache=cfg.kv_cache, threshold=cfg.threshold) if text_sampler is not sample.generate else {}
-                x = text_sampler(model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
-                                 steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
-                                 attention_mask=c.attention_mask[:, : c.prompt_len], return_order=return_order, **kw)
+            c, g = prompts.rows(rows), gens[rows]
+            if c.task in IMAGE_TASKS:
+                x, order = sample.generate_image(
+                    model, c.x, image_start=c.prompt_len, num_tokens=c.window, steps=cfg.image_steps,
+                    sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale, uncond_input_ids=c.uncond, generator=g,
+                    attention_mask=c.attention_mask, uncond_attention_mask=c.uncond_mask,
+                    code_offset=ids.image_token_offset, codebook_size=ids.codebook_size, mask_id=ids.mask,
+                    return_order=True)
             else:
-                x = sample.generate_image(model, c.x, image_start=c.prompt_len, num_tokens=c.window,
-                                          steps=cfg.image_steps, sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale,
-                                          uncond_input_ids=c.uncond, generator=g, attention_mask=c.attention_mask,
-                                          uncond_attention_mask=c.uncond_mask, code_offset=ids.image_token_offset,
-                                          codebook_size=ids.codebook_size, mask_id=ids.mask, return_order=return_order)
-            x, order = x if return_order else (x, None)
+                x, order = sample.generate(
+                    model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
+                    steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
+                    attention_mask=c.attention_mask[:, : c.prompt_len], kv_cache=cfg.kv_cache if fast else "none",
+                    threshold=cfg.threshold if fast else 0.0, return_order=True)
             xs.append(x)
             orders.append(order)
-    out = replace(b, x=torch.cat(xs))
-    return (out, torch.cat(orders)) if return_order else out
+    return replace(prompts, x=torch.cat(xs)), torch.cat(orders)
 
 
 def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -355,125 +305,88 @@ def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 
 @dataclass
-class Rollout:
-    """One task's rollout batch (this rank's rows), ready for the mu inner updates."""
-    batch: Batch
+class Experience:
+    """One task's rollouts, scored and ready for the mu updates (this rank's rows): the estimator's K views
+    (K = mu masks, or T decoding states for the trajectory estimator) with their old and reference log-probs."""
+    batch: Batch                # the rollouts, in the window of batch.x (B, L)
     rewards: torch.Tensor       # (B_global,) every rank's rewards, for advantages and metrics
-    adv: torch.Tensor           # (B,) this rank's rows
-    inputs: list                # mu x (B, L) masked inputs, one per inner iteration (trajectory: T decoding states)
-    loss_masks: torch.Tensor    # (mu or T, B, L) positions scored with each input (the ones masked in it;
-                                # trajectory: the ones revealed at that step)
-    logp_old: list              # mu or T x (B, L) float32
-    logp_ref: list | None       # mu or T x (B, L) float32, or None when beta = 0
+    adv: torch.Tensor           # (B_global,) advantages of every rank's rows
+    rows: slice                 # this rank's rows of rewards and adv
+    inputs: list                # K x (B, L) masked inputs (importance.views)
+    loss_masks: torch.Tensor    # (K, B, L) the positions each input scores
+    logp_old: list              # K x (B, L) float32
+    logp_ref: list | None       # K x (B, L) float32, or None when beta = 0
+
+
+class BadStep(Exception):
+    """Rewards that are not finite numbers in [0, 1]: the RL step is skipped (main counts it)."""
 
 
 def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
-    """One MaskGRPO step (paper Alg. 5): steps 1-5 build every task's rollout batch, step 6 takes mu
-    optimizer steps on it. ref: the reference model, or None for "this model with its LoRA adapters off".
-    Returns the step's log and its rollouts."""
-    cfg, device = ctx.cfg, ctx.device
-    clock, rolls = Clock(), []
+    """One MaskGRPO step (paper Alg. 5): steps 1-5 build every task's experience, step 6 takes mu optimizer
+    steps on it. ref: the reference policy (a frozen copy, or the policy with its LoRA adapters off:
+    infra/load.load_policy), None when beta = 0. Returns the step's log and its experiences."""
+    cfg, device, times, exps = ctx.cfg, ctx.device, {"start": time.time()}, []
+    model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
     for task in task_list(cfg):
         # Every rank builds the global batch (token ids: cheap) and keeps its own whole groups. A sequence's
         # global index seeds its rollout noise and its masks, so its randomness is the same on any process.
-        prompts = draw_prompts(task, cfg, step, ctx.datasets)
-        exs = [ex for ex in prompts for _ in range(cfg.group_size)]     # each prompt G times, consecutively
+        exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]
         rows = scale.shard_rows(len(exs))
         seq_index = list(range(len(exs)))[rows]
-        model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
-        b = make_batch(task, exs, ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(rows)
+        prompts = make_batch(task, exs, ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(rows)
 
-        # 1. rollouts: G completions per prompt, one generator per sequence (with the decoding order for the
-        # trajectory estimator)
+        # 1. rollouts: G completions per prompt, one generator per sequence, with their decoding order
         gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
-        trajectory = cfg.estimator == "trajectory"
-        b, order = rollout(model, b, ctx, gens, cfg.temperature, fast=True, return_order=True) if trajectory \
-            else (rollout(model, b, ctx, gens, cfg.temperature, fast=True), None)
-        clock.lap("rollout_s")
+        batch, order = rollout(model, prompts, ctx, gens, cfg.temperature, fast=True)
+        lap(times, "rollout_s")
 
         # 2. rewards, gathered in global order: a group is normalised over all of its members
-        shaped = cfg.reward_shaping == "official"
-        r = rewards.score(b, ctx.tok, ctx.ids, ctx.scorer, shaped, cfg.text_reward)
+        r = rewards.score(batch, ctx.tok, ctx.ids, ctx.scorer, cfg.reward_shaping, cfg.text_reward)
         r = scale.all_gather_rows(r.to(device)).cpu()                                      # (B_global,)
         bad = (~torch.isfinite(r) | (r < 0) | (r > 1)).nonzero().flatten().tolist()
         if bad:  # a NaN or out-of-range reward is reported and the step skipped, never averaged in
             raise BadStep(f"{len(bad)} {task} reward(s) not a finite number in [0, 1], first {r[bad[0]].item()} at "
                           f"sequence {bad[0]} (prompt {bad[0] // cfg.group_size}); check the reward function or scorer")
-        clock.lap("reward_s")
+        lap(times, "reward_s")
 
         # 3. advantages, within each group of G
-        adv = advantages(r, cfg)[rows].to(device)                                          # (B,)
+        adv = advantages(r, cfg)                                                           # (B_global,)
 
-        # 4. reversing masks: mask j of every sequence at ratio t_j of the truncated schedule (paper Alg. 5),
-        # AR-like reversing for text, random for images (Alg. 1, 2), from seeds shared by the old, reference
-        # and current passes; the masked log-likelihoods give the ratios of Eqs. 9-10. The trajectory estimator
-        # instead takes the sampler's own states, one per decoding step, each scoring the tokens it revealed.
-        B, L = b.x.shape
-        image = task in IMAGE_TASKS
-        if trajectory:
-            in_masks, loss_masks = importance.trajectory_masks(order, cfg.image_steps if image else cfg.steps)
-            # Steps in which no rank revealed anything (threshold decoding ends blocks early) are dropped,
-            # the same ones on every rank.
-            keep = scale.all_max(loss_masks.flatten(1).any(1).to(device, torch.float32)).bool().cpu()
-            in_masks, loss_masks = in_masks[keep], loss_masks[keep]                  # (T, B, L) each
-        else:
-            scored = torch.ones(B, b.window, dtype=torch.bool, device=device)
-            if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
-                scored = importance.completion_mask_until_eos(b.x[:, b.window_slice], ctx.ids.eos)
-            in_masks, loss_masks = importance.build_masks(
-                b.prompt_mask, scored,
-                seed=derive_seed(cfg.seed, "masks", task), step=step, seq_index=seq_index,
-                num_iterations=cfg.num_iterations, gamma=cfg.gamma_image if image else cfg.gamma_text,
-                estimator=cfg.estimator, mode="random" if image else cfg.text_reversing,
-                p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)  # (mu, B, L) each
-        inputs = [importance.apply_mask(b.x, m, ctx.ids.mask) for m in in_masks]
+        # 4. the estimator's views: K masked inputs and the positions each scores (importance.views decides
+        # by estimator and modality), from seeds shared by the old, reference and current passes
+        inputs, loss_masks = importance.views(batch, order, cfg, image=task in IMAGE_TASKS, step=step,
+                                              seq_index=seq_index, eos_id=ctx.ids.eos, mask_id=ctx.ids.mask)
 
         # 5. old and reference log-probs on the same masked inputs; conditional logits only (no CFG). Under
         # FSDP2 the weights are gathered once for all of these forwards, not once per forward.
-        kw = dict(attention_mask=b.attention_mask, vocab_slice=vocab_slice(task, ctx.ids),
-                  device_batch_size=cfg.device_batch_size or None)
+        kw = dict(attention_mask=batch.attention_mask, vocab_slice=vocab_slice(task, ctx.ids),
+                  device_batch_size=cfg.device_batch_size)
         with torch.no_grad(), scale.full_weights(model):
-            logp_old = [importance.token_logprobs(model, x_j, b.x, m_j, **kw) for x_j, m_j in zip(inputs, loss_masks)]
+            logp_old = [importance.token_logprobs(model, x_k, batch.x, m_k, **kw) for x_k, m_k in zip(inputs, loss_masks)]
         logp_ref = None
-        if cfg.beta > 0:
-            reference = model if ref is None else ref
-            with torch.no_grad(), scale.full_weights(reference), \
-                    lora.adapters_disabled(model) if ref is None else contextlib.nullcontext():
-                logp_ref = [importance.token_logprobs(reference, x_j, b.x, m_j, **kw)
-                            for x_j, m_j in zip(inputs, loss_masks)]
-        clock.lap("logprob_s")
-        rolls.append(Rollout(b, r, adv, inputs, loss_masks, logp_old, logp_ref))
+        if ref is not None:
+            with torch.no_grad(), scale.full_weights(ref):
+                logp_ref = [importance.token_logprobs(ref, x_k, batch.x, m_k, **kw) for x_k, m_k in zip(inputs, loss_masks)]
+        lap(times, "logprob_s")
+        exps.append(Experience(batch, r, adv, rows, inputs, loss_masks, logp_old, logp_ref))
 
-    # 6. mu inner updates: iteration j re-scores mask j with the current policy and takes one optimizer step
+    # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
     model.train()
-    stats, skipped = StepStats(cfg.num_iterations), 0
+    stats, skipped = {}, 0
     for j in range(cfg.num_iterations):
         # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
         # per (step, j, rank) so that a resumed run draws the same masks.
         torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
         opt.zero_grad(set_to_none=True)
-        for ro in rolls:
-            # The input and loss masks this update scores: mask j, or for the trajectory estimator every
-            # decoding step's state. Each chunk's loss is weighted by its share of the normaliser over all
-            # ranks' rows and views, so the gradient is that of one full-batch pass in one process.
-            b = ro.batch
-            views = range(len(ro.inputs)) if cfg.estimator == "trajectory" else [j]
-            count = (lambda m: m.sum()) if cfg.loss_norm == "token" else (lambda m: m.any(-1).sum())
-            total = scale.all_sum(sum(count(ro.loss_masks[v]) for v in views).float()).clamp(min=1)
-            for v in views:
-                mask = ro.loss_masks[v]                                                    # (B, L)
-                for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
-                    logp = importance.token_logprobs(model, ro.inputs[v][rows], b.x[rows], mask[rows],
-                                                     attention_mask=b.attention_mask[rows],
-                                                     vocab_slice=vocab_slice(b.task, ctx.ids))
-                    loss, s = grpo.policy_loss(logp, ro.logp_old[v][rows], ro.adv[rows], mask[rows],
-                                               clip_eps=cfg.clip_eps, beta=cfg.beta, norm=cfg.loss_norm,
-                                               logp_ref=None if ro.logp_ref is None else ro.logp_ref[v][rows])
-                    share = count(mask[rows]).float() / total
-                    scale.backward_sum(loss * share)
-                    stats.add(b.task, s, float(share), loss.item())
-        losses = stats.end_update(device)
+        update = {e.batch.task: backward_loss(model, e, j, ctx) for e in exps}
+        losses = []
+        for task, s in update.items():  # over ranks: maxima by max, the rest summed; then the mean over updates
+            s = reduce_stats(s, device)
+            for k, v in s.items():
+                stats[f"{task}/{k}"] = stats.get(f"{task}/{k}", 0.0) + v / cfg.num_iterations
+            losses.append(s["loss"])
         # The optimizer's own parameters: under FSDP2 the module may expose gathered copies between passes.
         grad_norm = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
         # Losses and the norm are the same on every rank, so every rank takes the same decision.
@@ -485,20 +398,68 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
             continue
         opt.step()
     model.eval()
-    clock.lap("update_s")
+    lap(times, "update_s")
 
     log = {"step": step, "skipped_updates": skipped}
-    for ro in rolls:
-        t, flat = ro.batch.task, ro.rewards.view(-1, cfg.group_size)
-        log[f"{t}/reward"] = ro.rewards.mean().item()
-        log[f"{t}/solved"] = (ro.rewards >= 0.999).float().mean().item()
+    for e in exps:
+        t, flat = e.batch.task, e.rewards.view(-1, cfg.group_size)
+        log[f"{t}/reward"] = e.rewards.mean().item()
+        log[f"{t}/solved"] = (e.rewards >= 0.999).float().mean().item()
         # Groups whose completions all got the same reward carry no GRPO signal (zero advantage).
         log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
-        log.update(stats.mean(t))
-        log[f"{t}/adv_abs_mean"] = advantages(ro.rewards, cfg).abs().mean().item()
+        log.update({k: v for k, v in stats.items() if k.startswith(t + "/")})
+        log[f"{t}/adv_abs_mean"] = e.adv.abs().mean().item()
     log["grad_norm"] = grad_norm
-    log.update(clock.laps())  # phase times; Run.record moves them to times.jsonl
-    return log, rolls
+    # Phase times: Run.record moves them to times.jsonl, so that log.jsonl is the same on every repetition.
+    log.update({k: v for k, v in times.items() if k.endswith("_s")}, seconds=time.time() - times["start"])
+    return log, exps
+
+
+def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
+    """Backpropagate update j's loss on one task's experience; returns this rank's statistics of it.
+
+    The one place the loss is normalised: the gradient is that of ONE mean over the whole global batch (every
+    rank's rows and every view the update scores), though it is computed one device_batch_size chunk at a
+    time. grpo.policy_loss returns a chunk's mean S_c / n_c over its n_c terms (scored tokens, or sequences
+    for --loss_norm=sequence: grpo.num_terms); weighting it by n_c / n, with n the terms of all chunks, views
+    and ranks, gives sum_c S_c / n = S / n, the full-batch mean, and scale.backward_sum turns FSDP2's mean
+    over ranks back into that sum. The statistics are weighted the same way (maxima by max, num_tokens summed)."""
+    cfg, b = ctx.cfg, e.batch
+    adv = e.adv[e.rows].to(b.x.device)                                                     # (B,)
+    views = importance.update_views(cfg.estimator, j, len(e.inputs))
+    n = scale.all_sum(sum(grpo.num_terms(e.loss_masks[v], cfg.loss_norm) for v in views).float()).clamp(min=1)
+    s = {}
+    for v in views:
+        mask = e.loss_masks[v]                                                             # (B, L)
+        for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
+            logp = importance.token_logprobs(model, e.inputs[v][rows], b.x[rows], mask[rows],
+                                             attention_mask=b.attention_mask[rows], vocab_slice=vocab_slice(b.task, ctx.ids))
+            loss, chunk = grpo.policy_loss(logp, e.logp_old[v][rows], adv[rows], mask[rows],
+                                           clip_eps=cfg.clip_eps, beta=cfg.beta, norm=cfg.loss_norm,
+                                           logp_ref=None if e.logp_ref is None else e.logp_ref[v][rows])
+            share = grpo.num_terms(mask[rows], cfg.loss_norm).float() / n                 # n_c / n
+            scale.backward_sum(loss * share)
+            for k, x in chunk.items():
+                s[k] = max(s.get(k, -math.inf), x) if k.endswith("_max") else s.get(k, 0.0) + x * (
+                    1.0 if k == "num_tokens" else float(share))
+            s["loss"] = s.get("loss", 0.0) + loss.item() * float(share)
+    return s
+
+
+def reduce_stats(s: dict, device) -> dict:
+    """One update's statistics over ranks, keys sorted: maxima (*_max) by max, the rest summed."""
+    keys = sorted(s)
+    t = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=device)
+    is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
+    maxed, summed = scale.all_max(torch.where(is_max, t, -math.inf)), scale.all_sum(torch.where(is_max, 0.0, t))
+    return dict(zip(keys, torch.where(is_max, maxed, summed).tolist()))
+
+
+def lap(times: dict, name: str) -> None:
+    """Add the wall time since the last lap to times[name] (the phases of one RL step, for times.jsonl)."""
+    now = time.time()
+    times[name] = times.get(name, 0.0) + now - times.get("last", times["start"])
+    times["last"] = now
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -530,7 +491,7 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
             if not idx:
                 continue
             gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
-            b = rollout(model, b, ctx, gens, temperature)
+            b, _ = rollout(model, b, ctx, gens, temperature)
             r = rewards.score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
             total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
             per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
@@ -574,7 +535,7 @@ def image_snapshot(model, ctx: Ctx) -> list | None:
         return None
     b = make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)
     gens = [generator(ctx.device, ctx.cfg.seed, "grid", i) for i in range(len(exs))]
-    return decode_window(rollout(model, b, ctx, gens, ctx.cfg.temperature), ctx.tok, ctx.ids)
+    return decode_window(rollout(model, b, ctx, gens, ctx.cfg.temperature)[0], ctx.tok, ctx.ids)
 
 
 # -----------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import tasks
 import train
 from infra import cli, plots
 from tasks import IMAGE_TASKS, draw_prompts, make_batch, task_list, vocab_slice
-from infra.run import read_generation_settings, setup, validate
+from infra.settings import read_generation_settings, setup, validate
 from infra.hf import load_tokenizer
 from infra import hf
 

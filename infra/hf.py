@@ -23,7 +23,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from model import ModelConfig, TokenIds, Transformer
+from model import ModelConfig, Transformer
+from tasks import TokenIds
 
 # Every checkpoint key is "model.transformer." + our state-dict key: the HF wrapper
 # LLaDAModelLM holds `model`, which holds the ModuleDict `transformer`.

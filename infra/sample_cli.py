@@ -21,8 +21,8 @@ import sample
 import tasks
 from infra import cli, hf, plots
 from infra.hf import load_tokenizer
-from infra.run import read_generation_settings, validate_generation
-from model import chat_prompt
+from infra.settings import read_generation_settings, validate_generation
+from tasks import chat_prompt
 
 FORMATS = ("auto", "toy", "chat", "raw")
 

@@ -277,8 +277,9 @@ def full_weights(model):
     mods = _fsdp_modules(model) if outer else []
     for m in mods:
         # Blocks would reshard after each forward: hold them gathered. The root's setting is FSDP2's (it
-        # does not reshard after forward); here it is only gathered up front and resharded on exit.
-        if m is not model:
+        # does not reshard after forward); here it is only gathered up front and resharded on exit. The
+        # root is the first FSDP module (model itself, or the policy inside lora.AdaptersOff).
+        if m is not mods[0]:
             m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     if outer:
@@ -288,7 +289,7 @@ def full_weights(model):
     finally:
         for m in mods:
             m.reshard()
-            if m is not model:
+            if m is not mods[0]:
                 m.set_reshard_after_forward(True, recurse=False)
         if outer:
             model._full_weights = False

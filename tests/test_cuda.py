@@ -10,7 +10,7 @@ One GPU:
      same chunks), while later ones move.
   2. Full fine-tuning with a bf16 compute dtype: float32 master weights, bf16 all-gathered copies (FSDP2's
      MixedPrecisionPolicy from infra/scale.shard, in a one-rank NCCL group), float32 gradients, the first
-     ratio exactly 1. (One process without FSDP2 computes in float32: infra/run.load_policy.)
+     ratio exactly 1. (One process without FSDP2 computes in float32: infra/load.load_policy.)
   3. GPU against CPU logits on tests/fixtures/tiny-llada (the public LLaDA code's reference logits, of
      scale 7.9): float32 within 1e-3; bf16 within 0.5 at worst and 0.05 on average (CPU bf16 measured
      0.23 and 0.027), with the greedy tokens agreeing at >= 95% of positions (CPU bf16: 97.5%).
@@ -156,7 +156,7 @@ def synthetic_rollout(model, mc, B, prompt_len, gen_len, device, seed=0):
         old = importance.token_logprobs(model, inp, x, mask, attention_mask=am)
     batch = train.Batch("gsm8k", x, am, prompt_len, gen_len)
     adv = torch.randn(B, generator=g).to(device)
-    return train.Rollout(batch, torch.zeros(B), adv, [inp], mask[None], [old], [old.clone()], {})
+    return train.Experience(batch, torch.zeros(B), adv, slice(None), [inp], mask[None], [old], [old.clone()])
 
 
 def one_update_chunk(model, r, cfg):

@@ -333,7 +333,8 @@ def test_token_logprobs_device_batch_size():
         torch.testing.assert_close(imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=dbs), full,
                                    rtol=1e-6, atol=1e-6)
     with pytest.raises(AssertionError, match="device_batch_size"):
-        imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=0)
+        imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=-1)
+    assert torch.equal(imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=0), full)  # 0 = all rows, as scale.chunks
 
 
 def test_log_ratio_exactly_zero_for_same_model():

@@ -229,7 +229,7 @@ def test_long_examples_chain_and_length(tok):
 
 def test_toy_long_preset_is_long_and_fits(tok):
     import train
-    from infra.run import validate
+    from infra.settings import validate
     cfg = train.Config(**train.PRESETS["toy_long"])
     validate(cfg)
     rng = random.Random(0)

@@ -20,11 +20,11 @@ import importance
 import rewards
 import tasks
 import train
-from infra import lora, run
+from infra import load, lora
 from model import Transformer
 
 
-def fake_score(b, tok, ids, scorer=None, shaped=False, text_reward="answer"):
+def fake_score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
     """A deterministic reward in {0, 0.5, 1} per row, from the sampled window: groups get spread."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 
@@ -48,7 +48,7 @@ def base():
     tok = tasks.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text,image"])
-    model = Transformer(run.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
     return tok, ids, model.eval()
 

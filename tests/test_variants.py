@@ -14,11 +14,11 @@ import torch
 import tasks
 import rewards
 import train
-from infra import lora, run
+from infra import load, lora
 from model import Transformer
 
 
-def fake_score(b, tok, ids, scorer=None, shaped=False, text_reward="answer"):
+def fake_score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
     """A deterministic reward in {0, 0.5, 1} per row, from the sampled window: groups get spread."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 
@@ -31,7 +31,7 @@ def base():
     tok = tasks.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text"])
-    model = Transformer(run.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
     return tok, ids, model.double().eval()
 
@@ -133,7 +133,7 @@ def test_reward_shaping_reaches_the_benchmark_rewards(monkeypatch):
     b = tasks.Batch("gsm8k", torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4), 2, 2,
                        examples=[{"prompt": "q", "answer": "7"}] * 3)
     assert rewards.score(b, None, None).tolist() == [1.0, 0.0, 0.0]
-    assert rewards.score(b, None, None, shaped=True).tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
+    assert rewards.score(b, None, None, shaping="official").tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
 
 
 def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
