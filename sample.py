@@ -155,7 +155,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
             if fast:
                 logits[..., mask_id] = -math.inf
             # The exact step draws each row's noise over the whole sequence (LLaDA's stream), kept on the columns
-            # [lo, end); the fast step draws the block's only, for the rows still decoding it.
+            # [lo, end); which number lands on which column does not depend on lo, so not on the batch mates
+            # (infra/rng.py). The fast step draws the block's only, for the rows still decoding it.
             draw = dict(shape=(B, end - lo), active=masked[:, start:end].any(1).tolist()) if fast else \
                 dict(shape=(B, L), cols=slice(lo, end))
             shape = draw.pop("shape")

@@ -331,19 +331,56 @@ def test_head_on_a_few_positions_is_the_full_head():
                                        atol=1e-5, msg=f"{(B, lo, end)}")
 
 
-def test_uniform_columns_replay_the_full_draw():
-    """cols returns the full draw's columns, and the generator ends where the full draw leaves it."""
+@pytest.mark.parametrize("chunk", [rng.CHUNK, 7, 10])
+def test_uniform_columns_replay_the_full_draw(monkeypatch, chunk):
+    """cols returns the columns of one full draw made naively from the row's own generator, and leaves the
+    generator where that draw leaves it, whatever chunks the stream is walked in (7: one column of 5 per
+    draw; 10: two)."""
+    monkeypatch.setattr(rng, "CHUNK", chunk)
     for dtype in (torch.float64, torch.float32):
-        for shared in (True, False):
-            make = (lambda: gen(7)) if shared else (lambda: [gen(7 + i) for i in range(3)])
-            full_g, part_g = make(), make()
-            full = rng.uniform((3, 9, 5), full_g, "cpu", dtype)
-            part = rng.uniform((3, 9, 5), part_g, "cpu", dtype, cols=slice(2, 6))
-            assert part.shape == (3, 4, 5) and torch.equal(part, full[:, 2:6])
-            after = [rng.uniform((3, 2), g, "cpu") for g in (full_g, part_g)]
-            assert torch.equal(*after)
+        naive = torch.stack([torch.rand((9, 5), generator=gen(7 + i), dtype=dtype) for i in range(3)])
+        shared_g, shared_naive = gen(7), torch.rand((3, 9, 5), generator=gen(7), dtype=dtype)
+        for lo, hi in ((2, 6), (0, 9), (8, 9), (0, 1)):
+            gens = [gen(7 + i) for i in range(3)]
+            part = rng.uniform((3, 9, 5), gens, "cpu", dtype, cols=slice(lo, hi))
+            assert part.shape == (3, hi - lo, 5) and torch.equal(part, naive[:, lo:hi])
+            for i, g in enumerate(gens):  # each stream ends where the naive full draw leaves it
+                ref = gen(7 + i)
+                torch.rand((9, 5), generator=ref, dtype=dtype)
+                assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=ref))
+            shared_g = gen(7)
+            part = rng.uniform((3, 9, 5), shared_g, "cpu", dtype, cols=slice(lo, hi))
+            assert torch.equal(part, shared_naive[:, lo:hi])
     idle = rng.uniform((3, 4), [gen(1), gen(2), gen(3)], "cpu", active=[True, False, True])
     assert (idle[1] == 0.5).all() and torch.equal(idle[2], torch.rand(4, generator=gen(3), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("temperature, remasking", [(1.0, "low_confidence"), (0.8, "random")])
+def test_rows_alone_equal_rows_in_batches_of_any_size(monkeypatch, temperature, remasking):
+    """Six left-padded rows sampled alone and in batches of 2, 3 and 6 give the same tokens: a row's noise
+    depends on its generator and its own state only, never on the column range [lo, end) the sampler
+    computes over its batch. This is the path every device takes (infra/rng.uniform has no device branch).
+    The spy checks that batching did move lo for some row, so that the comparison has something to catch."""
+    model, p = tiny_model(dtype=torch.float64), prompts(B=6, P=7, high=60)
+    am = torch.ones_like(p)
+    am[1, :3] = am[4, :5] = 0
+    p[am == 0] = 1
+    kw = dict(gen_length=12, block_length=4, steps=12, temperature=temperature, remasking=remasking, mask_id=63)
+    los, forward = [], sample._forward
+    def spy(model_, x, mask, lo, end, **kw_):
+        los.append(lo)
+        return forward(model_, x, mask, lo, end, **kw_)
+    monkeypatch.setattr(sample, "_forward", spy)
+    out = {}
+    for size in (1, 2, 3, 6):
+        los.clear()
+        out[size] = torch.cat([generate(model, p[a:a + size], generator=[gen(30 + i) for i in range(a, a + size)],
+                                        attention_mask=am[a:a + size], **kw) for a in range(0, 6, size)])
+        out[size, "lo"] = torch.tensor(los).view(6 // size, -1)                  # (batches, steps)
+    # at some step the batch of 6 drew from an earlier column than one of its rows alone would have
+    assert (out[6, "lo"] < out[1, "lo"]).any()
+    for size in (2, 3, 6):
+        assert torch.equal(out[size], out[1]), size
 
 
 def replay(order, final, mask_id):
