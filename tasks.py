@@ -445,6 +445,7 @@ class Batch:
     uncond: torch.Tensor | None = None       # (B, L) unconditional prompt for CFG (image)
     uncond_mask: torch.Tensor | None = None  # (B, L)
     examples: list | None = None
+    index: list | None = None       # each row's index in the global batch (seeds its randomness); None = 0..B-1
 
     @property
     def prompt_mask(self):          # (B, P) real prompt tokens (never masked by the MaskGRPO estimator)
@@ -455,10 +456,11 @@ class Batch:
         return slice(self.prompt_len, self.prompt_len + self.window)
 
     def rows(self, rows: slice) -> "Batch":
-        """This rank's rows of a global batch (same padding as every other rank's)."""
+        """This rank's rows of a global batch (same padding as every other rank's), with their global index."""
         pick = lambda t: None if t is None else t[rows]
+        index = list(range(self.x.shape[0])) if self.index is None else self.index
         return Batch(self.task, self.x[rows], self.attention_mask[rows], self.prompt_len, self.window,
-                     pick(self.uncond), pick(self.uncond_mask), self.examples[rows])
+                     pick(self.uncond), pick(self.uncond_mask), self.examples[rows], index[rows])
 
 
 def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: bool) -> Batch:

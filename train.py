@@ -310,8 +310,7 @@ class Experience:
     (K = mu masks, or T decoding states for the trajectory estimator) with their old and reference log-probs."""
     batch: Batch                # the rollouts, in the window of batch.x (B, L)
     rewards: torch.Tensor       # (B_global,) every rank's rewards, for advantages and metrics
-    adv: torch.Tensor           # (B_global,) advantages of every rank's rows
-    rows: slice                 # this rank's rows of rewards and adv
+    adv: torch.Tensor           # (B_global,) advantages of every rank's rows (this rank's: batch.index)
     inputs: list                # K x (B, L) masked inputs (importance.views)
     loss_masks: torch.Tensor    # (K, B, L) the positions each input scores
     logp_old: list              # K x (B, L) float32
@@ -322,23 +321,29 @@ class BadStep(Exception):
     """Rewards that are not finite numbers in [0, 1]: the RL step is skipped (main counts it)."""
 
 
-def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
-    """One MaskGRPO step (paper Alg. 5): steps 1-5 build every task's experience, step 6 takes mu optimizer
-    steps on it. ref: the reference policy (a frozen copy, or the policy with its LoRA adapters off:
-    infra/load.load_policy), None when beta = 0. Returns the step's log and its experiences."""
+def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
+    """The prompts of RL step `step`, one Batch per task: each prompt G times, this rank's whole groups.
+    Every rank builds the global batch (token ids: cheap) and keeps its own rows with their global index,
+    which seeds each sequence's rollout noise and masks: its randomness is the same on any process."""
+    cfg, out = ctx.cfg, []
+    for task in task_list(cfg):
+        exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]
+        b = make_batch(task, exs, ctx.tok, ctx.ids, cfg, ctx.device, with_targets=False)
+        out.append(b.rows(scale.shard_rows(len(exs))))
+    return out
+
+
+def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple[dict, list]:
+    """One MaskGRPO step (paper Alg. 5) on the step's prompts (step_prompts): steps 1-5 build every task's
+    experience, step 6 takes mu optimizer steps on it. ref: the reference policy (a frozen copy, or the policy
+    with its LoRA adapters off: infra/load.load_policy), None when beta = 0. Returns the log and experiences."""
     cfg, device, times, exps = ctx.cfg, ctx.device, {"start": time.time()}, []
     model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
-    for task in task_list(cfg):
-        # Every rank builds the global batch (token ids: cheap) and keeps its own whole groups. A sequence's
-        # global index seeds its rollout noise and its masks, so its randomness is the same on any process.
-        exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]
-        rows = scale.shard_rows(len(exs))
-        seq_index = list(range(len(exs)))[rows]
-        prompts = make_batch(task, exs, ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(rows)
-
+    for p in prompts:
+        task, seq_index = p.task, p.index
         # 1. rollouts: G completions per prompt, one generator per sequence, with their decoding order
         gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
-        batch, order = rollout(model, prompts, ctx, gens, cfg.temperature, fast=True)
+        batch, order = rollout(model, p, ctx, gens, cfg.temperature, fast=True)
         lap(times, "rollout_s")
 
         # 2. rewards, gathered in global order: a group is normalised over all of its members
@@ -369,7 +374,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
             with torch.no_grad(), scale.full_weights(ref):
                 logp_ref = [importance.token_logprobs(ref, x_k, batch.x, m_k, **kw) for x_k, m_k in zip(inputs, loss_masks)]
         lap(times, "logprob_s")
-        exps.append(Experience(batch, r, adv, rows, inputs, loss_masks, logp_old, logp_ref))
+        exps.append(Experience(batch, r, adv, inputs, loss_masks, logp_old, logp_ref))
 
     # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
@@ -425,7 +430,7 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
     and ranks, gives sum_c S_c / n = S / n, the full-batch mean, and scale.backward_sum turns FSDP2's mean
     over ranks back into that sum. The statistics are weighted the same way (maxima by max, num_tokens summed)."""
     cfg, b = ctx.cfg, e.batch
-    adv = e.adv[e.rows].to(b.x.device)                                                     # (B,)
+    adv = e.adv[b.index].to(b.x.device)                                                    # (B,)
     views = importance.update_views(cfg.estimator, j, len(e.inputs))
     n = scale.all_sum(sum(grpo.num_terms(e.loss_masks[v], cfg.loss_norm) for v in views).float()).clamp(min=1)
     s = {}
@@ -570,7 +575,7 @@ def main(argv=None) -> dict:
                    "(and --eval_prompts > 0)")
         for step in range(run.start, cfg.rl_steps):
             try:
-                log, rolls = rl_step(model, ref, opt, ctx, step)
+                log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
             except BadStep as e:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
             run.record(step, log, rolls, tok, ids)

@@ -136,10 +136,10 @@ def inject(monkeypatch, reward_steps=(), loss_steps=()):
     now = {"step": None}
     rl_step, score, policy_loss = train.rl_step, rewards.score, grpo.policy_loss
 
-    def rl_step_(model, ref, opt, ctx, step):
+    def rl_step_(model, ref, opt, ctx, step, prompts):
         now["step"] = step
         try:
-            return rl_step(model, ref, opt, ctx, step)
+            return rl_step(model, ref, opt, ctx, step, prompts)
         finally:
             now["step"] = None
 

@@ -103,7 +103,8 @@ def run_step(cfg, policy, ref, opt, tok, ids, step, *, prompts=None, device=CPU,
     if prompts is not None:
         train.draw_prompts = lambda task, cfg_, step_, datasets: prompts
     try:
-        log, rolls = train.rl_step(policy, ref, opt, train.Ctx(cfg, tok, ids, device, {}), step)
+        ctx = train.Ctx(cfg, tok, ids, device, {})
+        log, rolls = train.rl_step(policy, ref, opt, ctx, step, train.step_prompts(ctx, step))
     finally:
         train.backward_loss, rewards.score, train.draw_prompts = real_backward, real_score, real_draw
         handle.remove()

@@ -63,7 +63,7 @@ def run_step(base, monkeypatch, task, *flags):
     params = lora.trainable_parameters(policy)
     opt = GradRecorder(torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99)), policy.parameters())
     ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-    log, (r,) = train.rl_step(policy, ref, opt, ctx, 0)
+    log, (r,) = train.rl_step(policy, ref, opt, ctx, 0, train.step_prompts(ctx, 0))
     return log, r, opt, ctx
 
 

@@ -47,7 +47,8 @@ def rl_step(base, monkeypatch, *flags, grads=None):
     opt = torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr, betas=(0.9, 0.99))
     if grads is not None:
         opt.register_step_pre_hook(lambda o, a, k: grads.append([p.grad.clone() for p in policy.parameters()]))
-    log, rolls = train.rl_step(policy, ref, opt, train.Ctx(cfg, tok, ids, torch.device("cpu"), {}), 0)
+    ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
+    log, rolls = train.rl_step(policy, ref, opt, ctx, 0, train.step_prompts(ctx, 0))
     return log, rolls, policy
 
 
@@ -153,7 +154,7 @@ def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
         assert train.evaluate(copy.deepcopy(model), ctx, "text", 0.0) == want
         policy = copy.deepcopy(model)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
-        _, (r,) = train.rl_step(policy, copy.deepcopy(model), opt, ctx, 0)
+        _, (r,) = train.rl_step(policy, copy.deepcopy(model), opt, ctx, 0, train.step_prompts(ctx, 0))
         assert r.rewards.tolist() == [want] * 8
 
 
