@@ -22,6 +22,7 @@ toy, not of the paper; held-out evaluation always scores against the *true* answ
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -29,11 +30,8 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+import rewards
 from infra.rng import derive_seed
-
-TOY_TASKS = ("text", "image")
-IMAGE_TASKS = ("image", "geneval")  # generated as image tokens; everything else is text
-
 
 GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
 
@@ -427,6 +425,51 @@ def render_image(codes: list[int], width: int) -> str:
         rows.append("".join(f"\x1b[48;5;{ANSI[c]}m  \x1b[0m" if 0 <= c < len(ANSI) else "??"
                             for c in codes[r:r + width]))
     return "\n".join(rows)
+
+
+# -----------------------------------------------------------------------------------------------------
+# the tasks: one registry entry each
+
+
+@dataclass(frozen=True)
+class Task:
+    """One RL task: its modality, where its prompts come from, and its reward."""
+    modality: str                   # "text" or "image": the sampler, the reversing operator, the scored vocabulary
+    reward: object = None           # reward(completion, example) -> [0, 1]; None: the remote image scorer
+    shaped: object = None           # --reward_shaping=official: the official runs' format + correctness reward
+    toy: bool = False               # prompts drawn by make_example; else read from --train_data (infra/data.py)
+
+
+TASKS = {
+    "text": Task("text", text_reward, toy=True),  # --text_reward picks among TEXT_REWARDS
+    "image": Task("image", lambda codes, example: image_reward(codes, example["spec"]), toy=True),
+    "gsm8k": Task("text", rewards.REWARDS["gsm8k"], rewards.SHAPED["gsm8k"]),
+    "math": Task("text", rewards.REWARDS["math"], rewards.SHAPED["math"]),
+    "mbpp": Task("text", rewards.REWARDS["mbpp"]),
+    "countdown": Task("text", rewards.REWARDS["countdown"]),
+    "sudoku": Task("text", rewards.REWARDS["sudoku"]),
+    "geneval": Task("image"),
+}
+TOY_TASKS = tuple(t for t, k in TASKS.items() if k.toy)
+IMAGE_TASKS = tuple(t for t, k in TASKS.items() if k.modality == "image")  # generated as image tokens
+
+
+def score(b, tok, ids, scorer=None, shaping: str = "none", text_reward: str = "answer") -> torch.Tensor:
+    """Step 2 of the RL loop: a reward in [0, 1] per row of Batch b, from its task's entry in TASKS (the toy
+    text task's from TEXT_REWARDS[text_reward]; with shaping="official", the shaped one where the task has
+    it), or for geneval images from the remote scorer."""
+    task, outs = TASKS[b.task], decode_window(b, tok, ids)
+    if task.reward is None:
+        try:
+            return torch.tensor(scorer([ex["prompt"] for ex in b.examples], outs), dtype=torch.float32)
+        except (ValueError, OSError, RuntimeError) as e:
+            # Down, refusing, or replying NaN: NaN rewards, which train.rl_step's gathered check turns into a
+            # skipped step on every rank (a rank that raised alone would leave the others waiting).
+            print(f"warning: image scorer failed ({e}); this batch gets NaN rewards", flush=True)
+            return torch.full((len(outs),), math.nan)
+    fn = TEXT_REWARDS[text_reward] if b.task == "text" else \
+        task.shaped if shaping == "official" and task.shaped else task.reward
+    return torch.tensor([fn(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
 
 
 # -----------------------------------------------------------------------------------------------------

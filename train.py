@@ -11,7 +11,8 @@ Alg. 5), one rollout batch at a time:
 
     1. rollouts      rollout: G completions per prompt with their decoding order; sample.generate (text,
                      LLaDA's block sampler) or sample.generate_image (emerge sampler + CFG)
-    2. rewards       rewards.score: verifiers in rewards.py / tasks.py, or a remote image scorer; in [0, 1]
+    2. rewards       tasks.score: each task's reward (tasks.TASKS: verifiers in rewards.py / tasks.py, or a
+                     remote image scorer), in [0, 1]
     3. advantages    grpo.group_advantages: (R - mean) / std within each group of G (d1: R - mean)
     4. views         importance.views: the estimator's K masked inputs and the positions each scores (mu
                      re-masked copies of every completion, or the sampler's T states for "trajectory")
@@ -41,8 +42,8 @@ import torch.nn.functional as F
 
 import grpo
 import importance
-import rewards
 import sample
+import tasks
 from infra import budget, checkpoint, cli, lora, scale
 from infra.data import load_data
 from infra.load import load_policy, report_truncation
@@ -90,7 +91,7 @@ class Config:
     system_prompt: str = ""           # a system turn before benchmark prompts' user turn ("" = none)
     image_text_len: int = 0           # t2i text part, left-padded with [iPAD] (0 = longest toy caption; MMaDA 257)
     image_scorer_url: str = ""        # geneval rewards: POST to this scorer (infra/scorer.py)
-    reward_shaping: str = "none"      # benchmark rewards: none (correct 0/1) | official (format + correctness, rewards.SHAPED)
+    reward_shaping: str = "none"      # benchmark rewards: none (correct 0/1) | official (format + correctness)
     text_max_steps: int = 1           # arithmetic steps per toy word problem (1 to 4)
     text_reward: str = "answer"       # toy text verifier: answer (the last \\boxed{}) | solution (every step and the box)
     text_noise: float = 0.4           # fraction of SFT text targets boxing the amount before the last step
@@ -347,7 +348,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         lap(times, "rollout_s")
 
         # 2. rewards, gathered in global order: a group is normalised over all of its members
-        r = rewards.score(batch, ctx.tok, ctx.ids, ctx.scorer, cfg.reward_shaping, cfg.text_reward)
+        r = tasks.score(batch, ctx.tok, ctx.ids, ctx.scorer, cfg.reward_shaping, cfg.text_reward)
         r = scale.all_gather_rows(r.to(device)).cpu()                                      # (B_global,)
         bad = (~torch.isfinite(r) | (r < 0) | (r > 1)).nonzero().flatten().tolist()
         if bad:  # a NaN or out-of-range reward is reported and the step skipped, never averaged in
@@ -497,7 +498,7 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
                 continue
             gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
             b, _ = rollout(model, b, ctx, gens, temperature)
-            r = rewards.score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
+            r = tasks.score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
             total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
             per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
             if progress is not None:

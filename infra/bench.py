@@ -244,7 +244,6 @@ def toy_prompts(ckpt, n, device):
     import random
 
     import train
-    import rewards
     import tasks
     from infra.hf import load_tokenizer
 
@@ -259,7 +258,7 @@ def toy_prompts(ckpt, n, device):
 
     def reward(out):  # the whole completion, however long, through the toy verifier
         b_out = tasks.Batch("text", out, torch.ones_like(out), P_, out.shape[1] - P_, examples=exs)
-        return rewards.score(b_out, tok, ids).mean().item()
+        return tasks.score(b_out, tok, ids).mean().item()
     gens = [(cfg.gen_length, cfg.block_length, cfg.steps), (4 * cfg.gen_length, cfg.block_length, 4 * cfg.steps)]
     return model, b.x[:, :P_], b.attention_mask[:, :P_], gens, reward
 

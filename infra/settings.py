@@ -12,7 +12,7 @@ import torch
 import grpo
 import importance
 import tasks
-from infra import data, hf, lora, scale
+from infra import hf, lora, scale
 from infra.data import data_paths
 from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
@@ -68,7 +68,7 @@ def validate(cfg) -> None:
     need(cfg.text_reward in tasks.TEXT_REWARDS, f"text_reward ({cfg.text_reward!r}) must be one of {tuple(tasks.TEXT_REWARDS)}")
     need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")
     need(cfg.attend_padding in ("auto", "on", "off"), f"attend_padding ({cfg.attend_padding!r}) must be auto, on or off")
-    known = TOY_TASKS + data.TASKS
+    known = tuple(tasks.TASKS)
     bad = [t for t in task_list(cfg) if t not in known]
     need(not bad and cfg.tasks, f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")
     real = [t for t in task_list(cfg) if t not in TOY_TASKS]

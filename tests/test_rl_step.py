@@ -97,16 +97,16 @@ def run_step(cfg, policy, ref, opt, tok, ids, step, *, prompts=None, device=CPU,
         updates[-1].stats.update({f"{e.batch.task}/{k}": v for k, v in s.items()})
         return s
 
-    real_backward, real_score, real_draw = train.backward_loss, rewards.score, train.draw_prompts
+    real_backward, real_score, real_draw = train.backward_loss, tasks.score, train.draw_prompts
     handle = opt.register_step_pre_hook(before_step)
-    train.backward_loss, rewards.score = spy_backward, fake_score
+    train.backward_loss, tasks.score = spy_backward, fake_score
     if prompts is not None:
         train.draw_prompts = lambda task, cfg_, step_, datasets: prompts
     try:
         ctx = train.Ctx(cfg, tok, ids, device, {})
         log, rolls = train.rl_step(policy, ref, opt, ctx, step, train.step_prompts(ctx, step))
     finally:
-        train.backward_loss, rewards.score, train.draw_prompts = real_backward, real_score, real_draw
+        train.backward_loss, tasks.score, train.draw_prompts = real_backward, real_score, real_draw
         handle.remove()
     return log, rolls, updates
 

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 import importance
-import rewards
 import tasks
 import train
 from infra import load, lora
@@ -56,7 +55,7 @@ def base():
 def run_step(base, monkeypatch, task, *flags):
     """One trajectory rl_step on `task` from a fresh copy of the base model: (log, rollout, recorder, ctx)."""
     tok, ids, model = base
-    monkeypatch.setattr(rewards, "score", fake_score)
+    monkeypatch.setattr(tasks, "score", fake_score)
     cfg = train.parse_args(["--preset=smoke", f"--tasks={task}", "--prompts_per_step=2", "--group_size=4",
                             "--estimator=trajectory", "--cfg_scale=0", *flags])
     policy, ref = copy.deepcopy(model), copy.deepcopy(model)

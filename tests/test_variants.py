@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import tasks
-import rewards
 import train
 from infra import load, lora
 from model import Transformer
@@ -40,7 +39,7 @@ def rl_step(base, monkeypatch, *flags, grads=None):
     """One rl_step from a fresh copy of the base model: (log, rollouts, trained model). grads: a list that
     receives, for each inner update, the gradients the optimizer is about to apply."""
     tok, ids, model = base
-    monkeypatch.setattr(rewards, "score", fake_score)
+    monkeypatch.setattr(tasks, "score", fake_score)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4", *flags])
     policy = copy.deepcopy(model)
     ref = copy.deepcopy(model) if cfg.beta > 0 else None
@@ -127,14 +126,12 @@ def test_unigrpo_ratios_differ_per_sequence(base, monkeypatch):
 def test_reward_shaping_reaches_the_benchmark_rewards(monkeypatch):
     """--reward_shaping=official scores GSM8K with the official format + correctness terms (divided by
     their maximum, rewards.SHAPED); the default keeps the 0/1 correctness reward."""
-    import rewards
-    import tasks
     texts = ["<reasoning>3 + 4 = 7</reasoning> \\boxed{7}", "\\boxed{8}", "no answer"]
     monkeypatch.setattr(tasks, "decode_window", lambda b, tok, ids: texts)
     b = tasks.Batch("gsm8k", torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4), 2, 2,
                        examples=[{"prompt": "q", "answer": "7"}] * 3)
-    assert rewards.score(b, None, None).tolist() == [1.0, 0.0, 0.0]
-    assert rewards.score(b, None, None, shaping="official").tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
+    assert tasks.score(b, None, None).tolist() == [1.0, 0.0, 0.0]
+    assert tasks.score(b, None, None, shaping="official").tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
 
 
 def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
