@@ -239,13 +239,13 @@ def _wrong_target(rng: random.Random, steps: list, max_value: int) -> tuple[list
 _BOX = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
-def text_reward(completion_text: str, example: dict) -> float:
+def answer_reward(completion_text: str, example: dict) -> float:
     """1.0 if the last \\boxed{} in the decoded completion holds the true answer, else 0.0 (no format
     credit: the toy's SFT model always writes a box, so a format term would only add a constant).
 
-        text_reward("3 + 4 = 7 . \\\\boxed{7}", {"answer": "7"}) == 1.0
-        text_reward("3 + 4 = 8 . \\\\boxed{8}", {"answer": "7"}) == 0.0
-        text_reward("3 + 4 = 7", {"answer": "7"}) == 0.0      # no box
+        answer_reward("3 + 4 = 7 . \\\\boxed{7}", {"answer": "7"}) == 1.0
+        answer_reward("3 + 4 = 8 . \\\\boxed{8}", {"answer": "7"}) == 0.0
+        answer_reward("3 + 4 = 7", {"answer": "7"}) == 0.0      # no box
     """
     boxes = _BOX.findall(completion_text)
     return float(bool(boxes) and boxes[-1].strip() == example["answer"])
@@ -265,7 +265,7 @@ def solution_reward(completion_text: str, example: dict) -> float:
     return float(completion_text.strip() == example["solution"])
 
 
-TEXT_REWARDS = {"answer": text_reward, "solution": solution_reward}  # --text_reward
+TEXT_REWARDS = {"answer": answer_reward, "solution": solution_reward}  # --text_reward
 
 
 def encode_text(tok: Tokenizer, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
@@ -441,7 +441,7 @@ class Task:
 
 
 TASKS = {
-    "text": Task("text", text_reward, toy=True),  # --text_reward picks among TEXT_REWARDS
+    "text": Task("text", answer_reward, toy=True),  # --text_reward picks among TEXT_REWARDS
     "image": Task("image", lambda codes, example: image_reward(codes, example["spec"]), toy=True),
     "gsm8k": Task("text", rewards.REWARDS["gsm8k"], rewards.SHAPED["gsm8k"]),
     "math": Task("text", rewards.REWARDS["math"], rewards.SHAPED["math"]),
