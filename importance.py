@@ -32,6 +32,8 @@ UNIGRPO_T = 1000   # UniGRPO's number of discrete timesteps; MMaDA (arXiv:2505.1
 def mask_seed(seed: int, step: int, seq_index: int, j: int) -> int:
     """Seed S_j of one sequence's mask in inner iteration j of rollout `step` (the paper's controlled seed).
     seq_index is GLOBAL (prompt index * G + member), never the rank: masks do not depend on the world size."""
+    assert all(type(v) is int and 0 <= v < 2**63 for v in (seed, step, seq_index, j)), \
+        f"seed, step, seq_index, j ({seed}, {step}, {seq_index}, {j}) must be non-negative ints < 2**63"
     return packed_seed(b"maskgrpo/mask", seed, step, seq_index, j)
 
 

@@ -62,6 +62,10 @@ def validate(cfg) -> None:
     need(cfg.estimator in importance.ESTIMATORS, f"estimator ({cfg.estimator!r}) must be one of {importance.ESTIMATORS}")
     need(cfg.text_reversing in importance.MODES, f"text_reversing ({cfg.text_reversing!r}) must be one of {importance.MODES}")
     need(cfg.loss_norm in grpo.NORMS, f"loss_norm ({cfg.loss_norm!r}) must be one of {grpo.NORMS}")
+    ignored = importance.ignored_settings(cfg, type(cfg)())
+    if ignored:  # a setting the chosen estimator never reads would otherwise be silently without effect
+        print0(f"warning: --estimator={cfg.estimator} does not read {', '.join(f'--{k}' for k in ignored)}; "
+               "drop the flag, or choose an estimator that uses it (importance.READ_BY)")
     need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
          "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
     need(cfg.adv_std in ("auto", "on", "off"), f"adv_std ({cfg.adv_std!r}) must be auto, on or off")

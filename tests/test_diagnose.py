@@ -14,7 +14,7 @@ import torch
 import importance
 import tasks
 import train
-from infra import diagnose
+from infra import diagnose, rng
 from model import Transformer
 from infra.hf import load_tokenizer
 from infra import hf
@@ -40,7 +40,7 @@ def test_log_ratios_are_the_training_codes(sft_dir):
     ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
     exs = [ex for ex in tasks.draw_prompts("text", cfg, 0, {}) for _ in range(cfg.group_size)]
     b = tasks.make_batch("text", exs, tok, ids, cfg, ctx.device, with_targets=False)
-    gens = [importance.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(exs))]
+    gens = [rng.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(exs))]
     b, order = train.rollout(old, b, ctx, gens, cfg.temperature, fast=True, return_order=True)
     assert (order[:, b.window_slice] >= 0).all() and (order[:, : b.prompt_len] == -1).all()
     theta = copy.deepcopy(old)
