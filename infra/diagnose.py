@@ -12,7 +12,7 @@ log-ratios on one seeded masked copy of o (importance.build_masks + token_logpro
 runs). This script measures, in the training regime, how well each estimate tracks Delta:
 
 1. pi_old = the checkpoint. Rollouts from pi_old for prompts_per_step x group_size sequences per task,
-   with the decoding order kept (train.rollout(return_order=True), the generators train.rl_step uses).
+   with the decoding order train.rollout returns (and the generators train.rl_step uses).
 2. One real MaskGRPO step with the Config's settings (train.rl_step on a copy of pi_old): theta_j is the
    policy after j of its mu updates, the one inner iteration j scores in training.
 3. For j = 1 .. mu-1 and every sequence: Delta_j exactly; and, for each estimator, `draws` estimates
@@ -105,7 +105,7 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     exs = [ex for ex in draw_prompts(task, cfg, 0, {}) for _ in range(cfg.group_size)]
     b = make_batch(task, exs, tok, ids, cfg, device, with_targets=False)
     gens = [rng.generator(device, cfg.seed, "rollout", task, 0, i) for i in range(len(exs))]
-    b, order = train.rollout(old, b, ctx, gens, cfg.temperature, fast=True, return_order=True)
+    b, order = train.rollout(old, b, ctx, gens, cfg.temperature, fast=True)
     # 2. one MaskGRPO step from a copy of pi_old (the reference is pi_old itself, as in a run's first step);
     # it draws the same rollouts
     theta = copy.deepcopy(old)
