@@ -294,8 +294,11 @@ class Run:
     def _save_checkpoint(self, step: int) -> Path:
         saved = {**self.state, "step": step, "config": asdict(self.cfg), "reference": self.identity,
                  "world_size": scale.world(), "rl_seconds": self.rl_seconds()}
+        # After a good step the checkpoint being written is itself the last good one (the newest, which
+        # rotation keeps): the previous one needs no protection, or --keep_last=1 would keep two.
+        protect = self.state["last_good"] if self.state["bad_run"] else None
         path = checkpoint.save(self.out, step, self.model, self.opt, saved, keep_last=self.cfg.keep_last,
-                               trainable_only=self.cfg.lora_rank > 0, protect=self.state["last_good"])
+                               trainable_only=self.cfg.lora_rank > 0, protect=protect)
         if self.state["bad_run"] == 0:  # written after a good step: where to go back to if things go wrong
             self.state["last_good"] = str(path)
         return path

@@ -14,7 +14,7 @@ import copy
 import functools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -273,6 +273,43 @@ def test_update_follows_the_paper_objective(ckpt, task):
                 # Tolerance relative to the largest gradient entry: float32 sums in another order.
                 torch.testing.assert_close(u.grads[n], g, rtol=1e-3, atol=1e-4 * top, msg=f"{task} step {step} j {j} {n}")
         assert sum(u.stats[f"{task}/clipfrac"] for u in updates) > 0, "lr 1e-2 should clip some tokens"
+
+
+@pytest.mark.parametrize("task", ["text", "image"])
+def test_update_at_non_default_settings_with_a_binding_clip(ckpt, task):
+    """The paper objective again, one step at settings none of the defaults share: G = 3, mu = 2, eps 0.05,
+    beta 0.3, gamma 0.3 and a gradient clip of 0.05, which binds: the gradient of the naive loss (clipped
+    by hand to 0.05 / (norm + 1e-6), clip_grad_norm_'s rule) is what the optimizer applies, its norm is
+    0.05, and the unclipped norm is above it. A clip that ignored --grad_clip (1.0, the default) would
+    apply the unclipped gradient."""
+    gamma = "--gamma_text=0.3" if task == "text" else "--gamma_image=0.3"
+    cfg, policy, ref, opt, tok, ids = build(ckpt, *TASK_FLAGS[task], "--lr=1e-2", "--group_size=3",
+                                            "--num_iterations=2", "--clip_eps=0.05", "--beta=0.3", gamma,
+                                            "--grad_clip=0.05", "--prompts_per_step=3")
+    assert (cfg.group_size, cfg.num_iterations, cfg.grad_clip) == (3, 2, 0.05)
+    initial = hf.from_pretrained(ckpt)
+    rollout_policy = copy.deepcopy(policy).eval()
+    log, (r,), updates = run_step(cfg, policy, ref, opt, tok, ids, 0)
+    assert len(updates) == 2 and r.rewards.shape == (9,)
+    adv = naive_advantages(r.rewards, 3)
+    torch.testing.assert_close(r.adv, adv, rtol=1e-5, atol=1e-5)
+    for j, u in enumerate(updates):
+        old, ref_lp = naive_logp(rollout_policy, r, j), naive_logp(initial, r, j)
+        want = naive_update_grads(u, r, j, old, ref_lp, adv, cfg)
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in want.values()))
+        got = math.sqrt(sum(float(g.double().pow(2).sum()) for g in u.grads.values()))
+        assert norm == pytest.approx(0.05, rel=1e-4) and got == pytest.approx(0.05, rel=1e-4), (norm, got)
+        unclipped = naive_update_grads(u, r, j, old, ref_lp, adv, replace(cfg, grad_clip=1e9))
+        assert math.sqrt(sum(float(g.double().pow(2).sum()) for g in unclipped.values())) > 0.1
+        top = max(float(g.abs().max()) for g in want.values())
+        for n, g in want.items():
+            torch.testing.assert_close(u.grads[n], g, rtol=1e-3, atol=1e-4 * top, msg=f"{task} j {j} {n}")
+    # the mask ratio of iteration j is gamma + (1 - gamma)(j + 1) / mu (Alg. 5): 0.65 and 1 (kept below 1)
+    win = r.loss_masks[:, :, r.batch.window_slice].float()
+    if task == "image":  # random reversing: each code masked with probability t_j
+        for j, t in enumerate((0.65, 1.0)):
+            n = win[j].numel()
+            assert abs(float(win[j].mean()) - t) <= 5 * math.sqrt(max(t * (1 - t), 1e-3) / n) + 1 / n, (j, t)
 
 
 def test_lora_reference_is_the_base_with_adapters_off(ckpt):
