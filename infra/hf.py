@@ -173,7 +173,7 @@ def from_pretrained(path, device="cpu", dtype=torch.float32) -> Transformer:
     """Load a LLaDA/MMaDA checkpoint directory: config.json plus model.safetensors or sharded
     model-*.safetensors with model.safetensors.index.json. The model is built on the meta device
     and each tensor is read straight into `dtype` on `device`, so an 8B bf16 load never holds a
-    float32 copy or a second set of weights. (Under torchrun infra/run.py's load_sharded reads the
+    float32 copy or a second set of weights. (Under torchrun infra/load.py's load_sharded reads the
     same tensors, through read_checkpoint, into each rank's shard instead.)"""
     config, tensors = read_checkpoint(path, device)
     with torch.device("meta"):

@@ -5,7 +5,7 @@
     python sample.py --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
 
 Every setting is checked before the weights are read, with the rules train.py applies to the same names
-(infra/run.validate_generation), and the prompt is checked against the checkpoint: characters the
+(infra/settings.validate_generation), and the prompt is checked against the checkpoint: characters the
 tokenizer does not know are named (they become its unknown token), and a prompt that does not fit the
 model's max_sequence_length is refused. A user error is one line and exit status 2 (infra/cli.py).
 """
