@@ -259,8 +259,7 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
 
 @dataclass
 class Ctx:
-    """What every function of the loop needs besides the model: the settings, the tokenizer and its
-    special ids, the device, the benchmark data and the optional remote image scorer."""
+    """What every function of the loop needs besides the model and the optimizer."""
     cfg: Config
     tok: object                       # tokenizers.Tokenizer
     ids: TokenIds
@@ -307,8 +306,7 @@ def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 @dataclass
 class Experience:
-    """One task's rollouts, scored and ready for the mu updates (this rank's rows): the estimator's K views
-    (K = mu masks, or T decoding states for the trajectory estimator) with their old and reference log-probs."""
+    """One task's scored rollouts (this rank's rows) with the estimator's K views and their old/ref log-probs."""
     batch: Batch                # the rollouts, in the window of batch.x (B, L)
     rewards: torch.Tensor       # (B_global,) every rank's rewards, for advantages and metrics
     adv: torch.Tensor           # (B_global,) advantages of every rank's rows (this rank's: batch.index)
