@@ -70,7 +70,7 @@ def table(header: list[str], rows: list[list]) -> str:
 
 @dataclass
 class Options(train.Config):
-    """evaluate.py's flags: its own below, and every train.Config field (the generation settings above all)."""
+    """evaluate.py's options: its own below, and the train.Config fields an evaluation reads (FLAGS)."""
     ckpt: str = ""          # checkpoint directory (config.json, *.safetensors, tokenizer.json)
     task: str = ""          # one of TASKS
     data: str = ""          # local benchmark file in its public format (infra/data.py); not for toy tasks
@@ -78,9 +78,15 @@ class Options(train.Config):
     samples: int = -1       # k sampled completions per prompt for pass@k (-1: the task's default, 0: greedy only)
     out: str = ""           # write one JSON line per completion here
     run: str = ""           # out_dir of a train.py run: re-score it and compare with its summary.json
-    compare: str = ""       # BEFORE.jsonl,AFTER.jsonl: two --out files of the same prompts; prints the gain
-                            # and its standard error paired by prompt
+    compare: str = ""       # BEFORE.jsonl,AFTER.jsonl: two --out files of the same prompts; the paired gain
 
+
+# The flags: evaluate.py's own, then the train.Config settings that generation and scoring read (a preset may
+# set the others, which an evaluation ignores).
+FLAGS = ("ckpt", "task", "data", "limit", "samples", "out", "run", "compare", "seed", "device", "dtype", "threads",
+         "gen_length", "block_length", "steps", "temperature", "image_steps", "image_sampler", "cfg_scale",
+         "image_width", "image_text_len", "max_prompt_len", "prompt_prefill", "system_prompt", "attend_padding",
+         "text_reward", "text_max_steps", "eval_samples", "eval_prompts", "device_batch_size", "image_scorer_url")
 
 # The official evaluation settings of the paper's code: GSM8K and MATH500 greedy, 256 tokens in blocks of 16
 # with 128 steps, the answer turn opened with "<reasoning>"; GenEval 4 images per prompt from 32 emerge steps
@@ -93,10 +99,10 @@ OFFICIAL["math"] = OFFICIAL["gsm8k"]
 
 def parse_options(argv=None) -> Options:
     """Flags over the preset over the task's official settings over the checkpoint's generation.json."""
-    first = cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS)
+    first = cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS, flags=FLAGS)
     saved = settings.read_generation_settings(first.ckpt) if first.ckpt and not first.run else {}
     saved.pop("tasks", None)
-    return cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS,
+    return cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS, flags=FLAGS,
                      defaults={**saved, **OFFICIAL.get(first.task, {})})
 
 

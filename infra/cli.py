@@ -59,9 +59,9 @@ def field_comments(cls) -> dict[str, str]:
     return out
 
 
-def parser(cls, description: str, presets: dict | None = None) -> argparse.ArgumentParser:
-    """An ArgumentParser with one flag per field of `cls` (and --preset when presets are given); every
-    default is None so that `given` below sees which flags were typed."""
+def parser(cls, description: str, presets: dict | None = None, flags: tuple | None = None) -> argparse.ArgumentParser:
+    """An ArgumentParser with one flag per field of `cls` (only those named in `flags`, when given, and
+    --preset when presets are given); every default is None so that `given` below sees which were typed."""
     usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below)"
     # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
     p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False, allow_abbrev=False)
@@ -70,6 +70,8 @@ def parser(cls, description: str, presets: dict | None = None) -> argparse.Argum
     types = {"int": int, "float": float, "str": str, "bool": parse_bool}
     comments = field_comments(cls)
     for f in fields(cls):
+        if flags is not None and f.name not in flags:
+            continue
         kind = f.type if isinstance(f.type, str) else f.type.__name__  # with or without postponed annotations
         default = "required" if f.default is MISSING else f"default {f.default!r}"
         text = (f"{comments[f.name]} ({default})" if f.name in comments else default).replace("%", "%%")
@@ -92,18 +94,22 @@ def parse_known(p: argparse.ArgumentParser, argv, name: str) -> argparse.Namespa
     return args
 
 
-def parse(cls, argv=None, *, description: str = "", presets: dict | None = None, defaults: dict | None = None):
+def parse(cls, argv=None, *, description: str = "", presets: dict | None = None, defaults: dict | None = None,
+          flags: tuple | None = None):
     """Build `cls` from the command line. defaults: values that replace the dataclass defaults (for
-    instance a checkpoint's own generation settings), overridden in turn by the preset and the flags."""
+    instance a checkpoint's own generation settings), overridden in turn by the preset and the flags.
+    flags: the fields that are flags (default: all); a preset may still set the others."""
     try:
-        args, unknown = parser(cls, description, presets).parse_known_args(argv)
+        args, unknown = parser(cls, description, presets, flags).parse_known_args(argv)
     except argparse.ArgumentError as e:  # a value of the wrong type: one line naming flag and value
         raise ValueError(str(e)) from None
     if unknown:
-        names = [f"--{f.name}" for f in fields(cls)] + (["--preset"] if presets is not None else [])
+        names = [f"--{f.name}" for f in fields(cls) if flags is None or f.name in flags] + \
+            (["--preset"] if presets is not None else [])
         close = {u: difflib.get_close_matches(u.split("=")[0], names, n=1) for u in unknown if u.startswith("--")}
         hint = "; ".join(f"did you mean {m[0]} (not {u.split('=')[0]})?" for u, m in close.items() if m)
-        raise ValueError(f"unknown argument(s) {unknown}; the flags are the fields of {cls.__name__} (--help)"
+        raise ValueError(f"unknown argument(s) {unknown}; the flags are {'some' if flags else 'the'} fields of "
+                         f"{cls.__name__} (--help)"
                          + (f"; {hint}" if hint else ""))
     given = {k: v for k, v in vars(args).items() if v is not None and k != "preset"}
     base = dict(defaults or {})

@@ -11,6 +11,7 @@ import torch
 
 import grpo
 import importance
+import sample
 import tasks
 from infra import hf, lora, scale
 from infra.data import data_paths
@@ -23,8 +24,12 @@ def _need(ok, msg):
         raise ValueError(msg)
 
 
+def _one_of(names) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
 def validate_generation(o) -> None:
-    """The sampler settings train.py's Config and sample.py's options share (same names, same rules):
+    """The sampler settings config.Config and sample.py's options share (same names, same rules):
     checked here, once, for both, so that the samplers only assert their preconditions."""
     need = _need
     for k in ("gen_length", "block_length", "steps", "image_steps", "image_width"):
@@ -37,9 +42,10 @@ def validate_generation(o) -> None:
          f"steps ({o.steps}) must be a positive multiple of the number of blocks ({blocks}); "
          f"try --steps={blocks * max(1, o.steps // blocks)}")
     need(o.temperature >= 0, f"temperature ({o.temperature}) must be >= 0")
-    need(o.kv_cache in ("none", "prefix", "dual"), f"kv_cache ({o.kv_cache!r}) must be none, prefix or dual")
+    need(o.kv_cache in sample.KV_CACHES, f"kv_cache ({o.kv_cache!r}) must be {_one_of(sample.KV_CACHES)}")
     need(0 <= o.threshold < 1, f"threshold ({o.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
-    need(o.image_sampler in ("emerge", "maskgit"), f"image_sampler ({o.image_sampler!r}) must be emerge or maskgit")
+    need(o.image_sampler in sample.IMAGE_SAMPLERS,
+         f"image_sampler ({o.image_sampler!r}) must be {_one_of(sample.IMAGE_SAMPLERS)}")
     need(o.cfg_scale >= 0, f"cfg_scale ({o.cfg_scale}) must be >= 0 (0 = no guidance; MaskGRPO uses 3.0)")
     need(o.image_text_len >= 0, f"image_text_len ({o.image_text_len}) must be >= 0 (0 = the longest toy caption)")
 
