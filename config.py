@@ -70,6 +70,7 @@ class Config:
     gamma_image: float = 0.8          # maskgrpo: image mask ratios live in (gamma, 1) (paper: 0.8)
     num_iterations: int = 4           # mu: inner updates per rollout batch (paper: 12)
     p_mask_prompt: float = 0.15       # d1: prompt-token masking probability
+    trajectory_states: int = 0        # trajectory: K decoding states per update, weighted T/K (0 = every state)
     # GRPO
     rl_steps: int = 80                # rollout batches; each gives num_iterations optimizer steps
     prompts_per_step: int = 8         # prompts per rollout batch and task
@@ -90,6 +91,7 @@ class Config:
     checkpoint_every: int = 10        # rollout batches between checkpoints in out_dir/checkpoints (0 = never)
     keep_last: int = 2                # complete checkpoints kept (0 = all)
     resume: bool = False              # continue from the latest complete checkpoint in out_dir
+    extend: bool = False              # with --resume and a larger --rl_steps: train a finished run further
     max_bad_steps: int = 3            # stop after this many consecutive steps with non-finite loss/grad/reward
     dry_run: bool = False             # print parameters, memory per GPU and FLOPs per step; no weights, no run
     dry_run_gpus: int = 8             # world size assumed by --dry_run

@@ -70,9 +70,9 @@ def table(header: list[str], rows: list[list]) -> str:
 
 @dataclass
 class Options(train.Config):
-    """evaluate.py's options: its own below, and the train.Config fields an evaluation reads (FLAGS)."""
+    """evaluate.py's flags: its own below, and the train.Config fields an evaluation uses (SHARED)."""
     ckpt: str = ""          # checkpoint directory (config.json, *.safetensors, tokenizer.json)
-    task: str = ""          # one of TASKS
+    task: str = ""          # text | image (toy: no --data) | gsm8k | math | mbpp | countdown | sudoku | geneval
     data: str = ""          # local benchmark file in its public format (infra/data.py); not for toy tasks
     limit: int = 0          # first N prompts (0: the whole file; toy tasks: eval_prompts)
     samples: int = -1       # k sampled completions per prompt for pass@k (-1: the task's default, 0: greedy only)
@@ -81,12 +81,15 @@ class Options(train.Config):
     compare: str = ""       # BEFORE.jsonl,AFTER.jsonl: two --out files of the same prompts; the paired gain
 
 
-# The flags: evaluate.py's own, then the train.Config settings that generation and scoring read (a preset may
-# set the others, which an evaluation ignores).
-FLAGS = ("ckpt", "task", "data", "limit", "samples", "out", "run", "compare", "seed", "device", "dtype", "threads",
-         "gen_length", "block_length", "steps", "temperature", "image_steps", "image_sampler", "cfg_scale",
-         "image_width", "image_text_len", "max_prompt_len", "prompt_prefill", "system_prompt", "attend_padding",
-         "text_reward", "text_max_steps", "eval_samples", "eval_prompts", "device_batch_size", "image_scorer_url")
+# The train.Config settings an evaluation reads (sampling, prompts, rewards, the process); the training-only
+# ones (learning rates, RL and SFT sizes, checkpoints, out_dir) are refused, never silently ignored.
+SHARED = {"seed", "device", "dtype", "threads", "max_prompt_len", "prompt_prefill", "system_prompt", "image_text_len",
+          "image_scorer_url", "text_max_steps", "text_reward", "attend_padding", "gen_length", "block_length", "steps",
+          "temperature", "image_sampler", "image_steps", "cfg_scale", "image_width", "eval_prompts", "eval_samples",
+          "device_batch_size"}
+REFUSED = "a train.py setting that evaluate.py does not use (it scores a checkpoint, it does not train)"
+# Settings --run takes beside the run's own config.json: they change how fast, not what is computed.
+RUN_OVERRIDES = ("threads", "device")
 
 # The official evaluation settings of the paper's code: GSM8K and MATH500 greedy, 256 tokens in blocks of 16
 # with 128 steps, the answer turn opened with "<reasoning>"; GenEval 4 images per prompt from 32 emerge steps
@@ -99,11 +102,11 @@ OFFICIAL["math"] = OFFICIAL["gsm8k"]
 
 def parse_options(argv=None) -> Options:
     """Flags over the preset over the task's official settings over the checkpoint's generation.json."""
-    first = cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS, flags=FLAGS)
+    kw = dict(description=__doc__.split("\n")[0], presets=train.PRESETS, inherited=SHARED, refused=REFUSED)
+    first = cli.parse(Options, argv, **kw)
     saved = settings.read_generation_settings(first.ckpt) if first.ckpt and not first.run else {}
     saved.pop("tasks", None)
-    return cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS, flags=FLAGS,
-                     defaults={**saved, **OFFICIAL.get(first.task, {})})
+    return cli.parse(Options, argv, defaults={**saved, **OFFICIAL.get(first.task, {})}, **kw)
 
 
 def build_config(o: Options) -> tuple[train.Config, int]:
@@ -241,7 +244,7 @@ def compare(before: str, after: str) -> list[list]:
     return rows
 
 
-def check_run(run_dir: str) -> bool:
+def check_run(run_dir: str, **overrides) -> bool:
     """Re-score a train.py run with its own config.json: the model before RL (the SFT model, or init_from)
     and final/ after, through train.evaluate_all; print them beside summary.json. True if all agree."""
     out_dir = Path(run_dir)
@@ -253,7 +256,7 @@ def check_run(run_dir: str) -> bool:
     if unknown:
         raise ValueError(f"{out_dir / 'config.json'} has fields unknown to train.Config: {unknown}; it was written by "
                          f"another version of train.py (check it out, or delete those fields)")
-    cfg = train.Config(**raw)
+    cfg = replace(train.Config(**raw), **overrides)  # RUN_OVERRIDES: threads, device
     train.validate(cfg)
     summary = json.loads((out_dir / "summary.json").read_text())
     device, dtype = settings.setup(cfg)
@@ -299,10 +302,13 @@ def main(argv=None) -> int:
             print(table(["mode", "prompts", "before", "after", "gain", "paired SE", "gain / SE"], compare(*files)))
             return 0
         if o.run:
-            extra = [a for a in argv if not a.startswith("--run")]
-            if [a for a in extra if a != o.run]:
-                raise ValueError(f"--run re-scores with the run's own config.json; drop {extra}")
-            return 0 if check_run(o.run) else 1
+            given = [a.split("=")[0] for a in argv if a.startswith("--") and not a.startswith("--run")]
+            extra = [g for g in given if g[2:] not in RUN_OVERRIDES]
+            if extra:
+                raise ValueError(f"--run re-scores with the run's own config.json, which {', '.join(extra)} would "
+                                 f"change; drop {'it' if len(extra) == 1 else 'them'} (only "
+                                 f"{', '.join('--' + k for k in RUN_OVERRIDES)} may be given with --run)")
+            return 0 if check_run(o.run, **{k: getattr(o, k) for k in RUN_OVERRIDES if f"--{k}" in given}) else 1
         if not (o.ckpt and o.task):
             raise ValueError("pass --ckpt DIR --task TASK [--data PATH], or --run OUT_DIR")
         cfg, samples = build_config(o)

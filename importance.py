@@ -15,6 +15,7 @@ Shapes: B sequences, P prompt, N generation window, S suffix (<|eoi|> for images
 from the official code, and why: docs/differences.md.
 """
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -174,16 +175,18 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
 
 
 def views(batch, order: torch.Tensor, cfg, *, image: bool, step: int, seq_index: list, eos_id: int,
-          mask_id: int) -> tuple[list, torch.Tensor]:
-    """Step 4 of the RL step (paper Alg. 5): the estimator's views of one task's rollouts, as (inputs, loss_masks):
-    K masked inputs (B, L) and bool (K, B, L), the positions each input scores. Every estimator and modality
-    is decided here, from cfg.estimator and `image`:
+          mask_id: int) -> tuple[list, torch.Tensor, "StateDraw | None"]:
+    """Step 4 of the RL step (paper Alg. 5): the estimator's views of one task's rollouts, as (inputs, loss_masks,
+    draw): K masked inputs (B, L) and bool (K, B, L), the positions each input scores, and for
+    --trajectory_states the StateDraw that says which views each update scores (else None). Every estimator and
+    modality is decided here, from cfg.estimator and `image`:
       maskgrpo  K = mu masks at the truncated ratio schedule, AR-like (or cfg.text_reversing) reversing for
                 text and random reversing for images (Alg. 1, 2), gamma_text / gamma_image;
       unigrpo   K = mu random-reversing masks at UniGRPO's ratios;
       d1        K = mu one-step masks: prompt masked with p_mask_prompt, completion scored up to its first EOS (text);
       trajectory  K = T, the sampler's own states, one per decoding step (from `order`), each scoring the tokens
-                revealed in it; steps in which no rank revealed anything are dropped, the same on every rank.
+                revealed in it; steps in which no rank revealed anything are dropped, the same on every rank;
+                --trajectory_states keeps the U views its draw needs (subsample_states).
     batch: tasks.Batch with the rollouts in its window; order: (B, L) the step each position was revealed at;
     seq_index: each row's global sequence index (masks and their seeds do not depend on the world size)."""
     x, B, P, N = batch.x, batch.x.shape[0], batch.prompt_len, batch.window
@@ -191,6 +194,11 @@ def views(batch, order: torch.Tensor, cfg, *, image: bool, step: int, seq_index:
         in_masks, loss_masks = trajectory_masks(order, cfg.image_steps if image else cfg.steps)
         keep = scale.all_max(loss_masks.flatten(1).any(1).to(x.device, torch.float32)).bool().cpu()
         in_masks, loss_masks = in_masks[keep], loss_masks[keep]                    # (T, B, L) each
+        if cfg.trajectory_states:  # K of the T states per update (U = min(mu K, T) views)
+            in_masks, loss_masks, draw = subsample_states(
+                in_masks, loss_masks, cfg.trajectory_states, cfg.num_iterations, step=step, seq_index=seq_index,
+                seed=derive_seed(cfg.seed, "trajectory-states", batch.task))         # (U, B, L) each
+            return [apply_mask(x, m, mask_id) for m in in_masks], loss_masks, draw
     else:
         scored = torch.ones(B, N, dtype=torch.bool, device=x.device)              # (B, N)
         if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
@@ -201,13 +209,13 @@ def views(batch, order: torch.Tensor, cfg, *, image: bool, step: int, seq_index:
             gamma=cfg.gamma_image if image else cfg.gamma_text, estimator=cfg.estimator,
             mode="random" if image else cfg.text_reversing, p_mask_prompt=cfg.p_mask_prompt,
             suffix_len=x.shape[1] - P - N)                                         # (mu, B, L) each
-    return [apply_mask(x, m, mask_id) for m in in_masks], loss_masks
+    return [apply_mask(x, m, mask_id) for m in in_masks], loss_masks, None
 
 
-def update_views(estimator: str, j: int, num_views: int) -> range:
-    """The views inner update j scores: view j (one mask per update), or for the trajectory estimator every
-    decoding step's, in each update."""
-    return range(num_views) if estimator == "trajectory" else range(j, j + 1)
+def update_views(estimator: str, j: int, num_views: int, draw=None):
+    """The views inner update j scores: view j (one mask per update); for the trajectory estimator every
+    decoding step's, in each update, or with --trajectory_states the K its StateDraw gives update j."""
+    return draw.updates[j] if draw else range(num_views) if estimator == "trajectory" else range(j, j + 1)
 
 
 # Settings that only some estimators read: (flag, the estimators that read it).
@@ -269,6 +277,65 @@ def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple
     assert not order.is_floating_point() and bool((order >= -1).all()), "order: integer (B, L), -1 = never masked"
     steps = torch.arange(int(order.max()) + 1 if num_steps is None else num_steps, device=order.device)
     return order >= steps[:, None, None], order == steps[:, None, None]     # (T, B, L) each
+
+
+def state_seed(seed: int, step: int, seq_index: int) -> int:
+    """Seed of one sequence's --trajectory_states draw in rollout `step` (global seq_index, as mask_seed)."""
+    assert all(type(v) is int and 0 <= v < 2**63 for v in (seed, step, seq_index)), \
+        f"seed, step, seq_index ({seed}, {step}, {seq_index}) must be non-negative ints < 2**63"
+    return packed_seed(b"maskgrpo/trajectory-states", seed, step, seq_index)
+
+
+def draw_states(num_states: int, k: int, num_iterations: int, *, seed: int, step: int,
+                seq_index) -> tuple[torch.Tensor, list[list[int]]]:
+    """--trajectory_states=K: which of the T = num_states decoding states each of the mu updates scores.
+    Returns (states, updates): states long (U, B), the state of view u for each row (U = min(mu K, T) views,
+    scored once by the old and reference passes), and updates, mu lists of K view indices, update j's.
+
+    The mu updates PARTITION the states: each row draws one permutation of its T states (seeded by
+    state_seed(seed, step, seq_index), so the draw is the same in every pass, batch and world size), and
+    update j takes its positions jK .. jK+K-1, cyclically. Any K distinct positions of a uniform permutation
+    hold a uniform K-subset, so each update alone is an unbiased draw without replacement; together the
+    updates cover mu K distinct states (every state once per RL step at mu K = T), where independent draws
+    would spend the same forwards on repeats. At K >= T every state is drawn, in the sampler's order."""
+    assert k >= 1 and num_iterations >= 1 and num_states >= 1, f"{k=}, {num_iterations=}, {num_states=} must be >= 1"
+    K = min(k, num_states)
+    idx = [int(i) for i in (seq_index.tolist() if torch.is_tensor(seq_index) else seq_index)]
+    U = min(num_iterations * K, num_states)
+    states = torch.empty(U, len(idx), dtype=torch.long)                                         # (U, B)
+    for b, i in enumerate(idx):
+        perm = torch.arange(num_states) if K == num_states else \
+            torch.randperm(num_states, generator=torch.Generator().manual_seed(state_seed(seed, step, i)))
+        states[:, b] = perm[:U]
+    # View u holds permutation position u; positions past T wrap to u mod T (U = T then).
+    updates = [[(j * K + s) % num_states for s in range(K)] for j in range(num_iterations)]
+    return states, updates
+
+
+def select_states(masks: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """masks (T, B, L), states long (U, B) -> (U, B, L): view u of row b is masks[states[u, b], b]."""
+    assert states.shape[1] == masks.shape[1], f"states {tuple(states.shape)} for masks {tuple(masks.shape)}"
+    return masks[states.to(masks.device), torch.arange(masks.shape[1], device=masks.device)]     # (U, B, L)
+
+
+class StateDraw(NamedTuple):
+    """The --trajectory_states draw of one rollout batch, for the mu updates (train.rl_step)."""
+    updates: list        # mu lists of view indices: update j scores views updates[j]
+    norm: torch.Tensor   # the updates' loss normaliser before the sum over ranks: this rank's scored tokens
+                         # over all T states, times K / T
+
+
+def subsample_states(in_masks: torch.Tensor, loss_masks: torch.Tensor, k: int, num_iterations: int, *, seed: int,
+                     step: int, seq_index) -> tuple[torch.Tensor, torch.Tensor, StateDraw]:
+    """The trajectory's (input mask, loss mask) pairs, (T, B, L) each (trajectory_masks), cut to the U views
+    that K states per update need (draw_states): (in_masks, loss_masks) (U, B, L) and the StateDraw.
+    Each update divides its summed token losses by K/T of the full trajectory's token count, i.e. weighs its
+    K states by T/K: as each state is drawn with probability K/T, the expected loss and gradient over the draw
+    are the full trajectory's (before gradient clipping, which is not linear). Token normalisation only."""
+    T = in_masks.shape[0]
+    states, updates = draw_states(T, k, num_iterations, seed=seed, step=step, seq_index=seq_index)
+    norm = loss_masks.sum().float() * (min(k, T) / T)  # K = T: exactly the full count
+    return select_states(in_masks, states), select_states(loss_masks, states), StateDraw(updates, norm)
 
 
 @torch.no_grad()  # a measurement: a graph kept across all the steps would hold every step's activations

@@ -90,6 +90,14 @@ def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_or
     return x, order, attention_mask, x != mask_id
 
 
+def _count(stats: dict, committed: torch.Tensor, conf: torch.Tensor) -> None:
+    # committed: tokens committed by each active row at one step; conf: their sampled tokens' probabilities.
+    for k, v in (("row_steps", committed.numel()), ("tokens", int(committed.sum())),
+                 ("conf_sum", float(conf.double().sum()))):
+        stats[k] = stats.get(k, 0) + v
+    stats["max"] = max(stats.get("max", 0), int(committed.max()) if committed.numel() else 0)
+
+
 # -----------------------------------------------------------------------------------------------------
 # text: LLaDA semi-autoregressive sampler
 
@@ -97,7 +105,7 @@ def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_or
 @torch.no_grad()
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
              remasking="low_confidence", mask_id, generator=None, attention_mask=None, kv_cache="none",
-             threshold=0.0, return_order=False, progress=False):
+             threshold=0.0, return_order=False, progress=False, stats=None):
     """LLaDA's semi-autoregressive sampler (arXiv:2502.09992 §2.4 and its public generate.py, token for
     token at temperature 0): prompt_ids (B, P) int64, left-padded, attention_mask (B, P) 1 = real token
     (optional) -> x (B, P + N), prompt included. return_order=True also returns order (B, P + N) int64: the
@@ -116,7 +124,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     threshold tau > 0 also commits every masked position of the block more confident than tau, at least
     ceil(masked left / steps left), so a block may end early. Either one switches to the fast step: the
     block alone is scored, the mask id is never committed, and a row whose block is done draws no noise. They
-    approximate the behaviour policy only: MaskGRPO rescores every rollout under its own masks.
+    approximate the behaviour policy only: MaskGRPO rescores every rollout under its own masks. stats: a dict
+    that receives running sums of what each fast step committed (train.fast_summary reads them).
     """
     num_blocks = gen_length // block_length
     spb = steps // max(num_blocks, 1)
@@ -176,6 +185,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
             if threshold > 0:
                 select |= m & (conf > threshold)
             new = torch.where(select & m, x0, x[:, lo:end])                        # (B, l)
+            if stats is not None and fast:  # per row that still had masked tokens: how many it committed, how sure
+                _count(stats, (select & m)[m.any(1)].sum(1), conf[select & m])
             if order is not None:
                 order[:, lo:end][m & (new != mask_id)] = blk * spb + i
             x[:, lo:end] = new

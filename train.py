@@ -45,7 +45,7 @@ import importance
 import sample
 import tasks
 from config import PRESETS, Config
-from infra import budget, checkpoint, cli, lora, scale
+from infra import budget, checkpoint, claims, cli, lora, phases, scale
 from infra.data import load_data
 from infra.load import load_policy, report_truncation
 from infra.rng import derive_seed, generator
@@ -92,7 +92,7 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
     """Train the toy model from scratch on noisy toy data (tasks.py) of the run's toy tasks; returns the
     seconds spent. SIGINT or SIGTERM finishes the current step and exits with 128 + signal: SFT keeps no
     checkpoint (it takes minutes on a laptop, not hours), so the next run restarts it, and sft_dir is left
-    as it was."""
+    as it was (infra/phases.py: every phase's stop)."""
     t0 = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Linear warm-up, then cosine decay to 10%: a fixed learning rate plateaus early at this size.
@@ -102,13 +102,13 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
     gen = generator("cpu", cfg.seed, "sft-mask")
     model.train()
     loss_sum = 0.0
-    with checkpoint.graceful_stop() as stop:
+    with checkpoint.graceful_stop("finishing this SFT step, then stopping (SFT keeps no checkpoint)") as stop:
         bar = cli.progress_bar(range(cfg.sft_steps), desc="sft", dynamic_ncols=True)
         for step in bar:
             if stop["signal"]:
                 print0(f"SFT stopped by {signal.Signals(stop['signal']).name} after {step} of {cfg.sft_steps} "
-                       "steps; SFT keeps no checkpoint, so the next run restarts SFT from step 0 (an SFT model "
-                       "already in sft_dir is unchanged)")
+                       "steps; SFT keeps no checkpoint, so the next run restarts SFT from step 0 (nothing was "
+                       f"written to the sft_dir); start it again with: {phases.resume_command()}")
                 raise SystemExit(128 + stop["signal"])
             loss_sum = 0.0
             for task in sft_tasks(cfg):
@@ -152,11 +152,13 @@ class Ctx:
 
 
 @torch.no_grad()
-def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False):
+def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False,
+            stats: dict | None = None):
     """Fill the window of every row with the policy's sample: (a new Batch, prompts unchanged; the decoding
     order (B, L), the sampler step each position was revealed at, -1 for the prompt). gens: one generator per
     row, so a row's sample depends on its own seed only. fast: text rollouts use --kv_cache / --threshold
-    (the Fast-dLLM options of sample.generate, off by default); evaluation keeps the exact sampler."""
+    (the Fast-dLLM options of sample.generate, off by default); evaluation keeps the exact sampler. stats: fast
+    text rollouts count what they commit into it (fast_summary)."""
     cfg, ids = ctx.cfg, ctx.ids
     xs, orders = [], []
     with scale.full_weights(model):
@@ -174,7 +176,7 @@ def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fas
                     model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
                     steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
                     attention_mask=c.attention_mask[:, : c.prompt_len], kv_cache=cfg.kv_cache if fast else "none",
-                    threshold=cfg.threshold if fast else 0.0, return_order=True)
+                    threshold=cfg.threshold if fast else 0.0, return_order=True, stats=stats)
             xs.append(x)
             orders.append(order)
     return replace(prompts, x=torch.cat(xs)), torch.cat(orders)
@@ -197,6 +199,7 @@ class Experience:
     loss_masks: torch.Tensor    # (K, B, L) the positions each input scores
     logp_old: list              # K x (B, L) float32
     logp_ref: list | None       # K x (B, L) float32, or None when beta = 0
+    draw: importance.StateDraw | None = None  # --trajectory_states: each update's views and the normaliser
 
 
 class BadStep(Exception):
@@ -219,13 +222,16 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
     """One MaskGRPO step (paper Alg. 5) on the step's prompts (step_prompts): steps 1-5 build every task's
     experience, step 6 takes mu optimizer steps on it. ref: the reference policy (a frozen copy, or the policy
     with its LoRA adapters off: infra/load.load_policy), None when beta = 0. Returns the log and experiences."""
-    cfg, device, times, exps = ctx.cfg, ctx.device, {"start": time.time()}, []
+    cfg, device, times, exps = ctx.cfg, ctx.device, {"start": time.time(), "cpu_start": time.process_time()}, []
+    fast_log = {}
     model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
     for p in prompts:
         task, seq_index = p.task, p.index
         # 1. rollouts: G completions per prompt, one generator per sequence, with their decoding order
         gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
-        batch, order = rollout(model, p, ctx, gens, cfg.temperature, fast=True)
+        counts = {} if (cfg.kv_cache != "none" or cfg.threshold) and task not in IMAGE_TASKS else None
+        batch, order = rollout(model, p, ctx, gens, cfg.temperature, fast=True, stats=counts)
+        fast_log.update(fast_summary(task, counts, device))
         lap(times, "rollout_s")
 
         # 2. rewards, gathered in global order: a group is normalised over all of its members
@@ -242,8 +248,8 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
 
         # 4. the estimator's views: K masked inputs and the positions each scores (importance.views decides
         # by estimator and modality), from seeds shared by the old, reference and current passes
-        inputs, loss_masks = importance.views(batch, order, cfg, image=task in IMAGE_TASKS, step=step,
-                                              seq_index=seq_index, eos_id=ctx.ids.eos, mask_id=ctx.ids.mask)
+        inputs, loss_masks, draw = importance.views(batch, order, cfg, image=task in IMAGE_TASKS, step=step,
+                                                    seq_index=seq_index, eos_id=ctx.ids.eos, mask_id=ctx.ids.mask)
 
         # 5. old and reference log-probs on the same masked inputs; conditional logits only (no CFG). Under
         # FSDP2 the weights are gathered once for all of these forwards, not once per forward.
@@ -256,7 +262,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
             with torch.no_grad(), scale.full_weights(ref):
                 logp_ref = [importance.token_logprobs(ref, x_k, batch.x, m_k, **kw) for x_k, m_k in zip(inputs, loss_masks)]
         lap(times, "logprob_s")
-        exps.append(Experience(batch, r, adv, inputs, loss_masks, logp_old, logp_ref))
+        exps.append(Experience(batch, r, adv, inputs, loss_masks, logp_old, logp_ref, draw))
 
     # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
@@ -297,8 +303,10 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         log.update({k: v for k, v in stats.items() if k.startswith(t + "/")})
         log[f"{t}/adv_abs_mean"] = e.adv.abs().mean().item()
     log["grad_norm"] = grad_norm
+    log.update(fast_log)  # committed tokens per step and their confidence, with --threshold / --kv_cache only
     # Phase times: Run.record moves them to times.jsonl, so that log.jsonl is the same on every repetition.
-    log.update({k: v for k, v in times.items() if k.endswith("_s")}, seconds=time.time() - times["start"])
+    log.update({k: v for k, v in times.items() if k.endswith("_s")}, seconds=time.time() - times["start"],
+               cpu_s=time.process_time() - times["cpu_start"])
     return log, exps
 
 
@@ -309,12 +317,14 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
     rank's rows and every view the update scores), though it is computed one device_batch_size chunk at a
     time. grpo.policy_loss returns a chunk's mean S_c / n_c over its n_c terms (scored tokens, or sequences
     for --loss_norm=sequence: grpo.num_terms); weighting it by n_c / n, with n the terms of all chunks, views
-    and ranks, gives sum_c S_c / n = S / n, the full-batch mean, and scale.backward_sum turns FSDP2's mean
+    and ranks, gives sum_c S_c / n = S / n, the full-batch mean (--trajectory_states: an unbiased estimate of it), and scale.backward_sum turns FSDP2's mean
     over ranks back into that sum. The statistics are weighted the same way (maxima by max, num_tokens summed)."""
     cfg, b = ctx.cfg, e.batch
     adv = e.adv[b.index].to(b.x.device)                                                    # (B,)
-    views = importance.update_views(cfg.estimator, j, len(e.inputs))
-    n = scale.all_sum(sum(grpo.num_terms(e.loss_masks[v], cfg.loss_norm) for v in views).float()).clamp(min=1)
+    views = importance.update_views(cfg.estimator, j, len(e.inputs), e.draw)
+    # --trajectory_states: n is K/T of the whole trajectory's tokens, so the K drawn states weigh T/K each
+    n = e.draw.norm if e.draw else sum(grpo.num_terms(e.loss_masks[v], cfg.loss_norm) for v in views).float()
+    n = scale.all_sum(n).clamp(min=1)
     s = {}
     for v in views:
         mask = e.loss_masks[v]                                                             # (B, L)
@@ -342,11 +352,27 @@ def reduce_stats(s: dict, device) -> dict:
     return dict(zip(keys, torch.where(is_max, maxed, summed).tolist()))
 
 
+def fast_summary(task: str, stats: dict | None, device) -> dict:
+    """Log entries of one RL step's fast rollouts, over all ranks: tokens committed per decoding step and
+    row (mean, max; the exact sampler commits gen_length / steps) and the mean probability of the committed
+    tokens under the sampling distribution (Fast-dLLM thresholds it). {} without stats."""
+    if stats is None:
+        return {}
+    sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
+                                      dtype=torch.float64, device=device)).tolist()
+    top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()
+    return {f"{task}/committed_per_step": sums[1] / max(sums[0], 1), f"{task}/committed_per_step_max": top,
+            f"{task}/committed_conf": sums[2] / max(sums[1], 1)}
+
+
 def lap(times: dict, name: str) -> None:
-    """Add the wall time since the last lap to times[name] (the phases of one RL step, for times.jsonl)."""
-    now = time.time()
+    """Add the wall and CPU seconds since the last lap to times[name] and times[name_cpu_s] (the phases of one
+    RL step, for times.jsonl; CPU seconds, every thread of this process, compare runs on a shared machine)."""
+    now, cpu = time.time(), time.process_time()
     times[name] = times.get(name, 0.0) + now - times.get("last", times["start"])
-    times["last"] = now
+    cpu_name = name.removesuffix("_s") + "_cpu_s"
+    times[cpu_name] = times.get(cpu_name, 0.0) + cpu - times.get("cpu_last", times["cpu_start"])
+    times["last"], times["cpu_last"] = now, cpu
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -354,13 +380,14 @@ def lap(times: dict, name: str) -> None:
 
 
 def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
-             prompt_means: list | None = None) -> float | None:
+             prompt_means: list | None = None, stop=None) -> float | None:
     """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each
     from a generator seeded by its index, so that runs are paired and the world size changes nothing.
     Ranks take interleaved rows of every 64-example batch. records: if given, one dict per scored row of
     this rank is appended (index, prompt, output, reward); prompt_means: if given, receives each held-out
     prompt's mean reward, gathered over ranks (for the paired standard error of a gain); progress(n) is
-    called after each batch of n rows (evaluate.py's bar). None when the task has no held-out set."""
+    called after each batch of n rows (evaluate.py's bar); stop() before each batch, on every rank (it
+    raises to end a run on a signal: infra/phases.py). None when the task has no held-out set."""
     cfg, device = ctx.cfg, ctx.device
     exs = eval_examples(task, cfg, ctx.datasets)
     if not exs:
@@ -372,6 +399,8 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
     # Entered by every rank, also one without rows in some batch (rollout's own is then a no-op).
     with scale.full_weights(model):
         for i in range(0, len(exs), 64):
+            if stop is not None:
+                stop()
             mine = slice(scale.rank(), None, scale.world())
             b = make_batch(task, exs[i:i + 64], ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(mine)
             idx = list(range(i, min(i + 64, len(exs))))[mine]
@@ -394,16 +423,17 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
     return (total[0] / total[1]).item()
 
 
-def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None) -> dict:
+def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None, stop=None) -> dict:
     """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data
-    are left out. prompt_means: if given, receives the per-prompt means of each, under the same keys."""
+    are left out. prompt_means: if given, receives the per-prompt means of each, under the same keys;
+    stop: as evaluate's."""
     res = {}
     for task in task_list(ctx.cfg):
         for key, temperature in ((task, ctx.cfg.temperature), (f"{task}_greedy", 0.0)):
             if key != task and task in IMAGE_TASKS:  # images have no greedy decoding
                 continue
             means = []
-            r = evaluate(model, ctx, task, temperature, prompt_means=means)
+            r = evaluate(model, ctx, task, temperature, prompt_means=means, stop=stop)
             if r is None:
                 break
             res[key] = r
@@ -431,13 +461,18 @@ def image_snapshot(model, ctx: Ctx) -> list | None:
 
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
-    if cfg.dry_run:
-        return budget.dry_run(cfg)
+    if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
+        return claims.dry_run(cfg, budget.dry_run)
+    phases.remember_command(argv)   # for the messages that name the command continuing this run
+    finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
+    if finished is not None:
+        return finished
     device, dtype = setup(cfg)
     datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
-    startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
-    scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
-    model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
+    with claims.sft_dir_claimed(cfg):  # a folder, writable, and this run's alone until its SFT model is saved
+        startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
+        scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
+        model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
     ctx = Ctx(cfg, tok, ids, device, datasets, scorer)
     report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
     opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
@@ -447,9 +482,11 @@ def main(argv=None) -> dict:
            f"steps count from 0, as in log.jsonl")
     with Run(cfg, model, opt, device) as run:
         if run.state["before"] is None:
-            run.state["before_by_prompt"] = {}
-            run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"])
-            run.state["grid_before"] = image_snapshot(model, ctx)
+            with phases.before_rl(run):  # a signal stops it after the current batch
+                stop = phases.Stop(run.signal, device)
+                run.state["before_by_prompt"] = {}
+                run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
+                run.state["grid_before"] = image_snapshot(model, ctx)
         if run.state["before"]:
             print0("held-out mean reward before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in run.state["before"].items()))
         else:
@@ -462,8 +499,11 @@ def main(argv=None) -> dict:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
             run.record(step, log, rolls, tok, ids)
     after_by_prompt = {}
-    after = evaluate_all(model, ctx, after_by_prompt)
-    summary = run.finish(after, after_by_prompt, image_snapshot(model, ctx), tok, dtype, sft_seconds)
+    with phases.final(run) as stop:  # the last step is checkpointed first; a signal stops after a batch
+        after = evaluate_all(model, ctx, after_by_prompt, stop)
+        grid_after = image_snapshot(model, ctx)
+        stop.saving()
+        summary = run.finish(after, after_by_prompt, grid_after, tok, dtype, sft_seconds)
     if after:
         print0("held-out mean reward after RL:  " + ", ".join(
             f"{k} {v:.3f}" + (f" ({v - summary[k]['before']:+.3f} ± {summary[k]['gain_se']:.3f})"

@@ -8,7 +8,10 @@ by hand (tests/test_budget.py holds the hand derivation for LLaDA-8B).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from tasks import IMAGE_TASKS, task_list
 from model import ModelConfig, Transformer, num_params
 from sample import MIN_HEAD_ROWS
 from infra import hf
+from infra.scale import print0
 
 GB = 1024 ** 3
 # The GPU the time estimate is stated for, its dense bf16 peak (NVIDIA's A100 datasheet: 312 TFLOP/s
@@ -56,7 +60,7 @@ def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
 
 def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int, rollout: str, steps: int,
           block_length: int, cfg_scale: float, num_iterations: int, beta: float, lora: bool,
-          activation_checkpointing: bool, trajectory: bool = False) -> dict:
+          activation_checkpointing: bool, trajectory: bool = False, trajectory_states: int = 0) -> dict:
     """Global FLOPs of one RL step (one rollout batch: every task's prompts_per_step * group_size
     sequences, all ranks together), by phase. A multiply-add is 2 FLOPs.
 
@@ -73,7 +77,8 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
       and weight gradients, 2x the forward; LoRA: input gradients of the frozen matrices, 1x, plus the
       adapters' both), and with activation checkpointing the blocks' forward once more.
     - trajectory: the exact-path estimator scores the state of every decoding step instead of mu masks,
-      so scoring takes `steps` forwards per sequence, and each of the mu updates `steps` forward-backwards."""
+      so scoring takes `steps` forwards per sequence, and each of the mu updates `steps` forward-backwards;
+      with trajectory_states = K > 0 each update takes K (at most `steps`) and scoring min(mu K, steps)."""
     d, nl = mc.d_model, mc.n_layers
     body, head = nl * s["block_matmul"], s["head"]
     adapters = s["lora_params"] if lora else 0
@@ -94,7 +99,8 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
             q = seq_len - start if rollout == "prefix" else block_length
             per_seq += fwd(seq_len, seq_len, block_length) + (spb - 1) * fwd(q, seq_len, block_length)
     roll = seqs * cfg_rows * per_seq
-    views = steps if trajectory else num_iterations  # masked inputs scored per sequence, old and ref
+    per_update = min(trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
+    views = min(num_iterations * per_update, steps) if trajectory else num_iterations  # scored, old and ref
     score = seqs * views * (1 + (beta > 0)) * fwd(seq_len, seq_len)
     attn = 4 * seq_len * d * nl
     if lora:  # input gradients through frozen matrices (2 per weight), adapters' input and weight gradients
@@ -102,7 +108,7 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
     else:
         bwd = 4 * (body + head) + 2 * attn
     recompute = 2 * (body + adapters) + attn if activation_checkpointing else 0
-    update = seqs * num_iterations * (steps if trajectory else 1) * seq_len * (fwd(1, seq_len) + bwd + recompute)
+    update = seqs * num_iterations * per_update * seq_len * (fwd(1, seq_len) + bwd + recompute)
     return {"rollout": roll, "scoring": score, "update": update, "step": roll + score + update,
             "per_rollout_seq": cfg_rows * per_seq}
 
@@ -113,7 +119,7 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
 
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
            cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
-           codebook: int = 8192) -> dict:
+           codebook: int = 8192, scored: int | None = None, head_len: int | None = None) -> dict:
     """Memory per GPU in GB (2^30 bytes), by component, for one world size. Estimates: the CUDA context,
     allocator fragmentation and NCCL buffers (a few GB) are left out.
 
@@ -123,15 +129,20 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     (16 B). One process holds all of it and computes from it directly, so it gathers nothing.
     Gathered (world_size > 1, compute dtype): the root (embedding, final norm, head) stays gathered from
     an update chunk's forward to its backward; blocks are gathered one at a time, two with the next
-    one's prefetch; a rollout holds the whole model (scale.full_weights).
+    one's prefetch; a rollout holds the whole model (scale.full_weights). Each all-gather first fills a
+    flat buffer of the whole group, then copies it into the unsharded parameters: for a moment the group
+    is there twice, so the largest group (the root at LLaDA's shape) adds one more copy to every phase.
     An update chunk of `chunk` sequences keeps its activations (checkpointing: each block's input,
     d_model values per token and layer, plus one block's full activations while it is recomputed, about
-    16 d_model + 3 mlp_hidden values per token; without it every block's) and the head's logits: the bf16
-    output, a float32 copy and its log-softmax (10 B per entry).
-    A rollout forward of `chunk` sequences (twice the rows with CFG) makes bf16 logits over every position;
-    the text sampler then draws float64 Gumbel noise over the current block's columns only (the uniforms,
-    the float64 logits and the noisy sum: 24 B, and a bf16 softmax: 2 B), the image sampler a float64
-    softmax over the codebook at every image position."""
+    16 d_model + 3 mlp_hidden values per token; without it every block's) and the head's logits: the
+    compute-dtype output at the `head_len` positions per sequence the head runs on (default: all), and at
+    the `scored` positions (default: all) a compute-dtype copy, its float32 cast and log-softmax
+    (importance.token_logprobs; 10 B per entry in bf16).
+    A rollout forward of `chunk` sequences (twice the rows with CFG) makes bf16 logits over the current
+    block (text; at least MIN_HEAD_ROWS rows) or every position (images); the text sampler then draws
+    float64 Gumbel noise over the block's columns (the uniforms, the float64 logits and the noisy sum:
+    24 B, and a bf16 softmax: 2 B), the image sampler a float64 softmax over the codebook at every image
+    position."""
     c, w = mc, world_size
     n = s["params"]
     per_tok_block = 16 * c.d_model + 3 * c.mlp_hidden_size
@@ -139,9 +150,11 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     rows["full_state"] = n * (16 + 4 * (beta > 0)) / w
     rows["lora_state"] = n * compute_bytes / w + s["lora_params"] * 16 / w
     gathered = w > 1
-    rows["root_gathered"] = (s["embedding"] + s["head"] + c.d_model) * compute_bytes * gathered
+    root = s["embedding"] + s["head"] + c.d_model
+    rows["root_gathered"] = root * compute_bytes * gathered
     block = s["block_params"] + s["lora_params"] / c.n_layers
     rows["blocks_gathered"] = 2 * block * compute_bytes * gathered
+    rows["allgather_buffer"] = max(root, block) * compute_bytes * gathered
     rows["model_gathered"] = (n + s["lora_params"]) * compute_bytes * gathered
     tokens = chunk * seq_len
     if activation_checkpointing:
@@ -149,7 +162,8 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     else:
         acts = tokens * c.n_layers * per_tok_block * compute_bytes
     rows["activations"] = acts
-    rows["logits"] = tokens * c.vocab_size * 10
+    scored, head_len = (seq_len if v is None else v for v in (scored, head_len))
+    rows["logits"] = chunk * c.vocab_size * (head_len * compute_bytes + scored * (compute_bytes + 8))
     cfg_rows = 2 if cfg_scale > 0 else 1
     # The text sampler computes the head only over the current block (sample.py, at least MIN_HEAD_ROWS
     # rows per chunk); the image samplers over the whole sequence.
@@ -160,8 +174,8 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     else:
         sampler = chunk * sampled * c.vocab_size * (24 + 2)
     rows["sampling"] = model_logits + sampler
-    update_common = rows["root_gathered"] + rows["blocks_gathered"] + acts + rows["logits"]
-    rollout_common = rows["model_gathered"] + rows["sampling"]
+    update_common = rows["root_gathered"] + rows["blocks_gathered"] + rows["allgather_buffer"] + acts + rows["logits"]
+    rollout_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["sampling"]
     rows["full_update"] = rows["full_state"] + update_common
     rows["full_rollout"] = rows["full_state"] + rollout_common
     rows["lora_update"] = rows["lora_state"] + update_common
@@ -176,6 +190,7 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
 
 MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state", "LoRA state, sharded"),
                ("root_gathered", "gathered embedding + head (update)"), ("blocks_gathered", "gathered blocks (2)"),
+               ("allgather_buffer", "all-gather buffer (largest group)"),
                ("model_gathered", "gathered model (rollout)"), ("activations", "activations per update chunk"),
                ("logits", "logits per update chunk"), ("sampling", "sampling transients per rollout chunk"),
                ("full_update", "full fine-tuning, update peak"), ("full_rollout", "full fine-tuning, rollout peak"),
@@ -202,10 +217,9 @@ def model_config(cfg) -> ModelConfig:
     return scratch_config(cfg, vocab_size=vocab, mask_token_id=vocab - 1)
 
 
-def dry_run(cfg) -> dict:
-    """--dry_run: print and return the schedule, FLOPs (per RL step, per run), the time estimate on
-    GPU_NAME at ASSUMED_MFU, and the memory table, from the model shape alone (no weights)."""
-    mc = model_config(cfg)
+def step_shape(cfg) -> dict:
+    """What one RL step of a Config processes: the tasks, whether they are images, the prompt and sequence
+    lengths, the rollout kind, the denoising steps and the global number of sequences."""
     names = task_list(cfg)
     image = any(t in IMAGE_TASKS for t in names)
     if image:
@@ -215,13 +229,33 @@ def dry_run(cfg) -> dict:
         prompt_len = cfg.max_prompt_len
         seq_len, steps = prompt_len + cfg.gen_length, cfg.steps
         rollout = "exact" if cfg.kv_cache == "none" else cfg.kv_cache
-    seqs = cfg.prompts_per_step * cfg.group_size * len(names)
+    return dict(names=names, image=image, prompt_len=prompt_len, seq_len=seq_len, rollout=rollout, steps=steps,
+                seqs=cfg.prompts_per_step * cfg.group_size * len(names))
+
+
+def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
+    """flops() of one RL step of the Config `cfg` on the model shape mc."""
+    p = step_shape(cfg)
+    s = shape(mc, cfg.lora_rank, cfg.lora_targets) if s is None else s
+    return flops(mc, s, seqs=p["seqs"], seq_len=p["seq_len"], prompt_len=p["prompt_len"], rollout=p["rollout"],
+                 steps=p["steps"], block_length=cfg.block_length, cfg_scale=cfg.cfg_scale,
+                 num_iterations=cfg.num_iterations, beta=cfg.beta, lora=cfg.lora_rank > 0,
+                 activation_checkpointing=cfg.activation_checkpointing, trajectory=cfg.estimator == "trajectory",
+                 trajectory_states=cfg.trajectory_states)
+
+
+def dry_run(cfg) -> dict:
+    """--dry_run: print and return the schedule, FLOPs (per RL step, per run), the time estimate on
+    GPU_NAME at ASSUMED_MFU, and the memory table, from the model shape alone (no weights)."""
+    mc = model_config(cfg)
+    p = step_shape(cfg)
+    names, image, seq_len, rollout, steps, seqs = (p[k] for k in ("names", "image", "seq_len", "rollout", "steps",
+                                                                   "seqs"))
     lora = cfg.lora_rank > 0
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
-    f = flops(mc, s, seqs=seqs, seq_len=seq_len, prompt_len=prompt_len, rollout=rollout, steps=steps,
-              block_length=cfg.block_length, cfg_scale=cfg.cfg_scale, num_iterations=cfg.num_iterations,
-              beta=cfg.beta, lora=lora, activation_checkpointing=cfg.activation_checkpointing,
-              trajectory=cfg.estimator == "trajectory")
+    f = step_flops(cfg, mc, s)
+    maskgrpo = step_flops(dataclasses.replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # the same step with
+    # MaskGRPO's mu masks, for comparison
     evaluation = 2 * cfg.eval_prompts * cfg.eval_samples * len(names) * f["per_rollout_seq"]  # before + after
     run = f["step"] * cfg.rl_steps + evaluation
     gpus = cfg.dry_run_gpus
@@ -254,6 +288,10 @@ def dry_run(cfg) -> dict:
           f"{'on' if any(tasks.attends_padding(cfg, t) for t in names) else 'off'}")
     print(f"global FLOPs per RL step: {f['step']:.2e} (rollouts {f['rollout']:.2e}, old/ref scoring "
           f"{f['scoring']:.2e}, updates {f['update']:.2e})")
+    if cfg.estimator == "trajectory":
+        states = f"{cfg.trajectory_states} decoding state(s) per update" if cfg.trajectory_states else "every decoding state"
+        print(f"trajectory estimator, {states}: {f['step']:.2e} FLOPs per RL step against {maskgrpo:.2e} for "
+              f"MaskGRPO's mu = {cfg.num_iterations} masks, {f['step'] / maskgrpo:.2f} x")
     print(f"global FLOPs per run: {run:.2e} ({cfg.rl_steps:,} RL steps, and {evaluation:.2e} for the held-out "
           f"evaluation before and after)")
     print(f"time on {gpus} x {GPU_NAME} (bf16 dense peak {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s, assumed MFU "
@@ -270,6 +308,61 @@ def dry_run(cfg) -> dict:
             "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.num_iterations,
             "gpu": GPU_NAME, "gpus": gpus, "mfu": ASSUMED_MFU, "seconds_per_step": step_s, "run_hours": run_h,
             "gpu_hours": run_h * gpus, "budget": mem}
+
+
+# -----------------------------------------------------------------------------------------------------
+# the launcher's kill delay
+
+# Seconds a launcher waits between forwarding SIGTERM and SIGKILL when nothing says otherwise: torchrun's
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT default (torch.distributed.launcher) and Slurm's KillWait default.
+DEFAULT_KILL_DELAY = 30
+# Assumed checkpoint write speed (bytes/s): torch.distributed.checkpoint to a network file system.
+CHECKPOINT_WRITE_SPEED = 0.5 * GB
+
+
+def checkpoint_seconds(cfg, mc: ModelConfig) -> float:
+    """Estimated seconds to write one checkpoint of cfg's run (checkpoint_bytes at CHECKPOINT_WRITE_SPEED)."""
+    return checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED
+
+
+def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float) -> str | None:
+    """The start-up warning when a SIGTERM would not end in a checkpoint, else None. On SIGTERM the run
+    finishes its step and writes a checkpoint (infra/checkpoint.graceful_stop), so it needs step_seconds +
+    checkpoint_seconds before the launcher's SIGKILL. env: the process environment. Under torchrun
+    (TORCHELASTIC_RUN_ID set) the delay is TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30 s; under Slurm
+    (SLURM_JOB_ID) the cluster's KillWait, which a process cannot read, so its default, 30 s, is assumed;
+    both apply to a torchrun inside Slurm. Without a launcher the user's own kill decides: None."""
+    torchrun, slurm = "TORCHELASTIC_RUN_ID" in env, "SLURM_JOB_ID" in env
+    if not (torchrun or slurm):
+        return None
+    delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun else DEFAULT_KILL_DELAY
+    if slurm:
+        delay = min(delay, DEFAULT_KILL_DELAY)
+    need = step_seconds + checkpoint_seconds
+    if delay >= need:
+        return None
+    fix = [f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)}"] if torchrun else []
+    if slurm:
+        fix.append(f"ask Slurm for the signal early (sbatch --signal=TERM@{2 * math.ceil(need)}) and check "
+                   "KillWait (scontrol show config)")
+    who = " and ".join((["torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] if torchrun else [])
+                       + (["Slurm's KillWait (default assumed)"] if slurm else []))
+    return (f"warning: a SIGTERM gets SIGKILL {delay:.0f} s later ({who}), but one RL step plus a checkpoint "
+            f"takes about {need:.0f} s here (dry-run estimate), so a pre-emption would lose the step and write "
+            f"no checkpoint; {'; '.join(fix)} (README: resuming)")
+
+
+def warn_kill_delay(cfg, world: int, env=None) -> None:
+    """Print kill_delay_warning's warning (rank 0) for cfg's run on `world` GPUs at the dry run's speed.
+    Returns at once without a launcher, so a plain run computes nothing here."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env and "SLURM_JOB_ID" not in env:
+        return
+    mc = model_config(cfg)
+    step_s = step_flops(cfg, mc)["step"] / (world * GPU_PEAK_FLOPS * ASSUMED_MFU)
+    text = kill_delay_warning(env, step_s, checkpoint_seconds(cfg, mc))
+    if text:
+        print0(text)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -293,6 +386,14 @@ def checkpoints_on_disk(cfg) -> int:
     return cfg.rl_steps // max(cfg.checkpoint_every, 1) + 1
 
 
+def _bytes(n: float) -> str:
+    """A size in the largest unit that leaves it at least 1 (1.5 MB, not 0.0 GB)."""
+    for unit, size in (("GB", GB), ("MB", 2 ** 20), ("KB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
 def check_disk(cfg, out: Path, mc) -> None:
     """Refuse to start when out_dir cannot hold the checkpoints the run will keep during rotation."""
     one = checkpoint_bytes(cfg, mc)
@@ -302,7 +403,7 @@ def check_disk(cfg, out: Path, mc) -> None:
     if free < size:
         what = "LoRA adapters and their AdamW moments" if cfg.lora_rank > 0 else \
             "float32 weights and AdamW moments (full fine-tuning)"
-        raise ValueError(f"out_dir {out} has {free / GB:.1f} GB free, but a checkpoint needs about {one / GB:.1f} "
-                         f"GB ({what}) and rotation keeps {k} at once (--keep_last={cfg.keep_last}): "
-                         f"{size / GB:.1f} GB; free space, pick another --out_dir, lower --keep_last, use LoRA "
+        raise ValueError(f"out_dir {out} has {_bytes(free)} free, but a checkpoint needs about {_bytes(one)} "
+                         f"({what}) and rotation keeps {k} at once (--keep_last={cfg.keep_last}): "
+                         f"{_bytes(size)}; free space, pick another --out_dir, lower --keep_last, use LoRA "
                          "(--lora_rank) or set --checkpoint_every=0")

@@ -217,12 +217,13 @@ def _say_in_handler(text: str) -> None:
 
 
 @contextmanager
-def graceful_stop():
+def graceful_stop(doing: str = "finishing this step, then writing a checkpoint"):
     """SIGTERM / SIGINT (pre-emption, Ctrl-C) set a flag: the current step finishes, a checkpoint is
-    written, and the run exits. A second signal more than REPEAT_WINDOW seconds later interrupts at once.
-    Under torchrun the launcher SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30)
+    written, and the run exits (`doing` is what the caught signal's line says happens next; flag["doing"]
+    may change it as the phase moves on; infra/phases.py lists every phase's). A second signal more than
+    REPEAT_WINDOW seconds later interrupts at once. Under torchrun the launcher SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30)
     after forwarding a signal: set it above one step plus a checkpoint write (README)."""
-    flag = {"signal": 0, "at": 0.0}
+    flag = {"signal": 0, "at": 0.0, "doing": doing}
 
     def handler(signum, frame):
         # torchrun forwards the signal it gets to every worker, so Ctrl-C or a scheduler that signals
@@ -231,7 +232,7 @@ def graceful_stop():
             raise KeyboardInterrupt
         if not flag["signal"]:
             flag["signal"], flag["at"] = signum, time.monotonic()
-            _say_in_handler(f"caught {signal.Signals(signum).name}: finishing this step, then writing a checkpoint")
+            _say_in_handler(f"caught {signal.Signals(signum).name}: {flag['doing']}")
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield flag

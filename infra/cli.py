@@ -3,8 +3,10 @@ line, and progress bars stay readable in a log file.
 
 Every field of the dataclass becomes a flag of its own name, given as `--field=value` or `--field value`;
 a boolean also works bare (`--dry_run`) or with a value (`--resume=true`, `--resume false`). Flags match
-exactly, never by prefix: `--sft_step=1` is refused, not taken for --sft_steps. With presets, the value of a
-field comes from, in order of precedence: the flag, then `--preset NAME`, then the dataclass default. Only
+exactly, never by prefix: `--sft_step=1` is refused, not taken for --sft_steps. A flag given twice takes its
+last value (`--seed=1 --seed=2` is seed 2; --help says so), so that a command can be extended by appending.
+With presets, the value of a field comes from, in order of precedence: the flag, then `--preset NAME`, then
+the dataclass default (--help shows the value under the preset given, or the default one). Only
 int, float, str and bool fields exist, so no configuration language is needed. `--help` gives each flag the
 comment written beside its field in the dataclass (and any comment lines under it).
 
@@ -59,26 +61,58 @@ def field_comments(cls) -> dict[str, str]:
     return out
 
 
-def parser(cls, description: str, presets: dict | None = None, flags: tuple | None = None) -> argparse.ArgumentParser:
-    """An ArgumentParser with one flag per field of `cls` (only those named in `flags`, when given, and
-    --preset when presets are given); every default is None so that `given` below sees which were typed."""
-    usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below)"
+def flag_fields(cls, inherited: set | None = None) -> list:
+    """The fields of cls that are flags: its own first (the ones its --help lists first), then those of its
+    dataclass bases, all of them or only the names in `inherited` (an entry point that reuses train.Config
+    for the settings it shares takes only those)."""
+    own = set(getattr(cls, "__annotations__", {}))
+    mine = [f for f in fields(cls) if f.name in own]
+    base = [f for f in fields(cls) if f.name not in own and (inherited is None or f.name in inherited)]
+    return mine + base if mine and base else mine or base
+
+
+def preset_named(argv, presets: dict) -> str:
+    """The --preset NAME given in argv, else the first preset (the one that applies when none is given)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--preset="):
+            return a.split("=", 1)[1]
+        if a == "--preset" and i + 1 < len(argv):
+            return argv[i + 1]
+    return next(iter(presets))
+
+
+def parser(cls, description: str, presets: dict | None = None, argv=(), defaults: dict | None = None,
+           inherited: set | None = None) -> argparse.ArgumentParser:
+    """An ArgumentParser with one flag per field of `cls` (and --preset when presets are given); every
+    default is None so that `given` below sees which flags were typed. --help shows each field's value
+    under the preset argv names (or the default preset) and `defaults`, and says where it comes from."""
+    usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below; a " \
+        "flag given twice takes its last value)"
     # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
     p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False, allow_abbrev=False)
+    base, name = dict(defaults or {}), None
     if presets is not None:
-        p.add_argument("--preset", default=next(iter(presets)), help=f"one of {', '.join(presets)}")
+        first, name = next(iter(presets)), preset_named(list(argv), presets)
+        p.add_argument("--preset", default=first, help=f"one of {', '.join(presets)}; {first} when none is given")
+        base.update(presets.get(name, {}))
     types = {"int": int, "float": float, "str": str, "bool": parse_bool}
     comments = field_comments(cls)
-    for f in fields(cls):
-        if flags is not None and f.name not in flags:
-            continue
+    own = set(getattr(cls, "__annotations__", {}))
+    group = p
+    for f in flag_fields(cls, inherited):
+        if f.name not in own and own and group is p:  # an entry point's own flags first, then train.py's
+            group = p.add_argument_group("settings shared with train.py")
         kind = f.type if isinstance(f.type, str) else f.type.__name__  # with or without postponed annotations
-        default = "required" if f.default is MISSING else f"default {f.default!r}"
+        if f.name in base:
+            default = f"{base[f.name]!r}" + (f" under --preset {name}" if presets is not None and
+                                             f.name in presets.get(name, {}) else "")
+        else:
+            default = "required" if f.default is MISSING else f"default {f.default!r}"
         text = (f"{comments[f.name]} ({default})" if f.name in comments else default).replace("%", "%%")
         if kind == "bool":  # bare --flag means true
-            p.add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, default=None, help=text)
+            group.add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, default=None, help=text)
         else:
-            p.add_argument(f"--{f.name}", type=types[kind], default=None, help=text)
+            group.add_argument(f"--{f.name}", type=types[kind], default=None, help=text)
     return p
 
 
@@ -95,17 +129,22 @@ def parse_known(p: argparse.ArgumentParser, argv, name: str) -> argparse.Namespa
 
 
 def parse(cls, argv=None, *, description: str = "", presets: dict | None = None, defaults: dict | None = None,
-          flags: tuple | None = None):
+          inherited: set | None = None, refused: str = ""):
     """Build `cls` from the command line. defaults: values that replace the dataclass defaults (for
     instance a checkpoint's own generation settings), overridden in turn by the preset and the flags.
-    flags: the fields that are flags (default: all); a preset may still set the others."""
+    inherited: the only fields of cls's bases that are flags (None: all); a flag naming another one is
+    refused with `refused`, the reason this entry point does not take it."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args, unknown = parser(cls, description, presets, flags).parse_known_args(argv)
+        args, unknown = parser(cls, description, presets, argv, defaults, inherited).parse_known_args(argv)
     except argparse.ArgumentError as e:  # a value of the wrong type: one line naming flag and value
         raise ValueError(str(e)) from None
+    other = [u for u in unknown if u.startswith("--") and u[2:].split("=")[0] in {f.name for f in fields(cls)}]
+    if other:  # a field of the base class this entry point does not take (a training-only setting)
+        raise ValueError(f"{', '.join(u.split('=')[0] for u in other)}: {refused or 'not a flag of this command'}; "
+                         f"drop {'them' if len(other) > 1 else 'it'} (--help lists the flags)")
     if unknown:
-        names = [f"--{f.name}" for f in fields(cls) if flags is None or f.name in flags] + \
-            (["--preset"] if presets is not None else [])
+        names = [f"--{f.name}" for f in flag_fields(cls, inherited)] + (["--preset"] if presets is not None else [])
         close = {u: difflib.get_close_matches(u.split("=")[0], names, n=1) for u in unknown if u.startswith("--")}
         hint = "; ".join(f"did you mean {m[0]} (not {u.split('=')[0]})?" for u, m in close.items() if m)
         raise ValueError(f"unknown argument(s) {unknown}; the flags are {'some' if flags else 'the'} fields of "

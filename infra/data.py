@@ -281,6 +281,10 @@ def load_data(cfg) -> dict:
 def main(argv=None) -> list[dict]:
     """python -m infra.data TASK PATH: check a file, print its size and first prompt."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: python -m infra.data TASK PATH\n\nCheck a {' | '.join(TASKS)} file in its public format "
+              "(every malformed row is named with its line), print its size and first prompt.")
+        return []
     if len(argv) != 2:
         raise ValueError(f"usage: python -m infra.data TASK PATH   (TASK: {' | '.join(TASKS)}); got {argv}")
     data = load_dataset(*argv)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -50,12 +51,24 @@ ESTIMATORS = [("d1", "d1", "arlike", None), ("UniGRPO", "unigrpo", "random", Non
              [("MaskGRPO AR-like official", "maskgrpo", "arlike_official", None)]  # text only, as in the official code
 
 
+# The train.Config settings the diagnosis takes: the sampling and RL step settings of the step it measures;
+# the ones of a whole run (out_dir, SFT, model size, schedule, checkpoints, evaluation) are refused.
+RUN_ONLY = {"out_dir", "init_from", "sft_dir", "retrain_sft", "d_model", "n_layers", "n_heads", "mlp_hidden_size",
+            "vocab_size", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "text_noise", "image_noise",
+            "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "image_loss_weight", "cond_dropout", "rl_steps",
+            "eval_prompts", "eval_samples", "sample_every", "checkpoint_every", "keep_last", "resume", "extend",
+            "max_bad_steps", "dry_run", "dry_run_gpus", "eval_data", "train_data"}
+SHARED = {f for f in train.Config.__dataclass_fields__} - RUN_ONLY
+REFUSED = "a train.py setting of a whole run, which the diagnosis of one RL step does not use"
+
+
 @dataclass
 class Options(train.Config):
     diagnose: bool = False   # the switch that selects this script in `python importance.py --diagnose`
     ckpt: str = ""           # pi_old: a checkpoint in the Hugging Face layout with tokenizer.json
     draws: int = 4           # mask draws per estimator and inner iteration
-    png: str = "diagnose.png"  # the estimate-vs-exact scatter and decode-order figure ("" = none)
+    png: str = "diagnose.png"  # the estimate-vs-exact scatter and decode-order figure, in the current directory
+                               # unless a path is given ("" = none)
     official_ratios: bool = False  # print the "arlike_official" effective-ratio table (docs/differences.md), no ckpt
 
 
@@ -225,14 +238,15 @@ def draw(results: dict, path: str) -> None:
                 py = y0 + S * (1 - (b - lo_y) / max(hi_y - lo_y, 1e-12))
                 d.ellipse([px - 1.5, py - 1.5, px + 1.5, py + 1.5], fill=(30, 110, 190))
     img.save(path)
-    print(f"wrote {path}")
+    print(f"wrote {Path(path).resolve()}")
 
 
 def main(argv=None) -> dict:
-    first = cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS)
+    kw = dict(description=__doc__.split("\n")[0], presets=train.PRESETS, inherited=SHARED, refused=REFUSED)
+    first = cli.parse(Options, argv, **kw)
     saved = read_generation_settings(first.ckpt) if first.ckpt else {}
     saved.pop("tasks", None)
-    o = cli.parse(Options, argv, description=__doc__.split("\n")[0], presets=train.PRESETS, defaults=saved)
+    o = cli.parse(Options, argv, defaults=saved, **kw)
     if o.official_ratios:  # python importance.py --diagnose --official_ratios: the official text run's N 256, mu 12
         print(official_ratio_table())
         return {}

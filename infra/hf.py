@@ -79,7 +79,11 @@ def read_config(path) -> ModelConfig:
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: a LLaDA/MMaDA checkpoint directory holds config.json")
     try:
-        return config_from_hf(read_json(file, "re-copy the checkpoint's config.json"))
+        hf = read_json(file, "re-copy the checkpoint's config.json")
+        if "rl_steps" in hf and "out_dir" in hf:  # train.py's settings: a run's out_dir, whose model is final/
+            raise ValueError(f"{file} holds a training run's settings, not a model's: {path} is a run's out_dir; "
+                             f"did you mean {Path(path) / 'final'}?")
+        return config_from_hf(hf)
     except ValueError as e:
         raise ValueError(str(e) if str(file) in str(e) else f"{file}: {e}") from None
     except TypeError as e:  # a field of the wrong type (a string for n_layers, say)
@@ -104,6 +108,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     # would silently build another network; require the architecture fields instead.
     need = ["d_model", "n_layers", "n_heads", "mask_token_id"]
     missing = [k for k in need if k not in hf]
+    if missing and not any(k in hf for k in need[:3]):  # another architecture's names (n_layer, hidden_size...)
+        kind = hf.get("model_type") or ", ".join(hf.get("architectures") or []) or "no model_type"
+        raise ValueError(f"not a LLaDA/MMaDA checkpoint (model_type {kind!r}): this implementation loads the "
+                         "LLaDA and MMaDA architectures only; pass a LLaDA/MMaDA checkpoint directory")
     if missing:
         raise ValueError(f"config.json lacks required fields {missing}")
     small = {k: hf[k] for k in ("d_model", "n_layers", "n_heads") if not (isinstance(hf[k], int) and hf[k] >= 1)}
@@ -113,6 +121,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if n_kv is None:
         n_kv = 1 if hf.get("multi_query_attention") else hf["n_heads"]
     hidden = hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"]
+    eos = hf.get("eos_token_id", hf["mask_token_id"] - 1)
     rows = hf.get("embedding_size") or hf.get("vocab_size")
     offset = hf.get("image_token_offset")
     if offset is None and hf.get("codebook_size") and hf.get("llm_vocab_size"):
@@ -127,8 +136,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         mlp_hidden_size=hidden, vocab_size=rows,
         max_sequence_length=hf.get("max_sequence_length", 4096),
         rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-        mask_token_id=hf["mask_token_id"], eos_token_id=hf.get("eos_token_id", hf["mask_token_id"] - 1),
-        pad_token_id=hf.get("pad_token_id", hf.get("eos_token_id", 0)),
+        mask_token_id=hf["mask_token_id"], eos_token_id=eos,
+        pad_token_id=hf.get("pad_token_id", eos),  # LLaDA pads with the EOS id, given or defaulted
         bos_token_id=hf.get("bos_token_id"), image_token_offset=offset,
         codebook_size=hf.get("codebook_size"),
         extra={k: v for k, v in hf.items() if k not in known},

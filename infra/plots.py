@@ -7,6 +7,7 @@ axes are drawn by hand with PIL.ImageDraw: four line panels do not justify matpl
     python -m infra.plots out/toy          # writes out/toy/curves.png from out/toy/log.jsonl
     python -m infra.plots --compare d1=out/d1-s0,out/d1-s1 MaskGRPO=out/m-s0,out/m-s1 --png kl.png
                                            # KL and reward per step, one line per label (mean over its runs)
+    python -m infra.plots --compare ... --x=cpu_seconds --png r.png   # against cumulative RL seconds
 """
 import argparse
 import json
@@ -14,6 +15,8 @@ import math
 import statistics
 import sys
 from pathlib import Path
+
+from infra import cli
 
 # RGB for the toy image codes: 0 is the background (ANSI 236 in tasks.render_image), code c >= 1 is
 # tasks.COLOURS[c - 1] = red, green, blue, yellow, purple, cyan, white.
@@ -107,7 +110,7 @@ def _fade(rgb, keep: float):
     return tuple(round(keep * c + (1 - keep) * 255) for c in rgb)
 
 
-def _draw_panel(draw, font, x0: int, title: str, series: dict, colours: dict, window: int):
+def _draw_panel(draw, font, x0: int, title: str, series: dict, colours: dict, window: int, xlabel: str = "RL step"):
     # The legend sits on its own lines under the title, so a long title never runs into it; it wraps when
     # the labels are too many for one line, and the plot area starts below it.
     places, lx, ly = [], x0 + 10, 23
@@ -134,7 +137,7 @@ def _draw_panel(draw, font, x0: int, title: str, series: dict, colours: dict, wi
         draw.line([(px(t), bottom), (px(t), bottom + 4)], fill=grey)
         _text(draw, px(t), bottom + 6, _tick_label(t, xt[1] - xt[0]), font, grey, "centre")
     draw.line([(left, top), (left, bottom), (right, bottom)], fill=grey)
-    _text(draw, (left + right) / 2, bottom + 20, "RL step", font, grey, "centre")
+    _text(draw, (left + right) / 2, bottom + 20, xlabel, font, grey, "centre")
     _text(draw, x0 + 10, 6, title, font)
     if window > 1:
         _text(draw, x0 + PANEL_W - 14, 6, f"bold: {window}-step mean", font, grey, "right")
@@ -179,19 +182,53 @@ def plot_curves(log_path, png_path) -> Path | None:
             panels.append((title, series))
     if not panels:
         raise ValueError(f"{log_path} logs none of " + ", ".join(f"<task>/{m}" for m, _ in PANELS))
-    return _save_panels(panels, colours, len(records), png_path)
+    panels = [(_cut_spikes(series) if title.startswith("KL") else (title, series)) for title, series in panels]
+    summary = Path(log_path).with_name("summary.json")  # the run's point: held-out reward before and after RL
+    held = held_out_lines(json.loads(summary.read_text())) if summary.is_file() else None
+    return _save_panels(panels, colours, len(records), png_path, held)
 
 
-def _save_panels(panels: list, colours: dict, steps: int, png_path) -> Path | None:
-    """Draw (title, series) panels side by side and save the PNG; None (with the hint) without Pillow."""
+def _cut_spikes(series: dict) -> tuple[str, dict]:
+    """The KL panel: one spike (a step far above the rest) would flatten every other step into the x axis,
+    so values above twice the 90th percentile are drawn at that level, and the title says where it cuts."""
+    ys = sorted(y for pts in series.values() for _, y in pts)
+    p90 = ys[int(0.9 * (len(ys) - 1))]
+    if not (len(ys) >= 10 and p90 > 0 and ys[-1] > 5 * p90):  # a spike among many points, not a short run
+        return "KL to reference (k3)", series
+    cap = float(f"{2 * p90:.2g}")
+    return f"KL k3 (axis cut at {cap:g})", {t: [(x, min(y, cap)) for x, y in pts] for t, pts in series.items()}
+
+
+def held_out_lines(summary: dict) -> list[tuple[str, str]]:
+    """(task, "before -> after (gain +- paired SE)") per held-out key of a summary.json."""
+    out = []
+    for key, v in summary.items():
+        if isinstance(v, dict) and "before" in v and "after" in v:
+            gain = f" ({v['after'] - v['before']:+.3f} ± {v['gain_se']:.3f})" if "gain_se" in v else ""
+            out.append((key, f"{v['before']:.3f} -> {v['after']:.3f}{gain}"))
+    return out
+
+
+def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None,
+                 xlabel: str = "RL step") -> Path | None:
+    """Draw (title, series) panels side by side and save the PNG; None (with the hint) without Pillow.
+    held: held_out_lines of the run, drawn as a last panel."""
     if (pil := _pil()) is None:
         return None
     Image, ImageDraw, font = pil
-    picture = Image.new("RGB", (PANEL_W * len(panels), PANEL_H), "white")
+    picture = Image.new("RGB", (PANEL_W * (len(panels) + bool(held)), PANEL_H), "white")
     draw = ImageDraw.Draw(picture)
     window = max(1, steps // 10)  # about a tenth of the run: 5 steps for the toy's 50
     for k, (title, series) in enumerate(panels):
-        _draw_panel(draw, font, k * PANEL_W, title, series, colours, window)
+        _draw_panel(draw, font, k * PANEL_W, title, series, colours, window, xlabel)
+    if held:
+        x0, line_h = len(panels) * PANEL_W + 10, FONT_SIZE + 5
+        _text(draw, x0, 6, "held-out mean reward", font)
+        _text(draw, x0, 6 + line_h, "before -> after RL (summary.json)", font, (90, 90, 90))
+        for k, (key, text) in enumerate(held):
+            colour = colours.get(key.split("_")[0], (0, 0, 0))
+            _text(draw, x0, 23 + (2 * k + 1.5) * line_h, key, font, colour)
+            _text(draw, x0 + 10, 23 + (2 * k + 2.5) * line_h, text, font)
     picture.save(png_path)
     return Path(png_path)
 
@@ -200,11 +237,11 @@ def _save_panels(panels: list, colours: dict, steps: int, png_path) -> Path | No
 # image grid
 
 
-def _cell_box(row: int, col: int, r: int, c: int, width: int) -> tuple[int, int, int, int]:
-    # (x0, y0, x1, y1) of cell (r, c) of the image in grid row `row`, column `col`.
+def _cell_box(row: int, col: int, r: int, c: int, width: int, gap: int = ROW_GAP) -> tuple[int, int, int, int]:
+    # (x0, y0, x1, y1) of cell (r, c) of the image in grid row `row`, column `col`; gap: between rows.
     cell = max(1, IMAGE_PX // width)
     x = MARGIN + LABEL_W + col * COL_W + (COL_W - cell * width) // 2 + c * cell
-    y = MARGIN + row * (IMAGE_PX + ROW_GAP) + r * cell
+    y = MARGIN + row * (IMAGE_PX + gap) + r * cell
     return x, y, x + cell - 1, y + cell - 1
 
 
@@ -222,13 +259,15 @@ def _wrap(draw, s: str, font, max_px: float) -> list[str]:
 
 
 def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], width: int, png_path,
-               palette=PALETTE) -> Path | None:
+               palette=PALETTE, scores: list[list[float]] | None = None, notes: tuple = ()) -> Path | None:
     """Toy images as coloured squares: one grid row per (name, images), one column per prompt.
 
     Each image is width*width row-major palette codes (tasks.make_image_example's "image"). A code
     outside the palette (tasks.ids_to_codes gives -1 for a leftover mask) is drawn as a grey crossed cell.
+    scores: one list per row, written under each image; notes: lines under the captions (a legend).
     Size in pixels: 2*MARGIN + LABEL_W + len(prompts)*COL_W wide,
-    2*MARGIN + len(rows)*(IMAGE_PX + ROW_GAP) + CAPTION_LINES*(FONT_SIZE + 3) high."""
+    2*MARGIN + len(rows)*(IMAGE_PX + ROW_GAP) + CAPTION_LINES*(FONT_SIZE + 3) high, and with scores one
+    line more per row, with notes one per note."""
     for name, images in rows:
         if len(images) != len(prompts):
             raise ValueError(f"row {name!r} has {len(images)} images for {len(prompts)} prompts; "
@@ -241,23 +280,27 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
         return None
     Image, ImageDraw, font = pil
     line_h = FONT_SIZE + 3
-    grid_h = len(rows) * (IMAGE_PX + ROW_GAP)
-    size = (2 * MARGIN + LABEL_W + len(prompts) * COL_W, 2 * MARGIN + grid_h + CAPTION_LINES * line_h)
+    gap = ROW_GAP + (line_h if scores else 0)
+    grid_h = len(rows) * (IMAGE_PX + gap)
+    size = (2 * MARGIN + LABEL_W + len(prompts) * COL_W,
+            2 * MARGIN + grid_h + (CAPTION_LINES + len(notes)) * line_h)
     picture = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(picture)
     for i, (name, images) in enumerate(rows):
         label = _wrap(draw, name, font, LABEL_W - 8)
-        y = _cell_box(i, 0, 0, 0, width)[1] + (IMAGE_PX - len(label) * line_h) / 2  # centred on the row
+        y = _cell_box(i, 0, 0, 0, width, gap)[1] + (IMAGE_PX - len(label) * line_h) / 2  # centred on the row
         for k, line in enumerate(label):
             _text(draw, MARGIN, y + k * line_h, line, font)
         for j, codes in enumerate(images):
             # A darker frame behind cells inset by one pixel: thin lines between cells, so a reader can
             # count blocks even where two cells of one colour touch (counting is half the verifier).
-            x0, y0, _, _ = _cell_box(i, j, 0, 0, width)
-            _, _, x1, y1 = _cell_box(i, j, width - 1, width - 1, width)
+            x0, y0, _, _ = _cell_box(i, j, 0, 0, width, gap)
+            _, _, x1, y1 = _cell_box(i, j, width - 1, width - 1, width, gap)
             draw.rectangle((x0, y0, x1 + 1, y1 + 1), fill=(20, 20, 20))
+            if scores:
+                _text(draw, (x0 + x1) / 2, y1 + 3, f"score {scores[i][j]:.2f}", font, (60, 60, 60), "centre")
             for idx, code in enumerate(codes):
-                x0, y0, x1, y1 = _cell_box(i, j, *divmod(idx, width), width)
+                x0, y0, x1, y1 = _cell_box(i, j, *divmod(idx, width), width, gap)
                 box = (x0 + 1, y0 + 1, x1, y1)
                 if 0 <= code < len(palette):
                     draw.rectangle(box, fill=tuple(palette[code]))
@@ -269,39 +312,78 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
         centre = MARGIN + LABEL_W + j * COL_W + COL_W / 2
         for k, line in enumerate(_wrap(draw, prompt, font, COL_W - 10)):
             _text(draw, centre, MARGIN + grid_h + k * line_h, line, font, align="centre")
+    for k, note in enumerate(notes):
+        _text(draw, MARGIN, MARGIN + grid_h + (CAPTION_LINES + k) * line_h, note, font, (60, 60, 60))
     picture.save(png_path)
     return Path(png_path)
 
 
-def group_medians(groups: dict[str, list], key: str) -> dict[str, list[tuple[int, float]]]:
+def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summary: dict | None = None):
+    """images.png of a toy run: grid rows (name, images) for the held-out examples, each image with its
+    verifier score (tasks.image_reward, the RL reward), a legend, and the held-out mean image reward
+    before and after RL, which the few images here only illustrate."""
+    import tasks
+
+    scores = [[tasks.image_reward(codes, ex["spec"]) for codes, ex in zip(images, examples)] for _, images in grid]
+    notes = ["score: fraction of the prompt's checks the image passes (the RL reward); dark grey: empty cell",
+             "same prompts and sampling seeds before and after RL: only the policy differs"]
+    image = (summary or {}).get("image")
+    if image:
+        gain = f" ({image['after'] - image['before']:+.3f} ± {image['gain_se']:.3f})" if "gain_se" in image else ""
+        notes.append(f"held-out mean image reward (summary.json): {image['before']:.3f} -> {image['after']:.3f}{gain}")
+    return image_grid(grid, [ex["prompt"] for ex in examples], width, png_path, scores=scores, notes=tuple(notes))
+
+
+X_AXES = {"step": "RL step", "seconds": "cumulative RL seconds (wall)", "cpu_seconds": "cumulative RL CPU seconds"}
+
+
+def _cumulative_seconds(run_dir, x: str) -> dict:
+    # {step: seconds of steps 0..step}, from times.jsonl ("seconds": wall; "cpu_s": process CPU time).
+    col = {"seconds": "seconds", "cpu_seconds": "cpu_s"}[x]
+    total, out = 0.0, {}
+    for i, r in enumerate(_read_log(Path(run_dir) / "times.jsonl")):
+        if col not in r:
+            raise ValueError(f"{run_dir}/times.jsonl has no {col!r} (runs before CPU times were logged): use --x=seconds")
+        total += r[col]
+        out[r.get("step", i)] = total
+    return out
+
+
+def group_medians(groups: dict[str, list], key: str, x: str = "step") -> dict[str, list[tuple[float, float]]]:
     """{label: [(step, median of `key` over the label's run directories that logged it at that step)]};
     labels with no finite value are left out. The median, because one seed's k3 KL can jump by orders of
-    magnitude for a step (up to 1e7 on the long toy) and a mean would draw only that step."""
+    magnitude for a step (up to 1e7 on the long toy) and a mean would draw only that step. x "seconds" or
+    "cpu_seconds": the first coordinate is instead the median over those runs of the cumulative RL seconds
+    at the end of that step (times.jsonl), so that estimators of different cost share one axis."""
     out = {}
     for label, run_dirs in groups.items():
         per_step: dict = {}
         for d in run_dirs:
+            clock = None if x == "step" else _cumulative_seconds(d, x)
             for i, r in enumerate(_read_log(Path(d) / "log.jsonl")):
-                y = r.get(key)
-                if isinstance(y, (int, float)) and math.isfinite(y):
-                    per_step.setdefault(r.get("step", i), []).append(float(y))
+                y, step = r.get(key), r.get("step", i)
+                if isinstance(y, (int, float)) and math.isfinite(y) and (clock is None or step in clock):
+                    per_step.setdefault(step, []).append((step if clock is None else clock[step], float(y)))
         if per_step:
-            out[label] = [(x, statistics.median(v)) for x, v in sorted(per_step.items())]
+            out[label] = [(statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
+                          for _, v in sorted(per_step.items())]
     return out
 
 
 def compare_runs(groups: dict[str, list], png_path, task: str = "text",
-                 metrics=(("kl", "KL to reference (k3)"), ("reward", "rollout reward"))) -> Path | None:
-    """One panel per metric, one line per label: the per-step mean of `task/metric` over the label's runs
-    (e.g. the seeds of one estimator), as the paper's Fig. 5 (bottom) draws the KL of each method."""
+                 metrics=(("kl", "KL to reference (k3)"), ("reward", "rollout reward")), x: str = "step") -> Path | None:
+    """One panel per metric, one line per label: the per-step median of `task/metric` over the label's runs
+    (e.g. the seeds of one estimator), as the paper's Fig. 5 (bottom) draws the KL of each method; against
+    the RL step, or with x = "seconds" / "cpu_seconds" against cumulative RL seconds (group_medians)."""
     colours = dict(zip(groups, [TASK_COLOURS["text"], TASK_COLOURS["image"]] + OTHER_COLOURS))
     if len(colours) < len(groups):
         raise ValueError(f"at most {len(colours)} labels per picture, got {len(groups)}")
     panels = [(f"{task}: {title}", series) for metric, title in metrics
-              if (series := group_medians(groups, f"{task}/{metric}"))]
+              if (series := group_medians(groups, f"{task}/{metric}", x))]
     if not panels:
         raise ValueError(f"no run logs {task}/" + " or ".join(m for m, _ in metrics))
-    return _save_panels(panels, colours, max(len(pts) for _, ser in panels for pts in ser.values()), png_path)
+    return _save_panels(panels, colours, max(len(pts) for _, ser in panels for pts in ser.values()), png_path,
+                        xlabel=X_AXES[x])
 
 
 def main(argv=None) -> Path:
@@ -312,6 +394,8 @@ def main(argv=None) -> Path:
     parser.add_argument("--compare", nargs="+", default=[], metavar="LABEL=DIR[,DIR...]")
     parser.add_argument("--png", type=Path, help="the --compare picture")
     parser.add_argument("--task", default="text")
+    parser.add_argument("--x", default="step", choices=list(X_AXES), help="--compare's horizontal axis: RL step, "
+                        "or cumulative RL seconds from each run's times.jsonl (wall, or process CPU time)")
     args = cli.parse_known(parser, argv, "plots")
     if not have_pillow():
         raise ValueError('no picture written: Pillow is missing; pip install -e ".[plots]" (or pip install pillow)')
@@ -322,7 +406,7 @@ def main(argv=None) -> Path:
         groups = {g.split("=", 1)[0]: g.split("=", 1)[1].split(",") for g in args.compare}
         if len(groups) < len(args.compare):
             raise ValueError(f"--compare labels must differ, got {[g.split('=', 1)[0] for g in args.compare]}")
-        out = compare_runs(groups, args.png, args.task)
+        out = compare_runs(groups, args.png, args.task, x=args.x)
     elif args.run_dir is None:
         raise ValueError("give RUN_DIR (a train.py out_dir), or --compare LABEL=DIR[,DIR...] --png FILE")
     else:
@@ -332,7 +416,5 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    from infra import cli
-
     with cli.user_errors():
         main()

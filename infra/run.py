@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import budget, checkpoint, hf, scale
+from infra import budget, checkpoint, hf, phases, scale
 from infra.budget import scratch_config
 from infra.load import check_sft_cache, reference_identity, save_model
 from infra.scale import print0
@@ -71,7 +71,7 @@ def keep_steps_before(path: Path, start: int) -> Path:
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 # lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
-RESUMABLE = ("resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
+RESUMABLE = ("resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
              "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip")
 
 
@@ -90,6 +90,7 @@ def startup_checks(cfg, device) -> None:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     scale.barrier()
     print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
+    budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
 
 
 FINISHED = ("final", "log.jsonl", "summary.json")  # what a run leaves besides checkpoints (config.json is
@@ -287,8 +288,8 @@ class Run:
         if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or stopping:
             print0(f"checkpoint {self._save_checkpoint(step + 1)}")
         if stopping:
-            print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with the "
-                   "same command and --resume=true")
+            print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with: "
+                   f"{phases.resume_command()}")
             raise SystemExit(128 + int(stopping))
 
     def _save_checkpoint(self, step: int) -> Path:
@@ -346,5 +347,6 @@ def write_pictures(cfg, out: Path, grid: list) -> None:
     if (out / "log.jsonl").is_file() and (out / "log.jsonl").stat().st_size:
         plots.plot_curves(out / "log.jsonl", out / "curves.png")
     if grid[0][1] is not None and grid[1][1] is not None:
-        prompts = [ex["prompt"] for ex in tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS]]
-        plots.image_grid(grid, prompts, cfg.image_width, out / "images.png")
+        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
+        plots.toy_image_panel(grid, tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS], cfg.image_width,
+                              out / "images.png", summary)

@@ -25,6 +25,9 @@ from infra.settings import read_generation_settings, validate_generation
 from tasks import chat_prompt
 
 FORMATS = ("auto", "toy", "chat", "raw")
+DESCRIPTION = ("Sample from a LLaDA/MMaDA-style checkpoint. A checkpoint written by train.py carries the settings it "
+               "was trained to generate with (its generation.json): they replace the defaults shown below; a flag "
+               "still overrides them.")
 
 
 @dataclass
@@ -53,14 +56,14 @@ class Options:
 
 
 def main(argv=None):
-    first = cli.parse(Options, argv, description="Sample from a LLaDA/MMaDA-style checkpoint.")
+    first = cli.parse(Options, argv, description=DESCRIPTION)
     if not first.ckpt:
         raise ValueError("--ckpt is missing: pass --ckpt DIR, a folder with config.json, *.safetensors and "
                          "tokenizer.json (e.g. out/toy/final)")
     saved = read_generation_settings(first.ckpt) if Path(first.ckpt).is_dir() else {}
     toy = any(t in ("text", "image") for t in saved.pop("tasks", "").split(","))
     known = {k: v for k, v in saved.items() if k in Options.__dataclass_fields__ and k != "temperature"}
-    o = cli.parse(Options, argv, description="Sample from a LLaDA/MMaDA-style checkpoint.", defaults=known)
+    o = cli.parse(Options, argv, description=DESCRIPTION, defaults=known)
     check_options(o)
     config = hf.read_config(o.ckpt)  # config.json and tokenizer.json first: the prompt is checked before
     tok = load_tokenizer(o.ckpt, config)  # gigabytes of weights are read
@@ -100,6 +103,11 @@ def check_options(o: Options) -> None:
         raise ValueError(f"--png {o.png} needs Pillow, which is not installed: pip install pillow")
     if o.png and not Path(o.png).parent.is_dir():
         raise ValueError(f"--png {o.png}: the directory {Path(o.png).parent} does not exist")
+    png = Path(o.png)
+    if o.png and (png.is_dir() or png.suffix.lower() != ".png"):  # PIL would fail after the sampling
+        problem, example = ("is a folder", png / "sample.png") if png.is_dir() else \
+            ("does not end in .png", png.with_suffix(".png"))
+        raise ValueError(f"--png {o.png} {problem}: pass the picture's file name, e.g. --png {example}")
 
 
 def encode_checked(tok, text: str) -> list[int]:
@@ -118,12 +126,14 @@ def encode_checked(tok, text: str) -> list[int]:
     return enc.ids
 
 
-def check_length(prompt_len: int, gen_length: int, config, ckpt: str) -> None:
-    """Refuse a sequence longer than the model's positions: past them the output is garbage, slowly."""
+def check_length(prompt_len: int, gen_length: int, config, ckpt: str, flag: str = "") -> None:
+    """Refuse a sequence longer than the model's positions: past them the output is garbage, slowly. flag:
+    the option that set gen_length, as the user gave it (default --gen_length)."""
+    flag = flag or f"--gen_length={gen_length}"
     if prompt_len + gen_length > config.max_sequence_length:
-        raise ValueError(f"the prompt is {prompt_len} tokens and --gen_length={gen_length}: {prompt_len + gen_length} "
+        raise ValueError(f"the prompt is {prompt_len} tokens and {flag}: {prompt_len + gen_length} "
                          f"> the model's max_sequence_length {config.max_sequence_length} ({Path(ckpt) / 'config.json'}); "
-                         "shorten the prompt or lower --gen_length")
+                         f"shorten the prompt or lower {flag.split('=')[0]}")
 
 
 def _load(o: Options):
@@ -145,7 +155,7 @@ def _sample_image(cfg, tok, o):
         print(f"warning: the caption is {len(caption)} tokens; only its first {text_len - 3} fit the text part "
               f"(--image_text_len={text_len})", file=sys.stderr)
     ids, start, att = tasks.encode_image_prompt(tok, o.prompt, text_len, n)
-    check_length(len(ids) - n, n, cfg, o.ckpt)
+    check_length(len(ids) - n, n, cfg, o.ckpt, f"--image_width={o.image_width} ({n} image tokens)")
     uids, _, uatt = tasks.encode_image_prompt(tok, "", text_len, n)
     model, device, gen = _load(o)
 

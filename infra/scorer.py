@@ -17,6 +17,7 @@ import http.server
 import json
 import math
 import operator
+import sys
 import threading
 import time
 import urllib.error
@@ -169,7 +170,12 @@ if __name__ == "__main__":
     args = cli.parse_args()
     if not args.stub:
         cli.error("nothing to run: pass --stub to serve the stub image scorer")
-    stub = serve_stub(args.port, args.host)
+    try:
+        stub = serve_stub(args.port, args.host)
+    except OSError as e:  # a busy port (another stub still running), or a host this machine does not have
+        print(f"error: cannot serve on {args.host}:{args.port} ({e.strerror}); stop what holds it, or pass "
+              "another --port", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"stub image scorer at http://{args.host}:{stub.server_address[1]} (score = fraction of distinct "
           "codes per image); Ctrl-C stops it", flush=True)
     try:

@@ -4,6 +4,7 @@ A checkpoint carries the generation settings it was trained with (generation.jso
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -32,6 +33,8 @@ def validate_generation(o) -> None:
     """The sampler settings config.Config and sample.py's options share (same names, same rules):
     checked here, once, for both, so that the samplers only assert their preconditions."""
     need = _need
+    for k, v in vars(o).items():  # inf or nan would pass the range checks below (inf > 0) and fail mid-run
+        need(not isinstance(v, float) or math.isfinite(v), f"{k} ({v}) must be a finite number")
     for k in ("gen_length", "block_length", "steps", "image_steps", "image_width"):
         need(getattr(o, k) >= 1, f"{k} ({getattr(o, k)}) must be >= 1")
     need(o.gen_length % o.block_length == 0,
@@ -74,6 +77,10 @@ def validate(cfg) -> None:
                "drop the flag, or choose an estimator that uses it (importance.READ_BY)")
     need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
          "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
+    need(cfg.trajectory_states >= 0, f"trajectory_states ({cfg.trajectory_states}) must be >= 0 (0 = every "
+         "decoding state; K > 0 scores K of them per update)")
+    need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
+         f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add --estimator=trajectory or drop it")
     need(cfg.adv_std in ("auto", "on", "off"), f"adv_std ({cfg.adv_std!r}) must be auto, on or off")
     need(cfg.text_reward in tasks.TEXT_REWARDS, f"text_reward ({cfg.text_reward!r}) must be one of {tuple(tasks.TEXT_REWARDS)}")
     need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")

@@ -259,3 +259,39 @@ def test_shard_rows_keeps_each_group_on_one_rank(monkeypatch, world, group_size)
     for g in range(prompts):
         owners = {r for r, rows in enumerate(got) for i in rows if i // group_size == g}
         assert len(owners) == 1, (g, owners)
+
+
+@pytest.mark.parametrize("n,size,want", [(7, 3, [(0, 3), (3, 6), (6, 7)]), (6, 0, [(0, 6)]), (4, 8, [(0, 4)])])
+def test_chunks_split_rows_by_device_batch_size(n, size, want):
+    """--device_batch_size=size: forwards of at most `size` rows, all n with 0."""
+    rows = list(range(n))
+    assert [rows[s] for s in scale.chunks(n, size)] == [list(range(a, b)) for a, b in want]
+
+
+@pytest.mark.parametrize("raw,minutes", [("2.5", 2.5), ("60", 60.0), ("0", None), ("-1", None), ("soon", None)])
+def test_collective_timeout_from_the_environment(monkeypatch, raw, minutes):
+    """MASKGRPO_COLLECTIVE_TIMEOUT_MIN sets how long a collective waits, in minutes; anything but a
+    positive number is a one-line error naming the variable."""
+    monkeypatch.setenv(scale.TIMEOUT_ENV, raw)
+    if minutes is None:
+        with pytest.raises(ValueError, match=rf"{scale.TIMEOUT_ENV}='{raw}' must be a positive number"):
+            scale.collective_timeout()
+    else:
+        assert scale.collective_timeout().total_seconds() == minutes * 60
+
+
+def test_one_process_needs_no_process_group(monkeypatch):
+    """Without WORLD_SIZE (or with 1) init joins nothing: --device=cpu is the CPU, auto is CUDA only when
+    there is one; reductions are the identity and fill_shard copies a plain tensor whole."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert scale.init("cpu") == CPU
+    assert scale.init("auto") == (torch.device("cuda") if torch.cuda.is_available() else CPU)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert scale.init("cpu") == CPU and (scale.rank(), scale.world()) == (0, 1)
+    t = torch.tensor([1.0, 2.0])
+    assert scale.all_sum(t) is t and scale.all_max(t) is t and scale.all_gather_rows(t) is t
+    target = torch.zeros(2, 3, dtype=torch.float64)
+    scale.fill_shard(target, torch.arange(6.0).view(2, 3))
+    assert target.tolist() == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ValueError, match="does not match rows"):
+        scale.fill_shard(torch.zeros(3, 3), torch.zeros(2, 3))

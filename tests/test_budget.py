@@ -3,12 +3,19 @@ holds (infra/budget.py).
 
     python -m pytest tests/test_budget.py -q      # seconds; no weights are loaded
 """
+import json
+import math
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import train
 from infra import budget
+from model import ModelConfig
 
 
 def test_llada8b_flops_match_the_hand_derivation(capsys):
@@ -74,12 +81,15 @@ def test_memory_table_has_the_gathered_parts():
     assert one["root_gathered"] == 0 and one["model_gathered"] == 0  # one process gathers nothing
     # A rollout on one of 8 GPUs, by hand: its shard of the bf16 base (8,015,581,184 weights x 2 B / 8) and
     # of the float32 adapters with gradients and AdamW moments (335,544,320 x 16 B / 8: r 128 on 7 matrices
-    # of 32 blocks), the whole adapted model gathered in bf16 ((8,015,581,184 + 335,544,320) x 2 B), and
-    # the sampling transients below: 2.49 + 15.56 + 0.32 = 18.36 GB.
+    # of 32 blocks), the whole adapted model gathered in bf16 ((8,015,581,184 + 335,544,320) x 2 B), the
+    # all-gather's flat buffer of the largest group, the root (embedding and head, 126464 x 4096 each, and
+    # the final norm, in bf16), and the sampling transients below: 2.49 + 15.56 + 1.93 + 0.32 = 20.29 GB.
     base, adapters = 8_015_581_184, 335_544_320
     sampling = 6 * 16 * 126464 * (2 + 26)
     assert s["lora_params"] == adapters
-    by_hand = (base * 2 + adapters * 16) / 8 + (base + adapters) * 2 + sampling
+    buffer = (2 * 126464 * 4096 + 4096) * 2
+    assert eight["allgather_buffer"] == pytest.approx(buffer / gb) and one["allgather_buffer"] == 0
+    by_hand = (base * 2 + adapters * 16) / 8 + (base + adapters) * 2 + buffer + sampling
     assert eight["lora_rollout"] == pytest.approx(by_hand / gb, rel=1e-6)
     assert eight["model_gathered"] == pytest.approx((base + adapters) * 2 / gb)
     # sampling: the bf16 logits of 6 sequences over the current block of 16 positions (the sampler's head
@@ -115,3 +125,132 @@ def test_disk_check_lora_passes_full_is_refused(tmp_path, monkeypatch):
 def test_keep_all_counts_every_checkpoint():
     cfg = train.parse_args(["--preset=smoke", "--rl_steps=10", "--checkpoint_every=3", "--keep_last=0"])
     assert budget.checkpoints_on_disk(cfg) == 4  # steps 3, 6, 9 and one written on a stop signal
+
+
+@pytest.mark.parametrize("env, step, ckpt, fires", [
+    ({}, 500.0, 50.0, False),                                                   # no launcher: the user's kill decides
+    ({"TORCHELASTIC_RUN_ID": "x"}, 20.0, 5.0, False),                           # torchrun default 30 s > 25 s
+    ({"TORCHELASTIC_RUN_ID": "x"}, 26.0, 5.0, True),                            # 31 s > 30 s
+    ({"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "400"}, 165.0, 8.0, False),
+    ({"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}, 165.0, 8.0, True),
+    ({"SLURM_JOB_ID": "7"}, 10.0, 1.0, False), ({"SLURM_JOB_ID": "7"}, 40.0, 1.0, True),
+    # inside Slurm a raised torchrun timeout does not lift KillWait's (assumed) 30 s
+    ({"SLURM_JOB_ID": "7", "TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "400"}, 165.0, 8.0, True)])
+def test_kill_delay_warning(env, step, ckpt, fires):
+    """The start-up warning fires exactly when the launcher's SIGKILL would come before one step plus a
+    checkpoint (by hand: the delay is TORCH_ELASTIC_SHUTDOWN_TIMEOUT under torchrun, 30 s by default, and
+    Slurm's KillWait default 30 s), and names what to set: twice the need, rounded up."""
+    text = budget.kill_delay_warning(env, step, ckpt)
+    assert (text is not None) == fires
+    if fires:
+        assert text.startswith("warning: a SIGTERM gets SIGKILL") and "\n" not in text
+        if "TORCHELASTIC_RUN_ID" in env:
+            assert f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(step + ckpt)}" in text
+        if "SLURM_JOB_ID" in env:
+            assert f"--signal=TERM@{2 * math.ceil(step + ckpt)}" in text and "KillWait" in text
+
+
+def test_kill_delay_start_up_hook(capsys, monkeypatch):
+    """warn_kill_delay prices the llada8b step on the dry run's numbers (1.48e17 FLOPs on 8 A100s at 35%:
+    about 170 s, tests above) plus its 2 GB LoRA checkpoint: under torchrun's default 30 s it warns; the
+    smoke preset (a toy step of microseconds at that speed) does not; without a launcher it computes nothing."""
+    env = {"TORCHELASTIC_RUN_ID": "x"}
+    budget.warn_kill_delay(train.parse_args(["--preset=llada8b", "--dry_run=true"]), 8, env=env)
+    out = capsys.readouterr().out
+    assert "warning: a SIGTERM gets SIGKILL 30 s later" in out and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=" in out
+    budget.warn_kill_delay(train.parse_args(["--preset=smoke"]), 2, env=env)
+    monkeypatch.setattr(budget, "model_config", lambda cfg: 1 / 0)
+    budget.warn_kill_delay(train.parse_args(["--preset=llada8b", "--dry_run=true"]), 8, env={})
+    assert capsys.readouterr().out == ""
+
+
+# One RL update (a rollout under scale.full_weights, old and reference scoring, one LoRA update with
+# AdamW) on FSDP2 over 2 gloo ranks; each rank prints how far its resident set grew over its size before
+# the model existed, after each phase.
+RANK = """import json, os, resource, sys
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+import grpo, importance, sample
+from infra import budget, lora, scale
+from model import ModelConfig, Transformer
+D, V, MLP, B, P, N, R = (int(v) for v in sys.argv[2:9])
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+mc = ModelConfig(d_model=D, n_layers=2, n_heads=D // 128, n_kv_heads=D // 128, mlp_hidden_size=MLP, vocab_size=V,
+                 max_sequence_length=P + N, mask_token_id=V - 1, eos_token_id=1, pad_token_id=1)
+g = torch.Generator().manual_seed(0)
+x = torch.randint(0, V - 1, (B, P + N), generator=g)
+base = rss()
+with torch.device("meta"):
+    model = Transformer(mc)
+lora.add_lora(model, R, 2.0 * R, 0.0, targets=lora.TARGET_SETS["official"])
+model = scale.shard(model, compute_dtype=torch.float32)
+model.to_empty(device="cpu")
+with torch.no_grad():
+    for n, p in model.named_parameters():
+        t = p.to_local()
+        t.fill_(1.0) if p.dim() == 1 else t.normal_(0, 0.02, generator=g)
+model.set_activation_checkpointing(True).eval()
+out = {"setup": peak() - base}
+with scale.full_weights(model):
+    sample.generate(model, x[:, :P], gen_length=N, block_length=N, steps=2, temperature=0.9, mask_id=V - 1,
+                    generator=[torch.Generator().manual_seed(i) for i in range(B)])
+out["rollout"] = peak() - base
+mask = torch.zeros(B, P + N, dtype=torch.bool)
+mask[:, P:] = True
+inp = x.masked_fill(mask, V - 1)
+with torch.no_grad():
+    old = importance.token_logprobs(model, inp, x, mask)
+    ref = importance.token_logprobs(model, inp, x, mask)
+out["scoring"] = peak() - base
+opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=1e-4)
+model.train()
+logp = importance.token_logprobs(model, inp, x, mask)
+loss, _ = grpo.policy_loss(logp, old, torch.randn(B, generator=g), mask, clip_eps=0.2, beta=0.01, logp_ref=ref,
+                           norm="token")
+loss.backward()
+opt.step()
+out["update"] = peak() - base
+print("MEM " + json.dumps({"rank": dist.get_rank(), **out}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_memory_formula_matches_a_two_rank_run(tmp_path):
+    """budget.memory against a measured 2-rank CPU run, within 25% per rank. The slice keeps LLaDA-8B's
+    proportions where they set the peak (the root, embedding + head over a 32,768 vocabulary, outweighs
+    a block 5 to 1; LoRA r 128 on the official targets; activation checkpointing; every completion
+    position scored) in float32, which the CPU computes fastest, at 2 x 64 tokens.
+    The measure: the growth of the process's peak resident set (getrusage ru_maxrss) over its resident
+    set just before the model is built. The CPU allocator is glibc malloc, and MALLOC_MMAP_THRESHOLD_
+    makes every allocation of 1 MB or more its own mapping, returned to the system when the tensor is
+    freed, so the resident set follows the live tensors (which torch counts on CUDA only) instead of
+    malloc's cached arenas; libraries and the interpreter, loaded before, are not counted."""
+    D, V, MLP, B, P, N, R = 1024, 32768, 2816, 2, 32, 32, 128
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2 ** 20))
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script), root, *map(str, (D, V, MLP, B, P, N, R))], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ranks = [json.loads(line[4:]) for line in res.stdout.splitlines() if line.startswith("MEM ")]
+    assert len(ranks) == 2
+    mc = ModelConfig(d_model=D, n_layers=2, n_heads=D // 128, n_kv_heads=D // 128, mlp_hidden_size=MLP,
+                     vocab_size=V, max_sequence_length=P + N, mask_token_id=V - 1, eos_token_id=1, pad_token_id=1)
+    s = budget.shape(mc, R, "official")
+    est = budget.memory(mc, s, world_size=2, chunk=B, seq_len=P + N, sampled=N, image=False, cfg_scale=0.0,
+                        beta=0.01, activation_checkpointing=True, compute_bytes=4, scored=N)
+    formula = max(est["lora_update"], est["lora_rollout"])
+    for r in ranks:
+        measured = max(r["rollout"], r["scoring"], r["update"]) / 2 ** 30
+        print(f"rank {r['rank']}: measured peak {measured:.3f} GiB (rollout {r['rollout'] / 2 ** 30:.3f}, "
+              f"scoring {r['scoring'] / 2 ** 30:.3f}, update {r['update'] / 2 ** 30:.3f}); formula {formula:.3f} "
+              f"GiB, of which the all-gather buffer {est['allgather_buffer']:.3f}")
+        assert measured == pytest.approx(formula, rel=0.25)

@@ -115,3 +115,39 @@ def test_section_headings_are_not_part_of_the_field_above():
     comments = cli.field_comments(train.Config)
     assert comments["threads"] == "torch CPU threads (0 = torch's default)"
     assert comments["activation_checkpointing"] == "recompute each block in backward (needed at 8B)"
+
+
+@dataclass
+class Needs:
+    path: str
+    n: int = 1
+
+
+def test_required_fields_and_module_flags():
+    """A field without a default must be given (named in the error); parse_known (the infra modules' own
+    argparse flags) turns a bad value or an unknown flag into one-line ValueErrors naming the module."""
+    assert cli.parse(Needs, ["--path=x"]) == Needs(path="x")
+    with pytest.raises(ValueError, match=r"^missing --path$"):
+        cli.parse(Needs, ["--n=2"])
+    import argparse
+    p = argparse.ArgumentParser(exit_on_error=False, allow_abbrev=False)  # as the infra modules make theirs
+    p.add_argument("--reps", type=int, default=1)
+    assert cli.parse_known(p, ["--reps=3"], "bench").reps == 3
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['--rep=2'\]; see python -m infra.bench --help"):
+        cli.parse_known(p, ["--rep=2"], "bench")
+    with pytest.raises(ValueError, match=r"--reps.*'x'"):
+        cli.parse_known(p, ["--reps=x"], "bench")
+
+
+@pytest.mark.parametrize("exc,status,line", [(ValueError("bad --n (3)"), 2, "error: bad --n (3)"),
+                                             (FileNotFoundError("no such file"), 2, "error: no such file"),
+                                             (KeyboardInterrupt(), 130, "interrupted (Ctrl-C)")])
+def test_user_errors_exit_with_one_line(capsys, exc, status, line):
+    with pytest.raises(SystemExit) as e, cli.user_errors():
+        raise exc
+    assert e.value.code == status and capsys.readouterr().err == line + "\n"
+
+
+def test_programming_errors_keep_their_traceback():
+    with pytest.raises(KeyError), cli.user_errors():
+        raise KeyError("bug")

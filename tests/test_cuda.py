@@ -1,32 +1,49 @@
 """The first-GPU check: what the CPU suite cannot show, measured on CUDA kernels and printed as a table.
+Every check also runs on the CPU at toy size (cuda -> cpu, nccl -> gloo) inside the normal suite, so a
+changed signature or a typo fails there, not on the first GPU; on CUDA the same code runs at the sizes below.
 
     python -m pytest tests/test_cuda.py -v -s      # or: python tests/test_cuda.py
-    (about 8 minutes at most on one GPU; the two-GPU part runs only where two are visible)
+    (at most about 8 minutes on one H100/H200; the two-process part runs where two GPUs are visible, and
+    on the CPU as two gloo ranks in the slow suite)
 
-One GPU:
+One device:
   1. LoRA over a bf16 base, activation checkpointing, device_batch_size 3, mu 3, text and image: the
      forward computes in bf16, adapters and their gradients stay float32, losses are finite, and the first
-     ratio of every step is exactly 1 on GPU kernels (update 0 re-scores pi_old: same weights, same input,
-     same chunks), while later ones move.
+     ratio of every step is exactly 1 (update 0 re-scores pi_old: same weights, same input, same chunks),
+     while later ones move.
   2. Full fine-tuning with a bf16 compute dtype: float32 master weights, bf16 all-gathered copies (FSDP2's
-     MixedPrecisionPolicy from infra/scale.shard, in a one-rank NCCL group), float32 gradients, the first
-     ratio exactly 1. (One process without FSDP2 computes in float32: infra/load.load_policy.)
-  3. GPU against CPU logits on tests/fixtures/tiny-llada (the public LLaDA code's reference logits, of
-     scale 7.9): float32 within 1e-3; bf16 within 0.5 at worst and 0.05 on average (CPU bf16 measured
-     0.23 and 0.027), with the greedy tokens agreeing at >= 95% of positions (CPU bf16: 97.5%).
-  4. Peak memory of one update chunk at 8B width (a 2-layer slice of LLaDA-8B: d_model 4096, 32 heads,
-     MLP 12288, vocab 126,464; LoRA r 128 on a bf16 base, checkpointing, 6 sequences of 512 tokens, then
-     the optimizer step) against infra/budget.memory's "lora_update" for the same shape: 0.5x to 1.5x.
-  5. Exact and dual-cache rollout tokens/s on the same slice (6 x 256 tokens, blocks of 32, 128 steps,
-     temperature 0.9, per-row CUDA generators); both decode every position.
-Two GPUs (torchrun, NCCL, FSDP2):
-  6. Full fine-tuning with bf16 compute and LoRA with dropout, checkpointing and chunks: every rank exits
-     0, finite losses, peak memory per rank printed beside budget.memory.
-  7. Save and resume: 2 steps, then --resume to 3, against 3 uninterrupted steps: the same rewards and
-     the same losses to bf16 rounding.
+     MixedPrecisionPolicy from infra/scale.shard, in a one-rank NCCL / gloo group that the check destroys),
+     float32 gradients, the first ratio exactly 1. (One process without FSDP2 computes in float32.)
+  3. Logits on tests/fixtures/tiny-llada against the public LLaDA code's reference logits (scale 7.9):
+     float32 within 1e-3; bf16 within 0.5 at worst and 0.05 on average (CPU bf16 measured 0.23 and
+     0.027), with the greedy tokens agreeing at >= 95% of positions (CPU bf16: 97.5%).
+  4. Peak memory of one LoRA update chunk of LLaDA-8B's shape (32 layers, d_model 4096, vocab 126,464,
+     random bf16 weights, LoRA r 128 on the official targets, activation checkpointing) on a left-padded
+     batch of device_batch_size sequences, then the optimizer step: peak allocated and reserved against
+     infra/budget.memory(world_size=1)'s "lora_update" (0.5x to 1.5x). The CPU has no allocator
+     statistics: there the update runs at toy size and its memory is measured by tests/test_budget.py.
+  5. Which SDPA kernel runs with and without the key-padding mask (flash attention takes no mask, so
+     padded batches run another kernel): torch's own dispatch choice, printed.
+  6. Exact-sampler seconds per denoising step and generated tokens/s per GPU on the 32-layer model (a
+     chunk of device_batch_size left-padded prompts), and the llada8b RL step time they imply (the
+     measured rollout rate applied to the dry run's FLOPs of every phase) next to the dry run's.
+  7. Rows sampled alone equal the same rows sampled in batches of 2 and 4, with per-row generators on
+     the device (infra/rng.py: one code path on every device).
+  8. LoRA dropout under activation checkpointing: the recomputed forward replays the dropout masks, so
+     gradients with checkpointing on equal those with it off (same seed); another seed moves them.
+  9. TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's kill delay after SIGTERM, default 30 s) against one llada8b
+     step plus a checkpoint, and whether the start-up warning (infra/budget.kill_delay_warning) fires.
+Two processes (torchrun, FSDP2; NCCL on two GPUs, gloo on the CPU in the slow suite):
+ 10. Full fine-tuning with bf16 compute and LoRA with dropout, checkpointing and chunks: every rank exits
+     0, finite losses, peak memory per rank printed beside budget.memory (CUDA).
+ 11. Save and resume: 2 steps, then --resume to 3, against 3 uninterrupted steps: rewards within 1/8
+     (one of the step's 8 sequences may flip: memory-efficient attention's backward may sum over keys
+     with atomics, and no deterministic algorithms are forced) and losses within 5% relative.
 
-Without CUDA every test skips with its reason. The GPU bounds above have not yet been checked on a GPU.
+The GPU bounds above have not yet been checked on a GPU; the CPU rehearsal runs in every CI run.
 """
+import contextlib
+import io
 import json
 import math
 import os
@@ -39,7 +56,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch.nn.attention import SDPBackend
 
 # `python tests/test_cuda.py` puts tests/ first on the path; the repository root must come before any
 # installed copy of the project.
@@ -47,18 +66,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
 import importance  # noqa: E402
 import sample  # noqa: E402
-import train
-from conftest import REFERENCE
-from infra import budget, hf, lora, scale
-from model import ModelConfig, Transformer
-from test_rl_step import build, run_step, save_tiny_checkpoint
+import train  # noqa: E402
+from conftest import REFERENCE  # noqa: E402
+from infra import budget, hf, lora, scale  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
+from test_rl_step import build, run_step, save_tiny_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
-CUDA = torch.device("cuda") if HAS_CUDA else None
-pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the first-GPU check; none is visible)")
-two_gpus = pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2,
-                              reason="needs 2 CUDA GPUs (torchrun, NCCL, FSDP2)")
+DEV = torch.device("cuda" if HAS_CUDA else "cpu")
+BACKEND = "nccl" if HAS_CUDA else "gloo"
+# Two processes: two GPUs under CUDA; on the CPU two gloo ranks, slow (torchrun starts two interpreters).
+TWO_PROCS = [pytest.mark.skipif(HAS_CUDA and torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+             *([] if HAS_CUDA else [pytest.mark.slow])]
+
+
+def two_procs(fn):
+    for mark in TWO_PROCS:
+        fn = mark(fn)
+    return fn
 
 # What was measured: (check, measured, bound), printed as one table when the module ends.
 TABLE: list[tuple[str, str, str]] = []
@@ -78,8 +104,8 @@ def format_table(rows) -> str:
 def print_table():
     yield
     if TABLE:
-        print("\n\nfirst-GPU check on " + (torch.cuda.get_device_name() if HAS_CUDA else "no GPU") + "\n"
-              + format_table(TABLE))
+        where = torch.cuda.get_device_name() if HAS_CUDA else "CPU (toy-size rehearsal)"
+        print(f"\n\nfirst-GPU check on {where}\n" + format_table(TABLE))
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +113,35 @@ def ckpt(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
+# The CPU rehearsal of checks 1 and 2 decodes shorter windows: the same code in a fraction of the time.
+SHORT = [] if HAS_CUDA else ["--gen_length=12", "--block_length=12", "--steps=4", "--image_steps=2"]
+
+
 # -----------------------------------------------------------------------------------------------------
-# helpers (the ones that need no GPU are plain functions, so their logic runs anywhere)
+# sizes: LLaDA-8B's on CUDA, a toy on the CPU
+
+
+def llada8b_config(layers=32) -> ModelConfig:
+    """LLaDA-8B's shape (its config.json) with `layers` blocks."""
+    return ModelConfig(d_model=4096, n_layers=layers, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
+                       vocab_size=126464, max_sequence_length=4096, mask_token_id=126336, eos_token_id=126081,
+                       pad_token_id=126081)
+
+
+def toy_config() -> ModelConfig:
+    return ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=192, vocab_size=600,
+                       max_sequence_length=64, mask_token_id=599, eos_token_id=1, pad_token_id=1)
+
+
+PRESET = train.parse_args(["--preset=llada8b", "--dry_run=true"])
+# chunk rows, padded prompt length, completion, block, timed denoising steps
+BIG = dict(mc=llada8b_config(), chunk=PRESET.device_batch_size, prompt_len=256, gen_len=PRESET.gen_length,
+           block=PRESET.block_length, timed_steps=8) if HAS_CUDA else \
+    dict(mc=toy_config(), chunk=3, prompt_len=12, gen_len=8, block=4, timed_steps=4)
+
+
+# -----------------------------------------------------------------------------------------------------
+# helpers
 
 
 def head_dtype(model):
@@ -111,22 +164,8 @@ def check_ratios(updates, tasks_, label):
             assert math.isfinite(u.stats[f"{t}/loss"])
 
 
-def llada8b_slice(layers=2) -> ModelConfig:
-    """LLaDA-8B's width (its config.json) with `layers` blocks: what one block and the root cost."""
-    return ModelConfig(d_model=4096, n_layers=layers, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
-                       vocab_size=126464, max_sequence_length=4096, mask_token_id=126336, eos_token_id=126081,
-                       pad_token_id=126081)
-
-
-def estimated_update_gib(mc, lora_rank, chunk, seq_len, block_length) -> float:
-    """infra/budget.py's dry-run estimate of one LoRA update chunk on one GPU, in GiB."""
-    s = budget.shape(mc, lora_rank)
-    return budget.memory(mc, s, world_size=1, chunk=chunk, seq_len=seq_len, sampled=block_length, image=False,
-                         cfg_scale=0.0, beta=0.01, activation_checkpointing=True)["lora_update"]
-
-
 def random_weights(mc, device, dtype, seed=0):
-    """A model of config mc with N(0, 0.02) weights drawn on `device` (an 8B-width embedding would take
+    """A model of config mc with N(0, 0.02) weights drawn on `device` (an 8B embedding would take
     seconds to draw on the CPU); norms at 1."""
     with torch.device("meta"):
         model = Transformer(mc)
@@ -141,17 +180,31 @@ def random_weights(mc, device, dtype, seed=0):
     return model.to(dtype).eval()  # (the RoPE tables are a lazy cache, built at the first forward)
 
 
-def synthetic_rollout(model, mc, B, prompt_len, gen_len, device, seed=0):
-    """A text rollout of B random sequences with one inner iteration's mask (ratio about 0.7) and its old
-    and reference log-probs, shaped as train.rl_step builds it, for one update chunk."""
+def padded_prompts(mc, B, prompt_len, device, seed=0):
+    """B random prompts left-padded as tasks.make_batch pads them: row i has i * prompt_len // (2 B)
+    pad tokens, masked out of attention (so the key-mask SDPA path runs)."""
     g = torch.Generator().manual_seed(seed)
-    L = prompt_len + gen_len
-    x = torch.randint(0, mc.vocab_size - 1000, (B, L), generator=g).to(device)
-    mask = torch.zeros(B, L, dtype=torch.bool)
+    x = torch.randint(0, mc.vocab_size - 1000 if mc.vocab_size > 2000 else mc.vocab_size - 2, (B, prompt_len),
+                      generator=g)
+    am = torch.ones(B, prompt_len, dtype=torch.long)
+    for i in range(B):
+        am[i, : i * prompt_len // (2 * B)] = 0
+    x[am == 0] = mc.pad_token_id
+    return x.to(device), am.to(device)
+
+
+def synthetic_rollout(model, mc, B, prompt_len, gen_len, device, seed=0):
+    """A text rollout of B left-padded sequences with one inner iteration's mask (ratio about 0.7) and
+    its old and reference log-probs, shaped as train.rl_step builds it, for one update chunk."""
+    g = torch.Generator().manual_seed(seed)
+    prompt, am_p = padded_prompts(mc, B, prompt_len, device, seed)
+    comp = torch.randint(0, mc.vocab_size - 2, (B, gen_len), generator=g).to(device)
+    x = torch.cat([prompt, comp], 1)                                               # (B, L)
+    am = torch.cat([am_p, torch.ones_like(comp)], 1)
+    mask = torch.zeros(x.shape, dtype=torch.bool)
     mask[:, prompt_len:] = torch.rand(B, gen_len, generator=g) < 0.7
     mask = mask.to(device)
     inp = x.masked_fill(mask, mc.mask_token_id)
-    am = torch.ones(B, L, dtype=torch.long, device=device)
     with torch.no_grad():
         old = importance.token_logprobs(model, inp, x, mask, attention_mask=am)
     batch = train.Batch("gsm8k", x, am, prompt_len, gen_len)
@@ -176,126 +229,248 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def sync():
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+
+
+def quiet(fn, *a, **kw):
+    with contextlib.redirect_stdout(io.StringIO()):
+        return fn(*a, **kw)
+
+
+@pytest.fixture(scope="module")
+def big():
+    """The 32-layer LLaDA-8B-shaped model in bf16 (CUDA) or the toy (CPU), random weights, LoRA r 128 on
+    the llada8b preset's targets, activation checkpointing: shared by checks 4 and 6."""
+    mc = BIG["mc"]
+    model = random_weights(mc, DEV, torch.bfloat16)
+    model = lora.add_lora(model, PRESET.lora_rank, PRESET.lora_alpha, 0.0,
+                          targets=lora.TARGET_SETS[PRESET.lora_targets], generator=torch.Generator().manual_seed(0))
+    return mc, model.set_activation_checkpointing(True)
+
+
 # -----------------------------------------------------------------------------------------------------
-# one GPU
+# one device
 
 
 def test_lora_bf16_base_with_checkpointing_and_chunks(ckpt):
-    flags = ["--tasks=text,image", "--device=cuda", "--dtype=bfloat16", "--lora_rank=4", "--lora_alpha=8",
-             "--activation_checkpointing=true", "--device_batch_size=3", "--lr=1e-2"]
-    cfg, policy, ref, opt, tok, ids = build(ckpt, *flags, device=CUDA, dtype=torch.bfloat16)
+    flags = ["--tasks=text,image", f"--device={DEV.type}", "--dtype=bfloat16", "--lora_rank=4", "--lora_alpha=8",
+             "--activation_checkpointing=true", "--device_batch_size=3", "--lr=1e-2", *SHORT]
+    cfg, policy, ref, opt, tok, ids = build(ckpt, *flags, device=DEV, dtype=torch.bfloat16)
     base = [p for n, p in policy.named_parameters() if "lora_" not in n]
     adapters = lora.trainable_parameters(policy)
     assert all(p.dtype == torch.bfloat16 for p in base) and all(p.dtype == torch.float32 for p in adapters)
     seen = head_dtype(policy)
     t0 = time.time()
-    for step in (0, 1):
-        log, rolls, updates = run_step(cfg, policy, ref, opt, tok, ids, step, device=CUDA)
-        check_ratios(updates, ("text", "image"), f"LoRA bf16 step {step}")
+    for step in (0, 1) if HAS_CUDA else (0,):
+        log, rolls, updates = run_step(cfg, policy, ref, opt, tok, ids, step, device=DEV)
+        check_ratios(updates, ("text", "image"), f"1. LoRA bf16 step {step}")
         for u in updates:
             grads = [g for n, g in u.grads.items() if "lora_" in n]
             assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
     assert set(seen) == {torch.bfloat16}, seen
-    record("LoRA bf16 + checkpointing + chunks: 2 steps", f"{time.time() - t0:.1f} s", "finite, bf16 head")
+    record("1. LoRA bf16 + checkpointing + chunks", f"{time.time() - t0:.1f} s", "finite, bf16 head")
 
 
 def test_full_finetuning_with_bf16_compute(ckpt, monkeypatch):
     """One process holds float32 weights and computes in float32 (load_policy); bf16 compute of full
     fine-tuning is FSDP2's: the all-gathered copies are cast to bf16. Here scale.shard's own FSDP2 wrap
-    runs in a one-rank NCCL group (scale.world() is made to say 2 for the wrap alone, the one way to reach
-    it in one process), so the exact wrap train.py uses under torchrun computes this update."""
+    runs in a one-rank group (scale.world() is made to say 2 for the wrap alone, the one way to reach it
+    in one process), so the exact wrap train.py uses under torchrun computes this update. The group is
+    destroyed at the end, whatever happens."""
     import torch.distributed as dist
-    if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    cfg, policy, ref, _, tok, ids = build(ckpt, "--tasks=text", "--device=cuda", "--dtype=bfloat16", "--lr=1e-2",
-                                         "--beta=0.5", device=CUDA, dtype=torch.bfloat16)
-    assert all(p.dtype == torch.float32 for p in policy.parameters()), "full fine-tuning: float32 master weights"
-    with monkeypatch.context() as m:
-        m.setattr(scale, "world", lambda: 2)
-        policy = scale.shard(policy, compute_dtype=torch.bfloat16)
-        ref = scale.shard(ref, compute_dtype=torch.bfloat16)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
-    seen = head_dtype(policy)
-    log, rolls, updates = run_step(cfg, policy, ref, opt, tok, ids, 0, device=CUDA, keep_weights=False)
-    check_ratios(updates, ("text",), "full FT bf16 compute")
-    assert set(seen) == {torch.bfloat16}, seen
-    assert all(p.dtype == torch.float32 for p in policy.parameters())
-    assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for u in updates for g in u.grads.values())
-    record("full FT, bf16 compute: head dtype", str(seen[0]).removeprefix("torch."), "bfloat16")
+    assert not dist.is_initialized(), "another test left a process group behind"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group(BACKEND, rank=0, world_size=1)
+    try:
+        cfg, policy, ref, _, tok, ids = build(ckpt, "--tasks=text", f"--device={DEV.type}", "--dtype=bfloat16",
+                                             "--lr=1e-2", "--beta=0.5", *SHORT, device=DEV, dtype=torch.bfloat16)
+        assert all(p.dtype == torch.float32 for p in policy.parameters()), "full fine-tuning: float32 master weights"
+        with monkeypatch.context() as m:
+            m.setattr(scale, "world", lambda: 2)
+            policy = scale.shard(policy, compute_dtype=torch.bfloat16)
+            ref = scale.shard(ref, compute_dtype=torch.bfloat16)
+        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
+        seen = head_dtype(policy)
+        log, rolls, updates = run_step(cfg, policy, ref, opt, tok, ids, 0, device=DEV, keep_weights=False)
+        check_ratios(updates, ("text",), "2. full FT bf16 compute")
+        assert set(seen) == {torch.bfloat16}, seen
+        assert all(p.dtype == torch.float32 for p in policy.parameters())
+        assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for u in updates for g in u.grads.values())
+        record("2. full FT, bf16 compute: head dtype", str(seen[0]).removeprefix("torch."), "bfloat16")
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized()
 
 
 @pytest.mark.parametrize("dtype, worst, mean", [(torch.float32, 1e-3, 1e-4), (torch.bfloat16, 0.5, 0.05)])
-def test_gpu_logits_match_the_reference(dtype, worst, mean):
+def test_logits_match_the_reference(dtype, worst, mean):
     ref = load_file(str(REFERENCE / "reference_logits.safetensors"))
-    model = hf.from_pretrained(REFERENCE, device=CUDA, dtype=dtype)
+    model = hf.from_pretrained(REFERENCE, device=DEV, dtype=dtype)
     with torch.no_grad():
-        got = model(ref["input_ids"].to(CUDA)).float().cpu()
+        got = model(ref["input_ids"].to(DEV)).float().cpu()
     err = (got - ref["logits"]).abs()
     agree = (got.argmax(-1) == ref["logits"].argmax(-1)).float().mean().item()
     name = str(dtype).removeprefix("torch.")
-    record(f"GPU {name} logits vs CPU reference: max |diff|", err.max().item(), f"<= {worst}")
-    record(f"GPU {name} logits: mean |diff|", err.mean().item(), f"<= {mean}")
-    record(f"GPU {name} greedy tokens agreeing", agree, ">= 0.95")
+    record(f"3. {DEV.type} {name} logits vs reference: max |diff|", err.max().item(), f"<= {worst}")
+    record(f"3. {DEV.type} {name} logits: mean |diff|", err.mean().item(), f"<= {mean}")
+    record(f"3. {DEV.type} {name} greedy tokens agreeing", agree, ">= 0.95")
     assert err.max() <= worst and err.mean() <= mean and agree >= 0.95
 
 
-def test_update_chunk_memory_at_8b_width():
-    mc, rank, chunk, prompt_len, gen_len = llada8b_slice(), 128, 6, 256, 256
-    cfg = train.parse_args(["--preset=llada8b", "--dry_run"])
-    model = random_weights(mc, CUDA, torch.bfloat16)
-    model = lora.add_lora(model, rank, cfg.lora_alpha, 0.0, generator=torch.Generator().manual_seed(0))
-    model.set_activation_checkpointing(True)
-    opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr)
-    r = synthetic_rollout(model, mc, chunk, prompt_len, gen_len, CUDA)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+def test_update_chunk_memory_on_a_padded_batch(big):
+    mc, model = big
+    B, P, N = BIG["chunk"], BIG["prompt_len"], BIG["gen_len"]
+    opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=PRESET.lr)
+    r = synthetic_rollout(model, mc, B, P, N, DEV)
+    assert not bool(r.batch.attention_mask.all())  # padded: the key-mask attention path
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     model.train()
-    stats = one_update_chunk(model, r, cfg)
+    stats = one_update_chunk(model, r, PRESET)
     opt.step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    est = estimated_update_gib(mc, rank, chunk, prompt_len + gen_len, cfg.block_length)
-    record("8B-width update chunk (2 layers, 6 x 512): peak GiB", peak, f"0.5-1.5 x estimate {est:.2f}")
-    assert math.isfinite(stats["loss"]) and 0.5 * est <= peak <= 1.5 * est
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    sync()
+    s = budget.shape(mc, PRESET.lora_rank, PRESET.lora_targets)
+    est = budget.memory(mc, s, world_size=1, chunk=B, seq_len=P + N, sampled=BIG["block"], image=False,
+                        cfg_scale=0.0, beta=PRESET.beta, activation_checkpointing=True,
+                        scored=N)["lora_update"]
+    assert math.isfinite(stats["loss"]) and est > 0
+    what = f"4. update chunk, {mc.n_layers} layers, {B} x {P + N} padded"
+    if not HAS_CUDA:
+        record(what, "ran (no CPU allocator stats)", f"estimate {est:.3g} GiB")
+        return
+    peak, reserved = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+    record(what + ": peak allocated GiB", peak, f"0.5-1.5 x estimate {est:.2f}")
+    record(what + ": peak reserved GiB", reserved, "printed")
+    assert 0.5 * est <= peak <= 1.5 * est
 
 
-def test_rollout_tokens_per_second_exact_and_dual_cache():
-    mc, B, prompt_len, gen_len, block, steps = llada8b_slice(), 6, 256, 256, 32, 128
-    model = random_weights(mc, CUDA, torch.bfloat16)
-    prompt = torch.randint(0, mc.vocab_size - 1000, (B, prompt_len), generator=torch.Generator().manual_seed(0))
-    prompt = prompt.to(CUDA)
-    rates = {}
-    for kv_cache in ("none", "dual"):
-        kw = dict(gen_length=gen_len, block_length=block, steps=steps, temperature=0.9, mask_id=mc.mask_token_id,
-                  kv_cache=kv_cache)
-        gens = lambda: [torch.Generator(device="cuda").manual_seed(i) for i in range(B)]
-        sample.generate(model, prompt, **{**kw, "gen_length": block, "steps": 4}, generator=gens())  # warm-up
-        torch.cuda.synchronize()
-        t0 = time.time()
-        out = sample.generate(model, prompt, **kw, generator=gens())
-        torch.cuda.synchronize()
-        rates[kv_cache] = B * gen_len / (time.time() - t0)
-        assert not (out[:, prompt_len:] == mc.mask_token_id).any()
-        record(f"rollout tokens/s, {'exact' if kv_cache == 'none' else kv_cache} (8B width, 2 layers)", rates[kv_cache], "> 0, printed")
-    record("dual cache speed-up over exact", rates["dual"] / rates[None], "printed (approximation, not exact)")
+def test_sdpa_kernel_with_and_without_the_key_mask(big, monkeypatch):
+    """torch's own dispatch choice (torch._fused_sdp_choice) for the attention model.py calls, recorded
+    for an unpadded and a left-padded batch."""
+    mc, model = big
+    chosen, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        chosen.append(SDPBackend(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal)).name)
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    x, am = padded_prompts(mc, 2, BIG["prompt_len"], DEV)
+    kernels = {}
+    with torch.no_grad():
+        for label, mask in (("no mask", None), ("key mask (padded)", am)):
+            chosen.clear()
+            model(x, mask, logits_at=slice(0, 1))
+            assert len(chosen) == mc.n_layers and len(set(chosen)) == 1, chosen
+            kernels[label] = chosen[0]
+            record(f"5. SDPA kernel, {label}", chosen[0], "printed")
+    assert "ERROR" not in kernels.values()
+
+
+def test_exact_sampler_speed_and_the_step_time_it_implies(big):
+    mc, model = big
+    B, P, K, steps = BIG["chunk"], BIG["prompt_len"], BIG["block"], BIG["timed_steps"]
+    x, am = padded_prompts(mc, B, P, DEV)
+    gens = lambda: [torch.Generator(device=DEV).manual_seed(i) for i in range(B)]
+    kw = dict(gen_length=K, block_length=K, temperature=PRESET.temperature, mask_id=mc.mask_token_id,
+              attention_mask=am)
+    sample.generate(model, x, steps=1, generator=gens(), **kw)  # warm-up: kernels, RoPE cache
+    # The exact sampler's forward spans the whole sequence at every step, so a step's time depends on the
+    # sequence length, not on which step it is: time `steps` steps of one block over P + gen_length tokens.
+    xs = torch.cat([x, x.new_full((B, PRESET.gen_length - K), mc.pad_token_id)], 1) if HAS_CUDA else x
+    ams = torch.cat([am, am.new_ones(B, xs.shape[1] - P)], 1)
+    sync()
+    t0 = time.time()
+    out = sample.generate(model, xs, steps=steps, generator=gens(), **{**kw, "attention_mask": ams})
+    sync()
+    per_step = (time.time() - t0) / steps
+    assert not (out[:, xs.shape[1]:] == mc.mask_token_id).any()
+    res = quiet(budget.dry_run, PRESET)
+    gpus, f = res["gpus"], res["flops"]
+    per_gpu = res["seqs_per_step"] // gpus
+    rollout_s = math.ceil(per_gpu / B) * PRESET.steps * per_step         # one RL step's rollouts on one GPU
+    tok_s = per_gpu * PRESET.gen_length / rollout_s
+    implied = rollout_s * f["step"] / f["rollout"]
+    size = f"{mc.n_layers} layers, {B} x {xs.shape[1] + K} tokens"
+    record(f"6. exact sampler s per denoising step ({size})", per_step, "printed")
+    record("6. generated tokens/s per GPU (exact sampler)", tok_s, "printed (d1's A100 record: about 60)")
+    record(f"6. implied llada8b RL step on {gpus} GPUs, s", implied,
+           f"dry run: {res['seconds_per_step']:.0f} s" + ("" if HAS_CUDA else " (toy timing: not comparable)"))
+    assert per_step > 0 and math.isfinite(implied)
+
+
+def test_rows_alone_equal_rows_in_a_batch():
+    """Per-row generators on the device: rows alone and in batches of 2 and 4 give the same tokens.
+    float64, so that a kernel chosen for another row count cannot flip a near-tie (only the noise can)."""
+    mc = toy_config()
+    model = Transformer(mc).init_weights(torch.Generator().manual_seed(0), std=0.3).to(DEV, torch.float64).eval()
+    x, am = padded_prompts(mc, 4, 10, DEV, seed=3)
+    kw = dict(gen_length=12, block_length=4, steps=12, temperature=1.0, mask_id=mc.mask_token_id)
+    gens = lambda rows: [torch.Generator(device=DEV).manual_seed(40 + i) for i in rows]
+    out = {size: torch.cat([sample.generate(model, x[a:a + size], generator=gens(range(a, a + size)),
+                                            attention_mask=am[a:a + size], **kw) for a in range(0, 4, size)])
+           for size in (1, 2, 4)}
+    same = sum(bool(torch.equal(out[1][i], out[4][i])) for i in range(4))
+    record("7. rows alone == rows in a batch of 4 (per-row device generators)", f"{same} of 4", "4 of 4")
+    assert torch.equal(out[2], out[1]) and torch.equal(out[4], out[1])
+
+
+def test_dropout_replays_under_activation_checkpointing():
+    mc = toy_config()
+    x, am = padded_prompts(mc, 2, 16, DEV, seed=1)
+
+    def grads(checkpointing, seed):
+        model = Transformer(mc).init_weights(torch.Generator().manual_seed(0)).to(DEV)
+        lora.add_lora(model, 4, 8.0, 0.3, generator=torch.Generator().manual_seed(1))
+        for n, p in model.named_parameters():  # B starts at 0; move it so that A's gradient is not 0 too
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(2))
+        model.set_activation_checkpointing(checkpointing).train()
+        torch.manual_seed(seed)  # dropout draws from the default generators, which checkpointing replays
+        model(x, am).float().logsumexp(-1).mean().backward()
+        return torch.cat([p.grad.flatten() for p in lora.trainable_parameters(model)])
+
+    on, off, other = grads(True, 0), grads(False, 0), grads(True, 1)
+    diff = (on - off).abs().max().item()
+    record("8. LoRA dropout grads, checkpointing on vs off: max |diff|", diff,
+           f"<= 1e-6 x max |grad| ({on.abs().max().item():.3g}); another seed differs")
+    assert diff <= 1e-6 * on.abs().max().item()
+    assert not torch.allclose(on, other)
+
+
+def test_kill_delay_against_one_step():
+    """The launcher's kill delay after SIGTERM against one llada8b step plus a checkpoint write."""
+    res = quiet(budget.dry_run, PRESET)
+    mc = budget.model_config(PRESET)
+    need = res["seconds_per_step"] + budget.checkpoint_seconds(PRESET, mc)
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": os.environ.get("TORCHELASTIC_RUN_ID", "check")}
+    delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", budget.DEFAULT_KILL_DELAY))
+    warning = budget.kill_delay_warning(env, res["seconds_per_step"], budget.checkpoint_seconds(PRESET, mc))
+    record("9. TORCH_ELASTIC_SHUTDOWN_TIMEOUT (s)", delay, f">= llada8b step + checkpoint ~ {need:.0f} s")
+    record("9. start-up warning under torchrun", "fires" if warning else "silent",
+           "fires iff the delay is shorter")
+    assert (warning is not None) == (delay < need)
 
 
 # -----------------------------------------------------------------------------------------------------
-# two GPUs
+# two processes
 
 
-# train.main under torchrun; each rank then prints its peak allocated CUDA memory.
+# train.main under torchrun; each rank then prints its peak allocated CUDA memory (0 on the CPU).
 PEAK = """
 import sys
 sys.path.insert(0, {root!r})
 import torch
-import sample  # noqa: E402
 import train
 from infra import scale
 try:
     train.main(sys.argv[1:])
-    print(f"peak rank {{scale.rank()}}: {{torch.cuda.max_memory_allocated()}}", flush=True)
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    print(f"peak rank {{scale.rank()}}: {{peak}}", flush=True)
 finally:
     scale.close()
 """
@@ -306,7 +481,7 @@ def torchrun(tmp_path, args):
     script.write_text(PEAK.format(root=str(ROOT)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return [int(v) for v in re.findall(r"peak rank \d+: (\d+)", res.stdout)]
 
@@ -315,11 +490,14 @@ def run_logs(out):
     return [json.loads(s) for s in (out / "log.jsonl").read_text().splitlines()]
 
 
-@two_gpus
+DEVICE_ARGS = [f"--device={DEV.type}", "--dtype=bfloat16"] + ([] if HAS_CUDA else ["--threads=1"])
+
+
+@two_procs
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_two_gpus_fsdp2_bf16(ckpt, tmp_path, mode):
-    args = ["--preset=smoke", f"--init_from={ckpt}", "--device=cuda", "--dtype=bfloat16", "--sample_every=0",
-            "--rl_steps=2", "--checkpoint_every=0", "--eval_prompts=2", f"--out_dir={tmp_path / 'run'}"]
+def test_two_processes_fsdp2_bf16(ckpt, tmp_path, mode):
+    args = ["--preset=smoke", f"--init_from={ckpt}", *DEVICE_ARGS, "--sample_every=0", "--rl_steps=2",
+            "--checkpoint_every=0", "--eval_prompts=2", f"--out_dir={tmp_path / 'run'}"]
     if mode == "lora":
         args += ["--lora_rank=4", "--lora_alpha=8", "--lora_dropout=0.1", "--activation_checkpointing=true",
                  "--device_batch_size=2"]
@@ -327,6 +505,9 @@ def test_two_gpus_fsdp2_bf16(ckpt, tmp_path, mode):
     assert len(peaks) == 2
     for log in run_logs(tmp_path / "run"):
         assert math.isfinite(log["grad_norm"]) and all(math.isfinite(log[f"{t}/loss"]) for t in ("text", "image"))
+    if not HAS_CUDA:
+        record(f"10. two gloo ranks, {mode}", "both exit 0, finite losses", "(peak memory on CUDA only)")
+        return
     cfg = train.parse_args(args)
     mc = hf.config_from_hf(json.loads((ckpt / "config.json").read_text()))
     s = budget.shape(mc, cfg.lora_rank)
@@ -340,29 +521,31 @@ def test_two_gpus_fsdp2_bf16(ckpt, tmp_path, mode):
     mib = 2 ** 20
     # At smoke size the CUDA context's allocations, the RoPE cache and allocator rounding dominate, which the
     # estimate leaves out: the bound is loose, the numbers are printed.
-    record(f"2 GPUs, {mode}: peak MiB per rank", ", ".join(f"{p / mib:.1f}" for p in peaks),
+    record(f"10. 2 GPUs, {mode}: peak MiB per rank", ", ".join(f"{p / mib:.1f}" for p in peaks),
            f"< 4 x estimate {est * 1024:.1f} + 256")
     assert max(peaks) < 4 * est * 2 ** 30 + 256 * mib
 
 
-@two_gpus
-def test_two_gpus_save_and_resume(ckpt, tmp_path):
-    common = ["--preset=smoke", f"--init_from={ckpt}", "--device=cuda", "--dtype=bfloat16", "--sample_every=0",
-              "--checkpoint_every=1", "--eval_prompts=2"]
+@two_procs
+def test_two_processes_save_and_resume(ckpt, tmp_path):
+    common = ["--preset=smoke", f"--init_from={ckpt}", *DEVICE_ARGS, "--sample_every=0", "--checkpoint_every=1",
+              "--eval_prompts=2"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     torchrun(tmp_path, common + ["--rl_steps=3", f"--out_dir={straight}"])
     torchrun(tmp_path, common + ["--rl_steps=2", f"--out_dir={resumed}"])
     torchrun(tmp_path, common + ["--rl_steps=3", "--resume", f"--out_dir={resumed}"])
     a, b = run_logs(straight), run_logs(resumed)
     assert [l["step"] for l in a] == [l["step"] for l in b] == [0, 1, 2]
-    # The resumed step restores weights, optimizer and seeds; the kernels are those of the same shapes, so
-    # the rollouts repeat and the losses agree to bf16 rounding.
+    # The resumed step restores weights, optimizer and seeds. Without deterministic algorithms a backward
+    # may sum in another order, which can flip one token of one sequence: rewards within one sequence of
+    # the step's 8 (1/8), losses within 5%.
     for k in ("text/reward", "image/reward"):
-        assert a[2][k] == b[2][k], k
+        assert b[2][k] == pytest.approx(a[2][k], abs=1 / 8), k
     for k in ("text/loss", "image/loss"):
-        assert b[2][k] == pytest.approx(a[2][k], rel=1e-2, abs=1e-4), k
-    record("2 GPUs: resumed step 3 text loss vs straight", f"{b[2]['text/loss']:.5f} / {a[2]['text/loss']:.5f}",
-           "rel 1e-2")
+        assert b[2][k] == pytest.approx(a[2][k], rel=5e-2, abs=1e-4), k
+    record("11. resumed step 3 vs straight: text reward, loss",
+           f"{b[2]['text/reward']:.3f} / {a[2]['text/reward']:.3f}, {b[2]['text/loss']:.5f} / {a[2]['text/loss']:.5f}",
+           "reward abs 1/8, loss rel 5e-2")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ prints every estimator row, and its log-ratios are the training code's for the s
     python -m pytest tests/test_diagnose.py -q
 """
 import copy
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import importance
 import tasks
 import train
 from infra import diagnose, rng
+from infra.budget import scratch_config
 from model import Transformer
 from infra.hf import load_tokenizer
 from infra import hf
@@ -74,3 +76,53 @@ def test_cli_prints_every_row(sft_dir, tmp_path):
     bad = subprocess.run([sys.executable, "importance.py", f"--ckpt={sft_dir}"], cwd=ROOT, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: usage")  # a user error: one line, status 2
+
+
+def test_main_at_small_non_default_settings(tmp_path, capsys):
+    """`python importance.py --diagnose` in-process on a random toy-vocabulary checkpoint, text only, at
+    settings of its own (mu 2, 2 draws, G 2, gamma 0.3, clip 100): a table row per text estimator, the PNG,
+    every ratio inside a clip range of 100, and the Fig. 2 curves of the reversing operators at t = gamma
+    by hand (random: t everywhere; AR-like, Alg. 1: 1 - min(1, 2 (1 - t)(1 - n / (N - 1))))."""
+    tok = tasks.build_tokenizer()
+    model = Transformer(scratch_config(train.parse_args(["--preset=smoke"]), **tasks.model_config_overrides(tok)))
+    model.init_weights(torch.Generator().manual_seed(3))
+    ckpt = tmp_path / "ckpt"
+    hf.save_pretrained(model, ckpt)
+    tok.save(str(ckpt / "tokenizer.json"))
+    png = tmp_path / "d.png"
+    res = diagnose.main(["--diagnose", f"--ckpt={ckpt}", "--preset=smoke", "--tasks=text", "--draws=2",
+                         "--num_iterations=2", "--prompts_per_step=1", "--group_size=2", "--gamma_text=0.3",
+                         "--clip_eps=100", "--lr=1e-2", "--threads=1", f"--png={png}"])
+    out = capsys.readouterr().out
+    labels = [label for label, *_ in diagnose.ESTIMATORS]
+    assert set(res) == {"text"} and set(res["text"]) == set(labels) | {"_order"}
+    for label in labels:
+        assert f"| {label} |" in out
+        m = res["text"][label]
+        assert m["in_clip"] == 1.0 and 0 <= m["sign"] <= 1 and len(m["scatter"][0]) == 2  # (mu - 1) x B
+    curve = res["text"]["_order"]
+    N = len(curve["random"])
+    assert curve["ratio"] == 0.3 and curve["random"] == [0.3] * N
+    want = [1 - min(1.0, 2 * 0.7 * (1 - n / (N - 1))) for n in range(N)]
+    assert curve["arlike"] == pytest.approx(want, abs=1e-12)
+    assert png.is_file() and png.stat().st_size > 0
+
+
+def test_official_ratio_table_rows():
+    """--official_ratios: one row per (gamma, t_j) of the official text run (mu 12), t_j = gamma +
+    (1 - gamma)(j + 1) / 12 (kept below 1), and one column per prompt length."""
+    lines = diagnose.main(["--diagnose", "--official_ratios"]) or None
+    assert lines is None  # prints, returns {}
+    table = diagnose.official_ratio_table(prompt_lens=(20, 256), gammas=(0.6,), mu=12).splitlines()
+    assert len(table) == 2 + 12
+    ts = [float(l.split("|")[2]) for l in table[2:]]
+    assert ts == pytest.approx([min(0.6 + 0.4 * (j + 1) / 12, 0.999) for j in range(12)], abs=5e-4)
+    assert all(len(l.split("|")) == 2 + 2 + 2 for l in table[2:])
+
+
+def test_pearson_and_spearman_by_hand():
+    a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 4.0, 7.0])
+    assert diagnose.pearson(a, b) == pytest.approx(15 / math.sqrt(228))
+    assert diagnose.spearman(a, b) == pytest.approx(1.0)
+    assert diagnose.spearman(a, -b) == pytest.approx(-1.0)
+    assert math.isnan(diagnose.pearson(a, torch.ones(3)))

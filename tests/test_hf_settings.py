@@ -126,6 +126,7 @@ LLADA_8B = {"d_model": 4096, "n_layers": 32, "n_heads": 32, "mlp_hidden_size": 1
     ({"rope_theta": None}, "rope_theta", 10000.0),                 # the reference's default
     ({"eos_token_id": None, "pad_token_id": None}, "eos_token_id", 126335),  # mask - 1
     ({"pad_token_id": None}, "pad_token_id", 126081),              # pad defaults to EOS
+    ({"eos_token_id": None, "pad_token_id": None}, "pad_token_id", 126335),  # ... also to a defaulted EOS
     ({"max_sequence_length": None}, "max_sequence_length", 4096),
     ({"rms_norm_eps": 1e-6}, "rms_norm_eps", 1e-6),
     ({"bos_token_id": 126080}, "bos_token_id", 126080),

@@ -79,7 +79,7 @@ def test_a_draw_follows_the_generator_in_block_then_target_order():
 def test_whole_model_equals_hand_merged_weights():
     """An adapted model at r 128, alpha 64 ("official" targets) equals a plain model whose target weights are
     W + (64 / 128) B A, computed here from the adapter tensors (not by merge_lora)."""
-    model = fill_adapters(add_lora(tiny(), rank=128, alpha=64.0, targets="official"), scale=0.05)
+    model = fill_adapters(add_lora(tiny(), rank=128, alpha=64.0, targets=TARGET_SETS["official"]), scale=0.05)
     reference = tiny()
     with torch.no_grad():
         for i, blk in enumerate(model.blocks):

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from model import ModelConfig, Transformer, num_params
+from model import ModelConfig, Transformer, chat_prompt, num_params
 
 
 def build(seed=0, std=0.3, **kw) -> Transformer:
@@ -153,3 +153,13 @@ def test_num_params_by_hand():
 def test_model_config_refuses(kw, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(**{**dict(vocab_size=50, mask_token_id=49, d_model=32, n_heads=4, n_kv_heads=4), **kw})
+
+
+def test_chat_prompt_other_bos_and_turns():
+    """bos="" (a tokenizer that adds BOS itself) and several turns, each stripped, in order, then the open
+    assistant turn."""
+    s = chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": " 2+2? "},
+                     {"role": "assistant", "content": "4\n"}, {"role": "user", "content": "3+3?"}], bos="")
+    turn = lambda role, text: f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>"
+    assert s == (turn("system", "Be brief.") + turn("user", "2+2?") + turn("assistant", "4") + turn("user", "3+3?")
+                 + "<|start_header_id|>assistant<|end_header_id|>\n\n")

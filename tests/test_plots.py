@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from infra import plots
+from infra import cli, plots
 
 
 def write_log(path, n=30, tasks=("text", "image")):
@@ -162,3 +162,44 @@ def test_compare_seven_labels_wraps_the_legend(tmp_path):
         assert colours[6] not in [rgb.getpixel((x, 31)) for x in range(plots.PANEL_W)]
     with pytest.raises(ValueError, match="at most 7 labels"):
         plots.compare_runs({**groups, "eighth": groups["d1"]}, tmp_path / "x.png")
+
+
+def test_cli_redraws_and_compares(tmp_path, capsys):
+    """python -m infra.plots RUN_DIR redraws curves.png; --compare LABEL=DIR,DIR LABEL=DIR --png FILE
+    --task image draws the image metric's picture; a --task no run logs is refused, naming it."""
+    pytest.importorskip("PIL")
+    runs = []
+    for i in range(3):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        write_log(d / "log.jsonl", n=10)
+        runs.append(str(d))
+    assert plots.main([runs[0]]) == tmp_path / "run0" / "curves.png"
+    assert (tmp_path / "run0" / "curves.png").is_file()
+    png = tmp_path / "cmp.png"
+    assert plots.main(["--compare", f"a={runs[0]},{runs[1]}", f"b={runs[2]}", "--png", str(png), "--task", "image"]) == png
+    assert png.is_file() and f"wrote {png}" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no run logs sound/"):
+        plots.main(["--compare", f"a={runs[0]}", "--png", str(png), "--task", "sound"])
+    with pytest.raises(ValueError, match="labels must differ"):
+        plots.main(["--compare", f"a={runs[0]}", f"a={runs[1]}", "--png", str(png)])
+
+
+def test_compare_against_cumulative_seconds(tmp_path, monkeypatch):
+    """--x=seconds / cpu_seconds: each step is placed at the median over a label's runs of its cumulative
+    RL seconds from times.jsonl, the value at the median of the runs' values."""
+    a, b = _run(tmp_path, "a", [1.0, 2.0, 3.0]), _run(tmp_path, "b", [3.0, 4.0, 5.0])
+    for d, wall, cpu in ((a, [2.0, 2.0, 2.0], [1.0, 1.0, 1.0]), (b, [4.0, 6.0, 8.0], [1.0, 3.0, 5.0])):
+        (d / "times.jsonl").write_text("".join(json.dumps({"step": s, "seconds": w, "cpu_s": c}) + "\n"
+                                               for s, (w, c) in enumerate(zip(wall, cpu))))
+    # cumulative wall: a 2, 4, 6; b 4, 10, 18 -> medians 3, 7, 12. CPU: a 1, 2, 3; b 1, 4, 9 -> 1, 3, 6.
+    assert plots.group_medians({"x": [a, b]}, "text/kl", "seconds") == {"x": [(3.0, 2.0), (7.0, 3.0), (12.0, 4.0)]}
+    assert plots.group_medians({"x": [a, b]}, "text/kl", "cpu_seconds") == {"x": [(1.0, 2.0), (3.0, 3.0), (6.0, 4.0)]}
+    Image = pytest.importorskip("PIL.Image")
+    monkeypatch.setattr(plots, "cli", cli, raising=False)  # main's command line parser, imported by __main__
+    out = plots.main(["--compare", f"A={a}", f"B={b}", "--x=cpu_seconds", "--png", str(tmp_path / "s.png")])
+    with Image.open(out) as im:
+        assert im.size == (2 * plots.PANEL_W, plots.PANEL_H)
+    (a / "times.jsonl").write_text(json.dumps({"step": 0, "seconds": 1.0}) + "\n")
+    with pytest.raises(ValueError, match="no 'cpu_s'"):
+        plots.group_medians({"x": [a]}, "text/kl", "cpu_seconds")

@@ -239,7 +239,7 @@ INPUTS = [
     ("resume with another reference", _tamper_reference, ["--resume=true"], ValueError,
      r"the reference policy changed"),
     ("no room for a checkpoint", _no_space, ["--checkpoint_every=1"], ValueError,
-     r"has 0.0 GB free, but a checkpoint needs about .* GB; .* --checkpoint_every=0"),
+     r"has 1000 bytes free, but a checkpoint needs about .* MB .*; .* --checkpoint_every=0"),
     ("malformed data file", _bad_jsonl, ["--init_from={out}", "--tasks=gsm8k", "--train_data=gsm8k={out}/bad.jsonl"],
      ValueError, r"2 malformed row\(s\) in .*bad.jsonl:\n  .*bad.jsonl:2: .*\n  .*bad.jsonl:3: bad JSON"),
     ("missing data file", None, ["--init_from={out}", "--tasks=gsm8k", "--train_data=gsm8k={out}/none.jsonl"],
@@ -293,7 +293,7 @@ def test_lora_resume_bit_identical(sft_dir, tmp_path):
     keys = FileSystemReader(str(checkpoint.latest(tmp_path / "cut"))).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if k.startswith("model.")]
     assert model_keys and all(k.endswith((".lora_A", ".lora_B")) for k in model_keys), model_keys[:5]
-    train.main(base + [f"--out_dir={tmp_path / 'cut'}", "--rl_steps=4", "--resume=true"])
+    train.main(base + [f"--out_dir={tmp_path / 'cut'}", "--rl_steps=4", "--resume=true", "--extend=true"])
     a, b = weights(tmp_path / "ref" / "final"), weights(tmp_path / "cut" / "final")
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -411,3 +411,77 @@ def test_dry_run_model_shape_and_gpus(capsys, gpus):
     assert r["gpus"] == gpus
     assert r["seconds_per_step"] == pytest.approx(one["seconds_per_step"] / gpus)
     assert r["gpu_hours"] == pytest.approx(one["gpu_hours"])
+
+
+# -----------------------------------------------------------------------------------------------------
+# setup and the policy a run trains
+
+
+def test_setup_takes_threads_dtype_and_device():
+    """--threads=2 sets torch's CPU threads; --dtype=bfloat16 is the compute dtype; auto on a CPU is
+    float32; --device=cpu is the CPU."""
+    before = torch.get_num_threads()
+    try:
+        device, dtype = train.setup(parse("--threads=2", "--dtype=bfloat16", "--device=cpu"))
+        assert (device, dtype, torch.get_num_threads()) == (CPU, torch.bfloat16, 2)
+    finally:
+        torch.set_num_threads(before)
+    assert train.setup(parse("--device=cpu"))[1] == torch.float32
+
+
+@pytest.mark.parametrize("targets,names", [("official", {"q_proj", "k_proj", "v_proj", "up_proj"}),
+                                           ("all", {"q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj",
+                                                    "ff_out"})])
+def test_load_policy_adapts_what_the_lora_flags_say(toy, tmp_path, targets, names):
+    """--lora_rank=4 --lora_alpha=6 --lora_dropout=0.2: exactly the named projections of every block get
+    an adapter, of rank 4, whose output (in eval mode, B set to ones) is the base layer's plus
+    (6 / 4) x A^T B^T, the LoRA update at scale alpha / r (arXiv:2106.09685 §4.1), computed here by hand;
+    only adapter weights train; the reference is the policy with adapters off (none is built). Without
+    LoRA and with beta > 0 a frozen second copy is the reference; with beta = 0 none is built."""
+    tok, ids, model = toy
+    ckpt = tmp_path / "ckpt"
+    hf.save_pretrained(model.float(), ckpt)
+    tok.save(str(ckpt / "tokenizer.json"))
+    cfg = parse(f"--init_from={ckpt}", "--tasks=text", "--lora_rank=4", "--lora_alpha=6", "--lora_dropout=0.2",
+                f"--lora_targets={targets}")
+    policy, ref, *_ = train.load_policy(cfg, CPU, torch.float32, train.sft)
+    assert ref is None
+    adapted = {n.rsplit(".", 1)[0] for n, p in policy.named_parameters() if n.endswith(".lora_A")}
+    want = {f"blocks.{i}.{m}" for i in range(len(policy.blocks)) for m in names}
+    assert adapted == want
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == \
+        {f"{m}.lora_{x}" for m in want for x in "AB"}
+    layer = policy.get_submodule(f"blocks.0.{sorted(names)[0]}")
+    assert layer.lora_A.shape[0] == 4 and layer.lora_dropout == 0.2
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        layer.lora_B.fill_(1.0)
+        got = layer.eval()(x)
+        base = x @ layer.weight.T
+        torch.testing.assert_close(got, base + 1.5 * (x @ layer.lora_A.T) @ layer.lora_B.T, rtol=1e-5, atol=1e-5)
+
+    full, ref, *_ = train.load_policy(parse(f"--init_from={ckpt}", "--tasks=text", "--beta=0.3"), CPU, torch.float32,
+                                      train.sft)
+    assert ref is not full and not any(p.requires_grad for p in ref.parameters())
+    assert train.load_policy(parse(f"--init_from={ckpt}", "--tasks=text", "--beta=0"), CPU, torch.float32,
+                             train.sft)[1] is None
+
+
+def test_benchmark_prompt_prefill_and_length():
+    """A benchmark prompt is the chat template of the question, then --prompt_prefill (the official
+    GSM8K evaluation opens the answer with "<reasoning>"), encoded and cut to its last --max_prompt_len
+    tokens (the official code cuts from the left)."""
+    seen = []
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            seen.append(text)
+            return type("Enc", (), {"ids": list(range(100, 120))})()
+
+    ids = tasks.token_ids(tasks.build_tokenizer())
+    cfg = parse("--prompt_prefill=<reasoning>", "--max_prompt_len=8")
+    b = tasks.make_batch("gsm8k", [{"prompt": "Q?"}], Tok(), ids, cfg, CPU, with_targets=False)
+    assert seen == ["<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nQ?<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n<reasoning>"]
+    assert b.prompt_len == 8 and b.x[0, :8].tolist() == list(range(112, 120))
+    assert (b.x[0, 8:] == ids.mask).all() and b.window == cfg.gen_length

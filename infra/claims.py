@@ -1,0 +1,161 @@
+"""Paths a run is given that hold someone else's work: the SFT model cache (--sft_dir), which several runs
+may share, and the out_dir a --resume continues. Checked before any heavy work, so that a mistyped or
+shared path is refused in one line instead of being overwritten, replaced or moved aside.
+
+    check_resume       --resume: the out_dir must hold a run; its settings must be the run's (every
+                       difference is named); a finished run is final (nothing is rewritten) unless
+                       --extend=true asks to train it further
+    sft_dir_claimed    the SFT model about to be trained: sft_dir must be a folder (or not exist yet) in a
+                       writable place, and is held by this run (SFT_DIR.run.pid) until its model is saved,
+                       so that two runs never train into one sft_dir at once
+"""
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+from infra import checkpoint, data, hf, scale
+from infra.load import check_sft_cache, reference_identity, sft_dir_of
+from infra.run import RESUMABLE, resume_point
+from infra.scale import print0
+
+
+def check_resume(cfg) -> dict | None:
+    """--resume: refuse an out_dir that holds no run, and settings that differ from the run's (all of them
+    named, before the SFT cache check could name only its own); a finished run (summary.json) is reported
+    and its summary returned, nothing rewritten, unless --extend=true continues it to a larger --rl_steps.
+    None: go on."""
+    if cfg.extend and not cfg.resume:
+        raise ValueError("--extend=true continues a finished run: pass --resume=true with it (and a larger --rl_steps)")
+    if not cfg.resume:
+        return None
+    out = Path(cfg.out_dir)
+    last = checkpoint.latest(out)
+    if last is None and not (out / "config.json").is_file():
+        raise ValueError(f"--resume: out_dir {out} holds no run (no config.json, no {checkpoint.DIRNAME}/); check "
+                         "the path, or drop --resume to start a new run there")
+    # The real conflicts first: the SFT cache check that follows would name only the SFT settings (and
+    # advise retraining the reference).
+    here = asdict(cfg)
+    if last is not None:
+        last = resume_point(out)  # the newest intact one, which the run resumes from
+        state = hf.read_json(last / "state.json", "remove that checkpoint directory")
+        checkpoint.check_resumable(last, state, here, reference_identity(cfg), RESUMABLE)
+    else:
+        saved = hf.read_json(out / "config.json", f"delete {out / 'config.json'} to start a new run there")
+        changed = sorted(k for k, v in here.items() if k not in RESUMABLE and saved.get(k) != v)
+        if changed:
+            raise ValueError(f"cannot resume {out}: these settings differ from the saved run ({out / 'config.json'}): "
+                             + ", ".join(f"{k} {saved.get(k)!r} -> {here[k]!r}" for k in changed))
+    summary = out / "summary.json"
+    if summary.is_file():
+        config = out / "config.json"  # the finished run's own settings (a checkpoint may be older)
+        done = (hf.read_json(config, f"re-create {config}") if config.is_file() else state["config"]).get("rl_steps")
+        if cfg.rl_steps == done:
+            print0(f"out_dir {out} holds a finished run ({done} RL steps; {summary}, {out / 'final'}): nothing to "
+                   f"do, nothing rewritten. `python evaluate.py --run={out}` scores it again; --extend=true with a "
+                   "larger --rl_steps trains it further")
+            return hf.read_json(summary, f"delete {summary} and resume to redo the final evaluation")
+        if cfg.rl_steps < done:
+            raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} asks "
+                             f"for fewer, and a finished run is final: drop --rl_steps, or choose another --out_dir")
+        if not cfg.extend:
+            raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} would "
+                             "train it further and replace its final/ and summary.json: pass --extend=true to do "
+                             "that, or start a new run with another --out_dir")
+        if last is None or int(last.name[len(checkpoint.PREFIX):]) != done:
+            raise ValueError(f"--extend: out_dir {out} has no checkpoint of its last step ({done}) to continue from "
+                             f"(latest: {last.name if last else 'none'}); start a new run with another --out_dir")
+    return None
+
+
+@contextmanager
+def sft_dir_claimed(cfg):
+    """Around start-up and model loading: when the toy SFT model is to be trained, check sft_dir and hold it
+    (rank 0, which trains it) until the model is saved; a model trained with the same settings is reused,
+    read-only, without a claim."""
+    if cfg.init_from != "scratch" or scale.rank() != 0:
+        yield
+        return
+    sft_dir = sft_dir_of(cfg)
+    existing = next(p for p in (sft_dir, *sft_dir.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"sft_dir {sft_dir}: {'it' if existing == sft_dir else existing} is a file, not a folder "
+                         "(it is left as it is); pass --sft_dir=a folder for the SFT model")
+    if check_sft_cache(cfg):
+        yield
+        return
+    pid_file = sft_dir.with_name(sft_dir.name + ".run.pid")
+    _claim(pid_file, sft_dir)
+    try:
+        yield
+    finally:
+        _release(pid_file)
+
+
+def _claim(pid_file: Path, sft_dir: Path) -> None:
+    """Create pid_file atomically (O_EXCL) with this process id; a dead process's file is taken over."""
+    try:
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        if sft_dir.is_dir() and not os.access(sft_dir, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+        for _ in range(3):
+            try:
+                fd = os.open(pid_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    holder = int(pid_file.read_text().strip() or 0)
+                except (OSError, ValueError):
+                    holder = 0
+                if holder and holder != os.getpid() and _alive(holder):
+                    raise ValueError(f"sft_dir {sft_dir} is being trained by the running process {holder} "
+                                     f"({pid_file}); wait for it to end (a run with the same settings then reuses "
+                                     "its model), pass another --sft_dir, or delete that file if no run holds it")
+                pid_file.unlink(missing_ok=True)  # a dead run's, or an earlier main() of this process
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{os.getpid()}\n")
+            return
+    except OSError as e:
+        raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass --sft_dir=a writable folder") \
+            from None
+    raise ValueError(f"sft_dir {sft_dir}: could not create {pid_file}; pass another --sft_dir")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _release(pid_file: Path) -> None:
+    try:
+        if int(pid_file.read_text().strip()) == os.getpid():
+            pid_file.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def dry_run(cfg, report):
+    """--dry_run: report(cfg) on one process (under torchrun the process group is not joined, so RANK
+    says which), after checking that the files a real run reads exist: the --init_from folder and the
+    data files (the recipe is "check, then run")."""
+    if cfg.init_from not in ("", "scratch") and not (Path(cfg.init_from) / "config.json").is_file():
+        where = Path(cfg.init_from)
+        raise ValueError(f"--init_from {where} {'has no config.json' if where.is_dir() else 'does not exist'}: the "
+                         "run would stop there; pass the LLaDA/MMaDA checkpoint folder (or no --init_from for the "
+                         "preset's model shape)")
+    for flag in ("train_data", "eval_data"):
+        for task, path in data.data_paths(getattr(cfg, flag), flag).items():
+            if not Path(path).is_file():
+                raise ValueError(f"--{flag} {task}={path}: no such file; the run would stop there")
+    if os.environ.get("RANK", "0") != "0":
+        return {}
+    return report(cfg)

@@ -1,0 +1,254 @@
+"""Every moment of a run is covered: a signal in any phase (SFT, the evaluation before RL, an RL step, the
+final evaluation, the final save) finishes the phase or stops at once, says what was kept and the command
+that continues, and --resume then continues; the last RL step is checkpointed before the final evaluation.
+Shared and mistyped paths (--sft_dir, --resume's out_dir) and finished runs are safe.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_phases.py -q
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import train
+from infra import checkpoint, run as run_mod
+from test_nothing_lost import TINY, tree_digest
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    """One SFT model shared by the runs below (SFT itself is not what is tested here)."""
+    out = tmp_path_factory.mktemp("sft-run")
+    train.main([*TINY, f"--out_dir={out}"])
+    return out / "sft"
+
+
+def no_sft(*args, **kwargs):
+    raise AssertionError("SFT started before the paths were checked")
+
+
+def signal_on_call(monkeypatch, module, name, n, sig):
+    """Replace module.name by a wrapper that sends `sig` to this process on its n-th call (1-based), after
+    checking that a handler is installed (without one SIGTERM ends the process silently)."""
+    calls, original = {"n": 0}, getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.default_int_handler, None), \
+                f"no {sig.name} handler in {name}: the signal would end the run silently"
+            os.kill(os.getpid(), sig)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+# -----------------------------------------------------------------------------------------------------
+# signals, phase by phase
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_during_final_evaluation_keeps_the_last_step(sft_dir, tmp_path, monkeypatch, capsys, sig):
+    """3 RL steps, a checkpoint every 2: the last step is checkpointed before the final evaluation; a signal
+    in it stops after the batch, names the checkpoint and the command; --resume=true finishes the run."""
+    out = tmp_path / "run"
+    args = [*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=3", "--checkpoint_every=2"]
+    # before RL: text, text greedy, image (3 evaluations); the 4th is the first of the final evaluation
+    signal_on_call(monkeypatch, train, "evaluate", 4, sig)
+    with pytest.raises(SystemExit) as e:
+        train.main(args)
+    assert e.value.code == 128 + sig
+    text = capsys.readouterr().out
+    last = out / "checkpoints" / "step-00000003"
+    assert f"stopped by {sig.name} during the final held-out evaluation: {last} holds the model after all 3 " \
+           "RL steps" in text, text
+    assert f"python train.py {' '.join(args)} --resume=true" in text, text
+    assert checkpoint.latest(out) == last
+    assert not (out / "final").exists() and not (out / "summary.json").exists()
+    monkeypatch.undo()
+    summary = train.main([*args, "--resume=true"])
+    text = capsys.readouterr().out
+    assert f"resumed from {last} at step 3" in text and "image" in summary
+    assert (out / "final" / "config.json").is_file() and len((out / "log.jsonl").read_text().splitlines()) == 3
+
+
+def test_without_cadence_the_stop_writes_the_checkpoint(sft_dir, tmp_path, monkeypatch, capsys):
+    """checkpoint_every=0: nothing is written before the final evaluation; a signal in it writes the last
+    step's checkpoint then."""
+    out = tmp_path / "run"
+    args = [*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1"]
+    signal_on_call(monkeypatch, train, "evaluate", 5, signal.SIGINT)  # the final evaluation's second
+    with pytest.raises(SystemExit) as e:
+        train.main(args)
+    assert e.value.code == 130
+    assert checkpoint.latest(out).name == "step-00000001"
+    assert "holds the model after all 1 RL steps" in capsys.readouterr().out
+
+
+def test_signal_during_evaluation_before_rl(sft_dir, tmp_path, monkeypatch, capsys):
+    """Stopped after the first evaluation batch before RL: no step taken, nothing but config.json left, and
+    the command printed starts the run again."""
+    out = tmp_path / "run"
+    args = [*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=2"]
+    calls = signal_on_call(monkeypatch, train, "evaluate", 1, signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        train.main(args)
+    assert e.value.code == 128 + signal.SIGTERM and calls["n"] == 1
+    text = capsys.readouterr().out
+    assert "stopped by SIGTERM during the held-out evaluation before RL: no RL step was taken" in text, text
+    assert f"the SFT model in {sft_dir} is kept" in text and "--resume=true" in text
+    # (run.pid is this test process's until it exits, then removed by the exit hook)
+    assert sorted(p.name for p in out.iterdir() if p.name != "run.pid") == ["config.json"]
+    monkeypatch.undo()
+    train.main([*args, "--resume=true"])
+    assert len((out / "log.jsonl").read_text().splitlines()) == 2
+
+
+def test_signal_during_the_final_save_finishes_it(sft_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    signal_on_call(monkeypatch, run_mod, "save_model", 1, signal.SIGINT)
+    with pytest.raises(SystemExit) as e:
+        train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1"])
+    assert e.value.code == 130
+    text = capsys.readouterr().out
+    assert "caught SIGINT: finishing the final save first (the run is then complete)" in text, text
+    assert "stopped by SIGINT after the final save: the run is complete" in text, text
+    assert (out / "summary.json").is_file() and (out / "final" / "config.json").is_file()
+
+
+def test_sft_signal_line_promises_no_checkpoint(tmp_path, monkeypatch, capsys):
+    """SFT keeps no checkpoint, so the caught-signal line must not promise one."""
+    signal_on_call(monkeypatch, train, "diffusion_loss", 1, signal.SIGINT)
+    with pytest.raises(SystemExit):
+        train.main([*TINY, f"--out_dir={tmp_path / 'run'}", "--sft_steps=20"])
+    text = capsys.readouterr().out
+    assert "caught SIGINT: finishing this SFT step, then stopping (SFT keeps no checkpoint)" in text, text
+    assert "writing a checkpoint" not in text
+    assert "SFT stopped by SIGINT after 1 of 20 steps" in text and "start it again with: python train.py" in text
+
+
+# -----------------------------------------------------------------------------------------------------
+# --resume: a run to continue, a finished run, real conflicts
+
+
+def test_resume_of_a_missing_out_dir_is_refused_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "sft", no_sft)
+    out = tmp_path / "typo"
+    with pytest.raises(ValueError, match=rf"--resume: out_dir {out} holds no run \(no config.json, no checkpoints/\)"):
+        train.main([*TINY, f"--out_dir={out}", "--resume=true"])
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def finished_with_checkpoint(sft_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("done") / "run"
+    train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1", "--checkpoint_every=1"])
+    return out
+
+
+def test_resume_of_a_finished_run_rewrites_nothing(sft_dir, finished_with_checkpoint, monkeypatch, capsys):
+    out = finished_with_checkpoint
+    before = tree_digest(out)
+    monkeypatch.setattr(train, "evaluate", no_sft)
+    summary = train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1", "--checkpoint_every=1",
+                          "--resume=true"])
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert f"out_dir {out} holds a finished run (1 RL steps" in capsys.readouterr().out
+    assert tree_digest(out) == before
+
+
+def test_extending_a_finished_run_needs_extend(sft_dir, finished_with_checkpoint, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(finished_with_checkpoint, out)
+    args = [*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--checkpoint_every=1", "--resume=true"]
+    before = tree_digest(out)
+    with pytest.raises(ValueError, match=r"holds a finished run of 1 RL steps; --rl_steps=2 would train it further "
+                                         r"and replace its final/ and summary.json: pass --extend=true"):
+        train.main([*args, "--rl_steps=2"])
+    with pytest.raises(ValueError, match=r"--rl_steps=0 asks for fewer"):
+        train.main([*args, "--rl_steps=0"])
+    assert tree_digest(out) == before
+    train.main([*args, "--rl_steps=2", "--extend=true"])
+    assert [json.loads(l)["step"] for l in (out / "log.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def test_resume_names_the_real_conflicts(sft_dir, finished_with_checkpoint, tmp_path, monkeypatch):
+    """A stopped run resumed with another seed and group size: both are named (not the SFT cache, whose
+    advice --retrain_sft would retrain the reference)."""
+    monkeypatch.setattr(train, "sft", no_sft)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_bytes((finished_with_checkpoint / "config.json").read_bytes())
+    with pytest.raises(ValueError) as e:
+        train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1", "--checkpoint_every=1",
+                    "--resume=true", "--seed=1", "--group_size=3"])
+    msg = str(e.value)
+    assert f"cannot resume {out}: these settings differ from the saved run ({out / 'config.json'}): " in msg, msg
+    assert "seed 0 -> 1" in msg and "group_size 4 -> 3" in msg and "retrain_sft" not in msg, msg
+
+
+def test_resume_of_a_checkpoint_names_the_real_conflicts(sft_dir, finished_with_checkpoint, tmp_path, monkeypatch):
+    """The same with a checkpoint: the seed (which the SFT cache also depends on) is named with the rest."""
+    import shutil
+
+    monkeypatch.setattr(train, "sft", no_sft)
+    out = tmp_path / "run"
+    shutil.copytree(finished_with_checkpoint, out)
+    (out / "summary.json").unlink()  # stopped during its final evaluation
+    with pytest.raises(ValueError, match=r"these settings differ from the saved run: group_size 4 -> 3, seed 0 -> 1$"):
+        train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1", "--checkpoint_every=1",
+                    "--resume=true", "--seed=1", "--group_size=3"])
+
+
+# -----------------------------------------------------------------------------------------------------
+# --sft_dir: checked before SFT, held while it trains
+
+
+def test_sft_dir_that_is_a_file_is_refused_not_moved(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "sft", no_sft)
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    with pytest.raises(ValueError, match=rf"sft_dir {f}: it is a file, not a folder \(it is left as it is\)"):
+        train.main([*TINY, f"--sft_dir={f}", f"--out_dir={tmp_path / 'run'}"])
+    assert f.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_sft_dir_under_a_file_is_refused_before_sft(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "sft", no_sft)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=rf"sft_dir {tmp_path}/file/sft: {tmp_path}/file is a file, not a folder"):
+        train.main([*TINY, f"--sft_dir={tmp_path / 'file' / 'sft'}", f"--out_dir={tmp_path / 'run'}"])
+
+
+def test_sft_dir_being_trained_by_another_run_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "sft", no_sft)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        shared = tmp_path / "shared-sft"
+        (tmp_path / "shared-sft.run.pid").write_text(f"{holder.pid}\n")
+        with pytest.raises(ValueError, match=rf"sft_dir {shared} is being trained by the running process "
+                                             rf"{holder.pid}") as e:
+            train.main([*TINY, f"--sft_dir={shared}", f"--out_dir={tmp_path / 'run'}"])
+        assert "pass another --sft_dir" in str(e.value)
+        assert not shared.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_sft_dir_claim_is_held_during_sft_and_released(tmp_path, monkeypatch):
+    seen = []
+    sft = train.sft
+
+    def watching_sft(*args, **kwargs):
+        seen.append((tmp_path / "s.run.pid").read_text().strip())
+        return sft(*args, **kwargs)
+    monkeypatch.setattr(train, "sft", watching_sft)
+    train.main([*TINY, f"--sft_dir={tmp_path / 's'}", f"--out_dir={tmp_path / 'run'}"])
+    assert seen == [str(os.getpid())]
+    assert not (tmp_path / "s.run.pid").exists() and (tmp_path / "s" / "sft_meta.json").is_file()
