@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from infra import scale
 from infra.rng import uniform
 
 REMASKING = ("low_confidence", "random")
@@ -98,6 +99,19 @@ def _count(stats: dict, committed: torch.Tensor, conf: torch.Tensor) -> None:
     stats["max"] = max(stats.get("max", 0), int(committed.max()) if committed.numel() else 0)
 
 
+def fast_summary(task: str, stats: dict | None, device) -> dict:
+    """Log entries of one RL step's fast rollouts, over all ranks: tokens committed per decoding step and
+    row (mean, max; the exact sampler commits gen_length / steps) and the mean probability of the committed
+    tokens under the sampling distribution (Fast-dLLM thresholds it). {} without stats."""
+    if stats is None:
+        return {}
+    sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
+                                      dtype=torch.float64, device=device)).tolist()
+    top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()
+    return {f"{task}/committed_per_step": sums[1] / max(sums[0], 1), f"{task}/committed_per_step_max": top,
+            f"{task}/committed_conf": sums[2] / max(sums[1], 1)}
+
+
 # -----------------------------------------------------------------------------------------------------
 # text: LLaDA semi-autoregressive sampler
 
@@ -125,7 +139,7 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     ceil(masked left / steps left), so a block may end early. Either one switches to the fast step: the
     block alone is scored, the mask id is never committed, and a row whose block is done draws no noise. They
     approximate the behaviour policy only: MaskGRPO rescores every rollout under its own masks. stats: a dict
-    that receives running sums of what each fast step committed (train.fast_summary reads them).
+    that receives running sums of what each fast step committed (fast_summary reads them).
     """
     num_blocks = gen_length // block_length
     spb = steps // max(num_blocks, 1)

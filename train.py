@@ -20,14 +20,11 @@ Alg. 5), one rollout batch at a time:
     6. mu updates    update j re-scores its views with the current policy (backward_loss: grpo.policy_loss,
                      the clipped per-token ratio + beta * k3 KL, as one full-batch mean) and steps
 
-docs/method.md derives each step; docs/differences.md lists where this code departs from the paper and
-the official code. Everything a run writes goes to out_dir: log.jsonl, summary.json (held-out mean reward
-before and after RL, the gain's standard error paired by prompt), final/ (Hugging Face LLaDA layout,
-tokenizer.json, generation.json), checkpoints/ (--resume continues), curves.png, images.png. The
-settings are checked in infra/settings.py, the policy and its reference loaded by infra/load.py, and the run's
-bookkeeping (logs, checkpoints, resume, signals, start-up checks) is infra/run.py; torchrun and FSDP2 are
-infra/scale.py. Every random draw is seeded by (seed, step, global sequence index), so the world size does
-not change the result (LoRA dropout aside: its masks span a rank's rows).
+docs/method.md derives each step; docs/differences.md lists where this code departs from the paper and the
+official code. A run writes to out_dir: log.jsonl, summary.json (held-out reward before and after RL), final/,
+checkpoints/, curves.png, images.png. Settings are checked in infra/settings.py, the policy and its reference
+loaded by infra/load.py, the run kept by infra/run.py; torchrun and FSDP2 are infra/scale.py. Every random draw
+is seeded by (seed, purpose, step, global sequence index) (infra/rng.py), so the world size changes nothing.
 """
 from __future__ import annotations
 
@@ -55,9 +52,6 @@ from infra.scorer import RemoteScorer
 from infra.settings import setup, validate
 from tasks import (GRID_PROMPTS, IMAGE_TASKS, Batch, TokenIds, decode_window, draw_prompts, eval_examples, make_batch,
                    make_example, sft_tasks, task_list, vocab_slice)
-
-# -----------------------------------------------------------------------------------------------------
-# config (config.py: Config, one flag per field, and PRESETS)
 
 
 def parse_args(argv=None) -> Config:
@@ -158,7 +152,7 @@ def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fas
     order (B, L), the sampler step each position was revealed at, -1 for the prompt). gens: one generator per
     row, so a row's sample depends on its own seed only. fast: text rollouts use --kv_cache / --threshold
     (the Fast-dLLM options of sample.generate, off by default); evaluation keeps the exact sampler. stats: fast
-    text rollouts count what they commit into it (fast_summary)."""
+    text rollouts count what they commit into it (sample.fast_summary)."""
     cfg, ids = ctx.cfg, ctx.ids
     xs, orders = [], []
     with scale.full_weights(model):
@@ -202,8 +196,8 @@ class Experience:
     draw: importance.StateDraw | None = None  # --trajectory_states: each update's views and the normaliser
 
 
-class BadStep(Exception):
-    """Rewards that are not finite numbers in [0, 1]: the RL step is skipped (main counts it)."""
+class BadStep(Exception):  # rewards that are not finite numbers in [0, 1]: the step is skipped, main counts it
+    pass
 
 
 def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
@@ -231,7 +225,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
         counts = {} if (cfg.kv_cache != "none" or cfg.threshold) and task not in IMAGE_TASKS else None
         batch, order = rollout(model, p, ctx, gens, cfg.temperature, fast=True, stats=counts)
-        fast_log.update(fast_summary(task, counts, device))
+        fast_log.update(sample.fast_summary(task, counts, device))
         lap(times, "rollout_s")
 
         # 2. rewards, gathered in global order: a group is normalised over all of its members
@@ -350,19 +344,6 @@ def reduce_stats(s: dict, device) -> dict:
     is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
     maxed, summed = scale.all_max(torch.where(is_max, t, -math.inf)), scale.all_sum(torch.where(is_max, 0.0, t))
     return dict(zip(keys, torch.where(is_max, maxed, summed).tolist()))
-
-
-def fast_summary(task: str, stats: dict | None, device) -> dict:
-    """Log entries of one RL step's fast rollouts, over all ranks: tokens committed per decoding step and
-    row (mean, max; the exact sampler commits gen_length / steps) and the mean probability of the committed
-    tokens under the sampling distribution (Fast-dLLM thresholds it). {} without stats."""
-    if stats is None:
-        return {}
-    sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
-                                      dtype=torch.float64, device=device)).tolist()
-    top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()
-    return {f"{task}/committed_per_step": sums[1] / max(sums[0], 1), f"{task}/committed_per_step_max": top,
-            f"{task}/committed_conf": sums[2] / max(sums[1], 1)}
 
 
 def lap(times: dict, name: str) -> None:
