@@ -157,20 +157,20 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
         ratios = [[per_seq[b][j] for b in range(B)] for j in range(mu)]  # [mu][B]
     in_masks = torch.zeros(mu, B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)
     loss_masks = torch.zeros_like(in_masks)  # (mu, B, L)
-    window = slice(P, P + N)
+    cols = slice(P, P + N)  # the window's columns
     for j in range(mu):
         seeds = [mask_seed(seed, step, i, j) for i in idx]  # one S_j per sequence
         if estimator == "d1":
             # One-step estimate at t = 1: the whole window is masked, also past the loss mask (visible
             # trailing EOS would give the answer's length away); only completion_mask is scored.
             in_masks[j, :, :P] = _d1_prompt_mask(prompt_mask, p_mask_prompt, seeds)  # (B, P)
-            in_masks[j, :, window] = True
-            loss_masks[j, :, window] = completion_mask
+            in_masks[j, :, cols] = True
+            loss_masks[j, :, cols] = completion_mask
         else:
             # The prompt is never masked (paper §3; docs/method.md §3). Only tokens masked in THIS iteration carry a ratio.
             m = reverse_mask(completion_mask, ratios[j], seeds, mode if estimator == "maskgrpo" else "random",
                              prompt_len=prompt_len)
-            in_masks[j, :, window] = loss_masks[j, :, window] = m  # (B, N)
+            in_masks[j, :, cols] = loss_masks[j, :, cols] = m  # (B, N)
     return in_masks, loss_masks
 
 

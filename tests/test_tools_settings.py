@@ -16,7 +16,8 @@ import sample
 import tasks
 from conftest import ROOT
 from infra import bench, data, hf, sample_cli, scorer
-from model import ModelConfig, Transformer, chat_prompt
+from model import ModelConfig, Transformer
+from tasks import chat_prompt
 
 
 @pytest.fixture(scope="module")
