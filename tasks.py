@@ -437,12 +437,19 @@ class Task:
     modality: str                   # "text" or "image": the sampler, the reversing operator, the scored vocabulary
     reward: object = None           # reward(completion, example) -> [0, 1]; None: the remote image scorer
     shaped: object = None           # --reward_shaping=official: the official runs' format + correctness reward
-    toy: bool = False               # prompts drawn by make_example; else read from --train_data (infra/data.py)
+    example: object = None          # toy tasks: example(rng, cfg, split, noise) -> a fresh example (make_example);
+                                    # None: the prompts are read from --train_data (infra/data.py)
+
+    @property
+    def toy(self) -> bool:
+        return self.example is not None
 
 
 TASKS = {
-    "text": Task("text", answer_reward, toy=True),  # --text_reward picks among TEXT_REWARDS
-    "image": Task("image", lambda codes, example: image_reward(codes, example["spec"]), toy=True),
+    "text": Task("text", answer_reward,  # --text_reward picks among TEXT_REWARDS
+                 example=lambda rng, cfg, split, noise: make_text_example(rng, split, noise, max_steps=cfg.text_max_steps)),
+    "image": Task("image", lambda codes, example: image_reward(codes, example["spec"]),
+                  example=lambda rng, cfg, split, noise: make_image_example(rng, split, noise, width=cfg.image_width)),
     "gsm8k": Task("text", rewards.REWARDS["gsm8k"], rewards.SHAPED["gsm8k"]),
     "math": Task("text", rewards.REWARDS["math"], rewards.SHAPED["math"]),
     "mbpp": Task("text", rewards.REWARDS["mbpp"]),
@@ -513,7 +520,7 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
     the world size."""
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
-    if task == "text":
+    if TASKS[task].toy:  # a toy text task: BOS + question, the answer padded with EOS (encode_text)
         pairs = [encode_text(tok, ex, cfg.gen_length) for ex in examples]
     else:  # a benchmark prompt in the LLaDA chat template, cut from the left like the official code
         system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
@@ -560,9 +567,8 @@ def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> B
 
 
 def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 0.0) -> dict:
-    if task == "text":
-        return make_text_example(rng, split=split, noise=noise, max_steps=cfg.text_max_steps)
-    return make_image_example(rng, split=split, noise=noise, width=cfg.image_width)
+    """A fresh example of toy task `task` (its TASKS entry's generator), in `split`."""
+    return TASKS[task].example(rng, cfg, split, noise)
 
 
 _TEXT_LEN: dict = {}
