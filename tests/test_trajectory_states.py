@@ -19,14 +19,13 @@ import torch.nn.functional as F
 
 import importance
 import sample
-import rewards
 import tasks
 import train
 from infra import load, lora, rng
 from model import Transformer
 
 
-def fake_score(b, tok, ids, scorer=None, shaped=False, text_reward="answer"):
+def fake_score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
     """A deterministic reward in {0, 0.5, 1} per row, from the sampled window: groups get spread."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 
@@ -62,7 +61,7 @@ FLAGS = ["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size
 def run_step(base, monkeypatch, *flags):
     """One rl_step from a fresh copy of the base model: (log, rollout, recorded gradients, ctx)."""
     tok, ids, model = base
-    monkeypatch.setattr(rewards, "score", fake_score)
+    monkeypatch.setattr(tasks, "score", fake_score)
     cfg = train.parse_args([*FLAGS, *flags])
     policy, ref = copy.deepcopy(model), copy.deepcopy(model)
     opt = GradRecorder(torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr), policy.parameters())
