@@ -196,8 +196,8 @@ class Experience:
     draw: importance.StateDraw | None = None  # --trajectory_states: each update's views and the normaliser
 
 
-class BadStep(Exception):  # rewards that are not finite numbers in [0, 1]: the step is skipped, main counts it
-    pass
+class BadStep(Exception):
+    """Rewards that are not finite numbers in [0, 1]: the RL step is skipped (main counts it)."""
 
 
 def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
@@ -216,8 +216,8 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
     """One MaskGRPO step (paper Alg. 5) on the step's prompts (step_prompts): steps 1-5 build every task's
     experience, step 6 takes mu optimizer steps on it. ref: the reference policy (a frozen copy, or the policy
     with its LoRA adapters off: infra/load.load_policy), None when beta = 0. Returns the log and experiences."""
-    cfg, device, times, exps = ctx.cfg, ctx.device, {"start": time.time(), "cpu_start": time.process_time()}, []
-    fast_log = {}
+    cfg, device, exps, fast_log = ctx.cfg, ctx.device, [], {}
+    times = {"start": time.time(), "cpu_start": time.process_time()}
     model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
     for p in prompts:
         task, seq_index = p.task, p.index
@@ -362,13 +362,12 @@ def lap(times: dict, name: str) -> None:
 
 def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
              prompt_means: list | None = None, stop=None) -> float | None:
-    """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each
-    from a generator seeded by its index, so that runs are paired and the world size changes nothing.
-    Ranks take interleaved rows of every 64-example batch. records: if given, one dict per scored row of
-    this rank is appended (index, prompt, output, reward); prompt_means: if given, receives each held-out
-    prompt's mean reward, gathered over ranks (for the paired standard error of a gain); progress(n) is
-    called after each batch of n rows (evaluate.py's bar); stop() before each batch, on every rank (it
-    raises to end a run on a signal: infra/phases.py). None when the task has no held-out set."""
+    """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each from a
+    generator seeded by its index, so runs are paired and the world size changes nothing; ranks take
+    interleaved rows of every 64-example batch. records: if given, receives one dict per scored row of this
+    rank (index, prompt, output, reward); prompt_means: each held-out prompt's mean reward, over ranks (for a
+    gain's paired standard error); progress(n) after each batch of n rows (evaluate.py's bar); stop() before
+    each batch, on every rank (it raises to end a run on a signal: infra/phases.py). None without held-out set."""
     cfg, device = ctx.cfg, ctx.device
     exs = eval_examples(task, cfg, ctx.datasets)
     if not exs:
