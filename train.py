@@ -492,8 +492,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    # User errors: one line naming the value, the file and the fix, exit status 2 (infra/cli.py). A run that
-    # stopped on bad steps is not the user's typo: one line too, exit status 1.
+    # User errors: one line naming the value and the fix, exit 2 (infra/cli.py); bad steps: one line, exit 1.
     with scale.process_exit(), cli.user_errors():  # process_exit leaves the process group on every path
         try:
             main()
