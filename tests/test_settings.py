@@ -24,7 +24,7 @@ import rewards
 import sample
 import tasks
 import train
-from infra import hf
+from infra import hf, lora
 from infra.budget import scratch_config
 from model import Transformer
 
@@ -445,7 +445,7 @@ def test_load_policy_adapts_what_the_lora_flags_say(toy, tmp_path, targets, name
     cfg = parse(f"--init_from={ckpt}", "--tasks=text", "--lora_rank=4", "--lora_alpha=6", "--lora_dropout=0.2",
                 f"--lora_targets={targets}")
     policy, ref, *_ = train.load_policy(cfg, CPU, torch.float32, train.sft)
-    assert ref is None
+    assert isinstance(ref, lora.AdaptersOff) and ref.policy is policy  # beta 0.01 > 0: the adapters-off policy
     adapted = {n.rsplit(".", 1)[0] for n, p in policy.named_parameters() if n.endswith(".lora_A")}
     want = {f"blocks.{i}.{m}" for i in range(len(policy.blocks)) for m in names}
     assert adapted == want
