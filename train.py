@@ -106,16 +106,16 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
                 raise SystemExit(128 + stop["signal"])
             loss_sum = 0.0
             for task in sft_tasks(cfg):
-                noise = cfg.text_noise if task == "text" else cfg.image_noise
+                noise = cfg.image_noise if task in IMAGE_TASKS else cfg.text_noise
                 exs = [make_example(task, rng, cfg, "train", noise) for _ in range(cfg.sft_batch_size)]
                 b = make_batch(task, exs, tok, ids, cfg, device, with_targets=True)
-                if task == "image":
+                if task in IMAGE_TASKS:
                     # Caption dropout: the unconditional prompt teaches the model p(image), which CFG needs.
                     drop = torch.rand(len(exs), generator=gen) < cfg.cond_dropout
                     b.x[drop, : b.prompt_len] = b.uncond[drop, : b.prompt_len]
                     b.attention_mask[drop] = b.uncond_mask[drop]
                 loss = diffusion_loss(model, b, ids, gen)
-                (loss * (cfg.image_loss_weight if task == "image" else 1.0)).backward()
+                (loss * (cfg.image_loss_weight if task in IMAGE_TASKS else 1.0)).backward()
                 loss_sum += loss.item()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()

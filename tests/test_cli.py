@@ -87,18 +87,6 @@ def test_config_help_is_one_line_per_flag():
     assert continuations == []
 
 
-def test_evaluate_takes_only_the_flags_it_reads():
-    """evaluate.py's --help lists its own flags and the generation / scoring settings (evaluate.FLAGS); a
-    training-only flag is refused as unknown, while a preset may still set it."""
-    import evaluate
-
-    text = cli.parser(evaluate.Options, "", train.PRESETS, evaluate.FLAGS).format_help()
-    assert "--gen_length" in text and "--ckpt" in text and "--lr " not in text and "--num_iterations" not in text
-    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['--lr=1e-3'\]"):
-        evaluate.parse_options(["--ckpt=x", "--task=text", "--lr=1e-3"])
-    assert evaluate.parse_options(["--preset=toy_long", "--task=text"]).lr == 3e-5  # set by the preset
-
-
 @dataclass
 class Sectioned:
     # io
