@@ -147,8 +147,7 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
         names = [f"--{f.name}" for f in flag_fields(cls, inherited)] + (["--preset"] if presets is not None else [])
         close = {u: difflib.get_close_matches(u.split("=")[0], names, n=1) for u in unknown if u.startswith("--")}
         hint = "; ".join(f"did you mean {m[0]} (not {u.split('=')[0]})?" for u, m in close.items() if m)
-        raise ValueError(f"unknown argument(s) {unknown}; the flags are {'some' if flags else 'the'} fields of "
-                         f"{cls.__name__} (--help)"
+        raise ValueError(f"unknown argument(s) {unknown}; the flags are the fields of {cls.__name__} (--help)"
                          + (f"; {hint}" if hint else ""))
     given = {k: v for k, v in vars(args).items() if v is not None and k != "preset"}
     base = dict(defaults or {})
