@@ -124,7 +124,7 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     theta = copy.deepcopy(old)
     opt = _Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
                                               weight_decay=cfg.weight_decay), cfg.num_iterations)
-    _, (r,) = train.rl_step(theta, None, opt, ctx, 0, train.step_prompts(ctx, 0))
+    _, (r,) = train.rl_step(theta, old, opt, ctx, 0, train.step_prompts(ctx, 0))  # old: the reference (beta > 0)
     assert torch.equal(r.batch.x, b.x), "rl_step drew other rollouts than train.rollout with its generators"
     thetas = opt.thetas
     # 3. exact Delta_j and every estimator's estimates

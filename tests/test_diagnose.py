@@ -47,7 +47,7 @@ def test_log_ratios_are_the_training_codes(sft_dir):
     assert (order[:, b.window_slice] >= 0).all() and (order[:, : b.prompt_len] == -1).all()
     theta = copy.deepcopy(old)
     opt = diagnose._Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr), cfg.num_iterations)
-    _, (r,) = train.rl_step(theta, None, opt, ctx, 0, train.step_prompts(ctx, 0))
+    _, (r,) = train.rl_step(theta, old, opt, ctx, 0, train.step_prompts(ctx, 0))  # old: the reference (beta > 0)
     assert torch.equal(r.batch.x, b.x)
     theta1 = opt.thetas[0]  # after update 0: the policy inner iteration 1 scores
     in_mask = r.inputs[1] == ids.mask
