@@ -17,7 +17,7 @@ class Config:
     threads: int = 0                  # torch CPU threads (0 = torch's default)
     # model
     init_from: str = "scratch"        # "scratch" (toy model below, trained by SFT) or a checkpoint directory
-    sft_dir: str = ""                 # where the SFT model is cached ("" = out_dir/sft); share it across runs
+    sft_dir: str = ""                 # SFT model cache ("" = out_dir/sft); runs with the same SFT settings may share it
     retrain_sft: bool = False         # replace an SFT model in sft_dir trained with other settings (else refused)
     d_model: int = 128                # scratch model width (and --dry_run's, when init_from has no config.json)
     n_layers: int = 4                 # transformer blocks (LLaDA-8B: 32)
@@ -107,7 +107,7 @@ _LLADA = {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "ste
           "group_size": 6, "prompts_per_step": 16, "num_iterations": 12, "device_batch_size": 6, "eval_prompts": 256,
           "rl_steps": 667, "checkpoint_every": 42}
 _MMADA = {**_8B, "tasks": "geneval", "vocab_size": 134656, "image_width": 32, "image_text_len": 257,
-          "image_steps": 12, "group_size": 9, "device_batch_size": 3, "eval_prompts": 64}
+          "image_steps": 12, "group_size": 9, "device_batch_size": 9, "eval_prompts": 64}
 
 PRESETS: dict[str, dict] = {
     "toy": {},  # 2-core laptop CPU: SFT from scratch, then RL on both toy tasks
@@ -117,7 +117,7 @@ PRESETS: dict[str, dict] = {
     "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2,
               "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1, "d_model": 32,
               "n_layers": 2, "mlp_hidden_size": 64, "num_iterations": 2, "sample_every": 1, "checkpoint_every": 0},
-    "llada8b": {**_LLADA, "block_length": 16, "gamma_text": 0.6},
+    "llada8b": {**_LLADA, "block_length": 16, "gamma_text": 0.6, "device_batch_size": 12},
     "mmada8b": {**_MMADA, "cfg_scale": 3.0, "prompts_per_step": 4, "num_iterations": 6, "gamma_image": 0.6,
                 "clip_eps": 0.2, "rl_steps": 1334, "checkpoint_every": 84, "dry_run_gpus": 4},
     "mmada8b_server": {**_MMADA, "cfg_scale": 3.5, "prompts_per_step": 8, "num_iterations": 12,

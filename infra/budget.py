@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,7 +32,10 @@ GB = 1024 ** 3
 # 35-50% on A100s; rollouts here are full-sequence forwards of 6-12 sequences per GPU, so the low end.
 GPU_NAME = "A100-80GB SXM"
 GPU_PEAK_FLOPS = 312e12
+H100_PEAK_FLOPS = 989e12  # H100 SXM (and H200) dense bf16, NVIDIA's datasheet
 ASSUMED_MFU = 0.35
+# The GPUs whose memory the dry run states the headroom for (GB of HBM per GPU): H100 SXM 80 GB, H200 141 GB.
+GPU_MEMORY_GB = {"H100": 80, "H200": 141}
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -244,6 +248,28 @@ def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
                  trajectory_states=cfg.trajectory_states)
 
 
+def padded_prompt_len(cfg) -> tuple[int, str]:
+    """The prompt length a text rollout batch is padded to (tasks.make_batch pads to the longest prompt of
+    the batch), and where the figure comes from. With --init_from's tokenizer and --train_data at hand:
+    measured, the mean over the data's consecutive groups of prompts_per_step prompts of the longest one;
+    otherwise --max_prompt_len, the upper bound."""
+    from infra import data
+
+    paths = data.data_paths(cfg.train_data, "train_data")
+    text = [t for t in task_list(cfg) if t not in IMAGE_TASKS and t in paths]
+    folder = Path(cfg.init_from) if cfg.init_from not in ("", "scratch") else None
+    if not text or folder is None or not (folder / "tokenizer.json").is_file():
+        return cfg.max_prompt_len, "--max_prompt_len, an upper bound; --init_from with --train_data measures it"
+    mc = hf.read_config(folder)
+    tok = hf.load_tokenizer(folder, mc)
+    ids, k, longest = hf.token_ids(tok, mc), cfg.prompts_per_step, []
+    for task in text:
+        rows = data.load_dataset(task, paths[task])
+        longest += [tasks.make_batch(task, rows[i:i + k], tok, ids, cfg, "cpu", with_targets=False).prompt_len
+                    for i in range(0, len(rows) - k + 1, k)]
+    return round(sum(longest) / len(longest)), f"measured over {len(longest)} batches of {k} {'/'.join(text)} prompts"
+
+
 def dry_run(cfg) -> dict:
     """--dry_run: print and return the schedule, FLOPs (per RL step, per run), the time estimate on
     GPU_NAME at ASSUMED_MFU, and the memory table, from the model shape alone (no weights)."""
@@ -265,10 +291,12 @@ def dry_run(cfg) -> dict:
     # world sizes the global batch splits evenly over (train.py requires it)
     cols = [w for w in sorted({1, 8, 16, gpus}) if seqs % w == 0]
     chunk = {w: min(cfg.device_batch_size or seqs // w, seqs // w) for w in cols}
+    window = cfg.image_width ** 2 if image else cfg.gen_length  # the positions scored (importance.py); the head
+    # runs over the whole sequence
     mem = {w: memory(mc, s, world_size=w, chunk=chunk[w], seq_len=seq_len,
                      sampled=cfg.image_width ** 2 if image else cfg.block_length, image=image,
-                     cfg_scale=cfg.cfg_scale, beta=cfg.beta,
-                     activation_checkpointing=cfg.activation_checkpointing) for w in cols}
+                     cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing,
+                     scored=window, head_len=seq_len) for w in cols}
 
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
           f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters")
@@ -302,12 +330,31 @@ def dry_run(cfg) -> dict:
         print(f"| {label} | " + " | ".join(f"{mem[w][key]:.1f}" for w in cols) + " |")
     print(f"(update chunk: {', '.join(f'{chunk[w]} seq' for w in cols)}; rollouts chunk the same way; "
           "FSDP2 gathers only with more than one GPU)")
+    if gpus in mem:
+        kind = "lora" if lora else "full"
+        peak = max(mem[gpus][f"{kind}_update"], mem[gpus][f"{kind}_rollout"])
+        room = ", ".join(f"{gb - peak:.0f} GB of {gb} on an {name}" for name, gb in GPU_MEMORY_GB.items())
+        print(f"device_batch_size {chunk[gpus]} of {seqs // gpus} sequences per GPU on {gpus} GPUs: "
+              f"{'LoRA' if lora else 'full fine-tuning'} peak {peak:.1f} GB, headroom {room} (before the CUDA "
+              "context and allocator slack)")
+    rate = {}
+    if not image:  # generated tokens/s per GPU of the rollout phase at the padded prompt length
+        padded, source = padded_prompt_len(cfg)
+        roll = step_flops(replace(cfg, max_prompt_len=padded), mc, s)["rollout"]
+        for name, peak_flops in (("A100", GPU_PEAK_FLOPS), ("H100", H100_PEAK_FLOPS)):
+            rate[name] = seqs * cfg.gen_length / (roll / (peak_flops * ASSUMED_MFU))  # = per GPU on any count
+        print(f"rollouts at a padded prompt length of {padded} tokens ({source}): about {rate['A100']:.0f} "
+              f"generated tokens/s per A100 and {rate['H100']:.0f} per H100 at {ASSUMED_MFU:.0%} MFU")
+    need = step_s + checkpoint_seconds(cfg, mc)
+    print(f"SIGTERM: one RL step plus a checkpoint takes about {need:.0f} s here; under torchrun export "
+          f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)} (default 30), under Slurm sbatch "
+          f"--signal=TERM@{2 * math.ceil(need)} and check KillWait")
     return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs,
             "seq_len": seq_len, "flops": {**f, "evaluation": evaluation, "run": run},
             "rollout_batches": cfg.rl_steps, "optimizer_steps": opt_steps,
             "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.num_iterations,
             "gpu": GPU_NAME, "gpus": gpus, "mfu": ASSUMED_MFU, "seconds_per_step": step_s, "run_hours": run_h,
-            "gpu_hours": run_h * gpus, "budget": mem}
+            "gpu_hours": run_h * gpus, "budget": mem, "tokens_per_s_per_gpu": rate}
 
 
 # -----------------------------------------------------------------------------------------------------

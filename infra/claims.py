@@ -20,7 +20,6 @@ from pathlib import Path
 from infra import checkpoint, data, hf, scale
 from infra.load import check_sft_cache, reference_identity, sft_dir_of
 from infra.run import RESUMABLE, resume_point
-from infra.scale import print0
 
 
 def check_resume(cfg) -> dict | None:
@@ -55,9 +54,10 @@ def check_resume(cfg) -> dict | None:
         config = out / "config.json"  # the finished run's own settings (a checkpoint may be older)
         done = (hf.read_json(config, f"re-create {config}") if config.is_file() else state["config"]).get("rl_steps")
         if cfg.rl_steps == done:
-            print0(f"out_dir {out} holds a finished run ({done} RL steps; {summary}, {out / 'final'}): nothing to "
-                   f"do, nothing rewritten. `python evaluate.py --run={out}` scores it again; --extend=true with a "
-                   "larger --rl_steps trains it further")
+            if os.environ.get("RANK", "0") == "0":  # before the process group exists: RANK says who speaks
+                print(f"out_dir {out} holds a finished run ({done} RL steps; {summary}, {out / 'final'}): nothing "
+                      f"to do, nothing rewritten. `python evaluate.py --run={out}` scores it again; --extend=true "
+                      "with a larger --rl_steps trains it further", flush=True)
             return hf.read_json(summary, f"delete {summary} and resume to redo the final evaluation")
         if cfg.rl_steps < done:
             raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} asks "

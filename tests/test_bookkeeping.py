@@ -27,8 +27,9 @@ CPU = torch.device("cpu")
 # only where it runs, how often it logs and checkpoints, how it batches its forwards, how many steps it
 # takes and the two knobs a run stopped by bad steps continues more carefully with). Any other change
 # would alter the result and must be refused.
-MAY_CHANGE = {"resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every",
-              "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip"}
+MAY_CHANGE = {"resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every",
+              "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip",
+              "extend"}  # --extend=true is how a finished run is continued (tests/test_phases.py)
 
 
 def config(out, *flags):

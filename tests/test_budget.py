@@ -83,18 +83,21 @@ def test_memory_table_has_the_gathered_parts():
     # of the float32 adapters with gradients and AdamW moments (335,544,320 x 16 B / 8: r 128 on 7 matrices
     # of 32 blocks), the whole adapted model gathered in bf16 ((8,015,581,184 + 335,544,320) x 2 B), the
     # all-gather's flat buffer of the largest group, the root (embedding and head, 126464 x 4096 each, and
-    # the final norm, in bf16), and the sampling transients below: 2.49 + 15.56 + 1.93 + 0.32 = 20.29 GB.
+    # the final norm, in bf16), and the sampling transients below: 2.49 + 15.56 + 1.93 + 0.63 = 20.61 GB.
     base, adapters = 8_015_581_184, 335_544_320
-    sampling = 6 * 16 * 126464 * (2 + 26)
+    sampling = 12 * 16 * 126464 * (2 + 26)
     assert s["lora_params"] == adapters
     buffer = (2 * 126464 * 4096 + 4096) * 2
     assert eight["allgather_buffer"] == pytest.approx(buffer / gb) and one["allgather_buffer"] == 0
     by_hand = (base * 2 + adapters * 16) / 8 + (base + adapters) * 2 + buffer + sampling
     assert eight["lora_rollout"] == pytest.approx(by_hand / gb, rel=1e-6)
     assert eight["model_gathered"] == pytest.approx((base + adapters) * 2 / gb)
-    # sampling: the bf16 logits of 6 sequences over the current block of 16 positions (the sampler's head
-    # runs there only), and float64 noise plus its bookkeeping over that block
-    assert eight["sampling"] == pytest.approx((6 * 16 * 126464 * 2 + 6 * 16 * 126464 * 26) / gb)
+    # sampling: the bf16 logits of the preset's 12 sequences per chunk over the current block of 16
+    # positions (the sampler's head runs there only), and float64 noise plus its bookkeeping over that block
+    assert eight["sampling"] == pytest.approx((12 * 16 * 126464 * 2 + 12 * 16 * 126464 * 26) / gb)
+    # an update chunk's logits: bf16 over the 256-token completion window the head runs on (importance.py),
+    # and at its scored positions (at most all 256) a bf16 copy, its float32 cast and log-softmax: 2 + 10 B
+    assert eight["logits"] == pytest.approx(12 * 126464 * 256 * (2 + 10) / gb)
     assert eight["weights_gb"] == pytest.approx(8_015_581_184 * 2 / 8 / gb)
 
 
@@ -254,3 +257,42 @@ def test_memory_formula_matches_a_two_rank_run(tmp_path):
               f"scoring {r['scoring'] / 2 ** 30:.3f}, update {r['update'] / 2 ** 30:.3f}); formula {formula:.3f} "
               f"GiB, of which the all-gather buffer {est['allgather_buffer']:.3f}")
         assert measured == pytest.approx(formula, rel=0.25)
+
+
+def test_dry_run_states_the_batch_its_headroom_and_the_rollout_rate(capsys):
+    """llada8b on 8 GPUs: device_batch_size 12 holds a GPU's 12 sequences in one chunk; the printed headroom
+    is the H100's 80 GB and the H200's 141 GB minus the LoRA peak; the rollout rate by hand: 96 x 256
+    generated tokens per step from 96 x 512 x 128 x 2 x 8.0e9 FLOPs (at --max_prompt_len, no data given) at
+    312e12 x 0.35 FLOP/s per A100: 27 tokens/s per GPU, 86 on an H100's 989e12."""
+    res = train.main(["--preset=llada8b", "--dry_run=true"])
+    text = capsys.readouterr().out
+    peak = max(res["budget"][8]["lora_update"], res["budget"][8]["lora_rollout"])
+    assert (f"device_batch_size 12 of 12 sequences per GPU on 8 GPUs: LoRA peak {peak:.1f} GB, headroom "
+            f"{80 - peak:.0f} GB of 80 on an H100, {141 - peak:.0f} GB of 141 on an H200") in text
+    by_hand = 96 * 256 / (96 * 512 * 128 * 2 * 8.0e9 / (312e12 * 0.35))
+    assert res["tokens_per_s_per_gpu"]["A100"] == pytest.approx(by_hand, rel=0.10)
+    assert res["tokens_per_s_per_gpu"]["H100"] == pytest.approx(by_hand * 989 / 312, rel=0.10)
+    assert "rollouts at a padded prompt length of 256 tokens (--max_prompt_len, an upper bound" in text
+
+
+def test_padded_prompt_length_is_measured_from_the_data(tmp_path):
+    """With --init_from's tokenizer and --train_data, the rollout figure uses the mean longest prompt of
+    each batch of prompts_per_step, as tasks.make_batch pads it; by hand from the tokenizer itself, on the
+    user turn infra/data.py writes (the task's instruction, then the question) in the chat template."""
+    from test_rl_step import save_tiny_checkpoint
+    from tasks import chat_prompt
+    from infra.data import MATH_INSTRUCTION
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt")
+    questions = ["bob has 3 pens", "ann has 2 cats and 4 dogs . how many pets", "how many", "tom has 7",
+                 "sam has 5 red and 2 blue blocks"]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "x #### 3"}) + "\n" for q in questions))
+    cfg = train.parse_args(["--preset=llada8b", "--dry_run=true", f"--init_from={ckpt}", f"--train_data=gsm8k={data}",
+                            "--prompts_per_step=2"])
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    turn = lambda q: chat_prompt([{"role": "user", "content": f"{MATH_INSTRUCTION}\n\nQuestion: {q}"}])
+    n = [len(tok.encode(turn(q), add_special_tokens=False).ids) for q in questions]
+    want = round((max(n[0:2]) + max(n[2:4])) / 2)  # two full batches of 2; the fifth prompt makes none
+    got, source = budget.padded_prompt_len(cfg)
+    assert got == want and "measured over 2 batches of 2 gsm8k prompts" == source

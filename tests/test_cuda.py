@@ -36,7 +36,7 @@ One device:
 Two processes (torchrun, FSDP2; NCCL on two GPUs, gloo on the CPU in the slow suite):
  10. Full fine-tuning with bf16 compute and LoRA with dropout, checkpointing and chunks: every rank exits
      0, finite losses, peak memory per rank printed beside budget.memory (CUDA).
- 11. Save and resume: 2 steps, then --resume to 3, against 3 uninterrupted steps: rewards within 1/8
+ 11. Save and resume: 2 steps, then --resume --extend=true to 3, against 3 uninterrupted steps: rewards within 1/8
      (one of the step's 8 sequences may flip: memory-efficient attention's backward may sum over keys
      with atomics, and no deterministic algorithms are forced) and losses within 5% relative.
 
@@ -337,7 +337,7 @@ def test_update_chunk_memory_on_a_padded_batch(big):
     s = budget.shape(mc, PRESET.lora_rank, PRESET.lora_targets)
     est = budget.memory(mc, s, world_size=1, chunk=B, seq_len=P + N, sampled=BIG["block"], image=False,
                         cfg_scale=0.0, beta=PRESET.beta, activation_checkpointing=True,
-                        scored=N)["lora_update"]
+                        scored=N, head_len=N)["lora_update"]
     assert math.isfinite(stats["loss"]) and est > 0
     what = f"4. update chunk, {mc.n_layers} layers, {B} x {P + N} padded"
     if not HAS_CUDA:
@@ -533,7 +533,7 @@ def test_two_processes_save_and_resume(ckpt, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     torchrun(tmp_path, common + ["--rl_steps=3", f"--out_dir={straight}"])
     torchrun(tmp_path, common + ["--rl_steps=2", f"--out_dir={resumed}"])
-    torchrun(tmp_path, common + ["--rl_steps=3", "--resume", f"--out_dir={resumed}"])
+    torchrun(tmp_path, common + ["--rl_steps=3", "--resume", "--extend=true", f"--out_dir={resumed}"])
     a, b = run_logs(straight), run_logs(resumed)
     assert [l["step"] for l in a] == [l["step"] for l in b] == [0, 1, 2]
     # The resumed step restores weights, optimizer and seeds. Without deterministic algorithms a backward
