@@ -11,6 +11,7 @@ whole file takes a few seconds.
 """
 import json
 import shutil
+import signal
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -19,17 +20,17 @@ import torch
 
 import train
 from infra import checkpoint, scale
+from infra.load import check_sft_cache
 from infra.run import RESUMABLE, Run, TrainingStopped, release_out_dir, startup_checks
 
 CPU = torch.device("cpu")
 
 # The settings a resume may change, written out by hand (README: a resumed run continues the same run;
 # only where it runs, how often it logs and checkpoints, how it batches its forwards, how many steps it
-# takes and the two knobs a run stopped by bad steps continues more carefully with). Any other change
-# would alter the result and must be refused.
-MAY_CHANGE = {"resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every",
-              "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip",
-              "extend"}  # --extend=true is how a finished run is continued (tests/test_phases.py)
+# takes (and --extend, which lets a finished run take more) and the two knobs a run stopped by bad steps
+# continues more carefully with). Any other change would alter the result and must be refused.
+MAY_CHANGE = {"resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every",
+              "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip"}
 
 
 def config(out, *flags):
@@ -296,3 +297,92 @@ def test_one_process_needs_no_process_group(monkeypatch):
     assert target.tolist() == [[0, 1, 2], [3, 4, 5]]
     with pytest.raises(ValueError, match="does not match rows"):
         scale.fill_shard(torch.zeros(3, 3), torch.zeros(2, 3))
+
+
+# -----------------------------------------------------------------------------------------------------
+# damaged checkpoints
+
+
+def test_damage_is_named_and_load_refuses_it(tmp_path):
+    """A checkpoint's state.json that is not a JSON object with a step, or unreadable, and a missing
+    .metadata are each named; load refuses a directory without state.json and a damaged checkpoint."""
+    out = tmp_path / "run"
+    run_steps(config(out, "--checkpoint_every=1", "--rl_steps=1"), [GOOD(0)])
+    ckpt = out / "checkpoints" / "step-00000001"
+    model, opt = tiny()
+    assert checkpoint.damage(ckpt) is None
+    state = (ckpt / "state.json").read_text()
+    (ckpt / "state.json").write_text("[1, 2]")
+    assert checkpoint.damage(ckpt).endswith("state.json holds no checkpoint state")
+    (ckpt / "state.json").write_text("{")
+    assert "state.json is unreadable" in checkpoint.damage(ckpt)
+    with pytest.raises(ValueError, match=r"checkpoint .*step-00000001 is damaged: .*; remove it"):
+        checkpoint.load(ckpt, model, opt)
+    (ckpt / "state.json").write_text(state)
+    (ckpt / ".metadata").unlink()
+    assert ".metadata is unreadable" in checkpoint.damage(ckpt)
+    (ckpt / "state.json").unlink()
+    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
+        checkpoint.load(ckpt, model, opt)
+
+
+def test_a_signal_writes_a_checkpoint_off_cadence_and_exits(tmp_path):
+    """SIGTERM during step 1 with --checkpoint_every=0: the step is logged, a checkpoint of the 2 steps
+    done is written anyway, and the run exits with 128 + 15."""
+    out = tmp_path / "run"
+    cfg = config(out, "--checkpoint_every=0", "--rl_steps=5")
+    out.mkdir()
+    model, opt = tiny()
+    with pytest.raises(SystemExit) as e, Run(cfg, model, opt, CPU) as run:
+        run.record(0, GOOD(0), [], None, None)
+        run.signal["signal"] = signal.SIGTERM
+        run.record(1, GOOD(1), [], None, None)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert names(out) == ["step-00000002"] and log_steps(out) == [0, 1]
+
+
+def test_resume_without_a_checkpoint_starts_at_zero_and_drops_a_cut_log_line(tmp_path, capsys):
+    """--resume in an out_dir with no complete checkpoint starts at step 0 and says so; a resume keeps
+    the log lines before its start and skips one cut short by a kill."""
+    out = tmp_path / "run"
+    assert run_steps(config(out, "--checkpoint_every=0", "--resume=true"), []).start == 0
+    assert "no complete checkpoint" in capsys.readouterr().out
+    run_steps(config(out, "--checkpoint_every=2", "--rl_steps=3"), [GOOD(s) for s in range(3)])
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "text/rew')
+    with Run(config(out, "--checkpoint_every=2", "--rl_steps=5", "--resume=true"), *tiny(), CPU) as run:
+        assert run.start == 2 and log_steps(out) == [0, 1]
+
+
+def test_the_next_save_removes_older_crash_leftovers(tmp_path):
+    """A `step-N.tmp` of an earlier crash is deleted by the next checkpoint save (checkpoint.py)."""
+    out = tmp_path / "run"
+    _fake_checkpoint(out / "checkpoints" / "step-00000007.tmp", 7)
+    run_steps(config(out, "--checkpoint_every=1", "--rl_steps=1"), [GOOD(0)])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001"]
+
+
+def test_a_second_signal_later_interrupts_at_once(monkeypatch):
+    """The first SIGTERM sets the flag; a copy within REPEAT_WINDOW seconds (torchrun forwards the one it
+    got) changes nothing; one later than that raises KeyboardInterrupt."""
+    now = [100.0]
+    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: now[0])
+    with checkpoint.graceful_stop() as flag:
+        handler = signal.getsignal(signal.SIGTERM)
+        handler(signal.SIGTERM, None)
+        assert flag["signal"] == signal.SIGTERM
+        now[0] += checkpoint.REPEAT_WINDOW / 2
+        handler(signal.SIGINT, None)
+        assert flag["signal"] == signal.SIGTERM
+        now[0] += checkpoint.REPEAT_WINDOW
+        with pytest.raises(KeyboardInterrupt):
+            handler(signal.SIGTERM, None)
+
+
+def test_an_sft_dir_with_foreign_files_is_refused(tmp_path):
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds files but no sft_meta.json.*--retrain_sft=true"):
+        check_sft_cache(config(tmp_path / "run", f"--sft_dir={sft}"))
+    assert check_sft_cache(config(tmp_path / "run", f"--sft_dir={tmp_path / 'empty'}")) is False

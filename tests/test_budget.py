@@ -95,9 +95,10 @@ def test_memory_table_has_the_gathered_parts():
     # sampling: the bf16 logits of the preset's 12 sequences per chunk over the current block of 16
     # positions (the sampler's head runs there only), and float64 noise plus its bookkeeping over that block
     assert eight["sampling"] == pytest.approx((12 * 16 * 126464 * 2 + 12 * 16 * 126464 * 26) / gb)
-    # an update chunk's logits: bf16 over the 256-token completion window the head runs on (importance.py),
-    # and at its scored positions (at most all 256) a bf16 copy, its float32 cast and log-softmax: 2 + 10 B
-    assert eight["logits"] == pytest.approx(12 * 126464 * 256 * (2 + 10) / gb)
+    # an update chunk's logits: bf16 over the whole 512-token sequence (256 prompt + 256 completion: the
+    # head runs on every position, importance.py), and at the scored positions (at most the 256 of the
+    # completion) a bf16 copy, its float32 cast and log-softmax: 2 + 8 B more
+    assert eight["logits"] == pytest.approx(12 * 126464 * (512 * 2 + 256 * (2 + 8)) / gb)
     assert eight["weights_gb"] == pytest.approx(8_015_581_184 * 2 / 8 / gb)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import importance
+import rewards
 import tasks
 import train
 from infra import diagnose, rng
@@ -78,10 +79,10 @@ def test_cli_prints_every_row(sft_dir, tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: usage")  # a user error: one line, status 2
 
 
-def test_main_at_small_non_default_settings(tmp_path, capsys):
+def test_main_at_small_non_default_settings(tmp_path, capsys, monkeypatch):
     """`python importance.py --diagnose` in-process on a random toy-vocabulary checkpoint, text only, at
-    settings of its own (mu 2, 2 draws, G 2, gamma 0.3, clip 100): a table row per text estimator, the PNG,
-    every ratio inside a clip range of 100, and the Fig. 2 curves of the reversing operators at t = gamma
+    settings of its own (mu 2, 2 draws, G 2, gamma 0.3, clip 1e-9): a table row per text estimator, the PNG,
+    most ratios outside a clip range of 1e-9 after an update at lr 1e-2 (the column reads --clip_eps), and the Fig. 2 curves of the reversing operators at t = gamma
     by hand (random: t everywhere; AR-like, Alg. 1: 1 - min(1, 2 (1 - t)(1 - n / (N - 1))))."""
     tok = tasks.build_tokenizer()
     model = Transformer(scratch_config(train.parse_args(["--preset=smoke"]), **tasks.model_config_overrides(tok)))
@@ -90,16 +91,19 @@ def test_main_at_small_non_default_settings(tmp_path, capsys):
     hf.save_pretrained(model, ckpt)
     tok.save(str(ckpt / "tokenizer.json"))
     png = tmp_path / "d.png"
+    # A random model solves nothing: rewards from the sampled tokens instead, so that groups carry signal
+    # and the update moves the policy.
+    monkeypatch.setattr(rewards, "score", lambda b, *a, **k: (b.x[:, b.window_slice].sum(1) % 3).float() / 2)
     res = diagnose.main(["--diagnose", f"--ckpt={ckpt}", "--preset=smoke", "--tasks=text", "--draws=2",
                          "--num_iterations=2", "--prompts_per_step=1", "--group_size=2", "--gamma_text=0.3",
-                         "--clip_eps=100", "--lr=1e-2", "--threads=1", f"--png={png}"])
+                         "--clip_eps=1e-9", "--lr=1e-2", "--threads=1", f"--png={png}"])
     out = capsys.readouterr().out
     labels = [label for label, *_ in diagnose.ESTIMATORS]
     assert set(res) == {"text"} and set(res["text"]) == set(labels) | {"_order"}
     for label in labels:
         assert f"| {label} |" in out
         m = res["text"][label]
-        assert m["in_clip"] == 1.0 and 0 <= m["sign"] <= 1 and len(m["scatter"][0]) == 2  # (mu - 1) x B
+        assert m["in_clip"] < 0.5 and 0 <= m["sign"] <= 1 and len(m["scatter"][0]) == 2  # (mu - 1) x B
     curve = res["text"]["_order"]
     N = len(curve["random"])
     assert curve["ratio"] == 0.3 and curve["random"] == [0.3] * N
@@ -126,3 +130,12 @@ def test_pearson_and_spearman_by_hand():
     assert diagnose.spearman(a, b) == pytest.approx(1.0)
     assert diagnose.spearman(a, -b) == pytest.approx(-1.0)
     assert math.isnan(diagnose.pearson(a, torch.ones(3)))
+
+
+@pytest.mark.parametrize("argv,match", [(["--diagnose"], "usage: python importance.py --diagnose --ckpt DIR"),
+                                        (["--diagnose", "--ckpt=x", "--draws=1"], r"draws \(1\) must be >= 2"),
+                                        (["--diagnose", "--ckpt=x", "--num_iterations=1"],
+                                         r"num_iterations \(1\) and draws \(4\) must be >= 2")])
+def test_main_refuses(argv, match):
+    with pytest.raises(ValueError, match=match):
+        diagnose.main(argv)

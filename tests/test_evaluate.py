@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -140,9 +141,14 @@ def test_pass_at_k_by_hand():
     (["--task", "text", "--no_such_field=1"], r"unknown argument\(s\) \['--no_such_field=1'\]"),
     (["--task", "text", "--temperature=0"], r"temperature \(0.0\) must be > 0"),
     (["--run", "/no/such/run"], "/no/such/run/config.json not found"),
+    (["--task", "text", "--limit=-1"], r"--limit \(-1\) must be >= 0"),
+    (["--task", "text", "--samples=-2"], r"--samples \(-2\) >= 0"),
+    ([], r"pass --ckpt DIR --task TASK"),
+    (["--compare=a.jsonl"], r"--compare takes two existing --out files"),
+    (["--run", "/no/such/run", "--seed=1"], r"--run re-scores with the run's own config.json, which --seed would change; drop it"),
 ])
 def test_bad_input_is_one_line(run_dir, capsys, argv, match):
-    if "--ckpt" not in argv and "--run" not in argv:
+    if "--task" in argv and "--ckpt" not in argv:
         argv = ["--ckpt", str(run_dir / "final"), *argv]
     assert evaluate.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -207,3 +213,28 @@ def test_compare_pairs_prompts_by_hand(tmp_path, capsys):
     assert "--compare takes two existing --out files" in capsys.readouterr().err
     assert evaluate.main([f"--compare={a},{b}", "--seed=3"]) == 2  # not silently ignored
     assert "takes no other flag; drop ['--seed=3']" in capsys.readouterr().err
+
+
+def test_pass_at_k_refuses_impossible_counts():
+    for n, c, k in ((2, 3, 1), (2, 1, 3), (2, 1, 0)):
+        with pytest.raises(ValueError, match=f"n={n}, c={c}, k={k}"):
+            evaluate.pass_at_k(n, c, k)
+
+
+def test_compare_refuses_other_files(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    rec = lambda i, prompt: json.dumps({"mode": "greedy", "prompt_index": i, "prompt": prompt, "reward": 1.0})
+    a.write_text(rec(0, "p") + "\n")
+    b.write_text(rec(0, "q") + "\n")
+    with pytest.raises(ValueError, match="hold other greedy prompts"):
+        evaluate.compare(str(a), str(b))
+    b.write_text("not json\n")
+    with pytest.raises(ValueError, match="b.jsonl line 1 is not an evaluate.py --out record"):
+        evaluate.compare(str(a), str(b))
+
+
+def test_run_mode_refuses_a_config_of_another_version(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**asdict(train.Config()), "old_field": 1}))
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"fields unknown to train.Config: \['old_field'\]"):
+        evaluate.check_run(str(tmp_path))

@@ -20,12 +20,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import evaluate
 import grpo
 import importance
-import rewards
 import sample
 import tasks
 import train
 from infra import hf, lora
 from infra.budget import scratch_config
+from infra.load import load_policy
+from infra.settings import setup
 from model import Transformer
 
 CPU = torch.device("cpu")
@@ -422,11 +423,11 @@ def test_setup_takes_threads_dtype_and_device():
     float32; --device=cpu is the CPU."""
     before = torch.get_num_threads()
     try:
-        device, dtype = train.setup(parse("--threads=2", "--dtype=bfloat16", "--device=cpu"))
+        device, dtype = setup(parse("--threads=2", "--dtype=bfloat16", "--device=cpu"))
         assert (device, dtype, torch.get_num_threads()) == (CPU, torch.bfloat16, 2)
     finally:
         torch.set_num_threads(before)
-    assert train.setup(parse("--device=cpu"))[1] == torch.float32
+    assert setup(parse("--device=cpu"))[1] == torch.float32
 
 
 @pytest.mark.parametrize("targets,names", [("official", {"q_proj", "k_proj", "v_proj", "up_proj"}),
@@ -444,7 +445,7 @@ def test_load_policy_adapts_what_the_lora_flags_say(toy, tmp_path, targets, name
     tok.save(str(ckpt / "tokenizer.json"))
     cfg = parse(f"--init_from={ckpt}", "--tasks=text", "--lora_rank=4", "--lora_alpha=6", "--lora_dropout=0.2",
                 f"--lora_targets={targets}")
-    policy, ref, *_ = train.load_policy(cfg, CPU, torch.float32, train.sft)
+    policy, ref, *_ = load_policy(cfg, CPU, torch.float32, train.sft)
     assert isinstance(ref, lora.AdaptersOff) and ref.policy is policy  # beta 0.01 > 0: the adapters-off policy
     adapted = {n.rsplit(".", 1)[0] for n, p in policy.named_parameters() if n.endswith(".lora_A")}
     want = {f"blocks.{i}.{m}" for i in range(len(policy.blocks)) for m in names}
@@ -460,10 +461,10 @@ def test_load_policy_adapts_what_the_lora_flags_say(toy, tmp_path, targets, name
         base = x @ layer.weight.T
         torch.testing.assert_close(got, base + 1.5 * (x @ layer.lora_A.T) @ layer.lora_B.T, rtol=1e-5, atol=1e-5)
 
-    full, ref, *_ = train.load_policy(parse(f"--init_from={ckpt}", "--tasks=text", "--beta=0.3"), CPU, torch.float32,
+    full, ref, *_ = load_policy(parse(f"--init_from={ckpt}", "--tasks=text", "--beta=0.3"), CPU, torch.float32,
                                       train.sft)
     assert ref is not full and not any(p.requires_grad for p in ref.parameters())
-    assert train.load_policy(parse(f"--init_from={ckpt}", "--tasks=text", "--beta=0"), CPU, torch.float32,
+    assert load_policy(parse(f"--init_from={ckpt}", "--tasks=text", "--beta=0"), CPU, torch.float32,
                              train.sft)[1] is None
 
 
