@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import importance
-import rewards
 import tasks
 import train
 from infra import diagnose, rng
@@ -93,7 +92,7 @@ def test_main_at_small_non_default_settings(tmp_path, capsys, monkeypatch):
     png = tmp_path / "d.png"
     # A random model solves nothing: rewards from the sampled tokens instead, so that groups carry signal
     # and the update moves the policy.
-    monkeypatch.setattr(rewards, "score", lambda b, *a, **k: (b.x[:, b.window_slice].sum(1) % 3).float() / 2)
+    monkeypatch.setattr(tasks, "score", lambda b, *a, **k: (b.x[:, b.window_slice].sum(1) % 3).float() / 2)
     res = diagnose.main(["--diagnose", f"--ckpt={ckpt}", "--preset=smoke", "--tasks=text", "--draws=2",
                          "--num_iterations=2", "--prompts_per_step=1", "--group_size=2", "--gamma_text=0.3",
                          "--clip_eps=1e-9", "--lr=1e-2", "--threads=1", f"--png={png}"])
