@@ -27,7 +27,7 @@ from pathlib import Path
 
 import tasks
 import train
-from infra import cli, data, lora, run, scale
+from infra import cli, data, load, lora, run, scale, settings
 from infra.data import load_data
 from infra.scorer import RemoteScorer
 
@@ -78,8 +78,7 @@ class Options(train.Config):
     samples: int = -1       # k sampled completions per prompt for pass@k (-1: the task's default, 0: greedy only)
     out: str = ""           # write one JSON line per completion here
     run: str = ""           # out_dir of a train.py run: re-score it and compare with its summary.json
-    compare: str = ""       # BEFORE.jsonl,AFTER.jsonl: two --out files of the same prompts; prints the gain
-                            # and its standard error paired by prompt
+    compare: str = ""       # BEFORE.jsonl,AFTER.jsonl: two --out files of the same prompts; the paired gain
 
 
 # The train.Config settings an evaluation reads (sampling, prompts, rewards, the process); the training-only
@@ -105,7 +104,7 @@ def parse_options(argv=None) -> Options:
     """Flags over the preset over the task's official settings over the checkpoint's generation.json."""
     kw = dict(description=__doc__.split("\n")[0], presets=train.PRESETS, inherited=SHARED, refused=REFUSED)
     first = cli.parse(Options, argv, **kw)
-    saved = run.read_generation_settings(first.ckpt) if first.ckpt and not first.run else {}
+    saved = settings.read_generation_settings(first.ckpt) if first.ckpt and not first.run else {}
     saved.pop("tasks", None)
     return cli.parse(Options, argv, defaults={**saved, **OFFICIAL.get(first.task, {})}, **kw)
 
@@ -190,13 +189,13 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
 
 
 def _score(cfg, task, sink, limit, samples):
-    device, dtype = run.setup(cfg)
+    device, dtype = settings.setup(cfg)
     datasets = load_data(cfg)  # a missing or malformed file fails here, before the model loads
     if task in datasets and not limit:  # benchmarks: every row of the file unless --limit
         cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
-    model, tok, ids, _ = run.load_model(cfg, device, dtype, train.sft)
-    run.report_truncation(cfg, tok, datasets)
+    model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
+    load.report_truncation(cfg, tok, datasets)
     n = len(tasks.eval_examples(task, cfg, datasets))
     ctx = train.Ctx(cfg, tok, ids, device, datasets, scorer)
     modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
@@ -260,7 +259,7 @@ def check_run(run_dir: str, **overrides) -> bool:
     cfg = replace(train.Config(**raw), **overrides)  # RUN_OVERRIDES: threads, device
     train.validate(cfg)
     summary = json.loads((out_dir / "summary.json").read_text())
-    device, dtype = run.setup(cfg)
+    device, dtype = settings.setup(cfg)
     datasets = load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
     # As train.main: the RL start is the SFT model for scratch runs, else init_from. LoRA runs start from
@@ -272,7 +271,7 @@ def check_run(run_dir: str, **overrides) -> bool:
         ckpt = start if label == "before" or cfg.lora_rank else str(out_dir / "final")
         if not Path(ckpt).is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {ckpt} (the run's {label}-RL model)")
-        model, tok, ids, _ = run.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
+        model, tok, ids, _ = load.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
         if label == "after" and cfg.lora_rank:
             lora.load_adapters(model, out_dir / "final")
         evals[label] = train.evaluate_all(model.eval(), train.Ctx(cfg, tok, ids, device, datasets, scorer))

@@ -38,6 +38,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int | None = None, eps: 
 # -----------------------------------------------------------------------------
 # policy loss
 
+def num_terms(mask: torch.Tensor, norm: str) -> torch.Tensor:
+    """How many terms policy_loss averages over for a bool mask (B, N): scored tokens ("token") or sequences
+    with any scored token ("sequence"); an int64 scalar."""
+    return mask.sum() if norm == "token" else mask.any(-1).sum()
+
+
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
                 clip_eps: float, beta: float = 0.0, logp_ref: torch.Tensor | None = None,
                 norm: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
@@ -46,7 +52,7 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     the tokens masked in THIS inner iteration (loss_masks[j]). norm="token": mean over the batch's scored
     tokens; "sequence": mean over each sequence's scored tokens, then over the sequences that have any.
     No scored token gives loss 0 with zero grads. stats: clipfrac (tokens whose gradient the clip removes),
-    kl, ratio_mean, ratio_max, adv_abs_mean, num_tokens."""
+    kl, ratio_mean, ratio_max, num_tokens. A batch split into chunks is weighted by train.backward_loss."""
     assert clip_eps > 0 and beta >= 0 and norm in NORMS and (beta == 0 or logp_ref is not None), \
         f"clip_eps {clip_eps} > 0, beta {beta} >= 0 (> 0 needs logp_ref), norm {norm!r} in {NORMS}"
     assert logp.shape == logp_old.shape == mask.shape and mask.dtype == torch.bool, \
@@ -86,7 +92,6 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
             "kl": float((kl * m).sum()) / n if (n and kl is not None) else 0.0,
             "ratio_mean": float((ratio * m).sum()) / n if n else 1.0,  # 1.0 = neutral when nothing scored
             "ratio_max": float(ratio[mask].max()) if n else 1.0,
-            "adv_abs_mean": float(adv.abs().float().mean()) if adv.numel() else 0.0,
             "num_tokens": n,
         }
     return loss, stats

@@ -4,23 +4,24 @@ A masked diffusion model's sequence likelihood is intractable, so GRPO's pi_thet
 the paper argues (§3) that two policies' masked log-likelihoods at one masked state differ by about as much as
 their per-step decoding log-likelihoods (decoding_logprob computes those exactly). Inner iteration j re-masks
 the completion with a seeded reversing operator o^t ~ Rev(o, t_j, S_j) and scores pi_theta, pi_old and pi_ref on
-that same input; a mask is a function of (seed, ratio, N) alone. Per rollout step (train.py), j = 0..mu-1:
-    in_masks, loss_masks = build_masks(prompt_mask, completion_mask, seed=, step=, seq_index=, num_iterations=mu)
-    x_j = apply_mask(x, in_masks[j], mask_id)                   # the same x_j for old, ref and current policy
-    logp_old[j] = token_logprobs(model, x_j, x, loss_masks[j])   # no_grad; with grad -> grpo.policy_loss
+that same input; a mask is a function of (seed, ratio, N) alone. Per rollout step (train.rl_step):
+    inputs, loss_masks = views(batch, order, cfg, ...)         # every estimator's choice is made in views()
+    logp_old[k] = token_logprobs(model, inputs[k], x, loss_masks[k])  # no_grad; the same inputs for pi_ref
+    update j scores update_views(estimator, j, K) with grad -> grpo.policy_loss
 The "trajectory" estimator is what the others approximate: trajectory_masks turns the sampler's decoding
 order into one (state, revealed tokens) pair per decoding step, so that every token is scored under the
 state in which it was revealed; the sum of those log-probs is decoding_logprob's exact l_pi(o).
 Shapes: B sequences, P prompt, N generation window, S suffix (<|eoi|> for images), L = P + N + S. Differences
 from the official code, and why: docs/differences.md.
 """
-import hashlib
 import math
-import struct
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from infra import scale
+from infra.rng import derive_seed, packed_seed
 
 MASK_ESTIMATORS = ("maskgrpo", "d1", "unigrpo")  # the ones build_masks draws masks for
 ESTIMATORS = MASK_ESTIMATORS + ("trajectory",)   # trajectory: the sampler's own states (trajectory_masks)
@@ -29,35 +30,12 @@ MAX_RATIO = 0.999  # the last ratio of the schedule would be 1.0; the official c
 UNIGRPO_T = 1000   # UniGRPO's number of discrete timesteps; MMaDA (arXiv:2505.15809) does not state it
 
 
-# -----------------------------------------------------------------------------
-# seeds: every random draw of a run is a hash of what it is for, never the global RNG
-
-def _blake64(data: bytes) -> int:
-    # blake2b, not hash(): the same in every process and Python version, and neighbours come out unrelated.
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def derive_seed(*parts) -> int:
-    """A 63-bit seed from (run seed, purpose, step, ...), e.g. derive_seed(0, "rollout", "text", 3, 7)."""
-    return _blake64(repr(parts).encode()) & (2**63 - 1)  # repr: parts may be strings and floats
-
-
-def generator(device, *parts) -> torch.Generator:
-    """A torch.Generator on `device` seeded with derive_seed(*parts)."""
-    return torch.Generator(device=device).manual_seed(derive_seed(*parts))
-
-
-def _stable_seed(tag: bytes, *ints: int) -> int:
-    # Mask seeds' encoding (tagged packed ints, top 63 bits): kept beside derive_seed's, as every mask hangs on it.
-    return _blake64(tag + struct.pack(f"<{len(ints)}q", *ints)) >> 1
-
-
 def mask_seed(seed: int, step: int, seq_index: int, j: int) -> int:
     """Seed S_j of one sequence's mask in inner iteration j of rollout `step` (the paper's controlled seed).
     seq_index is GLOBAL (prompt index * G + member), never the rank: masks do not depend on the world size."""
     assert all(type(v) is int and 0 <= v < 2**63 for v in (seed, step, seq_index, j)), \
         f"seed, step, seq_index, j ({seed}, {step}, {seq_index}, {j}) must be non-negative ints < 2**63"
-    return _stable_seed(b"maskgrpo/mask", seed, step, seq_index, j)
+    return packed_seed(b"maskgrpo/mask", seed, step, seq_index, j)
 
 
 def _per_row(values, B: int, name: str, cast) -> list:
@@ -150,7 +128,7 @@ def _d1_prompt_mask(prompt_mask: torch.Tensor, p_mask_prompt: float, seeds: list
 def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float]:
     # UniGRPO (MMaDA, arXiv:2505.15809): t_1 = floor(r_1 T) with r_1 ~ U(0,1), then mu timesteps evenly
     # spaced from t_1 to T. r_1 is drawn per sequence, so it does not depend on the world size either.
-    g = torch.Generator().manual_seed(_stable_seed(b"maskgrpo/unigrpo-t1", seed, step, seq_index))
+    g = torch.Generator().manual_seed(packed_seed(b"maskgrpo/unigrpo-t1", seed, step, seq_index))
     t1 = math.floor(torch.rand((), generator=g, dtype=torch.float64).item() * UNIGRPO_T)
     return [math.floor((n - 1) / max(mu - 1, 1) * (UNIGRPO_T - t1) + t1) / UNIGRPO_T for n in range(1, mu + 1)]
 
@@ -179,21 +157,75 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
         ratios = [[per_seq[b][j] for b in range(B)] for j in range(mu)]  # [mu][B]
     in_masks = torch.zeros(mu, B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)
     loss_masks = torch.zeros_like(in_masks)  # (mu, B, L)
-    window = slice(P, P + N)
+    cols = slice(P, P + N)  # the window's columns
     for j in range(mu):
         seeds = [mask_seed(seed, step, i, j) for i in idx]  # one S_j per sequence
         if estimator == "d1":
             # One-step estimate at t = 1: the whole window is masked, also past the loss mask (visible
             # trailing EOS would give the answer's length away); only completion_mask is scored.
             in_masks[j, :, :P] = _d1_prompt_mask(prompt_mask, p_mask_prompt, seeds)  # (B, P)
-            in_masks[j, :, window] = True
-            loss_masks[j, :, window] = completion_mask
+            in_masks[j, :, cols] = True
+            loss_masks[j, :, cols] = completion_mask
         else:
             # The prompt is never masked (paper §3; docs/method.md §3). Only tokens masked in THIS iteration carry a ratio.
             m = reverse_mask(completion_mask, ratios[j], seeds, mode if estimator == "maskgrpo" else "random",
                              prompt_len=prompt_len)
-            in_masks[j, :, window] = loss_masks[j, :, window] = m  # (B, N)
+            in_masks[j, :, cols] = loss_masks[j, :, cols] = m  # (B, N)
     return in_masks, loss_masks
+
+
+def views(batch, order: torch.Tensor, cfg, *, image: bool, step: int, seq_index: list, eos_id: int,
+          mask_id: int) -> tuple[list, torch.Tensor, "StateDraw | None"]:
+    """Step 4 of the RL step (paper Alg. 5): the estimator's views of one task's rollouts, as (inputs, loss_masks,
+    draw): K masked inputs (B, L) and bool (K, B, L), the positions each input scores, and for
+    --trajectory_states the StateDraw that says which views each update scores (else None). Every estimator and
+    modality is decided here, from cfg.estimator and `image`:
+      maskgrpo  K = mu masks at the truncated ratio schedule, AR-like (or cfg.text_reversing) reversing for
+                text and random reversing for images (Alg. 1, 2), gamma_text / gamma_image;
+      unigrpo   K = mu random-reversing masks at UniGRPO's ratios;
+      d1        K = mu one-step masks: prompt masked with p_mask_prompt, completion scored up to its first EOS (text);
+      trajectory  K = T, the sampler's own states, one per decoding step (from `order`), each scoring the tokens
+                revealed in it; steps in which no rank revealed anything are dropped, the same on every rank;
+                --trajectory_states keeps the U views its draw needs (subsample_states).
+    batch: tasks.Batch with the rollouts in its window; order: (B, L) the step each position was revealed at;
+    seq_index: each row's global sequence index (masks and their seeds do not depend on the world size)."""
+    x, B, P, N = batch.x, batch.x.shape[0], batch.prompt_len, batch.window
+    if cfg.estimator == "trajectory":
+        in_masks, loss_masks = trajectory_masks(order, cfg.image_steps if image else cfg.steps)
+        keep = scale.all_max(loss_masks.flatten(1).any(1).to(x.device, torch.float32)).bool().cpu()
+        in_masks, loss_masks = in_masks[keep], loss_masks[keep]                    # (T, B, L) each
+        if cfg.trajectory_states:  # K of the T states per update (U = min(mu K, T) views)
+            in_masks, loss_masks, draw = subsample_states(
+                in_masks, loss_masks, cfg.trajectory_states, cfg.num_iterations, step=step, seq_index=seq_index,
+                seed=derive_seed(cfg.seed, "trajectory-states", batch.task))         # (U, B, L) each
+            return [apply_mask(x, m, mask_id) for m in in_masks], loss_masks, draw
+    else:
+        scored = torch.ones(B, N, dtype=torch.bool, device=x.device)              # (B, N)
+        if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
+            scored = completion_mask_until_eos(x[:, P:P + N], eos_id)
+        in_masks, loss_masks = build_masks(
+            batch.prompt_mask, scored, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
+            seq_index=seq_index, num_iterations=cfg.num_iterations,
+            gamma=cfg.gamma_image if image else cfg.gamma_text, estimator=cfg.estimator,
+            mode="random" if image else cfg.text_reversing, p_mask_prompt=cfg.p_mask_prompt,
+            suffix_len=x.shape[1] - P - N)                                         # (mu, B, L) each
+    return [apply_mask(x, m, mask_id) for m in in_masks], loss_masks, None
+
+
+def update_views(estimator: str, j: int, num_views: int, draw=None):
+    """The views inner update j scores: view j (one mask per update); for the trajectory estimator every
+    decoding step's, in each update, or with --trajectory_states the K its StateDraw gives update j."""
+    return draw.updates[j] if draw else range(num_views) if estimator == "trajectory" else range(j, j + 1)
+
+
+# Settings that only some estimators read: (flag, the estimators that read it).
+READ_BY = (("gamma_text", ("maskgrpo",)), ("gamma_image", ("maskgrpo",)), ("text_reversing", ("maskgrpo",)),
+           ("p_mask_prompt", ("d1",)))
+
+
+def ignored_settings(cfg, defaults) -> list[str]:
+    """The flags set away from their default that cfg.estimator does not read (validation warns about them)."""
+    return [k for k, users in READ_BY if cfg.estimator not in users and getattr(cfg, k) != getattr(defaults, k)]
 
 
 def apply_mask(input_ids: torch.Tensor, mask: torch.Tensor, mask_id: int) -> torch.Tensor:
@@ -207,19 +239,18 @@ def apply_mask(input_ids: torch.Tensor, mask: torch.Tensor, mask_id: int) -> tor
 
 def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, *,
                    attention_mask: torch.Tensor | None = None, vocab_slice: tuple[int, int] | None = None,
-                   device_batch_size: int | None = None) -> torch.Tensor:
+                   device_batch_size: int = 0) -> torch.Tensor:
     """float32 (B, L): log pi(targets | input_ids) at `positions` (bool (B, L)), exactly 0 elsewhere.
     input_ids: the masked input; targets: the clean tokens. vocab_slice=(lo, hi) scores targets - lo over the
     columns [lo, hi) only (image codes, as the image sampler draws them). device_batch_size: rows per forward
-    pass. No 1/t ELBO weight, as in the official code. Works with and without grad."""
+    pass (0 = all, as scale.chunks). No 1/t ELBO weight, as in the official code. Works with and without grad."""
     assert input_ids.shape == targets.shape == positions.shape and positions.dtype == torch.bool, \
         "input_ids, targets and bool positions must share one (B, L) shape"
     B, L = input_ids.shape
-    assert device_batch_size is None or device_batch_size >= 1, f"device_batch_size {device_batch_size} >= 1 or None"
+    assert device_batch_size >= 0, f"device_batch_size {device_batch_size} >= 0 (0 = all rows)"
     lo, hi = vocab_slice if vocab_slice is not None else (0, None)
     chunks = []
-    for s in range(0, B, device_batch_size or max(B, 1)):
-        rows = slice(s, s + (device_batch_size or B))
+    for rows in scale.chunks(B, device_batch_size):
         # Positional attention mask: works whether the model names it attention_mask or attn_mask.
         am = None if attention_mask is None else attention_mask[rows]
         logits = model(input_ids[rows]) if am is None else model(input_ids[rows], am)  # (b, L, V)
@@ -252,7 +283,7 @@ def state_seed(seed: int, step: int, seq_index: int) -> int:
     """Seed of one sequence's --trajectory_states draw in rollout `step` (global seq_index, as mask_seed)."""
     assert all(type(v) is int and 0 <= v < 2**63 for v in (seed, step, seq_index)), \
         f"seed, step, seq_index ({seed}, {step}, {seq_index}) must be non-negative ints < 2**63"
-    return _stable_seed(b"maskgrpo/trajectory-states", seed, step, seq_index)
+    return packed_seed(b"maskgrpo/trajectory-states", seed, step, seq_index)
 
 
 def draw_states(num_states: int, k: int, num_iterations: int, *, seed: int, step: int,

@@ -15,7 +15,7 @@ target list written for LLaDA names the right layers.
     logits = model(input_ids)                  # (B, L, V)
 
 Checkpoints in the Hugging Face LLaDA layout are read and written by infra/hf.py (from_pretrained,
-save_pretrained), which also builds the TokenIds of a released checkpoint.
+save_pretrained), which also builds the special-token ids (tasks.TokenIds) of a released checkpoint.
 
 Shapes: B batch, L sequence length, D d_model, H heads, Hkv key/value heads, Dh head dim, V vocab rows.
 """
@@ -77,25 +77,6 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
-
-@dataclass(frozen=True)
-class TokenIds:
-    """The special-token ids a masked diffusion model reads and writes, resolved once by name from the
-    tokenizer and config (tasks.token_ids for the toy vocabulary, infra/hf.token_ids for a released
-    checkpoint), so that no id literal appears anywhere else. The MMaDA image fields are None for a
-    text-only checkpoint (LLaDA); only the image tasks read them."""
-    bos: int | None
-    eos: int
-    pad: int                      # LLaDA left-pads with the EOS id
-    mask: int                     # the absorbing state m of the diffusion process
-    vocab_size: int               # embedding rows: text tokenizer + image codebook
-    t2i: int | None = None        # MMaDA text-to-image task marker
-    soi: int | None = None        # start / end of the image slots
-    eoi: int | None = None
-    ipad: int | None = None       # MMaDA's caption padding
-    image_token_offset: int | None = None  # image code c is token id image_token_offset + c
-    codebook_size: int | None = None
-
 
 # -----------------------------------------------------------------------------------------------------
 # layers
@@ -271,20 +252,6 @@ class Transformer(nn.Module):
                 scale = std / math.sqrt(2 * self.config.n_layers) if residual else std
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * scale)
         return self
-
-def chat_prompt(messages: list[dict], bos: str = "<|startoftext|>") -> str:
-    """LLaDA-Instruct chat template as a string. Encode the result with
-    add_special_tokens=False; the special-token strings inside map to their ids.
-
-    chat_prompt([{"role": "user", "content": "Q"}]) ==
-    "<|startoftext|><|start_header_id|>user<|end_header_id|>\\n\\nQ<|eot_id|>"
-    "<|start_header_id|>assistant<|end_header_id|>\\n\\n"
-    """
-    turns = [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
-             for m in messages]
-    # The template has no add_generation_prompt switch: it always opens the assistant turn.
-    return bos + "".join(turns) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
-
 
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -2,8 +2,8 @@
 
 MaskGRPO (arXiv:2510.02880) rolls out with these samplers:
   generate        LLaDA's semi-autoregressive block sampler (LLaDA arXiv:2502.09992 and its public
-                  generate.py, reproduced token for token at temperature 0). Its fast approximations, the
-                  Fast-dLLM block KV cache and confidence threshold (arXiv:2505.22618), are infra/fast_sample.py.
+                  generate.py, reproduced token for token at temperature 0), with the Fast-dLLM block KV cache
+                  and confidence threshold (arXiv:2505.22618) as options of the same step.
   generate_image  over the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`: MaskGRPO's "emerge"
                   sampler (MDLM ancestral sampling, paper Alg. 4) or MMaDA's MaskGIT sampler, with optional CFG.
 Both can return the decoding order (return_order=True), from which importance.py rebuilds every state.
@@ -21,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from infra import scale
 from infra.rng import uniform
 
 REMASKING = ("low_confidence", "random")
+KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a cached step recomputes
 IMAGE_SAMPLERS = ("emerge", "maskgit")
 # BLAS takes another kernel (other rounding) for a GEMM of a few rows (on our 2-thread CPU, fewer than 12),
 # which can flip a near-tie. A head over at least this many rows gives each row the full head's bits.
@@ -89,14 +91,35 @@ def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_or
     return x, order, attention_mask, x != mask_id
 
 
+def _count(stats: dict, committed: torch.Tensor, conf: torch.Tensor) -> None:
+    # committed: tokens committed by each active row at one step; conf: their sampled tokens' probabilities.
+    for k, v in (("row_steps", committed.numel()), ("tokens", int(committed.sum())),
+                 ("conf_sum", float(conf.double().sum()))):
+        stats[k] = stats.get(k, 0) + v
+    stats["max"] = max(stats.get("max", 0), int(committed.max()) if committed.numel() else 0)
+
+
+def fast_summary(task: str, stats: dict | None, device) -> dict:
+    """Log entries of one RL step's fast rollouts, over all ranks: tokens committed per decoding step and
+    row (mean, max; the exact sampler commits gen_length / steps) and the mean probability of the committed
+    tokens under the sampling distribution (Fast-dLLM thresholds it). {} without stats."""
+    if stats is None:
+        return {}
+    sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
+                                      dtype=torch.float64, device=device)).tolist()
+    top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()
+    return {f"{task}/committed_per_step": sums[1] / max(sums[0], 1), f"{task}/committed_per_step_max": top,
+            f"{task}/committed_conf": sums[2] / max(sums[1], 1)}
+
+
 # -----------------------------------------------------------------------------------------------------
 # text: LLaDA semi-autoregressive sampler
 
 
 @torch.no_grad()
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
-             remasking="low_confidence", mask_id, generator=None, attention_mask=None, return_order=False,
-             progress=False):
+             remasking="low_confidence", mask_id, generator=None, attention_mask=None, kv_cache="none",
+             threshold=0.0, return_order=False, progress=False, stats=None):
     """LLaDA's semi-autoregressive sampler (arXiv:2502.09992 §2.4 and its public generate.py, token for
     token at temperature 0): prompt_ids (B, P) int64, left-padded, attention_mask (B, P) 1 = real token
     (optional) -> x (B, P + N), prompt included. return_order=True also returns order (B, P + N) int64: the
@@ -108,11 +131,24 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     transfer_schedule count of masked positions with the highest confidence: p(x0) for "low_confidence", a
     uniform draw for "random". cfg_scale w: logits l_u + (w + 1)(l_c - l_u), l_u with the prompt masked
     (arXiv:2410.18514). generator: one torch.Generator, or a list of B, one per row. Eval mode expected.
+
+    Two Fast-dLLM approximations (arXiv:2505.22618), off by default: kv_cache "prefix" or "dual" caches every
+    layer's keys and values at each block start, and later steps of the block recompute the block and what
+    follows it ("prefix") or the block alone ("dual") against it (model.Transformer's kv arguments);
+    threshold tau > 0 also commits every masked position of the block more confident than tau, at least
+    ceil(masked left / steps left), so a block may end early. Either one switches to the fast step: the
+    block alone is scored, the mask id is never committed, and a row whose block is done draws no noise. They
+    approximate the behaviour policy only: MaskGRPO rescores every rollout under its own masks. stats: a dict
+    that receives running sums of what each fast step committed (fast_summary reads them).
     """
     num_blocks = gen_length // block_length
     spb = steps // max(num_blocks, 1)
+    fast = kv_cache != "none" or threshold > 0
     assert gen_length % block_length == 0 and spb >= 1 and remasking in REMASKING, \
         f"gen_length {gen_length} must be a multiple of block_length {block_length}, with steps {steps} >= blocks"
+    assert kv_cache in KV_CACHES and (kv_cache == "none" or getattr(model, "accepts_cache_kwargs", False)), \
+        f"kv_cache={kv_cache!r} needs model.Transformer's kv / start / return_kv forward arguments, in {KV_CACHES}"
+    assert threshold == 0 or remasking == "low_confidence", "threshold compares model confidences"
     x, order, attention_mask, prompt_index = canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale,
                                                     return_order)
     (B, L), P = x.shape, prompt_ids.shape[1]
@@ -120,30 +156,51 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     for blk in range(num_blocks):
         start, end = P + blk * block_length, P + (blk + 1) * block_length
         counts = transfer_schedule((x[:, start:end] == mask_id).sum(1), spb)       # (B, spb)
+        kv = None
         for i in range(spb):
             masked = x == mask_id                                                  # (B, L)
-            # A predicted mask id stays masked and competes again, even past its block (as LLaDA), so the
-            # step chooses among the positions from the first masked one up to the block end.
+            if fast and not masked[:, start:end].any():  # the threshold finished this block early
+                break
+            # The exact step lets a predicted mask id stay masked and compete again, even past its block (as
+            # LLaDA), so it chooses among the positions from the first masked one up to the block end.
             cols = masked[:, :end].any(0).nonzero()
-            lo = int(cols[0]) if len(cols) else end
+            lo = start if fast else int(cols[0]) if len(cols) else end
             xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
-            logits = _forward(model, xx, attention_mask, lo, end)                  # (B or 2B, l, V)
+            if kv is None:  # a full forward (at a block start, it stores every layer's keys and values)
+                logits, kv = _forward(model, xx, attention_mask, lo, end, return_kv=True) if kv_cache != "none" \
+                    else (_forward(model, xx, attention_mask, lo, end), None)    # (B or 2B, l, V)
+            else:  # recompute the block and what follows it (prefix) or the block alone (dual)
+                stop = L if kv_cache == "prefix" else end
+                logits = model(xx[:, start:stop], attention_mask, kv=kv, start=start, logits_at=slice(0, end - start))
             if cfg_scale:  # l_u + (w + 1)(l_c - l_u), in this order so that bf16 rounds as the reference
                 cond, uncond = logits.chunk(2)
                 logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, l, V)
-            # Each row's noise over the whole sequence (LLaDA's stream), kept on the columns [lo, end); which
-            # number lands on which column does not depend on lo, so not on the batch mates (infra/rng.py).
-            u = uniform((B, L, logits.shape[-1]), generator, x.device, cols=slice(lo, end)) if temperature > 0 else None
+            if fast:
+                logits[..., mask_id] = -math.inf
+            # The exact step draws each row's noise over the whole sequence (LLaDA's stream), kept on the columns
+            # [lo, end); which number lands on which column does not depend on lo, so not on the batch mates
+            # (infra/rng.py). The fast step draws the block's only, for the rows still decoding it.
+            draw = dict(shape=(B, end - lo), active=masked[:, start:end].any(1).tolist()) if fast else \
+                dict(shape=(B, L), cols=slice(lo, end))
+            shape = draw.pop("shape")
+            u = uniform((*shape, logits.shape[-1]), generator, x.device, **draw) if temperature > 0 else None
             x0 = gumbel_argmax(logits, temperature, u)                             # (B, l)
             if remasking == "low_confidence":  # in the logits' dtype, as LLaDA (float32 breaks bf16 ties)
                 conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # (B, l)
             else:
-                conf = uniform((B, L), generator, x.device, torch.float32, cols=slice(lo, end))  # (B, l)
+                conf = uniform(shape, generator, x.device, torch.float32, **draw)  # (B, l)
             m = masked[:, lo:end]                                                  # (B, l)
             full = torch.full((B, L), -math.inf, dtype=conf.dtype, device=x.device)  # topk on LLaDA's full rows
             full[:, lo:end] = torch.where(m, conf, -math.inf)
-            select = select_top_k(full, counts[:, i])[:, lo:end]                   # (B, l)
+            # The fast step reveals at least ceil(masked left / steps left): the fixed schedule when nothing
+            # extra was committed.
+            k = (m.sum(1) + spb - i - 1) // (spb - i) if fast else counts[:, i]   # (B,)
+            select = select_top_k(full, k)[:, lo:end]                              # (B, l)
+            if threshold > 0:
+                select |= m & (conf > threshold)
             new = torch.where(select & m, x0, x[:, lo:end])                        # (B, l)
+            if stats is not None and fast:  # per row that still had masked tokens: how many it committed, how sure
+                _count(stats, (select & m)[m.any(1)].sum(1), conf[select & m])
             if order is not None:
                 order[:, lo:end][m & (new != mask_id)] = blk * spb + i
             x[:, lo:end] = new

@@ -22,6 +22,7 @@ toy, not of the paper; held-out evaluation always scores against the *true* answ
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -29,12 +30,8 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from importance import derive_seed
-from model import TokenIds, chat_prompt
-
-TOY_TASKS = ("text", "image")
-IMAGE_TASKS = ("image", "geneval")  # generated as image tokens; everything else is text
-
+import rewards
+from infra.rng import derive_seed
 
 GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
 
@@ -49,6 +46,40 @@ def sft_tasks(cfg) -> tuple[str, ...]:
 
 # -----------------------------------------------------------------------------------------------------
 # vocabulary
+
+@dataclass(frozen=True)
+class TokenIds:
+    """The special-token ids a masked diffusion model reads and writes, resolved once by name from the
+    tokenizer and config (tasks.token_ids for the toy vocabulary, infra/hf.token_ids for a released
+    checkpoint), so that no id literal appears anywhere else. The MMaDA image fields are None for a
+    text-only checkpoint (LLaDA); only the image tasks read them."""
+    bos: int | None
+    eos: int
+    pad: int                      # LLaDA left-pads with the EOS id
+    mask: int                     # the absorbing state m of the diffusion process
+    vocab_size: int               # embedding rows: text tokenizer + image codebook
+    t2i: int | None = None        # MMaDA text-to-image task marker
+    soi: int | None = None        # start / end of the image slots
+    eoi: int | None = None
+    ipad: int | None = None       # MMaDA's caption padding
+    image_token_offset: int | None = None  # image code c is token id image_token_offset + c
+    codebook_size: int | None = None
+
+
+def chat_prompt(messages: list[dict], bos: str = "<|startoftext|>") -> str:
+    """LLaDA-Instruct chat template as a string. Encode the result with
+    add_special_tokens=False; the special-token strings inside map to their ids.
+
+    chat_prompt([{"role": "user", "content": "Q"}]) ==
+    "<|startoftext|><|start_header_id|>user<|end_header_id|>\\n\\nQ<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\\n\\n"
+    """
+    turns = [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
+             for m in messages]
+    # The template has no add_generation_prompt switch: it always opens the assistant turn.
+    return bos + "".join(turns) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
 
 # LLaDA/MMaDA special-token names (their released tokenizers). EOS doubles as pad, as in LLaDA-Instruct.
 BOS, EOS, MASK = "<|startoftext|>", "<|endoftext|>", "<|mdm_mask|>"
@@ -208,13 +239,13 @@ def _wrong_target(rng: random.Random, steps: list, max_value: int) -> tuple[list
 _BOX = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
-def text_reward(completion_text: str, example: dict) -> float:
+def answer_reward(completion_text: str, example: dict) -> float:
     """1.0 if the last \\boxed{} in the decoded completion holds the true answer, else 0.0 (no format
     credit: the toy's SFT model always writes a box, so a format term would only add a constant).
 
-        text_reward("3 + 4 = 7 . \\\\boxed{7}", {"answer": "7"}) == 1.0
-        text_reward("3 + 4 = 8 . \\\\boxed{8}", {"answer": "7"}) == 0.0
-        text_reward("3 + 4 = 7", {"answer": "7"}) == 0.0      # no box
+        answer_reward("3 + 4 = 7 . \\\\boxed{7}", {"answer": "7"}) == 1.0
+        answer_reward("3 + 4 = 8 . \\\\boxed{8}", {"answer": "7"}) == 0.0
+        answer_reward("3 + 4 = 7", {"answer": "7"}) == 0.0      # no box
     """
     boxes = _BOX.findall(completion_text)
     return float(bool(boxes) and boxes[-1].strip() == example["answer"])
@@ -234,7 +265,7 @@ def solution_reward(completion_text: str, example: dict) -> float:
     return float(completion_text.strip() == example["solution"])
 
 
-TEXT_REWARDS = {"answer": text_reward, "solution": solution_reward}  # --text_reward
+TEXT_REWARDS = {"answer": answer_reward, "solution": solution_reward}  # --text_reward
 
 
 def encode_text(tok: Tokenizer, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
@@ -397,6 +428,58 @@ def render_image(codes: list[int], width: int) -> str:
 
 
 # -----------------------------------------------------------------------------------------------------
+# the tasks: one registry entry each
+
+
+@dataclass(frozen=True)
+class Task:
+    """One RL task: its modality, where its prompts come from, and its reward."""
+    modality: str                   # "text" or "image": the sampler, the reversing operator, the scored vocabulary
+    reward: object = None           # reward(completion, example) -> [0, 1]; None: the remote image scorer
+    shaped: object = None           # --reward_shaping=official: the official runs' format + correctness reward
+    example: object = None          # toy tasks: example(rng, cfg, split, noise) -> a fresh example (make_example);
+                                    # None: the prompts are read from --train_data (infra/data.py)
+
+    @property
+    def toy(self) -> bool:
+        return self.example is not None
+
+
+TASKS = {
+    "text": Task("text", answer_reward,  # --text_reward picks among TEXT_REWARDS
+                 example=lambda rng, cfg, split, noise: make_text_example(rng, split, noise, max_steps=cfg.text_max_steps)),
+    "image": Task("image", lambda codes, example: image_reward(codes, example["spec"]),
+                  example=lambda rng, cfg, split, noise: make_image_example(rng, split, noise, width=cfg.image_width)),
+    "gsm8k": Task("text", rewards.REWARDS["gsm8k"], rewards.SHAPED["gsm8k"]),
+    "math": Task("text", rewards.REWARDS["math"], rewards.SHAPED["math"]),
+    "mbpp": Task("text", rewards.REWARDS["mbpp"]),
+    "countdown": Task("text", rewards.REWARDS["countdown"]),
+    "sudoku": Task("text", rewards.REWARDS["sudoku"]),
+    "geneval": Task("image"),
+}
+TOY_TASKS = tuple(t for t, k in TASKS.items() if k.toy)
+IMAGE_TASKS = tuple(t for t, k in TASKS.items() if k.modality == "image")  # generated as image tokens
+
+
+def score(b, tok, ids, scorer=None, shaping: str = "none", text_reward: str = "answer") -> torch.Tensor:
+    """Step 2 of the RL loop: a reward in [0, 1] per row of Batch b, from its task's entry in TASKS (the toy
+    text task's from TEXT_REWARDS[text_reward]; with shaping="official", the shaped one where the task has
+    it), or for geneval images from the remote scorer."""
+    task, outs = TASKS[b.task], decode_window(b, tok, ids)
+    if task.reward is None:
+        try:
+            return torch.tensor(scorer([ex["prompt"] for ex in b.examples], outs), dtype=torch.float32)
+        except (ValueError, OSError, RuntimeError) as e:
+            # Down, refusing, or replying NaN: NaN rewards, which train.rl_step's gathered check turns into a
+            # skipped step on every rank (a rank that raised alone would leave the others waiting).
+            print(f"warning: image scorer failed ({e}); this batch gets NaN rewards", flush=True)
+            return torch.full((len(outs),), math.nan)
+    fn = TEXT_REWARDS[text_reward] if b.task == "text" else \
+        task.shaped if shaping == "official" and task.shaped else task.reward
+    return torch.tensor([fn(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
+
+
+# -----------------------------------------------------------------------------------------------------
 # batches: examples of any task -> token tensors [prompt | window | suffix]
 
 
@@ -412,6 +495,7 @@ class Batch:
     uncond: torch.Tensor | None = None       # (B, L) unconditional prompt for CFG (image)
     uncond_mask: torch.Tensor | None = None  # (B, L)
     examples: list | None = None
+    index: list | None = None       # each row's index in the global batch (seeds its randomness); None = 0..B-1
 
     @property
     def prompt_mask(self):          # (B, P) real prompt tokens (never masked by the MaskGRPO estimator)
@@ -422,10 +506,11 @@ class Batch:
         return slice(self.prompt_len, self.prompt_len + self.window)
 
     def rows(self, rows: slice) -> "Batch":
-        """This rank's rows of a global batch (same padding as every other rank's)."""
+        """This rank's rows of a global batch (same padding as every other rank's), with their global index."""
         pick = lambda t: None if t is None else t[rows]
+        index = list(range(self.x.shape[0])) if self.index is None else self.index
         return Batch(self.task, self.x[rows], self.attention_mask[rows], self.prompt_len, self.window,
-                     pick(self.uncond), pick(self.uncond_mask), self.examples[rows])
+                     pick(self.uncond), pick(self.uncond_mask), self.examples[rows], index[rows])
 
 
 def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: bool) -> Batch:
@@ -435,7 +520,7 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
     the world size."""
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
-    if task == "text":
+    if TASKS[task].toy:  # a toy text task: BOS + question, the answer padded with EOS (encode_text)
         pairs = [encode_text(tok, ex, cfg.gen_length) for ex in examples]
     else:  # a benchmark prompt in the LLaDA chat template, cut from the left like the official code
         system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
@@ -482,9 +567,8 @@ def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> B
 
 
 def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 0.0) -> dict:
-    if task == "text":
-        return make_text_example(rng, split=split, noise=noise, max_steps=cfg.text_max_steps)
-    return make_image_example(rng, split=split, noise=noise, width=cfg.image_width)
+    """A fresh example of toy task `task` (its TASKS entry's generator), in `split`."""
+    return TASKS[task].example(rng, cfg, split, noise)
 
 
 _TEXT_LEN: dict = {}

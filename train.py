@@ -9,26 +9,25 @@ Stage 1 (`sft`) trains the toy model from scratch with the masked-diffusion loss
 MDLM arXiv:2406.07524); it is cached in out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880,
 Alg. 5), one rollout batch at a time:
 
-    1. rollouts      G completions per prompt: LLaDA block sampler (text), emerge sampler + CFG (images)
-    2. rewards       verifiers in rewards.py / tasks.py, or a remote image scorer; finite, in [0, 1]
+    1. rollouts      rollout: G completions per prompt with their decoding order; sample.generate (text,
+                     LLaDA's block sampler) or sample.generate_image (emerge sampler + CFG)
+    2. rewards       tasks.score: each task's reward (tasks.TASKS: verifiers in rewards.py / tasks.py, or a
+                     remote image scorer), in [0, 1]
     3. advantages    grpo.group_advantages: (R - mean) / std within each group of G (d1: R - mean)
-    4. masks         importance.build_masks: mu re-masked copies of every completion (AR-like reversing
-                     for text, random for images, truncated ratio schedule, shared seeds)
-    5. old/ref       importance.token_logprobs on exactly those masked inputs, without gradient
-    6. mu updates    inner iteration j re-scores mask j with the current policy and takes one optimizer step
-                     on grpo.policy_loss (clipped per-token ratio + beta * k3 KL to the reference)
+    4. views         importance.views: the estimator's K masked inputs and the positions each scores (mu
+                     re-masked copies of every completion, or the sampler's T states for "trajectory")
+    5. old/ref       importance.token_logprobs on exactly those inputs, without gradient -> an Experience
+    6. mu updates    update j re-scores its views with the current policy (backward_loss: grpo.policy_loss,
+                     the clipped per-token ratio + beta * k3 KL, as one full-batch mean) and steps
 
-docs/method.md derives each step; docs/differences.md lists where this code departs from the paper and
-the official code. Everything a run writes goes to out_dir: log.jsonl, summary.json (held-out mean reward
-before and after RL, the gain's standard error paired by prompt), final/ (Hugging Face LLaDA layout,
-tokenizer.json, generation.json), checkpoints/ (--resume continues), curves.png, images.png. The
-bookkeeping (logs, checkpoints, resume, signals, start-up checks) is infra/run.py; torchrun and FSDP2 are
-infra/scale.py. Every random draw is seeded by (seed, step, global sequence index), so the world size does
-not change the result (LoRA dropout aside: its masks span a rank's rows).
+docs/method.md derives each step; docs/differences.md lists where this code departs from the paper and the
+official code. A run writes to out_dir: log.jsonl, summary.json (held-out reward before and after RL), final/,
+checkpoints/, curves.png, images.png. Settings are checked in infra/settings.py, the policy and its reference
+loaded by infra/load.py, the run kept by infra/run.py; torchrun and FSDP2 are infra/scale.py. Every random draw
+is seeded by (seed, purpose, step, global sequence index) (infra/rng.py), so the world size changes nothing.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import signal
@@ -40,197 +39,23 @@ import torch.nn.functional as F
 
 import grpo
 import importance
-import rewards
 import sample
-from importance import derive_seed, generator
-from infra import budget, checkpoint, claims, cli, fast_sample, lora, phases, scale
+import tasks
+from config import PRESETS, Config
+from infra import budget, checkpoint, claims, cli, lora, phases, scale
 from infra.data import load_data
-from infra.run import (BadStep, Clock, Run, StepStats, TrainingStopped, load_policy, report_truncation, setup,
-                       startup_checks, validate)
+from infra.load import load_policy, report_truncation
+from infra.rng import derive_seed, generator
+from infra.run import Run, TrainingStopped, startup_checks
 from infra.scale import print0
 from infra.scorer import RemoteScorer
-from model import TokenIds
-from tasks import (GRID_PROMPTS, IMAGE_TASKS, Batch, decode_window, draw_prompts, eval_examples, make_batch, make_example,
-                   sft_tasks, task_list, vocab_slice)
-
-# -----------------------------------------------------------------------------------------------------
-# config
-
-
-@dataclass
-class Config:
-    # io / system
-    out_dir: str = "out/toy"          # everything this run writes goes here
-    seed: int = 0                     # every random draw derives from (seed, step, index)
-    device: str = "auto"              # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"               # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
-    threads: int = 0                  # torch CPU threads (0 = torch's default)
-    # model
-    init_from: str = "scratch"        # "scratch" (toy model below, trained by SFT) or a checkpoint directory
-    sft_dir: str = ""                 # where the SFT model is cached ("" = out_dir/sft); runs with the same SFT
-                                      # settings may share it: one trains it, held (SFT_DIR.run.pid) till saved
-    retrain_sft: bool = False         # replace an SFT model in sft_dir trained with other settings (otherwise
-                                      # refused: runs sharing one sft_dir would overwrite each other's)
-    d_model: int = 128                # scratch model dims (and --dry_run's, when init_from has no config.json)
-    n_layers: int = 4                 # transformer blocks (LLaDA-8B: 32)
-    n_heads: int = 4                  # attention heads; d_model must divide by it (LLaDA-8B: 32)
-    mlp_hidden_size: int = 384        # SwiGLU hidden width (LLaDA-8B: 12288)
-    vocab_size: int = 0               # --dry_run only: embedding rows (0 = the toy tokenizer's)
-    lora_rank: int = 0                # > 0: train LoRA adapters only (lora.py); the reference is adapters-off
-    lora_alpha: float = 64.0          # LoRA scale alpha / rank on the adapter output (official: 64)
-    lora_dropout: float = 0.0         # dropout on the LoRA input, in [0, 1) (official: 0.05)
-    lora_targets: str = "all"         # LoRA'd block projections: all (the seven) | official (q/k/v/up, what the
-                                      # official run's Llama-named list matched; infra/lora.TARGET_SETS)
-    attend_padding: str = "auto"      # on: attention sees the [iPAD]/EOS padding, as the official MMaDA/LLaDA
-                                      # modelling does (it drops the attention bias) | off: pad keys are masked |
-                                      # auto: on for geneval (MMaDA checkpoints), off for text and toy images
-    activation_checkpointing: bool = False  # recompute each block in backward (needed at 8B)
-    # tasks and data
-    tasks: str = "text,image"         # RL tasks, comma separated: toy text, image; or gsm8k, math, mbpp,
-                                      # countdown, sudoku (text) and geneval (image) with --train_data
-    train_data: str = ""              # task=path[,task=path]: local files in their public format (data.py)
-    eval_data: str = ""               # task=path[,...]: held-out sets scored before and after RL
-    max_prompt_len: int = 256         # real text prompts keep their last max_prompt_len tokens
-    prompt_prefill: str = ""          # text that opens the assistant turn of benchmark prompts (official
-                                      # GSM8K/MATH evaluation: "<reasoning>")
-    system_prompt: str = ""           # a system turn before benchmark prompts' user turn ("" = none);
-                                      # docs/differences.md describes the official runs' instruction
-    image_text_len: int = 0           # t2i text part, left-padded with [iPAD] (0 = longest toy caption; MMaDA 257)
-    image_scorer_url: str = ""        # geneval rewards: POST to this scorer (scorer.RemoteScorer)
-    reward_shaping: str = "none"      # none (correctness, 0/1) | official: GSM8K/MATH format + correctness terms
-                                      # of the official runs, divided by their maximum (rewards.SHAPED)
-    text_max_steps: int = 1           # arithmetic steps per word problem (1 or 2)
-    text_reward: str = "answer"       # toy text verifier: answer (the last \boxed{}) | solution (the whole
-                                      # written-out solution: every step and the box; tasks.solution_reward)
-    text_noise: float = 0.4           # fraction of SFT text targets boxing the amount before the last step (tasks.py)
-    image_noise: float = 0.4          # fraction of SFT images with one colour drawn as its look-alike
-    image_width: int = 4              # images are image_width x image_width tokens (MMaDA 512 px: 32)
-    # stage 1: masked-diffusion SFT
-    sft_steps: int = 600              # optimizer steps of the toy SFT stage (0 with --init_from)
-    sft_batch_size: int = 64          # sequences per SFT step and task
-    sft_lr: float = 2e-3              # SFT peak learning rate (AdamW), after warm-up, cosine-decayed to 10%
-    sft_warmup: int = 50              # SFT linear warm-up steps
-    image_loss_weight: float = 3.0    # images stall beside text at weight 1 (measured, tasks.py calibration)
-    cond_dropout: float = 0.1         # caption dropped for CFG (MMaDA trains with 0.1)
-    # text rollouts (LLaDA low-confidence block sampler)
-    gen_length: int = 12              # completion tokens N per text rollout (official: 256)
-    block_length: int = 12            # semi-autoregressive block size; divides gen_length (official: 16)
-    steps: int = 12                   # denoising steps per text rollout, a multiple of the number of blocks
-                                      # and at most gen_length (official: 128)
-    temperature: float = 1.0          # rollout temperature (official default 0.9)
-    kv_cache: str = "none"            # none (exact) | prefix | dual: Fast-dLLM block KV cache for text rollouts
-    threshold: float = 0.0            # > 0: also commit every masked token more confident than this (Fast-dLLM)
-    # image rollouts
-    image_sampler: str = "emerge"     # emerge (MaskGRPO) | maskgit (MMaDA default, baseline)
-    image_steps: int = 12             # MaskGRPO rollouts use 12 emerge steps (paper Alg. 4)
-    cfg_scale: float = 0.0            # guidance weight w; (1 + w) cond - w uncond
-    # importance estimator
-    estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines for ablation) | trajectory (the exact
-                                      # decoding-path log-ratio the others approximate: one forward per step)
-    text_reversing: str = "arlike"    # arlike (paper Alg. 1) | random | arlike_official (the released runs' masks:
-                                      # the ramp also spans the prompt, docs/differences.md)
-    gamma_text: float = 0.6           # truncation: mask ratios live in (gamma, 1) (paper: 0.6 text)
-    gamma_image: float = 0.8          # (paper: 0.8 image)
-    num_iterations: int = 4           # mu: inner updates per rollout batch, one mask ratio each (paper: 12)
-    p_mask_prompt: float = 0.15       # d1 only: prompt-token masking probability
-    trajectory_states: int = 0        # trajectory only: K decoding states per update, drawn per sequence and
-                                      # weighted T/K (unbiased, importance.draw_states); 0 = every state
-    # GRPO
-    rl_steps: int = 80                # rollout batches; each gives num_iterations optimizer steps, so a run
-                                      # takes rl_steps * num_iterations optimizer steps (--dry_run prints both).
-                                      # Toy: 80, because at 50 the text training reward was still rising over
-                                      # its last 10 steps on seeds 0-2 (image flattens after ~20) and held-out
-                                      # text gains sat at +0.10 to +0.13, too close to the toy's +0.10 bar
-    prompts_per_step: int = 8         # per task
-    group_size: int = 8               # G completions per prompt
-    clip_eps: float = 0.2             # PPO clip range epsilon of the ratio, > 0 (paper: 0.2)
-    beta: float = 0.01                # k3 KL coefficient against the SFT reference (0 skips the ref pass)
-    loss_norm: str = "token"          # token (official code) | sequence (paper's 1/|o_i|)
-    adv_std: str = "auto"             # divide advantages by the group std: on | off | auto (off for d1, as
-                                      # d1's trainer: A = r - mean; on otherwise, as MaskGRPO's)
-    lr: float = 1e-4                  # RL learning rate (AdamW, constant; official: 3e-6)
-    weight_decay: float = 0.0         # AdamW weight decay in RL (official: 0.1)
-    grad_clip: float = 1.0            # gradient-norm clip per optimizer step (official: 0.2)
-    device_batch_size: int = 0        # sequences per forward pass in rollouts and log-prob passes (0 = all)
-    # evaluation / logging
-    eval_prompts: int = 256           # held-out prompts per task, scored before and after RL
-    eval_samples: int = 4             # sampled completions per held-out prompt (one sample is too noisy)
-    sample_every: int = 20            # print a decoded rollout every N RL steps (0 = never)
-    # checkpoints and failures (checkpoint.py)
-    checkpoint_every: int = 10        # rollout batches between checkpoints in out_dir/checkpoints (0 = never)
-    keep_last: int = 2                # complete checkpoints kept (0 = all)
-    resume: bool = False              # continue from the latest complete checkpoint in out_dir
-    extend: bool = False              # with --resume and a larger --rl_steps: train a finished run further,
-                                      # replacing its final/ and summary.json (otherwise refused)
-    max_bad_steps: int = 3            # stop after this many consecutive steps with non-finite loss/grad/reward
-    dry_run: bool = False             # print parameters, memory per GPU and FLOPs per step; no weights, no run
-    dry_run_gpus: int = 8             # world size assumed by --dry_run
-
-
-# Shared by the 8B presets: the official MaskGRPO configuration (the paper's Appendix settings, and its
-# released configs/rl.yaml): LLaDA-8B shape, beta 0.01, eps 0.2, lr 3e-6, AdamW weight decay 0.1, grad clip
-# 0.2, LoRA r 128 / alpha 64 / dropout 0.05. LoRA on the "official" targets (q/k/v/up), the layers the released
-# runs trained, since these presets reproduce them; --lora_targets=all adapts all seven. The official
-# max_steps 8000 and save_steps 500 count optimizer steps; here a rollout batch gives num_iterations of them,
-# so the presets below divide by mu. tests/test_presets.py pins every value to its source.
-_8B = {"init_from": "", "d_model": 4096, "n_layers": 32, "n_heads": 32, "mlp_hidden_size": 12288, "beta": 0.01,
-       "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1, "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0,
-       "lora_dropout": 0.05, "lora_targets": "official", "activation_checkpointing": True, "eval_samples": 1,
-       "sample_every": 50, "reward_shaping": "official"}
-# MMaDA-8B text-to-image: emerge rollouts of 12 steps (the trainer's default), 1024 image tokens (32 x 32)
-# after a 257-token text part, rewards from a remote scorer, attention over the [iPAD] padding (auto).
-_MMADA = {**_8B, "tasks": "geneval", "vocab_size": 134656, "image_width": 32, "image_text_len": 257,
-          "image_steps": 12, "group_size": 9, "device_batch_size": 9, "eval_prompts": 64}
-
-PRESETS: dict[str, dict] = {
-    # 2-core laptop CPU: SFT from scratch, then RL on both toy tasks; held-out reward rises (README).
-    "toy": {},
-    # Text only, with long completions: 3-4 written-out steps (21 or 27 tokens) decoded as 32 tokens in 4
-    # blocks of 8, one token per step, so that decode order and the reversing operators have room to matter.
-    # Measured (docs/results.md): 2,400 SFT steps left some seeds unable to do the working; the box-only
-    # reward pays wrong working (15% of one SFT model's greedy answers); lr 1e-4 damaged a competent model
-    # (greedy 0.98 -> 0.85); 8 prompts per step moved one by +0.043, 16 by +0.073. Hence 4,800 SFT steps, the
-    # whole-solution reward, lr 3e-5, 16 prompts x G = 8 per step for 40 steps, and 512 held-out prompts (4
-    # samples each). Seeds 0-2: SFT 0.80 held-out, RL +0.078 to +0.098, each over 10 paired standard errors.
-    "toy_long": {"tasks": "text", "text_max_steps": 4, "text_noise": 0.2, "text_reward": "solution",
-                 "gen_length": 32, "block_length": 8, "steps": 32, "sft_steps": 4800, "rl_steps": 40,
-                 "prompts_per_step": 16, "lr": 3e-5, "eval_prompts": 512},
-    # seconds-long smoke run of the whole pipeline (tests, CI).
-    "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2,
-              "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1, "d_model": 32,
-              "n_layers": 2, "mlp_hidden_size": 64, "num_iterations": 2, "sample_every": 1, "checkpoint_every": 0},
-    # LLaDA-8B-Instruct text RL (official t2t script): G 6, 16 prompts per step, mu 12, gamma 0.6, 256 tokens
-    # in blocks of 16 with 128 steps at temperature 0.9; 667 x 12 = 8,004 optimizer steps (official 8,000),
-    # a checkpoint every 42 x 12 = 504 (official 500). Give --init_from=DIR and --train_data=gsm8k=FILE.
-    # Reversing is the paper's AR-like operator; --text_reversing=arlike_official gives the released run's masks.
-    "llada8b": {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "block_length": 16, "steps": 128,
-                "temperature": 0.9, "group_size": 6, "prompts_per_step": 16, "num_iterations": 12, "gamma_text": 0.6,
-                "device_batch_size": 12, "eval_prompts": 256, "rl_steps": 667, "checkpoint_every": 42},
-    # MMaDA-8B text-to-image RL, exactly scripts/train/t2i_grpo_train.sh (with configs/rl.yaml): G 9, mu 6,
-    # gamma 0.6, CFG 3.0, eps 0.2. Its 6 GPUs x 3 completions x gradient accumulation 2 = 36 completions, i.e.
-    # 4 prompts of 9, per optimizer step; here 4 prompts run on 1, 2 or 4 GPUs (a group stays on one rank).
-    # 1334 x 6 = 8,004 optimizer steps, a checkpoint every 84 x 6 = 504.
-    "mmada8b": {**_MMADA, "cfg_scale": 3.0, "prompts_per_step": 4, "num_iterations": 6, "gamma_image": 0.6,
-                "clip_eps": 0.2, "rl_steps": 1334, "checkpoint_every": 84, "dry_run_gpus": 4},
-    # The other image script, scripts/train/t2i_grpo_train_w_server.sh: G 9, gamma 0.8 (the paper's image
-    # value), CFG 3.5, eps 0.001; 6 GPUs x 3 x accumulation 4 = 72 completions = 8 prompts per optimizer step.
-    # It leaves NUM_ITER unset, so `--num_iterations` receives no value and the parser stops; with the flag
-    # dropped, configs/rl.yaml's num_iterations 12 applies (MaskGRPOConfig's own default, 1, would crash the
-    # MaskGRPO path), so mu 12 here. 667 x 12 = 8,004 optimizer steps, a checkpoint every 42 x 12 = 504.
-    "mmada8b_server": {**_MMADA, "cfg_scale": 3.5, "prompts_per_step": 8, "num_iterations": 12,
-                       "gamma_image": 0.8, "clip_eps": 0.001, "rl_steps": 667, "checkpoint_every": 42},
-    # d1's own diffu-GRPO run (dllm-reasoning/d1, diffu-grpo/slurm_scripts/train.yaml and gsm_base.sbatch) on
-    # the llada8b settings it shares: beta 0.04, eps 0.5, blocks of 32, prompts cut to 200 tokens, G 6, 16
-    # prompts, mu 12. `--preset llada8b --estimator=d1` is the estimator ablation (MaskGRPO's beta, eps, blocks).
-    "d1_official": {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "block_length": 32,
-                    "steps": 128, "temperature": 0.9, "group_size": 6, "prompts_per_step": 16, "num_iterations": 12,
-                    "device_batch_size": 6, "eval_prompts": 256, "rl_steps": 667, "checkpoint_every": 42,
-                    "estimator": "d1", "beta": 0.04, "clip_eps": 0.5, "max_prompt_len": 200},
-}
+from infra.settings import setup, validate
+from tasks import (GRID_PROMPTS, IMAGE_TASKS, Batch, TokenIds, decode_window, draw_prompts, eval_examples, make_batch,
+                   make_example, sft_tasks, task_list, vocab_slice)
 
 
 def parse_args(argv=None) -> Config:
-    """Dataclass defaults, then PRESETS[--preset], then the flags; checked once, here (infra/run.validate)."""
+    """Dataclass defaults, then PRESETS[--preset], then the flags; checked once, here (infra/settings.validate)."""
     cfg = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
     validate(cfg)
     return cfg
@@ -281,16 +106,16 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
                 raise SystemExit(128 + stop["signal"])
             loss_sum = 0.0
             for task in sft_tasks(cfg):
-                noise = cfg.text_noise if task == "text" else cfg.image_noise
+                noise = cfg.image_noise if task in IMAGE_TASKS else cfg.text_noise
                 exs = [make_example(task, rng, cfg, "train", noise) for _ in range(cfg.sft_batch_size)]
                 b = make_batch(task, exs, tok, ids, cfg, device, with_targets=True)
-                if task == "image":
+                if task in IMAGE_TASKS:
                     # Caption dropout: the unconditional prompt teaches the model p(image), which CFG needs.
                     drop = torch.rand(len(exs), generator=gen) < cfg.cond_dropout
                     b.x[drop, : b.prompt_len] = b.uncond[drop, : b.prompt_len]
                     b.attention_mask[drop] = b.uncond_mask[drop]
                 loss = diffusion_loss(model, b, ids, gen)
-                (loss * (cfg.image_loss_weight if task == "image" else 1.0)).backward()
+                (loss * (cfg.image_loss_weight if task in IMAGE_TASKS else 1.0)).backward()
                 loss_sum += loss.item()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -311,8 +136,7 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
 
 @dataclass
 class Ctx:
-    """What every function of the loop needs besides the model: the settings, the tokenizer and its
-    special ids, the device, the benchmark data and the optional remote image scorer."""
+    """What every function of the loop needs besides the model and the optimizer."""
     cfg: Config
     tok: object                       # tokenizers.Tokenizer
     ids: TokenIds
@@ -322,35 +146,34 @@ class Ctx:
 
 
 @torch.no_grad()
-def rollout(model, b: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False,
-            return_order: bool = False, stats: dict | None = None):
-    """Fill the window of every row of b with the policy's sample: a new Batch (prompts unchanged), and the
-    decoding order (B, L) when return_order. gens: one generator per row, so a row's sample depends on its
-    own seed only. fast: RL rollouts may use cfg.kv_cache / cfg.threshold (infra/fast_sample.py);
-    evaluation always uses the exact sampler. stats: fast text rollouts count what they commit into it."""
+def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False,
+            stats: dict | None = None):
+    """Fill the window of every row with the policy's sample: (a new Batch, prompts unchanged; the decoding
+    order (B, L), the sampler step each position was revealed at, -1 for the prompt). gens: one generator per
+    row, so a row's sample depends on its own seed only. fast: text rollouts use --kv_cache / --threshold
+    (the Fast-dLLM options of sample.generate, off by default); evaluation keeps the exact sampler. stats: fast
+    text rollouts count what they commit into it (sample.fast_summary)."""
     cfg, ids = ctx.cfg, ctx.ids
-    text_sampler = fast_sample.generate if fast and (cfg.kv_cache != "none" or cfg.threshold) else sample.generate
     xs, orders = [], []
     with scale.full_weights(model):
         for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
-            c, g = b.rows(rows), gens[rows]
-            if c.task not in IMAGE_TASKS:
-                kw = dict(kv_cache=cfg.kv_cache, threshold=cfg.threshold, stats=stats) \
-                    if text_sampler is not sample.generate else {}
-                x = text_sampler(model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
-                                 steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
-                                 attention_mask=c.attention_mask[:, : c.prompt_len], return_order=return_order, **kw)
+            c, g = prompts.rows(rows), gens[rows]
+            if c.task in IMAGE_TASKS:
+                x, order = sample.generate_image(
+                    model, c.x, image_start=c.prompt_len, num_tokens=c.window, steps=cfg.image_steps,
+                    sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale, uncond_input_ids=c.uncond, generator=g,
+                    attention_mask=c.attention_mask, uncond_attention_mask=c.uncond_mask,
+                    code_offset=ids.image_token_offset, codebook_size=ids.codebook_size, mask_id=ids.mask,
+                    return_order=True)
             else:
-                x = sample.generate_image(model, c.x, image_start=c.prompt_len, num_tokens=c.window,
-                                          steps=cfg.image_steps, sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale,
-                                          uncond_input_ids=c.uncond, generator=g, attention_mask=c.attention_mask,
-                                          uncond_attention_mask=c.uncond_mask, code_offset=ids.image_token_offset,
-                                          codebook_size=ids.codebook_size, mask_id=ids.mask, return_order=return_order)
-            x, order = x if return_order else (x, None)
+                x, order = sample.generate(
+                    model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
+                    steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
+                    attention_mask=c.attention_mask[:, : c.prompt_len], kv_cache=cfg.kv_cache if fast else "none",
+                    threshold=cfg.threshold if fast else 0.0, return_order=True, stats=stats)
             xs.append(x)
             orders.append(order)
-    out = replace(b, x=torch.cat(xs))
-    return (out, torch.cat(orders)) if return_order else out
+    return replace(prompts, x=torch.cat(xs)), torch.cat(orders)
 
 
 def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -361,135 +184,96 @@ def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 
 @dataclass
-class Rollout:
-    """One task's rollout batch (this rank's rows), ready for the mu inner updates."""
-    batch: Batch
+class Experience:
+    """One task's scored rollouts (this rank's rows) with the estimator's K views and their old/ref log-probs."""
+    batch: Batch                # the rollouts, in the window of batch.x (B, L)
     rewards: torch.Tensor       # (B_global,) every rank's rewards, for advantages and metrics
-    adv: torch.Tensor           # (B,) this rank's rows
-    inputs: list                # mu x (B, L) masked inputs, one per inner iteration (trajectory: T decoding states)
-    loss_masks: torch.Tensor    # (mu or T, B, L) positions scored with each input (the ones masked in it;
-                                # trajectory: the ones revealed at that step)
-    logp_old: list              # mu or T x (B, L) float32
-    logp_ref: list | None       # mu or T x (B, L) float32, or None when beta = 0
-    draw: importance.StateDraw | None = None  # --trajectory_states: the views of each update, the normaliser
+    adv: torch.Tensor           # (B_global,) advantages of every rank's rows (this rank's: batch.index)
+    inputs: list                # K x (B, L) masked inputs (importance.views)
+    loss_masks: torch.Tensor    # (K, B, L) the positions each input scores
+    logp_old: list              # K x (B, L) float32
+    logp_ref: list | None       # K x (B, L) float32, or None when beta = 0
+    draw: importance.StateDraw | None = None  # --trajectory_states: each update's views and the normaliser
 
 
-def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
-    """One MaskGRPO step (paper Alg. 5): steps 1-5 build every task's rollout batch, step 6 takes mu
-    optimizer steps on it. ref: the reference model, or None for "this model with its LoRA adapters off".
-    Returns the step's log and its rollouts."""
-    cfg, device = ctx.cfg, ctx.device
-    clock, rolls, fast_log = Clock(), [], {}
+class BadStep(Exception):
+    """Rewards that are not finite numbers in [0, 1]: the RL step is skipped (main counts it)."""
+
+
+def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
+    """The prompts of RL step `step`, one Batch per task: each prompt G times, this rank's whole groups.
+    Every rank builds the global batch (token ids: cheap) and keeps its own rows with their global index,
+    which seeds each sequence's rollout noise and masks: its randomness is the same on any process."""
+    cfg, out = ctx.cfg, []
     for task in task_list(cfg):
-        # Every rank builds the global batch (token ids: cheap) and keeps its own whole groups. A sequence's
-        # global index seeds its rollout noise and its masks, so its randomness is the same on any process.
-        prompts = draw_prompts(task, cfg, step, ctx.datasets)
-        exs = [ex for ex in prompts for _ in range(cfg.group_size)]     # each prompt G times, consecutively
-        rows = scale.shard_rows(len(exs))
-        seq_index = list(range(len(exs)))[rows]
-        model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
-        b = make_batch(task, exs, ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(rows)
+        exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]
+        b = make_batch(task, exs, ctx.tok, ctx.ids, cfg, ctx.device, with_targets=False)
+        out.append(b.rows(scale.shard_rows(len(exs))))
+    return out
 
-        # 1. rollouts: G completions per prompt, one generator per sequence (with the decoding order for the
-        # trajectory estimator)
+
+def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple[dict, list]:
+    """One MaskGRPO step (paper Alg. 5) on the step's prompts (step_prompts): steps 1-5 build every task's
+    experience, step 6 takes mu optimizer steps on it. ref: the reference policy (a frozen copy, or the policy
+    with its LoRA adapters off: infra/load.load_policy), None when beta = 0. Returns the log and experiences."""
+    cfg, device, exps, fast_log = ctx.cfg, ctx.device, [], {}
+    times = {"start": time.time(), "cpu_start": time.process_time()}
+    model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
+    for p in prompts:
+        task, seq_index = p.task, p.index
+        # 1. rollouts: G completions per prompt, one generator per sequence, with their decoding order
         gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
-        trajectory = cfg.estimator == "trajectory"
-        fast = {} if (cfg.kv_cache != "none" or cfg.threshold) and task not in IMAGE_TASKS else None
-        b, order = rollout(model, b, ctx, gens, cfg.temperature, True, True, fast) if trajectory \
-            else (rollout(model, b, ctx, gens, cfg.temperature, True, stats=fast), None)
-        fast_log.update(fast_sample.step_summary(task, fast, device))
-        clock.lap("rollout_s")
+        counts = {} if (cfg.kv_cache != "none" or cfg.threshold) and task not in IMAGE_TASKS else None
+        batch, order = rollout(model, p, ctx, gens, cfg.temperature, fast=True, stats=counts)
+        fast_log.update(sample.fast_summary(task, counts, device))
+        lap(times, "rollout_s")
 
         # 2. rewards, gathered in global order: a group is normalised over all of its members
-        shaped = cfg.reward_shaping == "official"
-        r = rewards.score(b, ctx.tok, ctx.ids, ctx.scorer, shaped, cfg.text_reward)
+        r = tasks.score(batch, ctx.tok, ctx.ids, ctx.scorer, cfg.reward_shaping, cfg.text_reward)
         r = scale.all_gather_rows(r.to(device)).cpu()                                      # (B_global,)
         bad = (~torch.isfinite(r) | (r < 0) | (r > 1)).nonzero().flatten().tolist()
         if bad:  # a NaN or out-of-range reward is reported and the step skipped, never averaged in
             raise BadStep(f"{len(bad)} {task} reward(s) not a finite number in [0, 1], first {r[bad[0]].item()} at "
                           f"sequence {bad[0]} (prompt {bad[0] // cfg.group_size}); check the reward function or scorer")
-        clock.lap("reward_s")
+        lap(times, "reward_s")
 
         # 3. advantages, within each group of G
-        adv = advantages(r, cfg)[rows].to(device)                                          # (B,)
+        adv = advantages(r, cfg)                                                           # (B_global,)
 
-        # 4. reversing masks: mask j of every sequence at ratio t_j of the truncated schedule (paper Alg. 5),
-        # AR-like reversing for text, random for images (Alg. 1, 2), from seeds shared by the old, reference
-        # and current passes; the masked log-likelihoods give the ratios of Eqs. 9-10. The trajectory estimator
-        # instead takes the sampler's own states, one per decoding step, each scoring the tokens it revealed.
-        B, L = b.x.shape
-        image = task in IMAGE_TASKS
-        if trajectory:
-            in_masks, loss_masks = importance.trajectory_masks(order, cfg.image_steps if image else cfg.steps)
-            # Steps in which no rank revealed anything (threshold decoding ends blocks early) are dropped,
-            # the same ones on every rank.
-            keep = scale.all_max(loss_masks.flatten(1).any(1).to(device, torch.float32)).bool().cpu()
-            in_masks, loss_masks = in_masks[keep], loss_masks[keep]                  # (T, B, L) each
-            if cfg.trajectory_states:  # K of the T states per update (U = min(mu K, T) views)
-                in_masks, loss_masks, draw = importance.subsample_states(
-                    in_masks, loss_masks, cfg.trajectory_states, cfg.num_iterations, step=step, seq_index=seq_index,
-                    seed=derive_seed(cfg.seed, "trajectory-states", task))          # (U, B, L) each
-        else:
-            scored = torch.ones(B, b.window, dtype=torch.bool, device=device)
-            if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
-                scored = importance.completion_mask_until_eos(b.x[:, b.window_slice], ctx.ids.eos)
-            in_masks, loss_masks = importance.build_masks(
-                b.prompt_mask, scored,
-                seed=derive_seed(cfg.seed, "masks", task), step=step, seq_index=seq_index,
-                num_iterations=cfg.num_iterations, gamma=cfg.gamma_image if image else cfg.gamma_text,
-                estimator=cfg.estimator, mode="random" if image else cfg.text_reversing,
-                p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)  # (mu, B, L) each
-        inputs = [importance.apply_mask(b.x, m, ctx.ids.mask) for m in in_masks]
+        # 4. the estimator's views: K masked inputs and the positions each scores (importance.views decides
+        # by estimator and modality), from seeds shared by the old, reference and current passes
+        inputs, loss_masks, draw = importance.views(batch, order, cfg, image=task in IMAGE_TASKS, step=step,
+                                                    seq_index=seq_index, eos_id=ctx.ids.eos, mask_id=ctx.ids.mask)
 
         # 5. old and reference log-probs on the same masked inputs; conditional logits only (no CFG). Under
         # FSDP2 the weights are gathered once for all of these forwards, not once per forward.
-        kw = dict(attention_mask=b.attention_mask, vocab_slice=vocab_slice(task, ctx.ids),
-                  device_batch_size=cfg.device_batch_size or None)
+        kw = dict(attention_mask=batch.attention_mask, vocab_slice=vocab_slice(task, ctx.ids),
+                  device_batch_size=cfg.device_batch_size)
         with torch.no_grad(), scale.full_weights(model):
-            logp_old = [importance.token_logprobs(model, x_j, b.x, m_j, **kw) for x_j, m_j in zip(inputs, loss_masks)]
+            logp_old = [importance.token_logprobs(model, x_k, batch.x, m_k, **kw) for x_k, m_k in zip(inputs, loss_masks)]
         logp_ref = None
-        if cfg.beta > 0:
-            reference = model if ref is None else ref
-            with torch.no_grad(), scale.full_weights(reference), \
-                    lora.adapters_disabled(model) if ref is None else contextlib.nullcontext():
-                logp_ref = [importance.token_logprobs(reference, x_j, b.x, m_j, **kw)
-                            for x_j, m_j in zip(inputs, loss_masks)]
-        clock.lap("logprob_s")
-        rolls.append(Rollout(b, r, adv, inputs, loss_masks, logp_old, logp_ref,
-                             draw if trajectory and cfg.trajectory_states else None))
+        if ref is not None:
+            with torch.no_grad(), scale.full_weights(ref):
+                logp_ref = [importance.token_logprobs(ref, x_k, batch.x, m_k, **kw) for x_k, m_k in zip(inputs, loss_masks)]
+        lap(times, "logprob_s")
+        exps.append(Experience(batch, r, adv, inputs, loss_masks, logp_old, logp_ref, draw))
 
-    # 6. mu inner updates: iteration j re-scores mask j with the current policy and takes one optimizer step
+    # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
     model.train()
-    stats, skipped = StepStats(cfg.num_iterations), 0
+    stats, skipped = {}, 0
     for j in range(cfg.num_iterations):
         # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
         # per (step, j, rank) so that a resumed run draws the same masks.
         torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
         opt.zero_grad(set_to_none=True)
-        for ro in rolls:
-            # The input and loss masks this update scores: mask j, or for the trajectory estimator every
-            # decoding step's state (--trajectory_states: K of them, weighted T/K through the normaliser).
-            # Each chunk's loss is weighted by its share of the normaliser over all ranks' rows and views,
-            # so the gradient is that of one full-batch pass in one process.
-            b = ro.batch
-            views = ro.draw.updates[j] if ro.draw else range(len(ro.inputs)) if cfg.estimator == "trajectory" else [j]
-            count = (lambda m: m.sum()) if cfg.loss_norm == "token" else (lambda m: m.any(-1).sum())
-            total = scale.all_sum(ro.draw.norm if ro.draw else sum(count(ro.loss_masks[v]) for v in views).float())
-            total = total.clamp(min=1)
-            for v in views:
-                mask = ro.loss_masks[v]                                                    # (B, L)
-                for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
-                    logp = importance.token_logprobs(model, ro.inputs[v][rows], b.x[rows], mask[rows],
-                                                     attention_mask=b.attention_mask[rows],
-                                                     vocab_slice=vocab_slice(b.task, ctx.ids))
-                    loss, s = grpo.policy_loss(logp, ro.logp_old[v][rows], ro.adv[rows], mask[rows],
-                                               clip_eps=cfg.clip_eps, beta=cfg.beta, norm=cfg.loss_norm,
-                                               logp_ref=None if ro.logp_ref is None else ro.logp_ref[v][rows])
-                    share = count(mask[rows]).float() / total
-                    scale.backward_sum(loss * share)
-                    stats.add(b.task, s, float(share), loss.item())
-        losses = stats.end_update(device)
+        update = {e.batch.task: backward_loss(model, e, j, ctx) for e in exps}
+        losses = []
+        for task, s in update.items():  # over ranks: maxima by max, the rest summed; then the mean over updates
+            s = reduce_stats(s, device)
+            for k, v in s.items():
+                stats[f"{task}/{k}"] = stats.get(f"{task}/{k}", 0.0) + v / cfg.num_iterations
+            losses.append(s["loss"])
         # The optimizer's own parameters: under FSDP2 the module may expose gathered copies between passes.
         grad_norm = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
         # Losses and the norm are the same on every rank, so every rank takes the same decision.
@@ -501,21 +285,75 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
             continue
         opt.step()
     model.eval()
-    clock.lap("update_s")
+    lap(times, "update_s")
 
     log = {"step": step, "skipped_updates": skipped}
-    for ro in rolls:
-        t, flat = ro.batch.task, ro.rewards.view(-1, cfg.group_size)
-        log[f"{t}/reward"] = ro.rewards.mean().item()
-        log[f"{t}/solved"] = (ro.rewards >= 0.999).float().mean().item()
+    for e in exps:
+        t, flat = e.batch.task, e.rewards.view(-1, cfg.group_size)
+        log[f"{t}/reward"] = e.rewards.mean().item()
+        log[f"{t}/solved"] = (e.rewards >= 0.999).float().mean().item()
         # Groups whose completions all got the same reward carry no GRPO signal (zero advantage).
         log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
-        log.update(stats.mean(t))
-        log[f"{t}/adv_abs_mean"] = advantages(ro.rewards, cfg).abs().mean().item()
+        log.update({k: v for k, v in stats.items() if k.startswith(t + "/")})
+        log[f"{t}/adv_abs_mean"] = e.adv.abs().mean().item()
     log["grad_norm"] = grad_norm
     log.update(fast_log)  # committed tokens per step and their confidence, with --threshold / --kv_cache only
-    log.update(clock.laps())  # phase times; Run.record moves them to times.jsonl
-    return log, rolls
+    # Phase times: Run.record moves them to times.jsonl, so that log.jsonl is the same on every repetition.
+    log.update({k: v for k, v in times.items() if k.endswith("_s")}, seconds=time.time() - times["start"],
+               cpu_s=time.process_time() - times["cpu_start"])
+    return log, exps
+
+
+def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
+    """Backpropagate update j's loss on one task's experience; returns this rank's statistics of it.
+
+    The one place the loss is normalised: the gradient is that of ONE mean over the whole global batch (every
+    rank's rows and every view the update scores), though it is computed one device_batch_size chunk at a
+    time. grpo.policy_loss returns a chunk's mean S_c / n_c over its n_c terms (scored tokens, or sequences
+    for --loss_norm=sequence: grpo.num_terms); weighting it by n_c / n, with n the terms of all chunks, views
+    and ranks, gives sum_c S_c / n = S / n, the full-batch mean (--trajectory_states: an unbiased estimate of it), and scale.backward_sum turns FSDP2's mean
+    over ranks back into that sum. The statistics are weighted the same way (maxima by max, num_tokens summed)."""
+    cfg, b = ctx.cfg, e.batch
+    adv = e.adv[b.index].to(b.x.device)                                                    # (B,)
+    views = importance.update_views(cfg.estimator, j, len(e.inputs), e.draw)
+    # --trajectory_states: n is K/T of the whole trajectory's tokens, so the K drawn states weigh T/K each
+    n = e.draw.norm if e.draw else sum(grpo.num_terms(e.loss_masks[v], cfg.loss_norm) for v in views).float()
+    n = scale.all_sum(n).clamp(min=1)
+    s = {}
+    for v in views:
+        mask = e.loss_masks[v]                                                             # (B, L)
+        for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
+            logp = importance.token_logprobs(model, e.inputs[v][rows], b.x[rows], mask[rows],
+                                             attention_mask=b.attention_mask[rows], vocab_slice=vocab_slice(b.task, ctx.ids))
+            loss, chunk = grpo.policy_loss(logp, e.logp_old[v][rows], adv[rows], mask[rows],
+                                           clip_eps=cfg.clip_eps, beta=cfg.beta, norm=cfg.loss_norm,
+                                           logp_ref=None if e.logp_ref is None else e.logp_ref[v][rows])
+            share = grpo.num_terms(mask[rows], cfg.loss_norm).float() / n                 # n_c / n
+            scale.backward_sum(loss * share)
+            for k, x in chunk.items():
+                s[k] = max(s.get(k, -math.inf), x) if k.endswith("_max") else s.get(k, 0.0) + x * (
+                    1.0 if k == "num_tokens" else float(share))
+            s["loss"] = s.get("loss", 0.0) + loss.item() * float(share)
+    return s
+
+
+def reduce_stats(s: dict, device) -> dict:
+    """One update's statistics over ranks, keys sorted: maxima (*_max) by max, the rest summed."""
+    keys = sorted(s)
+    t = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=device)
+    is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
+    maxed, summed = scale.all_max(torch.where(is_max, t, -math.inf)), scale.all_sum(torch.where(is_max, 0.0, t))
+    return dict(zip(keys, torch.where(is_max, maxed, summed).tolist()))
+
+
+def lap(times: dict, name: str) -> None:
+    """Add the wall and CPU seconds since the last lap to times[name] and times[name_cpu_s] (the phases of one
+    RL step, for times.jsonl; CPU seconds, every thread of this process, compare runs on a shared machine)."""
+    now, cpu = time.time(), time.process_time()
+    times[name] = times.get(name, 0.0) + now - times.get("last", times["start"])
+    cpu_name = name.removesuffix("_s") + "_cpu_s"
+    times[cpu_name] = times.get(cpu_name, 0.0) + cpu - times.get("cpu_last", times["cpu_start"])
+    times["last"], times["cpu_last"] = now, cpu
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -524,13 +362,12 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int) -> tuple[dict, list]:
 
 def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
              prompt_means: list | None = None, stop=None) -> float | None:
-    """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each
-    from a generator seeded by its index, so that runs are paired and the world size changes nothing.
-    Ranks take interleaved rows of every 64-example batch. records: if given, one dict per scored row of
-    this rank is appended (index, prompt, output, reward); prompt_means: if given, receives each held-out
-    prompt's mean reward, gathered over ranks (for the paired standard error of a gain); progress(n) is
-    called after each batch of n rows (evaluate.py's bar); stop() before each batch, on every rank (it
-    raises to end a run on a signal: infra/phases.py). None when the task has no held-out set."""
+    """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each from a
+    generator seeded by its index, so runs are paired and the world size changes nothing; ranks take
+    interleaved rows of every 64-example batch. records: if given, receives one dict per scored row of this
+    rank (index, prompt, output, reward); prompt_means: each held-out prompt's mean reward, over ranks (for a
+    gain's paired standard error); progress(n) after each batch of n rows (evaluate.py's bar); stop() before
+    each batch, on every rank (it raises to end a run on a signal: infra/phases.py). None without held-out set."""
     cfg, device = ctx.cfg, ctx.device
     exs = eval_examples(task, cfg, ctx.datasets)
     if not exs:
@@ -550,8 +387,8 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
             if not idx:
                 continue
             gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
-            b = rollout(model, b, ctx, gens, temperature)
-            r = rewards.score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
+            b, _ = rollout(model, b, ctx, gens, temperature)
+            r = tasks.score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
             total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
             per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
             if progress is not None:
@@ -595,7 +432,7 @@ def image_snapshot(model, ctx: Ctx) -> list | None:
         return None
     b = make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)
     gens = [generator(ctx.device, ctx.cfg.seed, "grid", i) for i in range(len(exs))]
-    return decode_window(rollout(model, b, ctx, gens, ctx.cfg.temperature), ctx.tok, ctx.ids)
+    return decode_window(rollout(model, b, ctx, gens, ctx.cfg.temperature)[0], ctx.tok, ctx.ids)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -637,7 +474,7 @@ def main(argv=None) -> dict:
                    "(and --eval_prompts > 0)")
         for step in range(run.start, cfg.rl_steps):
             try:
-                log, rolls = rl_step(model, ref, opt, ctx, step)
+                log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
             except BadStep as e:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
             run.record(step, log, rolls, tok, ids)
@@ -655,8 +492,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    # User errors: one line naming the value, the file and the fix, exit status 2 (infra/cli.py). A run that
-    # stopped on bad steps is not the user's typo: one line too, exit status 1.
+    # User errors: one line naming the value and the fix, exit 2 (infra/cli.py); bad steps: one line, exit 1.
     with scale.process_exit(), cli.user_errors():  # process_exit leaves the process group on every path
         try:
             main()

@@ -49,18 +49,18 @@ import torch
 
 from model import ModelConfig, Transformer
 from infra import cli, hf
-from infra.fast_sample import generate
+from sample import generate
 from infra.sandbox import run_code
 
 EOS = 0
 P, K, B = 64, 32, 8
 CONFIGS = [  # name, kv_cache, threshold; "LLaDA generate()" is llada_generate below
-    ("LLaDA generate()", "public", None),
-    ("exact, full head", "full head", None),
-    ("exact", None, None),
-    ("prefix", "prefix", None),
-    ("dual", "dual", None),
-    ("threshold", None, 0.9),
+    ("LLaDA generate()", "public", 0.0),
+    ("exact, full head", "full head", 0.0),
+    ("exact", "none", 0.0),
+    ("prefix", "prefix", 0.0),
+    ("dual", "dual", 0.0),
+    ("threshold", "none", 0.9),
     ("prefix+threshold", "prefix", 0.9),
     ("dual+threshold", "dual", 0.9),
 ]
@@ -244,7 +244,6 @@ def toy_prompts(ckpt, n, device):
     import random
 
     import train
-    import rewards
     import tasks
     from infra.hf import load_tokenizer
 
@@ -259,7 +258,7 @@ def toy_prompts(ckpt, n, device):
 
     def reward(out):  # the whole completion, however long, through the toy verifier
         b_out = tasks.Batch("text", out, torch.ones_like(out), P_, out.shape[1] - P_, examples=exs)
-        return rewards.score(b_out, tok, ids).mean().item()
+        return tasks.score(b_out, tok, ids).mean().item()
     gens = [(cfg.gen_length, cfg.block_length, cfg.steps), (4 * cfg.gen_length, cfg.block_length, 4 * cfg.steps)]
     return model, b.x[:, :P_], b.attention_mask[:, :P_], gens, reward
 

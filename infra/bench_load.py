@@ -1,5 +1,5 @@
 """Peak memory per rank of loading a full fine-tuning policy and its reference (beta > 0) under torchrun,
-the old way against infra/run.py's load_sharded (a benchmark, not a test).
+the old way against infra/load.py's load_sharded (a benchmark, not a test).
 
     python -m infra.bench_load                 # 2 gloo ranks on CPU, an 87M-parameter LLaDA-shaped model
     python -m infra.bench_load --nproc 4 --n_layers 8
@@ -8,7 +8,7 @@ The checkpoint is random, LLaDA-shaped (d 512, 8 heads, MLP 1536, vocab 32000, 1
 as the released LLaDA weights are, in 6 files as LLaDA-8B is; the master weights are float32. Each way
 runs in fresh processes (torchrun), since the peak resident set (getrusage ru_maxrss) only grows:
   old  every rank reads the whole model in float32, deep-copies it for the reference, then shards both;
-  new  run.load_sharded twice: meta build, shard, then each rank fills its own rows, tensor by tensor.
+  new  load.load_sharded twice: meta build, shard, then each rank fills its own rows, tensor by tensor.
 On CPU the device memory is the resident set, which also counts the checkpoint's memory-mapped file pages
 and the Python/torch baseline (reported separately); on GPUs the CPU side is not device memory.
 """
@@ -33,7 +33,7 @@ def rss_mb() -> float:
 
 
 def rank_main(way: str, ckpt: str) -> None:
-    from infra import run, scale
+    from infra import load, scale
 
     device = scale.init("cpu")
     base = rss_mb()
@@ -42,8 +42,8 @@ def rank_main(way: str, ckpt: str) -> None:
         ref = scale.shard(copy.deepcopy(model).eval().requires_grad_(False), compute_dtype=torch.bfloat16)
         model = scale.shard(model, compute_dtype=torch.bfloat16)
     else:
-        model = run.load_sharded(ckpt, device, torch.float32, torch.bfloat16)
-        ref = run.load_sharded(ckpt, device, torch.float32, torch.bfloat16, lambda m: m.requires_grad_(False))
+        model = load.load_sharded(ckpt, device, torch.float32, torch.bfloat16)
+        ref = load.load_sharded(ckpt, device, torch.float32, torch.bfloat16, lambda m: m.requires_grad_(False))
     local = sum(p.to_local().numel() * p.element_size() for m in (model, ref) for p in m.parameters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(json.dumps({"rank": scale.rank(), "base": base, "peak": peak, "end": rss_mb(), "shards": local / 2**20}))

@@ -18,7 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from infra import checkpoint, data, hf, scale
-from infra.run import RESUMABLE, check_sft_cache, reference_identity, resume_point, sft_dir_of
+from infra.load import check_sft_cache, reference_identity, sft_dir_of
+from infra.run import RESUMABLE, resume_point
 
 
 def check_resume(cfg) -> dict | None:

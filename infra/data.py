@@ -4,7 +4,7 @@ MaskGRPO (arXiv:2510.02880) trains and evaluates on GSM8K, MATH(500) and MBPP-st
 countdown and 4x4 sudoku (the paper's evaluation setup), and scores images on GenEval prompts. This module
 reads each public file format (it never downloads), checks every row *before any model is loaded*, and
 returns one dict per example: the `example` that `rewards.REWARDS[example["task"]](completion, example)`
-receives, plus "prompt", the user-turn text (the chat template is applied later, by model.chat_prompt).
+receives, plus "prompt", the user-turn text (the chat template is applied later, by tasks.chat_prompt).
 
     gsm8k      {"task", "prompt", "question", "answer": "1200"}               (the `#### N` number, no commas)
     math       {"task", "prompt", "question", "answer": "\\frac{1}{2}"}       (LaTeX; `answer` or last \\boxed{})

@@ -12,7 +12,7 @@ log-ratios on one seeded masked copy of o (importance.build_masks + token_logpro
 runs). This script measures, in the training regime, how well each estimate tracks Delta:
 
 1. pi_old = the checkpoint. Rollouts from pi_old for prompts_per_step x group_size sequences per task,
-   with the decoding order kept (train.rollout(return_order=True), the generators train.rl_step uses).
+   with the decoding order train.rollout returns (and the generators train.rl_step uses).
 2. One real MaskGRPO step with the Config's settings (train.rl_step on a copy of pi_old): theta_j is the
    policy after j of its mu updates, the one inner iteration j scores in training.
 3. For j = 1 .. mu-1 and every sequence: Delta_j exactly; and, for each estimator, `draws` estimates
@@ -38,9 +38,9 @@ import torch
 import importance
 import tasks
 import train
-from infra import cli, plots
+from infra import cli, plots, rng
 from tasks import IMAGE_TASKS, draw_prompts, make_batch, task_list, vocab_slice
-from infra.run import read_generation_settings, setup, validate
+from infra.settings import read_generation_settings, setup, validate
 from infra.hf import load_tokenizer
 from infra import hf
 
@@ -117,14 +117,14 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     # 1. rollouts from pi_old with the decoding order: rl_step's prompts and per-sequence generators at step 0
     exs = [ex for ex in draw_prompts(task, cfg, 0, {}) for _ in range(cfg.group_size)]
     b = make_batch(task, exs, tok, ids, cfg, device, with_targets=False)
-    gens = [importance.generator(device, cfg.seed, "rollout", task, 0, i) for i in range(len(exs))]
-    b, order = train.rollout(old, b, ctx, gens, cfg.temperature, fast=True, return_order=True)
+    gens = [rng.generator(device, cfg.seed, "rollout", task, 0, i) for i in range(len(exs))]
+    b, order = train.rollout(old, b, ctx, gens, cfg.temperature, fast=True)
     # 2. one MaskGRPO step from a copy of pi_old (the reference is pi_old itself, as in a run's first step);
     # it draws the same rollouts
     theta = copy.deepcopy(old)
     opt = _Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
                                               weight_decay=cfg.weight_decay), cfg.num_iterations)
-    _, (r,) = train.rl_step(theta, None, opt, ctx, 0)
+    _, (r,) = train.rl_step(theta, old, opt, ctx, 0, train.step_prompts(ctx, 0))  # old: the reference (beta > 0)
     assert torch.equal(r.batch.x, b.x), "rl_step drew other rollouts than train.rollout with its generators"
     thetas = opt.thetas
     # 3. exact Delta_j and every estimator's estimates
@@ -145,7 +145,7 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
         for k in range(o.draws):
             ins, outs = importance.build_masks(
                 b.prompt_mask, eos_window if est == "d1" and task not in IMAGE_TASKS else window,
-                seed=importance.derive_seed(cfg.seed, "diagnose", task, label, k), step=0,
+                seed=rng.derive_seed(cfg.seed, "diagnose", task, label, k), step=0,
                 seq_index=list(range(B)), num_iterations=cfg.num_iterations, gamma=g, estimator=est, mode=mode,
                 p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)
             ests = []

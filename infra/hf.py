@@ -23,7 +23,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from model import ModelConfig, TokenIds, Transformer
+from model import ModelConfig, Transformer
+from tasks import TokenIds
 
 # Every checkpoint key is "model.transformer." + our state-dict key: the HF wrapper
 # LLaDAModelLM holds `model`, which holds the ModuleDict `transformer`.
@@ -181,7 +182,7 @@ def from_pretrained(path, device="cpu", dtype=torch.float32) -> Transformer:
     """Load a LLaDA/MMaDA checkpoint directory: config.json plus model.safetensors or sharded
     model-*.safetensors with model.safetensors.index.json. The model is built on the meta device
     and each tensor is read straight into `dtype` on `device`, so an 8B bf16 load never holds a
-    float32 copy or a second set of weights. (Under torchrun infra/run.py's load_sharded reads the
+    float32 copy or a second set of weights. (Under torchrun infra/load.py's load_sharded reads the
     same tensors, through read_checkpoint, into each rank's shard instead.)"""
     config, tensors = read_checkpoint(path, device)
     with torch.device("meta"):

@@ -10,7 +10,7 @@ LLaDA and MMaDA (docs/differences.md, "LoRA targets").
 
     model = add_lora(hf.from_pretrained(path), rank=128, alpha=64)
     opt = torch.optim.AdamW(trainable_parameters(model), lr=3e-6)
-    with adapters_disabled(model): ref_logits = model(x)   # pi_ref
+    with adapters_disabled(model): ref_logits = model(x)   # pi_ref; AdaptersOff(model)(x) is the same
     save_adapters(model, "out/adapters"); hf.save_pretrained(merge_lora(model), "out/merged")
 """
 from __future__ import annotations
@@ -149,6 +149,25 @@ def adapters_disabled(model: nn.Module):
     finally:
         for m, state in zip(modules, before):
             m.disabled = state
+
+
+class AdaptersOff(nn.Module):
+    """The reference policy of a LoRA run: the policy itself, called with its adapters switched off, so no
+    second copy of the base model is held (MaskGRPO's setup). Other attributes are the policy's."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, *args, **kwargs):
+        with adapters_disabled(self.policy):
+            return self.policy(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.policy, name)
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

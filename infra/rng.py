@@ -1,7 +1,12 @@
-"""Per-row random streams for the samplers: uniform draws where each row of a batch may have its own
-generator, so that a sequence gets the same sample in any batch, process or world size.
+"""Every random number of a run: seeds named by what they are for, and the samplers' per-row uniforms.
 
-`uniform(shape, generator, device, cols=...)` returns only some columns of a draw, yet every row's
+Seeds. No draw uses the global RNG (LoRA dropout aside, which train.py seeds per update): each is a
+blake2b hash of its purpose and global index, e.g. derive_seed(seed, "rollout", task, step, i) for sequence
+i's rollout noise, so a sequence gets the same randomness in any batch, process or world size. The mask
+seeds S_j of the importance estimator (mask_seed) hash tagged packed integers instead of a repr: the same
+hash, kept in its own encoding because every mask of every run hangs on it.
+
+Uniforms. `uniform(shape, generator, device, cols=...)` returns only some columns of a draw, yet every row's
 generator draws the full row, in a fixed pattern of chunks from column 0, and keeps the columns asked
 for. So a sampler that computes the head on a few positions still consumes LLaDA's full-sequence stream
 and gives each column its number of the full draw (tests/test_sample.py checks it against one full
@@ -9,9 +14,39 @@ draw), and neither depends on `cols`, which the sampler computes over the whole 
 every device: a CUDA generator draws and discards as many numbers as a CPU one, in the same chunks.
 Leaf module: imports nothing from the project.
 """
+import hashlib
 import math
+import struct
 
 import torch
+
+
+# -----------------------------------------------------------------------------------------------------
+# seeds: a hash of what the draw is for
+
+def _blake64(data: bytes) -> int:
+    # blake2b, not hash(): the same in every process and Python version, and neighbours come out unrelated.
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def derive_seed(*parts) -> int:
+    """A 63-bit seed from (run seed, purpose, step, ...), e.g. derive_seed(0, "rollout", "text", 3, 7)."""
+    return _blake64(repr(parts).encode()) & (2**63 - 1)  # repr: parts may be strings and floats
+
+
+def generator(device, *parts) -> torch.Generator:
+    """A torch.Generator on `device` seeded with derive_seed(*parts)."""
+    return torch.Generator(device=device).manual_seed(derive_seed(*parts))
+
+
+def packed_seed(tag: bytes, *ints: int) -> int:
+    """The estimator's seeds: blake2b of a tag and packed non-negative ints < 2**63 (the caller checks), top 63 bits."""
+    return _blake64(tag + struct.pack(f"<{len(ints)}q", *ints)) >> 1
+
+
+# -----------------------------------------------------------------------------------------------------
+# uniforms: per-row streams for the samplers
+
 
 # Elements per draw when a row's stream is walked in chunks: bounds the memory of the discarded numbers
 # (128 MB in float64) without changing them (a chunked draw is the one-shot draw's numbers in order).

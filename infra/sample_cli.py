@@ -5,7 +5,7 @@
     python sample.py --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
 
 Every setting is checked before the weights are read, with the rules train.py applies to the same names
-(infra/run.validate_generation), and the prompt is checked against the checkpoint: characters the
+(infra/settings.validate_generation), and the prompt is checked against the checkpoint: characters the
 tokenizer does not know are named (they become its unknown token), and a prompt that does not fit the
 model's max_sequence_length is refused. A user error is one line and exit status 2 (infra/cli.py).
 """
@@ -19,10 +19,10 @@ import torch
 
 import sample
 import tasks
-from infra import cli, fast_sample, hf, plots
+from infra import cli, hf, plots
 from infra.hf import load_tokenizer
-from infra.run import read_generation_settings, validate_generation
-from model import chat_prompt
+from infra.settings import read_generation_settings, validate_generation
+from tasks import chat_prompt
 
 FORMATS = ("auto", "toy", "chat", "raw")
 DESCRIPTION = ("Sample from a LLaDA/MMaDA-style checkpoint. A checkpoint written by train.py carries the settings it "
@@ -80,9 +80,9 @@ def main(argv=None):
     check_length(len(ids), o.gen_length, config, o.ckpt)
     model, device, gen = _load(o)
     prompt = torch.tensor([ids], device=device)                                          # (1, P)
-    out = fast_sample.generate(model, prompt, gen_length=o.gen_length, block_length=o.block_length, steps=o.steps,
+    out = sample.generate(model, prompt, gen_length=o.gen_length, block_length=o.block_length, steps=o.steps,
                    temperature=o.temperature, mask_id=model.config.mask_token_id, generator=gen,
-                   kv_cache=None if o.kv_cache == "none" else o.kv_cache, threshold=o.threshold or None,
+                   kv_cache=o.kv_cache, threshold=o.threshold,
                    progress=cli.bars_shown())
     completion = tok.decode(out[0, prompt.shape[1]:].tolist(), skip_special_tokens=True)
     print(completion)

@@ -266,19 +266,17 @@ def _fsdp_modules(model):
 
 @contextlib.contextmanager
 def full_weights(model):
-    """Hold the unsharded weights for a stretch of forward passes whose count differs between ranks:
-    rollouts (threshold decoding ends a block early) and evaluation. Sharded
-    forwards all-gather every block on every pass, a collective all ranks must join, so they would
-    deadlock; here one all-gather up front replaces the per-step ones (128 diffusion steps would gather
-    the 16 GB of LLaDA-8B weights 128 times).
-    The weights are resharded on exit. Re-entrant: a nested use (evaluate -> rollout) does nothing, so a
-    rank with no rows of its own in some batch can skip the inner one without deadlocking the others."""
+    """Hold the unsharded weights (one all-gather, resharded on exit) for a stretch of forward passes whose
+    count may differ between ranks, as rollouts and evaluation: sharded forwards would all-gather on every
+    pass, a collective all ranks must join (a deadlock), and gather 8B weights once per diffusion step.
+    Re-entrant: a nested use does nothing, so a rank without rows in some batch may skip the inner one."""
     outer = world() > 1 and not getattr(model, "_full_weights", False)
     mods = _fsdp_modules(model) if outer else []
     for m in mods:
         # Blocks would reshard after each forward: hold them gathered. The root's setting is FSDP2's (it
-        # does not reshard after forward); here it is only gathered up front and resharded on exit.
-        if m is not model:
+        # does not reshard after forward); here it is only gathered up front and resharded on exit. The
+        # root is the first FSDP module (model itself, or the policy inside lora.AdaptersOff).
+        if m is not mods[0]:
             m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     if outer:
@@ -288,7 +286,7 @@ def full_weights(model):
     finally:
         for m in mods:
             m.reshard()
-            if m is not model:
+            if m is not mods[0]:
                 m.set_reshard_after_forward(True, recurse=False)
         if outer:
             model._full_weights = False

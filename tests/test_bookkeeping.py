@@ -20,7 +20,8 @@ import torch
 
 import train
 from infra import checkpoint, scale
-from infra.run import RESUMABLE, Run, TrainingStopped, check_sft_cache, release_out_dir, startup_checks
+from infra.load import check_sft_cache
+from infra.run import RESUMABLE, Run, TrainingStopped, release_out_dir, startup_checks
 
 CPU = torch.device("cpu")
 

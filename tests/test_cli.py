@@ -73,8 +73,18 @@ def test_every_flag_has_a_meaning_in_help():
         assert [f.name for f in fields(cls) if not comments.get(f.name)] == [], cls
     text = cli.parser(train.Config, "", train.PRESETS).format_help()
     flat = " ".join(text.split())  # argparse wraps the help text
-    assert "steps per text rollout, a multiple of the number of blocks and at most gen_length" in flat
-    assert "arlike (paper Alg. 1) | random | arlike_official" in flat
+    assert "denoising steps per text rollout: a multiple of the blocks, <= gen_length" in flat
+    assert "maskgrpo's text masks: arlike (paper Alg. 1) | random | arlike_official" in flat
+
+
+def test_config_help_is_one_line_per_flag():
+    """Every train.Config field's help is the one comment on its own line: no comment-only continuation
+    lines (a flag says what it means; its history lives in docs/differences.md)."""
+    import inspect
+
+    lines = inspect.getsource(train.Config).splitlines()
+    continuations = [line for line in lines if line.strip().startswith("#") and len(line) - len(line.lstrip()) > 4]
+    assert continuations == []
 
 
 @dataclass

@@ -68,7 +68,7 @@ import importance  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
 from conftest import REFERENCE  # noqa: E402
-from infra import budget, fast_sample, hf, lora, scale  # noqa: E402
+from infra import budget, hf, lora, scale  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from test_rl_step import build, run_step, save_tiny_checkpoint  # noqa: E402
 
@@ -209,7 +209,7 @@ def synthetic_rollout(model, mc, B, prompt_len, gen_len, device, seed=0):
         old = importance.token_logprobs(model, inp, x, mask, attention_mask=am)
     batch = train.Batch("gsm8k", x, am, prompt_len, gen_len)
     adv = torch.randn(B, generator=g).to(device)
-    return train.Rollout(batch, torch.zeros(B), adv, [inp], mask[None], [old], [old.clone()])
+    return train.Experience(batch, torch.zeros(B), adv, [inp], mask[None], [old], [old.clone()])
 
 
 def one_update_chunk(model, r, cfg):

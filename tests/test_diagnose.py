@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import importance
-import rewards
 import tasks
 import train
-from infra import diagnose
+from infra import diagnose, rng
 from infra.budget import scratch_config
 from model import Transformer
 from infra.hf import load_tokenizer
@@ -43,12 +42,12 @@ def test_log_ratios_are_the_training_codes(sft_dir):
     ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
     exs = [ex for ex in tasks.draw_prompts("text", cfg, 0, {}) for _ in range(cfg.group_size)]
     b = tasks.make_batch("text", exs, tok, ids, cfg, ctx.device, with_targets=False)
-    gens = [importance.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(exs))]
-    b, order = train.rollout(old, b, ctx, gens, cfg.temperature, fast=True, return_order=True)
+    gens = [rng.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(exs))]
+    b, order = train.rollout(old, b, ctx, gens, cfg.temperature, fast=True)
     assert (order[:, b.window_slice] >= 0).all() and (order[:, : b.prompt_len] == -1).all()
     theta = copy.deepcopy(old)
     opt = diagnose._Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr), cfg.num_iterations)
-    _, (r,) = train.rl_step(theta, None, opt, ctx, 0)
+    _, (r,) = train.rl_step(theta, old, opt, ctx, 0, train.step_prompts(ctx, 0))  # old: the reference (beta > 0)
     assert torch.equal(r.batch.x, b.x)
     theta1 = opt.thetas[0]  # after update 0: the policy inner iteration 1 scores
     in_mask = r.inputs[1] == ids.mask
@@ -93,7 +92,7 @@ def test_main_at_small_non_default_settings(tmp_path, capsys, monkeypatch):
     png = tmp_path / "d.png"
     # A random model solves nothing: rewards from the sampled tokens instead, so that groups carry signal
     # and the update moves the policy.
-    monkeypatch.setattr(rewards, "score", lambda b, *a, **k: (b.x[:, b.window_slice].sum(1) % 3).float() / 2)
+    monkeypatch.setattr(tasks, "score", lambda b, *a, **k: (b.x[:, b.window_slice].sum(1) % 3).float() / 2)
     res = diagnose.main(["--diagnose", f"--ckpt={ckpt}", "--preset=smoke", "--tasks=text", "--draws=2",
                          "--num_iterations=2", "--prompts_per_step=1", "--group_size=2", "--gamma_text=0.3",
                          "--clip_eps=1e-9", "--lr=1e-2", "--threads=1", f"--png={png}"])

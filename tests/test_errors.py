@@ -19,7 +19,7 @@ import torch
 
 import evaluate
 import train
-from infra import checkpoint, cli, hf, plots, run, sample_cli
+from infra import checkpoint, cli, hf, load, plots, run, sample_cli
 from model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,11 +127,11 @@ def test_max_prompt_len_truncation_is_counted(toy, capsys):
     rows = len((FIX / "gsm8k.jsonl").read_text().splitlines())
     tok = hf.load_tokenizer(toy / "final")
     cfg = train.Config(max_prompt_len=8, tasks="gsm8k")
-    run.report_truncation(cfg, tok, {"gsm8k": {"train": load_dataset("gsm8k", FIX / "gsm8k.jsonl"), "test": []}})
+    load.report_truncation(cfg, tok, {"gsm8k": {"train": load_dataset("gsm8k", FIX / "gsm8k.jsonl"), "test": []}})
     out = capsys.readouterr().out
     assert f"note: {rows} of {rows} gsm8k train prompts are longer than --max_prompt_len=8 tokens" in out, out
     cfg = train.Config(max_prompt_len=100000, tasks="gsm8k")
-    run.report_truncation(cfg, tok, {"gsm8k": {"train": load_dataset("gsm8k", FIX / "gsm8k.jsonl"), "test": []}})
+    load.report_truncation(cfg, tok, {"gsm8k": {"train": load_dataset("gsm8k", FIX / "gsm8k.jsonl"), "test": []}})
     assert capsys.readouterr().out == ""
 
 

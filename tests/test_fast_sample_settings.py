@@ -1,4 +1,4 @@
-"""infra/fast_sample.py's noise and reveal order at temperature > 0, replayed by a naive loop written here from
+"""sample.generate's fast-step noise and reveal order at temperature > 0, replayed by a naive loop written here from
 its documented behaviour: per block and step, each row whose block still has a mask draws its own uniforms
 (float64, block positions x vocabulary, for the Gumbel-max token; then float32, block positions, for "random"
 remasking), commits the top ceil(masked left / steps left) masked positions by confidence plus every one
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from infra import fast_sample
+import sample
 from model import ModelConfig, Transformer
 
 V, MASK = 40, 39
@@ -58,14 +58,14 @@ def naive(model, prompt, G, K, S, temperature, remasking, threshold, gens):
 
 
 @pytest.mark.parametrize("kv_cache, threshold, remasking, temperature", [
-    (None, 0.3, "low_confidence", 1.0), ("dual", None, "low_confidence", 0.7), ("prefix", 0.2, "low_confidence", 1.3),
-    ("dual", None, "random", 1.0)])
+    ("none", 0.3, "low_confidence", 1.0), ("dual", 0.0, "low_confidence", 0.7), ("prefix", 0.2, "low_confidence", 1.3),
+    ("dual", 0.0, "random", 1.0)])
 def test_noise_and_order_replay(kv_cache, threshold, remasking, temperature):
     model = one_layer()
     prompt = torch.randint(2, 38, (3, 4), generator=torch.Generator().manual_seed(1))
     G, K, S = 12, 4, 12
     gens = lambda: [torch.Generator().manual_seed(30 + r) for r in range(3)]
-    got, order = fast_sample.generate(model, prompt, gen_length=G, block_length=K, steps=S, temperature=temperature,
+    got, order = sample.generate(model, prompt, gen_length=G, block_length=K, steps=S, temperature=temperature,
                                       remasking=remasking, mask_id=MASK, generator=gens(), kv_cache=kv_cache,
                                       threshold=threshold, return_order=True)
     want, want_order = naive(model, prompt, G, K, S, temperature, remasking, threshold, gens())

@@ -1,4 +1,4 @@
-"""The fast text sampler infra/fast_sample.generate (kv_cache, threshold) and model.py's cached forward:
+"""The fast text sampler sample.generate (kv_cache, threshold) and model.py's cached forward:
 the defaults stay the reference, the cached forward equals the plain one on a fresh cache, the fast paths
 decode every position and leave the prompt alone, and they equal exact decoding on a model for which the
 cache is not an approximation.
@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import ModelConfig, Transformer
-from infra.fast_sample import generate
+from sample import generate
 from infra import hf
 
 V, MASK, EOS = 64, 63, 1
@@ -71,7 +71,7 @@ def padded_prompts(B=3, P=7, seed=0):
     return p.masked_fill(am == 0, EOS), am
 
 
-FAST = [("prefix", None), ("dual", None), (None, 0.6), ("prefix", 0.6), ("dual", 0.6)]
+FAST = [("prefix", 0.0), ("dual", 0.0), ("none", 0.6), ("prefix", 0.6), ("dual", 0.6)]
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def test_cache_equals_exact_decoding_where_it_is_exact(n_layers, mixing, cfg_sca
     p, am = padded_prompts()
     kw = dict(gen_length=16, block_length=4, steps=16, mask_id=MASK, cfg_scale=cfg_scale)
     exact = generate(model, p, attention_mask=am, **kw)
-    for kv_cache, threshold in (("prefix", None), ("dual", None), ("prefix", 1.0), (None, 1.0)):
+    for kv_cache, threshold in (("prefix", 0.0), ("dual", 0.0), ("prefix", 1.0), ("none", 1.0)):
         out = generate(model, p, attention_mask=am, kv_cache=kv_cache, threshold=threshold, **kw)
         assert torch.equal(out, exact), (kv_cache, threshold, (out != exact).sum().item())
     for j in range(3):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import grpo
 from grpo import group_advantages, policy_loss
 
 
@@ -53,7 +54,7 @@ def test_d1_advantages_are_reward_minus_group_mean():
 
 
 def test_preconditions_are_asserted():
-    """Settings are validated at the command line (infra/run.validate) and rewards checked by train.rl_step
+    """Settings are validated at the command line (infra/settings.validate) and rewards checked by train.rl_step
     before they get here; the maths asserts what it needs: finite rewards and groups of >= 2 that tile."""
     R = torch.zeros(3, 4)
     R[1, 2] = float("nan")
@@ -124,7 +125,9 @@ def test_ratio_one_gives_minus_mean_advantage():
     loss_seq, _ = policy_loss(logp_old.clone().requires_grad_(), logp_old, adv, mask, clip_eps=0.2, norm="sequence")
     assert loss_seq.item() == pytest.approx(-adv[:3].mean().item(), abs=1e-7)  # 3 sequences in the denominator
     assert stats["ratio_mean"] == 1.0 and stats["ratio_max"] == 1.0 and stats["clipfrac"] == 0.0
-    assert stats["adv_abs_mean"] == pytest.approx(1.625) and stats["num_tokens"] == 9.0
+    assert stats["num_tokens"] == 9.0  # 2 + 6 + 1 scored tokens
+    # The chunk weights of train.backward_loss count what each norm divides by: 9 tokens, 3 sequences with any.
+    assert grpo.num_terms(mask, "token").item() == 9 and grpo.num_terms(mask, "sequence").item() == 3
 
 
 def test_clipped_tokens_get_zero_grad():

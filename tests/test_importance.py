@@ -85,15 +85,16 @@ def test_mask_seed_stable_and_distinct():
 def test_seed_values_pinned():
     # Every mask, rollout and initial weight of a run hangs on these two hashes: a change to either
     # encoding changes every number of a run, so their values are pinned.
-    assert imp.derive_seed(0, "masks", "text") == 3114210071054700744
-    assert imp.derive_seed(0, "rollout", "text", 3, 7) == 7451824479630074830
-    assert imp.derive_seed(1, "sft-data") == 5498370931827955440
-    assert imp.derive_seed(42, "eval-sampling", "image", 0.9, 2) == 1884213763776914083
-    assert imp.derive_seed(0, "init") == 2020223635098297231
+    from infra import rng
+    assert rng.derive_seed(0, "masks", "text") == 3114210071054700744
+    assert rng.derive_seed(0, "rollout", "text", 3, 7) == 7451824479630074830
+    assert rng.derive_seed(1, "sft-data") == 5498370931827955440
+    assert rng.derive_seed(42, "eval-sampling", "image", 0.9, 2) == 1884213763776914083
+    assert rng.derive_seed(0, "init") == 2020223635098297231
     assert imp.mask_seed(0, 0, 0, 0) == 3366760914556667051
     assert imp.mask_seed(42, 3, 17, 5) == 8001206201335323714
     assert imp.mask_seed(3114210071054700744, 5, 11, 2) == 3452893014633083592
-    g = imp.generator("cpu", 0, "init")
+    g = rng.generator("cpu", 0, "init")
     assert g.initial_seed() == 2020223635098297231 and g.device.type == "cpu"
 
 
@@ -333,7 +334,8 @@ def test_token_logprobs_device_batch_size():
         torch.testing.assert_close(imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=dbs), full,
                                    rtol=1e-6, atol=1e-6)
     with pytest.raises(AssertionError, match="device_batch_size"):
-        imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=0)
+        imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=-1)
+    assert torch.equal(imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=0), full)  # 0 = all rows, as scale.chunks
 
 
 def test_log_ratio_exactly_zero_for_same_model():
@@ -447,3 +449,29 @@ def test_decoding_log_ratio_exactly_zero_for_same_policy():
         other = imp.decoding_logprob(tiny_transformer(6, V), x, order, mask_id=V - 1)
     assert torch.equal(delta, torch.zeros(B))
     assert (other != imp.decoding_logprob(old, x, order, mask_id=V - 1)).all()  # a different policy moves it
+
+
+def test_settings_an_estimator_ignores_are_named():
+    """gamma_text / gamma_image / text_reversing are read by maskgrpo alone and p_mask_prompt by d1 alone
+    (importance.views): a value set away from its default for another estimator is named, so that
+    validation can warn; defaults and the estimator's own settings are not."""
+    from dataclasses import replace
+
+    import train
+    base = train.Config()
+    assert imp.ignored_settings(base, base) == []
+    d1 = replace(base, estimator="d1", gamma_text=0.5, text_reversing="random", p_mask_prompt=0.3)
+    assert imp.ignored_settings(d1, base) == ["gamma_text", "text_reversing"]
+    for est in ("unigrpo", "trajectory"):
+        c = replace(base, estimator=est, gamma_image=0.7, p_mask_prompt=0.3)
+        assert imp.ignored_settings(c, base) == ["gamma_image", "p_mask_prompt"]
+    assert imp.ignored_settings(replace(base, gamma_text=0.5, text_reversing="random"), base) == []
+
+
+def test_validation_warns_about_an_ignored_setting(capsys):
+    import train
+    train.parse_args(["--preset=smoke", "--estimator=trajectory", "--gamma_text=0.5"])
+    out = capsys.readouterr().out
+    assert "warning: --estimator=trajectory does not read --gamma_text" in out and out.count("\n") == 1
+    train.parse_args(["--preset=smoke", "--estimator=trajectory"])
+    assert capsys.readouterr().out == ""

@@ -11,7 +11,8 @@ from conftest import REFERENCE
 from safetensors.torch import load_file, save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model import ModelConfig, Transformer, chat_prompt
+from model import ModelConfig, Transformer
+from tasks import chat_prompt
 from infra.hf import HF_PREFIX, load_tokenizer
 from infra import hf
 

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from model import ModelConfig, Transformer, chat_prompt, num_params
+from model import ModelConfig, Transformer, num_params
+from tasks import chat_prompt
 
 
 def build(seed=0, std=0.3, **kw) -> Transformer:

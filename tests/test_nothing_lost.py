@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import evaluate
-import rewards
+import tasks
 import train
 from infra import hf
 
@@ -208,7 +208,7 @@ def test_evaluate_checks_out_before_evaluating(finished, tmp_path, monkeypatch, 
 
 def test_interrupted_evaluation_keeps_what_it_scored(finished, tmp_path, monkeypatch, capsys):
     """Records are written as each batch of 64 is scored: Ctrl-C in the third batch keeps the first two."""
-    score = rewards.score
+    score = tasks.score
     calls = {"n": 0}
 
     def interrupted_score(*args, **kwargs):
@@ -216,7 +216,7 @@ def test_interrupted_evaluation_keeps_what_it_scored(finished, tmp_path, monkeyp
         if calls["n"] == 3:
             raise KeyboardInterrupt
         return score(*args, **kwargs)
-    monkeypatch.setattr(rewards, "score", interrupted_score)
+    monkeypatch.setattr(tasks, "score", interrupted_score)
     out = tmp_path / "eval.jsonl"
     code = evaluate.main(["--ckpt", str(finished / "final"), "--task", "text", "--limit=200", "--samples=0",
                           "--out", str(out)])

@@ -19,7 +19,7 @@ import torch
 
 from infra import checkpoint
 import grpo
-import rewards
+import tasks
 import train
 from model import Transformer
 from infra import hf
@@ -134,12 +134,12 @@ def test_sigterm_writes_checkpoint_and_resumes(sft_dir, tmp_path):
 def inject(monkeypatch, reward_steps=(), loss_steps=()):
     """NaN rewards from the reward function during RL steps `reward_steps`, NaN losses in `loss_steps`."""
     now = {"step": None}
-    rl_step, score, policy_loss = train.rl_step, rewards.score, grpo.policy_loss
+    rl_step, score, policy_loss = train.rl_step, tasks.score, grpo.policy_loss
 
-    def rl_step_(model, ref, opt, ctx, step):
+    def rl_step_(model, ref, opt, ctx, step, prompts):
         now["step"] = step
         try:
-            return rl_step(model, ref, opt, ctx, step)
+            return rl_step(model, ref, opt, ctx, step, prompts)
         finally:
             now["step"] = None
 
@@ -151,7 +151,7 @@ def inject(monkeypatch, reward_steps=(), loss_steps=()):
         loss, stats = policy_loss(*args, **kw)
         return (loss * math.nan, stats) if now["step"] in loss_steps else (loss, stats)
 
-    monkeypatch.setattr(rewards, "score", score_)
+    monkeypatch.setattr(tasks, "score", score_)
     monkeypatch.setattr(grpo, "policy_loss", policy_loss_)
     monkeypatch.setattr(train, "rl_step", rl_step_)
 

@@ -72,7 +72,7 @@ def test_math_adversarial_answers(completion, answer, expected):
 
 
 def test_score_dispatch_at_non_default_options():
-    """shaped=True uses the official format + correctness terms for gsm8k; text_reward="solution" scores the
+    """shaping="official" uses the official format + correctness terms for gsm8k; text_reward="solution" scores the
     toy text task by its whole solution, "answer" by its box."""
     ex = {"answer": "7"}
     outs = ["<reasoning>x</reasoning> \\boxed{7}", "\\boxed{7}", "\\boxed{8}"]
@@ -80,14 +80,14 @@ def test_score_dispatch_at_non_default_options():
     decoded = lambda *_: outs
     orig, tasks.decode_window = tasks.decode_window, decoded
     try:
-        assert rewards.score(b, None, None).tolist() == [1.0, 1.0, 0.0]
-        assert rewards.score(b, None, None, shaped=True).tolist() == pytest.approx([3 / 3, 2.5 / 3, 0.5 / 3])
+        assert tasks.score(b, None, None).tolist() == [1.0, 1.0, 0.0]
+        assert tasks.score(b, None, None, shaping="official").tolist() == pytest.approx([3 / 3, 2.5 / 3, 0.5 / 3])
         t = tasks.Batch("text", b.x, b.attention_mask, 0, 1, examples=[
             {"answer": "7", "solution": "3 + 4 = 7 . \\boxed{7}"}] * 2)
         outs[:] = ["3 + 4 = 7 . \\boxed{7}", "3 + 5 = 7 . \\boxed{7}"]
-        assert rewards.score(t, None, None).tolist() == [1.0, 1.0]
-        assert rewards.score(t, None, None, text_reward="solution").tolist() == [1.0, 0.0]
-        assert rewards.score(t, None, None, shaped=True).tolist() == [1.0, 1.0]  # no shaped toy reward
+        assert tasks.score(t, None, None).tolist() == [1.0, 1.0]
+        assert tasks.score(t, None, None, text_reward="solution").tolist() == [1.0, 0.0]
+        assert tasks.score(t, None, None, shaping="official").tolist() == [1.0, 1.0]  # no shaped toy reward
     finally:
         tasks.decode_window = orig
 

@@ -1,7 +1,7 @@
 """The RL step end to end, checked against quantities computed here from the paper's equations.
 
 Every test drives train.rl_step (through `run_step`, the one helper that knows its signature) on a tiny
-random checkpoint loaded through infra/run.load_policy, with mu >= 3 inner iterations, text and image.
+random checkpoint loaded through infra/load.load_policy, with mu >= 3 inner iterations, text and image.
 Expected values never come from the code under test: log-probs are a plain log_softmax of the model's
 logits written below (over the image codes for image positions), advantages are GRPO's
 (R - mean) / (std + eps) per group, and the loss is MaskGRPO's clipped per-token surrogate plus beta times
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import rewards
 import tasks
 import train
-from infra import lora, run
+from infra import load, lora
 from model import Transformer
 from infra import hf
 
@@ -40,7 +40,7 @@ def save_tiny_checkpoint(path, seed=0):
     checkpoint directory that --init_from can load, as a pretrained LLaDA / MMaDA would be."""
     tok = tasks.build_tokenizer()
     cfg = train.parse_args(["--preset=smoke"])
-    model = Transformer(run.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(seed))
     hf.save_pretrained(model, path)
     tok.save(str(path / "tokenizer.json"))
@@ -54,7 +54,7 @@ def build(ckpt, *flags, float64=False, device=CPU, dtype=torch.float32):
     device / dtype: as train.main's setup() returns them (tests/test_cuda.py passes cuda and bfloat16)."""
     cfg = train.parse_args(["--preset=smoke", f"--init_from={ckpt}", "--prompts_per_step=2", "--group_size=4",
                             "--num_iterations=3", *flags])
-    policy, ref, tok, ids, _ = run.load_policy(cfg, device, dtype, sft=None)
+    policy, ref, tok, ids, _ = load.load_policy(cfg, device, dtype, sft=None)
     if float64:
         policy = policy.double()
         ref = None if ref is None else ref.double()
@@ -63,7 +63,7 @@ def build(ckpt, *flags, float64=False, device=CPU, dtype=torch.float32):
     return cfg, policy, ref, opt, tok, ids
 
 
-def fake_score(b, tok, ids, scorer=None, shaped=False, text_reward="answer"):
+def fake_score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
     """A reward in {0, 0.5, 1} from the sampled window: an untrained model's groups then carry signal."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 
@@ -75,6 +75,7 @@ class Update:
     stats: dict
     grads: dict = field(default_factory=dict)
     weights: nn.Module | None = None
+    j: int = 0
 
 
 def run_step(cfg, policy, ref, opt, tok, ids, step, *, prompts=None, device=CPU, keep_weights=True):
@@ -89,20 +90,23 @@ def run_step(cfg, policy, ref, opt, tok, ids, step, *, prompts=None, device=CPU,
         u.weights = copy.deepcopy(policy) if keep_weights else None
         u.grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
 
-    class SpyStats(train.StepStats):
-        def end_update(self, device):  # once per inner update, after its backward passes (one process)
-            updates.append(Update(stats={f"{t}/{k}": v for t, acc in self.update.items() for k, v in acc.items()}))
-            return super().end_update(device)
+    def spy_backward(model, e, j, ctx):  # once per task and inner update, after its backward passes
+        s = real_backward(model, e, j, ctx)
+        if not updates or updates[-1].j != j:
+            updates.append(Update(stats={}, j=j))
+        updates[-1].stats.update({f"{e.batch.task}/{k}": v for k, v in s.items()})
+        return s
 
-    real_stats, real_score, real_draw = train.StepStats, rewards.score, train.draw_prompts
+    real_backward, real_score, real_draw = train.backward_loss, tasks.score, train.draw_prompts
     handle = opt.register_step_pre_hook(before_step)
-    train.StepStats, rewards.score = SpyStats, fake_score
+    train.backward_loss, tasks.score = spy_backward, fake_score
     if prompts is not None:
         train.draw_prompts = lambda task, cfg_, step_, datasets: prompts
     try:
-        log, rolls = train.rl_step(policy, ref, opt, train.Ctx(cfg, tok, ids, device, {}), step)
+        ctx = train.Ctx(cfg, tok, ids, device, {})
+        log, rolls = train.rl_step(policy, ref, opt, ctx, step, train.step_prompts(ctx, step))
     finally:
-        train.StepStats, rewards.score, train.draw_prompts = real_stats, real_score, real_draw
+        train.backward_loss, tasks.score, train.draw_prompts = real_backward, real_score, real_draw
         handle.remove()
     return log, rolls, updates
 
@@ -312,7 +316,7 @@ def test_lora_reference_is_the_base_with_adapters_off(ckpt):
     """With LoRA the reference is the base network (the checkpoint), not the adapted policy. The adapters
     are given nonzero B first, so the policy differs from the base already at the first step."""
     cfg, policy, ref, opt, tok, ids = build(ckpt, "--tasks=text", "--lora_rank=4", "--lora_alpha=8", "--beta=0.5")
-    assert ref is None  # the reference is the policy with its adapters off
+    assert isinstance(ref, lora.AdaptersOff) and ref.policy is policy  # the policy with its adapters off
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for m in policy.modules():

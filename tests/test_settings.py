@@ -20,13 +20,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import evaluate
 import grpo
 import importance
-import rewards
 import sample
 import tasks
 import train
-from infra import fast_sample, hf
+from infra import hf, lora
 from infra.budget import scratch_config
-from infra.run import load_policy, setup
+from infra.load import load_policy
+from infra.settings import setup
 from model import Transformer
 
 CPU = torch.device("cpu")
@@ -62,7 +62,7 @@ def spy(monkeypatch, module, name, calls):
     monkeypatch.setattr(module, name, wrapped)
 
 
-def fake_score(b, tok, ids, scorer=None, shaped=False, text_reward="answer"):
+def fake_score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 
 
@@ -227,7 +227,7 @@ def test_greedy_evaluation_decodes_at_temperature_zero(toy, monkeypatch):
     calls = []
     spy(monkeypatch, sample, "generate", calls)
     spy(monkeypatch, sample, "generate_image", calls)
-    monkeypatch.setattr(rewards, "score", fake_score)
+    monkeypatch.setattr(tasks, "score", fake_score)
     cfg = parse("--temperature=0.7", "--eval_prompts=3", "--eval_samples=2")
     res = train.evaluate_all(model, train.Ctx(cfg, tok, ids, CPU, {}))
     assert set(res) == {"text", "text_greedy", "image"}
@@ -272,20 +272,21 @@ def test_evaluate_cli_greedy_and_sampled_modes(toy, tmp_path, monkeypatch, capsy
 
 def rl_step(toy, monkeypatch, *flags, calls):
     tok, ids, model = toy
-    for module, name in ((sample, "generate"), (sample, "generate_image"), (fast_sample, "generate"),
-                         (importance, "build_masks"), (grpo, "policy_loss")):
+    for module, name in ((sample, "generate"), (sample, "generate_image"), (importance, "build_masks"),
+                         (grpo, "policy_loss")):
         spy(monkeypatch, module, name, calls)
     scored = []
 
     def score(*args, **kwargs):
         scored.append(args)
         return fake_score(*args)
-    monkeypatch.setattr(rewards, "score", score)
+    monkeypatch.setattr(tasks, "score", score)
     cfg = parse(*flags)
     policy = copy.deepcopy(model)
     ref = copy.deepcopy(model) if cfg.beta > 0 else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
-    log, rolls = train.rl_step(policy, ref, opt, train.Ctx(cfg, tok, ids, CPU, {}), 0)
+    ctx = train.Ctx(cfg, tok, ids, CPU, {})
+    log, rolls = train.rl_step(policy, ref, opt, ctx, 0, train.step_prompts(ctx, 0))
     return cfg, log, rolls, scored
 
 
@@ -305,7 +306,7 @@ def test_rl_step_hands_every_setting_to_its_callee(toy, monkeypatch):
     assert [c[1][1].shape[0] for c in gens] == [4, 2]  # 6 rows in chunks of device_batch_size
     for _, args, kw in gens:
         assert (kw["gen_length"], kw["block_length"], kw["steps"], kw["temperature"]) == (12, 6, 4, 0.7)
-        assert "kv_cache" not in kw  # the exact sampler: no cache asked for
+        assert (kw["kv_cache"], kw["threshold"]) == ("none", 0.0)  # the exact sampler: no cache asked for
     images = [c for c in calls if c[0] == "generate_image"]
     assert [c[1][1].shape[0] for c in images] == [4, 2]
     for _, args, kw in images:
@@ -316,7 +317,7 @@ def test_rl_step_hands_every_setting_to_its_callee(toy, monkeypatch):
     losses = [kw for name, _, kw in calls if name == "policy_loss"]
     assert len(losses) == 2 * 2 * 2  # mu x tasks x chunks
     assert {(kw["clip_eps"], kw["beta"], kw["norm"]) for kw in losses} == {(0.1, 0.2, "sequence")}
-    assert [(a[0].task, a[4], a[5]) for a in scored] == [("text", True, "solution"), ("image", True, "solution")]
+    assert [(a[0].task, a[4], a[5]) for a in scored] == [("text", "official", "solution"), ("image", "official", "solution")]
     for r in rolls:  # groups of 3: every row's advantage within its own group
         assert r.rewards.shape == (6,)
         assert len(r.inputs) == 2 and r.loss_masks.shape[0] == 2
@@ -379,7 +380,7 @@ def test_main_passes_its_settings_to_the_optimizer_and_the_run(toy, tmp_path, mo
 
     monkeypatch.setattr(torch.optim, "AdamW", AdamW)
     monkeypatch.setattr(Transformer, "set_activation_checkpointing", set_ac)
-    monkeypatch.setattr(rewards, "score", fake_score)
+    monkeypatch.setattr(tasks, "score", fake_score)
     handle = register_optimizer_step_pre_hook(lambda opt, a, k: lrs.append(
         (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])))
     try:
@@ -445,7 +446,7 @@ def test_load_policy_adapts_what_the_lora_flags_say(toy, tmp_path, targets, name
     cfg = parse(f"--init_from={ckpt}", "--tasks=text", "--lora_rank=4", "--lora_alpha=6", "--lora_dropout=0.2",
                 f"--lora_targets={targets}")
     policy, ref, *_ = load_policy(cfg, CPU, torch.float32, train.sft)
-    assert ref is None
+    assert isinstance(ref, lora.AdaptersOff) and ref.policy is policy  # beta 0.01 > 0: the adapters-off policy
     adapted = {n.rsplit(".", 1)[0] for n, p in policy.named_parameters() if n.endswith(".lora_A")}
     want = {f"blocks.{i}.{m}" for i in range(len(policy.blocks)) for m in names}
     assert adapted == want

@@ -55,18 +55,18 @@ def test_image_prompt_round_trip(tok):
 
 def test_text_reward():
     ex = tasks.make_text_example(random.Random(3))
-    assert tasks.text_reward(ex["completion"], ex) == 1.0
+    assert tasks.answer_reward(ex["completion"], ex) == 1.0
     wrong = str(int(ex["answer"]) + 1)
-    assert tasks.text_reward(f"1 + 1 = 2 . \\boxed{{{wrong}}}", ex) == 0.0
-    assert tasks.text_reward(ex["answer"], ex) == 0.0  # no box
-    assert tasks.text_reward(f"\\boxed{{{wrong}}} \\boxed{{{ex['answer']}}}", ex) == 1.0  # last box counts
+    assert tasks.answer_reward(f"1 + 1 = 2 . \\boxed{{{wrong}}}", ex) == 0.0
+    assert tasks.answer_reward(ex["answer"], ex) == 0.0  # no box
+    assert tasks.answer_reward(f"\\boxed{{{wrong}}} \\boxed{{{ex['answer']}}}", ex) == 1.0  # last box counts
 
 
 @pytest.mark.parametrize("noise", [0.0, 1.0])
 def test_text_noise_controls_wrong_targets(noise):
     rng = random.Random(1)
     exs = [tasks.make_text_example(rng, noise=noise) for _ in range(300)]
-    acc = sum(tasks.text_reward(e["completion"], e) for e in exs) / len(exs)
+    acc = sum(tasks.answer_reward(e["completion"], e) for e in exs) / len(exs)
     assert acc == 1.0 - noise  # every noisy target is wrong, every clean one right
 
 
@@ -190,15 +190,15 @@ def test_solution_reward_reads_every_step_and_the_box():
     ex = {"prompt": "amy has 4 pens . she buys 3 more and sells 5 . how many pens does she have ?", "answer": "2",
           "solution": "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"}
     right = "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"
-    assert tasks.solution_reward(right, ex) == 1.0 and tasks.text_reward(right, ex) == 1.0
+    assert tasks.solution_reward(right, ex) == 1.0 and tasks.answer_reward(right, ex) == 1.0
     for wrong in ("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}",  # wrong working, right box: the box-only reward pays
                   "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{7}",  # right working, the amount before the last step boxed
                   "4 + 3 = 7 . \\boxed{2}",                # a step left out
                   "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2} 3"):  # text after the box
         assert tasks.solution_reward(wrong, ex) == 0.0
-    assert tasks.text_reward("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}", ex) == 1.0
+    assert tasks.answer_reward("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}", ex) == 1.0
     # The scorer picks the verifier by name; the toy runs' decoded completions have no leading/trailing space.
-    assert tasks.TEXT_REWARDS == {"answer": tasks.text_reward, "solution": tasks.solution_reward}
+    assert tasks.TEXT_REWARDS == {"answer": tasks.answer_reward, "solution": tasks.solution_reward}
 
 
 def test_long_toy_is_scored_by_its_solution():
@@ -221,7 +221,7 @@ def test_long_examples_chain_and_length(tok):
         for k, (a, op, n, eq, r) in enumerate(steps):
             assert eq == "=" and int(r) == (int(a) + int(n) if op == "+" else int(a) - int(n))
             assert 0 <= int(r) <= 9 and (k == 0 or a == steps[k - 1][4])  # each step starts from the last result
-        assert steps[-1][4] == ex["answer"] and tasks.text_reward(ex["completion"], ex) == 1.0
+        assert steps[-1][4] == ex["answer"] and tasks.answer_reward(ex["completion"], ex) == 1.0
         n_tok = len(tok.encode(ex["completion"], add_special_tokens=False).ids)
         assert n_tok == 6 * len(steps) + 3 and n_tok >= 32  # 5 per step, a comma between, ". \boxed{ d }"
     assert counts == {5, 6}  # max_steps - 1 or max_steps
@@ -229,7 +229,7 @@ def test_long_examples_chain_and_length(tok):
 
 def test_toy_long_preset_is_long_and_fits(tok):
     import train
-    from infra.run import validate
+    from infra.settings import validate
     cfg = train.Config(**train.PRESETS["toy_long"])
     validate(cfg)
     rng = random.Random(0)

@@ -12,7 +12,7 @@ import torch
 
 import tasks
 from conftest import cpu_budget
-from model import chat_prompt
+from tasks import chat_prompt
 
 
 @pytest.fixture(scope="module")

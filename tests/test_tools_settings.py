@@ -15,8 +15,9 @@ import torch
 import sample
 import tasks
 from conftest import ROOT
-from infra import bench, data, fast_sample, hf, sample_cli, scorer
-from model import ModelConfig, Transformer, chat_prompt
+from infra import bench, data, hf, sample_cli, scorer
+from model import ModelConfig, Transformer
+from tasks import chat_prompt
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def spy(monkeypatch):
         out = ids.clone()
         out[:, kw["image_start"]:kw["image_start"] + kw["num_tokens"]] = kw["code_offset"] + 2
         return out
-    monkeypatch.setattr(fast_sample, "generate", text)
+    monkeypatch.setattr(sample, "generate", text)
     monkeypatch.setattr(sample, "generate_image", image)
     return calls
 

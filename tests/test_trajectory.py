@@ -16,15 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import importance
-import rewards
 import tasks
 import train
-from infra import lora, run
+from infra import load, lora, rng
 from model import Transformer
 
 
-def fake_score(b, tok, ids, scorer=None, shaped=False, text_reward="answer"):
+def fake_score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
     """A deterministic reward in {0, 0.5, 1} per row, from the sampled window: groups get spread."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 
@@ -48,7 +46,7 @@ def base():
     tok = tasks.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text,image"])
-    model = Transformer(run.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
     return tok, ids, model.eval()
 
@@ -56,14 +54,14 @@ def base():
 def run_step(base, monkeypatch, task, *flags):
     """One trajectory rl_step on `task` from a fresh copy of the base model: (log, rollout, recorder, ctx)."""
     tok, ids, model = base
-    monkeypatch.setattr(rewards, "score", fake_score)
+    monkeypatch.setattr(tasks, "score", fake_score)
     cfg = train.parse_args(["--preset=smoke", f"--tasks={task}", "--prompts_per_step=2", "--group_size=4",
                             "--estimator=trajectory", "--cfg_scale=0", *flags])
     policy, ref = copy.deepcopy(model), copy.deepcopy(model)
     params = lora.trainable_parameters(policy)
     opt = GradRecorder(torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99)), policy.parameters())
     ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-    log, (r,) = train.rl_step(policy, ref, opt, ctx, 0)
+    log, (r,) = train.rl_step(policy, ref, opt, ctx, 0, train.step_prompts(ctx, 0))
     return log, r, opt, ctx
 
 
@@ -93,8 +91,8 @@ def test_gradient_equals_a_naive_per_step_computation(base, monkeypatch, task):
     cfg, b = ctx.cfg, r.batch
     # The decoding order from an independent rollout with rl_step's generators (same tokens, same order).
     fresh = tasks.make_batch(task, b.examples, tok, ids, cfg, ctx.device, with_targets=False)
-    gens = [importance.generator("cpu", cfg.seed, "rollout", task, 0, i) for i in range(len(b.examples))]
-    x, order = train.rollout(model, fresh, ctx, gens, cfg.temperature, fast=True, return_order=True)
+    gens = [rng.generator("cpu", cfg.seed, "rollout", task, 0, i) for i in range(len(b.examples))]
+    x, order = train.rollout(model, fresh, ctx, gens, cfg.temperature, fast=True)
     assert torch.equal(x.x, b.x)
     lo, hi = (ids.image_token_offset, ids.image_token_offset + ids.codebook_size) if task == "image" else (0, None)
 

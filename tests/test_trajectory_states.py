@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 
 import importance
-import rewards
+import sample
 import tasks
 import train
-from infra import fast_sample, lora, run
+from infra import load, lora, rng
 from model import Transformer
 
 
-def fake_score(b, tok, ids, scorer=None, shaped=False, text_reward="answer"):
+def fake_score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
     """A deterministic reward in {0, 0.5, 1} per row, from the sampled window: groups get spread."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 
@@ -49,7 +49,7 @@ def base():
     tok = tasks.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text"])
-    model = Transformer(run.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
     return tok, ids, model.eval()
 
@@ -61,12 +61,12 @@ FLAGS = ["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size
 def run_step(base, monkeypatch, *flags):
     """One rl_step from a fresh copy of the base model: (log, rollout, recorded gradients, ctx)."""
     tok, ids, model = base
-    monkeypatch.setattr(rewards, "score", fake_score)
+    monkeypatch.setattr(tasks, "score", fake_score)
     cfg = train.parse_args([*FLAGS, *flags])
     policy, ref = copy.deepcopy(model), copy.deepcopy(model)
     opt = GradRecorder(torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr), policy.parameters())
     ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-    log, (r,) = train.rl_step(policy, ref, opt, ctx, 0)
+    log, (r,) = train.rl_step(policy, ref, opt, ctx, 0, train.step_prompts(ctx, 0))
     return log, r, opt.grads, ctx
 
 
@@ -103,8 +103,8 @@ def naive_full_gradient(base, r, ctx) -> torch.Tensor:
     tok, ids, model = base
     cfg, b = ctx.cfg, r.batch
     fresh = tasks.make_batch("text", b.examples, tok, ids, cfg, ctx.device, with_targets=False)
-    gens = [importance.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(b.examples))]
-    x, order = train.rollout(model, fresh, ctx, gens, cfg.temperature, fast=True, return_order=True)
+    gens = [rng.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(b.examples))]
+    x, order = train.rollout(model, fresh, ctx, gens, cfg.temperature, fast=True)
     assert torch.equal(x.x, b.x)
     theta, old = copy.deepcopy(model).train(), copy.deepcopy(model).eval()
 
@@ -200,14 +200,14 @@ def test_dry_run_prints_the_flops_next_to_maskgrpo(capsys):
 
 def test_clock_adds_cpu_seconds_beside_wall_seconds(monkeypatch):
     """Fake clocks: a phase that waited (wall 2 s, CPU 0.5 s) and one that computed (wall 1 s, CPU 1 s)."""
-    wall, cpu = iter([10.0, 12.0, 13.0, 14.0]), iter([1.0, 1.5, 2.5, 3.0])
-    monkeypatch.setattr(run.time, "time", lambda: next(wall))
-    monkeypatch.setattr(run.time, "process_time", lambda: next(cpu))
-    clock = run.Clock()
-    clock.lap("rollout_s")
-    clock.lap("update_s")
-    assert clock.laps() == {"rollout_s": 2.0, "rollout_cpu_s": 0.5, "update_s": 1.0, "update_cpu_s": 1.0,
-                            "seconds": 4.0, "cpu_s": 2.0}
+    wall, cpu = iter([12.0, 13.0]), iter([1.5, 2.5])
+    monkeypatch.setattr(train.time, "time", lambda: next(wall))
+    monkeypatch.setattr(train.time, "process_time", lambda: next(cpu))
+    times = {"start": 10.0, "cpu_start": 1.0}
+    train.lap(times, "rollout_s")
+    train.lap(times, "update_s")
+    assert {k: v for k, v in times.items() if k.endswith("_s")} == \
+        {"rollout_s": 2.0, "rollout_cpu_s": 0.5, "update_s": 1.0, "update_cpu_s": 1.0}
 
 
 @pytest.mark.parametrize("kv_cache, threshold", [("dual", 0.0), ("none", 0.0101), ("prefix", 0.0101)])
@@ -223,7 +223,7 @@ def test_fast_rollout_statistics_match_the_decoding_order(base, kv_cache, thresh
                                     for i in range(6)], tok, ids, cfg, ctx.device, with_targets=False)
     stats = {}
     gens = [torch.Generator().manual_seed(i) for i in range(6)]
-    _, order = train.rollout(model, exs, ctx, gens, 0.0, fast=True, return_order=True, stats=stats)
+    _, order = train.rollout(model, exs, ctx, gens, 0.0, fast=True, stats=stats)
     window = order[:, exs.window_slice]
     steps = [len(set(row.tolist())) for row in window]
     assert stats["tokens"] == window.numel() and stats["row_steps"] == sum(steps)
@@ -234,6 +234,6 @@ def test_fast_rollout_statistics_match_the_decoding_order(base, kv_cache, thresh
     else:
         assert stats["max"] > 1
     assert 0 < stats["conf_sum"] / stats["tokens"] <= 1
-    log = fast_sample.step_summary("text", stats, ctx.device)
+    log = sample.fast_summary("text", stats, ctx.device)
     assert log["text/committed_per_step"] == pytest.approx(window.numel() / sum(steps))
-    assert fast_sample.step_summary("text", None, ctx.device) == {}
+    assert sample.fast_summary("text", None, ctx.device) == {}

@@ -12,13 +12,12 @@ import pytest
 import torch
 
 import tasks
-import rewards
 import train
-from infra import lora, run
+from infra import load, lora
 from model import Transformer
 
 
-def fake_score(b, tok, ids, scorer=None, shaped=False, text_reward="answer"):
+def fake_score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
     """A deterministic reward in {0, 0.5, 1} per row, from the sampled window: groups get spread."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 
@@ -31,7 +30,7 @@ def base():
     tok = tasks.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text"])
-    model = Transformer(run.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
     return tok, ids, model.double().eval()
 
@@ -40,14 +39,15 @@ def rl_step(base, monkeypatch, *flags, grads=None):
     """One rl_step from a fresh copy of the base model: (log, rollouts, trained model). grads: a list that
     receives, for each inner update, the gradients the optimizer is about to apply."""
     tok, ids, model = base
-    monkeypatch.setattr(rewards, "score", fake_score)
+    monkeypatch.setattr(tasks, "score", fake_score)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4", *flags])
     policy = copy.deepcopy(model)
     ref = copy.deepcopy(model) if cfg.beta > 0 else None
     opt = torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr, betas=(0.9, 0.99))
     if grads is not None:
         opt.register_step_pre_hook(lambda o, a, k: grads.append([p.grad.clone() for p in policy.parameters()]))
-    log, rolls = train.rl_step(policy, ref, opt, train.Ctx(cfg, tok, ids, torch.device("cpu"), {}), 0)
+    ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
+    log, rolls = train.rl_step(policy, ref, opt, ctx, 0, train.step_prompts(ctx, 0))
     return log, rolls, policy
 
 
@@ -126,14 +126,12 @@ def test_unigrpo_ratios_differ_per_sequence(base, monkeypatch):
 def test_reward_shaping_reaches_the_benchmark_rewards(monkeypatch):
     """--reward_shaping=official scores GSM8K with the official format + correctness terms (divided by
     their maximum, rewards.SHAPED); the default keeps the 0/1 correctness reward."""
-    import rewards
-    import tasks
     texts = ["<reasoning>3 + 4 = 7</reasoning> \\boxed{7}", "\\boxed{8}", "no answer"]
     monkeypatch.setattr(tasks, "decode_window", lambda b, tok, ids: texts)
     b = tasks.Batch("gsm8k", torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4), 2, 2,
                        examples=[{"prompt": "q", "answer": "7"}] * 3)
-    assert rewards.score(b, None, None).tolist() == [1.0, 0.0, 0.0]
-    assert rewards.score(b, None, None, shaped=True).tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
+    assert tasks.score(b, None, None).tolist() == [1.0, 0.0, 0.0]
+    assert tasks.score(b, None, None, shaping="official").tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
 
 
 def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
@@ -153,7 +151,7 @@ def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
         assert train.evaluate(copy.deepcopy(model), ctx, "text", 0.0) == want
         policy = copy.deepcopy(model)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
-        _, (r,) = train.rl_step(policy, copy.deepcopy(model), opt, ctx, 0)
+        _, (r,) = train.rl_step(policy, copy.deepcopy(model), opt, ctx, 0, train.step_prompts(ctx, 0))
         assert r.rewards.tolist() == [want] * 8
 
 

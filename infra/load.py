@@ -1,0 +1,279 @@
+"""Loading the policy and its reference: the toy SFT model (trained once, cached in sft_dir), a pretrained
+checkpoint, LoRA adapters, FSDP2 sharding without ever holding the whole model on one rank, and the final
+save in the Hugging Face LLaDA layout.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+import tasks
+from infra import checkpoint, hf, lora, scale
+from infra.budget import scratch_config
+from infra.hf import load_tokenizer, read_checkpoint
+from infra.rng import generator
+from infra.scale import print0
+from infra.settings import GENERATION_FILE, generation_settings
+from model import Transformer, num_params
+from tasks import IMAGE_TASKS, TOY_TASKS, chat_prompt, task_list
+
+
+SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_noise", "image_noise", "image_width",
+            "text_max_steps", "image_loss_weight",
+            "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
+
+
+def sft_key(cfg) -> dict:
+    """What the toy SFT model depends on: the SFT_KEYS settings, the toy tasks it trains and tasks.py's source
+    (its toy data)."""
+    tasks_hash = hashlib.sha1(Path(tasks.__file__).read_bytes()).hexdigest()
+    return {k: getattr(cfg, k) for k in SFT_KEYS} | {"sft_tasks": list(tasks.sft_tasks(cfg)), "tasks_sha1": tasks_hash}
+
+
+def sft_dir_of(cfg) -> Path:
+    return Path(cfg.sft_dir or Path(cfg.out_dir) / "sft")
+
+
+def check_sft_cache(cfg) -> bool:
+    """True when sft_dir holds an SFT model trained with cfg's settings (reuse it), False when it is new
+    (train it); a model trained with other settings is refused, naming them, unless --retrain_sft=true.
+    Never silently replaced: several runs may share one --sft_dir, and SFT can take an hour."""
+    sft_dir = sft_dir_of(cfg)
+    meta_file = sft_dir / "sft_meta.json"
+    if meta_file.is_file():
+        saved, meta = hf.read_json(meta_file, "pass --retrain_sft=true to train the SFT model again"), sft_key(cfg)
+        # A model trained on more toy tasks serves a run on fewer (a text-only ablation from the toy's SFT
+        # model); models saved before sft_tasks was recorded were trained on both.
+        trained, wanted = saved.pop("sft_tasks", list(TOY_TASKS)), meta.pop("sft_tasks")
+        covered = set(wanted) <= set(trained)
+        if saved == meta and covered:
+            return True
+        diff = [f"{k} {saved.get(k)!r} -> {meta[k]!r}" for k in meta if k != "tasks_sha1" and saved.get(k) != meta[k]]
+        if not covered:
+            diff.append(f"toy tasks {trained} -> {wanted}")
+        if saved.get("tasks_sha1") != meta["tasks_sha1"]:
+            diff.append("tasks.py (the toy data) changed")
+        problem = f"holds an SFT model trained with other settings: {', '.join(diff)}"
+    elif sft_dir.is_dir() and any(sft_dir.iterdir()):
+        problem = "holds files but no sft_meta.json, so not an SFT model this code wrote"
+    else:
+        return False
+    if not cfg.retrain_sft:
+        raise ValueError(f"sft_dir {sft_dir} {problem}; pass --retrain_sft=true to replace it, or give this "
+                         "run its own --sft_dir")
+    return False
+
+
+def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
+    """(directory, SFT seconds) of the toy SFT model: sft_dir when it was trained with the same settings,
+    else trained now by `sft(model, tok, ids, cfg, device) -> seconds` (by rank 0 alone under torchrun; the
+    other ranks wait, then every rank reads the same files).
+
+    Written atomically: into a temporary directory beside sft_dir, which replaces it by rename once complete
+    (sft_meta.json last), so a crash or Ctrl-C at any moment leaves the old model, or none, never a mix."""
+    sft_dir = sft_dir_of(cfg)
+    cached = check_sft_cache(cfg)
+    if not cached and scale.rank() == 0:
+        mc = scratch_config(cfg, **tasks.model_config_overrides(tok))
+        model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
+        print(f"SFT from scratch: {num_params(model) / 1e6:.2f}M parameters, {cfg.sft_steps} steps")
+        seconds = sft(model, tok, ids, cfg, device)
+        sft_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp, old = (sft_dir.with_name(f".{sft_dir.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
+        try:
+            hf.save_pretrained(model, tmp)
+            tok.save(str(tmp / "tokenizer.json"))
+            (tmp / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
+            (tmp / "sft_meta.json").write_text(json.dumps(sft_key(cfg), indent=2))
+            checkpoint.fsync_tree(tmp)
+            if sft_dir.exists():  # the model being replaced (--retrain_sft) stays whole until the new one is in
+                os.rename(sft_dir, old)
+            try:
+                os.rename(tmp, sft_dir)
+            except OSError:
+                if old.exists():
+                    os.rename(old, sft_dir)
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+        print(f"saved the SFT model to {sft_dir} (later runs with the same settings reuse it)")
+    scale.barrier()
+    if cached:
+        print0(f"loading the SFT model from {sft_dir} (trained with these settings; --retrain_sft=true retrains it)")
+    seconds = hf.read_json(sft_dir / "sft_seconds.json", "pass --retrain_sft=true to train it again")["seconds"]
+    return sft_dir, seconds
+
+
+def find_model(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
+    """(checkpoint directory, tokenizer, special ids, SFT seconds) to start from: init_from, or for the toy
+    out_dir/sft (trained first when missing or stale)."""
+    if cfg.init_from == "scratch":
+        tok = tasks.build_tokenizer()
+        ids = tasks.token_ids(tok)
+        path, seconds = load_or_train_sft(cfg, tok, ids, device, dtype, sft)
+        return path, tok, ids, seconds
+    config, _ = read_checkpoint(cfg.init_from)  # checks the directory; reads no weights
+    tok = load_tokenizer(cfg.init_from, config)
+    # Toy tasks on a toy checkpoint (e.g. a LoRA run from a toy run's final/) read its ids by name.
+    toy = all(t in TOY_TASKS for t in task_list(cfg))
+    ids = tasks.token_ids(tok) if toy else hf.token_ids(tok, config)
+    return Path(cfg.init_from), tok, ids, 0.0
+
+
+def load_model(cfg, device, dtype, sft):
+    """(model, tokenizer, special ids, SFT seconds): the toy SFT model, or a pretrained checkpoint, whole."""
+    path, tok, ids, seconds = find_model(cfg, device, dtype, sft)
+    return hf.from_pretrained(path, device=device, dtype=dtype), tok, ids, seconds
+
+
+def load_policy(cfg, device, dtype, sft):
+    """(policy, reference, tokenizer, special ids, SFT seconds), sharded under torchrun and ready to train.
+
+    Full fine-tuning keeps float32 master weights: AdamW's steps at lr 3e-6 are far below bf16's spacing
+    near LLaDA's weights and would round away (lora.py says the same of adapters). Under torchrun FSDP2
+    computes in `dtype` from them; one process computes in float32 (use LoRA or torchrun for bf16).
+    The reference policy is the starting model, and only exists when the KL term needs it (beta > 0, else
+    None): with LoRA, the policy with its adapters switched off (lora.AdaptersOff, no second copy);
+    otherwise a frozen second copy read from the same checkpoint."""
+    master = torch.float32 if cfg.lora_rank == 0 else dtype
+    if master != dtype:
+        print0(f"full fine-tuning: float32 master weights, {'bf16 compute (FSDP2)' if scale.world() > 1 else 'float32 compute'}")
+    path, tok, ids, sft_seconds = find_model(cfg, device, master, sft)
+    adapt = None
+    if cfg.lora_rank:
+        adapt = lambda m: lora.add_lora(m, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
+                                        lora.TARGET_SETS[cfg.lora_targets], generator=generator("cpu", cfg.seed, "lora"))
+    model = load_sharded(path, device, master, dtype, adapt)
+    if cfg.lora_rank:
+        print0("LoRA: {modules} modules, {lora_params:,} trainable of {total_params:,} parameters".format(
+            **lora.lora_stats(model)))
+    ref = None
+    if cfg.beta > 0:
+        ref = lora.AdaptersOff(model) if cfg.lora_rank else \
+            load_sharded(path, device, master, dtype, lambda m: m.requires_grad_(False))
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    return model, ref, tok, ids, sft_seconds
+
+
+def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
+    """hf.from_pretrained(path) in `dtype`, then adapt(model) (add_lora, freezing), then
+    scale.shard(model, compute_dtype); in one process that is exactly what happens.
+
+    Under torchrun no rank ever holds the whole model: loading it whole first would put every rank's
+    device at the full float32 size (32 GB for LLaDA-8B, twice that with the reference) before sharding.
+    So the model is built, adapted and sharded on the meta device (no memory), each rank allocates only
+    its shards on `device`, and every checkpoint tensor is read on the CPU, one at a time, for each rank
+    to copy in its own rows (scale.fill_shard): about one shard plus one tensor in transit per rank."""
+    if scale.world() == 1:
+        model = hf.from_pretrained(path, device=device, dtype=dtype)
+        return adapt(model) if adapt else model
+    config, tensors = read_checkpoint(path)  # on the CPU
+    with torch.device("meta"):
+        model = Transformer(config).to(dtype).eval()  # eval(): as from_pretrained returns it
+    added = _adapt_on_meta(model, adapt) if adapt else {}
+    model = scale.shard(model, compute_dtype=compute_dtype)
+    model.to_empty(device=device)
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    with torch.no_grad():
+        for name, full in itertools.chain(tensors, added.items()):
+            scale.fill_shard(targets.pop(name), full)
+    if targets:  # a tensor to_empty left uninitialised would silently train from garbage
+        raise RuntimeError(f"{path}: no values for {sorted(targets)[:8]}")
+    return model
+
+
+def _adapt_on_meta(model: Transformer, adapt) -> dict[str, torch.Tensor]:
+    """Run adapt(model) on a meta-device model and return the parameters it added, on the CPU with the
+    values it gave them (LoRA's lora_A and lora_B), leaving meta placeholders in the model.
+
+    LoRALinear draws lora_A from the seeded generator on the CPU, then moves it to its base weight's
+    device: on meta the values would be lost. So while adapt runs, every weight is an empty CPU
+    stand-in (the adapters land on the CPU, drawn in the same order as in one process), and the meta
+    weights go back afterwards, frozen or not as adapt left the stand-ins."""
+    def put(name, p):
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, p)
+
+    before = dict(model.named_parameters())
+    for name, p in before.items():
+        put(name, torch.nn.Parameter(torch.empty(0), p.requires_grad))
+    adapt(model)
+    added = {}
+    for name, p in list(model.named_parameters()):
+        if name in before:
+            put(name, before[name].requires_grad_(p.requires_grad))
+        else:
+            added[name] = p.detach()
+            put(name, torch.nn.Parameter(p.detach().to("meta"), p.requires_grad))
+    return added
+
+
+def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
+    """The trained policy in the Hugging Face LLaDA layout (with tokenizer.json), weights in `dtype` (the
+    compute dtype: bf16 for LLaDA, whatever the master weights were). With LoRA: the adapters
+    (path/adapters.safetensors + adapters.json, the exact record) and the merged full checkpoint beside
+    them. A collective under FSDP2: every rank calls it; rank 0 writes."""
+    state = scale.full_state_dict(model)
+    if scale.rank() != 0:
+        return
+    if cfg.lora_rank:
+        # An unsharded copy on CPU to merge into (16 GB for LLaDA-8B in bf16, on rank 0 only).
+        dtype = next(v for k, v in state.items() if k.endswith(".weight")).dtype
+        with torch.device("meta"):
+            plain = Transformer(model.config)
+        plain = plain.to(dtype).to_empty(device="cpu")
+        lora.add_lora(plain, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, lora.TARGET_SETS[cfg.lora_targets])
+        plain.load_state_dict(state)
+        lora.save_adapters(plain, path)
+        hf.save_pretrained(lora.merge_lora(plain), path)
+    else:
+        hf.save_pretrained(model, path, state_dict={k: v.to(dtype) for k, v in state.items()})
+    tok.save(str(path / "tokenizer.json"))
+    (path / GENERATION_FILE).write_text(json.dumps(generation_settings(cfg), indent=2) + "\n")
+
+
+def reference_identity(cfg) -> dict:
+    """What the reference policy (and the starting point) is: the SFT cache key or the init_from
+    checkpoint's config and index, so a resumed run cannot silently change its KL anchor."""
+    if cfg.init_from == "scratch":
+        meta = sft_dir_of(cfg) / "sft_meta.json"
+        return {"sft_meta": hf.read_json(meta) if meta.is_file() else None}
+    root = Path(cfg.init_from)
+    digest = hashlib.sha1()
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (root / name).is_file():
+            digest.update((root / name).read_bytes())
+    # Hashing 16 GB of weights would take minutes; their names, sizes and modification times catch a
+    # replaced checkpoint in practice.
+    for f in sorted(root.glob("*.safetensors")):
+        st = f.stat()
+        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return {"init_from": str(root.resolve()), "sha1": digest.hexdigest()}
+
+
+def report_truncation(cfg, tok, datasets: dict) -> dict:
+    """Say how many benchmark prompts --max_prompt_len cuts (tasks.make_batch keeps their last max_prompt_len
+    tokens, as the official code): {(task, split): (cut, total, longest)}, printed when anything is cut."""
+    cut = {}
+    for task, splits in datasets.items():
+        if task in IMAGE_TASKS:
+            continue
+        for split, exs in splits.items():
+            if not exs:
+                continue
+            texts = [chat_prompt([{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill for ex in exs]
+            lengths = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
+            n = sum(length > cfg.max_prompt_len for length in lengths)
+            if n:
+                cut[(task, split)] = (n, len(lengths), max(lengths))
+                print0(f"note: {n} of {len(lengths)} {task} {split} prompts are longer than --max_prompt_len="
+                       f"{cfg.max_prompt_len} tokens (the longest {max(lengths)}) and keep only their last "
+                       f"{cfg.max_prompt_len}; raise --max_prompt_len to keep them whole")
+    return cut
