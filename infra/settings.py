@@ -30,7 +30,7 @@ def _one_of(names) -> str:
 
 
 def validate_generation(o) -> None:
-    """The sampler settings config.Config and sample.py's options share (same names, same rules):
+    """The sampler settings train.Config and sample.py's options share (same names, same rules):
     checked here, once, for both, so that the samplers only assert their preconditions."""
     need = _need
     for k, v in vars(o).items():  # inf or nan would pass the range checks below (inf > 0) and fail mid-run
