@@ -260,8 +260,11 @@ def test_resume_over_a_deleted_shard_end_to_end(toy, tmp_path, capsys):
     args = [*TINY, f"--sft_dir={toy / 'sft'}", f"--out_dir={tmp_path}", "--rl_steps=2", "--checkpoint_every=1"]
     train.main(args)
     (tmp_path / "checkpoints" / "step-00000002" / "__0_0.distcp").unlink()
+    # As if the run had been killed in its final evaluation: no summary.json, no final/, so it is unfinished.
+    (tmp_path / "summary.json").unlink()
+    shutil.rmtree(tmp_path / "final")
     capsys.readouterr()
-    train.main(args[:-2] + ["--rl_steps=3", "--checkpoint_every=1", "--resume=true"])
+    train.main(args + ["--resume=true"])
     out = capsys.readouterr().out
     assert "step-00000002 is damaged: its shard" in out and "resumed from" in out and "step-00000001 at step 1" in out
 

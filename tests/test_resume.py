@@ -198,7 +198,7 @@ def test_resume_at_another_world_size(sft_dir, tmp_path):
                           "train.py", *base, f"--out_dir={two}", "--rl_steps=2"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    summary = train.main(base + [f"--out_dir={two}", "--rl_steps=3", "--resume=true"])
+    summary = train.main(base + [f"--out_dir={two}", "--rl_steps=3", "--resume=true", "--extend=true"])
     a, b = weights(one / "final"), weights(two / "final")
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-6), name
