@@ -19,7 +19,7 @@ from pathlib import Path
 
 from infra import checkpoint, data, hf, scale
 from infra.load import check_sft_cache, reference_identity, sft_dir_of
-from infra.run import RESUMABLE, resume_point
+from infra.run import RESUMABLE, pid_alive, resume_point
 
 
 def check_resume(cfg) -> dict | None:
@@ -110,7 +110,7 @@ def _claim(pid_file: Path, sft_dir: Path) -> None:
                     holder = int(pid_file.read_text().strip() or 0)
                 except (OSError, ValueError):
                     holder = 0
-                if holder and holder != os.getpid() and _alive(holder):
+                if holder and holder != os.getpid() and pid_alive(holder):
                     raise ValueError(f"sft_dir {sft_dir} is being trained by the running process {holder} "
                                      f"({pid_file}); wait for it to end (a run with the same settings then reuses "
                                      "its model), pass another --sft_dir, or delete that file if no run holds it")
@@ -123,16 +123,6 @@ def _claim(pid_file: Path, sft_dir: Path) -> None:
         raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass --sft_dir=a writable folder") \
             from None
     raise ValueError(f"sft_dir {sft_dir}: could not create {pid_file}; pass another --sft_dir")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def _release(pid_file: Path) -> None:

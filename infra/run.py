@@ -163,7 +163,7 @@ def _claim_out_dir(out: Path) -> None:
                 holder = int(pid_file.read_text().strip() or 0)
             except (OSError, ValueError):
                 holder = 0
-            if holder and holder != os.getpid() and _alive(holder):
+            if holder and holder != os.getpid() and pid_alive(holder):
                 raise ValueError(f"out_dir {out} is in use by the running process {holder} ({pid_file}); wait "
                                  "for it to end, choose another --out_dir, or delete that file if no run holds it")
             pid_file.unlink(missing_ok=True)  # our own (an earlier main() in this process) or a dead run's
@@ -177,7 +177,8 @@ def _claim_out_dir(out: Path) -> None:
     raise ValueError(f"out_dir {out}: could not create {pid_file}; choose another --out_dir")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process pid still runs (a pid file's holder)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
