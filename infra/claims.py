@@ -19,7 +19,7 @@ from pathlib import Path
 
 from infra import checkpoint, data, hf, scale
 from infra.load import check_sft_cache, reference_identity, sft_dir_of
-from infra.run import RESUMABLE, pid_alive, resume_point
+from infra.run import RESUMABLE, resume_point, take_pid_file
 
 
 def check_resume(cfg) -> dict | None:
@@ -97,27 +97,17 @@ def sft_dir_claimed(cfg):
 
 
 def _claim(pid_file: Path, sft_dir: Path) -> None:
-    """Create pid_file atomically (O_EXCL) with this process id; a dead process's file is taken over."""
+    """Claim sft_dir through pid_file (run.take_pid_file), or say in one line why not."""
     try:
         pid_file.parent.mkdir(parents=True, exist_ok=True)
         if sft_dir.is_dir() and not os.access(sft_dir, os.W_OK):
             raise PermissionError(13, "Permission denied")
-        for _ in range(3):
-            try:
-                fd = os.open(pid_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                try:
-                    holder = int(pid_file.read_text().strip() or 0)
-                except (OSError, ValueError):
-                    holder = 0
-                if holder and holder != os.getpid() and pid_alive(holder):
-                    raise ValueError(f"sft_dir {sft_dir} is being trained by the running process {holder} "
-                                     f"({pid_file}); wait for it to end (a run with the same settings then reuses "
-                                     "its model), pass another --sft_dir, or delete that file if no run holds it")
-                pid_file.unlink(missing_ok=True)  # a dead run's, or an earlier main() of this process
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(f"{os.getpid()}\n")
+        holder = take_pid_file(pid_file)
+        if holder:
+            raise ValueError(f"sft_dir {sft_dir} is being trained by the running process {holder} "
+                             f"({pid_file}); wait for it to end (a run with the same settings then reuses "
+                             "its model), pass another --sft_dir, or delete that file if no run holds it")
+        if holder == 0:
             return
     except OSError as e:
         raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass --sft_dir=a writable folder") \

@@ -150,11 +150,10 @@ PID_FILE = "run.pid"
 _HELD: set[Path] = set()
 
 
-def _claim_out_dir(out: Path) -> None:
-    """Two runs started at once in one out_dir would both pass the checks above and then overwrite each
-    other's logs and model. The first to create out/run.pid (atomically) holds the directory until it
-    exits; a pid file whose process is gone (a killed run) is taken over."""
-    pid_file = out / PID_FILE
+def take_pid_file(pid_file: Path) -> int | None:
+    """Create pid_file atomically (O_EXCL) holding this process id; a file left by a dead process (or by an
+    earlier main() of this one) is taken over. 0: taken; a pid: the live process that holds it; None: the
+    file kept reappearing (three tries)."""
     for _ in range(3):
         try:
             fd = os.open(pid_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -164,12 +163,25 @@ def _claim_out_dir(out: Path) -> None:
             except (OSError, ValueError):
                 holder = 0
             if holder and holder != os.getpid() and pid_alive(holder):
-                raise ValueError(f"out_dir {out} is in use by the running process {holder} ({pid_file}); wait "
-                                 "for it to end, choose another --out_dir, or delete that file if no run holds it")
-            pid_file.unlink(missing_ok=True)  # our own (an earlier main() in this process) or a dead run's
+                return holder
+            pid_file.unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w") as f:
             f.write(f"{os.getpid()}\n")
+        return 0
+    return None
+
+
+def _claim_out_dir(out: Path) -> None:
+    """Two runs started at once in one out_dir would both pass the checks above and then overwrite each
+    other's logs and model. The first to create out/run.pid (atomically) holds the directory until it
+    exits; a pid file whose process is gone (a killed run) is taken over."""
+    pid_file = out / PID_FILE
+    holder = take_pid_file(pid_file)
+    if holder:
+        raise ValueError(f"out_dir {out} is in use by the running process {holder} ({pid_file}); wait "
+                         "for it to end, choose another --out_dir, or delete that file if no run holds it")
+    if holder == 0:
         if out not in _HELD:  # one exit hook per directory, however often main() runs in this process
             _HELD.add(out)
             atexit.register(release_out_dir, out)
