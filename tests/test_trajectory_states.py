@@ -21,37 +21,11 @@ import importance
 import sample
 import tasks
 import train
-from infra import load, lora, rng
-from model import Transformer
+from infra import lora, rng
 
 
-def fake_score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
-    """A deterministic reward in {0, 0.5, 1} per row, from the sampled window: groups get spread."""
-    return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
-
-
-class GradRecorder:
-    """An optimizer that records each parameter's gradient when asked to step, then steps."""
-
-    def __init__(self, opt, params):
-        self.opt, self.params, self.grads = opt, list(params), []
-
-    def __getattr__(self, name):
-        return getattr(self.opt, name)
-
-    def step(self):
-        self.grads.append([p.grad.clone() for p in self.params])
-        self.opt.step()
-
-
-@pytest.fixture(scope="module")
-def base():
-    tok = tasks.build_tokenizer()
-    ids = tasks.token_ids(tok)
-    cfg = train.parse_args(["--preset=smoke", "--tasks=text"])
-    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
-    model.init_weights(torch.Generator().manual_seed(0))
-    return tok, ids, model.eval()
+# The tiny model, the spread-out reward and the gradient recorder of the full-trajectory tests.
+from test_trajectory import GradRecorder, base, fake_score  # noqa: E402,F401 (base: a fixture)
 
 
 FLAGS = ["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4", "--estimator=trajectory",
