@@ -253,18 +253,25 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     for rows in scale.chunks(B, device_batch_size):
         # Positional attention mask: works whether the model names it attention_mask or attn_mask.
         am = None if attention_mask is None else attention_mask[rows]
-        logits = model(input_ids[rows]) if am is None else model(input_ids[rows], am)  # (b, L, V)
-        assert logits.shape[:2] == input_ids[rows].shape, f"logits {tuple(logits.shape)} for input {L=}"
-        pos = positions[rows]  # (b, L)
-        sel = logits[pos][:, lo:hi]  # (T, V'): select before the float32 upcast, not a (b, L, V) copy
-        t = targets[rows][pos] - lo  # (T,) indices into the scored columns
+        # The head only over the columns that hold every scored position (the completion window), as the
+        # sampler computes it over its block: at 8B the (b, L, V) logits are most of a pass's memory.
+        cols = positions[rows].any(0).nonzero()
+        win = slice(int(cols[0]), int(cols[-1]) + 1) if len(cols) else slice(0, 0)
+        if not getattr(model, "accepts_cache_kwargs", False):  # a model without logits_at: every column
+            win = slice(0, L)
+        kw = {} if win == slice(0, L) else {"logits_at": win}
+        logits = model(input_ids[rows], **kw) if am is None else model(input_ids[rows], am, **kw)  # (b, l, V)
+        pos = positions[rows][:, win]  # (b, l)
+        assert logits.shape[:2] == pos.shape, f"logits {tuple(logits.shape)} for input {L=} and columns {win}"
+        sel = logits[pos][:, lo:hi]  # (T, V'): select before the float32 upcast, not a (b, l, V) copy
+        t = targets[rows][:, win][pos] - lo  # (T,) indices into the scored columns
         if t.numel() and (t.min() < 0 or t.max() >= sel.shape[-1]):
             bad = int(((t < 0) | (t >= sel.shape[-1])).sum())
             raise ValueError(f"{bad} target(s) fall outside the scored vocabulary {vocab_slice or (0, sel.shape[-1])}")
         # float32: bf16 log-probs err by ~1e-2, a sizeable part of the ratios' clip range (1 +- 0.2).
         lp = F.log_softmax(sel.float(), dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)  # (T,)
-        out = torch.zeros(pos.shape, dtype=torch.float32, device=logits.device)  # (b, L)
-        out[pos] = lp  # unscored positions stay exactly 0, with zero gradient
+        out = torch.zeros(positions[rows].shape, dtype=torch.float32, device=logits.device)  # (b, L)
+        out[:, win][pos] = lp  # unscored positions stay exactly 0, with zero gradient
         chunks.append(out)
     return torch.cat(chunks) if chunks else torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)
 

@@ -291,12 +291,12 @@ def dry_run(cfg) -> dict:
     # world sizes the global batch splits evenly over (train.py requires it)
     cols = [w for w in sorted({1, 8, 16, gpus}) if seqs % w == 0]
     chunk = {w: min(cfg.device_batch_size or seqs // w, seqs // w) for w in cols}
-    window = cfg.image_width ** 2 if image else cfg.gen_length  # the positions scored (importance.py); the head
-    # runs over the whole sequence
+    window = cfg.image_width ** 2 if image else cfg.gen_length  # the positions scored, and the columns the head
+    # runs over (importance.token_logprobs)
     mem = {w: memory(mc, s, world_size=w, chunk=chunk[w], seq_len=seq_len,
                      sampled=cfg.image_width ** 2 if image else cfg.block_length, image=image,
                      cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing,
-                     scored=window, head_len=seq_len) for w in cols}
+                     scored=window, head_len=window) for w in cols}
 
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
           f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters")

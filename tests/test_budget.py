@@ -95,10 +95,10 @@ def test_memory_table_has_the_gathered_parts():
     # sampling: the bf16 logits of the preset's 12 sequences per chunk over the current block of 16
     # positions (the sampler's head runs there only), and float64 noise plus its bookkeeping over that block
     assert eight["sampling"] == pytest.approx((12 * 16 * 126464 * 2 + 12 * 16 * 126464 * 26) / gb)
-    # an update chunk's logits: bf16 over the whole 512-token sequence (256 prompt + 256 completion: the
-    # head runs on every position, importance.py), and at the scored positions (at most the 256 of the
-    # completion) a bf16 copy, its float32 cast and log-softmax: 2 + 8 B more
-    assert eight["logits"] == pytest.approx(12 * 126464 * (512 * 2 + 256 * (2 + 8)) / gb)
+    # an update chunk's logits: bf16 over the 256-token completion window of the 512-token sequence (the
+    # head runs on the scored window only, importance.token_logprobs), and at the scored positions (at most
+    # those 256) a bf16 copy, its float32 cast and log-softmax: 2 + 8 B more
+    assert eight["logits"] == pytest.approx(12 * 126464 * (256 * 2 + 256 * (2 + 8)) / gb)
     assert eight["weights_gb"] == pytest.approx(8_015_581_184 * 2 / 8 / gb)
 
 
@@ -250,7 +250,7 @@ def test_memory_formula_matches_a_two_rank_run(tmp_path):
                      vocab_size=V, max_sequence_length=P + N, mask_token_id=V - 1, eos_token_id=1, pad_token_id=1)
     s = budget.shape(mc, R, "official")
     est = budget.memory(mc, s, world_size=2, chunk=B, seq_len=P + N, sampled=N, image=False, cfg_scale=0.0,
-                        beta=0.01, activation_checkpointing=True, compute_bytes=4, scored=N)
+                        beta=0.01, activation_checkpointing=True, compute_bytes=4, scored=N, head_len=N)
     formula = max(est["lora_update"], est["lora_rollout"])
     for r in ranks:
         measured = max(r["rollout"], r["scoring"], r["update"]) / 2 ** 30

@@ -513,10 +513,12 @@ def test_two_processes_fsdp2_bf16(ckpt, tmp_path, mode):
     s = budget.shape(mc, cfg.lora_rank)
     est = max(budget.memory(mc, s, world_size=2, chunk=cfg.device_batch_size or 8, seq_len=seq_len, sampled=sampled,
                             image=image, cfg_scale=cfg.cfg_scale, beta=cfg.beta,
-                            activation_checkpointing=cfg.activation_checkpointing)[f"{'lora' if mode == 'lora' else 'full'}_{k}"]
-              for image, seq_len, sampled in ((False, cfg.max_prompt_len + cfg.gen_length, cfg.block_length),
-                                              (True, (cfg.image_text_len or 32) + 2 + cfg.image_width ** 2,
-                                               cfg.image_width ** 2))
+                            activation_checkpointing=cfg.activation_checkpointing, scored=window,
+                            head_len=window)[f"{'lora' if mode == 'lora' else 'full'}_{k}"]
+              for image, seq_len, sampled, window in (
+                  (False, cfg.max_prompt_len + cfg.gen_length, cfg.block_length, cfg.gen_length),
+                  (True, (cfg.image_text_len or 32) + 2 + cfg.image_width ** 2, cfg.image_width ** 2,
+                   cfg.image_width ** 2))
               for k in ("update", "rollout"))
     mib = 2 ** 20
     # At smoke size the CUDA context's allocations, the RoPE cache and allocator rounding dominate, which the

@@ -475,3 +475,47 @@ def test_validation_warns_about_an_ignored_setting(capsys):
     assert "warning: --estimator=trajectory does not read --gamma_text" in out and out.count("\n") == 1
     train.parse_args(["--preset=smoke", "--estimator=trajectory"])
     assert capsys.readouterr().out == ""
+
+
+def test_token_logprobs_head_over_the_scored_window_only():
+    """token_logprobs computes the head only over the columns holding scored positions (logits_at). The
+    expected values are the plain definition: the same weights with the head over every column (a wrapper
+    without logits_at), left-padded rows, chunked by device_batch_size. Within float32 rounding: the
+    log-probs were the same bits on the CPU this was written on, but a BLAS may pick another kernel for a
+    smaller GEMM; the head's weight gradient sums over fewer rows (the dropped ones contribute exact zeros),
+    so only its reduction order differs."""
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=64, vocab_size=170,
+                      max_sequence_length=64, mask_token_id=169, eos_token_id=1, pad_token_id=1)
+    g = torch.Generator().manual_seed(0)
+    model = Transformer(cfg).init_weights(g)
+
+    class EveryColumn(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, attention_mask=None):
+            return self.m(x, attention_mask)
+
+    B, L, (a, b) = 5, 36, (17, 33)
+    x = torch.randint(0, 169, (B, L), generator=g)
+    am = torch.ones(B, L, dtype=torch.long)
+    am[1, :6] = 0
+    pos = torch.zeros(B, L, dtype=torch.bool)
+    pos[:, a:b] = torch.rand(B, b - a, generator=g) < 0.6
+    pos[0, a] = pos[3, b - 1] = True
+    inp, w = x.masked_fill(pos, 169), torch.randn(B, L, generator=g)
+    got = {}
+    for name, m in (("window", model), ("every", EveryColumn(model))):
+        model.zero_grad()
+        lp = imp.token_logprobs(m, inp, x, pos, attention_mask=am, device_batch_size=2)
+        (lp * w).sum().backward()
+        got[name] = lp.detach(), [p.grad.clone() for p in model.parameters()]
+    torch.testing.assert_close(got["window"][0], got["every"][0], rtol=1e-6, atol=1e-6)
+    assert (got["window"][0][~pos] == 0).all()
+    for gw, ge in zip(got["window"][1], got["every"][1]):
+        torch.testing.assert_close(gw, ge, rtol=1e-5, atol=1e-7)
+    calls = []
+    model.register_forward_hook(lambda m, args, kwargs, out: calls.append(out.shape[1]), with_kwargs=True)
+    imp.token_logprobs(model, inp, x, pos, attention_mask=am, device_batch_size=2)
+    assert calls and all(c <= b - a for c in calls)  # the head ran on the window only
