@@ -34,8 +34,6 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from infra import scale
 
@@ -44,6 +42,14 @@ DIRNAME, PREFIX, TMP = "checkpoints", "step-", ".tmp"
 # checkpoint of this step (tensors written, directory not yet renamed). Unset in normal use.
 KILL_ENV = "MASKGRPO_KILL_DURING_CHECKPOINT"
 REPEAT_WINDOW = 5.0  # seconds in which a second signal is torchrun's copy of the first, not a new one
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported on first use: the import takes about a second, and sampling,
+    evaluation and most tests never save or load a checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict  # noqa: F401  (get_state_dict, StateDictOptions)
+    return dcp
 
 
 @contextmanager
@@ -84,7 +90,7 @@ def damage(path) -> str | None:
     except (ValueError, OSError) as e:
         return f"{path / 'state.json'} is unreadable ({e})"
     try:
-        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+        storage = _dcp().FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as e:  # DCP raises whatever its unpickler met: a missing or truncated .metadata
         return f"{path / '.metadata'} is unreadable ({type(e).__name__}: {e})"
     need: dict[str, int] = {}
@@ -130,9 +136,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _options(trainable_only: bool) -> StateDictOptions:
+def _options(trainable_only: bool):
     # With LoRA the frozen base is the --init_from checkpoint, already on disk: save only the adapters.
-    return StateDictOptions(ignore_frozen_params=trainable_only)
+    return _dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only)
 
 
 def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainable_only: bool = False,
@@ -146,9 +152,9 @@ def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainab
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     scale.barrier()
-    model_sd, optim_sd = get_state_dict(model, opt, options=_options(trainable_only))
+    model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, opt, options=_options(trainable_only))
     with _quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        _dcp().save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     scale.barrier()
     if scale.rank() == 0:
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
@@ -182,12 +188,13 @@ def load(path, model, opt, *, trainable_only: bool = False) -> dict:
     problem = damage(path)
     if problem is not None:
         raise ValueError(f"checkpoint {path} is damaged: {problem}; remove it to resume from an older one")
-    model_sd, optim_sd = get_state_dict(model, opt, options=_options(trainable_only))
+    model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, opt, options=_options(trainable_only))
     with _quiet():
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        _dcp().load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     # Loading adapters only leaves the frozen base (from --init_from) as it is: not strict then.
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only))
+    _dcp().state_dict.set_state_dict(
+        model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+        options=_dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only))
     return json.loads((path / "state.json").read_text())
 
 

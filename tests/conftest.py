@@ -12,6 +12,12 @@ from pathlib import Path
 
 import pytest
 
+# Under pytest-xdist (`-n 2`) each worker is its own process: one thread each, unless OMP_NUM_THREADS says
+# otherwise, so that two workers on two cores do not run four OpenMP threads that wait on each other.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    import torch
+    torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 SHARED = Path(os.environ.get("MASKGRPO_SHARED", ROOT.parent / "shared"))
