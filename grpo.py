@@ -49,16 +49,15 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
                 norm: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped GRPO surrogate + beta * k3 KL, to be minimised: (loss, stats of detached floats).
     logp: float32 (B, N) current policy with grad; logp_old, logp_ref: (B, N); adv: (B,); mask: bool (B, N),
-    the tokens masked in THIS inner iteration (loss_masks[j]). norm="token": mean over the batch's scored
-    tokens; "sequence": mean over each sequence's scored tokens, then over the sequences that have any.
-    No scored token gives loss 0 with zero grads. stats: clipfrac (tokens whose gradient the clip removes),
-    kl, ratio_mean, ratio_max, num_tokens. A batch split into chunks is weighted by train.backward_loss."""
+    the tokens masked in THIS inner iteration. norm="token": mean over the batch's scored tokens;
+    "sequence": mean over each sequence's scored tokens, then over the sequences that have any. No scored
+    token gives loss 0 with zero grads. stats: clipfrac (tokens whose gradient the clip removes), kl,
+    ratio_mean, ratio_max, num_tokens. A batch split into chunks is weighted by train.backward_loss."""
     assert clip_eps > 0 and beta >= 0 and norm in NORMS and (beta == 0 or logp_ref is not None), \
         f"clip_eps {clip_eps} > 0, beta {beta} >= 0 (> 0 needs logp_ref), norm {norm!r} in {NORMS}"
-    assert logp.shape == logp_old.shape == mask.shape and mask.dtype == torch.bool, \
-        f"logp {tuple(logp.shape)}, logp_old {tuple(logp_old.shape)}, bool mask {tuple(mask.shape)} must match"
-    assert adv.shape == logp.shape[:1], f"adv must be (B,) = ({logp.shape[0]},), got {tuple(adv.shape)}"
-    assert logp_ref is None or logp_ref.shape == logp.shape, f"logp_ref {tuple(logp_ref.shape)} != logp"
+    shapes = [tuple(t.shape) for t in (logp, logp_old, mask, adv) + ((logp_ref,) if logp_ref is not None else ())]
+    assert len(set(shapes[:3] + shapes[4:])) == 1 and shapes[3] == shapes[0][:1] and mask.dtype == torch.bool, \
+        f"logp, logp_old, bool mask (and logp_ref) must be (B, N) and adv (B,): got {shapes}"
     m = mask.float()  # (B, N)
     A = adv.to(logp.dtype).unsqueeze(1)  # (B, 1)
     # Log-ratio 0 at unscored positions before exp: their logp is arbitrary, and exp(huge) * 0 would be NaN.

@@ -38,14 +38,6 @@ def mask_seed(seed: int, step: int, seq_index: int, j: int) -> int:
     return packed_seed(b"maskgrpo/mask", seed, step, seq_index, j)
 
 
-def _per_row(values, B: int, name: str, cast) -> list:
-    if isinstance(values, (int, float)) and not isinstance(values, bool):
-        return [cast(values)] * B  # a scalar is broadcast
-    values = values.tolist() if torch.is_tensor(values) else list(values)
-    assert len(values) == B, f"{name} has {len(values)} entries but the batch has {B} rows"
-    return [cast(v) for v in values]
-
-
 # -----------------------------------------------------------------------------
 # timestep truncation and reversing operators (which completion tokens get masked)
 
@@ -74,30 +66,31 @@ def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
     return _arlike_keep(P + N - head, ratio)[P - head:]  # (N,)
 
 
-def reverse_mask(completion_mask: torch.Tensor, ratio, seeds, mode: str = "arlike", prompt_len=None) -> torch.Tensor:
+def reverse_mask(completion_mask: torch.Tensor, ratios, seeds, mode: str = "arlike", prompt_len=None) -> torch.Tensor:
     """Seeded reversing o^t ~ Rev(o, t, S) of the window: "arlike" (Alg. 1), "random" (Alg. 2) or
     "arlike_official" (the official code's AR-like masks, _arlike_official_keep). completion_mask: bool (B, N),
-    True where a token may be masked; ratio: float or one per row; seeds: one int per row; prompt_len: each
-    row's prompt length P (an int or one per row; "arlike_official" only). Returns bool (B, N), True = replace
-    by the mask token; row b depends on (seeds[b], ratio[b], N) only, and for "arlike_official" on P too."""
+    True where a token may be masked; ratios, seeds: one per row; prompt_len: each row's prompt length P
+    ("arlike_official" only). Returns bool (B, N), True = replace by the mask token; row b depends on
+    (seeds[b], ratios[b], N) only, and for "arlike_official" on P too."""
     assert mode in MODES, f"mode {mode!r} must be one of {MODES}"
     assert completion_mask.dtype == torch.bool and completion_mask.dim() == 2, "completion_mask: bool (B, N)"
     B, N = completion_mask.shape
-    seeds, ratios = _per_row(seeds, B, "seeds", int), _per_row(ratio, B, "ratio", float)
-    assert all(0.0 <= r <= 1.0 for r in ratios), f"mask ratios {ratios} must lie in [0, 1]"
-    assert mode != "arlike_official" or prompt_len is not None, "arlike_official masks depend on prompt_len"
-    plens = _per_row(prompt_len if prompt_len is not None else 0, B, "prompt_len", int)
-    assert all(p >= 0 for p in plens), f"prompt lengths {plens} must be >= 0"
+    assert len(ratios) == len(seeds) == B and all(0.0 <= r <= 1.0 for r in ratios), \
+        f"one mask ratio in [0, 1] and one seed per row: {B} rows, ratios {ratios}, {len(seeds)} seeds"
+    assert mode != "arlike_official" or (prompt_len is not None and len(prompt_len) == B
+                                         and all(p >= 0 for p in prompt_len)), \
+        f"arlike_official masks need prompt_len, each row's prompt length >= 0: got {prompt_len}"
     mask = torch.zeros(B, N, dtype=torch.bool)  # (B, N)
     for b in range(B):
         # A fresh CPU generator per row: independent of the device (CPU and CUDA streams differ) and batch mates.
-        u = torch.rand(N, generator=torch.Generator().manual_seed(seeds[b]), dtype=torch.float64)  # (N,)
+        u = torch.rand(N, generator=torch.Generator().manual_seed(int(seeds[b])), dtype=torch.float64)  # (N,)
+        r = float(ratios[b])
         if mode == "random":
-            mask[b] = u < ratios[b]
+            mask[b] = u < r
         elif mode == "arlike":
-            mask[b] = u >= _arlike_keep(N, ratios[b])
+            mask[b] = u >= _arlike_keep(N, r)
         else:
-            mask[b] = u >= _arlike_official_keep(plens[b], N, ratios[b])
+            mask[b] = u >= _arlike_official_keep(int(prompt_len[b]), N, r)
     return mask.to(completion_mask.device) & completion_mask  # (B, N)
 
 
@@ -136,25 +129,23 @@ def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float
 def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int,
                 seq_index, num_iterations: int, gamma: float = 0.6, estimator: str = "maskgrpo", mode: str = "arlike",
                 p_mask_prompt: float = 0.15, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mu (input mask, loss mask) pairs of one rollout step, bool (mu, B, L) each, over [prompt | window | suffix].
-    prompt_mask: bool (B, P), True at real prompt tokens; completion_mask: bool (B, N), True where the window may
-    be scored (d1: completion_mask_until_eos); seq_index: global sequence index per row. estimator "maskgrpo":
-    `mode` reversing at the gamma schedule ("arlike_official" uses each row's prompt length, prompt_mask.sum(1)); "d1": prompt masked with p_mask_prompt, window fully masked;
-    "unigrpo": random reversing at UniGRPO's ratios."""
+    """The mu (input mask, loss mask) pairs of a mask estimator (the table in views), bool (mu, B, L) each,
+    over [prompt | window | suffix]. prompt_mask: bool (B, P), True at real prompt tokens; completion_mask:
+    bool (B, N), True where the window may be scored; seq_index: global sequence index per row."""
     assert estimator in MASK_ESTIMATORS and mode in MODES, f"estimator {estimator!r} in {MASK_ESTIMATORS}, mode {mode!r} in {MODES}"
     assert 0.0 <= p_mask_prompt <= 1.0 and num_iterations >= 1, f"{p_mask_prompt=} in [0, 1], {num_iterations=} >= 1"
     assert prompt_mask.dtype == completion_mask.dtype == torch.bool and \
         prompt_mask.shape[0] == completion_mask.shape[0], "prompt_mask (B, P), completion_mask (B, N): bool"
     (B, P), N, mu = prompt_mask.shape, completion_mask.shape[1], num_iterations
-    idx = _per_row(seq_index, B, "seq_index", int)
+    idx = [int(i) for i in seq_index]
+    assert len(idx) == B, f"seq_index has {len(idx)} entries for {B} rows"
     # "arlike_official" reads each row's real prompt length: the official runs put one unpadded prompt group on a
     # GPU, so the P it saw was the prompt's own length, never a batch's padded one (docs/differences.md).
     prompt_len = prompt_mask.sum(1).tolist()  # [B]
     if estimator == "maskgrpo":
         ratios = [[r] * B for r in mask_ratios(mu, gamma)]  # [mu][B]
     elif estimator == "unigrpo":
-        per_seq = [_unigrpo_ratios(seed, step, i, mu) for i in idx]  # [B][mu]
-        ratios = [[per_seq[b][j] for b in range(B)] for j in range(mu)]  # [mu][B]
+        ratios = list(zip(*[_unigrpo_ratios(seed, step, i, mu) for i in idx]))  # [mu][B]
     in_masks = torch.zeros(mu, B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)
     loss_masks = torch.zeros_like(in_masks)  # (mu, B, L)
     cols = slice(P, P + N)  # the window's columns
@@ -186,7 +177,7 @@ def views(batch, order: torch.Tensor, cfg, *, image: bool, step: int, seq_index:
       d1        K = mu one-step masks: prompt masked with p_mask_prompt, completion scored up to its first EOS (text);
       trajectory  K = T, the sampler's own states, one per decoding step (from `order`), each scoring the tokens
                 revealed in it; steps in which no rank revealed anything are dropped, the same on every rank;
-                --trajectory_states keeps the U views its draw needs (subsample_states).
+                --trajectory_states keeps the U views its draw needs (draw_states).
     batch: tasks.Batch with the rollouts in its window; order: (B, L) the step each position was revealed at;
     seq_index: each row's global sequence index (masks and their seeds do not depend on the world size)."""
     x, B, P, N = batch.x, batch.x.shape[0], batch.prompt_len, batch.window
@@ -194,10 +185,13 @@ def views(batch, order: torch.Tensor, cfg, *, image: bool, step: int, seq_index:
         in_masks, loss_masks = trajectory_masks(order, cfg.image_steps if image else cfg.steps)
         keep = scale.all_max(loss_masks.flatten(1).any(1).to(x.device, torch.float32)).bool().cpu()
         in_masks, loss_masks = in_masks[keep], loss_masks[keep]                    # (T, B, L) each
-        if cfg.trajectory_states:  # K of the T states per update (U = min(mu K, T) views)
-            in_masks, loss_masks, draw = subsample_states(
-                in_masks, loss_masks, cfg.trajectory_states, cfg.num_iterations, step=step, seq_index=seq_index,
-                seed=derive_seed(cfg.seed, "trajectory-states", batch.task))         # (U, B, L) each
+        if cfg.trajectory_states:  # K of the T states per update, each weighing T / K (StateDraw)
+            T, K = len(in_masks), min(cfg.trajectory_states, len(in_masks))
+            states, updates = draw_states(T, K, cfg.num_iterations, step=step, seq_index=seq_index,
+                                          seed=derive_seed(cfg.seed, "trajectory-states", batch.task))  # (U, B)
+            pick = states.to(x.device), torch.arange(B, device=x.device)       # view u of row b: state u of b
+            draw = StateDraw(updates, loss_masks.sum().float() * (K / T))   # K = T: exactly the full count
+            in_masks, loss_masks = in_masks[pick], loss_masks[pick]                   # (U, B, L) each
             return [apply_mask(x, m, mask_id) for m in in_masks], loss_masks, draw
     else:
         scored = torch.ones(B, N, dtype=torch.bool, device=x.device)              # (B, N)
@@ -244,15 +238,11 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     input_ids: the masked input; targets: the clean tokens. vocab_slice=(lo, hi) scores targets - lo over the
     columns [lo, hi) only (image codes, as the image sampler draws them). device_batch_size: rows per forward
     pass (0 = all, as scale.chunks). No 1/t ELBO weight, as in the official code. Works with and without grad."""
-    assert input_ids.shape == targets.shape == positions.shape and positions.dtype == torch.bool, \
-        "input_ids, targets and bool positions must share one (B, L) shape"
-    B, L = input_ids.shape
-    assert device_batch_size >= 0, f"device_batch_size {device_batch_size} >= 0 (0 = all rows)"
-    lo, hi = vocab_slice if vocab_slice is not None else (0, None)
-    chunks = []
+    assert input_ids.shape == targets.shape == positions.shape and positions.dtype == torch.bool and \
+        device_batch_size >= 0, "input_ids, targets, bool positions: one (B, L) shape; device_batch_size >= 0"
+    (B, L), (lo, hi) = input_ids.shape, vocab_slice if vocab_slice is not None else (0, None)
+    out = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # unscored positions stay exactly 0
     for rows in scale.chunks(B, device_batch_size):
-        # Positional attention mask: works whether the model names it attention_mask or attn_mask.
-        am = None if attention_mask is None else attention_mask[rows]
         # The head only over the columns that hold every scored position (the completion window), as the
         # sampler computes it over its block: at 8B the (b, L, V) logits are most of a pass's memory.
         cols = positions[rows].any(0).nonzero()
@@ -260,20 +250,18 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
         if not getattr(model, "accepts_cache_kwargs", False):  # a model without logits_at: every column
             win = slice(0, L)
         kw = {} if win == slice(0, L) else {"logits_at": win}
-        logits = model(input_ids[rows], **kw) if am is None else model(input_ids[rows], am, **kw)  # (b, l, V)
-        pos = positions[rows][:, win]  # (b, l)
+        am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name for it
+        logits = model(input_ids[rows], *am, **kw)  # (b, l, V)
+        pos = positions[rows, win]  # (b, l)
         assert logits.shape[:2] == pos.shape, f"logits {tuple(logits.shape)} for input {L=} and columns {win}"
         sel = logits[pos][:, lo:hi]  # (T, V'): select before the float32 upcast, not a (b, l, V) copy
-        t = targets[rows][:, win][pos] - lo  # (T,) indices into the scored columns
+        t = targets[rows, win][pos] - lo  # (T,) indices into the scored columns
         if t.numel() and (t.min() < 0 or t.max() >= sel.shape[-1]):
             bad = int(((t < 0) | (t >= sel.shape[-1])).sum())
             raise ValueError(f"{bad} target(s) fall outside the scored vocabulary {vocab_slice or (0, sel.shape[-1])}")
         # float32: bf16 log-probs err by ~1e-2, a sizeable part of the ratios' clip range (1 +- 0.2).
-        lp = F.log_softmax(sel.float(), dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)  # (T,)
-        out = torch.zeros(positions[rows].shape, dtype=torch.float32, device=logits.device)  # (b, L)
-        out[:, win][pos] = lp  # unscored positions stay exactly 0, with zero gradient
-        chunks.append(out)
-    return torch.cat(chunks) if chunks else torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)
+        out[rows, win][pos] = F.log_softmax(sel.float(), dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)  # (T,)
+    return out
 
 
 def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,11 +274,13 @@ def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple
     return order >= steps[:, None, None], order == steps[:, None, None]     # (T, B, L) each
 
 
-def state_seed(seed: int, step: int, seq_index: int) -> int:
-    """Seed of one sequence's --trajectory_states draw in rollout `step` (global seq_index, as mask_seed)."""
-    assert all(type(v) is int and 0 <= v < 2**63 for v in (seed, step, seq_index)), \
-        f"seed, step, seq_index ({seed}, {step}, {seq_index}) must be non-negative ints < 2**63"
-    return packed_seed(b"maskgrpo/trajectory-states", seed, step, seq_index)
+class StateDraw(NamedTuple):
+    """The --trajectory_states draw of one rollout batch (views): update j scores views updates[j]; norm is
+    the updates' loss normaliser before the sum over ranks, this rank's scored tokens over all T states
+    times K / T. Each state is drawn with probability K / T and weighs T / K, so the expected loss and
+    gradient over the draw are the full trajectory's (before gradient clipping, which is not linear)."""
+    updates: list
+    norm: torch.Tensor
 
 
 def draw_states(num_states: int, k: int, num_iterations: int, *, seed: int, step: int,
@@ -299,50 +289,19 @@ def draw_states(num_states: int, k: int, num_iterations: int, *, seed: int, step
     Returns (states, updates): states long (U, B), the state of view u for each row (U = min(mu K, T) views,
     scored once by the old and reference passes), and updates, mu lists of K view indices, update j's.
 
-    The mu updates PARTITION the states: each row draws one permutation of its T states (seeded by
-    state_seed(seed, step, seq_index), so the draw is the same in every pass, batch and world size), and
-    update j takes its positions jK .. jK+K-1, cyclically. Any K distinct positions of a uniform permutation
-    hold a uniform K-subset, so each update alone is an unbiased draw without replacement; together the
-    updates cover mu K distinct states (every state once per RL step at mu K = T), where independent draws
-    would spend the same forwards on repeats. At K >= T every state is drawn, in the sampler's order."""
+    The mu updates PARTITION the states: each row draws one permutation of its T states, seeded by (seed,
+    step, global seq_index) alone, so the draw is the same in every pass, batch and world size; update j
+    takes its positions jK .. jK+K-1, cyclically. Any K distinct positions of a uniform permutation hold a
+    uniform K-subset, so each update alone is an unbiased draw without replacement; together the updates
+    cover mu K distinct states (every state once per RL step at mu K = T), where independent draws would
+    spend the same forwards on repeats. At K >= T every state is drawn, in the sampler's order."""
     assert k >= 1 and num_iterations >= 1 and num_states >= 1, f"{k=}, {num_iterations=}, {num_states=} must be >= 1"
-    K = min(k, num_states)
-    idx = [int(i) for i in (seq_index.tolist() if torch.is_tensor(seq_index) else seq_index)]
-    U = min(num_iterations * K, num_states)
-    states = torch.empty(U, len(idx), dtype=torch.long)                                         # (U, B)
-    for b, i in enumerate(idx):
-        perm = torch.arange(num_states) if K == num_states else \
-            torch.randperm(num_states, generator=torch.Generator().manual_seed(state_seed(seed, step, i)))
-        states[:, b] = perm[:U]
+    T, K = num_states, min(k, num_states)
+    perms = [torch.arange(T) if K == T else torch.randperm(T, generator=torch.Generator().manual_seed(
+        packed_seed(b"maskgrpo/trajectory-states", seed, step, int(i)))) for i in seq_index]
     # View u holds permutation position u; positions past T wrap to u mod T (U = T then).
-    updates = [[(j * K + s) % num_states for s in range(K)] for j in range(num_iterations)]
-    return states, updates
-
-
-def select_states(masks: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-    """masks (T, B, L), states long (U, B) -> (U, B, L): view u of row b is masks[states[u, b], b]."""
-    assert states.shape[1] == masks.shape[1], f"states {tuple(states.shape)} for masks {tuple(masks.shape)}"
-    return masks[states.to(masks.device), torch.arange(masks.shape[1], device=masks.device)]     # (U, B, L)
-
-
-class StateDraw(NamedTuple):
-    """The --trajectory_states draw of one rollout batch, for the mu updates (train.rl_step)."""
-    updates: list        # mu lists of view indices: update j scores views updates[j]
-    norm: torch.Tensor   # the updates' loss normaliser before the sum over ranks: this rank's scored tokens
-                         # over all T states, times K / T
-
-
-def subsample_states(in_masks: torch.Tensor, loss_masks: torch.Tensor, k: int, num_iterations: int, *, seed: int,
-                     step: int, seq_index) -> tuple[torch.Tensor, torch.Tensor, StateDraw]:
-    """The trajectory's (input mask, loss mask) pairs, (T, B, L) each (trajectory_masks), cut to the U views
-    that K states per update need (draw_states): (in_masks, loss_masks) (U, B, L) and the StateDraw.
-    Each update divides its summed token losses by K/T of the full trajectory's token count, i.e. weighs its
-    K states by T/K: as each state is drawn with probability K/T, the expected loss and gradient over the draw
-    are the full trajectory's (before gradient clipping, which is not linear). Token normalisation only."""
-    T = in_masks.shape[0]
-    states, updates = draw_states(T, k, num_iterations, seed=seed, step=step, seq_index=seq_index)
-    norm = loss_masks.sum().float() * (min(k, T) / T)  # K = T: exactly the full count
-    return select_states(in_masks, states), select_states(loss_masks, states), StateDraw(updates, norm)
+    updates = [[(j * K + s) % T for s in range(K)] for j in range(num_iterations)]
+    return torch.stack(perms, 1)[: min(num_iterations * K, T)], updates                     # (U, B)
 
 
 @torch.no_grad()  # a measurement: a graph kept across all the steps would hold every step's activations

@@ -103,7 +103,7 @@ def test_seed_values_pinned():
 
 def test_arlike_frequencies_monte_carlo():
     B, N, r = 4000, 32, 0.8
-    m = imp.reverse_mask(torch.ones(B, N, dtype=torch.bool), r, list(range(B)), "arlike").double()
+    m = imp.reverse_mask(torch.ones(B, N, dtype=torch.bool), [r] * B, list(range(B)), "arlike").double()
     freq, p = m.mean(0), arlike_prob(N, r)
     assert bool(m[:, -1].all()), "last position must always be masked"
     assert abs(freq[0] - (2 * r - 1)) < sigma5(2 * r - 1, B)
@@ -116,20 +116,20 @@ def test_arlike_clamps_below_half():
     B, N, r = 2000, 200, 0.3
     expected = float(arlike_prob(N, r).mean())
     assert expected == pytest.approx(0.357, abs=3e-3)  # the clamp: r = 0.3 -> ~0.357, not 0.3
-    m = imp.reverse_mask(torch.ones(B, N, dtype=torch.bool), r, list(range(B)), "arlike").double()
+    m = imp.reverse_mask(torch.ones(B, N, dtype=torch.bool), [r] * B, list(range(B)), "arlike").double()
     assert abs(m.mean() - expected) < sigma5(expected, B * N)
     assert not m[:, 0].any()  # first 2(1-r)d >= 1 region is never masked
 
 
 def test_arlike_single_token_window():
     B = 4000
-    m = imp.reverse_mask(torch.ones(B, 1, dtype=torch.bool), 0.7, list(range(B)), "arlike").double()
+    m = imp.reverse_mask(torch.ones(B, 1, dtype=torch.bool), [0.7] * B, list(range(B)), "arlike").double()
     assert abs(m.mean() - 0.7) < sigma5(0.7, B)
 
 
 def test_random_mode_mean():
     B, N, r = 1000, 64, 0.63
-    m = imp.reverse_mask(torch.ones(B, N, dtype=torch.bool), r, list(range(B)), "random").double()
+    m = imp.reverse_mask(torch.ones(B, N, dtype=torch.bool), [r] * B, list(range(B)), "random").double()
     assert abs(m.mean() - r) < sigma5(r, B * N)
 
 
@@ -137,13 +137,13 @@ def test_reverse_mask_deterministic_and_respects_completion_mask():
     g = torch.Generator().manual_seed(0)
     cm = torch.rand(8, 40, generator=g) < 0.7  # (B, N) some invalid positions
     seeds = torch.tensor([imp.mask_seed(1, 2, i, 0) for i in range(8)])
-    a = imp.reverse_mask(cm, 0.9, seeds, "arlike")
-    assert torch.equal(a, imp.reverse_mask(cm, 0.9, seeds.tolist(), "arlike"))  # old == current
+    a = imp.reverse_mask(cm, [0.9] * 8, seeds, "arlike")
+    assert torch.equal(a, imp.reverse_mask(cm, [0.9] * 8, seeds.tolist(), "arlike"))  # old == current
     assert not (a & ~cm).any()
     other = [imp.mask_seed(1, 2, i, 1) for i in range(8)]  # next inner iteration
-    assert not torch.equal(a, imp.reverse_mask(cm, 0.9, other, "arlike"))
+    assert not torch.equal(a, imp.reverse_mask(cm, [0.9] * 8, other, "arlike"))
     with pytest.raises(AssertionError, match="mode"):
-        imp.reverse_mask(cm, 0.9, seeds, "low_confidence")
+        imp.reverse_mask(cm, [0.9] * 8, seeds, "low_confidence")
 
 
 # -----------------------------------------------------------------------------

@@ -40,8 +40,8 @@ def official_mask_prob(P: int, N: int, r: float) -> list[float]:
 def test_official_masks_match_the_hand_derived_probabilities(P, N, r):
     B = 4000
     cm = torch.ones(B, N, dtype=torch.bool)
-    m = imp.reverse_mask(cm, r, [imp.mask_seed(0, 0, i, 0) for i in range(B)], "arlike_official",
-                         prompt_len=P).double()
+    m = imp.reverse_mask(cm, [r] * B, [imp.mask_seed(0, 0, i, 0) for i in range(B)], "arlike_official",
+                         prompt_len=[P] * B).double()
     freq, want = m.mean(0), official_mask_prob(P, N, r)
     for n in range(N):
         assert abs(freq[n].item() - want[n]) < sigma5(want[n], B), (P, N, r, n, freq[n].item(), want[n])
@@ -92,21 +92,21 @@ def test_build_masks_uses_each_rows_real_prompt_length():
                                 mode="arlike_official")
     for j, r in enumerate([0.7, 0.8, 0.9, 0.999]):
         for b in range(B):
-            want = imp.reverse_mask(cm[b:b + 1], r, [imp.mask_seed(3, 1, b, j)], "arlike_official",
-                                    prompt_len=real[b])
+            want = imp.reverse_mask(cm[b:b + 1], [r], [imp.mask_seed(3, 1, b, j)], "arlike_official",
+                                    prompt_len=[real[b]])
             assert torch.equal(ins[j, b, P:], want[0]) and torch.equal(outs[j, b, P:], want[0])
             assert not ins[j, b, :P].any()                    # the prompt is never masked
     # the same row with a longer prompt is masked more, on average, than with a shorter one
     many = torch.ones(2000, N, dtype=torch.bool)
     seeds = list(range(2000))
-    short = imp.reverse_mask(many, 0.7, seeds, "arlike_official", prompt_len=1).double().mean()
-    long = imp.reverse_mask(many, 0.7, seeds, "arlike_official", prompt_len=40).double().mean()
+    short = imp.reverse_mask(many, [0.7] * 2000, seeds, "arlike_official", prompt_len=[1] * 2000).double().mean()
+    long = imp.reverse_mask(many, [0.7] * 2000, seeds, "arlike_official", prompt_len=[40] * 2000).double().mean()
     assert long > short + 0.05
 
 
 def test_official_mode_needs_the_prompt_length():
     with pytest.raises(AssertionError, match="prompt_len"):
-        imp.reverse_mask(torch.ones(2, 8, dtype=torch.bool), 0.7, [0, 1], "arlike_official")
+        imp.reverse_mask(torch.ones(2, 8, dtype=torch.bool), [0.7] * 2, [0, 1], "arlike_official")
 
 
 # -----------------------------------------------------------------------------

@@ -102,10 +102,10 @@ def naive_full_gradient(base, r, ctx) -> torch.Tensor:
 
 def gradients_over_draws(base, monkeypatch, k, draws):
     """Update 0's gradient with `draws` different state draws of one rollout (the draw's seed is offset)."""
-    seed_of = importance.state_seed
+    draw_of = importance.draw_states
     out = []
     for n in range(draws):
-        monkeypatch.setattr(importance, "state_seed", lambda s, step, i, n=n: seed_of(s + 1000 * n, step, i))
+        monkeypatch.setattr(importance, "draw_states", lambda *a, seed, n=n, **kw: draw_of(*a, seed=seed + 1000 * n, **kw))
         _, r, grads, ctx = run_step(base, monkeypatch, "--num_iterations=1", f"--trajectory_states={k}")
         out.append(flat(grads[0]))
     return torch.stack(out), r, ctx
