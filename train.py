@@ -58,10 +58,44 @@ from tasks import (GRID_PROMPTS, IMAGE_TASKS, Batch, TokenIds, decode_window, dr
 
 
 @dataclass
-class Config:
+class StepConfig:
+    """The settings one RL step reads (rl_step and everything it calls); Config adds the run's."""
+    seed: int = 0                     # every random draw derives from (seed, purpose, step, index): infra/rng.py
+    # rollouts (text: LLaDA's low-confidence block sampler; images: sample.generate_image)
+    temperature: float = 1.0          # rollout temperature (official default 0.9)
+    block_length: int = 12            # semi-autoregressive block size; divides gen_length (official: 16)
+    steps: int = 12                   # denoising steps per text rollout: a multiple of the blocks, <= gen_length
+    kv_cache: str = "none"            # none (exact) | prefix | dual: Fast-dLLM block KV cache for text rollouts
+    threshold: float = 0.0            # > 0: also commit every masked token more confident than this (Fast-dLLM)
+    image_sampler: str = "emerge"     # emerge (MaskGRPO) | maskgit (MMaDA default, baseline)
+    image_steps: int = 12             # image denoising steps (paper Alg. 4: 12)
+    cfg_scale: float = 0.0            # image guidance weight w: (1 + w) cond - w uncond
+    # rewards and advantages
+    reward_shaping: str = "none"      # benchmark rewards: none (correct 0/1) | official (format + correctness)
+    text_reward: str = "answer"       # toy text verifier: answer (the last \\boxed{}) | solution (every step and the box)
+    group_size: int = 8               # G completions per prompt
+    adv_std: str = "auto"             # divide advantages by the group std: on | off | auto (off for d1, as d1)
+    # importance estimator (importance.views)
+    estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines) | trajectory (exact decoding path)
+    text_reversing: str = "arlike"    # maskgrpo's text masks: arlike (paper Alg. 1) | random | arlike_official
+    gamma_text: float = 0.6           # maskgrpo: text mask ratios live in (gamma, 1) (paper: 0.6)
+    gamma_image: float = 0.8          # maskgrpo: image mask ratios live in (gamma, 1) (paper: 0.8)
+    num_iterations: int = 4           # mu: inner updates per rollout batch (paper: 12)
+    p_mask_prompt: float = 0.15       # d1: prompt-token masking probability
+    trajectory_states: int = 0        # trajectory: K decoding states per update, weighted T/K (0 = every state)
+    # GRPO update
+    clip_eps: float = 0.2             # PPO clip range epsilon of the ratio, > 0 (paper: 0.2)
+    beta: float = 0.01                # k3 KL coefficient against the reference (0 skips the reference pass)
+    loss_norm: str = "token"          # token (official code) | sequence (paper's 1/|o_i|)
+    grad_clip: float = 1.0            # gradient-norm clip per optimizer step (official: 0.2)
+    device_batch_size: int = 0        # sequences per forward pass in rollouts and log-prob passes (0 = all)
+
+
+@dataclass
+class Config(StepConfig):
+    """Every flag: the step's settings (StepConfig) and the run's: io, model, data, SFT, RL schedule, evaluation."""
     # io / system
     out_dir: str = "out/toy"          # everything this run writes goes here
-    seed: int = 0                     # every random draw derives from (seed, purpose, step, index): infra/rng.py
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     dtype: str = "auto"               # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
     threads: int = 0                  # torch CPU threads (0 = torch's default)
@@ -89,9 +123,7 @@ class Config:
     system_prompt: str = ""           # a system turn before benchmark prompts' user turn ("" = none)
     image_text_len: int = 0           # t2i text part, left-padded with [iPAD] (0 = longest toy caption; MMaDA 257)
     image_scorer_url: str = ""        # geneval rewards: POST to this scorer (infra/scorer.py)
-    reward_shaping: str = "none"      # benchmark rewards: none (correct 0/1) | official (format + correctness)
     text_max_steps: int = 1           # arithmetic steps per toy word problem (1 to 4)
-    text_reward: str = "answer"       # toy text verifier: answer (the last \\boxed{}) | solution (every step and the box)
     text_noise: float = 0.4           # fraction of SFT text targets boxing the amount before the last step
     image_noise: float = 0.4          # fraction of SFT images with one colour drawn as its look-alike
     image_width: int = 4              # images are image_width x image_width tokens (MMaDA 512 px: 32)
@@ -102,37 +134,12 @@ class Config:
     sft_warmup: int = 50              # SFT linear warm-up steps
     image_loss_weight: float = 3.0    # weight of the image SFT loss beside text's 1
     cond_dropout: float = 0.1         # fraction of SFT captions dropped, for CFG (MMaDA: 0.1)
-    # text rollouts (LLaDA low-confidence block sampler)
+    # RL schedule
     gen_length: int = 12              # completion tokens N per text rollout (official: 256)
-    block_length: int = 12            # semi-autoregressive block size; divides gen_length (official: 16)
-    steps: int = 12                   # denoising steps per text rollout: a multiple of the blocks, <= gen_length
-    temperature: float = 1.0          # rollout temperature (official default 0.9)
-    kv_cache: str = "none"            # none (exact) | prefix | dual: Fast-dLLM block KV cache for text rollouts
-    threshold: float = 0.0            # > 0: also commit every masked token more confident than this (Fast-dLLM)
-    # image rollouts
-    image_sampler: str = "emerge"     # emerge (MaskGRPO) | maskgit (MMaDA default, baseline)
-    image_steps: int = 12             # image denoising steps (paper Alg. 4: 12)
-    cfg_scale: float = 0.0            # image guidance weight w: (1 + w) cond - w uncond
-    # importance estimator (importance.views)
-    estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines) | trajectory (exact decoding path)
-    text_reversing: str = "arlike"    # maskgrpo's text masks: arlike (paper Alg. 1) | random | arlike_official
-    gamma_text: float = 0.6           # maskgrpo: text mask ratios live in (gamma, 1) (paper: 0.6)
-    gamma_image: float = 0.8          # maskgrpo: image mask ratios live in (gamma, 1) (paper: 0.8)
-    num_iterations: int = 4           # mu: inner updates per rollout batch (paper: 12)
-    p_mask_prompt: float = 0.15       # d1: prompt-token masking probability
-    trajectory_states: int = 0        # trajectory: K decoding states per update, weighted T/K (0 = every state)
-    # GRPO
     rl_steps: int = 80                # rollout batches; each gives num_iterations optimizer steps
     prompts_per_step: int = 8         # prompts per rollout batch and task
-    group_size: int = 8               # G completions per prompt
-    clip_eps: float = 0.2             # PPO clip range epsilon of the ratio, > 0 (paper: 0.2)
-    beta: float = 0.01                # k3 KL coefficient against the reference (0 skips the reference pass)
-    loss_norm: str = "token"          # token (official code) | sequence (paper's 1/|o_i|)
-    adv_std: str = "auto"             # divide advantages by the group std: on | off | auto (off for d1, as d1)
     lr: float = 1e-4                  # RL learning rate (AdamW, constant; official: 3e-6)
     weight_decay: float = 0.0         # AdamW weight decay in RL (official: 0.1)
-    grad_clip: float = 1.0            # gradient-norm clip per optimizer step (official: 0.2)
-    device_batch_size: int = 0        # sequences per forward pass in rollouts and log-prob passes (0 = all)
     # evaluation / logging
     eval_prompts: int = 256           # held-out prompts per task, scored before and after RL
     eval_samples: int = 4             # sampled completions per held-out prompt
@@ -260,7 +267,7 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
 @dataclass
 class Ctx:
     """What every function of the loop needs besides the model and the optimizer."""
-    cfg: Config
+    cfg: StepConfig                   # the run's Config; a step reads only the StepConfig fields
     tok: object                       # tokenizers.Tokenizer
     ids: TokenIds
     device: torch.device
@@ -299,7 +306,7 @@ def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fas
     return replace(prompts, x=torch.cat(xs)), torch.cat(orders)
 
 
-def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
+def advantages(rewards: torch.Tensor, cfg: StepConfig) -> torch.Tensor:
     """Group-relative advantages (GRPO, arXiv:2402.03300 §4.1.2) of the global rewards, divided by the
     group std or not (d1's trainer: A = r - mean)."""
     std = cfg.adv_std == "on" or (cfg.adv_std == "auto" and cfg.estimator != "d1")
