@@ -407,13 +407,9 @@ def image_text_len(tok: Tokenizer, n: int = 2000) -> int:
                    for _ in range(n))
 
 
-def codes_to_ids(tok: Tokenizer, codes: list[int]) -> list[int]:
-    off = token_ids(tok).image_token_offset
-    return [off + c for c in codes]
-
-
 def ids_to_codes(tok: Tokenizer, ids: list[int]) -> list[int]:
-    """Inverse of codes_to_ids; any id outside the image range (e.g. a leftover mask) becomes -1."""
+    """Image codes of token ids (code c is id image_token_offset + c); any id outside the image range (a
+    leftover mask, say) becomes -1."""
     s = token_ids(tok)
     return [i - s.image_token_offset if 0 <= i - s.image_token_offset < s.codebook_size else -1 for i in ids]
 

@@ -94,18 +94,6 @@ def _int(value, name: str) -> int:
     raise ValueError(f"{name} should be an integer, got {value!r:.60}")
 
 
-def read_jsonl(path, fields: dict | None = None) -> list[dict]:
-    """The JSON objects of a .jsonl file (blank lines skipped), each checked to have `fields` {name: type}."""
-    def parse(line: bytes) -> dict:
-        row = _json_object(line)
-        for name, types in (fields or {}).items():
-            _get(row, name, types)
-        return row
-
-    path = _existing(path)
-    return _collect(path, _json_lines(path), parse)
-
-
 # -----------------------------------------------------------------------------------------------------
 # one parser per public format: raw row -> example (without "prompt"), ValueError on a bad row
 

@@ -11,6 +11,7 @@ model's max_sequence_length is refused. A user error is one line and exit status
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,8 @@ class Options:
     prompt_prefill: str = ""    # text that opens the assistant turn (chat format)
     kv_cache: str = "none"      # none (exact) | prefix | dual: Fast-dLLM block KV cache (approximate)
     threshold: float = 0.0      # > 0: also commit every masked token more confident than this
+    remasking: str = "low_confidence"  # text: reveal the most confident positions, or random ones (LLaDA's options)
+    text_cfg_scale: float = 0.0  # text classifier-free guidance weight, the prompt masked for the unconditional pass
     image_steps: int = 12         # image denoising steps (MaskGRPO: 12 for rollouts, 32 for evaluation)
     image_sampler: str = "emerge" # emerge (MaskGRPO Alg. 4) | maskgit (MMaDA)
     cfg_scale: float = 0.0      # classifier-free guidance weight (images)
@@ -82,8 +85,8 @@ def main(argv=None):
     prompt = torch.tensor([ids], device=device)                                          # (1, P)
     out = sample.generate(model, prompt, gen_length=o.gen_length, block_length=o.block_length, steps=o.steps,
                    temperature=o.temperature, mask_id=model.config.mask_token_id, generator=gen,
-                   kv_cache=o.kv_cache, threshold=o.threshold,
-                   progress=cli.bars_shown())
+                   kv_cache=o.kv_cache, threshold=o.threshold, remasking=o.remasking,
+                   cfg_scale=o.text_cfg_scale, progress=cli.bars_shown())
     completion = tok.decode(out[0, prompt.shape[1]:].tolist(), skip_special_tokens=True)
     print(completion)
     return completion
@@ -95,6 +98,13 @@ def check_options(o: Options) -> None:
         raise ValueError(f"--prompt is {'empty' if not o.prompt else 'only whitespace'}: pass the text to "
                          "complete, e.g. --prompt \"What is 7 * 8?\"")
     validate_generation(o)
+    if o.remasking not in sample.REMASKING:
+        raise ValueError(f"remasking ({o.remasking!r}) must be one of {', '.join(sample.REMASKING)}")
+    if o.remasking != "low_confidence" and o.threshold > 0:
+        raise ValueError(f"--threshold={o.threshold} compares the model's confidences: it needs "
+                         f"--remasking=low_confidence, not {o.remasking}")
+    if not (o.text_cfg_scale >= 0 and math.isfinite(o.text_cfg_scale)):
+        raise ValueError(f"text_cfg_scale ({o.text_cfg_scale}) must be a finite number >= 0 (0 = no guidance)")
     if o.prompt_format not in FORMATS:
         raise ValueError(f"prompt_format ({o.prompt_format!r}) must be one of {', '.join(FORMATS)}")
     if o.png and not o.image:

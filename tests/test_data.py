@@ -95,13 +95,6 @@ def test_geneval_keeps_prompt_and_spec():
         check_schema(ex, "geneval")
 
 
-def test_read_jsonl_checks_field_types():
-    rows = data.read_jsonl(FIX / "countdown.jsonl")
-    assert len(rows) == 3 and rows[1]["input"] == [3, 5, 7]
-    with pytest.raises(ValueError, match=r"countdown.jsonl:1: field 'input' should be list, got str"):
-        data.read_jsonl(FIX / "countdown.jsonl", {"input": list})
-
-
 # -----------------------------------------------------------------------------------------------------
 # malformed files: the error names the file and the 1-based line (blank lines count)
 
@@ -172,8 +165,8 @@ def test_many_problems_reported_together(tmp_path):
 def test_missing_file_and_unknown_task(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nope.jsonl"))):
         data.load_dataset("gsm8k", tmp_path / "nope.jsonl")
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        data.read_jsonl(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="nope.csv"):
+        data.load_dataset("sudoku", tmp_path / "nope.csv")
     with pytest.raises(ValueError, match="valid tasks: gsm8k, math, mbpp, countdown, sudoku, geneval"):
         data.load_dataset("gsm8", FIX / "gsm8k.jsonl")
 

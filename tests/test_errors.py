@@ -87,11 +87,28 @@ def test_sample_settings_follow_train_rules(toy, capsys):
     (["--prompt_format=chatml"], r"prompt_format \('chatml'\) must be one of auto, toy, chat, raw"),
     (["--png=x.png"], r"--png x.png draws an image sample: add --image"),
     (["--image", "--png=/no/such/dir/x.png"], r"the directory /no/such/dir does not exist"),
+    (["--remasking=topk"], r"remasking \('topk'\) must be one of low_confidence, random"),
+    (["--remasking=random", "--threshold=0.9"], r"--threshold=0.9 compares the model's confidences: it needs "
+                                                r"--remasking=low_confidence, not random"),
+    (["--text_cfg_scale=-1"], r"text_cfg_scale \(-1.0\) must be a finite number >= 0"),
 ])
 def test_sample_bad_options(toy, capsys, argv, match):
     argv = ["--ckpt", str(toy / "final")] + (["--prompt", "bob"] if "--prompt" not in argv else []) + argv
     err = one_line_error(capsys, exit_code(lambda: sample_cli.main(argv)))
     assert re.search(match, err), err
+
+
+def test_sample_passes_remasking_and_text_guidance(toy, monkeypatch):
+    """--remasking and --text_cfg_scale reach LLaDA's sampler options (sample.generate's remasking and
+    cfg_scale) at non-default values; the defaults are LLaDA's (low confidence, no guidance)."""
+    import sample
+    seen, real = [], sample.generate
+    monkeypatch.setattr(sample, "generate", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    base = ["--ckpt", str(toy / "final"), "--prompt", "bob has 3 pens", "--gen_length=4", "--block_length=4",
+            "--steps=4", "--temperature=0.5"]
+    sample_cli.main(base + ["--remasking=random", "--text_cfg_scale=1.5"])
+    sample_cli.main(base)
+    assert [(kw["remasking"], kw["cfg_scale"]) for kw in seen] == [("random", 1.5), ("low_confidence", 0.0)]
 
 
 def test_sample_without_ckpt(capsys):
