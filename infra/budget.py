@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 import tasks
+
 from tasks import IMAGE_TASKS, task_list
 from model import ModelConfig, Transformer, num_params
 from sample import MIN_HEAD_ROWS
-from infra import hf
+from infra import hf, toy
 from infra.scale import print0
 
 GB = 1024 ** 3
@@ -217,7 +218,7 @@ def model_config(cfg) -> ModelConfig:
     cfg_file = Path(cfg.init_from) / "config.json" if cfg.init_from not in ("", "scratch") else None
     if cfg_file is not None and cfg_file.is_file():
         return hf.config_from_hf(json.loads(cfg_file.read_text()))
-    vocab = cfg.vocab_size or tasks.model_config_overrides(tasks.build_tokenizer())["vocab_size"]
+    vocab = cfg.vocab_size or tasks.model_config_overrides(toy.build_tokenizer())["vocab_size"]
     return scratch_config(cfg, vocab_size=vocab, mask_token_id=vocab - 1)
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, hf, lora, scale
+
+from infra import checkpoint, hf, lora, scale, toy
 from infra.budget import scratch_config
 from infra.hf import load_tokenizer, read_checkpoint
 from infra.rng import generator
@@ -30,10 +31,11 @@ SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_n
 
 
 def sft_key(cfg) -> dict:
-    """What the toy SFT model depends on: the SFT_KEYS settings, the toy tasks it trains and tasks.py's source
-    (its toy data)."""
-    tasks_hash = hashlib.sha1(Path(tasks.__file__).read_bytes()).hexdigest()
-    return {k: getattr(cfg, k) for k in SFT_KEYS} | {"sft_tasks": list(tasks.sft_tasks(cfg)), "tasks_sha1": tasks_hash}
+    """What the toy SFT model depends on: the SFT_KEYS settings, the toy tasks it trains, and the source of
+    infra/toy.py (its data) and tasks.py (how the data becomes token ids)."""
+    source = b"".join(Path(m.__file__).read_bytes() for m in (toy, tasks))
+    return {k: getattr(cfg, k) for k in SFT_KEYS} | {"sft_tasks": list(tasks.sft_tasks(cfg)),
+                                                     "toy_sha1": hashlib.sha1(source).hexdigest()}
 
 
 def sft_dir_of(cfg) -> Path:
@@ -54,11 +56,11 @@ def check_sft_cache(cfg) -> bool:
         covered = set(wanted) <= set(trained)
         if saved == meta and covered:
             return True
-        diff = [f"{k} {saved.get(k)!r} -> {meta[k]!r}" for k in meta if k != "tasks_sha1" and saved.get(k) != meta[k]]
+        diff = [f"{k} {saved.get(k)!r} -> {meta[k]!r}" for k in meta if k != "toy_sha1" and saved.get(k) != meta[k]]
         if not covered:
             diff.append(f"toy tasks {trained} -> {wanted}")
-        if saved.get("tasks_sha1") != meta["tasks_sha1"]:
-            diff.append("tasks.py (the toy data) changed")
+        if saved.get("toy_sha1") != meta["toy_sha1"]:
+            diff.append("infra/toy.py or tasks.py (the toy data or its encoding) changed")
         problem = f"holds an SFT model trained with other settings: {', '.join(diff)}"
     elif sft_dir.is_dir() and any(sft_dir.iterdir()):
         problem = "holds files but no sft_meta.json, so not an SFT model this code wrote"
@@ -115,15 +117,15 @@ def find_model(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
     """(checkpoint directory, tokenizer, special ids, SFT seconds) to start from: init_from, or for the toy
     out_dir/sft (trained first when missing or stale)."""
     if cfg.init_from == "scratch":
-        tok = tasks.build_tokenizer()
+        tok = toy.build_tokenizer()
         ids = tasks.token_ids(tok)
         path, seconds = load_or_train_sft(cfg, tok, ids, device, dtype, sft)
         return path, tok, ids, seconds
     config, _ = read_checkpoint(cfg.init_from)  # checks the directory; reads no weights
     tok = load_tokenizer(cfg.init_from, config)
     # Toy tasks on a toy checkpoint (e.g. a LoRA run from a toy run's final/) read its ids by name.
-    toy = all(t in TOY_TASKS for t in task_list(cfg))
-    ids = tasks.token_ids(tok) if toy else hf.token_ids(tok, config)
+    toy_only = all(t in TOY_TASKS for t in task_list(cfg))
+    ids = tasks.token_ids(tok) if toy_only else hf.token_ids(tok, config)
     return Path(cfg.init_from), tok, ids, 0.0
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from infra import cli
 
-# RGB for the toy image codes: 0 is the background (ANSI 236 in tasks.render_image), code c >= 1 is
-# tasks.COLOURS[c - 1] = red, green, blue, yellow, purple, cyan, white.
+# RGB for the toy image codes: 0 is the background (ANSI 236 in toy.render_image), code c >= 1 is
+# toy.COLOURS[c - 1] = red, green, blue, yellow, purple, cyan, white.
 PALETTE = ((48, 48, 48), (230, 50, 50), (40, 190, 70), (50, 100, 240), (250, 210, 30),
            (150, 60, 200), (40, 210, 220), (245, 245, 245))
 TASK_COLOURS = {"text": (30, 110, 190), "image": (230, 110, 20)}
@@ -41,15 +41,15 @@ def have_pillow() -> bool:
 
 
 def text_image(codes: list[int], width: int, stream=None) -> str:
-    """A toy image for the console: ANSI colour blocks on a terminal (tasks.render_image), else one letter
-    per cell (. background, then the initials of tasks.COLOURS, ? an invalid code), so that a log file or a
+    """A toy image for the console: ANSI colour blocks on a terminal (toy.render_image), else one letter
+    per cell (. background, then the initials of toy.COLOURS, ? an invalid code), so that a log file or a
     pipe gets no escape codes."""
-    import tasks
+    from infra import toy
 
     stream = stream or sys.stdout
     if hasattr(stream, "isatty") and stream.isatty():
-        return tasks.render_image(codes, width)
-    letters = "." + "".join(c[0] for c in tasks.COLOURS)  # r g b y p c w: the initials differ
+        return toy.render_image(codes, width)
+    letters = "." + "".join(c[0] for c in toy.COLOURS)  # r g b y p c w: the initials differ
     return "\n".join(" ".join(letters[c] if 0 <= c < len(letters) else "?" for c in codes[r:r + width])
                      for r in range(0, len(codes), width))
 
@@ -262,7 +262,7 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
                palette=PALETTE, scores: list[list[float]] | None = None, notes: tuple = ()) -> Path | None:
     """Toy images as coloured squares: one grid row per (name, images), one column per prompt.
 
-    Each image is width*width row-major palette codes (tasks.make_image_example's "image"). A code
+    Each image is width*width row-major palette codes (toy.make_image_example's "image"). A code
     outside the palette (tasks.ids_to_codes gives -1 for a leftover mask) is drawn as a grey crossed cell.
     scores: one list per row, written under each image; notes: lines under the captions (a legend).
     Size in pixels: 2*MARGIN + LABEL_W + len(prompts)*COL_W wide,
@@ -320,11 +320,11 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
 
 def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summary: dict | None = None):
     """images.png of a toy run: grid rows (name, images) for the held-out examples, each image with its
-    verifier score (tasks.image_reward, the RL reward), a legend, and the held-out mean image reward
+    verifier score (toy.image_reward, the RL reward), a legend, and the held-out mean image reward
     before and after RL, which the few images here only illustrate."""
-    import tasks
+    from infra import toy
 
-    scores = [[tasks.image_reward(codes, ex["spec"]) for codes, ex in zip(images, examples)] for _, images in grid]
+    scores = [[toy.image_reward(codes, ex["spec"]) for codes, ex in zip(images, examples)] for _, images in grid]
     notes = ["score: fraction of the prompt's checks the image passes (the RL reward); dark grey: empty cell",
              "same prompts and sampling seeds before and after RL: only the policy differs"]
     image = (summary or {}).get("image")

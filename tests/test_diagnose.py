@@ -15,7 +15,7 @@ import torch
 import importance
 import tasks
 import train
-from infra import diagnose, rng
+from infra import diagnose, rng, toy
 from infra.budget import scratch_config
 from model import Transformer
 from infra.hf import load_tokenizer
@@ -83,7 +83,7 @@ def test_main_at_small_non_default_settings(tmp_path, capsys, monkeypatch):
     settings of its own (mu 2, 2 draws, G 2, gamma 0.3, clip 1e-9): a table row per text estimator, the PNG,
     most ratios outside a clip range of 1e-9 after an update at lr 1e-2 (the column reads --clip_eps), and the Fig. 2 curves of the reversing operators at t = gamma
     by hand (random: t everywhere; AR-like, Alg. 1: 1 - min(1, 2 (1 - t)(1 - n / (N - 1))))."""
-    tok = tasks.build_tokenizer()
+    tok = toy.build_tokenizer()
     model = Transformer(scratch_config(train.parse_args(["--preset=smoke"]), **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(3))
     ckpt = tmp_path / "ckpt"

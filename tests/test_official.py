@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import importance as imp
-from infra import diagnose
+from infra import diagnose, toy
 
 
 def sigma5(p: float, n: int) -> float:
@@ -147,8 +147,9 @@ def test_dry_run_reports_the_configured_lora_set(capsys):
 
 def toy_image_batch(mode):
     import tasks
+    from infra import toy
     import train
-    tok = tasks.build_tokenizer()
+    tok = toy.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.Config(attend_padding=mode)
     import random
@@ -199,7 +200,7 @@ class Recorder:
 def test_system_prompt_opens_a_system_turn(system):
     import tasks
     import train
-    ids = tasks.token_ids(tasks.build_tokenizer())
+    ids = tasks.token_ids(toy.build_tokenizer())
     rec = Recorder()
     cfg = train.Config(system_prompt=system, gen_length=4, block_length=4, steps=4)
     tasks.make_batch("gsm8k", [{"prompt": "Q?"}], rec, ids, cfg, torch.device("cpu"), with_targets=False)

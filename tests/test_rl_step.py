@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import rewards
 import tasks
 import train
-from infra import load, lora
+from infra import load, lora, toy
 from model import Transformer
 from infra import hf
 
@@ -39,7 +39,7 @@ CPU = torch.device("cpu")
 def save_tiny_checkpoint(path, seed=0):
     """A randomly initialised toy-vocabulary model (d 32, 2 layers) and the toy tokenizer, written as a
     checkpoint directory that --init_from can load, as a pretrained LLaDA / MMaDA would be."""
-    tok = tasks.build_tokenizer()
+    tok = toy.build_tokenizer()
     cfg = train.parse_args(["--preset=smoke"])
     model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(seed))
@@ -133,8 +133,8 @@ def naive_logp(model, r, j):
 def image_columns():
     # The image codes: the toy tokenizer appends them after the text vocabulary (tasks.py), as MMaDA appends
     # its VQ codes; a window position holds offset + code.
-    ids = tasks.token_ids(tasks.build_tokenizer())
-    return ids.image_token_offset, ids.image_token_offset + tasks.CODEBOOK_SIZE
+    ids = tasks.token_ids(toy.build_tokenizer())
+    return ids.image_token_offset, ids.image_token_offset + toy.CODEBOOK_SIZE
 
 
 def naive_advantages(rewards, G):
@@ -412,7 +412,7 @@ class FixedLogits(nn.Module):
 
 
 def sft_batch(task, B, seed=0):
-    tok = tasks.build_tokenizer()
+    tok = toy.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke"])
     rng = random.Random(seed)

@@ -24,6 +24,7 @@ import sample
 import tasks
 import train
 from infra import hf, lora
+from infra import toy as toy_world
 from infra.budget import scratch_config
 from infra.load import load_policy
 from infra.settings import setup
@@ -45,7 +46,7 @@ def held_out(prompt: str) -> bool:
 @pytest.fixture(scope="module")
 def toy():
     """(tokenizer, special ids, a random toy-vocabulary model at smoke size in float64)."""
-    tok = tasks.build_tokenizer()
+    tok = toy_world.build_tokenizer()
     ids = tasks.token_ids(tok)
     model = Transformer(scratch_config(parse(), **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
@@ -191,7 +192,7 @@ def test_sft_schedule_and_settings(toy, monkeypatch):
         if task == "text":
             assert noise == 1.0 and ex["completion"] != ex["solution"]
         else:
-            assert noise == 0.0 and tasks.image_reward(ex["image"], ex["spec"]) == 1.0
+            assert noise == 0.0 and toy_world.image_reward(ex["image"], ex["spec"]) == 1.0
 
 
 def test_sft_keeps_ten_percent_of_the_peak_at_the_end(toy, monkeypatch):
@@ -479,7 +480,7 @@ def test_benchmark_prompt_prefill_and_length():
             seen.append(text)
             return type("Enc", (), {"ids": list(range(100, 120))})()
 
-    ids = tasks.token_ids(tasks.build_tokenizer())
+    ids = tasks.token_ids(toy_world.build_tokenizer())
     cfg = parse("--prompt_prefill=<reasoning>", "--max_prompt_len=8")
     b = tasks.make_batch("gsm8k", [{"prompt": "Q?"}], Tok(), ids, cfg, CPU, with_targets=False)
     assert seen == ["<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nQ?<|eot_id|>"

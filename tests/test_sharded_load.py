@@ -41,11 +41,12 @@ scale.close()
 @pytest.fixture(scope="module")
 def loads(tmp_path_factory):
     import tasks
+    from infra import toy
     from infra import hf
     from model import ModelConfig, Transformer
 
     tmp = tmp_path_factory.mktemp("sharded_load")
-    tok = tasks.build_tokenizer()
+    tok = toy.build_tokenizer()
     vocab = tasks.model_config_overrides(tok) | {"vocab_size": 101}
     mc = ModelConfig(d_model=36, n_layers=2, n_heads=2, n_kv_heads=2, mlp_hidden_size=75, **vocab)
     ckpt = tmp / "ckpt"

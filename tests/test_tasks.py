@@ -5,10 +5,12 @@ import pytest
 
 import tasks
 
+from infra import toy
+
 
 @pytest.fixture(scope="module")
 def tok():
-    return tasks.build_tokenizer()
+    return toy.build_tokenizer()
 
 
 def test_specials_resolved_and_distinct(tok):
@@ -28,9 +30,9 @@ def test_model_config_overrides_build_a_model_config(tok):
 
 
 def test_text_round_trip_and_no_unknown_tokens(tok):
-    rng, unk = random.Random(0), tok.token_to_id(tasks.UNK)
+    rng, unk = random.Random(0), tok.token_to_id(toy.UNK)
     for _ in range(500):
-        ex = tasks.make_text_example(rng, noise=0.5, max_value=20, max_steps=3)
+        ex = toy.make_text_example(rng, noise=0.5, max_value=20, max_steps=3)
         for text in (ex["prompt"], ex["completion"], ex["prompt"] + " " + ex["completion"]):
             ids = tok.encode(text, add_special_tokens=False).ids
             assert unk not in ids
@@ -46,51 +48,51 @@ def test_boxed_answer_tokens_are_separate(tok):
 
 
 def test_image_prompt_round_trip(tok):
-    rng, unk = random.Random(0), tok.token_to_id(tasks.UNK)
+    rng, unk = random.Random(0), tok.token_to_id(toy.UNK)
     for _ in range(300):
-        p = tasks.make_image_example(rng)["prompt"]
+        p = toy.make_image_example(rng)["prompt"]
         ids = tok.encode(p, add_special_tokens=False).ids
         assert unk not in ids and tok.decode(ids) == p
 
 
 def test_text_reward():
-    ex = tasks.make_text_example(random.Random(3))
-    assert tasks.answer_reward(ex["completion"], ex) == 1.0
+    ex = toy.make_text_example(random.Random(3))
+    assert toy.answer_reward(ex["completion"], ex) == 1.0
     wrong = str(int(ex["answer"]) + 1)
-    assert tasks.answer_reward(f"1 + 1 = 2 . \\boxed{{{wrong}}}", ex) == 0.0
-    assert tasks.answer_reward(ex["answer"], ex) == 0.0  # no box
-    assert tasks.answer_reward(f"\\boxed{{{wrong}}} \\boxed{{{ex['answer']}}}", ex) == 1.0  # last box counts
+    assert toy.answer_reward(f"1 + 1 = 2 . \\boxed{{{wrong}}}", ex) == 0.0
+    assert toy.answer_reward(ex["answer"], ex) == 0.0  # no box
+    assert toy.answer_reward(f"\\boxed{{{wrong}}} \\boxed{{{ex['answer']}}}", ex) == 1.0  # last box counts
 
 
 @pytest.mark.parametrize("noise", [0.0, 1.0])
 def test_text_noise_controls_wrong_targets(noise):
     rng = random.Random(1)
-    exs = [tasks.make_text_example(rng, noise=noise) for _ in range(300)]
-    acc = sum(tasks.answer_reward(e["completion"], e) for e in exs) / len(exs)
+    exs = [toy.make_text_example(rng, noise=noise) for _ in range(300)]
+    acc = sum(toy.answer_reward(e["completion"], e) for e in exs) / len(exs)
     assert acc == 1.0 - noise  # every noisy target is wrong, every clean one right
 
 
 def test_image_reward_target_and_corruptions():
     rng = random.Random(0)
     for _ in range(300):
-        ex = tasks.make_image_example(rng)
+        ex = toy.make_image_example(rng)
         spec, img = ex["spec"], ex["image"]
-        assert tasks.image_reward(img, spec) == 1.0
-        assert tasks.image_reward([0] * len(img), spec) == 0.0
-        assert tasks.image_reward(tasks._corrupt(rng, img, spec), spec) < 1.0
-        assert tasks.image_reward(img[:-1], spec) == 0.0  # wrong size
+        assert toy.image_reward(img, spec) == 1.0
+        assert toy.image_reward([0] * len(img), spec) == 0.0
+        assert toy.image_reward(toy._corrupt(rng, img, spec), spec) < 1.0
+        assert toy.image_reward(img[:-1], spec) == 0.0  # wrong size
 
 
 def test_image_reward_examples():
     spec = {"width": 2, "counts": {"red": 1}, "relation": None, "place": None}
-    assert tasks.image_reward([1, 0, 0, 0], spec) == 1.0
-    assert tasks.image_reward([1, 1, 0, 0], spec) == 0.5
-    assert tasks.image_reward([1, 2, 0, 0], spec) == 0.5
+    assert toy.image_reward([1, 0, 0, 0], spec) == 1.0
+    assert toy.image_reward([1, 1, 0, 0], spec) == 0.5
+    assert toy.image_reward([1, 2, 0, 0], spec) == 0.5
     rel = {"width": 2, "counts": {"red": 1, "blue": 1}, "relation": ["red", "left of", "blue"], "place": None}
-    assert tasks.image_reward([1, 3, 0, 0], rel) == 1.0
-    assert tasks.image_reward([3, 1, 0, 0], rel) == 0.75
+    assert toy.image_reward([1, 3, 0, 0], rel) == 1.0
+    assert toy.image_reward([3, 1, 0, 0], rel) == 0.75
     top = {"width": 2, "counts": {"red": 1}, "relation": None, "place": ["red", "bottom row"]}
-    assert tasks.image_reward([0, 0, 0, 1], top) == 1.0 and tasks.image_reward([1, 0, 0, 0], top) == 2 / 3
+    assert toy.image_reward([0, 0, 0, 1], top) == 1.0 and toy.image_reward([1, 0, 0, 0], top) == 2 / 3
 
 
 def test_image_ids_map_to_codes(tok):
@@ -115,32 +117,32 @@ def test_encode_image_prompt_layout(tok):
 
 
 def test_render_image():
-    out = tasks.render_image([0, 1, 2, 3], 2)
+    out = toy.render_image([0, 1, 2, 3], 2)
     assert out.count("\n") == 1 and out.count("\x1b[48;5;") == 4
 
 
 def test_determinism():
-    a = [tasks.make_text_example(random.Random(7), noise=0.3) for _ in range(2)]
-    b = [tasks.make_image_example(random.Random(7), noise=0.3) for _ in range(2)]
+    a = [toy.make_text_example(random.Random(7), noise=0.3) for _ in range(2)]
+    b = [toy.make_image_example(random.Random(7), noise=0.3) for _ in range(2)]
     assert a[0] == a[1] and b[0] == b[1]
 
 
 def test_heldout_split_disjoint():
     rng = random.Random(0)
-    train = {tasks.make_text_example(rng, "train")["prompt"] for _ in range(2000)}
-    test = {tasks.make_text_example(rng, "test")["prompt"] for _ in range(500)}
+    train = {toy.make_text_example(rng, "train")["prompt"] for _ in range(2000)}
+    test = {toy.make_text_example(rng, "test")["prompt"] for _ in range(500)}
     assert train and test and not train & test
-    itrain = {tasks.make_image_example(rng, "train")["prompt"] for _ in range(2000)}
-    itest = {tasks.make_image_example(rng, "test")["prompt"] for _ in range(500)}
+    itrain = {toy.make_image_example(rng, "train")["prompt"] for _ in range(2000)}
+    itest = {toy.make_image_example(rng, "test")["prompt"] for _ in range(500)}
     assert itrain and itest and not itrain & itest
     with pytest.raises(ValueError):
-        tasks.make_text_example(rng, "valid")
+        toy.make_text_example(rng, "valid")
 
 
 def test_docstring_examples(tok):
-    ex = tasks.make_text_example(random.Random(0))
+    ex = toy.make_text_example(random.Random(0))
     assert ex["completion"] == "1 - 1 = 0 , 0 + 6 = 6 . \\boxed{6}" and ex["answer"] == "6"
-    assert tasks.make_image_example(random.Random(1))["prompt"] == "three purple blocks"
+    assert toy.make_image_example(random.Random(1))["prompt"] == "three purple blocks"
     assert tok.encode("ann has 3 apples").tokens == ["▁ann", "▁has", "▁3", "▁apples"]
     assert tasks.image_text_len(tok) == 11
 
@@ -158,7 +160,7 @@ DEFAULT_TEXT_DATA = [
 
 def _text_draws(max_steps, noise, split, n=500):
     rng = random.Random(0)
-    return [tasks.make_text_example(rng, split, noise, max_steps=max_steps) for _ in range(n)]
+    return [toy.make_text_example(rng, split, noise, max_steps=max_steps) for _ in range(n)]
 
 
 @pytest.mark.parametrize("args,digest", DEFAULT_TEXT_DATA)
@@ -189,15 +191,15 @@ def test_solution_reward_reads_every_step_and_the_box():
     ex = {"prompt": "amy has 4 pens . she buys 3 more and sells 5 . how many pens does she have ?", "answer": "2",
           "solution": "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"}
     right = "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"
-    assert tasks.solution_reward(right, ex) == 1.0 and tasks.answer_reward(right, ex) == 1.0
+    assert toy.solution_reward(right, ex) == 1.0 and toy.answer_reward(right, ex) == 1.0
     for wrong in ("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}",  # wrong working, right box: the box-only reward pays
                   "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{7}",  # right working, the amount before the last step boxed
                   "4 + 3 = 7 . \\boxed{2}",                # a step left out
                   "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2} 3"):  # text after the box
-        assert tasks.solution_reward(wrong, ex) == 0.0
-    assert tasks.answer_reward("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}", ex) == 1.0
+        assert toy.solution_reward(wrong, ex) == 0.0
+    assert toy.answer_reward("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}", ex) == 1.0
     # The scorer picks the verifier by name; the toy runs' decoded completions have no leading/trailing space.
-    assert tasks.TEXT_REWARDS == {"answer": tasks.answer_reward, "solution": tasks.solution_reward}
+    assert toy.TEXT_REWARDS == {"answer": toy.answer_reward, "solution": toy.solution_reward}
 
 
 def test_long_toy_is_scored_by_its_solution():
@@ -214,13 +216,13 @@ def test_long_examples_chain_and_length(tok):
     rng = random.Random(2)
     counts = set()
     for _ in range(400):
-        ex = tasks.make_text_example(rng, noise=0.0, max_steps=6)
+        ex = toy.make_text_example(rng, noise=0.0, max_steps=6)
         steps = _steps_of(ex["completion"])
         counts.add(len(steps))
         for k, (a, op, n, eq, r) in enumerate(steps):
             assert eq == "=" and int(r) == (int(a) + int(n) if op == "+" else int(a) - int(n))
             assert 0 <= int(r) <= 9 and (k == 0 or a == steps[k - 1][4])  # each step starts from the last result
-        assert steps[-1][4] == ex["answer"] and tasks.answer_reward(ex["completion"], ex) == 1.0
+        assert steps[-1][4] == ex["answer"] and toy.answer_reward(ex["completion"], ex) == 1.0
         n_tok = len(tok.encode(ex["completion"], add_special_tokens=False).ids)
         assert n_tok == 6 * len(steps) + 3 and n_tok >= 32  # 5 per step, a comma between, ". \boxed{ d }"
     assert counts == {5, 6}  # max_steps - 1 or max_steps
@@ -232,7 +234,7 @@ def test_toy_long_preset_is_long_and_fits(tok):
     cfg = train.Config(**train.PRESETS["toy_long"])
     validate(cfg)
     rng = random.Random(0)
-    longest = max(len(tok.encode(tasks.make_text_example(rng, "any", 0.5, 9, cfg.text_max_steps)["completion"],
+    longest = max(len(tok.encode(toy.make_text_example(rng, "any", 0.5, 9, cfg.text_max_steps)["completion"],
                                  add_special_tokens=False).ids) for _ in range(2000))
     # 4 steps at most: 6 * 4 + 3 = 27 tokens, in a window of at least 32 decoded tokens (EOS padding after)
     assert cfg.tasks == "text" and longest == 27 and cfg.gen_length >= 32

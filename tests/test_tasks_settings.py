@@ -11,13 +11,15 @@ import pytest
 import torch
 
 import tasks
+
+from infra import toy
 from conftest import cpu_budget
 from tasks import chat_prompt
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return tasks.build_tokenizer()
+    return toy.build_tokenizer()
 
 
 @pytest.mark.parametrize("max_value, max_steps", [(20, 4), (9, 1), (3, 3)])
@@ -29,7 +31,7 @@ def test_text_examples_at_other_sizes(max_value, max_steps):
     seen_counts = set()
     for noise in (0.0, 1.0):
         for _ in range(60):
-            ex = tasks.make_text_example(rng, split="any", noise=noise, max_value=max_value, max_steps=max_steps)
+            ex = toy.make_text_example(rng, split="any", noise=noise, max_value=max_value, max_steps=max_steps)
             steps = re.findall(r"(\d+) ([+-]) (\d+) = (\d+)", ex["solution"])
             seen_counts.add(len(steps))
             assert max(1, max_steps - 1) <= len(steps) <= max_steps
@@ -52,18 +54,18 @@ def test_image_examples_at_other_widths(width):
     for noise in (0.0, 1.0):
         for _ in range(40):
             with cpu_budget(10.0):  # a spec that no grid satisfies would make the generator's rejection loop hang
-                ex = tasks.make_image_example(rng, split="any", noise=noise, width=width)
+                ex = toy.make_image_example(rng, split="any", noise=noise, width=width)
             spec, image = ex["spec"], ex["image"]
             assert spec["width"] == width and len(image) == width * width
-            counts = {c: image.count(tasks.COLOURS.index(c) + 1) for c in tasks.COLOURS}
+            counts = {c: image.count(toy.COLOURS.index(c) + 1) for c in toy.COLOURS}
             right = all(counts[c] == n for c, n in spec["counts"].items()) and \
                 {c for c, n in counts.items() if n} == set(spec["counts"])
             assert right == (noise == 0.0)
-            assert (tasks.image_reward(image, spec) == 1.0) == right
+            assert (toy.image_reward(image, spec) == 1.0) == right
 
 
 def test_encode_text_refuses_a_short_window(tok):
-    ex = tasks.make_text_example(random.Random(0), max_steps=4)
+    ex = toy.make_text_example(random.Random(0), max_steps=4)
     with pytest.raises(ValueError, match=r"completion needs \d+ tokens \+ 1 EOS but gen_length is 5"):
         tasks.encode_text(tok, ex, 5)
 
@@ -86,9 +88,9 @@ def test_image_prompt_truncation_and_missing_markers(tok):
 
 def test_codes_outside_the_codebook_and_render(tok):
     off = tasks.token_ids(tok).image_token_offset
-    assert tasks.ids_to_codes(tok, [off - 1, off, off + tasks.CODEBOOK_SIZE - 1, off + tasks.CODEBOOK_SIZE]) == \
-        [-1, 0, tasks.CODEBOOK_SIZE - 1, -1]
-    assert tasks.render_image([0, 99, -1, 1], 2).splitlines()[1] == "??\x1b[48;5;196m  \x1b[0m"
+    assert tasks.ids_to_codes(tok, [off - 1, off, off + toy.CODEBOOK_SIZE - 1, off + toy.CODEBOOK_SIZE]) == \
+        [-1, 0, toy.CODEBOOK_SIZE - 1, -1]
+    assert toy.render_image([0, 99, -1, 1], 2).splitlines()[1] == "??\x1b[48;5;196m  \x1b[0m"
 
 
 def cfg(**kw):
@@ -122,7 +124,7 @@ def test_image_batch_width_text_len_and_padding(tok):
     """image_width sets the slots, image_text_len the caption part; attend_padding "on" unmasks both the
     prompt and CFG's unconditional prompt; "auto" masks them for the toy image task."""
     ids = tasks.token_ids(tok)
-    ex = tasks.make_image_example(random.Random(0), width=3)
+    ex = toy.make_image_example(random.Random(0), width=3)
     b = tasks.make_batch("image", [ex, ex], tok, ids, cfg(image_width=3, image_text_len=12), "cpu", with_targets=True)
     assert b.prompt_len == 13 and b.window == 9 and b.x.shape == (2, 13 + 9 + 1)
     assert b.x[0, 13:22].tolist() == [ids.image_token_offset + c for c in ex["image"]]
@@ -130,7 +132,7 @@ def test_image_batch_width_text_len_and_padding(tok):
     on = tasks.make_batch("image", [ex], tok, ids, cfg(image_width=3, image_text_len=12, attend_padding="on"), "cpu",
                           with_targets=False)
     assert (on.attention_mask == 1).all() and (on.uncond_mask == 1).all() and (on.x[0, 13:22] == ids.mask).all()
-    assert tasks.vocab_slice("image", ids) == (ids.image_token_offset, ids.image_token_offset + tasks.CODEBOOK_SIZE)
+    assert tasks.vocab_slice("image", ids) == (ids.image_token_offset, ids.image_token_offset + toy.CODEBOOK_SIZE)
     assert tasks.vocab_slice("gsm8k", ids) is None
     half = b.rows(slice(1, 2))
     assert half.x.shape[0] == 1 and half.examples == [ex] and torch.equal(half.uncond, b.uncond[1:2])

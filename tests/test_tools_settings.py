@@ -15,7 +15,7 @@ import torch
 import sample
 import tasks
 from conftest import ROOT
-from infra import bench, data, hf, sample_cli, scorer
+from infra import bench, data, hf, sample_cli, scorer, toy
 from model import ModelConfig, Transformer
 from tasks import chat_prompt
 
@@ -24,7 +24,7 @@ from tasks import chat_prompt
 def toy_ckpt(tmp_path_factory):
     """A one-layer model on the toy vocabulary (text and image ids), with its tokenizer."""
     path = tmp_path_factory.mktemp("toy")
-    tok = tasks.build_tokenizer()
+    tok = toy.build_tokenizer()
     cfg = ModelConfig(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, mlp_hidden_size=32, max_sequence_length=64,
                       **tasks.model_config_overrides(tok))
     hf.save_pretrained(Transformer(cfg).init_weights(torch.Generator().manual_seed(0)), path)
@@ -101,7 +101,7 @@ def test_image_flags_reach_the_sampler(toy_ckpt, spy, tmp_path, capsys):
     ids = tasks.token_ids(tok)
     assert (kw["sampler"], kw["steps"], kw["cfg_scale"], kw["num_tokens"], kw["image_start"], kw["seed"]) == \
         ("maskgit", 5, 2.5, 9, 11, 4)
-    assert (kw["code_offset"], kw["codebook_size"], kw["mask_id"]) == (ids.image_token_offset, tasks.CODEBOOK_SIZE, ids.mask)
+    assert (kw["code_offset"], kw["codebook_size"], kw["mask_id"]) == (ids.image_token_offset, toy.CODEBOOK_SIZE, ids.mask)
     want, _, att = tasks.encode_image_prompt(tok, "two red blocks", 10, 9)
     assert kw["ids"][0].tolist() == want and kw["attention_mask"][0].tolist() == att
     assert kw["uncond_input_ids"][0].tolist() == tasks.encode_image_prompt(tok, "", 10, 9)[0]

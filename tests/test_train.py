@@ -11,11 +11,10 @@ import pytest
 import torch
 
 import sample
-import tasks
 import train
 from model import Transformer
 from infra.hf import load_tokenizer
-from infra import hf
+from infra import hf, toy
 from infra import sample_cli
 
 
@@ -39,14 +38,14 @@ def test_smoke_run(tmp_path, capsys):
 
     model = hf.from_pretrained(out / "final")
     tok = load_tokenizer(out / "final", model.config)
-    assert tok.get_vocab_size() == tasks.build_tokenizer().get_vocab_size()
+    assert tok.get_vocab_size() == toy.build_tokenizer().get_vocab_size()
     # The sampling CLI reads the written checkpoint, for a text and an image prompt.
     # With no generation flags it decodes as the run was trained (generation.json: 12 tokens, toy prompt).
     assert json.loads((out / "final" / "generation.json").read_text())["gen_length"] == 12
     text = sample_cli.main(["--ckpt", str(out / "final"), "--prompt", "bob has 3 pens . how many pens does he have ?"])
     assert isinstance(text, str) and len(tok.encode(text, add_special_tokens=False).ids) <= 12
     codes = sample_cli.main(["--ckpt", str(out / "final"), "--prompt", "two red blocks", "--image", "--image_steps", "4"])
-    assert len(codes) == 16 and all(0 <= c < tasks.CODEBOOK_SIZE for c in codes)
+    assert len(codes) == 16 and all(0 <= c < toy.CODEBOOK_SIZE for c in codes)
     # Re-run the same RL config from the cached SFT model (into another out_dir: the finished run is never
     # overwritten): the SFT stage is skipped, and the result is deterministic, so the final weights give
     # the same logits as the first run's.

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import tasks
+
 import train
-from infra import load, lora, rng
+from infra import load, lora, rng, toy
 from model import Transformer
 
 
@@ -43,7 +44,7 @@ class GradRecorder:
 
 @pytest.fixture(scope="module")
 def base():
-    tok = tasks.build_tokenizer()
+    tok = toy.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text,image"])
     model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))

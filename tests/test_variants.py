@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import tasks
+
 import train
-from infra import load, lora
+from infra import load, lora, toy
 from model import Transformer
 
 
@@ -27,7 +28,7 @@ def base():
     """A random toy-vocabulary model in float64: tests here compare runs whose passes split the batch
     differently, and float32 kernels of other shapes round differently enough (~1e-7) to flip a near-tie in
     the sampler on some CPU; at float64 the same sequences come out on any CPU and thread count."""
-    tok = tasks.build_tokenizer()
+    tok = toy.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text"])
     model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
