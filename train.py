@@ -9,10 +9,10 @@ Stage 1 (`sft`) trains the toy model from scratch with the masked-diffusion loss
 MDLM arXiv:2406.07524); it is cached in out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880,
 Alg. 5), one rollout batch at a time:
 
-    1. rollouts      rollout: G completions per prompt with their decoding order; sample.generate (text,
-                     LLaDA's block sampler) or sample.generate_image (emerge sampler + CFG)
-    2. rewards       tasks.score: each task's reward (tasks.TASKS: verifiers in rewards.py / tasks.py, or a
-                     remote image scorer), in [0, 1]
+    1. rollouts      tasks.rollout: G completions per prompt with their decoding order; sample.generate
+                     (text, LLaDA's block sampler) or sample.generate_image (emerge sampler + CFG)
+    2. rewards       tasks.score: each task's reward (tasks.TASKS: verifiers in rewards.py / infra/toy.py,
+                     or a remote image scorer), in [0, 1]
     3. advantages    grpo.group_advantages: (R - mean) / std within each group of G (d1: R - mean)
     4. views         importance.views: the estimator's K masked inputs and the positions each scores (mu
                      re-masked copies of every completion, or the sampler's T states for "trajectory")
@@ -32,7 +32,7 @@ import math
 import random
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +49,8 @@ from infra.run import Run, TrainingStopped, startup_checks
 from infra.scale import print0
 from infra.scorer import RemoteScorer
 from infra.settings import setup, validate
-from tasks import (GRID_PROMPTS, IMAGE_TASKS, Batch, TokenIds, decode_window, draw_prompts, eval_examples, make_batch,
-                   make_example, sft_tasks, task_list, vocab_slice)
+from tasks import (IMAGE_TASKS, Batch, Ctx, evaluate_all, image_snapshot, make_batch, make_example, rollout, sft_tasks,
+                   step_prompts, task_list, vocab_slice)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -264,48 +264,6 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
 # stage 2: MaskGRPO
 
 
-@dataclass
-class Ctx:
-    """What every function of the loop needs besides the model and the optimizer."""
-    cfg: StepConfig                   # the run's Config; a step reads only the StepConfig fields
-    tok: object                       # tokenizers.Tokenizer
-    ids: TokenIds
-    device: torch.device
-    datasets: dict                    # {task: {"train": rows, "test": rows}} (infra/data.load_data)
-    scorer: object = None             # infra/scorer.RemoteScorer for geneval rewards
-
-
-@torch.no_grad()
-def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False,
-            stats: dict | None = None):
-    """Fill the window of every row with the policy's sample: (a new Batch, prompts unchanged; the decoding
-    order (B, L), the sampler step each position was revealed at, -1 for the prompt). gens: one generator per
-    row, so a row's sample depends on its own seed only. fast: text rollouts use --kv_cache / --threshold
-    (the Fast-dLLM options of sample.generate, off by default); evaluation keeps the exact sampler. stats: fast
-    text rollouts count what they commit into it (sample.fast_summary)."""
-    cfg, ids = ctx.cfg, ctx.ids
-    xs, orders = [], []
-    with scale.full_weights(model):
-        for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
-            c, g = prompts.rows(rows), gens[rows]
-            if c.task in IMAGE_TASKS:
-                x, order = sample.generate_image(
-                    model, c.x, image_start=c.prompt_len, num_tokens=c.window, steps=cfg.image_steps,
-                    sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale, uncond_input_ids=c.uncond, generator=g,
-                    attention_mask=c.attention_mask, uncond_attention_mask=c.uncond_mask,
-                    code_offset=ids.image_token_offset, codebook_size=ids.codebook_size, mask_id=ids.mask,
-                    return_order=True)
-            else:
-                x, order = sample.generate(
-                    model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
-                    steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
-                    attention_mask=c.attention_mask[:, : c.prompt_len], kv_cache=cfg.kv_cache if fast else "none",
-                    threshold=cfg.threshold if fast else 0.0, return_order=True, stats=stats)
-            xs.append(x)
-            orders.append(order)
-    return replace(prompts, x=torch.cat(xs)), torch.cat(orders)
-
-
 def advantages(rewards: torch.Tensor, cfg: StepConfig) -> torch.Tensor:
     """Group-relative advantages (GRPO, arXiv:2402.03300 §4.1.2) of the global rewards, divided by the
     group std or not (d1's trainer: A = r - mean)."""
@@ -328,18 +286,6 @@ class Experience:
 
 class BadStep(Exception):
     """Rewards that are not finite numbers in [0, 1]: the RL step is skipped (main counts it)."""
-
-
-def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
-    """The prompts of RL step `step`, one Batch per task: each prompt G times, this rank's whole groups.
-    Every rank builds the global batch (token ids: cheap) and keeps its own rows with their global index,
-    which seeds each sequence's rollout noise and masks: its randomness is the same on any process."""
-    cfg, out = ctx.cfg, []
-    for task in task_list(cfg):
-        exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]
-        b = make_batch(task, exs, ctx.tok, ctx.ids, cfg, ctx.device, with_targets=False)
-        out.append(b.rows(scale.shard_rows(len(exs))))
-    return out
 
 
 def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple[dict, list]:
@@ -484,85 +430,6 @@ def lap(times: dict, name: str) -> None:
     cpu_name = name.removesuffix("_s") + "_cpu_s"
     times[cpu_name] = times.get(cpu_name, 0.0) + cpu - times.get("cpu_last", times["cpu_start"])
     times["last"], times["cpu_last"] = now, cpu
-
-
-# -----------------------------------------------------------------------------------------------------
-# held-out evaluation (before and after RL; evaluate.py)
-
-
-def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
-             prompt_means: list | None = None, stop=None) -> float | None:
-    """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each from a
-    generator seeded by its index, so runs are paired and the world size changes nothing; ranks take
-    interleaved rows of every 64-example batch. records: if given, receives one dict per scored row of this
-    rank (index, prompt, output, reward); prompt_means: each held-out prompt's mean reward, over ranks (for a
-    gain's paired standard error); progress(n) after each batch of n rows (evaluate.py's bar); stop() before
-    each batch, on every rank (it raises to end a run on a signal: infra/phases.py). None without held-out set."""
-    cfg, device = ctx.cfg, ctx.device
-    exs = eval_examples(task, cfg, ctx.datasets)
-    if not exs:
-        return None
-    k = cfg.eval_samples if temperature > 0 else 1
-    per_prompt = torch.zeros(len(exs), dtype=torch.float64, device=device)  # summed reward of each prompt
-    exs = [ex for ex in exs for _ in range(k)]
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
-    # Entered by every rank, also one without rows in some batch (rollout's own is then a no-op).
-    with scale.full_weights(model):
-        for i in range(0, len(exs), 64):
-            if stop is not None:
-                stop()
-            mine = slice(scale.rank(), None, scale.world())
-            b = make_batch(task, exs[i:i + 64], ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(mine)
-            idx = list(range(i, min(i + 64, len(exs))))[mine]
-            if not idx:
-                continue
-            gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
-            b, _ = rollout(model, b, ctx, gens, temperature)
-            r = tasks.score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
-            total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
-            per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
-            if progress is not None:
-                progress(len(idx))
-            if records is not None:
-                outs = decode_window(b, ctx.tok, ctx.ids)
-                records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
-                               for j, ex, o, v in zip(idx, b.examples, outs, r.tolist()))
-    total = scale.all_sum(total)
-    if prompt_means is not None:
-        prompt_means.extend((scale.all_sum(per_prompt) / k).tolist())
-    return (total[0] / total[1]).item()
-
-
-def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None, stop=None) -> dict:
-    """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data
-    are left out. prompt_means: if given, receives the per-prompt means of each, under the same keys;
-    stop: as evaluate's."""
-    res = {}
-    for task in task_list(ctx.cfg):
-        for key, temperature in ((task, ctx.cfg.temperature), (f"{task}_greedy", 0.0)):
-            if key != task and task in IMAGE_TASKS:  # images have no greedy decoding
-                continue
-            means = []
-            r = evaluate(model, ctx, task, temperature, prompt_means=means, stop=stop)
-            if r is None:
-                break
-            res[key] = r
-            if prompt_means is not None:
-                prompt_means[key] = means
-    return res
-
-
-def image_snapshot(model, ctx: Ctx) -> list | None:
-    """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the
-    before and after pictures differ only by the policy. None without the toy image task."""
-    if "image" not in task_list(ctx.cfg):
-        return None
-    exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS]
-    if not exs:
-        return None
-    b = make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)
-    gens = [generator(ctx.device, ctx.cfg.seed, "grid", i) for i in range(len(exs))]
-    return decode_window(rollout(model, b, ctx, gens, ctx.cfg.temperature)[0], ctx.tok, ctx.ids)
 
 
 # -----------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ log-ratios on one seeded masked copy of o (importance.build_masks + token_logpro
 runs). This script measures, in the training regime, how well each estimate tracks Delta:
 
 1. pi_old = the checkpoint. Rollouts from pi_old for prompts_per_step x group_size sequences per task,
-   with the decoding order train.rollout returns (and the generators train.rl_step uses).
+   with the decoding order tasks.rollout returns (and the generators train.rl_step uses).
 2. One real MaskGRPO step with the Config's settings (train.rl_step on a copy of pi_old): theta_j is the
    policy after j of its mu updates, the one inner iteration j scores in training.
 3. For j = 1 .. mu-1 and every sequence: Delta_j exactly; and, for each estimator, `draws` estimates
@@ -113,19 +113,19 @@ class _Snapshots:
 
 def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     cfg = replace(o, tasks=task)
-    ctx = train.Ctx(cfg, tok, ids, device, {})
+    ctx = tasks.Ctx(cfg, tok, ids, device, {})
     # 1. rollouts from pi_old with the decoding order: rl_step's prompts and per-sequence generators at step 0
     exs = [ex for ex in draw_prompts(task, cfg, 0, {}) for _ in range(cfg.group_size)]
     b = make_batch(task, exs, tok, ids, cfg, device, with_targets=False)
     gens = [rng.generator(device, cfg.seed, "rollout", task, 0, i) for i in range(len(exs))]
-    b, order = train.rollout(old, b, ctx, gens, cfg.temperature, fast=True)
+    b, order = tasks.rollout(old, b, ctx, gens, cfg.temperature, fast=True)
     # 2. one MaskGRPO step from a copy of pi_old (the reference is pi_old itself, as in a run's first step);
     # it draws the same rollouts
     theta = copy.deepcopy(old)
     opt = _Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
                                               weight_decay=cfg.weight_decay), cfg.num_iterations)
-    _, (r,) = train.rl_step(theta, old, opt, ctx, 0, train.step_prompts(ctx, 0))  # old: the reference (beta > 0)
-    assert torch.equal(r.batch.x, b.x), "rl_step drew other rollouts than train.rollout with its generators"
+    _, (r,) = train.rl_step(theta, old, opt, ctx, 0, tasks.step_prompts(ctx, 0))  # old: the reference (beta > 0)
+    assert torch.equal(r.batch.x, b.x), "rl_step drew other rollouts than tasks.rollout with its generators"
     thetas = opt.thetas
     # 3. exact Delta_j and every estimator's estimates
     b, kw = r.batch, dict(attention_mask=r.batch.attention_mask, vocab_slice=vocab_slice(task, ids), mask_id=ids.mask)

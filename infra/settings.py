@@ -14,7 +14,7 @@ import grpo
 import importance
 import sample
 import tasks
-from infra import hf, lora, scale, toy
+from infra import hf, lora, scale
 from infra.data import data_paths
 from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
@@ -82,7 +82,7 @@ def validate(cfg) -> None:
     need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
          f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add --estimator=trajectory or drop it")
     need(cfg.adv_std in ("auto", "on", "off"), f"adv_std ({cfg.adv_std!r}) must be auto, on or off")
-    need(cfg.text_reward in toy.TEXT_REWARDS, f"text_reward ({cfg.text_reward!r}) must be one of {tuple(toy.TEXT_REWARDS)}")
+    need(cfg.text_reward in tasks.TEXT_REWARDS, f"text_reward ({cfg.text_reward!r}) must be one of {tuple(tasks.TEXT_REWARDS)}")
     need(cfg.reward_shaping in ("none", "official"), f"reward_shaping ({cfg.reward_shaping!r}) must be none or official")
     need(cfg.attend_padding in ("auto", "on", "off"), f"attend_padding ({cfg.attend_padding!r}) must be auto, on or off")
     known = tuple(tasks.TASKS)

@@ -193,9 +193,6 @@ def solution_reward(completion_text: str, example: dict) -> float:
     return float(completion_text.strip() == example["solution"])
 
 
-TEXT_REWARDS = {"answer": answer_reward, "solution": solution_reward}  # --text_reward
-
-
 # -----------------------------------------------------------------------------------------------------
 # image task: text-to-image on a grid of palette colours, with a GenEval-style verifier
 

@@ -39,15 +39,15 @@ def test_log_ratios_are_the_training_codes(sft_dir):
     tok = load_tokenizer(sft_dir, old.config)
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--lr=1e-2"])
-    ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
+    ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
     exs = [ex for ex in tasks.draw_prompts("text", cfg, 0, {}) for _ in range(cfg.group_size)]
     b = tasks.make_batch("text", exs, tok, ids, cfg, ctx.device, with_targets=False)
     gens = [rng.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(exs))]
-    b, order = train.rollout(old, b, ctx, gens, cfg.temperature, fast=True)
+    b, order = tasks.rollout(old, b, ctx, gens, cfg.temperature, fast=True)
     assert (order[:, b.window_slice] >= 0).all() and (order[:, : b.prompt_len] == -1).all()
     theta = copy.deepcopy(old)
     opt = diagnose._Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr), cfg.num_iterations)
-    _, (r,) = train.rl_step(theta, old, opt, ctx, 0, train.step_prompts(ctx, 0))  # old: the reference (beta > 0)
+    _, (r,) = train.rl_step(theta, old, opt, ctx, 0, tasks.step_prompts(ctx, 0))  # old: the reference (beta > 0)
     assert torch.equal(r.batch.x, b.x)
     theta1 = opt.thetas[0]  # after update 0: the policy inner iteration 1 scores
     in_mask = r.inputs[1] == ids.mask

@@ -198,7 +198,7 @@ def test_evaluate_checks_out_before_evaluating(finished, tmp_path, monkeypatch, 
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("x")
     (tmp_path / "done.jsonl").write_text('{"reward": 1.0}\n')
-    monkeypatch.setattr(train, "evaluate", _no_evaluation)
+    monkeypatch.setattr(tasks, "evaluate", _no_evaluation)
     out = tmp_path / bad
     assert evaluate.main(["--ckpt", str(finished / "final"), "--task", "text", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()

@@ -98,16 +98,16 @@ def run_step(cfg, policy, ref, opt, tok, ids, step, *, prompts=None, device=CPU,
         updates[-1].stats.update({f"{e.batch.task}/{k}": v for k, v in s.items()})
         return s
 
-    real_backward, real_score, real_draw = train.backward_loss, tasks.score, train.draw_prompts
+    real_backward, real_score, real_draw = train.backward_loss, tasks.score, tasks.draw_prompts
     handle = opt.register_step_pre_hook(before_step)
     train.backward_loss, tasks.score = spy_backward, fake_score
     if prompts is not None:
-        train.draw_prompts = lambda task, cfg_, step_, datasets: prompts
+        tasks.draw_prompts = lambda task, cfg_, step_, datasets: prompts
     try:
-        ctx = train.Ctx(cfg, tok, ids, device, {})
-        log, rolls = train.rl_step(policy, ref, opt, ctx, step, train.step_prompts(ctx, step))
+        ctx = tasks.Ctx(cfg, tok, ids, device, {})
+        log, rolls = train.rl_step(policy, ref, opt, ctx, step, tasks.step_prompts(ctx, step))
     finally:
-        train.backward_loss, tasks.score, train.draw_prompts = real_backward, real_score, real_draw
+        train.backward_loss, tasks.score, tasks.draw_prompts = real_backward, real_score, real_draw
         handle.remove()
     return log, rolls, updates
 
@@ -417,7 +417,7 @@ def sft_batch(task, B, seed=0):
     cfg = train.parse_args(["--preset=smoke"])
     rng = random.Random(seed)
     exs = [train.make_example(task, rng, cfg, "train") for _ in range(B)]
-    return train.make_batch(task, exs, tok, ids, cfg, CPU, with_targets=True), ids
+    return tasks.make_batch(task, exs, tok, ids, cfg, CPU, with_targets=True), ids
 
 
 @pytest.mark.parametrize("task", ["text", "image"])
@@ -495,11 +495,11 @@ def test_a_step_reads_only_the_step_settings(ckpt):
     for flags in STEP_VARIANTS:
         cfg, policy, ref, opt, tok, ids = build(ckpt, *flags)
         rec = ReadRecorder(cfg)
-        prompts = train.step_prompts(train.Ctx(cfg, tok, ids, CPU, {}), 0)
+        prompts = tasks.step_prompts(tasks.Ctx(cfg, tok, ids, CPU, {}), 0)
         real_score = tasks.score
         tasks.score = fake_score
         try:
-            train.rl_step(policy, ref, opt, train.Ctx(rec, tok, ids, CPU, {}), 0, prompts)
+            train.rl_step(policy, ref, opt, tasks.Ctx(rec, tok, ids, CPU, {}), 0, prompts)
         finally:
             tasks.score = real_score
         assert rec.read <= step_fields, (flags, sorted(rec.read - step_fields))

@@ -230,7 +230,7 @@ def test_greedy_evaluation_decodes_at_temperature_zero(toy, monkeypatch):
     spy(monkeypatch, sample, "generate_image", calls)
     monkeypatch.setattr(tasks, "score", fake_score)
     cfg = parse("--temperature=0.7", "--eval_prompts=3", "--eval_samples=2")
-    res = train.evaluate_all(model, train.Ctx(cfg, tok, ids, CPU, {}))
+    res = tasks.evaluate_all(model, tasks.Ctx(cfg, tok, ids, CPU, {}))
     assert set(res) == {"text", "text_greedy", "image"}
     text = [(c[2]["temperature"], c[1][1].shape[0]) for c in calls if c[0] == "generate"]
     assert [t for t, _ in text] == [0.7, 0.0]  # one batch each (at most 64 rows)
@@ -238,12 +238,12 @@ def test_greedy_evaluation_decodes_at_temperature_zero(toy, monkeypatch):
     assert sum(c[1][1].shape[0] for c in calls if c[0] == "generate_image") == 6
 
     prompts = tasks.eval_examples("text", cfg, {})
-    monkeypatch.setattr(train, "eval_examples", lambda task, cfg_, datasets: prompts)
+    monkeypatch.setattr(tasks, "eval_examples", lambda task, cfg_, datasets: prompts)
 
     def outputs(seed, temperature):
         records = []
-        c = train.Ctx(parse("--tasks=text", f"--seed={seed}", "--eval_samples=2", "--eval_prompts=3"), tok, ids, CPU, {})
-        train.evaluate(model, c, "text", temperature, records)
+        c = tasks.Ctx(parse("--tasks=text", f"--seed={seed}", "--eval_samples=2", "--eval_prompts=3"), tok, ids, CPU, {})
+        tasks.evaluate(model, c, "text", temperature, records)
         return [r["output"] for r in records]
 
     assert outputs(0, 0.0) == outputs(1, 0.0)
@@ -286,8 +286,8 @@ def rl_step(toy, monkeypatch, *flags, calls):
     policy = copy.deepcopy(model)
     ref = copy.deepcopy(model) if cfg.beta > 0 else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
-    ctx = train.Ctx(cfg, tok, ids, CPU, {})
-    log, rolls = train.rl_step(policy, ref, opt, ctx, 0, train.step_prompts(ctx, 0))
+    ctx = tasks.Ctx(cfg, tok, ids, CPU, {})
+    log, rolls = train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))
     return cfg, log, rolls, scored
 
 
@@ -345,7 +345,7 @@ def test_fast_sampler_and_estimator_settings(toy, monkeypatch, estimator):
 def test_seed_changes_the_rollouts(toy, monkeypatch):
     """The same prompts under --seed=0 and --seed=7: other rollout noise, so other completions."""
     prompts = tasks.draw_prompts("text", parse(), 0, {})[:2]
-    monkeypatch.setattr(train, "draw_prompts", lambda task, cfg, step, datasets: prompts)
+    monkeypatch.setattr(tasks, "draw_prompts", lambda task, cfg, step, datasets: prompts)
     windows = []
     for seed in (0, 7):
         _, _, (r,), _ = rl_step(toy, monkeypatch, "--tasks=text", f"--seed={seed}", "--num_iterations=1", calls=[])

@@ -199,7 +199,7 @@ def test_solution_reward_reads_every_step_and_the_box():
         assert toy.solution_reward(wrong, ex) == 0.0
     assert toy.answer_reward("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}", ex) == 1.0
     # The scorer picks the verifier by name; the toy runs' decoded completions have no leading/trailing space.
-    assert toy.TEXT_REWARDS == {"answer": toy.answer_reward, "solution": toy.solution_reward}
+    assert tasks.TEXT_REWARDS == {"answer": toy.answer_reward, "solution": toy.solution_reward}
 
 
 def test_long_toy_is_scored_by_its_solution():

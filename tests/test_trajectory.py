@@ -61,8 +61,8 @@ def run_step(base, monkeypatch, task, *flags):
     policy, ref = copy.deepcopy(model), copy.deepcopy(model)
     params = lora.trainable_parameters(policy)
     opt = GradRecorder(torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99)), policy.parameters())
-    ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-    log, (r,) = train.rl_step(policy, ref, opt, ctx, 0, train.step_prompts(ctx, 0))
+    ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
+    log, (r,) = train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))
     return log, r, opt, ctx
 
 
@@ -93,7 +93,7 @@ def test_gradient_equals_a_naive_per_step_computation(base, monkeypatch, task):
     # The decoding order from an independent rollout with rl_step's generators (same tokens, same order).
     fresh = tasks.make_batch(task, b.examples, tok, ids, cfg, ctx.device, with_targets=False)
     gens = [rng.generator("cpu", cfg.seed, "rollout", task, 0, i) for i in range(len(b.examples))]
-    x, order = train.rollout(model, fresh, ctx, gens, cfg.temperature, fast=True)
+    x, order = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, fast=True)
     assert torch.equal(x.x, b.x)
     lo, hi = (ids.image_token_offset, ids.image_token_offset + ids.codebook_size) if task == "image" else (0, None)
 

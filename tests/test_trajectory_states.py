@@ -39,8 +39,8 @@ def run_step(base, monkeypatch, *flags):
     cfg = train.parse_args([*FLAGS, *flags])
     policy, ref = copy.deepcopy(model), copy.deepcopy(model)
     opt = GradRecorder(torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr), policy.parameters())
-    ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-    log, (r,) = train.rl_step(policy, ref, opt, ctx, 0, train.step_prompts(ctx, 0))
+    ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
+    log, (r,) = train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))
     return log, r, opt.grads, ctx
 
 
@@ -78,7 +78,7 @@ def naive_full_gradient(base, r, ctx) -> torch.Tensor:
     cfg, b = ctx.cfg, r.batch
     fresh = tasks.make_batch("text", b.examples, tok, ids, cfg, ctx.device, with_targets=False)
     gens = [rng.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(b.examples))]
-    x, order = train.rollout(model, fresh, ctx, gens, cfg.temperature, fast=True)
+    x, order = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, fast=True)
     assert torch.equal(x.x, b.x)
     theta, old = copy.deepcopy(model).train(), copy.deepcopy(model).eval()
 
@@ -192,12 +192,12 @@ def test_fast_rollout_statistics_match_the_decoding_order(base, kv_cache, thresh
     tok, ids, model = base
     cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--block_length=4", f"--kv_cache={kv_cache}",
                             f"--threshold={threshold}"])
-    ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
+    ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
     exs = tasks.make_batch("text", [tasks.make_example("text", __import__("random").Random(i), cfg, "test", 0.0)
                                     for i in range(6)], tok, ids, cfg, ctx.device, with_targets=False)
     stats = {}
     gens = [torch.Generator().manual_seed(i) for i in range(6)]
-    _, order = train.rollout(model, exs, ctx, gens, 0.0, fast=True, stats=stats)
+    _, order = tasks.rollout(model, exs, ctx, gens, 0.0, fast=True, stats=stats)
     window = order[:, exs.window_slice]
     steps = [len(set(row.tolist())) for row in window]
     assert stats["tokens"] == window.numel() and stats["row_steps"] == sum(steps)

@@ -47,8 +47,8 @@ def rl_step(base, monkeypatch, *flags, grads=None):
     opt = torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr, betas=(0.9, 0.99))
     if grads is not None:
         opt.register_step_pre_hook(lambda o, a, k: grads.append([p.grad.clone() for p in policy.parameters()]))
-    ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-    log, rolls = train.rl_step(policy, ref, opt, ctx, 0, train.step_prompts(ctx, 0))
+    ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
+    log, rolls = train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))
     return log, rolls, policy
 
 
@@ -142,27 +142,27 @@ def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
     solution = "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"
     example = {"prompt": "amy has 4 pens", "answer": "2", "completion": solution, "solution": solution}
     monkeypatch.setattr(tasks, "decode_window", lambda b, tok, ids: ["4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}"] * len(b.x))
-    monkeypatch.setattr(train, "eval_examples", lambda task, cfg, datasets: [example] * 3)
-    monkeypatch.setattr(train, "draw_prompts", lambda task, cfg, step, datasets: [example] * cfg.prompts_per_step)
+    monkeypatch.setattr(tasks, "eval_examples", lambda task, cfg, datasets: [example] * 3)
+    monkeypatch.setattr(tasks, "draw_prompts", lambda task, cfg, step, datasets: [example] * cfg.prompts_per_step)
     for name, want in (("answer", 1.0), ("solution", 0.0)):
         cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4",
                                 "--num_iterations=1", "--gen_length=16", "--block_length=16", "--steps=16",
                                 f"--text_reward={name}"])
-        ctx = train.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-        assert train.evaluate(copy.deepcopy(model), ctx, "text", 0.0) == want
+        ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
+        assert tasks.evaluate(copy.deepcopy(model), ctx, "text", 0.0) == want
         policy = copy.deepcopy(model)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
-        _, (r,) = train.rl_step(policy, copy.deepcopy(model), opt, ctx, 0, train.step_prompts(ctx, 0))
+        _, (r,) = train.rl_step(policy, copy.deepcopy(model), opt, ctx, 0, tasks.step_prompts(ctx, 0))
         assert r.rewards.tolist() == [want] * 8
 
 
 def test_evaluate_prompt_means_average_each_prompts_samples(base):
-    """train.evaluate's prompt_means: held-out prompt j's mean over its eval_samples completions, which are
+    """tasks.evaluate's prompt_means: held-out prompt j's mean over its eval_samples completions, which are
     rows j * k .. j * k + k - 1 of its records (toy images: rewards are fractions, so prompts differ)."""
     tok, ids, model = base
     cfg = train.parse_args(["--preset=smoke", "--tasks=image", "--eval_prompts=6", "--eval_samples=3"])
     records, means = [], []
-    mean = train.evaluate(model, train.Ctx(cfg, tok, ids, torch.device("cpu"), {}), "image", 1.0, records,
+    mean = tasks.evaluate(model, tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {}), "image", 1.0, records,
                           prompt_means=means)
     want = [sum(r["reward"] for r in records if r["index"] // 3 == j) / 3 for j in range(6)]
     assert len(records) == 18 and means == pytest.approx(want, abs=1e-12) and len(set(want)) > 1
