@@ -220,7 +220,9 @@ loss.backward()
 opt.step()
 out["update"] = peak() - base
 print("MEM " + json.dumps({"rank": dist.get_rank(), **out}), flush=True)
-dist.destroy_process_group()
+from infra import scale
+with scale.process_exit():  # leave the group and end the rank without interpreter teardown (gloo threads)
+    pass
 """
 
 

@@ -392,12 +392,10 @@ sys.path.insert(0, {root!r})
 import torch
 import train
 from infra import scale
-try:
+with scale.process_exit():  # leaves the group on every path; a rank ends without interpreter teardown
     train.main(sys.argv[1:])
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     print(f"peak rank {{scale.rank()}}: {{peak}}", flush=True)
-finally:
-    scale.close()
 """
 
 

@@ -188,7 +188,8 @@ if scale.world() > 1:  # is the root (embedding, norm, head) sharded: after a fo
     states.append(sharded())
 if scale.rank() == 0:
     torch.save({"plain": plain, "held": held, "root_sharded": states}, sys.argv[1])
-scale.close()
+with scale.process_exit():  # leave the group and end the rank without interpreter teardown (gloo threads)
+    pass
 """
 
 
