@@ -34,7 +34,8 @@ for name, dtype, extra in (("full", torch.float32, {}), ("lora", torch.bfloat16,
     }
 if scale.rank() == 0:
     torch.save(result, out)
-scale.close()
+with scale.process_exit():  # leave the group and end the rank without interpreter teardown (gloo threads)
+    pass
 """
 
 
