@@ -219,7 +219,9 @@ loss, _ = grpo.policy_loss(logp, old, torch.randn(B, generator=g), mask, clip_ep
 loss.backward()
 opt.step()
 out["update"] = peak() - base
-print("MEM " + json.dumps({"rank": dist.get_rank(), **out}), flush=True)
+# one write per line: torchrun starts ranks unbuffered, where print writes the text and its newline apart
+sys.stdout.write("MEM " + json.dumps({"rank": dist.get_rank(), **out}) + "\\n")
+sys.stdout.flush()
 from infra import scale
 with scale.process_exit():  # leave the group and end the rank without interpreter teardown (gloo threads)
     pass

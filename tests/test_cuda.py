@@ -395,7 +395,8 @@ from infra import scale
 with scale.process_exit():  # leaves the group on every path; a rank ends without interpreter teardown
     train.main(sys.argv[1:])
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    print(f"peak rank {{scale.rank()}}: {{peak}}", flush=True)
+    sys.stdout.write(f"peak rank {{scale.rank()}}: {{peak}}\\n")  # one write: ranks run unbuffered
+    sys.stdout.flush()
 """
 
 
