@@ -2,28 +2,15 @@
 synthetic rollout, one update chunk, a free port."""
 import contextlib
 import io
-import json
-import math
-import os
-import re
 import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-import pytest
+
 import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
-from torch.nn.attention import SDPBackend
-import grpo  # noqa: E402
-import importance  # noqa: E402
-import sample  # noqa: E402
-import train  # noqa: E402
-from conftest import REFERENCE  # noqa: E402
-from infra import budget, hf, lora, scale  # noqa: E402
-from model import ModelConfig, Transformer  # noqa: E402
-from test_rl_step import build, run_step, save_tiny_checkpoint  # noqa: E402
+
+import grpo
+import importance
+import train
+from model import Transformer
+
 
 
 def head_dtype(model):

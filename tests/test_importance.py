@@ -8,10 +8,8 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import importance as imp
-from model import ModelConfig, Transformer
 
 
 class ContextFree(nn.Module):

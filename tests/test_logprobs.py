@@ -3,7 +3,6 @@ head over the scored window), the exact decoding log-likelihood, and the setting
 
     python -m pytest tests/test_logprobs.py -q
 """
-import math
 import pytest
 import torch
 import torch.nn as nn

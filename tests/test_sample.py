@@ -16,9 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import sample
 from infra import rng
 from model import ModelConfig, Transformer
-from sample import generate, generate_image, select_top_k, transfer_schedule
+from sample import generate, generate_image, transfer_schedule
 from infra import hf
-from infra import sample_cli
 
 # Stub vocabulary: ids 0..V-1, the last one is the mask. Image codes live at [OFFSET, OFFSET + C).
 V, MASK, EOS = 48, 47, 46

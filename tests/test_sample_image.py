@@ -6,18 +6,12 @@ preconditions), the vectorised top-k, left padding, and the sample.py command li
 import math
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from conftest import REFERENCE
-from safetensors.torch import load_file
-from torch.nn.attention import SDPBackend, sdpa_kernel
-import sample
-from infra import rng
-from model import ModelConfig, Transformer
-from sample import generate, generate_image, select_top_k, transfer_schedule
+from model import ModelConfig
+from sample import generate, generate_image, select_top_k
 from infra import hf
 from infra import sample_cli
-from test_sample import (C, EOS, MASK, OFFSET, Recorder, V, code_distributions, context_free, gen, image_layout,  # noqa: F401
+from test_sample import (C, EOS, MASK, OFFSET, Recorder, V, code_distributions, gen, image_layout,  # noqa: F401
                          image_stub, prompts, tiny_model)
 
 
