@@ -441,19 +441,20 @@ def main(argv=None) -> dict:
     if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
         return claims.dry_run(cfg, budget.dry_run)
     phases.remember_command(argv)   # for the messages that name the command continuing this run
-    finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
-    if finished is not None:
-        return finished
-    device, dtype = setup(cfg)
-    datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
-    with claims.sft_dir_claimed(cfg):  # a folder, writable, and this run's alone until its SFT model is saved
-        startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
-        scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
-        model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
-    ctx = Ctx(cfg, tok, ids, device, datasets, scorer)
-    report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
-    opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
-                            weight_decay=cfg.weight_decay)
+    with phases.start_up():             # a signal before RL stops at once and names the command to rerun
+        finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
+        if finished is not None:
+            return finished
+        device, dtype = setup(cfg)
+        datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
+        with claims.sft_dir_claimed(cfg):  # a folder, writable, and this run's alone until its SFT model is saved
+            startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
+            scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
+            model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
+        ctx = Ctx(cfg, tok, ids, device, datasets, scorer)
+        report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
+        opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
+                                weight_decay=cfg.weight_decay)
     print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.num_iterations} optimizer steps, {cfg.prompts_per_step} "
            f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "
            f"steps count from 0, as in log.jsonl")

@@ -15,7 +15,7 @@ import torch
 
 import tasks
 
-from infra import checkpoint, hf, lora, scale, toy
+from infra import checkpoint, hf, lora, phases, scale, toy
 from infra.budget import scratch_config
 from infra.hf import load_tokenizer, read_checkpoint
 from infra.rng import generator
@@ -88,24 +88,25 @@ def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
         seconds = sft(model, tok, ids, cfg, device)
         sft_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp, old = (sft_dir.with_name(f".{sft_dir.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
-        try:
-            hf.save_pretrained(model, tmp)
-            tok.save(str(tmp / "tokenizer.json"))
-            (tmp / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
-            (tmp / "sft_meta.json").write_text(json.dumps(sft_key(cfg), indent=2))
-            checkpoint.fsync_tree(tmp)
-            if sft_dir.exists():  # the model being replaced (--retrain_sft) stays whole until the new one is in
-                os.rename(sft_dir, old)
+        with phases.holding():  # a signal waits until the model is saved and renamed
             try:
-                os.rename(tmp, sft_dir)
-            except OSError:
-                if old.exists():
-                    os.rename(old, sft_dir)
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-        print(f"saved the SFT model to {sft_dir} (later runs with the same settings reuse it)")
+                hf.save_pretrained(model, tmp)
+                tok.save(str(tmp / "tokenizer.json"))
+                (tmp / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
+                (tmp / "sft_meta.json").write_text(json.dumps(sft_key(cfg), indent=2))
+                checkpoint.fsync_tree(tmp)
+                if sft_dir.exists():  # the model being replaced (--retrain_sft) stays whole until the new one is in
+                    os.rename(sft_dir, old)
+                try:
+                    os.rename(tmp, sft_dir)
+                except OSError:
+                    if old.exists():
+                        os.rename(old, sft_dir)
+                    raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
+            print(f"saved the SFT model to {sft_dir} (later runs with the same settings reuse it)")
     scale.barrier()
     if cached:
         print0(f"loading the SFT model from {sft_dir} (trained with these settings; --retrain_sft=true retrains it)")

@@ -1,6 +1,8 @@
 """What SIGTERM or SIGINT (pre-emption, Ctrl-C) does in each phase of a training run, so that no phase ends
 silently and every stop names what was kept and the command that continues:
 
+    start-up                 stops at once: data and model loading write nothing of the run, so the same
+                             command starts it again; an SFT model being saved is finished first (start_up)
     SFT                      the SFT step finishes, then the run exits: SFT keeps no checkpoint, nothing is
                              written to sft_dir, and the same command trains it again (train.sft)
     evaluation before RL     the evaluation batch finishes, then the run exits: no RL step was taken, so
@@ -33,6 +35,12 @@ _ARGV: list[str] = []
 def remember_command(argv) -> None:
     """Keep the arguments of this run (train.main's argv, or the command line) for resume_command."""
     _ARGV[:] = list(sys.argv[1:] if argv is None else argv)
+
+
+def start_command() -> str:
+    """The command of this run as it was typed (python train.py and its arguments)."""
+    launcher = "torchrun [the same launcher flags]" if scale.world() > 1 else "python"
+    return " ".join([launcher, "train.py", *map(shlex.quote, _ARGV)])
 
 
 def resume_command() -> str:
@@ -77,6 +85,49 @@ class Stop:
         final save finish (it is the end of the run)."""
         self()
         self.flag["doing"] = "finishing the final save first (the run is then complete)"
+
+
+_START_UP = {"holding": False, "pending": 0}
+
+
+class _StartUpStopped(BaseException):
+    """Raised by the start-up handler; a BaseException so that no `except Exception` on the way swallows it."""
+
+
+@contextmanager
+def start_up():
+    """From the parsed flags to the first RL phase: a signal stops the run at once (a step-finishing handler
+    of its own, like SFT's, takes over inside). Nothing of the run is written before RL but config.json, which
+    a new start overwrites, and the SFT model, saved atomically inside holding()."""
+    def handler(signum, frame):
+        if _START_UP["holding"]:
+            _START_UP["pending"] = _START_UP["pending"] or signum
+            return
+        raise _StartUpStopped(signum)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    except _StartUpStopped as e:
+        name = signal.Signals(e.args[0]).name
+        print0(f"stopped by {name} during start-up (loading data or the model, before any RL step): nothing of "
+               f"the run was kept but a finished SFT model; start it again with: {start_command()}")
+        raise SystemExit(128 + e.args[0]) from None
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+@contextmanager
+def holding():
+    """Inside start_up: a signal waits until the block is done (the SFT model's save and rename), then stops."""
+    _START_UP["holding"] = True
+    try:
+        yield
+    finally:
+        _START_UP["holding"], pending = False, _START_UP["pending"]
+        _START_UP["pending"] = 0
+    if pending:
+        raise _StartUpStopped(pending)
 
 
 @contextmanager

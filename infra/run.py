@@ -93,10 +93,8 @@ def startup_checks(cfg, device) -> None:
     budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
 
 
-FINISHED = ("final", "log.jsonl", "summary.json")  # what a run leaves besides checkpoints (config.json is
-
-
-                                                  # written at start-up, so a run that failed early has one)
+# What a run leaves besides checkpoints (config.json is written at start-up, so a run that failed early has one).
+FINISHED = ("final", "log.jsonl", "summary.json")
 
 
 def _check_out_dir(cfg, out: Path) -> None:

@@ -52,6 +52,52 @@ def signal_on_call(monkeypatch, module, name, n, sig):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_during_model_loading_stops_at_once(sft_dir, tmp_path, monkeypatch, capsys, sig):
+    """Loading the starting model (here the SFT model as --init_from, first of its two loads): the run stops at
+    once with one line naming the command, and that same command then runs."""
+    from infra import load
+    out = tmp_path / "run"
+    args = [*TINY, f"--init_from={sft_dir}", f"--out_dir={out}", "--rl_steps=1"]
+    calls = signal_on_call(monkeypatch, load, "load_sharded", 1, sig)
+    with pytest.raises(SystemExit) as e:
+        train.main(args)
+    assert e.value.code == 128 + sig and calls["n"] == 1
+    text = capsys.readouterr().out
+    assert f"stopped by {sig.name} during start-up (loading data or the model, before any RL step)" in text, text
+    assert f"start it again with: python train.py {' '.join(args)}" in text and "--resume" not in text, text
+    monkeypatch.undo()
+    assert "text" in train.main(args)
+
+
+def test_signal_while_loading_data_stops_at_once(tmp_path, monkeypatch, capsys):
+    calls = signal_on_call(monkeypatch, train, "load_data", 1, signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        train.main([*TINY, f"--out_dir={tmp_path / 'run'}"])
+    assert e.value.code == 128 + signal.SIGTERM and calls["n"] == 1
+    assert "stopped by SIGTERM during start-up" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()
+
+
+def test_signal_during_the_sft_save_waits_for_it(tmp_path, monkeypatch, capsys):
+    """A signal while the SFT model is written lets the save and its rename finish (a model moved aside half
+    way would be lost), then stops; the next run reuses the saved model."""
+    from infra import hf
+    out = tmp_path / "run"
+    args = [*TINY, f"--out_dir={out}", "--sft_steps=3"]
+    signal_on_call(monkeypatch, hf, "save_pretrained", 1, signal.SIGINT)
+    with pytest.raises(SystemExit) as e:
+        train.main(args)
+    assert e.value.code == 130
+    text = capsys.readouterr().out
+    assert "saved the SFT model to" in text and "stopped by SIGINT during start-up" in text, text
+    assert (out / "sft" / "sft_meta.json").is_file()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".sft")]  # no temporary or old copy left
+    monkeypatch.undo()
+    train.main(args)
+    assert "loading the SFT model from" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_during_final_evaluation_keeps_the_last_step(sft_dir, tmp_path, monkeypatch, capsys, sig):
     """3 RL steps, a checkpoint every 2: the last step is checkpointed before the final evaluation; a signal
     in it stops after the batch, names the checkpoint and the command; --resume=true finishes the run."""
