@@ -37,10 +37,14 @@ def remember_command(argv) -> None:
     _ARGV[:] = list(sys.argv[1:] if argv is None else argv)
 
 
+def _command(args) -> str:
+    launcher = "torchrun [the same launcher flags]" if scale.world() > 1 else "python"
+    return " ".join([launcher, "train.py", *map(shlex.quote, args)])
+
+
 def start_command() -> str:
     """The command of this run as it was typed (python train.py and its arguments)."""
-    launcher = "torchrun [the same launcher flags]" if scale.world() > 1 else "python"
-    return " ".join([launcher, "train.py", *map(shlex.quote, _ARGV)])
+    return _command(_ARGV)
 
 
 def resume_command() -> str:
@@ -56,8 +60,7 @@ def resume_command() -> str:
         if a == "--resume" or a.startswith("--resume="):
             continue
         args.append(a)
-    launcher = "torchrun [the same launcher flags]" if scale.world() > 1 else "python"
-    return " ".join([launcher, "train.py", *map(shlex.quote, args), "--resume=true"])
+    return _command([*args, "--resume=true"])
 
 
 class Stopped(Exception):
@@ -109,8 +112,9 @@ def start_up():
         yield
     except _StartUpStopped as e:
         name = signal.Signals(e.args[0]).name
-        print0(f"stopped by {name} during start-up (loading data or the model, before any RL step): nothing of "
-               f"the run was kept but a finished SFT model; start it again with: {start_command()}")
+        print0(f"stopped by {name} during start-up (loading data or the model, before any RL step): nothing was "
+               f"written but config.json and a finished SFT model, and no checkpoint was touched; start it again "
+               f"with: {start_command()}")
         raise SystemExit(128 + e.args[0]) from None
     finally:
         for sig, h in previous.items():
