@@ -3,6 +3,7 @@
     python -m infra.bench --threads 1           # both random models, one repetition
     python -m infra.bench --quick --threads 1   # smoke run: gen length 64, a 2-layer 256-d "llada"
     python -m infra.bench --ckpt out/toy/sft --threads 1   # a trained checkpoint on toy text prompts
+    python -m infra.bench --ckpt out/long/sft --preset toy_long --threads 1   # ... on the long toy's
     python -m infra.bench --reps 3              # medians of 3 interleaved repetitions
     python -m infra.bench --sandbox             # the code reward's sandbox instead: programs/s, kill time
 
@@ -28,8 +29,9 @@ d3LLM leaderboard; calibrated offline with the dual cache at gen length 256): th
   toy    train.py's toy dims: d 128, 4 layers, MLP 384, vocab 150; head scale 16.
   llada  LLaDA-shaped: d 512, 4 layers, 8 heads, MLP 1536, vocab 32000; head scale 26 (--head_scale).
 At this size the 32000-row head costs as much as the 4 layers; on LLaDA-8B it is ~6% of a forward pass.
---ckpt: a train.py checkpoint (e.g. the toy's sft/) on held-out toy text prompts with its own generation
-settings and a 4x longer one (4 blocks); the reward column scores the completions with tasks.py.
+--ckpt: a train.py checkpoint (e.g. the toy's sft/) on held-out toy text prompts, with the generation
+settings of --preset (toy, or toy_long for the long toy's prompts, 32 tokens in blocks of 8) and 4x longer
+(4x the blocks); the reward column scores the completions with tasks.py and the preset's text reward.
 
 Time is wall clock around one generate() call; "x LLaDA" is the median over repetitions of the speed ratio
 to the public loop in the same repetition (configurations interleaved, so other load hits them alike).
@@ -54,6 +56,7 @@ from infra.sandbox import run_code
 
 EOS = 0
 P, K, B = 64, 32, 8
+TOY_PRESETS = ("toy", "toy_long", "smoke")  # train.py's presets with the toy text task
 CONFIGS = [  # name, kv_cache, threshold; "LLaDA generate()" is llada_generate below
     ("LLaDA generate()", "public", 0.0),
     ("exact, full head", "full head", 0.0),
@@ -239,8 +242,9 @@ def bench(name, model, prompts, mask, gen, reps, configs, reward=None):
               f"{100 * agree:6.1f}% | {s['peak']:7.1f} |{extra}", flush=True)
 
 
-def toy_prompts(ckpt, n, device):
-    """A train.py checkpoint with n held-out toy text prompts, left-padded, and a reward function."""
+def toy_prompts(ckpt, n, device, preset="toy"):
+    """A train.py checkpoint with n held-out text prompts of the preset's toy task, left-padded, and its
+    reward function."""
     import random
 
     import train
@@ -250,7 +254,7 @@ def toy_prompts(ckpt, n, device):
     model = hf.from_pretrained(ckpt, device=device).eval()
     tok = load_tokenizer(ckpt, model.config)
     ids = hf.token_ids(tok, model.config)
-    cfg = train.parse_args(["--preset", "toy"])
+    cfg = train.parse_args(["--preset", preset])
     rng = random.Random(0)
     exs = [tasks.make_example("text", rng, cfg, "test") for _ in range(n)]
     b = tasks.make_batch("text", exs, tok, ids, cfg, device, with_targets=False)
@@ -258,7 +262,7 @@ def toy_prompts(ckpt, n, device):
 
     def reward(out):  # the whole completion, however long, through the toy verifier
         b_out = tasks.Batch("text", out, torch.ones_like(out), P_, out.shape[1] - P_, examples=exs)
-        return tasks.score(b_out, tok, ids).mean().item()
+        return tasks.score(b_out, tok, ids, text_reward=cfg.text_reward).mean().item()
     gens = [(cfg.gen_length, cfg.block_length, cfg.steps), (4 * cfg.gen_length, cfg.block_length, 4 * cfg.steps)]
     return model, b.x[:, :P_], b.attention_mask[:, :P_], gens, reward
 
@@ -304,6 +308,8 @@ def main(argv=None):
     p.add_argument("--head_scale", type=float, default=26.0, help="logit scale of the 'llada' head (docstring)")
     p.add_argument("--ckpt", default="", help="a train.py checkpoint directory: its toy text prompts instead")
     p.add_argument("--prompts", type=int, default=64, help="held-out toy prompts with --ckpt")
+    p.add_argument("--preset", default="toy", choices=TOY_PRESETS,
+                   help="with --ckpt: the train.py preset whose text prompts, lengths and reward are used")
     p.add_argument("--device", default="cpu")
     p.add_argument("--sandbox", action="store_true", help="time the code sandbox instead of the sampler")
     p.add_argument("--programs", type=int, default=100, help="programs run through the sandbox by --sandbox")
@@ -314,6 +320,8 @@ def main(argv=None):
         return bench_sandbox(args.programs)
     if args.reps < 1:
         raise ValueError(f"--reps must be >= 1, got {args.reps}")
+    if args.preset != "toy" and not args.ckpt:
+        raise ValueError(f"--preset {args.preset} chooses the prompts of --ckpt, which is not given; add --ckpt DIR")
     if args.gen_length < K or args.gen_length % K:
         raise ValueError(f"--gen_length must be a positive multiple of the block length {K}, got {args.gen_length}")
     if args.threads:
@@ -325,7 +333,7 @@ def main(argv=None):
     head = "| model | sampler          | fwd  | tok/fwd | tokens/s | x LLaDA |  agree  | peak MB |"
     rule = "|-------|------------------|------|---------|----------|---------|---------|---------|"
     if args.ckpt:
-        model, prompts, mask, gens, reward = toy_prompts(args.ckpt, args.prompts, device)
+        model, prompts, mask, gens, reward = toy_prompts(args.ckpt, args.prompts, device, args.preset)
         for gen in gens:
             print(f"\n{args.ckpt}: {len(prompts)} toy text prompts ({prompts.shape[1]} tokens, left-padded), "
                   f"gen {gen[0]}, block {gen[1]}, steps {gen[2]}\n")

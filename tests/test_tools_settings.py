@@ -150,7 +150,9 @@ def test_bench_table_agrees_with_the_public_loop(capsys):
 
 @pytest.mark.parametrize("argv, match", [(["--reps", "0"], "--reps must be >= 1"),
                                          (["--gen_length", "48"], "positive multiple of the block length 32"),
-                                         (["--sandbox", "--programs", "0"], "--programs must be >= 1")])
+                                         (["--sandbox", "--programs", "0"], "--programs must be >= 1"),
+                                         (["--preset", "toy_long"], "--preset toy_long chooses the prompts of --ckpt"),
+                                         (["--ckpt", "x", "--preset", "llada8b"], "argument --preset: invalid choice")])
 def test_bench_refuses(argv, match):
     with pytest.raises(ValueError, match=match):
         bench.main(argv)
@@ -212,3 +214,22 @@ def test_image_needs_image_tokens_pillow_and_warns_of_a_cut_caption(toy_ckpt, sp
     assert not spy
     sample_cli.main(["--ckpt", str(path), "--image", "--prompt", "a red block and a green block", "--image_text_len", "6"])
     assert "the caption is 7 tokens; only its first 3 fit the text part (--image_text_len=6)" in capsys.readouterr().err
+
+
+def test_bench_on_a_checkpoint_with_the_long_toy(tmp_path, capsys, monkeypatch):
+    """--preset toy_long: the long toy's prompts (3-4 steps of working), its lengths (32 tokens in blocks of
+    8, one token per step, and 4x that) and its whole-solution reward, as train.py's toy_long preset says."""
+    tok = toy.build_tokenizer()
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, mlp_hidden_size=32, max_sequence_length=256,
+                      **tasks.model_config_overrides(tok))
+    hf.save_pretrained(Transformer(cfg).init_weights(torch.Generator().manual_seed(0)), tmp_path)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    seen, score, make = [], tasks.score, tasks.make_example
+    monkeypatch.setattr(tasks, "score", lambda *a, **kw: seen.append(kw.get("text_reward")) or score(*a, **kw))
+    monkeypatch.setattr(tasks, "make_example", lambda t, rng, c, *a: seen.append(c.text_max_steps) or make(t, rng, c, *a))
+    monkeypatch.setattr(bench, "CONFIGS", bench.CONFIGS[2:4])  # exact and one cache row keep it quick
+    bench.main(["--ckpt", str(tmp_path), "--preset", "toy_long", "--prompts", "2", "--threads", "1"])
+    out = capsys.readouterr().out
+    tables = re.findall(r"2 toy text prompts \(\d+ tokens, left-padded\), gen (\d+), block (\d+), steps (\d+)", out)
+    assert tables == [("32", "8", "32"), ("128", "8", "128")], tables
+    assert seen[:2] == [4, 4] and set(seen[2:]) == {"solution"}, seen
