@@ -54,3 +54,14 @@ def cpu_budget(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_PROF, 0)
         signal.signal(signal.SIGPROF, previous)
+
+
+@pytest.fixture(scope="session")
+def smoke_sft_run(tmp_path_factory):
+    """One finished smoke run with no RL steps (out_dir with sft/ and final/, the same weights), trained once
+    per test process and shared by the modules that need a small trained model but do not test SFT itself.
+    Tests must not write into it: pass it as --sft_dir or --init_from, or copy it."""
+    import train
+    out = tmp_path_factory.mktemp("smoke-sft")
+    train.main(["--preset=smoke", f"--out_dir={out}", "--threads=1", "--rl_steps=0", "--eval_prompts=1"])
+    return out

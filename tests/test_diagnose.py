@@ -25,10 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("diag")
-    train.main(["--preset=smoke", "--rl_steps=0", "--eval_prompts=2", f"--out_dir={out}", "--threads=1"])
-    return out / "sft"
+def sft_dir(smoke_sft_run):
+    return smoke_sft_run / "sft"
 
 
 def test_log_ratios_are_the_training_codes(sft_dir):

@@ -156,6 +156,7 @@ def test_bad_input_is_one_line(run_dir, capsys, argv, match):
     assert re.search(match, err), err
 
 
+@pytest.mark.slow  # a new interpreter that imports torch: seconds on a shared CPU
 def test_cli_exit_code():
     """The command itself: exit code 2 and one line on stderr, no traceback."""
     p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--ckpt", "/no/such/dir", "--task", "text"],

@@ -121,6 +121,7 @@ def lora_param_count(targets):
     return lora_stats(add_lora(model, rank=128, alpha=64.0, targets=targets))["lora_params"]
 
 
+@pytest.mark.slow  # builds LLaDA-8B-shaped adapters
 def test_lora_parameter_counts_at_llada8b_shape():
     from infra.lora import TARGET_SETS
     # By hand: an adapter on W (out, in) holds r (in + out). LLaDA-8B: d 4096, MLP 12288, 32 heads of 128 and

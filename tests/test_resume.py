@@ -29,11 +29,9 @@ RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--rl_steps=6", "--c
 
 
 @pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory):
+def sft_dir(smoke_sft_run):
     """One SFT model shared by every run below (the SFT stage is not what is being tested)."""
-    out = tmp_path_factory.mktemp("sft-run")
-    train.main(["--preset=smoke", f"--out_dir={out}", "--threads=1", "--rl_steps=0", "--eval_prompts=1"])
-    return out / "sft"
+    return smoke_sft_run / "sft"
 
 
 def spawn(args, env_extra=None):
@@ -102,6 +100,7 @@ def test_killed_anywhere_resumes_bit_identical(sft_dir, tmp_path):
     assert len(checkpoint.complete(out)) == 2  # keep_last
 
 
+@pytest.mark.slow  # two runs
 def test_same_seed_same_log(sft_dir, tmp_path):
     args = ["--preset=smoke", "--threads=1", "--sample_every=0", f"--sft_dir={sft_dir}", "--rl_steps=2"]
     train.main(args + [f"--out_dir={tmp_path / 'a'}"])
@@ -282,6 +281,7 @@ def test_user_input_errors(name, prepare, argv, error, match, sft_dir, tmp_path,
         train.main(args)
 
 
+@pytest.mark.slow  # three LoRA runs
 def test_lora_resume_bit_identical(sft_dir, tmp_path):
     """With LoRA the checkpoint holds only the adapters and their optimizer state (the frozen base is
     --init_from); stopping after step 2 and resuming to step 4 equals running 4 steps at once."""

@@ -368,6 +368,7 @@ def test_masks_of_inner_iterations_are_independent(ckpt, task):
     assert pairs.any(), "masks 0 and 1 are nested"
 
 
+@pytest.mark.slow  # float64 rollouts at several batch sizes
 @pytest.mark.parametrize("task", ["text", "image"])
 def test_rollout_noise_depends_on_step_and_sequence_only(ckpt, task):
     """Rollouts on fixed prompts with weights that do not move (lr 1e-30): the same (seed, step, sequence)

@@ -18,6 +18,7 @@ from infra import hf, toy
 from infra import sample_cli
 
 
+@pytest.mark.slow  # two SFT+RL runs in-process: the slowest test of the suite
 def test_smoke_run(tmp_path, capsys):
     """A few SFT and RL steps of the whole pipeline: finite losses, one log line per step, a final
     checkpoint in the Hugging Face layout that reloads to identical logits, a summary with both tasks."""
@@ -107,16 +108,15 @@ def test_toy_preset_reward_rises(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
+def tiny_ckpt(smoke_sft_run):
     """A smoke-trained toy checkpoint (MMaDA-like: text tokens, image codes and the t2i markers)."""
-    out = tmp_path_factory.mktemp("ckpt")
-    train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1", "--rl_steps=0", "--eval_prompts=1"])
-    return out / "final"
+    return smoke_sft_run / "final"
 
 
 FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "data"
 
 
+@pytest.mark.slow  # five end-to-end runs
 @pytest.mark.parametrize("task", ["gsm8k", "math", "countdown", "sudoku", "mbpp"])
 def test_benchmark_text_task_runs(tiny_ckpt, tmp_path, task):
     """The benchmark path end to end on a tiny checkpoint: data file -> chat prompt -> rollouts ->
