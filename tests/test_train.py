@@ -1,7 +1,8 @@
 """train.py end to end: a shortened toy run in-process, config parsing and validation.
 
-    python -m pytest tests/test_train.py -q            # smoke run (~30 s)
-    python -m pytest tests/test_train.py -q -m slow    # the full toy preset (~10 min), checks the reward gain
+    python -m pytest tests/test_train.py -q -m "not slow"   # parsing, validation, the scorer and sampling paths
+    python -m pytest tests/test_train.py -q -m slow         # the smoke run, the benchmark-task runs, and the
+                                                            # full toy preset (~10 min), which checks the reward gain
 """
 import json
 import re
