@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import inspect
 import io
 import re
@@ -39,9 +40,10 @@ def parse_bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
-def field_comments(cls) -> dict[str, str]:
-    """{field: its comment} from the source of cls and its dataclass bases: the comment at the end of the
-    field's line, continued by comment-only lines below it."""
+@functools.cache  # parsing the module's source costs ~20 ms, and every parse() asks (a test suite, often)
+def _comments(cls) -> tuple:
+    """((field, its comment), ...) from the source of cls and its dataclass bases: the comment at the end of
+    the field's line, continued by comment-only lines below it."""
     out: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if "__dataclass_fields__" in vars(k)]):
         try:
@@ -58,7 +60,12 @@ def field_comments(cls) -> dict[str, str]:
                     current = None
                 else:
                     out[current] = f"{out[current]} {text}" if current in out and alone else text
-    return out
+    return tuple(out.items())
+
+
+def field_comments(cls) -> dict[str, str]:
+    """{field: its comment}, as written beside the field in the dataclass (see _comments)."""
+    return dict(_comments(cls))
 
 
 def flag_fields(cls, inherited: set | None = None) -> list:
