@@ -27,18 +27,14 @@ FAST = ["--preset", "smoke", "--threads=1", "--gen_length=16", "--block_length=1
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, smoke_sft_run):
     """A finished smoke run of train.py (final/, config.json and summary.json) from the session's smoke SFT
-    model, which config.json names as its --sft_dir (so --run finds the before-RL model there)."""
+    model, passed as --sft_dir (so --run finds the before-RL model there)."""
     d = tmp_path_factory.mktemp("run")
     train.main(["--preset", "smoke", f"--out_dir={d}", "--threads=1", "--rl_steps=1", "--eval_prompts=8",
                 "--eval_samples=2", f"--sft_dir={smoke_sft_run / 'sft'}"])
     return d
 
 
-def before_rl(run_dir):
-    return Path(json.loads((run_dir / "config.json").read_text())["sft_dir"])
-
-
-def test_summary_gain_se_is_paired_by_prompt(run_dir, tmp_path):
+def test_summary_gain_se_is_paired_by_prompt(run_dir, smoke_sft_run, tmp_path):
     """summary.json's gain_se is sd(after - before) / sqrt(prompts) over the per-prompt mean rewards: here
     from evaluate.py --out records of sft/ and final/, averaged per prompt and differenced by hand."""
     import statistics
@@ -46,10 +42,10 @@ def test_summary_gain_se_is_paired_by_prompt(run_dir, tmp_path):
     seen = []
     for task in ("text", "image"):
         per = {}
-        for label in ("sft", "final"):
+        for label, ckpt in (("sft", smoke_sft_run / "sft"), ("final", run_dir / "final")):
             out = tmp_path / f"{task}-{label}.jsonl"
             assert evaluate.main(["--preset", "smoke", "--threads=1", "--eval_prompts=8", "--eval_samples=2",
-                                  "--ckpt", str(before_rl(run_dir) if label == "sft" else run_dir / label), "--task", task, "--out", str(out)]) == 0
+                                  "--ckpt", str(ckpt), "--task", task, "--out", str(out)]) == 0
             for r in map(json.loads, out.read_text().splitlines()):
                 per.setdefault((r["mode"], label), {}).setdefault(r["prompt_index"], []).append(r["reward"])
         for mode, key in (("sampled", task), ("greedy", f"{task}_greedy")):
