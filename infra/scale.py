@@ -87,15 +87,18 @@ def shard_rows(n: int) -> slice:
 
 
 def all_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (in place, returned); the identity in one process."""
+    """Sum over ranks, as a new tensor (t is never changed: a caller that reduces the same tensor twice
+    would otherwise multiply it by the world size each time); t itself in one process."""
     if world() > 1:
+        t = t.clone()
         dist.all_reduce(t)
     return t
 
 
 def all_max(t: torch.Tensor) -> torch.Tensor:
-    """Elementwise maximum over ranks (in place, returned); the identity in one process."""
+    """Elementwise maximum over ranks, as a new tensor (t is never changed); t itself in one process."""
     if world() > 1:
+        t = t.clone()
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 
