@@ -26,7 +26,7 @@ from tasks import IMAGE_TASKS, TOY_TASKS, chat_prompt, task_list
 
 
 SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_noise", "image_noise", "image_width",
-            "text_max_steps", "image_loss_weight",
+            "text_max_steps", "image_loss_weight", "image_text_len", "attend_padding",
             "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
 
 
