@@ -156,12 +156,14 @@ def setup(cfg) -> tuple[torch.device, torch.dtype]:
 
 
 # A checkpoint carries the settings it was trained to generate with, so that sample.py and evaluate.py
-# decode it as it was trained (each flag still overrides them).
+# decode it as it was trained (each flag still overrides them), and those its held-out evaluation scored
+# with (the toy problems' length, the text verifier, the attention over padding, the system turn).
 GENERATION_FILE = "generation.json"
 
 
 GENERATION_KEYS = ("tasks", "gen_length", "block_length", "steps", "temperature", "image_steps", "image_sampler",
-                   "cfg_scale", "image_width", "image_text_len", "max_prompt_len", "prompt_prefill")
+                   "cfg_scale", "image_width", "image_text_len", "max_prompt_len", "prompt_prefill", "system_prompt",
+                   "attend_padding", "text_max_steps", "text_reward")
 
 
 def generation_settings(cfg) -> dict:
