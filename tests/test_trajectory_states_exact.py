@@ -52,7 +52,7 @@ class Recorder:
                                      for p in self.param_groups[0]["params"]]).double())
 
 
-def rl_step_grads(base, monkeypatch, flags):
+def rl_step_grads(base, monkeypatch, flags, step=0):
     """(gradient of each of the mu updates, the experience, ctx) of one train.rl_step at step 0: the one call
     into the step's internals, kept here so that a change of its signature is adapted in one place."""
     tok, ids, model = base
@@ -61,7 +61,7 @@ def rl_step_grads(base, monkeypatch, flags):
     policy, ref = copy.deepcopy(model), copy.deepcopy(model)
     opt = Recorder(lora.trainable_parameters(policy))
     ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-    _, (exp,) = train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))
+    _, (exp,) = train.rl_step(policy, ref, opt, ctx, step, tasks.step_prompts(ctx, step))
     return opt.grads, exp, ctx
 
 
@@ -145,3 +145,14 @@ def test_the_normaliser_is_k_over_t_of_the_trajectory_tokens(base, monkeypatch, 
     _, exp, _ = rl_step_grads(base, monkeypatch, [*FLAGS, f"--trajectory_states={k}"])
     tokens = int((exp.batch.x[:, exp.batch.window_slice] != ids.mask).sum())
     assert float(exp.draw.norm) == pytest.approx(tokens * k / T)
+
+
+def test_the_draw_is_seeded_by_the_step_and_the_global_index(base, monkeypatch):
+    """The step's draw reaches draw_states with this step and the rows' global indices (draw_states itself
+    depends on them alone: test_trajectory_states.py), and with a seed that follows --seed."""
+    calls, real_draw = [], importance.draw_states
+    monkeypatch.setattr(importance, "draw_states", lambda *a, **kw: calls.append(kw) or real_draw(*a, **kw))
+    for seed in (0, 1):
+        rl_step_grads(base, monkeypatch, [*FLAGS, f"--trajectory_states={K}", f"--seed={seed}"], step=5)
+    assert [(c["step"], list(c["seq_index"])) for c in calls] == [(5, list(range(B)))] * 2
+    assert calls[0]["seed"] != calls[1]["seed"]
