@@ -28,10 +28,10 @@ FLAGS = ["--preset=smoke", "--tasks=text", "--eval_prompts=20", "--eval_samples=
 FAST = ["--kv_cache=dual", "--threshold=0.0101"]  # 100-token vocabulary: the argmax is often just above 1/100
 
 
-def run_evaluate(model, ctx, temperature):
+def run_evaluate(model, ctx, temperature, prompt_means=None):
     """(mean, records) of tasks.evaluate on the toy text task: the one call into the code under test."""
     records = []
-    mean = tasks.evaluate(model, ctx, "text", temperature, records)
+    mean = tasks.evaluate(model, ctx, "text", temperature, records, prompt_means=prompt_means)
     return mean, {r["index"]: r for r in records}
 
 
@@ -76,10 +76,13 @@ def ctx_of(base, *flags):
 def test_rows_past_the_first_batch_and_fast_flags(base, model64, flags):
     ctx = ctx_of(base, *flags)
     want = naive(model64, ctx, 1.0)
-    mean, got = run_evaluate(model64, ctx, 1.0)
+    means = []
+    mean, got = run_evaluate(model64, ctx, 1.0, means)
     assert sorted(got) == list(range(80))
     assert {j: (r["output"], r["reward"]) for j, r in got.items()} == want
     assert mean == pytest.approx(sum(r for _, r in want.values()) / 80)
+    # Each held-out prompt's mean over its 4 samples, rows 4p .. 4p + 3 (for the gain's paired error).
+    assert means == pytest.approx([sum(want[4 * p + s][1] for s in range(4)) / 4 for p in range(20)])
     # The test can fail: rows 64.. differ from what rows 0..'s noise gives them, and so does the fast sampler.
     second = [got[j]["output"] for j in range(64, 80)]
     if flags:
