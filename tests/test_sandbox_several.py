@@ -27,3 +27,24 @@ def test_the_backstop_allows_every_test_its_timeout(monkeypatch):
     assert run_code("x = 1", ["assert x == 1"] * 10) == 1.0
     assert run_code("x = 1", ["assert x == 1"] * 3, timeout=20.0) == 1.0
     assert len(seen) == 2 and seen[0] >= 10 * 5.0 and seen[1] >= 3 * 20.0
+
+
+def test_a_test_may_compute_for_its_whole_timeout(tmp_path):
+    """The CPU-time limit a worker sets on itself (sandbox._isolate, the one call into its internals) is at
+    least the test's timeout, so a test that computes rather than sleeps is not cut short: read in a forked
+    child, which applies the limits and reports them through a pipe."""
+    import os
+    import resource
+
+    from infra import sandbox
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            sandbox._isolate(str(tmp_path), None, 7.0, 512, None)
+            os.write(write, str(resource.getrlimit(resource.RLIMIT_CPU)[0]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert int(os.read(read, 100) or -1) >= 7
