@@ -1,0 +1,94 @@
+"""One RL step on 2 processes equals it on 1, for every estimator (the fast, in-process sibling of
+test_distributed.py's slow two-process run): the world size must change nothing.
+
+Two ranks are simulated in one process: infra/scale's rank, world and collectives (all_sum, all_max,
+all_gather_rows) are replaced by a replay. Each rank's step runs alone; a collective returns the sum, max or
+concatenation of this rank's tensor and the other rank's tensor of the same call in the previous round;
+rounds repeat until every collective's inputs stop changing (a fixed point: both ranks then saw exactly what
+real collectives would have given them). The optimiser records gradients and does not step, so each update
+is at the same weights; FSDP2 averages the ranks' gradients, so the 2-process gradient is the mean of the
+two recorded ones (each scaled by the world size in scale.backward_sum). A float64 model, so that a batch of
+4 rows (one rank's) and of 8 cannot flip a near-tie in the sampler.
+
+    python -m pytest tests/test_world_size.py -q
+"""
+import copy
+
+import pytest
+import torch
+
+import tasks
+import train
+from infra import lora, scale
+
+from test_trajectory import base, fake_score  # noqa: F401 (base: the tiny random smoke model, a fixture)
+from test_trajectory_states_exact import MU_FLAG, Recorder
+
+COMBINE = {"sum": lambda a, b: a + b, "max": torch.maximum, "cat": lambda a, b: torch.cat([a, b])}
+
+
+@pytest.fixture(scope="module")
+def model64(base):
+    return copy.deepcopy(base[2]).double()
+
+
+def one_step(base, model64, flags):
+    """(log, gradients of the mu updates) of one train.rl_step at step 2 (the one call into the step)."""
+    tok, ids, _ = base
+    cfg = train.parse_args(["--preset=smoke", "--prompts_per_step=2", "--group_size=4", f"{MU_FLAG}=2",
+                            "--grad_clip=1e9", *flags])
+    policy = copy.deepcopy(model64)
+    opt = Recorder(lora.trainable_parameters(policy))
+    ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
+    log, _ = train.rl_step(policy, copy.deepcopy(model64), opt, ctx, 2, tasks.step_prompts(ctx, 2))
+    return log, opt.grads
+
+
+def two_ranks(base, model64, monkeypatch, flags, rounds=6):
+    previous = None
+    for _ in range(rounds):
+        seen, results = {0: [], 1: []}, {}
+        for r in (0, 1):
+            def collective(kind, t, r=r):
+                seen[r].append(t.detach().clone())
+                i = len(seen[r]) - 1
+                other = previous[1 - r][i] if previous and i < len(previous[1 - r]) else t.detach()
+                if other.shape != t.shape:
+                    other = t.detach()
+                a, b = (t, other) if r == 0 else (other, t)
+                return COMBINE[kind](a.to(t.device, t.dtype), b.to(t.device, t.dtype))
+            monkeypatch.setattr(scale, "rank", lambda r=r: r)
+            monkeypatch.setattr(scale, "world", lambda: 2)
+            monkeypatch.setattr(scale, "all_sum", lambda t: collective("sum", t))
+            monkeypatch.setattr(scale, "all_max", lambda t: collective("max", t))
+            monkeypatch.setattr(scale, "all_gather_rows", lambda t: collective("cat", t))
+            results[r] = one_step(base, model64, flags)
+        if previous and all(len(seen[r]) == len(previous[r]) and all(torch.equal(a, b) for a, b in zip(seen[r], previous[r]))
+                            for r in (0, 1)):
+            monkeypatch.undo()
+            return results
+        previous = seen
+    raise AssertionError("the replayed collectives did not settle")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--tasks=text"],
+    ["--tasks=image", "--cfg_scale=2"],
+    ["--tasks=text", "--estimator=d1"],
+    ["--tasks=image", "--estimator=unigrpo"],
+    ["--tasks=text", "--estimator=trajectory", "--trajectory_states=3", "--device_batch_size=3"],
+], ids=["maskgrpo-text", "maskgrpo-image-cfg", "d1", "unigrpo-image", "trajectory-K3-chunks"])
+def test_two_processes_give_the_one_process_step(base, model64, monkeypatch, flags):
+    monkeypatch.setattr(tasks, "score", fake_score)
+    want_log, want = one_step(base, model64, flags)
+    ranks = two_ranks(base, model64, monkeypatch, flags)
+    (log0, g0), (log1, g1) = ranks[0], ranks[1]
+    assert len(g0) == len(g1) == len(want) == 2
+    for j in range(2):
+        got = (g0[j] + g1[j]) / 2
+        assert want[j].abs().max() > 0
+        torch.testing.assert_close(got, want[j], rtol=1e-4, atol=1e-6 * want[j].abs().max().item())  # float32 log-probs
+    task = flags[0].split("=")[1]
+    for k in ("loss", "kl", "ratio_mean", "num_tokens", "reward", "adv_abs_mean"):
+        key = f"{task}/{k}"
+        assert log0[key] == log1[key] == pytest.approx(want_log[key], rel=1e-5, abs=1e-9), key
