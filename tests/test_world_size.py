@@ -76,8 +76,8 @@ def two_ranks(base, model64, monkeypatch, flags, rounds=6):
     ["--tasks=image", "--cfg_scale=2"],
     ["--tasks=text", "--estimator=d1"],
     ["--tasks=image", "--estimator=unigrpo"],
-    ["--tasks=text", "--estimator=trajectory", "--trajectory_states=3", "--device_batch_size=3"],
-], ids=["maskgrpo-text", "maskgrpo-image-cfg", "d1", "unigrpo-image", "trajectory-K3-chunks"])
+    ["--tasks=text", "--estimator=trajectory", "--trajectory_states=3", "--device_batch_size=3", "--threshold=0.0101"],
+], ids=["maskgrpo-text", "maskgrpo-image-cfg", "d1", "unigrpo-image", "trajectory-K3-chunks-threshold"])
 def test_two_processes_give_the_one_process_step(base, model64, monkeypatch, flags):
     monkeypatch.setattr(tasks, "score", fake_score)
     want_log, want = one_step(base, model64, flags)
@@ -91,4 +91,4 @@ def test_two_processes_give_the_one_process_step(base, model64, monkeypatch, fla
     task = flags[0].split("=")[1]
     for k in ("loss", "kl", "ratio_mean", "num_tokens", "reward", "adv_abs_mean"):
         key = f"{task}/{k}"
-        assert log0[key] == log1[key] == pytest.approx(want_log[key], rel=1e-5, abs=1e-9), key
+        assert log0[key] == log1[key] == pytest.approx(want_log[key], rel=1e-5, abs=1e-7), key  # the loss is ~0 at ratio 1
