@@ -92,18 +92,6 @@ def test_rows_past_the_first_batch_and_fast_flags(base, model64, flags):
         assert len(set(second)) > 8
 
 
-def test_second_batch_rows_do_not_reuse_the_first_batch_noise(base, model64, monkeypatch):
-    """Rows 64..79 sampled with the in-batch index (the generators of rows 0..15) give other completions
-    than the global index: a bug of that kind would change them."""
-    ctx = ctx_of(base)
-    _, got = run_evaluate(model64, ctx, 1.0)
-    real = rng.generator
-    monkeypatch.setattr(rng, "generator", lambda dev, *p: real(dev, *p[:-1], p[-1] % 64) if p[0] == ctx.cfg.seed
-                        and p[1] == "eval-sampling" else real(dev, *p))
-    wrong = naive(model64, ctx, 1.0)
-    assert sum(wrong[j][0] != got[j]["output"] for j in range(64, 80)) >= 12
-
-
 def test_each_process_scores_its_rows_as_one_process_does(base, model64, monkeypatch):
     """Rank 1 of 2 (scale.rank / world faked, the reductions the identity): it scores the odd rows of every
     batch, each exactly as the naive one-process evaluation does."""
@@ -119,12 +107,12 @@ def test_each_process_scores_its_rows_as_one_process_does(base, model64, monkeyp
 
 def test_evaluate_all_ignores_the_fast_rollout_flags(base, model64):
     """train.py's before/after scores (sampled and greedy) are the exact sampler's under --kv_cache/--threshold."""
-    exact = tasks.evaluate_all(model64, ctx_of(base))
     fast = tasks.evaluate_all(model64, ctx_of(base, *FAST))
-    assert set(exact) == {"text", "text_greedy"} and fast == exact
-    assert tasks.evaluate(model64, ctx_of(base), "text", 1.0) == exact["text"]
-    greedy = naive(model64, ctx_of(base), 0.0)
-    assert exact["text_greedy"] == pytest.approx(sum(r for _, r in greedy.values()) / len(greedy))
+    assert set(fast) == {"text", "text_greedy"}
+    for key, temperature in (("text", 1.0), ("text_greedy", 0.0)):
+        want = naive(model64, ctx_of(base), temperature)
+        assert len(want) == (80 if temperature else 20)
+        assert fast[key] == pytest.approx(sum(r for _, r in want.values()) / len(want))
 
 
 @pytest.mark.parametrize("flag", ["--kv_cache=dual", "--threshold=0.9"])
