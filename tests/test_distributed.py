@@ -1,5 +1,6 @@
 """Scale-out on CPU: torchrun with 2 gloo processes and FSDP2 gives the single-process run, with full
-fine-tuning and with LoRA; the LoRA run's merged checkpoint reproduces the adapter model; --dry_run reports
+fine-tuning and with LoRA; one RL update moves every parameter as in one process for every estimator and
+setting (the world-size matrix, tests/world_matrix.py); the LoRA run's merged checkpoint reproduces the adapter model; --dry_run reports
 LLaDA-8B's parameter count; every rank of a finished run exits 0, run after run, and every way out of
 scale.process_exit gives Python's status.
 
@@ -154,6 +155,53 @@ def test_every_rank_exits_cleanly_run_after_run(single, tmp_path):
     assert "terminate called" not in res.stderr and "SIGABRT" not in res.stderr, res.stderr[-3000:]
 
 
+# The world-size matrix (tests/world_matrix.py runs every case in one launch per world size). Statistics
+# compared to rel 1e-4; with --loss_norm=sequence the token-mean statistics (clipfrac, kl, ratio_mean) are
+# weighted by each chunk's share of sequences, so they depend on how the rows are chunked (rank boundaries
+# included) and are left out there; loss, num_tokens, ratio_max and the gradient norm are compared always.
+TOKEN_MEANS = ("clipfrac", "kl", "ratio_mean")
+
+
+@pytest.fixture(scope="module")
+def world_matrix(tmp_path_factory):
+    from test_rl_step import save_tiny_checkpoint
+
+    base = tmp_path_factory.mktemp("matrix")
+    ckpt = save_tiny_checkpoint(base / "ckpt")
+    script, rollouts = str(ROOT / "tests" / "world_matrix.py"), base / "rollouts.pt"
+    for nproc in (1, 2):
+        res = launch([str(ckpt), str(base / str(nproc)), str(rollouts)], nproc=nproc, script=script)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    from world_matrix import CASES
+    return {name: [torch.load(base / str(n) / f"{name}.pt") for n in (1, 2)] for name, _ in CASES}
+
+
+@pytest.mark.slow
+def test_one_update_is_the_same_on_one_and_two_processes(world_matrix):
+    """One rl_step (mu = 3, text and image, CFG) at world 1 and world 2 on the same rollouts: every
+    parameter moves by the same amount to float32 rounding (1e-5 of the largest change), and the logged
+    statistics agree, for every estimator (--trajectory_states at K < T too), both loss norms, LoRA on and
+    off, device_batch_size chunks and a binding gradient clip (tests/world_matrix.CASES). A normaliser
+    reduced over ranks in place once per update scales update j by 2^-j on two processes."""
+    assert len(world_matrix) >= 11
+    for name, (one, two) in world_matrix.items():
+        assert one["differed"] == 0
+        biggest = max(d.abs().max().item() for d in one["delta"].values())
+        assert biggest > 1e-4, name  # the step moved the weights: the comparison has teeth
+        assert one["delta"].keys() == two["delta"].keys(), name
+        for k, d in one["delta"].items():
+            assert torch.allclose(two["delta"][k], d, rtol=0, atol=1e-5 * biggest), \
+                (name, k, (two["delta"][k] - d).abs().max().item(), biggest)
+        sequence = "_seq" in name
+        compared = 0
+        for k, v in one["log"].items():
+            stat = k.split("/")[-1]
+            if stat in COMPARED + ("grad_norm", "zero_adv_groups", "adv_abs_mean") and not (sequence and stat in TOKEN_MEANS):
+                assert two["log"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), (name, k, v, two["log"][k])
+                compared += 1
+        assert compared >= 15, (name, compared)
+
+
 BF16_LOGITS = """
 import sys, torch
 from infra import scale
@@ -295,3 +343,22 @@ def test_close_is_safe_without_a_group():
     from infra import scale
     scale.close()
     scale.close(ok=False)
+
+
+def test_reductions_leave_their_argument_unchanged(monkeypatch):
+    """The fast sibling of the world-size matrix: scale.all_sum / all_max return the reduction as a new
+    tensor and leave their argument as it was, so a value reduced once per inner update (the
+    --trajectory_states normaliser) is not multiplied by the world size each time. Two ranks holding the
+    same tensor are simulated: the collective doubles (sum) or keeps (max) what it is given, in place."""
+    from infra import scale
+
+    def fake_all_reduce(t, op=None):
+        if op is None:
+            t.mul_(2)
+
+    monkeypatch.setattr(scale, "world", lambda: 2)
+    monkeypatch.setattr(scale.dist, "all_reduce", fake_all_reduce)
+    n = torch.tensor(3.0)
+    assert [scale.all_sum(n).item() for _ in range(3)] == [6.0, 6.0, 6.0] and n.item() == 3.0
+    m = torch.tensor([1.0, 5.0])
+    assert scale.all_max(m).tolist() == [1.0, 5.0] and m.tolist() == [1.0, 5.0]
