@@ -272,9 +272,12 @@ def full_weights(model):
     """Hold the unsharded weights (one all-gather, resharded on exit) for a stretch of forward passes whose
     count may differ between ranks, as rollouts and evaluation: sharded forwards would all-gather on every
     pass, a collective all ranks must join (a deadlock), and gather 8B weights once per diffusion step.
-    Re-entrant: a nested use does nothing, so a rank without rows in some batch may skip the inner one."""
-    outer = world() > 1 and not getattr(model, "_full_weights", False)
-    mods = _fsdp_modules(model) if outer else []
+    Re-entrant: a nested use does nothing, so a rank without rows in some batch may skip the inner one.
+    model may wrap the sharded model (lora.AdaptersOff, the LoRA reference): the hold is marked on the root
+    FSDP module, the one whose forward hook (_reshard_root_without_grad) reads it."""
+    mods = _fsdp_modules(model) if world() > 1 else []
+    outer = bool(mods) and not getattr(mods[0], "_full_weights", False)
+    mods = mods if outer else []
     for m in mods:
         # Blocks would reshard after each forward: hold them gathered. The root's setting is FSDP2's (it
         # does not reshard after forward); here it is only gathered up front and resharded on exit. The
@@ -283,7 +286,7 @@ def full_weights(model):
             m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     if outer:
-        model._full_weights = True
+        mods[0]._full_weights = True
     try:
         yield model
     finally:
@@ -292,7 +295,7 @@ def full_weights(model):
             if m is not mods[0]:
                 m.set_reshard_after_forward(True, recurse=False)
         if outer:
-            model._full_weights = False
+            mods[0]._full_weights = False
 
 
 def full_state_dict(model) -> dict:

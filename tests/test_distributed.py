@@ -202,6 +202,90 @@ def test_one_update_is_the_same_on_one_and_two_processes(world_matrix):
         assert compared >= 15, (name, compared)
 
 
+LORA_GATHERS = """
+import json, sys, torch
+import torch.distributed as dist
+import tasks, train
+from infra import load, scale
+from world_matrix import score
+device = scale.init("cpu")
+cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4", "--num_iterations=3",
+                        "--beta=0.05", "--lora_rank=4", "--lora_alpha=8", f"--init_from={sys.argv[1]}"])
+policy, ref, tok, ids, _ = load.load_policy(cfg, device, torch.float32, sft=None)
+opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
+tasks.score = score
+gathers = []
+for name in ("all_gather_single", "all_gather_into_tensor"):  # FSDP2's all-gather (torch 2.13; older torch)
+    real = getattr(dist, name, None)
+    if real is not None:
+        def counted(*a, _real=real, **k):
+            gathers.append(1)
+            return _real(*a, **k)
+        setattr(dist, name, counted)
+ctx = tasks.Ctx(cfg, tok, ids, device, {})
+train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))
+if scale.rank() == 0:
+    json.dump({"gathers": len(gathers)}, open(sys.argv[2], "w"))
+with scale.process_exit():
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_lora_step_all_gathers_each_unit_once_per_pass(tmp_path):
+    """The all-gathers of one LoRA RL step on 2 ranks (text, mu = 3, K = 3 views, one chunk, 2 blocks: 3
+    FSDP2 units, the root and a block each), counted by hand: the rollout, the old and the reference pass
+    each hold the weights (scale.full_weights: one gather per unit, 3 + 3 + 3); each of the 3 updates'
+    forward gathers every unit and its backward gathers the 2 blocks again (the root stays gathered from its
+    forward to its backward), 3 x (3 + 2) = 15. Total 24. The LoRA reference is lora.AdaptersOff around the
+    policy: a hold marked on the wrapper instead of the policy let the root reshard after each reference
+    forward and gather again at the next (26 here; 12 extra 2 GB gathers per step at LLaDA-8B)."""
+    from test_rl_step import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt")
+    script = tmp_path / "lora_gathers.py"
+    script.write_text(f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n" + LORA_GATHERS)
+    res = launch([str(ckpt), str(tmp_path / "count.json")], nproc=2, script=str(script))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert json.loads((tmp_path / "count.json").read_text())["gathers"] == 3 + 3 + 3 + 3 * (3 + 2)
+
+
+def test_full_weights_holds_the_root_of_a_wrapped_policy(monkeypatch):
+    """The fast sibling of the all-gather count: inside scale.full_weights(lora.AdaptersOff(policy)) the
+    root's no-gradient forward hook does not reshard the policy (two ranks simulated by fake FSDP modules
+    that record unshard / reshard); outside it, it does."""
+    from infra import lora, scale
+
+    class Unit(torch.nn.Module):
+        def __init__(self, log, name, children=()):
+            super().__init__()
+            self.log, self.name, self.kids = log, name, torch.nn.ModuleList(children)
+
+        def unshard(self):
+            self.log.append(("unshard", self.name))
+
+        def reshard(self):
+            self.log.append(("reshard", self.name))
+
+        def set_reshard_after_forward(self, value, recurse=True):
+            self.log.append(("after_forward", self.name, value))
+
+    log = []
+    policy = Unit(log, "root", [Unit(log, "block")])
+    monkeypatch.setattr(scale, "world", lambda: 2)
+    monkeypatch.setattr(scale, "_fsdp_modules", lambda m: [u for u in m.modules() if isinstance(u, Unit)])
+    with torch.no_grad():
+        with scale.full_weights(lora.AdaptersOff(policy)):
+            scale._reshard_root_without_grad(policy, (), None)  # the hook after a reference forward
+            with scale.full_weights(policy):  # nested: nothing more
+                pass
+            held = list(log)
+        scale._reshard_root_without_grad(policy, (), None)
+    assert held == [("unshard", "root"), ("after_forward", "block", False), ("unshard", "block")], held
+    assert log[len(held):] == [("reshard", "root"), ("reshard", "block"), ("after_forward", "block", True),
+                               ("reshard", "root")], log
+
+
 BF16_LOGITS = """
 import sys, torch
 from infra import scale
