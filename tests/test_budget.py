@@ -169,7 +169,7 @@ def test_kill_delay_start_up_hook(capsys, monkeypatch):
     assert capsys.readouterr().out == ""
 
 
-# One RL update (a rollout under scale.full_weights, old and reference scoring, one LoRA update with
+# One RL update (a rollout and the old and reference scoring under scale.full_weights, one LoRA update with
 # AdamW) on FSDP2 over 2 gloo ranks; each rank prints how far its resident set grew over its size before
 # the model existed, after each phase.
 RANK = """import json, os, resource, sys
@@ -208,7 +208,7 @@ out["rollout"] = peak() - base
 mask = torch.zeros(B, P + N, dtype=torch.bool)
 mask[:, P:] = True
 inp = x.masked_fill(mask, V - 1)
-with torch.no_grad():
+with torch.no_grad(), scale.full_weights(model):  # as train.rl_step scores: on the gathered model
     old = importance.token_logprobs(model, inp, x, mask)
     ref = importance.token_logprobs(model, inp, x, mask)
 out["scoring"] = peak() - base
@@ -256,12 +256,13 @@ def test_memory_formula_matches_a_two_rank_run(tmp_path):
     s = budget.shape(mc, R, "official")
     est = budget.memory(mc, s, world_size=2, chunk=B, seq_len=P + N, sampled=N, image=False, cfg_scale=0.0,
                         beta=0.01, activation_checkpointing=True, compute_bytes=4, scored=N, head_len=N)
-    formula = max(est["lora_update"], est["lora_rollout"])
+    formula = est["lora_peak"]
     for r in ranks:
         measured = max(r["rollout"], r["scoring"], r["update"]) / 2 ** 30
         print(f"rank {r['rank']}: measured peak {measured:.3f} GiB (rollout {r['rollout'] / 2 ** 30:.3f}, "
               f"scoring {r['scoring'] / 2 ** 30:.3f}, update {r['update'] / 2 ** 30:.3f}); formula {formula:.3f} "
-              f"GiB, of which the all-gather buffer {est['allgather_buffer']:.3f}")
+              f"GiB (update {est['lora_update']:.3f}, rollout {est['lora_rollout']:.3f}, scoring "
+              f"{est['lora_scoring']:.3f}), of which the all-gather buffer {est['allgather_buffer']:.3f}")
         assert measured == pytest.approx(formula, rel=0.25)
 
 
