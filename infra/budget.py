@@ -407,8 +407,10 @@ def dry_run(cfg) -> dict:
               f"generated tokens/s per A100 and {rate['H100']:.0f} per H100 at {ASSUMED_MFU:.0%} MFU")
     need = step_s + checkpoint_seconds(cfg, mc)
     print(f"SIGTERM: one RL step plus a checkpoint takes about {need:.0f} s here; under torchrun export "
-          f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)} (default 30), under Slurm sbatch "
-          f"--signal=TERM@{2 * math.ceil(need)} and check KillWait")
+          f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)} (default 30"
+          + ("" if torchrun_reads_shutdown_timeout() else f"; read by torch >= {SHUTDOWN_TIMEOUT_TORCH} only, and "
+             f"this torch {torch.__version__} ignores it") +
+          f"), under Slurm sbatch --signal=TERM@{2 * math.ceil(need)} and check KillWait")
     return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs,
             "seq_len": seq_len, "flops": {**f, "evaluation": evaluation, "eval_once": one_eval, "run": run},
             "eval_sequences": eval_seqs, "eval_minutes": eval_min, "chunk": chunk,
@@ -433,27 +435,55 @@ def checkpoint_seconds(cfg, mc: ModelConfig) -> float:
     return checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED
 
 
-def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float) -> str | None:
+# The first torch release whose torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT (and --shutdown_timeout);
+# earlier ones send SIGKILL 30 s after SIGTERM whatever the variable says.
+SHUTDOWN_TIMEOUT_TORCH = "2.12"
+
+
+def torchrun_reads_shutdown_timeout() -> bool:
+    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT: its launch configuration
+    (torch.distributed.launcher.api.LaunchConfig) has the shutdown_timeout field that reads the variable.
+    Read from the installed torch itself, not from its version number; tests/test_cuda.py check 9
+    measures it with a worker that ignores SIGTERM."""
+    try:
+        from torch.distributed.launcher.api import LaunchConfig
+    except ImportError:
+        return False
+    return "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
+
+
+def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float,
+                       reads_variable: bool | None = None) -> str | None:
     """The start-up warning when a SIGTERM would not end in a checkpoint, else None. On SIGTERM the run
     finishes its step and writes a checkpoint (infra/checkpoint.graceful_stop), so it needs step_seconds +
     checkpoint_seconds before the launcher's SIGKILL. env: the process environment. Under torchrun
-    (TORCHELASTIC_RUN_ID set) the delay is TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30 s; under Slurm
-    (SLURM_JOB_ID) the cluster's KillWait, which a process cannot read, so its default, 30 s, is assumed;
-    both apply to a torchrun inside Slurm. Without a launcher the user's own kill decides: None."""
+    (TORCHELASTIC_RUN_ID set) the delay is TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30 s, if the installed
+    torchrun reads it (reads_variable; default: torchrun_reads_shutdown_timeout()), else 30 s whatever it
+    says; under Slurm (SLURM_JOB_ID) the cluster's KillWait, which a process cannot read, so its default,
+    30 s, is assumed; both apply to a torchrun inside Slurm. Without a launcher the user's own kill
+    decides: None."""
     torchrun, slurm = "TORCHELASTIC_RUN_ID" in env, "SLURM_JOB_ID" in env
     if not (torchrun or slurm):
         return None
-    delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun else DEFAULT_KILL_DELAY
+    if reads_variable is None:
+        reads_variable = torchrun_reads_shutdown_timeout() if torchrun else True
+    ignored = torchrun and not reads_variable
+    delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun and not ignored \
+        else DEFAULT_KILL_DELAY
     if slurm:
         delay = min(delay, DEFAULT_KILL_DELAY)
     need = step_seconds + checkpoint_seconds
     if delay >= need:
         return None
-    fix = [f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)}"] if torchrun else []
+    fix = [] if not torchrun else [
+        f"upgrade torch to {SHUTDOWN_TIMEOUT_TORCH} or later (this torchrun, torch {torch.__version__}, ignores "
+        f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)}"
+        if ignored else f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)}"]
     if slurm:
         fix.append(f"ask Slurm for the signal early (sbatch --signal=TERM@{2 * math.ceil(need)}) and check "
                    "KillWait (scontrol show config)")
-    who = " and ".join((["torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] if torchrun else [])
+    who = " and ".join(([f"torchrun's fixed {DEFAULT_KILL_DELAY} s" if ignored else
+                         "torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] if torchrun else [])
                        + (["Slurm's KillWait (default assumed)"] if slurm else []))
     return (f"warning: a SIGTERM gets SIGKILL {delay:.0f} s later ({who}), but one RL step plus a checkpoint "
             f"takes about {need:.0f} s here (dry-run estimate), so a pre-emption would lose the step and write "

@@ -155,6 +155,29 @@ def test_kill_delay_warning(env, step, ckpt, fires):
             assert f"--signal=TERM@{2 * math.ceil(step + ckpt)}" in text and "KillWait" in text
 
 
+def test_kill_delay_warning_when_torchrun_ignores_the_variable(monkeypatch):
+    """A torchrun that does not read TORCH_ELASTIC_SHUTDOWN_TIMEOUT (before torch 2.12: no shutdown_timeout
+    in its LaunchConfig) kills 30 s after SIGTERM whatever the variable says: the warning fires at 400 s
+    set for a 173 s need, and says to upgrade torch; the detection reads the installed LaunchConfig."""
+    env = {"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "400"}
+    assert budget.kill_delay_warning(env, 165.0, 8.0, reads_variable=True) is None
+    text = budget.kill_delay_warning(env, 165.0, 8.0, reads_variable=False)
+    assert "SIGKILL 30 s later (torchrun's fixed 30 s)" in text and "upgrade torch to 2.12 or later" in text
+    import dataclasses as dc
+    from torch.distributed.launcher import api
+    assert budget.torchrun_reads_shutdown_timeout() == ("shutdown_timeout" in {f.name for f in dc.fields(api.LaunchConfig)})
+
+    @dc.dataclass
+    class OldLaunchConfig:  # an older torch's launch configuration, without shutdown_timeout
+        min_nodes: int
+        max_nodes: int
+        nproc_per_node: int
+
+    monkeypatch.setattr(api, "LaunchConfig", OldLaunchConfig)
+    assert not budget.torchrun_reads_shutdown_timeout()
+    assert "upgrade torch" in budget.kill_delay_warning(env, 165.0, 8.0)
+
+
 def test_kill_delay_start_up_hook(capsys, monkeypatch):
     """warn_kill_delay prices the llada8b step on the dry run's numbers (1.48e17 FLOPs on 8 A100s at 35%:
     about 170 s, tests above) plus its 2 GB LoRA checkpoint: under torchrun's default 30 s it warns; the
