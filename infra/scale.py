@@ -160,11 +160,17 @@ def close(ok: bool | None = None) -> None:
     idle (they still run after destroy_process_group: process_exit below ends a torchrun rank without
     interpreter teardown).
     After an error the barrier is skipped: the other ranks may be inside a collective that will never
-    complete, and waiting would only turn the error into a timeout."""
+    complete, and waiting would only turn the error into a timeout. With other ranks the group is then
+    not destroyed either: under NCCL destroy_process_group may wait for the peers' pending collectives
+    (up to the collective timeout, an hour), so the failing rank would never exit and torchrun never end
+    the others. The process is ending (process_exit), and torchrun ends its peers when it sees it fail
+    (gloo peers see the closed connection at once)."""
     if not dist.is_initialized():
         return
     if ok is None:
         ok = _clean_exit()
+    if not ok and world() > 1:
+        return
     try:
         if ok and world() > 1:
             if dist.get_backend() == "nccl":

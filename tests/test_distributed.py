@@ -397,6 +397,62 @@ def test_process_exit_ends_every_rank_with_python_status(tmp_path):
     assert "rank 0 worked" in res.stdout and "interpreter teardown ran" in res.stdout
 
 
+ONE_RANK_FAILS = """
+import sys, time
+import torch
+from infra import scale
+with scale.process_exit():
+    scale.init("cpu")
+    scale.all_sum(torch.ones(3))
+    if scale.rank() == 1:
+        print(f"raised at {time.time()}", flush=True)
+        raise RuntimeError("rank 1 failed")
+    scale.all_sum(torch.ones(3))  # rank 0 waits in a collective that rank 1 never joins
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_ends_every_rank_within_seconds(tmp_path):
+    """Rank 1 raises while rank 0 waits in a collective: torchrun exits 1 within 10 s of the raise (with a
+    collective timeout of 2 minutes, so a rank that waited for the other, at a barrier or in
+    destroy_process_group, would show as a timeout), with rank 1's traceback."""
+    import time
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + ONE_RANK_FAILS)
+    os.environ["MASKGRPO_COLLECTIVE_TIMEOUT_MIN"], saved = "2", os.environ.get("MASKGRPO_COLLECTIVE_TIMEOUT_MIN")
+    try:
+        res = launch([], nproc=2, script=str(script))
+    finally:
+        os.environ.pop("MASKGRPO_COLLECTIVE_TIMEOUT_MIN") if saved is None else \
+            os.environ.__setitem__("MASKGRPO_COLLECTIVE_TIMEOUT_MIN", saved)
+    ended = time.time()
+    assert res.returncode == 1 and "RuntimeError: rank 1 failed" in res.stderr, res.stderr[-3000:]
+    raised = float(res.stdout.split("raised at ")[1].split()[0])
+    assert ended - raised < 10, ended - raised
+
+
+def test_close_after_an_error_neither_waits_nor_destroys(monkeypatch):
+    """The fast sibling: with other ranks, scale.close after an error returns at once (no barrier, no
+    destroy_process_group, either of which may wait for peers stuck in a collective); a clean exit waits
+    at the barrier, then destroys the group."""
+    from infra import scale
+    calls = []
+    monkeypatch.setattr(scale, "world", lambda: 2)
+    monkeypatch.setattr(scale.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(scale.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(scale.dist, "barrier", lambda **k: calls.append("barrier"))
+    monkeypatch.setattr(scale.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    scale.close(ok=False)
+    assert calls == []
+    try:
+        raise RuntimeError("a rank's own error")
+    except RuntimeError:
+        scale.close()
+    assert calls == []
+    scale.close(ok=True)
+    assert calls == ["barrier", "destroy"]
+
+
 def test_exit_status_is_pythons(capsys):
     """The status and message process_exit gives a torchrun rank are those Python gives a script."""
     from infra import scale
