@@ -46,6 +46,19 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(minutes=minutes)
 
 
+# The oldest torch the multi-process path runs on (pyproject.toml; its tests were run on it): full_weights
+# needs FSDPModule.set_reshard_after_forward, which FSDP2 gained in torch 2.8.
+MIN_TORCH = (2, 8)
+
+
+def check_torch(version: str = torch.__version__) -> None:
+    """Refuse a torchrun launch on a torch older than MIN_TORCH, in one line, before any collective."""
+    if tuple(int(v) for v in version.split("+")[0].split(".")[:2]) < MIN_TORCH:
+        raise ValueError(f"torch {version} is too old for torchrun runs: FSDP2 needs torch >= "
+                         f"{'.'.join(map(str, MIN_TORCH))} (FSDPModule.set_reshard_after_forward); install torch "
+                         f">= {'.'.join(map(str, MIN_TORCH))} (pyproject.toml)")
+
+
 def init(device_name: str) -> torch.device:
     """Join torchrun's process group when WORLD_SIZE > 1 and return this rank's device. device_name is
     train.py's --device ("auto", "cpu", "cuda", "cuda:N"); under torchrun each rank takes cuda:LOCAL_RANK.
@@ -56,6 +69,7 @@ def init(device_name: str) -> torch.device:
         return torch.device("cuda" if device_name == "auto" and want_cuda else
                             ("cpu" if device_name == "auto" else device_name))
     if not dist.is_initialized():
+        check_torch()
         timeout = collective_timeout()
         if want_cuda:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

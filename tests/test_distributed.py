@@ -9,6 +9,7 @@ scale.process_exit gives Python's status.
                                                        # slow: they run in CI, not under -m "not slow")
 """
 import json
+import re
 import os
 import subprocess
 import sys
@@ -502,3 +503,19 @@ def test_reductions_leave_their_argument_unchanged(monkeypatch):
     assert [scale.all_sum(n).item() for _ in range(3)] == [6.0, 6.0, 6.0] and n.item() == 3.0
     m = torch.tensor([1.0, 5.0])
     assert scale.all_max(m).tolist() == [1.0, 5.0] and m.tolist() == [1.0, 5.0]
+
+
+def test_torch_older_than_the_floor_is_refused_in_one_line():
+    """torchrun runs need FSDPModule.set_reshard_after_forward (torch >= 2.8, the floor in pyproject.toml):
+    an older torch is refused at start-up with one line, the installed one passes."""
+    from torch.distributed.fsdp import FSDPModule
+    from infra import scale
+    for old in ("2.6.0", "2.7.1+cu126"):
+        with pytest.raises(ValueError, match=rf"torch {re.escape(old)} is too old for torchrun runs: FSDP2 needs "
+                                             r"torch >= 2.8"):
+            scale.check_torch(old)
+    scale.check_torch("2.8.0+cu128")
+    scale.check_torch()
+    assert hasattr(FSDPModule, "set_reshard_after_forward")
+    floor = re.search(r'"torch>=([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert tuple(map(int, floor.split("."))) == scale.MIN_TORCH
