@@ -344,7 +344,7 @@ def test_a_run_that_does_not_fit_says_so(capsys):
 # -----------------------------------------------------------------------------------------------------
 # every preset, cache mode and fine-tuning mode against a count by hand
 
-def hand_flops(preset: str, kv_cache: str, lora_rank: int) -> dict:
+def hand_flops(preset: str, kv_cache: str, lora_rank: int, *extra) -> dict:
     """FLOPs of one RL step and of one held-out evaluation, counted here from the model's shape and the
     preset's settings, phase by phase, on the cost model budget.flops states (a multiply-add is 2 FLOPs):
     a token through the blocks costs 2 per block matrix weight (LLaDA: q, k, v, attn_out d x d each with as
@@ -354,9 +354,11 @@ def hand_flops(preset: str, kv_cache: str, lora_rank: int) -> dict:
     under LoRA plus 2x for the adapters, and 2x attention; activation checkpointing adds the blocks'
     forward once more. Where the head runs: a text rollout step over the block (the exact sampler's
     block from its first masked position: an upper bound) and an image step over the image slots;
-    scoring and updates over the window (completion or image), as importance.token_logprobs."""
+    scoring and updates over the window (completion or image), as importance.token_logprobs. The
+    trajectory estimator scores T decoding states instead of mu masks: each update takes K of them
+    (--trajectory_states, all T when 0), the old and reference passes min(mu K, T)."""
     cfg = train.parse_args([f"--preset={preset}", "--dry_run=true", f"--kv_cache={kv_cache}",
-                            f"--lora_rank={lora_rank}", "--lora_targets=all", "--init_from="])
+                            f"--lora_rank={lora_rank}", "--lora_targets=all", "--init_from=", *extra])
     d, nl, h = cfg.d_model, cfg.n_layers, cfg.mlp_hidden_size
     V = cfg.vocab_size or tasks.model_config_overrides(toy.build_tokenizer())["vocab_size"]
     r = cfg.lora_rank
@@ -396,28 +398,38 @@ def hand_flops(preset: str, kv_cache: str, lora_rank: int) -> dict:
         else:
             bwd = 2 * (L * (blocks + att(L)) + W * H)
         again = L * (M + att(L)) if cfg.activation_checkpointing else 0
+        mu = cfg.num_iterations
+        per_update = (min(cfg.trajectory_states, T) if cfg.trajectory_states else T) \
+            if cfg.estimator == "trajectory" else 1
+        scored = min(mu * per_update, T) if cfg.estimator == "trajectory" else mu
         out["rollout"] += n * roll
-        out["scoring"] += n * cfg.num_iterations * (2 if cfg.beta > 0 else 1) * fwd
-        out["update"] += n * cfg.num_iterations * (fwd + bwd + again)
+        out["scoring"] += n * scored * (2 if cfg.beta > 0 else 1) * fwd
+        out["update"] += n * mu * per_update * (fwd + bwd + again)
         # evaluation: eval_samples sampled per prompt, and one greedy for text; the exact sampler always
         out["evaluation"] += cfg.eval_prompts * (cfg.eval_samples + (0 if image else 1)) * exact_seq()
     return out
 
 
-MODES = [(p, kv, lr) for p in train.PRESETS for kv in ("none", "prefix", "dual") for lr in (0, 8)
+MODES = [(p, kv, lr, ()) for p in train.PRESETS for kv in ("none", "prefix", "dual") for lr in (0, 8)
          if kv == "none" or "text" in train.parse_args([f"--preset={p}", "--dry_run=true"]).tasks
          or "gsm8k" in train.parse_args([f"--preset={p}", "--dry_run=true"]).tasks]
+# the trajectory estimator: every state, and K < T per update (mu K above and below T)
+MODES += [("llada8b", "none", 128, ("--estimator=trajectory",)),
+          ("llada8b", "none", 0, ("--estimator=trajectory", "--trajectory_states=12")),
+          ("llada8b", "prefix", 128, ("--estimator=trajectory", "--trajectory_states=3")),
+          ("smoke", "none", 0, ("--estimator=trajectory", "--trajectory_states=2", "--num_iterations=3")),
+          ("mmada8b", "none", 128, ("--estimator=trajectory", "--trajectory_states=5"))]
 
 
-@pytest.mark.parametrize("preset, kv_cache, lora_rank", MODES)
-def test_dry_run_flops_match_a_count_by_hand(preset, kv_cache, lora_rank, capsys):
-    """Every preset, every cache mode its tasks allow, LoRA and full fine-tuning: the dry run's FLOPs per
-    phase, per held-out evaluation and per run equal hand_flops' count (float rounding only), and the
-    printed figures are those."""
+@pytest.mark.parametrize("preset, kv_cache, lora_rank, extra", MODES)
+def test_dry_run_flops_match_a_count_by_hand(preset, kv_cache, lora_rank, extra, capsys):
+    """Every preset, every cache mode its tasks allow, LoRA and full fine-tuning, and the trajectory
+    estimator: the dry run's FLOPs per phase, per held-out evaluation and per run equal hand_flops' count
+    (float rounding only), and the printed figures are those."""
     res = train.main([f"--preset={preset}", "--dry_run=true", f"--kv_cache={kv_cache}", f"--lora_rank={lora_rank}",
-                      "--lora_targets=all", "--init_from="])  # no folder: the preset's (or scratch) shape
+                      "--lora_targets=all", "--init_from=", *extra])  # no folder: the preset's (or scratch) shape
     text = capsys.readouterr().out
-    want, f = hand_flops(preset, kv_cache, lora_rank), res["flops"]
+    want, f = hand_flops(preset, kv_cache, lora_rank, *extra), res["flops"]
     for phase in ("rollout", "scoring", "update"):
         assert f[phase] == pytest.approx(want[phase], rel=1e-12), phase
     assert f["eval_once"] == pytest.approx(want["evaluation"], rel=1e-12)
