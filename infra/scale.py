@@ -134,9 +134,9 @@ def chunks(n: int, size: int) -> list[slice]:
 
 
 def backward_sum(loss: torch.Tensor) -> None:
-    """Backpropagate this rank's share of a loss that is a *sum* over ranks. FSDP2 averages gradients over
-    the ranks; scaling by the world size turns that mean back into the sum, the single-process gradient."""
-    (loss * world()).backward()
+    """Backpropagate this rank's share of a loss that is a *sum* over ranks. shard() makes FSDP2 sum the
+    ranks' gradients (not average them), so each parameter's gradient is the single-process one."""
+    loss.backward()
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
@@ -266,6 +266,13 @@ def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> t
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    # Gradients are SUMMED over ranks, each rank's loss being its share of the global sum (backward_sum).
+    # FSDP2's default is the mean, by the collective's AVG op, which gloo on torch 2.8 applies as a sum (the
+    # gradients came out world-size times too large); a SUM op with divide factor 1 means the same on every
+    # backend and torch version.
+    for m in _fsdp_modules(model):
+        m.set_force_sum_reduction_for_comms(True)
+        m.set_gradient_divide_factor(1.0)
     # FSDP2 never reshards a root after its forward: for training that saves gathering the embedding and
     # head again for the backward. After a forward without gradients (scoring outside full_weights) no
     # backward follows, and a root left gathered would keep its unsharded parameters registered on the
