@@ -351,6 +351,25 @@ def test_rows_alone_equal_rows_in_a_batch():
     assert torch.equal(out[2], out[1]) and torch.equal(out[4], out[1])
 
 
+def test_rows_alone_and_in_a_batch_in_bf16_agree_mostly():
+    """Check 7 in bf16, reported, not asserted: the noise is the same (per-row generators), but in bf16 the
+    kernels for another row count round differently and can flip a near-tie, so a row's tokens may differ
+    between its batch and alone. The fraction of tokens that agree is printed; the test asserts only that
+    the comparison ran on whole completions (and, as a floor, that most tokens agree)."""
+    mc = toy_config()
+    model = Transformer(mc).init_weights(torch.Generator().manual_seed(0), std=0.3).to(DEV, torch.bfloat16).eval()
+    x, am = padded_prompts(mc, 4, 10, DEV, seed=3)
+    kw = dict(gen_length=12, block_length=4, steps=12, temperature=1.0, mask_id=mc.mask_token_id)
+    gens = lambda rows: [torch.Generator(device=DEV).manual_seed(40 + i) for i in rows]
+    alone = torch.cat([sample.generate(model, x[a:a + 1], generator=gens([a]), attention_mask=am[a:a + 1], **kw)
+                       for a in range(4)])
+    batch = sample.generate(model, x, generator=gens(range(4)), attention_mask=am, **kw)
+    window = slice(x.shape[1], None)
+    agree = (alone[:, window] == batch[:, window]).float().mean().item()
+    record("7b. bf16: tokens alone == in a batch of 4", f"{agree:.1%}", "reported (kernels may round apart)")
+    assert alone.shape == batch.shape == (4, 22) and agree >= 0.5
+
+
 def test_dropout_replays_under_activation_checkpointing():
     mc = toy_config()
     x, am = padded_prompts(mc, 2, 16, DEV, seed=1)
