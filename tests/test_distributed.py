@@ -4,9 +4,10 @@ setting (the world-size matrix, tests/world_matrix.py); the LoRA run's merged ch
 LLaDA-8B's parameter count; every rank of a finished run exits 0, run after run, and every way out of
 scale.process_exit gives Python's status.
 
-    python -m pytest tests/test_distributed.py -q      # ~2.5 min on 2 idle CPU cores, ~4 min with two
-                                                       # busy loops on them (the torchrun tests are marked
-                                                       # slow: they run in CI, not under -m "not slow")
+    python -m pytest tests/test_distributed.py -q      # ~6.5 min on 2 shared CPU cores (the torchrun tests
+                                                       # are marked slow: they run in CI, not under
+                                                       # -m "not slow"; each has a fast sibling where one
+                                                       # can be written)
 """
 import json
 import re
