@@ -193,7 +193,7 @@ def _score(cfg, task, sink, limit, samples):
     datasets = load_data(cfg)  # a missing or malformed file fails here, before the model loads
     if task in datasets and not limit:  # benchmarks: every row of the file unless --limit
         cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
-    scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
+    scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
     model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
     load.report_truncation(cfg, tok, datasets)
     n = len(tasks.eval_examples(task, cfg, datasets))
@@ -261,7 +261,7 @@ def check_run(run_dir: str, **overrides) -> bool:
     summary = json.loads((out_dir / "summary.json").read_text())
     device, dtype = settings.setup(cfg)
     datasets = load_data(cfg)
-    scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
+    scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
     # As train.main: the RL start is the SFT model for scratch runs, else init_from. LoRA runs start from
     # init_from with zero adapters (the same outputs) and end as init_from + final/adapters.*, the exact
     # record of the trained policy (final/'s merged weights differ from it by rounding).

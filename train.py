@@ -123,6 +123,7 @@ class Config(StepConfig):
     system_prompt: str = ""           # a system turn before benchmark prompts' user turn ("" = none)
     image_text_len: int = 0           # t2i text part, left-padded with [iPAD] (0 = longest toy caption; MMaDA 257)
     image_scorer_url: str = ""        # geneval rewards: POST to this scorer (infra/scorer.py)
+    image_scorer_timeout: float = 30.0  # seconds a scorer request may take before a retry (every rank posts at once)
     text_max_steps: int = 1           # arithmetic steps per toy word problem (1 to 4)
     text_noise: float = 0.4           # fraction of SFT text targets boxing the amount before the last step
     image_noise: float = 0.4          # fraction of SFT images with one colour drawn as its look-alike
@@ -449,7 +450,7 @@ def main(argv=None) -> dict:
         datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
         with claims.sft_dir_claimed(cfg):  # a folder, writable, and this run's alone until its SFT model is saved
             startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
-            scorer = RemoteScorer(cfg.image_scorer_url) if cfg.image_scorer_url else None
+            scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
             model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
         ctx = Ctx(cfg, tok, ids, device, datasets, scorer)
         report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many

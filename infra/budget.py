@@ -65,36 +65,42 @@ def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
 
 def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int, rollout: str, steps: int,
           block_length: int, cfg_scale: float, num_iterations: int, beta: float, lora: bool,
-          activation_checkpointing: bool, trajectory: bool = False, trajectory_states: int = 0) -> dict:
+          activation_checkpointing: bool, window: int, trajectory: bool = False, trajectory_states: int = 0) -> dict:
     """Global FLOPs of one RL step (one rollout batch: every task's prompts_per_step * group_size
     sequences, all ranks together), by phase. A multiply-add is 2 FLOPs.
 
-    Per token of a forward pass: 2 per weight of every block matrix and of the head (the embedding is a
-    lookup), plus attention, 4 * keys * d_model per layer (QK^T and the weighted sum of V).
-    - rollouts: `steps` denoising passes over the whole sequence ("exact": no KV cache, as LLaDA's
-      sampler; "image": MMaDA's sampler, likewise); with CFG each pass runs the unconditional rows too.
+    Per token of a forward pass: 2 per weight of every block matrix (and adapter), plus attention,
+    4 * keys * d_model per layer (QK^T and the weighted sum of V); the embedding is a lookup. The head
+    (2 per weight) runs only at the positions the code computes it at, not at every token:
+    - rollouts: `steps` denoising passes over the whole sequence, the head over the current block of
+      block_length positions ("exact", LLaDA's sampler without a KV cache: an upper bound, the first
+      masked position of the block on) or over the `window` image slots ("image", MMaDA's sampler); with
+      CFG (images only: text rollouts take no guidance) each pass runs the unconditional rows too.
       "prefix"/"dual" (Fast-dLLM caches): one full pass per block, then only the tokens from the block on
-      (prefix) or the block itself (dual), attending to all keys, the head over the block only. Threshold
+      (prefix) or the block itself (dual), attending to all keys, the head over the block. Threshold
       decoding can end a block early: these are upper bounds then.
     - scoring: the old policy's log-probabilities for each of the mu masks, and the reference's when
-      beta > 0 (LoRA: the same model with adapters off), one forward each, head at every position.
+      beta > 0 (LoRA: the same model with adapters off), one forward each, the head over the `window`
+      (importance.token_logprobs: the columns holding a scored position, the completion or the image).
     - updates: mu optimizer steps over all sequences: a forward, the backward (full fine-tuning: input
       and weight gradients, 2x the forward; LoRA: input gradients of the frozen matrices, 1x, plus the
-      adapters' both), and with activation checkpointing the blocks' forward once more.
+      adapters' both), the head's over the window, and with activation checkpointing the blocks' forward
+      once more.
     - trajectory: the exact-path estimator scores the state of every decoding step instead of mu masks,
       so scoring takes `steps` forwards per sequence, and each of the mu updates `steps` forward-backwards;
-      with trajectory_states = K > 0 each update takes K (at most `steps`) and scoring min(mu K, steps)."""
+      with trajectory_states = K > 0 each update takes K (at most `steps`) and scoring min(mu K, steps).
+    per_rollout_seq: the FLOPs of one rollout sequence (its CFG rows included)."""
     d, nl = mc.d_model, mc.n_layers
     body, head = nl * s["block_matmul"], s["head"]
     adapters = s["lora_params"] if lora else 0
+    image = rollout == "image"
 
-    def fwd(tokens, keys, head_tokens=None):  # FLOPs of a forward over `tokens` query positions
-        head_tokens = tokens if head_tokens is None else head_tokens
+    def fwd(tokens, keys, head_tokens):  # FLOPs of a forward over `tokens` query positions
         return tokens * (2 * (body + adapters) + 4 * keys * d * nl) + head_tokens * 2 * head
 
-    cfg_rows = 2 if cfg_scale > 0 else 1
+    cfg_rows = 2 if image and cfg_scale > 0 else 1
     if rollout in ("exact", "image"):
-        per_seq = steps * fwd(seq_len, seq_len)
+        per_seq = steps * fwd(seq_len, seq_len, window if image else block_length)
     else:  # Fast-dLLM block caches
         blocks = (seq_len - prompt_len) // block_length
         spb = steps // blocks
@@ -106,14 +112,17 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
     roll = seqs * cfg_rows * per_seq
     per_update = min(trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
     views = min(num_iterations * per_update, steps) if trajectory else num_iterations  # scored, old and ref
-    score = seqs * views * (1 + (beta > 0)) * fwd(seq_len, seq_len)
+    # Head positions of a scored input: the window. A trajectory state of a text rollout scores only the
+    # tokens one step revealed, within its block, so the head runs over fewer columns: an upper bound there.
+    scored = window
+    score = seqs * views * (1 + (beta > 0)) * fwd(seq_len, seq_len, scored)
     attn = 4 * seq_len * d * nl
     if lora:  # input gradients through frozen matrices (2 per weight), adapters' input and weight gradients
-        bwd = 2 * (body + head) + 4 * adapters + 2 * attn
+        bwd = seq_len * (2 * body + 4 * adapters + 2 * attn) + scored * 2 * head
     else:
-        bwd = 4 * (body + head) + 2 * attn
-    recompute = 2 * (body + adapters) + attn if activation_checkpointing else 0
-    update = seqs * num_iterations * per_update * seq_len * (fwd(1, seq_len) + bwd + recompute)
+        bwd = seq_len * (4 * body + 2 * attn) + scored * 4 * head
+    recompute = seq_len * (2 * (body + adapters) + attn) if activation_checkpointing else 0
+    update = seqs * num_iterations * per_update * (fwd(seq_len, seq_len, scored) + bwd + recompute)
     return {"rollout": roll, "scoring": score, "update": update, "step": roll + score + update,
             "per_rollout_seq": cfg_rows * per_seq}
 
@@ -142,12 +151,15 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     16 d_model + 3 mlp_hidden values per token; without it every block's) and the head's logits: the
     compute-dtype output at the `head_len` positions per sequence the head runs on (default: all), and at
     the `scored` positions (default: all) a compute-dtype copy, its float32 cast and log-softmax
-    (importance.token_logprobs; 10 B per entry in bf16).
+    (importance.token_logprobs; 10 B per entry in bf16; images cast only the codebook's columns).
     A rollout forward of `chunk` sequences (twice the rows with CFG) makes bf16 logits over the current
-    block (text; at least MIN_HEAD_ROWS rows) or every position (images); the text sampler then draws
+    block (text; at least MIN_HEAD_ROWS rows) or the image slots (images); the text sampler then draws
     float64 Gumbel noise over the block's columns (the uniforms, the float64 logits and the noisy sum:
     24 B, and a bf16 softmax: 2 B), the image sampler a float64 softmax over the codebook at every image
-    position."""
+    position.
+    Scoring (the old and reference log-probs, train.rl_step step 5) runs without gradients inside
+    scale.full_weights: the whole model gathered, as in a rollout, with a chunk's logits as in an update
+    and one block's activations at a time (no_grad_block: nothing is kept for a backward)."""
     c, w = mc, world_size
     n = s["params"]
     per_tok_block = 16 * c.d_model + 3 * c.mlp_hidden_size
@@ -168,26 +180,31 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
         acts = tokens * c.n_layers * per_tok_block * compute_bytes
     rows["activations"] = acts
     scored, head_len = (seq_len if v is None else v for v in (scored, head_len))
-    rows["logits"] = chunk * c.vocab_size * (head_len * compute_bytes + scored * (compute_bytes + 8))
+    # images score the codebook's columns only (vocab_slice): the float32 cast and log-softmax are that wide
+    rows["logits"] = chunk * (head_len * c.vocab_size * compute_bytes
+                              + scored * (c.vocab_size * compute_bytes + (codebook if image else c.vocab_size) * 8))
     cfg_rows = 2 if cfg_scale > 0 else 1
     # The text sampler computes the head only over the current block (sample.py, at least MIN_HEAD_ROWS
     # rows per chunk); the image samplers over the whole sequence.
-    head_rows = chunk * seq_len if image else chunk * max(sampled, -(-MIN_HEAD_ROWS // chunk))
+    head_rows = chunk * (sampled if image else max(sampled, -(-MIN_HEAD_ROWS // chunk)))
     model_logits = cfg_rows * head_rows * c.vocab_size * 2
     if image:
         sampler = chunk * sampled * codebook * 8 * 2  # float64 probabilities and their cumulative sum
     else:
         sampler = chunk * sampled * c.vocab_size * (24 + 2)
     rows["sampling"] = model_logits + sampler
+    rows["no_grad_block"] = tokens * per_tok_block * compute_bytes
     update_common = rows["root_gathered"] + rows["blocks_gathered"] + rows["allgather_buffer"] + acts + rows["logits"]
     rollout_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["sampling"]
-    rows["full_update"] = rows["full_state"] + update_common
-    rows["full_rollout"] = rows["full_state"] + rollout_common
-    rows["lora_update"] = rows["lora_state"] + update_common
-    rows["lora_rollout"] = rows["lora_state"] + rollout_common
+    scoring_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["no_grad_block"] + rows["logits"]
+    for kind in ("full", "lora"):
+        rows[f"{kind}_update"] = rows[f"{kind}_state"] + update_common
+        rows[f"{kind}_rollout"] = rows[f"{kind}_state"] + rollout_common
+        rows[f"{kind}_scoring"] = rows[f"{kind}_state"] + scoring_common
+        rows[f"{kind}_peak"] = max(rows[f"{kind}_update"], rows[f"{kind}_rollout"], rows[f"{kind}_scoring"])
     out = {k: v / GB for k, v in rows.items()}
     # the short names that the README and tests read
-    out.update(weights_gb=n * compute_bytes / w / GB, full_ft_gb=out["full_update"], lora_gb=out["lora_update"],
+    out.update(weights_gb=n * compute_bytes / w / GB, full_ft_gb=out["full_peak"], lora_gb=out["lora_peak"],
                full_ft_rollout_gb=out["full_rollout"], lora_rollout_gb=out["lora_rollout"],
                activations_gb=out["activations"], logits_gb=out["logits"])
     return out
@@ -197,9 +214,12 @@ MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state",
                ("root_gathered", "gathered embedding + head (update)"), ("blocks_gathered", "gathered blocks (2)"),
                ("allgather_buffer", "all-gather buffer (largest group)"),
                ("model_gathered", "gathered model (rollout)"), ("activations", "activations per update chunk"),
-               ("logits", "logits per update chunk"), ("sampling", "sampling transients per rollout chunk"),
+               ("logits", "logits per update or scoring chunk"), ("sampling", "sampling transients per rollout chunk"),
+               ("no_grad_block", "one block's activations per scoring chunk"),
                ("full_update", "full fine-tuning, update peak"), ("full_rollout", "full fine-tuning, rollout peak"),
-               ("lora_update", "LoRA, update peak"), ("lora_rollout", "LoRA, rollout peak"))
+               ("full_scoring", "full fine-tuning, scoring peak"), ("full_peak", "full fine-tuning, peak"),
+               ("lora_update", "LoRA, update peak"), ("lora_rollout", "LoRA, rollout peak"),
+               ("lora_scoring", "LoRA, scoring peak"), ("lora_peak", "LoRA, peak"))
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -222,31 +242,52 @@ def model_config(cfg) -> ModelConfig:
     return scratch_config(cfg, vocab_size=vocab, mask_token_id=vocab - 1)
 
 
-def step_shape(cfg) -> dict:
-    """What one RL step of a Config processes: the tasks, whether they are images, the prompt and sequence
-    lengths, the rollout kind, the denoising steps and the global number of sequences."""
-    names = task_list(cfg)
-    image = any(t in IMAGE_TASKS for t in names)
-    if image:
+def task_shape(cfg, task: str) -> dict:
+    """What one RL step processes for one task: whether it is images, the prompt and sequence lengths, the
+    rollout kind, the denoising steps, the global number of sequences and the window (completion or image
+    slots: the positions scored, and the head's columns in scoring and updates)."""
+    if task in IMAGE_TASKS:
         prompt_len = (cfg.image_text_len or 32) + 2
-        seq_len, rollout, steps = prompt_len + cfg.image_width ** 2, "image", cfg.image_steps
+        seq_len, rollout, steps, window = prompt_len + cfg.image_width ** 2, "image", cfg.image_steps, cfg.image_width ** 2
     else:
-        prompt_len = cfg.max_prompt_len
-        seq_len, steps = prompt_len + cfg.gen_length, cfg.steps
-        rollout = "exact" if cfg.kv_cache == "none" else cfg.kv_cache
-    return dict(names=names, image=image, prompt_len=prompt_len, seq_len=seq_len, rollout=rollout, steps=steps,
-                seqs=cfg.prompts_per_step * cfg.group_size * len(names))
+        prompt_len, steps, window = cfg.max_prompt_len, cfg.steps, cfg.gen_length
+        seq_len, rollout = prompt_len + window, "exact" if cfg.kv_cache == "none" else cfg.kv_cache
+    return dict(task=task, image=task in IMAGE_TASKS, prompt_len=prompt_len, seq_len=seq_len, rollout=rollout,
+                steps=steps, seqs=cfg.prompts_per_step * cfg.group_size, window=window)
+
+
+def step_shape(cfg) -> dict:
+    """The step's tasks (task_shape of each) and what the dry run prints of them: the global number of
+    sequences, the longest sequence, the denoising steps and rollout kind of the first task."""
+    shapes = [task_shape(cfg, t) for t in task_list(cfg)]
+    return dict(names=[p["task"] for p in shapes], tasks=shapes, image=any(p["image"] for p in shapes),
+                seq_len=max(p["seq_len"] for p in shapes), rollout="/".join(dict.fromkeys(p["rollout"] for p in shapes)),
+                steps="/".join(str(p["steps"]) for p in shapes), seqs=sum(p["seqs"] for p in shapes))
 
 
 def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
-    """flops() of one RL step of the Config `cfg` on the model shape mc."""
-    p = step_shape(cfg)
+    """flops() of one RL step of the Config `cfg` on the model shape mc, summed over its tasks;
+    per_rollout_seq by task."""
     s = shape(mc, cfg.lora_rank, cfg.lora_targets) if s is None else s
-    return flops(mc, s, seqs=p["seqs"], seq_len=p["seq_len"], prompt_len=p["prompt_len"], rollout=p["rollout"],
-                 steps=p["steps"], block_length=cfg.block_length, cfg_scale=cfg.cfg_scale,
-                 num_iterations=cfg.num_iterations, beta=cfg.beta, lora=cfg.lora_rank > 0,
-                 activation_checkpointing=cfg.activation_checkpointing, trajectory=cfg.estimator == "trajectory",
-                 trajectory_states=cfg.trajectory_states)
+    total = {"rollout": 0, "scoring": 0, "update": 0, "step": 0, "per_rollout_seq": {}}
+    for p in step_shape(cfg)["tasks"]:
+        f = flops(mc, s, seqs=p["seqs"], seq_len=p["seq_len"], prompt_len=p["prompt_len"], rollout=p["rollout"],
+                  steps=p["steps"], block_length=cfg.block_length, cfg_scale=cfg.cfg_scale, window=p["window"],
+                  num_iterations=cfg.num_iterations, beta=cfg.beta, lora=cfg.lora_rank > 0,
+                  activation_checkpointing=cfg.activation_checkpointing, trajectory=cfg.estimator == "trajectory",
+                  trajectory_states=cfg.trajectory_states)
+        total["per_rollout_seq"][p["task"]] = f.pop("per_rollout_seq")
+        total.update({k: total[k] + v for k, v in f.items()})
+    return total
+
+
+def eval_flops(cfg, mc: ModelConfig, s: dict) -> tuple[float, int]:
+    """(FLOPs, sequences) of ONE held-out evaluation (the run makes two, before and after RL) at
+    --eval_prompts per task: tasks.evaluate_all samples eval_samples completions per prompt and, for text,
+    one more greedily, always with the exact sampler (no KV cache, no threshold; images with CFG)."""
+    exact = step_flops(replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
+    seqs = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}
+    return sum(seqs[t] * exact[t] for t in exact), sum(seqs.values())
 
 
 def padded_prompt_len(cfg) -> tuple[int, str]:
@@ -283,21 +324,28 @@ def dry_run(cfg) -> dict:
     f = step_flops(cfg, mc, s)
     maskgrpo = step_flops(dataclasses.replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # the same step with
     # MaskGRPO's mu masks, for comparison
-    evaluation = 2 * cfg.eval_prompts * cfg.eval_samples * len(names) * f["per_rollout_seq"]  # before + after
+    one_eval, eval_seqs = eval_flops(cfg, mc, s)
+    evaluation = 2 * one_eval  # before and after RL
     run = f["step"] * cfg.rl_steps + evaluation
     gpus = cfg.dry_run_gpus
     step_s = f["step"] / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU)
+    eval_min = one_eval / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU) / 60
     run_h = run / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU) / 3600
     opt_steps = cfg.rl_steps * cfg.num_iterations
-    # world sizes the global batch splits evenly over (train.py requires it)
-    cols = [w for w in sorted({1, 8, 16, gpus}) if seqs % w == 0]
-    chunk = {w: min(cfg.device_batch_size or seqs // w, seqs // w) for w in cols}
-    window = cfg.image_width ** 2 if image else cfg.gen_length  # the positions scored, and the columns the head
-    # runs over (importance.token_logprobs)
-    mem = {w: memory(mc, s, world_size=w, chunk=chunk[w], seq_len=seq_len,
-                     sampled=cfg.image_width ** 2 if image else cfg.block_length, image=image,
-                     cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing,
-                     scored=window, head_len=window) for w in cols}
+    # world sizes each task's batch splits evenly over (train.py requires it)
+    per_task = cfg.prompts_per_step * cfg.group_size
+    cols = [w for w in sorted({1, 8, 16, gpus}) if per_task % w == 0]
+    chunk = {w: min(cfg.device_batch_size or per_task // w, per_task // w) for w in cols}
+    # Each task's memory; the table shows the largest of each row over the tasks. window: the positions
+    # scored, and the columns the head runs over (importance.token_logprobs).
+    mem = {w: {} for w in cols}
+    for t in p["tasks"]:
+        for w in cols:
+            m = memory(mc, s, world_size=w, chunk=chunk[w], seq_len=t["seq_len"],
+                       sampled=t["window"] if t["image"] else cfg.block_length, image=t["image"],
+                       cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing,
+                       scored=t["window"], head_len=t["window"])
+            mem[w].update({k: max(v, mem[w].get(k, v)) for k, v in m.items()})
 
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
           f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters")
@@ -322,10 +370,14 @@ def dry_run(cfg) -> dict:
                   else "every decoding state")
         print(f"trajectory estimator, {states}: {f['step']:.2e} FLOPs per RL step against {maskgrpo:.2e} for "
               f"MaskGRPO's mu = {cfg.num_iterations} masks, {f['step'] / maskgrpo:.2f} x")
-    print(f"global FLOPs per run: {run:.2e} ({cfg.rl_steps:,} RL steps, and {evaluation:.2e} for the held-out "
-          f"evaluation before and after)")
+    print(f"held-out evaluation: {eval_seqs:,} sequences ({cfg.eval_prompts} prompts x {cfg.eval_samples} sampled "
+          f"per task{', + 1 greedy per text prompt' if not all(t['image'] for t in p['tasks']) else ''}; exact "
+          f"sampler), {one_eval:.2e} FLOPs each, run before and after RL")
+    print(f"global FLOPs per run: {run:.2e} ({cfg.rl_steps:,} RL steps, and 2 x {one_eval:.2e} for the held-out "
+          f"evaluations)")
     print(f"time on {gpus} x {GPU_NAME} (bf16 dense peak {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s, assumed MFU "
-          f"{ASSUMED_MFU:.0%}): {step_s:.0f} s per RL step, {run_h:.1f} h per run = {run_h * gpus:,.0f} GPU-hours")
+          f"{ASSUMED_MFU:.0%}): {step_s:.0f} s per RL step, {eval_min:.0f} min per held-out evaluation, "
+          f"{run_h:.1f} h per run = {run_h * gpus:,.0f} GPU-hours")
     print("| GB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
     print("|---|" + "---|" * len(cols))
     for key, label in MEMORY_ROWS:
@@ -334,11 +386,17 @@ def dry_run(cfg) -> dict:
           "FSDP2 gathers only with more than one GPU)")
     if gpus in mem:
         kind = "lora" if lora else "full"
-        peak = max(mem[gpus][f"{kind}_update"], mem[gpus][f"{kind}_rollout"])
-        room = ", ".join(f"{gb - peak:.0f} GB of {gb} on an {name}" for name, gb in GPU_MEMORY_GB.items())
-        print(f"device_batch_size {chunk[gpus]} of {seqs // gpus} sequences per GPU on {gpus} GPUs: "
-              f"{'LoRA' if lora else 'full fine-tuning'} peak {peak:.1f} GB, headroom {room} (before the CUDA "
-              "context and allocator slack)")
+        peak = mem[gpus][f"{kind}_peak"]
+        phase = max(("update", "rollout", "scoring"), key=lambda ph: mem[gpus][f"{kind}_{ph}"])
+        room = ", ".join(f"{gb - peak:.0f} GB of {gb} on an {name}" if gb >= peak else
+                         f"does not fit on an {name} ({gb} GB, {peak - gb:.0f} GB short)"
+                         for name, gb in GPU_MEMORY_GB.items())
+        print(f"device_batch_size {chunk[gpus]} of {per_task // gpus} sequences per task and GPU on {gpus} GPUs: "
+              f"{'LoRA' if lora else 'full fine-tuning'} peak {peak:.1f} GB ({phase}), headroom {room} (before the "
+              "CUDA context and allocator slack)")
+        if peak > max(GPU_MEMORY_GB.values()):
+            print(f"this run does not fit on {gpus} GPU(s) of any size listed: use more GPUs (--dry_run_gpus), "
+                  f"{'a lower --device_batch_size' if lora else 'LoRA (--lora_rank)'} or a smaller model")
     rate = {}
     if not image:  # generated tokens/s per GPU of the rollout phase at the padded prompt length
         padded, source = padded_prompt_len(cfg)
@@ -349,10 +407,13 @@ def dry_run(cfg) -> dict:
               f"generated tokens/s per A100 and {rate['H100']:.0f} per H100 at {ASSUMED_MFU:.0%} MFU")
     need = step_s + checkpoint_seconds(cfg, mc)
     print(f"SIGTERM: one RL step plus a checkpoint takes about {need:.0f} s here; under torchrun export "
-          f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)} (default 30), under Slurm sbatch "
-          f"--signal=TERM@{2 * math.ceil(need)} and check KillWait")
+          f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)} (default 30"
+          + ("" if torchrun_reads_shutdown_timeout() else f"; read by torch >= {SHUTDOWN_TIMEOUT_TORCH} only, and "
+             f"this torch {torch.__version__} ignores it") +
+          f"), under Slurm sbatch --signal=TERM@{2 * math.ceil(need)} and check KillWait")
     return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs,
-            "seq_len": seq_len, "flops": {**f, "evaluation": evaluation, "run": run},
+            "seq_len": seq_len, "flops": {**f, "evaluation": evaluation, "eval_once": one_eval, "run": run},
+            "eval_sequences": eval_seqs, "eval_minutes": eval_min, "chunk": chunk,
             "rollout_batches": cfg.rl_steps, "optimizer_steps": opt_steps,
             "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.num_iterations,
             "gpu": GPU_NAME, "gpus": gpus, "mfu": ASSUMED_MFU, "seconds_per_step": step_s, "run_hours": run_h,
@@ -374,27 +435,55 @@ def checkpoint_seconds(cfg, mc: ModelConfig) -> float:
     return checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED
 
 
-def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float) -> str | None:
+# The first torch release whose torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT (and --shutdown_timeout);
+# earlier ones send SIGKILL 30 s after SIGTERM whatever the variable says.
+SHUTDOWN_TIMEOUT_TORCH = "2.12"
+
+
+def torchrun_reads_shutdown_timeout() -> bool:
+    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT: its launch configuration
+    (torch.distributed.launcher.api.LaunchConfig) has the shutdown_timeout field that reads the variable.
+    Read from the installed torch itself, not from its version number; tests/test_cuda.py check 9
+    measures it with a worker that ignores SIGTERM."""
+    try:
+        from torch.distributed.launcher.api import LaunchConfig
+    except ImportError:
+        return False
+    return "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
+
+
+def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float,
+                       reads_variable: bool | None = None) -> str | None:
     """The start-up warning when a SIGTERM would not end in a checkpoint, else None. On SIGTERM the run
     finishes its step and writes a checkpoint (infra/checkpoint.graceful_stop), so it needs step_seconds +
     checkpoint_seconds before the launcher's SIGKILL. env: the process environment. Under torchrun
-    (TORCHELASTIC_RUN_ID set) the delay is TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30 s; under Slurm
-    (SLURM_JOB_ID) the cluster's KillWait, which a process cannot read, so its default, 30 s, is assumed;
-    both apply to a torchrun inside Slurm. Without a launcher the user's own kill decides: None."""
+    (TORCHELASTIC_RUN_ID set) the delay is TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30 s, if the installed
+    torchrun reads it (reads_variable; default: torchrun_reads_shutdown_timeout()), else 30 s whatever it
+    says; under Slurm (SLURM_JOB_ID) the cluster's KillWait, which a process cannot read, so its default,
+    30 s, is assumed; both apply to a torchrun inside Slurm. Without a launcher the user's own kill
+    decides: None."""
     torchrun, slurm = "TORCHELASTIC_RUN_ID" in env, "SLURM_JOB_ID" in env
     if not (torchrun or slurm):
         return None
-    delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun else DEFAULT_KILL_DELAY
+    if reads_variable is None:
+        reads_variable = torchrun_reads_shutdown_timeout() if torchrun else True
+    ignored = torchrun and not reads_variable
+    delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun and not ignored \
+        else DEFAULT_KILL_DELAY
     if slurm:
         delay = min(delay, DEFAULT_KILL_DELAY)
     need = step_seconds + checkpoint_seconds
     if delay >= need:
         return None
-    fix = [f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)}"] if torchrun else []
+    fix = [] if not torchrun else [
+        f"upgrade torch to {SHUTDOWN_TIMEOUT_TORCH} or later (this torchrun, torch {torch.__version__}, ignores "
+        f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)}"
+        if ignored else f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)}"]
     if slurm:
         fix.append(f"ask Slurm for the signal early (sbatch --signal=TERM@{2 * math.ceil(need)}) and check "
                    "KillWait (scontrol show config)")
-    who = " and ".join((["torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] if torchrun else [])
+    who = " and ".join(([f"torchrun's fixed {DEFAULT_KILL_DELAY} s" if ignored else
+                         "torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] if torchrun else [])
                        + (["Slurm's KillWait (default assumed)"] if slurm else []))
     return (f"warning: a SIGTERM gets SIGKILL {delay:.0f} s later ({who}), but one RL step plus a checkpoint "
             f"takes about {need:.0f} s here (dry-run estimate), so a pre-emption would lose the step and write "

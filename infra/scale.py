@@ -46,6 +46,19 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(minutes=minutes)
 
 
+# The oldest torch the multi-process path runs on (pyproject.toml; its tests were run on it): full_weights
+# needs FSDPModule.set_reshard_after_forward, which FSDP2 gained in torch 2.8.
+MIN_TORCH = (2, 8)
+
+
+def check_torch(version: str = torch.__version__) -> None:
+    """Refuse a torchrun launch on a torch older than MIN_TORCH, in one line, before any collective."""
+    if tuple(int(v) for v in version.split("+")[0].split(".")[:2]) < MIN_TORCH:
+        raise ValueError(f"torch {version} is too old for torchrun runs: FSDP2 needs torch >= "
+                         f"{'.'.join(map(str, MIN_TORCH))} (FSDPModule.set_reshard_after_forward); install torch "
+                         f">= {'.'.join(map(str, MIN_TORCH))} (pyproject.toml)")
+
+
 def init(device_name: str) -> torch.device:
     """Join torchrun's process group when WORLD_SIZE > 1 and return this rank's device. device_name is
     train.py's --device ("auto", "cpu", "cuda", "cuda:N"); under torchrun each rank takes cuda:LOCAL_RANK.
@@ -56,6 +69,7 @@ def init(device_name: str) -> torch.device:
         return torch.device("cuda" if device_name == "auto" and want_cuda else
                             ("cpu" if device_name == "auto" else device_name))
     if not dist.is_initialized():
+        check_torch()
         timeout = collective_timeout()
         if want_cuda:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -120,9 +134,9 @@ def chunks(n: int, size: int) -> list[slice]:
 
 
 def backward_sum(loss: torch.Tensor) -> None:
-    """Backpropagate this rank's share of a loss that is a *sum* over ranks. FSDP2 averages gradients over
-    the ranks; scaling by the world size turns that mean back into the sum, the single-process gradient."""
-    (loss * world()).backward()
+    """Backpropagate this rank's share of a loss that is a *sum* over ranks. shard() makes FSDP2 sum the
+    ranks' gradients (not average them), so each parameter's gradient is the single-process one."""
+    loss.backward()
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
@@ -160,11 +174,17 @@ def close(ok: bool | None = None) -> None:
     idle (they still run after destroy_process_group: process_exit below ends a torchrun rank without
     interpreter teardown).
     After an error the barrier is skipped: the other ranks may be inside a collective that will never
-    complete, and waiting would only turn the error into a timeout."""
+    complete, and waiting would only turn the error into a timeout. With other ranks the group is then
+    not destroyed either: under NCCL destroy_process_group may wait for the peers' pending collectives
+    (up to the collective timeout, an hour), so the failing rank would never exit and torchrun never end
+    the others. The process is ending (process_exit), and torchrun ends its peers when it sees it fail
+    (gloo peers see the closed connection at once)."""
     if not dist.is_initialized():
         return
     if ok is None:
         ok = _clean_exit()
+    if not ok and world() > 1:
+        return
     try:
         if ok and world() > 1:
             if dist.get_backend() == "nccl":
@@ -246,6 +266,13 @@ def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> t
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    # Gradients are SUMMED over ranks, each rank's loss being its share of the global sum (backward_sum).
+    # FSDP2's default is the mean, by the collective's AVG op, which gloo on torch 2.8 applies as a sum (the
+    # gradients came out world-size times too large); a SUM op with divide factor 1 means the same on every
+    # backend and torch version.
+    for m in _fsdp_modules(model):
+        m.set_force_sum_reduction_for_comms(True)
+        m.set_gradient_divide_factor(1.0)
     # FSDP2 never reshards a root after its forward: for training that saves gathering the embedding and
     # head again for the backward. After a forward without gradients (scoring outside full_weights) no
     # backward follows, and a root left gathered would keep its unsharded parameters registered on the
@@ -272,9 +299,12 @@ def full_weights(model):
     """Hold the unsharded weights (one all-gather, resharded on exit) for a stretch of forward passes whose
     count may differ between ranks, as rollouts and evaluation: sharded forwards would all-gather on every
     pass, a collective all ranks must join (a deadlock), and gather 8B weights once per diffusion step.
-    Re-entrant: a nested use does nothing, so a rank without rows in some batch may skip the inner one."""
-    outer = world() > 1 and not getattr(model, "_full_weights", False)
-    mods = _fsdp_modules(model) if outer else []
+    Re-entrant: a nested use does nothing, so a rank without rows in some batch may skip the inner one.
+    model may wrap the sharded model (lora.AdaptersOff, the LoRA reference): the hold is marked on the root
+    FSDP module, the one whose forward hook (_reshard_root_without_grad) reads it."""
+    mods = _fsdp_modules(model) if world() > 1 else []
+    outer = bool(mods) and not getattr(mods[0], "_full_weights", False)
+    mods = mods if outer else []
     for m in mods:
         # Blocks would reshard after each forward: hold them gathered. The root's setting is FSDP2's (it
         # does not reshard after forward); here it is only gathered up front and resharded on exit. The
@@ -283,7 +313,7 @@ def full_weights(model):
             m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     if outer:
-        model._full_weights = True
+        mods[0]._full_weights = True
     try:
         yield model
     finally:
@@ -292,7 +322,7 @@ def full_weights(model):
             if m is not mods[0]:
                 m.set_reshard_after_forward(True, recurse=False)
         if outer:
-            model._full_weights = False
+            mods[0]._full_weights = False
 
 
 def full_state_dict(model) -> dict:

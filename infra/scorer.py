@@ -55,7 +55,8 @@ class RemoteScorer:
             raise ValueError(f"image scorer url must look like http(s)://host[:port][/path], got {url!r}; "
                              f"to try the pipeline without models: {_STUB_HINT}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"image scorer timeout must be > 0 seconds, got {timeout!r}")
+            raise ValueError(f"image scorer timeout must be > 0 seconds, got {timeout!r}; set "
+                             "--image_scorer_timeout (default 30)")
         if not (isinstance(retries, int) and retries >= 0):
             raise ValueError(f"image scorer retries must be an int >= 0 (0 = one attempt), got {retries!r}")
         if not (isinstance(backoff, (int, float)) and backoff >= 0):

@@ -22,9 +22,10 @@ def head_dtype(model):
 
 def random_weights(mc, device, dtype, seed=0):
     """A model of config mc with N(0, 0.02) weights drawn on `device` (an 8B embedding would take
-    seconds to draw on the CPU); norms at 1."""
+    seconds to draw on the CPU) directly in `dtype` (drawing 8B weights in float32 first would hold 32 GB
+    on the device, inflating the peak memory measured after it); norms at 1."""
     with torch.device("meta"):
-        model = Transformer(mc)
+        model = Transformer(mc).to(dtype)
     model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -33,7 +34,7 @@ def random_weights(mc, device, dtype, seed=0):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-    return model.to(dtype).eval()  # (the RoPE tables are a lazy cache, built at the first forward)
+    return model.eval()  # (the RoPE tables are a lazy cache, built at the first forward)
 
 
 def padded_prompts(mc, B, prompt_len, device, seed=0):

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+import tasks
 import train
-from infra import budget
+from infra import budget, toy
 from model import ModelConfig
 
 
@@ -154,6 +155,29 @@ def test_kill_delay_warning(env, step, ckpt, fires):
             assert f"--signal=TERM@{2 * math.ceil(step + ckpt)}" in text and "KillWait" in text
 
 
+def test_kill_delay_warning_when_torchrun_ignores_the_variable(monkeypatch):
+    """A torchrun that does not read TORCH_ELASTIC_SHUTDOWN_TIMEOUT (before torch 2.12: no shutdown_timeout
+    in its LaunchConfig) kills 30 s after SIGTERM whatever the variable says: the warning fires at 400 s
+    set for a 173 s need, and says to upgrade torch; the detection reads the installed LaunchConfig."""
+    env = {"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "400"}
+    assert budget.kill_delay_warning(env, 165.0, 8.0, reads_variable=True) is None
+    text = budget.kill_delay_warning(env, 165.0, 8.0, reads_variable=False)
+    assert "SIGKILL 30 s later (torchrun's fixed 30 s)" in text and "upgrade torch to 2.12 or later" in text
+    import dataclasses as dc
+    from torch.distributed.launcher import api
+    assert budget.torchrun_reads_shutdown_timeout() == ("shutdown_timeout" in {f.name for f in dc.fields(api.LaunchConfig)})
+
+    @dc.dataclass
+    class OldLaunchConfig:  # an older torch's launch configuration, without shutdown_timeout
+        min_nodes: int
+        max_nodes: int
+        nproc_per_node: int
+
+    monkeypatch.setattr(api, "LaunchConfig", OldLaunchConfig)
+    assert not budget.torchrun_reads_shutdown_timeout()
+    assert "upgrade torch" in budget.kill_delay_warning(env, 165.0, 8.0)
+
+
 def test_kill_delay_start_up_hook(capsys, monkeypatch):
     """warn_kill_delay prices the llada8b step on the dry run's numbers (1.48e17 FLOPs on 8 A100s at 35%:
     about 170 s, tests above) plus its 2 GB LoRA checkpoint: under torchrun's default 30 s it warns; the
@@ -168,7 +192,7 @@ def test_kill_delay_start_up_hook(capsys, monkeypatch):
     assert capsys.readouterr().out == ""
 
 
-# One RL update (a rollout under scale.full_weights, old and reference scoring, one LoRA update with
+# One RL update (a rollout and the old and reference scoring under scale.full_weights, one LoRA update with
 # AdamW) on FSDP2 over 2 gloo ranks; each rank prints how far its resident set grew over its size before
 # the model existed, after each phase.
 RANK = """import json, os, resource, sys
@@ -207,7 +231,7 @@ out["rollout"] = peak() - base
 mask = torch.zeros(B, P + N, dtype=torch.bool)
 mask[:, P:] = True
 inp = x.masked_fill(mask, V - 1)
-with torch.no_grad():
+with torch.no_grad(), scale.full_weights(model):  # as train.rl_step scores: on the gathered model
     old = importance.token_logprobs(model, inp, x, mask)
     ref = importance.token_logprobs(model, inp, x, mask)
 out["scoring"] = peak() - base
@@ -255,29 +279,175 @@ def test_memory_formula_matches_a_two_rank_run(tmp_path):
     s = budget.shape(mc, R, "official")
     est = budget.memory(mc, s, world_size=2, chunk=B, seq_len=P + N, sampled=N, image=False, cfg_scale=0.0,
                         beta=0.01, activation_checkpointing=True, compute_bytes=4, scored=N, head_len=N)
-    formula = max(est["lora_update"], est["lora_rollout"])
+    formula = est["lora_peak"]
     for r in ranks:
         measured = max(r["rollout"], r["scoring"], r["update"]) / 2 ** 30
         print(f"rank {r['rank']}: measured peak {measured:.3f} GiB (rollout {r['rollout'] / 2 ** 30:.3f}, "
               f"scoring {r['scoring'] / 2 ** 30:.3f}, update {r['update'] / 2 ** 30:.3f}); formula {formula:.3f} "
-              f"GiB, of which the all-gather buffer {est['allgather_buffer']:.3f}")
+              f"GiB (update {est['lora_update']:.3f}, rollout {est['lora_rollout']:.3f}, scoring "
+              f"{est['lora_scoring']:.3f}), of which the all-gather buffer {est['allgather_buffer']:.3f}")
         assert measured == pytest.approx(formula, rel=0.25)
 
 
 def test_dry_run_states_the_batch_its_headroom_and_the_rollout_rate(capsys):
     """llada8b on 8 GPUs: device_batch_size 12 holds a GPU's 12 sequences in one chunk; the printed headroom
-    is the H100's 80 GB and the H200's 141 GB minus the LoRA peak; the rollout rate by hand: 96 x 256
-    generated tokens per step from 96 x 512 x 128 x 2 x 8.0e9 FLOPs (at --max_prompt_len, no data given) at
-    312e12 x 0.35 FLOP/s per A100: 27 tokens/s per GPU, 86 on an H100's 989e12."""
+    is the H100's 80 GB and the H200's 141 GB minus the LoRA peak, which is the scoring phase's (below);
+    the rollout rate by hand: 96 x 256 generated tokens per step from 96 x 512 x 128 x 2 x 8.0e9 FLOPs
+    (at --max_prompt_len, no data given) at 312e12 x 0.35 FLOP/s per A100: 27 tokens/s per GPU (the head
+    over a 16-token block instead of 512 positions makes it about 7% more), 86 on an H100's 989e12."""
     res = train.main(["--preset=llada8b", "--dry_run=true"])
     text = capsys.readouterr().out
-    peak = max(res["budget"][8]["lora_update"], res["budget"][8]["lora_rollout"])
-    assert (f"device_batch_size 12 of 12 sequences per GPU on 8 GPUs: LoRA peak {peak:.1f} GB, headroom "
-            f"{80 - peak:.0f} GB of 80 on an H100, {141 - peak:.0f} GB of 141 on an H200") in text
+    b8 = res["budget"][8]
+    peak = b8["lora_peak"]
+    assert peak == max(b8["lora_update"], b8["lora_rollout"], b8["lora_scoring"]) == b8["lora_scoring"]
+    assert (f"device_batch_size 12 of 12 sequences per task and GPU on 8 GPUs: LoRA peak {peak:.1f} GB (scoring), "
+            f"headroom {80 - peak:.0f} GB of 80 on an H100, {141 - peak:.0f} GB of 141 on an H200") in text
     by_hand = 96 * 256 / (96 * 512 * 128 * 2 * 8.0e9 / (312e12 * 0.35))
     assert res["tokens_per_s_per_gpu"]["A100"] == pytest.approx(by_hand, rel=0.10)
     assert res["tokens_per_s_per_gpu"]["H100"] == pytest.approx(by_hand * 989 / 312, rel=0.10)
     assert "rollouts at a padded prompt length of 256 tokens (--max_prompt_len, an upper bound" in text
+
+
+def test_scoring_peak_holds_the_gathered_model_and_a_chunks_logits():
+    """The old and reference log-probs run inside scale.full_weights (train.rl_step step 5): on each of 8
+    GPUs, by hand for llada8b (LoRA r 128 on q/k/v/up: 167,772,160 adapters), the sharded state (bf16 base
+    and float32 adapters with gradients and moments, / 8), the whole adapted model gathered in bf16, the
+    all-gather's flat buffer of the root (embedding and head, 126464 x 4096 each, and the final norm), one
+    block's activations of a 12-sequence chunk (16 x 4096 + 3 x 12288 values per token, bf16, 512 tokens),
+    and the chunk's logits over the 256-token window (bf16 output, bf16 copy, float32 cast and log-softmax:
+    14 B per entry): about 24.9 GB, above the rollout's 20.0 and the update's 13.9."""
+    res = train.main(["--preset=llada8b", "--dry_run=true"])
+    base, adapters, gb = 8_015_581_184, 167_772_160, 1024 ** 3
+    state = (base * 2 + adapters * 16) / 8
+    gathered = (base + adapters) * 2
+    buffer = (2 * 126464 * 4096 + 4096) * 2
+    block = 12 * 512 * (16 * 4096 + 3 * 12288) * 2
+    logits = 12 * 256 * 126464 * (2 + 2 + 8)
+    by_hand = (state + gathered + buffer + block + logits) / gb
+    assert res["budget"][8]["lora_scoring"] == pytest.approx(by_hand, rel=1e-9)
+    assert 24.5 < by_hand < 25.5
+
+
+def test_a_run_that_does_not_fit_says_so(capsys):
+    """Full fine-tuning of LLaDA-8B on one GPU: 16 B per parameter of float32 weights, gradients and AdamW
+    moments, and a 4 B float32 reference: 8.0e9 x 20 B = 149 GB before activations. The dry run says it does
+    not fit on an 80 GB H100 nor a 141 GB H200, never "headroom -76 GB"."""
+    res = train.main(["--preset=llada8b", "--dry_run=true", "--dry_run_gpus=1", "--lora_rank=0"])
+    text = capsys.readouterr().out
+    assert res["budget"][1]["full_state"] == pytest.approx(8_015_581_184 * 20 / 1024 ** 3)
+    peak = res["budget"][1]["full_peak"]
+    assert f"does not fit on an H100 (80 GB, {peak - 80:.0f} GB short)" in text
+    assert f"does not fit on an H200 (141 GB, {peak - 141:.0f} GB short)" in text
+    assert "this run does not fit on 1 GPU(s)" in text and "headroom -" not in text
+
+
+# -----------------------------------------------------------------------------------------------------
+# every preset, cache mode and fine-tuning mode against a count by hand
+
+def hand_flops(preset: str, kv_cache: str, lora_rank: int, *extra) -> dict:
+    """FLOPs of one RL step and of one held-out evaluation, counted here from the model's shape and the
+    preset's settings, phase by phase, on the cost model budget.flops states (a multiply-add is 2 FLOPs):
+    a token through the blocks costs 2 per block matrix weight (LLaDA: q, k, v, attn_out d x d each with as
+    many key/value heads as heads; ff_proj, up_proj d x h; ff_out h x d), 2 per adapter weight, and attention
+    4 x keys x d per layer; the head 2 x V x d per position it runs at; a backward costs 2x the forward's
+    matrix FLOPs for full fine-tuning (input and weight gradients), 1x for frozen matrices and the head
+    under LoRA plus 2x for the adapters, and 2x attention; activation checkpointing adds the blocks'
+    forward once more. Where the head runs: a text rollout step over the block (the exact sampler's
+    block from its first masked position: an upper bound) and an image step over the image slots;
+    scoring and updates over the window (completion or image), as importance.token_logprobs. The
+    trajectory estimator scores T decoding states instead of mu masks: each update takes K of them
+    (--trajectory_states, all T when 0), the old and reference passes min(mu K, T)."""
+    cfg = train.parse_args([f"--preset={preset}", "--dry_run=true", f"--kv_cache={kv_cache}",
+                            f"--lora_rank={lora_rank}", "--lora_targets=all", "--init_from=", *extra])
+    d, nl, h = cfg.d_model, cfg.n_layers, cfg.mlp_hidden_size
+    V = cfg.vocab_size or tasks.model_config_overrides(toy.build_tokenizer())["vocab_size"]
+    r = cfg.lora_rank
+    # LoRA on all seven projections: r x (in + out) each
+    adapters = nl * r * (4 * (d + d) + 2 * (d + h) + (h + d))
+    blocks = 2 * nl * (4 * d * d + 3 * d * h)           # per token, frozen or trained matrices
+    M = blocks + 2 * adapters                            # per token through the blocks
+    H = 2 * V * d                                        # per head position
+    att = lambda keys: 4 * keys * d * nl                # per query token
+    out = {"rollout": 0, "scoring": 0, "update": 0, "evaluation": 0}
+    for task in cfg.tasks.split(","):
+        image = task in ("image", "geneval")
+        n = cfg.prompts_per_step * cfg.group_size
+        if image:
+            P, W, T = (cfg.image_text_len or 32) + 2, cfg.image_width ** 2, cfg.image_steps
+        else:
+            P, W, T = cfg.max_prompt_len, cfg.gen_length, cfg.steps
+        L = P + W
+
+        def exact_seq():  # one rollout sequence of the exact sampler (CFG: twice the rows, images only)
+            if image:
+                return (2 if cfg.cfg_scale > 0 else 1) * T * (L * (M + att(L)) + W * H)
+            return T * (L * (M + att(L)) + cfg.block_length * H)
+
+        if image or kv_cache == "none":
+            roll = exact_seq()
+        else:
+            nb, B = W // cfg.block_length, cfg.block_length
+            spb = T // nb
+            roll = 0
+            for b in range(nb):
+                queries = (L - (P + b * B)) if kv_cache == "prefix" else B
+                roll += L * (M + att(L)) + B * H + (spb - 1) * (queries * (M + att(L)) + B * H)
+        fwd = L * (M + att(L)) + W * H
+        if r:
+            bwd = L * (blocks + 2 * 2 * adapters + 2 * att(L)) + W * H
+        else:
+            bwd = 2 * (L * (blocks + att(L)) + W * H)
+        again = L * (M + att(L)) if cfg.activation_checkpointing else 0
+        mu = cfg.num_iterations
+        per_update = (min(cfg.trajectory_states, T) if cfg.trajectory_states else T) \
+            if cfg.estimator == "trajectory" else 1
+        scored = min(mu * per_update, T) if cfg.estimator == "trajectory" else mu
+        out["rollout"] += n * roll
+        out["scoring"] += n * scored * (2 if cfg.beta > 0 else 1) * fwd
+        out["update"] += n * mu * per_update * (fwd + bwd + again)
+        # evaluation: eval_samples sampled per prompt, and one greedy for text; the exact sampler always
+        out["evaluation"] += cfg.eval_prompts * (cfg.eval_samples + (0 if image else 1)) * exact_seq()
+    return out
+
+
+MODES = [(p, kv, lr, ()) for p in train.PRESETS for kv in ("none", "prefix", "dual") for lr in (0, 8)
+         if kv == "none" or "text" in train.parse_args([f"--preset={p}", "--dry_run=true"]).tasks
+         or "gsm8k" in train.parse_args([f"--preset={p}", "--dry_run=true"]).tasks]
+# the trajectory estimator: every state, and K < T per update (mu K above and below T)
+MODES += [("llada8b", "none", 128, ("--estimator=trajectory",)),
+          ("llada8b", "none", 0, ("--estimator=trajectory", "--trajectory_states=12")),
+          ("llada8b", "prefix", 128, ("--estimator=trajectory", "--trajectory_states=3")),
+          ("smoke", "none", 0, ("--estimator=trajectory", "--trajectory_states=2", "--num_iterations=3")),
+          ("mmada8b", "none", 128, ("--estimator=trajectory", "--trajectory_states=5"))]
+
+
+@pytest.mark.parametrize("preset, kv_cache, lora_rank, extra", MODES)
+def test_dry_run_flops_match_a_count_by_hand(preset, kv_cache, lora_rank, extra, capsys):
+    """Every preset, every cache mode its tasks allow, LoRA and full fine-tuning, and the trajectory
+    estimator: the dry run's FLOPs per phase, per held-out evaluation and per run equal hand_flops' count
+    (float rounding only), and the printed figures are those."""
+    res = train.main([f"--preset={preset}", "--dry_run=true", f"--kv_cache={kv_cache}", f"--lora_rank={lora_rank}",
+                      "--lora_targets=all", "--init_from=", *extra])  # no folder: the preset's (or scratch) shape
+    text = capsys.readouterr().out
+    want, f = hand_flops(preset, kv_cache, lora_rank, *extra), res["flops"]
+    for phase in ("rollout", "scoring", "update"):
+        assert f[phase] == pytest.approx(want[phase], rel=1e-12), phase
+    assert f["eval_once"] == pytest.approx(want["evaluation"], rel=1e-12)
+    step = want["rollout"] + want["scoring"] + want["update"]
+    cfg = train.parse_args([f"--preset={preset}", "--dry_run=true"])
+    assert f["run"] == pytest.approx(cfg.rl_steps * step + 2 * want["evaluation"], rel=1e-12)
+    assert f"global FLOPs per RL step: {step:.2e} (rollouts {want['rollout']:.2e}" in text
+    minutes = want["evaluation"] / (cfg.dry_run_gpus * 312e12 * 0.35) / 60
+    assert f"{minutes:.0f} min per held-out evaluation" in text
+
+
+def test_cfg_doubles_the_image_rollouts_only():
+    """mmada8b's classifier-free guidance runs every rollout step on the unconditional rows too, doubling
+    the rollout FLOPs (and the held-out evaluation's), never the scoring or the updates (conditional only)."""
+    on = train.main(["--preset=mmada8b", "--dry_run=true"])["flops"]
+    off = train.main(["--preset=mmada8b", "--dry_run=true", "--cfg_scale=0"])["flops"]
+    assert on["rollout"] == pytest.approx(2 * off["rollout"]) and on["eval_once"] == pytest.approx(2 * off["eval_once"])
+    assert on["scoring"] == off["scoring"] and on["update"] == off["update"]
 
 
 def test_padded_prompt_length_is_measured_from_the_data(tmp_path):

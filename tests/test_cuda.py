@@ -31,8 +31,11 @@ One device:
      the device (infra/rng.py: one code path on every device).
   8. LoRA dropout under activation checkpointing: the recomputed forward replays the dropout masks, so
      gradients with checkpointing on equal those with it off (same seed); another seed moves them.
-  9. TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's kill delay after SIGTERM, default 30 s) against one llada8b
-     step plus a checkpoint, and whether the start-up warning (infra/budget.kill_delay_warning) fires.
+  9. torchrun's kill delay after SIGTERM, measured (about 10 s, also on the CPU, slow suite): a 1-process
+     torchrun with TORCH_ELASTIC_SHUTDOWN_TIMEOUT=6 whose worker ignores SIGTERM must end it after 6 s if
+     the installed torchrun reads the variable (torch >= 2.12; infra/budget.torchrun_reads_shutdown_timeout
+     says which), after 30 s if not; then the delay in effect against one llada8b step plus a checkpoint,
+     and whether the start-up warning (infra/budget.kill_delay_warning) fires.
 Two processes (torchrun, FSDP2; NCCL on two GPUs, gloo on the CPU in the slow suite):
  10. Full fine-tuning with bf16 compute and LoRA with dropout, checkpointing and chunks: every rank exits
      0, finite losses, peak memory per rank printed beside budget.memory (CUDA).
@@ -81,6 +84,10 @@ BACKEND = "nccl" if HAS_CUDA else "gloo"
 # Two processes: two GPUs under CUDA; on the CPU two gloo ranks, slow (torchrun starts two interpreters).
 TWO_PROCS = [pytest.mark.skipif(HAS_CUDA and torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
              *([] if HAS_CUDA else [pytest.mark.slow])]
+
+
+# A torchrun launch on the CPU belongs to the slow suite; on a GPU it is part of the first-GPU check.
+SLOW_ON_CPU = (lambda fn: fn) if HAS_CUDA else pytest.mark.slow
 
 
 def two_procs(fn):
@@ -344,6 +351,25 @@ def test_rows_alone_equal_rows_in_a_batch():
     assert torch.equal(out[2], out[1]) and torch.equal(out[4], out[1])
 
 
+def test_rows_alone_and_in_a_batch_in_bf16_agree_mostly():
+    """Check 7 in bf16, reported, not asserted: the noise is the same (per-row generators), but in bf16 the
+    kernels for another row count round differently and can flip a near-tie, so a row's tokens may differ
+    between its batch and alone. The fraction of tokens that agree is printed; the test asserts only that
+    the comparison ran on whole completions (and, as a floor, that most tokens agree)."""
+    mc = toy_config()
+    model = Transformer(mc).init_weights(torch.Generator().manual_seed(0), std=0.3).to(DEV, torch.bfloat16).eval()
+    x, am = padded_prompts(mc, 4, 10, DEV, seed=3)
+    kw = dict(gen_length=12, block_length=4, steps=12, temperature=1.0, mask_id=mc.mask_token_id)
+    gens = lambda rows: [torch.Generator(device=DEV).manual_seed(40 + i) for i in rows]
+    alone = torch.cat([sample.generate(model, x[a:a + 1], generator=gens([a]), attention_mask=am[a:a + 1], **kw)
+                       for a in range(4)])
+    batch = sample.generate(model, x, generator=gens(range(4)), attention_mask=am, **kw)
+    window = slice(x.shape[1], None)
+    agree = (alone[:, window] == batch[:, window]).float().mean().item()
+    record("7b. bf16: tokens alone == in a batch of 4", f"{agree:.1%}", "reported (kernels may round apart)")
+    assert alone.shape == batch.shape == (4, 22) and agree >= 0.5
+
+
 def test_dropout_replays_under_activation_checkpointing():
     mc = toy_config()
     x, am = padded_prompts(mc, 2, 16, DEV, seed=1)
@@ -367,15 +393,66 @@ def test_dropout_replays_under_activation_checkpointing():
     assert not torch.allclose(on, other)
 
 
-def test_kill_delay_against_one_step():
-    """The launcher's kill delay after SIGTERM against one llada8b step plus a checkpoint write."""
+IGNORES_SIGTERM = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank still busy with its step and checkpoint
+open(sys.argv[1], "w").write(str(os.getpid()))
+while True:
+    time.sleep(0.1)
+"""
+KILL_DELAY_PROBE = 6  # seconds set in TORCH_ELASTIC_SHUTDOWN_TIMEOUT for the probe, not torchrun's 30
+
+
+def measure_kill_delay(tmp_path, variable: int) -> float:
+    """Seconds from SIGTERM to a 1-process torchrun (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=variable) until it has
+    ended its worker, which ignores SIGTERM, so only the SIGKILL after the kill delay ends it."""
+    import signal
+    script, ready = tmp_path / "ignores_sigterm.py", tmp_path / "worker.pid"
+    script.write_text(IGNORES_SIGTERM)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(variable))
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                             str(script), str(ready)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while not (ready.is_file() and ready.read_text()):
+            assert proc.poll() is None and time.time() < deadline, "the worker did not start"
+            time.sleep(0.05)
+        worker = int(ready.read_text())
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        delay = time.monotonic() - start
+        with contextlib.suppress(ProcessLookupError):  # the worker is gone (SIGKILL) by the time torchrun ends
+            os.kill(worker, 0)
+            raise AssertionError(f"worker {worker} outlived torchrun")
+        return delay
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@SLOW_ON_CPU
+def test_kill_delay_against_one_step(tmp_path):
+    """The launcher's kill delay after SIGTERM, measured: a 1-process torchrun with
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT=6 whose worker ignores SIGTERM ends it about 6 s after SIGTERM when the
+    installed torchrun reads the variable (infra/budget.torchrun_reads_shutdown_timeout), about 30 s when
+    it does not: the start-up warning's rule is checked against the launcher itself. Then the delay this
+    environment sets against one llada8b step plus a checkpoint, and whether the warning fires."""
+    reads = budget.torchrun_reads_shutdown_timeout()
+    measured = measure_kill_delay(tmp_path, KILL_DELAY_PROBE)
+    expected = KILL_DELAY_PROBE if reads else budget.DEFAULT_KILL_DELAY
+    record("9. kill delay measured with the variable at 6 (s)", measured,
+           f"~{expected} s (torch {torch.__version__} {'reads' if reads else 'ignores'} the variable)")
+    assert expected - 0.5 <= measured <= expected + 10, (measured, expected)
     res = quiet(budget.dry_run, PRESET)
     mc = budget.model_config(PRESET)
     need = res["seconds_per_step"] + budget.checkpoint_seconds(PRESET, mc)
     env = {**os.environ, "TORCHELASTIC_RUN_ID": os.environ.get("TORCHELASTIC_RUN_ID", "check")}
-    delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", budget.DEFAULT_KILL_DELAY))
+    delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", budget.DEFAULT_KILL_DELAY)) if reads \
+        else budget.DEFAULT_KILL_DELAY
     warning = budget.kill_delay_warning(env, res["seconds_per_step"], budget.checkpoint_seconds(PRESET, mc))
-    record("9. TORCH_ELASTIC_SHUTDOWN_TIMEOUT (s)", delay, f">= llada8b step + checkpoint ~ {need:.0f} s")
+    record("9. TORCH_ELASTIC_SHUTDOWN_TIMEOUT in effect (s)", delay, f">= llada8b step + checkpoint ~ {need:.0f} s")
     record("9. start-up warning under torchrun", "fires" if warning else "silent",
            "fires iff the delay is shorter")
     assert (warning is not None) == (delay < need)

@@ -1,13 +1,16 @@
 """Scale-out on CPU: torchrun with 2 gloo processes and FSDP2 gives the single-process run, with full
-fine-tuning and with LoRA; the LoRA run's merged checkpoint reproduces the adapter model; --dry_run reports
+fine-tuning and with LoRA; one RL update moves every parameter as in one process for every estimator and
+setting (the world-size matrix, tests/world_matrix.py); the LoRA run's merged checkpoint reproduces the adapter model; --dry_run reports
 LLaDA-8B's parameter count; every rank of a finished run exits 0, run after run, and every way out of
 scale.process_exit gives Python's status.
 
-    python -m pytest tests/test_distributed.py -q      # ~2.5 min on 2 idle CPU cores, ~4 min with two
-                                                       # busy loops on them (the torchrun tests are marked
-                                                       # slow: they run in CI, not under -m "not slow")
+    python -m pytest tests/test_distributed.py -q      # ~6.5 min on 2 shared CPU cores (the torchrun tests
+                                                       # are marked slow: they run in CI, not under
+                                                       # -m "not slow"; each has a fast sibling where one
+                                                       # can be written)
 """
 import json
+import re
 import os
 import subprocess
 import sys
@@ -154,6 +157,137 @@ def test_every_rank_exits_cleanly_run_after_run(single, tmp_path):
     assert "terminate called" not in res.stderr and "SIGABRT" not in res.stderr, res.stderr[-3000:]
 
 
+# The world-size matrix (tests/world_matrix.py runs every case in one launch per world size). Statistics
+# compared to rel 1e-4; with --loss_norm=sequence the token-mean statistics (clipfrac, kl, ratio_mean) are
+# weighted by each chunk's share of sequences, so they depend on how the rows are chunked (rank boundaries
+# included) and are left out there; loss, num_tokens, ratio_max and the gradient norm are compared always.
+TOKEN_MEANS = ("clipfrac", "kl", "ratio_mean")
+
+
+@pytest.fixture(scope="module")
+def world_matrix(tmp_path_factory):
+    from test_rl_step import save_tiny_checkpoint
+
+    base = tmp_path_factory.mktemp("matrix")
+    ckpt = save_tiny_checkpoint(base / "ckpt")
+    script, rollouts = str(ROOT / "tests" / "world_matrix.py"), base / "rollouts.pt"
+    for nproc in (1, 2):
+        res = launch([str(ckpt), str(base / str(nproc)), str(rollouts)], nproc=nproc, script=script)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    from world_matrix import CASES
+    return {name: [torch.load(base / str(n) / f"{name}.pt") for n in (1, 2)] for name, _ in CASES}
+
+
+@pytest.mark.slow
+def test_one_update_is_the_same_on_one_and_two_processes(world_matrix):
+    """One rl_step (mu = 3, text and image, CFG) at world 1 and world 2 on the same rollouts: every
+    parameter moves by the same amount to float32 rounding (1e-5 of the largest change), and the logged
+    statistics agree, for every estimator (--trajectory_states at K < T too), both loss norms, LoRA on and
+    off, device_batch_size chunks and a binding gradient clip (tests/world_matrix.CASES). A normaliser
+    reduced over ranks in place once per update scales update j by 2^-j on two processes."""
+    assert len(world_matrix) >= 11
+    for name, (one, two) in world_matrix.items():
+        assert one["differed"] == 0
+        biggest = max(d.abs().max().item() for d in one["delta"].values())
+        assert biggest > 1e-4, name  # the step moved the weights: the comparison has teeth
+        assert one["delta"].keys() == two["delta"].keys(), name
+        for k, d in one["delta"].items():
+            assert torch.allclose(two["delta"][k], d, rtol=0, atol=1e-5 * biggest), \
+                (name, k, (two["delta"][k] - d).abs().max().item(), biggest)
+        sequence = "_seq" in name
+        compared = 0
+        for k, v in one["log"].items():
+            stat = k.split("/")[-1]
+            if stat in COMPARED + ("grad_norm", "zero_adv_groups", "adv_abs_mean") and not (sequence and stat in TOKEN_MEANS):
+                assert two["log"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), (name, k, v, two["log"][k])
+                compared += 1
+        assert compared >= 15, (name, compared)
+
+
+LORA_GATHERS = """
+import json, sys, torch
+import torch.distributed as dist
+import tasks, train
+from infra import load, scale
+from world_matrix import score
+device = scale.init("cpu")
+cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4", "--num_iterations=3",
+                        "--beta=0.05", "--lora_rank=4", "--lora_alpha=8", f"--init_from={sys.argv[1]}"])
+policy, ref, tok, ids, _ = load.load_policy(cfg, device, torch.float32, sft=None)
+opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
+tasks.score = score
+gathers = []
+for name in ("all_gather_single", "all_gather_into_tensor"):  # FSDP2's all-gather (torch 2.13; older torch)
+    real = getattr(dist, name, None)
+    if real is not None:
+        def counted(*a, _real=real, **k):
+            gathers.append(1)
+            return _real(*a, **k)
+        setattr(dist, name, counted)
+ctx = tasks.Ctx(cfg, tok, ids, device, {})
+train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))
+if scale.rank() == 0:
+    json.dump({"gathers": len(gathers)}, open(sys.argv[2], "w"))
+with scale.process_exit():
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_lora_step_all_gathers_each_unit_once_per_pass(tmp_path):
+    """The all-gathers of one LoRA RL step on 2 ranks (text, mu = 3, K = 3 views, one chunk, 2 blocks: 3
+    FSDP2 units, the root and a block each), counted by hand: the rollout, the old and the reference pass
+    each hold the weights (scale.full_weights: one gather per unit, 3 + 3 + 3); each of the 3 updates'
+    forward gathers every unit and its backward gathers the 2 blocks again (the root stays gathered from its
+    forward to its backward), 3 x (3 + 2) = 15. Total 24. The LoRA reference is lora.AdaptersOff around the
+    policy: a hold marked on the wrapper instead of the policy let the root reshard after each reference
+    forward and gather again at the next (26 here; 12 extra 2 GB gathers per step at LLaDA-8B)."""
+    from test_rl_step import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt")
+    script = tmp_path / "lora_gathers.py"
+    script.write_text(f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n" + LORA_GATHERS)
+    res = launch([str(ckpt), str(tmp_path / "count.json")], nproc=2, script=str(script))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert json.loads((tmp_path / "count.json").read_text())["gathers"] == 3 + 3 + 3 + 3 * (3 + 2)
+
+
+def test_full_weights_holds_the_root_of_a_wrapped_policy(monkeypatch):
+    """The fast sibling of the all-gather count: inside scale.full_weights(lora.AdaptersOff(policy)) the
+    root's no-gradient forward hook does not reshard the policy (two ranks simulated by fake FSDP modules
+    that record unshard / reshard); outside it, it does."""
+    from infra import lora, scale
+
+    class Unit(torch.nn.Module):
+        def __init__(self, log, name, children=()):
+            super().__init__()
+            self.log, self.name, self.kids = log, name, torch.nn.ModuleList(children)
+
+        def unshard(self):
+            self.log.append(("unshard", self.name))
+
+        def reshard(self):
+            self.log.append(("reshard", self.name))
+
+        def set_reshard_after_forward(self, value, recurse=True):
+            self.log.append(("after_forward", self.name, value))
+
+    log = []
+    policy = Unit(log, "root", [Unit(log, "block")])
+    monkeypatch.setattr(scale, "world", lambda: 2)
+    monkeypatch.setattr(scale, "_fsdp_modules", lambda m: [u for u in m.modules() if isinstance(u, Unit)])
+    with torch.no_grad():
+        with scale.full_weights(lora.AdaptersOff(policy)):
+            scale._reshard_root_without_grad(policy, (), None)  # the hook after a reference forward
+            with scale.full_weights(policy):  # nested: nothing more
+                pass
+            held = list(log)
+        scale._reshard_root_without_grad(policy, (), None)
+    assert held == [("unshard", "root"), ("after_forward", "block", False), ("unshard", "block")], held
+    assert log[len(held):] == [("reshard", "root"), ("reshard", "block"), ("after_forward", "block", True),
+                               ("reshard", "root")], log
+
+
 BF16_LOGITS = """
 import sys, torch
 from infra import scale
@@ -265,6 +399,62 @@ def test_process_exit_ends_every_rank_with_python_status(tmp_path):
     assert "rank 0 worked" in res.stdout and "interpreter teardown ran" in res.stdout
 
 
+ONE_RANK_FAILS = """
+import sys, time
+import torch
+from infra import scale
+with scale.process_exit():
+    scale.init("cpu")
+    scale.all_sum(torch.ones(3))
+    if scale.rank() == 1:
+        print(f"raised at {time.time()}", flush=True)
+        raise RuntimeError("rank 1 failed")
+    scale.all_sum(torch.ones(3))  # rank 0 waits in a collective that rank 1 never joins
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_ends_every_rank_within_seconds(tmp_path):
+    """Rank 1 raises while rank 0 waits in a collective: torchrun exits 1 within 10 s of the raise (with a
+    collective timeout of 2 minutes, so a rank that waited for the other, at a barrier or in
+    destroy_process_group, would show as a timeout), with rank 1's traceback."""
+    import time
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + ONE_RANK_FAILS)
+    os.environ["MASKGRPO_COLLECTIVE_TIMEOUT_MIN"], saved = "2", os.environ.get("MASKGRPO_COLLECTIVE_TIMEOUT_MIN")
+    try:
+        res = launch([], nproc=2, script=str(script))
+    finally:
+        os.environ.pop("MASKGRPO_COLLECTIVE_TIMEOUT_MIN") if saved is None else \
+            os.environ.__setitem__("MASKGRPO_COLLECTIVE_TIMEOUT_MIN", saved)
+    ended = time.time()
+    assert res.returncode == 1 and "RuntimeError: rank 1 failed" in res.stderr, res.stderr[-3000:]
+    raised = float(res.stdout.split("raised at ")[1].split()[0])
+    assert ended - raised < 10, ended - raised
+
+
+def test_close_after_an_error_neither_waits_nor_destroys(monkeypatch):
+    """The fast sibling: with other ranks, scale.close after an error returns at once (no barrier, no
+    destroy_process_group, either of which may wait for peers stuck in a collective); a clean exit waits
+    at the barrier, then destroys the group."""
+    from infra import scale
+    calls = []
+    monkeypatch.setattr(scale, "world", lambda: 2)
+    monkeypatch.setattr(scale.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(scale.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(scale.dist, "barrier", lambda **k: calls.append("barrier"))
+    monkeypatch.setattr(scale.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    scale.close(ok=False)
+    assert calls == []
+    try:
+        raise RuntimeError("a rank's own error")
+    except RuntimeError:
+        scale.close()
+    assert calls == []
+    scale.close(ok=True)
+    assert calls == ["barrier", "destroy"]
+
+
 def test_exit_status_is_pythons(capsys):
     """The status and message process_exit gives a torchrun rank are those Python gives a script."""
     from infra import scale
@@ -295,3 +485,38 @@ def test_close_is_safe_without_a_group():
     from infra import scale
     scale.close()
     scale.close(ok=False)
+
+
+def test_reductions_leave_their_argument_unchanged(monkeypatch):
+    """The fast sibling of the world-size matrix: scale.all_sum / all_max return the reduction as a new
+    tensor and leave their argument as it was, so a value reduced once per inner update (the
+    --trajectory_states normaliser) is not multiplied by the world size each time. Two ranks holding the
+    same tensor are simulated: the collective doubles (sum) or keeps (max) what it is given, in place."""
+    from infra import scale
+
+    def fake_all_reduce(t, op=None):
+        if op is None:
+            t.mul_(2)
+
+    monkeypatch.setattr(scale, "world", lambda: 2)
+    monkeypatch.setattr(scale.dist, "all_reduce", fake_all_reduce)
+    n = torch.tensor(3.0)
+    assert [scale.all_sum(n).item() for _ in range(3)] == [6.0, 6.0, 6.0] and n.item() == 3.0
+    m = torch.tensor([1.0, 5.0])
+    assert scale.all_max(m).tolist() == [1.0, 5.0] and m.tolist() == [1.0, 5.0]
+
+
+def test_torch_older_than_the_floor_is_refused_in_one_line():
+    """torchrun runs need FSDPModule.set_reshard_after_forward (torch >= 2.8, the floor in pyproject.toml):
+    an older torch is refused at start-up with one line, the installed one passes."""
+    from torch.distributed.fsdp import FSDPModule
+    from infra import scale
+    for old in ("2.6.0", "2.7.1+cu126"):
+        with pytest.raises(ValueError, match=rf"torch {re.escape(old)} is too old for torchrun runs: FSDP2 needs "
+                                             r"torch >= 2.8"):
+            scale.check_torch(old)
+    scale.check_torch("2.8.0+cu128")
+    scale.check_torch()
+    assert hasattr(FSDPModule, "set_reshard_after_forward")
+    floor = re.search(r'"torch>=([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert tuple(map(int, floor.split("."))) == scale.MIN_TORCH

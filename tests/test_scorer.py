@@ -170,3 +170,33 @@ def test_bad_arguments_raise_before_any_request(prompts, codes, problem):
     # port 9 (discard) on localhost has no scorer: reaching it would fail with ConnectionError, not ValueError
     with pytest.raises(ValueError, match=problem):
         RemoteScorer("http://127.0.0.1:9", retries=0)(prompts, codes)
+
+
+def test_the_timeout_is_a_flag(monkeypatch, tmp_path):
+    """--image_scorer_timeout reaches the scorer train.main builds (every rank posts at once, so a busy scorer
+    may need more than 30 s), and a timeout that is not > 0 is refused at the boundary, naming the flag."""
+    import pytest
+    import train
+    from infra import scorer as scorer_module
+    cfg = train.parse_args(["--preset=mmada8b", "--dry_run=true", "--image_scorer_timeout=120"])
+    assert cfg.image_scorer_timeout == 120.0
+    with pytest.raises(ValueError, match=r"image_scorer_timeout \(0.0\) must be > 0 seconds"):
+        train.parse_args(["--preset=mmada8b", "--dry_run=true", "--image_scorer_timeout=0"])
+    built = []
+
+    class Spy(scorer_module.RemoteScorer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self.timeout)
+            raise SystemExit("stop after the scorer is built")
+
+    monkeypatch.setattr(train, "RemoteScorer", Spy)
+    monkeypatch.setattr(train, "load_data", lambda cfg: {})
+    monkeypatch.setattr(train, "startup_checks", lambda cfg, device: None)
+    monkeypatch.setattr(train.claims, "check_resume", lambda cfg: None)
+    with pytest.raises(SystemExit, match="stop after the scorer"):
+        train.main(["--preset=mmada8b", f"--train_data=geneval={tmp_path / 'unread.jsonl'}", "--threads=1",
+                    f"--init_from={tmp_path / 'unread_model'}",
+                    f"--out_dir={tmp_path / 'out'}", "--image_scorer_url=http://127.0.0.1:9",
+                    "--image_scorer_timeout=7.5"])
+    assert built == [7.5]
