@@ -6,8 +6,8 @@ all_gather_rows) are replaced by a replay. Each rank's step runs alone; a collec
 concatenation of this rank's tensor and the other rank's tensor of the same call in the previous round;
 rounds repeat until every collective's inputs stop changing (a fixed point: both ranks then saw exactly what
 real collectives would have given them). The optimiser records gradients and does not step, so each update
-is at the same weights; FSDP2 averages the ranks' gradients, so the 2-process gradient is the mean of the
-two recorded ones (each scaled by the world size in scale.backward_sum). A float64 model, so that a batch of
+is at the same weights; FSDP2 sums the ranks' gradients (infra/scale.shard), so the 2-process gradient is the
+sum of the two recorded ones. A float64 model, so that a batch of
 4 rows (one rank's) and of 8 cannot flip a near-tie in the sampler.
 
     python -m pytest tests/test_world_size.py -q
@@ -108,7 +108,7 @@ def test_two_processes_give_the_one_process_step(base, model64, lora_policy, mon
     (log0, g0), (log1, g1) = ranks[0], ranks[1]
     assert len(g0) == len(g1) == len(want) == 2
     for j in range(2):
-        got = (g0[j] + g1[j]) / 2
+        got = g0[j] + g1[j]
         assert want[j].abs().max() > 0
         torch.testing.assert_close(got, want[j], rtol=1e-4, atol=1e-6 * want[j].abs().max().item())  # float32 log-probs
     task = flags[0].split("=")[1]
