@@ -88,7 +88,7 @@ def t_toy_seeds() -> str:
                "image before -> after", "gain ± paired SE", "SFT s", "RL s", "RL CPU s"], rows)
 
 
-def t_toy_step() -> str:
+def _toy_step() -> str:
     p = load("toy_seeds")["runs"][0]["phases"]
     return md(["rollouts", "rewards", "old and reference log-probs", "mu = 4 updates", "whole step", "whole step, CPU s"],
               [[f"{p[k]:.3g}" for k in ("rollout_s", "reward_s", "logprob_s", "update_s", "seconds", "cpu_s")]])
@@ -116,7 +116,7 @@ def _diag(key: str, label: str) -> str:
 
 
 def t_diagnosis_toy() -> str:
-    return _diag("toy_text", "text estimator") + "\n\n" + _diag("toy_image", "image estimator")
+    return _diag("toy_text", "text estimator")
 
 
 def t_diagnosis_long() -> str:
@@ -184,8 +184,7 @@ def _runs_table(rows: list[dict], versus: dict[str, str], base_name: str = "Mask
 
 def t_toy_equal_time() -> str:
     return _runs_table(load("toy_equal_time")["rows"], {
-        "MaskGRPO, 425 steps (the exact trajectory's CPU time)": "exact trajectory, 80 steps",
-        "MaskGRPO (default), beside the dual-cache run": "MaskGRPO, dual-cache rollouts"})
+        "MaskGRPO, 425 steps (the exact trajectory's CPU time)": "exact trajectory, 80 steps"})
 
 
 def t_toy_long_compute() -> str:
@@ -216,14 +215,17 @@ def t_fast_rollouts() -> str:
 
 def t_rollout_speed() -> str:
     rows = load("rollout_speed")["rows"]
-    return md(list(rows[0]), [list(r.values()) for r in rows])
+    return (md(list(rows[0]), [list(r.values()) for r in rows]) + "\n\nOne toy RL step by phase, wall seconds (median of "
+            "steps 2-8 of the default toy's seed-0 run, `times.jsonl`):\n\n" + _toy_step())
 
 
 def t_dry_run_8b() -> str:
     d = load("dry_run_8b")
     block = lambda lines: "```\n" + "\n".join(lines) + "\n```"
-    return "\n\n".join([block(d["printed"]), md(list(d["memory"][0]), [list(r.values()) for r in d["memory"]]),
-                        block(d["printed_after"])])
+    memory = [r for r in d["memory"] if "peak" in r["GB per GPU (estimate)"]]  # the peaks; the parts are in --dry_run
+    other = d["other"]
+    return "\n\n".join([block(d["printed"]), md(list(memory[0]), [list(r.values()) for r in memory]),
+                        md(list(other[0]), [list(r.values()) for r in other])])
 
 
 TABLES = {name[2:]: fn for name, fn in globals().items() if name.startswith("t_")}
