@@ -322,4 +322,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from infra import cli
+
+    with cli.user_errors():  # a missing data file or a stray marker: one line, exit status 2
+        sys.exit(main())
