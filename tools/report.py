@@ -11,6 +11,7 @@ figures are what this command makes. The figures are drawn by infra/plots.py fro
 written back as the log.jsonl / times.jsonl / summary.json a run writes.
 """
 import argparse
+import itertools
 import json
 import re
 import statistics as st
@@ -249,13 +250,15 @@ def figures(out: Path) -> list[Path]:
     """Write every figure of docs/results.md into out; returns their paths."""
     from infra import plots
 
+    if not plots.have_pillow():
+        raise ValueError('no figure written: Pillow is missing; pip install -e ".[plots]"')
     out.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, n = [], itertools.count()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
 
-        def runs(rows, key, labels):  # {label: [run dirs]} of the rows whose key is in labels, in that order
-            return {lab: [_write_run(tmp / f"{len(list(tmp.iterdir()))}", r) for r in rows if r[key] == name and "log" in r]
+        def runs(rows, key, labels):  # {label: [run dirs]}: per (label, name), the rows whose key is name, in order
+            return {lab: [_write_run(tmp / str(next(n)), r) for r in rows if r[key] == name and "log" in r]
                     for lab, name in labels}
 
         seed0 = load("toy_seeds")["runs"][0]
