@@ -1,0 +1,1 @@
+"""Measurement and one-off tools, apart from the runtime: python -m tools.report."""
