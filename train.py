@@ -441,6 +441,7 @@ def main(argv=None) -> dict:
     if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
         return claims.dry_run(cfg, budget.dry_run)
     phases.remember_command(argv)   # for the messages that name the command continuing this run
+    claims.check_paths(cfg)         # out_dir, init_from, sft_dir: nothing of anyone else's is written over
     with phases.start_up():             # a signal before RL stops at once and names the command to rerun
         finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
         if finished is not None:

@@ -63,7 +63,10 @@ def check_sft_cache(cfg) -> bool:
             diff.append("infra/toy.py or tasks.py (the toy data or its encoding) changed")
         problem = f"holds an SFT model trained with other settings: {', '.join(diff)}"
     elif sft_dir.is_dir() and any(sft_dir.iterdir()):
-        problem = "holds files but no sft_meta.json, so not an SFT model this code wrote"
+        # Not an SFT model: replacing it (--retrain_sft) would delete someone's files, so no flag does that.
+        shown = ", ".join(sorted(p.name for p in sft_dir.iterdir())[:5])
+        raise ValueError(f"sft_dir {sft_dir} holds files ({shown}) but no sft_meta.json, so it is not an SFT model "
+                         "this code wrote, and it is left as it is; pass --sft_dir=a new or empty folder")
     else:
         return False
     if not cfg.retrain_sft:
@@ -242,9 +245,30 @@ def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
     (path / GENERATION_FILE).write_text(json.dumps(generation_settings(cfg), indent=2) + "\n")
 
 
+FINGERPRINT_BLOCKS, BLOCK_BYTES = 256, 1 << 16  # up to 16 MiB read per weight file
+
+
+def file_fingerprint(f: Path, digest) -> None:
+    """Feed digest with f's size and content: the whole file when it is at most FINGERPRINT_BLOCKS blocks,
+    else that many evenly spaced blocks (the first holds safetensors' header: every tensor's name, dtype,
+    shape and offsets). Reading 16 GB of weights whole would take minutes at every start; a block every
+    few hundred MB of trained bf16 weights differs between any two models in practice."""
+    size = f.stat().st_size
+    digest.update(f"{size}:".encode())
+    with open(f, "rb") as fh:
+        if size <= FINGERPRINT_BLOCKS * BLOCK_BYTES:
+            digest.update(fh.read())
+            return
+        for i in range(FINGERPRINT_BLOCKS):
+            fh.seek((size - BLOCK_BYTES) * i // (FINGERPRINT_BLOCKS - 1))
+            digest.update(fh.read(BLOCK_BYTES))
+
+
 def reference_identity(cfg) -> dict:
-    """What the reference policy (and the starting point) is: the SFT cache key or the init_from
-    checkpoint's config and index, so a resumed run cannot silently change its KL anchor."""
+    """What the reference policy (and the starting point) is: the SFT cache key, or a fingerprint of the
+    init_from checkpoint's content (config, index, and each weight file: file_fingerprint), so that a resumed
+    run cannot silently change its KL anchor, while the same model copied elsewhere (another path, new file
+    times: a cluster job's local copy) resumes."""
     if cfg.init_from == "scratch":
         meta = sft_dir_of(cfg) / "sft_meta.json"
         return {"sft_meta": hf.read_json(meta) if meta.is_file() else None}
@@ -253,12 +277,10 @@ def reference_identity(cfg) -> dict:
     for name in ("config.json", "model.safetensors.index.json"):
         if (root / name).is_file():
             digest.update((root / name).read_bytes())
-    # Hashing 16 GB of weights would take minutes; their names, sizes and modification times catch a
-    # replaced checkpoint in practice.
     for f in sorted(root.glob("*.safetensors")):
-        st = f.stat()
-        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return {"init_from": str(root.resolve()), "sha1": digest.hexdigest()}
+        digest.update(f.name.encode())
+        file_fingerprint(f, digest)
+    return {"init_from_content": digest.hexdigest()}
 
 
 def report_truncation(cfg, tok, datasets: dict) -> dict:

@@ -1,4 +1,4 @@
-"""What SIGTERM or SIGINT (pre-emption, Ctrl-C) does in each phase of a training run, so that no phase ends
+"""What SIGTERM, SIGINT or SIGHUP (pre-emption, Ctrl-C, a closed terminal) does in each phase of a training run, so that no phase ends
 silently and every stop names what was kept and the command that continues:
 
     start-up                 stops at once: data and model loading write nothing of the run, so the same
@@ -7,7 +7,9 @@ silently and every stop names what was kept and the command that continues:
                              written to sft_dir, and the same command trains it again (train.sft)
     evaluation before RL     the evaluation batch finishes, then the run exits: no RL step was taken, so
                              nothing of RL is kept; the command below starts it again (before_rl)
-    an RL step               the step finishes, a checkpoint is written, the run exits (infra/run.Run.record)
+    an RL step               the step finishes, a checkpoint is written, the run exits (infra/run.Run.record);
+                             a second signal (after 5 s) drops the step at once and names the command that
+                             continues from the last checkpoint, or restarts from step 0 when there is none
     after the last RL step   a checkpoint of it is written before the final evaluation starts (with
                              checkpoint_every > 0), so the final evaluation and save can always be redone
     final evaluation         the evaluation batch finishes, the last step's checkpoint is written if it is
@@ -107,7 +109,7 @@ def start_up():
             _START_UP["pending"] = _START_UP["pending"] or signum
             return
         raise _StartUpStopped(signum)
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, handler) for sig in checkpoint.STOP_SIGNALS}
     try:
         yield
     except _StartUpStopped as e:
@@ -116,6 +118,11 @@ def start_up():
                f"written but config.json and a finished SFT model, and no checkpoint was touched; start it again "
                f"with: {start_command()}")
         raise SystemExit(128 + e.args[0]) from None
+    except KeyboardInterrupt as e:  # a second signal during SFT (its step-finishing handler raises it)
+        print0(f"aborted by a second {e if isinstance(e, checkpoint.Aborted) else 'SIGINT'} during start-up or "
+               f"SFT: SFT keeps no checkpoint and nothing was written to the sft_dir; start it again with: "
+               f"{start_command()}")
+        raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
@@ -170,7 +177,11 @@ def final(run):
     current batch, writes that checkpoint if it is missing and names the command that finishes the run; a
     signal during the save lets it finish."""
     cfg = run.cfg
-    with checkpoint.graceful_stop("finishing this evaluation batch, then stopping") as flag:
+    def abort() -> str:
+        kept = _last_step_checkpoint(run)
+        return (f"{kept} is kept and finishes the run" if kept else
+                "no checkpoint of the last RL step exists (checkpoint_every=0), so all RL steps would be lost")
+    with checkpoint.graceful_stop("finishing this evaluation batch, then stopping", abort) as flag:
         stop = Stop(flag, run.device)
         try:
             if cfg.checkpoint_every and run.start < cfg.rl_steps and _last_step_checkpoint(run) is None:
@@ -185,12 +196,14 @@ def final(run):
                    f"{cfg.rl_steps} RL steps; finish the run (the final evaluation and save) with: "
                    f"{resume_command()}")
             raise SystemExit(128 + s.signum) from None
-        except KeyboardInterrupt:  # a second Ctrl-C: out at once, but say what is kept
+        except (KeyboardInterrupt, checkpoint.Aborted) as e:  # a second signal: out at once, say what is kept
             kept = _last_step_checkpoint(run)
-            print0("interrupted during the final evaluation or save: " + (
-                f"{kept} holds the model after all {cfg.rl_steps} RL steps; finish the run with: {resume_command()}"
-                if kept else "no checkpoint of the last RL step was written (checkpoint_every=0)"))
-            raise
+            print0(f"aborted by a second {'SIGINT' if isinstance(e, KeyboardInterrupt) else e} during the final "
+                   "evaluation or save: " + (
+                       f"{kept} holds the model after all {cfg.rl_steps} RL steps; finish the run with: "
+                       f"{resume_command()}" if kept else "no checkpoint of the last RL step was written "
+                       f"(checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))
+            raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
     if flag["signal"]:
         print0(f"stopped by {signal.Signals(flag['signal']).name} after the final save: the run is complete "
                f"({run.out / 'final'}, {run.out / 'summary.json'})")

@@ -71,8 +71,10 @@ def keep_steps_before(path: Path, start: int) -> Path:
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 # lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
+# init_from and sft_dir are paths: the model they hold is compared by content (load.reference_identity), so
+# a copy of it at another path (a cluster job's local disk) resumes.
 RESUMABLE = ("resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
-             "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip")
+             "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip", "init_from", "sft_dir")
 
 
 def startup_checks(cfg, device) -> None:
@@ -127,19 +129,41 @@ def _check_out_dir(cfg, out: Path) -> None:
     if any_checkpoint is not None and not cfg.resume:
         raise ValueError(f"out_dir {out} already holds checkpoints (latest {any_checkpoint.name}): pass "
                          "--resume=true to continue that run, or choose another --out_dir")
-    finished = [f"{n}/" if (out / n).is_dir() else n for n in FINISHED if (out / n).exists()]
+    finished = [f"{n}/" if (out / n).is_dir() else n for n in FINISHED[:1] + FINISHED[2:] if (out / n).exists()]
     if finished and any_checkpoint is None:
-        # Without checkpoints (checkpoint_every=0, or fewer steps than it) there is nothing to resume from:
-        # this run would start again and replace the files.
-        raise ValueError(f"out_dir {out} holds a run ({', '.join(finished)}) and no checkpoint to "
-                         f"resume from{'' if cfg.resume else ' (--resume=true continues from checkpoints only)'}"
-                         "; choose another --out_dir, or delete that run")
+        # A finished run without checkpoints (checkpoint_every=0, or fewer steps than it): nothing to continue
+        # from, and a new start would replace its model and summary.
+        raise ValueError(f"out_dir {out} holds a finished run ({', '.join(finished)}) and no checkpoint to "
+                         "continue from; choose another --out_dir")
+    logged = logged_steps(out / "log.jsonl")
+    if logged and any_checkpoint is None:
+        # An unfinished run that wrote no checkpoint (a crash or an abort before the first): it can only
+        # restart from step 0, replacing its log, which --resume=true says it wants.
+        if not cfg.resume:
+            raise ValueError(f"out_dir {out} holds an unfinished run ({logged} RL step(s) in log.jsonl) with no "
+                             "checkpoint to continue from; --resume=true restarts it from step 0 (its log is "
+                             "rewritten), or choose another --out_dir")
+    elif (out / "log.jsonl").exists() and any_checkpoint is None:
+        print0(f"out_dir {out} holds a run that took no RL step (its log.jsonl is empty): starting it again")
     if any_checkpoint is not None:  # before anything is loaded or config.json is overwritten
         last = resume_point(out)
         state = hf.read_json(last / "state.json", "remove that checkpoint directory")
         checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), RESUMABLE)
     if scale.rank() == 0:
         _claim_out_dir(out)
+
+
+def logged_steps(log: Path) -> int:
+    """How many complete step lines log.jsonl holds (0 when it is missing or empty)."""
+    if not log.is_file():
+        return 0
+    n = 0
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            n += "step" in json.loads(line)
+        except ValueError:
+            continue
+    return n
 
 
 PID_FILE = "run.pid"
@@ -243,7 +267,8 @@ class Run:
                 group["lr"] = cfg.lr
             print0(f"resumed from {last} at step {self.state['step']}")
         elif cfg.resume:
-            print0(f"--resume: no complete checkpoint in {self.out / checkpoint.DIRNAME}; starting from step 0")
+            print0(f"--resume: no complete checkpoint in {self.out / checkpoint.DIRNAME}; starting from step 0 "
+                   "(the log of any earlier attempt is rewritten)")
         self.start = self.state["step"]
         self.t0 = time.time()
         self.logf = self.timef = None
@@ -251,18 +276,39 @@ class Run:
             # The logs keep the steps before `start` (a resumed run rewrites what came later).
             self.logf, self.timef = (open(keep_steps_before(self.out / name, self.start), "a")
                                      for name in ("log.jsonl", "times.jsonl"))
-        self._stop = checkpoint.graceful_stop()
+        self.done = self.start  # RL steps taken so far (the step in progress is this one)
+        self._stop = checkpoint.graceful_stop(abort=self._abort_loses)
 
     def __enter__(self):
         self.signal = self._stop.__enter__()
         return self
 
-    def __exit__(self, *exc):
+    def _abort_loses(self) -> str:
+        """What a second signal during an RL step would lose, and where the run would continue from."""
+        last = checkpoint.latest(self.out)
+        since = int(last.name[len(checkpoint.PREFIX):]) if last else 0
+        lost = f"steps {since} to {self.done}" if self.done > since else f"step {self.done}"
+        return (f"{lost} would be lost and the run would continue from {last}" if last else
+                f"no checkpoint exists yet, so {lost} would be lost and the run would restart from step 0")
+
+    def __exit__(self, kind, exc, tb):
         self.rl_end = self.rl_seconds()
-        self._stop.__exit__(*exc)
+        self._stop.__exit__(kind, exc, tb)
         for f in (self.logf, self.timef):
             if f:
                 f.close()
+        if kind is not None and issubclass(kind, (checkpoint.Aborted, KeyboardInterrupt)):
+            # A second signal dropped the step in progress: the newest checkpoint (or none) is where the
+            # printed command goes on from; --resume=true rewrites the log past it.
+            last = checkpoint.latest(self.out)
+            since = int(last.name[len(checkpoint.PREFIX):]) if last else 0
+            name = f"a second {exc}" if isinstance(exc, checkpoint.Aborted) else "Ctrl-C"
+            lost = f"steps {since} to {self.done}" if self.done > since else f"step {self.done}"
+            print0(f"aborted by {name} during RL step {self.done}: {lost} {'are' if self.done > since else 'is'} lost; " +
+                   (f"{last} is kept; continue with: " if last else "no checkpoint was written, so the run "
+                    "restarts from step 0 with: ") + phases.resume_command())
+            raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from None
+        return False
 
     def rl_seconds(self) -> float:
         return self.state["rl_seconds"] + time.time() - self.t0  # over every segment of a resumed run
@@ -270,6 +316,7 @@ class Run:
     def record(self, step: int, log: dict, rolls: list, tok, ids) -> None:
         """Count bad steps, write the logs, show samples, checkpoint on cadence or on a signal."""
         cfg, state = self.cfg, self.state
+        self.done = step + 1
         bad = "bad_reward" in log or log.get("skipped_updates", 0) > 0
         if "bad_reward" in log:
             print0(f"warning: step {step} skipped: {log['bad_reward']}")
