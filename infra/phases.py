@@ -21,15 +21,20 @@ Stop object (reduced over ranks, so that every rank stops at the same batch).
 """
 from __future__ import annotations
 
+import math
 import shlex
 import signal
 import sys
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
+import tasks
 from infra import checkpoint, scale
 from infra.scale import print0
+from tasks import task_list
 
 _ARGV: list[str] = []
 
@@ -73,17 +78,56 @@ class Stopped(Exception):
         self.signum = signum
 
 
+EVAL_BATCH = 64  # rows per tasks.evaluate batch
+
+
+def eval_batches(ctx) -> int:
+    """How many batches tasks.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
+    n = 0
+    for task in task_list(ctx.cfg):
+        rows = len(tasks.eval_examples(task, ctx.cfg, ctx.datasets))
+        for k in ((ctx.cfg.eval_samples,) if task in tasks.IMAGE_TASKS else (ctx.cfg.eval_samples, 1)):
+            n += -(-rows * k // EVAL_BATCH) if rows else 0
+    return n
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def shown(v) -> str:
+    """A held-out reward as printed: three decimals, or "not measured" (NaN: a scorer down)."""
+    return f"{v:.3f}" if math.isfinite(v) else "not measured"
+
+
 class Stop:
     """stop() raises Stopped when SIGTERM or SIGINT has arrived on any rank (a collective: every rank calls
-    it at the same point, as tasks.evaluate does at the top of every batch)."""
+    it at the same point, as tasks.evaluate does at the top of every batch). Given the number of batches it
+    also prints, every PROGRESS_EVERY seconds, how far the evaluation is and the time left."""
 
-    def __init__(self, flag: dict, device):
+    PROGRESS_EVERY = 30.0
+
+    def __init__(self, flag: dict, device, total: int = 0, label: str = ""):
         self.flag, self.device = flag, device
+        self.counting(total, label)
+
+    def counting(self, total: int, label: str) -> None:
+        self.total, self.label, self.calls = total, label, 0
+        self.t0 = self.shown_at = time.time()
 
     def __call__(self) -> None:
         s = int(scale.all_max(torch.tensor([self.flag["signal"]], device=self.device)).item())
         if s:
             raise Stopped(s)
+        if self.total and self.calls and time.time() - self.shown_at >= self.PROGRESS_EVERY:
+            spent = time.time() - self.t0
+            left = spent / self.calls * max(0, self.total - self.calls)
+            print0(f"{self.label}: batch {self.calls + 1} of about {self.total}, {duration(spent)} so far, "
+                   f"about {duration(left)} left")
+            self.shown_at = time.time()
+        self.calls += 1
 
     def saving(self) -> None:
         """A last check (the image snapshot came after the evaluation); from here on a signal lets the
@@ -208,3 +252,15 @@ def final(run):
         print0(f"stopped by {signal.Signals(flag['signal']).name} after the final save: the run is complete "
                f"({run.out / 'final'}, {run.out / 'summary.json'})")
         raise SystemExit(128 + flag["signal"])
+
+
+def closing_summary(run, seconds: float) -> None:
+    """The run's last lines: the time it took, where the model and pictures are, and the next commands."""
+    out = run.out
+    pictures = [str(out / n) for n in ("curves.png", "images.png") if (out / n).is_file()]
+    rl = run.rl_end
+    print0(f"done in {duration(seconds)} (RL {duration(rl)}{' over every resumed segment' if run.start else ''}): "
+           f"model {out / 'final'}, summary {out / 'summary.json'}, log {out / 'log.jsonl'}"
+           + (f", pictures {', '.join(pictures)}" if pictures else ", no pictures (Pillow is not installed)"))
+    print0(f"next: python sample.py --ckpt={out / 'final'} --prompt=\"...\" (add --image for a picture); "
+           f"python evaluate.py --run={out} re-scores it")

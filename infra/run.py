@@ -10,9 +10,11 @@ the same decisions: flags are reduced over ranks before they are acted on.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from dataclasses import asdict
@@ -39,6 +41,63 @@ def paired_se(d: list) -> float:
 
 class TrainingStopped(RuntimeError):
     """Too many consecutive bad steps: the run stops with a message naming the last good checkpoint."""
+
+
+class RunFailed(RuntimeError):
+    """The machine failed the run (disk full, out of memory, a dead rank): one line naming the cause, what
+    was kept and the command that continues."""
+
+
+def root_causes(e: BaseException) -> list[BaseException]:
+    """e and what it wraps: its cause and context chain, and the per-rank failures a
+    torch.distributed.checkpoint CheckpointException (a BaseException) carries."""
+    seen, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is y for y in seen):
+            continue
+        seen.append(x)
+        todo += [x.__cause__, x.__context__]
+        for failure in getattr(x, "failures", {}).values() if isinstance(getattr(x, "failures", None), dict) else ():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return seen
+
+
+def continue_command(out: Path) -> str:
+    """The one command that goes on with this run after a failure: --resume=true when it has a checkpoint
+    or logged steps (which then restart from step 0), else the command as typed."""
+    if checkpoint.latest(out) is not None or logged_steps(out / "log.jsonl"):
+        return phases.resume_command()
+    return phases.start_command()
+
+
+def kept_line(out: Path) -> str:
+    last = checkpoint.latest(out)
+    return f"the last checkpoint, {last}, is kept" if last else "no checkpoint of this run exists"
+
+
+def explain_failure(e: BaseException, cfg) -> str | None:
+    """The one-line message of a machine failure (out of memory, a full disk, a dead torchrun rank), or None
+    for anything else (a bug keeps its traceback)."""
+    out = Path(cfg.out_dir)
+    for x in root_causes(e):
+        text = str(x).splitlines()[0] if str(x) else type(x).__name__
+        if isinstance(x, torch.OutOfMemoryError) or (isinstance(x, RuntimeError) and (
+                "out of memory" in text.lower() or "can't allocate memory" in text.lower())):
+            fewer = max(1, (cfg.device_batch_size or cfg.group_size * cfg.prompts_per_step) // 2)
+            return (f"out of memory ({text[:160]}) with group_size={cfg.group_size}, prompts_per_step="
+                    f"{cfg.prompts_per_step}, device_batch_size={cfg.device_batch_size or 'all'}: fewer sequences per "
+                    f"forward pass need less memory (--device_batch_size={fewer}; or a lower --group_size in a new "
+                    f"run); {kept_line(out)}; continue with: {continue_command(out)} --device_batch_size={fewer}")
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return (f"the disk is full ({x.strerror}{': ' + str(x.filename) if x.filename else ''}); "
+                    f"{kept_line(out)}; free space there (or lower --keep_last), then continue with: "
+                    f"{continue_command(out)}")
+        if scale.world() > 1 and isinstance(x, RuntimeError) and any(w in text.lower() for w in (
+                "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer")):
+            return (f"another process of this torchrun run stopped ({text[:160]}; its own message is above); "
+                    f"{kept_line(out)}; once the cause is fixed, --resume=true continues: {continue_command(out)}")
+    return None
 
 
 def log_line(log: dict, total: int) -> str:
@@ -277,11 +336,22 @@ class Run:
             self.logf, self.timef = (open(keep_steps_before(self.out / name, self.start), "a")
                                      for name in ("log.jsonl", "times.jsonl"))
         self.done = self.start  # RL steps taken so far (the step in progress is this one)
+        self.last_bad = "a non-finite loss or gradient"  # why the last skipped step was skipped
+        self.step_seconds: list[float] = []
         self._stop = checkpoint.graceful_stop(abort=self._abort_loses)
 
     def __enter__(self):
         self.signal = self._stop.__enter__()
         return self
+
+    def _time_left(self, step: int, seconds) -> str:
+        """" | about 3m10s left": the mean time of this process's steps so far times the steps to go."""
+        if seconds is not None:
+            self.step_seconds.append(seconds)
+        left = self.cfg.rl_steps - step - 1
+        if not left or not self.step_seconds:
+            return ""
+        return f" | about {phases.duration(sum(self.step_seconds) / len(self.step_seconds) * left)} left"
 
     def _abort_loses(self) -> str:
         """What a second signal during an RL step would lose, and where the run would continue from."""
@@ -319,9 +389,10 @@ class Run:
         self.done = step + 1
         bad = "bad_reward" in log or log.get("skipped_updates", 0) > 0
         if "bad_reward" in log:
+            self.last_bad = log["bad_reward"]
             print0(f"warning: step {step} skipped: {log['bad_reward']}")
         else:
-            print0(log_line(log, cfg.rl_steps))
+            print0(log_line(log, cfg.rl_steps) + self._time_left(step, log.get("seconds")))
         state["bad_run"] = state["bad_run"] + 1 if bad else 0
         state["bad_steps"] += bad
         log["bad_steps"] = state["bad_steps"]
@@ -356,8 +427,16 @@ class Run:
         # After a good step the checkpoint being written is itself the last good one (the newest, which
         # rotation keeps): the previous one needs no protection, or --keep_last=1 would keep two.
         protect = self.state["last_good"] if self.state["bad_run"] else None
-        path = checkpoint.save(self.out, step, self.model, self.opt, saved, keep_last=self.cfg.keep_last,
-                               trainable_only=self.cfg.lora_rank > 0, protect=protect)
+        try:
+            path = checkpoint.save(self.out, step, self.model, self.opt, saved, keep_last=self.cfg.keep_last,
+                                   trainable_only=self.cfg.lora_rank > 0, protect=protect)
+        except BaseException as e:  # DCP wraps a writer's OSError in CheckpointException, a BaseException
+            message = explain_failure(e, self.cfg) if not isinstance(e, KeyboardInterrupt) else None
+            if message is None:
+                raise
+            if scale.rank() == 0:  # the half-written directory, never loaded, would only take the room
+                shutil.rmtree(checkpoint._step_dir(self.out, step, tmp=True), ignore_errors=True)
+            raise RunFailed(f"writing checkpoint step {step}: {message}") from None
         if self.state["bad_run"] == 0:  # written after a good step: where to go back to if things go wrong
             self.state["last_good"] = str(path)
         return path
@@ -368,7 +447,8 @@ class Run:
         the pictures; returns the summary."""
         before, before_by_prompt = self.state["before"], self.state.get("before_by_prompt") or {}
         save_model(self.model, self.cfg, self.out / "final", tok, dtype)
-        summary = {k: {"before": before[k], "after": after[k]} for k in before}
+        # A reward that could not be measured (a scorer down: NaN) is null in summary.json, never a number.
+        summary = {k: {"before": measured(before[k]), "after": measured(after[k])} for k in before}
         for k in summary:
             if len(before_by_prompt.get(k, ())) == len(after_by_prompt.get(k, ())) > 1:
                 summary[k]["gain_se"] = paired_se([a - b for a, b in zip(after_by_prompt[k], before_by_prompt[k])])
@@ -380,6 +460,23 @@ class Run:
         if scale.rank() == 0:
             release_out_dir(self.out)
         return summary
+
+
+def measured(x):
+    """x when it is a finite number, else None (not measured)."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def all_skipped(run) -> str | None:
+    """When every RL step of the run was skipped (nothing was trained), the one-line reason, else None."""
+    cfg = run.cfg
+    if not cfg.rl_steps or run.state["bad_steps"] < cfg.rl_steps:
+        return None
+    scorer = f"; is the image scorer at {cfg.image_scorer_url} up? (`python -m infra.scorer --stub` serves a " \
+        "stand-in)" if cfg.image_scorer_url else ""
+    return (f"every one of the {cfg.rl_steps} RL steps was skipped (the last: {run.last_bad}){scorer}; nothing was "
+            f"trained, so no final/ or summary.json is written and no reward after RL is reported; fix the cause "
+            "and start again with another --out_dir")
 
 
 def show(b, rewards, tok, ids, n: int = 1) -> None:
@@ -402,8 +499,9 @@ def write_pictures(cfg, out: Path, grid: list) -> None:
     and after RL, prompt under each), when Pillow is installed (plots.py says how to get it otherwise)."""
     from infra import plots
 
-    if (out / "log.jsonl").is_file() and (out / "log.jsonl").stat().st_size:
-        plots.plot_curves(out / "log.jsonl", out / "curves.png")
+    log = out / "log.jsonl"
+    if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step that was taken
+        plots.plot_curves(log, out / "curves.png")
     if grid[0][1] is not None and grid[1][1] is not None:
         summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
         plots.toy_image_panel(grid, tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS], cfg.image_width,

@@ -1,0 +1,101 @@
+"""A failure of the machine ends with one line naming the cause, what was kept and the command that goes
+on, and that command works: a full disk while a checkpoint is written (a fake writer), out of memory at a
+large --group_size (a forced allocation failure), a scorer down for every step (nothing unmeasured is
+reported as a number).
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_failures.py -q -p no:xdist
+"""
+import dataclasses
+import errno
+import json
+import shlex
+
+import pytest
+import torch
+
+import model as model_module
+import tasks
+import train
+from infra import checkpoint, scorer
+from infra.run import RunFailed, TrainingStopped
+
+RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1"]
+
+
+@pytest.fixture(scope="module")
+def sft_dir(smoke_sft_run):
+    return smoke_sft_run / "sft"
+
+
+def command_in(message: str) -> list[str]:
+    """The arguments of the `python train.py ...` command that ends a one-line message."""
+    return shlex.split(message.split("python train.py ", 1)[1])
+
+
+def test_full_disk_during_a_checkpoint_is_one_line_and_resumable(sft_dir, tmp_path, monkeypatch):
+    """The writer fails with ENOSPC in checkpoint 2 (DCP wraps it in a CheckpointException, a
+    BaseException, which printed two nested tracebacks): one line naming the cause and the kept step-1,
+    no half-written directory, and the printed command finishes the run."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    real, writes = fs._write_item, {"n": 0}
+    out = tmp_path / "run"
+    target = checkpoint._step_dir(out, 2, tmp=True)
+
+    def full_disk(transform_list, stream, data, write_item, storage_key, *args, **kwargs):
+        if target.exists():
+            raise OSError(errno.ENOSPC, "No space left on device", str(target / "__0_0.distcp"))
+        return real(transform_list, stream, data, write_item, storage_key, *args, **kwargs)
+    monkeypatch.setattr(fs, "_write_item", full_disk)
+    args = [*RUN, "--tasks=text", f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=3", "--checkpoint_every=1"]
+    with pytest.raises(RunFailed) as e:
+        train.main(args)
+    msg = str(e.value)
+    assert "\n" not in msg and "writing checkpoint step 2: the disk is full (No space left on device" in msg, msg
+    assert f"{checkpoint._step_dir(out, 1)}, is kept" in msg and "--resume=true" in msg, msg
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000001"]
+    monkeypatch.setattr(fs, "_write_item", real)
+    summary = train.main(command_in(msg))
+    assert "text" in summary and checkpoint.latest(out).name == "step-00000003"
+
+
+def test_out_of_memory_names_device_batch_size_and_the_command_works(sft_dir, tmp_path, monkeypatch):
+    """A device that holds at most 8 sequences per forward pass (a forced allocation failure above that):
+    --group_size=8 with 2 prompts puts 16 in one pass, which now ends in one line naming the sizes and
+    --device_batch_size; the printed command (with --device_batch_size=8) runs to the end."""
+    real = model_module.Transformer.forward
+
+    def small_device(self, x, *args, **kwargs):
+        if x.shape[0] > 8:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 20.00 GiB ({x.shape[0]} rows)")
+        return real(self, x, *args, **kwargs)
+    monkeypatch.setattr(model_module.Transformer, "forward", small_device)
+    out = tmp_path / "run"
+    with pytest.raises(RunFailed) as e:
+        train.main([*RUN, "--tasks=text", f"--sft_dir={sft_dir}", f"--out_dir={out}", "--group_size=8"])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("out of memory (CUDA out of memory. Tried to allocate"), msg
+    assert "group_size=8, prompts_per_step=2, device_batch_size=all" in msg and "--device_batch_size=8" in msg, msg
+    command = command_in(msg)
+    assert command[-1] == "--device_batch_size=8"
+    summary = train.main(command)
+    assert "text" in summary and (out / "final").is_dir()
+
+
+def test_every_step_skipped_for_a_scorer_down_names_it(sft_dir, tmp_path, monkeypatch, capsys):
+    """Image rewards from a scorer that is down (nothing listens on port 9) for every step: no final/, no
+    reward after RL, the held-out reward before RL printed as "not measured", one line naming the scorer
+    (it wrote final/ and ended with an error about missing log keys)."""
+    monkeypatch.setattr(tasks, "TASKS", {**tasks.TASKS, "image": dataclasses.replace(tasks.TASKS["image"], reward=None)})
+    monkeypatch.setattr(train, "validate", lambda cfg: None)  # a toy image task with a scorer url
+    monkeypatch.setattr(scorer.time, "sleep", lambda s: None)   # no back-off waits between the retries
+    out = tmp_path / "run"
+    url = "http://127.0.0.1:9"
+    with pytest.raises(TrainingStopped) as e:
+        train.main([*RUN, "--tasks=image", f"--sft_dir={sft_dir}", f"--out_dir={out}", f"--image_scorer_url={url}"])
+    msg = str(e.value)
+    assert "every one of the 2 RL steps was skipped" in msg and f"is the image scorer at {url} up?" in msg, msg
+    assert "\n" not in msg and not (out / "final").exists() and not (out / "summary.json").exists()
+    printed = capsys.readouterr().out
+    assert "held-out mean reward before RL: image not measured" in printed, printed
+    assert all("bad_reward" in json.loads(x) for x in (out / "log.jsonl").read_text().splitlines())
