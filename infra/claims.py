@@ -54,8 +54,11 @@ def check_paths(cfg) -> None:
     tokenizer.json, a model's config.json, an SFT model), the --init_from model or a folder holding it,
     the --sft_dir, or a non-empty folder holding no run of this project. Read-only, on every rank."""
     out = Path(cfg.out_dir)
-    if cfg.init_from not in ("", "scratch") and _inside(Path(cfg.init_from), out):
-        what = "is" if Path(cfg.init_from).resolve() == out.resolve() else "lies inside"
+    init = Path(cfg.init_from).resolve()
+    # The out_dir itself, or a folder the run writes into (final/, checkpoints/, sft/): a model there is replaced.
+    if cfg.init_from not in ("", "scratch") and (init == out.resolve() or any(
+            _inside(init, out / name) for name in RUN_NAMES)):
+        what = "is" if init == out.resolve() else "lies inside"
         raise ValueError(f"--init_from {cfg.init_from} {what} --out_dir {out}: the run would write its config.json, "
                          f"logs and final/ over the model it starts from; pass a new folder as --out_dir "
                          f"(e.g. --out_dir={out.resolve().parent / (out.resolve().name + '-rl')})")

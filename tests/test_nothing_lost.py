@@ -17,6 +17,7 @@ import evaluate
 import tasks
 import train
 from infra import hf
+from infra.run import RunFailed
 
 # A two-step SFT and no RL: enough to leave a complete run (sft/, final/, summary.json, log.jsonl).
 TINY = ["--preset=smoke", "--threads=1", "--sample_every=0", "--sft_steps=2", "--rl_steps=0", "--eval_prompts=1"]
@@ -111,7 +112,7 @@ def test_interrupted_retraining_keeps_the_old_model(shared_sft, tmp_path, monkey
     def crash(*args, **kwargs):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(hf, "save_pretrained", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(RunFailed, match=r"^the disk is full \(No space left on device\); no checkpoint"):
         train.main([*TINY, f"--sft_dir={shared_sft}", f"--out_dir={tmp_path / 'run'}", "--seed=1",
                     "--retrain_sft=true"])
     assert tree_digest(shared_sft) == before

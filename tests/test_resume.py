@@ -218,7 +218,7 @@ def _tamper_reference(out, sft_dir):
 
 
 def _bad_jsonl(out, sft_dir):
-    (out / "bad.jsonl").write_text('{"question": "q", "answer": "#### 3"}\n{"question": 1}\nnot json\n')
+    (out.parent / "bad.jsonl").write_text('{"question": "q", "answer": "#### 3"}\n{"question": 1}\nnot json\n')
 
 
 def _no_space(out, sft_dir, monkeypatch):
@@ -239,11 +239,13 @@ INPUTS = [
      r"the reference policy changed"),
     ("no room for a checkpoint", _no_space, ["--checkpoint_every=1"], ValueError,
      r"has 1000 bytes free, but a checkpoint needs about .* MB .*; .* --checkpoint_every=0"),
-    ("malformed data file", _bad_jsonl, ["--init_from={out}", "--tasks=gsm8k", "--train_data=gsm8k={out}/bad.jsonl"],
+    ("malformed data file", _bad_jsonl, ["--init_from={out}/../model", "--tasks=gsm8k",
+                                         "--train_data=gsm8k={out}/../bad.jsonl"],
      ValueError, r"2 malformed row\(s\) in .*bad.jsonl:\n  .*bad.jsonl:2: .*\n  .*bad.jsonl:3: bad JSON"),
-    ("missing data file", None, ["--init_from={out}", "--tasks=gsm8k", "--train_data=gsm8k={out}/none.jsonl"],
+    ("missing data file", None, ["--init_from={out}/../model", "--tasks=gsm8k", "--train_data=gsm8k={out}/none.jsonl"],
      FileNotFoundError, r"dataset file not found: .*none.jsonl .* never downloads"),
-    ("init_from without config.json", None, ["--init_from={out}", "--tasks=gsm8k", f"--train_data=gsm8k={FIX}/gsm8k.jsonl"],
+    ("init_from without config.json", None, ["--init_from={out}/../model", "--tasks=gsm8k",
+                                             f"--train_data=gsm8k={FIX}/gsm8k.jsonl"],
      FileNotFoundError, r"config.json not found: --init_from must be a LLaDA/MMaDA checkpoint directory"),
     ("sequence longer than the model", None, ["--init_from={sft}", "--tasks=gsm8k", f"--train_data=gsm8k={FIX}/gsm8k.jsonl",
                                               "--max_prompt_len=5000"],
