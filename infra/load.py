@@ -1,6 +1,10 @@
 """Loading the policy and its reference: the toy SFT model (trained once, cached in sft_dir), a pretrained
 checkpoint, LoRA adapters, FSDP2 sharding without ever holding the whole model on one rank, and the final
 save in the Hugging Face LLaDA layout.
+
+An intermediate checkpoint becomes a model folder that sample.py and evaluate.py take (as final/ is):
+
+    python -m infra.load out/toy/checkpoints/step-00000040 out/toy/step-40
 """
 from __future__ import annotations
 
@@ -302,3 +306,67 @@ def report_truncation(cfg, tok, datasets: dict) -> dict:
                        f"{cfg.max_prompt_len} tokens (the longest {max(lengths)}) and keep only their last "
                        f"{cfg.max_prompt_len}; raise --max_prompt_len to keep them whole")
     return cut
+
+
+def export_checkpoint(ckpt, dest) -> Path:
+    """Write the policy of checkpoint `ckpt` (out_dir/checkpoints/step-N) as a model folder `dest` in the
+    layout of out_dir/final (weights, tokenizer.json, generation.json; with LoRA the adapters and the merged
+    model). The run's starting model (its SFT model or --init_from) must still be there, unchanged: the
+    checkpoint holds the trained tensors (with LoRA only the adapters) and refers to it for the rest."""
+    import types
+
+    ckpt, dest = Path(ckpt), Path(dest)
+    if not (ckpt / "state.json").is_file():
+        raise ValueError(f"{ckpt} is not a complete checkpoint (no state.json); pass a folder "
+                         f"OUT_DIR/{checkpoint.DIRNAME}/{checkpoint.PREFIX}N")
+    problem = checkpoint.damage(ckpt)
+    if problem:
+        raise ValueError(f"checkpoint {ckpt} is damaged: {problem}; export an older one")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ValueError(f"{dest} already exists and is not an empty folder (it is left as it is); pass a new folder")
+    state = hf.read_json(ckpt / "state.json", "export another checkpoint")
+    cfg = types.SimpleNamespace(**state["config"])
+    cfg.out_dir = str(ckpt.parent.parent)  # the run's folder wherever it now is (its sft/ by default)
+    if cfg.init_from == "scratch" and not check_sft_cache(cfg):
+        raise ValueError(f"the SFT model this run started from ({sft_dir_of(cfg)}) is missing; the checkpoint "
+                         "holds the trained weights but tokenizer and shape come from it")
+    if reference_identity(cfg) != state["reference"]:
+        raise ValueError(f"the starting model of this run ({cfg.init_from if cfg.init_from != 'scratch' else sft_dir_of(cfg)}) "
+                         "is not the one the checkpoint was trained from (its content changed); restore it to export")
+
+    def no_sft(*args):
+        raise AssertionError("the SFT model was checked above")
+    path, tok, ids, _ = find_model(cfg, "cpu", torch.float32, no_sft)
+    model = hf.from_pretrained(path, dtype=torch.float32)
+    if cfg.lora_rank:
+        model = lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, lora.TARGET_SETS[cfg.lora_targets],
+                              generator=generator("cpu", cfg.seed, "lora"))
+    opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr)  # DCP restores model and optimizer together
+    checkpoint.load(ckpt, model, opt, trainable_only=cfg.lora_rank > 0)
+    # The dtype the run's final/ gets: its compute dtype (float32 for the toy on CPU; bf16 for LLaDA's weights).
+    dtype = torch.float32 if cfg.init_from == "scratch" or cfg.dtype == "float32" else torch.bfloat16
+    dest.mkdir(parents=True, exist_ok=True)
+    save_model(model, cfg, dest, tok, dtype)
+    return dest
+
+
+def main(argv=None) -> Path:
+    import argparse
+
+    from infra import cli
+
+    p = argparse.ArgumentParser(description="Turn a train.py checkpoint (out_dir/checkpoints/step-N) into a model "
+                                "folder that sample.py and evaluate.py take", allow_abbrev=False, exit_on_error=False)
+    p.add_argument("checkpoint", help="OUT_DIR/checkpoints/step-N")
+    p.add_argument("dest", help="a new folder for the model")
+    args = cli.parse_known(p, argv, "load")
+    dest = export_checkpoint(args.checkpoint, args.dest)
+    print(f"wrote {dest}: python sample.py --ckpt={dest} --prompt=\"...\"; python evaluate.py --ckpt={dest} --task=TASK")
+    return dest
+
+
+if __name__ == "__main__":
+    from infra import cli
+
+    with cli.user_errors():
+        main()
