@@ -44,7 +44,7 @@ def test_export_refuses_in_one_line(smoke_sft_run, tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "mine.txt").write_text("x")
     cases = [([str(run / "final"), str(tmp_path / "x")], "is not a complete checkpoint"),
-             ([str(tmp_path / "nothing")], "the following arguments are required: dest")]
+             ([str(tmp_path / "nothing")], "pass a checkpoint and a new folder")]
     for argv, message in cases:
         p = subprocess.run([sys.executable, "-m", "infra.load", *argv], cwd=ROOT, capture_output=True, text=True)
         assert p.returncode == 2 and message in p.stderr and p.stderr.count("\n") == 1, p.stderr
