@@ -14,6 +14,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import time
@@ -95,7 +96,8 @@ def explain_failure(e: BaseException, cfg) -> str | None:
                     f"{continue_command(out)}")
         if scale.world() > 1 and isinstance(x, RuntimeError) and any(w in text.lower() for w in (
                 "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer")):
-            return (f"another process of this torchrun run stopped ({text[:160]}; its own message is above); "
+            text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text).split(". ")[0]  # gloo's source location
+            return (f"another process of this torchrun run stopped ({text[:120]}; torchrun's report names it); "
                     f"{kept_line(out)}; once the cause is fixed, --resume=true continues: {continue_command(out)}")
     return None
 
@@ -305,6 +307,11 @@ def resume_point(out: Path, quiet: bool = True) -> Path:
     return last
 
 
+# Fault injection for tests/test_failures.py: "RANK:STEP" SIGKILLs that rank when it has taken that step (a
+# dead torchrun worker). Unset in normal use.
+KILL_RANK_ENV = "MASKGRPO_KILL_RANK_AT_STEP"
+
+
 class Run:
     """The bookkeeping around train.py's loop, used as `with Run(cfg, model, opt, device) as run:`.
     Construction resumes from the latest complete checkpoint when --resume is set (run.start is the first
@@ -386,6 +393,8 @@ class Run:
     def record(self, step: int, log: dict, rolls: list, tok, ids) -> None:
         """Count bad steps, write the logs, show samples, checkpoint on cadence or on a signal."""
         cfg, state = self.cfg, self.state
+        if os.environ.get(KILL_RANK_ENV) == f"{scale.rank()}:{step}":  # fault injection (tests only)
+            os.kill(os.getpid(), signal.SIGKILL)
         self.done = step + 1
         bad = "bad_reward" in log or log.get("skipped_updates", 0) > 0
         if "bad_reward" in log:

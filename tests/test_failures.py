@@ -99,3 +99,31 @@ def test_every_step_skipped_for_a_scorer_down_names_it(sft_dir, tmp_path, monkey
     printed = capsys.readouterr().out
     assert "held-out mean reward before RL: image not measured" in printed, printed
     assert all("bad_reward" in json.loads(x) for x in (out / "log.jsonl").read_text().splitlines())
+
+
+@pytest.mark.slow  # two torchrun launches
+def test_a_dead_torchrun_worker_names_resume(sft_dir, tmp_path):
+    """Rank 1 SIGKILLed after step 3 (run.KILL_RANK_ENV): rank 0 ends with one line saying another process
+    stopped, the checkpoint kept and the --resume=true command; that command finishes the run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from infra.run import KILL_RANK_ENV
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    args = [*RUN, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=8", "--checkpoint_every=2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{KILL_RANK_ENV: "1:3"})
+    p = subprocess.run([*torchrun, *args], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode != 0
+    line = next((x for x in p.stderr.splitlines() if x.startswith("error: another process")), None)
+    assert line is not None, p.stderr[-3000:]
+    assert "Connection" in line and f"{out / 'checkpoints' / 'step-00000002'}, is kept" in line, line
+    assert line.endswith("--resume=true") and "--resume=true continues: torchrun" in line, line
+    env.pop(KILL_RANK_ENV)
+    p = subprocess.run([*torchrun, *args, "--resume=true"], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0 and (out / "summary.json").is_file(), p.stdout[-2000:] + p.stderr[-2000:]
