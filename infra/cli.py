@@ -165,7 +165,12 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in {**base, **given}]
     if missing:
         raise ValueError("missing " + ", ".join(f"--{m}" for m in missing))
-    return cls(**{**base, **given})
+    obj = cls(**{**base, **given})
+    # What was typed and which preset, for checks that refuse a flag the other inputs make meaningless
+    # (not fields: asdict, config.json and replace() never see them).
+    obj._given, obj._preset = frozenset(given), (args.preset if presets is not None else None)
+    obj._preset_values = dict(presets[args.preset]) if presets is not None else {}
+    return obj
 
 
 @contextmanager

@@ -177,6 +177,14 @@ def _check_out_dir(cfg, out: Path) -> None:
             raise FileNotFoundError(f"{Path(cfg.init_from) / 'config.json'} not found: --init_from must be a "
                                     "LLaDA/MMaDA checkpoint directory")
         mc = hf.read_config(cfg.init_from)
+        name, preset = getattr(cfg, "_preset", None), getattr(cfg, "_preset_values", {})
+        other = {k: (preset[k], getattr(mc, k)) for k in ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
+                 if k in preset and getattr(mc, k) != preset[k]}
+        if other:  # the preset's lr, lengths and batch sizes were chosen for a model of its shape
+            print0(f"warning: --preset {name} is set for a model with "
+                   + ", ".join(f"{k}={v}" for k, (v, _) in other.items()) + f", but {cfg.init_from} has "
+                   + ", ".join(f"{k}={m}" for k, (_, m) in other.items())
+                   + "; its config.json is used, and the preset's other settings may not suit it")
         image = any(t in IMAGE_TASKS for t in task_list(cfg))
         need = (cfg.image_text_len or 64) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
         if need > mc.max_sequence_length:

@@ -98,6 +98,15 @@ def validate(cfg) -> None:
     need(not real or cfg.dry_run or cfg.init_from not in ("", "scratch"),
          f"tasks {real} need a pretrained model: pass --init_from=DIR (a LLaDA/MMaDA checkpoint directory)")
     need(cfg.init_from != "" or cfg.dry_run, "init_from is empty: pass --init_from=DIR, the local checkpoint")
+    given = getattr(cfg, "_given", frozenset())  # the flags typed (infra/cli.parse); empty when built in code
+    if cfg.init_from != "scratch" and not cfg.dry_run:
+        # Settings of the toy model built and SFT-trained here: a pretrained model has its own shape and no SFT.
+        idle = sorted(given & set(SCRATCH_ONLY))
+        need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the toy model "
+             f"trained from scratch, but --init_from={cfg.init_from} is given (its config.json sets the shape, and "
+             "there is no SFT stage): drop " + ("it" if len(idle) == 1 else "them"))
+    if "eval_data" in given:
+        need(cfg.eval_prompts > 0, f"--eval_data is given but --eval_prompts=0 scores none of it: drop one of them")
     train_files = data_paths(cfg.train_data, "train_data")
     for t in real:
         need(t in train_files or cfg.dry_run, f"task {t!r} needs its training file: --train_data={t}=PATH")
@@ -160,6 +169,13 @@ def check_device(name: str, flag: str = "device") -> None:
 def check_threads(n: int, flag: str = "threads") -> None:
     if n < 0:
         raise ValueError(f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
+
+
+# Flags that only shape and train the toy model built here (init_from=scratch): with --init_from they act on
+# nothing, so they are refused when typed (a preset may still set them).
+SCRATCH_ONLY = ("d_model", "n_layers", "n_heads", "mlp_hidden_size", "sft_dir", "retrain_sft", "sft_steps",
+                "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "text_noise", "image_noise",
+                "image_loss_weight")
 
 
 def setup(cfg) -> tuple[torch.device, torch.dtype]:
