@@ -101,10 +101,14 @@ def validate(cfg) -> None:
     given = getattr(cfg, "_given", frozenset())  # the flags typed (infra/cli.parse); empty when built in code
     if cfg.init_from != "scratch" and not cfg.dry_run:
         # Settings of the toy model built and SFT-trained here: a pretrained model has its own shape and no SFT.
-        idle = sorted(given & set(SCRATCH_ONLY))
-        need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the toy model "
-             f"trained from scratch, but --init_from={cfg.init_from} is given (its config.json sets the shape, and "
-             "there is no SFT stage): drop " + ("it" if len(idle) == 1 else "them"))
+        idle = sorted(given & set(SCRATCH_SHAPE))
+        need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the shape of the "
+             f"toy model trained from scratch, but --init_from={cfg.init_from} is given (its config.json sets the "
+             "shape): drop " + ("it" if len(idle) == 1 else "them"))
+        idle = sorted(given & set(SCRATCH_SFT))
+        if idle:  # harmless, so a warning: a command line reused from a toy run keeps working
+            print0(f"warning: {', '.join('--' + k for k in idle)} only act on the SFT stage of a model trained from "
+                   f"scratch; with --init_from={cfg.init_from} there is none, so they do nothing")
     if "eval_data" in given:
         need(cfg.eval_prompts > 0, f"--eval_data is given but --eval_prompts=0 scores none of it: drop one of them")
     train_files = data_paths(cfg.train_data, "train_data")
@@ -172,10 +176,10 @@ def check_threads(n: int, flag: str = "threads") -> None:
 
 
 # Flags that only shape and train the toy model built here (init_from=scratch): with --init_from they act on
-# nothing, so they are refused when typed (a preset may still set them).
-SCRATCH_ONLY = ("d_model", "n_layers", "n_heads", "mlp_hidden_size", "sft_dir", "retrain_sft", "sft_steps",
-                "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "text_noise", "image_noise",
-                "image_loss_weight")
+# nothing, so the shape is refused when typed and the SFT settings are warned about (a preset may set them).
+SCRATCH_SHAPE = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
+SCRATCH_SFT = ("sft_dir", "retrain_sft", "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout",
+               "text_noise", "image_noise", "image_loss_weight")
 
 
 def setup(cfg) -> tuple[torch.device, torch.dtype]:

@@ -25,8 +25,8 @@ GSM = [f"--init_from={MODEL}", "--tasks=gsm8k", f"--train_data=gsm8k={DATA}"]
     (["--gen_length=12", "--block_length=12", "--steps=24"], r"steps \(24\) must be <= gen_length \(12\)"),
     (["--device=gpu"], r"device \('gpu'\) must be auto, cpu, cuda or cuda:N \(for a GPU: --device=cuda\)"),
     (["--device=mps"], r"device \('mps'\) must be .*Apple GPUs are not supported"),
-    ([*GSM, "--d_model=64"], r"--d_model sets the toy model trained from scratch, but --init_from=.* drop it"),
-    ([*GSM, "--sft_steps=10", "--sft_dir=x"], r"--sft_dir, --sft_steps set the toy model .* drop them"),
+    ([*GSM, "--d_model=64"], r"--d_model sets the shape of the toy model trained from scratch, but --init_from=.* drop it"),
+    ([*GSM, "--n_layers=1", "--n_heads=2"], r"--n_heads, --n_layers set the shape .* drop them"),
     ([*GSM, f"--eval_data=gsm8k={DATA}", "--eval_prompts=0"], r"--eval_data is given but --eval_prompts=0"),
 ])
 def test_meaningless_flags_are_refused(argv, match):
@@ -52,3 +52,8 @@ def test_bench_refuses_device_and_threads_in_one_line(argv, message):
                        timeout=300)
     assert p.returncode == 2 and p.stderr == f"error: {p.stderr[7:]}" and message in p.stderr, p.stderr
     assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_sft_flags_with_init_from_are_warned_about(capsys):
+    train.parse_args([*GSM, "--sft_steps=10", "--sft_dir=x"])
+    assert "warning: --sft_dir, --sft_steps only act on the SFT stage" in capsys.readouterr().out
