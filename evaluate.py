@@ -122,6 +122,7 @@ def parse_options(argv=None) -> Options:
     """Flags over the preset over the task's official settings over the checkpoint's generation.json."""
     kw = dict(description=__doc__.split("\n")[0], presets=train.PRESETS, inherited=SHARED, refused=REFUSED)
     first = cli.parse(Options, argv, **kw)
+    load.refuse_training_checkpoint(first.ckpt, "--ckpt")
     saved = settings.read_generation_settings(first.ckpt) if first.ckpt and not first.run else {}
     saved.pop("tasks", None)
     return cli.parse(Options, argv, defaults={**saved, **OFFICIAL.get(first.task, {})}, **kw)

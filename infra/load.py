@@ -4,7 +4,7 @@ save in the Hugging Face LLaDA layout.
 
 An intermediate checkpoint becomes a model folder that sample.py and evaluate.py take (as final/ is):
 
-    python -m infra.load out/toy/checkpoints/step-00000040 out/toy/step-40
+    python -m infra.load out/toy/checkpoints/step-00000040 out/toy-step-00000040
 """
 from __future__ import annotations
 
@@ -306,6 +306,16 @@ def report_truncation(cfg, tok, datasets: dict) -> dict:
                        f"{cfg.max_prompt_len} tokens (the longest {max(lengths)}) and keep only their last "
                        f"{cfg.max_prompt_len}; raise --max_prompt_len to keep them whole")
     return cut
+
+
+def refuse_training_checkpoint(path, flag: str) -> None:
+    """A training checkpoint (out_dir/checkpoints/step-N: DCP shards and state.json) given where a model folder
+    is needed: one line with the command that turns it into one."""
+    path = Path(path)
+    if (path / "state.json").is_file() and not (path / "config.json").is_file():
+        raise ValueError(f"{flag} {path} is a training checkpoint (model and optimizer shards), not a model folder; "
+                         f"turn it into one with: python -m infra.load {path} "
+                         f"{path.parent.parent.with_name(path.parent.parent.name + '-' + path.name)}")
 
 
 def export_checkpoint(ckpt, dest) -> Path:

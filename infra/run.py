@@ -26,7 +26,7 @@ import torch
 import tasks
 from infra import budget, checkpoint, hf, phases, scale
 from infra.budget import scratch_config
-from infra.load import check_sft_cache, reference_identity, save_model
+from infra.load import check_sft_cache, reference_identity, refuse_training_checkpoint, save_model
 from infra.scale import print0
 from tasks import IMAGE_TASKS, task_list
 
@@ -173,6 +173,7 @@ def _check_out_dir(cfg, out: Path) -> None:
         raise ValueError(f"out_dir {out} is not writable ({e.strerror}); pass --out_dir=a writable directory") from None
     mc = None
     if cfg.init_from != "scratch":
+        refuse_training_checkpoint(cfg.init_from, "--init_from")
         if not (Path(cfg.init_from) / "config.json").is_file():
             raise FileNotFoundError(f"{Path(cfg.init_from) / 'config.json'} not found: --init_from must be a "
                                     "LLaDA/MMaDA checkpoint directory")
