@@ -53,6 +53,8 @@ def check_paths(cfg) -> None:
     """Refuse, before anything is written, an out_dir that this run would damage: a model folder (weights,
     tokenizer.json, a model's config.json, an SFT model), the --init_from model or a folder holding it,
     the --sft_dir, or a non-empty folder holding no run of this project. Read-only, on every rank."""
+    if not cfg.out_dir.strip():
+        raise ValueError("--out_dir is empty: pass the folder this run writes into, e.g. --out_dir=out/run1")
     out = Path(cfg.out_dir)
     init = Path(cfg.init_from).resolve()
     # The out_dir itself, or a folder the run writes into (final/, checkpoints/, sft/): a model there is replaced.

@@ -283,6 +283,7 @@ def test_init_from_inside_out_dir_is_refused(finished, capsys):
 
 
 def test_a_folder_of_other_things_is_refused(tmp_path, capsys):
+    assert "--out_dir is empty" in refused(capsys, [*TINY, "--out_dir="])
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "data").mkdir()
     err = refused(capsys, [*TINY, f"--out_dir={tmp_path}"])
