@@ -32,11 +32,22 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, scale
+from infra import checkpoint, cli, scale
 from infra.scale import print0
 from tasks import task_list
 
 _ARGV: list[str] = []
+
+# train.py --help, after the flags.
+SIGNALS_HELP = (
+    "Stopping and continuing: Ctrl-C, SIGTERM or SIGHUP (a closed terminal) lets the current SFT step, RL step "
+    "or evaluation batch finish, writes a checkpoint during RL, and prints what was kept and the command that "
+    "continues (the same command with --resume=true); the exit status is 128 + the signal. A second signal, 5 s "
+    "or more after the first, stops at once; the first signal's line says what that loses. Out of memory, a full "
+    "disk or a dead torchrun rank ends with one line naming what was kept and that command. "
+    "`python -m infra.load OUT_DIR/checkpoints/step-N DEST` turns a checkpoint into a model folder for sample.py "
+    "and evaluate.py.")
+cli.EPILOGS["Config"] = SIGNALS_HELP
 
 
 def remember_command(argv) -> None:
