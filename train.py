@@ -45,7 +45,8 @@ from infra import budget, checkpoint, claims, cli, lora, phases, scale
 from infra.data import load_data
 from infra.load import load_policy, report_truncation
 from infra.rng import derive_seed, generator
-from infra.run import Run, RunFailed, TrainingStopped, all_skipped, explain_failure, startup_checks
+from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, eval_batches, explain_failure,
+                       startup_checks)
 from infra.scale import print0
 from infra.scorer import RemoteScorer
 from infra.settings import setup, validate
@@ -475,7 +476,7 @@ def _run(cfg: Config, argv) -> dict:
     with Run(cfg, model, opt, device) as run:
         if run.state["before"] is None:
             with phases.before_rl(run):  # a signal stops it after the current batch
-                stop = phases.Stop(run.signal, device, phases.eval_batches(ctx), "held-out evaluation before RL")
+                stop = phases.Stop(run.signal, device, eval_batches(ctx), "held-out evaluation before RL")
                 run.state["before_by_prompt"] = {}
                 run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
                 run.state["grid_before"] = image_snapshot(model, ctx)
@@ -496,7 +497,7 @@ def _run(cfg: Config, argv) -> dict:
             raise TrainingStopped(nothing_trained)
     after_by_prompt = {}
     with phases.final(run) as stop:  # the last step is checkpointed first; a signal stops after a batch
-        stop.counting(phases.eval_batches(ctx), "held-out evaluation after RL")
+        stop.counting(eval_batches(ctx), "held-out evaluation after RL")
         after = evaluate_all(model, ctx, after_by_prompt, stop)
         grid_after = image_snapshot(model, ctx)
         stop.saving()

@@ -27,14 +27,11 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-import tasks
 from infra import checkpoint, cli, scale
 from infra.scale import print0
-from tasks import task_list
 
 _ARGV: list[str] = []
 
@@ -87,19 +84,6 @@ class Stopped(Exception):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-
-
-EVAL_BATCH = 64  # rows per tasks.evaluate batch
-
-
-def eval_batches(ctx) -> int:
-    """How many batches tasks.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
-    n = 0
-    for task in task_list(ctx.cfg):
-        rows = len(tasks.eval_examples(task, ctx.cfg, ctx.datasets))
-        for k in ((ctx.cfg.eval_samples,) if task in tasks.IMAGE_TASKS else (ctx.cfg.eval_samples, 1)):
-            n += -(-rows * k // EVAL_BATCH) if rows else 0
-    return n
 
 
 def duration(seconds: float) -> str:

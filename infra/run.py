@@ -31,6 +31,19 @@ from infra.scale import print0
 from tasks import IMAGE_TASKS, task_list
 
 
+EVAL_BATCH = 64  # rows per tasks.evaluate batch
+
+
+def eval_batches(ctx) -> int:
+    """How many batches tasks.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
+    n = 0
+    for task in task_list(ctx.cfg):
+        rows = len(tasks.eval_examples(task, ctx.cfg, ctx.datasets))
+        for k in ((ctx.cfg.eval_samples,) if task in tasks.IMAGE_TASKS else (ctx.cfg.eval_samples, 1)):
+            n += -(-rows * k // EVAL_BATCH) if rows else 0
+    return n
+
+
 def paired_se(d: list) -> float:
     """Standard error of the mean of per-prompt differences d (after - before on the same prompts):
     sd(d) / sqrt(n), so that the prompt-to-prompt spread both scores share cancels."""
