@@ -482,7 +482,8 @@ class Run:
         summary = {k: {"before": measured(before[k]), "after": measured(after[k])} for k in before}
         for k in summary:
             if len(before_by_prompt.get(k, ())) == len(after_by_prompt.get(k, ())) > 1:
-                summary[k]["gain_se"] = paired_se([a - b for a, b in zip(after_by_prompt[k], before_by_prompt[k])])
+                gains = [a - b for a, b in zip(after_by_prompt[k], before_by_prompt[k])]
+                summary[k]["gain_se"] = measured(paired_se(gains))
         summary["seconds"] = {"sft": sft_seconds, "rl": self.rl_end}
         if scale.rank() == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -535,5 +536,7 @@ def write_pictures(cfg, out: Path, grid: list) -> None:
         plots.plot_curves(log, out / "curves.png")
     if grid[0][1] is not None and grid[1][1] is not None:
         summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
+        if summary:  # a score that was not measured (null) is left off the panel, never drawn as a number
+            summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
         plots.toy_image_panel(grid, tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS], cfg.image_width,
                               out / "images.png", summary)

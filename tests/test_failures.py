@@ -127,3 +127,41 @@ def test_a_dead_torchrun_worker_names_resume(sft_dir, tmp_path):
     p = subprocess.run([*torchrun, *args, "--resume=true"], cwd=root, env=env, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0 and (out / "summary.json").is_file(), p.stdout[-2000:] + p.stderr[-2000:]
+
+
+def test_progress_time_left_and_closing_summary(sft_dir, tmp_path, monkeypatch, capsys):
+    """Each RL step line says the time left; the held-out evaluations say how far they are (every
+    PROGRESS_EVERY seconds: 0 here); the last lines name the time, the model, the pictures and the next
+    commands."""
+    from infra import phases
+
+    monkeypatch.setattr(phases.Stop, "PROGRESS_EVERY", 0.0)
+    out = tmp_path / "run"
+    train.main([*RUN, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=3"])
+    lines = capsys.readouterr().out.splitlines()
+    steps = [x for x in lines if x.startswith("step ")]
+    assert all(" left" in x.rsplit("|", 1)[1] for x in steps[:2]) and "left" not in steps[2], steps
+    # text sampled, text greedy and image: one batch each at eval_prompts=1
+    assert "held-out evaluation before RL: batch 2 of about 3," in "\n".join(lines)
+    assert "held-out evaluation after RL: batch 3 of about 3," in "\n".join(lines)
+    done = next(x for x in lines if x.startswith("done in "))
+    assert f"model {out / 'final'}" in done and f"{out / 'curves.png'}" in done and f"{out / 'images.png'}" in done
+    assert lines[-1].startswith(f"next: python sample.py --ckpt={out / 'final'}") and f"--run={out}" in lines[-1]
+
+
+def test_a_final_evaluation_not_measured_is_null_and_exits_nonzero(sft_dir, tmp_path, monkeypatch, capsys):
+    """The held-out reward after RL could not be measured (NaN: a scorer down at the end): summary.json has
+    null, not NaN; the line says "not measured"; the run fails with the command that scores it again."""
+    real, calls = train.evaluate_all, {"n": 0}
+
+    def down_at_the_end(*args, **kwargs):
+        calls["n"] += 1
+        res = real(*args, **kwargs)
+        return {k: float("nan") if calls["n"] == 2 and k == "image" else v for k, v in res.items()}
+    monkeypatch.setattr(train, "evaluate_all", down_at_the_end)
+    out = tmp_path / "run"
+    with pytest.raises(RunFailed, match=rf"not measured: the held-out reward of image .* --run={out}$"):
+        train.main([*RUN, f"--sft_dir={sft_dir}", f"--out_dir={out}"])
+    summary = json.loads((out / "summary.json").read_text())  # strict JSON: NaN would not parse in most readers
+    assert summary["image"]["after"] is None and summary["image"]["before"] is not None
+    assert "image not measured" in capsys.readouterr().out
