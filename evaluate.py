@@ -15,7 +15,10 @@ n = k samples per prompt at the config temperature; mean reward averages the sam
 number train.py logs as the held-out reward). Image tasks have no greedy decoding (the image samplers always
 draw), so their greedy column is empty. --out FILE is checked before anything is evaluated (a directory, an
 unwritable path or an earlier result is refused) and gets each batch's records as soon as they are scored, so
-Ctrl-C keeps them (exit code 130). Single process; user errors print one line and exit with code 2.
+Ctrl-C keeps them (exit code 130). A completion that got no reward (a scorer down) is never counted as 0:
+the metrics over it print "not measured" and the exit code is 3. Single process; user errors print one line
+and exit with code 2. A training checkpoint (out_dir/checkpoints/step-N) becomes a --ckpt folder with
+`python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
 """
 from __future__ import annotations
 
