@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from infra import checkpoint, data, hf, scale
-from infra.load import check_sft_cache, reference_identity, sft_dir_of
+from infra.load import check_sft_cache, reference_identity, refuse_training_checkpoint, sft_dir_of
 from infra.run import RESUMABLE, resume_point, take_pid_file
 
 
@@ -192,6 +192,8 @@ def dry_run(cfg, report):
     """--dry_run: report(cfg) on one process (under torchrun the process group is not joined, so RANK
     says which), after checking that the files a real run reads exist: the --init_from folder and the
     data files (the recipe is "check, then run")."""
+    if cfg.init_from not in ("", "scratch"):
+        refuse_training_checkpoint(cfg.init_from, "--init_from")
     if cfg.init_from not in ("", "scratch") and not (Path(cfg.init_from) / "config.json").is_file():
         where = Path(cfg.init_from)
         raise ValueError(f"--init_from {where} {'has no config.json' if where.is_dir() else 'does not exist'}: the "
