@@ -165,3 +165,26 @@ def test_a_final_evaluation_not_measured_is_null_and_exits_nonzero(sft_dir, tmp_
     summary = json.loads((out / "summary.json").read_text())  # strict JSON: NaN would not parse in most readers
     assert summary["image"]["after"] is None and summary["image"]["before"] is not None
     assert "image not measured" in capsys.readouterr().out
+
+
+def test_full_disk_during_the_final_save_is_one_line_and_the_command_finishes(sft_dir, tmp_path, monkeypatch):
+    """final/ cannot be written (ENOSPC): one line naming the kept checkpoint of the last step and the
+    --resume=true command, which redoes the final evaluation and save."""
+    from infra import hf
+
+    real = hf.save_pretrained
+
+    def full(model, path, *args, **kwargs):
+        if path.name == "final":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
+        return real(model, path, *args, **kwargs)
+    monkeypatch.setattr(hf, "save_pretrained", full)
+    out = tmp_path / "run"
+    args = [*RUN, "--tasks=text", f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=2", "--checkpoint_every=1"]
+    with pytest.raises(RunFailed) as e:
+        train.main(args)
+    msg = str(e.value)
+    assert msg.startswith("the disk is full (No space left on device") and "step-00000002, is kept" in msg, msg
+    monkeypatch.setattr(hf, "save_pretrained", real)
+    summary = train.main(command_in(msg))
+    assert "text" in summary and (out / "final" / "config.json").is_file()
