@@ -15,7 +15,10 @@ n = k samples per prompt at the config temperature; mean reward averages the sam
 number train.py logs as the held-out reward). Image tasks have no greedy decoding (the image samplers always
 draw), so their greedy column is empty. --out FILE is checked before anything is evaluated (a directory, an
 unwritable path or an earlier result is refused) and gets each batch's records as soon as they are scored, so
-Ctrl-C keeps them (exit code 130). Single process; user errors print one line and exit with code 2.
+Ctrl-C keeps them (exit code 130). A completion that got no reward (a scorer down) is never counted as 0:
+the metrics over it print "not measured" and the exit code is 3. Single process; user errors print one line
+and exit with code 2. A training checkpoint (out_dir/checkpoints/step-N) becomes a --ckpt folder with
+`python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
 """
 from __future__ import annotations
 
@@ -43,9 +46,26 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # comb(n - c, k) is 0 when k > n - c
 
 
+NOT_MEASURED = "not measured"
+
+
 def summarize(records: list[dict]) -> dict:
     """One task's table row from its records (mode, prompt_index, reward): n prompts, k samples per
-    prompt, greedy pass@1, pass@k and the mean sampled reward (None where there are no such records)."""
+    prompt, greedy pass@1, pass@k and the mean sampled reward (None where there are no such records), and
+    how many completions got no reward (a scorer down: NaN). A metric over any such completion is
+    NOT_MEASURED, never a number: a failed score counted as 0 would pass for a measured pass@k of 0."""
+    unscored = {m: sum(1 for r in records if r["mode"] == m and not math.isfinite(r["reward"]))
+                for m in ("greedy", "sampled")}
+    row = _summarize(records)
+    if unscored["greedy"]:
+        row["greedy_pass@1"] = NOT_MEASURED
+    if unscored["sampled"]:
+        row["pass@k"] = row["mean_reward"] = NOT_MEASURED
+    row["unscored"] = sum(unscored.values())
+    return row
+
+
+def _summarize(records: list[dict]) -> dict:
     greedy = [r["reward"] >= 1 - CORRECT_TOL for r in records if r["mode"] == "greedy"]
     by_prompt: dict[int, list[float]] = {}
     for r in records:
@@ -63,7 +83,8 @@ def summarize(records: list[dict]) -> dict:
 
 
 def table(header: list[str], rows: list[list]) -> str:
-    fmt = lambda v: "-" if v is None else f"{v:.6f}" if isinstance(v, float) else str(v)
+    fmt = lambda v: "-" if v is None else NOT_MEASURED if isinstance(v, float) and not math.isfinite(v) else \
+        f"{v:.6f}" if isinstance(v, float) else str(v)
     lines = [header, ["---"] * len(header)] + [[fmt(v) for v in row] for row in rows]
     return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
@@ -104,6 +125,7 @@ def parse_options(argv=None) -> Options:
     """Flags over the preset over the task's official settings over the checkpoint's generation.json."""
     kw = dict(description=__doc__.split("\n")[0], presets=train.PRESETS, inherited=SHARED, refused=REFUSED)
     first = cli.parse(Options, argv, **kw)
+    load.refuse_training_checkpoint(first.ckpt, "--ckpt")
     saved = settings.read_generation_settings(first.ckpt) if first.ckpt and not first.run else {}
     saved.pop("tasks", None)
     return cli.parse(Options, argv, defaults={**saved, **OFFICIAL.get(first.task, {})}, **kw)
@@ -244,9 +266,10 @@ def compare(before: str, after: str) -> list[list]:
     return rows
 
 
-def check_run(run_dir: str, **overrides) -> bool:
+def check_run(run_dir: str, **overrides) -> bool | None:
     """Re-score a train.py run with its own config.json: the model before RL (the SFT model, or init_from)
-    and final/ after, through tasks.evaluate_all; print them beside summary.json. True if all agree."""
+    and final/ after, through tasks.evaluate_all; print them beside summary.json. True if all agree, None
+    when a number could not be measured (a scorer down)."""
     out_dir = Path(run_dir)
     for f in ("config.json", "summary.json"):
         if not (out_dir / f).is_file():
@@ -282,13 +305,26 @@ def check_run(run_dir: str, **overrides) -> bool:
         ok &= all(a is not None and b is not None and abs(a - b) <= 1e-6 for a, b in pair)
         rows.append([k, pair[0][0], pair[0][1], pair[1][0], pair[1][1]])
     print(table(["key", "summary before", "eval before", "summary after", "eval after"], rows))
+    unmeasured = [f"{k} {s}" for s in evals for k, v in evals[s].items() if not math.isfinite(v)]
+    if unmeasured:
+        print(f"error: not measured: {', '.join(unmeasured)} ({scorer_named(cfg)}, see the warnings above); fix "
+              "that and evaluate again", file=sys.stderr)
+        return None
     print(f"{'all' if ok else 'NOT all'} {2 * len(keys)} numbers match {out_dir / 'summary.json'} to 1e-6")
     return ok
 
 
+NOT_MEASURED_EXIT = 3
+
+
+def scorer_named(cfg) -> str:
+    return f"the image scorer at {cfg.image_scorer_url} failed" if cfg.image_scorer_url else "a reward was not finite"
+
+
 def main(argv=None) -> int:
     """Exit code: 0 done (and, with --run, every number matches), 1 a --run mismatch, 2 a user error,
-    130 Ctrl-C (the completions scored so far are in --out)."""
+    3 a metric not measured (completions without a reward: a scorer down), 130 Ctrl-C (the completions
+    scored so far are in --out)."""
     try:
         o = parse_options(argv)
         argv = argv if argv is not None else sys.argv[1:]
@@ -308,11 +344,16 @@ def main(argv=None) -> int:
                 raise ValueError(f"--run re-scores with the run's own config.json, which {', '.join(extra)} would "
                                  f"change; drop {'it' if len(extra) == 1 else 'them'} (only "
                                  f"{', '.join('--' + k for k in RUN_OVERRIDES)} may be given with --run)")
-            return 0 if check_run(o.run, **{k: getattr(o, k) for k in RUN_OVERRIDES if f"--{k}" in given}) else 1
+            ok = check_run(o.run, **{k: getattr(o, k) for k in RUN_OVERRIDES if f"--{k}" in given})
+            return NOT_MEASURED_EXIT if ok is None else 0 if ok else 1
         if not (o.ckpt and o.task):
             raise ValueError("pass --ckpt DIR --task TASK [--data PATH], or --run OUT_DIR")
         cfg, samples = build_config(o)
-        score_checkpoint(cfg, o.out, o.limit, samples)
+        row, _ = score_checkpoint(cfg, o.out, o.limit, samples)
+        if row["unscored"]:
+            print(f"error: {row['unscored']} completion(s) got no reward ({scorer_named(cfg)}, see the warnings "
+                  "above): the metrics over them are not measured; fix that and evaluate again", file=sys.stderr)
+            return NOT_MEASURED_EXIT
         return 0
     except (ValueError, OSError) as e:  # user errors (bad flag, missing file, scorer down): one line
         print(f"error: {e}", file=sys.stderr)

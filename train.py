@@ -45,7 +45,8 @@ from infra import budget, checkpoint, claims, cli, lora, phases, scale
 from infra.data import load_data
 from infra.load import load_policy, report_truncation
 from infra.rng import derive_seed, generator
-from infra.run import Run, TrainingStopped, startup_checks
+from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, eval_batches, explain_failure,
+                       startup_checks)
 from infra.scale import print0
 from infra.scorer import RemoteScorer
 from infra.settings import setup, validate
@@ -441,7 +442,21 @@ def main(argv=None) -> dict:
     cfg = parse_args(argv)
     if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
         return claims.dry_run(cfg, budget.dry_run)
+    try:
+        return _run(cfg, argv)
+    except (RunFailed, TrainingStopped):
+        raise
+    except Exception as e:  # out of memory, a full disk, a dead rank: one line naming what is kept and the command
+        message = explain_failure(e, cfg)
+        if message is None:
+            raise
+        raise RunFailed(message) from None
+
+
+def _run(cfg: Config, argv) -> dict:
+    t_start = time.time()
     phases.remember_command(argv)   # for the messages that name the command continuing this run
+    claims.check_paths(cfg)         # out_dir, init_from, sft_dir: nothing of anyone else's is written over
     with phases.start_up():             # a signal before RL stops at once and names the command to rerun
         finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
         if finished is not None:
@@ -462,12 +477,13 @@ def main(argv=None) -> dict:
     with Run(cfg, model, opt, device) as run:
         if run.state["before"] is None:
             with phases.before_rl(run):  # a signal stops it after the current batch
-                stop = phases.Stop(run.signal, device)
+                stop = phases.Stop(run.signal, device, eval_batches(ctx), "held-out evaluation before RL")
                 run.state["before_by_prompt"] = {}
                 run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
                 run.state["grid_before"] = image_snapshot(model, ctx)
         if run.state["before"]:
-            print0("held-out mean reward before RL: " + ", ".join(f"{k} {v:.3f}" for k, v in run.state["before"].items()))
+            print0("held-out mean reward before RL: " + ", ".join(f"{k} {phases.shown(v)}"
+                                                                  for k, v in run.state["before"].items()))
         else:
             print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
                    "(and --eval_prompts > 0)")
@@ -477,16 +493,28 @@ def main(argv=None) -> dict:
             except BadStep as e:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
             run.record(step, log, rolls, tok, ids)
+        nothing_trained = all_skipped(run)
+        if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported
+            raise TrainingStopped(nothing_trained)
     after_by_prompt = {}
     with phases.final(run) as stop:  # the last step is checkpointed first; a signal stops after a batch
+        stop.counting(eval_batches(ctx), "held-out evaluation after RL")
         after = evaluate_all(model, ctx, after_by_prompt, stop)
         grid_after = image_snapshot(model, ctx)
         stop.saving()
         summary = run.finish(after, after_by_prompt, grid_after, tok, dtype, sft_seconds)
     if after:
         print0("held-out mean reward after RL:  " + ", ".join(
-            f"{k} {v:.3f}" + (f" ({v - summary[k]['before']:+.3f} ± {summary[k]['gain_se']:.3f})"
-                              if "gain_se" in summary[k] else "") for k, v in after.items()))
+            f"{k} {phases.shown(v)}" + (f" ({v - summary[k]['before']:+.3f} ± {summary[k]['gain_se']:.3f})"
+                                        if summary[k].get("gain_se") is not None and summary[k]["before"] is not None
+                                        and summary[k]["after"] is not None else "") for k, v in after.items()))
+    phases.closing_summary(run, time.time() - t_start)
+    unmeasured = [k for k, v in {**run.state["before"], **after}.items() if not math.isfinite(v)]
+    if unmeasured:  # the run is complete, but a number it should report is missing: the exit status says so
+        raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} (see the "
+                        "warnings above: " + (f"the image scorer at {cfg.image_scorer_url} failed" if cfg.image_scorer_url
+                                              else "a reward was not finite") + f"); the model is saved in "
+                        f"{run.out / 'final'}; score it again with: python evaluate.py --run={run.out}")
     return summary
 
 
@@ -495,5 +523,5 @@ if __name__ == "__main__":
     with scale.process_exit(), cli.user_errors():  # process_exit leaves the process group on every path
         try:
             main()
-        except TrainingStopped as e:
+        except (TrainingStopped, RunFailed) as e:  # bad steps, or the machine (memory, disk, a dead rank)
             raise SystemExit(f"error: {e}") from None

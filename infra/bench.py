@@ -50,7 +50,7 @@ import time
 import torch
 
 from model import ModelConfig, Transformer
-from infra import cli, hf
+from infra import cli, hf, settings
 from sample import generate
 from infra.sandbox import run_code
 
@@ -310,7 +310,7 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=64, help="held-out toy prompts with --ckpt")
     p.add_argument("--preset", default="toy", choices=TOY_PRESETS,
                    help="with --ckpt: the train.py preset whose text prompts, lengths and reward are used")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
     p.add_argument("--sandbox", action="store_true", help="time the code sandbox instead of the sampler")
     p.add_argument("--programs", type=int, default=100, help="programs run through the sandbox by --sandbox")
     args = cli.parse_known(p, argv, "bench")
@@ -324,9 +324,12 @@ def main(argv=None):
         raise ValueError(f"--preset {args.preset} chooses the prompts of --ckpt, which is not given; add --ckpt DIR")
     if args.gen_length < K or args.gen_length % K:
         raise ValueError(f"--gen_length must be a positive multiple of the block length {K}, got {args.gen_length}")
+    settings.check_threads(args.threads)
+    settings.check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
     load = os.getloadavg() if hasattr(os, "getloadavg") else ()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, load average {load}, "
           f"reps {args.reps}, temperature 0")

@@ -206,8 +206,11 @@ def check_resumable(path, state: dict, config: dict, reference: dict, may_change
         raise ValueError(f"cannot resume {path}: these settings differ from the saved run: "
                          + ", ".join(f"{k} {state['config'].get(k)!r} -> {config[k]!r}" for k in changed))
     if state["reference"] != reference:
+        old = "" if "init_from" not in state["reference"] else " (that checkpoint identifies its model by path " \
+            "and file times, as older versions of train.py did: resume it with that version, or start again)"
         raise ValueError(f"cannot resume {path}: the reference policy changed (saved {state['reference']}, "
-                         f"now {reference}); resume with the same --init_from / SFT model")
+                         f"now {reference}){old}; resume with the same --init_from / SFT model (its content, "
+                         "wherever it is)")
 
 
 def _say_in_handler(text: str) -> None:
@@ -223,24 +226,58 @@ def _say_in_handler(text: str) -> None:
         print(text, flush=True)
 
 
+# The signals a run stops on with a checkpoint: a scheduler's or launcher's SIGTERM, Ctrl-C's SIGINT, and the
+# SIGHUP of a closed terminal or a dropped ssh session (which would otherwise kill the run at once).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Aborted(KeyboardInterrupt):
+    """A second stop signal: the work in progress is dropped at once (what it loses was said on the first).
+    A KeyboardInterrupt, so that every handler of Ctrl-C on the way treats it as one."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _away_from_a_closed_terminal(signum: int) -> None:
+    """After SIGHUP the terminal may be gone, and every later print to it would fail: stdout and stderr go
+    to /dev/null instead, so that the run can still write its checkpoint and exit cleanly."""
+    if signum != signal.SIGHUP:
+        return
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+        except OSError:
+            pass
+
+
 @contextmanager
-def graceful_stop(doing: str = "finishing this step, then writing a checkpoint"):
-    """SIGTERM / SIGINT (pre-emption, Ctrl-C) set a flag: the current step finishes, a checkpoint is
-    written, and the run exits (`doing` is what the caught signal's line says happens next; flag["doing"]
-    may change it as the phase moves on; infra/phases.py lists every phase's). A second signal more than
-    REPEAT_WINDOW seconds later interrupts at once. Under torchrun the launcher SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30)
-    after forwarding a signal: set it above one step plus a checkpoint write (README)."""
+def graceful_stop(doing: str = "finishing this step, then writing a checkpoint", abort=None):
+    """SIGTERM / SIGINT / SIGHUP (pre-emption, Ctrl-C, a closed terminal) set a flag: the current step
+    finishes, a checkpoint is written, and the run exits (`doing` is what the caught signal's line says
+    happens next; flag["doing"] may change it as the phase moves on; infra/phases.py lists every phase's).
+    A second signal more than REPEAT_WINDOW seconds later raises Aborted at once; abort() (if given) says,
+    in the first signal's line, what that would lose. Under torchrun the launcher SIGKILLs its workers
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) after forwarding a signal: set it above one step plus
+    a checkpoint write (README)."""
     flag = {"signal": 0, "at": 0.0, "doing": doing}
 
     def handler(signum, frame):
         # torchrun forwards the signal it gets to every worker, so Ctrl-C or a scheduler that signals
         # every task arrives twice within moments: only a later one means "stop now".
         if flag["signal"] and time.monotonic() - flag["at"] > REPEAT_WINDOW:
-            raise KeyboardInterrupt
+            raise Aborted(signum)
         if not flag["signal"]:
             flag["signal"], flag["at"] = signum, time.monotonic()
-            _say_in_handler(f"caught {signal.Signals(signum).name}: {flag['doing']}")
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+            again = f"; a second signal (Ctrl-C again, after {REPEAT_WINDOW:.0f} s) stops at once: {abort()}" \
+                if abort else ""
+            _say_in_handler(f"caught {signal.Signals(signum).name}: {flag['doing']}{again}")
+            _away_from_a_closed_terminal(signum)
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield flag
     finally:

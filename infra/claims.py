@@ -2,6 +2,9 @@
 may share, and the out_dir a --resume continues. Checked before any heavy work, so that a mistyped or
 shared path is refused in one line instead of being overwritten, replaced or moved aside.
 
+    check_paths        before anything is written: out_dir must be new, empty or a run's own folder (never a
+                       model, an SFT model, the --init_from model or a folder of other things), and
+                       --init_from / --sft_dir must not be the out_dir or inside it
     check_resume       --resume: the out_dir must hold a run; its settings must be the run's (every
                        difference is named); a finished run is final (nothing is rewritten) unless
                        --extend=true asks to train it further
@@ -18,8 +21,70 @@ from dataclasses import asdict
 from pathlib import Path
 
 from infra import checkpoint, data, hf, scale
-from infra.load import check_sft_cache, reference_identity, sft_dir_of
+from infra.load import check_sft_cache, reference_identity, refuse_training_checkpoint, sft_dir_of
 from infra.run import RESUMABLE, resume_point, take_pid_file
+
+
+# What a run writes at the top of its out_dir (run.py, checkpoint.py, load.py's SFT cache), and the
+# temporary names of those writes. Anything else in an out_dir that holds none of them is someone else's.
+RUN_NAMES = {"config.json", "log.jsonl", "times.jsonl", "summary.json", "final", "checkpoints", "curves.png",
+             "images.png", "run.pid", "sft", "sft.run.pid", "log.tmp", "times.tmp"}
+RUN_TEMPORARY = (".write-test-", ".sft.tmp-", ".sft.old-")
+# Files that make a folder a model (a Hugging Face checkpoint, or an SFT model this code wrote).
+MODEL_FILES = ("sft_meta.json", "tokenizer.json", "model.safetensors.index.json", "generation.json")
+
+
+def is_run_config(file: Path) -> bool:
+    """Whether config.json is train.py's settings (a run's out_dir) rather than a model's."""
+    try:
+        saved = json.loads(file.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and "rl_steps" in saved and "out_dir" in saved
+
+
+def _inside(a: Path, b: Path) -> bool:
+    """a is b or lies under it (after resolving links, so two spellings of one folder are the same)."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or b in a.parents
+
+
+def check_paths(cfg) -> None:
+    """Refuse, before anything is written, an out_dir that this run would damage: a model folder (weights,
+    tokenizer.json, a model's config.json, an SFT model), the --init_from model or a folder holding it,
+    the --sft_dir, or a non-empty folder holding no run of this project. Read-only, on every rank."""
+    if not cfg.out_dir.strip():
+        raise ValueError("--out_dir is empty: pass the folder this run writes into, e.g. --out_dir=out/run1")
+    out = Path(cfg.out_dir)
+    init = Path(cfg.init_from).resolve()
+    # The out_dir itself, or a folder the run writes into (final/, checkpoints/, sft/): a model there is replaced.
+    if cfg.init_from not in ("", "scratch") and (init == out.resolve() or any(
+            _inside(init, out / name) for name in RUN_NAMES)):
+        what = "is" if init == out.resolve() else "lies inside"
+        raise ValueError(f"--init_from {cfg.init_from} {what} --out_dir {out}: the run would write its config.json, "
+                         f"logs and final/ over the model it starts from; pass a new folder as --out_dir "
+                         f"(e.g. --out_dir={out.resolve().parent / (out.resolve().name + '-rl')})")
+    if cfg.init_from == "scratch" and cfg.sft_dir and _inside(out, Path(cfg.sft_dir)):
+        raise ValueError(f"--sft_dir {cfg.sft_dir} {'is' if Path(cfg.sft_dir).resolve() == out.resolve() else 'holds'} "
+                         f"--out_dir {out}: the SFT model and the run would share files; give the SFT model its own "
+                         f"folder (e.g. --sft_dir={out.resolve().parent / 'sft'}) or drop --sft_dir (out_dir/sft)")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out_dir {out} is a file, not a folder (it is left as it is); pass a new folder")
+    if not out.is_dir():
+        return
+    names = {p.name for p in out.iterdir()}
+    model = [n for n in MODEL_FILES if n in names] + sorted(n for n in names if n.endswith(".safetensors"))
+    config = out / "config.json"
+    if config.is_file() and not is_run_config(config):
+        model.insert(0, "config.json (a model's, not a run's)")
+    if model:
+        raise ValueError(f"--out_dir {out} holds a model ({', '.join(model)}), not a run: a run would write its "
+                         "settings and logs into it; pass a new folder as --out_dir (is it meant as --init_from?)")
+    ours = {n for n in names if n in RUN_NAMES or n.startswith(RUN_TEMPORARY)}
+    if names and not ours:
+        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        raise ValueError(f"--out_dir {out} is not empty and holds no run of train.py ({shown}): a run writes only "
+                         "into a new, empty or its own folder; pass a new folder as --out_dir")
 
 
 def check_resume(cfg) -> dict | None:
@@ -127,6 +192,8 @@ def dry_run(cfg, report):
     """--dry_run: report(cfg) on one process (under torchrun the process group is not joined, so RANK
     says which), after checking that the files a real run reads exist: the --init_from folder and the
     data files (the recipe is "check, then run")."""
+    if cfg.init_from not in ("", "scratch"):
+        refuse_training_checkpoint(cfg.init_from, "--init_from")
     if cfg.init_from not in ("", "scratch") and not (Path(cfg.init_from) / "config.json").is_file():
         where = Path(cfg.init_from)
         raise ValueError(f"--init_from {where} {'has no config.json' if where.is_dir() else 'does not exist'}: the "

@@ -30,6 +30,9 @@ from dataclasses import MISSING, fields
 from tqdm import tqdm
 
 USER_ERROR = 2  # exit status of a user error, as argparse's own
+# Text --help prints after the flags, per dataclass name (a module that explains a behaviour of that entry
+# point registers it: infra/phases.py, what a signal does to a training run).
+EPILOGS: dict[str, str] = {}
 
 
 def parse_bool(s: str) -> bool:
@@ -96,7 +99,8 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
     usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below; a " \
         "flag given twice takes its last value)"
     # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
-    p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False, allow_abbrev=False)
+    p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False, allow_abbrev=False,
+                                epilog=EPILOGS.get(cls.__name__))
     base, name = dict(defaults or {}), None
     if presets is not None:
         first, name = next(iter(presets)), preset_named(list(argv), presets)
@@ -165,7 +169,12 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in {**base, **given}]
     if missing:
         raise ValueError("missing " + ", ".join(f"--{m}" for m in missing))
-    return cls(**{**base, **given})
+    obj = cls(**{**base, **given})
+    # What was typed and which preset, for checks that refuse a flag the other inputs make meaningless
+    # (not fields: asdict, config.json and replace() never see them).
+    obj._given, obj._preset = frozenset(given), (args.preset if presets is not None else None)
+    obj._preset_values = dict(presets[args.preset]) if presets is not None else {}
+    return obj
 
 
 @contextmanager

@@ -251,6 +251,8 @@ def data_paths(spec: str, name: str) -> dict[str, str]:
         task, eq, path = item.partition("=")
         if not eq or not path or task not in TASKS:
             raise ValueError(f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(TASKS)}")
+        if task in out:  # the last would silently win
+            raise ValueError(f"{name} names task {task} twice ({out[task]} and {path}); give one file per task")
         out[task] = path
     return out
 

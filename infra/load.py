@@ -1,6 +1,10 @@
 """Loading the policy and its reference: the toy SFT model (trained once, cached in sft_dir), a pretrained
 checkpoint, LoRA adapters, FSDP2 sharding without ever holding the whole model on one rank, and the final
 save in the Hugging Face LLaDA layout.
+
+An intermediate checkpoint becomes a model folder that sample.py and evaluate.py take (as final/ is):
+
+    python -m infra.load out/toy/checkpoints/step-00000040 out/toy-step-00000040
 """
 from __future__ import annotations
 
@@ -63,7 +67,10 @@ def check_sft_cache(cfg) -> bool:
             diff.append("infra/toy.py or tasks.py (the toy data or its encoding) changed")
         problem = f"holds an SFT model trained with other settings: {', '.join(diff)}"
     elif sft_dir.is_dir() and any(sft_dir.iterdir()):
-        problem = "holds files but no sft_meta.json, so not an SFT model this code wrote"
+        # Not an SFT model: replacing it (--retrain_sft) would delete someone's files, so no flag does that.
+        shown = ", ".join(sorted(p.name for p in sft_dir.iterdir())[:5])
+        raise ValueError(f"sft_dir {sft_dir} holds files ({shown}) but no sft_meta.json, so it is not an SFT model "
+                         "this code wrote, and it is left as it is; pass --sft_dir=a new or empty folder")
     else:
         return False
     if not cfg.retrain_sft:
@@ -242,9 +249,30 @@ def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
     (path / GENERATION_FILE).write_text(json.dumps(generation_settings(cfg), indent=2) + "\n")
 
 
+FINGERPRINT_BLOCKS, BLOCK_BYTES = 256, 1 << 16  # up to 16 MiB read per weight file
+
+
+def file_fingerprint(f: Path, digest) -> None:
+    """Feed digest with f's size and content: the whole file when it is at most FINGERPRINT_BLOCKS blocks,
+    else that many evenly spaced blocks (the first holds safetensors' header: every tensor's name, dtype,
+    shape and offsets). Reading 16 GB of weights whole would take minutes at every start; a block every
+    few hundred MB of trained bf16 weights differs between any two models in practice."""
+    size = f.stat().st_size
+    digest.update(f"{size}:".encode())
+    with open(f, "rb") as fh:
+        if size <= FINGERPRINT_BLOCKS * BLOCK_BYTES:
+            digest.update(fh.read())
+            return
+        for i in range(FINGERPRINT_BLOCKS):
+            fh.seek((size - BLOCK_BYTES) * i // (FINGERPRINT_BLOCKS - 1))
+            digest.update(fh.read(BLOCK_BYTES))
+
+
 def reference_identity(cfg) -> dict:
-    """What the reference policy (and the starting point) is: the SFT cache key or the init_from
-    checkpoint's config and index, so a resumed run cannot silently change its KL anchor."""
+    """What the reference policy (and the starting point) is: the SFT cache key, or a fingerprint of the
+    init_from checkpoint's content (config, index, and each weight file: file_fingerprint), so that a resumed
+    run cannot silently change its KL anchor, while the same model copied elsewhere (another path, new file
+    times: a cluster job's local copy) resumes."""
     if cfg.init_from == "scratch":
         meta = sft_dir_of(cfg) / "sft_meta.json"
         return {"sft_meta": hf.read_json(meta) if meta.is_file() else None}
@@ -253,12 +281,10 @@ def reference_identity(cfg) -> dict:
     for name in ("config.json", "model.safetensors.index.json"):
         if (root / name).is_file():
             digest.update((root / name).read_bytes())
-    # Hashing 16 GB of weights would take minutes; their names, sizes and modification times catch a
-    # replaced checkpoint in practice.
     for f in sorted(root.glob("*.safetensors")):
-        st = f.stat()
-        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return {"init_from": str(root.resolve()), "sha1": digest.hexdigest()}
+        digest.update(f.name.encode())
+        file_fingerprint(f, digest)
+    return {"init_from_content": digest.hexdigest()}
 
 
 def report_truncation(cfg, tok, datasets: dict) -> dict:
@@ -280,3 +306,79 @@ def report_truncation(cfg, tok, datasets: dict) -> dict:
                        f"{cfg.max_prompt_len} tokens (the longest {max(lengths)}) and keep only their last "
                        f"{cfg.max_prompt_len}; raise --max_prompt_len to keep them whole")
     return cut
+
+
+def refuse_training_checkpoint(path, flag: str) -> None:
+    """A training checkpoint (out_dir/checkpoints/step-N: DCP shards and state.json) given where a model folder
+    is needed: one line with the command that turns it into one."""
+    path = Path(path)
+    if (path / "state.json").is_file() and not (path / "config.json").is_file():
+        raise ValueError(f"{flag} {path} is a training checkpoint (model and optimizer shards), not a model folder; "
+                         f"turn it into one with: python -m infra.load {path} "
+                         f"{path.parent.parent.with_name(path.parent.parent.name + '-' + path.name)}")
+
+
+def export_checkpoint(ckpt, dest) -> Path:
+    """Write the policy of checkpoint `ckpt` (out_dir/checkpoints/step-N) as a model folder `dest` in the
+    layout of out_dir/final (weights, tokenizer.json, generation.json; with LoRA the adapters and the merged
+    model). The run's starting model (its SFT model or --init_from) must still be there, unchanged: the
+    checkpoint holds the trained tensors (with LoRA only the adapters) and refers to it for the rest."""
+    import types
+
+    ckpt, dest = Path(ckpt), Path(dest)
+    if not (ckpt / "state.json").is_file():
+        raise ValueError(f"{ckpt} is not a complete checkpoint (no state.json); pass a folder "
+                         f"OUT_DIR/{checkpoint.DIRNAME}/{checkpoint.PREFIX}N")
+    problem = checkpoint.damage(ckpt)
+    if problem:
+        raise ValueError(f"checkpoint {ckpt} is damaged: {problem}; export an older one")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ValueError(f"{dest} already exists and is not an empty folder (it is left as it is); pass a new folder")
+    state = hf.read_json(ckpt / "state.json", "export another checkpoint")
+    cfg = types.SimpleNamespace(**state["config"])
+    cfg.out_dir = str(ckpt.parent.parent)  # the run's folder wherever it now is (its sft/ by default)
+    if cfg.init_from == "scratch" and not check_sft_cache(cfg):
+        raise ValueError(f"the SFT model this run started from ({sft_dir_of(cfg)}) is missing; the checkpoint "
+                         "holds the trained weights but tokenizer and shape come from it")
+    if reference_identity(cfg) != state["reference"]:
+        raise ValueError(f"the starting model of this run ({cfg.init_from if cfg.init_from != 'scratch' else sft_dir_of(cfg)}) "
+                         "is not the one the checkpoint was trained from (its content changed); restore it to export")
+
+    def no_sft(*args):
+        raise AssertionError("the SFT model was checked above")
+    path, tok, ids, _ = find_model(cfg, "cpu", torch.float32, no_sft)
+    model = hf.from_pretrained(path, dtype=torch.float32)
+    if cfg.lora_rank:
+        model = lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, lora.TARGET_SETS[cfg.lora_targets],
+                              generator=generator("cpu", cfg.seed, "lora"))
+    opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr)  # DCP restores model and optimizer together
+    checkpoint.load(ckpt, model, opt, trainable_only=cfg.lora_rank > 0)
+    # The dtype the run's final/ gets: its compute dtype (float32 for the toy on CPU; bf16 for LLaDA's weights).
+    dtype = torch.float32 if cfg.init_from == "scratch" or cfg.dtype == "float32" else torch.bfloat16
+    dest.mkdir(parents=True, exist_ok=True)
+    save_model(model, cfg, dest, tok, dtype)
+    return dest
+
+
+def main(argv=None) -> Path:
+    import argparse
+
+    from infra import cli
+
+    p = argparse.ArgumentParser(description="Turn a train.py checkpoint (out_dir/checkpoints/step-N) into a model "
+                                "folder that sample.py and evaluate.py take", allow_abbrev=False, exit_on_error=False)
+    p.add_argument("checkpoint", nargs="?", help="OUT_DIR/checkpoints/step-N")
+    p.add_argument("dest", nargs="?", help="a new folder for the model")
+    args = cli.parse_known(p, argv, "load")
+    if args.dest is None:
+        raise ValueError("pass a checkpoint and a new folder: python -m infra.load OUT_DIR/checkpoints/step-N DEST")
+    dest = export_checkpoint(args.checkpoint, args.dest)
+    print(f"wrote {dest}: python sample.py --ckpt={dest} --prompt=\"...\"; python evaluate.py --ckpt={dest} --task=TASK")
+    return dest
+
+
+if __name__ == "__main__":
+    from infra import cli
+
+    with cli.user_errors():
+        main()

@@ -1,4 +1,4 @@
-"""What SIGTERM or SIGINT (pre-emption, Ctrl-C) does in each phase of a training run, so that no phase ends
+"""What SIGTERM, SIGINT or SIGHUP (pre-emption, Ctrl-C, a closed terminal) does in each phase of a training run, so that no phase ends
 silently and every stop names what was kept and the command that continues:
 
     start-up                 stops at once: data and model loading write nothing of the run, so the same
@@ -7,7 +7,9 @@ silently and every stop names what was kept and the command that continues:
                              written to sft_dir, and the same command trains it again (train.sft)
     evaluation before RL     the evaluation batch finishes, then the run exits: no RL step was taken, so
                              nothing of RL is kept; the command below starts it again (before_rl)
-    an RL step               the step finishes, a checkpoint is written, the run exits (infra/run.Run.record)
+    an RL step               the step finishes, a checkpoint is written, the run exits (infra/run.Run.record);
+                             a second signal (after 5 s) drops the step at once and names the command that
+                             continues from the last checkpoint, or restarts from step 0 when there is none
     after the last RL step   a checkpoint of it is written before the final evaluation starts (with
                              checkpoint_every > 0), so the final evaluation and save can always be redone
     final evaluation         the evaluation batch finishes, the last step's checkpoint is written if it is
@@ -19,17 +21,30 @@ Stop object (reduced over ranks, so that every rank stops at the same batch).
 """
 from __future__ import annotations
 
+import math
 import shlex
 import signal
 import sys
+import time
 from contextlib import contextmanager
 
 import torch
 
-from infra import checkpoint, scale
+from infra import checkpoint, cli, scale
 from infra.scale import print0
 
 _ARGV: list[str] = []
+
+# train.py --help, after the flags.
+SIGNALS_HELP = (
+    "Stopping and continuing: Ctrl-C, SIGTERM or SIGHUP (a closed terminal) lets the current SFT step, RL step "
+    "or evaluation batch finish, writes a checkpoint during RL, and prints what was kept and the command that "
+    "continues (the same command with --resume=true); the exit status is 128 + the signal. A second signal, 5 s "
+    "or more after the first, stops at once; the first signal's line says what that loses. Out of memory, a full "
+    "disk or a dead torchrun rank ends with one line naming what was kept and that command. "
+    "`python -m infra.load OUT_DIR/checkpoints/step-N DEST` turns a checkpoint into a model folder for sample.py "
+    "and evaluate.py.")
+cli.EPILOGS["Config"] = SIGNALS_HELP
 
 
 def remember_command(argv) -> None:
@@ -71,17 +86,43 @@ class Stopped(Exception):
         self.signum = signum
 
 
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def shown(v) -> str:
+    """A held-out reward as printed: three decimals, or "not measured" (NaN: a scorer down)."""
+    return f"{v:.3f}" if math.isfinite(v) else "not measured"
+
+
 class Stop:
     """stop() raises Stopped when SIGTERM or SIGINT has arrived on any rank (a collective: every rank calls
-    it at the same point, as tasks.evaluate does at the top of every batch)."""
+    it at the same point, as tasks.evaluate does at the top of every batch). Given the number of batches it
+    also prints, every PROGRESS_EVERY seconds, how far the evaluation is and the time left."""
 
-    def __init__(self, flag: dict, device):
+    PROGRESS_EVERY = 30.0
+
+    def __init__(self, flag: dict, device, total: int = 0, label: str = ""):
         self.flag, self.device = flag, device
+        self.counting(total, label)
+
+    def counting(self, total: int, label: str) -> None:
+        self.total, self.label, self.calls = total, label, 0
+        self.t0 = self.shown_at = time.time()
 
     def __call__(self) -> None:
         s = int(scale.all_max(torch.tensor([self.flag["signal"]], device=self.device)).item())
         if s:
             raise Stopped(s)
+        if self.total and self.calls and time.time() - self.shown_at >= self.PROGRESS_EVERY:
+            spent = time.time() - self.t0
+            left = spent / self.calls * max(0, self.total - self.calls)
+            print0(f"{self.label}: batch {self.calls + 1} of about {self.total}, {duration(spent)} so far, "
+                   f"about {duration(left)} left")
+            self.shown_at = time.time()
+        self.calls += 1
 
     def saving(self) -> None:
         """A last check (the image snapshot came after the evaluation); from here on a signal lets the
@@ -107,7 +148,7 @@ def start_up():
             _START_UP["pending"] = _START_UP["pending"] or signum
             return
         raise _StartUpStopped(signum)
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, handler) for sig in checkpoint.STOP_SIGNALS}
     try:
         yield
     except _StartUpStopped as e:
@@ -116,6 +157,11 @@ def start_up():
                f"written but config.json and a finished SFT model, and no checkpoint was touched; start it again "
                f"with: {start_command()}")
         raise SystemExit(128 + e.args[0]) from None
+    except KeyboardInterrupt as e:  # a second signal during SFT (its step-finishing handler raises it)
+        print0(f"aborted by a second {e if isinstance(e, checkpoint.Aborted) else 'SIGINT'} during start-up or "
+               f"SFT: SFT keeps no checkpoint and nothing was written to the sft_dir; start it again with: "
+               f"{start_command()}")
+        raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
@@ -170,7 +216,11 @@ def final(run):
     current batch, writes that checkpoint if it is missing and names the command that finishes the run; a
     signal during the save lets it finish."""
     cfg = run.cfg
-    with checkpoint.graceful_stop("finishing this evaluation batch, then stopping") as flag:
+    def abort() -> str:
+        kept = _last_step_checkpoint(run)
+        return (f"{kept} is kept and finishes the run" if kept else
+                "no checkpoint of the last RL step exists (checkpoint_every=0), so all RL steps would be lost")
+    with checkpoint.graceful_stop("finishing this evaluation batch, then stopping", abort) as flag:
         stop = Stop(flag, run.device)
         try:
             if cfg.checkpoint_every and run.start < cfg.rl_steps and _last_step_checkpoint(run) is None:
@@ -185,13 +235,27 @@ def final(run):
                    f"{cfg.rl_steps} RL steps; finish the run (the final evaluation and save) with: "
                    f"{resume_command()}")
             raise SystemExit(128 + s.signum) from None
-        except KeyboardInterrupt:  # a second Ctrl-C: out at once, but say what is kept
+        except (KeyboardInterrupt, checkpoint.Aborted) as e:  # a second signal: out at once, say what is kept
             kept = _last_step_checkpoint(run)
-            print0("interrupted during the final evaluation or save: " + (
-                f"{kept} holds the model after all {cfg.rl_steps} RL steps; finish the run with: {resume_command()}"
-                if kept else "no checkpoint of the last RL step was written (checkpoint_every=0)"))
-            raise
+            print0(f"aborted by a second {'SIGINT' if isinstance(e, KeyboardInterrupt) else e} during the final "
+                   "evaluation or save: " + (
+                       f"{kept} holds the model after all {cfg.rl_steps} RL steps; finish the run with: "
+                       f"{resume_command()}" if kept else "no checkpoint of the last RL step was written "
+                       f"(checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))
+            raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
     if flag["signal"]:
         print0(f"stopped by {signal.Signals(flag['signal']).name} after the final save: the run is complete "
                f"({run.out / 'final'}, {run.out / 'summary.json'})")
         raise SystemExit(128 + flag["signal"])
+
+
+def closing_summary(run, seconds: float) -> None:
+    """The run's last lines: the time it took, where the model and pictures are, and the next commands."""
+    out = run.out
+    pictures = [str(out / n) for n in ("curves.png", "images.png") if (out / n).is_file()]
+    rl = run.rl_end
+    print0(f"done in {duration(seconds)} (RL {duration(rl)}{' over every resumed segment' if run.start else ''}): "
+           f"model {out / 'final'}, summary {out / 'summary.json'}, log {out / 'log.jsonl'}"
+           + (f", pictures {', '.join(pictures)}" if pictures else ", no pictures (Pillow is not installed)"))
+    print0(f"next: python sample.py --ckpt={out / 'final'} --prompt=\"...\" (add --image for a picture); "
+           f"python evaluate.py --run={out} re-scores it")

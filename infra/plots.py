@@ -204,8 +204,10 @@ def held_out_lines(summary: dict) -> list[tuple[str, str]]:
     out = []
     for key, v in summary.items():
         if isinstance(v, dict) and "before" in v and "after" in v:
-            gain = f" ({v['after'] - v['before']:+.3f} ± {v['gain_se']:.3f})" if "gain_se" in v else ""
-            out.append((key, f"{v['before']:.3f} -> {v['after']:.3f}{gain}"))
+            shown = lambda x: "not measured" if x is None else f"{x:.3f}"  # null: a scorer down
+            gain = f" ({v['after'] - v['before']:+.3f} ± {v['gain_se']:.3f})" if "gain_se" in v and None not in (
+                v["before"], v["after"], v["gain_se"]) else ""
+            out.append((key, f"{shown(v['before'])} -> {shown(v['after'])}{gain}"))
     return out
 
 

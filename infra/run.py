@@ -10,9 +10,12 @@ the same decisions: flags are reduced over ranks before they are acted on.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import time
 from dataclasses import asdict
@@ -23,9 +26,22 @@ import torch
 import tasks
 from infra import budget, checkpoint, hf, phases, scale
 from infra.budget import scratch_config
-from infra.load import check_sft_cache, reference_identity, save_model
+from infra.load import check_sft_cache, reference_identity, refuse_training_checkpoint, save_model
 from infra.scale import print0
 from tasks import IMAGE_TASKS, task_list
+
+
+EVAL_BATCH = 64  # rows per tasks.evaluate batch
+
+
+def eval_batches(ctx) -> int:
+    """How many batches tasks.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
+    n = 0
+    for task in task_list(ctx.cfg):
+        rows = len(tasks.eval_examples(task, ctx.cfg, ctx.datasets))
+        for k in ((ctx.cfg.eval_samples,) if task in tasks.IMAGE_TASKS else (ctx.cfg.eval_samples, 1)):
+            n += -(-rows * k // EVAL_BATCH) if rows else 0
+    return n
 
 
 def paired_se(d: list) -> float:
@@ -39,6 +55,64 @@ def paired_se(d: list) -> float:
 
 class TrainingStopped(RuntimeError):
     """Too many consecutive bad steps: the run stops with a message naming the last good checkpoint."""
+
+
+class RunFailed(RuntimeError):
+    """The machine failed the run (disk full, out of memory, a dead rank): one line naming the cause, what
+    was kept and the command that continues."""
+
+
+def root_causes(e: BaseException) -> list[BaseException]:
+    """e and what it wraps: its cause and context chain, and the per-rank failures a
+    torch.distributed.checkpoint CheckpointException (a BaseException) carries."""
+    seen, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is y for y in seen):
+            continue
+        seen.append(x)
+        todo += [x.__cause__, x.__context__]
+        for failure in getattr(x, "failures", {}).values() if isinstance(getattr(x, "failures", None), dict) else ():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return seen
+
+
+def continue_command(out: Path) -> str:
+    """The one command that goes on with this run after a failure: --resume=true when it has a checkpoint
+    or logged steps (which then restart from step 0), else the command as typed."""
+    if checkpoint.latest(out) is not None or logged_steps(out / "log.jsonl"):
+        return phases.resume_command()
+    return phases.start_command()
+
+
+def kept_line(out: Path) -> str:
+    last = checkpoint.latest(out)
+    return f"the last checkpoint, {last}, is kept" if last else "no checkpoint of this run exists"
+
+
+def explain_failure(e: BaseException, cfg) -> str | None:
+    """The one-line message of a machine failure (out of memory, a full disk, a dead torchrun rank), or None
+    for anything else (a bug keeps its traceback)."""
+    out = Path(cfg.out_dir)
+    for x in root_causes(e):
+        text = str(x).splitlines()[0] if str(x) else type(x).__name__
+        if isinstance(x, torch.OutOfMemoryError) or (isinstance(x, RuntimeError) and (
+                "out of memory" in text.lower() or "can't allocate memory" in text.lower())):
+            fewer = max(1, (cfg.device_batch_size or cfg.group_size * cfg.prompts_per_step) // 2)
+            return (f"out of memory ({text[:160]}) with group_size={cfg.group_size}, prompts_per_step="
+                    f"{cfg.prompts_per_step}, device_batch_size={cfg.device_batch_size or 'all'}: fewer sequences per "
+                    f"forward pass need less memory (--device_batch_size={fewer}; or a lower --group_size in a new "
+                    f"run); {kept_line(out)}; continue with: {continue_command(out)} --device_batch_size={fewer}")
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return (f"the disk is full ({x.strerror}{': ' + str(x.filename) if x.filename else ''}); "
+                    f"{kept_line(out)}; free space there (or lower --keep_last), then continue with: "
+                    f"{continue_command(out)}")
+        if scale.world() > 1 and isinstance(x, RuntimeError) and any(w in text.lower() for w in (
+                "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer")):
+            text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text).split(". ")[0]  # gloo's source location
+            return (f"another process of this torchrun run stopped ({text[:120]}; torchrun's report names it); "
+                    f"{kept_line(out)}; once the cause is fixed, --resume=true continues: {continue_command(out)}")
+    return None
 
 
 def log_line(log: dict, total: int) -> str:
@@ -71,8 +145,10 @@ def keep_steps_before(path: Path, start: int) -> Path:
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 # lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
+# init_from and sft_dir are paths: the model they hold is compared by content (load.reference_identity), so
+# a copy of it at another path (a cluster job's local disk) resumes.
 RESUMABLE = ("resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
-             "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip")
+             "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip", "init_from", "sft_dir")
 
 
 def startup_checks(cfg, device) -> None:
@@ -110,10 +186,19 @@ def _check_out_dir(cfg, out: Path) -> None:
         raise ValueError(f"out_dir {out} is not writable ({e.strerror}); pass --out_dir=a writable directory") from None
     mc = None
     if cfg.init_from != "scratch":
+        refuse_training_checkpoint(cfg.init_from, "--init_from")
         if not (Path(cfg.init_from) / "config.json").is_file():
             raise FileNotFoundError(f"{Path(cfg.init_from) / 'config.json'} not found: --init_from must be a "
                                     "LLaDA/MMaDA checkpoint directory")
         mc = hf.read_config(cfg.init_from)
+        name, preset = getattr(cfg, "_preset", None), getattr(cfg, "_preset_values", {})
+        other = {k: (preset[k], getattr(mc, k)) for k in ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
+                 if k in preset and getattr(mc, k) != preset[k]}
+        if other:  # the preset's lr, lengths and batch sizes were chosen for a model of its shape
+            print0(f"warning: --preset {name} is set for a model with "
+                   + ", ".join(f"{k}={v}" for k, (v, _) in other.items()) + f", but {cfg.init_from} has "
+                   + ", ".join(f"{k}={m}" for k, (_, m) in other.items())
+                   + "; its config.json is used, and the preset's other settings may not suit it")
         image = any(t in IMAGE_TASKS for t in task_list(cfg))
         need = (cfg.image_text_len or 64) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
         if need > mc.max_sequence_length:
@@ -127,19 +212,41 @@ def _check_out_dir(cfg, out: Path) -> None:
     if any_checkpoint is not None and not cfg.resume:
         raise ValueError(f"out_dir {out} already holds checkpoints (latest {any_checkpoint.name}): pass "
                          "--resume=true to continue that run, or choose another --out_dir")
-    finished = [f"{n}/" if (out / n).is_dir() else n for n in FINISHED if (out / n).exists()]
+    finished = [f"{n}/" if (out / n).is_dir() else n for n in FINISHED[:1] + FINISHED[2:] if (out / n).exists()]
     if finished and any_checkpoint is None:
-        # Without checkpoints (checkpoint_every=0, or fewer steps than it) there is nothing to resume from:
-        # this run would start again and replace the files.
-        raise ValueError(f"out_dir {out} holds a run ({', '.join(finished)}) and no checkpoint to "
-                         f"resume from{'' if cfg.resume else ' (--resume=true continues from checkpoints only)'}"
-                         "; choose another --out_dir, or delete that run")
+        # A finished run without checkpoints (checkpoint_every=0, or fewer steps than it): nothing to continue
+        # from, and a new start would replace its model and summary.
+        raise ValueError(f"out_dir {out} holds a finished run ({', '.join(finished)}) and no checkpoint to "
+                         "continue from; choose another --out_dir")
+    logged = logged_steps(out / "log.jsonl")
+    if logged and any_checkpoint is None:
+        # An unfinished run that wrote no checkpoint (a crash or an abort before the first): it can only
+        # restart from step 0, replacing its log, which --resume=true says it wants.
+        if not cfg.resume:
+            raise ValueError(f"out_dir {out} holds an unfinished run ({logged} RL step(s) in log.jsonl) with no "
+                             "checkpoint to continue from; --resume=true restarts it from step 0 (its log is "
+                             "rewritten), or choose another --out_dir")
+    elif (out / "log.jsonl").exists() and any_checkpoint is None:
+        print0(f"out_dir {out} holds a run that took no RL step (its log.jsonl is empty): starting it again")
     if any_checkpoint is not None:  # before anything is loaded or config.json is overwritten
         last = resume_point(out)
         state = hf.read_json(last / "state.json", "remove that checkpoint directory")
         checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), RESUMABLE)
     if scale.rank() == 0:
         _claim_out_dir(out)
+
+
+def logged_steps(log: Path) -> int:
+    """How many complete step lines log.jsonl holds (0 when it is missing or empty)."""
+    if not log.is_file():
+        return 0
+    n = 0
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            n += "step" in json.loads(line)
+        except ValueError:
+            continue
+    return n
 
 
 PID_FILE = "run.pid"
@@ -222,6 +329,11 @@ def resume_point(out: Path, quiet: bool = True) -> Path:
     return last
 
 
+# Fault injection for tests/test_failures.py: "RANK:STEP" SIGKILLs that rank when it has taken that step (a
+# dead torchrun worker). Unset in normal use.
+KILL_RANK_ENV = "MASKGRPO_KILL_RANK_AT_STEP"
+
+
 class Run:
     """The bookkeeping around train.py's loop, used as `with Run(cfg, model, opt, device) as run:`.
     Construction resumes from the latest complete checkpoint when --resume is set (run.start is the first
@@ -243,7 +355,8 @@ class Run:
                 group["lr"] = cfg.lr
             print0(f"resumed from {last} at step {self.state['step']}")
         elif cfg.resume:
-            print0(f"--resume: no complete checkpoint in {self.out / checkpoint.DIRNAME}; starting from step 0")
+            print0(f"--resume: no complete checkpoint in {self.out / checkpoint.DIRNAME}; starting from step 0 "
+                   "(the log of any earlier attempt is rewritten)")
         self.start = self.state["step"]
         self.t0 = time.time()
         self.logf = self.timef = None
@@ -251,18 +364,50 @@ class Run:
             # The logs keep the steps before `start` (a resumed run rewrites what came later).
             self.logf, self.timef = (open(keep_steps_before(self.out / name, self.start), "a")
                                      for name in ("log.jsonl", "times.jsonl"))
-        self._stop = checkpoint.graceful_stop()
+        self.done = self.start  # RL steps taken so far (the step in progress is this one)
+        self.last_bad = "a non-finite loss or gradient"  # why the last skipped step was skipped
+        self.step_seconds: list[float] = []
+        self._stop = checkpoint.graceful_stop(abort=self._abort_loses)
 
     def __enter__(self):
         self.signal = self._stop.__enter__()
         return self
 
-    def __exit__(self, *exc):
+    def _time_left(self, step: int, seconds) -> str:
+        """" | about 3m10s left": the mean time of this process's steps so far times the steps to go."""
+        if seconds is not None:
+            self.step_seconds.append(seconds)
+        left = self.cfg.rl_steps - step - 1
+        if not left or not self.step_seconds:
+            return ""
+        return f" | about {phases.duration(sum(self.step_seconds) / len(self.step_seconds) * left)} left"
+
+    def _abort_loses(self) -> str:
+        """What a second signal during an RL step would lose, and where the run would continue from."""
+        last = checkpoint.latest(self.out)
+        since = int(last.name[len(checkpoint.PREFIX):]) if last else 0
+        lost = f"steps {since} to {self.done}" if self.done > since else f"step {self.done}"
+        return (f"{lost} would be lost and the run would continue from {last}" if last else
+                f"no checkpoint exists yet, so {lost} would be lost and the run would restart from step 0")
+
+    def __exit__(self, kind, exc, tb):
         self.rl_end = self.rl_seconds()
-        self._stop.__exit__(*exc)
+        self._stop.__exit__(kind, exc, tb)
         for f in (self.logf, self.timef):
             if f:
                 f.close()
+        if kind is not None and issubclass(kind, (checkpoint.Aborted, KeyboardInterrupt)):
+            # A second signal dropped the step in progress: the newest checkpoint (or none) is where the
+            # printed command goes on from; --resume=true rewrites the log past it.
+            last = checkpoint.latest(self.out)
+            since = int(last.name[len(checkpoint.PREFIX):]) if last else 0
+            name = f"a second {exc}" if isinstance(exc, checkpoint.Aborted) else "Ctrl-C"
+            lost = f"steps {since} to {self.done}" if self.done > since else f"step {self.done}"
+            print0(f"aborted by {name} during RL step {self.done}: {lost} {'are' if self.done > since else 'is'} lost; " +
+                   (f"{last} is kept; continue with: " if last else "no checkpoint was written, so the run "
+                    "restarts from step 0 with: ") + phases.resume_command())
+            raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from None
+        return False
 
     def rl_seconds(self) -> float:
         return self.state["rl_seconds"] + time.time() - self.t0  # over every segment of a resumed run
@@ -270,11 +415,15 @@ class Run:
     def record(self, step: int, log: dict, rolls: list, tok, ids) -> None:
         """Count bad steps, write the logs, show samples, checkpoint on cadence or on a signal."""
         cfg, state = self.cfg, self.state
+        if os.environ.get(KILL_RANK_ENV) == f"{scale.rank()}:{step}":  # fault injection (tests only)
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.done = step + 1
         bad = "bad_reward" in log or log.get("skipped_updates", 0) > 0
         if "bad_reward" in log:
+            self.last_bad = log["bad_reward"]
             print0(f"warning: step {step} skipped: {log['bad_reward']}")
         else:
-            print0(log_line(log, cfg.rl_steps))
+            print0(log_line(log, cfg.rl_steps) + self._time_left(step, log.get("seconds")))
         state["bad_run"] = state["bad_run"] + 1 if bad else 0
         state["bad_steps"] += bad
         log["bad_steps"] = state["bad_steps"]
@@ -309,8 +458,16 @@ class Run:
         # After a good step the checkpoint being written is itself the last good one (the newest, which
         # rotation keeps): the previous one needs no protection, or --keep_last=1 would keep two.
         protect = self.state["last_good"] if self.state["bad_run"] else None
-        path = checkpoint.save(self.out, step, self.model, self.opt, saved, keep_last=self.cfg.keep_last,
-                               trainable_only=self.cfg.lora_rank > 0, protect=protect)
+        try:
+            path = checkpoint.save(self.out, step, self.model, self.opt, saved, keep_last=self.cfg.keep_last,
+                                   trainable_only=self.cfg.lora_rank > 0, protect=protect)
+        except BaseException as e:  # DCP wraps a writer's OSError in CheckpointException, a BaseException
+            message = explain_failure(e, self.cfg) if not isinstance(e, KeyboardInterrupt) else None
+            if message is None:
+                raise
+            if scale.rank() == 0:  # the half-written directory, never loaded, would only take the room
+                shutil.rmtree(checkpoint._step_dir(self.out, step, tmp=True), ignore_errors=True)
+            raise RunFailed(f"writing checkpoint step {step}: {message}") from None
         if self.state["bad_run"] == 0:  # written after a good step: where to go back to if things go wrong
             self.state["last_good"] = str(path)
         return path
@@ -321,10 +478,12 @@ class Run:
         the pictures; returns the summary."""
         before, before_by_prompt = self.state["before"], self.state.get("before_by_prompt") or {}
         save_model(self.model, self.cfg, self.out / "final", tok, dtype)
-        summary = {k: {"before": before[k], "after": after[k]} for k in before}
+        # A reward that could not be measured (a scorer down: NaN) is null in summary.json, never a number.
+        summary = {k: {"before": measured(before[k]), "after": measured(after[k])} for k in before}
         for k in summary:
             if len(before_by_prompt.get(k, ())) == len(after_by_prompt.get(k, ())) > 1:
-                summary[k]["gain_se"] = paired_se([a - b for a, b in zip(after_by_prompt[k], before_by_prompt[k])])
+                gains = [a - b for a, b in zip(after_by_prompt[k], before_by_prompt[k])]
+                summary[k]["gain_se"] = measured(paired_se(gains))
         summary["seconds"] = {"sft": sft_seconds, "rl": self.rl_end}
         if scale.rank() == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -333,6 +492,23 @@ class Run:
         if scale.rank() == 0:
             release_out_dir(self.out)
         return summary
+
+
+def measured(x):
+    """x when it is a finite number, else None (not measured)."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def all_skipped(run) -> str | None:
+    """When every RL step of the run was skipped (nothing was trained), the one-line reason, else None."""
+    cfg = run.cfg
+    if not cfg.rl_steps or run.state["bad_steps"] < cfg.rl_steps:
+        return None
+    scorer = f"; is the image scorer at {cfg.image_scorer_url} up? (`python -m infra.scorer --stub` serves a " \
+        "stand-in)" if cfg.image_scorer_url else ""
+    return (f"every one of the {cfg.rl_steps} RL steps was skipped (the last: {run.last_bad}){scorer}; nothing was "
+            f"trained, so no final/ or summary.json is written and no reward after RL is reported; fix the cause "
+            "and start again with another --out_dir")
 
 
 def show(b, rewards, tok, ids, n: int = 1) -> None:
@@ -355,9 +531,12 @@ def write_pictures(cfg, out: Path, grid: list) -> None:
     and after RL, prompt under each), when Pillow is installed (plots.py says how to get it otherwise)."""
     from infra import plots
 
-    if (out / "log.jsonl").is_file() and (out / "log.jsonl").stat().st_size:
-        plots.plot_curves(out / "log.jsonl", out / "curves.png")
+    log = out / "log.jsonl"
+    if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step that was taken
+        plots.plot_curves(log, out / "curves.png")
     if grid[0][1] is not None and grid[1][1] is not None:
         summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
+        if summary:  # a score that was not measured (null) is left off the panel, never drawn as a number
+            summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
         plots.toy_image_panel(grid, tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS], cfg.image_width,
                               out / "images.png", summary)

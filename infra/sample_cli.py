@@ -22,6 +22,7 @@ import sample
 import tasks
 from infra import cli, hf, plots
 from infra.hf import load_tokenizer
+from infra.load import refuse_training_checkpoint
 from infra.settings import read_generation_settings, validate_generation
 from tasks import chat_prompt
 
@@ -63,6 +64,7 @@ def main(argv=None):
     if not first.ckpt:
         raise ValueError("--ckpt is missing: pass --ckpt DIR, a folder with config.json, *.safetensors and "
                          "tokenizer.json (e.g. out/toy/final)")
+    refuse_training_checkpoint(first.ckpt, "--ckpt")
     saved = read_generation_settings(first.ckpt) if Path(first.ckpt).is_dir() else {}
     toy = any(t in ("text", "image") for t in saved.pop("tasks", "").split(","))
     known = {k: v for k, v in saved.items() if k in Options.__dataclass_fields__ and k != "temperature"}

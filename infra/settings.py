@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ def validate_generation(o) -> None:
         need(not isinstance(v, float) or math.isfinite(v), f"{k} ({v}) must be a finite number")
     for k in ("gen_length", "block_length", "steps", "image_steps", "image_width"):
         need(getattr(o, k) >= 1, f"{k} ({getattr(o, k)}) must be >= 1")
+    need(o.steps <= o.gen_length, f"steps ({o.steps}) must be <= gen_length ({o.gen_length}): each step commits at "
+         f"least one token, so steps beyond gen_length do nothing; try --steps={o.gen_length}")
     need(o.gen_length % o.block_length == 0,
          f"gen_length ({o.gen_length}) must be divisible by block_length ({o.block_length}); "
          f"try --block_length={o.gen_length}")
@@ -88,10 +91,26 @@ def validate(cfg) -> None:
     known = tuple(tasks.TASKS)
     bad = [t for t in task_list(cfg) if t not in known]
     need(not bad and cfg.tasks, f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")
+    twice = sorted({t for t in task_list(cfg) if task_list(cfg).count(t) > 1})
+    need(not twice, f"tasks ({cfg.tasks!r}) names {', '.join(twice)} twice, which would roll out and update it twice "
+         f"per step; give each task once (--tasks={','.join(dict.fromkeys(task_list(cfg)))})")
     real = [t for t in task_list(cfg) if t not in TOY_TASKS]
     need(not real or cfg.dry_run or cfg.init_from not in ("", "scratch"),
          f"tasks {real} need a pretrained model: pass --init_from=DIR (a LLaDA/MMaDA checkpoint directory)")
     need(cfg.init_from != "" or cfg.dry_run, "init_from is empty: pass --init_from=DIR, the local checkpoint")
+    given = getattr(cfg, "_given", frozenset())  # the flags typed (infra/cli.parse); empty when built in code
+    if cfg.init_from != "scratch" and not cfg.dry_run:
+        # Settings of the toy model built and SFT-trained here: a pretrained model has its own shape and no SFT.
+        idle = sorted(given & set(SCRATCH_SHAPE))
+        need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the shape of the "
+             f"toy model trained from scratch, but --init_from={cfg.init_from} is given (its config.json sets the "
+             "shape): drop " + ("it" if len(idle) == 1 else "them"))
+        idle = sorted(given & set(SCRATCH_SFT))
+        if idle:  # harmless, so a warning: a command line reused from a toy run keeps working
+            print0(f"warning: {', '.join('--' + k for k in idle)} only act on the SFT stage of a model trained from "
+                   f"scratch; with --init_from={cfg.init_from} there is none, so they do nothing")
+    if "eval_data" in given:
+        need(cfg.eval_prompts > 0, f"--eval_data is given but --eval_prompts=0 scores none of it: drop one of them")
     train_files = data_paths(cfg.train_data, "train_data")
     for t in real:
         need(t in train_files or cfg.dry_run, f"task {t!r} needs its training file: --train_data={t}=PATH")
@@ -116,6 +135,8 @@ def validate(cfg) -> None:
          f"never split across ranks; try --prompts_per_step={world * max(1, cfg.prompts_per_step // world)}")
     for k in ("eval_samples", "dry_run_gpus"):
         need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1")
+    if not cfg.dry_run:  # a dry run plans for GPUs it need not see
+        check_device(cfg.device)
     for k in ("threads", "sample_every", "vocab_size", "weight_decay"):
         need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0")
     need(cfg.lr > 0, f"lr ({cfg.lr}) must be > 0 (paper: 3e-6 at 8B; the toy uses 1e-4)")
@@ -138,12 +159,37 @@ def validate(cfg) -> None:
         need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1")
 
 
+def check_device(name: str, flag: str = "device") -> None:
+    """--device: auto, cpu, cuda or cuda:N (this code's maths runs on CPU and CUDA only), and CUDA only when
+    torch sees a GPU (cuda:N only when it sees N + 1 of them)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        hint = " (Apple GPUs are not supported: use --device=cpu)" if name == "mps" else \
+            " (for a GPU: --device=cuda)" if name.lower() in ("gpu", "cuda0", "nvidia") else ""
+        raise ValueError(f"{flag} ({name!r}) must be auto, cpu, cuda or cuda:N{hint}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"{flag} ({name!r}) asks for CUDA, but torch sees no GPU; use --{flag}=cpu")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"{flag} ({name!r}): torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
+
+
+def check_threads(n: int, flag: str = "threads") -> None:
+    if n < 0:
+        raise ValueError(f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
+
+
+# Flags that only shape and train the toy model built here (init_from=scratch): with --init_from they act on
+# nothing, so the shape is refused when typed and the SFT settings are warned about (a preset may set them).
+SCRATCH_SHAPE = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
+SCRATCH_SFT = ("sft_dir", "retrain_sft", "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout",
+               "text_noise", "image_noise", "image_loss_weight")
+
+
 def setup(cfg) -> tuple[torch.device, torch.dtype]:
     """Pick device and compute dtype once (joining torchrun's process group if there is one), and say why."""
+    check_threads(cfg.threads)
+    check_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device ({cfg.device!r}) asks for CUDA, but torch sees no GPU; use --device=cpu")
     device = scale.init(cfg.device)
     if cfg.dtype == "auto":
         # bf16 on GPUs that support it (the released LLaDA weights are bf16); float32 on CPU, where bf16

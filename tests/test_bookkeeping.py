@@ -30,7 +30,9 @@ CPU = torch.device("cpu")
 # takes (and --extend, which lets a finished run take more) and the two knobs a run stopped by bad steps
 # continues more carefully with). Any other change would alter the result and must be refused.
 MAY_CHANGE = {"resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every",
-              "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip"}
+              "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip",
+              # paths of the starting model: a copy elsewhere resumes; its content is the reference identity
+              "init_from", "sft_dir"}
 
 
 def config(out, *flags):
@@ -383,6 +385,8 @@ def test_an_sft_dir_with_foreign_files_is_refused(tmp_path):
     sft = tmp_path / "sft"
     sft.mkdir()
     (sft / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match=r"holds files but no sft_meta.json.*--retrain_sft=true"):
-        check_sft_cache(config(tmp_path / "run", f"--sft_dir={sft}"))
+    for retrain in ([], ["--retrain_sft=true"]):  # never replaced: no flag deletes someone's files
+        with pytest.raises(ValueError, match=r"holds files \(notes.txt\) but no sft_meta.json.*left as it is") as e:
+            check_sft_cache(config(tmp_path / "run", f"--sft_dir={sft}", *retrain))
+        assert "--retrain_sft" not in str(e.value)
     assert check_sft_cache(config(tmp_path / "run", f"--sft_dir={tmp_path / 'empty'}")) is False

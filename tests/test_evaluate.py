@@ -240,3 +240,35 @@ def test_run_mode_refuses_a_config_of_another_version(tmp_path):
     (tmp_path / "summary.json").write_text("{}")
     with pytest.raises(ValueError, match=r"fields unknown to train.Config: \['old_field'\]"):
         evaluate.check_run(str(tmp_path))
+
+
+@pytest.fixture
+def scorer_down(monkeypatch):
+    """The toy image task scored by a remote scorer that is down (nothing listens on port 9): the path a
+    geneval evaluation takes when its scorer fails (tasks.score gives NaN rewards and a warning)."""
+    import dataclasses
+    import tasks
+    from infra.scorer import RemoteScorer
+
+    monkeypatch.setattr(tasks, "TASKS", {**tasks.TASKS, "image": dataclasses.replace(tasks.TASKS["image"], reward=None)})
+    real = tasks.Ctx
+    down = RemoteScorer("http://127.0.0.1:9", timeout=1.0, retries=0)
+    monkeypatch.setattr(tasks, "Ctx", lambda cfg, tok, ids, device, datasets, scorer=None: real(
+        cfg, tok, ids, device, datasets, down))
+
+
+def test_scorer_down_is_not_measured_and_exits_nonzero(run_dir, scorer_down, capsys):
+    """Scorer down: pass@k and the mean reward print "not measured" (they printed 0.000000 and exit 0)."""
+    code = evaluate.main(["--ckpt", str(run_dir / "final"), "--task", "image", "--limit=2", "--samples=2"])
+    out, err = capsys.readouterr()
+    assert code == evaluate.NOT_MEASURED_EXIT, out + err
+    row = next(line for line in out.splitlines() if line.startswith("| image"))
+    assert row.count("not measured") == 2 and "0.000000" not in row, row
+    assert "4 completion(s) got no reward" in err and "not measured" in err, err
+
+
+def test_scorer_down_during_run_check_is_not_measured(run_dir, scorer_down, capsys):
+    code = evaluate.main(["--run", str(run_dir)])
+    out, err = capsys.readouterr()
+    assert code == evaluate.NOT_MEASURED_EXIT and "not measured: image before, image after" in err, out + err
+    assert "numbers match" not in out

@@ -173,3 +173,12 @@ def test_help_shows_the_chosen_presets_values():
     text = " ".join(cli.parser(train.Config, "", train.PRESETS, []).format_help().split())
     assert "num_iterations optimizer steps (default 80)" in text  # the toy preset sets no rl_steps: the default applies
     assert "its generation.json): they replace the defaults shown below" in sample_cli.DESCRIPTION
+
+
+def test_help_says_what_each_signal_does_and_how_to_continue(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("Ctrl-C, SIGTERM or SIGHUP", "--resume=true", "A second signal", "128 + the signal",
+                  "python -m infra.load OUT_DIR/checkpoints/step-N DEST"):
+        assert words in text, words

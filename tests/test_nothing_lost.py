@@ -17,6 +17,7 @@ import evaluate
 import tasks
 import train
 from infra import hf
+from infra.run import RunFailed
 
 # A two-step SFT and no RL: enough to leave a complete run (sft/, final/, summary.json, log.jsonl).
 TINY = ["--preset=smoke", "--threads=1", "--sample_every=0", "--sft_steps=2", "--rl_steps=0", "--eval_prompts=1"]
@@ -111,7 +112,7 @@ def test_interrupted_retraining_keeps_the_old_model(shared_sft, tmp_path, monkey
     def crash(*args, **kwargs):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(hf, "save_pretrained", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(RunFailed, match=r"^the disk is full \(No space left on device\); no checkpoint"):
         train.main([*TINY, f"--sft_dir={shared_sft}", f"--out_dir={tmp_path / 'run'}", "--seed=1",
                     "--retrain_sft=true"])
     assert tree_digest(shared_sft) == before
@@ -148,10 +149,10 @@ def test_finished_run_is_refused_not_overwritten(finished):
     """A run without checkpoints (checkpoint_every=0, as in the smoke preset) is still a finished run; with
     --resume=true it is reported as finished (tests/test_phases.py)."""
     before = tree_digest(finished)
-    with pytest.raises(ValueError, match=rf"out_dir {finished} holds a run \(final/, log.jsonl, "
+    with pytest.raises(ValueError, match=rf"out_dir {finished} holds a finished run \(final/, "
                                          r"summary.json\) and no checkpoint") as e:
         train.main([*TINY, f"--out_dir={finished}"])
-    assert "choose another --out_dir" in str(e.value)
+    assert "choose another --out_dir" in str(e.value) and "delete" not in str(e.value)
     assert tree_digest(finished) == before
 
 
@@ -224,3 +225,128 @@ def test_interrupted_evaluation_keeps_what_it_scored(finished, tmp_path, monkeyp
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt_index"] for r in lines] == list(range(128))
     assert f"128 scored completions kept in {out}" in capsys.readouterr().err
+
+
+# -----------------------------------------------------------------------------------------------------
+# a run writes only into its own out_dir: every refusal comes before anything is written, and no advice
+# destroys anything
+
+
+@pytest.fixture
+def model_copy(finished, tmp_path):
+    """A copy of the finished run's final/ model, as a user's model folder."""
+    import shutil
+
+    d = tmp_path / "model"
+    shutil.copytree(finished / "final", d)
+    return d
+
+
+def refused(capsys, argv) -> str:
+    """Run train.py as the command line does; the one-line error (exit 2)."""
+    from infra import cli
+
+    with pytest.raises(SystemExit) as e, cli.user_errors():
+        train.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_training_in_place_is_refused_and_the_model_kept(model_copy, capsys):
+    """--init_from=X --out_dir=X ("train in place") wrote the run's config.json over the model's."""
+    before = tree_digest(model_copy)
+    err = refused(capsys, [*TINY, "--tasks=text", f"--init_from={model_copy}", f"--out_dir={model_copy}"])
+    assert f"--init_from {model_copy} is --out_dir {model_copy}" in err and "a new folder as --out_dir" in err, err
+    assert tree_digest(model_copy) == before
+
+
+@pytest.mark.parametrize("where", ["model", "sft"])
+def test_out_dir_naming_a_model_is_refused(finished, model_copy, tmp_path, capsys, where):
+    """Flags swapped: --out_dir names a model folder (or another run's SFT model): refused, nothing written."""
+    out = model_copy if where == "model" else finished / "sft"
+    before = tree_digest(out)
+    err = refused(capsys, [*TINY, "--tasks=text", f"--init_from={finished / 'final'}", f"--out_dir={out}"])
+    assert f"--out_dir {out} holds a model" in err, err
+    assert ("sft_meta.json" if where == "sft" else "config.json (a model's, not a run's)") in err, err
+    assert tree_digest(out) == before
+
+
+def test_init_from_inside_out_dir_is_refused(finished, capsys):
+    """A run's final/ as --init_from and the run itself as --out_dir: the final save would replace the model."""
+    before = tree_digest(finished)
+    err = refused(capsys, [*TINY, "--tasks=text", f"--init_from={finished / 'final'}", f"--out_dir={finished}",
+                           "--resume=true", "--extend=true", "--rl_steps=1"])
+    assert "lies inside --out_dir" in err, err
+    assert tree_digest(finished) == before
+
+
+def test_a_folder_of_other_things_is_refused(tmp_path, capsys):
+    assert "--out_dir is empty" in refused(capsys, [*TINY, "--out_dir="])
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "data").mkdir()
+    err = refused(capsys, [*TINY, f"--out_dir={tmp_path}"])
+    assert "holds no run of train.py (data, notes.txt)" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
+
+
+def test_sft_dir_equal_to_out_dir_is_refused_even_with_retrain(finished, capsys):
+    """The refusal used to advise --retrain_sft=true, which then moved the out_dir aside and deleted it."""
+    before = tree_digest(finished)
+    for extra in ([], ["--retrain_sft=true"]):
+        err = refused(capsys, [*TINY, f"--out_dir={finished}", f"--sft_dir={finished}", *extra])
+        assert f"--sft_dir {finished} is --out_dir {finished}" in err and "--retrain_sft" not in err, err
+    assert tree_digest(finished) == before
+
+
+def test_sft_dir_holding_a_run_or_a_model_is_never_replaced(finished, model_copy, tmp_path, capsys):
+    """--sft_dir naming a folder that is not an SFT model (another run, a model): --retrain_sft=true does
+    not replace it, and no advice says it would."""
+    for folder in (finished, model_copy):
+        before = tree_digest(folder)
+        err = refused(capsys, [*TINY, f"--out_dir={tmp_path / 'run'}", f"--sft_dir={folder}", "--retrain_sft=true"])
+        assert f"sft_dir {folder} holds files" in err and "left as it is" in err and "--retrain_sft" not in err, err
+        assert tree_digest(folder) == before
+
+
+def test_an_empty_log_from_a_crash_in_the_first_step_does_not_block(tmp_path, monkeypatch, capsys):
+    """A crash in the first RL step leaves config.json and an empty log.jsonl: the same command starts the
+    run again (nothing of it is lost); the SFT model beside it is reused, never deleted."""
+    out = tmp_path / "run"
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("crash in the first step")
+    real = train.rl_step
+    monkeypatch.setattr(train, "rl_step", crash)
+    with pytest.raises(RuntimeError):
+        train.main([*TINY, f"--out_dir={out}", "--rl_steps=1"])
+    assert (out / "log.jsonl").read_text() == "" and (out / "sft" / "sft_meta.json").is_file()
+    sft = tree_digest(out / "sft")
+    monkeypatch.setattr(train, "rl_step", real)
+    summary = train.main([*TINY, f"--out_dir={out}", "--rl_steps=1"])
+    assert "text" in summary and "took no RL step" in capsys.readouterr().out
+    assert tree_digest(out / "sft") == sft
+
+
+def test_an_unfinished_run_without_checkpoint_names_one_command(tmp_path, monkeypatch, capsys):
+    """A crash after logged steps but before any checkpoint: the same command is refused with the one
+    command that restarts it (--resume=true), which then runs to the end."""
+    out = tmp_path / "run"
+    real, calls = train.rl_step, {"n": 0}
+
+    def crash_second(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("crash in the second step")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(train, "rl_step", crash_second)
+    args = [*TINY, f"--out_dir={out}", "--rl_steps=2"]
+    with pytest.raises(RuntimeError):
+        train.main(args)
+    monkeypatch.setattr(train, "rl_step", real)
+    with pytest.raises(ValueError, match="1 RL step\\(s\\) in log.jsonl.*--resume=true restarts it from step 0"):
+        train.main(args)
+    summary = train.main(args + ["--resume=true"])
+    assert "text" in summary
+    assert [json.loads(x)["step"] for x in (out / "log.jsonl").read_text().splitlines()] == [0, 1]

@@ -218,7 +218,7 @@ def _tamper_reference(out, sft_dir):
 
 
 def _bad_jsonl(out, sft_dir):
-    (out / "bad.jsonl").write_text('{"question": "q", "answer": "#### 3"}\n{"question": 1}\nnot json\n')
+    (out.parent / "bad.jsonl").write_text('{"question": "q", "answer": "#### 3"}\n{"question": 1}\nnot json\n')
 
 
 def _no_space(out, sft_dir, monkeypatch):
@@ -239,11 +239,13 @@ INPUTS = [
      r"the reference policy changed"),
     ("no room for a checkpoint", _no_space, ["--checkpoint_every=1"], ValueError,
      r"has 1000 bytes free, but a checkpoint needs about .* MB .*; .* --checkpoint_every=0"),
-    ("malformed data file", _bad_jsonl, ["--init_from={out}", "--tasks=gsm8k", "--train_data=gsm8k={out}/bad.jsonl"],
+    ("malformed data file", _bad_jsonl, ["--init_from={out}/../model", "--tasks=gsm8k",
+                                         "--train_data=gsm8k={out}/../bad.jsonl"],
      ValueError, r"2 malformed row\(s\) in .*bad.jsonl:\n  .*bad.jsonl:2: .*\n  .*bad.jsonl:3: bad JSON"),
-    ("missing data file", None, ["--init_from={out}", "--tasks=gsm8k", "--train_data=gsm8k={out}/none.jsonl"],
+    ("missing data file", None, ["--init_from={out}/../model", "--tasks=gsm8k", "--train_data=gsm8k={out}/none.jsonl"],
      FileNotFoundError, r"dataset file not found: .*none.jsonl .* never downloads"),
-    ("init_from without config.json", None, ["--init_from={out}", "--tasks=gsm8k", f"--train_data=gsm8k={FIX}/gsm8k.jsonl"],
+    ("init_from without config.json", None, ["--init_from={out}/../model", "--tasks=gsm8k",
+                                             f"--train_data=gsm8k={FIX}/gsm8k.jsonl"],
      FileNotFoundError, r"config.json not found: --init_from must be a LLaDA/MMaDA checkpoint directory"),
     ("sequence longer than the model", None, ["--init_from={sft}", "--tasks=gsm8k", f"--train_data=gsm8k={FIX}/gsm8k.jsonl",
                                               "--max_prompt_len=5000"],
@@ -298,3 +300,27 @@ def test_lora_resume_bit_identical(sft_dir, tmp_path):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert (tmp_path / "ref" / "log.jsonl").read_text() == (tmp_path / "cut" / "log.jsonl").read_text()
+
+
+def test_resume_follows_the_models_content_not_its_path(smoke_sft_run, tmp_path):
+    """A cluster job copies the --init_from model to local disk: the same bytes at another path, with new
+    file times, resume; one changed weight byte (another model) is refused as another reference."""
+    a = tmp_path / "a"
+    shutil.copytree(smoke_sft_run / "final", a)
+    out = tmp_path / "run"
+    args = ["--preset=smoke", "--threads=1", "--sample_every=0", "--tasks=text", "--eval_prompts=1",
+            "--checkpoint_every=1", f"--out_dir={out}"]
+    train.main(args + [f"--init_from={a}", "--rl_steps=1"])
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    shutil.rmtree(a)
+    os.utime(next(b.glob("*.safetensors")), (1, 1))
+    more = ["--resume=true", "--extend=true", "--rl_steps=2"]
+    train.main(args + [f"--init_from={b}", *more])
+    assert checkpoint.latest(out).name == "step-00000002"
+    weights_file = next(b.glob("*.safetensors"))
+    data = bytearray(weights_file.read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor
+    weights_file.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="the reference policy changed"):
+        train.main(args + [f"--init_from={b}", "--resume=true", "--extend=true", "--rl_steps=3"])

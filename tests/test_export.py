@@ -1,0 +1,64 @@
+"""`python -m infra.load OUT/checkpoints/step-N DEST` turns an intermediate checkpoint into a model folder
+that sample.py and evaluate.py take: the checkpoint of the last step equals the run's final/ (saved by
+the live run), an earlier one does not, with full fine-tuning and with LoRA.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_export.py -q -p no:xdist
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import evaluate
+import train
+from infra import hf, load
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1", "--tasks=image", "--rl_steps=2",
+       "--checkpoint_every=1", "--keep_last=0"]
+
+
+def weights(path):
+    return {k: v.detach() for k, v in hf.from_pretrained(path).named_parameters()}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_last_checkpoint_exported_is_the_final_model(smoke_sft_run, tmp_path, lora):
+    out = tmp_path / "run"
+    start = ([f"--init_from={smoke_sft_run / 'final'}", "--lora_rank=4", "--lr=0.01"] if lora else
+             [f"--sft_dir={smoke_sft_run / 'sft'}"])
+    train.main([*RUN, *start, f"--out_dir={out}"])
+    last, first = tmp_path / "last", tmp_path / "first"
+    load.main([str(out / "checkpoints" / "step-00000002"), str(last)])
+    load.main([str(out / "checkpoints" / "step-00000001"), str(first)])
+    final, got, early = weights(out / "final"), weights(last), weights(first)
+    assert final.keys() == got.keys() and all(torch.equal(final[k], got[k]) for k in final)
+    assert any(not torch.equal(final[k], early[k]) for k in final)  # step 1's policy, not step 2's
+    assert evaluate.main(["--ckpt", str(first), "--task", "image", "--limit=2", "--samples=1"]) == 0
+
+
+def test_export_refuses_in_one_line(smoke_sft_run, tmp_path):
+    run = smoke_sft_run
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("x")
+    cases = [([str(run / "final"), str(tmp_path / "x")], "is not a complete checkpoint"),
+             ([str(tmp_path / "nothing")], "pass a checkpoint and a new folder")]
+    for argv, message in cases:
+        p = subprocess.run([sys.executable, "-m", "infra.load", *argv], cwd=ROOT, capture_output=True, text=True)
+        assert p.returncode == 2 and message in p.stderr and p.stderr.count("\n") == 1, p.stderr
+
+
+@pytest.mark.parametrize("entry", ["evaluate.py", "sample.py", "train.py"])
+def test_a_training_checkpoint_given_as_a_model_names_the_export(tmp_path, entry):
+    """checkpoints/step-N where a model folder is needed: one line with the command that converts it."""
+    step = tmp_path / "run" / "checkpoints" / "step-00000004"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text("{}")
+    flag = "--init_from" if entry == "train.py" else "--ckpt"
+    extra = {"evaluate.py": ["--task=text"], "sample.py": ["--prompt=a"], "train.py": ["--tasks=text",
+             f"--out_dir={tmp_path / 'new'}"]}[entry]
+    p = subprocess.run([sys.executable, entry, f"{flag}={step}", *extra], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert f"python -m infra.load {step} {tmp_path / 'run-step-00000004'}" in p.stderr, p.stderr

@@ -1,0 +1,59 @@
+"""Every flag acts or is refused: inputs that make a flag meaningless are refused at the boundary in one
+line naming the flag and the fix (train.py's settings, infra.bench's own flags).
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_flags_act.py -q -p no:xdist
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "tests" / "fixtures" / "tiny-llada"
+DATA = ROOT / "tests" / "fixtures" / "data" / "gsm8k.jsonl"
+GSM = [f"--init_from={MODEL}", "--tasks=gsm8k", f"--train_data=gsm8k={DATA}"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--tasks=text,text"], r"tasks \('text,text'\) names text twice.*\(--tasks=text\)$"),
+    (["--tasks=text,image,text"], r"names text twice.*\(--tasks=text,image\)$"),
+    ([*GSM, f"--train_data=gsm8k={DATA},gsm8k=other.jsonl"], r"train_data names task gsm8k twice"),
+    (["--gen_length=12", "--block_length=12", "--steps=24"], r"steps \(24\) must be <= gen_length \(12\)"),
+    (["--device=gpu"], r"device \('gpu'\) must be auto, cpu, cuda or cuda:N \(for a GPU: --device=cuda\)"),
+    (["--device=mps"], r"device \('mps'\) must be .*Apple GPUs are not supported"),
+    ([*GSM, "--d_model=64"], r"--d_model sets the shape of the toy model trained from scratch, but --init_from=.* drop it"),
+    ([*GSM, "--n_layers=1", "--n_heads=2"], r"--n_heads, --n_layers set the shape .* drop them"),
+    ([*GSM, f"--eval_data=gsm8k={DATA}", "--eval_prompts=0"], r"--eval_data is given but --eval_prompts=0"),
+])
+def test_meaningless_flags_are_refused(argv, match):
+    with pytest.raises(ValueError, match=match):
+        train.parse_args(argv)
+
+
+def test_a_preset_may_still_set_what_a_flag_may_not():
+    """The smoke preset sets the toy model's size and SFT steps: with --init_from those are not typed, so
+    they are not refused (the model's config.json sets the shape)."""
+    cfg = train.parse_args(["--preset=smoke", *GSM])
+    assert cfg.d_model == 32 and cfg.init_from == str(MODEL)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--threads", "-1"], "threads (-1) must be >= 0"),
+    (["--device", "gpu"], "device ('gpu') must be auto, cpu, cuda or cuda:N"),
+    pytest.param(["--device", "cuda"], "asks for CUDA, but torch sees no GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
+])
+def test_bench_refuses_device_and_threads_in_one_line(argv, message):
+    p = subprocess.run([sys.executable, "-m", "infra.bench", *argv], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 2 and p.stderr == f"error: {p.stderr[7:]}" and message in p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_sft_flags_with_init_from_are_warned_about(capsys):
+    train.parse_args([*GSM, "--sft_steps=10", "--sft_dir=x"])
+    assert "warning: --sft_dir, --sft_steps only act on the SFT stage" in capsys.readouterr().out
