@@ -266,7 +266,7 @@ def main(argv=None) -> list:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"error: --device={args.device} but torch sees no CUDA device; pass --device=cpu")
     cuda = dev.type == "cuda"
-    if cuda:
+    if cuda and dev.index is not None:
         torch.cuda.set_device(dev)
     rows = versions(dev)
     if args.with_test_cuda:
@@ -282,11 +282,16 @@ def main(argv=None) -> list:
     flags = train_flags(init, run_dir, dev)
     meter = PhaseMeter(cuda)
     t0 = time.time()
-    with open(out / "train_output.txt", "w") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log), wrapped(meter):
-        train.main(flags)
+    output = out / "train_output.txt"
+    try:
+        with open(output, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), \
+                wrapped(meter):
+            train.main(flags)
+    except BaseException:
+        print(f"train.main {' '.join(flags)} failed; its output is in {output}", file=sys.stderr)
+        raise
     run_seconds = time.time() - t0
-    rows.append(("train.main, one RL step", f"{run_seconds:.0f} s wall (output: {out / 'train_output.txt'})",
+    rows.append(("train.main, one RL step", f"{run_seconds:.0f} s wall (output: {output})",
                  "<= 10 min with the checkpoint" if cuda else "CPU"))
 
     dry = dry_run(flags, meter.prompt_len)
@@ -303,16 +308,16 @@ def main(argv=None) -> list:
         rows.append((f"{ph}: peak memory", measured, bound))
     # seconds per phase: times.jsonl's where it has the phase (key <phase>_s, scoring as logprob_s)
     for ph in PHASES:
-        key = {"scoring": "logprob_s"}.get(ph, f"{ph}_s")
-        secs, src = (times[key], "times.jsonl") if key in times else (meter.seconds.get(ph, 0.0), "timed here")
+        key = next((k for k in (f"{ph}_s", "logprob_s" if ph == "scoring" else "") if k in times), None)
+        secs, src = (times[key], "times.jsonl") if key else (meter.seconds.get(ph, 0.0), "timed here")
         rows.append((f"{ph}: seconds", f"{secs:.2f} s{cpu_note} ({src})", ""))
     rollout_s = times.get("rollout_s", meter.seconds.get("rollout", 0.0))
     gen = meter.rollout_rows * DECODE[dev.type]["gen_length"]
     rate = dry["tokens_per_s_per_gpu"]
     rows.append(("generated tokens/s", f"{gen / rollout_s:.1f}{cpu_note} ({gen} tokens, prompts padded to "
-                 f"{meter.prompt_len})", f"A100 {rate['A100']:.1f}, H100 {rate['H100']:.1f} (35% MFU)"))
-    rows.append(("dry run: seconds per step", f"{times.get('seconds', run_seconds):.1f} s{cpu_note}",
-                 f"{dry['seconds_per_step']:.1f} s on 1 {dry['gpu']}"))
+                 f"{meter.prompt_len})", f"A100 {rate['A100']:.3g}, H100 {rate['H100']:.3g} (at {dry['mfu']:.0%} MFU)"))
+    rows.append(("seconds per RL step", f"{times.get('seconds', run_seconds):.1f} s{cpu_note}",
+                 f"{dry['seconds_per_step']:.3g} s on 1 {dry['gpu']}"))
     ids = torch.cat(meter.window_ids)
     toy_vocab = toy.build_tokenizer().get_vocab_size(with_added_tokens=True)
     logged = json.loads((run_dir / "log.jsonl").read_text().splitlines()[0])
@@ -324,10 +329,15 @@ def main(argv=None) -> list:
     rows.append(("stand-in reward trained on", f"mean {logged['text/reward']:.3f}, grad norm {logged['grad_norm']:.3g}",
                  "finite, > 0"))
     ckpts = run_dir / "checkpoints"
+    cfg = train.parse_args(flags)
     rows.append(("checkpoints/ on disk", f"{fmt_gb(du(ckpts))} ({', '.join(sorted(p.name for p in ckpts.iterdir()))})"
-                 if ckpts.is_dir() else "missing", "LoRA adapters + AdamW moments"))
+                 if ckpts.is_dir() else "missing",
+                 f"{fmt_gb(budget.checkpoint_bytes(cfg, mc))} (adapters + AdamW moments, float32)"))
     final = run_dir / "final"
-    rows.append(("final/ on disk", fmt_gb(du(final)) if final.is_dir() else "missing", "merged model + adapters"))
+    model_bytes = 2 if cuda else 4  # the run's dtype: bf16 on CUDA, float32 on the CPU
+    rows.append(("final/ on disk", fmt_gb(du(final)) if final.is_dir() else "missing",
+                 f"{fmt_gb(dry['params'] * model_bytes + dry['lora_params'] * 4)} (merged model in "
+                 f"{'bf16' if cuda else 'float32'} + float32 adapters)"))
     ratio = meter.first_ratio
     rows.append(("update 0: first ratio (max, mean)", "not seen" if ratio is None else
                  f"{ratio[0]:.9g}, {ratio[1]:.9g}", "1, 1"))
