@@ -185,7 +185,7 @@ def versions(dev: torch.device) -> list:
             ("device", torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU", ""),
             ("torch floor (scale.check_torch)", floor, "ok"),
             ("FSDPModule.set_reshard_after_forward", "present" if has else "missing", "present"),
-            ("torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "yes" if reads else "no (kills 30 s after SIGTERM)",
+            ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT read by torchrun", "yes" if reads else "no (kills 30 s after SIGTERM)",
              f"yes from torch {budget.SHUTDOWN_TIMEOUT_TORCH}")]
 
 

@@ -71,7 +71,7 @@ def test_first_gpu_script_on_cpu(tmp_path):
     rows = table(p.stdout)
     assert p.stdout.splitlines()[0] == "first-GPU run on CPU"
     for name in ("torch", "CUDA", "device", "torch floor (scale.check_torch)", "FSDPModule.set_reshard_after_forward",
-                 "torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "random checkpoint (infra/hf)",
+                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT read by torchrun", "random checkpoint (infra/hf)",
                  "train.main, one RL step", "generated tokens/s", "checkpoints/ on disk", "final/ on disk"):
         assert name in rows, (name, p.stdout)
     assert rows["torch floor (scale.check_torch)"][0].startswith("ok")
