@@ -93,12 +93,13 @@ def test_first_gpu_script_on_cpu(tmp_path):
     assert (run / "checkpoints" / "step-00000001").is_dir()
     assert (run / "final" / "model.safetensors.index.json").is_file() or any((run / "final").glob("*.safetensors"))
     assert (run / "times.jsonl").is_file() and (run / "log.jsonl").is_file()
-    # a second run into the same directory is refused in one line, nothing touched
-    again = run_script(out)
-    assert again.returncode != 0 and "Traceback" not in again.stderr
-    assert again.stderr.strip().splitlines() == [f"error: --out_dir {out} is not empty; choose a new directory "
-                                                 "or delete it"]
-
+    # a second run into the same directory is refused in one line, before anything is written
+    import first_gpu
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with pytest.raises(SystemExit) as e:
+        first_gpu.main(["--device=cpu", f"--out_dir={out}"])
+    assert str(e.value) == f"error: --out_dir {out} is not empty; choose a new directory or delete it"
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
