@@ -101,5 +101,45 @@ def test_first_gpu_script_on_cpu(tmp_path):
     assert str(e.value) == f"error: --out_dir {out} is not empty; choose a new directory or delete it"
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
+def test_phase_peaks_are_the_largest_while_each_phase_was_current(monkeypatch):
+    """The CUDA side of the meter with the allocator's statistics replaced by a script: each phase keeps the
+    largest peak seen while it was current, over every time it was entered; the peak is reset on entry."""
+    import first_gpu
+    peaks = iter([(5, 8), (2, 9), (7, 7), (1, 1)])  # what max_memory_allocated/reserved return at each close
+    now = {}
+    resets = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: now["a"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: now["r"])
+
+    def advance():
+        now["a"], now["r"] = next(peaks)
+
+    m = first_gpu.PhaseMeter(cuda=True)
+    m.enter("rollout")
+    advance()
+    m.enter("scoring")       # rollout closes at (5, 8)
+    m.enter("scoring")       # same phase: nothing closes, nothing reset
+    advance()
+    m.enter("rollout")       # scoring closes at (2, 9)
+    advance()
+    m.enter("update")        # rollout again: (7, 7), so rollout keeps (7, 8)
+    advance()
+    m.close()                # update (1, 1)
+    assert m.peak == {"rollout": (7, 8), "scoring": (2, 9), "update": (1, 1)}
+    assert len(resets) == 4 and set(m.seconds) == {"rollout", "scoring", "update"}
+
+
+def test_cuda_asked_without_a_gpu_is_one_line(tmp_path):
+    import first_gpu
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the refusal cannot be shown")  # never on the CPU CI
+    with pytest.raises(SystemExit) as e:
+        first_gpu.main(["--device=cuda", f"--out_dir={tmp_path / 'x'}"])
+    assert str(e.value) == "error: --device=cuda but torch sees no CUDA device; pass --device=cpu"
+    assert not (tmp_path / "x").exists()
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
