@@ -1,6 +1,6 @@
 """The first-GPU run: train.main end to end on an 8B-shaped checkpoint, measured and printed as ONE table.
 
-    python tests/first_gpu.py                        # on one GPU: at most about 10 minutes (80 GB GPU)
+    python tests/first_gpu.py                        # on one GPU: meant to take <= 10 minutes (80 GB)
     python tests/first_gpu.py --with_test_cuda       # also runs tests/test_cuda.py first (about 8 more minutes)
     python tests/first_gpu.py --device=cpu           # the CPU rehearsal at a small width (tests/test_first_gpu.py)
 
@@ -13,7 +13,8 @@ What it does, in order:
      shape (32 layers, d_model 4096, vocab 126,464), drawn directly in bf16 on the device
      (tests/cuda_helpers.random_weights); on the CPU 2 layers at d_model 64 with the same 126,464-row
      vocabulary. The toy tokenizer has 92 tokens, so nearly every sampled id lies outside it: decoding
-     drops them and the toy verifier scores the empty answer 0 (checked in the table);
+     drops them and the toy verifier scores the empty answer 0 (checked in the table). So that the update
+     has a gradient, the step trains on a stand-in reward computed from the sampled ids;
   4. train.main on it: the toy text task, LoRA r 128 on the official targets with dropout 0.05, activation
      checkpointing, --gen_length=256 --block_length=16 --steps=128 (CPU: 16/8/8), one RL step, a DCP
      checkpoint and final/;
@@ -21,14 +22,14 @@ What it does, in order:
      peak allocated and reserved CUDA memory (peak statistics reset when a phase starts) against the dry
      run's rows at world size 1 (infra/budget, at the prompt length the step padded to), seconds per phase
      (out_dir/times.jsonl; checkpoint and final/ timed here), generated tokens/s against the dry run's
-     assumption, sizes on disk, and update 0's first ratio (LoRA's B starts at zero and the rollout's
-     kernels score pi_old, so it is 1).
+     assumption, sizes on disk, and update 0's first ratio (LoRA's B starts at zero and update 0 re-scores
+     pi_old's inputs with pi_old's weights, so it is 1).
 
 Phases are told apart by the public functions train.rl_step calls, wrapped by module attribute for the run
-(tasks.rollout, tasks.score, importance.token_logprobs without / with gradients, grpo.policy_loss for the
-ratio, Run.record and Run.finish); nothing inside train.py is patched. On the GPU the run needs about 40 GB
-of disk in --out_dir (16 GB random checkpoint, 17 GB final/, 2 GB checkpoint); delete it afterwards.
-"""
+(train.rollout / tasks.rollout, tasks.score, importance.token_logprobs without / with gradients, grpo.policy_loss for the
+ratio, Run.record and Run.finish); nothing inside train.py is patched. On the GPU the run needs about 35 GB
+of disk in --out_dir (16 GB random checkpoint, 17 GB final/, 2 GB checkpoint) and 16 GB of host memory
+while the random checkpoint is written; delete the folder afterwards. Not yet run on a GPU."""
 from __future__ import annotations
 
 import argparse
