@@ -11,7 +11,7 @@ What it does, in order:
   2. optionally tests/test_cuda.py (--with_test_cuda), its pass/fail line in the table;
   3. a random checkpoint written by infra/hf.save_pretrained with the toy tokenizer: on a GPU LLaDA-8B's
      shape (32 layers, d_model 4096, vocab 126,464), drawn directly in bf16 on the device
-     (tests/cuda_helpers.random_weights); on the CPU 2 layers at d_model 64 with the same 126,464-row
+     (tests/cuda_helpers.random_weights); on the CPU the same 32 layers at d_model 64 with the same 126,464-row
      vocabulary. The toy tokenizer has 92 tokens, so nearly every sampled id lies outside it: decoding
      drops them and the toy verifier scores the empty answer 0 (checked in the table). So that the update
      has a gradient, the step trains on a stand-in reward computed from the sampled ids;
@@ -61,7 +61,7 @@ MU_FLAG, MU = "num_iterations", None
 
 LLADA_VOCAB = 126464
 # (layers, d_model, heads, mlp hidden) of the random checkpoint; the vocabulary is LLaDA-8B's on both.
-SHAPE = {"cuda": (32, 4096, 32, 12288), "cpu": (2, 64, 4, 128)}
+SHAPE = {"cuda": (32, 4096, 32, 12288), "cpu": (32, 64, 4, 128)}
 # decoding settings and the step's rows: the llada8b preset's on a GPU (12 rows = its device_batch_size,
 # one chunk); on the CPU short windows and rows split into two chunks
 DECODE = {"cuda": dict(gen_length=256, block_length=16, steps=128, prompts_per_step=2, group_size=6,
@@ -279,7 +279,7 @@ def main(argv=None) -> list:
     mc = write_checkpoint(init, dev)
     rows.append(("random checkpoint (infra/hf)", f"{mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}"
                  f", {fmt_gb(du(init))}, {time.time() - t0:.0f} s", "LLaDA-8B shape" if cuda else
-                 "CPU: small width, LLaDA-8B vocab"))
+                 "CPU: 32 layers at a small width, LLaDA-8B vocab"))
 
     flags = train_flags(init, run_dir, dev)
     meter = PhaseMeter(cuda)

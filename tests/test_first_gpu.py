@@ -76,7 +76,7 @@ def test_first_gpu_script_on_cpu(tmp_path):
         assert name in rows, (name, p.stdout)
     assert rows["torch floor (scale.check_torch)"][0].startswith("ok")
     assert rows["FSDPModule.set_reshard_after_forward"][0] == "present"
-    assert "vocab 126464" in rows["random checkpoint (infra/hf)"][0]
+    assert rows["random checkpoint (infra/hf)"][0].startswith("32 layers, d_model 64, vocab 126464")
     for phase in ("rollout", "reward", "scoring", "update", "checkpoint", "final"):
         assert rows[f"{phase}: peak memory"][0] == "n/a (CPU)"
         assert "(CPU)" in rows[f"{phase}: seconds"][0]
