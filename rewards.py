@@ -9,7 +9,7 @@ untrusted code runs in infra/sandbox.py (`run_code` is re-exported here). MMaDA'
 UnifiedReward) need models we cannot ship: infra/scorer.py asks an HTTP server for them.
 
 Model output never makes a reward raise, however long or strange; a malformed dataset row or argument
-raises ValueError naming the value. The verifiers use only the standard library. `REWARDS` maps a task name to
+raises ValueError naming the value. The verifiers use only the standard library (MBPP's runs a sandboxed subprocess). `REWARDS` maps a task name to
 `reward(completion, example) -> float` for the benchmark tasks: correctness only, 0 or 1. `SHAPED` holds
 the official runs' shaped GSM8K and MATH rewards (format + correctness), same signature, divided by their
 maximum total so that they too lie in [0, 1]. tasks.TASKS gives each task its reward, and tasks.score, the
@@ -24,6 +24,7 @@ from fractions import Fraction
 
 from infra.latex import math_equiv, normalize_math  # noqa: F401 (re-exported: callers import them from here)
 from infra.sandbox import run_code  # the public API is rewards.run_code(program, tests, timeout) -> float
+from infra.toy import image_checks  # the grid's checks, which the toy's generator also uses
 
 # -----------------------------------------------------------------------------------------------------
 # answer extraction
@@ -357,3 +358,52 @@ SHAPED = {
     "gsm8k": lambda completion, example: gsm8k_shaped_reward(completion, _field(example, "answer")),
     "math": lambda completion, example: math_shaped_reward(completion, _field(example, "answer", "solution")),
 }
+
+
+# -----------------------------------------------------------------------------------------------------
+# the toy tasks' verifiers (infra/toy.py makes their examples): a boxed answer, a whole solution, a grid
+
+_BOX = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+
+
+def answer_reward(completion_text: str, example: dict) -> float:
+    """1.0 if the last \\boxed{} in the decoded completion holds the true answer, else 0.0 (no format
+    credit: the toy's SFT model always writes a box, so a format term would only add a constant).
+
+        answer_reward("3 + 4 = 7 . \\\\boxed{7}", {"answer": "7"}) == 1.0
+        answer_reward("3 + 4 = 8 . \\\\boxed{8}", {"answer": "7"}) == 0.0
+        answer_reward("3 + 4 = 7", {"answer": "7"}) == 0.0      # no box
+    """
+    boxes = _BOX.findall(completion_text)
+    return float(bool(boxes) and boxes[-1].strip() == example["answer"])
+
+
+def solution_reward(completion_text: str, example: dict) -> float:
+    """1.0 if the completion is the whole right solution, every step of the working as the problem states
+    it and the box holding the answer, else 0.0 (the long toy's verifier, --text_reward=solution).
+
+    The working of these problems is unique, so the check is an exact comparison (docs/results.md: why the
+    long toy reads the working).
+
+        solution_reward("3 + 4 = 7 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 1.0
+        solution_reward("3 + 4 = 6 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 0.0
+    """
+    return float(completion_text.strip() == example["solution"])
+
+
+def image_reward(codes: list[int], example: dict) -> float:
+    """Fraction of satisfied checks in [0, 1] (GenEval itself is all-or-nothing per prompt; a fraction
+    gives RL a denser signal).
+
+        ex = {"spec": {"width": 2, "counts": {"red": 1}, "relation": None, "place": None}}
+        image_reward([1, 0, 0, 0], ex) == 1.0     # one red cell, nothing else
+        image_reward([1, 1, 0, 0], ex) == 0.5     # two reds: count wrong, colours right
+        image_reward([0, 0, 0, 0], ex) == 0.0     # empty grid
+    """
+    spec = example["spec"]
+    if len(codes) != spec["width"] ** 2:
+        return 0.0
+    checks = image_checks(codes, spec)
+    return sum(checks) / len(checks)

@@ -3,8 +3,8 @@ the RL step's rollouts and rewards on them.
 
 A batch lays out [prompt | window | suffix] in the LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809)
 formats; the window is what the model generates (a text completion, or the image slots). The toy tasks'
-vocabulary, data and verifiers are infra/toy.py; the benchmark verifiers are rewards.py, and their data
-files are read by infra/data.py.
+vocabulary and data are infra/toy.py; every task's verifiers are in rewards.py, and benchmark data files
+are read by infra/data.py.
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ import rewards
 import sample
 from infra import scale
 from infra.rng import derive_seed, generator
-from infra.toy import (BOS, CODEBOOK_SIZE, EOI, EOS, IPAD, MASK, SOI, T2I, answer_reward, image_reward,
-                       make_image_example, make_text_example, solution_reward)
+from infra.toy import BOS, CODEBOOK_SIZE, EOI, EOS, IPAD, MASK, SOI, T2I, make_image_example, make_text_example
 
 GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
 
@@ -149,8 +148,9 @@ def ids_to_codes(tok: Tokenizer, ids: list[int]) -> list[int]:
 class Task:
     """One RL task: its modality, where its prompts come from, and its reward."""
     modality: str                   # "text" or "image": the sampler, the reversing operator, the scored vocabulary
-    reward: object = None           # reward(completion, example) -> [0, 1]; None: the remote image scorer
-    shaped: object = None           # --reward_shaping=official: the official runs' format + correctness reward
+    reward: dict                    # verifier(completion, example) -> [0, 1] by the name the run's reward setting
+                                    # gives (toy: --text_reward; benchmarks: --reward_shaping), the first by default;
+                                    # {}: the remote image scorer (--image_scorer_url)
     example: object = None          # toy tasks: example(rng, cfg, split, noise) -> a fresh example (make_example);
                                     # None: the prompts are read from --train_data (infra/data.py)
 
@@ -159,29 +159,30 @@ class Task:
         return self.example is not None
 
 
-TEXT_REWARDS = {"answer": answer_reward, "solution": solution_reward}  # the toy text verifiers (--text_reward)
+def _benchmark(name: str) -> dict:
+    # correctness ("none"), and the official runs' shaped reward where they had one (--reward_shaping=official)
+    return {"none": rewards.REWARDS[name], **({"official": rewards.SHAPED[name]} if name in rewards.SHAPED else {})}
+
+
 TASKS = {
-    "text": Task("text", answer_reward,  # --text_reward picks among TEXT_REWARDS
+    "text": Task("text", {"answer": rewards.answer_reward, "solution": rewards.solution_reward},
                  example=lambda rng, cfg, split, noise: make_text_example(rng, split, noise, max_steps=cfg.text_max_steps)),
-    "image": Task("image", lambda codes, example: image_reward(codes, example["spec"]),
+    "image": Task("image", {"grid": rewards.image_reward},
                   example=lambda rng, cfg, split, noise: make_image_example(rng, split, noise, width=cfg.image_width)),
-    "gsm8k": Task("text", rewards.REWARDS["gsm8k"], rewards.SHAPED["gsm8k"]),
-    "math": Task("text", rewards.REWARDS["math"], rewards.SHAPED["math"]),
-    "mbpp": Task("text", rewards.REWARDS["mbpp"]),
-    "countdown": Task("text", rewards.REWARDS["countdown"]),
-    "sudoku": Task("text", rewards.REWARDS["sudoku"]),
-    "geneval": Task("image"),
+    **{name: Task("text", _benchmark(name)) for name in ("gsm8k", "math", "mbpp", "countdown", "sudoku")},
+    "geneval": Task("image", {}),
 }
 TOY_TASKS = tuple(t for t, k in TASKS.items() if k.toy)
 IMAGE_TASKS = tuple(t for t, k in TASKS.items() if k.modality == "image")  # generated as image tokens
+TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
 def score(b, tok, ids, scorer=None, shaping: str = "none", text_reward: str = "answer") -> torch.Tensor:
-    """Step 2 of the RL loop: a reward in [0, 1] per row of Batch b, from its task's entry in TASKS (the toy
-    text task's from TEXT_REWARDS[text_reward]; with shaping="official", the shaped one where the task has
-    it), or for geneval images from the remote scorer."""
+    """Step 2 of the RL loop: a reward in [0, 1] per row of Batch b from its task's entry in TASKS, the verifier
+    named by text_reward (toy tasks) or shaping (benchmarks; held-out evaluation passes "none"), else the
+    entry's first; a task without verifiers asks the remote image scorer."""
     task, outs = TASKS[b.task], decode_window(b, tok, ids)
-    if task.reward is None:
+    if not task.reward:
         try:
             return torch.tensor(scorer([ex["prompt"] for ex in b.examples], outs), dtype=torch.float32)
         except (ValueError, OSError, RuntimeError) as e:
@@ -189,8 +190,7 @@ def score(b, tok, ids, scorer=None, shaping: str = "none", text_reward: str = "a
             # skipped step on every rank (a rank that raised alone would leave the others waiting).
             print(f"warning: image scorer failed ({e}); this batch gets NaN rewards", flush=True)
             return torch.full((len(outs),), math.nan)
-    fn = TEXT_REWARDS[text_reward] if b.task == "text" else \
-        task.shaped if shaping == "official" and task.shaped else task.reward
+    fn = task.reward.get(text_reward if task.toy else shaping, next(iter(task.reward.values())))
     return torch.tensor([fn(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
 
 
@@ -351,15 +351,15 @@ class Ctx:
 
 
 @torch.no_grad()
-def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False,
-            stats: dict | None = None):
+def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, allow_fast: bool = False):
     """Fill the window of every row with the policy's sample: (a new Batch, prompts unchanged; the decoding
-    order (B, L), the sampler step each position was revealed at, -1 for the prompt). gens: one generator per
-    row, so a row's sample depends on its own seed only. fast: text rollouts use --kv_cache / --threshold
-    (the Fast-dLLM options of sample.generate, off by default); evaluation keeps the exact sampler. stats: fast
-    text rollouts count what they commit into it (sample.fast_summary)."""
+    order (B, L), the sampler step each position was revealed at, -1 for the prompt; the sampler's statistics
+    for log.jsonl, {} for the exact sampler). gens: one generator per row, so a row's sample depends on its own
+    seed only. allow_fast: text rollouts use --kv_cache / --threshold if set (Fast-dLLM, off by default;
+    sample.fast_summary gives their statistics); held-out evaluation keeps the exact sampler."""
     cfg, ids = ctx.cfg, ctx.ids
-    xs, orders = [], []
+    fast = allow_fast and (cfg.kv_cache != "none" or cfg.threshold > 0) and prompts.task not in IMAGE_TASKS
+    xs, orders, counts = [], [], {} if fast else None
     with scale.full_weights(model):
         for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
             c, g = prompts.rows(rows), gens[rows]
@@ -375,10 +375,11 @@ def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fas
                     model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
                     steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
                     attention_mask=c.attention_mask[:, : c.prompt_len], kv_cache=cfg.kv_cache if fast else "none",
-                    threshold=cfg.threshold if fast else 0.0, return_order=True, stats=stats)
+                    threshold=cfg.threshold if fast else 0.0, return_order=True, stats=counts)
             xs.append(x)
             orders.append(order)
-    return replace(prompts, x=torch.cat(xs)), torch.cat(orders)
+    log = sample.fast_summary(prompts.task, counts, ctx.device) if fast else {}
+    return replace(prompts, x=torch.cat(xs)), torch.cat(orders), log
 
 
 def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
@@ -420,7 +421,7 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
             if not idx:
                 continue
             gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
-            b, _ = rollout(model, b, ctx, gens, temperature)
+            b, _, _ = rollout(model, b, ctx, gens, temperature)
             r = score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
             total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
             per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))

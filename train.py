@@ -277,11 +277,10 @@ class Experience:
     batch: Batch                # the rollouts, in the window of batch.x (B, L)
     rewards: torch.Tensor       # (B_global,) every rank's rewards, for advantages and metrics
     adv: torch.Tensor           # (B_global,) advantages of every rank's rows (this rank's: batch.index)
-    inputs: list                # K x (B, L) masked inputs (importance.views)
-    loss_masks: torch.Tensor    # (K, B, L) the positions each input scores
+    views: importance.Views     # K masked inputs, the positions each scores, which views update j scores
     logp_old: list              # K x (B, L) float32
     logp_ref: list | None       # K x (B, L) float32, or None when beta = 0
-    draw: importance.StateDraw | None = None  # --trajectory_states: each update's views and the normaliser
+    sampler_log: dict           # the rollout's statistics ({} for the exact sampler)
 
 
 class BadStep(Exception):
@@ -289,132 +288,111 @@ class BadStep(Exception):
 
 
 def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple[dict, list]:
-    """One MaskGRPO step (paper Alg. 5) on the step's prompts (step_prompts): steps 1-5 build every task's
-    experience, step 6 takes mu optimizer steps on it. ref: the reference policy (a frozen copy, or the policy
-    with its LoRA adapters off: infra/load.load_policy), None when beta = 0. Returns the log and experiences."""
-    cfg, device, exps, fast_log = ctx.cfg, ctx.device, [], {}
-    times = {"start": time.time(), "cpu_start": time.process_time()}
+    """One MaskGRPO step (paper Alg. 5; docs/method.md §9) on the step's prompts (tasks.step_prompts): steps 1-5
+    build every task's experience, step 6 takes mu optimizer steps on it. ref: the reference policy (a frozen
+    copy, or the policy with its LoRA adapters off), None when beta = 0. Returns the log and experiences."""
+    cfg, device, exps = ctx.cfg, ctx.device, []
     model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
     for p in prompts:
-        task, seq_index = p.task, p.index
         # 1. rollouts: G completions per prompt, one generator per sequence, with their decoding order
-        gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
-        counts = {} if (cfg.kv_cache != "none" or cfg.threshold) and task not in IMAGE_TASKS else None
-        batch, order = rollout(model, p, ctx, gens, cfg.temperature, fast=True, stats=counts)
-        fast_log.update(sample.fast_summary(task, counts, device))
-        lap(times, "rollout_s")
+        gens = [generator(device, cfg.seed, "rollout", p.task, step, i) for i in p.index]
+        batch, order, sampler_log = rollout(model, p, ctx, gens, cfg.temperature, allow_fast=True)
 
-        # 2. rewards, gathered in global order: a group is normalised over all of its members
-        r = tasks.score(batch, ctx.tok, ctx.ids, ctx.scorer, cfg.reward_shaping, cfg.text_reward)
-        r = scale.all_gather_rows(r.to(device)).cpu()                                      # (B_global,)
-        bad = (~torch.isfinite(r) | (r < 0) | (r > 1)).nonzero().flatten().tolist()
-        if bad:  # a NaN or out-of-range reward is reported and the step skipped, never averaged in
-            raise BadStep(f"{len(bad)} {task} reward(s) not a finite number in [0, 1], first {r[bad[0]].item()} at "
-                          f"sequence {bad[0]} (prompt {bad[0] // cfg.group_size}); check the reward function or scorer")
-        lap(times, "reward_s")
+        # 2. rewards, gathered in global order (a no-op in one process): a group is normalised over all its members
+        r = scale.all_gather_rows(tasks.score(batch, ctx.tok, ctx.ids, ctx.scorer, cfg.reward_shaping,
+                                              cfg.text_reward).to(device)).cpu()                # (B_global,)
+        check_rewards(r, p.task, cfg.group_size)
 
         # 3. advantages, within each group of G
         adv = advantages(r, cfg)                                                           # (B_global,)
 
-        # 4. the estimator's views: K masked inputs and the positions each scores (importance.views decides
-        # by estimator and modality), from seeds shared by the old, reference and current passes
-        inputs, loss_masks, draw = importance.views(batch, order, cfg, image=task in IMAGE_TASKS, step=step,
-                                                    seq_index=seq_index, eos_id=ctx.ids.eos, mask_id=ctx.ids.mask)
+        # 4. the estimator's views: K masked inputs and the positions each scores, from seeds shared by the
+        # old, reference and current passes (scale.all_max: which decoding states any rank used; no-op in one process)
+        views = importance.views(batch, order, cfg, image=p.task in IMAGE_TASKS, step=step, seq_index=p.index,
+                                 eos_id=ctx.ids.eos, mask_id=ctx.ids.mask, all_max=scale.all_max)
 
-        # 5. old and reference log-probs on the same masked inputs; conditional logits only (no CFG). Under
-        # FSDP2 the weights are gathered once for all of these forwards, not once per forward.
-        kw = dict(attention_mask=batch.attention_mask, vocab_slice=vocab_slice(task, ctx.ids),
-                  device_batch_size=cfg.device_batch_size)
-        with torch.no_grad(), scale.full_weights(model):
-            logp_old = [importance.token_logprobs(model, x_k, batch.x, m_k, **kw) for x_k, m_k in zip(inputs, loss_masks)]
-        logp_ref = None
-        if ref is not None:
-            with torch.no_grad(), scale.full_weights(ref):
-                logp_ref = [importance.token_logprobs(ref, x_k, batch.x, m_k, **kw) for x_k, m_k in zip(inputs, loss_masks)]
-        lap(times, "logprob_s")
-        exps.append(Experience(batch, r, adv, inputs, loss_masks, logp_old, logp_ref, draw))
+        # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only
+        logp_old = old_logprobs(model, batch, views, ctx)
+        logp_ref = old_logprobs(ref, batch, views, ctx) if ref is not None else None
+        exps.append(Experience(batch, r, adv, views, logp_old, logp_ref, sampler_log))
 
     # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
     model.train()
-    stats, skipped = {}, 0
-    for j in range(cfg.num_iterations):
-        # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
-        # per (step, j, rank) so that a resumed run draws the same masks.
-        torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
-        opt.zero_grad(set_to_none=True)
-        update = {e.batch.task: backward_loss(model, e, j, ctx) for e in exps}
-        losses = []
-        for task, s in update.items():  # over ranks: maxima by max, the rest summed; then the mean over updates
-            s = reduce_stats(s, device)
-            for k, v in s.items():
-                stats[f"{task}/{k}"] = stats.get(f"{task}/{k}", 0.0) + v / cfg.num_iterations
-            losses.append(s["loss"])
-        # The optimizer's own parameters: under FSDP2 the module may expose gathered copies between passes.
-        grad_norm = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
-        # Losses and the norm are the same on every rank, so every rank takes the same decision.
-        if not (math.isfinite(grad_norm) and all(map(math.isfinite, losses))):
-            print0(f"warning: step {step} update {j}: non-finite loss {losses} or gradient norm {grad_norm}; "
-                   "update skipped")
-            opt.zero_grad(set_to_none=True)
-            skipped += 1
-            continue
-        opt.step()
+    updates = [update(model, opt, exps, ctx, step, j) for j in range(cfg.num_iterations)]
     model.eval()
-    lap(times, "update_s")
+    return step_log(step, exps, updates, cfg), exps
 
-    log = {"step": step, "skipped_updates": skipped}
-    for e in exps:
-        t, flat = e.batch.task, e.rewards.view(-1, cfg.group_size)
-        log[f"{t}/reward"] = e.rewards.mean().item()
-        log[f"{t}/solved"] = (e.rewards >= 0.999).float().mean().item()
-        # Groups whose completions all got the same reward carry no GRPO signal (zero advantage).
-        log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
-        log.update({k: v for k, v in stats.items() if k.startswith(t + "/")})
-        log[f"{t}/adv_abs_mean"] = e.adv.abs().mean().item()
-    log["grad_norm"] = grad_norm
-    log.update(fast_log)  # committed tokens per step and their confidence, with --threshold / --kv_cache only
-    # Phase times: Run.record moves them to times.jsonl, so that log.jsonl is the same on every repetition.
-    log.update({k: v for k, v in times.items() if k.endswith("_s")}, seconds=time.time() - times["start"],
-               cpu_s=time.process_time() - times["cpu_start"])
-    return log, exps
+
+def check_rewards(r: torch.Tensor, task: str, group_size: int) -> None:
+    """A NaN or out-of-range reward is reported and the step skipped (BadStep), never averaged in."""
+    bad = (~torch.isfinite(r) | (r < 0) | (r > 1)).nonzero().flatten().tolist()
+    if bad:
+        raise BadStep(f"{len(bad)} {task} reward(s) not a finite number in [0, 1], first {r[bad[0]].item()} at "
+                      f"sequence {bad[0]} (prompt {bad[0] // group_size}); check the reward function or scorer")
+
+
+@torch.no_grad()
+def old_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
+    """K x (B, L) float32: log-probs of every view under a frozen policy (pi_old or pi_ref). Under FSDP2 the
+    weights are gathered once for all of these forwards (scale.full_weights; a no-op in one process)."""
+    with scale.full_weights(model):
+        return [importance.token_logprobs(model, x_k, b.x, m_k, attention_mask=b.attention_mask,
+                                          vocab_slice=vocab_slice(b.task, ctx.ids),
+                                          device_batch_size=ctx.cfg.device_batch_size)
+                for x_k, m_k in zip(views.inputs, views.loss_masks)]
+
+
+def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
+    """Inner update j: backpropagate every task's loss, clip, take one optimizer step. Returns each task's
+    sums over every rank (grpo.policy_loss) and the update's gradient norm; a non-finite loss or gradient norm
+    skips the optimizer step (the same decision on every rank: both are reduced over ranks)."""
+    cfg = ctx.cfg
+    # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
+    # per (step, j, rank) so that a resumed run draws the same masks.
+    torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
+    opt.zero_grad(set_to_none=True)
+    out = {e.batch.task: reduce_sums(backward_loss(model, e, j, ctx), ctx.device) for e in exps}
+    # The optimizer's own parameters: under FSDP2 the module may expose gathered copies between passes.
+    out["grad_norm"] = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
+    losses = [s["loss"] for t, s in out.items() if t != "grad_norm"]
+    out["skipped"] = not (math.isfinite(out["grad_norm"]) and all(map(math.isfinite, losses)))
+    if out["skipped"]:
+        print0(f"warning: step {step} update {j}: non-finite loss {losses} or gradient norm {out['grad_norm']}; "
+               "update skipped")
+        opt.zero_grad(set_to_none=True)
+    else:
+        opt.step()
+    return out
 
 
 def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
-    """Backpropagate update j's loss on one task's experience; returns this rank's statistics of it.
-
-    The one place the loss is normalised: the gradient is that of ONE mean over the whole global batch (every
-    rank's rows and every view the update scores), though it is computed one device_batch_size chunk at a
-    time. grpo.policy_loss returns a chunk's mean S_c / n_c over its n_c terms (scored tokens, or sequences
-    for --loss_norm=sequence: grpo.num_terms); weighting it by n_c / n, with n the terms of all chunks, views
-    and ranks, gives sum_c S_c / n = S / n, the full-batch mean (--trajectory_states: an unbiased estimate of it), and scale.backward_sum turns FSDP2's mean
-    over ranks back into that sum. The statistics are weighted the same way (maxima by max, num_tokens summed)."""
-    cfg, b = ctx.cfg, e.batch
+    """Backpropagate update j's loss on one task's experience, one device_batch_size chunk of rows at a time;
+    returns this rank's sums of it (grpo.policy_loss). The loss is ONE mean over the global batch: n, the
+    terms over every view the update scores, chunk and rank (a no-op sum in one process), is its denominator
+    (--trajectory_states: Views.norm, an unbiased estimate of the full trajectory's); scale.backward_sum turns
+    FSDP2's mean over ranks back into the sum."""
+    cfg, b, v = ctx.cfg, e.batch, e.views
     adv = e.adv[b.index].to(b.x.device)                                                    # (B,)
-    views = importance.update_views(cfg.estimator, j, len(e.inputs), e.draw)
-    # --trajectory_states: n is K/T of the whole trajectory's tokens, so the K drawn states weigh T/K each
-    n = e.draw.norm if e.draw else sum(grpo.num_terms(e.loss_masks[v], cfg.loss_norm) for v in views).float()
-    n = scale.all_sum(n).clamp(min=1)
-    s = {}
-    for v in views:
-        mask = e.loss_masks[v]                                                             # (B, L)
+    scored = v.updates[j]
+    n = v.norm if v.norm is not None else sum(grpo.num_terms(v.loss_masks[k], cfg.loss_norm) for k in scored)
+    n = scale.all_sum(torch.as_tensor(n).float()).clamp(min=1)
+    sums = {}
+    for k in scored:
+        mask = v.loss_masks[k]                                                             # (B, L)
         for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
-            logp = importance.token_logprobs(model, e.inputs[v][rows], b.x[rows], mask[rows],
+            logp = importance.token_logprobs(model, v.inputs[k][rows], b.x[rows], mask[rows],
                                              attention_mask=b.attention_mask[rows], vocab_slice=vocab_slice(b.task, ctx.ids))
-            loss, chunk = grpo.policy_loss(logp, e.logp_old[v][rows], adv[rows], mask[rows],
-                                           clip_eps=cfg.clip_eps, beta=cfg.beta, norm=cfg.loss_norm,
-                                           logp_ref=None if e.logp_ref is None else e.logp_ref[v][rows])
-            share = grpo.num_terms(mask[rows], cfg.loss_norm).float() / n                 # n_c / n
-            scale.backward_sum(loss * share)
-            for k, x in chunk.items():
-                s[k] = max(s.get(k, -math.inf), x) if k.endswith("_max") else s.get(k, 0.0) + x * (
-                    1.0 if k == "num_tokens" else float(share))
-            s["loss"] = s.get("loss", 0.0) + loss.item() * float(share)
-    return s
+            loss, s = grpo.policy_loss(logp, e.logp_old[k][rows], adv[rows], mask[rows], clip_eps=cfg.clip_eps,
+                                       beta=cfg.beta, norm=cfg.loss_norm, total=n,
+                                       logp_ref=None if e.logp_ref is None else e.logp_ref[k][rows])
+            scale.backward_sum(loss)
+            sums = grpo.add_sums(sums, s)
+    return sums
 
 
-def reduce_stats(s: dict, device) -> dict:
-    """One update's statistics over ranks, keys sorted: maxima (*_max) by max, the rest summed."""
+def reduce_sums(s: dict, device) -> dict:
+    """grpo.policy_loss sums over ranks (a no-op in one process), keys sorted: ratio_max by max, the rest summed."""
     keys = sorted(s)
     t = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=device)
     is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
@@ -422,14 +400,21 @@ def reduce_stats(s: dict, device) -> dict:
     return dict(zip(keys, torch.where(is_max, maxed, summed).tolist()))
 
 
-def lap(times: dict, name: str) -> None:
-    """Add the wall and CPU seconds since the last lap to times[name] and times[name_cpu_s] (the phases of one
-    RL step, for times.jsonl; CPU seconds, every thread of this process, compare runs on a shared machine)."""
-    now, cpu = time.time(), time.process_time()
-    times[name] = times.get(name, 0.0) + now - times.get("last", times["start"])
-    cpu_name = name.removesuffix("_s") + "_cpu_s"
-    times[cpu_name] = times.get(cpu_name, 0.0) + cpu - times.get("cpu_last", times["cpu_start"])
-    times["last"], times["cpu_last"] = now, cpu
+def step_log(step: int, exps: list, updates: list, cfg) -> dict:
+    """log.jsonl's line of one RL step (docs/method.md "What a step logs" says what each key is)."""
+    log = {"step": step, "skipped_updates": sum(u["skipped"] for u in updates)}
+    for e in exps:
+        t, flat = e.batch.task, e.rewards.view(-1, cfg.group_size)
+        log[f"{t}/reward"] = e.rewards.mean().item()
+        log[f"{t}/solved"] = (e.rewards >= 0.999).float().mean().item()
+        # Groups whose completions all got the same reward carry no GRPO signal (zero advantage).
+        log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
+        log.update({f"{t}/{k}": v for k, v in grpo.step_stats([u[t] for u in updates]).items()})
+        log[f"{t}/adv_abs_mean"] = e.adv.abs().mean().item()
+        log.update(e.sampler_log)
+    norms = [u["grad_norm"] for u in updates]
+    log.update(grad_norm_mean=sum(x / len(norms) for x in norms), grad_norm_max=max(norms))
+    return log
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -471,10 +456,12 @@ def main(argv=None) -> dict:
             print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
                    "(and --eval_prompts > 0)")
         for step in range(run.start, cfg.rl_steps):
+            start, cpu = time.time(), time.process_time()
             try:
                 log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
             except BadStep as e:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
+            log.update(seconds=time.time() - start, cpu_s=time.process_time() - cpu)  # to times.jsonl (Run.record)
             run.record(step, log, rolls, tok, ids)
     after_by_prompt = {}
     with phases.final(run) as stop:  # the last step is checkpointed first; a signal stops after a batch

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -155,42 +154,9 @@ def _wrong_target(rng: random.Random, steps: list, max_value: int) -> tuple[list
     # *before* the last step (for one step: the starting amount), as if the last action were forgotten.
     # Same tokens and length as a right target; only the box digit differs, so the SFT model learns
     # "copy the result" and "copy the last step's first number" as two habits. It is never the answer
-    # (every step moves the amount by n >= 1), and no small shift of a working digit makes it one.
-    # Why not "box = result + 1": measured on the default toy (seed 0, 512 sampled held-out completions),
-    # RL cut that habit from 168 to 42 but also learned to write the working's result one *less* than the
-    # truth so that "result + 1" landed on the answer; wrong working rose from 49 to 185, greedy accuracy
-    # fell, and text gains were +0.06 to +0.13 across seeds and CPUs. With this target (and 80 RL steps)
-    # seeds 0-4 gained +0.16 to +0.25 (docs/results.md).
+    # (every step moves the amount by n >= 1), and no small shift of a working digit makes it one
+    # (docs/differences.md "The toy" says why not another mistake).
     return steps, steps[-1][0]
-
-
-_BOX = re.compile(r"\\boxed\{([^{}]*)\}")
-
-
-def answer_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the last \\boxed{} in the decoded completion holds the true answer, else 0.0 (no format
-    credit: the toy's SFT model always writes a box, so a format term would only add a constant).
-
-        answer_reward("3 + 4 = 7 . \\\\boxed{7}", {"answer": "7"}) == 1.0
-        answer_reward("3 + 4 = 8 . \\\\boxed{8}", {"answer": "7"}) == 0.0
-        answer_reward("3 + 4 = 7", {"answer": "7"}) == 0.0      # no box
-    """
-    boxes = _BOX.findall(completion_text)
-    return float(bool(boxes) and boxes[-1].strip() == example["answer"])
-
-
-def solution_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the completion is the whole right solution, every step of the working as the problem states
-    it and the box holding the answer, else 0.0 (the long toy's verifier, --text_reward=solution).
-
-    Why the long toy checks the working: with 3-4 written-out steps and the box-only `text_reward`, RL runs
-    lost right working (greedy accuracy fell on most seeds; docs/results.md), as no reward term read those
-    tokens. The working of these problems is unique, so the check is an exact comparison.
-
-        solution_reward("3 + 4 = 7 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 1.0
-        solution_reward("3 + 4 = 6 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 0.0
-    """
-    return float(completion_text.strip() == example["solution"])
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -242,7 +208,7 @@ def make_image_example(rng: random.Random, split: str = "train", noise: float = 
             for _ in range(n):
                 image[free[k]] = COLOURS.index(c) + 1
                 k += 1
-        if image_reward(image, spec) == 1.0:
+        if all(image_checks(image, spec)):
             break
     if rng.random() < noise:
         image = _corrupt(rng, image, spec)
@@ -279,21 +245,6 @@ def image_checks(codes: list[int], spec: dict) -> list[bool]:
         line = 0 if end == "first" else w - 1
         checks.append(bool(cells[a]) and all(p[axis] == line for p in cells[a]))
     return checks
-
-
-def image_reward(codes: list[int], spec: dict) -> float:
-    """Fraction of satisfied checks in [0, 1] (GenEval itself is all-or-nothing per prompt; a fraction
-    gives RL a denser signal).
-
-        spec = {"width": 2, "counts": {"red": 1}, "relation": None, "place": None}
-        image_reward([1, 0, 0, 0], spec) == 1.0     # one red cell, nothing else
-        image_reward([1, 1, 0, 0], spec) == 0.5     # two reds: count wrong, colours right
-        image_reward([0, 0, 0, 0], spec) == 0.0     # empty grid
-    """
-    if len(codes) != spec["width"] ** 2:
-        return 0.0
-    checks = image_checks(codes, spec)
-    return sum(checks) / len(checks)
 
 
 def render_image(codes: list[int], width: int) -> str:

@@ -78,7 +78,7 @@ def naive_full_gradient(base, r, ctx) -> torch.Tensor:
     cfg, b = ctx.cfg, r.batch
     fresh = tasks.make_batch("text", b.examples, tok, ids, cfg, ctx.device, with_targets=False)
     gens = [rng.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(b.examples))]
-    x, order = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, fast=True)
+    x, order, _ = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, allow_fast=True)
     assert torch.equal(x.x, b.x)
     theta, old = copy.deepcopy(model).train(), copy.deepcopy(model).eval()
 
