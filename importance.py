@@ -41,11 +41,11 @@ def mask_seed(seed: int, step: int, seq_index: int, j: int) -> int:
 # -----------------------------------------------------------------------------
 # timestep truncation and reversing operators (which completion tokens get masked)
 
-def mask_ratios(num_iterations: int, gamma: float) -> list[float]:
+def mask_ratios(mu: int, gamma: float) -> list[float]:
     """Mask ratio t_j of inner iterations j = 0..mu-1: gamma + (1-gamma)(j+1)/mu (arXiv:2510.02880 Alg. 5)."""
-    assert num_iterations >= 1 and 0.0 <= gamma < 1.0, f"num_iterations {num_iterations} >= 1, gamma {gamma} in [0, 1)"
+    assert mu >= 1 and 0.0 <= gamma < 1.0, f"mu {mu} >= 1, gamma {gamma} in [0, 1)"
     # Truncation (Fig. 5a): at low ratios the model is nearly certain, ratios ~ 1. Smallest used: gamma + (1-gamma)/mu.
-    return [min(gamma + (1.0 - gamma) * (j + 1) / num_iterations, MAX_RATIO) for j in range(num_iterations)]
+    return [min(gamma + (1.0 - gamma) * (j + 1) / mu, MAX_RATIO) for j in range(mu)]
 
 
 def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
@@ -151,14 +151,14 @@ def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -
     modality's reversing operator, AR-like for text (Alg. 1; or --text_reversing) and random for images (Alg. 2),
     and scores the tokens it masked. Update j scores view j."""
     mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
-    ratios = [[t] * len(seq_index) for t in mask_ratios(cfg.num_iterations, gamma)]     # [mu][B]
+    ratios = [[t] * len(seq_index) for t in mask_ratios(cfg.mu, gamma)]     # [mu][B]
     return _reversed_views(batch, cfg, step, seq_index, ratios, mode, mask_id)
 
 
 def unigrpo_views(batch, order, cfg, *, step, seq_index, mask_id, **_) -> Views:
     """UniGRPO (MMaDA, arXiv:2505.15809): K = mu random-reversing views at UniGRPO's ratios, one per update."""
     seed = derive_seed(cfg.seed, "masks", batch.task)
-    ratios = list(zip(*[_unigrpo_ratios(seed, step, i, cfg.num_iterations) for i in seq_index]))  # [mu][B]
+    ratios = list(zip(*[_unigrpo_ratios(seed, step, i, cfg.mu) for i in seq_index]))  # [mu][B]
     return _reversed_views(batch, cfg, step, seq_index, ratios, "random", mask_id)
 
 
@@ -180,9 +180,9 @@ def d1_views(batch, order, cfg, *, image, step, seq_index, eos_id, mask_id, **_)
     if not image:
         scored = completion_mask_until_eos(x[:, P:P + N], eos_id)
     ins, loss_masks = d1_masks(batch.prompt_mask, scored, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
-                               seq_index=seq_index, num_iterations=cfg.num_iterations, p_mask_prompt=cfg.p_mask_prompt,
+                               seq_index=seq_index, mu=cfg.mu, p_mask_prompt=cfg.p_mask_prompt,
                                suffix_len=x.shape[1] - P - N)                             # (mu, B, L) each
-    return Views([apply_mask(x, m, mask_id) for m in ins], loss_masks, [[j] for j in range(cfg.num_iterations)])
+    return Views([apply_mask(x, m, mask_id) for m in ins], loss_masks, [[j] for j in range(cfg.mu)])
 
 
 def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_max, **_) -> Views:
@@ -195,9 +195,9 @@ def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_
     in_masks, loss_masks = in_masks[keep], loss_masks[keep]                        # (T, B, L) each
     T = len(in_masks)
     if not cfg.trajectory_states:
-        return Views([apply_mask(x, m, mask_id) for m in in_masks], loss_masks, [range(T)] * cfg.num_iterations)
+        return Views([apply_mask(x, m, mask_id) for m in in_masks], loss_masks, [range(T)] * cfg.mu)
     K = min(cfg.trajectory_states, T)
-    states, updates = draw_states(T, K, cfg.num_iterations, step=step, seq_index=seq_index,
+    states, updates = draw_states(T, K, cfg.mu, step=step, seq_index=seq_index,
                                   seed=derive_seed(cfg.seed, "trajectory-states", batch.task))  # (U, B)
     pick = states.to(x.device), torch.arange(B, device=x.device)           # view u of row b: state u of b
     norm = loss_masks.sum().float() * (K / T)                              # K = T: exactly the full count
@@ -226,15 +226,15 @@ def reversed_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, rat
 
 
 def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int, seq_index,
-             num_iterations: int, p_mask_prompt: float, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+             mu: int, p_mask_prompt: float, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """d1's mu (input mask, loss mask) pairs, bool (mu, B, L) each: a one-step estimate at t = 1, the whole window
     masked (also past the loss mask: a visible trailing EOS would give the answer's length away), each real prompt
     token masked with probability p_mask_prompt, and completion_mask (bool (B, N)) scored."""
     assert 0.0 <= p_mask_prompt <= 1.0, f"{p_mask_prompt=} in [0, 1]"
     (B, P), N = prompt_mask.shape, completion_mask.shape[1]
-    in_masks = torch.zeros(num_iterations, B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)
+    in_masks = torch.zeros(mu, B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)
     loss_masks = torch.zeros_like(in_masks)  # (mu, B, L)
-    for j in range(num_iterations):
+    for j in range(mu):
         seeds = [mask_seed(seed, step, int(i), j) for i in seq_index]
         in_masks[j, :, :P] = _d1_prompt_mask(prompt_mask, p_mask_prompt, seeds)  # (B, P)
         in_masks[j, :, P:P + N] = True
@@ -243,22 +243,22 @@ def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: 
 
 
 def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int,
-                seq_index, num_iterations: int, gamma: float = 0.6, estimator: str = "maskgrpo", mode: str = "arlike",
+                seq_index, mu: int, gamma: float = 0.6, estimator: str = "maskgrpo", mode: str = "arlike",
                 p_mask_prompt: float = 0.15, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A mask estimator's mu (input mask, loss mask) pairs from explicit settings, bool (mu, B, L) each (the
     masks the views above build, for callers that choose seed, mode and gamma themselves: infra/diagnose.py)."""
     assert estimator in MASK_ESTIMATORS and mode in MODES, f"estimator {estimator!r} in {MASK_ESTIMATORS}, mode {mode!r} in {MODES}"
-    assert num_iterations >= 1 and prompt_mask.dtype == completion_mask.dtype == torch.bool, \
-        f"{num_iterations=} >= 1; prompt_mask (B, P), completion_mask (B, N): bool"
+    assert mu >= 1 and prompt_mask.dtype == completion_mask.dtype == torch.bool, \
+        f"{mu=} >= 1; prompt_mask (B, P), completion_mask (B, N): bool"
     idx = [int(i) for i in seq_index]
     assert len(idx) == prompt_mask.shape[0], f"seq_index has {len(idx)} entries for {prompt_mask.shape[0]} rows"
     if estimator == "d1":
         return d1_masks(prompt_mask, completion_mask, seed=seed, step=step, seq_index=idx,
-                        num_iterations=num_iterations, p_mask_prompt=p_mask_prompt, suffix_len=suffix_len)
+                        mu=mu, p_mask_prompt=p_mask_prompt, suffix_len=suffix_len)
     if estimator == "maskgrpo":
-        ratios = [[r] * len(idx) for r in mask_ratios(num_iterations, gamma)]  # [mu][B]
+        ratios = [[r] * len(idx) for r in mask_ratios(mu, gamma)]  # [mu][B]
     else:
-        ratios, mode = list(zip(*[_unigrpo_ratios(seed, step, i, num_iterations) for i in idx])), "random"
+        ratios, mode = list(zip(*[_unigrpo_ratios(seed, step, i, mu) for i in idx])), "random"
     return reversed_masks(prompt_mask, completion_mask, ratios, seed=seed, step=step, seq_index=idx, mode=mode,
                           suffix_len=suffix_len)
 
@@ -325,7 +325,7 @@ def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple
     return order >= steps[:, None, None], order == steps[:, None, None]     # (T, B, L) each
 
 
-def draw_states(num_states: int, k: int, num_iterations: int, *, seed: int, step: int,
+def draw_states(num_states: int, k: int, mu: int, *, seed: int, step: int,
                 seq_index) -> tuple[torch.Tensor, list[list[int]]]:
     """--trajectory_states=K: which of the T = num_states decoding states each of the mu updates scores.
     Returns (states, updates): states long (U, B), the state of view u for each row (U = min(mu K, T) views,
@@ -337,13 +337,13 @@ def draw_states(num_states: int, k: int, num_iterations: int, *, seed: int, step
     uniform K-subset, so each update alone is an unbiased draw without replacement; together the updates
     cover mu K distinct states (every state once per RL step at mu K = T), where independent draws would
     spend the same forwards on repeats. At K >= T every state is drawn, in the sampler's order."""
-    assert k >= 1 and num_iterations >= 1 and num_states >= 1, f"{k=}, {num_iterations=}, {num_states=} must be >= 1"
+    assert k >= 1 and mu >= 1 and num_states >= 1, f"{k=}, {mu=}, {num_states=} must be >= 1"
     T, K = num_states, min(k, num_states)
     perms = [torch.arange(T) if K == T else torch.randperm(T, generator=torch.Generator().manual_seed(
         packed_seed(b"maskgrpo/trajectory-states", seed, step, int(i)))) for i in seq_index]
     # View u holds permutation position u; positions past T wrap to u mod T (U = T then).
-    updates = [[(j * K + s) % T for s in range(K)] for j in range(num_iterations)]
-    return torch.stack(perms, 1)[: min(num_iterations * K, T)], updates                     # (U, B)
+    updates = [[(j * K + s) % T for s in range(K)] for j in range(mu)]
+    return torch.stack(perms, 1)[: min(mu * K, T)], updates                     # (U, B)
 
 
 @torch.no_grad()  # a measurement: a graph kept across all the steps would hold every step's activations

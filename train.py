@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import random
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -80,7 +81,7 @@ class StepConfig:
     text_reversing: str = "arlike"    # maskgrpo's text masks: arlike (paper Alg. 1) | random | arlike_official
     gamma_text: float = 0.6           # maskgrpo: text mask ratios live in (gamma, 1) (paper: 0.6)
     gamma_image: float = 0.8          # maskgrpo: image mask ratios live in (gamma, 1) (paper: 0.8)
-    num_iterations: int = 4           # mu: inner updates per rollout batch (paper: 12)
+    mu: int = 4                       # mu: inner updates per rollout batch (paper: 12; the official num_iterations)
     p_mask_prompt: float = 0.15       # d1: prompt-token masking probability
     trajectory_states: int = 0        # trajectory: K decoding states per update, weighted T/K (0 = every state)
     # GRPO update
@@ -136,7 +137,7 @@ class Config(StepConfig):
     cond_dropout: float = 0.1         # fraction of SFT captions dropped, for CFG (MMaDA: 0.1)
     # RL schedule
     gen_length: int = 12              # completion tokens N per text rollout (official: 256)
-    rl_steps: int = 80                # rollout batches; each gives num_iterations optimizer steps
+    rl_steps: int = 80                # rollout batches; each gives mu optimizer steps
     prompts_per_step: int = 8         # prompts per rollout batch and task
     lr: float = 1e-4                  # RL learning rate (AdamW, constant; official: 3e-6)
     weight_decay: float = 0.0         # AdamW weight decay in RL (official: 0.1)
@@ -161,7 +162,7 @@ _8B = {"init_from": "", "d_model": 4096, "n_layers": 32, "n_heads": 32, "mlp_hid
        "lora_dropout": 0.05, "lora_targets": "official", "activation_checkpointing": True, "eval_samples": 1,
        "sample_every": 50, "reward_shaping": "official"}
 _LLADA = {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "steps": 128, "temperature": 0.9,
-          "group_size": 6, "prompts_per_step": 16, "num_iterations": 12, "device_batch_size": 6, "eval_prompts": 256,
+          "group_size": 6, "prompts_per_step": 16, "mu": 12, "device_batch_size": 6, "eval_prompts": 256,
           "rl_steps": 667, "checkpoint_every": 42}
 _MMADA = {**_8B, "tasks": "geneval", "vocab_size": 134656, "image_width": 32, "image_text_len": 257,
           "image_steps": 12, "group_size": 9, "device_batch_size": 9, "eval_prompts": 64}
@@ -173,11 +174,11 @@ PRESETS: dict[str, dict] = {
                  "prompts_per_step": 16, "lr": 3e-5, "eval_prompts": 512},
     "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2,
               "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1, "d_model": 32,
-              "n_layers": 2, "mlp_hidden_size": 64, "num_iterations": 2, "sample_every": 1, "checkpoint_every": 0},
+              "n_layers": 2, "mlp_hidden_size": 64, "mu": 2, "sample_every": 1, "checkpoint_every": 0},
     "llada8b": {**_LLADA, "block_length": 16, "gamma_text": 0.6, "device_batch_size": 12},
-    "mmada8b": {**_MMADA, "cfg_scale": 3.0, "prompts_per_step": 4, "num_iterations": 6, "gamma_image": 0.6,
+    "mmada8b": {**_MMADA, "cfg_scale": 3.0, "prompts_per_step": 4, "mu": 6, "gamma_image": 0.6,
                 "clip_eps": 0.2, "rl_steps": 1334, "checkpoint_every": 84, "dry_run_gpus": 4},
-    "mmada8b_server": {**_MMADA, "cfg_scale": 3.5, "prompts_per_step": 8, "num_iterations": 12,
+    "mmada8b_server": {**_MMADA, "cfg_scale": 3.5, "prompts_per_step": 8, "mu": 12,
                        "gamma_image": 0.8, "clip_eps": 0.001, "rl_steps": 667, "checkpoint_every": 42},
     "d1_official": {**_LLADA, "block_length": 32, "estimator": "d1", "beta": 0.04, "clip_eps": 0.5,
                     "max_prompt_len": 200},
@@ -186,6 +187,8 @@ PRESETS: dict[str, dict] = {
 
 def parse_args(argv=None) -> Config:
     """Dataclass defaults, then PRESETS[--preset], then the flags; checked once, here (infra/settings.validate)."""
+    if any(a.split("=")[0] == "--num_iterations" for a in (sys.argv[1:] if argv is None else argv)):
+        raise ValueError("unknown flag --num_iterations: the inner updates per rollout batch are --mu (the paper's mu)")
     cfg = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
     validate(cfg)
     return cfg
@@ -319,7 +322,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
     # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
     model.train()
-    updates = [update(model, opt, exps, ctx, step, j) for j in range(cfg.num_iterations)]
+    updates = [update(model, opt, exps, ctx, step, j) for j in range(cfg.mu)]
     model.eval()
     return step_log(step, exps, updates, cfg), exps
 
@@ -440,7 +443,7 @@ def main(argv=None) -> dict:
         report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
         opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                                 weight_decay=cfg.weight_decay)
-    print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.num_iterations} optimizer steps, {cfg.prompts_per_step} "
+    print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.mu} optimizer steps, {cfg.prompts_per_step} "
            f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "
            f"steps count from 0, as in log.jsonl")
     with Run(cfg, model, opt, device) as run:

@@ -64,7 +64,7 @@ def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
 
 
 def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int, rollout: str, steps: int,
-          block_length: int, cfg_scale: float, num_iterations: int, beta: float, lora: bool,
+          block_length: int, cfg_scale: float, mu: int, beta: float, lora: bool,
           activation_checkpointing: bool, trajectory: bool = False, trajectory_states: int = 0) -> dict:
     """Global FLOPs of one RL step (one rollout batch: every task's prompts_per_step * group_size
     sequences, all ranks together), by phase. A multiply-add is 2 FLOPs.
@@ -105,7 +105,7 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
             per_seq += fwd(seq_len, seq_len, block_length) + (spb - 1) * fwd(q, seq_len, block_length)
     roll = seqs * cfg_rows * per_seq
     per_update = min(trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
-    views = min(num_iterations * per_update, steps) if trajectory else num_iterations  # scored, old and ref
+    views = min(mu * per_update, steps) if trajectory else mu  # scored, old and ref
     score = seqs * views * (1 + (beta > 0)) * fwd(seq_len, seq_len)
     attn = 4 * seq_len * d * nl
     if lora:  # input gradients through frozen matrices (2 per weight), adapters' input and weight gradients
@@ -113,7 +113,7 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
     else:
         bwd = 4 * (body + head) + 2 * attn
     recompute = 2 * (body + adapters) + attn if activation_checkpointing else 0
-    update = seqs * num_iterations * per_update * seq_len * (fwd(1, seq_len) + bwd + recompute)
+    update = seqs * mu * per_update * seq_len * (fwd(1, seq_len) + bwd + recompute)
     return {"rollout": roll, "scoring": score, "update": update, "step": roll + score + update,
             "per_rollout_seq": cfg_rows * per_seq}
 
@@ -244,7 +244,7 @@ def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
     s = shape(mc, cfg.lora_rank, cfg.lora_targets) if s is None else s
     return flops(mc, s, seqs=p["seqs"], seq_len=p["seq_len"], prompt_len=p["prompt_len"], rollout=p["rollout"],
                  steps=p["steps"], block_length=cfg.block_length, cfg_scale=cfg.cfg_scale,
-                 num_iterations=cfg.num_iterations, beta=cfg.beta, lora=cfg.lora_rank > 0,
+                 mu=cfg.mu, beta=cfg.beta, lora=cfg.lora_rank > 0,
                  activation_checkpointing=cfg.activation_checkpointing, trajectory=cfg.estimator == "trajectory",
                  trajectory_states=cfg.trajectory_states)
 
@@ -288,7 +288,7 @@ def dry_run(cfg) -> dict:
     gpus = cfg.dry_run_gpus
     step_s = f["step"] / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU)
     run_h = run / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU) / 3600
-    opt_steps = cfg.rl_steps * cfg.num_iterations
+    opt_steps = cfg.rl_steps * cfg.mu
     # world sizes the global batch splits evenly over (train.py requires it)
     cols = [w for w in sorted({1, 8, 16, gpus}) if seqs % w == 0]
     chunk = {w: min(cfg.device_batch_size or seqs // w, seqs // w) for w in cols}
@@ -302,15 +302,15 @@ def dry_run(cfg) -> dict:
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
           f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters")
     print(f"RL step: {seqs} sequences ({cfg.prompts_per_step} prompts x G={cfg.group_size} x {len(names)} task(s)) "
-          f"of {seq_len} tokens, {steps} denoising steps ({rollout}), mu={cfg.num_iterations}, "
+          f"of {seq_len} tokens, {steps} denoising steps ({rollout}), mu={cfg.mu}, "
           f"{'LoRA' if lora else 'full fine-tuning'}, activation checkpointing "
           f"{'on' if cfg.activation_checkpointing else 'off'}, device_batch_size {cfg.device_batch_size or 'all'}")
     ckpt = (f"a checkpoint every {cfg.checkpoint_every} rollout batches = "
-            f"{cfg.checkpoint_every * cfg.num_iterations:,} optimizer steps" if cfg.checkpoint_every else "no checkpoints")
-    print(f"schedule: {cfg.rl_steps:,} rollout batches x mu {cfg.num_iterations} = {opt_steps:,} optimizer steps; {ckpt}")
+            f"{cfg.checkpoint_every * cfg.mu:,} optimizer steps" if cfg.checkpoint_every else "no checkpoints")
+    print(f"schedule: {cfg.rl_steps:,} rollout batches x mu {cfg.mu} = {opt_steps:,} optimizer steps; {ckpt}")
     # The settings an official script fixes, in its own terms, to compare line by line (tests/test_presets.py).
     gamma = cfg.gamma_image if image else cfg.gamma_text
-    print(f"settings: G {cfg.group_size}, {cfg.prompts_per_step} prompts per optimizer step, mu {cfg.num_iterations}, "
+    print(f"settings: G {cfg.group_size}, {cfg.prompts_per_step} prompts per optimizer step, mu {cfg.mu}, "
           f"gamma {gamma}, CFG {cfg.cfg_scale}, eps {cfg.clip_eps}, beta {cfg.beta}, lr {cfg.lr}, estimator "
           f"{cfg.estimator}{'' if image else f' ({cfg.text_reversing})'}, LoRA r {cfg.lora_rank} alpha {cfg.lora_alpha:g} "
           f"dropout {cfg.lora_dropout} on {cfg.lora_targets}, attention over padding "
@@ -321,7 +321,7 @@ def dry_run(cfg) -> dict:
         states = (f"{cfg.trajectory_states} decoding state(s) per update" if cfg.trajectory_states
                   else "every decoding state")
         print(f"trajectory estimator, {states}: {f['step']:.2e} FLOPs per RL step against {maskgrpo:.2e} for "
-              f"MaskGRPO's mu = {cfg.num_iterations} masks, {f['step'] / maskgrpo:.2f} x")
+              f"MaskGRPO's mu = {cfg.mu} masks, {f['step'] / maskgrpo:.2f} x")
     print(f"global FLOPs per run: {run:.2e} ({cfg.rl_steps:,} RL steps, and {evaluation:.2e} for the held-out "
           f"evaluation before and after)")
     print(f"time on {gpus} x {GPU_NAME} (bf16 dense peak {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s, assumed MFU "
@@ -354,7 +354,7 @@ def dry_run(cfg) -> dict:
     return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs,
             "seq_len": seq_len, "flops": {**f, "evaluation": evaluation, "run": run},
             "rollout_batches": cfg.rl_steps, "optimizer_steps": opt_steps,
-            "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.num_iterations,
+            "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.mu,
             "gpu": GPU_NAME, "gpus": gpus, "mfu": ASSUMED_MFU, "seconds_per_step": step_s, "run_hours": run_h,
             "gpu_hours": run_h * gpus, "budget": mem, "tokens_per_s_per_gpu": rate}
 

@@ -53,7 +53,7 @@ def build(ckpt, *flags, float64=False, device=CPU, dtype=torch.float32):
     compositions (float32 kernels of other row counts round differently and can flip a near-tie).
     device / dtype: as train.main's setup() returns them (tests/test_cuda.py passes cuda and bfloat16)."""
     cfg = train.parse_args(["--preset=smoke", f"--init_from={ckpt}", "--prompts_per_step=2", "--group_size=4",
-                            "--num_iterations=3", *flags])
+                            "--mu=3", *flags])
     policy, ref, tok, ids, _ = load.load_policy(cfg, device, dtype, sft=None)
     if float64:
         policy = policy.double()
@@ -211,7 +211,7 @@ def test_ratios_are_exactly_one_when_the_weights_do_not_move(ckpt, task, lora_ra
     cfg, policy, ref, opt, tok, ids = build(ckpt, *flags)
     start = copy.deepcopy(policy.state_dict())
     log, (r,), updates = run_step(cfg, policy, ref, opt, tok, ids, 0)
-    assert len(updates) == cfg.num_iterations == 3
+    assert len(updates) == cfg.mu == 3
     assert r.adv.abs().sum() > 0, "the stand-in rewards must give the groups signal"
     for j, u in enumerate(updates):
         s = u.stats
@@ -284,9 +284,9 @@ def test_update_at_non_default_settings_with_a_binding_clip(ckpt, task):
     apply the unclipped gradient."""
     gamma = "--gamma_text=0.3" if task == "text" else "--gamma_image=0.3"
     cfg, policy, ref, opt, tok, ids = build(ckpt, *TASK_FLAGS[task], "--lr=1e-2", "--group_size=3",
-                                            "--num_iterations=2", "--clip_eps=0.05", "--beta=0.3", gamma,
+                                            "--mu=2", "--clip_eps=0.05", "--beta=0.3", gamma,
                                             "--grad_clip=0.05", "--prompts_per_step=3")
-    assert (cfg.group_size, cfg.num_iterations, cfg.grad_clip) == (3, 2, 0.05)
+    assert (cfg.group_size, cfg.mu, cfg.grad_clip) == (3, 2, 0.05)
     initial = hf.from_pretrained(ckpt)
     rollout_policy = copy.deepcopy(policy).eval()
     log, (r,), updates = run_step(cfg, policy, ref, opt, tok, ids, 0)
@@ -325,12 +325,12 @@ def test_lora_reference_is_the_base_with_adapters_off(ckpt):
     base = hf.from_pretrained(ckpt)
     adapted = copy.deepcopy(policy).eval()
     _, (r,), updates = run_step(cfg, policy, ref, opt, tok, ids, 0)
-    for j in range(cfg.num_iterations):
+    for j in range(cfg.mu):
         ref_lp, old = naive_logp(base, r, j), naive_logp(adapted, r, j)
         assert (ref_lp - old).abs().max() > 1e-2, "the adapters must change the log-probs for this test"
         torch.testing.assert_close(r.logp_ref[j], ref_lp, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r.logp_old[j], old, rtol=1e-5, atol=1e-5)
-    d = ref_lp - naive_logp(updates[-1].weights, r, cfg.num_iterations - 1)
+    d = ref_lp - naive_logp(updates[-1].weights, r, cfg.mu - 1)
     want = masked_mean(torch.exp(d) - d - 1, r.loss_masks[-1])
     assert updates[-1].stats["text/kl"] == pytest.approx(want, rel=1e-3)
     assert policy.training is False  # rl_step leaves the policy in eval mode

@@ -300,7 +300,7 @@ def test_rl_step_hands_every_setting_to_its_callee(toy, monkeypatch):
     cfg, log, rolls, scored = rl_step(
         toy, monkeypatch, "--tasks=text,image", "--temperature=0.7", "--gen_length=12", "--block_length=6",
         "--steps=4", "--image_steps=3", "--image_sampler=maskgit", "--cfg_scale=1.5", "--gamma_text=0.3",
-        "--gamma_image=0.5", "--num_iterations=2", "--text_reversing=random", "--clip_eps=0.1", "--beta=0.2",
+        "--gamma_image=0.5", "--mu=2", "--text_reversing=random", "--clip_eps=0.1", "--beta=0.2",
         "--loss_norm=sequence", "--prompts_per_step=2", "--group_size=3", "--device_batch_size=4",
         "--reward_shaping=official", "--text_reward=solution", "--lr=1e-3", calls=calls)
     gens = [c for c in calls if c[0] == "generate"]
@@ -313,7 +313,7 @@ def test_rl_step_hands_every_setting_to_its_callee(toy, monkeypatch):
     for _, args, kw in images:
         assert (kw["steps"], kw["sampler"], kw["cfg_scale"], kw["num_tokens"]) == (3, "maskgit", 1.5, 16)
     masks = [kw for name, _, kw in calls if name == "build_masks"]
-    assert [(kw["gamma"], kw["mode"], kw["num_iterations"], kw["estimator"]) for kw in masks] == \
+    assert [(kw["gamma"], kw["mode"], kw["mu"], kw["estimator"]) for kw in masks] == \
         [(0.3, "random", 2, "maskgrpo"), (0.5, "random", 2, "maskgrpo")]
     losses = [kw for name, _, kw in calls if name == "policy_loss"]
     assert len(losses) == 2 * 2 * 2  # mu x tasks x chunks
@@ -330,12 +330,12 @@ def test_fast_sampler_and_estimator_settings(toy, monkeypatch, estimator):
     and d1's prompt-masking rate reach the mask builder; d1 (adv_std auto) takes A = R - mean."""
     calls = []
     cfg, log, (r,), _ = rl_step(toy, monkeypatch, "--tasks=text", "--kv_cache=prefix", "--threshold=0.5",
-                                f"--estimator={estimator}", "--p_mask_prompt=0.3", "--num_iterations=2",
+                                f"--estimator={estimator}", "--p_mask_prompt=0.3", "--mu=2",
                                 "--temperature=0.9", calls=calls)
     fast = [kw for name, _, kw in calls if name == "generate" and "kv_cache" in kw]
     assert fast and all((kw["kv_cache"], kw["threshold"], kw["temperature"]) == ("prefix", 0.5, 0.9) for kw in fast)
     (kw,) = [kw for name, _, kw in calls if name == "build_masks"]
-    assert (kw["estimator"], kw["p_mask_prompt"], kw["num_iterations"]) == (estimator, 0.3, 2)
+    assert (kw["estimator"], kw["p_mask_prompt"], kw["mu"]) == (estimator, 0.3, 2)
     g = r.rewards.view(-1, cfg.group_size)
     centred = (g - g.mean(1, keepdim=True)).flatten()
     if estimator == "d1":
@@ -348,7 +348,7 @@ def test_seed_changes_the_rollouts(toy, monkeypatch):
     monkeypatch.setattr(tasks, "draw_prompts", lambda task, cfg, step, datasets: prompts)
     windows = []
     for seed in (0, 7):
-        _, _, (r,), _ = rl_step(toy, monkeypatch, "--tasks=text", f"--seed={seed}", "--num_iterations=1", calls=[])
+        _, _, (r,), _ = rl_step(toy, monkeypatch, "--tasks=text", f"--seed={seed}", "--mu=1", calls=[])
         windows.append(r.batch.x[:, r.batch.window_slice])
     assert (windows[0] != windows[1]).any(1).float().mean() >= 0.5
 
@@ -386,7 +386,7 @@ def test_main_passes_its_settings_to_the_optimizer_and_the_run(toy, tmp_path, mo
         (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])))
     try:
         summary = train.main(["--preset=smoke", f"--init_from={ckpt}", "--tasks=text", f"--out_dir={tmp_path / 'out'}",
-                              "--threads=1", "--rl_steps=2", "--lr=3e-4", "--weight_decay=0.05", "--num_iterations=2",
+                              "--threads=1", "--rl_steps=2", "--lr=3e-4", "--weight_decay=0.05", "--mu=2",
                               "--activation_checkpointing=true", "--sample_every=2", "--eval_prompts=3",
                               "--eval_samples=2", "--checkpoint_every=0", "--dtype=float32", "--device=cpu"])
     finally:

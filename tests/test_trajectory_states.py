@@ -49,24 +49,24 @@ def flat(grads) -> torch.Tensor:
 
 
 def test_every_state_gives_the_full_trajectory_gradient_exactly(base, monkeypatch):
-    _, full, want, _ = run_step(base, monkeypatch, "--num_iterations=2", "--lr=1e-2")
+    _, full, want, _ = run_step(base, monkeypatch, "--mu=2", "--lr=1e-2")
     T = len(full.inputs)
     for k in (T,):  # K >= T draws every state (test_draws_... checks the clamp)
-        _, r, got, _ = run_step(base, monkeypatch, "--num_iterations=2", "--lr=1e-2", f"--trajectory_states={k}")
+        _, r, got, _ = run_step(base, monkeypatch, "--mu=2", "--lr=1e-2", f"--trajectory_states={k}")
         assert r.draw.updates == [list(range(T))] * 2 and len(r.inputs) == T
         for g_update, w_update in zip(got, want, strict=True):
             assert all(torch.equal(a, b) for a, b in zip(g_update, w_update, strict=True))
 
 
 def test_first_ratio_is_exactly_one(base, monkeypatch):
-    log, r, _, _ = run_step(base, monkeypatch, "--num_iterations=1", "--trajectory_states=2")
+    log, r, _, _ = run_step(base, monkeypatch, "--mu=1", "--trajectory_states=2")
     assert r.adv.abs().sum() > 0 and len(r.inputs) == 2
     assert log["text/ratio_max"] == 1.0 and log["text/clipfrac"] == 0.0
     # Logged means carry the loss's weights (an unbiased estimate of the full trajectory's mean): all
     # ratios are 1, so the mean is the drawn tokens over K/T of all of them (1 when every state reveals as
     # many tokens; the random smoke model sometimes predicts the mask id, which reveals nothing).
     assert log["text/ratio_mean"] == pytest.approx(float(r.loss_masks.sum() / r.draw.norm), abs=1e-6)
-    log3, _, _, _ = run_step(base, monkeypatch, "--num_iterations=3", "--trajectory_states=2", "--lr=1e-2")
+    log3, _, _, _ = run_step(base, monkeypatch, "--mu=3", "--trajectory_states=2", "--lr=1e-2")
     assert log3["text/ratio_max"] > 1.0  # later updates score a moved policy
 
 
@@ -106,7 +106,7 @@ def gradients_over_draws(base, monkeypatch, k, draws):
     out = []
     for n in range(draws):
         monkeypatch.setattr(importance, "draw_states", lambda *a, seed, n=n, **kw: draw_of(*a, seed=seed + 1000 * n, **kw))
-        _, r, grads, ctx = run_step(base, monkeypatch, "--num_iterations=1", f"--trajectory_states={k}")
+        _, r, grads, ctx = run_step(base, monkeypatch, "--mu=1", f"--trajectory_states={k}")
         out.append(flat(grads[0]))
     return torch.stack(out), r, ctx
 

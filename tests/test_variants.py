@@ -61,7 +61,7 @@ def test_logged_loss_is_the_objective(base, monkeypatch, norm):
     per group. Chunks of 3 rows (an uneven split) must give the same number, which a wrong chunk weight
     would break."""
     for dbs in ("0", "3"):
-        log, (r,), _ = rl_step(base, monkeypatch, "--num_iterations=1", f"--loss_norm={norm}",
+        log, (r,), _ = rl_step(base, monkeypatch, "--mu=1", f"--loss_norm={norm}",
                                f"--device_batch_size={dbs}")
         adv = []
         for g in r.rewards.view(-1, 4).tolist():
@@ -107,7 +107,7 @@ def test_beta_zero_skips_the_reference(base, monkeypatch):
 def test_reversing_mode_reaches_the_masks(base, monkeypatch, mode):
     """AR-like reversing keeps the last completion token with probability 0, so it is masked in every
     iteration of every row; random reversing masks it with probability t_j < 1 only."""
-    _, (r,), _ = rl_step(base, monkeypatch, f"--text_reversing={mode}", "--num_iterations=4")
+    _, (r,), _ = rl_step(base, monkeypatch, f"--text_reversing={mode}", "--mu=4")
     last = r.batch.prompt_len + r.batch.window - 1
     always = bool(r.loss_masks[:, :, last].all())
     assert always == (mode == "arlike")
@@ -116,7 +116,7 @@ def test_reversing_mode_reaches_the_masks(base, monkeypatch, mode):
 def test_unigrpo_ratios_differ_per_sequence(base, monkeypatch):
     """UniGRPO draws its first ratio per sequence, so masked fractions differ across rows in iteration 0;
     the MaskGRPO schedule gives every row the same ratio (counts vary only by chance, much less)."""
-    _, (r,), _ = rl_step(base, monkeypatch, "--estimator=unigrpo", "--num_iterations=2")
+    _, (r,), _ = rl_step(base, monkeypatch, "--estimator=unigrpo", "--mu=2")
     counts = r.loss_masks[0].sum(1).float()
     assert counts.max() - counts.min() >= 3
     window = torch.zeros_like(r.loss_masks[0])
@@ -146,7 +146,7 @@ def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
     monkeypatch.setattr(tasks, "draw_prompts", lambda task, cfg, step, datasets: [example] * cfg.prompts_per_step)
     for name, want in (("answer", 1.0), ("solution", 0.0)):
         cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4",
-                                "--num_iterations=1", "--gen_length=16", "--block_length=16", "--steps=16",
+                                "--mu=1", "--gen_length=16", "--block_length=16", "--steps=16",
                                 f"--text_reward={name}"])
         ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
         assert tasks.evaluate(copy.deepcopy(model), ctx, "text", 0.0) == want
@@ -172,7 +172,7 @@ def test_evaluate_prompt_means_average_each_prompts_samples(base):
 def test_d1_is_d1(base, monkeypatch):
     """--estimator=d1 as d1's diffu-GRPO trainer: the whole completion masked in the input, some prompt
     tokens masked (p 0.15), the loss mask ending at the first EOS, and advantages r - mean (no std)."""
-    _, (r,), _ = rl_step(base, monkeypatch, "--estimator=d1", "--num_iterations=2")
+    _, (r,), _ = rl_step(base, monkeypatch, "--estimator=d1", "--mu=2")
     tok, ids, _ = base
     b = r.batch
     win = b.window_slice
@@ -189,5 +189,5 @@ def test_d1_is_d1(base, monkeypatch):
     groups = r.rewards.view(-1, 4)
     assert torch.allclose(r.adv.view(-1, 4), groups - groups.mean(1, keepdim=True), atol=1e-6)
     # The same flags with --adv_std=on divide by the group std again.
-    _, (s,), _ = rl_step(base, monkeypatch, "--estimator=d1", "--num_iterations=2", "--adv_std=on")
+    _, (s,), _ = rl_step(base, monkeypatch, "--estimator=d1", "--mu=2", "--adv_std=on")
     assert not torch.allclose(s.adv, r.adv)
