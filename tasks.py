@@ -22,6 +22,7 @@ from infra.rng import derive_seed, generator
 from infra.toy import BOS, CODEBOOK_SIZE, EOI, EOS, IPAD, MASK, SOI, T2I, make_image_example, make_text_example
 
 GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
+TOY_CAPTION_LEN = 11  # --image_text_len=0: the toy's longest t2i text part, <|t2i|> BOS caption EOS (image_text_len)
 
 
 def task_list(cfg) -> list[str]:
@@ -93,41 +94,40 @@ def model_config_overrides(tok: Tokenizer) -> dict:
 # encoding: examples -> token ids
 
 
-def encode_text(tok: Tokenizer, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
+def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
     """(prompt_ids, completion_ids): prompt = BOS + question; completion = answer + EOS padding to
     exactly gen_length tokens (LLaDA SFT pads answers with EOS, so the model learns where to stop).
-    Batch prompts by left-padding with token_ids(tok).pad and attention 0 on the pads (sample.generate)."""
-    s = token_ids(tok)
-    prompt = [s.bos] + tok.encode(example["prompt"], add_special_tokens=False).ids
+    Batch prompts by left-padding with ids.pad and attention 0 on the pads (sample.generate)."""
+    prompt = [ids.bos] + tok.encode(example["prompt"], add_special_tokens=False).ids
     answer = tok.encode(example["completion"], add_special_tokens=False).ids
     if len(answer) >= gen_length:
         raise ValueError(f"completion needs {len(answer)} tokens + 1 EOS but gen_length is {gen_length}; "
                          "raise gen_length or lower max_steps/max_value")
-    return prompt, answer + [s.eos] * (gen_length - len(answer))
+    return prompt, answer + [ids.eos] * (gen_length - len(answer))
 
 
-def encode_image_prompt(tok: Tokenizer, prompt_text: str, text_len: int, num_tokens: int,
-                        ids: TokenIds | None = None) -> tuple[list[int], int, list[int]]:
+def encode_image_prompt(tok: Tokenizer, ids: TokenIds, prompt_text: str, text_len: int,
+                        num_tokens: int) -> tuple[list[int], int, list[int]]:
     """MMaDA t2i layout (arXiv:2505.15809): [iPAD]*pad <|t2i|> BOS caption EOS <|soi|> mask*num_tokens
     <|eoi|>. The text part is left-padded with [iPAD] to exactly text_len tokens (truncated and
     re-terminated with EOS if longer). prompt_text "" gives the unconditional prompt used for CFG.
     Returns (input_ids, image_start, attention_mask) with attention 0 on the [iPAD] positions; the
-    image slots are input_ids[image_start : image_start + num_tokens]. ids: the token ids (default: the toy
-    tokenizer's, by name; infra/hf.token_ids gives a released checkpoint's)."""
-    s = ids or token_ids(tok)
-    if None in (s.t2i, s.soi, s.eoi, s.ipad):
+    image slots are input_ids[image_start : image_start + num_tokens]. ids: tasks.token_ids(tok) for the toy
+    vocabulary, infra/hf.token_ids for a released checkpoint's."""
+    if None in (ids.t2i, ids.soi, ids.eoi, ids.ipad):
         raise ValueError("the tokenizer lacks MMaDA's <|t2i|> / <|soi|> / <|eoi|> / [iPAD] tokens: text-to-image "
                          "needs an MMaDA checkpoint (its tokenizer.json), not a text-only LLaDA one")
-    text = [s.t2i, s.bos] + tok.encode(prompt_text, add_special_tokens=False).ids + [s.eos]
+    text = [ids.t2i, ids.bos] + tok.encode(prompt_text, add_special_tokens=False).ids + [ids.eos]
     if len(text) > text_len:
-        text = text[:text_len - 1] + [s.eos]
+        text = text[:text_len - 1] + [ids.eos]
     pad = text_len - len(text)
-    ids = [s.ipad] * pad + text + [s.soi] + [s.mask] * num_tokens + [s.eoi]
-    return ids, text_len + 1, [0] * pad + [1] * (len(ids) - pad)
+    x = [ids.ipad] * pad + text + [ids.soi] + [ids.mask] * num_tokens + [ids.eoi]
+    return x, text_len + 1, [0] * pad + [1] * (len(x) - pad)
 
 
 def image_text_len(tok: Tokenizer, n: int = 2000) -> int:
-    """Longest t2i text part (<|t2i|> BOS caption EOS) over n random captions: the text_len to pad to."""
+    """Longest t2i text part (<|t2i|> BOS caption EOS) over n random toy captions: the text_len to pad to
+    (TOY_CAPTION_LEN for the toy tokenizer; infra/sample_cli.py measures another tokenizer's)."""
     rng = random.Random(0)
     return 3 + max(len(tok.encode(make_image_example(rng, "any")["prompt"], add_special_tokens=False).ids)
                    for _ in range(n))
@@ -236,7 +236,7 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
     if TASKS[task].toy:  # a toy text task: BOS + question, the answer padded with EOS (encode_text)
-        pairs = [encode_text(tok, ex, cfg.gen_length) for ex in examples]
+        pairs = [encode_text(tok, ids, ex, cfg.gen_length) for ex in examples]
     else:  # a benchmark prompt in the LLaDA chat template, cut from the left like the official code
         system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
         pairs = [(tok.encode(chat_prompt(system + [{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill,
@@ -265,9 +265,9 @@ def attends_padding(cfg, task: str) -> bool:
 def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> Batch:
     """MMaDA's t2i layout (tasks.encode_image_prompt), with the empty-caption prompt for CFG."""
     n = cfg.image_width ** 2
-    text_len = cfg.image_text_len or caption_len(tok)
-    enc = [encode_image_prompt(tok, ex["prompt"], text_len, n, ids) for ex in examples]
-    unc = encode_image_prompt(tok, "", text_len, n, ids)
+    text_len = cfg.image_text_len or TOY_CAPTION_LEN
+    enc = [encode_image_prompt(tok, ids, ex["prompt"], text_len, n) for ex in examples]
+    unc = encode_image_prompt(tok, ids, "", text_len, n)
     x = torch.tensor([e[0] for e in enc], device=device)
     att = torch.tensor([e[2] for e in enc], device=device)
     start = enc[0][1]
@@ -284,17 +284,6 @@ def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> B
 def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 0.0) -> dict:
     """A fresh example of toy task `task` (its TASKS entry's generator), in `split`."""
     return TASKS[task].example(rng, cfg, split, noise)
-
-
-_TEXT_LEN: dict = {}
-
-
-def caption_len(tok) -> int:
-    """Caption part of every t2i prompt, padded to the longest toy caption (computed once per vocabulary)."""
-    key = tok.get_vocab_size(with_added_tokens=True)
-    if key not in _TEXT_LEN:
-        _TEXT_LEN[key] = image_text_len(tok)
-    return _TEXT_LEN[key]
 
 
 def vocab_slice(task: str, ids):

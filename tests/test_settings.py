@@ -21,6 +21,7 @@ import evaluate
 import grpo
 import importance
 import sample
+import rewards
 import tasks
 import train
 from infra import hf, lora
@@ -192,7 +193,7 @@ def test_sft_schedule_and_settings(toy, monkeypatch):
         if task == "text":
             assert noise == 1.0 and ex["completion"] != ex["solution"]
         else:
-            assert noise == 0.0 and toy_world.image_reward(ex["image"], ex["spec"]) == 1.0
+            assert noise == 0.0 and rewards.image_reward(ex["image"], {'spec': ex["spec"]}) == 1.0
 
 
 def test_sft_keeps_ten_percent_of_the_peak_at_the_end(toy, monkeypatch):
