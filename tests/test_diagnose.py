@@ -48,14 +48,14 @@ def test_log_ratios_are_the_training_codes(sft_dir):
     _, (r,) = train.rl_step(theta, old, opt, ctx, 0, tasks.step_prompts(ctx, 0))  # old: the reference (beta > 0)
     assert torch.equal(r.batch.x, b.x)
     theta1 = opt.thetas[0]  # after update 0: the policy inner iteration 1 scores
-    in_mask = r.inputs[1] == ids.mask
-    est, ratios = diagnose.estimate(theta1, old, r, in_mask, r.loss_masks[1], ids)
-    lp = importance.token_logprobs(theta1, r.inputs[1], r.batch.x, r.loss_masks[1], attention_mask=r.batch.attention_mask)
-    want = ((lp - r.logp_old[1]) * r.loss_masks[1]).sum(-1)
+    in_mask = r.views.inputs[1] == ids.mask
+    est, ratios = diagnose.estimate(theta1, old, r, in_mask, r.views.loss_masks[1], ids)
+    lp = importance.token_logprobs(theta1, r.views.inputs[1], r.batch.x, r.views.loss_masks[1], attention_mask=r.batch.attention_mask)
+    want = ((lp - r.logp_old[1]) * r.views.loss_masks[1]).sum(-1)
     torch.testing.assert_close(est, want, rtol=0, atol=1e-6)
     assert est.abs().max() > 0  # the update moved the policy
     # and with theta = old every estimate and the exact log-ratio are exactly 0
-    est0, _ = diagnose.estimate(old, old, r, in_mask, r.loss_masks[1], ids)
+    est0, _ = diagnose.estimate(old, old, r, in_mask, r.views.loss_masks[1], ids)
     assert torch.equal(est0, torch.zeros_like(est0))
 
 

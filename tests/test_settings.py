@@ -322,7 +322,7 @@ def test_rl_step_hands_every_setting_to_its_callee(toy, monkeypatch):
     assert [(a[0].task, a[4], a[5]) for a in scored] == [("text", "official", "solution"), ("image", "official", "solution")]
     for r in rolls:  # groups of 3: every row's advantage within its own group
         assert r.rewards.shape == (6,)
-        assert len(r.inputs) == 2 and r.loss_masks.shape[0] == 2
+        assert len(r.views.inputs) == 2 and r.views.loss_masks.shape[0] == 2
 
 
 @pytest.mark.parametrize("estimator", ["d1", "unigrpo"])

@@ -76,7 +76,7 @@ def test_first_ratio_is_exactly_one(base, monkeypatch, task):
     assert log[f"{task}/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     # Every revealed window position is scored exactly once, at the step that revealed it (LLaDA's sampler
     # may leave a predicted mask id in place: that position was never revealed and is not scored).
-    scored, b = r.loss_masks.sum(0), r.batch                                     # (B, L)
+    scored, b = r.views.loss_masks.sum(0), r.batch                                     # (B, L)
     revealed = torch.zeros_like(scored, dtype=torch.bool)
     revealed[:, b.window_slice] = b.x[:, b.window_slice] != tasks.token_ids(base[0]).mask
     assert torch.equal(scored, revealed.long())

@@ -68,7 +68,7 @@ def test_logged_loss_is_the_objective(base, monkeypatch, norm):
             mean = sum(g) / 4
             std = math.sqrt(sum((v - mean) ** 2 for v in g) / 3)
             adv += [0.0 if max(g) == min(g) else (v - mean) / (std + 1e-4) for v in g]
-        n = r.loss_masks[0].sum(1).tolist()
+        n = r.views.loss_masks[0].sum(1).tolist()
         assert any(adv) and all(n), "the stand-in rewards must give the groups some signal"
         want = -sum(a * k for a, k in zip(adv, n)) / sum(n) if norm == "token" else -sum(adv) / len(adv)
         assert log["text/loss"] == pytest.approx(want, rel=1e-5, abs=1e-6)
@@ -109,7 +109,7 @@ def test_reversing_mode_reaches_the_masks(base, monkeypatch, mode):
     iteration of every row; random reversing masks it with probability t_j < 1 only."""
     _, (r,), _ = rl_step(base, monkeypatch, f"--text_reversing={mode}", "--mu=4")
     last = r.batch.prompt_len + r.batch.window - 1
-    always = bool(r.loss_masks[:, :, last].all())
+    always = bool(r.views.loss_masks[:, :, last].all())
     assert always == (mode == "arlike")
 
 
@@ -117,11 +117,11 @@ def test_unigrpo_ratios_differ_per_sequence(base, monkeypatch):
     """UniGRPO draws its first ratio per sequence, so masked fractions differ across rows in iteration 0;
     the MaskGRPO schedule gives every row the same ratio (counts vary only by chance, much less)."""
     _, (r,), _ = rl_step(base, monkeypatch, "--estimator=unigrpo", "--mu=2")
-    counts = r.loss_masks[0].sum(1).float()
+    counts = r.views.loss_masks[0].sum(1).float()
     assert counts.max() - counts.min() >= 3
-    window = torch.zeros_like(r.loss_masks[0])
+    window = torch.zeros_like(r.views.loss_masks[0])
     window[:, r.batch.window_slice] = True
-    assert not (r.loss_masks & ~window).any()  # only completion positions are ever scored
+    assert not (r.views.loss_masks & ~window).any()  # only completion positions are ever scored
 
 
 def test_reward_shaping_reaches_the_benchmark_rewards(monkeypatch):
@@ -177,15 +177,15 @@ def test_d1_is_d1(base, monkeypatch):
     b = r.batch
     win = b.window_slice
     for j in range(2):
-        assert (r.inputs[j][:, win] == ids.mask).all()
-    assert (torch.stack(r.inputs)[:, :, : b.prompt_len] == ids.mask).any()
+        assert (r.views.inputs[j][:, win] == ids.mask).all()
+    assert (torch.stack(r.views.inputs)[:, :, : b.prompt_len] == ids.mask).any()
     tokens = b.x[:, win]
     is_eos = tokens == ids.eos
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], b.window, dtype=torch.long))
     want = torch.arange(b.window)[None] <= first[:, None]          # up to and including the first EOS
     assert (~is_eos.any(1)).any() or is_eos.sum() > is_eos.any(1).sum(), "need rows with EOS padding"
     for j in range(2):
-        assert torch.equal(r.loss_masks[j][:, win], want)
+        assert torch.equal(r.views.loss_masks[j][:, win], want)
     groups = r.rewards.view(-1, 4)
     assert torch.allclose(r.adv.view(-1, 4), groups - groups.mean(1, keepdim=True), atol=1e-6)
     # The same flags with --adv_std=on divide by the group std again.
