@@ -56,9 +56,8 @@ def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
 
 
 def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
-    # The official AR-like operator as its call site applies it (martian422/MaskGRPO, grpo/mask_grpo_trainer.py:
-    # _get_per_token_logps_uni builds prompt_index 1-D, shape (L,), and remask_ar reads its prompt length as
-    # prompt_index[0].sum(), i.e. 1). Its ramp therefore spans the L - 1 positions 1..L-1 of [prompt | window],
+    # The official code's AR-like masks as its trainer applies them: it takes the prompt length to be 1
+    # (docs/differences.md says where and why), so its ramp spans the L - 1 positions 1..L-1 of [prompt | window],
     # and prompt positions, never masked, use up its high-keep start. Window token n (absolute position P + n)
     # stays visible with prob min(1, 2 (1-r) (1 - (P + n - 1) / (L - 2))), L = P + N: the paper's ramp over
     # L - 1 positions, of which the window holds the last N. The masked share of the window then grows with P.

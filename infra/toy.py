@@ -155,7 +155,7 @@ def _wrong_target(rng: random.Random, steps: list, max_value: int) -> tuple[list
     # Same tokens and length as a right target; only the box digit differs, so the SFT model learns
     # "copy the result" and "copy the last step's first number" as two habits. It is never the answer
     # (every step moves the amount by n >= 1), and no small shift of a working digit makes it one
-    # (docs/differences.md "The toy" says why not another mistake).
+    # (docs/differences.md, "The toy's SFT mistake", says why not another one).
     return steps, steps[-1][0]
 
 
