@@ -150,25 +150,21 @@ def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -
     modality's reversing operator, AR-like for text (Alg. 1; or --text_reversing) and random for images (Alg. 2),
     and scores the tokens it masked. Update j scores view j."""
     mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
-    ratios = [[t] * len(seq_index) for t in mask_ratios(cfg.mu, gamma)]     # [mu][B]
-    return _reversed_views(batch, cfg, step, seq_index, ratios, mode, mask_id)
+    ratios = [[t] * len(seq_index) for t in mask_ratios(cfg.mu, gamma)]                # [mu][B]
+    window = torch.ones(batch.x.shape[0], batch.window, dtype=torch.bool, device=batch.x.device)  # (B, N)
+    masks = reversed_masks(batch.prompt_mask, window, ratios, mode, seed=derive_seed(cfg.seed, "masks", batch.task),
+                           step=step, seq_index=seq_index, length=batch.x.shape[1])      # (mu, B, L)
+    return Views([apply_mask(batch.x, m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
 
 
 def unigrpo_views(batch, order, cfg, *, step, seq_index, mask_id, **_) -> Views:
     """UniGRPO (MMaDA, arXiv:2505.15809): K = mu random-reversing views at UniGRPO's ratios, one per update."""
     seed = derive_seed(cfg.seed, "masks", batch.task)
     ratios = list(zip(*[_unigrpo_ratios(seed, step, i, cfg.mu) for i in seq_index]))  # [mu][B]
-    return _reversed_views(batch, cfg, step, seq_index, ratios, "random", mask_id)
-
-
-def _reversed_views(batch, cfg, step, seq_index, ratios, mode, mask_id) -> Views:
-    # View j masks, and scores, o^t_j ~ Rev(o, t_j, S_j) over the whole window; the prompt is never masked.
-    x = batch.x
-    window = torch.ones(x.shape[0], batch.window, dtype=torch.bool, device=x.device)     # (B, N)
-    _, masks = reversed_masks(batch.prompt_mask, window, ratios, seed=derive_seed(cfg.seed, "masks", batch.task),
-                              step=step, seq_index=seq_index, mode=mode,
-                              suffix_len=x.shape[1] - batch.prompt_len - batch.window)   # (mu, B, L)
-    return Views([apply_mask(x, m, mask_id) for m in masks], masks, [[j] for j in range(len(ratios))])
+    window = torch.ones(batch.x.shape[0], batch.window, dtype=torch.bool, device=batch.x.device)  # (B, N)
+    masks = reversed_masks(batch.prompt_mask, window, ratios, "random", seed=seed, step=step, seq_index=seq_index,
+                           length=batch.x.shape[1])                                      # (mu, B, L)
+    return Views([apply_mask(batch.x, m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
 
 
 def d1_views(batch, order, cfg, *, image, step, seq_index, eos_id, mask_id, **_) -> Views:
@@ -207,21 +203,20 @@ def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_
 VIEWS = {"maskgrpo": maskgrpo_views, "d1": d1_views, "unigrpo": unigrpo_views, "trajectory": trajectory_views}
 
 
-def reversed_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, ratios, *, seed: int, step: int,
-                   seq_index, mode: str, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mu (input mask, loss mask) pairs of a reversing estimator, bool (mu, B, L) each and equal, over
-    [prompt | window | suffix]: pair j masks o^t_j ~ Rev(o, ratios[j], S_j) (reverse_mask) inside
-    completion_mask (bool (B, N)); ratios: [mu][B]; prompt_mask: bool (B, P), True at real prompt tokens."""
-    (B, P), N = prompt_mask.shape, completion_mask.shape[1]
-    assert len(seq_index) == B and completion_mask.shape[0] == B, f"{len(seq_index)} indices, {B} rows"
+def reversed_masks(prompt_mask: torch.Tensor, scored: torch.Tensor, ratios, mode: str, *, seed: int, step: int,
+                   seq_index, length: int) -> torch.Tensor:
+    """bool (mu, B, length) over [prompt (P) | window (N) | suffix]: mask j holds o^t_j ~ Rev(o, ratios[j], S_j)
+    (reverse_mask) inside scored (bool (B, N), where the window may be masked), one seed S_j per sequence
+    (mask_seed); the prompt is never masked (paper §3). ratios: [mu][B]. Both the input and the loss mask."""
+    (B, P), N = prompt_mask.shape, scored.shape[1]
     # "arlike_official" reads each row's real prompt length: the official runs put one unpadded prompt group on a
     # GPU, so the P it saw was the prompt's own length, never a batch's padded one (docs/differences.md).
-    prompt_len = prompt_mask.sum(1).tolist()  # [B]
-    masks = torch.zeros(len(ratios), B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)
+    prompt_len = prompt_mask.sum(1).tolist()                                         # [B]
+    masks = torch.zeros(len(ratios), B, length, dtype=torch.bool, device=scored.device)  # (mu, B, L)
     for j, r in enumerate(ratios):
-        seeds = [mask_seed(seed, step, int(i), j) for i in seq_index]  # one S_j per sequence
-        masks[j, :, P:P + N] = reverse_mask(completion_mask, r, seeds, mode, prompt_len=prompt_len)  # (B, N)
-    return masks, masks.clone()
+        seeds = [mask_seed(seed, step, int(i), j) for i in seq_index]
+        masks[j, :, P:P + N] = reverse_mask(scored, r, seeds, mode, prompt_len=prompt_len)  # (B, N)
+    return masks
 
 
 def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int, seq_index,

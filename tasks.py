@@ -1,5 +1,5 @@
 """The tasks: one registry entry each (TASKS: modality, prompts, reward), the batches they become, and
-the RL step's rollouts and rewards on them.
+the RL step's prompts, rollouts and rewards on them (held-out evaluation: infra/heldout.py).
 
 A batch lays out [prompt | window | suffix] in the LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809)
 formats; the window is what the model generates (a text completion, or the image slots). The toy tasks'
@@ -18,10 +18,9 @@ from tokenizers import Tokenizer
 import rewards
 import sample
 from infra import scale
-from infra.rng import derive_seed, generator
+from infra.rng import derive_seed
 from infra.toy import BOS, CODEBOOK_SIZE, EOI, EOS, IPAD, MASK, SOI, T2I, make_image_example, make_text_example
 
-GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
 TOY_CAPTION_LEN = 11  # --image_text_len=0: the toy's longest t2i text part, <|t2i|> BOS caption EOS (image_text_len)
 
 
@@ -317,15 +316,8 @@ def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
     return out
 
 
-def eval_examples(task: str, cfg, datasets: dict) -> list:
-    """The held-out prompts: fixed toy draws from the test split, or the first eval_prompts of eval_data."""
-    if task in TOY_TASKS:
-        rng = random.Random(derive_seed(cfg.seed, "eval", task))
-        return [make_example(task, rng, cfg, "test") for _ in range(cfg.eval_prompts)]
-    return datasets.get(task, {}).get("test", [])[: cfg.eval_prompts]
-
 # -----------------------------------------------------------------------------------------------------
-# rollouts (step 1 of the RL step) and the held-out evaluation (before and after RL; evaluate.py)
+# the RL step's prompts, rollouts (step 1) and rewards (step 2, score above)
 
 
 @dataclass
@@ -349,7 +341,7 @@ def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, all
     cfg, ids = ctx.cfg, ctx.ids
     fast = allow_fast and (cfg.kv_cache != "none" or cfg.threshold > 0) and prompts.task not in IMAGE_TASKS
     xs, orders, counts = [], [], {} if fast else None
-    with scale.full_weights(model):
+    with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout; a no-op in one process
         for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
             c, g = prompts.rows(rows), gens[rows]
             if c.task in IMAGE_TASKS:
@@ -379,80 +371,5 @@ def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
     for task in task_list(cfg):
         exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]
         b = make_batch(task, exs, ctx.tok, ctx.ids, cfg, ctx.device, with_targets=False)
-        out.append(b.rows(scale.shard_rows(len(exs))))
+        out.append(b.rows(scale.shard_rows(len(exs))))  # this rank's whole groups: every row in one process
     return out
-
-
-def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
-             prompt_means: list | None = None, stop=None) -> float | None:
-    """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each from a
-    generator seeded by its index, so runs are paired and the world size changes nothing; ranks take
-    interleaved rows of every 64-example batch. records: if given, receives one dict per scored row of this
-    rank (index, prompt, output, reward); prompt_means: each held-out prompt's mean reward, over ranks (for a
-    gain's paired standard error); progress(n) after each batch of n rows (evaluate.py's bar); stop() before
-    each batch, on every rank (it raises to end a run on a signal: infra/phases.py). None without held-out set."""
-    cfg, device = ctx.cfg, ctx.device
-    exs = eval_examples(task, cfg, ctx.datasets)
-    if not exs:
-        return None
-    k = cfg.eval_samples if temperature > 0 else 1
-    per_prompt = torch.zeros(len(exs), dtype=torch.float64, device=device)  # summed reward of each prompt
-    exs = [ex for ex in exs for _ in range(k)]
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
-    # Entered by every rank, also one without rows in some batch (rollout's own is then a no-op).
-    with scale.full_weights(model):
-        for i in range(0, len(exs), 64):
-            if stop is not None:
-                stop()
-            mine = slice(scale.rank(), None, scale.world())
-            b = make_batch(task, exs[i:i + 64], ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(mine)
-            idx = list(range(i, min(i + 64, len(exs))))[mine]
-            if not idx:
-                continue
-            gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
-            b, _, _ = rollout(model, b, ctx, gens, temperature)
-            r = score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
-            total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
-            per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
-            if progress is not None:
-                progress(len(idx))
-            if records is not None:
-                outs = decode_window(b, ctx.tok, ctx.ids)
-                records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
-                               for j, ex, o, v in zip(idx, b.examples, outs, r.tolist()))
-    total = scale.all_sum(total)
-    if prompt_means is not None:
-        prompt_means.extend((scale.all_sum(per_prompt) / k).tolist())
-    return (total[0] / total[1]).item()
-
-
-def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None, stop=None) -> dict:
-    """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data
-    are left out. prompt_means: if given, receives the per-prompt means of each, under the same keys;
-    stop: as evaluate's."""
-    res = {}
-    for task in task_list(ctx.cfg):
-        for key, temperature in ((task, ctx.cfg.temperature), (f"{task}_greedy", 0.0)):
-            if key != task and task in IMAGE_TASKS:  # images have no greedy decoding
-                continue
-            means = []
-            r = evaluate(model, ctx, task, temperature, prompt_means=means, stop=stop)
-            if r is None:
-                break
-            res[key] = r
-            if prompt_means is not None:
-                prompt_means[key] = means
-    return res
-
-
-def image_snapshot(model, ctx: Ctx) -> list | None:
-    """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the
-    before and after pictures differ only by the policy. None without the toy image task."""
-    if "image" not in task_list(ctx.cfg):
-        return None
-    exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS]
-    if not exs:
-        return None
-    b = make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)
-    gens = [generator(ctx.device, ctx.cfg.seed, "grid", i) for i in range(len(exs))]
-    return decode_window(rollout(model, b, ctx, gens, ctx.cfg.temperature)[0], ctx.tok, ctx.ids)

@@ -11,14 +11,14 @@ Alg. 5), one rollout batch at a time:
 
     1. rollouts      tasks.rollout: G completions per prompt with their decoding order; sample.generate
                      (text, LLaDA's block sampler) or sample.generate_image (emerge sampler + CFG)
-    2. rewards       tasks.score: each task's reward (tasks.TASKS: verifiers in rewards.py / infra/toy.py,
-                     or a remote image scorer), in [0, 1]
+    2. rewards       tasks.score: each task's verifier from its tasks.TASKS entry (rewards.py), or a remote image
+                     scorer, in [0, 1]
     3. advantages    grpo.group_advantages: (R - mean) / std within each group of G (d1: R - mean)
-    4. views         importance.views: the estimator's K masked inputs and the positions each scores (mu
-                     re-masked copies of every completion, or the sampler's T states for "trajectory")
+    4. views         importance.views: one function per estimator (maskgrpo_views: mu re-masked copies of every
+                     completion), K masked inputs and the positions each scores
     5. old/ref       importance.token_logprobs on exactly those inputs, without gradient -> an Experience
-    6. mu updates    update j re-scores its views with the current policy (backward_loss: grpo.policy_loss,
-                     the clipped per-token ratio + beta * k3 KL, as one full-batch mean) and steps
+    6. mu updates    update j re-scores its views with the current policy (backward_loss: grpo.policy_loss, the
+                     clipped per-token ratio + beta * k3 KL, as one full-batch mean) and steps; step_log
 
 docs/method.md derives each step; docs/differences.md lists where this code departs from the paper and the
 official code. A run writes to out_dir: log.jsonl, summary.json (held-out reward before and after RL), final/,
@@ -50,8 +50,9 @@ from infra.run import Run, TrainingStopped, startup_checks
 from infra.scale import print0
 from infra.scorer import RemoteScorer
 from infra.settings import setup, validate
-from tasks import (IMAGE_TASKS, Batch, Ctx, evaluate_all, image_snapshot, make_batch, make_example, rollout, sft_tasks,
-                   step_prompts, task_list, vocab_slice)
+from infra.heldout import evaluate_all, image_snapshot
+from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts, task_list,
+                   vocab_slice)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -315,8 +316,8 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
                                  eos_id=ctx.ids.eos, mask_id=ctx.ids.mask, all_max=scale.all_max)
 
         # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only
-        logp_old = old_logprobs(model, batch, views, ctx)
-        logp_ref = old_logprobs(ref, batch, views, ctx) if ref is not None else None
+        logp_old = frozen_logprobs(model, batch, views, ctx)
+        logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
         exps.append(Experience(batch, r, adv, views, logp_old, logp_ref, sampler_log))
 
     # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
@@ -336,10 +337,9 @@ def check_rewards(r: torch.Tensor, task: str, group_size: int) -> None:
 
 
 @torch.no_grad()
-def old_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
-    """K x (B, L) float32: log-probs of every view under a frozen policy (pi_old or pi_ref). Under FSDP2 the
-    weights are gathered once for all of these forwards (scale.full_weights; a no-op in one process)."""
-    with scale.full_weights(model):
+def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
+    """K x (B, L) float32: the log-probs of every view under a frozen policy (pi_old or pi_ref)."""
+    with scale.full_weights(model):  # FSDP2 gathers the weights once for all K passes; a no-op in one process
         return [importance.token_logprobs(model, x_k, b.x, m_k, attention_mask=b.attention_mask,
                                           vocab_slice=vocab_slice(b.task, ctx.ids),
                                           device_batch_size=ctx.cfg.device_batch_size)
@@ -353,10 +353,10 @@ def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
     cfg = ctx.cfg
     # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
     # per (step, j, rank) so that a resumed run draws the same masks.
-    torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
+    torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))  # rank 0 in one process
     opt.zero_grad(set_to_none=True)
     out = {e.batch.task: reduce_sums(backward_loss(model, e, j, ctx), ctx.device) for e in exps}
-    # The optimizer's own parameters: under FSDP2 the module may expose gathered copies between passes.
+    # clip_grad_norm_ on the optimizer's own parameters (under FSDP2 the norm is over every rank's shards)
     out["grad_norm"] = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
     losses = [s["loss"] for t, s in out.items() if t != "grad_norm"]
     out["skipped"] = not (math.isfinite(out["grad_norm"]) and all(map(math.isfinite, losses)))
@@ -370,16 +370,14 @@ def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
 
 
 def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
-    """Backpropagate update j's loss on one task's experience, one device_batch_size chunk of rows at a time;
-    returns this rank's sums of it (grpo.policy_loss). The loss is ONE mean over the global batch: n, the
-    terms over every view the update scores, chunk and rank (a no-op sum in one process), is its denominator
-    (--trajectory_states: Views.norm, an unbiased estimate of the full trajectory's); scale.backward_sum turns
-    FSDP2's mean over ranks back into the sum."""
+    """Backpropagate update j's loss on one task's experience, device_batch_size rows at a time; returns this
+    rank's sums (grpo.policy_loss). The loss is ONE mean over the global batch: n counts the terms of every view
+    the update scores, chunk and rank (--trajectory_states: Views.norm, the full trajectory's, estimated)."""
     cfg, b, v = ctx.cfg, e.batch, e.views
     adv = e.adv[b.index].to(b.x.device)                                                    # (B,)
     scored = v.updates[j]
     n = v.norm if v.norm is not None else sum(grpo.num_terms(v.loss_masks[k], cfg.loss_norm) for k in scored)
-    n = scale.all_sum(torch.as_tensor(n).float()).clamp(min=1)
+    n = scale.all_sum(torch.as_tensor(n).float()).clamp(min=1)  # over ranks: a no-op in one process
     sums = {}
     for k in scored:
         mask = v.loss_masks[k]                                                             # (B, L)
@@ -389,13 +387,13 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
             loss, s = grpo.policy_loss(logp, e.logp_old[k][rows], adv[rows], mask[rows], clip_eps=cfg.clip_eps,
                                        beta=cfg.beta, norm=cfg.loss_norm, total=n,
                                        logp_ref=None if e.logp_ref is None else e.logp_ref[k][rows])
-            scale.backward_sum(loss)
+            scale.backward_sum(loss)  # loss.backward() in one process; undoes FSDP2's mean over ranks
             sums = grpo.add_sums(sums, s)
     return sums
 
 
 def reduce_sums(s: dict, device) -> dict:
-    """grpo.policy_loss sums over ranks (a no-op in one process), keys sorted: ratio_max by max, the rest summed."""
+    """grpo.policy_loss sums over ranks, keys sorted: ratio_max by max, the rest summed (a no-op in one process)."""
     keys = sorted(s)
     t = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=device)
     is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)

@@ -73,7 +73,7 @@ class Stopped(Exception):
 
 class Stop:
     """stop() raises Stopped when SIGTERM or SIGINT has arrived on any rank (a collective: every rank calls
-    it at the same point, as tasks.evaluate does at the top of every batch)."""
+    it at the same point, as infra/heldout.evaluate does at the top of every batch)."""
 
     def __init__(self, flag: dict, device):
         self.flag, self.device = flag, device

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import budget, checkpoint, hf, phases, scale
+from infra import budget, checkpoint, heldout, hf, phases, scale
 from infra.budget import scratch_config
 from infra.load import check_sft_cache, reference_identity, save_model
 from infra.scale import print0
@@ -359,5 +359,5 @@ def write_pictures(cfg, out: Path, grid: list) -> None:
         plots.plot_curves(out / "log.jsonl", out / "curves.png")
     if grid[0][1] is not None and grid[1][1] is not None:
         summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
-        plots.toy_image_panel(grid, tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS], cfg.image_width,
+        plots.toy_image_panel(grid, heldout.eval_examples("image", cfg, {})[:heldout.GRID_PROMPTS], cfg.image_width,
                               out / "images.png", summary)
