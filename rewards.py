@@ -24,7 +24,6 @@ from fractions import Fraction
 
 from infra.latex import math_equiv, normalize_math  # noqa: F401 (re-exported: callers import them from here)
 from infra.sandbox import run_code  # the public API is rewards.run_code(program, tests, timeout) -> float
-from infra.toy import image_checks  # the grid's checks, which the toy's generator also uses
 
 # -----------------------------------------------------------------------------------------------------
 # answer extraction
@@ -391,6 +390,38 @@ def solution_reward(completion_text: str, example: dict) -> float:
         solution_reward("3 + 4 = 6 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 0.0
     """
     return float(completion_text.strip() == example["solution"])
+
+
+# The toy image world (infra/toy.py draws its prompts and SFT images from these): a grid of palette colours,
+# code 0 background and code c >= 1 COLOURS[c - 1]; a relation puts one colour on a side of another (axis, sign),
+# a place puts a colour in the first or last row or column (axis, end).
+COLOURS = ["red", "green", "blue", "yellow", "purple", "cyan", "white"]
+RELATIONS = {"left of": (1, -1), "right of": (1, 1), "above": (0, -1), "below": (0, 1)}
+PLACES = {"top row": (0, "first"), "bottom row": (0, "last"), "left column": (1, "first"),
+          "right column": (1, "last")}
+
+
+def image_checks(codes: list[int], spec: dict) -> list[bool]:
+    """The verifier's individual checks: for each named colour its exact cell count; the relation or
+    placement if any; and "no stray colours" (the set of colours present equals the named set)."""
+    w = spec["width"]
+    cells = {c: [divmod(i, w) for i, x in enumerate(codes) if x == COLOURS.index(c) + 1] for c in COLOURS}
+    checks = [len(cells[c]) == n for c, n in spec["counts"].items()]
+    present = {c for c in COLOURS if cells[c]}
+    checks.append(present == set(spec["counts"]))
+    if spec["relation"]:
+        a, rel, b = spec["relation"]
+        axis, sign = RELATIONS[rel]
+        # Every cell of a strictly on the named side of every cell of b (GenEval compares box centres;
+        # with one-cell objects this is the same thing).
+        checks.append(bool(cells[a]) and bool(cells[b]) and
+                      all(sign * (q[axis] - p[axis]) > 0 for p in cells[b] for q in cells[a]))
+    if spec["place"]:
+        a, place = spec["place"]
+        axis, end = PLACES[place]
+        line = 0 if end == "first" else w - 1
+        checks.append(bool(cells[a]) and all(p[axis] == line for p in cells[a]))
+    return checks
 
 
 def image_reward(codes: list[int], example: dict) -> float:

@@ -26,6 +26,8 @@ import random
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from rewards import COLOURS, PLACES, RELATIONS  # the grid the image verifier reads
+
 
 # LLaDA/MMaDA special-token names (their released tokenizers). EOS doubles as pad, as in LLaDA-Instruct.
 BOS, EOS, MASK = "<|startoftext|>", "<|endoftext|>", "<|mdm_mask|>"
@@ -39,14 +41,11 @@ OBJECTS = ["apples", "pens", "books", "cards", "coins", "eggs", "shells", "stamp
 ADD_VERBS = ["buys {} more", "finds {} more", "gets {} more"]     # each step: x + n
 SUB_VERBS = ["gives {} away", "loses {}", "sells {}"]            # each step: x - n
 
-# Palette: code 0 is background; code c >= 1 is COLOURS[c - 1]. ANSI 256-colour index for render_image.
-COLOURS = ["red", "green", "blue", "yellow", "purple", "cyan", "white"]
+# Palette (rewards.COLOURS, with the relations and places the image verifier checks): code 0 is background,
+# code c >= 1 is COLOURS[c - 1]. ANSI 256-colour index for render_image.
 ANSI = [236, 196, 46, 27, 226, 129, 51, 231]
 CODEBOOK_SIZE = 1 + len(COLOURS)
 COUNT_WORDS = {1: "a", 2: "two", 3: "three", 4: "four"}
-RELATIONS = {"left of": (1, -1), "right of": (1, 1), "above": (0, -1), "below": (0, 1)}  # (axis, sign)
-PLACES = {"top row": (0, "first"), "bottom row": (0, "last"), "left column": (1, "first"),
-          "right column": (1, "last")}
 
 WORDS = sorted(set(NAMES) | set(NAMES.values()) | set(OBJECTS) | set(COLOURS) | set(COUNT_WORDS.values())
                | {w for v in ADD_VERBS + SUB_VERBS for w in v.split() if w != "{}"}
@@ -208,12 +207,30 @@ def make_image_example(rng: random.Random, split: str = "train", noise: float = 
             for _ in range(n):
                 image[free[k]] = COLOURS.index(c) + 1
                 k += 1
-        if all(image_checks(image, spec)):
+        if _placed(image, spec):
             break
     if rng.random() < noise:
         image = _corrupt(rng, image, spec)
     ex["image"] = image
     return ex
+
+
+def _placed(image: list[int], spec: dict) -> bool:
+    # The drawn grid puts the relation's or the place's colour where the caption says. The counts and the set of
+    # colours hold by construction, so this is all rewards.image_reward checks (tests check both agree).
+    w = spec["width"]
+    cells = {c: [divmod(i, w) for i, x in enumerate(image) if x == COLOURS.index(c) + 1] for c in spec["counts"]}
+    if spec["relation"]:
+        a, rel, b = spec["relation"]
+        axis, sign = RELATIONS[rel]
+        if not all(sign * (q[axis] - p[axis]) > 0 for p in cells[b] for q in cells[a]):
+            return False
+    if spec["place"]:
+        a, place = spec["place"]
+        axis, end = PLACES[place]
+        if not all(p[axis] == (0 if end == "first" else w - 1) for p in cells[a]):
+            return False
+    return True
 
 
 def _corrupt(rng: random.Random, image: list[int], spec: dict) -> list[int]:
@@ -222,29 +239,6 @@ def _corrupt(rng: random.Random, image: list[int], spec: dict) -> list[int]:
     c = COLOURS.index(next(iter(spec["counts"]))) + 1
     look_alike = c % len(COLOURS) + 1
     return [look_alike if x == c else x for x in image]
-
-
-def image_checks(codes: list[int], spec: dict) -> list[bool]:
-    """The verifier's individual checks: for each named colour its exact cell count; the relation or
-    placement if any; and "no stray colours" (the set of colours present equals the named set)."""
-    w = spec["width"]
-    cells = {c: [divmod(i, w) for i, x in enumerate(codes) if x == COLOURS.index(c) + 1] for c in COLOURS}
-    checks = [len(cells[c]) == n for c, n in spec["counts"].items()]
-    present = {c for c in COLOURS if cells[c]}
-    checks.append(present == set(spec["counts"]))
-    if spec["relation"]:
-        a, rel, b = spec["relation"]
-        axis, sign = RELATIONS[rel]
-        # Every cell of a strictly on the named side of every cell of b (GenEval compares box centres;
-        # with one-cell objects this is the same thing).
-        checks.append(bool(cells[a]) and bool(cells[b]) and
-                      all(sign * (q[axis] - p[axis]) > 0 for p in cells[b] for q in cells[a]))
-    if spec["place"]:
-        a, place = spec["place"]
-        axis, end = PLACES[place]
-        line = 0 if end == "first" else w - 1
-        checks.append(bool(cells[a]) and all(p[axis] == line for p in cells[a]))
-    return checks
 
 
 def render_image(codes: list[int], width: int) -> str:

@@ -15,7 +15,7 @@ import pytest
 
 import tasks
 import train
-from infra import heldout, checkpoint, run as run_mod
+from infra import checkpoint, heldout, run as run_mod
 from test_nothing_lost import TINY, tree_digest
 
 
