@@ -1,7 +1,8 @@
 """GRPO objective (DeepSeekMath, arXiv:2402.03300 §4.1) as MaskGRPO uses it (arXiv:2510.02880 Eq. 11).
 
 group_advantages: rewards -> advantages per group. policy_loss: clipped per-token surrogate + k3 KL on the
-log-probs of importance.token_logprobs under one inner iteration's mask. Differences from the paper and the
+log-probs of importance.token_logprobs under one inner iteration's mask, as one mean over the whole batch
+however it is chunked; step_stats: the logged statistics. Differences from the paper and the
 official code, and why: docs/differences.md. Shapes: B sequences (num_groups x G), G group size, N columns.
 """
 import torch
@@ -47,17 +48,12 @@ def num_terms(mask: torch.Tensor, norm: str) -> torch.Tensor:
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
                 clip_eps: float, beta: float = 0.0, logp_ref: torch.Tensor | None = None, norm: str = "token",
                 total: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped GRPO surrogate + beta * k3 KL, to be minimised: (loss, sums of detached floats).
-
-    The loss is ONE mean over the whole batch of an update, every chunk, view and rank of it: this call
-    scores one chunk and returns its share S_c / total, with S_c its terms' sum and total the number of
-    terms of the whole batch (num_terms over every chunk, view and rank; default: this chunk's own). The
-    shares of all chunks add up to S / total, the full-batch mean, so a backward per chunk accumulates its
-    gradient. logp: float32 (B, N) current policy with grad; logp_old, logp_ref: (B, N); adv: (B,); mask: bool
-    (B, N), the tokens scored in THIS update. norm="token": every scored token is a term; "sequence": each
-    sequence with a scored token is one term, its tokens' mean. No scored token gives loss 0 with zero grads.
-    sums (add them over chunks, views and ranks; step_stats divides): loss (this share), tokens (scored),
-    clipped (tokens whose gradient the clip removes), kl, ratio (sums over the scored tokens), ratio_max."""
+    """Clipped GRPO surrogate + beta * k3 KL on one chunk of rows: (its share S_c / total of the full-batch mean,
+    sums). total: the terms of the whole batch, every chunk, view and rank (default: this chunk's), so the chunks'
+    shares add up to the one mean S / total. norm="token": each scored token is a term; "sequence": each sequence
+    with one, as its tokens' mean. logp: float32 (B, N) with grad; logp_old, logp_ref: (B, N); adv: (B,); mask:
+    bool (B, N), the tokens THIS update scores (none: loss 0, zero grads). sums, to add over chunks, views and
+    ranks (step_stats divides): loss, tokens, clipped (gradient removed by the clip), kl, ratio, ratio_max."""
     assert clip_eps > 0 and beta >= 0 and norm in NORMS and (beta == 0 or logp_ref is not None), \
         f"clip_eps {clip_eps} > 0, beta {beta} >= 0 (> 0 needs logp_ref), norm {norm!r} in {NORMS}"
     shapes = [tuple(t.shape) for t in (logp, logp_old, mask, adv) + ((logp_ref,) if logp_ref is not None else ())]

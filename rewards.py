@@ -316,7 +316,6 @@ REWARDS = {
     "sudoku": lambda completion, example: sudoku_reward(completion, _field(example, "puzzle", "Puzzle"),
                                                         _field(example, "solution", "Solution")),
     "mbpp": _mbpp,
-    "boxed_format": lambda completion, example: boxed_format_reward(completion),
 }
 
 
