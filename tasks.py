@@ -300,12 +300,16 @@ def decode_window(b: Batch, tok, ids) -> list:
 
 def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
     """The global prompts of one RL step, identical on every rank: toy tasks draw fresh examples from
-    (seed, step); a dataset is walked in a fresh seeded permutation per epoch, so step s always sees the
-    same prompts (and a resumed run continues where it stopped)."""
-    if task in TOY_TASKS:
-        rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
-        return [make_example(task, rng, cfg, "train") for _ in range(cfg.prompts_per_step)]
-    rows = datasets[task]["train"]
+    (seed, step); a dataset's are dataset_prompts."""
+    if task not in TOY_TASKS:
+        return dataset_prompts(task, cfg, step, datasets[task]["train"])
+    rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
+    return [make_example(task, rng, cfg, "train") for _ in range(cfg.prompts_per_step)]
+
+
+def dataset_prompts(task: str, cfg, step: int, rows: list) -> list:
+    """Step `step`'s rows of a dataset, walked in a fresh seeded permutation per epoch, so step s always sees
+    the same prompts (and a resumed run continues where it stopped)."""
     out, orders = [], {}
     for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
         epoch, pos = divmod(i, len(rows))
@@ -314,7 +318,6 @@ def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
             random.Random(derive_seed(cfg.seed, "epoch", task, epoch)).shuffle(orders[epoch])
         out.append(rows[orders[epoch][pos]])
     return out
-
 
 # -----------------------------------------------------------------------------------------------------
 # the RL step's prompts, rollouts (step 1) and rewards (step 2, score above)
