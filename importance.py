@@ -253,8 +253,9 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
         ratios = [[r] * len(idx) for r in mask_ratios(mu, gamma)]  # [mu][B]
     else:
         ratios, mode = list(zip(*[_unigrpo_ratios(seed, step, i, mu) for i in idx])), "random"
-    return reversed_masks(prompt_mask, completion_mask, ratios, seed=seed, step=step, seq_index=idx, mode=mode,
-                          suffix_len=suffix_len)
+    masks = reversed_masks(prompt_mask, completion_mask, ratios, mode, seed=seed, step=step, seq_index=idx,
+                           length=prompt_mask.shape[1] + completion_mask.shape[1] + suffix_len)
+    return masks, masks.clone()
 
 
 # Settings that only some estimators read: (flag, the estimators that read it).

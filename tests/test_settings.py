@@ -274,8 +274,8 @@ def test_evaluate_cli_greedy_and_sampled_modes(toy, tmp_path, monkeypatch, capsy
 
 def rl_step(toy, monkeypatch, *flags, calls):
     tok, ids, model = toy
-    for module, name in ((sample, "generate"), (sample, "generate_image"), (importance, "build_masks"),
-                         (grpo, "policy_loss")):
+    for module, name in ((sample, "generate"), (sample, "generate_image"), (importance, "reversed_masks"),
+                         (importance, "d1_masks"), (grpo, "policy_loss")):
         spy(monkeypatch, module, name, calls)
     scored = []
 
@@ -313,9 +313,10 @@ def test_rl_step_hands_every_setting_to_its_callee(toy, monkeypatch):
     assert [c[1][1].shape[0] for c in images] == [4, 2]
     for _, args, kw in images:
         assert (kw["steps"], kw["sampler"], kw["cfg_scale"], kw["num_tokens"]) == (3, "maskgit", 1.5, 16)
-    masks = [kw for name, _, kw in calls if name == "build_masks"]
-    assert [(kw["gamma"], kw["mode"], kw["mu"], kw["estimator"]) for kw in masks] == \
-        [(0.3, "random", 2, "maskgrpo"), (0.5, "random", 2, "maskgrpo")]
+    # maskgrpo_views: mu ratios t_j = gamma + (1 - gamma)(j + 1) / mu per row (the last clamped to 0.999)
+    masks = [args for name, args, _ in calls if name == "reversed_masks"]
+    assert [(args[3], len(args[2])) for args in masks] == [("random", 2), ("random", 2)]
+    assert [args[2][0][0] for args in masks] == [pytest.approx(0.3 + 0.7 / 2), pytest.approx(0.5 + 0.5 / 2)]
     losses = [kw for name, _, kw in calls if name == "policy_loss"]
     assert len(losses) == 2 * 2 * 2  # mu x tasks x chunks
     assert {(kw["clip_eps"], kw["beta"], kw["norm"]) for kw in losses} == {(0.1, 0.2, "sequence")}
@@ -335,8 +336,12 @@ def test_fast_sampler_and_estimator_settings(toy, monkeypatch, estimator):
                                 "--temperature=0.9", calls=calls)
     fast = [kw for name, _, kw in calls if name == "generate" and "kv_cache" in kw]
     assert fast and all((kw["kv_cache"], kw["threshold"], kw["temperature"]) == ("prefix", 0.5, 0.9) for kw in fast)
-    (kw,) = [kw for name, _, kw in calls if name == "build_masks"]
-    assert (kw["estimator"], kw["p_mask_prompt"], kw["mu"]) == (estimator, 0.3, 2)
+    if estimator == "d1":
+        (kw,) = [kw for name, _, kw in calls if name == "d1_masks"]
+        assert (kw["p_mask_prompt"], kw["mu"]) == (0.3, 2)
+    else:  # UniGRPO: random reversing at mu ratios of its own
+        (args,) = [args for name, args, _ in calls if name == "reversed_masks"]
+        assert (args[3], len(args[2])) == ("random", 2)
     g = r.rewards.view(-1, cfg.group_size)
     centred = (g - g.mean(1, keepdim=True)).flatten()
     if estimator == "d1":
