@@ -7,7 +7,7 @@
     python evaluate.py --compare=before.jsonl,after.jsonl    # gain of two --out files, paired by prompt
 
 Tasks: gsm8k, math, countdown, sudoku, mbpp (sandboxed, rewards.REWARDS) and geneval (--image_scorer_url),
-which read --data; the toy tasks text and image, which need none. Every completion comes from tasks.evaluate,
+which read --data; the toy tasks text and image, which need none. Every completion comes from heldout.evaluate,
 the function train.py scores its held-out sets with, so under the same Config the numbers are the run's own
 (`--run` checks exactly that, and exits 1 if any differs by more than 1e-6). A completion counts as correct
 when its reward is >= 1 - 1e-6; pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374, §2.1) with
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import tasks
 import train
-from infra import cli, data, load, lora, run, scale, settings
+from infra import cli, data, heldout, load, lora, run, scale, settings
 from infra.data import load_data
 from infra.scorer import RemoteScorer
 
@@ -146,7 +146,7 @@ def build_config(o: Options) -> tuple[train.Config, int]:
     if o.limit < 0 or o.samples < -1:
         raise ValueError(f"--limit ({o.limit}) must be >= 0 and --samples ({o.samples}) >= 0")
     samples = o.eval_samples if o.samples == -1 else o.samples
-    if samples and o.temperature <= 0:  # tasks.evaluate then draws one completion per prompt: no pass@k
+    if samples and o.temperature <= 0:  # heldout.evaluate then draws one completion per prompt: no pass@k
         raise ValueError(f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
     implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1)}
     if not toy:  # load_data keys on train_data, so the evaluation file is given as both (only "test" is scored)
@@ -174,7 +174,7 @@ def open_out(out: str):
 
 
 class Scored(list):
-    """The `records` list tasks.evaluate extends once per scored batch: each record is also written to the
+    """The `records` list heldout.evaluate extends once per scored batch: each record is also written to the
     --out file at once (and flushed), so an interrupted evaluation keeps every completion it scored."""
 
     def __init__(self, task: str, mode: str, k: int, file=None):
@@ -182,7 +182,7 @@ class Scored(list):
         self.task, self.mode, self.k, self.file = task, mode, k, file
 
     def extend(self, rows):
-        # tasks.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
+        # heldout.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
         recs = [{"task": self.task, "mode": self.mode, "prompt_index": r["index"] // self.k,
                  "sample": r["index"] % self.k, "prompt": r["prompt"], "output": r["output"], "reward": r["reward"]}
                 for r in rows]
@@ -218,18 +218,18 @@ def _score(cfg, task, sink, limit, samples):
     scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
     model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
     load.report_truncation(cfg, tok, datasets)
-    n = len(tasks.eval_examples(task, cfg, datasets))
+    n = len(heldout.eval_examples(task, cfg, datasets))
     ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer)
     modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
-    if task not in tasks.IMAGE_TASKS:  # as tasks.evaluate_all: images have no greedy decoding
+    if task not in tasks.IMAGE_TASKS:  # as heldout.evaluate_all: images have no greedy decoding
         modes.insert(0, ("greedy", 0.0, 1))
     records = []
-    # The bar counts completions; tasks.evaluate reports after each batch of (up to) 64.
+    # The bar counts completions; heldout.evaluate reports after each batch of (up to) 64.
     with cli.progress_bar(total=n * sum(k for *_, k in modes), desc=f"eval {task}", unit="completion",
                           leave=False) as bar:
         for mode, temperature, k in modes:
             rows = Scored(task, mode, k, sink)
-            tasks.evaluate(model, ctx, task, temperature, rows, bar.update)
+            heldout.evaluate(model, ctx, task, temperature, rows, bar.update)
             records += rows
     row = summarize(records)
     print(table(["task", "n", "greedy pass@1", f"pass@{row['k']}", "mean reward"],
@@ -268,7 +268,7 @@ def compare(before: str, after: str) -> list[list]:
 
 def check_run(run_dir: str, **overrides) -> bool | None:
     """Re-score a train.py run with its own config.json: the model before RL (the SFT model, or init_from)
-    and final/ after, through tasks.evaluate_all; print them beside summary.json. True if all agree, None
+    and final/ after, through heldout.evaluate_all; print them beside summary.json. True if all agree, None
     when a number could not be measured (a scorer down)."""
     out_dir = Path(run_dir)
     for f in ("config.json", "summary.json"):
@@ -297,7 +297,7 @@ def check_run(run_dir: str, **overrides) -> bool | None:
         model, tok, ids, _ = load.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
         if label == "after" and cfg.lora_rank:
             lora.load_adapters(model, out_dir / "final")
-        evals[label] = tasks.evaluate_all(model.eval(), tasks.Ctx(cfg, tok, ids, device, datasets, scorer))
+        evals[label] = heldout.evaluate_all(model.eval(), tasks.Ctx(cfg, tok, ids, device, datasets, scorer))
     keys = [k for k in summary if k != "seconds"] + sorted(set(evals["before"]) - set(summary))
     rows, ok = [], True
     for k in keys:

@@ -1,7 +1,8 @@
 """GRPO objective (DeepSeekMath, arXiv:2402.03300 §4.1) as MaskGRPO uses it (arXiv:2510.02880 Eq. 11).
 
 group_advantages: rewards -> advantages per group. policy_loss: clipped per-token surrogate + k3 KL on the
-log-probs of importance.token_logprobs under one inner iteration's mask. Differences from the paper and the
+log-probs of importance.token_logprobs under one inner iteration's mask, as one mean over the whole batch
+however it is chunked; step_stats: the logged statistics. Differences from the paper and the
 official code, and why: docs/differences.md. Shapes: B sequences (num_groups x G), G group size, N columns.
 """
 import torch
@@ -45,19 +46,21 @@ def num_terms(mask: torch.Tensor, norm: str) -> torch.Tensor:
 
 
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
-                clip_eps: float, beta: float = 0.0, logp_ref: torch.Tensor | None = None,
-                norm: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped GRPO surrogate + beta * k3 KL, to be minimised: (loss, stats of detached floats).
-    logp: float32 (B, N) current policy with grad; logp_old, logp_ref: (B, N); adv: (B,); mask: bool (B, N),
-    the tokens masked in THIS inner iteration. norm="token": mean over the batch's scored tokens;
-    "sequence": mean over each sequence's scored tokens, then over the sequences that have any. No scored
-    token gives loss 0 with zero grads. stats: clipfrac (tokens whose gradient the clip removes), kl,
-    ratio_mean, ratio_max, num_tokens. A batch split into chunks is weighted by train.backward_loss."""
+                clip_eps: float, beta: float = 0.0, logp_ref: torch.Tensor | None = None, norm: str = "token",
+                total: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped GRPO surrogate + beta * k3 KL on one chunk of rows: (its share S_c / total of the full-batch mean,
+    sums). total: the terms of the whole batch, every chunk, view and rank (default: this chunk's), so the chunks'
+    shares add up to the one mean S / total. norm="token": each scored token is a term; "sequence": each sequence
+    with one, as its tokens' mean. logp: float32 (B, N) with grad; logp_old, logp_ref: (B, N); adv: (B,); mask:
+    bool (B, N), the tokens THIS update scores (none: loss 0, zero grads). sums, to add over chunks, views and
+    ranks (step_stats divides): loss, tokens, clipped (gradient removed by the clip), kl, ratio, ratio_max."""
     assert clip_eps > 0 and beta >= 0 and norm in NORMS and (beta == 0 or logp_ref is not None), \
         f"clip_eps {clip_eps} > 0, beta {beta} >= 0 (> 0 needs logp_ref), norm {norm!r} in {NORMS}"
     shapes = [tuple(t.shape) for t in (logp, logp_old, mask, adv) + ((logp_ref,) if logp_ref is not None else ())]
     assert len(set(shapes[:3] + shapes[4:])) == 1 and shapes[3] == shapes[0][:1] and mask.dtype == torch.bool, \
         f"logp, logp_old, bool mask (and logp_ref) must be (B, N) and adv (B,): got {shapes}"
+    if total is None:
+        total = num_terms(mask, norm).float().clamp(min=1)
     m = mask.float()  # (B, N)
     A = adv.to(logp.dtype).unsqueeze(1)  # (B, 1)
     # Log-ratio 0 at unscored positions before exp: their logp is arbitrary, and exp(huge) * 0 would be NaN.
@@ -73,24 +76,35 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
         kl = torch.exp(d) - d - 1.0  # (B, N)
         if beta > 0:
             per_token = per_token + beta * kl  # (B, N)
-    per_seq_count = m.sum(dim=1)  # (B,)
     if norm == "token":
         # every scored token of the batch weighs the same (the official code; DAPO, arXiv:2503.14476)
-        loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
+        loss = (per_token * m).sum() / total
     else:
-        # Eq. 11's A_i / |o_i|, with |o_i| the tokens scored in this iteration (not the completion length)
-        seq_loss = (per_token * m).sum(dim=1) / per_seq_count.clamp(min=1.0)  # (B,)
-        has_tokens = (per_seq_count > 0).float()  # (B,)
-        loss = (seq_loss * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+        # Eq. 11's A_i / |o_i|, with |o_i| the tokens scored in this update (not the completion length)
+        seq_loss = (per_token * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)  # (B,)
+        loss = seq_loss.sum() / total  # a sequence without scored tokens adds 0
 
     with torch.no_grad():
-        n = float(m.sum())
         clipped = ((A > 0) & (ratio > 1.0 + clip_eps)) | ((A < 0) & (ratio < 1.0 - clip_eps))  # (B, N)
-        stats = {
-            "clipfrac": float((clipped.float() * m).sum()) / n if n else 0.0,
-            "kl": float((kl * m).sum()) / n if (n and kl is not None) else 0.0,
-            "ratio_mean": float((ratio * m).sum()) / n if n else 1.0,  # 1.0 = neutral when nothing scored
-            "ratio_max": float(ratio[mask].max()) if n else 1.0,
-            "num_tokens": n,
-        }
-    return loss, stats
+        sums = {"loss": loss.item(), "tokens": float(m.sum()), "clipped": float((clipped.float() * m).sum()),
+                "kl": float((kl * m).sum()) if kl is not None else 0.0, "ratio": float((ratio * m).sum()),
+                "ratio_max": float(ratio[mask].max()) if mask.any() else 1.0}  # 1.0: neutral when nothing scored
+    return loss, sums
+
+
+def add_sums(a: dict, b: dict) -> dict:
+    """Two chunks' (or ranks') sums of policy_loss as one: ratio_max by max, the rest added."""
+    return {k: max(a[k], b[k]) if k == "ratio_max" else a[k] + b[k] for k in b} if a else dict(b)
+
+
+def step_stats(updates: list[dict]) -> dict[str, float]:
+    """The logged statistics of one RL step from each update's sums over the whole batch (every rank),
+    divided once: loss, clipfrac, kl, ratio_mean are each update's full-batch value (clipfrac, kl,
+    ratio_mean per scored token) averaged over the mu updates; ratio_max is the largest ratio of any token in
+    any update; num_tokens is the step's scored tokens, over every update."""
+    mu = len(updates)
+    mean = lambda f: sum(f(u) / mu for u in updates)  # over the updates, in order
+    per_token = lambda k, empty=0.0: mean(lambda u: u[k] / u["tokens"] if u["tokens"] else empty)
+    return {"loss": mean(lambda u: u["loss"]), "clipfrac": per_token("clipped"), "kl": per_token("kl"),
+            "ratio_mean": per_token("ratio", 1.0), "ratio_max": max(u["ratio_max"] for u in updates),
+            "num_tokens": sum(u["tokens"] for u in updates)}

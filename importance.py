@@ -5,9 +5,9 @@ the paper argues (§3) that two policies' masked log-likelihoods at one masked s
 their per-step decoding log-likelihoods (decoding_logprob computes those exactly). Inner iteration j re-masks
 the completion with a seeded reversing operator o^t ~ Rev(o, t_j, S_j) and scores pi_theta, pi_old and pi_ref on
 that same input; a mask is a function of (seed, ratio, N) alone. Per rollout step (train.rl_step):
-    inputs, loss_masks = views(batch, order, cfg, ...)         # every estimator's choice is made in views()
-    logp_old[k] = token_logprobs(model, inputs[k], x, loss_masks[k])  # no_grad; the same inputs for pi_ref
-    update j scores update_views(estimator, j, K) with grad -> grpo.policy_loss
+    v = views(batch, order, cfg, ...)          # one function per estimator (VIEWS): K inputs, their loss masks
+    logp_old[k] = token_logprobs(model, v.inputs[k], x, v.loss_masks[k])  # no_grad; the same inputs for pi_ref
+    update j scores the views v.updates[j] with grad -> grpo.policy_loss
 The "trajectory" estimator is what the others approximate: trajectory_masks turns the sampler's decoding
 order into one (state, revealed tokens) pair per decoding step, so that every token is scored under the
 state in which it was revealed; the sum of those log-probs is decoding_logprob's exact l_pi(o).
@@ -20,10 +20,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from infra import scale
+from infra import scale  # chunks only: rows per forward pass, no collective
 from infra.rng import derive_seed, packed_seed
 
-MASK_ESTIMATORS = ("maskgrpo", "d1", "unigrpo")  # the ones build_masks draws masks for
+MASK_ESTIMATORS = ("maskgrpo", "d1", "unigrpo")  # the ones that draw masks (build_masks)
 ESTIMATORS = MASK_ESTIMATORS + ("trajectory",)   # trajectory: the sampler's own states (trajectory_masks)
 MODES = ("arlike", "random", "arlike_official")  # text reversing operators (reverse_mask)
 MAX_RATIO = 0.999  # the last ratio of the schedule would be 1.0; the official code clamps it here
@@ -41,11 +41,11 @@ def mask_seed(seed: int, step: int, seq_index: int, j: int) -> int:
 # -----------------------------------------------------------------------------
 # timestep truncation and reversing operators (which completion tokens get masked)
 
-def mask_ratios(num_iterations: int, gamma: float) -> list[float]:
+def mask_ratios(mu: int, gamma: float) -> list[float]:
     """Mask ratio t_j of inner iterations j = 0..mu-1: gamma + (1-gamma)(j+1)/mu (arXiv:2510.02880 Alg. 5)."""
-    assert num_iterations >= 1 and 0.0 <= gamma < 1.0, f"num_iterations {num_iterations} >= 1, gamma {gamma} in [0, 1)"
+    assert mu >= 1 and 0.0 <= gamma < 1.0, f"mu {mu} >= 1, gamma {gamma} in [0, 1)"
     # Truncation (Fig. 5a): at low ratios the model is nearly certain, ratios ~ 1. Smallest used: gamma + (1-gamma)/mu.
-    return [min(gamma + (1.0 - gamma) * (j + 1) / num_iterations, MAX_RATIO) for j in range(num_iterations)]
+    return [min(gamma + (1.0 - gamma) * (j + 1) / mu, MAX_RATIO) for j in range(mu)]
 
 
 def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
@@ -56,9 +56,8 @@ def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
 
 
 def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
-    # The official AR-like operator as its call site applies it (martian422/MaskGRPO, grpo/mask_grpo_trainer.py:
-    # _get_per_token_logps_uni builds prompt_index 1-D, shape (L,), and remask_ar reads its prompt length as
-    # prompt_index[0].sum(), i.e. 1). Its ramp therefore spans the L - 1 positions 1..L-1 of [prompt | window],
+    # The official code's AR-like masks as its trainer applies them: it takes the prompt length to be 1
+    # (docs/differences.md says where and why), so its ramp spans the L - 1 positions 1..L-1 of [prompt | window],
     # and prompt positions, never masked, use up its high-keep start. Window token n (absolute position P + n)
     # stays visible with prob min(1, 2 (1-r) (1 - (P + n - 1) / (L - 2))), L = P + N: the paper's ramp over
     # L - 1 positions, of which the window holds the last N. The masked share of the window then grows with P.
@@ -126,90 +125,137 @@ def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float
     return [math.floor((n - 1) / max(mu - 1, 1) * (UNIGRPO_T - t1) + t1) / UNIGRPO_T for n in range(1, mu + 1)]
 
 
-def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int,
-                seq_index, num_iterations: int, gamma: float = 0.6, estimator: str = "maskgrpo", mode: str = "arlike",
-                p_mask_prompt: float = 0.15, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mu (input mask, loss mask) pairs of a mask estimator (the table in views), bool (mu, B, L) each,
-    over [prompt | window | suffix]. prompt_mask: bool (B, P), True at real prompt tokens; completion_mask:
-    bool (B, N), True where the window may be scored; seq_index: global sequence index per row."""
-    assert estimator in MASK_ESTIMATORS and mode in MODES, f"estimator {estimator!r} in {MASK_ESTIMATORS}, mode {mode!r} in {MODES}"
-    assert 0.0 <= p_mask_prompt <= 1.0 and num_iterations >= 1, f"{p_mask_prompt=} in [0, 1], {num_iterations=} >= 1"
-    assert prompt_mask.dtype == completion_mask.dtype == torch.bool and \
-        prompt_mask.shape[0] == completion_mask.shape[0], "prompt_mask (B, P), completion_mask (B, N): bool"
-    (B, P), N, mu = prompt_mask.shape, completion_mask.shape[1], num_iterations
-    idx = [int(i) for i in seq_index]
-    assert len(idx) == B, f"seq_index has {len(idx)} entries for {B} rows"
+class Views(NamedTuple):
+    """One task's views (step 4 of the RL step): K masked inputs (B, L), the positions each scores (bool (K, B, L)),
+    the views update j scores (updates[j]), and for --trajectory_states this rank's part of the loss normaliser
+    (else None: the scored terms)."""
+    inputs: list
+    loss_masks: torch.Tensor
+    updates: list
+    norm: torch.Tensor | None = None
+
+
+def views(batch, order: torch.Tensor, cfg, *, image: bool, step: int, seq_index: list, eos_id: int, mask_id: int,
+          all_max=lambda t: t) -> Views:
+    """Step 4 of the RL step (paper Alg. 5): the views of one task's rollouts under cfg.estimator (VIEWS).
+    batch: tasks.Batch with the rollouts in its window; order: (B, L) the step each position was revealed at;
+    seq_index: each row's global sequence index (masks and their seeds do not depend on the world size);
+    all_max: the elementwise maximum over ranks (the trajectory estimator's only collective; identity here)."""
+    return VIEWS[cfg.estimator](batch, order, cfg, image=image, step=step, seq_index=[int(i) for i in seq_index],
+                                eos_id=eos_id, mask_id=mask_id, all_max=all_max)
+
+
+def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -> Views:
+    """MaskGRPO: K = mu views; view j re-masks the completion at the truncated ratio t_j (mask_ratios) with the
+    modality's reversing operator, AR-like for text (Alg. 1; or --text_reversing) and random for images (Alg. 2),
+    and scores the tokens it masked. Update j scores view j."""
+    mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
+    ratios = [[t] * len(seq_index) for t in mask_ratios(cfg.mu, gamma)]                # [mu][B]
+    window = torch.ones(batch.x.shape[0], batch.window, dtype=torch.bool, device=batch.x.device)  # (B, N)
+    masks = reversed_masks(batch.prompt_mask, window, ratios, mode, seed=derive_seed(cfg.seed, "masks", batch.task),
+                           step=step, seq_index=seq_index, length=batch.x.shape[1])      # (mu, B, L)
+    return Views([apply_mask(batch.x, m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
+
+
+def unigrpo_views(batch, order, cfg, *, step, seq_index, mask_id, **_) -> Views:
+    """UniGRPO (MMaDA, arXiv:2505.15809): K = mu random-reversing views at UniGRPO's ratios, one per update."""
+    seed = derive_seed(cfg.seed, "masks", batch.task)
+    ratios = list(zip(*[_unigrpo_ratios(seed, step, i, cfg.mu) for i in seq_index]))  # [mu][B]
+    window = torch.ones(batch.x.shape[0], batch.window, dtype=torch.bool, device=batch.x.device)  # (B, N)
+    masks = reversed_masks(batch.prompt_mask, window, ratios, "random", seed=seed, step=step, seq_index=seq_index,
+                           length=batch.x.shape[1])                                      # (mu, B, L)
+    return Views([apply_mask(batch.x, m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
+
+
+def d1_views(batch, order, cfg, *, image, step, seq_index, eos_id, mask_id, **_) -> Views:
+    """d1 (arXiv:2504.12216): K = mu one-step views (d1_masks), the text completion scored up to and including
+    its first EOS, every image slot scored. Update j scores view j."""
+    x, P, N = batch.x, batch.prompt_len, batch.window
+    scored = torch.ones(x.shape[0], N, dtype=torch.bool, device=x.device)                # (B, N)
+    if not image:
+        scored = completion_mask_until_eos(x[:, P:P + N], eos_id)
+    ins, loss_masks = d1_masks(batch.prompt_mask, scored, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
+                               seq_index=seq_index, mu=cfg.mu, p_mask_prompt=cfg.p_mask_prompt,
+                               suffix_len=x.shape[1] - P - N)                             # (mu, B, L) each
+    return Views([apply_mask(x, m, mask_id) for m in ins], loss_masks, [[j] for j in range(cfg.mu)])
+
+
+def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_max, **_) -> Views:
+    """The exact decoding path: K = T views, the sampler's own states (trajectory_masks), each scoring the tokens
+    revealed in it, and every update scores all of them. States in which no rank revealed anything are dropped,
+    the same on every rank. --trajectory_states=K: update j scores K of them (draw_states), each weighing T / K."""
+    x, B = batch.x, batch.x.shape[0]
+    in_masks, loss_masks = trajectory_masks(order, cfg.image_steps if image else cfg.steps)
+    keep = all_max(loss_masks.flatten(1).any(1).to(x.device, torch.float32)).bool().cpu()
+    in_masks, loss_masks = in_masks[keep], loss_masks[keep]                        # (T, B, L) each
+    T = len(in_masks)
+    if not cfg.trajectory_states:
+        return Views([apply_mask(x, m, mask_id) for m in in_masks], loss_masks, [range(T)] * cfg.mu)
+    K = min(cfg.trajectory_states, T)
+    states, updates = draw_states(T, K, cfg.mu, step=step, seq_index=seq_index,
+                                  seed=derive_seed(cfg.seed, "trajectory-states", batch.task))  # (U, B)
+    pick = states.to(x.device), torch.arange(B, device=x.device)           # view u of row b: state u of b
+    norm = loss_masks.sum().float() * (K / T)                              # K = T: exactly the full count
+    in_masks, loss_masks = in_masks[pick], loss_masks[pick]                # (U, B, L) each
+    return Views([apply_mask(x, m, mask_id) for m in in_masks], loss_masks, updates, norm)
+
+
+VIEWS = {"maskgrpo": maskgrpo_views, "d1": d1_views, "unigrpo": unigrpo_views, "trajectory": trajectory_views}
+
+
+def reversed_masks(prompt_mask: torch.Tensor, scored: torch.Tensor, ratios, mode: str, *, seed: int, step: int,
+                   seq_index, length: int) -> torch.Tensor:
+    """bool (mu, B, length) over [prompt (P) | window (N) | suffix]: mask j holds o^t_j ~ Rev(o, ratios[j], S_j)
+    (reverse_mask) inside scored (bool (B, N), where the window may be masked), one seed S_j per sequence
+    (mask_seed); the prompt is never masked (paper §3). ratios: [mu][B]. Both the input and the loss mask."""
+    (B, P), N = prompt_mask.shape, scored.shape[1]
     # "arlike_official" reads each row's real prompt length: the official runs put one unpadded prompt group on a
     # GPU, so the P it saw was the prompt's own length, never a batch's padded one (docs/differences.md).
-    prompt_len = prompt_mask.sum(1).tolist()  # [B]
-    if estimator == "maskgrpo":
-        ratios = [[r] * B for r in mask_ratios(mu, gamma)]  # [mu][B]
-    elif estimator == "unigrpo":
-        ratios = list(zip(*[_unigrpo_ratios(seed, step, i, mu) for i in idx]))  # [mu][B]
+    prompt_len = prompt_mask.sum(1).tolist()                                         # [B]
+    masks = torch.zeros(len(ratios), B, length, dtype=torch.bool, device=scored.device)  # (mu, B, L)
+    for j, r in enumerate(ratios):
+        seeds = [mask_seed(seed, step, int(i), j) for i in seq_index]
+        masks[j, :, P:P + N] = reverse_mask(scored, r, seeds, mode, prompt_len=prompt_len)  # (B, N)
+    return masks
+
+
+def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int, seq_index,
+             mu: int, p_mask_prompt: float, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """d1's mu (input mask, loss mask) pairs, bool (mu, B, L) each: a one-step estimate at t = 1, the whole window
+    masked (also past the loss mask: a visible trailing EOS would give the answer's length away), each real prompt
+    token masked with probability p_mask_prompt, and completion_mask (bool (B, N)) scored."""
+    assert 0.0 <= p_mask_prompt <= 1.0, f"{p_mask_prompt=} in [0, 1]"
+    (B, P), N = prompt_mask.shape, completion_mask.shape[1]
     in_masks = torch.zeros(mu, B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)
     loss_masks = torch.zeros_like(in_masks)  # (mu, B, L)
-    cols = slice(P, P + N)  # the window's columns
     for j in range(mu):
-        seeds = [mask_seed(seed, step, i, j) for i in idx]  # one S_j per sequence
-        if estimator == "d1":
-            # One-step estimate at t = 1: the whole window is masked, also past the loss mask (visible
-            # trailing EOS would give the answer's length away); only completion_mask is scored.
-            in_masks[j, :, :P] = _d1_prompt_mask(prompt_mask, p_mask_prompt, seeds)  # (B, P)
-            in_masks[j, :, cols] = True
-            loss_masks[j, :, cols] = completion_mask
-        else:
-            # The prompt is never masked (paper §3; docs/method.md §3). Only tokens masked in THIS iteration carry a ratio.
-            m = reverse_mask(completion_mask, ratios[j], seeds, mode if estimator == "maskgrpo" else "random",
-                             prompt_len=prompt_len)
-            in_masks[j, :, cols] = loss_masks[j, :, cols] = m  # (B, N)
+        seeds = [mask_seed(seed, step, int(i), j) for i in seq_index]
+        in_masks[j, :, :P] = _d1_prompt_mask(prompt_mask, p_mask_prompt, seeds)  # (B, P)
+        in_masks[j, :, P:P + N] = True
+        loss_masks[j, :, P:P + N] = completion_mask
     return in_masks, loss_masks
 
 
-def views(batch, order: torch.Tensor, cfg, *, image: bool, step: int, seq_index: list, eos_id: int,
-          mask_id: int) -> tuple[list, torch.Tensor, "StateDraw | None"]:
-    """Step 4 of the RL step (paper Alg. 5): the estimator's views of one task's rollouts, as (inputs, loss_masks,
-    draw): K masked inputs (B, L) and bool (K, B, L), the positions each input scores, and for
-    --trajectory_states the StateDraw that says which views each update scores (else None). Every estimator and
-    modality is decided here, from cfg.estimator and `image`:
-      maskgrpo  K = mu masks at the truncated ratio schedule, AR-like (or cfg.text_reversing) reversing for
-                text and random reversing for images (Alg. 1, 2), gamma_text / gamma_image;
-      unigrpo   K = mu random-reversing masks at UniGRPO's ratios;
-      d1        K = mu one-step masks: prompt masked with p_mask_prompt, completion scored up to its first EOS (text);
-      trajectory  K = T, the sampler's own states, one per decoding step (from `order`), each scoring the tokens
-                revealed in it; steps in which no rank revealed anything are dropped, the same on every rank;
-                --trajectory_states keeps the U views its draw needs (draw_states).
-    batch: tasks.Batch with the rollouts in its window; order: (B, L) the step each position was revealed at;
-    seq_index: each row's global sequence index (masks and their seeds do not depend on the world size)."""
-    x, B, P, N = batch.x, batch.x.shape[0], batch.prompt_len, batch.window
-    if cfg.estimator == "trajectory":
-        in_masks, loss_masks = trajectory_masks(order, cfg.image_steps if image else cfg.steps)
-        keep = scale.all_max(loss_masks.flatten(1).any(1).to(x.device, torch.float32)).bool().cpu()
-        in_masks, loss_masks = in_masks[keep], loss_masks[keep]                    # (T, B, L) each
-        if cfg.trajectory_states:  # K of the T states per update, each weighing T / K (StateDraw)
-            T, K = len(in_masks), min(cfg.trajectory_states, len(in_masks))
-            states, updates = draw_states(T, K, cfg.num_iterations, step=step, seq_index=seq_index,
-                                          seed=derive_seed(cfg.seed, "trajectory-states", batch.task))  # (U, B)
-            pick = states.to(x.device), torch.arange(B, device=x.device)       # view u of row b: state u of b
-            draw = StateDraw(updates, loss_masks.sum().float() * (K / T))   # K = T: exactly the full count
-            in_masks, loss_masks = in_masks[pick], loss_masks[pick]                   # (U, B, L) each
-            return [apply_mask(x, m, mask_id) for m in in_masks], loss_masks, draw
+def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int,
+                seq_index, mu: int, gamma: float = 0.6, estimator: str = "maskgrpo", mode: str = "arlike",
+                p_mask_prompt: float = 0.15, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mask estimator's mu (input mask, loss mask) pairs from explicit settings, bool (mu, B, L) each (the
+    masks the views above build, for callers that choose seed, mode and gamma themselves: infra/diagnose.py)."""
+    assert estimator in MASK_ESTIMATORS and mode in MODES, f"estimator {estimator!r} in {MASK_ESTIMATORS}, mode {mode!r} in {MODES}"
+    assert mu >= 1 and prompt_mask.dtype == completion_mask.dtype == torch.bool, \
+        f"{mu=} >= 1; prompt_mask (B, P), completion_mask (B, N): bool"
+    idx = [int(i) for i in seq_index]
+    assert len(idx) == prompt_mask.shape[0], f"seq_index has {len(idx)} entries for {prompt_mask.shape[0]} rows"
+    if estimator == "d1":
+        return d1_masks(prompt_mask, completion_mask, seed=seed, step=step, seq_index=idx,
+                        mu=mu, p_mask_prompt=p_mask_prompt, suffix_len=suffix_len)
+    if estimator == "maskgrpo":
+        ratios = [[r] * len(idx) for r in mask_ratios(mu, gamma)]  # [mu][B]
     else:
-        scored = torch.ones(B, N, dtype=torch.bool, device=x.device)              # (B, N)
-        if cfg.estimator == "d1" and not image:  # d1 scores the completion up to and including its first EOS
-            scored = completion_mask_until_eos(x[:, P:P + N], eos_id)
-        in_masks, loss_masks = build_masks(
-            batch.prompt_mask, scored, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
-            seq_index=seq_index, num_iterations=cfg.num_iterations,
-            gamma=cfg.gamma_image if image else cfg.gamma_text, estimator=cfg.estimator,
-            mode="random" if image else cfg.text_reversing, p_mask_prompt=cfg.p_mask_prompt,
-            suffix_len=x.shape[1] - P - N)                                         # (mu, B, L) each
-    return [apply_mask(x, m, mask_id) for m in in_masks], loss_masks, None
-
-
-def update_views(estimator: str, j: int, num_views: int, draw=None):
-    """The views inner update j scores: view j (one mask per update); for the trajectory estimator every
-    decoding step's, in each update, or with --trajectory_states the K its StateDraw gives update j."""
-    return draw.updates[j] if draw else range(num_views) if estimator == "trajectory" else range(j, j + 1)
+        ratios, mode = list(zip(*[_unigrpo_ratios(seed, step, i, mu) for i in idx])), "random"
+    masks = reversed_masks(prompt_mask, completion_mask, ratios, mode, seed=seed, step=step, seq_index=idx,
+                           length=prompt_mask.shape[1] + completion_mask.shape[1] + suffix_len)
+    return masks, masks.clone()
 
 
 # Settings that only some estimators read: (flag, the estimators that read it).
@@ -274,16 +320,7 @@ def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple
     return order >= steps[:, None, None], order == steps[:, None, None]     # (T, B, L) each
 
 
-class StateDraw(NamedTuple):
-    """The --trajectory_states draw of one rollout batch (views): update j scores views updates[j]; norm is
-    the updates' loss normaliser before the sum over ranks, this rank's scored tokens over all T states
-    times K / T. Each state is drawn with probability K / T and weighs T / K, so the expected loss and
-    gradient over the draw are the full trajectory's (before gradient clipping, which is not linear)."""
-    updates: list
-    norm: torch.Tensor
-
-
-def draw_states(num_states: int, k: int, num_iterations: int, *, seed: int, step: int,
+def draw_states(num_states: int, k: int, mu: int, *, seed: int, step: int,
                 seq_index) -> tuple[torch.Tensor, list[list[int]]]:
     """--trajectory_states=K: which of the T = num_states decoding states each of the mu updates scores.
     Returns (states, updates): states long (U, B), the state of view u for each row (U = min(mu K, T) views,
@@ -295,13 +332,13 @@ def draw_states(num_states: int, k: int, num_iterations: int, *, seed: int, step
     uniform K-subset, so each update alone is an unbiased draw without replacement; together the updates
     cover mu K distinct states (every state once per RL step at mu K = T), where independent draws would
     spend the same forwards on repeats. At K >= T every state is drawn, in the sampler's order."""
-    assert k >= 1 and num_iterations >= 1 and num_states >= 1, f"{k=}, {num_iterations=}, {num_states=} must be >= 1"
+    assert k >= 1 and mu >= 1 and num_states >= 1, f"{k=}, {mu=}, {num_states=} must be >= 1"
     T, K = num_states, min(k, num_states)
     perms = [torch.arange(T) if K == T else torch.randperm(T, generator=torch.Generator().manual_seed(
         packed_seed(b"maskgrpo/trajectory-states", seed, step, int(i)))) for i in seq_index]
     # View u holds permutation position u; positions past T wrap to u mod T (U = T then).
-    updates = [[(j * K + s) % T for s in range(K)] for j in range(num_iterations)]
-    return torch.stack(perms, 1)[: min(num_iterations * K, T)], updates                     # (U, B)
+    updates = [[(j * K + s) % T for s in range(K)] for j in range(mu)]
+    return torch.stack(perms, 1)[: min(mu * K, T)], updates                     # (U, B)
 
 
 @torch.no_grad()  # a measurement: a graph kept across all the steps would hold every step's activations

@@ -9,7 +9,7 @@ untrusted code runs in infra/sandbox.py (`run_code` is re-exported here). MMaDA'
 UnifiedReward) need models we cannot ship: infra/scorer.py asks an HTTP server for them.
 
 Model output never makes a reward raise, however long or strange; a malformed dataset row or argument
-raises ValueError naming the value. The verifiers use only the standard library. `REWARDS` maps a task name to
+raises ValueError naming the value. The verifiers use only the standard library (MBPP's runs a sandboxed subprocess). `REWARDS` maps a task name to
 `reward(completion, example) -> float` for the benchmark tasks: correctness only, 0 or 1. `SHAPED` holds
 the official runs' shaped GSM8K and MATH rewards (format + correctness), same signature, divided by their
 maximum total so that they too lie in [0, 1]. tasks.TASKS gives each task its reward, and tasks.score, the
@@ -316,7 +316,6 @@ REWARDS = {
     "sudoku": lambda completion, example: sudoku_reward(completion, _field(example, "puzzle", "Puzzle"),
                                                         _field(example, "solution", "Solution")),
     "mbpp": _mbpp,
-    "boxed_format": lambda completion, example: boxed_format_reward(completion),
 }
 
 
@@ -357,3 +356,84 @@ SHAPED = {
     "gsm8k": lambda completion, example: gsm8k_shaped_reward(completion, _field(example, "answer")),
     "math": lambda completion, example: math_shaped_reward(completion, _field(example, "answer", "solution")),
 }
+
+
+# -----------------------------------------------------------------------------------------------------
+# the toy tasks' verifiers (infra/toy.py makes their examples): a boxed answer, a whole solution, a grid
+
+_BOX = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+
+
+def answer_reward(completion_text: str, example: dict) -> float:
+    """1.0 if the last \\boxed{} in the decoded completion holds the true answer, else 0.0 (no format
+    credit: the toy's SFT model always writes a box, so a format term would only add a constant).
+
+        answer_reward("3 + 4 = 7 . \\\\boxed{7}", {"answer": "7"}) == 1.0
+        answer_reward("3 + 4 = 8 . \\\\boxed{8}", {"answer": "7"}) == 0.0
+        answer_reward("3 + 4 = 7", {"answer": "7"}) == 0.0      # no box
+    """
+    boxes = _BOX.findall(completion_text)
+    return float(bool(boxes) and boxes[-1].strip() == example["answer"])
+
+
+def solution_reward(completion_text: str, example: dict) -> float:
+    """1.0 if the completion is the whole right solution, every step of the working as the problem states
+    it and the box holding the answer, else 0.0 (the long toy's verifier, --text_reward=solution).
+
+    The working of these problems is unique, so the check is an exact comparison (docs/results.md: why the
+    long toy reads the working).
+
+        solution_reward("3 + 4 = 7 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 1.0
+        solution_reward("3 + 4 = 6 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 0.0
+    """
+    return float(completion_text.strip() == example["solution"])
+
+
+# The toy image world (infra/toy.py draws its prompts and SFT images from these): a grid of palette colours,
+# code 0 background and code c >= 1 COLOURS[c - 1]; a relation puts one colour on a side of another (axis, sign),
+# a place puts a colour in the first or last row or column (axis, end).
+COLOURS = ["red", "green", "blue", "yellow", "purple", "cyan", "white"]
+RELATIONS = {"left of": (1, -1), "right of": (1, 1), "above": (0, -1), "below": (0, 1)}
+PLACES = {"top row": (0, "first"), "bottom row": (0, "last"), "left column": (1, "first"),
+          "right column": (1, "last")}
+
+
+def image_checks(codes: list[int], spec: dict) -> list[bool]:
+    """The verifier's individual checks: for each named colour its exact cell count; the relation or
+    placement if any; and "no stray colours" (the set of colours present equals the named set)."""
+    w = spec["width"]
+    cells = {c: [divmod(i, w) for i, x in enumerate(codes) if x == COLOURS.index(c) + 1] for c in COLOURS}
+    checks = [len(cells[c]) == n for c, n in spec["counts"].items()]
+    present = {c for c in COLOURS if cells[c]}
+    checks.append(present == set(spec["counts"]))
+    if spec["relation"]:
+        a, rel, b = spec["relation"]
+        axis, sign = RELATIONS[rel]
+        # Every cell of a strictly on the named side of every cell of b (GenEval compares box centres;
+        # with one-cell objects this is the same thing).
+        checks.append(bool(cells[a]) and bool(cells[b]) and
+                      all(sign * (q[axis] - p[axis]) > 0 for p in cells[b] for q in cells[a]))
+    if spec["place"]:
+        a, place = spec["place"]
+        axis, end = PLACES[place]
+        line = 0 if end == "first" else w - 1
+        checks.append(bool(cells[a]) and all(p[axis] == line for p in cells[a]))
+    return checks
+
+
+def image_reward(codes: list[int], example: dict) -> float:
+    """Fraction of satisfied checks in [0, 1] (GenEval itself is all-or-nothing per prompt; a fraction
+    gives RL a denser signal).
+
+        ex = {"spec": {"width": 2, "counts": {"red": 1}, "relation": None, "place": None}}
+        image_reward([1, 0, 0, 0], ex) == 1.0     # one red cell, nothing else
+        image_reward([1, 1, 0, 0], ex) == 0.5     # two reds: count wrong, colours right
+        image_reward([0, 0, 0, 0], ex) == 0.0     # empty grid
+    """
+    spec = example["spec"]
+    if len(codes) != spec["width"] ** 2:
+        return 0.0
+    checks = image_checks(codes, spec)
+    return sum(checks) / len(checks)

@@ -27,8 +27,7 @@ from infra.rng import uniform
 REMASKING = ("low_confidence", "random")
 KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a cached step recomputes
 IMAGE_SAMPLERS = ("emerge", "maskgit")
-# BLAS takes another kernel (other rounding) for a GEMM of a few rows (on our 2-thread CPU, fewer than 12),
-# which can flip a near-tie. A head over at least this many rows gives each row the full head's bits.
+# BLAS may take another kernel (other rounding) for a GEMM of a few rows, which can flip a near-tie. A head over at least this many rows gives each row the full head's bits.
 MIN_HEAD_ROWS = 32
 
 

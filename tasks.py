@@ -1,10 +1,10 @@
 """The tasks: one registry entry each (TASKS: modality, prompts, reward), the batches they become, and
-the RL step's rollouts and rewards on them.
+the RL step's prompts, rollouts and rewards on them (held-out evaluation: infra/heldout.py).
 
 A batch lays out [prompt | window | suffix] in the LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809)
 formats; the window is what the model generates (a text completion, or the image slots). The toy tasks'
-vocabulary, data and verifiers are infra/toy.py; the benchmark verifiers are rewards.py, and their data
-files are read by infra/data.py.
+vocabulary and data are infra/toy.py; every task's verifiers are in rewards.py, and benchmark data files
+are read by infra/data.py.
 """
 from __future__ import annotations
 
@@ -18,11 +18,10 @@ from tokenizers import Tokenizer
 import rewards
 import sample
 from infra import scale
-from infra.rng import derive_seed, generator
-from infra.toy import (BOS, CODEBOOK_SIZE, EOI, EOS, IPAD, MASK, SOI, T2I, answer_reward, image_reward,
-                       make_image_example, make_text_example, solution_reward)
+from infra.rng import derive_seed
+from infra.toy import BOS, CODEBOOK_SIZE, EOI, EOS, IPAD, MASK, SOI, T2I, make_image_example, make_text_example
 
-GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
+TOY_CAPTION_LEN = 11  # --image_text_len=0: the toy's longest t2i text part, <|t2i|> BOS caption EOS (image_text_len)
 
 
 def task_list(cfg) -> list[str]:
@@ -94,41 +93,40 @@ def model_config_overrides(tok: Tokenizer) -> dict:
 # encoding: examples -> token ids
 
 
-def encode_text(tok: Tokenizer, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
+def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
     """(prompt_ids, completion_ids): prompt = BOS + question; completion = answer + EOS padding to
     exactly gen_length tokens (LLaDA SFT pads answers with EOS, so the model learns where to stop).
-    Batch prompts by left-padding with token_ids(tok).pad and attention 0 on the pads (sample.generate)."""
-    s = token_ids(tok)
-    prompt = [s.bos] + tok.encode(example["prompt"], add_special_tokens=False).ids
+    Batch prompts by left-padding with ids.pad and attention 0 on the pads (sample.generate)."""
+    prompt = [ids.bos] + tok.encode(example["prompt"], add_special_tokens=False).ids
     answer = tok.encode(example["completion"], add_special_tokens=False).ids
     if len(answer) >= gen_length:
         raise ValueError(f"completion needs {len(answer)} tokens + 1 EOS but gen_length is {gen_length}; "
                          "raise gen_length or lower max_steps/max_value")
-    return prompt, answer + [s.eos] * (gen_length - len(answer))
+    return prompt, answer + [ids.eos] * (gen_length - len(answer))
 
 
-def encode_image_prompt(tok: Tokenizer, prompt_text: str, text_len: int, num_tokens: int,
-                        ids: TokenIds | None = None) -> tuple[list[int], int, list[int]]:
+def encode_image_prompt(tok: Tokenizer, ids: TokenIds, prompt_text: str, text_len: int,
+                        num_tokens: int) -> tuple[list[int], int, list[int]]:
     """MMaDA t2i layout (arXiv:2505.15809): [iPAD]*pad <|t2i|> BOS caption EOS <|soi|> mask*num_tokens
     <|eoi|>. The text part is left-padded with [iPAD] to exactly text_len tokens (truncated and
     re-terminated with EOS if longer). prompt_text "" gives the unconditional prompt used for CFG.
     Returns (input_ids, image_start, attention_mask) with attention 0 on the [iPAD] positions; the
-    image slots are input_ids[image_start : image_start + num_tokens]. ids: the token ids (default: the toy
-    tokenizer's, by name; infra/hf.token_ids gives a released checkpoint's)."""
-    s = ids or token_ids(tok)
-    if None in (s.t2i, s.soi, s.eoi, s.ipad):
+    image slots are input_ids[image_start : image_start + num_tokens]. ids: tasks.token_ids(tok) for the toy
+    vocabulary, infra/hf.token_ids for a released checkpoint's."""
+    if None in (ids.t2i, ids.soi, ids.eoi, ids.ipad):
         raise ValueError("the tokenizer lacks MMaDA's <|t2i|> / <|soi|> / <|eoi|> / [iPAD] tokens: text-to-image "
                          "needs an MMaDA checkpoint (its tokenizer.json), not a text-only LLaDA one")
-    text = [s.t2i, s.bos] + tok.encode(prompt_text, add_special_tokens=False).ids + [s.eos]
+    text = [ids.t2i, ids.bos] + tok.encode(prompt_text, add_special_tokens=False).ids + [ids.eos]
     if len(text) > text_len:
-        text = text[:text_len - 1] + [s.eos]
+        text = text[:text_len - 1] + [ids.eos]
     pad = text_len - len(text)
-    ids = [s.ipad] * pad + text + [s.soi] + [s.mask] * num_tokens + [s.eoi]
-    return ids, text_len + 1, [0] * pad + [1] * (len(ids) - pad)
+    x = [ids.ipad] * pad + text + [ids.soi] + [ids.mask] * num_tokens + [ids.eoi]
+    return x, text_len + 1, [0] * pad + [1] * (len(x) - pad)
 
 
 def image_text_len(tok: Tokenizer, n: int = 2000) -> int:
-    """Longest t2i text part (<|t2i|> BOS caption EOS) over n random captions: the text_len to pad to."""
+    """Longest t2i text part (<|t2i|> BOS caption EOS) over n random toy captions: the text_len to pad to
+    (TOY_CAPTION_LEN for the toy tokenizer; infra/sample_cli.py measures another tokenizer's)."""
     rng = random.Random(0)
     return 3 + max(len(tok.encode(make_image_example(rng, "any")["prompt"], add_special_tokens=False).ids)
                    for _ in range(n))
@@ -149,8 +147,9 @@ def ids_to_codes(tok: Tokenizer, ids: list[int]) -> list[int]:
 class Task:
     """One RL task: its modality, where its prompts come from, and its reward."""
     modality: str                   # "text" or "image": the sampler, the reversing operator, the scored vocabulary
-    reward: object = None           # reward(completion, example) -> [0, 1]; None: the remote image scorer
-    shaped: object = None           # --reward_shaping=official: the official runs' format + correctness reward
+    reward: dict                    # verifier(completion, example) -> [0, 1] by the name the run's reward setting
+                                    # gives (toy: --text_reward; benchmarks: --reward_shaping), the first by default;
+                                    # {}: the remote image scorer (--image_scorer_url)
     example: object = None          # toy tasks: example(rng, cfg, split, noise) -> a fresh example (make_example);
                                     # None: the prompts are read from --train_data (infra/data.py)
 
@@ -159,29 +158,30 @@ class Task:
         return self.example is not None
 
 
-TEXT_REWARDS = {"answer": answer_reward, "solution": solution_reward}  # the toy text verifiers (--text_reward)
+def _benchmark(name: str) -> dict:
+    # correctness ("none"), and the official runs' shaped reward where they had one (--reward_shaping=official)
+    return {"none": rewards.REWARDS[name], **({"official": rewards.SHAPED[name]} if name in rewards.SHAPED else {})}
+
+
 TASKS = {
-    "text": Task("text", answer_reward,  # --text_reward picks among TEXT_REWARDS
+    "text": Task("text", {"answer": rewards.answer_reward, "solution": rewards.solution_reward},
                  example=lambda rng, cfg, split, noise: make_text_example(rng, split, noise, max_steps=cfg.text_max_steps)),
-    "image": Task("image", lambda codes, example: image_reward(codes, example["spec"]),
+    "image": Task("image", {"grid": rewards.image_reward},
                   example=lambda rng, cfg, split, noise: make_image_example(rng, split, noise, width=cfg.image_width)),
-    "gsm8k": Task("text", rewards.REWARDS["gsm8k"], rewards.SHAPED["gsm8k"]),
-    "math": Task("text", rewards.REWARDS["math"], rewards.SHAPED["math"]),
-    "mbpp": Task("text", rewards.REWARDS["mbpp"]),
-    "countdown": Task("text", rewards.REWARDS["countdown"]),
-    "sudoku": Task("text", rewards.REWARDS["sudoku"]),
-    "geneval": Task("image"),
+    **{name: Task("text", _benchmark(name)) for name in ("gsm8k", "math", "mbpp", "countdown", "sudoku")},
+    "geneval": Task("image", {}),
 }
 TOY_TASKS = tuple(t for t, k in TASKS.items() if k.toy)
 IMAGE_TASKS = tuple(t for t, k in TASKS.items() if k.modality == "image")  # generated as image tokens
+TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
 def score(b, tok, ids, scorer=None, shaping: str = "none", text_reward: str = "answer") -> torch.Tensor:
-    """Step 2 of the RL loop: a reward in [0, 1] per row of Batch b, from its task's entry in TASKS (the toy
-    text task's from TEXT_REWARDS[text_reward]; with shaping="official", the shaped one where the task has
-    it), or for geneval images from the remote scorer."""
+    """Step 2 of the RL loop: a reward in [0, 1] per row of Batch b from its task's entry in TASKS, the verifier
+    named by text_reward (toy tasks) or shaping (benchmarks; held-out evaluation passes "none"), else the
+    entry's first; a task without verifiers asks the remote image scorer."""
     task, outs = TASKS[b.task], decode_window(b, tok, ids)
-    if task.reward is None:
+    if not task.reward:
         try:
             return torch.tensor(scorer([ex["prompt"] for ex in b.examples], outs), dtype=torch.float32)
         except (ValueError, OSError, RuntimeError) as e:
@@ -189,8 +189,7 @@ def score(b, tok, ids, scorer=None, shaping: str = "none", text_reward: str = "a
             # skipped step on every rank (a rank that raised alone would leave the others waiting).
             print(f"warning: image scorer failed ({e}); this batch gets NaN rewards", flush=True)
             return torch.full((len(outs),), math.nan)
-    fn = TEXT_REWARDS[text_reward] if b.task == "text" else \
-        task.shaped if shaping == "official" and task.shaped else task.reward
+    fn = task.reward.get(text_reward if task.toy else shaping, next(iter(task.reward.values())))
     return torch.tensor([fn(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
 
 
@@ -236,7 +235,7 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
     if TASKS[task].toy:  # a toy text task: BOS + question, the answer padded with EOS (encode_text)
-        pairs = [encode_text(tok, ex, cfg.gen_length) for ex in examples]
+        pairs = [encode_text(tok, ids, ex, cfg.gen_length) for ex in examples]
     else:  # a benchmark prompt in the LLaDA chat template, cut from the left like the official code
         system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
         pairs = [(tok.encode(chat_prompt(system + [{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill,
@@ -265,9 +264,9 @@ def attends_padding(cfg, task: str) -> bool:
 def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> Batch:
     """MMaDA's t2i layout (tasks.encode_image_prompt), with the empty-caption prompt for CFG."""
     n = cfg.image_width ** 2
-    text_len = cfg.image_text_len or caption_len(tok)
-    enc = [encode_image_prompt(tok, ex["prompt"], text_len, n, ids) for ex in examples]
-    unc = encode_image_prompt(tok, "", text_len, n, ids)
+    text_len = cfg.image_text_len or TOY_CAPTION_LEN
+    enc = [encode_image_prompt(tok, ids, ex["prompt"], text_len, n) for ex in examples]
+    unc = encode_image_prompt(tok, ids, "", text_len, n)
     x = torch.tensor([e[0] for e in enc], device=device)
     att = torch.tensor([e[2] for e in enc], device=device)
     start = enc[0][1]
@@ -286,17 +285,6 @@ def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 
     return TASKS[task].example(rng, cfg, split, noise)
 
 
-_TEXT_LEN: dict = {}
-
-
-def caption_len(tok) -> int:
-    """Caption part of every t2i prompt, padded to the longest toy caption (computed once per vocabulary)."""
-    key = tok.get_vocab_size(with_added_tokens=True)
-    if key not in _TEXT_LEN:
-        _TEXT_LEN[key] = image_text_len(tok)
-    return _TEXT_LEN[key]
-
-
 def vocab_slice(task: str, ids):
     """Image positions are scored over the image-code columns only (MMaDA arXiv:2505.15809: the image head predicts codes)."""
     return (ids.image_token_offset, ids.image_token_offset + ids.codebook_size) if task in IMAGE_TASKS else None
@@ -312,12 +300,16 @@ def decode_window(b: Batch, tok, ids) -> list:
 
 def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
     """The global prompts of one RL step, identical on every rank: toy tasks draw fresh examples from
-    (seed, step); a dataset is walked in a fresh seeded permutation per epoch, so step s always sees the
-    same prompts (and a resumed run continues where it stopped)."""
-    if task in TOY_TASKS:
-        rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
-        return [make_example(task, rng, cfg, "train") for _ in range(cfg.prompts_per_step)]
-    rows = datasets[task]["train"]
+    (seed, step); a dataset's are dataset_prompts."""
+    if task not in TOY_TASKS:
+        return dataset_prompts(task, cfg, step, datasets[task]["train"])
+    rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
+    return [make_example(task, rng, cfg, "train") for _ in range(cfg.prompts_per_step)]
+
+
+def dataset_prompts(task: str, cfg, step: int, rows: list) -> list:
+    """Step `step`'s rows of a dataset, walked in a fresh seeded permutation per epoch, so step s always sees
+    the same prompts (and a resumed run continues where it stopped)."""
     out, orders = [], {}
     for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
         epoch, pos = divmod(i, len(rows))
@@ -327,16 +319,8 @@ def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
         out.append(rows[orders[epoch][pos]])
     return out
 
-
-def eval_examples(task: str, cfg, datasets: dict) -> list:
-    """The held-out prompts: fixed toy draws from the test split, or the first eval_prompts of eval_data."""
-    if task in TOY_TASKS:
-        rng = random.Random(derive_seed(cfg.seed, "eval", task))
-        return [make_example(task, rng, cfg, "test") for _ in range(cfg.eval_prompts)]
-    return datasets.get(task, {}).get("test", [])[: cfg.eval_prompts]
-
 # -----------------------------------------------------------------------------------------------------
-# rollouts (step 1 of the RL step) and the held-out evaluation (before and after RL; evaluate.py)
+# the RL step's prompts, rollouts (step 1) and rewards (step 2, score above)
 
 
 @dataclass
@@ -351,16 +335,16 @@ class Ctx:
 
 
 @torch.no_grad()
-def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fast: bool = False,
-            stats: dict | None = None):
+def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, allow_fast: bool = False):
     """Fill the window of every row with the policy's sample: (a new Batch, prompts unchanged; the decoding
-    order (B, L), the sampler step each position was revealed at, -1 for the prompt). gens: one generator per
-    row, so a row's sample depends on its own seed only. fast: text rollouts use --kv_cache / --threshold
-    (the Fast-dLLM options of sample.generate, off by default); evaluation keeps the exact sampler. stats: fast
-    text rollouts count what they commit into it (sample.fast_summary)."""
+    order (B, L), the sampler step each position was revealed at, -1 for the prompt; the sampler's statistics
+    for log.jsonl, {} for the exact sampler). gens: one generator per row, so a row's sample depends on its own
+    seed only. allow_fast: text rollouts use --kv_cache / --threshold if set (Fast-dLLM, off by default;
+    sample.fast_summary gives their statistics); held-out evaluation keeps the exact sampler."""
     cfg, ids = ctx.cfg, ctx.ids
-    xs, orders = [], []
-    with scale.full_weights(model):
+    fast = allow_fast and (cfg.kv_cache != "none" or cfg.threshold > 0) and prompts.task not in IMAGE_TASKS
+    xs, orders, counts = [], [], {} if fast else None
+    with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout; a no-op in one process
         for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
             c, g = prompts.rows(rows), gens[rows]
             if c.task in IMAGE_TASKS:
@@ -375,10 +359,11 @@ def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, fas
                     model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
                     steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
                     attention_mask=c.attention_mask[:, : c.prompt_len], kv_cache=cfg.kv_cache if fast else "none",
-                    threshold=cfg.threshold if fast else 0.0, return_order=True, stats=stats)
+                    threshold=cfg.threshold if fast else 0.0, return_order=True, stats=counts)
             xs.append(x)
             orders.append(order)
-    return replace(prompts, x=torch.cat(xs)), torch.cat(orders)
+    log = sample.fast_summary(prompts.task, counts, ctx.device) if fast else {}
+    return replace(prompts, x=torch.cat(xs)), torch.cat(orders), log
 
 
 def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
@@ -389,80 +374,5 @@ def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
     for task in task_list(cfg):
         exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]
         b = make_batch(task, exs, ctx.tok, ctx.ids, cfg, ctx.device, with_targets=False)
-        out.append(b.rows(scale.shard_rows(len(exs))))
+        out.append(b.rows(scale.shard_rows(len(exs))))  # this rank's whole groups: every row in one process
     return out
-
-
-def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
-             prompt_means: list | None = None, stop=None) -> float | None:
-    """Held-out mean reward: eval_samples completions per held-out prompt (one at temperature 0), each from a
-    generator seeded by its index, so runs are paired and the world size changes nothing; ranks take
-    interleaved rows of every 64-example batch. records: if given, receives one dict per scored row of this
-    rank (index, prompt, output, reward); prompt_means: each held-out prompt's mean reward, over ranks (for a
-    gain's paired standard error); progress(n) after each batch of n rows (evaluate.py's bar); stop() before
-    each batch, on every rank (it raises to end a run on a signal: infra/phases.py). None without held-out set."""
-    cfg, device = ctx.cfg, ctx.device
-    exs = eval_examples(task, cfg, ctx.datasets)
-    if not exs:
-        return None
-    k = cfg.eval_samples if temperature > 0 else 1
-    per_prompt = torch.zeros(len(exs), dtype=torch.float64, device=device)  # summed reward of each prompt
-    exs = [ex for ex in exs for _ in range(k)]
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
-    # Entered by every rank, also one without rows in some batch (rollout's own is then a no-op).
-    with scale.full_weights(model):
-        for i in range(0, len(exs), 64):
-            if stop is not None:
-                stop()
-            mine = slice(scale.rank(), None, scale.world())
-            b = make_batch(task, exs[i:i + 64], ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(mine)
-            idx = list(range(i, min(i + 64, len(exs))))[mine]
-            if not idx:
-                continue
-            gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
-            b, _ = rollout(model, b, ctx, gens, temperature)
-            r = score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
-            total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
-            per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
-            if progress is not None:
-                progress(len(idx))
-            if records is not None:
-                outs = decode_window(b, ctx.tok, ctx.ids)
-                records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
-                               for j, ex, o, v in zip(idx, b.examples, outs, r.tolist()))
-    total = scale.all_sum(total)
-    if prompt_means is not None:
-        prompt_means.extend((scale.all_sum(per_prompt) / k).tolist())
-    return (total[0] / total[1]).item()
-
-
-def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None, stop=None) -> dict:
-    """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data
-    are left out. prompt_means: if given, receives the per-prompt means of each, under the same keys;
-    stop: as evaluate's."""
-    res = {}
-    for task in task_list(ctx.cfg):
-        for key, temperature in ((task, ctx.cfg.temperature), (f"{task}_greedy", 0.0)):
-            if key != task and task in IMAGE_TASKS:  # images have no greedy decoding
-                continue
-            means = []
-            r = evaluate(model, ctx, task, temperature, prompt_means=means, stop=stop)
-            if r is None:
-                break
-            res[key] = r
-            if prompt_means is not None:
-                prompt_means[key] = means
-    return res
-
-
-def image_snapshot(model, ctx: Ctx) -> list | None:
-    """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the
-    before and after pictures differ only by the policy. None without the toy image task."""
-    if "image" not in task_list(ctx.cfg):
-        return None
-    exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS]
-    if not exs:
-        return None
-    b = make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)
-    gens = [generator(ctx.device, ctx.cfg.seed, "grid", i) for i in range(len(exs))]
-    return decode_window(rollout(model, b, ctx, gens, ctx.cfg.temperature)[0], ctx.tok, ctx.ids)

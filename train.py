@@ -11,14 +11,14 @@ Alg. 5), one rollout batch at a time:
 
     1. rollouts      tasks.rollout: G completions per prompt with their decoding order; sample.generate
                      (text, LLaDA's block sampler) or sample.generate_image (emerge sampler + CFG)
-    2. rewards       tasks.score: each task's reward (tasks.TASKS: verifiers in rewards.py / infra/toy.py,
-                     or a remote image scorer), in [0, 1]
+    2. rewards       tasks.score: each task's verifier from its tasks.TASKS entry (rewards.py), or a remote image
+                     scorer, in [0, 1]
     3. advantages    grpo.group_advantages: (R - mean) / std within each group of G (d1: R - mean)
-    4. views         importance.views: the estimator's K masked inputs and the positions each scores (mu
-                     re-masked copies of every completion, or the sampler's T states for "trajectory")
+    4. views         importance.views: one function per estimator (maskgrpo_views: mu re-masked copies of every
+                     completion), K masked inputs and the positions each scores
     5. old/ref       importance.token_logprobs on exactly those inputs, without gradient -> an Experience
-    6. mu updates    update j re-scores its views with the current policy (backward_loss: grpo.policy_loss,
-                     the clipped per-token ratio + beta * k3 KL, as one full-batch mean) and steps
+    6. mu updates    update j re-scores its views with the current policy (backward_loss: grpo.policy_loss, the
+                     clipped per-token ratio + beta * k3 KL, as one full-batch mean) and steps; step_log
 
 docs/method.md derives each step; docs/differences.md lists where this code departs from the paper and the
 official code. A run writes to out_dir: log.jsonl, summary.json (held-out reward before and after RL), final/,
@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import random
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -50,8 +51,9 @@ from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, eval_batche
 from infra.scale import print0
 from infra.scorer import RemoteScorer
 from infra.settings import setup, validate
-from tasks import (IMAGE_TASKS, Batch, Ctx, evaluate_all, image_snapshot, make_batch, make_example, rollout, sft_tasks,
-                   step_prompts, task_list, vocab_slice)
+from infra.heldout import evaluate_all, image_snapshot
+from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts, task_list,
+                   vocab_slice)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -81,7 +83,7 @@ class StepConfig:
     text_reversing: str = "arlike"    # maskgrpo's text masks: arlike (paper Alg. 1) | random | arlike_official
     gamma_text: float = 0.6           # maskgrpo: text mask ratios live in (gamma, 1) (paper: 0.6)
     gamma_image: float = 0.8          # maskgrpo: image mask ratios live in (gamma, 1) (paper: 0.8)
-    num_iterations: int = 4           # mu: inner updates per rollout batch (paper: 12)
+    mu: int = 4                       # mu: inner updates per rollout batch (paper: 12; the official num_iterations)
     p_mask_prompt: float = 0.15       # d1: prompt-token masking probability
     trajectory_states: int = 0        # trajectory: K decoding states per update, weighted T/K (0 = every state)
     # GRPO update
@@ -138,7 +140,7 @@ class Config(StepConfig):
     cond_dropout: float = 0.1         # fraction of SFT captions dropped, for CFG (MMaDA: 0.1)
     # RL schedule
     gen_length: int = 12              # completion tokens N per text rollout (official: 256)
-    rl_steps: int = 80                # rollout batches; each gives num_iterations optimizer steps
+    rl_steps: int = 80                # rollout batches; each gives mu optimizer steps
     prompts_per_step: int = 8         # prompts per rollout batch and task
     lr: float = 1e-4                  # RL learning rate (AdamW, constant; official: 3e-6)
     weight_decay: float = 0.0         # AdamW weight decay in RL (official: 0.1)
@@ -163,7 +165,7 @@ _8B = {"init_from": "", "d_model": 4096, "n_layers": 32, "n_heads": 32, "mlp_hid
        "lora_dropout": 0.05, "lora_targets": "official", "activation_checkpointing": True, "eval_samples": 1,
        "sample_every": 50, "reward_shaping": "official"}
 _LLADA = {**_8B, "tasks": "gsm8k", "vocab_size": 126464, "gen_length": 256, "steps": 128, "temperature": 0.9,
-          "group_size": 6, "prompts_per_step": 16, "num_iterations": 12, "device_batch_size": 6, "eval_prompts": 256,
+          "group_size": 6, "prompts_per_step": 16, "mu": 12, "device_batch_size": 6, "eval_prompts": 256,
           "rl_steps": 667, "checkpoint_every": 42}
 _MMADA = {**_8B, "tasks": "geneval", "vocab_size": 134656, "image_width": 32, "image_text_len": 257,
           "image_steps": 12, "group_size": 9, "device_batch_size": 9, "eval_prompts": 64}
@@ -175,11 +177,11 @@ PRESETS: dict[str, dict] = {
                  "prompts_per_step": 16, "lr": 3e-5, "eval_prompts": 512},
     "smoke": {"sft_steps": 30, "gen_length": 12, "block_length": 12, "steps": 12, "image_steps": 4, "rl_steps": 2,
               "prompts_per_step": 2, "group_size": 4, "eval_prompts": 8, "eval_samples": 1, "d_model": 32,
-              "n_layers": 2, "mlp_hidden_size": 64, "num_iterations": 2, "sample_every": 1, "checkpoint_every": 0},
+              "n_layers": 2, "mlp_hidden_size": 64, "mu": 2, "sample_every": 1, "checkpoint_every": 0},
     "llada8b": {**_LLADA, "block_length": 16, "gamma_text": 0.6, "device_batch_size": 12},
-    "mmada8b": {**_MMADA, "cfg_scale": 3.0, "prompts_per_step": 4, "num_iterations": 6, "gamma_image": 0.6,
+    "mmada8b": {**_MMADA, "cfg_scale": 3.0, "prompts_per_step": 4, "mu": 6, "gamma_image": 0.6,
                 "clip_eps": 0.2, "rl_steps": 1334, "checkpoint_every": 84, "dry_run_gpus": 4},
-    "mmada8b_server": {**_MMADA, "cfg_scale": 3.5, "prompts_per_step": 8, "num_iterations": 12,
+    "mmada8b_server": {**_MMADA, "cfg_scale": 3.5, "prompts_per_step": 8, "mu": 12,
                        "gamma_image": 0.8, "clip_eps": 0.001, "rl_steps": 667, "checkpoint_every": 42},
     "d1_official": {**_LLADA, "block_length": 32, "estimator": "d1", "beta": 0.04, "clip_eps": 0.5,
                     "max_prompt_len": 200},
@@ -188,6 +190,8 @@ PRESETS: dict[str, dict] = {
 
 def parse_args(argv=None) -> Config:
     """Dataclass defaults, then PRESETS[--preset], then the flags; checked once, here (infra/settings.validate)."""
+    if any(a.split("=")[0] == "--num_iterations" for a in (sys.argv[1:] if argv is None else argv)):
+        raise ValueError("unknown flag --num_iterations: the inner updates per rollout batch are --mu (the paper's mu)")
     cfg = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
     validate(cfg)
     return cfg
@@ -279,11 +283,10 @@ class Experience:
     batch: Batch                # the rollouts, in the window of batch.x (B, L)
     rewards: torch.Tensor       # (B_global,) every rank's rewards, for advantages and metrics
     adv: torch.Tensor           # (B_global,) advantages of every rank's rows (this rank's: batch.index)
-    inputs: list                # K x (B, L) masked inputs (importance.views)
-    loss_masks: torch.Tensor    # (K, B, L) the positions each input scores
+    views: importance.Views     # K masked inputs, the positions each scores, which views update j scores
     logp_old: list              # K x (B, L) float32
     logp_ref: list | None       # K x (B, L) float32, or None when beta = 0
-    draw: importance.StateDraw | None = None  # --trajectory_states: each update's views and the normaliser
+    sampler_log: dict           # the rollout's statistics ({} for the exact sampler)
 
 
 class BadStep(Exception):
@@ -291,132 +294,108 @@ class BadStep(Exception):
 
 
 def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple[dict, list]:
-    """One MaskGRPO step (paper Alg. 5) on the step's prompts (step_prompts): steps 1-5 build every task's
-    experience, step 6 takes mu optimizer steps on it. ref: the reference policy (a frozen copy, or the policy
-    with its LoRA adapters off: infra/load.load_policy), None when beta = 0. Returns the log and experiences."""
-    cfg, device, exps, fast_log = ctx.cfg, ctx.device, [], {}
-    times = {"start": time.time(), "cpu_start": time.process_time()}
+    """One MaskGRPO step (paper Alg. 5; docs/method.md §9) on the step's prompts (tasks.step_prompts): steps 1-5
+    build every task's experience, step 6 takes mu optimizer steps on it. ref: the reference policy (a frozen
+    copy, or the policy with its LoRA adapters off), None when beta = 0. Returns the log and experiences."""
+    cfg, device, exps = ctx.cfg, ctx.device, []
     model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
     for p in prompts:
-        task, seq_index = p.task, p.index
         # 1. rollouts: G completions per prompt, one generator per sequence, with their decoding order
-        gens = [generator(device, cfg.seed, "rollout", task, step, i) for i in seq_index]
-        counts = {} if (cfg.kv_cache != "none" or cfg.threshold) and task not in IMAGE_TASKS else None
-        batch, order = rollout(model, p, ctx, gens, cfg.temperature, fast=True, stats=counts)
-        fast_log.update(sample.fast_summary(task, counts, device))
-        lap(times, "rollout_s")
+        gens = [generator(device, cfg.seed, "rollout", p.task, step, i) for i in p.index]
+        batch, order, sampler_log = rollout(model, p, ctx, gens, cfg.temperature, allow_fast=True)
 
-        # 2. rewards, gathered in global order: a group is normalised over all of its members
-        r = tasks.score(batch, ctx.tok, ctx.ids, ctx.scorer, cfg.reward_shaping, cfg.text_reward)
-        r = scale.all_gather_rows(r.to(device)).cpu()                                      # (B_global,)
-        bad = (~torch.isfinite(r) | (r < 0) | (r > 1)).nonzero().flatten().tolist()
-        if bad:  # a NaN or out-of-range reward is reported and the step skipped, never averaged in
-            raise BadStep(f"{len(bad)} {task} reward(s) not a finite number in [0, 1], first {r[bad[0]].item()} at "
-                          f"sequence {bad[0]} (prompt {bad[0] // cfg.group_size}); check the reward function or scorer")
-        lap(times, "reward_s")
+        # 2. rewards, gathered in global order (a no-op in one process): a group is normalised over all its members
+        r = scale.all_gather_rows(tasks.score(batch, ctx.tok, ctx.ids, ctx.scorer, cfg.reward_shaping,
+                                              cfg.text_reward).to(device)).cpu()                # (B_global,)
+        check_rewards(r, p.task, cfg.group_size)
 
         # 3. advantages, within each group of G
         adv = advantages(r, cfg)                                                           # (B_global,)
 
-        # 4. the estimator's views: K masked inputs and the positions each scores (importance.views decides
-        # by estimator and modality), from seeds shared by the old, reference and current passes
-        inputs, loss_masks, draw = importance.views(batch, order, cfg, image=task in IMAGE_TASKS, step=step,
-                                                    seq_index=seq_index, eos_id=ctx.ids.eos, mask_id=ctx.ids.mask)
+        # 4. the estimator's views: K masked inputs and the positions each scores, from seeds shared by the
+        # old, reference and current passes (scale.all_max: which decoding states any rank used; no-op in one process)
+        views = importance.views(batch, order, cfg, image=p.task in IMAGE_TASKS, step=step, seq_index=p.index,
+                                 eos_id=ctx.ids.eos, mask_id=ctx.ids.mask, all_max=scale.all_max)
 
-        # 5. old and reference log-probs on the same masked inputs; conditional logits only (no CFG). Under
-        # FSDP2 the weights are gathered once for all of these forwards, not once per forward.
-        kw = dict(attention_mask=batch.attention_mask, vocab_slice=vocab_slice(task, ctx.ids),
-                  device_batch_size=cfg.device_batch_size)
-        with torch.no_grad(), scale.full_weights(model):
-            logp_old = [importance.token_logprobs(model, x_k, batch.x, m_k, **kw) for x_k, m_k in zip(inputs, loss_masks)]
-        logp_ref = None
-        if ref is not None:
-            with torch.no_grad(), scale.full_weights(ref):
-                logp_ref = [importance.token_logprobs(ref, x_k, batch.x, m_k, **kw) for x_k, m_k in zip(inputs, loss_masks)]
-        lap(times, "logprob_s")
-        exps.append(Experience(batch, r, adv, inputs, loss_masks, logp_old, logp_ref, draw))
+        # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only
+        logp_old = frozen_logprobs(model, batch, views, ctx)
+        logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
+        exps.append(Experience(batch, r, adv, views, logp_old, logp_ref, sampler_log))
 
     # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
     model.train()
-    stats, skipped = {}, 0
-    for j in range(cfg.num_iterations):
-        # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
-        # per (step, j, rank) so that a resumed run draws the same masks.
-        torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))
-        opt.zero_grad(set_to_none=True)
-        update = {e.batch.task: backward_loss(model, e, j, ctx) for e in exps}
-        losses = []
-        for task, s in update.items():  # over ranks: maxima by max, the rest summed; then the mean over updates
-            s = reduce_stats(s, device)
-            for k, v in s.items():
-                stats[f"{task}/{k}"] = stats.get(f"{task}/{k}", 0.0) + v / cfg.num_iterations
-            losses.append(s["loss"])
-        # The optimizer's own parameters: under FSDP2 the module may expose gathered copies between passes.
-        grad_norm = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
-        # Losses and the norm are the same on every rank, so every rank takes the same decision.
-        if not (math.isfinite(grad_norm) and all(map(math.isfinite, losses))):
-            print0(f"warning: step {step} update {j}: non-finite loss {losses} or gradient norm {grad_norm}; "
-                   "update skipped")
-            opt.zero_grad(set_to_none=True)
-            skipped += 1
-            continue
-        opt.step()
+    updates = [update(model, opt, exps, ctx, step, j) for j in range(cfg.mu)]
     model.eval()
-    lap(times, "update_s")
+    return step_log(step, exps, updates, cfg), exps
 
-    log = {"step": step, "skipped_updates": skipped}
-    for e in exps:
-        t, flat = e.batch.task, e.rewards.view(-1, cfg.group_size)
-        log[f"{t}/reward"] = e.rewards.mean().item()
-        log[f"{t}/solved"] = (e.rewards >= 0.999).float().mean().item()
-        # Groups whose completions all got the same reward carry no GRPO signal (zero advantage).
-        log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
-        log.update({k: v for k, v in stats.items() if k.startswith(t + "/")})
-        log[f"{t}/adv_abs_mean"] = e.adv.abs().mean().item()
-    log["grad_norm"] = grad_norm
-    log.update(fast_log)  # committed tokens per step and their confidence, with --threshold / --kv_cache only
-    # Phase times: Run.record moves them to times.jsonl, so that log.jsonl is the same on every repetition.
-    log.update({k: v for k, v in times.items() if k.endswith("_s")}, seconds=time.time() - times["start"],
-               cpu_s=time.process_time() - times["cpu_start"])
-    return log, exps
+
+def check_rewards(r: torch.Tensor, task: str, group_size: int) -> None:
+    """A NaN or out-of-range reward is reported and the step skipped (BadStep), never averaged in."""
+    bad = (~torch.isfinite(r) | (r < 0) | (r > 1)).nonzero().flatten().tolist()
+    if bad:
+        raise BadStep(f"{len(bad)} {task} reward(s) not a finite number in [0, 1], first {r[bad[0]].item()} at "
+                      f"sequence {bad[0]} (prompt {bad[0] // group_size}); check the reward function or scorer")
+
+
+@torch.no_grad()
+def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
+    """K x (B, L) float32: the log-probs of every view under a frozen policy (pi_old or pi_ref)."""
+    with scale.full_weights(model):  # FSDP2 gathers the weights once for all K passes; a no-op in one process
+        return [importance.token_logprobs(model, x_k, b.x, m_k, attention_mask=b.attention_mask,
+                                          vocab_slice=vocab_slice(b.task, ctx.ids),
+                                          device_batch_size=ctx.cfg.device_batch_size)
+                for x_k, m_k in zip(views.inputs, views.loss_masks)]
+
+
+def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
+    """Inner update j: backpropagate every task's loss, clip, take one optimizer step. Returns each task's
+    sums over every rank (grpo.policy_loss) and the update's gradient norm; a non-finite loss or gradient norm
+    skips the optimizer step (the same decision on every rank: both are reduced over ranks)."""
+    cfg = ctx.cfg
+    # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
+    # per (step, j, rank) so that a resumed run draws the same masks.
+    torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))  # rank 0 in one process
+    opt.zero_grad(set_to_none=True)
+    out = {e.batch.task: reduce_sums(backward_loss(model, e, j, ctx), ctx.device) for e in exps}
+    # clip_grad_norm_ on the optimizer's own parameters (under FSDP2 the norm is over every rank's shards)
+    out["grad_norm"] = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
+    losses = [s["loss"] for t, s in out.items() if t != "grad_norm"]
+    out["skipped"] = not (math.isfinite(out["grad_norm"]) and all(map(math.isfinite, losses)))
+    if out["skipped"]:
+        print0(f"warning: step {step} update {j}: non-finite loss {losses} or gradient norm {out['grad_norm']}; "
+               "update skipped")
+        opt.zero_grad(set_to_none=True)
+    else:
+        opt.step()
+    return out
 
 
 def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
-    """Backpropagate update j's loss on one task's experience; returns this rank's statistics of it.
-
-    The one place the loss is normalised: the gradient is that of ONE mean over the whole global batch (every
-    rank's rows and every view the update scores), though it is computed one device_batch_size chunk at a
-    time. grpo.policy_loss returns a chunk's mean S_c / n_c over its n_c terms (scored tokens, or sequences
-    for --loss_norm=sequence: grpo.num_terms); weighting it by n_c / n, with n the terms of all chunks, views
-    and ranks, gives sum_c S_c / n = S / n, the full-batch mean (--trajectory_states: an unbiased estimate of it), and scale.backward_sum turns FSDP2's mean
-    over ranks back into that sum. The statistics are weighted the same way (maxima by max, num_tokens summed)."""
-    cfg, b = ctx.cfg, e.batch
+    """Backpropagate update j's loss on one task's experience, device_batch_size rows at a time; returns this
+    rank's sums (grpo.policy_loss). The loss is ONE mean over the global batch: n counts the terms of every view
+    the update scores, chunk and rank (--trajectory_states: Views.norm, the full trajectory's, estimated)."""
+    cfg, b, v = ctx.cfg, e.batch, e.views
     adv = e.adv[b.index].to(b.x.device)                                                    # (B,)
-    views = importance.update_views(cfg.estimator, j, len(e.inputs), e.draw)
-    # --trajectory_states: n is K/T of the whole trajectory's tokens, so the K drawn states weigh T/K each
-    n = e.draw.norm if e.draw else sum(grpo.num_terms(e.loss_masks[v], cfg.loss_norm) for v in views).float()
-    n = scale.all_sum(n).clamp(min=1)
-    s = {}
-    for v in views:
-        mask = e.loss_masks[v]                                                             # (B, L)
+    scored = v.updates[j]
+    n = v.norm if v.norm is not None else sum(grpo.num_terms(v.loss_masks[k], cfg.loss_norm) for k in scored)
+    n = scale.all_sum(torch.as_tensor(n).float()).clamp(min=1)  # over ranks: a no-op in one process
+    sums = {}
+    for k in scored:
+        mask = v.loss_masks[k]                                                             # (B, L)
         for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
-            logp = importance.token_logprobs(model, e.inputs[v][rows], b.x[rows], mask[rows],
+            logp = importance.token_logprobs(model, v.inputs[k][rows], b.x[rows], mask[rows],
                                              attention_mask=b.attention_mask[rows], vocab_slice=vocab_slice(b.task, ctx.ids))
-            loss, chunk = grpo.policy_loss(logp, e.logp_old[v][rows], adv[rows], mask[rows],
-                                           clip_eps=cfg.clip_eps, beta=cfg.beta, norm=cfg.loss_norm,
-                                           logp_ref=None if e.logp_ref is None else e.logp_ref[v][rows])
-            share = grpo.num_terms(mask[rows], cfg.loss_norm).float() / n                 # n_c / n
-            scale.backward_sum(loss * share)
-            for k, x in chunk.items():
-                s[k] = max(s.get(k, -math.inf), x) if k.endswith("_max") else s.get(k, 0.0) + x * (
-                    1.0 if k == "num_tokens" else float(share))
-            s["loss"] = s.get("loss", 0.0) + loss.item() * float(share)
-    return s
+            loss, s = grpo.policy_loss(logp, e.logp_old[k][rows], adv[rows], mask[rows], clip_eps=cfg.clip_eps,
+                                       beta=cfg.beta, norm=cfg.loss_norm, total=n,
+                                       logp_ref=None if e.logp_ref is None else e.logp_ref[k][rows])
+            scale.backward_sum(loss)  # loss.backward() in one process; undoes FSDP2's mean over ranks
+            sums = grpo.add_sums(sums, s)
+    return sums
 
 
-def reduce_stats(s: dict, device) -> dict:
-    """One update's statistics over ranks, keys sorted: maxima (*_max) by max, the rest summed."""
+def reduce_sums(s: dict, device) -> dict:
+    """grpo.policy_loss sums over ranks, keys sorted: ratio_max by max, the rest summed (a no-op in one process)."""
     keys = sorted(s)
     t = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=device)
     is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
@@ -424,14 +403,21 @@ def reduce_stats(s: dict, device) -> dict:
     return dict(zip(keys, torch.where(is_max, maxed, summed).tolist()))
 
 
-def lap(times: dict, name: str) -> None:
-    """Add the wall and CPU seconds since the last lap to times[name] and times[name_cpu_s] (the phases of one
-    RL step, for times.jsonl; CPU seconds, every thread of this process, compare runs on a shared machine)."""
-    now, cpu = time.time(), time.process_time()
-    times[name] = times.get(name, 0.0) + now - times.get("last", times["start"])
-    cpu_name = name.removesuffix("_s") + "_cpu_s"
-    times[cpu_name] = times.get(cpu_name, 0.0) + cpu - times.get("cpu_last", times["cpu_start"])
-    times["last"], times["cpu_last"] = now, cpu
+def step_log(step: int, exps: list, updates: list, cfg) -> dict:
+    """log.jsonl's line of one RL step (docs/method.md "What a step logs" says what each key is)."""
+    log = {"step": step, "skipped_updates": sum(u["skipped"] for u in updates)}
+    for e in exps:
+        t, flat = e.batch.task, e.rewards.view(-1, cfg.group_size)
+        log[f"{t}/reward"] = e.rewards.mean().item()
+        log[f"{t}/solved"] = (e.rewards >= 0.999).float().mean().item()
+        # Groups whose completions all got the same reward carry no GRPO signal (zero advantage).
+        log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
+        log.update({f"{t}/{k}": v for k, v in grpo.step_stats([u[t] for u in updates]).items()})
+        log[f"{t}/adv_abs_mean"] = e.adv.abs().mean().item()
+        log.update(e.sampler_log)
+    norms = [u["grad_norm"] for u in updates]
+    log.update(grad_norm_mean=sum(x / len(norms) for x in norms), grad_norm_max=max(norms))
+    return log
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -471,7 +457,7 @@ def _run(cfg: Config, argv) -> dict:
         report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
         opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                                 weight_decay=cfg.weight_decay)
-    print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.num_iterations} optimizer steps, {cfg.prompts_per_step} "
+    print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.mu} optimizer steps, {cfg.prompts_per_step} "
            f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "
            f"steps count from 0, as in log.jsonl")
     with Run(cfg, model, opt, device) as run:
@@ -488,10 +474,12 @@ def _run(cfg: Config, argv) -> dict:
             print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
                    "(and --eval_prompts > 0)")
         for step in range(run.start, cfg.rl_steps):
+            start, cpu = time.time(), time.process_time()
             try:
                 log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
             except BadStep as e:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
+            log.update(seconds=time.time() - start, cpu_s=time.process_time() - cpu)  # to times.jsonl (Run.record)
             run.record(step, log, rolls, tok, ids)
         nothing_trained = all_skipped(run)
         if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported

@@ -64,7 +64,7 @@ def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
 
 
 def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int, rollout: str, steps: int,
-          block_length: int, cfg_scale: float, num_iterations: int, beta: float, lora: bool,
+          block_length: int, cfg_scale: float, mu: int, beta: float, lora: bool,
           activation_checkpointing: bool, window: int, trajectory: bool = False, trajectory_states: int = 0) -> dict:
     """Global FLOPs of one RL step (one rollout batch: every task's prompts_per_step * group_size
     sequences, all ranks together), by phase. A multiply-add is 2 FLOPs.
@@ -111,7 +111,7 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
             per_seq += fwd(seq_len, seq_len, block_length) + (spb - 1) * fwd(q, seq_len, block_length)
     roll = seqs * cfg_rows * per_seq
     per_update = min(trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
-    views = min(num_iterations * per_update, steps) if trajectory else num_iterations  # scored, old and ref
+    views = min(mu * per_update, steps) if trajectory else mu  # scored, old and ref
     # Head positions of a scored input: the window. A trajectory state of a text rollout scores only the
     # tokens one step revealed, within its block, so the head runs over fewer columns: an upper bound there.
     scored = window
@@ -122,7 +122,7 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
     else:
         bwd = seq_len * (4 * body + 2 * attn) + scored * 4 * head
     recompute = seq_len * (2 * (body + adapters) + attn) if activation_checkpointing else 0
-    update = seqs * num_iterations * per_update * (fwd(seq_len, seq_len, scored) + bwd + recompute)
+    update = seqs * mu * per_update * (fwd(seq_len, seq_len, scored) + bwd + recompute)
     return {"rollout": roll, "scoring": score, "update": update, "step": roll + score + update,
             "per_rollout_seq": cfg_rows * per_seq}
 
@@ -273,7 +273,7 @@ def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
     for p in step_shape(cfg)["tasks"]:
         f = flops(mc, s, seqs=p["seqs"], seq_len=p["seq_len"], prompt_len=p["prompt_len"], rollout=p["rollout"],
                   steps=p["steps"], block_length=cfg.block_length, cfg_scale=cfg.cfg_scale, window=p["window"],
-                  num_iterations=cfg.num_iterations, beta=cfg.beta, lora=cfg.lora_rank > 0,
+                  mu=cfg.mu, beta=cfg.beta, lora=cfg.lora_rank > 0,
                   activation_checkpointing=cfg.activation_checkpointing, trajectory=cfg.estimator == "trajectory",
                   trajectory_states=cfg.trajectory_states)
         total["per_rollout_seq"][p["task"]] = f.pop("per_rollout_seq")
@@ -331,7 +331,7 @@ def dry_run(cfg) -> dict:
     step_s = f["step"] / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU)
     eval_min = one_eval / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU) / 60
     run_h = run / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU) / 3600
-    opt_steps = cfg.rl_steps * cfg.num_iterations
+    opt_steps = cfg.rl_steps * cfg.mu
     # world sizes each task's batch splits evenly over (train.py requires it)
     per_task = cfg.prompts_per_step * cfg.group_size
     cols = [w for w in sorted({1, 8, 16, gpus}) if per_task % w == 0]
@@ -350,15 +350,15 @@ def dry_run(cfg) -> dict:
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
           f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters")
     print(f"RL step: {seqs} sequences ({cfg.prompts_per_step} prompts x G={cfg.group_size} x {len(names)} task(s)) "
-          f"of {seq_len} tokens, {steps} denoising steps ({rollout}), mu={cfg.num_iterations}, "
+          f"of {seq_len} tokens, {steps} denoising steps ({rollout}), mu={cfg.mu}, "
           f"{'LoRA' if lora else 'full fine-tuning'}, activation checkpointing "
           f"{'on' if cfg.activation_checkpointing else 'off'}, device_batch_size {cfg.device_batch_size or 'all'}")
     ckpt = (f"a checkpoint every {cfg.checkpoint_every} rollout batches = "
-            f"{cfg.checkpoint_every * cfg.num_iterations:,} optimizer steps" if cfg.checkpoint_every else "no checkpoints")
-    print(f"schedule: {cfg.rl_steps:,} rollout batches x mu {cfg.num_iterations} = {opt_steps:,} optimizer steps; {ckpt}")
+            f"{cfg.checkpoint_every * cfg.mu:,} optimizer steps" if cfg.checkpoint_every else "no checkpoints")
+    print(f"schedule: {cfg.rl_steps:,} rollout batches x mu {cfg.mu} = {opt_steps:,} optimizer steps; {ckpt}")
     # The settings an official script fixes, in its own terms, to compare line by line (tests/test_presets.py).
     gamma = cfg.gamma_image if image else cfg.gamma_text
-    print(f"settings: G {cfg.group_size}, {cfg.prompts_per_step} prompts per optimizer step, mu {cfg.num_iterations}, "
+    print(f"settings: G {cfg.group_size}, {cfg.prompts_per_step} prompts per optimizer step, mu {cfg.mu}, "
           f"gamma {gamma}, CFG {cfg.cfg_scale}, eps {cfg.clip_eps}, beta {cfg.beta}, lr {cfg.lr}, estimator "
           f"{cfg.estimator}{'' if image else f' ({cfg.text_reversing})'}, LoRA r {cfg.lora_rank} alpha {cfg.lora_alpha:g} "
           f"dropout {cfg.lora_dropout} on {cfg.lora_targets}, attention over padding "
@@ -369,7 +369,7 @@ def dry_run(cfg) -> dict:
         states = (f"{cfg.trajectory_states} decoding state(s) per update" if cfg.trajectory_states
                   else "every decoding state")
         print(f"trajectory estimator, {states}: {f['step']:.2e} FLOPs per RL step against {maskgrpo:.2e} for "
-              f"MaskGRPO's mu = {cfg.num_iterations} masks, {f['step'] / maskgrpo:.2f} x")
+              f"MaskGRPO's mu = {cfg.mu} masks, {f['step'] / maskgrpo:.2f} x")
     print(f"held-out evaluation: {eval_seqs:,} sequences ({cfg.eval_prompts} prompts x {cfg.eval_samples} sampled "
           f"per task{', + 1 greedy per text prompt' if not all(t['image'] for t in p['tasks']) else ''}; exact "
           f"sampler), {one_eval:.2e} FLOPs each, run before and after RL")
@@ -415,7 +415,7 @@ def dry_run(cfg) -> dict:
             "seq_len": seq_len, "flops": {**f, "evaluation": evaluation, "eval_once": one_eval, "run": run},
             "eval_sequences": eval_seqs, "eval_minutes": eval_min, "chunk": chunk,
             "rollout_batches": cfg.rl_steps, "optimizer_steps": opt_steps,
-            "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.num_iterations,
+            "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.mu,
             "gpu": GPU_NAME, "gpus": gpus, "mfu": ASSUMED_MFU, "seconds_per_step": step_s, "run_hours": run_h,
             "gpu_hours": run_h * gpus, "budget": mem, "tokens_per_s_per_gpu": rate}
 

@@ -118,12 +118,12 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     exs = [ex for ex in draw_prompts(task, cfg, 0, {}) for _ in range(cfg.group_size)]
     b = make_batch(task, exs, tok, ids, cfg, device, with_targets=False)
     gens = [rng.generator(device, cfg.seed, "rollout", task, 0, i) for i in range(len(exs))]
-    b, order = tasks.rollout(old, b, ctx, gens, cfg.temperature, fast=True)
+    b, order, _ = tasks.rollout(old, b, ctx, gens, cfg.temperature, allow_fast=True)
     # 2. one MaskGRPO step from a copy of pi_old (the reference is pi_old itself, as in a run's first step);
     # it draws the same rollouts
     theta = copy.deepcopy(old)
     opt = _Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
-                                              weight_decay=cfg.weight_decay), cfg.num_iterations)
+                                              weight_decay=cfg.weight_decay), cfg.mu)
     _, (r,) = train.rl_step(theta, old, opt, ctx, 0, tasks.step_prompts(ctx, 0))  # old: the reference (beta > 0)
     assert torch.equal(r.batch.x, b.x), "rl_step drew other rollouts than tasks.rollout with its generators"
     thetas = opt.thetas
@@ -146,7 +146,7 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
             ins, outs = importance.build_masks(
                 b.prompt_mask, eos_window if est == "d1" and task not in IMAGE_TASKS else window,
                 seed=rng.derive_seed(cfg.seed, "diagnose", task, label, k), step=0,
-                seq_index=list(range(B)), num_iterations=cfg.num_iterations, gamma=g, estimator=est, mode=mode,
+                seq_index=list(range(B)), mu=cfg.mu, gamma=g, estimator=est, mode=mode,
                 p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)
             ests = []
             for j, t in enumerate(thetas, start=1):
@@ -252,8 +252,8 @@ def main(argv=None) -> dict:
         return {}
     if not o.diagnose or not o.ckpt:
         raise ValueError("usage: python importance.py --diagnose --ckpt DIR [--preset NAME] [--field=value ...]")
-    if o.num_iterations < 2 or o.draws < 2:
-        raise ValueError(f"num_iterations ({o.num_iterations}) and draws ({o.draws}) must be >= 2")
+    if o.mu < 2 or o.draws < 2:
+        raise ValueError(f"mu ({o.mu}) and draws ({o.draws}) must be >= 2")
     validate(replace(o, init_from=o.ckpt))
     device, _ = setup(o)
     old = hf.from_pretrained(o.ckpt, device=device, dtype=torch.float32).eval()

@@ -49,14 +49,14 @@ def example_logits(V: int = 2000, scale: float = 6.0, seed: int = 0) -> torch.Te
     return (torch.randn(V, generator=g, dtype=torch.float64) * scale).to(torch.bfloat16).double()
 
 
-def strided_indices(num_iterations: int, grad_accum: int, optimizer_steps: int) -> list[list[int]]:
+def strided_indices(mu: int, grad_accum: int, optimizer_steps: int) -> list[list[int]]:
     """The inner-iteration index each gradient-accumulation slot scores at each optimizer step of the official
     trainer: [slot][step]. Micro-batch m (0-based) runs with _step = m + 1 (incremented in _prepare_inputs
     before compute_loss), hence index ((m + 1) mod mu) - 1, -1 read as mu - 1; slot m mod A, step m // A."""
     out = [[] for _ in range(grad_accum)]
     for m in range(optimizer_steps * grad_accum):
-        idx = (m + 1) % num_iterations - 1
-        out[m % grad_accum].append(num_iterations - 1 if idx == -1 else idx)
+        idx = (m + 1) % mu - 1
+        out[m % grad_accum].append(mu - 1 if idx == -1 else idx)
     return out
 
 

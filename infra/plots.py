@@ -322,11 +322,12 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
 
 def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summary: dict | None = None):
     """images.png of a toy run: grid rows (name, images) for the held-out examples, each image with its
-    verifier score (toy.image_reward, the RL reward), a legend, and the held-out mean image reward
+    verifier score (rewards.image_reward, the RL reward), a legend, and the held-out mean image reward
     before and after RL, which the few images here only illustrate."""
+    import rewards
     from infra import toy
 
-    scores = [[toy.image_reward(codes, ex["spec"]) for codes, ex in zip(images, examples)] for _, images in grid]
+    scores = [[rewards.image_reward(codes, ex) for codes, ex in zip(images, examples)] for _, images in grid]
     notes = ["score: fraction of the prompt's checks the image passes (the RL reward); dark grey: empty cell",
              "same prompts and sampling seeds before and after RL: only the policy differs"]
     image = (summary or {}).get("image")

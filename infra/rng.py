@@ -3,8 +3,8 @@
 Seeds. No draw uses the global RNG (LoRA dropout aside, which train.py seeds per update): each is a
 blake2b hash of its purpose and global index, e.g. derive_seed(seed, "rollout", task, step, i) for sequence
 i's rollout noise, so a sequence gets the same randomness in any batch, process or world size. The mask
-seeds S_j of the importance estimator (mask_seed) hash tagged packed integers instead of a repr: the same
-hash, kept in its own encoding because every mask of every run hangs on it.
+seeds S_j of the importance estimator (mask_seed) hash tagged, packed integers instead of a repr
+(packed_seed): the same hash over a fixed byte layout of integers only.
 
 Uniforms. `uniform(shape, generator, device, cols=...)` returns only some columns of a draw, yet every row's
 generator draws the full row, in a fixed pattern of chunks from column 0, and keeps the columns asked

@@ -24,18 +24,18 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import budget, checkpoint, hf, phases, scale
+from infra import budget, checkpoint, heldout, hf, phases, scale
 from infra.budget import scratch_config
 from infra.load import check_sft_cache, reference_identity, refuse_training_checkpoint, save_model
 from infra.scale import print0
 from tasks import IMAGE_TASKS, task_list
 
 
-EVAL_BATCH = 64  # rows per tasks.evaluate batch
+EVAL_BATCH = 64  # rows per heldout.evaluate batch
 
 
 def eval_batches(ctx) -> int:
-    """How many batches tasks.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
+    """How many batches heldout.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
     n = 0
     for task in task_list(ctx.cfg):
         rows = len(tasks.eval_examples(task, ctx.cfg, ctx.datasets))
@@ -538,5 +538,5 @@ def write_pictures(cfg, out: Path, grid: list) -> None:
         summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
         if summary:  # a score that was not measured (null) is left off the panel, never drawn as a number
             summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
-        plots.toy_image_panel(grid, tasks.eval_examples("image", cfg, {})[:tasks.GRID_PROMPTS], cfg.image_width,
+        plots.toy_image_panel(grid, heldout.eval_examples("image", cfg, {})[:heldout.GRID_PROMPTS], cfg.image_width,
                               out / "images.png", summary)

@@ -166,9 +166,9 @@ def _sample_image(cfg, tok, o):
     if len(caption) + 3 > text_len:  # <|t2i|> BOS caption EOS, cut to text_len by tasks.encode_image_prompt
         print(f"warning: the caption is {len(caption)} tokens; only its first {text_len - 3} fit the text part "
               f"(--image_text_len={text_len})", file=sys.stderr)
-    ids, start, att = tasks.encode_image_prompt(tok, o.prompt, text_len, n)
+    ids, start, att = tasks.encode_image_prompt(tok, tasks.token_ids(tok), o.prompt, text_len, n)
     check_length(len(ids) - n, n, cfg, o.ckpt, f"--image_width={o.image_width} ({n} image tokens)")
-    uids, _, uatt = tasks.encode_image_prompt(tok, "", text_len, n)
+    uids, _, uatt = tasks.encode_image_prompt(tok, tasks.token_ids(tok), "", text_len, n)
     model, device, gen = _load(o)
 
     def t(v):

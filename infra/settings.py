@@ -66,7 +66,7 @@ def validate(cfg) -> None:
         need(cfg.d_model % cfg.n_heads == 0 and (cfg.d_model // cfg.n_heads) % 2 == 0,
              f"d_model ({cfg.d_model}) must be n_heads ({cfg.n_heads}) times an even head size (rotary embeddings)")
     need(cfg.group_size >= 2, f"group_size ({cfg.group_size}) must be >= 2: GRPO compares completions of a group")
-    need(cfg.num_iterations >= 1, f"num_iterations ({cfg.num_iterations}) must be >= 1")
+    need(cfg.mu >= 1, f"mu ({cfg.mu}) must be >= 1")
     for g in ("gamma_text", "gamma_image"):
         need(0 <= getattr(cfg, g) < 1, f"{g} ({getattr(cfg, g)}) must be in [0, 1)")
     need(cfg.clip_eps > 0, f"clip_eps ({cfg.clip_eps}) must be > 0 (paper: 0.2)")

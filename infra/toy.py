@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from rewards import COLOURS, PLACES, RELATIONS  # the grid the image verifier reads
 
 
 # LLaDA/MMaDA special-token names (their released tokenizers). EOS doubles as pad, as in LLaDA-Instruct.
@@ -40,14 +41,11 @@ OBJECTS = ["apples", "pens", "books", "cards", "coins", "eggs", "shells", "stamp
 ADD_VERBS = ["buys {} more", "finds {} more", "gets {} more"]     # each step: x + n
 SUB_VERBS = ["gives {} away", "loses {}", "sells {}"]            # each step: x - n
 
-# Palette: code 0 is background; code c >= 1 is COLOURS[c - 1]. ANSI 256-colour index for render_image.
-COLOURS = ["red", "green", "blue", "yellow", "purple", "cyan", "white"]
+# Palette (rewards.COLOURS, with the relations and places the image verifier checks): code 0 is background,
+# code c >= 1 is COLOURS[c - 1]. ANSI 256-colour index for render_image.
 ANSI = [236, 196, 46, 27, 226, 129, 51, 231]
 CODEBOOK_SIZE = 1 + len(COLOURS)
 COUNT_WORDS = {1: "a", 2: "two", 3: "three", 4: "four"}
-RELATIONS = {"left of": (1, -1), "right of": (1, 1), "above": (0, -1), "below": (0, 1)}  # (axis, sign)
-PLACES = {"top row": (0, "first"), "bottom row": (0, "last"), "left column": (1, "first"),
-          "right column": (1, "last")}
 
 WORDS = sorted(set(NAMES) | set(NAMES.values()) | set(OBJECTS) | set(COLOURS) | set(COUNT_WORDS.values())
                | {w for v in ADD_VERBS + SUB_VERBS for w in v.split() if w != "{}"}
@@ -155,42 +153,9 @@ def _wrong_target(rng: random.Random, steps: list, max_value: int) -> tuple[list
     # *before* the last step (for one step: the starting amount), as if the last action were forgotten.
     # Same tokens and length as a right target; only the box digit differs, so the SFT model learns
     # "copy the result" and "copy the last step's first number" as two habits. It is never the answer
-    # (every step moves the amount by n >= 1), and no small shift of a working digit makes it one.
-    # Why not "box = result + 1": measured on the default toy (seed 0, 512 sampled held-out completions),
-    # RL cut that habit from 168 to 42 but also learned to write the working's result one *less* than the
-    # truth so that "result + 1" landed on the answer; wrong working rose from 49 to 185, greedy accuracy
-    # fell, and text gains were +0.06 to +0.13 across seeds and CPUs. With this target (and 80 RL steps)
-    # seeds 0-4 gained +0.16 to +0.25 (docs/results.md).
+    # (every step moves the amount by n >= 1), and no small shift of a working digit makes it one
+    # (docs/differences.md, "The toy's SFT mistake", says why not another one).
     return steps, steps[-1][0]
-
-
-_BOX = re.compile(r"\\boxed\{([^{}]*)\}")
-
-
-def answer_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the last \\boxed{} in the decoded completion holds the true answer, else 0.0 (no format
-    credit: the toy's SFT model always writes a box, so a format term would only add a constant).
-
-        answer_reward("3 + 4 = 7 . \\\\boxed{7}", {"answer": "7"}) == 1.0
-        answer_reward("3 + 4 = 8 . \\\\boxed{8}", {"answer": "7"}) == 0.0
-        answer_reward("3 + 4 = 7", {"answer": "7"}) == 0.0      # no box
-    """
-    boxes = _BOX.findall(completion_text)
-    return float(bool(boxes) and boxes[-1].strip() == example["answer"])
-
-
-def solution_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the completion is the whole right solution, every step of the working as the problem states
-    it and the box holding the answer, else 0.0 (the long toy's verifier, --text_reward=solution).
-
-    Why the long toy checks the working: with 3-4 written-out steps and the box-only `text_reward`, RL runs
-    lost right working (greedy accuracy fell on most seeds; docs/results.md), as no reward term read those
-    tokens. The working of these problems is unique, so the check is an exact comparison.
-
-        solution_reward("3 + 4 = 7 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 1.0
-        solution_reward("3 + 4 = 6 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 0.0
-    """
-    return float(completion_text.strip() == example["solution"])
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -242,12 +207,30 @@ def make_image_example(rng: random.Random, split: str = "train", noise: float = 
             for _ in range(n):
                 image[free[k]] = COLOURS.index(c) + 1
                 k += 1
-        if image_reward(image, spec) == 1.0:
+        if _placed(image, spec):
             break
     if rng.random() < noise:
         image = _corrupt(rng, image, spec)
     ex["image"] = image
     return ex
+
+
+def _placed(image: list[int], spec: dict) -> bool:
+    # The drawn grid puts the relation's or the place's colour where the caption says. The counts and the set of
+    # colours hold by construction, so this is all rewards.image_reward checks (tests check both agree).
+    w = spec["width"]
+    cells = {c: [divmod(i, w) for i, x in enumerate(image) if x == COLOURS.index(c) + 1] for c in spec["counts"]}
+    if spec["relation"]:
+        a, rel, b = spec["relation"]
+        axis, sign = RELATIONS[rel]
+        if not all(sign * (q[axis] - p[axis]) > 0 for p in cells[b] for q in cells[a]):
+            return False
+    if spec["place"]:
+        a, place = spec["place"]
+        axis, end = PLACES[place]
+        if not all(p[axis] == (0 if end == "first" else w - 1) for p in cells[a]):
+            return False
+    return True
 
 
 def _corrupt(rng: random.Random, image: list[int], spec: dict) -> list[int]:
@@ -256,44 +239,6 @@ def _corrupt(rng: random.Random, image: list[int], spec: dict) -> list[int]:
     c = COLOURS.index(next(iter(spec["counts"]))) + 1
     look_alike = c % len(COLOURS) + 1
     return [look_alike if x == c else x for x in image]
-
-
-def image_checks(codes: list[int], spec: dict) -> list[bool]:
-    """The verifier's individual checks: for each named colour its exact cell count; the relation or
-    placement if any; and "no stray colours" (the set of colours present equals the named set)."""
-    w = spec["width"]
-    cells = {c: [divmod(i, w) for i, x in enumerate(codes) if x == COLOURS.index(c) + 1] for c in COLOURS}
-    checks = [len(cells[c]) == n for c, n in spec["counts"].items()]
-    present = {c for c in COLOURS if cells[c]}
-    checks.append(present == set(spec["counts"]))
-    if spec["relation"]:
-        a, rel, b = spec["relation"]
-        axis, sign = RELATIONS[rel]
-        # Every cell of a strictly on the named side of every cell of b (GenEval compares box centres;
-        # with one-cell objects this is the same thing).
-        checks.append(bool(cells[a]) and bool(cells[b]) and
-                      all(sign * (q[axis] - p[axis]) > 0 for p in cells[b] for q in cells[a]))
-    if spec["place"]:
-        a, place = spec["place"]
-        axis, end = PLACES[place]
-        line = 0 if end == "first" else w - 1
-        checks.append(bool(cells[a]) and all(p[axis] == line for p in cells[a]))
-    return checks
-
-
-def image_reward(codes: list[int], spec: dict) -> float:
-    """Fraction of satisfied checks in [0, 1] (GenEval itself is all-or-nothing per prompt; a fraction
-    gives RL a denser signal).
-
-        spec = {"width": 2, "counts": {"red": 1}, "relation": None, "place": None}
-        image_reward([1, 0, 0, 0], spec) == 1.0     # one red cell, nothing else
-        image_reward([1, 1, 0, 0], spec) == 0.5     # two reds: count wrong, colours right
-        image_reward([0, 0, 0, 0], spec) == 0.0     # empty grid
-    """
-    if len(codes) != spec["width"] ** 2:
-        return 0.0
-    checks = image_checks(codes, spec)
-    return sum(checks) / len(checks)
 
 
 def render_image(codes: list[int], width: int) -> str:

@@ -66,14 +66,15 @@ def synthetic_rollout(model, mc, B, prompt_len, gen_len, device, seed=0):
         old = importance.token_logprobs(model, inp, x, mask, attention_mask=am)
     batch = train.Batch("gsm8k", x, am, prompt_len, gen_len)
     adv = torch.randn(B, generator=g).to(device)
-    return train.Experience(batch, torch.zeros(B), adv, [inp], mask[None], [old], [old.clone()])
+    return train.Experience(batch, torch.zeros(B), adv, importance.Views([inp], mask[None], [[0]]), [old], [old.clone()],
+                            {})
 
 
 def one_update_chunk(model, r, cfg):
     """train.rl_step's update pass for inner iteration 0 of text rollout r, all rows in one chunk (backward
     only; the caller steps). Text is scored over the whole vocabulary."""
-    b, mask = r.batch, r.loss_masks[0]
-    logp = importance.token_logprobs(model, r.inputs[0], b.x, mask, attention_mask=b.attention_mask)
+    b, mask = r.batch, r.views.loss_masks[0]
+    logp = importance.token_logprobs(model, r.views.inputs[0], b.x, mask, attention_mask=b.attention_mask)
     loss, stats = grpo.policy_loss(logp, r.logp_old[0], r.adv, mask, clip_eps=cfg.clip_eps, beta=cfg.beta,
                                    logp_ref=None if r.logp_ref is None else r.logp_ref[0], norm=cfg.loss_norm)
     loss.backward()

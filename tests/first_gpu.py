@@ -57,7 +57,7 @@ from infra import budget, hf, run as run_mod, scale, toy  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 # Inner updates per rollout batch: None keeps the Config default. The flag's name is in one place here.
-MU_FLAG, MU = "num_iterations", None
+MU_FLAG, MU = "mu", None
 
 LLADA_VOCAB = 126464
 # (layers, d_model, heads, mlp hidden) of the random checkpoint; the vocabulary is LLaDA-8B's on both.
@@ -330,7 +330,7 @@ def main(argv=None) -> list:
                  f"about {1 - toy_vocab / LLADA_VOCAB:.1%} (random weights)"))
     rows.append(("toy verifier's reward on them", f"max {verifier.max().item():.3f} over {len(verifier)}",
                  "0 (decoded as nothing)"))
-    rows.append(("stand-in reward trained on", f"mean {logged['text/reward']:.3f}, grad norm {logged['grad_norm']:.3g}",
+    rows.append(("stand-in reward trained on", f"mean {logged['text/reward']:.3f}, largest grad norm {logged['grad_norm_max']:.3g}",
                  "finite, > 0"))
     ckpts = run_dir / "checkpoints"
     cfg = train.parse_args(flags)

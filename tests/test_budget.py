@@ -398,7 +398,7 @@ def hand_flops(preset: str, kv_cache: str, lora_rank: int, *extra) -> dict:
         else:
             bwd = 2 * (L * (blocks + att(L)) + W * H)
         again = L * (M + att(L)) if cfg.activation_checkpointing else 0
-        mu = cfg.num_iterations
+        mu = cfg.mu
         per_update = (min(cfg.trajectory_states, T) if cfg.trajectory_states else T) \
             if cfg.estimator == "trajectory" else 1
         scored = min(mu * per_update, T) if cfg.estimator == "trajectory" else mu
@@ -417,7 +417,7 @@ MODES = [(p, kv, lr, ()) for p in train.PRESETS for kv in ("none", "prefix", "du
 MODES += [("llada8b", "none", 128, ("--estimator=trajectory",)),
           ("llada8b", "none", 0, ("--estimator=trajectory", "--trajectory_states=12")),
           ("llada8b", "prefix", 128, ("--estimator=trajectory", "--trajectory_states=3")),
-          ("smoke", "none", 0, ("--estimator=trajectory", "--trajectory_states=2", "--num_iterations=3")),
+          ("smoke", "none", 0, ("--estimator=trajectory", "--trajectory_states=2", "--mu=3")),
           ("mmada8b", "none", 128, ("--estimator=trajectory", "--trajectory_states=5"))]
 
 

@@ -41,21 +41,21 @@ def test_log_ratios_are_the_training_codes(sft_dir):
     exs = [ex for ex in tasks.draw_prompts("text", cfg, 0, {}) for _ in range(cfg.group_size)]
     b = tasks.make_batch("text", exs, tok, ids, cfg, ctx.device, with_targets=False)
     gens = [rng.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(exs))]
-    b, order = tasks.rollout(old, b, ctx, gens, cfg.temperature, fast=True)
+    b, order, _ = tasks.rollout(old, b, ctx, gens, cfg.temperature, allow_fast=True)
     assert (order[:, b.window_slice] >= 0).all() and (order[:, : b.prompt_len] == -1).all()
     theta = copy.deepcopy(old)
-    opt = diagnose._Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr), cfg.num_iterations)
+    opt = diagnose._Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr), cfg.mu)
     _, (r,) = train.rl_step(theta, old, opt, ctx, 0, tasks.step_prompts(ctx, 0))  # old: the reference (beta > 0)
     assert torch.equal(r.batch.x, b.x)
     theta1 = opt.thetas[0]  # after update 0: the policy inner iteration 1 scores
-    in_mask = r.inputs[1] == ids.mask
-    est, ratios = diagnose.estimate(theta1, old, r, in_mask, r.loss_masks[1], ids)
-    lp = importance.token_logprobs(theta1, r.inputs[1], r.batch.x, r.loss_masks[1], attention_mask=r.batch.attention_mask)
-    want = ((lp - r.logp_old[1]) * r.loss_masks[1]).sum(-1)
+    in_mask = r.views.inputs[1] == ids.mask
+    est, ratios = diagnose.estimate(theta1, old, r, in_mask, r.views.loss_masks[1], ids)
+    lp = importance.token_logprobs(theta1, r.views.inputs[1], r.batch.x, r.views.loss_masks[1], attention_mask=r.batch.attention_mask)
+    want = ((lp - r.logp_old[1]) * r.views.loss_masks[1]).sum(-1)
     torch.testing.assert_close(est, want, rtol=0, atol=1e-6)
     assert est.abs().max() > 0  # the update moved the policy
     # and with theta = old every estimate and the exact log-ratio are exactly 0
-    est0, _ = diagnose.estimate(old, old, r, in_mask, r.loss_masks[1], ids)
+    est0, _ = diagnose.estimate(old, old, r, in_mask, r.views.loss_masks[1], ids)
     assert torch.equal(est0, torch.zeros_like(est0))
 
 
@@ -92,7 +92,7 @@ def test_main_at_small_non_default_settings(tmp_path, capsys, monkeypatch):
     # and the update moves the policy.
     monkeypatch.setattr(tasks, "score", lambda b, *a, **k: (b.x[:, b.window_slice].sum(1) % 3).float() / 2)
     res = diagnose.main(["--diagnose", f"--ckpt={ckpt}", "--preset=smoke", "--tasks=text", "--draws=2",
-                         "--num_iterations=2", "--prompts_per_step=1", "--group_size=2", "--gamma_text=0.3",
+                         "--mu=2", "--prompts_per_step=1", "--group_size=2", "--gamma_text=0.3",
                          "--clip_eps=1e-9", "--lr=1e-2", "--threads=1", f"--png={png}"])
     out = capsys.readouterr().out
     labels = [label for label, *_ in diagnose.ESTIMATORS]
@@ -131,8 +131,8 @@ def test_pearson_and_spearman_by_hand():
 
 @pytest.mark.parametrize("argv,match", [(["--diagnose"], "usage: python importance.py --diagnose --ckpt DIR"),
                                         (["--diagnose", "--ckpt=x", "--draws=1"], r"draws \(1\) must be >= 2"),
-                                        (["--diagnose", "--ckpt=x", "--num_iterations=1"],
-                                         r"num_iterations \(1\) and draws \(4\) must be >= 2")])
+                                        (["--diagnose", "--ckpt=x", "--mu=1"],
+                                         r"mu \(1\) and draws \(4\) must be >= 2")])
 def test_main_refuses(argv, match):
     with pytest.raises(ValueError, match=match):
         diagnose.main(argv)

@@ -83,7 +83,7 @@ def assert_same_run(one, two, lr=1e-4, sequences=8, eval_sequences=65):
                           f"way); the runs are compared up to step {x['step'] - 1} only")
             break
         for k, v in x.items():
-            if k.split("/")[-1] in COMPARED or k == "grad_norm":
+            if k.split("/")[-1] in COMPARED or k in ("grad_norm_max", "grad_norm_mean"):
                 assert y[k] == pytest.approx(v, rel=1e-4, abs=1e-7), (k, v, y[k])
         agreed += 1
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
@@ -198,7 +198,7 @@ def test_one_update_is_the_same_on_one_and_two_processes(world_matrix):
         compared = 0
         for k, v in one["log"].items():
             stat = k.split("/")[-1]
-            if stat in COMPARED + ("grad_norm", "zero_adv_groups", "adv_abs_mean") and not (sequence and stat in TOKEN_MEANS):
+            if stat in COMPARED + ("grad_norm_max", "grad_norm_mean", "zero_adv_groups", "adv_abs_mean") and not (sequence and stat in TOKEN_MEANS):
                 assert two["log"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), (name, k, v, two["log"][k])
                 compared += 1
         assert compared >= 15, (name, compared)
@@ -211,7 +211,7 @@ import tasks, train
 from infra import load, scale
 from world_matrix import score
 device = scale.init("cpu")
-cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4", "--num_iterations=3",
+cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4", "--mu=3",
                         "--beta=0.05", "--lora_rank=4", "--lora_alpha=8", f"--init_from={sys.argv[1]}"])
 policy, ref, tok, ids, _ = load.load_policy(cfg, device, torch.float32, sft=None)
 opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)

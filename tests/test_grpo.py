@@ -111,7 +111,8 @@ def test_vectorised_matches_naive_loop(norm, beta):
     (g_ref,) = torch.autograd.grad(ref, logp)
     assert abs(loss.item() - ref.item()) < 1e-6
     assert torch.allclose(g_vec, g_ref, atol=1e-6)
-    assert 0 < stats["clipfrac"] < 1 and stats["num_tokens"] == mask.sum().item() and stats["kl"] > 0
+    assert 0 < stats["clipped"] < stats["tokens"] == mask.sum().item() and stats["kl"] > 0
+    assert stats["loss"] == loss.item()
 
 
 def test_ratio_one_gives_minus_mean_advantage():
@@ -124,9 +125,9 @@ def test_ratio_one_gives_minus_mean_advantage():
     assert loss.item() == pytest.approx(-(adv * counts).sum().item() / counts.sum().item(), abs=1e-7)
     loss_seq, _ = policy_loss(logp_old.clone().requires_grad_(), logp_old, adv, mask, clip_eps=0.2, norm="sequence")
     assert loss_seq.item() == pytest.approx(-adv[:3].mean().item(), abs=1e-7)  # 3 sequences in the denominator
-    assert stats["ratio_mean"] == 1.0 and stats["ratio_max"] == 1.0 and stats["clipfrac"] == 0.0
-    assert stats["num_tokens"] == 9.0  # 2 + 6 + 1 scored tokens
-    # The chunk weights of train.backward_loss count what each norm divides by: 9 tokens, 3 sequences with any.
+    assert stats["ratio"] == stats["tokens"] == 9.0  # 2 + 6 + 1 scored tokens, each of ratio exactly 1
+    assert stats["ratio_max"] == 1.0 and stats["clipped"] == 0.0
+    # The normaliser train.backward_loss passes counts what each norm divides by: 9 tokens, 3 sequences with any.
     assert grpo.num_terms(mask, "token").item() == 9 and grpo.num_terms(mask, "sequence").item() == 3
 
 
@@ -143,7 +144,7 @@ def test_clipped_tokens_get_zero_grad():
     assert g[0, 0] == 0 and g[0, 2] == 0  # A > 0, ratio 1.5 > 1.2: clipped
     assert g[1, 1] == 0 and g[1, 3] == 0  # A < 0, ratio 0.5 < 0.8: clipped
     assert (g[0, [1, 3, 4]] != 0).all() and (g[1, [0, 2, 4]] != 0).all()  # clip side not reached
-    assert stats["clipfrac"] == pytest.approx(4 / 10)
+    assert (stats["clipped"], stats["tokens"]) == (4.0, 10.0)
     assert stats["ratio_max"] == pytest.approx(1.5, rel=1e-6)
 
 
@@ -174,8 +175,50 @@ def test_empty_mask_and_errors():
         loss, stats = policy_loss(logp, torch.zeros(2, 3), torch.ones(2), empty, clip_eps=0.2, norm=norm)
         loss.backward()
         assert loss.item() == 0.0 and loss.requires_grad and not logp.grad.any()
-        assert stats["num_tokens"] == 0.0 and stats["clipfrac"] == 0.0
+        assert stats["tokens"] == 0.0 and stats["clipped"] == 0.0 and stats["ratio_max"] == 1.0
     args = (logp, torch.zeros(2, 3), torch.ones(2), empty)
     for bad in (dict(clip_eps=0.0), dict(clip_eps=0.2, beta=0.1), dict(clip_eps=0.2, norm="group")):
         with pytest.raises(AssertionError):
             policy_loss(*args, **bad)
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence"])
+def test_chunks_with_the_global_normaliser_add_up_to_the_full_batch_mean(norm):
+    """policy_loss on row chunks 0:3, 3:5, 5: with total = the whole batch's terms: the chunks' losses and
+    gradients add up to the naive full-batch loss's, and their sums (add_sums) to hand-counted totals."""
+    logp, logp_old, adv, mask, logp_ref = random_inputs(5)
+    total = grpo.num_terms(mask, norm).float()
+    losses, sums = [], {}
+    for rows in (slice(0, 3), slice(3, 5), slice(5, None)):
+        loss, s = policy_loss(logp[rows], logp_old[rows], adv[rows], mask[rows], clip_eps=0.2, beta=0.05,
+                              logp_ref=logp_ref[rows], norm=norm, total=total)
+        losses.append(loss)
+        sums = grpo.add_sums(sums, s)
+    (g,) = torch.autograd.grad(sum(losses), logp)
+    ref = naive_loss(logp, logp_old, adv, mask, 0.2, 0.05, logp_ref, norm)
+    (g_ref,) = torch.autograd.grad(ref, logp)
+    assert sum(losses).item() == pytest.approx(ref.item(), abs=1e-6) and torch.allclose(g, g_ref, atol=1e-6)
+    assert sums["loss"] == pytest.approx(ref.item(), abs=1e-6)
+    ratio = torch.exp(logp.detach() - logp_old)
+    d = logp_ref - logp.detach()
+    assert sums["tokens"] == int(mask.sum())
+    assert sums["ratio"] == pytest.approx(sum(float(ratio[b, n]) for b, n in mask.nonzero().tolist()), rel=1e-5)
+    assert sums["ratio_max"] == pytest.approx(max(float(ratio[b, n]) for b, n in mask.nonzero().tolist()), rel=1e-6)
+    assert sums["kl"] == pytest.approx(sum(float(torch.exp(d[b, n]) - d[b, n] - 1) for b, n in mask.nonzero().tolist()),
+                                       rel=1e-5)
+    clipped = sum(1 for b, n in mask.nonzero().tolist()
+                  if (adv[b] > 0 and ratio[b, n] > 1.2) or (adv[b] < 0 and ratio[b, n] < 0.8))
+    assert sums["clipped"] == clipped > 0
+
+
+def test_step_stats_divide_once_by_hand():
+    """Two updates' sums, by hand: loss, clipfrac, kl and ratio_mean are each update's per-token value averaged
+    over the updates; ratio_max is the largest of any update; num_tokens the step's total."""
+    u1 = {"loss": 0.5, "tokens": 4.0, "clipped": 1.0, "kl": 0.2, "ratio": 4.4, "ratio_max": 1.3}
+    u2 = {"loss": -0.1, "tokens": 6.0, "clipped": 3.0, "kl": 0.6, "ratio": 5.4, "ratio_max": 1.1}
+    got = grpo.step_stats([u1, u2])
+    want = {"loss": 0.2, "clipfrac": (1 / 4 + 3 / 6) / 2, "kl": (0.2 / 4 + 0.6 / 6) / 2,
+            "ratio_mean": (4.4 / 4 + 5.4 / 6) / 2, "ratio_max": 1.3, "num_tokens": 10.0}
+    assert got.keys() == want.keys() and all(got[k] == pytest.approx(v, rel=1e-12) for k, v in want.items())
+    empty = dict(u2, tokens=0.0, clipped=0.0, kl=0.0, ratio=0.0, ratio_max=1.0)  # an update that scored nothing
+    assert grpo.step_stats([u1, empty])["ratio_mean"] == pytest.approx((1.1 + 1.0) / 2)

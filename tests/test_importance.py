@@ -66,7 +66,7 @@ def test_mask_ratios_mu1_and_errors():
         imp.mask_ratios(12, 1.0)
     with pytest.raises(AssertionError, match="gamma"):
         imp.mask_ratios(12, -0.1)
-    with pytest.raises(AssertionError, match="num_iterations"):
+    with pytest.raises(AssertionError, match="mu"):
         imp.mask_ratios(0, 0.6)
 
 
@@ -165,7 +165,7 @@ def test_build_masks_shapes_prompt_and_padding(estimator, mu):
     pm, cm, _ = make_batch()
     B, P = pm.shape
     N = cm.shape[1]
-    ins, loss = imp.build_masks(pm, cm, seed=7, step=0, seq_index=range(B), num_iterations=mu,
+    ins, loss = imp.build_masks(pm, cm, seed=7, step=0, seq_index=range(B), mu=mu,
                                 gamma=0.6, estimator=estimator, p_mask_prompt=0.5, suffix_len=2)
     assert ins.shape == loss.shape == (mu, B, P + N + 2) and ins.dtype == torch.bool
     assert not ins[:, :, P + N:].any() and not loss[:, :, P + N:].any()  # suffix untouched
@@ -203,7 +203,7 @@ def test_d1_loss_mask_ends_at_first_eos():
     window[5, 8] = 30  # a non-EOS token after the EOS padding started must still be left out
     cm = imp.completion_mask_until_eos(window, EOS)
     pm = torch.ones(B, P, dtype=torch.bool)
-    ins, loss = imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(B), num_iterations=3, estimator="d1")
+    ins, loss = imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(B), mu=3, estimator="d1")
     for b, k in enumerate(first):
         scored = loss[:, b, P:].nonzero()[:, 1]  # window columns in the loss, over all iterations
         assert int(scored.max()) == min(k, N - 1), (b, k)
@@ -215,7 +215,7 @@ def test_d1_prompt_rate():
     B, P = 400, 50
     pm = left_padded_prompt_mask([30] * B, P)
     ins, _ = imp.build_masks(pm, torch.ones(B, 4, dtype=torch.bool), seed=1, step=0, seq_index=range(B),
-                             num_iterations=1, estimator="d1", p_mask_prompt=0.15)
+                             mu=1, estimator="d1", p_mask_prompt=0.15)
     rate = ins[0, :, :P][pm].double().mean()
     assert abs(rate - 0.15) < sigma5(0.15, B * 30)
 
@@ -225,7 +225,7 @@ def test_world_size_independence(estimator):
     # One batch of 8 vs two "ranks" of 4, where rank 1 pads its prompts to a different width:
     # each row's mask depends only on its own global sequence index.
     pm, cm, lengths = make_batch(B=8, P=10)
-    kw = dict(seed=3, step=5, num_iterations=3, gamma=0.6, estimator=estimator, mode="arlike")
+    kw = dict(seed=3, step=5, mu=3, gamma=0.6, estimator=estimator, mode="arlike")
     full, _ = imp.build_masks(pm, cm, seq_index=torch.arange(100, 108), **kw)
     pm_b = left_padded_prompt_mask(lengths[4:], 13)  # wider padding on the second half
     half_a, _ = imp.build_masks(pm[:4], cm[:4], seq_index=[100, 101, 102, 103], **kw)
@@ -239,7 +239,7 @@ def test_world_size_independence(estimator):
 
 def test_masks_change_with_step_and_iteration():
     pm, cm, _ = make_batch()
-    kw = dict(seq_index=range(8), num_iterations=2, gamma=0.6)
+    kw = dict(seq_index=range(8), mu=2, gamma=0.6)
     a, _ = imp.build_masks(pm, cm, seed=0, step=0, **kw)
     b, _ = imp.build_masks(pm, cm, seed=0, step=0, **kw)
     c, _ = imp.build_masks(pm, cm, seed=0, step=1, **kw)
@@ -259,11 +259,11 @@ def test_unigrpo_ratios_schedule():
 def test_build_masks_errors():
     pm, cm, _ = make_batch()
     with pytest.raises(AssertionError, match="estimator"):
-        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(8), num_iterations=2, estimator="trace")
+        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(8), mu=2, estimator="trace")
     with pytest.raises(AssertionError, match="seq_index"):
-        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(7), num_iterations=2)
+        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(7), mu=2)
     with pytest.raises(AssertionError, match="gamma"):
-        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(8), num_iterations=2, gamma=1.2)
+        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(8), mu=2, gamma=1.2)
 
 
 def test_apply_mask():

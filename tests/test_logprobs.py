@@ -81,7 +81,7 @@ def test_log_ratio_exactly_zero_for_same_model():
     x = torch.randint(0, V - 1, (B, P + N), generator=torch.Generator().manual_seed(5))
     pm = torch.ones(B, P, dtype=torch.bool)
     cm = torch.ones(B, N, dtype=torch.bool)
-    ins, loss = imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(B), num_iterations=3)
+    ins, loss = imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(B), mu=3)
     for j in range(3):
         xj = imp.apply_mask(x, ins[j], V - 1)
         with torch.no_grad():
@@ -111,7 +111,7 @@ def test_global_rng_untouched():
     pm, cm, _ = make_batch()
     state = torch.random.get_rng_state()
     for est in imp.MASK_ESTIMATORS:
-        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(8), num_iterations=3, estimator=est)
+        imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(8), mu=3, estimator=est)
     assert torch.equal(torch.random.get_rng_state(), state)
 
 

@@ -171,7 +171,7 @@ def test_help_shows_the_chosen_presets_values():
     text = " ".join(cli.parser(train.Config, "", train.PRESETS, ["--preset", "llada8b"]).format_help().split())
     assert "(667 under --preset llada8b)" in text and "toy when none is given" in text
     text = " ".join(cli.parser(train.Config, "", train.PRESETS, []).format_help().split())
-    assert "num_iterations optimizer steps (default 80)" in text  # the toy preset sets no rl_steps: the default applies
+    assert "mu optimizer steps (default 80)" in text  # the toy preset sets no rl_steps: the default applies
     assert "its generation.json): they replace the defaults shown below" in sample_cli.DESCRIPTION
 
 

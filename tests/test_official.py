@@ -88,7 +88,7 @@ def test_build_masks_uses_each_rows_real_prompt_length():
     for b, n in enumerate(real):
         pm[b, P - n:] = True                                  # left padding
     cm = torch.ones(B, N, dtype=torch.bool)
-    ins, outs = imp.build_masks(pm, cm, seed=3, step=1, seq_index=[0, 1, 2], num_iterations=4, gamma=0.6,
+    ins, outs = imp.build_masks(pm, cm, seed=3, step=1, seq_index=[0, 1, 2], mu=4, gamma=0.6,
                                 mode="arlike_official")
     for j, r in enumerate([0.7, 0.8, 0.9, 0.999]):
         for b in range(B):

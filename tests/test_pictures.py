@@ -20,7 +20,7 @@ def test_image_panel_scores_every_image_and_explains_itself(tmp_path, monkeypatc
     exs = [{"prompt": "a red block", "spec": SPEC}] * 2
     summary = {"image": {"before": 0.25, "after": 0.5, "gain_se": 0.05}}
     plots.toy_image_panel(grid, exs, 2, tmp_path / "images.png", summary)
-    # By hand (toy.image_reward's checks: the count of red, no other colour): empty 0; two reds 1/2
+    # By hand (rewards.image_reward's checks: the count of red, no other colour): empty 0; two reds 1/2
     # (count wrong, colours right); one red 1.
     assert seen["scores"] == [[0.0, 0.5], [1.0, 1.0]]
     notes = " ".join(seen["notes"])

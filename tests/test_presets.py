@@ -5,7 +5,7 @@ grpo/mask_grpo_train.py (LoRA targets), scripts/train/t2t_grpo_train.sh (text: L
 scripts/train/t2i_grpo_train.sh (images, preset mmada8b) and scripts/train/t2i_grpo_train_w_server.sh
 (images, preset mmada8b_server); and d1's diffu-grpo/slurm_scripts/train.yaml (github.com/dllm-reasoning/d1,
 preset d1_official). Their max_steps / save_steps count optimizer steps; a rollout batch here gives
-num_iterations (mu) optimizer steps, as in the official trainer, which draws a new batch every mu steps.
+mu optimizer steps, as in the official trainer, which draws a new batch every mu steps.
 
     python -m pytest tests/test_presets.py -q
 """
@@ -37,7 +37,7 @@ def test_shared_optimisation_settings():
 
 def test_llada8b_text():
     c = cfg("llada8b")
-    assert c.num_iterations == 12                    # t2t_grpo_train.sh: --num_iterations 12 (paper: mu = 12)
+    assert c.mu == 12                    # t2t_grpo_train.sh: --mu 12 (paper: mu = 12)
     assert c.gamma_text == 0.6                       # t2t_grpo_train.sh: --min_mask_rate 0.6
     assert c.text_reversing == "arlike"              # t2t_grpo_train.sh: --remasking arlike
     assert c.group_size == 6                         # t2t_grpo_train.sh: num_generations 6
@@ -47,14 +47,14 @@ def test_llada8b_text():
     assert c.max_prompt_len == 256                   # configs/rl.yaml: max_prompt_length
     assert c.p_mask_prompt == 0.15                   # configs/rl.yaml: p_mask_prompt (d1 only)
     # Optimizer steps: within one rollout batch of the official 8000; checkpoints every ~500.
-    assert abs(c.rl_steps * c.num_iterations - OFFICIAL_MAX_STEPS) < c.num_iterations
-    assert abs(c.checkpoint_every * c.num_iterations - OFFICIAL_SAVE_STEPS) < c.num_iterations
+    assert abs(c.rl_steps * c.mu - OFFICIAL_MAX_STEPS) < c.mu
+    assert abs(c.checkpoint_every * c.mu - OFFICIAL_SAVE_STEPS) < c.mu
 
 
 def test_mmada8b_images():
     """mmada8b is scripts/train/t2i_grpo_train.sh with configs/rl.yaml, setting by setting."""
     c = cfg("mmada8b")
-    assert c.num_iterations == 6                     # t2i_grpo_train.sh: NUM_ITER=6
+    assert c.mu == 6                     # t2i_grpo_train.sh: NUM_ITER=6
     assert c.gamma_image == 0.6                      # t2i_grpo_train.sh: --min_mask_rate 0.6
     assert c.group_size == 9                         # t2i_grpo_train.sh: ROLLOUTS = MULTI 3 x PER_DEVICE_BS 3
     assert c.prompts_per_step * c.group_size == 6 * 3 * 2  # NUM_PROCESS 6 x PER_DEVICE_BS 3 x ACCUMULATION 2
@@ -63,8 +63,8 @@ def test_mmada8b_images():
     assert (c.image_sampler, c.image_steps) == ("emerge", 12)  # MaskGRPO emerge sampler, 12 rollout steps
     assert c.image_width ** 2 == 1024                # 512 px images: 32 x 32 VQ tokens
     assert c.attend_padding == "auto"                # geneval: attention over [iPAD], as MMaDA's modelling code
-    assert abs(c.rl_steps * c.num_iterations - OFFICIAL_MAX_STEPS) < c.num_iterations
-    assert abs(c.checkpoint_every * c.num_iterations - OFFICIAL_SAVE_STEPS) < c.num_iterations
+    assert abs(c.rl_steps * c.mu - OFFICIAL_MAX_STEPS) < c.mu
+    assert abs(c.checkpoint_every * c.mu - OFFICIAL_SAVE_STEPS) < c.mu
 
 
 def test_mmada8b_server_images():
@@ -76,9 +76,9 @@ def test_mmada8b_server_images():
     assert c.cfg_scale == 3.5                        # w_server: CFG=3.5
     assert c.clip_eps == 0.001                       # w_server: --epsilon 0.001
     assert c.beta == 0.01                            # configs/rl.yaml: beta
-    assert c.num_iterations == 12                    # NUM_ITER is commented out; configs/rl.yaml: num_iterations 12
-    assert abs(c.rl_steps * c.num_iterations - OFFICIAL_MAX_STEPS) < c.num_iterations
-    assert abs(c.checkpoint_every * c.num_iterations - OFFICIAL_SAVE_STEPS) < c.num_iterations
+    assert c.mu == 12                    # NUM_ITER is commented out; configs/rl.yaml: mu 12
+    assert abs(c.rl_steps * c.mu - OFFICIAL_MAX_STEPS) < c.mu
+    assert abs(c.checkpoint_every * c.mu - OFFICIAL_SAVE_STEPS) < c.mu
 
 
 def test_d1_official():
@@ -91,7 +91,7 @@ def test_d1_official():
     assert c.max_prompt_len == 200                   # train.yaml: max_prompt_length
     assert (c.gen_length, c.steps) == (256, 128)     # train.yaml: max_completion_length, diffusion_steps
     assert c.p_mask_prompt == 0.15                   # train.yaml: p_mask_prompt
-    assert c.num_iterations == 12                    # gsm_base.sbatch: NUM_ITER=12
+    assert c.mu == 12                    # gsm_base.sbatch: NUM_ITER=12
     assert c.group_size == 6                         # train.yaml: num_generations
     assert c.prompts_per_step * c.group_size == 8 * 6 * 2  # accelerate_a100.yaml 8 processes x 6 x accumulation 2
     assert (c.lr, c.weight_decay, c.grad_clip) == (3e-6, 0.1, 0.2)  # train.yaml

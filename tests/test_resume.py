@@ -256,7 +256,7 @@ INPUTS = [
     ("keep_last negative", None, ["--keep_last=-1"], ValueError, r"keep_last \(-1\) must be >= 0"),
     ("checkpoint_every negative", None, ["--checkpoint_every=-2"], ValueError, r"checkpoint_every \(-2\) must be >= 0"),
     ("group of one", None, ["--group_size=1"], ValueError, r"group_size \(1\) must be >= 2"),
-    ("mu 0", None, ["--num_iterations=0"], ValueError, r"num_iterations \(0\) must be >= 1"),
+    ("mu 0", None, ["--mu=0"], ValueError, r"mu \(0\) must be >= 1"),
     ("gamma 1", None, ["--gamma_image=1"], ValueError, r"gamma_image \(1.0\) must be in \[0, 1\)"),
     ("clip 0", None, ["--clip_eps=0"], ValueError, r"clip_eps \(0.0\) must be > 0"),
     ("blocks", None, ["--gen_length=12", "--block_length=5"], ValueError, r"gen_length \(12\) must be divisible"),

@@ -16,6 +16,7 @@ from fractions import Fraction
 import pytest
 
 from conftest import shared_path, cpu_budget
+import tasks
 from rewards import (REWARDS, SHAPED, SHAPED_MAX, boxed_format_reward, countdown_reward, extract_answer,
                      extract_boxed, extract_code, gsm8k_reward, gsm8k_shaped_reward, math_reward, math_shaped_reward,
                      reasoning_format_reward, sudoku_reward)
@@ -347,6 +348,7 @@ EXAMPLES = {
     "sudoku": {"puzzle": "3102200002100320", "solution": "3142243142131324"},
     "mbpp": {"test_list": ["assert f(1) == 1"], "test_setup_code": ""},
     "boxed_format": {},
+    "text": {"answer": "7", "solution": "3 + 4 = 7 . \\boxed{7}"},
 }
 HOSTILE = {
     "1e6 chars": "x" * 10**6,
@@ -366,8 +368,11 @@ HOSTILE = {
 }
 
 
-ALL_REWARDS = {**REWARDS, **{f"shaped_{task}": fn for task, fn in SHAPED.items()}}
-EXAMPLES.update({f"shaped_{task}": EXAMPLES[task] for task in SHAPED})
+# Every text task's verifiers, as the RL step reaches them (tasks.TASKS), and the official format term.
+ALL_REWARDS = {f"{task}/{name}": fn for task, t in tasks.TASKS.items() if t.modality == "text"
+               for name, fn in t.reward.items()}
+ALL_REWARDS["boxed_format"] = lambda completion, example: boxed_format_reward(completion)
+EXAMPLES.update({key: EXAMPLES[key.split("/")[0]] for key in ALL_REWARDS if "/" in key})
 
 
 @pytest.mark.parametrize("name", sorted(ALL_REWARDS))
@@ -384,6 +389,6 @@ def test_registry_on_real_examples():
     assert REWARDS["gsm8k"]("\\boxed{72}", {"answer": "#### 72"}) == 1.0
     assert REWARDS["math"](f"\\boxed{{{math_row['answer']}}}", math_row) == 1.0
     assert REWARDS["mbpp"](f"```python\n{mbpp_row['code']}\n```", mbpp_row) == 1.0
-    assert REWARDS["boxed_format"]("\\boxed{1}", {}) == 1.0
+    assert boxed_format_reward("\\boxed{1}") == 1.0
     with pytest.raises(ValueError, match="example needs"):
         REWARDS["gsm8k"]("\\boxed{72}", {"question": "?"})

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import grpo
 import rewards
 import tasks
 import train
@@ -53,7 +54,7 @@ def build(ckpt, *flags, float64=False, device=CPU, dtype=torch.float32):
     compositions (float32 kernels of other row counts round differently and can flip a near-tie).
     device / dtype: as train.main's setup() returns them (tests/test_cuda.py passes cuda and bfloat16)."""
     cfg = train.parse_args(["--preset=smoke", f"--init_from={ckpt}", "--prompts_per_step=2", "--group_size=4",
-                            "--num_iterations=3", *flags])
+                            "--mu=3", *flags])
     policy, ref, tok, ids, _ = load.load_policy(cfg, device, dtype, sft=None)
     if float64:
         policy = policy.double()
@@ -94,7 +95,8 @@ def run_step(cfg, policy, ref, opt, tok, ids, step, *, prompts=None, device=CPU,
         s = real_backward(model, e, j, ctx)
         if not updates or updates[-1].j != j:
             updates.append(Update(stats={}, j=j))
-        updates[-1].stats.update({f"{e.batch.task}/{k}": v for k, v in s.items()})
+        # s: this update's sums over the batch (one process: every rank's); as one update's statistics
+        updates[-1].stats.update({f"{e.batch.task}/{k}": v for k, v in grpo.step_stats([s]).items()})
         return s
 
     real_backward, real_score, real_draw = train.backward_loss, tasks.score, tasks.draw_prompts
@@ -120,12 +122,12 @@ def naive_logp(model, r, j):
     positions are scored over the codebook columns only, since the sampler draws codes only (MMaDA)."""
     b = r.batch
     with torch.no_grad():
-        logits = model(r.inputs[j], b.attention_mask).float()                      # (B, L, V)
+        logits = model(r.views.inputs[j], b.attention_mask).float()                      # (B, L, V)
     lo, hi = (0, logits.shape[-1]) if b.task == "text" else image_columns()
     lp = F.log_softmax(logits[..., lo:hi], dim=-1)                                 # (B, L, V')
     tgt = (b.x - lo).clamp(0, hi - lo - 1)                                         # (B, L)
     out = lp.gather(-1, tgt[..., None])[..., 0]
-    return torch.where(r.loss_masks[j], out, torch.zeros_like(out))
+    return torch.where(r.views.loss_masks[j], out, torch.zeros_like(out))
 
 
 @functools.cache
@@ -161,17 +163,22 @@ def naive_loss(logp, old, ref, adv, mask, eps, beta):
     return torch.stack(terms).mean()
 
 
-def naive_update_grads(u, r, j, old, ref, adv, cfg):
-    """Autograd of naive_loss at the weights update j saw, clipped to cfg.grad_clip by the global norm."""
+def naive_grads(u, r, j, old, ref, adv, cfg):
+    """Autograd of naive_loss at the weights update j saw: (gradients, their global norm), before clipping."""
     model = copy.deepcopy(u.weights)
     model.zero_grad(set_to_none=True)
     b = r.batch
-    logits = model(r.inputs[j], b.attention_mask).float()                          # (B, L, V)
+    logits = model(r.views.inputs[j], b.attention_mask).float()                          # (B, L, V)
     lo, hi = (0, logits.shape[-1]) if b.task == "text" else image_columns()
     lp = F.log_softmax(logits[..., lo:hi], dim=-1).gather(-1, (b.x - lo).clamp(0, hi - lo - 1)[..., None])[..., 0]
-    naive_loss(lp, old, ref, adv, r.loss_masks[j], cfg.clip_eps, cfg.beta).backward()
+    naive_loss(lp, old, ref, adv, r.views.loss_masks[j], cfg.clip_eps, cfg.beta).backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+    return grads, math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+
+
+def naive_update_grads(u, r, j, old, ref, adv, cfg):
+    """naive_grads clipped to cfg.grad_clip by the global norm."""
+    grads, norm = naive_grads(u, r, j, old, ref, adv, cfg)
     scale = min(1.0, cfg.grad_clip / (norm + 1e-6))  # clip_grad_norm_'s rule: max_norm / (norm + 1e-6)
     return {n: g * scale for n, g in grads.items()}
 
@@ -211,7 +218,7 @@ def test_ratios_are_exactly_one_when_the_weights_do_not_move(ckpt, task, lora_ra
     cfg, policy, ref, opt, tok, ids = build(ckpt, *flags)
     start = copy.deepcopy(policy.state_dict())
     log, (r,), updates = run_step(cfg, policy, ref, opt, tok, ids, 0)
-    assert len(updates) == cfg.num_iterations == 3
+    assert len(updates) == cfg.mu == 3
     assert r.adv.abs().sum() > 0, "the stand-in rewards must give the groups signal"
     for j, u in enumerate(updates):
         s = u.stats
@@ -247,9 +254,9 @@ def test_update_follows_the_paper_objective(ckpt, task):
         torch.testing.assert_close(r.adv, adv, rtol=1e-5, atol=1e-5)
         assert adv.abs().sum() > 0
         for j, u in enumerate(updates):
-            mask = r.loss_masks[j]
+            mask = r.views.loss_masks[j]
             assert mask.any() and not mask[:, : b.prompt_len].any()
-            assert torch.equal(r.inputs[j], b.x.masked_fill(mask, ids.mask))
+            assert torch.equal(r.views.inputs[j], b.x.masked_fill(mask, ids.mask))
             old, ref_lp = naive_logp(rollout_policy, r, j), naive_logp(initial, r, j)
             torch.testing.assert_close(r.logp_old[j], old, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(r.logp_ref[j], ref_lp, rtol=1e-5, atol=1e-5)
@@ -276,6 +283,42 @@ def test_update_follows_the_paper_objective(ckpt, task):
 
 
 @pytest.mark.parametrize("task", ["text", "image"])
+def test_step_statistics_by_hand_at_mu_3_and_three_chunks(ckpt, task):
+    """log.jsonl's statistics of one step against a hand computation from the weights each update saw, at
+    mu = 3 and device_batch_size 3 (8 rows: chunks of 3, 3 and 2): ratio_max is the largest ratio of any token
+    in any update; num_tokens the tokens scored by all updates together; loss, kl, clipfrac and ratio_mean are
+    each update's full-batch value (per scored token) averaged over the updates; grad_norm_max and
+    grad_norm_mean the largest and mean of the updates' gradient norms before clipping."""
+    cfg, policy, ref, opt, tok, ids = build(ckpt, *TASK_FLAGS[task], "--lr=1e-2", "--beta=0.5",
+                                            "--device_batch_size=3")
+    initial = hf.from_pretrained(ckpt)
+    rollout_policy = copy.deepcopy(policy).eval()
+    log, (r,), updates = run_step(cfg, policy, ref, opt, tok, ids, 0)
+    assert cfg.mu == len(updates) == 3 and r.batch.x.shape[0] == 8
+    adv = naive_advantages(r.rewards, cfg.group_size)
+    per = []
+    for j, u in enumerate(updates):
+        mask = r.views.loss_masks[j]
+        old, ref_lp, cur = naive_logp(rollout_policy, r, j), naive_logp(initial, r, j), naive_logp(u.weights, r, j)
+        ratio, d = torch.exp(cur - old)[mask].double(), (ref_lp - cur)[mask].double()  # (T,) each
+        A = adv[mask.nonzero()[:, 0]].double()                                         # (T,)
+        clipped = ((A > 0) & (ratio > 1 + cfg.clip_eps)) | ((A < 0) & (ratio < 1 - cfg.clip_eps))
+        per.append({"tokens": int(mask.sum()), "ratio_max": float(ratio.max()), "ratio_mean": float(ratio.mean()),
+                    "kl": float((torch.exp(d) - d - 1).mean()), "clipfrac": float(clipped.double().mean()),
+                    "loss": float(naive_loss(cur, old, ref_lp, adv, mask, cfg.clip_eps, cfg.beta)),
+                    "norm": naive_grads(u, r, j, old, ref_lp, adv, cfg)[1]})
+    mean = lambda k: sum(p[k] for p in per) / len(per)
+    assert log[f"{task}/num_tokens"] == sum(p["tokens"] for p in per) > max(p["tokens"] for p in per)
+    assert log[f"{task}/ratio_max"] == pytest.approx(max(p["ratio_max"] for p in per), rel=1e-5)
+    assert max(p["ratio_max"] for p in per) > mean("ratio_max") + 1e-4, "the maximum must differ from the mean"
+    for k in ("ratio_mean", "kl", "clipfrac", "loss"):
+        assert log[f"{task}/{k}"] == pytest.approx(mean(k), rel=1e-3, abs=1e-6), k
+    assert log["grad_norm_max"] == pytest.approx(max(p["norm"] for p in per), rel=1e-3)
+    assert log["grad_norm_mean"] == pytest.approx(mean("norm"), rel=1e-3)
+    assert max(p["norm"] for p in per) > mean("norm") * (1 + 1e-3), "the maximum must differ from the mean"
+
+
+@pytest.mark.parametrize("task", ["text", "image"])
 def test_update_at_non_default_settings_with_a_binding_clip(ckpt, task):
     """The paper objective again, one step at settings none of the defaults share: G = 3, mu = 2, eps 0.05,
     beta 0.3, gamma 0.3 and a gradient clip of 0.05, which binds: the gradient of the naive loss (clipped
@@ -284,9 +327,9 @@ def test_update_at_non_default_settings_with_a_binding_clip(ckpt, task):
     apply the unclipped gradient."""
     gamma = "--gamma_text=0.3" if task == "text" else "--gamma_image=0.3"
     cfg, policy, ref, opt, tok, ids = build(ckpt, *TASK_FLAGS[task], "--lr=1e-2", "--group_size=3",
-                                            "--num_iterations=2", "--clip_eps=0.05", "--beta=0.3", gamma,
+                                            "--mu=2", "--clip_eps=0.05", "--beta=0.3", gamma,
                                             "--grad_clip=0.05", "--prompts_per_step=3")
-    assert (cfg.group_size, cfg.num_iterations, cfg.grad_clip) == (3, 2, 0.05)
+    assert (cfg.group_size, cfg.mu, cfg.grad_clip) == (3, 2, 0.05)
     initial = hf.from_pretrained(ckpt)
     rollout_policy = copy.deepcopy(policy).eval()
     log, (r,), updates = run_step(cfg, policy, ref, opt, tok, ids, 0)
@@ -305,7 +348,7 @@ def test_update_at_non_default_settings_with_a_binding_clip(ckpt, task):
         for n, g in want.items():
             torch.testing.assert_close(u.grads[n], g, rtol=1e-3, atol=1e-4 * top, msg=f"{task} j {j} {n}")
     # the mask ratio of iteration j is gamma + (1 - gamma)(j + 1) / mu (Alg. 5): 0.65 and 1 (kept below 1)
-    win = r.loss_masks[:, :, r.batch.window_slice].float()
+    win = r.views.loss_masks[:, :, r.batch.window_slice].float()
     if task == "image":  # random reversing: each code masked with probability t_j
         for j, t in enumerate((0.65, 1.0)):
             n = win[j].numel()
@@ -325,13 +368,13 @@ def test_lora_reference_is_the_base_with_adapters_off(ckpt):
     base = hf.from_pretrained(ckpt)
     adapted = copy.deepcopy(policy).eval()
     _, (r,), updates = run_step(cfg, policy, ref, opt, tok, ids, 0)
-    for j in range(cfg.num_iterations):
+    for j in range(cfg.mu):
         ref_lp, old = naive_logp(base, r, j), naive_logp(adapted, r, j)
         assert (ref_lp - old).abs().max() > 1e-2, "the adapters must change the log-probs for this test"
         torch.testing.assert_close(r.logp_ref[j], ref_lp, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r.logp_old[j], old, rtol=1e-5, atol=1e-5)
-    d = ref_lp - naive_logp(updates[-1].weights, r, cfg.num_iterations - 1)
-    want = masked_mean(torch.exp(d) - d - 1, r.loss_masks[-1])
+    d = ref_lp - naive_logp(updates[-1].weights, r, cfg.mu - 1)
+    want = masked_mean(torch.exp(d) - d - 1, r.views.loss_masks[-1])
     assert updates[-1].stats["text/kl"] == pytest.approx(want, rel=1e-3)
     assert policy.training is False  # rl_step leaves the policy in eval mode
 
@@ -355,7 +398,7 @@ def test_masks_of_inner_iterations_are_independent(ckpt, task):
     cfg, policy, ref, opt, tok, ids = build(ckpt, *TASK_FLAGS[task], gamma, "--prompts_per_step=4", "--lr=1e-30")
     _, (r,), _ = run_step(cfg, policy, ref, opt, tok, ids, 0)
     B, N = r.batch.x.shape[0], r.batch.window
-    win = r.loss_masks[:, :, r.batch.window_slice]                                 # (mu, B, N)
+    win = r.views.loss_masks[:, :, r.batch.window_slice]                                 # (mu, B, N)
     t = [1 / 3, 2 / 3, 0.999]
     p = [arlike_mask_prob(N, tj) if task == "text" else [tj] * N for tj in t]
     for j, k in ((0, 1), (0, 2), (1, 2)):

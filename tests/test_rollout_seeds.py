@@ -19,7 +19,7 @@ from infra import lora, rng
 from test_trajectory import base, fake_score  # noqa: F401 (base: a fixture)
 from test_trajectory_states_exact import Recorder
 
-MU_FLAG = "--mu" if hasattr(train.StepConfig, "mu") else "--num_iterations"
+MU_FLAG = "--mu"
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,10 @@ import evaluate
 import grpo
 import importance
 import sample
+import rewards
 import tasks
 import train
-from infra import hf, lora
+from infra import heldout, hf, lora
 from infra import toy as toy_world
 from infra.budget import scratch_config
 from infra.load import load_policy
@@ -78,7 +79,7 @@ def test_rl_prompts_never_come_from_the_held_out_split(task, seed):
     held-out prompts are --eval_prompts draws from the test split; --text_max_steps and --image_width
     reach both."""
     cfg = parse(f"--seed={seed}", "--prompts_per_step=8", "--eval_prompts=40", "--text_max_steps=2", "--image_width=3")
-    evals = tasks.eval_examples(task, cfg, {})
+    evals = heldout.eval_examples(task, cfg, {})
     assert len(evals) == 40 and all(held_out(ex["prompt"]) for ex in evals)
     held = {ex["prompt"] for ex in evals}
     drawn = [ex for step in range(300) for ex in tasks.draw_prompts(task, cfg, step, {})]
@@ -111,7 +112,7 @@ def test_dataset_prompts_walk_every_train_row_once_per_epoch():
     again = [ex["prompt"] for s in range(7) for ex in tasks.draw_prompts("gsm8k", parse("--prompts_per_step=3",
                                                                                         "--seed=3"), s, datasets)]
     assert again != drawn
-    assert [ex["prompt"] for ex in tasks.eval_examples("gsm8k", cfg, datasets)] == ["test 0", "test 1", "test 2"]
+    assert [ex["prompt"] for ex in heldout.eval_examples("gsm8k", cfg, datasets)] == ["test 0", "test 1", "test 2"]
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def test_sft_schedule_and_settings(toy, monkeypatch):
         if task == "text":
             assert noise == 1.0 and ex["completion"] != ex["solution"]
         else:
-            assert noise == 0.0 and toy_world.image_reward(ex["image"], ex["spec"]) == 1.0
+            assert noise == 0.0 and rewards.image_reward(ex["image"], {'spec': ex["spec"]}) == 1.0
 
 
 def test_sft_keeps_ten_percent_of_the_peak_at_the_end(toy, monkeypatch):
@@ -230,20 +231,20 @@ def test_greedy_evaluation_decodes_at_temperature_zero(toy, monkeypatch):
     spy(monkeypatch, sample, "generate_image", calls)
     monkeypatch.setattr(tasks, "score", fake_score)
     cfg = parse("--temperature=0.7", "--eval_prompts=3", "--eval_samples=2")
-    res = tasks.evaluate_all(model, tasks.Ctx(cfg, tok, ids, CPU, {}))
+    res = heldout.evaluate_all(model, tasks.Ctx(cfg, tok, ids, CPU, {}))
     assert set(res) == {"text", "text_greedy", "image"}
     text = [(c[2]["temperature"], c[1][1].shape[0]) for c in calls if c[0] == "generate"]
     assert [t for t, _ in text] == [0.7, 0.0]  # one batch each (at most 64 rows)
     assert [n for _, n in text] == [6, 3]
     assert sum(c[1][1].shape[0] for c in calls if c[0] == "generate_image") == 6
 
-    prompts = tasks.eval_examples("text", cfg, {})
-    monkeypatch.setattr(tasks, "eval_examples", lambda task, cfg_, datasets: prompts)
+    prompts = heldout.eval_examples("text", cfg, {})
+    monkeypatch.setattr(heldout, "eval_examples", lambda task, cfg_, datasets: prompts)
 
     def outputs(seed, temperature):
         records = []
         c = tasks.Ctx(parse("--tasks=text", f"--seed={seed}", "--eval_samples=2", "--eval_prompts=3"), tok, ids, CPU, {})
-        tasks.evaluate(model, c, "text", temperature, records)
+        heldout.evaluate(model, c, "text", temperature, records)
         return [r["output"] for r in records]
 
     assert outputs(0, 0.0) == outputs(1, 0.0)
@@ -273,8 +274,8 @@ def test_evaluate_cli_greedy_and_sampled_modes(toy, tmp_path, monkeypatch, capsy
 
 def rl_step(toy, monkeypatch, *flags, calls):
     tok, ids, model = toy
-    for module, name in ((sample, "generate"), (sample, "generate_image"), (importance, "build_masks"),
-                         (grpo, "policy_loss")):
+    for module, name in ((sample, "generate"), (sample, "generate_image"), (importance, "reversed_masks"),
+                         (importance, "d1_masks"), (grpo, "policy_loss")):
         spy(monkeypatch, module, name, calls)
     scored = []
 
@@ -300,7 +301,7 @@ def test_rl_step_hands_every_setting_to_its_callee(toy, monkeypatch):
     cfg, log, rolls, scored = rl_step(
         toy, monkeypatch, "--tasks=text,image", "--temperature=0.7", "--gen_length=12", "--block_length=6",
         "--steps=4", "--image_steps=3", "--image_sampler=maskgit", "--cfg_scale=1.5", "--gamma_text=0.3",
-        "--gamma_image=0.5", "--num_iterations=2", "--text_reversing=random", "--clip_eps=0.1", "--beta=0.2",
+        "--gamma_image=0.5", "--mu=2", "--text_reversing=random", "--clip_eps=0.1", "--beta=0.2",
         "--loss_norm=sequence", "--prompts_per_step=2", "--group_size=3", "--device_batch_size=4",
         "--reward_shaping=official", "--text_reward=solution", "--lr=1e-3", calls=calls)
     gens = [c for c in calls if c[0] == "generate"]
@@ -312,16 +313,17 @@ def test_rl_step_hands_every_setting_to_its_callee(toy, monkeypatch):
     assert [c[1][1].shape[0] for c in images] == [4, 2]
     for _, args, kw in images:
         assert (kw["steps"], kw["sampler"], kw["cfg_scale"], kw["num_tokens"]) == (3, "maskgit", 1.5, 16)
-    masks = [kw for name, _, kw in calls if name == "build_masks"]
-    assert [(kw["gamma"], kw["mode"], kw["num_iterations"], kw["estimator"]) for kw in masks] == \
-        [(0.3, "random", 2, "maskgrpo"), (0.5, "random", 2, "maskgrpo")]
+    # maskgrpo_views: mu ratios t_j = gamma + (1 - gamma)(j + 1) / mu per row (the last clamped to 0.999)
+    masks = [args for name, args, _ in calls if name == "reversed_masks"]
+    assert [(args[3], len(args[2])) for args in masks] == [("random", 2), ("random", 2)]
+    assert [args[2][0][0] for args in masks] == [pytest.approx(0.3 + 0.7 / 2), pytest.approx(0.5 + 0.5 / 2)]
     losses = [kw for name, _, kw in calls if name == "policy_loss"]
     assert len(losses) == 2 * 2 * 2  # mu x tasks x chunks
     assert {(kw["clip_eps"], kw["beta"], kw["norm"]) for kw in losses} == {(0.1, 0.2, "sequence")}
     assert [(a[0].task, a[4], a[5]) for a in scored] == [("text", "official", "solution"), ("image", "official", "solution")]
     for r in rolls:  # groups of 3: every row's advantage within its own group
         assert r.rewards.shape == (6,)
-        assert len(r.inputs) == 2 and r.loss_masks.shape[0] == 2
+        assert len(r.views.inputs) == 2 and r.views.loss_masks.shape[0] == 2
 
 
 @pytest.mark.parametrize("estimator", ["d1", "unigrpo"])
@@ -330,12 +332,16 @@ def test_fast_sampler_and_estimator_settings(toy, monkeypatch, estimator):
     and d1's prompt-masking rate reach the mask builder; d1 (adv_std auto) takes A = R - mean."""
     calls = []
     cfg, log, (r,), _ = rl_step(toy, monkeypatch, "--tasks=text", "--kv_cache=prefix", "--threshold=0.5",
-                                f"--estimator={estimator}", "--p_mask_prompt=0.3", "--num_iterations=2",
+                                f"--estimator={estimator}", "--p_mask_prompt=0.3", "--mu=2",
                                 "--temperature=0.9", calls=calls)
     fast = [kw for name, _, kw in calls if name == "generate" and "kv_cache" in kw]
     assert fast and all((kw["kv_cache"], kw["threshold"], kw["temperature"]) == ("prefix", 0.5, 0.9) for kw in fast)
-    (kw,) = [kw for name, _, kw in calls if name == "build_masks"]
-    assert (kw["estimator"], kw["p_mask_prompt"], kw["num_iterations"]) == (estimator, 0.3, 2)
+    if estimator == "d1":
+        (kw,) = [kw for name, _, kw in calls if name == "d1_masks"]
+        assert (kw["p_mask_prompt"], kw["mu"]) == (0.3, 2)
+    else:  # UniGRPO: random reversing at mu ratios of its own
+        (args,) = [args for name, args, _ in calls if name == "reversed_masks"]
+        assert (args[3], len(args[2])) == ("random", 2)
     g = r.rewards.view(-1, cfg.group_size)
     centred = (g - g.mean(1, keepdim=True)).flatten()
     if estimator == "d1":
@@ -348,7 +354,7 @@ def test_seed_changes_the_rollouts(toy, monkeypatch):
     monkeypatch.setattr(tasks, "draw_prompts", lambda task, cfg, step, datasets: prompts)
     windows = []
     for seed in (0, 7):
-        _, _, (r,), _ = rl_step(toy, monkeypatch, "--tasks=text", f"--seed={seed}", "--num_iterations=1", calls=[])
+        _, _, (r,), _ = rl_step(toy, monkeypatch, "--tasks=text", f"--seed={seed}", "--mu=1", calls=[])
         windows.append(r.batch.x[:, r.batch.window_slice])
     assert (windows[0] != windows[1]).any(1).float().mean() >= 0.5
 
@@ -386,7 +392,7 @@ def test_main_passes_its_settings_to_the_optimizer_and_the_run(toy, tmp_path, mo
         (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])))
     try:
         summary = train.main(["--preset=smoke", f"--init_from={ckpt}", "--tasks=text", f"--out_dir={tmp_path / 'out'}",
-                              "--threads=1", "--rl_steps=2", "--lr=3e-4", "--weight_decay=0.05", "--num_iterations=2",
+                              "--threads=1", "--rl_steps=2", "--lr=3e-4", "--weight_decay=0.05", "--mu=2",
                               "--activation_checkpointing=true", "--sample_every=2", "--eval_prompts=3",
                               "--eval_samples=2", "--checkpoint_every=0", "--dtype=float32", "--device=cpu"])
     finally:

@@ -40,7 +40,7 @@ RL_ONLY = {
     "device_batch_size": 2, "rl_steps": 7, "prompts_per_step": 3, "lr": 1e-3, "weight_decay": 0.1,
     "eval_prompts": 5, "eval_samples": 2, "sample_every": 3, "checkpoint_every": 2, "keep_last": 1,
     "max_bad_steps": 1, "threads": 1, "retrain_sft": False,
-    ("num_iterations" if hasattr(train.StepConfig, "num_iterations") else "mu"): 3,
+    "mu": 3,
 }
 BASE = ["--preset=smoke", "--tasks=text,image"]
 

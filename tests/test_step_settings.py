@@ -4,6 +4,8 @@
 """
 import dataclasses
 
+import pytest
+
 import tasks
 import train
 from test_rl_step import CPU, build, ckpt, fake_score  # noqa: F401 (ckpt: a fixture)
@@ -44,3 +46,12 @@ def test_a_step_reads_only_the_step_settings(ckpt):
         assert rec.read <= step_fields, (flags, sorted(rec.read - step_fields))
         seen |= rec.read
     assert seen == step_fields, sorted(step_fields - seen)
+
+
+def test_num_iterations_is_refused_with_the_name_of_mu():
+    """The inner updates per rollout batch are --mu (the paper's name); the official config's name is refused
+    in one line that names the flag to use, never taken silently."""
+    for argv in (["--num_iterations=3"], ["--preset=smoke", "--num_iterations", "3"]):
+        with pytest.raises(ValueError, match=r"--num_iterations.*--mu"):
+            train.parse_args(argv)
+    assert train.parse_args(["--preset=smoke", "--mu=3"]).mu == 3

@@ -3,6 +3,7 @@ import random
 
 import pytest
 
+import rewards
 import tasks
 
 from infra import toy
@@ -37,7 +38,7 @@ def test_text_round_trip_and_no_unknown_tokens(tok):
             ids = tok.encode(text, add_special_tokens=False).ids
             assert unk not in ids
             assert tok.decode(ids) == text
-        prompt, completion = tasks.encode_text(tok, ex, 40)
+        prompt, completion = tasks.encode_text(tok, tasks.token_ids(tok), ex, 40)
         assert len(completion) == 40 and completion[-1] == tasks.token_ids(tok).eos
         assert tok.decode(completion, skip_special_tokens=True) == ex["completion"]
         assert tok.decode(prompt, skip_special_tokens=True) == ex["prompt"]
@@ -57,18 +58,18 @@ def test_image_prompt_round_trip(tok):
 
 def test_text_reward():
     ex = toy.make_text_example(random.Random(3))
-    assert toy.answer_reward(ex["completion"], ex) == 1.0
+    assert rewards.answer_reward(ex["completion"], ex) == 1.0
     wrong = str(int(ex["answer"]) + 1)
-    assert toy.answer_reward(f"1 + 1 = 2 . \\boxed{{{wrong}}}", ex) == 0.0
-    assert toy.answer_reward(ex["answer"], ex) == 0.0  # no box
-    assert toy.answer_reward(f"\\boxed{{{wrong}}} \\boxed{{{ex['answer']}}}", ex) == 1.0  # last box counts
+    assert rewards.answer_reward(f"1 + 1 = 2 . \\boxed{{{wrong}}}", ex) == 0.0
+    assert rewards.answer_reward(ex["answer"], ex) == 0.0  # no box
+    assert rewards.answer_reward(f"\\boxed{{{wrong}}} \\boxed{{{ex['answer']}}}", ex) == 1.0  # last box counts
 
 
 @pytest.mark.parametrize("noise", [0.0, 1.0])
 def test_text_noise_controls_wrong_targets(noise):
     rng = random.Random(1)
     exs = [toy.make_text_example(rng, noise=noise) for _ in range(300)]
-    acc = sum(toy.answer_reward(e["completion"], e) for e in exs) / len(exs)
+    acc = sum(rewards.answer_reward(e["completion"], e) for e in exs) / len(exs)
     assert acc == 1.0 - noise  # every noisy target is wrong, every clean one right
 
 
@@ -77,22 +78,22 @@ def test_image_reward_target_and_corruptions():
     for _ in range(300):
         ex = toy.make_image_example(rng)
         spec, img = ex["spec"], ex["image"]
-        assert toy.image_reward(img, spec) == 1.0
-        assert toy.image_reward([0] * len(img), spec) == 0.0
-        assert toy.image_reward(toy._corrupt(rng, img, spec), spec) < 1.0
-        assert toy.image_reward(img[:-1], spec) == 0.0  # wrong size
+        assert rewards.image_reward(img, {'spec': spec}) == 1.0
+        assert rewards.image_reward([0] * len(img), {'spec': spec}) == 0.0
+        assert rewards.image_reward(toy._corrupt(rng, img, spec), {'spec': spec}) < 1.0
+        assert rewards.image_reward(img[:-1], {'spec': spec}) == 0.0  # wrong size
 
 
 def test_image_reward_examples():
     spec = {"width": 2, "counts": {"red": 1}, "relation": None, "place": None}
-    assert toy.image_reward([1, 0, 0, 0], spec) == 1.0
-    assert toy.image_reward([1, 1, 0, 0], spec) == 0.5
-    assert toy.image_reward([1, 2, 0, 0], spec) == 0.5
+    assert rewards.image_reward([1, 0, 0, 0], {'spec': spec}) == 1.0
+    assert rewards.image_reward([1, 1, 0, 0], {'spec': spec}) == 0.5
+    assert rewards.image_reward([1, 2, 0, 0], {'spec': spec}) == 0.5
     rel = {"width": 2, "counts": {"red": 1, "blue": 1}, "relation": ["red", "left of", "blue"], "place": None}
-    assert toy.image_reward([1, 3, 0, 0], rel) == 1.0
-    assert toy.image_reward([3, 1, 0, 0], rel) == 0.75
+    assert rewards.image_reward([1, 3, 0, 0], {'spec': rel}) == 1.0
+    assert rewards.image_reward([3, 1, 0, 0], {'spec': rel}) == 0.75
     top = {"width": 2, "counts": {"red": 1}, "relation": None, "place": ["red", "bottom row"]}
-    assert toy.image_reward([0, 0, 0, 1], top) == 1.0 and toy.image_reward([1, 0, 0, 0], top) == 2 / 3
+    assert rewards.image_reward([0, 0, 0, 1], {'spec': top}) == 1.0 and rewards.image_reward([1, 0, 0, 0], {'spec': top}) == 2 / 3
 
 
 def test_image_ids_map_to_codes(tok):
@@ -105,14 +106,14 @@ def test_image_ids_map_to_codes(tok):
 
 def test_encode_image_prompt_layout(tok):
     s = tasks.token_ids(tok)
-    ids, start, att = tasks.encode_image_prompt(tok, "two red blocks", 12, 16)
+    ids, start, att = tasks.encode_image_prompt(tok, tasks.token_ids(tok), "two red blocks", 12, 16)
     caption = tok.encode("two red blocks", add_special_tokens=False).ids
     pad = 12 - (len(caption) + 3)
     assert ids == [s.ipad] * pad + [s.t2i, s.bos] + caption + [s.eos, s.soi] + [s.mask] * 16 + [s.eoi]
     assert start == 13 and att == [0] * pad + [1] * (len(ids) - pad)
-    uncond, ustart, _ = tasks.encode_image_prompt(tok, "", 12, 16)
+    uncond, ustart, _ = tasks.encode_image_prompt(tok, tasks.token_ids(tok), "", 12, 16)
     assert uncond[:13] == [s.ipad] * 9 + [s.t2i, s.bos, s.eos, s.soi] and ustart == start
-    long, _, _ = tasks.encode_image_prompt(tok, "a red block left of a blue block", 6, 4)
+    long, _, _ = tasks.encode_image_prompt(tok, tasks.token_ids(tok), "a red block left of a blue block", 6, 4)
     assert long[5] == s.eos and len(long) == 6 + 4 + 2  # truncated and re-terminated
 
 
@@ -144,7 +145,7 @@ def test_docstring_examples(tok):
     assert ex["completion"] == "1 - 1 = 0 , 0 + 6 = 6 . \\boxed{6}" and ex["answer"] == "6"
     assert toy.make_image_example(random.Random(1))["prompt"] == "three purple blocks"
     assert tok.encode("ann has 3 apples").tokens == ["▁ann", "▁has", "▁3", "▁apples"]
-    assert tasks.image_text_len(tok) == 11
+    assert tasks.image_text_len(tok) == tasks.TOY_CAPTION_LEN == 11
 
 
 # The default toy's text data, pinned: the `toy` preset (text_max_steps 1, text_noise 0.4) must keep drawing
@@ -191,15 +192,16 @@ def test_solution_reward_reads_every_step_and_the_box():
     ex = {"prompt": "amy has 4 pens . she buys 3 more and sells 5 . how many pens does she have ?", "answer": "2",
           "solution": "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"}
     right = "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"
-    assert toy.solution_reward(right, ex) == 1.0 and toy.answer_reward(right, ex) == 1.0
+    assert rewards.solution_reward(right, ex) == 1.0 and rewards.answer_reward(right, ex) == 1.0
     for wrong in ("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}",  # wrong working, right box: the box-only reward pays
                   "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{7}",  # right working, the amount before the last step boxed
                   "4 + 3 = 7 . \\boxed{2}",                # a step left out
                   "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2} 3"):  # text after the box
-        assert toy.solution_reward(wrong, ex) == 0.0
-    assert toy.answer_reward("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}", ex) == 1.0
+        assert rewards.solution_reward(wrong, ex) == 0.0
+    assert rewards.answer_reward("4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}", ex) == 1.0
     # The scorer picks the verifier by name; the toy runs' decoded completions have no leading/trailing space.
-    assert tasks.TEXT_REWARDS == {"answer": toy.answer_reward, "solution": toy.solution_reward}
+    assert tasks.TASKS["text"].reward == {"answer": rewards.answer_reward, "solution": rewards.solution_reward}
+    assert tasks.TEXT_REWARDS == ("answer", "solution")
 
 
 def test_long_toy_is_scored_by_its_solution():
@@ -222,7 +224,7 @@ def test_long_examples_chain_and_length(tok):
         for k, (a, op, n, eq, r) in enumerate(steps):
             assert eq == "=" and int(r) == (int(a) + int(n) if op == "+" else int(a) - int(n))
             assert 0 <= int(r) <= 9 and (k == 0 or a == steps[k - 1][4])  # each step starts from the last result
-        assert steps[-1][4] == ex["answer"] and toy.answer_reward(ex["completion"], ex) == 1.0
+        assert steps[-1][4] == ex["answer"] and rewards.answer_reward(ex["completion"], ex) == 1.0
         n_tok = len(tok.encode(ex["completion"], add_special_tokens=False).ids)
         assert n_tok == 6 * len(steps) + 3 and n_tok >= 32  # 5 per step, a comma between, ". \boxed{ d }"
     assert counts == {5, 6}  # max_steps - 1 or max_steps

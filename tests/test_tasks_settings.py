@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import rewards
 import tasks
 
 from infra import toy
@@ -61,26 +62,26 @@ def test_image_examples_at_other_widths(width):
             right = all(counts[c] == n for c, n in spec["counts"].items()) and \
                 {c for c, n in counts.items() if n} == set(spec["counts"])
             assert right == (noise == 0.0)
-            assert (toy.image_reward(image, spec) == 1.0) == right
+            assert (rewards.image_reward(image, {'spec': spec}) == 1.0) == right
 
 
 def test_encode_text_refuses_a_short_window(tok):
     ex = toy.make_text_example(random.Random(0), max_steps=4)
     with pytest.raises(ValueError, match=r"completion needs \d+ tokens \+ 1 EOS but gen_length is 5"):
-        tasks.encode_text(tok, ex, 5)
+        tasks.encode_text(tok, tasks.token_ids(tok), ex, 5)
 
 
 def test_image_prompt_truncation_and_missing_markers(tok):
     """A caption longer than text_len is cut and re-terminated with EOS; a tokenizer without MMaDA's markers
     is refused by name."""
     ids = tasks.token_ids(tok)
-    out, start, att = tasks.encode_image_prompt(tok, "a red block and a green block", 5, 4)
+    out, start, att = tasks.encode_image_prompt(tok, tasks.token_ids(tok), "a red block and a green block", 5, 4)
     assert start == 6 and len(out) == 5 + 1 + 4 + 1 and att == [1] * 11
     assert out[:2] == [ids.t2i, ids.bos] and out[4] == ids.eos and out[5] == ids.soi and out[-1] == ids.eoi
     assert out[2:4] == tok.encode("a red", add_special_tokens=False).ids
     no_markers = tasks.TokenIds(bos=0, eos=1, pad=1, mask=7, vocab_size=8)
     with pytest.raises(ValueError, match="lacks MMaDA's"):
-        tasks.encode_image_prompt(tok, "a red block", 8, 4, no_markers)
+        tasks.encode_image_prompt(tok, no_markers, "a red block", 8, 4)
     from tokenizers import Tokenizer, models
     with pytest.raises(ValueError, match="tokenizer has no '<\\|startoftext\\|>'"):
         tasks.token_ids(Tokenizer(models.WordLevel({"a": 0}, unk_token="a")))

@@ -102,9 +102,9 @@ def test_image_flags_reach_the_sampler(toy_ckpt, spy, tmp_path, capsys):
     assert (kw["sampler"], kw["steps"], kw["cfg_scale"], kw["num_tokens"], kw["image_start"], kw["seed"]) == \
         ("maskgit", 5, 2.5, 9, 11, 4)
     assert (kw["code_offset"], kw["codebook_size"], kw["mask_id"]) == (ids.image_token_offset, toy.CODEBOOK_SIZE, ids.mask)
-    want, _, att = tasks.encode_image_prompt(tok, "two red blocks", 10, 9)
+    want, _, att = tasks.encode_image_prompt(tok, tasks.token_ids(tok), "two red blocks", 10, 9)
     assert kw["ids"][0].tolist() == want and kw["attention_mask"][0].tolist() == att
-    assert kw["uncond_input_ids"][0].tolist() == tasks.encode_image_prompt(tok, "", 10, 9)[0]
+    assert kw["uncond_input_ids"][0].tolist() == tasks.encode_image_prompt(tok, tasks.token_ids(tok), "", 10, 9)[0]
     assert len(capsys.readouterr().out.strip().splitlines()) == 3  # a 3 x 3 picture
 
 

@@ -66,7 +66,7 @@ def test_smoke_run(tmp_path, capsys):
     (["--group_size=1"], r"group_size \(1\) must be >= 2"),
     (["--gamma_text=1.0"], r"gamma_text \(1.0\) must be in \[0, 1\)"),
     (["--clip_eps=0"], r"clip_eps \(0.0\) must be > 0"),
-    (["--num_iterations=0"], r"num_iterations \(0\) must be >= 1"),
+    (["--mu=0"], r"mu \(0\) must be >= 1"),
     (["--estimator=ppo"], r"estimator \('ppo'\) must be one of"),
     (["--tasks=audio"], r"tasks \('audio'\) must be"),
     (["--dtype=float16"], r"float16 needs a grad scaler"),

@@ -68,7 +68,7 @@ def run_step(base, monkeypatch, task, *flags):
 
 @pytest.mark.parametrize("task", ["text", "image"])
 def test_first_ratio_is_exactly_one(base, monkeypatch, task):
-    log, r, _, _ = run_step(base, monkeypatch, task, "--num_iterations=1")
+    log, r, _, _ = run_step(base, monkeypatch, task, "--mu=1")
     assert r.adv.abs().sum() > 0
     # Bit-exact by construction: the same weights score the same states in the same batches. (The logged
     # mean is a share-weighted sum over steps and chunks, which rounds at float64 precision.)
@@ -76,24 +76,24 @@ def test_first_ratio_is_exactly_one(base, monkeypatch, task):
     assert log[f"{task}/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     # Every revealed window position is scored exactly once, at the step that revealed it (LLaDA's sampler
     # may leave a predicted mask id in place: that position was never revealed and is not scored).
-    scored, b = r.loss_masks.sum(0), r.batch                                     # (B, L)
+    scored, b = r.views.loss_masks.sum(0), r.batch                                     # (B, L)
     revealed = torch.zeros_like(scored, dtype=torch.bool)
     revealed[:, b.window_slice] = b.x[:, b.window_slice] != tasks.token_ids(base[0]).mask
     assert torch.equal(scored, revealed.long())
     # Later updates score a moved policy: the ratios leave 1.
-    log3, _, _, _ = run_step(base, monkeypatch, task, "--num_iterations=3", "--lr=1e-2")
+    log3, _, _, _ = run_step(base, monkeypatch, task, "--mu=3", "--lr=1e-2")
     assert log3[f"{task}/ratio_max"] > 1.0
 
 
 @pytest.mark.parametrize("task", ["text", "image"])
 def test_gradient_equals_a_naive_per_step_computation(base, monkeypatch, task):
     tok, ids, model = base
-    _, r, opt, ctx = run_step(base, monkeypatch, task, "--num_iterations=1", "--beta=0.05")
+    _, r, opt, ctx = run_step(base, monkeypatch, task, "--mu=1", "--beta=0.05")
     cfg, b = ctx.cfg, r.batch
     # The decoding order from an independent rollout with rl_step's generators (same tokens, same order).
     fresh = tasks.make_batch(task, b.examples, tok, ids, cfg, ctx.device, with_targets=False)
     gens = [rng.generator("cpu", cfg.seed, "rollout", task, 0, i) for i in range(len(b.examples))]
-    x, order = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, fast=True)
+    x, order, _ = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, allow_fast=True)
     assert torch.equal(x.x, b.x)
     lo, hi = (ids.image_token_offset, ids.image_token_offset + ids.codebook_size) if task == "image" else (0, None)
 
@@ -128,5 +128,5 @@ def test_dry_run_counts_a_forward_per_decoding_step():
     traj = train.main(["--preset=llada8b", "--dry_run", "--estimator=trajectory"])
     cfg = train.parse_args(["--preset=llada8b", "--dry_run"])
     assert traj["flops"]["rollout"] == exact["flops"]["rollout"]
-    assert traj["flops"]["scoring"] == pytest.approx(exact["flops"]["scoring"] * cfg.steps / cfg.num_iterations)
+    assert traj["flops"]["scoring"] == pytest.approx(exact["flops"]["scoring"] * cfg.steps / cfg.mu)
     assert traj["flops"]["update"] == pytest.approx(exact["flops"]["update"] * cfg.steps)

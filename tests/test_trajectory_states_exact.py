@@ -30,8 +30,7 @@ from infra import lora, rng
 from test_trajectory import base, fake_score  # noqa: F401 (base: the tiny random smoke model, a fixture)
 
 T, K, MU, B = 4, 2, 2, 8
-# --mu is the field's new name; --num_iterations its old one.
-MU_FLAG = "--mu" if hasattr(train.StepConfig, "mu") else "--num_iterations"
+MU_FLAG = "--mu"
 FLAGS = ["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4", "--estimator=trajectory",
          "--gen_length=12", "--block_length=12", f"--steps={T}", f"{MU_FLAG}={MU}", "--grad_clip=1e9",
          "--device_batch_size=3", "--beta=0.05"]

@@ -14,7 +14,7 @@ import torch
 import tasks
 
 import train
-from infra import load, lora, toy
+from infra import heldout, load, lora, toy
 from model import Transformer
 
 
@@ -61,14 +61,14 @@ def test_logged_loss_is_the_objective(base, monkeypatch, norm):
     per group. Chunks of 3 rows (an uneven split) must give the same number, which a wrong chunk weight
     would break."""
     for dbs in ("0", "3"):
-        log, (r,), _ = rl_step(base, monkeypatch, "--num_iterations=1", f"--loss_norm={norm}",
+        log, (r,), _ = rl_step(base, monkeypatch, "--mu=1", f"--loss_norm={norm}",
                                f"--device_batch_size={dbs}")
         adv = []
         for g in r.rewards.view(-1, 4).tolist():
             mean = sum(g) / 4
             std = math.sqrt(sum((v - mean) ** 2 for v in g) / 3)
             adv += [0.0 if max(g) == min(g) else (v - mean) / (std + 1e-4) for v in g]
-        n = r.loss_masks[0].sum(1).tolist()
+        n = r.views.loss_masks[0].sum(1).tolist()
         assert any(adv) and all(n), "the stand-in rewards must give the groups some signal"
         want = -sum(a * k for a, k in zip(adv, n)) / sum(n) if norm == "token" else -sum(adv) / len(adv)
         assert log["text/loss"] == pytest.approx(want, rel=1e-5, abs=1e-6)
@@ -107,21 +107,21 @@ def test_beta_zero_skips_the_reference(base, monkeypatch):
 def test_reversing_mode_reaches_the_masks(base, monkeypatch, mode):
     """AR-like reversing keeps the last completion token with probability 0, so it is masked in every
     iteration of every row; random reversing masks it with probability t_j < 1 only."""
-    _, (r,), _ = rl_step(base, monkeypatch, f"--text_reversing={mode}", "--num_iterations=4")
+    _, (r,), _ = rl_step(base, monkeypatch, f"--text_reversing={mode}", "--mu=4")
     last = r.batch.prompt_len + r.batch.window - 1
-    always = bool(r.loss_masks[:, :, last].all())
+    always = bool(r.views.loss_masks[:, :, last].all())
     assert always == (mode == "arlike")
 
 
 def test_unigrpo_ratios_differ_per_sequence(base, monkeypatch):
     """UniGRPO draws its first ratio per sequence, so masked fractions differ across rows in iteration 0;
     the MaskGRPO schedule gives every row the same ratio (counts vary only by chance, much less)."""
-    _, (r,), _ = rl_step(base, monkeypatch, "--estimator=unigrpo", "--num_iterations=2")
-    counts = r.loss_masks[0].sum(1).float()
+    _, (r,), _ = rl_step(base, monkeypatch, "--estimator=unigrpo", "--mu=2")
+    counts = r.views.loss_masks[0].sum(1).float()
     assert counts.max() - counts.min() >= 3
-    window = torch.zeros_like(r.loss_masks[0])
+    window = torch.zeros_like(r.views.loss_masks[0])
     window[:, r.batch.window_slice] = True
-    assert not (r.loss_masks & ~window).any()  # only completion positions are ever scored
+    assert not (r.views.loss_masks & ~window).any()  # only completion positions are ever scored
 
 
 def test_reward_shaping_reaches_the_benchmark_rewards(monkeypatch):
@@ -142,14 +142,14 @@ def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
     solution = "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"
     example = {"prompt": "amy has 4 pens", "answer": "2", "completion": solution, "solution": solution}
     monkeypatch.setattr(tasks, "decode_window", lambda b, tok, ids: ["4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}"] * len(b.x))
-    monkeypatch.setattr(tasks, "eval_examples", lambda task, cfg, datasets: [example] * 3)
+    monkeypatch.setattr(heldout, "eval_examples", lambda task, cfg, datasets: [example] * 3)
     monkeypatch.setattr(tasks, "draw_prompts", lambda task, cfg, step, datasets: [example] * cfg.prompts_per_step)
     for name, want in (("answer", 1.0), ("solution", 0.0)):
         cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4",
-                                "--num_iterations=1", "--gen_length=16", "--block_length=16", "--steps=16",
+                                "--mu=1", "--gen_length=16", "--block_length=16", "--steps=16",
                                 f"--text_reward={name}"])
         ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-        assert tasks.evaluate(copy.deepcopy(model), ctx, "text", 0.0) == want
+        assert heldout.evaluate(copy.deepcopy(model), ctx, "text", 0.0) == want
         policy = copy.deepcopy(model)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
         _, (r,) = train.rl_step(policy, copy.deepcopy(model), opt, ctx, 0, tasks.step_prompts(ctx, 0))
@@ -157,12 +157,12 @@ def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
 
 
 def test_evaluate_prompt_means_average_each_prompts_samples(base):
-    """tasks.evaluate's prompt_means: held-out prompt j's mean over its eval_samples completions, which are
+    """heldout.evaluate's prompt_means: held-out prompt j's mean over its eval_samples completions, which are
     rows j * k .. j * k + k - 1 of its records (toy images: rewards are fractions, so prompts differ)."""
     tok, ids, model = base
     cfg = train.parse_args(["--preset=smoke", "--tasks=image", "--eval_prompts=6", "--eval_samples=3"])
     records, means = [], []
-    mean = tasks.evaluate(model, tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {}), "image", 1.0, records,
+    mean = heldout.evaluate(model, tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {}), "image", 1.0, records,
                           prompt_means=means)
     want = [sum(r["reward"] for r in records if r["index"] // 3 == j) / 3 for j in range(6)]
     assert len(records) == 18 and means == pytest.approx(want, abs=1e-12) and len(set(want)) > 1
@@ -172,22 +172,22 @@ def test_evaluate_prompt_means_average_each_prompts_samples(base):
 def test_d1_is_d1(base, monkeypatch):
     """--estimator=d1 as d1's diffu-GRPO trainer: the whole completion masked in the input, some prompt
     tokens masked (p 0.15), the loss mask ending at the first EOS, and advantages r - mean (no std)."""
-    _, (r,), _ = rl_step(base, monkeypatch, "--estimator=d1", "--num_iterations=2")
+    _, (r,), _ = rl_step(base, monkeypatch, "--estimator=d1", "--mu=2")
     tok, ids, _ = base
     b = r.batch
     win = b.window_slice
     for j in range(2):
-        assert (r.inputs[j][:, win] == ids.mask).all()
-    assert (torch.stack(r.inputs)[:, :, : b.prompt_len] == ids.mask).any()
+        assert (r.views.inputs[j][:, win] == ids.mask).all()
+    assert (torch.stack(r.views.inputs)[:, :, : b.prompt_len] == ids.mask).any()
     tokens = b.x[:, win]
     is_eos = tokens == ids.eos
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], b.window, dtype=torch.long))
     want = torch.arange(b.window)[None] <= first[:, None]          # up to and including the first EOS
     assert (~is_eos.any(1)).any() or is_eos.sum() > is_eos.any(1).sum(), "need rows with EOS padding"
     for j in range(2):
-        assert torch.equal(r.loss_masks[j][:, win], want)
+        assert torch.equal(r.views.loss_masks[j][:, win], want)
     groups = r.rewards.view(-1, 4)
     assert torch.allclose(r.adv.view(-1, 4), groups - groups.mean(1, keepdim=True), atol=1e-6)
     # The same flags with --adv_std=on divide by the group std again.
-    _, (s,), _ = rl_step(base, monkeypatch, "--estimator=d1", "--num_iterations=2", "--adv_std=on")
+    _, (s,), _ = rl_step(base, monkeypatch, "--estimator=d1", "--mu=2", "--adv_std=on")
     assert not torch.allclose(s.adv, r.adv)

@@ -42,7 +42,7 @@ CASES = [
     ("trajectory_k_lora", ["--estimator=trajectory", "--trajectory_states=3", "--lora_rank=4", "--lora_alpha=8",
                            "--device_batch_size=2"]),
 ]
-BASE = ["--preset=smoke", "--threads=1", "--prompts_per_step=2", "--group_size=4", "--num_iterations=3",
+BASE = ["--preset=smoke", "--threads=1", "--prompts_per_step=2", "--group_size=4", "--mu=3",
         "--lr=0.05", "--grad_clip=1e6", "--beta=0.05", "--cfg_scale=1.5"]
 
 
