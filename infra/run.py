@@ -38,7 +38,7 @@ def eval_batches(ctx) -> int:
     """How many batches heldout.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
     n = 0
     for task in task_list(ctx.cfg):
-        rows = len(tasks.eval_examples(task, ctx.cfg, ctx.datasets))
+        rows = len(heldout.eval_examples(task, ctx.cfg, ctx.datasets))
         for k in ((ctx.cfg.eval_samples,) if task in tasks.IMAGE_TASKS else (ctx.cfg.eval_samples, 1)):
             n += -(-rows * k // EVAL_BATCH) if rows else 0
     return n

@@ -139,7 +139,7 @@ def wrapped(meter: PhaseMeter):
     def saw_loss(a, kw, out):
         if meter.first_ratio is None and torch.is_grad_enabled():
             stats = out[1]
-            meter.first_ratio = (stats["ratio_max"], stats["ratio_mean"])
+            meter.first_ratio = (stats["ratio_max"], stats["ratio"] / max(stats["tokens"], 1.0))  # sums: the mean is ratio / tokens
 
     # train.py imports rollout by name; tasks.rollout is the same function under its module
     for owner in (train, tasks):

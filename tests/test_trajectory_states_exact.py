@@ -71,7 +71,7 @@ def naive_pair_gradients(base, exp, ctx):
     cfg, b = ctx.cfg, exp.batch
     fresh = tasks.make_batch("text", b.examples, tok, ids, cfg, ctx.device, with_targets=False)
     gens = [rng.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(b.examples))]
-    x, order = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, fast=True)
+    x, order, _ = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, allow_fast=True)
     assert torch.equal(x.x, b.x)
     theta, old = copy.deepcopy(model).train(), copy.deepcopy(model).eval()
     params = lora.trainable_parameters(theta)
@@ -143,7 +143,7 @@ def test_the_normaliser_is_k_over_t_of_the_trajectory_tokens(base, monkeypatch, 
     tok, ids, _ = base
     _, exp, _ = rl_step_grads(base, monkeypatch, [*FLAGS, f"--trajectory_states={k}"])
     tokens = int((exp.batch.x[:, exp.batch.window_slice] != ids.mask).sum())
-    assert float(exp.draw.norm) == pytest.approx(tokens * k / T)
+    assert float(exp.views.norm) == pytest.approx(tokens * k / T)
 
 
 def test_the_draw_is_seeded_by_the_step_and_the_global_index(base, monkeypatch):

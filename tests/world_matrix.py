@@ -70,17 +70,17 @@ def main(ckpt: str, out: str, rollouts: str, only: str = "") -> None:
         before = {k: v.clone() for k, v in scale.full_state_dict(policy).items()}
         differed = torch.zeros(())
 
-        def rollout(model, prompts, ctx, gens, temperature, fast=False, stats=None):
+        def rollout(model, prompts, ctx, gens, temperature, allow_fast=False):
             nonlocal differed
-            b, order = real_rollout(model, prompts, ctx, gens, temperature, fast=fast, stats=stats)
+            b, order, sampler_log = real_rollout(model, prompts, ctx, gens, temperature, allow_fast=allow_fast)
             key = (name, b.task)
             if record:
                 recorded[key] = (b.x.clone(), order.clone())
-                return b, order
+                return b, order, sampler_log
             x, o = (t[b.index] for t in recorded[key])
             differed = differed + (x != b.x).sum()
             b.x.copy_(x)
-            return b, o.clone()
+            return b, o.clone(), sampler_log
 
         train.rollout = rollout
         ctx = tasks.Ctx(cfg, tok, ids, device, {})
