@@ -240,7 +240,7 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
                 seq_index, mu: int, gamma: float = 0.6, estimator: str = "maskgrpo", mode: str = "arlike",
                 p_mask_prompt: float = 0.15, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A mask estimator's mu (input mask, loss mask) pairs from explicit settings, bool (mu, B, L) each (the
-    masks the views above build, for callers that choose seed, mode and gamma themselves: infra/diagnose.py)."""
+    masks the views above build, for callers that choose seed, mode and gamma themselves: tools/diagnose.py)."""
     assert estimator in MASK_ESTIMATORS and mode in MODES, f"estimator {estimator!r} in {MASK_ESTIMATORS}, mode {mode!r} in {MODES}"
     assert mu >= 1 and prompt_mask.dtype == completion_mask.dtype == torch.bool, \
         f"{mu=} >= 1; prompt_mask (B, P), completion_mask (B, N): bool"
@@ -355,8 +355,3 @@ def decoding_logprob(model, x: torch.Tensor, order: torch.Tensor, *, attention_m
             total = total + token_logprobs(model, apply_mask(x, state, mask_id), x, revealed,
                                            attention_mask=attention_mask, vocab_slice=vocab_slice).sum(-1)
     return total
-
-
-if __name__ == "__main__":  # python importance.py --diagnose --ckpt DIR: the estimators against the exact
-    from infra import diagnose  # decoding log-ratio (infra/diagnose.py)
-    diagnose.run()

@@ -9,9 +9,9 @@ MaskGRPO (arXiv:2510.02880) rolls out with these samplers:
 Both can return the decoding order (return_order=True), from which importance.py rebuilds every state.
 Every random number comes from the `generator` argument (one, or one per row: infra/rng.py), drawn on its
 own device, so a CPU generator gives identical samples on CPU and GPU; the global RNG is never used. The
-callers (train.py, infra/sample_cli.py) validate the settings; the samplers assert their preconditions.
+callers (train.py, tools/sample.py) validate the settings; the samplers assert their preconditions.
 
-    python sample.py --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
+    python -m tools.sample --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
 
 Shapes: B batch, P prompt, N gen_length, L sequence (P + N for text), V vocabulary, n image slots, C codes.
 """
@@ -304,9 +304,3 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
             order[:, span][masked & (new != mask_id)] = s
         x[:, span] = new
     return (x, order) if return_order else x
-
-
-if __name__ == "__main__":  # the command line lives in infra/sample_cli.py
-    from infra.sample_cli import run
-
-    run()

@@ -126,7 +126,7 @@ def encode_image_prompt(tok: Tokenizer, ids: TokenIds, prompt_text: str, text_le
 
 def image_text_len(tok: Tokenizer, n: int = 2000) -> int:
     """Longest t2i text part (<|t2i|> BOS caption EOS) over n random toy captions: the text_len to pad to
-    (TOY_CAPTION_LEN for the toy tokenizer; infra/sample_cli.py measures another tokenizer's)."""
+    (TOY_CAPTION_LEN for the toy tokenizer; tools/sample.py measures another tokenizer's)."""
     rng = random.Random(0)
     return 3 + max(len(tok.encode(make_image_example(rng, "any")["prompt"], add_special_tokens=False).ids)
                    for _ in range(n))

@@ -127,15 +127,15 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
     return p
 
 
-def parse_known(p: argparse.ArgumentParser, argv, name: str) -> argparse.Namespace:
-    """p.parse_known_args for a module with its own argparse flags (python -m infra.NAME): a bad value or an
+def parse_known(p: argparse.ArgumentParser, argv, module: str) -> argparse.Namespace:
+    """p.parse_known_args for a module with its own argparse flags (python -m MODULE): a bad value or an
     unknown flag is a ValueError of one line."""
     try:
         args, unknown = p.parse_known_args(argv)
     except argparse.ArgumentError as e:
         raise ValueError(str(e)) from None
     if unknown:
-        raise ValueError(f"unknown argument(s) {unknown}; see python -m infra.{name} --help")
+        raise ValueError(f"unknown argument(s) {unknown}; see python -m {module} --help")
     return args
 
 

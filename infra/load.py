@@ -369,11 +369,11 @@ def main(argv=None) -> Path:
                                 "folder that sample.py and evaluate.py take", allow_abbrev=False, exit_on_error=False)
     p.add_argument("checkpoint", nargs="?", help="OUT_DIR/checkpoints/step-N")
     p.add_argument("dest", nargs="?", help="a new folder for the model")
-    args = cli.parse_known(p, argv, "load")
+    args = cli.parse_known(p, argv, "infra.load")
     if args.dest is None:
         raise ValueError("pass a checkpoint and a new folder: python -m infra.load OUT_DIR/checkpoints/step-N DEST")
     dest = export_checkpoint(args.checkpoint, args.dest)
-    print(f"wrote {dest}: python sample.py --ckpt={dest} --prompt=\"...\"; python evaluate.py --ckpt={dest} --task=TASK")
+    print(f"wrote {dest}: python -m tools.sample --ckpt={dest} --prompt=\"...\"; python evaluate.py --ckpt={dest} --task=TASK")
     return dest
 
 

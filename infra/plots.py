@@ -399,7 +399,7 @@ def main(argv=None) -> Path:
     parser.add_argument("--task", default="text")
     parser.add_argument("--x", default="step", choices=list(X_AXES), help="--compare's horizontal axis: RL step, "
                         "or cumulative RL seconds from each run's times.jsonl (wall, or process CPU time)")
-    args = cli.parse_known(parser, argv, "plots")
+    args = cli.parse_known(parser, argv, "infra.plots")
     if not have_pillow():
         raise ValueError('no picture written: Pillow is missing; pip install -e ".[plots]" (or pip install pillow)')
     if args.compare:

@@ -31,7 +31,7 @@ Known gaps: world-readable files stay readable; after the uid switch, stdlib mod
 to import when the interpreter lives in an unreadable directory (e.g. /root/.pyenv); a program that
 searches the harness's memory for the nonce can fake a pass. This is damage control, not a jail.
 
-Test: python -m pytest tests/test_sandbox.py -q;  throughput: python -m infra.bench --sandbox
+Test: python -m pytest tests/test_sandbox.py -q;  throughput: python -m tools.bench --sandbox
 """
 from __future__ import annotations
 

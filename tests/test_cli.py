@@ -66,7 +66,8 @@ def test_every_flag_has_a_meaning_in_help():
     from dataclasses import fields
 
     import evaluate
-    from infra import diagnose, sample_cli
+    from tools import diagnose
+    from tools import sample as sample_cli
 
     for cls in (train.Config, evaluate.Options, sample_cli.Options, diagnose.Options):
         comments = cli.field_comments(cls)
@@ -120,11 +121,11 @@ def test_required_fields_and_module_flags():
     import argparse
     p = argparse.ArgumentParser(exit_on_error=False, allow_abbrev=False)  # as the infra modules make theirs
     p.add_argument("--reps", type=int, default=1)
-    assert cli.parse_known(p, ["--reps=3"], "bench").reps == 3
-    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['--rep=2'\]; see python -m infra.bench --help"):
-        cli.parse_known(p, ["--rep=2"], "bench")
+    assert cli.parse_known(p, ["--reps=3"], "tools.bench").reps == 3
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['--rep=2'\]; see python -m tools.bench --help"):
+        cli.parse_known(p, ["--rep=2"], "tools.bench")
     with pytest.raises(ValueError, match=r"--reps.*'x'"):
-        cli.parse_known(p, ["--reps=x"], "bench")
+        cli.parse_known(p, ["--reps=x"], "tools.bench")
 
 
 @pytest.mark.parametrize("exc,status,line", [(ValueError("bad --n (3)"), 2, "error: bad --n (3)"),

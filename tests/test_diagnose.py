@@ -1,4 +1,4 @@
-"""infra/diagnose.py (`python importance.py --diagnose`): it runs end to end on a small checkpoint and
+"""tools/diagnose.py (`python -m tools.diagnose`): it runs end to end on a small checkpoint and
 prints every estimator row, and its log-ratios are the training code's for the same masks.
 
     python -m pytest tests/test_diagnose.py -q
@@ -15,7 +15,8 @@ import torch
 import importance
 import tasks
 import train
-from infra import diagnose, rng, toy
+from infra import rng, toy
+from tools import diagnose
 from infra.budget import scratch_config
 from model import Transformer
 from infra.hf import load_tokenizer
@@ -62,7 +63,7 @@ def test_log_ratios_are_the_training_codes(sft_dir):
 @pytest.mark.slow
 def test_cli_prints_every_row(sft_dir, tmp_path):
     png = tmp_path / "d.png"
-    p = subprocess.run([sys.executable, "importance.py", "--diagnose", f"--ckpt={sft_dir}", "--preset=smoke",
+    p = subprocess.run([sys.executable, "-m", "tools.diagnose", f"--ckpt={sft_dir}", "--preset=smoke",
                         "--draws=2", "--threads=1", f"--png={png}"], cwd=ROOT, capture_output=True, text=True,
                        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stderr[-2000:]
@@ -71,13 +72,13 @@ def test_cli_prints_every_row(sft_dir, tmp_path):
     for label, *_ in diagnose.ESTIMATORS:
         assert f"| {label} |" in p.stdout
     assert png.is_file()
-    bad = subprocess.run([sys.executable, "importance.py", f"--ckpt={sft_dir}"], cwd=ROOT, capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "tools.diagnose", "--draws=2"], cwd=ROOT, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: usage")  # a user error: one line, status 2
 
 
 def test_main_at_small_non_default_settings(tmp_path, capsys, monkeypatch):
-    """`python importance.py --diagnose` in-process on a random toy-vocabulary checkpoint, text only, at
+    """`python -m tools.diagnose` in-process on a random toy-vocabulary checkpoint, text only, at
     settings of its own (mu 2, 2 draws, G 2, gamma 0.3, clip 1e-9): a table row per text estimator, the PNG,
     most ratios outside a clip range of 1e-9 after an update at lr 1e-2 (the column reads --clip_eps), and the Fig. 2 curves of the reversing operators at t = gamma
     by hand (random: t everywhere; AR-like, Alg. 1: 1 - min(1, 2 (1 - t)(1 - n / (N - 1))))."""
@@ -91,7 +92,7 @@ def test_main_at_small_non_default_settings(tmp_path, capsys, monkeypatch):
     # A random model solves nothing: rewards from the sampled tokens instead, so that groups carry signal
     # and the update moves the policy.
     monkeypatch.setattr(tasks, "score", lambda b, *a, **k: (b.x[:, b.window_slice].sum(1) % 3).float() / 2)
-    res = diagnose.main(["--diagnose", f"--ckpt={ckpt}", "--preset=smoke", "--tasks=text", "--draws=2",
+    res = diagnose.main([f"--ckpt={ckpt}", "--preset=smoke", "--tasks=text", "--draws=2",
                          "--mu=2", "--prompts_per_step=1", "--group_size=2", "--gamma_text=0.3",
                          "--clip_eps=1e-9", "--lr=1e-2", "--threads=1", f"--png={png}"])
     out = capsys.readouterr().out
@@ -112,7 +113,7 @@ def test_main_at_small_non_default_settings(tmp_path, capsys, monkeypatch):
 def test_official_ratio_table_rows():
     """--official_ratios: one row per (gamma, t_j) of the official text run (mu 12), t_j = gamma +
     (1 - gamma)(j + 1) / 12 (kept below 1), and one column per prompt length."""
-    lines = diagnose.main(["--diagnose", "--official_ratios"]) or None
+    lines = diagnose.main(["--official_ratios"]) or None
     assert lines is None  # prints, returns {}
     table = diagnose.official_ratio_table(prompt_lens=(20, 256), gammas=(0.6,), mu=12).splitlines()
     assert len(table) == 2 + 12
@@ -129,9 +130,9 @@ def test_pearson_and_spearman_by_hand():
     assert math.isnan(diagnose.pearson(a, torch.ones(3)))
 
 
-@pytest.mark.parametrize("argv,match", [(["--diagnose"], "usage: python importance.py --diagnose --ckpt DIR"),
-                                        (["--diagnose", "--ckpt=x", "--draws=1"], r"draws \(1\) must be >= 2"),
-                                        (["--diagnose", "--ckpt=x", "--mu=1"],
+@pytest.mark.parametrize("argv,match", [([], "usage: python -m tools.diagnose --ckpt DIR"),
+                                        (["--ckpt=x", "--draws=1"], r"draws \(1\) must be >= 2"),
+                                        (["--ckpt=x", "--mu=1"],
                                          r"mu \(1\) and draws \(4\) must be >= 2")])
 def test_main_refuses(argv, match):
     with pytest.raises(ValueError, match=match):

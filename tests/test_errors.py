@@ -19,7 +19,8 @@ import torch
 
 import evaluate
 import train
-from infra import checkpoint, cli, hf, load, plots, run, sample_cli
+from infra import checkpoint, cli, hf, load, plots, run
+from tools import sample as sample_cli
 from model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -350,14 +351,14 @@ SLOW = pytest.mark.slow
 ENTRY_POINTS = [
     pytest.param(["train.py", "--block_length=0"], "error: block_length (0) must be >= 1", marks=SLOW),
     pytest.param(["train.py", "--sft_step=1"], "error: unknown argument(s) ['--sft_step=1']", marks=SLOW),
-    pytest.param(["sample.py", "--ckpt", "/no/such/dir", "--prompt", "hi"], "error: /no/such/dir/config.json not found",
+    pytest.param(["-m", "tools.sample", "--ckpt", "/no/such/dir", "--prompt", "hi"], "error: /no/such/dir/config.json not found",
                  marks=SLOW),
     pytest.param(["evaluate.py", "--ckpt", "/no/such/dir", "--task", "text"], "error: checkpoint directory not found",
                  marks=SLOW),
-    pytest.param(["importance.py", "--diagnose"], "error: usage: python importance.py --diagnose --ckpt DIR",
+    pytest.param(["-m", "tools.diagnose"], "error: usage: python -m tools.diagnose --ckpt DIR",
                  marks=SLOW),
-    pytest.param(["-m", "infra.bench", "--reps=0"], "error: --reps must be >= 1, got 0", marks=SLOW),
-    pytest.param(["-m", "infra.bench", "--rep=2"], "error: unknown argument(s) ['--rep=2']", marks=SLOW),
+    pytest.param(["-m", "tools.bench", "--reps=0"], "error: --reps must be >= 1, got 0", marks=SLOW),
+    pytest.param(["-m", "tools.bench", "--rep=2"], "error: unknown argument(s) ['--rep=2']", marks=SLOW),
     (["-m", "infra.data", "gsm8k", "/no/such.jsonl"], "error: dataset file not found: /no/such.jsonl"),
     (["-m", "infra.data"], "error: usage: python -m infra.data TASK PATH"),
     (["-m", "infra.plots", "/no/such/run"], "error: /no/such/run/log.jsonl not found"),

@@ -50,15 +50,15 @@ def test_export_refuses_in_one_line(smoke_sft_run, tmp_path):
         assert p.returncode == 2 and message in p.stderr and p.stderr.count("\n") == 1, p.stderr
 
 
-@pytest.mark.parametrize("entry", ["evaluate.py", "sample.py", "train.py"])
+@pytest.mark.parametrize("entry", ["evaluate.py", "tools.sample", "train.py"])
 def test_a_training_checkpoint_given_as_a_model_names_the_export(tmp_path, entry):
     """checkpoints/step-N where a model folder is needed: one line with the command that converts it."""
     step = tmp_path / "run" / "checkpoints" / "step-00000004"
     step.mkdir(parents=True)
     (step / "state.json").write_text("{}")
     flag = "--init_from" if entry == "train.py" else "--ckpt"
-    extra = {"evaluate.py": ["--task=text"], "sample.py": ["--prompt=a"], "train.py": ["--tasks=text",
+    extra = {"evaluate.py": ["--task=text"], "tools.sample": ["--prompt=a"], "train.py": ["--tasks=text",
              f"--out_dir={tmp_path / 'new'}"]}[entry]
-    p = subprocess.run([sys.executable, entry, f"{flag}={step}", *extra], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, *(["-m", entry] if entry.startswith("tools.") else [entry]), f"{flag}={step}", *extra], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert f"python -m infra.load {step} {tmp_path / 'run-step-00000004'}" in p.stderr, p.stderr

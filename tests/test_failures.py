@@ -146,7 +146,7 @@ def test_progress_time_left_and_closing_summary(sft_dir, tmp_path, monkeypatch, 
     assert "held-out evaluation after RL: batch 3 of about 3," in "\n".join(lines)
     done = next(x for x in lines if x.startswith("done in "))
     assert f"model {out / 'final'}" in done and f"{out / 'curves.png'}" in done and f"{out / 'images.png'}" in done
-    assert lines[-1].startswith(f"next: python sample.py --ckpt={out / 'final'}") and f"--run={out}" in lines[-1]
+    assert lines[-1].startswith(f"next: python -m tools.sample --ckpt={out / 'final'}") and f"--run={out}" in lines[-1]
 
 
 def test_a_final_evaluation_not_measured_is_null_and_exits_nonzero(sft_dir, tmp_path, monkeypatch, capsys):

@@ -1,5 +1,5 @@
 """Every flag acts or is refused: inputs that make a flag meaningless are refused at the boundary in one
-line naming the flag and the fix (train.py's settings, infra.bench's own flags).
+line naming the flag and the fix (train.py's settings, tools.bench's own flags).
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_flags_act.py -q -p no:xdist
 """
@@ -48,7 +48,7 @@ def test_a_preset_may_still_set_what_a_flag_may_not():
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
 ])
 def test_bench_refuses_device_and_threads_in_one_line(argv, message):
-    p = subprocess.run([sys.executable, "-m", "infra.bench", *argv], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "tools.bench", *argv], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 2 and p.stderr == f"error: {p.stderr[7:]}" and message in p.stderr, p.stderr
     assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr

@@ -19,7 +19,8 @@ import evaluate
 import sample
 import tasks
 import train
-from infra import heldout, load, sample_cli, toy
+from infra import heldout, load, toy
+from tools import sample as sample_cli
 from model import Transformer
 
 from test_sft_key import Reading

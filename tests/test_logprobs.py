@@ -152,7 +152,7 @@ def test_decoding_logprob_matches_naive_loop():
                 naive[b] += float(F.log_softmax(logits, -1)[x[b, k]])
     assert got.shape == (B,) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), naive, rtol=1e-5, atol=1e-5)
-    # Called with gradients on (as infra/diagnose.py does), it must not keep one graph across all the
+    # Called with gradients on (as tools/diagnose.py does), it must not keep one graph across all the
     # steps: that held every step's activations and ran a 40-step trajectory out of memory.
     assert not imp.decoding_logprob(model, x, order, attention_mask=am, mask_id=V - 1).requires_grad
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import train
-from infra import budget, cli, sample_cli
+from infra import budget, cli
+from tools import sample as sample_cli
 from test_errors import TINY, exit_code, one_line_error, toy  # noqa: F401 (toy: a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,11 +161,11 @@ def test_evaluate_run_takes_threads_and_device_only(tmp_path, monkeypatch, capsy
 
 
 def test_diagnosis_refuses_whole_run_flags(capsys):
-    from infra import diagnose
+    from tools import diagnose
 
     with pytest.raises(ValueError, match=r"^--sft_steps, --out_dir: a train.py setting of a whole run, which the "
                                          r"diagnosis of one RL step does not use; drop them"):
-        diagnose.main(["--diagnose", "--ckpt=x", "--sft_steps=3", "--out_dir=y"])
+        diagnose.main(["--ckpt=x", "--sft_steps=3", "--out_dir=y"])
 
 
 def test_help_shows_the_chosen_presets_values():

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import importance as imp
-from infra import diagnose, toy
+from infra import toy
+from tools import diagnose
 
 
 def sigma5(p: float, n: int) -> float:
@@ -212,10 +213,10 @@ def test_system_prompt_opens_a_system_turn(system):
 
 
 # -----------------------------------------------------------------------------
-# measurements behind docs/differences.md (infra/official.py)
+# measurements behind docs/differences.md (tools/official.py)
 
 def test_strided_indices_under_gradient_accumulation():
-    from infra.official import strided_indices
+    from tools.official import strided_indices
     # By hand, mu 12 and accumulation 2: micro-batch m scores index m mod 12 (the counter is m + 1 when
     # compute_loss runs), slot m mod 2, so slot 0 gets the even indices twice and slot 1 the odd ones.
     assert strided_indices(12, 2, 12) == [[0, 2, 4, 6, 8, 10] * 2, [1, 3, 5, 7, 9, 11] * 2]
@@ -224,7 +225,7 @@ def test_strided_indices_under_gradient_accumulation():
 
 
 def test_float64_gumbel_samples_the_tempered_softmax():
-    from infra.official import entropy_top1, gumbel_stats
+    from tools.official import entropy_top1, gumbel_stats
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
     tau = 0.9
     p = [math.exp(v / tau) for v in logits.tolist()]
@@ -237,7 +238,7 @@ def test_float64_gumbel_samples_the_tempered_softmax():
 
 
 def test_official_ratios_cli_prints_the_table(capsys):
-    assert diagnose.main(["--diagnose", "--official_ratios"]) == {}
+    assert diagnose.main(["--official_ratios"]) == {}
     out = capsys.readouterr().out
     assert "| gamma | nominal ratio t_j | P = 20 | P = 100 | P = 150 | P = 256 |" in out
     r = 0.6 + 0.4 / 12

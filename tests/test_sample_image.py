@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from model import ModelConfig
 from sample import generate, generate_image, select_top_k
 from infra import hf
-from infra import sample_cli
+from tools import sample as sample_cli
 from test_sample import (C, EOS, MASK, OFFSET, Recorder, V, code_distributions, gen, image_layout,  # noqa: F401
                          image_stub, prompts, tiny_model)
 

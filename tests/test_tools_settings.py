@@ -1,5 +1,5 @@
 """The command lines of infra/ at non-default options: sample.py's flags reach the samplers as given
-(and a checkpoint's generation.json fills the rest), infra.bench's tables and argument checks, infra.data's
+(and a checkpoint's generation.json fills the rest), tools.bench's tables and argument checks, infra.data's
 file check, the stub scorer's refusal of a mismatched request.
 
     python -m pytest tests/test_tools_settings.py -q
@@ -15,7 +15,9 @@ import torch
 import sample
 import tasks
 from conftest import ROOT
-from infra import bench, data, hf, sample_cli, scorer, toy
+from infra import data, hf, scorer, toy
+from tools import bench
+from tools import sample as sample_cli
 from model import ModelConfig, Transformer
 from tasks import chat_prompt
 
@@ -125,14 +127,14 @@ def test_sample_cli_refusals(toy_ckpt, spy, flags, match):
 
 
 def test_sample_cli_run_exits_2(monkeypatch, capsys):
-    monkeypatch.setattr("sys.argv", ["sample.py", "--prompt", "x"])
+    monkeypatch.setattr("sys.argv", ["tools/sample.py", "--prompt", "x"])
     with pytest.raises(SystemExit) as e:
         sample_cli.run()
     assert e.value.code == 2 and "--ckpt is missing" in capsys.readouterr().err
 
 
 # -----------------------------------------------------------------------------------------------------
-# infra.bench, infra.data, the stub scorer
+# tools.bench, infra.data, the stub scorer
 
 
 def test_bench_table_agrees_with_the_public_loop(capsys):

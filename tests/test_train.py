@@ -16,7 +16,7 @@ import train
 from model import Transformer
 from infra.hf import load_tokenizer
 from infra import hf, toy
-from infra import sample_cli
+from tools import sample as sample_cli
 
 
 @pytest.mark.slow  # two SFT+RL runs in-process: the slowest test of the suite

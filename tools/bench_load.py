@@ -1,8 +1,8 @@
 """Peak memory per rank of loading a full fine-tuning policy and its reference (beta > 0) under torchrun,
 the old way against infra/load.py's load_sharded (a benchmark, not a test).
 
-    python -m infra.bench_load                 # 2 gloo ranks on CPU, an 87M-parameter LLaDA-shaped model
-    python -m infra.bench_load --nproc 4 --n_layers 8
+    python -m tools.bench_load                 # 2 gloo ranks on CPU, an 87M-parameter LLaDA-shaped model
+    python -m tools.bench_load --nproc 4 --n_layers 8
 
 The checkpoint is random, LLaDA-shaped (d 512, 8 heads, MLP 1536, vocab 32000, 16 layers), stored in bf16
 as the released LLaDA weights are, in 6 files as LLaDA-8B is; the master weights are float32. Each way
@@ -72,7 +72,7 @@ def main(argv=None) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         for way in ("old", "new"):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={o.nproc}",
-                   "-m", "infra.bench_load", "--rank_main", way, tmp]
+                   "-m", "tools.bench_load", "--rank_main", way, tmp]
             res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             if res.returncode:
                 sys.exit(res.stdout[-2000:] + res.stderr[-2000:])

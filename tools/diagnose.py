@@ -1,8 +1,8 @@
 """Why the estimator works, measured: each importance estimator against the exact decoding log-ratio.
 
-    python importance.py --diagnose --ckpt out/toy/sft                  # text and image, toy settings
-    python importance.py --diagnose --ckpt out/toy_long/sft --preset toy_long --tasks=text
-    python importance.py --diagnose --official_ratios   # the official AR-like operator's effective mask ratios
+    python -m tools.diagnose --ckpt out/toy/sft                  # text and image, toy settings
+    python -m tools.diagnose --ckpt out/toy_long/sft --preset toy_long --tasks=text
+    python -m tools.diagnose --official_ratios   # the official AR-like operator's effective mask ratios
 
 GRPO needs log pi_theta(o) - log pi_old(o) for each rollout o. For a masked diffusion model the exact
 value along the path the sampler took is the decoding log-likelihood difference
@@ -64,7 +64,6 @@ REFUSED = "a train.py setting of a whole run, which the diagnosis of one RL step
 
 @dataclass
 class Options(train.Config):
-    diagnose: bool = False   # the switch that selects this script in `python importance.py --diagnose`
     ckpt: str = ""           # pi_old: a checkpoint in the Hugging Face layout with tokenizer.json
     draws: int = 4           # mask draws per estimator and inner iteration
     png: str = "diagnose.png"  # the estimate-vs-exact scatter and decode-order figure, in the current directory
@@ -247,11 +246,11 @@ def main(argv=None) -> dict:
     saved = read_generation_settings(first.ckpt) if first.ckpt else {}
     saved.pop("tasks", None)
     o = cli.parse(Options, argv, defaults=saved, **kw)
-    if o.official_ratios:  # python importance.py --diagnose --official_ratios: the official text run's N 256, mu 12
+    if o.official_ratios:  # python -m tools.diagnose --official_ratios: the official text run's N 256, mu 12
         print(official_ratio_table())
         return {}
-    if not o.diagnose or not o.ckpt:
-        raise ValueError("usage: python importance.py --diagnose --ckpt DIR [--preset NAME] [--field=value ...]")
+    if not o.ckpt:
+        raise ValueError("usage: python -m tools.diagnose --ckpt DIR [--preset NAME] [--field=value ...]")
     if o.mu < 2 or o.draws < 2:
         raise ValueError(f"mu ({o.mu}) and draws ({o.draws}) must be >= 2")
     validate(replace(o, init_from=o.ckpt))
@@ -269,7 +268,7 @@ def main(argv=None) -> dict:
 
 
 def run() -> None:
-    """`python importance.py --diagnose ...`: main() with user errors as one line and exit status 2."""
+    """`python -m tools.diagnose ...`: main() with user errors as one line and exit status 2."""
     with cli.user_errors():
         main()
 

@@ -1,4 +1,4 @@
-"""Measurements of what the official MaskGRPO runs did, for docs/differences.md (python -m infra.official).
+"""Measurements of what the official MaskGRPO runs did, for docs/differences.md (python -m tools.official).
 
 Two behaviours of martian422/MaskGRPO grpo/mask_grpo_trainer.py that change what the released runs trained
 with, measured without its code:
@@ -12,7 +12,7 @@ with, measured without its code:
    accumulation.
 
 The effective mask ratios of the official AR-like operator are importance.official_completion_ratio
-(`python importance.py --diagnose --official_ratios` prints the table).
+(`python -m tools.diagnose --official_ratios` prints the table).
 """
 from __future__ import annotations
 

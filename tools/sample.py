@@ -1,8 +1,8 @@
-"""The sampling command line: `python sample.py --ckpt DIR --prompt TEXT [--image [--png FILE]] [--field=value ...]`.
+"""The sampling command line: `python -m tools.sample --ckpt DIR --prompt TEXT [--image [--png FILE]] [--field=value ...]`.
 
-    python sample.py --ckpt out/toy/final --prompt "bob has 3 pens . how many pens does he have ?"
-    python sample.py --ckpt out/toy/final --image --prompt "two red blocks" --png red.png
-    python sample.py --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
+    python -m tools.sample --ckpt out/toy/final --prompt "bob has 3 pens . how many pens does he have ?"
+    python -m tools.sample --ckpt out/toy/final --image --prompt "two red blocks" --png red.png
+    python -m tools.sample --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
 
 Every setting is checked before the weights are read, with the rules train.py applies to the same names
 (infra/settings.validate_generation), and the prompt is checked against the checkpoint: characters the
@@ -34,7 +34,7 @@ DESCRIPTION = ("Sample from a LLaDA/MMaDA-style checkpoint. A checkpoint written
 
 @dataclass
 class Options:
-    """python sample.py --ckpt DIR --prompt TEXT [--image] [--field=value ...]. A checkpoint written by
+    """python -m tools.sample --ckpt DIR --prompt TEXT [--image] [--field=value ...]. A checkpoint written by
     train.py carries its generation settings (generation.json), used unless a flag overrides them; the
     rest default to LLaDA's own (64 tokens in blocks of 16, 64 steps, greedy)."""
     ckpt: str = ""              # directory with config.json, *.safetensors, tokenizer.json
@@ -187,6 +187,10 @@ def _sample_image(cfg, tok, o):
 
 
 def run() -> None:
-    """`python sample.py`: main() with user errors as one line on stderr and exit status 2."""
+    """`python -m tools.sample`: main() with user errors as one line on stderr and exit status 2."""
     with cli.user_errors():
         main()
+
+
+if __name__ == "__main__":
+    run()

@@ -1,11 +1,11 @@
 """Rollout speed of sample.generate against LLaDA's public generate(), exact and fast (a benchmark, not a test).
 
-    python -m infra.bench --threads 1           # both random models, one repetition
-    python -m infra.bench --quick --threads 1   # smoke run: gen length 64, a 2-layer 256-d "llada"
-    python -m infra.bench --ckpt out/toy/sft --threads 1   # a trained checkpoint on toy text prompts
-    python -m infra.bench --ckpt out/long/sft --preset toy_long --threads 1   # ... on the long toy's
-    python -m infra.bench --reps 3              # medians of 3 interleaved repetitions
-    python -m infra.bench --sandbox             # the code reward's sandbox instead: programs/s, kill time
+    python -m tools.bench --threads 1           # both random models, one repetition
+    python -m tools.bench --quick --threads 1   # smoke run: gen length 64, a 2-layer 256-d "llada"
+    python -m tools.bench --ckpt out/toy/sft --threads 1   # a trained checkpoint on toy text prompts
+    python -m tools.bench --ckpt out/long/sft --preset toy_long --threads 1   # ... on the long toy's
+    python -m tools.bench --reps 3              # medians of 3 interleaved repetitions
+    python -m tools.bench --sandbox             # the code reward's sandbox instead: programs/s, kill time
 
 One table, all measured in this run: tokens/second of LLaDA's public generate() loop (re-implemented below:
 the output head and the softmax over the whole sequence at every step), of sample.generate's exact sampler
@@ -313,7 +313,7 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
     p.add_argument("--sandbox", action="store_true", help="time the code sandbox instead of the sampler")
     p.add_argument("--programs", type=int, default=100, help="programs run through the sandbox by --sandbox")
-    args = cli.parse_known(p, argv, "bench")
+    args = cli.parse_known(p, argv, "tools.bench")
     if args.sandbox:
         if args.programs < 1:
             raise ValueError(f"--programs must be >= 1, got {args.programs}")
