@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 import rewards
 import sample
 from infra import scale
+from infra.timing import timed
 from infra.rng import derive_seed
 from infra.toy import BOS, CODEBOOK_SIZE, EOI, EOS, IPAD, MASK, SOI, T2I, make_image_example, make_text_example
 
@@ -176,6 +177,7 @@ IMAGE_TASKS = tuple(t for t, k in TASKS.items() if k.modality == "image")  # gen
 TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
+@timed("reward")  # seconds per phase for times.jsonl (infra/timing.py)
 def score(b, tok, ids, scorer=None, shaping: str = "none", text_reward: str = "answer") -> torch.Tensor:
     """Step 2 of the RL loop: a reward in [0, 1] per row of Batch b from its task's entry in TASKS, the verifier
     named by text_reward (toy tasks) or shaping (benchmarks; held-out evaluation passes "none"), else the
@@ -335,6 +337,7 @@ class Ctx:
 
 
 @torch.no_grad()
+@timed("rollout")
 def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, allow_fast: bool = False):
     """Fill the window of every row with the policy's sample: (a new Batch, prompts unchanged; the decoding
     order (B, L), the sampler step each position was revealed at, -1 for the prompt; the sampler's statistics

@@ -42,7 +42,7 @@ import grpo
 import importance
 import sample
 import tasks
-from infra import budget, checkpoint, claims, cli, lora, phases, scale
+from infra import budget, checkpoint, claims, cli, lora, phases, scale, timing
 from infra.data import load_data
 from infra.load import load_policy, report_truncation
 from infra.rng import derive_seed, generator
@@ -338,6 +338,7 @@ def check_rewards(r: torch.Tensor, task: str, group_size: int) -> None:
                       f"sequence {bad[0]} (prompt {bad[0] // group_size}); check the reward function or scorer")
 
 
+@timing.timed("logprob")  # seconds per phase for times.jsonl, as tasks.rollout's and tasks.score's
 @torch.no_grad()
 def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
     """K x (B, L) float32: the log-probs of every view under a frozen policy (pi_old or pi_ref)."""
@@ -348,6 +349,7 @@ def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
                 for x_k, m_k in zip(views.inputs, views.loss_masks)]
 
 
+@timing.timed("update")
 def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
     """Inner update j: backpropagate every task's loss, clip, take one optimizer step. Returns each task's
     sums over every rank (grpo.policy_loss) and the update's gradient norm; a non-finite loss or gradient norm
@@ -474,12 +476,13 @@ def _run(cfg: Config, argv) -> dict:
             print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
                    "(and --eval_prompts > 0)")
         for step in range(run.start, cfg.rl_steps):
-            start, cpu = time.time(), time.process_time()
+            start, cpu, _ = time.time(), time.process_time(), timing.reset()
             try:
                 log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
             except BadStep as e:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
-            log.update(seconds=time.time() - start, cpu_s=time.process_time() - cpu)  # to times.jsonl (Run.record)
+            # to times.jsonl (Run.record): the step's seconds, and each phase's (infra/timing.py)
+            log.update(seconds=time.time() - start, cpu_s=time.process_time() - cpu, **timing.take())
             run.record(step, log, rolls, tok, ids)
         nothing_trained = all_skipped(run)
         if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported
