@@ -40,14 +40,13 @@ import torch.nn.functional as F
 
 import grpo
 import importance
-import sample
 import tasks
-from infra import budget, checkpoint, claims, cli, lora, phases, scale, timing
+from infra import checkpoint, claims, cli, dryrun, lora, phases, scale, timing
 from infra.data import load_data
 from infra.load import load_policy, report_truncation
 from infra.rng import derive_seed, generator
-from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, eval_batches, explain_failure,
-                       startup_checks)
+from infra.outdir import startup_checks
+from infra.run import Run, RunFailed, TrainingStopped, all_skipped, eval_batches, explain_failure
 from infra.scale import print0
 from infra.scorer import RemoteScorer
 from infra.settings import setup, validate
@@ -429,7 +428,7 @@ def step_log(step: int, exps: list, updates: list, cfg) -> dict:
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
-        return claims.dry_run(cfg, budget.dry_run)
+        return claims.dry_run(cfg, dryrun.report)
     try:
         return _run(cfg, argv)
     except (RunFailed, TrainingStopped):

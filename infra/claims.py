@@ -22,7 +22,7 @@ from pathlib import Path
 
 from infra import checkpoint, data, hf, scale
 from infra.load import check_sft_cache, reference_identity, refuse_training_checkpoint, sft_dir_of
-from infra.run import RESUMABLE, resume_point, take_pid_file
+from infra.outdir import RESUMABLE, resume_point, take_pid_file
 
 
 # What a run writes at the top of its out_dir (run.py, checkpoint.py, load.py's SFT cache), and the
@@ -162,7 +162,7 @@ def sft_dir_claimed(cfg):
 
 
 def _claim(pid_file: Path, sft_dir: Path) -> None:
-    """Claim sft_dir through pid_file (run.take_pid_file), or say in one line why not."""
+    """Claim sft_dir through pid_file (outdir.take_pid_file), or say in one line why not."""
     try:
         pid_file.parent.mkdir(parents=True, exist_ok=True)
         if sft_dir.is_dir() and not os.access(sft_dir, os.W_OK):

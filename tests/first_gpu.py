@@ -53,7 +53,7 @@ import importance  # noqa: E402
 import tasks  # noqa: E402
 import train  # noqa: E402
 from cuda_helpers import random_weights  # noqa: E402
-from infra import budget, hf, run as run_mod, scale, toy  # noqa: E402
+from infra import budget, dryrun, hf, run as run_mod, scale, toy  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 # Inner updates per rollout batch: None keeps the Config default. The flag's name is in one place here.
@@ -233,7 +233,7 @@ def dry_run(flags: list, prompt_len: int) -> dict:
     """infra/budget's dry run of the same settings on one GPU at the prompt length the step padded to."""
     cfg = train.parse_args([*flags, "--dry_run=true", "--dry_run_gpus=1", f"--max_prompt_len={prompt_len}"])
     with contextlib.redirect_stdout(open("/dev/null", "w")):
-        return budget.dry_run(cfg)
+        return dryrun.report(cfg)
 
 
 def du(path: Path) -> int:

@@ -21,7 +21,8 @@ import torch
 import train
 from infra import checkpoint, scale
 from infra.load import check_sft_cache
-from infra.run import RESUMABLE, Run, TrainingStopped, release_out_dir, startup_checks
+from infra.outdir import RESUMABLE, release_out_dir, startup_checks
+from infra.run import Run, TrainingStopped
 
 CPU = torch.device("cpu")
 

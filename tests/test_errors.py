@@ -19,7 +19,7 @@ import torch
 
 import evaluate
 import train
-from infra import checkpoint, cli, hf, load, plots, run
+from infra import checkpoint, cli, hf, load, outdir, plots
 from tools import sample as sample_cli
 from model import ModelConfig, Transformer
 
@@ -257,7 +257,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, capsys, dam
     else:
         (third / ".metadata").write_bytes(b"\0" * 10)
     assert checkpoint.latest(tmp_path) == third  # it looks complete: only its contents are wrong
-    assert run.resume_point(tmp_path, quiet=False) == second
+    assert outdir.resume_point(tmp_path, quiet=False) == second
     out = capsys.readouterr().out
     assert re.search(rf"warning: {third} is damaged: " + problem.format(d=third), out), out
     assert "resuming from the newest intact checkpoint, step-00000002" in out
@@ -270,7 +270,7 @@ def test_resume_with_every_checkpoint_damaged(tmp_path):
         (d / "__0_0.distcp").unlink()
     with pytest.raises(ValueError, match=r"--resume: no intact checkpoint in .*checkpoints: .*step-00000003 is "
                                          r"damaged: its shard .* is missing; .*step-00000002 is damaged"):
-        run.resume_point(tmp_path)
+        outdir.resume_point(tmp_path)
 
 
 @pytest.mark.slow
