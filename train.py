@@ -46,7 +46,8 @@ from infra.data import load_data
 from infra.load import load_policy, report_truncation
 from infra.rng import derive_seed, generator
 from infra.outdir import startup_checks
-from infra.run import Run, RunFailed, TrainingStopped, all_skipped, eval_batches, explain_failure
+from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, eval_batches,
+                       failures_in_one_line, print_held_out)
 from infra.scale import print0
 from infra.scorer import RemoteScorer
 from infra.settings import setup, validate
@@ -429,15 +430,8 @@ def main(argv=None) -> dict:
     cfg = parse_args(argv)
     if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
         return claims.dry_run(cfg, dryrun.report)
-    try:
+    with failures_in_one_line(cfg):  # out of memory, a full disk, a dead rank: one line naming what is kept
         return _run(cfg, argv)
-    except (RunFailed, TrainingStopped):
-        raise
-    except Exception as e:  # out of memory, a full disk, a dead rank: one line naming what is kept and the command
-        message = explain_failure(e, cfg)
-        if message is None:
-            raise
-        raise RunFailed(message) from None
 
 
 def _run(cfg: Config, argv) -> dict:
@@ -468,12 +462,7 @@ def _run(cfg: Config, argv) -> dict:
                 run.state["before_by_prompt"] = {}
                 run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
                 run.state["grid_before"] = image_snapshot(model, ctx)
-        if run.state["before"]:
-            print0("held-out mean reward before RL: " + ", ".join(f"{k} {phases.shown(v)}"
-                                                                  for k, v in run.state["before"].items()))
-        else:
-            print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
-                   "(and --eval_prompts > 0)")
+        print_held_out("before RL", run.state["before"])
         for step in range(run.start, cfg.rl_steps):
             start, cpu, _ = time.time(), time.process_time(), timing.reset()
             try:
@@ -493,18 +482,9 @@ def _run(cfg: Config, argv) -> dict:
         grid_after = image_snapshot(model, ctx)
         stop.saving()
         summary = run.finish(after, after_by_prompt, grid_after, tok, dtype, sft_seconds)
-    if after:
-        print0("held-out mean reward after RL:  " + ", ".join(
-            f"{k} {phases.shown(v)}" + (f" ({v - summary[k]['before']:+.3f} ± {summary[k]['gain_se']:.3f})"
-                                        if summary[k].get("gain_se") is not None and summary[k]["before"] is not None
-                                        and summary[k]["after"] is not None else "") for k, v in after.items()))
+    print_held_out("after RL", after, summary)
     phases.closing_summary(run, time.time() - t_start)
-    unmeasured = [k for k, v in {**run.state["before"], **after}.items() if not math.isfinite(v)]
-    if unmeasured:  # the run is complete, but a number it should report is missing: the exit status says so
-        raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} (see the "
-                        "warnings above: " + (f"the image scorer at {cfg.image_scorer_url} failed" if cfg.image_scorer_url
-                                              else "a reward was not finite") + f"); the model is saved in "
-                        f"{run.out / 'final'}; score it again with: python evaluate.py --run={run.out}")
+    check_measured(run, after)  # a number the run should report is missing: the exit status says so
     return summary
 
 

@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -87,6 +88,51 @@ def continue_command(out: Path) -> str:
 def kept_line(out: Path) -> str:
     last = checkpoint.latest(out)
     return f"the last checkpoint, {last}, is kept" if last else "no checkpoint of this run exists"
+
+
+@contextmanager
+def failures_in_one_line(cfg):
+    """Out of memory, a full disk, a dead rank: RunFailed with one line naming what is kept and the command
+    that continues (explain_failure), instead of a traceback; any other error is raised as it is."""
+    try:
+        yield
+    except (RunFailed, TrainingStopped):
+        raise
+    except Exception as e:
+        message = explain_failure(e, cfg)
+        if message is None:
+            raise
+        raise RunFailed(message) from None
+
+
+def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
+    """The held-out mean reward per task before or after RL in one line; after RL with the gain over before and
+    its standard error paired by prompt, where both were measured."""
+    if not rewards:
+        if when == "before RL":
+            print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
+                   "(and --eval_prompts > 0)")
+        return
+
+    def gain(k, v) -> str:
+        s = (summary or {}).get(k, {})
+        if None in (s.get("gain_se"), s.get("before"), s.get("after")):
+            return ""
+        return f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})"
+    print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} " +
+           ", ".join(f"{k} {phases.shown(v)}{gain(k, v)}" for k, v in rewards.items()))
+
+
+def check_measured(run, after: dict) -> None:
+    """A complete run whose held-out reward could not be measured (a scorer down) ends with RunFailed, so that
+    its exit status says so; the model is saved."""
+    unmeasured = [k for k, v in {**run.state["before"], **after}.items() if not math.isfinite(v)]
+    if unmeasured:
+        cfg = run.cfg
+        raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} (see the "
+                        "warnings above: " + (f"the image scorer at {cfg.image_scorer_url} failed" if cfg.image_scorer_url
+                                              else "a reward was not finite") + f"); the model is saved in "
+                        f"{run.out / 'final'}; score it again with: python evaluate.py --run={run.out}")
 
 
 def explain_failure(e: BaseException, cfg) -> str | None:
