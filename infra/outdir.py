@@ -38,8 +38,30 @@ def startup_checks(cfg, device) -> None:
     if scale.rank() == 0:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     scale.barrier()
+    check_shared(out, device)
     print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
     budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
+
+
+def check_shared(out: Path, device) -> None:
+    """Every rank reads what rank 0 writes in out_dir (checkpoints to resume from, the SFT model): an out_dir on a
+    node-local disk would let the ranks of other nodes see no checkpoint, take other branches and hang. Rank 0
+    leaves a file named by a fresh random number; each rank must see it. No-op in one process."""
+    if scale.world() == 1:
+        return
+    mine = int.from_bytes(os.urandom(7), "big") if scale.rank() == 0 else 0
+    nonce = int(scale.all_max(torch.tensor([mine], dtype=torch.int64, device=device)).item())  # rank 0's number
+    probe = out / f".shared-{nonce}"
+    if scale.rank() == 0:
+        probe.touch()
+    scale.barrier()
+    unseen = scale.all_max(torch.tensor([int(not probe.is_file())], device=device)).item()
+    scale.barrier()
+    if scale.rank() == 0:
+        probe.unlink()
+    if unseen:
+        raise ValueError(f"--out_dir {out}: a rank on another node cannot see the files rank 0 writes there; a "
+                         "multi-node run needs out_dir on a file system every node shares (a network file system)")
 
 
 # What a run leaves besides checkpoints (config.json is written at start-up, so a run that failed early has one).
