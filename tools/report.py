@@ -239,7 +239,7 @@ def t_dry_run_8b() -> str:
     shown = ("schedule:", "settings:", "global FLOPs", "held-out evaluation:", "time on")
     block = "```\n" + "\n".join(line for line in lines if line.startswith(shown)) + "\n```"
     peaks = [line for line in lines if line.startswith("| GB per GPU") or line.startswith("|---")
-             or (line.startswith("|") and "peak" in line)]  # the peaks; the parts are in --dry_run
+             or line.startswith(("| full fine-tuning, peak", "| LoRA, peak"))]  # each phase's is in --dry_run
     step = f["flops"]["step"]
     rows = []
     for label, flags in (("exact trajectory at 8B, FLOPs per RL step", ["--estimator=trajectory"]),
