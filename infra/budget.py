@@ -284,7 +284,7 @@ def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
 
 def eval_flops(cfg, mc: ModelConfig, s: dict) -> tuple[float, int]:
     """(FLOPs, sequences) of ONE held-out evaluation (the run makes two, before and after RL) at
-    --eval_prompts per task: tasks.evaluate_all samples eval_samples completions per prompt and, for text,
+    --eval_prompts per task: heldout.evaluate_all samples eval_samples completions per prompt and, for text,
     one more greedily, always with the exact sampler (no KV cache, no threshold; images with CFG)."""
     exact = step_flops(replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
     seqs = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}

@@ -29,7 +29,7 @@ FAST = ["--kv_cache=dual", "--threshold=0.0101"]  # 100-token vocabulary: the ar
 
 
 def run_evaluate(model, ctx, temperature, prompt_means=None):
-    """(mean, records) of tasks.evaluate on the toy text task: the one call into the code under test."""
+    """(mean, records) of heldout.evaluate on the toy text task: the one call into the code under test."""
     records = []
     mean = heldout.evaluate(model, ctx, "text", temperature, records, prompt_means=prompt_means)
     return mean, {r["index"]: r for r in records}
