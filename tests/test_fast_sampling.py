@@ -272,35 +272,35 @@ def test_cache_needs_a_model_with_cache_arguments():
 #     python -m pytest tests/test_fast_sampling.py -q
 
 
-V, MASK = 40, 39
+V_REPLAY, MASK_REPLAY = 40, 39
 
 
 def one_layer() -> Transformer:
     """One layer: a key depends on its own token only, so the block caches are exact (the replay may use full
     forwards); float64, so that no near-tie can flip between the cached and the full computation."""
-    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, mlp_hidden_size=32, vocab_size=V,
-                      max_sequence_length=64, mask_token_id=MASK, eos_token_id=1, pad_token_id=1)
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, mlp_hidden_size=32, vocab_size=V_REPLAY,
+                      max_sequence_length=64, mask_token_id=MASK_REPLAY, eos_token_id=1, pad_token_id=1)
     return Transformer(cfg).init_weights(torch.Generator().manual_seed(0), std=0.5).double().eval()
 
 
 def naive(model, prompt, G, K, S, temperature, remasking, threshold, gens):
     B, P = prompt.shape
-    x = torch.cat([prompt, torch.full((B, G), MASK)], 1)
+    x = torch.cat([prompt, torch.full((B, G), MASK_REPLAY)], 1)
     order = torch.full_like(x, -1)
     spb = S // (G // K)
     for blk in range(G // K):
         start, end = P + blk * K, P + (blk + 1) * K
         for i in range(spb):
-            if not (x[:, start:end] == MASK).any():
+            if not (x[:, start:end] == MASK_REPLAY).any():
                 break
             with torch.no_grad():
-                logits = model(x)[:, start:end].clone()                               # (B, K, V)
-            logits[..., MASK] = -math.inf
+                logits = model(x)[:, start:end].clone()                               # (B, K, V_REPLAY)
+            logits[..., MASK_REPLAY] = -math.inf
             for r in range(B):
-                masked = (x[r, start:end] == MASK).nonzero().flatten().tolist()
+                masked = (x[r, start:end] == MASK_REPLAY).nonzero().flatten().tolist()
                 if not masked:
                     continue  # a finished row draws no noise
-                u = torch.rand(K, V, generator=gens[r], dtype=torch.float64)
+                u = torch.rand(K, V_REPLAY, generator=gens[r], dtype=torch.float64)
                 tok = (logits[r].exp() / (-u.log()) ** temperature).argmax(-1)          # (K,)
                 p = torch.softmax(logits[r], -1)
                 conf = p[torch.arange(K), tok]
@@ -324,7 +324,7 @@ def test_noise_and_order_replay(kv_cache, threshold, remasking, temperature):
     G, K, S = 12, 4, 12
     gens = lambda: [torch.Generator().manual_seed(30 + r) for r in range(3)]
     got, order = sample.generate(model, prompt, gen_length=G, block_length=K, steps=S, temperature=temperature,
-                                      remasking=remasking, mask_id=MASK, generator=gens(), kv_cache=kv_cache,
+                                      remasking=remasking, mask_id=MASK_REPLAY, generator=gens(), kv_cache=kv_cache,
                                       threshold=threshold, return_order=True)
     want, want_order = naive(model, prompt, G, K, S, temperature, remasking, threshold, gens())
     assert torch.equal(got, want) and torch.equal(order, want_order)

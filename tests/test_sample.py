@@ -485,12 +485,12 @@ def image_stub(B, n):
 #     python -m pytest tests/test_sample.py -q
 
 
-V, MASK = 64, 63
+V2, MASK2 = 64, 63
 
 
 def tiny(n_layers=2, dtype=torch.float32) -> Transformer:
-    cfg = ModelConfig(d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, mlp_hidden_size=48, vocab_size=V,
-                      max_sequence_length=64, mask_token_id=MASK, eos_token_id=1, pad_token_id=1)
+    cfg = ModelConfig(d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, mlp_hidden_size=48, vocab_size=V2,
+                      max_sequence_length=64, mask_token_id=MASK2, eos_token_id=1, pad_token_id=1)
     return Transformer(cfg).init_weights(torch.Generator().manual_seed(0), std=0.3).to(dtype).eval()
 
 
@@ -538,9 +538,9 @@ def test_cache_modes_recompute_what_they_say(kv_cache, threshold):
     spy = Spy(model)
     P, G, K = 5, 12, 4
     p = torch.randint(2, 60, (2, P), generator=torch.Generator().manual_seed(3))
-    out = sample.generate(spy, p, gen_length=G, block_length=K, steps=G, mask_id=MASK, kv_cache=kv_cache,
+    out = sample.generate(spy, p, gen_length=G, block_length=K, steps=G, mask_id=MASK2, kv_cache=kv_cache,
                                threshold=threshold)
-    assert not (out == MASK).any()
+    assert not (out == MASK2).any()
     L = P + G
     blocks_started, block = [], None
     for call in spy.calls:
@@ -549,7 +549,7 @@ def test_cache_modes_recompute_what_they_say(kv_cache, threshold):
             block = len(blocks_started)
             blocks_started.append(call)
             start, end = P + block * K, P + (block + 1) * K
-            assert (call["x"][:, start:] == MASK).all() and (call["x"][:, :start] != MASK).all()
+            assert (call["x"][:, start:] == MASK2).all() and (call["x"][:, :start] != MASK2).all()
             continue
         stop = L if kv_cache == "prefix" else end
         assert call["start"] == start and call["x"].shape[1] == stop - start
@@ -572,12 +572,12 @@ def test_cache_modes_recompute_what_they_say(kv_cache, threshold):
 # image samplers: the noise replayed
 
 
-OFFSET, C, N_SLOTS = 40, 16, 6
+OFFSET2, C2, N_SLOTS = 40, 16, 6
 
 
 def image_ids(B):
-    head = torch.randint(0, OFFSET, (B, 4), generator=torch.Generator().manual_seed(1))
-    return torch.cat([head, torch.full((B, 1), 2), torch.full((B, N_SLOTS), MASK), torch.full((B, 1), 3)], 1), 5
+    head = torch.randint(0, OFFSET2, (B, 4), generator=torch.Generator().manual_seed(1))
+    return torch.cat([head, torch.full((B, 1), 2), torch.full((B, N_SLOTS), MASK2), torch.full((B, 1), 3)], 1), 5
 
 
 def inverse_cdf(p, u):
@@ -597,11 +597,11 @@ def naive_image(model, ids, start, steps, sampler, gens, temperature=1.0):
     span = slice(start, start + n)
     for s in range(steps):
         with torch.no_grad():
-            probs = torch.softmax(model(x)[:, span, OFFSET:OFFSET + C].double(), -1)    # (B, n, C)
+            probs = torch.softmax(model(x)[:, span, OFFSET2:OFFSET2 + C2].double(), -1)    # (B, n, C2)
         for i, g in enumerate(gens):
-            masked = [bool(t == MASK) for t in x[i, span]]
+            masked = [bool(t == MASK2) for t in x[i, span]]
             u = torch.rand(n, generator=g, dtype=torch.float64)
-            code = [inverse_cdf(probs[i, j], float(u[j])) if masked[j] else int(x[i, start + j]) - OFFSET
+            code = [inverse_cdf(probs[i, j], float(u[j])) if masked[j] else int(x[i, start + j]) - OFFSET2
                     for j in range(n)]
             stay = [False] * n
             if s < steps - 1 and sampler == "emerge":
@@ -617,7 +617,7 @@ def naive_image(model, ids, start, steps, sampler, gens, temperature=1.0):
                 lowest = sorted(range(n), key=lambda j: conf[j])[:max(keep, 1)]
                 stay = [j in lowest for j in range(n)]
             for j in range(n):
-                x[i, start + j] = MASK if stay[j] else code[j] + OFFSET
+                x[i, start + j] = MASK2 if stay[j] else code[j] + OFFSET2
     return x
 
 
@@ -628,7 +628,7 @@ def test_image_noise_replays_the_naive_sampler(sampler, steps, temperature):
     model = tiny(dtype=torch.float64)
     ids, start = image_ids(3)
     kw = dict(image_start=start, num_tokens=N_SLOTS, steps=steps, sampler=sampler, temperature=temperature,
-              code_offset=OFFSET, codebook_size=C, mask_id=MASK)
+              code_offset=OFFSET2, codebook_size=C2, mask_id=MASK2)
     got = generate_image(model, ids, generator=[torch.Generator().manual_seed(10 + i) for i in range(3)], **kw)
     want = naive_image(model, ids, start, steps, sampler, [torch.Generator().manual_seed(10 + i) for i in range(3)],
                        temperature)
@@ -644,7 +644,7 @@ def test_image_cfg_passes_the_unconditional_padding_mask():
     class Rec(nn.Module):
         def forward(self, x, attention_mask=None):
             seen.append(attention_mask.clone())
-            return torch.zeros(x.shape[0], x.shape[1], V)
+            return torch.zeros(x.shape[0], x.shape[1], V2)
 
     ids, start = image_ids(2)
     am, uam = torch.ones_like(ids), torch.ones_like(ids)
@@ -654,5 +654,5 @@ def test_image_cfg_passes_the_unconditional_padding_mask():
     uncond[:, :4] = 1
     generate_image(Rec(), ids, image_start=start, num_tokens=N_SLOTS, steps=2, cfg_scale=1.5, uncond_input_ids=uncond,
                    attention_mask=am, uncond_attention_mask=uam, generator=torch.Generator().manual_seed(0),
-                   code_offset=OFFSET, codebook_size=C, mask_id=MASK)
+                   code_offset=OFFSET2, codebook_size=C2, mask_id=MASK2)
     assert len(seen) == 2 and all(torch.equal(m, torch.cat([am, uam])) for m in seen)
