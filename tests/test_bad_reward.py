@@ -14,7 +14,7 @@ import train
 from infra import lora
 
 from test_trajectory import base  # noqa: F401 (the tiny random smoke model, a fixture)
-from test_trajectory_states_exact import Recorder
+from test_trajectory_states import Recorder
 
 
 def step_with_reward(base, monkeypatch, value):

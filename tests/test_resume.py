@@ -24,6 +24,7 @@ import train
 from model import Transformer
 from infra import hf
 
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--rl_steps=6", "--checkpoint_every=1", "--keep_last=2"]
 
@@ -324,3 +325,30 @@ def test_resume_follows_the_models_content_not_its_path(smoke_sft_run, tmp_path)
     weights_file.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="the reference policy changed"):
         train.main(args + [f"--init_from={b}", "--resume=true", "--extend=true", "--rl_steps=3"])
+
+
+# -----------------------------------------------------------------------------
+# A run stopped after a checkpoint and continued with --resume ends exactly where the uninterrupted run does
+# (the fast sibling of the slow kill-anywhere test above): the same log.jsonl, the same final weights
+# and the same held-out score, bit for bit, with mu = 2 updates per step on both toy tasks. The stop is a
+# finished 2-step run, extended to 3 steps (--resume --extend), which continues from its step-2 checkpoint
+# with the optimiser state, the step counter and every seed of the run.
+
+
+EXTEND_RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--checkpoint_every=1", "--eval_prompts=2",
+              "--prompts_per_step=1", "--group_size=4"]
+
+
+def test_extended_run_equals_the_uninterrupted_one(smoke_sft_run, tmp_path):
+    base = [*EXTEND_RUN, f"--sft_dir={smoke_sft_run / 'sft'}"]
+    ref, out = tmp_path / "uninterrupted", tmp_path / "stopped"
+    train.main([*base, f"--out_dir={ref}", "--rl_steps=3"])
+    train.main([*base, f"--out_dir={out}", "--rl_steps=2"])
+    train.main([*base, f"--out_dir={out}", "--rl_steps=3", "--resume=true", "--extend=true"])
+    logs = [[json.loads(line) for line in (d / "log.jsonl").read_text().splitlines()] for d in (ref, out)]
+    assert [r["step"] for r in logs[0]] == [0, 1, 2] and logs[0] == logs[1]
+    assert logs[0][2]["text/loss"] != logs[0][1]["text/loss"]
+    a, b = (dict(hf.from_pretrained(d / "final").named_parameters()) for d in (ref, out))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    s = [json.loads((d / "summary.json").read_text()) for d in (ref, out)]
+    assert {k: s[0][k]["after"] for k in ("text", "image")} == {k: s[1][k]["after"] for k in ("text", "image")}

@@ -17,7 +17,7 @@ import train
 from infra import lora, rng
 
 from test_trajectory import base, fake_score  # noqa: F401 (base: a fixture)
-from test_trajectory_states_exact import Recorder
+from test_trajectory_states import Recorder
 
 MU_FLAG = "--mu"
 

@@ -1,63 +1,32 @@
-"""train.py end to end: a shortened toy run in-process, config parsing and validation.
+"""train.py: config parsing and validation, the benchmark and remote-scorer paths on a tiny checkpoint, a
+failing scorer, and every training setting at a non-default value (section below). The end-to-end runs are
+in tests/test_end_to_end.py.
 
-    python -m pytest tests/test_train.py -q -m "not slow"   # parsing, validation, the scorer and sampling paths
-    python -m pytest tests/test_train.py -q -m slow         # the smoke run, the benchmark-task runs, and the
-                                                            # full toy preset (~10 min), which checks the reward gain
+    python -m pytest tests/test_train.py -q
 """
+import copy
+import hashlib
 import json
-import re
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+import evaluate
+import grpo
+import importance
+import rewards
 import sample
+import tasks
 import train
+from infra import heldout, hf, lora
+from infra import toy as toy_world
+from infra.budget import scratch_config
+from infra.load import load_policy
+from infra.settings import setup
 from model import Transformer
-from infra.hf import load_tokenizer
-from infra import hf, toy
-from tools import sample as sample_cli
-
-
-@pytest.mark.slow  # two SFT+RL runs in-process: the slowest test of the suite
-def test_smoke_run(tmp_path, capsys):
-    """A few SFT and RL steps of the whole pipeline: finite losses, one log line per step, a final
-    checkpoint in the Hugging Face layout that reloads to identical logits, a summary with both tasks."""
-    out = tmp_path / "run"
-    summary = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1"])
-    lines = [json.loads(s) for s in (out / "log.jsonl").read_text().splitlines()]
-    assert [l["step"] for l in lines] == [0, 1]
-    # The console counts steps as log.jsonl (and so the plots' x axis) does.
-    printed = [int(m) for m in re.findall(r"^step (\d+)/2 ", capsys.readouterr().out, re.M)]
-    assert printed == [l["step"] for l in lines]
-    for l in lines:
-        for task in ("text", "image"):
-            assert math.isfinite(l[f"{task}/loss"]) and 0.0 <= l[f"{task}/reward"] <= 1.0
-    for task in ("text", "image"):
-        assert set(summary[task]) == {"before", "after", "gain_se"}
-    assert json.loads((out / "summary.json").read_text())["seconds"]["rl"] > 0
-    assert (out / "curves.png").is_file() and (out / "images.png").is_file()  # Pillow: in the dev extra
-
-    model = hf.from_pretrained(out / "final")
-    tok = load_tokenizer(out / "final", model.config)
-    assert tok.get_vocab_size() == toy.build_tokenizer().get_vocab_size()
-    # The sampling CLI reads the written checkpoint, for a text and an image prompt.
-    # With no generation flags it decodes as the run was trained (generation.json: 12 tokens, toy prompt).
-    assert json.loads((out / "final" / "generation.json").read_text())["gen_length"] == 12
-    text = sample_cli.main(["--ckpt", str(out / "final"), "--prompt", "bob has 3 pens . how many pens does he have ?"])
-    assert isinstance(text, str) and len(tok.encode(text, add_special_tokens=False).ids) <= 12
-    codes = sample_cli.main(["--ckpt", str(out / "final"), "--prompt", "two red blocks", "--image", "--image_steps", "4"])
-    assert len(codes) == 16 and all(0 <= c < toy.CODEBOOK_SIZE for c in codes)
-    # Re-run the same RL config from the cached SFT model (into another out_dir: the finished run is never
-    # overwritten): the SFT stage is skipped, and the result is deterministic, so the final weights give
-    # the same logits as the first run's.
-    again = train.main(["--preset", "smoke", f"--out_dir={tmp_path / 'again'}", f"--sft_dir={out / 'sft'}",
-                        "--threads=1"])
-    assert again["seconds"]["sft"] == summary["seconds"]["sft"]
-    model2 = hf.from_pretrained(tmp_path / "again" / "final")
-    x = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(model(x), model2(x))
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -92,46 +61,13 @@ def test_overrides_and_types():
     assert cfg.rl_steps == train.PRESETS["smoke"]["rl_steps"]
 
 
-@pytest.mark.slow
-def test_toy_preset_reward_rises(tmp_path):
-    """The full toy preset raises held-out mean reward on both tasks by at least +0.10, the bar the toy is
-    built to clear with its default seed: seed 0 gains text +0.111 and image +0.220 on two CPUs of one type
-    (docs/results.md; over seeds 0-4 text ranged +0.088 to +0.234, image +0.136 to +0.220), and other CPUs
-    follow other trajectories of the same kind. A broken estimator or loss sign gives a gain near zero or
-    below."""
-    summary = train.main(["--preset", "toy", f"--out_dir={tmp_path}", "--threads=1"])
-    for task in ("text", "image"):
-        gain = summary[task]["after"] - summary[task]["before"]
-        assert gain >= 0.10, f"{task}: {summary[task]}"
-    # The pictures (Pillow is in the dev extra) and the periodic checkpoints.
-    from PIL import Image
-    assert Image.open(tmp_path / "curves.png").size[0] >= 600 and Image.open(tmp_path / "images.png").size[0] >= 600
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] and (tmp_path / "times.jsonl").is_file()
-
-
 @pytest.fixture(scope="module")
 def tiny_ckpt(smoke_sft_run):
     """A smoke-trained toy checkpoint (MMaDA-like: text tokens, image codes and the t2i markers)."""
     return smoke_sft_run / "final"
 
 
-FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "data"
-
-
-@pytest.mark.slow  # five end-to-end runs
-@pytest.mark.parametrize("task", ["gsm8k", "math", "countdown", "sudoku", "mbpp"])
-def test_benchmark_text_task_runs(tiny_ckpt, tmp_path, task):
-    """The benchmark path end to end on a tiny checkpoint: data file -> chat prompt -> rollouts ->
-    rewards.REWARDS -> update -> held-out eval -> final checkpoint (rewards are ~0 for a toy model)."""
-    path = FIXTURES / (f"{task}.csv" if task == "sudoku" else f"{task}.jsonl")
-    out = tmp_path / task
-    summary = train.main(["--preset", "smoke", f"--out_dir={out}", "--threads=1", f"--init_from={tiny_ckpt}",
-                          f"--tasks={task}", f"--train_data={task}={path}", f"--eval_data={task}={path}",
-                          "--rl_steps=1", "--eval_prompts=2", "--gen_length=16", "--block_length=16", "--steps=8"])
-    line = json.loads((out / "log.jsonl").read_text())
-    assert 0.0 <= line[f"{task}/reward"] <= 1.0 and math.isfinite(line[f"{task}/loss"])
-    assert set(summary[task]) == {"before", "after", "gain_se"} and f"{task}_greedy" in summary
-    assert (out / "final" / "tokenizer.json").is_file()
+FIXTURES = Path(__file__).parent / "fixtures" / "data"
 
 
 def test_geneval_with_remote_scorer(tiny_ckpt, tmp_path, monkeypatch):
@@ -199,3 +135,477 @@ def test_scorer_failure_skips_the_step(tiny_ckpt, tmp_path, monkeypatch, capsys)
     lines = [json.loads(s) for s in (out / "log.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all("not a finite number" in l["bad_reward"] for l in lines)
     assert "warning: image scorer failed (image scorer at http://127.0.0.1:9" in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
+# Every training setting at a non-default value, against an expectation written here: where prompts come
+# from (no held-out prompt ever reaches SFT or RL; a dataset is walked once per epoch), what the SFT stage
+# does with its settings (learning-rate schedule at its first and last steps, batch size, caption dropout,
+# image loss weight, noise), what evaluation decodes greedily (temperature 0, one completion per prompt) and
+# what one RL step hands the samplers, the mask builder, the reward and the loss. The maths of those callees
+# is tested against naive re-implementations elsewhere (tests/test_rl_step.py, test_grpo.py,
+# test_importance.py, test_sample.py); here each flag must reach them with its value.
+
+
+CPU = torch.device("cpu")
+
+
+def parse(*flags):
+    return train.parse_args(["--preset=smoke", *flags])
+
+
+def held_out(prompt: str) -> bool:
+    """The documented split (tasks.py): the first 8 bytes of a prompt's SHA-1, read as a fraction of 2^64,
+    below 0.2 is the test split. Written out again here, so that a changed split rule shows."""
+    return int(hashlib.sha1(prompt.encode()).hexdigest()[:16], 16) / 2 ** 64 < 0.2
+
+
+@pytest.fixture(scope="module")
+def toy_model():
+    """(tokenizer, special ids, a random toy-vocabulary model at smoke size in float64)."""
+    tok = toy_world.build_tokenizer()
+    ids = tasks.token_ids(tok)
+    model = Transformer(scratch_config(parse(), **tasks.model_config_overrides(tok)))
+    model.init_weights(torch.Generator().manual_seed(0))
+    return tok, ids, model.double().eval()
+
+
+def spy(monkeypatch, module, name, calls):
+    """Record every call of module.name as (name, args, kwargs), then make it."""
+    real = getattr(module, name)
+
+    def wrapped(*args, **kwargs):
+        calls.append((name, args, kwargs))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, wrapped)
+
+
+def fake_score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
+    return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
+
+
+# -----------------------------------------------------------------------------------------------------
+# where prompts come from
+
+
+@pytest.mark.parametrize("task", ["text", "image"])
+@pytest.mark.parametrize("seed", [0, 5])
+def test_rl_prompts_never_come_from_the_held_out_split(task, seed):
+    """300 RL steps of 8 prompts: every one from the train split, none among the held-out prompts; the
+    held-out prompts are --eval_prompts draws from the test split; --text_max_steps and --image_width
+    reach both."""
+    cfg = parse(f"--seed={seed}", "--prompts_per_step=8", "--eval_prompts=40", "--text_max_steps=2", "--image_width=3")
+    evals = heldout.eval_examples(task, cfg, {})
+    assert len(evals) == 40 and all(held_out(ex["prompt"]) for ex in evals)
+    held = {ex["prompt"] for ex in evals}
+    drawn = [ex for step in range(300) for ex in tasks.draw_prompts(task, cfg, step, {})]
+    assert len(drawn) == 2400
+    assert not any(held_out(ex["prompt"]) for ex in drawn)
+    assert not held & {ex["prompt"] for ex in drawn}
+    if task == "text":  # 1 or 2 written-out steps, each "a op n = r"
+        counts = {ex["solution"].count("=") for ex in drawn + evals}
+        assert counts == {1, 2}
+    else:
+        assert {ex["spec"]["width"] for ex in drawn + evals} == {3}
+        assert {len(ex["image"]) for ex in drawn} == {9}
+    # the seed picks the prompts
+    other = parse(f"--seed={seed + 1}", "--prompts_per_step=8")
+    assert [e["prompt"] for e in tasks.draw_prompts(task, other, 0, {})] != [e["prompt"] for e in drawn[:8]]
+
+
+def test_dataset_prompts_walk_every_train_row_once_per_epoch():
+    """A benchmark's train rows (7 of them) at 3 prompts per step: steps 0-6 take 21 prompts, i.e. three
+    epochs, each a permutation of the 7 train rows (never a test row), in a seeded order that differs
+    between epochs and seeds; the held-out prompts are the first --eval_prompts test rows."""
+    rows = [{"prompt": f"train {i}"} for i in range(7)]
+    datasets = {"gsm8k": {"train": rows, "test": [{"prompt": f"test {i}"} for i in range(5)]}}
+    cfg = parse("--prompts_per_step=3", "--seed=2", "--eval_prompts=3")
+    drawn = [ex["prompt"] for s in range(7) for ex in tasks.draw_prompts("gsm8k", cfg, s, datasets)]
+    epochs = [drawn[i:i + 7] for i in range(0, 21, 7)]
+    for e in epochs:
+        assert sorted(e) == sorted(r["prompt"] for r in rows)
+    assert len({tuple(e) for e in epochs}) > 1
+    again = [ex["prompt"] for s in range(7) for ex in tasks.draw_prompts("gsm8k", parse("--prompts_per_step=3",
+                                                                                        "--seed=3"), s, datasets)]
+    assert again != drawn
+    assert [ex["prompt"] for ex in heldout.eval_examples("gsm8k", cfg, datasets)] == ["test 0", "test 1", "test 2"]
+
+
+# -----------------------------------------------------------------------------------------------------
+# advantages
+
+
+@pytest.mark.parametrize("adv_std,estimator,scaled", [("auto", "maskgrpo", True), ("auto", "d1", False),
+                                                      ("on", "d1", True), ("off", "maskgrpo", False)])
+def test_adv_std_setting(adv_std, estimator, scaled):
+    """Groups of G = 3: A = (R - mean) / (std + 1e-4) (unbiased std) with adv_std on, or auto for
+    MaskGRPO; A = R - mean with off, or auto for d1 (d1's trainer)."""
+    cfg = parse("--group_size=3", f"--adv_std={adv_std}", f"--estimator={estimator}")
+    r = torch.tensor([0.0, 0.5, 1.0, 1.0, 1.0, 0.0])
+    want = []
+    for g in (r[:3].tolist(), r[3:].tolist()):
+        mean = sum(g) / 3
+        std = math.sqrt(sum((v - mean) ** 2 for v in g) / 2)
+        want += [(v - mean) / (std + 1e-4) if scaled else v - mean for v in g]
+    torch.testing.assert_close(train.advantages(r, cfg), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+# -----------------------------------------------------------------------------------------------------
+# the SFT stage
+
+
+def test_sft_schedule_and_settings(toy_model, monkeypatch):
+    """train.sft with 7 steps, warm-up 3, peak 0.01 on both toy tasks. The loss is replaced by one
+    weight times 1e-3 (text) or another weight times 1e-3 (image), so each step's gradient is known:
+    1e-3 and 1e-3 * image_loss_weight (far below the clip at 1). The learning rate of step s is
+        0.01 * min(1, (s + 1) / 3) * (0.1 + 0.9 * (1 + cos(pi s / 7)) / 2)
+    (linear warm-up, cosine decay towards 10%: the Config's description), so the first step runs at a
+    third of the peak. Batches hold sft_batch_size rows; with
+    cond_dropout 1 every caption is the unconditional one; text_noise 1 makes every text target the wrong
+    one, image_noise 0 none; all SFT prompts are from the train split."""
+    tok, ids, base = toy_model
+    model = copy.deepcopy(base).float()
+    cfg = parse("--sft_steps=7", "--sft_warmup=3", "--sft_lr=0.01", "--sft_batch_size=5", "--cond_dropout=1",
+                "--image_loss_weight=5", "--text_noise=1", "--image_noise=0", "--seed=4")
+    first = next(model.parameters())
+    batches, examples, steps = [], [], []
+
+    def loss(model_, b, ids_, gen, eps=1e-3):
+        batches.append(b)
+        return first.flatten()[0 if b.task == "text" else 1] * 1e-3
+
+    make_example = train.make_example
+
+    def example(task, rng, cfg_, split, noise=0.0):
+        ex = make_example(task, rng, cfg_, split, noise)
+        examples.append((task, split, noise, ex))
+        return ex
+
+    def on_step(opt, args, kwargs):
+        g = first.grad.flatten()
+        steps.append((opt.param_groups[0]["lr"], float(g[0]), float(g[1])))
+
+    monkeypatch.setattr(train, "diffusion_loss", loss)
+    monkeypatch.setattr(train, "make_example", example)
+    handle = register_optimizer_step_pre_hook(on_step)
+    try:
+        train.sft(model, tok, ids, cfg, CPU)
+    finally:
+        handle.remove()
+    assert len(steps) == 7
+    for s, (lr, g_text, g_image) in enumerate(steps):
+        want = 0.01 * min(1.0, (s + 1) / 3) * (0.1 + 0.9 * (1 + math.cos(math.pi * s / 7)) / 2)
+        assert lr == pytest.approx(want, rel=1e-9), s
+        assert g_text == pytest.approx(1e-3) and g_image == pytest.approx(5e-3)
+    assert steps[0][0] == pytest.approx(0.01 / 3)
+    assert [b.task for b in batches] == ["text", "image"] * 7 and {b.x.shape[0] for b in batches} == {5}
+    for b in batches:
+        if b.task == "image":
+            assert torch.equal(b.x[:, : b.prompt_len], b.uncond[:, : b.prompt_len])
+            assert torch.equal(b.attention_mask, b.uncond_mask)
+    assert len(examples) == 70 and {split for _, split, _, _ in examples} == {"train"}
+    assert not any(held_out(ex["prompt"]) for *_, ex in examples)
+    for task, _, noise, ex in examples:
+        if task == "text":
+            assert noise == 1.0 and ex["completion"] != ex["solution"]
+        else:
+            assert noise == 0.0 and rewards.image_reward(ex["image"], {'spec': ex["spec"]}) == 1.0
+
+
+def test_sft_keeps_ten_percent_of_the_peak_at_the_end(toy_model, monkeypatch):
+    """With warm-up 1 the first step runs at the peak; over 40 steps the cosine ends at
+    0.1 + 0.45 (1 + cos(pi 39 / 40)) of it, 0.1006: never below 10%."""
+    tok, ids, base = toy_model
+    cfg = parse("--tasks=text", "--sft_steps=40", "--sft_warmup=1", "--sft_lr=0.002", "--sft_batch_size=1")
+    model = copy.deepcopy(base).float()
+    first = next(model.parameters())
+    monkeypatch.setattr(train, "diffusion_loss", lambda m, b, i, g, eps=1e-3: first.flatten()[0] * 1e-3)
+    lrs = []
+    handle = register_optimizer_step_pre_hook(
+        lambda opt, a, k: lrs.append(opt.param_groups[0]["lr"]))
+    try:
+        train.sft(model, tok, ids, cfg, CPU)
+    finally:
+        handle.remove()
+    assert lrs[0] == pytest.approx(0.002)
+    assert lrs[-1] == pytest.approx(0.002 * (0.1 + 0.45 * (1 + math.cos(math.pi * 39 / 40))))
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+# -----------------------------------------------------------------------------------------------------
+# evaluation: sampled at the temperature, greedy at 0
+
+
+def test_greedy_evaluation_decodes_at_temperature_zero(toy_model, monkeypatch):
+    """evaluate_all at --temperature=0.7 with 3 held-out prompts and 2 samples each: the sampled text
+    score draws 6 completions at 0.7, the greedy one 3 at temperature 0, and images are sampled only. A
+    greedy decode has no noise: under another seed's generators (same prompts) every greedy completion is
+    the same, while the sampled ones change."""
+    tok, ids, model = toy_model
+    calls = []
+    spy(monkeypatch, sample, "generate", calls)
+    spy(monkeypatch, sample, "generate_image", calls)
+    monkeypatch.setattr(tasks, "score", fake_score)
+    cfg = parse("--temperature=0.7", "--eval_prompts=3", "--eval_samples=2")
+    res = heldout.evaluate_all(model, tasks.Ctx(cfg, tok, ids, CPU, {}))
+    assert set(res) == {"text", "text_greedy", "image"}
+    text = [(c[2]["temperature"], c[1][1].shape[0]) for c in calls if c[0] == "generate"]
+    assert [t for t, _ in text] == [0.7, 0.0]  # one batch each (at most 64 rows)
+    assert [n for _, n in text] == [6, 3]
+    assert sum(c[1][1].shape[0] for c in calls if c[0] == "generate_image") == 6
+
+    prompts = heldout.eval_examples("text", cfg, {})
+    monkeypatch.setattr(heldout, "eval_examples", lambda task, cfg_, datasets: prompts)
+
+    def outputs(seed, temperature):
+        records = []
+        c = tasks.Ctx(parse("--tasks=text", f"--seed={seed}", "--eval_samples=2", "--eval_prompts=3"), tok, ids, CPU, {})
+        heldout.evaluate(model, c, "text", temperature, records)
+        return [r["output"] for r in records]
+
+    assert outputs(0, 0.0) == outputs(1, 0.0)
+    assert outputs(0, 0.7) != outputs(1, 0.7)
+
+
+def test_evaluate_cli_greedy_and_sampled_modes(toy_model, tmp_path, monkeypatch, capsys):
+    """python evaluate.py --ckpt DIR --task text --temperature=0.6 --samples=2 --limit=2: the greedy mode
+    decodes the 2 prompts once at temperature 0, the sampled mode twice each at 0.6."""
+    tok, ids, model = toy_model
+    ckpt = tmp_path / "ckpt"
+    hf.save_pretrained(model.float(), ckpt)
+    tok.save(str(ckpt / "tokenizer.json"))
+    calls = []
+    spy(monkeypatch, sample, "generate", calls)
+    out = tmp_path / "eval.jsonl"
+    assert evaluate.main(["--ckpt", str(ckpt), "--task", "text", "--temperature=0.6", "--samples=2", "--limit=2",
+                          "--threads=1", "--out", str(out)]) == 0
+    assert [(c[2]["temperature"], c[1][1].shape[0]) for c in calls] == [(0.0, 2), (0.6, 4)]
+    modes = [line.split('"mode": "')[1].split('"')[0] for line in out.read_text().splitlines()]
+    assert modes == ["greedy"] * 2 + ["sampled"] * 4
+
+
+# -----------------------------------------------------------------------------------------------------
+# one RL step: each setting reaches its callee
+
+
+def rl_step(toy_model, monkeypatch, *flags, calls):
+    tok, ids, model = toy_model
+    for module, name in ((sample, "generate"), (sample, "generate_image"), (importance, "reversed_masks"),
+                         (importance, "d1_masks"), (grpo, "policy_loss")):
+        spy(monkeypatch, module, name, calls)
+    scored = []
+
+    def score(*args, **kwargs):
+        scored.append(args)
+        return fake_score(*args)
+    monkeypatch.setattr(tasks, "score", score)
+    cfg = parse(*flags)
+    policy = copy.deepcopy(model)
+    ref = copy.deepcopy(model) if cfg.beta > 0 else None
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
+    ctx = tasks.Ctx(cfg, tok, ids, CPU, {})
+    log, rolls = train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))
+    return cfg, log, rolls, scored
+
+
+def named(calls, name, module=None):
+    return [c for c in calls if c[0] == name and (module is None or c[1] is not None)]
+
+
+def test_rl_step_hands_every_setting_to_its_callee(toy_model, monkeypatch):
+    calls = []
+    cfg, log, rolls, scored = rl_step(
+        toy_model, monkeypatch, "--tasks=text,image", "--temperature=0.7", "--gen_length=12", "--block_length=6",
+        "--steps=4", "--image_steps=3", "--image_sampler=maskgit", "--cfg_scale=1.5", "--gamma_text=0.3",
+        "--gamma_image=0.5", "--mu=2", "--text_reversing=random", "--clip_eps=0.1", "--beta=0.2",
+        "--loss_norm=sequence", "--prompts_per_step=2", "--group_size=3", "--device_batch_size=4",
+        "--reward_shaping=official", "--text_reward=solution", "--lr=1e-3", calls=calls)
+    gens = [c for c in calls if c[0] == "generate"]
+    assert [c[1][1].shape[0] for c in gens] == [4, 2]  # 6 rows in chunks of device_batch_size
+    for _, args, kw in gens:
+        assert (kw["gen_length"], kw["block_length"], kw["steps"], kw["temperature"]) == (12, 6, 4, 0.7)
+        assert (kw["kv_cache"], kw["threshold"]) == ("none", 0.0)  # the exact sampler: no cache asked for
+    images = [c for c in calls if c[0] == "generate_image"]
+    assert [c[1][1].shape[0] for c in images] == [4, 2]
+    for _, args, kw in images:
+        assert (kw["steps"], kw["sampler"], kw["cfg_scale"], kw["num_tokens"]) == (3, "maskgit", 1.5, 16)
+    # maskgrpo_views: mu ratios t_j = gamma + (1 - gamma)(j + 1) / mu per row (the last clamped to 0.999)
+    masks = [args for name, args, _ in calls if name == "reversed_masks"]
+    assert [(args[3], len(args[2])) for args in masks] == [("random", 2), ("random", 2)]
+    assert [args[2][0][0] for args in masks] == [pytest.approx(0.3 + 0.7 / 2), pytest.approx(0.5 + 0.5 / 2)]
+    losses = [kw for name, _, kw in calls if name == "policy_loss"]
+    assert len(losses) == 2 * 2 * 2  # mu x tasks x chunks
+    assert {(kw["clip_eps"], kw["beta"], kw["norm"]) for kw in losses} == {(0.1, 0.2, "sequence")}
+    assert [(a[0].task, a[4], a[5]) for a in scored] == [("text", "official", "solution"), ("image", "official", "solution")]
+    for r in rolls:  # groups of 3: every row's advantage within its own group
+        assert r.rewards.shape == (6,)
+        assert len(r.views.inputs) == 2 and r.views.loss_masks.shape[0] == 2
+
+
+@pytest.mark.parametrize("estimator", ["d1", "unigrpo"])
+def test_fast_sampler_and_estimator_settings(toy_model, monkeypatch, estimator):
+    """--kv_cache=prefix --threshold=0.5 send text rollouts to the fast sampler with both; the estimator
+    and d1's prompt-masking rate reach the mask builder; d1 (adv_std auto) takes A = R - mean."""
+    calls = []
+    cfg, log, (r,), _ = rl_step(toy_model, monkeypatch, "--tasks=text", "--kv_cache=prefix", "--threshold=0.5",
+                                f"--estimator={estimator}", "--p_mask_prompt=0.3", "--mu=2",
+                                "--temperature=0.9", calls=calls)
+    fast = [kw for name, _, kw in calls if name == "generate" and "kv_cache" in kw]
+    assert fast and all((kw["kv_cache"], kw["threshold"], kw["temperature"]) == ("prefix", 0.5, 0.9) for kw in fast)
+    if estimator == "d1":
+        (kw,) = [kw for name, _, kw in calls if name == "d1_masks"]
+        assert (kw["p_mask_prompt"], kw["mu"]) == (0.3, 2)
+    else:  # UniGRPO: random reversing at mu ratios of its own
+        (args,) = [args for name, args, _ in calls if name == "reversed_masks"]
+        assert (args[3], len(args[2])) == ("random", 2)
+    g = r.rewards.view(-1, cfg.group_size)
+    centred = (g - g.mean(1, keepdim=True)).flatten()
+    if estimator == "d1":
+        torch.testing.assert_close(r.adv, centred)
+
+
+def test_seed_changes_the_rollouts(toy_model, monkeypatch):
+    """The same prompts under --seed=0 and --seed=7: other rollout noise, so other completions."""
+    prompts = tasks.draw_prompts("text", parse(), 0, {})[:2]
+    monkeypatch.setattr(tasks, "draw_prompts", lambda task, cfg, step, datasets: prompts)
+    windows = []
+    for seed in (0, 7):
+        _, _, (r,), _ = rl_step(toy_model, monkeypatch, "--tasks=text", f"--seed={seed}", "--mu=1", calls=[])
+        windows.append(r.batch.x[:, r.batch.window_slice])
+    assert (windows[0] != windows[1]).any(1).float().mean() >= 0.5
+
+
+# -----------------------------------------------------------------------------------------------------
+# the whole entry point at non-default settings
+
+
+def test_main_passes_its_settings_to_the_optimizer_and_the_run(toy_model, tmp_path, monkeypatch, capsys):
+    """train.main from a checkpoint (no SFT), two RL steps: AdamW gets --lr=3e-4 and --weight_decay=0.05
+    (betas 0.9, 0.99), keeps that learning rate at every optimizer step (constant in RL), and the model
+    gets --activation_checkpointing; --sample_every=2 prints a rollout after step 1 only; the summary
+    holds the sampled and the greedy held-out scores of --eval_prompts=3 prompts, with a paired SE."""
+    tok, ids, model = toy_model
+    ckpt = tmp_path / "ckpt"
+    hf.save_pretrained(model.float(), ckpt)
+    tok.save(str(ckpt / "tokenizer.json"))
+    made, lrs, checkpointing = [], [], []
+
+    class AdamW(torch.optim.AdamW):
+        def __init__(self, params, **kwargs):
+            made.append(kwargs)
+            super().__init__(params, **kwargs)
+
+    real = Transformer.set_activation_checkpointing
+
+    def set_ac(self, on=True):
+        checkpointing.append(on)
+        return real(self, on)
+
+    monkeypatch.setattr(torch.optim, "AdamW", AdamW)
+    monkeypatch.setattr(Transformer, "set_activation_checkpointing", set_ac)
+    monkeypatch.setattr(tasks, "score", fake_score)
+    handle = register_optimizer_step_pre_hook(lambda opt, a, k: lrs.append(
+        (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])))
+    try:
+        summary = train.main(["--preset=smoke", f"--init_from={ckpt}", "--tasks=text", f"--out_dir={tmp_path / 'out'}",
+                              "--threads=1", "--rl_steps=2", "--lr=3e-4", "--weight_decay=0.05", "--mu=2",
+                              "--activation_checkpointing=true", "--sample_every=2", "--eval_prompts=3",
+                              "--eval_samples=2", "--checkpoint_every=0", "--dtype=float32", "--device=cpu"])
+    finally:
+        handle.remove()
+    assert made == [{"lr": 3e-4, "betas": (0.9, 0.99), "weight_decay": 0.05}]
+    assert lrs == [(3e-4, 0.05)] * 4
+    assert checkpointing == [True]
+    out = capsys.readouterr().out
+    assert out.count("  [text] ") == 1 and out.index("  [text] ") > out.index("step 1/2")
+    assert set(summary) == {"text", "text_greedy", "seconds"} and "gain_se" in summary["text_greedy"]
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_dry_run_model_shape_and_gpus(capsys, gpus):
+    """--dry_run at a non-default shape: the parameter count is the LLaDA layout's by hand (embedding and
+    output head V x d each; per block q, k, v, o d x d each, the SwiGLU's three d x h, two RMSNorm
+    weights; the final norm), and --dry_run_gpus divides the time per step but not the GPU-hours."""
+    d, V, L, h = 48, 1000, 3, 80
+    flags = ["--preset=smoke", "--dry_run", f"--vocab_size={V}", f"--d_model={d}", f"--n_layers={L}", "--n_heads=6",
+             f"--mlp_hidden_size={h}"]
+    r = train.main(flags + [f"--dry_run_gpus={gpus}"])
+    one = train.main(flags + ["--dry_run_gpus=1"])
+    assert r["params"] == 2 * V * d + L * (4 * d * d + 3 * d * h + 2 * d) + d
+    assert r["gpus"] == gpus
+    assert r["seconds_per_step"] == pytest.approx(one["seconds_per_step"] / gpus)
+    assert r["gpu_hours"] == pytest.approx(one["gpu_hours"])
+
+
+# -----------------------------------------------------------------------------------------------------
+# setup and the policy a run trains
+
+
+def test_setup_takes_threads_dtype_and_device():
+    """--threads=2 sets torch's CPU threads; --dtype=bfloat16 is the compute dtype; auto on a CPU is
+    float32; --device=cpu is the CPU."""
+    before = torch.get_num_threads()
+    try:
+        device, dtype = setup(parse("--threads=2", "--dtype=bfloat16", "--device=cpu"))
+        assert (device, dtype, torch.get_num_threads()) == (CPU, torch.bfloat16, 2)
+    finally:
+        torch.set_num_threads(before)
+    assert setup(parse("--device=cpu"))[1] == torch.float32
+
+
+@pytest.mark.parametrize("targets,names", [("official", {"q_proj", "k_proj", "v_proj", "up_proj"}),
+                                           ("all", {"q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj",
+                                                    "ff_out"})])
+def test_load_policy_adapts_what_the_lora_flags_say(toy_model, tmp_path, targets, names):
+    """--lora_rank=4 --lora_alpha=6 --lora_dropout=0.2: exactly the named projections of every block get
+    an adapter, of rank 4, whose output (in eval mode, B set to ones) is the base layer's plus
+    (6 / 4) x A^T B^T, the LoRA update at scale alpha / r (arXiv:2106.09685 §4.1), computed here by hand;
+    only adapter weights train; the reference is the policy with adapters off (none is built). Without
+    LoRA and with beta > 0 a frozen second copy is the reference; with beta = 0 none is built."""
+    tok, ids, model = toy_model
+    ckpt = tmp_path / "ckpt"
+    hf.save_pretrained(model.float(), ckpt)
+    tok.save(str(ckpt / "tokenizer.json"))
+    cfg = parse(f"--init_from={ckpt}", "--tasks=text", "--lora_rank=4", "--lora_alpha=6", "--lora_dropout=0.2",
+                f"--lora_targets={targets}")
+    policy, ref, *_ = load_policy(cfg, CPU, torch.float32, train.sft)
+    assert isinstance(ref, lora.AdaptersOff) and ref.policy is policy  # beta 0.01 > 0: the adapters-off policy
+    adapted = {n.rsplit(".", 1)[0] for n, p in policy.named_parameters() if n.endswith(".lora_A")}
+    want = {f"blocks.{i}.{m}" for i in range(len(policy.blocks)) for m in names}
+    assert adapted == want
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == \
+        {f"{m}.lora_{x}" for m in want for x in "AB"}
+    layer = policy.get_submodule(f"blocks.0.{sorted(names)[0]}")
+    assert layer.lora_A.shape[0] == 4 and layer.lora_dropout == 0.2
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        layer.lora_B.fill_(1.0)
+        got = layer.eval()(x)
+        base = x @ layer.weight.T
+        torch.testing.assert_close(got, base + 1.5 * (x @ layer.lora_A.T) @ layer.lora_B.T, rtol=1e-5, atol=1e-5)
+
+    full, ref, *_ = load_policy(parse(f"--init_from={ckpt}", "--tasks=text", "--beta=0.3"), CPU, torch.float32,
+                                      train.sft)
+    assert ref is not full and not any(p.requires_grad for p in ref.parameters())
+    assert load_policy(parse(f"--init_from={ckpt}", "--tasks=text", "--beta=0"), CPU, torch.float32,
+                             train.sft)[1] is None
+
+
+def test_benchmark_prompt_prefill_and_length():
+    """A benchmark prompt is the chat template of the question, then --prompt_prefill (the official
+    GSM8K evaluation opens the answer with "<reasoning>"), encoded and cut to its last --max_prompt_len
+    tokens (the official code cuts from the left)."""
+    seen = []
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            seen.append(text)
+            return type("Enc", (), {"ids": list(range(100, 120))})()
+
+    ids = tasks.token_ids(toy_world.build_tokenizer())
+    cfg = parse("--prompt_prefill=<reasoning>", "--max_prompt_len=8")
+    b = tasks.make_batch("gsm8k", [{"prompt": "Q?"}], Tok(), ids, cfg, CPU, with_targets=False)
+    assert seen == ["<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nQ?<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n<reasoning>"]
+    assert b.prompt_len == 8 and b.x[0, :8].tolist() == list(range(112, 120))
+    assert (b.x[0, 8:] == ids.mask).all() and b.window == cfg.gen_length

@@ -23,7 +23,7 @@ from infra import load, lora, scale
 
 from test_trajectory import base, fake_score  # noqa: F401 (base: the tiny random smoke model, a fixture)
 from test_rl_step import save_tiny_checkpoint
-from test_trajectory_states_exact import MU_FLAG, Recorder
+from test_trajectory_states import MU_FLAG, Recorder
 
 COMBINE = {"sum": lambda a, b: a + b, "max": torch.maximum, "cat": lambda a, b: torch.cat([a, b])}
 

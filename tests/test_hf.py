@@ -2,7 +2,7 @@
 shapes written out by hand (config.json fields, tensor shapes, shard layout), and config.json translation of
 the fields a released LLaDA/MMaDA config may omit.
 
-    python -m pytest tests/test_hf_settings.py -q
+    python -m pytest tests/test_hf.py -q
 """
 import json
 import os

@@ -1,8 +1,8 @@
-"""The command lines of infra/ at non-default options: sample.py's flags reach the samplers as given
+"""The command lines of tools/ and infra/ at non-default options: tools/sample.py's flags reach the samplers as given
 (and a checkpoint's generation.json fills the rest), tools.bench's tables and argument checks, infra.data's
 file check, the stub scorer's refusal of a mismatched request.
 
-    python -m pytest tests/test_tools_settings.py -q
+    python -m pytest tests/test_tools.py -q
 """
 import json
 import re
