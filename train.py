@@ -232,7 +232,8 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
     gen = generator("cpu", cfg.seed, "sft-mask")
     model.train()
     loss_sum = 0.0
-    with checkpoint.graceful_stop("finishing this SFT step, then stopping (SFT keeps no checkpoint)") as stop:
+    with checkpoint.graceful_stop("finishing this SFT step, then stopping (SFT keeps no checkpoint)",
+                                  abort=lambda: "nothing more is lost, SFT restarts from step 0 either way") as stop:
         bar = cli.progress_bar(range(cfg.sft_steps), desc="sft", dynamic_ncols=True)
         for step in bar:
             if stop["signal"]:

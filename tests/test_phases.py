@@ -174,6 +174,7 @@ def test_sft_signal_line_promises_no_checkpoint(tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     assert "caught SIGINT: finishing this SFT step, then stopping (SFT keeps no checkpoint)" in text, text
     assert "writing a checkpoint" not in text
+    assert "a second signal (Ctrl-C again, after 5 s) stops at once: nothing more is lost, SFT restarts from step 0" in text, text
     assert "SFT stopped by SIGINT after 1 of 20 steps" in text and "start it again with: python train.py" in text
 
 
