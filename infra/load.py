@@ -337,16 +337,18 @@ def export_checkpoint(ckpt, dest) -> Path:
     state = hf.read_json(ckpt / "state.json", "export another checkpoint")
     cfg = types.SimpleNamespace(**state["config"])
     cfg.out_dir = str(ckpt.parent.parent)  # the run's folder wherever it now is (its sft/ by default)
-    if cfg.init_from == "scratch" and not check_sft_cache(cfg):
+    if cfg.init_from == "scratch" and not (sft_dir_of(cfg) / "config.json").is_file():
         raise ValueError(f"the SFT model this run started from ({sft_dir_of(cfg)}) is missing; the checkpoint "
                          "holds the trained weights but tokenizer and shape come from it")
     if reference_identity(cfg) != state["reference"]:
         raise ValueError(f"the starting model of this run ({cfg.init_from if cfg.init_from != 'scratch' else sft_dir_of(cfg)}) "
                          "is not the one the checkpoint was trained from (its content changed); restore it to export")
 
-    def no_sft(*args):
-        raise AssertionError("the SFT model was checked above")
-    path, tok, ids, _ = find_model(cfg, "cpu", torch.float32, no_sft)
+    if cfg.init_from == "scratch":  # its content was checked above; the code's SFT settings key does not matter
+        path, tok = sft_dir_of(cfg), toy.build_tokenizer()
+        ids = tasks.token_ids(tok)
+    else:
+        path, tok, ids, _ = find_model(cfg, "cpu", torch.float32, sft=None)
     model = hf.from_pretrained(path, dtype=torch.float32)
     if cfg.lora_rank:
         model = lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, lora.TARGET_SETS[cfg.lora_targets],

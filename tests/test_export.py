@@ -62,3 +62,22 @@ def test_a_training_checkpoint_given_as_a_model_names_the_export(tmp_path, entry
     p = subprocess.run([sys.executable, *(["-m", entry] if entry.startswith("tools.") else [entry]), f"{flag}={step}", *extra], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert f"python -m infra.load {step} {tmp_path / 'run-step-00000004'}" in p.stderr, p.stderr
+
+
+def test_export_after_a_code_change_reads_the_sft_model_by_content(smoke_sft_run, tmp_path, monkeypatch):
+    """The SFT model's settings key includes a hash of the toy code, so an edit of tasks.py makes a new run
+    retrain SFT; exporting an old run's checkpoint must still work (the model's content is what is checked)."""
+    import shutil
+
+    sft = tmp_path / "sft"
+    shutil.copytree(smoke_sft_run / "sft", sft)
+    out = tmp_path / "run"
+    train.main([*RUN, "--rl_steps=1", f"--sft_dir={sft}", f"--out_dir={out}"])
+    key = load.sft_key  # the code changed since: its hash is another
+    monkeypatch.setattr(load, "sft_key", lambda cfg: {**key(cfg), "toy_sha1": "the toy code after an edit"})
+    with pytest.raises(ValueError, match="holds an SFT model trained with other settings"):
+        load.check_sft_cache(train.parse_args([*RUN, f"--sft_dir={sft}"]))  # a new run would retrain
+    dest = tmp_path / "exported"
+    load.main([str(out / "checkpoints" / "step-00000001"), str(dest)])
+    final, got = weights(out / "final"), weights(dest)
+    assert all(torch.equal(final[k], got[k]) for k in final)
