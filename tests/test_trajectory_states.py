@@ -69,17 +69,23 @@ def test_first_ratio_is_exactly_one(base, monkeypatch):
     assert log3["text/ratio_max"] > 1.0  # later updates score a moved policy
 
 
+def replayed_order(base, b, ctx):
+    """The decoding order of step 0's rollouts from an independent rollout of the same prompts (which must
+    reproduce b's tokens), and two copies of the model: theta (train mode) and pi_old (eval mode)."""
+    tok, ids, model = base
+    fresh = tasks.make_batch("text", b.examples, tok, ids, ctx.cfg, ctx.device, with_targets=False)
+    gens = [rng.generator("cpu", ctx.cfg.seed, "rollout", "text", 0, i) for i in range(len(b.examples))]
+    x, order, _ = tasks.rollout(model, fresh, ctx, gens, ctx.cfg.temperature, allow_fast=True)
+    assert torch.equal(x.x, b.x)
+    return order, copy.deepcopy(model).train(), copy.deepcopy(model).eval()
+
+
 def naive_full_gradient(base, r, ctx) -> torch.Tensor:
     """The full trajectory objective's gradient at theta = pi_old, written out per (sequence, token): the
     decoding order from an independent rollout, one single-sequence forward on the state x^(s) (every
     position revealed at step s or later masked), the clipped surrogate and k3 term, the token mean."""
-    tok, ids, model = base
-    cfg, b = ctx.cfg, r.batch
-    fresh = tasks.make_batch("text", b.examples, tok, ids, cfg, ctx.device, with_targets=False)
-    gens = [rng.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(b.examples))]
-    x, order, _ = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, allow_fast=True)
-    assert torch.equal(x.x, b.x)
-    theta, old = copy.deepcopy(model).train(), copy.deepcopy(model).eval()
+    ids, cfg, b = base[1], ctx.cfg, r.batch
+    order, theta, old = replayed_order(base, b, ctx)
 
     def token_logp(m, i, k):
         state = b.x[i].masked_fill(order[i] >= order[i, k], ids.mask)[None]
@@ -254,13 +260,8 @@ def rl_step_grads(base, monkeypatch, flags, step=0):
 def naive_pair_gradients(base, exp, ctx):
     """{(row, state): gradient of the sum of that row's terms revealed at that state}, and the number of
     scored tokens over the whole trajectory; the decoding order from an independent rollout."""
-    tok, ids, model = base
-    cfg, b = ctx.cfg, exp.batch
-    fresh = tasks.make_batch("text", b.examples, tok, ids, cfg, ctx.device, with_targets=False)
-    gens = [rng.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(b.examples))]
-    x, order, _ = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, allow_fast=True)
-    assert torch.equal(x.x, b.x)
-    theta, old = copy.deepcopy(model).train(), copy.deepcopy(model).eval()
+    ids, cfg, b = base[1], ctx.cfg, exp.batch
+    order, theta, old = replayed_order(base, b, ctx)
     params = lora.trainable_parameters(theta)
 
     def state_logp(m, i, s):  # log pi_m(x_i | x^(s)) at every position: one forward on row i's state s
