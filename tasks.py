@@ -8,7 +8,6 @@ are read by infra/data.py.
 """
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, replace
 
@@ -18,7 +17,6 @@ from tokenizers import Tokenizer
 import rewards
 import sample
 from infra import scale
-from infra.timing import timed
 from infra.rng import derive_seed
 from infra.toy import BOS, CODEBOOK_SIZE, EOI, EOS, IPAD, MASK, SOI, T2I, make_image_example, make_text_example
 
@@ -38,10 +36,8 @@ def sft_tasks(cfg) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class TokenIds:
-    """The special-token ids a masked diffusion model reads and writes, resolved once by name from the
-    tokenizer and config (tasks.token_ids for the toy vocabulary, infra/hf.token_ids for a released
-    checkpoint), so that no id literal appears anywhere else. The MMaDA image fields are None for a
-    text-only checkpoint (LLaDA); only the image tasks read them."""
+    """The special-token ids, looked up once by name (token_ids below; infra/hf.token_ids for a released
+    checkpoint): no id literal appears anywhere else. The image fields are None for a text-only LLaDA."""
     bos: int | None
     eos: int
     pad: int                      # LLaDA left-pads with the EOS id
@@ -56,16 +52,10 @@ class TokenIds:
 
 
 def chat_prompt(messages: list[dict], bos: str = "<|startoftext|>") -> str:
-    """LLaDA-Instruct chat template as a string. Encode the result with
-    add_special_tokens=False; the special-token strings inside map to their ids.
-
-    chat_prompt([{"role": "user", "content": "Q"}]) ==
-    "<|startoftext|><|start_header_id|>user<|end_header_id|>\\n\\nQ<|eot_id|>"
-    "<|start_header_id|>assistant<|end_header_id|>\\n\\n"
-    """
+    """LLaDA-Instruct's chat template, ending with the assistant turn opened; encode it with
+    add_special_tokens=False (the special-token strings inside map to their ids)."""
     turns = [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
              for m in messages]
-    # The template has no add_generation_prompt switch: it always opens the assistant turn.
     return bos + "".join(turns) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
 
 
@@ -95,9 +85,8 @@ def model_config_overrides(tok: Tokenizer) -> dict:
 
 
 def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
-    """(prompt_ids, completion_ids): prompt = BOS + question; completion = answer + EOS padding to
-    exactly gen_length tokens (LLaDA SFT pads answers with EOS, so the model learns where to stop).
-    Batch prompts by left-padding with ids.pad and attention 0 on the pads (sample.generate)."""
+    """(BOS + question, answer + EOS padding to gen_length tokens): LLaDA's SFT pads answers with EOS, so the
+    model learns where to stop."""
     prompt = [ids.bos] + tok.encode(example["prompt"], add_special_tokens=False).ids
     answer = tok.encode(example["completion"], add_special_tokens=False).ids
     if len(answer) >= gen_length:
@@ -108,12 +97,9 @@ def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -
 
 def encode_image_prompt(tok: Tokenizer, ids: TokenIds, prompt_text: str, text_len: int,
                         num_tokens: int) -> tuple[list[int], int, list[int]]:
-    """MMaDA t2i layout (arXiv:2505.15809): [iPAD]*pad <|t2i|> BOS caption EOS <|soi|> mask*num_tokens
-    <|eoi|>. The text part is left-padded with [iPAD] to exactly text_len tokens (truncated and
-    re-terminated with EOS if longer). prompt_text "" gives the unconditional prompt used for CFG.
-    Returns (input_ids, image_start, attention_mask) with attention 0 on the [iPAD] positions; the
-    image slots are input_ids[image_start : image_start + num_tokens]. ids: tasks.token_ids(tok) for the toy
-    vocabulary, infra/hf.token_ids for a released checkpoint's."""
+    """MMaDA's t2i layout (arXiv:2505.15809): [iPAD]* <|t2i|> BOS caption EOS <|soi|> mask*num_tokens <|eoi|>,
+    the text part left-padded with [iPAD] (attention 0) or cut to text_len tokens; caption "" is CFG's
+    unconditional prompt. Returns (input_ids, image_start, attention_mask)."""
     if None in (ids.t2i, ids.soi, ids.eoi, ids.ipad):
         raise ValueError("the tokenizer lacks MMaDA's <|t2i|> / <|soi|> / <|eoi|> / [iPAD] tokens: text-to-image "
                          "needs an MMaDA checkpoint (its tokenizer.json), not a text-only LLaDA one")
@@ -177,20 +163,12 @@ IMAGE_TASKS = tuple(t for t, k in TASKS.items() if k.modality == "image")  # gen
 TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
-@timed("reward")  # seconds per phase for times.jsonl (infra/timing.py)
 def score(b, tok, ids, scorer=None, shaping: str = "none", text_reward: str = "answer") -> torch.Tensor:
-    """Step 2 of the RL loop: a reward in [0, 1] per row of Batch b from its task's entry in TASKS, the verifier
-    named by text_reward (toy tasks) or shaping (benchmarks; held-out evaluation passes "none"), else the
-    entry's first; a task without verifiers asks the remote image scorer."""
+    """Step 2: a reward in [0, 1] per row of Batch b from its task's TASKS entry: the verifier named by text_reward
+    (toy tasks) or shaping (benchmarks), else the entry's first; an entry without verifiers asks the remote scorer."""
     task, outs = TASKS[b.task], decode_window(b, tok, ids)
-    if not task.reward:
-        try:
-            return torch.tensor(scorer([ex["prompt"] for ex in b.examples], outs), dtype=torch.float32)
-        except (ValueError, OSError, RuntimeError) as e:
-            # Down, refusing, or replying NaN: NaN rewards, which train.rl_step's gathered check turns into a
-            # skipped step on every rank (a rank that raised alone would leave the others waiting).
-            print(f"warning: image scorer failed ({e}); this batch gets NaN rewards", flush=True)
-            return torch.full((len(outs),), math.nan)
+    if not task.reward:  # geneval: NaN rewards if the scorer fails, which skip the step on every rank
+        return scorer.rewards([ex["prompt"] for ex in b.examples], outs)
     fn = task.reward.get(text_reward if task.toy else shaping, next(iter(task.reward.values())))
     return torch.tensor([fn(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
 
@@ -201,8 +179,7 @@ def score(b, tok, ids, scorer=None, shaping: str = "none", text_reward: str = "a
 
 @dataclass
 class Batch:
-    """A batch of sequences laid out as [prompt (P) | window (N) | suffix (S)]. The window is what the
-    model generates: the text completion, or the image slots between <|soi|> and <|eoi|>."""
+    """Sequences laid out as [prompt (P) | window (N) | suffix (S)]; the window is what the model generates."""
     task: str
     x: torch.Tensor                 # (B, L) token ids; the window holds targets (SFT) or rollouts (RL)
     attention_mask: torch.Tensor    # (B, L) 1 = real token, 0 = left padding
@@ -222,7 +199,7 @@ class Batch:
         return slice(self.prompt_len, self.prompt_len + self.window)
 
     def rows(self, rows: slice) -> "Batch":
-        """This rank's rows of a global batch (same padding as every other rank's), with their global index."""
+        """Some rows (this rank's, or a chunk), with their global index."""
         pick = lambda t: None if t is None else t[rows]
         index = list(range(self.x.shape[0])) if self.index is None else self.index
         return Batch(self.task, self.x[rows], self.attention_mask[rows], self.prompt_len, self.window,
@@ -230,10 +207,9 @@ class Batch:
 
 
 def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: bool) -> Batch:
-    """Token tensors for `examples`; the window holds the target (SFT) or mask ids (rollout prompts).
-    Text prompts are left-padded to the longest in `examples`: build the *global* batch on every rank and
-    take rows from it (Batch.rows), so that a sequence's padding, and hence its logits, do not depend on
-    the world size."""
+    """Token tensors for `examples`, the window holding the targets (SFT) or mask ids. Text prompts are left-padded
+    to the longest in `examples`: build the global batch on every rank and take rows (Batch.rows), so that a
+    row's padding, and its logits, do not depend on the world size."""
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
     if TASKS[task].toy:  # a toy text task: BOS + question, the answer padded with EOS (encode_text)
@@ -255,11 +231,8 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
 
 
 def attends_padding(cfg, task: str) -> bool:
-    """Config.attend_padding resolved for a task. "auto" is on for geneval, the MMaDA-checkpoint image task:
-    MMaDA's official modelling code calls attention with attn_mask=None, so its checkpoints saw their [iPAD]
-    padding. It is off for text (the official text runs have no padding: one prompt group per GPU) and for the
-    toy image task, whose model is trained here, with pad keys masked. On, a batch's attention mask is all
-    ones, which model.forward treats as no mask."""
+    """--attend_padding for a task; "auto" is on for geneval only: MMaDA's checkpoints saw their [iPAD] padding
+    (docs/differences.md). On, the attention mask is all ones, which model.forward treats as no mask."""
     return cfg.attend_padding == "on" or (cfg.attend_padding == "auto" and task == "geneval")
 
 
@@ -301,12 +274,11 @@ def decode_window(b: Batch, tok, ids) -> list:
 
 
 def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
-    """The global prompts of one RL step, identical on every rank: toy tasks draw fresh examples from
-    (seed, step); a dataset's are dataset_prompts."""
+    """The global prompts of one RL step, the same on every rank: fresh toy examples seeded by the step."""
     if task not in TOY_TASKS:
         return dataset_prompts(task, cfg, step, datasets[task]["train"])
     rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
-    return [make_example(task, rng, cfg, "train") for _ in range(cfg.prompts_per_step)]
+    return [TASKS[task].example(rng, cfg, "train") for _ in range(cfg.prompts_per_step)]
 
 
 def dataset_prompts(task: str, cfg, step: int, rows: list) -> list:
@@ -334,19 +306,15 @@ class Ctx:
     device: torch.device
     datasets: dict                    # {task: {"train": rows, "test": rows}} (infra/data.load_data)
     scorer: object = None             # infra/scorer.RemoteScorer for geneval rewards
+    text_sampler: object = sample.generate  # RL text rollouts (--kv_cache/--threshold: infra/fast_sample.py)
 
 
 @torch.no_grad()
-@timed("rollout")
-def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, allow_fast: bool = False):
-    """Fill the window of every row with the policy's sample: (a new Batch, prompts unchanged; the decoding
-    order (B, L), the sampler step each position was revealed at, -1 for the prompt; the sampler's statistics
-    for log.jsonl, {} for the exact sampler). gens: one generator per row, so a row's sample depends on its own
-    seed only. allow_fast: text rollouts use --kv_cache / --threshold if set (Fast-dLLM, off by default;
-    sample.fast_summary gives their statistics); held-out evaluation keeps the exact sampler."""
-    cfg, ids = ctx.cfg, ctx.ids
-    fast = allow_fast and (cfg.kv_cache != "none" or cfg.threshold > 0) and prompts.task not in IMAGE_TASKS
-    xs, orders, counts = [], [], {} if fast else None
+def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, text_sampler=sample.generate):
+    """Step 1: fill every row's window with the policy's sample. Returns (a new Batch, the decoding order (B, L):
+    the sampler step at which each position was revealed, -1 for the prompt). gens: one generator per row, so a
+    row's sample depends on its own seed only. text_sampler: LLaDA's sampler, or the RL step's ctx.text_sampler."""
+    cfg, ids, xs, orders = ctx.cfg, ctx.ids, [], []
     with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout; a no-op in one process
         for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
             c, g = prompts.rows(rows), gens[rows]
@@ -358,21 +326,17 @@ def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, all
                     code_offset=ids.image_token_offset, codebook_size=ids.codebook_size, mask_id=ids.mask,
                     return_order=True)
             else:
-                x, order = sample.generate(
-                    model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
-                    steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
-                    attention_mask=c.attention_mask[:, : c.prompt_len], kv_cache=cfg.kv_cache if fast else "none",
-                    threshold=cfg.threshold if fast else 0.0, return_order=True, stats=counts)
+                x, order = text_sampler(model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
+                                        steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
+                                        attention_mask=c.attention_mask[:, : c.prompt_len], return_order=True)
             xs.append(x)
             orders.append(order)
-    log = sample.fast_summary(prompts.task, counts, ctx.device) if fast else {}
-    return replace(prompts, x=torch.cat(xs)), torch.cat(orders), log
+    return replace(prompts, x=torch.cat(xs)), torch.cat(orders)
 
 
 def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
-    """The prompts of RL step `step`, one Batch per task: each prompt G times, this rank's whole groups.
-    Every rank builds the global batch (token ids: cheap) and keeps its own rows with their global index,
-    which seeds each sequence's rollout noise and masks: its randomness is the same on any process."""
+    """The prompts of RL step `step`, one Batch per task, each prompt G times. Every rank builds the global batch
+    and keeps its own rows with their global index, which seeds each sequence's noise and masks."""
     cfg, out = ctx.cfg, []
     for task in task_list(cfg):
         exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]

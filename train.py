@@ -40,9 +40,11 @@ import torch.nn.functional as F
 
 import grpo
 import importance
+import sample
 import tasks
 from infra import checkpoint, claims, cli, dryrun, lora, phases, scale, timing
 from infra.data import load_data
+from infra.fast_sample import FastSampler
 from infra.load import load_policy, report_truncation
 from infra.rng import derive_seed, generator
 from infra.outdir import startup_checks
@@ -92,6 +94,10 @@ class StepConfig:
     loss_norm: str = "token"          # token (official code) | sequence (paper's 1/|o_i|)
     grad_clip: float = 1.0            # gradient-norm clip per optimizer step (official: 0.2)
     device_batch_size: int = 0        # sequences per forward pass in rollouts and log-prob passes (0 = all)
+
+    @property
+    def adv_scaled(self) -> bool:     # --adv_std=auto: divide by the std, but not for d1 (its trainer: A = R - mean)
+        return self.adv_std == "on" or (self.adv_std == "auto" and self.estimator != "d1")
 
 
 @dataclass
@@ -271,13 +277,6 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
 # stage 2: MaskGRPO
 
 
-def advantages(rewards: torch.Tensor, cfg: StepConfig) -> torch.Tensor:
-    """Group-relative advantages (GRPO, arXiv:2402.03300 §4.1.2) of the global rewards, divided by the
-    group std or not (d1's trainer: A = r - mean)."""
-    std = cfg.adv_std == "on" or (cfg.adv_std == "auto" and cfg.estimator != "d1")
-    return grpo.group_advantages(rewards, group_size=cfg.group_size, scale_by_std=std)
-
-
 @dataclass
 class Experience:
     """One task's scored rollouts (this rank's rows) with the estimator's K views and their old/ref log-probs."""
@@ -287,7 +286,6 @@ class Experience:
     views: importance.Views     # K masked inputs, the positions each scores, which views update j scores
     logp_old: list              # K x (B, L) float32
     logp_ref: list | None       # K x (B, L) float32, or None when beta = 0
-    sampler_log: dict           # the rollout's statistics ({} for the exact sampler)
 
 
 class BadStep(Exception):
@@ -303,15 +301,15 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
     for p in prompts:
         # 1. rollouts: G completions per prompt, one generator per sequence, with their decoding order
         gens = [generator(device, cfg.seed, "rollout", p.task, step, i) for i in p.index]
-        batch, order, sampler_log = rollout(model, p, ctx, gens, cfg.temperature, allow_fast=True)
+        batch, order = rollout(model, p, ctx, gens, cfg.temperature, ctx.text_sampler)
 
         # 2. rewards, gathered in global order (a no-op in one process): a group is normalised over all its members
         r = scale.all_gather_rows(tasks.score(batch, ctx.tok, ctx.ids, ctx.scorer, cfg.reward_shaping,
                                               cfg.text_reward).to(device)).cpu()                # (B_global,)
         check_rewards(r, p.task, cfg.group_size)
 
-        # 3. advantages, within each group of G
-        adv = advantages(r, cfg)                                                           # (B_global,)
+        # 3. advantages within each group of G (GRPO, arXiv:2402.03300 §4.1.2)
+        adv = grpo.group_advantages(r, cfg.group_size, scale_by_std=cfg.adv_scaled)        # (B_global,)
 
         # 4. the estimator's views: K masked inputs and the positions each scores, from seeds shared by the
         # old, reference and current passes (scale.all_max: which decoding states any rank used; no-op in one process)
@@ -321,7 +319,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only
         logp_old = frozen_logprobs(model, batch, views, ctx)
         logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
-        exps.append(Experience(batch, r, adv, views, logp_old, logp_ref, sampler_log))
+        exps.append(Experience(batch, r, adv, views, logp_old, logp_ref))
 
     # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
@@ -339,7 +337,6 @@ def check_rewards(r: torch.Tensor, task: str, group_size: int) -> None:
                       f"sequence {bad[0]} (prompt {bad[0] // group_size}); check the reward function or scorer")
 
 
-@timing.timed("logprob")  # seconds per phase for times.jsonl, as tasks.rollout's and tasks.score's
 @torch.no_grad()
 def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
     """K x (B, L) float32: the log-probs of every view under a frozen policy (pi_old or pi_ref)."""
@@ -350,7 +347,6 @@ def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
                 for x_k, m_k in zip(views.inputs, views.loss_masks)]
 
 
-@timing.timed("update")
 def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
     """Inner update j: backpropagate every task's loss, clip, take one optimizer step. Returns each task's
     sums over every rank (grpo.policy_loss) and the update's gradient norm; a non-finite loss or gradient norm
@@ -392,7 +388,7 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
             loss, s = grpo.policy_loss(logp, e.logp_old[k][rows], adv[rows], mask[rows], clip_eps=cfg.clip_eps,
                                        beta=cfg.beta, norm=cfg.loss_norm, total=n,
                                        logp_ref=None if e.logp_ref is None else e.logp_ref[k][rows])
-            scale.backward_sum(loss)  # loss.backward() in one process; undoes FSDP2's mean over ranks
+            loss.backward()  # FSDP2 sums the ranks' gradients (scale.shard), as the loss is a sum over ranks
             sums = grpo.add_sums(sums, s)
     return sums
 
@@ -417,7 +413,6 @@ def step_log(step: int, exps: list, updates: list, cfg) -> dict:
         log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
         log.update({f"{t}/{k}": v for k, v in grpo.step_stats([u[t] for u in updates]).items()})
         log[f"{t}/adv_abs_mean"] = e.adv.abs().mean().item()
-        log.update(e.sampler_log)
     norms = [u["grad_norm"] for u in updates]
     log.update(grad_norm_mean=sum(x / len(norms) for x in norms), grad_norm_max=max(norms))
     return log
@@ -425,6 +420,10 @@ def step_log(step: int, exps: list, updates: list, cfg) -> dict:
 
 # -----------------------------------------------------------------------------------------------------
 # main
+
+# The phases times.jsonl times, (module, function, name): the loop wraps them, so the step carries no timing.
+PHASES = ((sys.modules[__name__], "rollout", "rollout"), (tasks, "score", "reward"),
+          (sys.modules[__name__], "frozen_logprobs", "logprob"), (sys.modules[__name__], "update", "update"))
 
 
 def main(argv=None) -> dict:
@@ -449,7 +448,9 @@ def _run(cfg: Config, argv) -> dict:
             startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
             scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
             model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
-        ctx = Ctx(cfg, tok, ids, device, datasets, scorer)
+        fast = cfg.kv_cache != "none" or cfg.threshold > 0  # Fast-dLLM text rollouts in RL steps
+        ctx = Ctx(cfg, tok, ids, device, datasets, scorer, FastSampler(cfg.kv_cache, cfg.threshold) if fast
+                  else sample.generate)
         report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
         opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                                 weight_decay=cfg.weight_decay)
@@ -464,15 +465,17 @@ def _run(cfg: Config, argv) -> dict:
                 run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
                 run.state["grid_before"] = image_snapshot(model, ctx)
         print_held_out("before RL", run.state["before"])
-        for step in range(run.start, cfg.rl_steps):
-            start, cpu, _ = time.time(), time.process_time(), timing.reset()
-            try:
-                log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
-            except BadStep as e:
-                log, rolls = {"step": step, "bad_reward": str(e)}, []
-            # to times.jsonl (Run.record): the step's seconds, and each phase's (infra/timing.py)
-            log.update(seconds=time.time() - start, cpu_s=time.process_time() - cpu, **timing.take())
-            run.record(step, log, rolls, tok, ids)
+        with timing.phases(*PHASES):  # each phase's seconds, for times.jsonl (infra/timing.py)
+            for step in range(run.start, cfg.rl_steps):
+                start, cpu, _ = time.time(), time.process_time(), timing.reset()
+                try:
+                    log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
+                except BadStep as e:
+                    log, rolls = {"step": step, "bad_reward": str(e)}, []
+                if isinstance(ctx.text_sampler, FastSampler):  # Fast-dLLM rollouts' statistics, over all ranks
+                    log.update(ctx.text_sampler.take_log(device))
+                log.update(seconds=time.time() - start, cpu_s=time.process_time() - cpu, **timing.take())
+                run.record(step, log, rolls, tok, ids)  # log.jsonl; the *_s keys go to times.jsonl
         nothing_trained = all_skipped(run)
         if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported
             raise TrainingStopped(nothing_trained)

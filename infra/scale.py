@@ -88,8 +88,7 @@ def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def print0(*args, **kwargs) -> None:
-    """Print on rank 0 only: one log, not world-size copies of it."""
+def print0(*args, **kwargs) -> None:  # one log, not world-size copies of it
     if rank() == 0:
         print(*args, **kwargs, flush=True)
 
@@ -101,8 +100,7 @@ def shard_rows(n: int) -> slice:
 
 
 def all_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, as a new tensor (t is never changed: a caller that reduces the same tensor twice
-    would otherwise multiply it by the world size each time); t itself in one process."""
+    """Sum over ranks as a new tensor (t unchanged: reducing it twice must not multiply it); t in one process."""
     if world() > 1:
         t = t.clone()
         dist.all_reduce(t)
@@ -127,21 +125,13 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def chunks(n: int, size: int) -> list[slice]:
-    """Row slices of at most `size` rows (all n rows when size is 0): the one way rollouts, scoring and
-    updates split a batch into device_batch_size forward passes."""
+    """Row slices of at most `size` rows (all n when size is 0): device_batch_size rows per forward pass."""
     size = size or n
     return [slice(s, s + size) for s in range(0, n, size)]
 
 
-def backward_sum(loss: torch.Tensor) -> None:
-    """Backpropagate this rank's share of a loss that is a *sum* over ranks. shard() makes FSDP2 sum the
-    ranks' gradients (not average them), so each parameter's gradient is the single-process one."""
-    loss.backward()
-
-
 def clip_grad_norm(params, max_norm: float) -> float:
-    """Clip the global gradient norm and return it as a float, the same on every rank (under FSDP2 the
-    norm is a DTensor over the ranks' shards; full_tensor() is its value)."""
+    """Clip the global gradient norm; return it as a float, the same on every rank (FSDP2: a DTensor's full value)."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
@@ -266,7 +256,7 @@ def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> t
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    # Gradients are SUMMED over ranks, each rank's loss being its share of the global sum (backward_sum).
+    # Gradients are SUMMED over ranks, each rank's loss being its share of the global sum (train.backward_loss).
     # FSDP2's default is the mean, by the collective's AVG op, which gloo on torch 2.8 applies as a sum (the
     # gradients came out world-size times too large); a SUM op with divide factor 1 means the same on every
     # backend and torch version.
@@ -296,33 +286,25 @@ def _fsdp_modules(model):
 
 @contextlib.contextmanager
 def full_weights(model):
-    """Hold the unsharded weights (one all-gather, resharded on exit) for a stretch of forward passes whose
-    count may differ between ranks, as rollouts and evaluation: sharded forwards would all-gather on every
-    pass, a collective all ranks must join (a deadlock), and gather 8B weights once per diffusion step.
-    Re-entrant: a nested use does nothing, so a rank without rows in some batch may skip the inner one.
-    model may wrap the sharded model (lora.AdaptersOff, the LoRA reference): the hold is marked on the root
-    FSDP module, the one whose forward hook (_reshard_root_without_grad) reads it."""
-    mods = _fsdp_modules(model) if world() > 1 else []
-    outer = bool(mods) and not getattr(mods[0], "_full_weights", False)
-    mods = mods if outer else []
+    """Hold the unsharded weights (one all-gather) for no-grad forwards whose number may differ between ranks, a
+    sharded forward being a collective. Re-entrant; a no-op in one process. model may be a lora.AdaptersOff."""
+    mods = [m for m in model.modules() if hasattr(m, "unshard")] if world() > 1 else []  # FSDP2's (fully_shard)
+    if not mods or getattr(mods[0], "_full_weights", False):
+        yield model
+        return
+    for m in mods[1:]:  # blocks reshard after each forward unless told not to; the root (mods[0]) never does
+        m.set_reshard_after_forward(False, recurse=False)
     for m in mods:
-        # Blocks would reshard after each forward: hold them gathered. The root's setting is FSDP2's (it
-        # does not reshard after forward); here it is only gathered up front and resharded on exit. The
-        # root is the first FSDP module (model itself, or the policy inside lora.AdaptersOff).
-        if m is not mods[0]:
-            m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
-    if outer:
-        mods[0]._full_weights = True
+    mods[0]._full_weights = True  # read by the root's hook, _reshard_root_without_grad
     try:
         yield model
     finally:
+        mods[0]._full_weights = False
         for m in mods:
             m.reshard()
-            if m is not mods[0]:
-                m.set_reshard_after_forward(True, recurse=False)
-        if outer:
-            mods[0]._full_weights = False
+        for m in mods[1:]:
+            m.set_reshard_after_forward(True, recurse=False)
 
 
 def full_state_dict(model) -> dict:

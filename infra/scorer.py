@@ -98,6 +98,18 @@ class RemoteScorer:
                               f"{last!r}); start the server or fix image_scorer_url, or for a model-free "
                               f"stand-in run {_STUB_HINT}") from last
 
+    def rewards(self, prompts: list[str], image_codes) -> "torch.Tensor":
+        """The RL step's rewards, float32 (B,): the scores, or NaN for every row when the server is down, refuses or
+        breaks the protocol, which train.rl_step's gathered check turns into a skipped step on every rank (a rank
+        that raised alone would leave the others waiting)."""
+        import torch
+
+        try:
+            return torch.tensor(self(prompts, image_codes), dtype=torch.float32)
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"warning: image scorer failed ({e}); this batch gets NaN rewards", flush=True)
+            return torch.full((len(prompts),), math.nan)
+
 
 def _parse_scores(raw: bytes, n: int, url: str) -> list[float]:
     """The scores of a reply, checked against the protocol; ValueError naming the first problem."""
