@@ -364,16 +364,9 @@ SHAPED = {
 _BOX = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
-
-
 def answer_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the last \\boxed{} in the decoded completion holds the true answer, else 0.0 (no format
-    credit: the toy's SFT model always writes a box, so a format term would only add a constant).
-
-        answer_reward("3 + 4 = 7 . \\\\boxed{7}", {"answer": "7"}) == 1.0
-        answer_reward("3 + 4 = 8 . \\\\boxed{8}", {"answer": "7"}) == 0.0
-        answer_reward("3 + 4 = 7", {"answer": "7"}) == 0.0      # no box
-    """
+    """1.0 if the last \\boxed{} of the completion holds the true answer, else 0.0, a missing box included (no
+    format credit: the toy's SFT model always writes a box): "3 + 4 = 7 . \\\\boxed{7}" scores 1 for answer "7"."""
     boxes = _BOX.findall(completion_text)
     return float(bool(boxes) and boxes[-1].strip() == example["answer"])
 
@@ -401,39 +394,28 @@ PLACES = {"top row": (0, "first"), "bottom row": (0, "last"), "left column": (1,
 
 
 def image_checks(codes: list[int], spec: dict) -> list[bool]:
-    """The verifier's individual checks: for each named colour its exact cell count; the relation or
-    placement if any; and "no stray colours" (the set of colours present equals the named set)."""
+    """Each named colour's exact cell count; "no stray colours" (the colours present are the named ones); the
+    relation (every cell of a strictly on the named side of every cell of b: GenEval compares box centres, the
+    same for one-cell objects) or the placement (every cell of a in the named row or column), if any."""
     w = spec["width"]
     cells = {c: [divmod(i, w) for i, x in enumerate(codes) if x == COLOURS.index(c) + 1] for c in COLOURS}
     checks = [len(cells[c]) == n for c, n in spec["counts"].items()]
-    present = {c for c in COLOURS if cells[c]}
-    checks.append(present == set(spec["counts"]))
+    checks.append({c for c in COLOURS if cells[c]} == set(spec["counts"]))
     if spec["relation"]:
         a, rel, b = spec["relation"]
         axis, sign = RELATIONS[rel]
-        # Every cell of a strictly on the named side of every cell of b (GenEval compares box centres;
-        # with one-cell objects this is the same thing).
         checks.append(bool(cells[a]) and bool(cells[b]) and
                       all(sign * (q[axis] - p[axis]) > 0 for p in cells[b] for q in cells[a]))
     if spec["place"]:
         a, place = spec["place"]
         axis, end = PLACES[place]
-        line = 0 if end == "first" else w - 1
-        checks.append(bool(cells[a]) and all(p[axis] == line for p in cells[a]))
+        checks.append(bool(cells[a]) and all(p[axis] == (0 if end == "first" else w - 1) for p in cells[a]))
     return checks
 
 
 def image_reward(codes: list[int], example: dict) -> float:
-    """Fraction of satisfied checks in [0, 1] (GenEval itself is all-or-nothing per prompt; a fraction
-    gives RL a denser signal).
-
-        ex = {"spec": {"width": 2, "counts": {"red": 1}, "relation": None, "place": None}}
-        image_reward([1, 0, 0, 0], ex) == 1.0     # one red cell, nothing else
-        image_reward([1, 1, 0, 0], ex) == 0.5     # two reds: count wrong, colours right
-        image_reward([0, 0, 0, 0], ex) == 0.0     # empty grid
-    """
-    spec = example["spec"]
-    if len(codes) != spec["width"] ** 2:
-        return 0.0
-    checks = image_checks(codes, spec)
+    """The fraction of image_checks that hold, 0.0 for a wrong number of codes (GenEval is all-or-nothing per
+    prompt; a fraction gives RL a denser signal). For "one red" on a 2 x 2 grid: [1, 0, 0, 0] -> 1.0, [1, 1, 0, 0]
+    -> 0.5 (two reds: the count fails, the colours hold)."""
+    checks = image_checks(codes, example["spec"]) if len(codes) == example["spec"]["width"] ** 2 else [False]
     return sum(checks) / len(checks)

@@ -237,22 +237,16 @@ def attends_padding(cfg, task: str) -> bool:
 
 
 def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> Batch:
-    """MMaDA's t2i layout (tasks.encode_image_prompt), with the empty-caption prompt for CFG."""
-    n = cfg.image_width ** 2
-    text_len = cfg.image_text_len or TOY_CAPTION_LEN
-    enc = [encode_image_prompt(tok, ids, ex["prompt"], text_len, n) for ex in examples]
-    unc = encode_image_prompt(tok, ids, "", text_len, n)
-    x = torch.tensor([e[0] for e in enc], device=device)
-    att = torch.tensor([e[2] for e in enc], device=device)
+    """MMaDA's t2i layout (encode_image_prompt), with the empty-caption prompt for CFG."""
+    n, text_len, B = cfg.image_width ** 2, cfg.image_text_len or TOY_CAPTION_LEN, len(examples)
+    enc = [encode_image_prompt(tok, ids, ex["prompt"], text_len, n) for ex in examples + [{"prompt": ""}]]
+    x = torch.tensor([e[0] for e in enc], device=device)                 # (B + 1, L): the last row is CFG's
+    att = torch.tensor([e[2] for e in enc], device=device)               # (B + 1, L)
+    att = att.fill_(1) if attends_padding(cfg, task) else att            # conditional and unconditional alike
     start = enc[0][1]
     if with_targets:
-        x[:, start:start + n] = torch.tensor([ex["image"] for ex in examples], device=device) + ids.image_token_offset
-    B = len(examples)
-    uncond = torch.tensor(unc[0], device=device).expand(B, -1).clone()
-    uncond_mask = torch.tensor(unc[2], device=device).expand(B, -1).clone()
-    if attends_padding(cfg, task):  # conditional and CFG's unconditional passes alike
-        att, uncond_mask = att.fill_(1), uncond_mask.fill_(1)
-    return Batch(task, x, att, start, n, uncond, uncond_mask, examples)
+        x[:B, start:start + n] = torch.tensor([ex["image"] for ex in examples], device=device) + ids.image_token_offset
+    return Batch(task, x[:B], att[:B], start, n, x[B:].expand(B, -1).clone(), att[B:].expand(B, -1).clone(), examples)
 
 
 def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 0.0) -> dict:
@@ -278,19 +272,17 @@ def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
     if task not in TOY_TASKS:
         return dataset_prompts(task, cfg, step, datasets[task]["train"])
     rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
-    return [TASKS[task].example(rng, cfg, "train") for _ in range(cfg.prompts_per_step)]
+    return [TASKS[task].example(rng, cfg, "train", 0.0) for _ in range(cfg.prompts_per_step)]
 
 
 def dataset_prompts(task: str, cfg, step: int, rows: list) -> list:
-    """Step `step`'s rows of a dataset, walked in a fresh seeded permutation per epoch, so step s always sees
-    the same prompts (and a resumed run continues where it stopped)."""
-    out, orders = [], {}
+    """Step `step`'s rows of a dataset, walked in a fresh seeded permutation per epoch: step s always sees the
+    same prompts (and a resumed run continues where it stopped)."""
+    out = []
     for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
-        epoch, pos = divmod(i, len(rows))
-        if epoch not in orders:  # one shuffle per epoch touched by this step (at most two)
-            orders[epoch] = list(range(len(rows)))
-            random.Random(derive_seed(cfg.seed, "epoch", task, epoch)).shuffle(orders[epoch])
-        out.append(rows[orders[epoch][pos]])
+        epoch = list(range(len(rows)))
+        random.Random(derive_seed(cfg.seed, "epoch", task, i // len(rows))).shuffle(epoch)
+        out.append(rows[epoch[i % len(rows)]])
     return out
 
 # -----------------------------------------------------------------------------------------------------
@@ -306,14 +298,14 @@ class Ctx:
     device: torch.device
     datasets: dict                    # {task: {"train": rows, "test": rows}} (infra/data.load_data)
     scorer: object = None             # infra/scorer.RemoteScorer for geneval rewards
-    text_sampler: object = sample.generate  # RL text rollouts (--kv_cache/--threshold: infra/fast_sample.py)
+    text_sampler: object = None       # RL text rollouts: None = sample.generate (--kv_cache/--threshold: infra/fast_sample.py)
 
 
 @torch.no_grad()
-def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, text_sampler=sample.generate):
+def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, text_sampler=None):
     """Step 1: fill every row's window with the policy's sample. Returns (a new Batch, the decoding order (B, L):
     the sampler step at which each position was revealed, -1 for the prompt). gens: one generator per row, so a
-    row's sample depends on its own seed only. text_sampler: LLaDA's sampler, or the RL step's ctx.text_sampler."""
+    row's sample depends on its own seed only. text_sampler: the RL step's ctx.text_sampler; None = LLaDA's."""
     cfg, ids, xs, orders = ctx.cfg, ctx.ids, [], []
     with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout; a no-op in one process
         for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
@@ -326,9 +318,10 @@ def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, tex
                     code_offset=ids.image_token_offset, codebook_size=ids.codebook_size, mask_id=ids.mask,
                     return_order=True)
             else:
-                x, order = text_sampler(model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length,
-                                        steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=g,
-                                        attention_mask=c.attention_mask[:, : c.prompt_len], return_order=True)
+                x, order = (text_sampler or sample.generate)(
+                    model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length, steps=cfg.steps,
+                    temperature=temperature, mask_id=ids.mask, generator=g,
+                    attention_mask=c.attention_mask[:, : c.prompt_len], return_order=True)
             xs.append(x)
             orders.append(order)
     return replace(prompts, x=torch.cat(xs)), torch.cat(orders)

@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 import grpo
 import importance
-import sample
 import tasks
 from infra import checkpoint, claims, cli, dryrun, lora, phases, scale, timing
 from infra.data import load_data
@@ -70,8 +69,6 @@ class StepConfig:
     temperature: float = 1.0          # rollout temperature (official default 0.9)
     block_length: int = 12            # semi-autoregressive block size; divides gen_length (official: 16)
     steps: int = 12                   # denoising steps per text rollout: a multiple of the blocks, <= gen_length
-    kv_cache: str = "none"            # none (exact) | prefix | dual: Fast-dLLM block KV cache for text rollouts
-    threshold: float = 0.0            # > 0: also commit every masked token more confident than this (Fast-dLLM)
     image_sampler: str = "emerge"     # emerge (MaskGRPO) | maskgit (MMaDA default, baseline)
     image_steps: int = 12             # image denoising steps (paper Alg. 4: 12)
     cfg_scale: float = 0.0            # image guidance weight w: (1 + w) cond - w uncond
@@ -108,6 +105,9 @@ class Config(StepConfig):
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     dtype: str = "auto"               # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
     threads: int = 0                  # torch CPU threads (0 = torch's default)
+    # Fast-dLLM (arXiv:2505.22618) text rollouts in RL steps (tasks.Ctx.text_sampler; evaluation stays exact)
+    kv_cache: str = "none"            # none (exact) | prefix | dual: block KV cache
+    threshold: float = 0.0            # > 0: also commit every masked token more confident than this
     # model
     init_from: str = "scratch"        # "scratch" (toy model below, trained by SFT) or a checkpoint directory
     sft_dir: str = ""                 # SFT model cache ("" = out_dir/sft); runs with the same SFT settings may share it
@@ -449,8 +449,7 @@ def _run(cfg: Config, argv) -> dict:
             scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
             model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
         fast = cfg.kv_cache != "none" or cfg.threshold > 0  # Fast-dLLM text rollouts in RL steps
-        ctx = Ctx(cfg, tok, ids, device, datasets, scorer, FastSampler(cfg.kv_cache, cfg.threshold) if fast
-                  else sample.generate)
+        ctx = Ctx(cfg, tok, ids, device, datasets, scorer, FastSampler(cfg.kv_cache, cfg.threshold) if fast else None)
         report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
         opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                                 weight_decay=cfg.weight_decay)

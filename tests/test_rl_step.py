@@ -528,6 +528,9 @@ class ReadRecorder:
         object.__setattr__(self, "read", set())
 
     def __getattr__(self, name):
+        prop = getattr(type(self.cfg), name, None)
+        if isinstance(prop, property):  # a derived setting (StepConfig.adv_scaled): record the fields it reads
+            return prop.fget(self)
         self.read.add(name)
         return getattr(self.cfg, name)
 
