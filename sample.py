@@ -70,7 +70,7 @@ def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=Non
     per-row generators, the rows that draw (the others get 0.5 and leave their stream alone). cols: a slice
     of dim 1, the only columns returned; the generator still draws the others and discards them, in
     chunks of whole columns that start at column 0 whatever `cols` is, so the columns kept and the
-    stream's end are those of the full draw. So a sampler that computes the head on a few positions still
+    stream's end are those of the full draw: a sampler that computes the head on a few positions still
     consumes LLaDA's full-sequence stream, and neither depends on `cols`, which the sampler computes over the
     whole batch. One code path for every device: a CUDA generator draws as many numbers, in the same chunks."""
     if generator is None:
@@ -177,8 +177,7 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     steps each (LLaDA floors it). Every step predicts x0 (Gumbel-max at temperature > 0) and reveals the
     transfer_schedule count of masked positions with the highest confidence: p(x0) for "low_confidence", a
     uniform draw for "random". cfg_scale w: logits l_u + (w + 1)(l_c - l_u), l_u with the prompt masked
-    (arXiv:2410.18514). generator: one torch.Generator, or a list of B, one per row. Eval mode expected.
-    """
+    (arXiv:2410.18514). generator: one torch.Generator, or a list of B, one per row. Eval mode expected."""
     num_blocks = gen_length // block_length
     spb = steps // max(num_blocks, 1)
     assert gen_length % block_length == 0 and spb >= 1 and remasking in REMASKING, \
