@@ -2,33 +2,102 @@
 
 MaskGRPO (arXiv:2510.02880) rolls out with these samplers:
   generate        LLaDA's semi-autoregressive block sampler (LLaDA arXiv:2502.09992 and its public
-                  generate.py, reproduced token for token at temperature 0), with the Fast-dLLM block KV cache
-                  and confidence threshold (arXiv:2505.22618) as options of the same step.
+                  generate.py, reproduced token for token at temperature 0). infra/fast_sample.py adds the
+                  Fast-dLLM approximations (arXiv:2505.22618), off by default.
   generate_image  over the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`: MaskGRPO's "emerge"
                   sampler (MDLM ancestral sampling, paper Alg. 4) or MMaDA's MaskGIT sampler, with optional CFG.
 Both can return the decoding order (return_order=True), from which importance.py rebuilds every state.
-Every random number comes from the `generator` argument (one, or one per row: infra/rng.py), drawn on its
-own device, so a CPU generator gives identical samples on CPU and GPU; the global RNG is never used. The
-callers (train.py, tools/sample.py) validate the settings; the samplers assert their preconditions.
+Every random number comes from the `generator` argument (one, or one per row), drawn on its own device, so a
+CPU generator gives identical samples on CPU and GPU; the global RNG is never used. The seeds of a run and
+the per-row uniforms are the first section below. The callers (train.py, tools/sample.py) validate the
+settings; the samplers assert their preconditions.
 
     python -m tools.sample --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
 
 Shapes: B batch, P prompt, N gen_length, L sequence (P + N for text), V vocabulary, n image slots, C codes.
 """
+import hashlib
 import math
+import struct
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from infra import scale
-from infra.rng import uniform
-
 REMASKING = ("low_confidence", "random")
-KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a cached step recomputes
 IMAGE_SAMPLERS = ("emerge", "maskgit")
 # BLAS may take another kernel (other rounding) for a GEMM of a few rows, which can flip a near-tie. A head over at least this many rows gives each row the full head's bits.
 MIN_HEAD_ROWS = 32
+
+
+# -----------------------------------------------------------------------------------------------------
+# random numbers: seeds named by purpose, per-row uniforms
+#
+# No draw uses the global RNG (LoRA dropout aside, which train.py seeds per update): each seed is a blake2b
+# hash of its purpose and global index, e.g. derive_seed(seed, "rollout", task, step, i) for sequence i's
+# rollout noise, so a sequence gets the same randomness in any batch, process or world size.
+
+
+def _blake64(data: bytes) -> int:
+    # blake2b, not hash(): the same in every process and Python version, and neighbours come out unrelated.
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def derive_seed(*parts) -> int:
+    """A 63-bit seed from (run seed, purpose, step, ...), e.g. derive_seed(0, "rollout", "text", 3, 7)."""
+    return _blake64(repr(parts).encode()) & (2**63 - 1)  # repr: parts may be strings and floats
+
+
+def generator(device, *parts) -> torch.Generator:
+    """A torch.Generator on `device` seeded with derive_seed(*parts)."""
+    return torch.Generator(device=device).manual_seed(derive_seed(*parts))
+
+
+def packed_seed(tag: bytes, *ints: int) -> int:
+    """The estimator's mask seeds S_j: blake2b of a tag and packed non-negative ints < 2**63 (the caller
+    checks), a fixed byte layout instead of a repr; top 63 bits."""
+    return _blake64(tag + struct.pack(f"<{len(ints)}q", *ints)) >> 1
+
+
+# Elements per draw when a row's stream is walked in chunks: bounds the memory of the discarded numbers
+# (128 MB in float64) without changing them (a chunked draw is the one-shot draw's numbers in order).
+CHUNK = 1 << 24
+
+
+def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=None) -> torch.Tensor:
+    """U[0, 1) draws of `shape`, made on the generator's device, moved to `device`. generator: one
+    torch.Generator, or a list of shape[0], one per row (row i then depends on its own only). active: with
+    per-row generators, the rows that draw (the others get 0.5 and leave their stream alone). cols: a slice
+    of dim 1, the only columns returned; the generator still draws the others and discards them, in
+    chunks of whole columns that start at column 0 whatever `cols` is, so the columns kept and the
+    stream's end are those of the full draw: a sampler that computes the head on a few positions still
+    consumes LLaDA's full-sequence stream, and neither depends on `cols`, which the sampler computes over the
+    whole batch. One code path for every device: a CUDA generator draws as many numbers, in the same chunks."""
+    if generator is None:
+        raise ValueError("this call samples at random but generator is None; pass e.g. generator="
+                         "torch.Generator().manual_seed(0) (a CPU generator gives the same samples on every device)")
+    rows = generator if isinstance(generator, (list, tuple)) else None
+    if rows is not None and len(rows) != shape[0]:
+        raise ValueError(f"got {len(rows)} per-row generators for a batch of {shape[0]} rows")
+    if rows is None and cols is None:
+        return torch.rand(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
+    lo, hi = (0, shape[1]) if cols is None else (cols.start, cols.stop)
+    out = torch.empty((shape[0], hi - lo, *shape[2:]), dtype=dtype, device=device)
+    step = max(1, CHUNK // max(1, math.prod(shape[2:])))                         # columns per draw
+    for i, g in enumerate(rows or [generator] * shape[0]):
+        if rows is not None and active is not None and not active[i]:
+            out[i] = 0.5
+            continue
+        for c in range(0, shape[1], step):
+            draw = torch.rand((min(step, shape[1] - c), *shape[2:]), generator=g, device=g.device, dtype=dtype)
+            a, b = max(lo, c), min(hi, c + step)                                 # the kept columns of this draw
+            if a < b:
+                out[i, a - lo:b - lo] = draw[a - c:b - c]
+    return out
+
+
+# -----------------------------------------------------------------------------------------------------
+# the text sampler's parts (infra/fast_sample.py reuses them)
 
 
 def _forward(model, x, attention_mask, lo, end, **kw):
@@ -90,35 +159,14 @@ def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_or
     return x, order, attention_mask, x != mask_id
 
 
-def _count(stats: dict, committed: torch.Tensor, conf: torch.Tensor) -> None:
-    # committed: tokens committed by each active row at one step; conf: their sampled tokens' probabilities.
-    for k, v in (("row_steps", committed.numel()), ("tokens", int(committed.sum())),
-                 ("conf_sum", float(conf.double().sum()))):
-        stats[k] = stats.get(k, 0) + v
-    stats["max"] = max(stats.get("max", 0), int(committed.max()) if committed.numel() else 0)
-
-
-def fast_summary(task: str, stats: dict | None, device) -> dict:
-    """Log entries of one RL step's fast rollouts, over all ranks: tokens committed per decoding step and
-    row (mean, max; the exact sampler commits gen_length / steps) and the mean probability of the committed
-    tokens under the sampling distribution (Fast-dLLM thresholds it). {} without stats."""
-    if stats is None:
-        return {}
-    sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
-                                      dtype=torch.float64, device=device)).tolist()
-    top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()
-    return {f"{task}/committed_per_step": sums[1] / max(sums[0], 1), f"{task}/committed_per_step_max": top,
-            f"{task}/committed_conf": sums[2] / max(sums[1], 1)}
-
-
 # -----------------------------------------------------------------------------------------------------
 # text: LLaDA semi-autoregressive sampler
 
 
 @torch.no_grad()
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
-             remasking="low_confidence", mask_id, generator=None, attention_mask=None, kv_cache="none",
-             threshold=0.0, return_order=False, progress=False, stats=None):
+             remasking="low_confidence", mask_id, generator=None, attention_mask=None, return_order=False,
+             progress=False):
     """LLaDA's semi-autoregressive sampler (arXiv:2502.09992 §2.4 and its public generate.py, token for
     token at temperature 0): prompt_ids (B, P) int64, left-padded, attention_mask (B, P) 1 = real token
     (optional) -> x (B, P + N), prompt included. return_order=True also returns order (B, P + N) int64: the
@@ -129,25 +177,11 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     steps each (LLaDA floors it). Every step predicts x0 (Gumbel-max at temperature > 0) and reveals the
     transfer_schedule count of masked positions with the highest confidence: p(x0) for "low_confidence", a
     uniform draw for "random". cfg_scale w: logits l_u + (w + 1)(l_c - l_u), l_u with the prompt masked
-    (arXiv:2410.18514). generator: one torch.Generator, or a list of B, one per row. Eval mode expected.
-
-    Two Fast-dLLM approximations (arXiv:2505.22618), off by default: kv_cache "prefix" or "dual" caches every
-    layer's keys and values at each block start, and later steps of the block recompute the block and what
-    follows it ("prefix") or the block alone ("dual") against it (model.Transformer's kv arguments);
-    threshold tau > 0 also commits every masked position of the block more confident than tau, at least
-    ceil(masked left / steps left), so a block may end early. Either one switches to the fast step: the
-    block alone is scored, the mask id is never committed, and a row whose block is done draws no noise. They
-    approximate the behaviour policy only: MaskGRPO rescores every rollout under its own masks. stats: a dict
-    that receives running sums of what each fast step committed (fast_summary reads them).
-    """
+    (arXiv:2410.18514). generator: one torch.Generator, or a list of B, one per row. Eval mode expected."""
     num_blocks = gen_length // block_length
     spb = steps // max(num_blocks, 1)
-    fast = kv_cache != "none" or threshold > 0
     assert gen_length % block_length == 0 and spb >= 1 and remasking in REMASKING, \
         f"gen_length {gen_length} must be a multiple of block_length {block_length}, with steps {steps} >= blocks"
-    assert kv_cache in KV_CACHES and (kv_cache == "none" or getattr(model, "accepts_cache_kwargs", False)), \
-        f"kv_cache={kv_cache!r} needs model.Transformer's kv / start / return_kv forward arguments, in {KV_CACHES}"
-    assert threshold == 0 or remasking == "low_confidence", "threshold compares model confidences"
     x, order, attention_mask, prompt_index = canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale,
                                                     return_order)
     (B, L), P = x.shape, prompt_ids.shape[1]
@@ -155,51 +189,29 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     for blk in range(num_blocks):
         start, end = P + blk * block_length, P + (blk + 1) * block_length
         counts = transfer_schedule((x[:, start:end] == mask_id).sum(1), spb)       # (B, spb)
-        kv = None
         for i in range(spb):
             masked = x == mask_id                                                  # (B, L)
-            if fast and not masked[:, start:end].any():  # the threshold finished this block early
-                break
-            # The exact step lets a predicted mask id stay masked and compete again, even past its block (as
-            # LLaDA), so it chooses among the positions from the first masked one up to the block end.
+            # A predicted mask id stays masked and competes again, even past its block (as LLaDA), so the
+            # step chooses among the positions from the first masked one up to the block end.
             cols = masked[:, :end].any(0).nonzero()
-            lo = start if fast else int(cols[0]) if len(cols) else end
+            lo = int(cols[0]) if len(cols) else end
             xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
-            if kv is None:  # a full forward (at a block start, it stores every layer's keys and values)
-                logits, kv = _forward(model, xx, attention_mask, lo, end, return_kv=True) if kv_cache != "none" \
-                    else (_forward(model, xx, attention_mask, lo, end), None)    # (B or 2B, l, V)
-            else:  # recompute the block and what follows it (prefix) or the block alone (dual)
-                stop = L if kv_cache == "prefix" else end
-                logits = model(xx[:, start:stop], attention_mask, kv=kv, start=start, logits_at=slice(0, end - start))
+            logits = _forward(model, xx, attention_mask, lo, end)                 # (B or 2B, l, V)
             if cfg_scale:  # l_u + (w + 1)(l_c - l_u), in this order so that bf16 rounds as the reference
                 cond, uncond = logits.chunk(2)
                 logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, l, V)
-            if fast:
-                logits[..., mask_id] = -math.inf
-            # The exact step draws each row's noise over the whole sequence (LLaDA's stream), kept on the columns
-            # [lo, end); which number lands on which column does not depend on lo, so not on the batch mates
-            # (infra/rng.py). The fast step draws the block's only, for the rows still decoding it.
-            draw = dict(shape=(B, end - lo), active=masked[:, start:end].any(1).tolist()) if fast else \
-                dict(shape=(B, L), cols=slice(lo, end))
-            shape = draw.pop("shape")
-            u = uniform((*shape, logits.shape[-1]), generator, x.device, **draw) if temperature > 0 else None
+            # Each row's noise is drawn over the whole sequence (LLaDA's stream), kept on the columns [lo, end);
+            # which number lands on which column does not depend on lo, so not on the batch mates (uniform).
+            u = uniform((B, L, logits.shape[-1]), generator, x.device, cols=slice(lo, end)) if temperature > 0 else None
             x0 = gumbel_argmax(logits, temperature, u)                             # (B, l)
             if remasking == "low_confidence":  # in the logits' dtype, as LLaDA (float32 breaks bf16 ties)
                 conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # (B, l)
             else:
-                conf = uniform(shape, generator, x.device, torch.float32, **draw)  # (B, l)
+                conf = uniform((B, L), generator, x.device, torch.float32, cols=slice(lo, end))  # (B, l)
             m = masked[:, lo:end]                                                  # (B, l)
             full = torch.full((B, L), -math.inf, dtype=conf.dtype, device=x.device)  # topk on LLaDA's full rows
             full[:, lo:end] = torch.where(m, conf, -math.inf)
-            # The fast step reveals at least ceil(masked left / steps left): the fixed schedule when nothing
-            # extra was committed.
-            k = (m.sum(1) + spb - i - 1) // (spb - i) if fast else counts[:, i]   # (B,)
-            select = select_top_k(full, k)[:, lo:end]                              # (B, l)
-            if threshold > 0:
-                select |= m & (conf > threshold)
-            new = torch.where(select & m, x0, x[:, lo:end])                        # (B, l)
-            if stats is not None and fast:  # per row that still had masked tokens: how many it committed, how sure
-                _count(stats, (select & m)[m.any(1)].sum(1), conf[select & m])
+            new = torch.where(select_top_k(full, counts[:, i])[:, lo:end] & m, x0, x[:, lo:end])  # (B, l)
             if order is not None:
                 order[:, lo:end][m & (new != mask_id)] = blk * spb + i
             x[:, lo:end] = new

@@ -12,7 +12,7 @@ import torch
 
 import tasks
 from infra import scale
-from infra.rng import derive_seed, generator
+from sample import derive_seed, generator
 from tasks import Ctx
 
 GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png

@@ -28,7 +28,7 @@ One device:
      chunk of device_batch_size left-padded prompts), and the llada8b RL step time they imply (the
      measured rollout rate applied to the dry run's FLOPs of every phase) next to the dry run's.
   7. Rows sampled alone equal the same rows sampled in batches of 2 and 4, with per-row generators on
-     the device (infra/rng.py: one code path on every device).
+     the device (sample.uniform: one code path on every device).
   8. LoRA dropout under activation checkpointing: the recomputed forward replays the dropout masks, so
      gradients with checkpointing on equal those with it off (same seed); another seed moves them.
   9. torchrun's kill delay after SIGTERM, measured (about 10 s, also on the CPU, slow suite): a 1-process

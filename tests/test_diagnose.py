@@ -15,7 +15,8 @@ import torch
 import importance
 import tasks
 import train
-from infra import rng, toy
+from infra import toy
+from sample import generator
 from tools import diagnose
 from infra.budget import scratch_config
 from model import Transformer
@@ -41,7 +42,7 @@ def test_log_ratios_are_the_training_codes(sft_dir):
     ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
     exs = [ex for ex in tasks.draw_prompts("text", cfg, 0, {}) for _ in range(cfg.group_size)]
     b = tasks.make_batch("text", exs, tok, ids, cfg, ctx.device, with_targets=False)
-    gens = [rng.generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(exs))]
+    gens = [generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(exs))]
     b, order, _ = tasks.rollout(old, b, ctx, gens, cfg.temperature, allow_fast=True)
     assert (order[:, b.window_slice] >= 0).all() and (order[:, : b.prompt_len] == -1).all()
     theta = copy.deepcopy(old)

@@ -20,7 +20,7 @@ import evaluate
 import sample
 import tasks
 import train
-from infra import heldout, rng, scale
+from infra import fast_sample, heldout, scale
 
 from test_trajectory import base, fake_score  # noqa: F401 (base: the tiny random smoke model, a fixture)
 
@@ -43,11 +43,12 @@ def naive(model, ctx, temperature, **fast):
     out = {}
     for start in range(0, len(rows), 64):
         b = tasks.make_batch("text", rows[start:start + 64], tok, ids, cfg, ctx.device, with_targets=False)
-        gens = [rng.generator("cpu", cfg.seed, "eval-sampling", "text", temperature, j)
+        gens = [sample.generator("cpu", cfg.seed, "eval-sampling", "text", temperature, j)
                 for j in range(start, start + b.x.shape[0])]
-        x = sample.generate(model, b.x[:, :b.prompt_len], gen_length=cfg.gen_length, block_length=cfg.block_length,
-                            steps=cfg.steps, temperature=temperature, mask_id=ids.mask, generator=gens,
-                            attention_mask=b.attention_mask[:, :b.prompt_len], **fast)
+        x = fast_sample.generate(model, b.x[:, :b.prompt_len], gen_length=cfg.gen_length,
+                                 block_length=cfg.block_length, steps=cfg.steps, temperature=temperature,
+                                 mask_id=ids.mask, generator=gens, attention_mask=b.attention_mask[:, :b.prompt_len],
+                                 **fast)
         done = tasks.Batch("text", x, b.attention_mask, b.prompt_len, b.window, examples=b.examples)
         texts = [tok.decode(w, skip_special_tokens=True) for w in x[:, b.window_slice].tolist()]
         rewards = tasks.score(done, tok, ids, text_reward=cfg.text_reward).tolist()

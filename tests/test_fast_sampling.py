@@ -1,7 +1,7 @@
-"""The fast text sampler sample.generate (kv_cache, threshold) and model.py's cached forward:
-the defaults stay the reference, the cached forward equals the plain one on a fresh cache, the fast paths
-decode every position and leave the prompt alone, and they equal exact decoding on a model for which the
-cache is not an approximation.
+"""The fast text sampler infra/fast_sample.py (kv_cache, threshold) and model.py's cached forward: the
+defaults stay the reference (sample.generate itself), the cached forward equals the plain one on a fresh
+cache, the fast paths decode every position and leave the prompt alone, they equal exact decoding on a model
+for which the cache is not an approximation, and FastSampler's statistics are what the decoding order shows.
 
     python -m pytest tests/test_fast_sampling.py -q
 """
@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import ModelConfig, Transformer
-from sample import generate
-from infra import hf
+from infra import fast_sample, hf
+from infra.fast_sample import generate
 import sample
 
 
@@ -130,7 +130,7 @@ def test_cached_forward_refuses_a_slice_without_its_cache():
 
 
 # -----------------------------------------------------------------------------------------------------
-# sample.py: the fast paths
+# infra/fast_sample.py: the fast paths
 
 
 @pytest.mark.parametrize("kv_cache, threshold", FAST)
@@ -163,7 +163,7 @@ def test_cache_equals_exact_decoding_where_it_is_exact(n_layers, mixing, cfg_sca
     model = NoMask(model_(n_layers, mixing).double())
     p, am = padded_prompts()
     kw = dict(gen_length=16, block_length=4, steps=16, mask_id=MASK, cfg_scale=cfg_scale)
-    exact = generate(model, p, attention_mask=am, **kw)
+    exact = sample.generate(model, p, attention_mask=am, **kw)
     for kv_cache, threshold in (("prefix", 0.0), ("dual", 0.0), ("prefix", 1.0), ("none", 1.0)):
         out = generate(model, p, attention_mask=am, kv_cache=kv_cache, threshold=threshold, **kw)
         assert torch.equal(out, exact), (kv_cache, threshold, (out != exact).sum().item())
@@ -188,7 +188,7 @@ def test_cache_is_an_approximation_on_a_general_model():
     model = NoMask(model_(n_layers=3))
     p, am = padded_prompts()
     kw = dict(gen_length=16, block_length=4, steps=16, mask_id=MASK, attention_mask=am)
-    exact = generate(model, p, **kw)
+    exact = sample.generate(model, p, **kw)
     for kv_cache in ("prefix", "dual"):
         out = generate(model, p, kv_cache=kv_cache, **kw)
         assert not torch.equal(out, exact) and not (out == MASK).any()
@@ -241,11 +241,57 @@ def test_threshold_one_or_more_is_the_fixed_schedule():
     p = torch.randint(2, V - 1, (3, 5), generator=torch.Generator().manual_seed(3))
     for steps in (16, 8):
         exact, _ = table_stub()
-        want = generate(exact, p, steps=steps, **kw)
+        want = sample.generate(exact, p, steps=steps, **kw)
         for threshold in (1.0, 2.0):
             fast, _ = table_stub()
             assert torch.equal(generate(fast, p, steps=steps, threshold=threshold, **kw), want)
             assert len(fast.inputs) == len(exact.inputs) == steps
+
+
+def counted(order, P, G, K, spb, conf):
+    """What the fast step committed, read off one call's decoding order: (row steps, tokens, most tokens in one
+    row step, their confidences' sum). A row takes part in its block's steps up to its last commit, and commits
+    at least one token at each (ceil(masked left / steps left) >= 1)."""
+    row_steps = tokens = top = 0
+    conf_sum = 0.0
+    for row in order.tolist():
+        for blk in range(G // K):
+            o = row[P + blk * K:P + (blk + 1) * K]
+            n = [o.count(s) for s in range(blk * spb, max(o) + 1)]
+            row_steps, tokens, top = row_steps + len(n), tokens + sum(n), max(top, *n)
+        conf_sum += float(conf[P:P + G].double().sum())
+    return row_steps, tokens, top, conf_sum
+
+
+def test_fast_sampler_sums_its_calls_until_take_log():
+    """FastSampler adds up every call's statistics (two calls of other lengths here) and take_log reports and
+    resets them. Expected values: counted from the returned orders, with the confidences of a context-free
+    stub at temperature 0 (position i commits argmax table[i], of probability max softmax(table[i]))."""
+    model, table = table_stub()
+    conf = torch.softmax(table, -1).max(-1).values                                 # (64,)
+    sampler = fast_sample.FastSampler("none", 0.5)
+    calls = [(5, 16, 4, 16, 2), (3, 8, 8, 4, 3)]                                   # P, G, K, steps, B
+    want = [0, 0, 0, 0.0]
+    for P, G, K, S, B in calls:
+        p = torch.randint(2, V - 1, (B, P), generator=torch.Generator().manual_seed(P))
+        out, order = sampler(model, p, gen_length=G, block_length=K, steps=S, mask_id=MASK, return_order=True)
+        assert not (out == MASK).any()
+        c = counted(order, P, G, K, S // (G // K), conf)
+        want = [want[0] + c[0], want[1] + c[1], max(want[2], c[2]), want[3] + c[3]]
+    row_steps, tokens, top, conf_sum = want
+    assert tokens == 2 * 16 + 3 * 8 and row_steps < tokens and top >= 2  # the threshold committed several at once
+    log = sampler.take_log("cpu")
+    assert log == pytest.approx({"text/committed_per_step": tokens / row_steps, "text/committed_per_step_max": top,
+                                 "text/committed_conf": conf_sum / tokens}, rel=1e-6)
+    assert sampler.take_log("cpu") == {"text/committed_per_step": 0.0, "text/committed_per_step_max": 0.0,
+                                       "text/committed_conf": 0.0}
+    P, G, K, S, B = calls[1]
+    p = torch.randint(2, V - 1, (B, P), generator=torch.Generator().manual_seed(P))
+    order = sampler(model, p, gen_length=G, block_length=K, steps=S, mask_id=MASK, return_order=True)[1]
+    row_steps, tokens, top, conf_sum = counted(order, P, G, K, S // (G // K), conf)
+    assert sampler.take_log("cpu") == pytest.approx({"text/committed_per_step": tokens / row_steps,
+                                                     "text/committed_per_step_max": top,
+                                                     "text/committed_conf": conf_sum / tokens}, rel=1e-6)
 
 
 @pytest.mark.parametrize("kw", [dict(kv_cache="full"), dict(threshold=0.9, remasking="random")])
@@ -263,7 +309,7 @@ def test_cache_needs_a_model_with_cache_arguments():
 
 
 # -----------------------------------------------------------------------------
-# sample.generate's fast-step noise and reveal order at temperature > 0, replayed by a naive loop written here from
+# fast_sample.generate's fast-step noise and reveal order at temperature > 0, replayed by a naive loop written here from
 # its documented behaviour: per block and step, each row whose block still has a mask draws its own uniforms
 # (float64, block positions x vocabulary, for the Gumbel-max token; then float32, block positions, for "random"
 # remasking), commits the top ceil(masked left / steps left) masked positions by confidence plus every one
@@ -323,9 +369,9 @@ def test_noise_and_order_replay(kv_cache, threshold, remasking, temperature):
     prompt = torch.randint(2, 38, (3, 4), generator=torch.Generator().manual_seed(1))
     G, K, S = 12, 4, 12
     gens = lambda: [torch.Generator().manual_seed(30 + r) for r in range(3)]
-    got, order = sample.generate(model, prompt, gen_length=G, block_length=K, steps=S, temperature=temperature,
-                                      remasking=remasking, mask_id=MASK_REPLAY, generator=gens(), kv_cache=kv_cache,
-                                      threshold=threshold, return_order=True)
+    got, order = generate(model, prompt, gen_length=G, block_length=K, steps=S, temperature=temperature,
+                          remasking=remasking, mask_id=MASK_REPLAY, generator=gens(), kv_cache=kv_cache,
+                          threshold=threshold, return_order=True)
     want, want_order = naive(model, prompt, G, K, S, temperature, remasking, threshold, gens())
     assert torch.equal(got, want) and torch.equal(order, want_order)
     if threshold:

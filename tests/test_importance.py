@@ -83,16 +83,16 @@ def test_mask_seed_stable_and_distinct():
 def test_seed_values_pinned():
     # Every mask, rollout and initial weight of a run hangs on these two hashes: a change to either
     # encoding changes every number of a run, so their values are pinned.
-    from infra import rng
-    assert rng.derive_seed(0, "masks", "text") == 3114210071054700744
-    assert rng.derive_seed(0, "rollout", "text", 3, 7) == 7451824479630074830
-    assert rng.derive_seed(1, "sft-data") == 5498370931827955440
-    assert rng.derive_seed(42, "eval-sampling", "image", 0.9, 2) == 1884213763776914083
-    assert rng.derive_seed(0, "init") == 2020223635098297231
+    import sample
+    assert sample.derive_seed(0, "masks", "text") == 3114210071054700744
+    assert sample.derive_seed(0, "rollout", "text", 3, 7) == 7451824479630074830
+    assert sample.derive_seed(1, "sft-data") == 5498370931827955440
+    assert sample.derive_seed(42, "eval-sampling", "image", 0.9, 2) == 1884213763776914083
+    assert sample.derive_seed(0, "init") == 2020223635098297231
     assert imp.mask_seed(0, 0, 0, 0) == 3366760914556667051
     assert imp.mask_seed(42, 3, 17, 5) == 8001206201335323714
     assert imp.mask_seed(3114210071054700744, 5, 11, 2) == 3452893014633083592
-    g = rng.generator("cpu", 0, "init")
+    g = sample.generator("cpu", 0, "init")
     assert g.initial_seed() == 2020223635098297231 and g.device.type == "cpu"
 
 

@@ -12,9 +12,10 @@ import random
 import pytest
 import torch
 
+import sample
 import tasks
 import train
-from infra import lora, rng
+from infra import lora
 
 from test_trajectory import base, fake_score  # noqa: F401 (base: a fixture)
 from test_trajectory_states import Recorder
@@ -52,6 +53,6 @@ def test_rollout_noise_depends_on_step_and_sequence_only(base, model64, monkeypa
     assert (other != first).any(1).all(), "another step must draw other noise for every sequence"
     assert len({tuple(w) for w in first[:4].tolist()}) == 4, "members of a group draw different noise"
     # The expectation: the sampler on this batch with one generator per row, seeded (seed, rollout, task, 3, i).
-    gens = [rng.generator("cpu", ctx.cfg.seed, "rollout", task, 3, i) for i in range(8)]
+    gens = [sample.generator("cpu", ctx.cfg.seed, "rollout", task, 3, i) for i in range(8)]
     want, _, _ = tasks.rollout(model64, prompts, ctx, gens, ctx.cfg.temperature, allow_fast=True)
     assert torch.equal(want.x[:, want.window_slice], first)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sample
-from infra import rng
+from infra import fast_sample
 from model import ModelConfig, Transformer
 from sample import generate, generate_image, transfer_schedule
 from infra import hf
@@ -173,7 +173,7 @@ def test_per_row_generators_make_rows_batch_independent(kw):
     is the same alone, in a batch, or in another order (train.py shards rollouts across processes)."""
     model, p = tiny_model(dtype=torch.float64), prompts(B=4, high=60)
     args = dict(gen_length=8, block_length=4, steps=8, mask_id=63, temperature=1.0, **kw)
-    run = generate
+    run = fast_sample.generate if "kv_cache" in kw else generate
     whole = run(model, p, generator=[gen(10 + i) for i in range(4)], **args)
     for i in range(4):
         alone = run(model, p[i:i + 1], generator=[gen(10 + i)], **args)
@@ -197,10 +197,10 @@ def test_per_row_generators_threshold_rows_finishing_apart():
         return logits
     p = torch.tensor([[0, 3, 4], [1, 3, 4]])
     args = dict(gen_length=12, block_length=4, steps=12, mask_id=MASK, temperature=1.0, threshold=0.4)
-    whole = generate(Recorder(fn), p, generator=[gen(1), gen(2)], **args)
+    whole = fast_sample.generate(Recorder(fn), p, generator=[gen(1), gen(2)], **args)
     assert set(whole[0, 3:].tolist()) == {5, 6}  # the fast row's tokens do depend on its noise
     for i in range(2):
-        alone = generate(Recorder(fn), p[i:i + 1], generator=[gen(1 + i)], **args)
+        alone = fast_sample.generate(Recorder(fn), p[i:i + 1], generator=[gen(1 + i)], **args)
         assert torch.equal(alone[0], whole[i]), i
 
 
@@ -332,27 +332,27 @@ def test_head_on_a_few_positions_is_the_full_head():
                                        atol=1e-5, msg=f"{(B, lo, end)}")
 
 
-@pytest.mark.parametrize("chunk", [rng.CHUNK, 7, 10])
+@pytest.mark.parametrize("chunk", [sample.CHUNK, 7, 10])
 def test_uniform_columns_replay_the_full_draw(monkeypatch, chunk):
     """cols returns the columns of one full draw made naively from the row's own generator, and leaves the
     generator where that draw leaves it, whatever chunks the stream is walked in (7: one column of 5 per
     draw; 10: two)."""
-    monkeypatch.setattr(rng, "CHUNK", chunk)
+    monkeypatch.setattr(sample, "CHUNK", chunk)
     for dtype in (torch.float64, torch.float32):
         naive = torch.stack([torch.rand((9, 5), generator=gen(7 + i), dtype=dtype) for i in range(3)])
         shared_g, shared_naive = gen(7), torch.rand((3, 9, 5), generator=gen(7), dtype=dtype)
         for lo, hi in ((2, 6), (0, 9), (8, 9), (0, 1)):
             gens = [gen(7 + i) for i in range(3)]
-            part = rng.uniform((3, 9, 5), gens, "cpu", dtype, cols=slice(lo, hi))
+            part = sample.uniform((3, 9, 5), gens, "cpu", dtype, cols=slice(lo, hi))
             assert part.shape == (3, hi - lo, 5) and torch.equal(part, naive[:, lo:hi])
             for i, g in enumerate(gens):  # each stream ends where the naive full draw leaves it
                 ref = gen(7 + i)
                 torch.rand((9, 5), generator=ref, dtype=dtype)
                 assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=ref))
             shared_g = gen(7)
-            part = rng.uniform((3, 9, 5), shared_g, "cpu", dtype, cols=slice(lo, hi))
+            part = sample.uniform((3, 9, 5), shared_g, "cpu", dtype, cols=slice(lo, hi))
             assert torch.equal(part, shared_naive[:, lo:hi])
-    idle = rng.uniform((3, 4), [gen(1), gen(2), gen(3)], "cpu", active=[True, False, True])
+    idle = sample.uniform((3, 4), [gen(1), gen(2), gen(3)], "cpu", active=[True, False, True])
     assert (idle[1] == 0.5).all() and torch.equal(idle[2], torch.rand(4, generator=gen(3), dtype=torch.float64))
 
 
@@ -360,7 +360,7 @@ def test_uniform_columns_replay_the_full_draw(monkeypatch, chunk):
 def test_rows_alone_equal_rows_in_batches_of_any_size(monkeypatch, temperature, remasking):
     """Six left-padded rows sampled alone and in batches of 2, 3 and 6 give the same tokens: a row's noise
     depends on its generator and its own state only, never on the column range [lo, end) the sampler
-    computes over its batch. This is the path every device takes (infra/rng.uniform has no device branch).
+    computes over its batch. This is the path every device takes (sample.uniform has no device branch).
     The spy checks that batching did move lo for some row, so that the comparison has something to catch."""
     model, p = tiny_model(dtype=torch.float64), prompts(B=6, P=7, high=60)
     am = torch.ones_like(p)
@@ -538,7 +538,7 @@ def test_cache_modes_recompute_what_they_say(kv_cache, threshold):
     spy = Spy(model)
     P, G, K = 5, 12, 4
     p = torch.randint(2, 60, (2, P), generator=torch.Generator().manual_seed(3))
-    out = sample.generate(spy, p, gen_length=G, block_length=K, steps=G, mask_id=MASK2, kv_cache=kv_cache,
+    out = fast_sample.generate(spy, p, gen_length=G, block_length=K, steps=G, mask_id=MASK2, kv_cache=kv_cache,
                                threshold=threshold)
     assert not (out == MASK2).any()
     L = P + G

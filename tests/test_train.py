@@ -21,7 +21,7 @@ import rewards
 import sample
 import tasks
 import train
-from infra import heldout, hf, lora
+from infra import fast_sample, heldout, hf, lora
 from infra import toy as toy_world
 from infra.budget import scratch_config
 from infra.load import load_policy
@@ -391,8 +391,8 @@ def test_evaluate_cli_greedy_and_sampled_modes(toy_model, tmp_path, monkeypatch,
 
 def rl_step(toy_model, monkeypatch, *flags, calls):
     tok, ids, model = toy_model
-    for module, name in ((sample, "generate"), (sample, "generate_image"), (importance, "reversed_masks"),
-                         (importance, "d1_masks"), (grpo, "policy_loss")):
+    for module, name in ((sample, "generate"), (fast_sample, "generate"), (sample, "generate_image"),
+                         (importance, "reversed_masks"), (importance, "d1_masks"), (grpo, "policy_loss")):
         spy(monkeypatch, module, name, calls)
     scored = []
 
@@ -425,7 +425,7 @@ def test_rl_step_hands_every_setting_to_its_callee(toy_model, monkeypatch):
     assert [c[1][1].shape[0] for c in gens] == [4, 2]  # 6 rows in chunks of device_batch_size
     for _, args, kw in gens:
         assert (kw["gen_length"], kw["block_length"], kw["steps"], kw["temperature"]) == (12, 6, 4, 0.7)
-        assert (kw["kv_cache"], kw["threshold"]) == ("none", 0.0)  # the exact sampler: no cache asked for
+        assert "kv_cache" not in kw and "threshold" not in kw  # the exact sampler (sample.generate)
     images = [c for c in calls if c[0] == "generate_image"]
     assert [c[1][1].shape[0] for c in images] == [4, 2]
     for _, args, kw in images:

@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sample
 import tasks
 
 import train
-from infra import load, lora, rng, toy
+from infra import load, lora, toy
 from model import Transformer
 
 
@@ -92,7 +93,7 @@ def test_gradient_equals_a_naive_per_step_computation(base, monkeypatch, task):
     cfg, b = ctx.cfg, r.batch
     # The decoding order from an independent rollout with rl_step's generators (same tokens, same order).
     fresh = tasks.make_batch(task, b.examples, tok, ids, cfg, ctx.device, with_targets=False)
-    gens = [rng.generator("cpu", cfg.seed, "rollout", task, 0, i) for i in range(len(b.examples))]
+    gens = [sample.generator("cpu", cfg.seed, "rollout", task, 0, i) for i in range(len(b.examples))]
     x, order, _ = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, allow_fast=True)
     assert torch.equal(x.x, b.x)
     lo, hi = (ids.image_token_offset, ids.image_token_offset + ids.codebook_size) if task == "image" else (0, None)

@@ -22,7 +22,7 @@ import importance
 import sample
 import tasks
 import train
-from infra import lora, rng
+from infra import fast_sample, lora
 
 
 # The tiny model, the spread-out reward and the gradient recorder of the full-trajectory tests.
@@ -74,7 +74,7 @@ def replayed_order(base, b, ctx):
     reproduce b's tokens), and two copies of the model: theta (train mode) and pi_old (eval mode)."""
     tok, ids, model = base
     fresh = tasks.make_batch("text", b.examples, tok, ids, ctx.cfg, ctx.device, with_targets=False)
-    gens = [rng.generator("cpu", ctx.cfg.seed, "rollout", "text", 0, i) for i in range(len(b.examples))]
+    gens = [sample.generator("cpu", ctx.cfg.seed, "rollout", "text", 0, i) for i in range(len(b.examples))]
     x, order, _ = tasks.rollout(model, fresh, ctx, gens, ctx.cfg.temperature, allow_fast=True)
     assert torch.equal(x.x, b.x)
     return order, copy.deepcopy(model).train(), copy.deepcopy(model).eval()
@@ -179,17 +179,20 @@ def test_dry_run_prints_the_flops_next_to_maskgrpo(capsys):
 
 @pytest.mark.parametrize("kv_cache, threshold", [("dual", 0.0), ("none", 0.0101), ("prefix", 0.0101)])
 def test_fast_rollout_statistics_match_the_decoding_order(base, kv_cache, threshold):
-    """Tokens committed per step and row, counted by the sampler, against the decoding order it returns
-    (each committed position once; a row's steps are the distinct steps in its order), in blocks of 4,
-    greedy; on the random smoke model (100 tokens) the argmax has probability just above 1/100."""
+    """Tokens committed per step and row, counted by FastSampler over two calls, against the decoding orders
+    they return (each committed position once; a row's steps are the distinct steps in its order), in blocks
+    of 4, greedy; on the random smoke model (100 tokens) the argmax has probability just above 1/100."""
     tok, ids, model = base
     cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--block_length=4", f"--kv_cache={kv_cache}",
                             f"--threshold={threshold}"])
     ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
     exs = tasks.make_batch("text", [tasks.make_example("text", __import__("random").Random(i), cfg, "test", 0.0)
                                     for i in range(6)], tok, ids, cfg, ctx.device, with_targets=False)
-    gens = [torch.Generator().manual_seed(i) for i in range(6)]
-    _, order, log = tasks.rollout(model, exs, ctx, gens, 0.0, allow_fast=True)
+    sampler, P = fast_sample.FastSampler(cfg.kv_cache, cfg.threshold), exs.prompt_len
+    order = torch.cat([sampler(model, exs.x[rows, :P], gen_length=exs.window, block_length=cfg.block_length,
+                               steps=cfg.steps, mask_id=ids.mask, attention_mask=exs.attention_mask[rows, :P],
+                               return_order=True)[1] for rows in (slice(0, 4), slice(4, 6))])  # two calls, summed
+    log = sampler.take_log(ctx.device)
     window = order[:, exs.window_slice]
     steps = [len(set(row.tolist())) for row in window]
     per_step = [int((row == s).sum()) for row in window for s in set(row.tolist())]
@@ -200,8 +203,7 @@ def test_fast_rollout_statistics_match_the_decoding_order(base, kv_cache, thresh
     else:
         assert max(per_step) > 1
     assert 0 < log["text/committed_conf"] <= 1
-    # The exact sampler (evaluation, or no fast option) reports nothing.
-    assert tasks.rollout(model, exs, ctx, gens, 0.0)[2] == {} and sample.fast_summary("text", None, ctx.device) == {}
+    assert fast_sample.fast_summary("text", None, ctx.device) == {}  # no statistics, no entries
 
 
 # -----------------------------------------------------------------------------

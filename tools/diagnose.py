@@ -38,7 +38,8 @@ import torch
 import importance
 import tasks
 import train
-from infra import cli, plots, rng
+from infra import cli, plots
+from sample import derive_seed, generator
 from tasks import IMAGE_TASKS, draw_prompts, make_batch, task_list, vocab_slice
 from infra.settings import read_generation_settings, setup, validate
 from infra.hf import load_tokenizer
@@ -116,7 +117,7 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     # 1. rollouts from pi_old with the decoding order: rl_step's prompts and per-sequence generators at step 0
     exs = [ex for ex in draw_prompts(task, cfg, 0, {}) for _ in range(cfg.group_size)]
     b = make_batch(task, exs, tok, ids, cfg, device, with_targets=False)
-    gens = [rng.generator(device, cfg.seed, "rollout", task, 0, i) for i in range(len(exs))]
+    gens = [generator(device, cfg.seed, "rollout", task, 0, i) for i in range(len(exs))]
     b, order, _ = tasks.rollout(old, b, ctx, gens, cfg.temperature, allow_fast=True)
     # 2. one MaskGRPO step from a copy of pi_old (the reference is pi_old itself, as in a run's first step);
     # it draws the same rollouts
@@ -144,7 +145,7 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
         for k in range(o.draws):
             ins, outs = importance.build_masks(
                 b.prompt_mask, eos_window if est == "d1" and task not in IMAGE_TASKS else window,
-                seed=rng.derive_seed(cfg.seed, "diagnose", task, label, k), step=0,
+                seed=derive_seed(cfg.seed, "diagnose", task, label, k), step=0,
                 seq_index=list(range(B)), mu=cfg.mu, gamma=g, estimator=est, mode=mode,
                 p_mask_prompt=cfg.p_mask_prompt, suffix_len=L - b.prompt_len - b.window)
             ests = []

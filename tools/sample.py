@@ -20,7 +20,7 @@ import torch
 
 import sample
 import tasks
-from infra import cli, hf, plots
+from infra import cli, fast_sample, hf, plots
 from infra.hf import load_tokenizer
 from infra.load import refuse_training_checkpoint
 from infra.settings import read_generation_settings, validate_generation
@@ -85,10 +85,10 @@ def main(argv=None):
     check_length(len(ids), o.gen_length, config, o.ckpt)
     model, device, gen = _load(o)
     prompt = torch.tensor([ids], device=device)                                          # (1, P)
-    out = sample.generate(model, prompt, gen_length=o.gen_length, block_length=o.block_length, steps=o.steps,
-                   temperature=o.temperature, mask_id=model.config.mask_token_id, generator=gen,
-                   kv_cache=o.kv_cache, threshold=o.threshold, remasking=o.remasking,
-                   cfg_scale=o.text_cfg_scale, progress=cli.bars_shown())
+    out = fast_sample.generate(model, prompt, gen_length=o.gen_length, block_length=o.block_length, steps=o.steps,
+                               temperature=o.temperature, mask_id=model.config.mask_token_id, generator=gen,
+                               kv_cache=o.kv_cache, threshold=o.threshold, remasking=o.remasking,
+                               cfg_scale=o.text_cfg_scale, progress=cli.bars_shown())
     completion = tok.decode(out[0, prompt.shape[1]:].tolist(), skip_special_tokens=True)
     print(completion)
     return completion
