@@ -29,32 +29,29 @@ UNIGRPO_T = 1000   # UniGRPO's number of discrete timesteps; MMaDA (arXiv:2505.1
 
 
 class Views(NamedTuple):
-    """One task's views (step 4 of the RL step): K masked inputs (B, L), the positions each scores (bool (K, B, L)),
-    the views update j scores (updates[j]), and for --trajectory_states this rank's part of the loss normaliser."""
+    """One task's views: K masked inputs (B, L), the positions each scores (bool (K, B, L)), update j's views."""
     inputs: list
     loss_masks: torch.Tensor
     updates: list
-    norm: torch.Tensor | None = None  # None: the scored terms (grpo.num_terms)
+    norm: torch.Tensor | None = None  # --trajectory_states: this rank's part of the loss normaliser (None: the terms)
 
 
 def views(batch, order, cfg, *, image: bool, step: int, seq_index, eos_id: int, mask_id: int, all_max=lambda t: t):
-    """Step 4 of the RL step (Alg. 5): the Views of one task's rollouts (tasks.Batch) under cfg.estimator. order: (B, L)
-    the step each position was revealed at; seq_index: each row's GLOBAL index, so that no mask depends on the world
-    size; all_max: the elementwise maximum over ranks (the trajectory estimator's only collective)."""
+    """Step 4 of the RL step (Alg. 5): one task's Views under cfg.estimator. order: (B, L) each position's reveal step;
+    seq_index: each row's GLOBAL index (no mask depends on the world size); all_max: max over ranks (trajectory's)."""
     return VIEWS[cfg.estimator](batch, order, cfg, image=image, step=step, seq_index=[int(i) for i in seq_index],
                                 eos_id=eos_id, mask_id=mask_id, all_max=all_max)
 
 
 def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -> Views:
-    """MaskGRPO (Alg. 5): K = mu views, update j scores view j. View j re-masks the window with the modality's
-    reversing operator o^t ~ Rev(o, t_j, S_j), AR-like for text (Alg. 1, or --text_reversing) and random for images
-    (Alg. 2), and scores the tokens it masked: one mask for the input and the loss. The prompt is never masked (§3)."""
+    """MaskGRPO (Alg. 5): mu views, update j scoring view j, in which o^t_j ~ Rev(o, t_j, S_j) re-masks the window
+    (Alg. 1 AR-like for text, or --text_reversing; Alg. 2 random for images): one mask, the input's and the loss's."""
     mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
     (B, L), P, N, seed = batch.x.shape, batch.prompt_len, batch.window, derive_seed(cfg.seed, "masks", batch.task)
-    masks = torch.zeros(cfg.mu, B, L, dtype=torch.bool, device=batch.x.device)                  # (mu, B, L)
+    masks = torch.zeros(cfg.mu, B, L, dtype=torch.bool, device=batch.x.device)  # (mu, B, L); never the prompt (§3)
     for j, t in enumerate(mask_ratios(cfg.mu, gamma)):
-        masks[j, :, P:P + N] = reverse_mask(torch.ones(B, N, dtype=torch.bool), [t] * B, [mask_seed(
-            seed, step, i, j) for i in seq_index], mode, prompt_len=batch.prompt_mask.sum(1).tolist())  # (B, N)
+        seeds, window = [mask_seed(seed, step, i, j) for i in seq_index], torch.ones(B, N, dtype=torch.bool)
+        masks[j, :, P:P + N] = reverse_mask(window, [t] * B, seeds, mode, prompt_len=batch.prompt_mask.sum(1).tolist())
     return Views([batch.x.masked_fill(m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
 
 
@@ -228,9 +225,8 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
                 p_mask_prompt: float = 0.15, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A mask estimator's mu (input mask, loss mask) pairs from explicit settings, bool (mu, B, L) each (the
     masks the views above build, for callers that choose seed, mode and gamma themselves: tools/diagnose.py)."""
-    assert estimator in MASK_ESTIMATORS and mode in MODES, f"estimator {estimator!r} in {MASK_ESTIMATORS}, mode {mode!r} in {MODES}"
-    assert mu >= 1 and prompt_mask.dtype == completion_mask.dtype == torch.bool, \
-        f"{mu=} >= 1; prompt_mask (B, P), completion_mask (B, N): bool"
+    assert estimator in MASK_ESTIMATORS and mode in MODES, f"{estimator=} in {MASK_ESTIMATORS}, {mode=} in {MODES}"
+    assert mu >= 1 and prompt_mask.dtype == completion_mask.dtype == torch.bool, f"{mu=} >= 1; bool (B, P), (B, N)"
     idx = [int(i) for i in seq_index]
     assert len(idx) == prompt_mask.shape[0], f"seq_index has {len(idx)} entries for {prompt_mask.shape[0]} rows"
     if estimator == "d1":
@@ -282,7 +278,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
         logits = model(input_ids[rows], *am, **({} if win == slice(0, L) else {"logits_at": win}))  # (b, l, V)
         pos = positions[rows, win]  # (b, l)
         sel, t = logits[pos][:, lo:hi], targets[rows, win][pos] - lo  # (T, V'), (T,); no (b, l, V) float32 copy
-        assert not ((t < 0) | (t >= sel.shape[-1])).any(), f"targets outside the vocabulary [{lo}, {lo + sel.shape[-1]})"
+        assert not ((t < 0) | (t >= sel.shape[1])).any(), f"targets outside the vocabulary [{lo}, {lo + sel.shape[1]})"
         # float32: bf16 log-probs err by ~1e-2, a sizeable part of the ratios' clip range (1 +- 0.2).
         out[rows, win][pos] = F.log_softmax(sel.float(), dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)  # (T,)
     return out
