@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 import rewards
 import sample
 from infra import scale
-from infra.rng import derive_seed
+from sample import derive_seed
 from infra.toy import BOS, CODEBOOK_SIZE, EOI, EOS, IPAD, MASK, SOI, T2I, make_image_example, make_text_example
 
 TOY_CAPTION_LEN = 11  # --image_text_len=0: the toy's longest t2i text part, <|t2i|> BOS caption EOS (image_text_len)

@@ -24,7 +24,7 @@ docs/method.md derives each step; docs/differences.md lists where this code depa
 official code. A run writes to out_dir: log.jsonl, summary.json (held-out reward before and after RL), final/,
 checkpoints/, curves.png, images.png. Settings are checked in infra/settings.py, the policy and its reference
 loaded by infra/load.py, the run kept by infra/run.py; torchrun and FSDP2 are infra/scale.py. Every random draw
-is seeded by (seed, purpose, step, global sequence index) (infra/rng.py), so the world size changes nothing.
+is seeded by (seed, purpose, step, global sequence index) (sample.derive_seed), so the world size changes nothing.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from infra import checkpoint, claims, cli, dryrun, lora, phases, scale, timing
 from infra.data import load_data
 from infra.fast_sample import FastSampler
 from infra.load import load_policy, report_truncation
-from infra.rng import derive_seed, generator
+from sample import derive_seed, generator
 from infra.outdir import startup_checks
 from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, eval_batches,
                        failures_in_one_line, print_held_out)
@@ -64,7 +64,7 @@ from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, s
 @dataclass
 class StepConfig:
     """The settings one RL step reads (rl_step and everything it calls); Config adds the run's."""
-    seed: int = 0                     # every random draw derives from (seed, purpose, step, index): infra/rng.py
+    seed: int = 0                     # every random draw derives from (seed, purpose, step, index): sample.derive_seed
     # rollouts (text: LLaDA's low-confidence block sampler; images: sample.generate_image)
     temperature: float = 1.0          # rollout temperature (official default 0.9)
     block_length: int = 12            # semi-autoregressive block size; divides gen_length (official: 16)

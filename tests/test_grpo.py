@@ -19,13 +19,13 @@ def gen(seed: int) -> torch.Generator:
 # advantages
 
 def test_advantages_zero_mean_unit_std_per_group():
-    R = torch.rand(5, 6, generator=gen(0), dtype=torch.float64)
-    A = group_advantages(R, eps=0.0)
+    R = torch.rand(5, 6, generator=gen(0), dtype=torch.float64)  # 5 groups of 6, flattened: consecutive members
+    flat = group_advantages(R.flatten(), group_size=6, eps=0.0)
+    assert flat.shape == (30,) and flat.dtype == torch.float64
+    A = flat.view(5, 6)
     assert torch.allclose(A.mean(1), torch.zeros(5, dtype=torch.float64), atol=1e-12)
     assert torch.allclose(A.std(1), torch.ones(5, dtype=torch.float64), atol=1e-12)  # unbiased std
-    flat = group_advantages(R.flatten(), group_size=6, eps=0.0)
-    assert flat.shape == (30,) and torch.equal(flat, A.flatten())
-    centred = group_advantages(R, scale_by_std=False)
+    centred = group_advantages(R.flatten(), 6, scale_by_std=False).view(5, 6)
     assert torch.allclose(centred, R - R.mean(1, keepdim=True))
 
 
@@ -33,11 +33,11 @@ def test_advantages_zero_mean_unit_std_per_group():
 def test_equal_rewards_give_exact_zero(dtype):
     R = torch.tensor([[0.1, 0.1, 0.1], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [3.0, 3.0, 3.0]], dtype=dtype)
     for scale in (True, False):
-        A = group_advantages(R, scale_by_std=scale)
+        A = group_advantages(R.flatten(), 3, scale_by_std=scale).view(4, 3)
         assert not torch.isnan(A).any()
         assert torch.equal(A[[0, 2, 3]], torch.zeros(3, 3, dtype=dtype))  # exactly zero, not ~1e-13
         assert (A[1] != 0).all()
-    assert group_advantages(torch.tensor([[1, 1], [0, 1]])).dtype == torch.float32  # int rewards
+    assert group_advantages(torch.tensor([1, 1, 0, 1]), 2).dtype == torch.float32  # int rewards
 
 
 def test_d1_advantages_are_reward_minus_group_mean():
@@ -56,10 +56,10 @@ def test_d1_advantages_are_reward_minus_group_mean():
 def test_preconditions_are_asserted():
     """Settings are validated at the command line (infra/settings.validate) and rewards checked by train.rl_step
     before they get here; the maths asserts what it needs: finite rewards and groups of >= 2 that tile."""
-    R = torch.zeros(3, 4)
-    R[1, 2] = float("nan")
-    for bad in (dict(rewards=R), dict(rewards=torch.zeros(4, 1)), dict(rewards=torch.zeros(10)),
-                dict(rewards=torch.zeros(10), group_size=4)):
+    R = torch.zeros(12)
+    R[6] = float("nan")
+    for bad in (dict(rewards=R, group_size=4), dict(rewards=torch.zeros(4), group_size=1),
+                dict(rewards=torch.zeros(2, 5), group_size=5), dict(rewards=torch.zeros(10), group_size=4)):
         with pytest.raises(AssertionError):
             group_advantages(**bad)
 

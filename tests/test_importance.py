@@ -272,3 +272,25 @@ def test_apply_mask():
     m[0, 1] = m[1, 5] = True
     y = imp.apply_mask(x, m, 99)
     assert y[0, 1] == 99 and y[1, 5] == 99 and y.eq(99).sum() == 2 and torch.equal(y[~m], x[~m])
+
+
+@pytest.mark.parametrize("image, mode", [(False, "arlike"), (False, "arlike_official"), (True, "random")])
+def test_maskgrpo_views_are_the_masks_build_masks_builds(image, mode):
+    # The RL step's views (maskgrpo_views) and the masks tools/diagnose.py builds from explicit settings
+    # (build_masks) are two callers of one estimator: for the same seed, ratios and rows they must agree.
+    import tasks
+    import train
+    pm, _, _ = make_batch(B=5, P=10, N=24)
+    B, P, N, S = 5, 10, 24, 2
+    x = torch.randint(2, 90, (B, P + N + S), generator=torch.Generator().manual_seed(1))
+    am = torch.cat([pm, torch.ones(B, N + S, dtype=torch.bool)], 1).long()
+    batch = tasks.Batch("image" if image else "text", x, am, P, N, examples=[{}] * B)
+    cfg = train.parse_args(["--preset=toy", "--mu=3", f"--text_reversing={mode}", "--gamma_text=0.4",
+                            "--gamma_image=0.7", "--seed=5"])
+    v = imp.views(batch, torch.zeros_like(x), cfg, image=image, step=4, seq_index=[9, 3, 7, 0, 12], eos_id=1,
+                  mask_id=99)
+    ins, loss = imp.build_masks(pm, torch.ones(B, N, dtype=torch.bool), seed=imp.derive_seed(5, "masks", batch.task),
+                                step=4, seq_index=[9, 3, 7, 0, 12], mu=3, gamma=0.7 if image else 0.4,
+                                mode="random" if image else mode, suffix_len=S)
+    assert torch.equal(v.loss_masks, loss) and v.updates == [[0], [1], [2]] and loss.any()
+    assert all(torch.equal(v.inputs[j], x.masked_fill(ins[j], 99)) for j in range(3))

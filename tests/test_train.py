@@ -392,6 +392,7 @@ def test_evaluate_cli_greedy_and_sampled_modes(toy_model, tmp_path, monkeypatch,
 def rl_step(toy_model, monkeypatch, *flags, calls):
     tok, ids, model = toy_model
     for module, name in ((sample, "generate"), (fast_sample, "generate"), (sample, "generate_image"),
+                         (importance, "reverse_mask"),
                          (importance, "reversed_masks"), (importance, "d1_masks"), (grpo, "policy_loss")):
         spy(monkeypatch, module, name, calls)
     scored = []
@@ -431,9 +432,9 @@ def test_rl_step_hands_every_setting_to_its_callee(toy_model, monkeypatch):
     for _, args, kw in images:
         assert (kw["steps"], kw["sampler"], kw["cfg_scale"], kw["num_tokens"]) == (3, "maskgit", 1.5, 16)
     # maskgrpo_views: mu ratios t_j = gamma + (1 - gamma)(j + 1) / mu per row (the last clamped to 0.999)
-    masks = [args for name, args, _ in calls if name == "reversed_masks"]
-    assert [(args[3], len(args[2])) for args in masks] == [("random", 2), ("random", 2)]
-    assert [args[2][0][0] for args in masks] == [pytest.approx(0.3 + 0.7 / 2), pytest.approx(0.5 + 0.5 / 2)]
+    masks = [args for name, args, _ in calls if name == "reverse_mask"]
+    assert [(args[3], len(set(args[1])), len(args[1])) for args in masks] == [("random", 1, 6)] * 4
+    assert [args[1][0] for args in masks] == [pytest.approx(0.3 + 0.7 / 2), 0.999, pytest.approx(0.5 + 0.5 / 2), 0.999]
     losses = [kw for name, _, kw in calls if name == "policy_loss"]
     assert len(losses) == 2 * 2 * 2  # mu x tasks x chunks
     assert {(kw["clip_eps"], kw["beta"], kw["norm"]) for kw in losses} == {(0.1, 0.2, "sequence")}
