@@ -66,8 +66,8 @@ def synthetic_rollout(model, mc, B, prompt_len, gen_len, device, seed=0):
         old = importance.token_logprobs(model, inp, x, mask, attention_mask=am)
     batch = train.Batch("gsm8k", x, am, prompt_len, gen_len)
     adv = torch.randn(B, generator=g).to(device)
-    return train.Experience(batch, torch.zeros(B), adv, importance.Views([inp], mask[None], [[0]]), [old], [old.clone()],
-                            {})
+    return train.Experience(batch, torch.zeros(B), adv, importance.Views([inp], mask[None], [[0]]), [old],
+                            [old.clone()])
 
 
 def one_update_chunk(model, r, cfg):

@@ -43,7 +43,7 @@ def test_log_ratios_are_the_training_codes(sft_dir):
     exs = [ex for ex in tasks.draw_prompts("text", cfg, 0, {}) for _ in range(cfg.group_size)]
     b = tasks.make_batch("text", exs, tok, ids, cfg, ctx.device, with_targets=False)
     gens = [generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(exs))]
-    b, order, _ = tasks.rollout(old, b, ctx, gens, cfg.temperature, allow_fast=True)
+    b, order = tasks.rollout(old, b, ctx, gens, cfg.temperature)
     assert (order[:, b.window_slice] >= 0).all() and (order[:, : b.prompt_len] == -1).all()
     theta = copy.deepcopy(old)
     opt = diagnose._Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr), cfg.mu)

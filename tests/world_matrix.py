@@ -70,17 +70,17 @@ def main(ckpt: str, out: str, rollouts: str, only: str = "") -> None:
         before = {k: v.clone() for k, v in scale.full_state_dict(policy).items()}
         differed = torch.zeros(())
 
-        def rollout(model, prompts, ctx, gens, temperature, allow_fast=False):
+        def rollout(model, prompts, ctx, gens, temperature, text_sampler=None):
             nonlocal differed
-            b, order, sampler_log = real_rollout(model, prompts, ctx, gens, temperature, allow_fast=allow_fast)
+            b, order = real_rollout(model, prompts, ctx, gens, temperature, text_sampler)
             key = (name, b.task)
             if record:
                 recorded[key] = (b.x.clone(), order.clone())
-                return b, order, sampler_log
+                return b, order
             x, o = (t[b.index] for t in recorded[key])
             differed = differed + (x != b.x).sum()
             b.x.copy_(x)
-            return b, o.clone(), sampler_log
+            return b, o.clone()
 
         train.rollout = rollout
         ctx = tasks.Ctx(cfg, tok, ids, device, {})

@@ -118,7 +118,7 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     exs = [ex for ex in draw_prompts(task, cfg, 0, {}) for _ in range(cfg.group_size)]
     b = make_batch(task, exs, tok, ids, cfg, device, with_targets=False)
     gens = [generator(device, cfg.seed, "rollout", task, 0, i) for i in range(len(exs))]
-    b, order, _ = tasks.rollout(old, b, ctx, gens, cfg.temperature, allow_fast=True)
+    b, order = tasks.rollout(old, b, ctx, gens, cfg.temperature)
     # 2. one MaskGRPO step from a copy of pi_old (the reference is pi_old itself, as in a run's first step);
     # it draws the same rollouts
     theta = copy.deepcopy(old)
