@@ -93,8 +93,7 @@ def print0(*args, **kwargs) -> None:  # one log, not world-size copies of it
         print(*args, **kwargs, flush=True)
 
 
-def shard_rows(n: int) -> slice:
-    """This rank's contiguous share of n global rows (n must divide evenly; train.py validates that)."""
+def shard_rows(n: int) -> slice:  # this rank's contiguous share of n rows (n divides evenly: train.py checks)
     per = n // world()
     return slice(rank() * per, (rank() + 1) * per)
 
@@ -124,8 +123,7 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def chunks(n: int, size: int) -> list[slice]:
-    """Row slices of at most `size` rows (all n when size is 0): device_batch_size rows per forward pass."""
+def chunks(n: int, size: int) -> list[slice]:  # slices of device_batch_size rows (size 0: all n rows)
     size = size or n
     return [slice(s, s + size) for s in range(0, n, size)]
 
@@ -279,16 +277,15 @@ def _reshard_root_without_grad(module, args, output) -> None:
 
 
 def _fsdp_modules(model):
-    from torch.distributed.fsdp import FSDPModule
-
+    from torch.distributed.fsdp import FSDPModule  # under torchrun only: torch.distributed may be absent
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 @contextlib.contextmanager
 def full_weights(model):
-    """Hold the unsharded weights (one all-gather) for no-grad forwards whose number may differ between ranks, a
-    sharded forward being a collective. Re-entrant; a no-op in one process. model may be a lora.AdaptersOff."""
-    mods = [m for m in model.modules() if hasattr(m, "unshard")] if world() > 1 else []  # FSDP2's (fully_shard)
+    """Hold the unsharded weights (one all-gather; re-entrant; a no-op in one process) for no-grad forwards whose
+    number may differ between ranks, a sharded forward being a collective. model may be a lora.AdaptersOff."""
+    mods = _fsdp_modules(model) if world() > 1 else []
     if not mods or getattr(mods[0], "_full_weights", False):
         yield model
         return
