@@ -289,9 +289,9 @@ def full_weights(model):
     if not mods or getattr(mods[0], "_full_weights", False):
         yield model
         return
-    for m in mods[1:]:  # blocks reshard after each forward unless told not to; the root (mods[0]) never does
-        m.set_reshard_after_forward(False, recurse=False)
-    for m in mods:
+    for m in mods:  # blocks reshard after each forward unless told not to; the root (mods[0]) never does
+        if m is not mods[0]:
+            m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     mods[0]._full_weights = True  # read by the root's hook, _reshard_root_without_grad
     try:
