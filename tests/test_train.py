@@ -405,7 +405,9 @@ def rl_step(toy_model, monkeypatch, *flags, calls):
     policy = copy.deepcopy(model)
     ref = copy.deepcopy(model) if cfg.beta > 0 else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
-    ctx = tasks.Ctx(cfg, tok, ids, CPU, {})
+    fast = cfg.kv_cache != "none" or cfg.threshold > 0  # as train.main builds its Ctx
+    ctx = tasks.Ctx(cfg, tok, ids, CPU, {},
+                    text_sampler=fast_sample.FastSampler(cfg.kv_cache, cfg.threshold) if fast else None)
     log, rolls = train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))
     return cfg, log, rolls, scored
 
