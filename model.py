@@ -189,13 +189,14 @@ class Transformer(nn.Module):
         cos, sin = self._rope_cache[key]
         return cos[:length], sin[:length]
 
-    accepts_cache_kwargs = True  # tells sample.generate that forward takes the fast-sampling options
+    accepts_cache_kwargs = True  # tells the samplers (sample.py, infra/fast_sample.py) forward takes the options below
 
     def forward(self, input_ids, attention_mask=None, *, logits_at=None, return_kv=False, kv=None, start=0):
         """input_ids (B, L) int64; attention_mask (B, L) with 1 = real token, 0 = padding (optional).
         Returns logits (B, L, V) in the parameter dtype.
 
-        Keyword-only options for fast sampling (sample.generate); the defaults are the exact forward:
+        Keyword-only options for the samplers (logits_at; the KV cache: infra/fast_sample.py); the defaults are the
+        exact forward:
             logits_at: a slice; compute the head only at those positions (same maths, though BLAS may round
                 a smaller matrix differently in the last bit).
             return_kv: also return every layer's keys and values: a list of (k, v), each (B, Hkv, L, Dh).
