@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from infra import scale  # chunks only: rows per forward pass, no collective
-from infra.rng import derive_seed, packed_seed
+from sample import derive_seed, packed_seed
 
 MASK_ESTIMATORS = ("maskgrpo", "d1", "unigrpo")  # the ones that draw masks (build_masks)
 ESTIMATORS = MASK_ESTIMATORS + ("trajectory",)   # trajectory: the sampler's own states (trajectory_masks)
