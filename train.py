@@ -45,7 +45,6 @@ from infra import checkpoint, claims, cli, dryrun, lora, phases, scale, timing
 from infra.data import load_data
 from infra.fast_sample import FastSampler
 from infra.load import load_policy, report_truncation
-from sample import derive_seed, generator
 from infra.outdir import startup_checks
 from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, eval_batches,
                        failures_in_one_line, print_held_out)
@@ -53,6 +52,7 @@ from infra.scale import print0
 from infra.scorer import RemoteScorer
 from infra.settings import setup, validate
 from infra.heldout import evaluate_all, image_snapshot
+from sample import derive_seed, generator
 from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts, task_list,
                    vocab_slice)
 
