@@ -36,14 +36,13 @@ def sft_tasks(cfg) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class TokenIds:
-    """The special-token ids, looked up once by name (token_ids below; infra/hf.token_ids for a released
-    checkpoint): no id literal appears anywhere else. The image fields are None for a text-only LLaDA."""
+    """Special-token ids, looked up by name once (token_ids; infra/hf.token_ids): no id literal anywhere else."""
     bos: int | None
     eos: int
     pad: int                      # LLaDA left-pads with the EOS id
     mask: int                     # the absorbing state m of the diffusion process
     vocab_size: int               # embedding rows: text tokenizer + image codebook
-    t2i: int | None = None        # MMaDA text-to-image task marker
+    t2i: int | None = None        # MMaDA text-to-image task marker (the image fields: None for a text-only LLaDA)
     soi: int | None = None        # start / end of the image slots
     eoi: int | None = None
     ipad: int | None = None       # MMaDA's caption padding
@@ -95,6 +94,13 @@ def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -
     return prompt, answer + [ids.eos] * (gen_length - len(answer))
 
 
+def encode_chat(tok: Tokenizer, example: dict, cfg) -> list[int]:
+    """A benchmark prompt in LLaDA's chat template (with --system_prompt and --prompt_prefill), cut from the left
+    to --max_prompt_len tokens like the official code."""
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    text = chat_prompt(system + [{"role": "user", "content": example["prompt"]}]) + cfg.prompt_prefill
+    return tok.encode(text, add_special_tokens=False).ids[-cfg.max_prompt_len:]
+
 def encode_image_prompt(tok: Tokenizer, ids: TokenIds, prompt_text: str, text_len: int,
                         num_tokens: int) -> tuple[list[int], int, list[int]]:
     """MMaDA's t2i layout (arXiv:2505.15809): [iPAD]* <|t2i|> BOS caption EOS <|soi|> mask*num_tokens <|eoi|>,
@@ -134,11 +140,8 @@ def ids_to_codes(tok: Tokenizer, ids: list[int]) -> list[int]:
 class Task:
     """One RL task: its modality, where its prompts come from, and its reward."""
     modality: str                   # "text" or "image": the sampler, the reversing operator, the scored vocabulary
-    reward: dict                    # verifier(completion, example) -> [0, 1] by the name the run's reward setting
-                                    # gives (toy: --text_reward; benchmarks: --reward_shaping), the first by default;
-                                    # {}: the remote image scorer (--image_scorer_url)
-    example: object = None          # toy tasks: example(rng, cfg, split, noise) -> a fresh example (make_example);
-                                    # None: the prompts are read from --train_data (infra/data.py)
+    reward: dict                    # {name: verifier(completion, example) -> [0, 1]} (score picks one); {}: remote scorer
+    example: object = None          # toy: example(rng, cfg, split, noise) -> a fresh example; None: read --train_data
 
     @property
     def toy(self) -> bool:
@@ -212,12 +215,8 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
     row's padding, and its logits, do not depend on the world size."""
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
-    if TASKS[task].toy:  # a toy text task: BOS + question, the answer padded with EOS (encode_text)
-        pairs = [encode_text(tok, ids, ex, cfg.gen_length) for ex in examples]
-    else:  # a benchmark prompt in the LLaDA chat template, cut from the left like the official code
-        system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-        pairs = [(tok.encode(chat_prompt(system + [{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill,
-                             add_special_tokens=False).ids[-cfg.max_prompt_len:], None) for ex in examples]
+    toy = TASKS[task].toy  # toy: BOS + question, the answer padded with EOS; benchmarks: the chat template
+    pairs = [encode_text(tok, ids, ex, cfg.gen_length) if toy else (encode_chat(tok, ex, cfg), None) for ex in examples]
     P = max(len(p) for p, _ in pairs)
     rows, att = [], []
     for p, c in pairs:
@@ -269,7 +268,7 @@ def decode_window(b: Batch, tok, ids) -> list:
 
 def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
     """The global prompts of one RL step, the same on every rank: fresh toy examples seeded by the step."""
-    if task not in TOY_TASKS:
+    if not TASKS[task].toy:
         return dataset_prompts(task, cfg, step, datasets[task]["train"])
     rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
     return [TASKS[task].example(rng, cfg, "train", 0.0) for _ in range(cfg.prompts_per_step)]

@@ -91,7 +91,6 @@ class StepConfig:
     loss_norm: str = "token"          # token (official code) | sequence (paper's 1/|o_i|)
     grad_clip: float = 1.0            # gradient-norm clip per optimizer step (official: 0.2)
     device_batch_size: int = 0        # sequences per forward pass in rollouts and log-prob passes (0 = all)
-
     @property
     def adv_scaled(self) -> bool:     # --adv_std=auto: divide by the std, but not for d1 (its trainer: A = R - mean)
         return self.adv_std == "on" or (self.adv_std == "auto" and self.estimator != "d1")
@@ -348,9 +347,8 @@ def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
 
 
 def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
-    """Inner update j: backpropagate every task's loss, clip, take one optimizer step. Returns each task's
-    sums over every rank (grpo.policy_loss) and the update's gradient norm; a non-finite loss or gradient norm
-    skips the optimizer step (the same decision on every rank: both are reduced over ranks)."""
+    """Inner update j: backpropagate every task's loss, clip, step. Returns each task's sums over every rank and the
+    gradient norm; a non-finite loss or norm skips the step (on every rank alike: both are reduced over ranks)."""
     cfg = ctx.cfg
     # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
     # per (step, j, rank) so that a resumed run draws the same masks.
@@ -361,9 +359,7 @@ def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
     out["grad_norm"] = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
     losses = [s["loss"] for t, s in out.items() if t != "grad_norm"]
     out["skipped"] = not (math.isfinite(out["grad_norm"]) and all(map(math.isfinite, losses)))
-    if out["skipped"]:
-        print0(f"warning: step {step} update {j}: non-finite loss {losses} or gradient norm {out['grad_norm']}; "
-               "update skipped")
+    if out["skipped"]:  # infra/run.Run.record warns
         opt.zero_grad(set_to_none=True)
     else:
         opt.step()
@@ -394,23 +390,21 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
 
 
 def reduce_sums(s: dict, device) -> dict:
-    """grpo.policy_loss sums over ranks, keys sorted: ratio_max by max, the rest summed (a no-op in one process)."""
-    keys = sorted(s)
-    t = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=device)
-    is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)
-    maxed, summed = scale.all_max(torch.where(is_max, t, -math.inf)), scale.all_sum(torch.where(is_max, 0.0, t))
-    return dict(zip(keys, torch.where(is_max, maxed, summed).tolist()))
+    """grpo.policy_loss's sums over ranks: ratio_max by max, the rest summed (a no-op in one process)."""
+    keys, f64 = [k for k in s if k != "ratio_max"], dict(dtype=torch.float64, device=device)
+    out = dict(zip(keys, scale.all_sum(torch.tensor([s[k] for k in keys], **f64)).tolist()))
+    return {**out, "ratio_max": scale.all_max(torch.tensor(s["ratio_max"], **f64)).item()}
 
 
 def step_log(step: int, exps: list, updates: list, cfg) -> dict:
     """log.jsonl's line of one RL step (docs/method.md "What a step logs" says what each key is)."""
     log = {"step": step, "skipped_updates": sum(u["skipped"] for u in updates)}
     for e in exps:
-        t, flat = e.batch.task, e.rewards.view(-1, cfg.group_size)
+        t = e.batch.task
         log[f"{t}/reward"] = e.rewards.mean().item()
         log[f"{t}/solved"] = (e.rewards >= 0.999).float().mean().item()
-        # Groups whose completions all got the same reward carry no GRPO signal (zero advantage).
-        log[f"{t}/zero_adv_groups"] = (flat.max(1).values == flat.min(1).values).float().mean().item()
+        # groups of equal rewards: no GRPO signal (grpo.group_advantages makes their advantages exactly 0)
+        log[f"{t}/zero_adv_groups"] = (e.adv.view(-1, cfg.group_size) == 0).all(1).float().mean().item()
         log.update({f"{t}/{k}": v for k, v in grpo.step_stats([u[t] for u in updates]).items()})
         log[f"{t}/adv_abs_mean"] = e.adv.abs().mean().item()
     norms = [u["grad_norm"] for u in updates]

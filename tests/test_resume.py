@@ -167,7 +167,7 @@ def test_nan_reward_and_loss_are_skipped_and_logged(sft_dir, tmp_path, monkeypat
     assert [l["bad_steps"] for l in logs] == [0, 1, 2, 2, 2, 2]
     text = capsys.readouterr().out
     # The console counts steps and updates from 0, as log.jsonl does.
-    assert "warning: step 1 skipped" in text and "warning: step 2 update 0: non-finite loss" in text
+    assert "warning: step 1 skipped" in text and "warning: step 2: 2 of 2 updates skipped for a non-finite loss" in text
     # The skipped steps left the weights finite.
     assert all(torch.isfinite(p).all() for p in weights(out / "final").values())
 
