@@ -287,7 +287,7 @@ class Run:
             print0(log_line(log, cfg.rl_steps) + self._time_left(step, log.get("seconds")))
         if log.get("skipped_updates", 0) > 0:
             print0(f"warning: step {step}: {log['skipped_updates']} of {cfg.mu} updates skipped for a non-finite loss "
-                   f"or gradient norm (largest gradient norm {log['grad_norm_max']}); the others stand")
+                   f"or gradient norm (largest gradient norm {log.get('grad_norm_max')}); the others stand")
         state["bad_run"] = state["bad_run"] + 1 if bad else 0
         state["bad_steps"] += bad
         log["bad_steps"] = state["bad_steps"]
