@@ -404,8 +404,8 @@ def image_checks(codes: list[int], spec: dict) -> list[bool]:
     if spec["relation"]:
         a, rel, b = spec["relation"]
         axis, sign = RELATIONS[rel]
-        checks.append(bool(cells[a]) and bool(cells[b]) and
-                      all(sign * (q[axis] - p[axis]) > 0 for p in cells[b] for q in cells[a]))
+        checks.append(bool(cells[a] and cells[b]) and all(sign * (q[axis] - p[axis]) > 0 for p in cells[b]
+                                                           for q in cells[a]))
     if spec["place"]:
         a, place = spec["place"]
         axis, end = PLACES[place]
@@ -414,8 +414,7 @@ def image_checks(codes: list[int], spec: dict) -> list[bool]:
 
 
 def image_reward(codes: list[int], example: dict) -> float:
-    """The fraction of image_checks that hold, 0.0 for a wrong number of codes (GenEval is all-or-nothing per
-    prompt; a fraction gives RL a denser signal). For "one red" on a 2 x 2 grid: [1, 0, 0, 0] -> 1.0, [1, 1, 0, 0]
-    -> 0.5 (two reds: the count fails, the colours hold)."""
+    """The fraction of image_checks that hold (GenEval's all-or-nothing is a sparser signal), 0 for a wrong number
+    of codes. "One red" on a 2 x 2 grid: [1, 0, 0, 0] -> 1.0; [1, 1, 0, 0] -> 0.5 (the count fails, the colours hold)."""
     checks = image_checks(codes, example["spec"]) if len(codes) == example["spec"]["width"] ** 2 else [False]
     return sum(checks) / len(checks)

@@ -107,8 +107,7 @@ def encode_image_prompt(tok: Tokenizer, ids: TokenIds, prompt_text: str, text_le
     the text part left-padded with [iPAD] (attention 0) or cut to text_len tokens; caption "" is CFG's
     unconditional prompt. Returns (input_ids, image_start, attention_mask)."""
     if None in (ids.t2i, ids.soi, ids.eoi, ids.ipad):
-        raise ValueError("the tokenizer lacks MMaDA's <|t2i|> / <|soi|> / <|eoi|> / [iPAD] tokens: text-to-image "
-                         "needs an MMaDA checkpoint (its tokenizer.json), not a text-only LLaDA one")
+        raise ValueError("the tokenizer lacks MMaDA's <|t2i|>, <|soi|>, <|eoi|>, [iPAD]: images need an MMaDA one")
     text = [ids.t2i, ids.bos] + tok.encode(prompt_text, add_special_tokens=False).ids + [ids.eos]
     if len(text) > text_len:
         text = text[:text_len - 1] + [ids.eos]
@@ -230,8 +229,7 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
 
 
 def attends_padding(cfg, task: str) -> bool:
-    """--attend_padding for a task; "auto" is on for geneval only: MMaDA's checkpoints saw their [iPAD] padding
-    (docs/differences.md). On, the attention mask is all ones, which model.forward treats as no mask."""
+    """--attend_padding for a task: "auto" is on for geneval only, as MMaDA's checkpoints saw their [iPAD] padding."""
     return cfg.attend_padding == "on" or (cfg.attend_padding == "auto" and task == "geneval")
 
 
@@ -241,7 +239,7 @@ def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> B
     enc = [encode_image_prompt(tok, ids, ex["prompt"], text_len, n) for ex in examples + [{"prompt": ""}]]
     x = torch.tensor([e[0] for e in enc], device=device)                 # (B + 1, L): the last row is CFG's
     att = torch.tensor([e[2] for e in enc], device=device)               # (B + 1, L)
-    att = att.fill_(1) if attends_padding(cfg, task) else att            # conditional and unconditional alike
+    att = att.fill_(1) if attends_padding(cfg, task) else att            # all ones: no mask (model.forward), both
     start = enc[0][1]
     if with_targets:
         x[:B, start:start + n] = torch.tensor([ex["image"] for ex in examples], device=device) + ids.image_token_offset
@@ -297,14 +295,13 @@ class Ctx:
     device: torch.device
     datasets: dict                    # {task: {"train": rows, "test": rows}} (infra/data.load_data)
     scorer: object = None             # infra/scorer.RemoteScorer for geneval rewards
-    text_sampler: object = None       # RL text rollouts: None = sample.generate (--kv_cache/--threshold: infra/fast_sample.py)
+    text_sampler: object = None       # RL text rollouts: None = sample.generate (or infra/fast_sample.FastSampler)
 
 
 @torch.no_grad()
 def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, text_sampler=None):
-    """Step 1: fill every row's window with the policy's sample. Returns (a new Batch, the decoding order (B, L):
-    the sampler step at which each position was revealed, -1 for the prompt). gens: one generator per row, so a
-    row's sample depends on its own seed only. text_sampler: the RL step's ctx.text_sampler; None = LLaDA's."""
+    """Step 1: (the Batch with the policy's samples in its windows, the decoding order (B, L): the sampler step that
+    revealed each position, -1 for the prompt). gens: one generator per row; text_sampler: None = LLaDA's sampler."""
     cfg, ids, xs, orders = ctx.cfg, ctx.ids, [], []
     with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout; a no-op in one process
         for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time

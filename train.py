@@ -292,9 +292,8 @@ class BadStep(Exception):
 
 
 def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple[dict, list]:
-    """One MaskGRPO step (paper Alg. 5; docs/method.md §9) on the step's prompts (tasks.step_prompts): steps 1-5
-    build every task's experience, step 6 takes mu optimizer steps on it. ref: the reference policy (a frozen
-    copy, or the policy with its LoRA adapters off), None when beta = 0. Returns the log and experiences."""
+    """One MaskGRPO step (paper Alg. 5; docs/method.md §9) on tasks.step_prompts' prompts. ref: the reference policy
+    (a frozen copy, or the policy with its LoRA adapters off), None when beta = 0. Returns the log and experiences."""
     cfg, device, exps = ctx.cfg, ctx.device, []
     model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
     for p in prompts:
@@ -349,19 +348,16 @@ def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
 def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
     """Inner update j: backpropagate every task's loss, clip, step. Returns each task's sums over every rank and the
     gradient norm; a non-finite loss or norm skips the step (on every rank alike: both are reduced over ranks)."""
-    cfg = ctx.cfg
     # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
     # per (step, j, rank) so that a resumed run draws the same masks.
-    torch.manual_seed(derive_seed(cfg.seed, "dropout", step, j, scale.rank()))  # rank 0 in one process
+    torch.manual_seed(derive_seed(ctx.cfg.seed, "dropout", step, j, scale.rank()))  # rank 0 in one process
     opt.zero_grad(set_to_none=True)
     out = {e.batch.task: reduce_sums(backward_loss(model, e, j, ctx), ctx.device) for e in exps}
     # clip_grad_norm_ on the optimizer's own parameters (under FSDP2 the norm is over every rank's shards)
-    out["grad_norm"] = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
+    out["grad_norm"] = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], ctx.cfg.grad_clip)
     losses = [s["loss"] for t, s in out.items() if t != "grad_norm"]
     out["skipped"] = not (math.isfinite(out["grad_norm"]) and all(map(math.isfinite, losses)))
-    if out["skipped"]:  # infra/run.Run.record warns
-        opt.zero_grad(set_to_none=True)
-    else:
+    if not out["skipped"]:  # else the next zero_grad drops the gradients (infra/run.Run.record warns)
         opt.step()
     return out
 
