@@ -14,14 +14,16 @@ state in which it was revealed; the sum of those log-probs is decoding_logprob's
 Shapes: B sequences, P prompt, N generation window, S suffix (<|eoi|> for images), L = P + N + S. Differences
 from the official code, and why: docs/differences.md.
 """
+import hashlib
 import math
+import struct
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from infra import scale  # chunks only: rows per forward pass, no collective
-from sample import derive_seed, packed_seed
+from sample import derive_seed
 
 MASK_ESTIMATORS = ("maskgrpo", "d1", "unigrpo")  # the ones that draw masks (build_masks)
 ESTIMATORS = MASK_ESTIMATORS + ("trajectory",)   # trajectory: the sampler's own states (trajectory_masks)
@@ -60,6 +62,12 @@ def mask_ratios(mu: int, gamma: float) -> list[float]:
     (Fig. 5a: at low ratios the model is nearly certain, ratios ~ 1); the last, 1.0, clamped as the official code."""
     assert mu >= 1 and 0.0 <= gamma < 1.0, f"mu {mu} >= 1, gamma {gamma} in [0, 1)"
     return [min(gamma + (1.0 - gamma) * (j + 1) / mu, 0.999) for j in range(mu)]
+
+
+def packed_seed(tag: bytes, *ints: int) -> int:
+    """The estimator's seeds: the top 63 bits of blake2b over a tag and int64-packed ints (mask_seed checks them)."""
+    data = tag + struct.pack(f"<{len(ints)}q", *ints)  # a fixed byte layout, the same in every process and version
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
 def mask_seed(seed: int, step: int, seq_index: int, j: int) -> int:

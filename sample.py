@@ -18,7 +18,6 @@ Shapes: B batch, P prompt, N gen_length, L sequence (P + N for text), V vocabula
 """
 import hashlib
 import math
-import struct
 
 import torch
 import torch.nn.functional as F
@@ -51,12 +50,6 @@ def derive_seed(*parts) -> int:
 def generator(device, *parts) -> torch.Generator:
     """A torch.Generator on `device` seeded with derive_seed(*parts)."""
     return torch.Generator(device=device).manual_seed(derive_seed(*parts))
-
-
-def packed_seed(tag: bytes, *ints: int) -> int:
-    """The estimator's mask seeds S_j: blake2b of a tag and packed non-negative ints < 2**63 (the caller
-    checks), a fixed byte layout instead of a repr; top 63 bits."""
-    return _blake64(tag + struct.pack(f"<{len(ints)}q", *ints)) >> 1
 
 
 # Elements per draw when a row's stream is walked in chunks: bounds the memory of the discarded numbers
