@@ -348,10 +348,10 @@ def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
 def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
     """Inner update j: backpropagate every task's loss, clip, step. Returns each task's sums over every rank and the
     gradient norm; a non-finite loss or norm skips the step (on every rank alike: both are reduced over ranks)."""
-    # LoRA dropout is the only draw from the global RNG (activation checkpointing replays it), seeded
-    # per (step, j, rank) so that a resumed run draws the same masks.
+    # LoRA dropout draws from the global RNG (activation checkpointing replays it): seeded per (step, j, rank)
     torch.manual_seed(derive_seed(ctx.cfg.seed, "dropout", step, j, scale.rank()))  # rank 0 in one process
     opt.zero_grad(set_to_none=True)
+    # each task's sums, then summed over ranks (reduce_sums: a no-op in one process)
     out = {e.batch.task: reduce_sums(backward_loss(model, e, j, ctx), ctx.device) for e in exps}
     # clip_grad_norm_ on the optimizer's own parameters (under FSDP2 the norm is over every rank's shards)
     out["grad_norm"] = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], ctx.cfg.grad_clip)
