@@ -275,11 +275,12 @@ def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
 def dataset_prompts(task: str, cfg, step: int, rows: list) -> list:
     """Step `step`'s rows of a dataset, walked in a fresh seeded permutation per epoch: step s always sees the
     same prompts (and a resumed run continues where it stopped)."""
-    out = []
-    for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
-        epoch = list(range(len(rows)))
-        random.Random(derive_seed(cfg.seed, "epoch", task, i // len(rows))).shuffle(epoch)
-        out.append(rows[epoch[i % len(rows)]])
+    out, first = [], step * cfg.prompts_per_step
+    for i in range(first, first + cfg.prompts_per_step):
+        if i == first or i % len(rows) == 0:  # one shuffle per epoch this step touches (at most two)
+            order = list(range(len(rows)))
+            random.Random(derive_seed(cfg.seed, "epoch", task, i // len(rows))).shuffle(order)
+        out.append(rows[order[i % len(rows)]])
     return out
 
 # -----------------------------------------------------------------------------------------------------
