@@ -112,6 +112,6 @@ def test_two_processes_give_the_one_process_step(base, model64, lora_policy, mon
         assert want[j].abs().max() > 0
         torch.testing.assert_close(got, want[j], rtol=1e-4, atol=1e-6 * want[j].abs().max().item())  # float32 log-probs
     task = flags[0].split("=")[1]
-    for k in ("loss", "kl", "ratio_mean", "num_tokens", "reward", "adv_abs_mean"):
+    for k in ("loss", "kl", "ratio_mean", "ratio_max", "num_tokens", "reward", "adv_abs_mean", "zero_adv_groups"):
         key = f"{task}/{k}"
         assert log0[key] == log1[key] == pytest.approx(want_log[key], rel=1e-5, abs=1e-7), key  # the loss is ~0 at ratio 1
