@@ -68,6 +68,15 @@ def check_paths(cfg) -> None:
         raise ValueError(f"--sft_dir {cfg.sft_dir} {'is' if Path(cfg.sft_dir).resolve() == out.resolve() else 'holds'} "
                          f"--out_dir {out}: the SFT model and the run would share files; give the SFT model its own "
                          f"folder (e.g. --sft_dir={out.resolve().parent / 'sft'}) or drop --sft_dir (out_dir/sft)")
+    # The other direction: an SFT model inside a folder the run writes (final/ is replaced by the RL model under
+    # the SFT model's sft_meta.json, checkpoints/ rotated); out_dir/sft is the default and is the SFT model's own.
+    written = [n for n in sorted(RUN_NAMES - {"sft"}) if cfg.init_from == "scratch" and cfg.sft_dir
+               and _inside(Path(cfg.sft_dir), out / n)]
+    if written:
+        what = "is" if Path(cfg.sft_dir).resolve() == (out / written[0]).resolve() else "lies inside"
+        raise ValueError(f"--sft_dir {cfg.sft_dir} {what} {out / written[0]}, which the run writes: the SFT model "
+                         f"would be overwritten; give it its own folder (e.g. --sft_dir={out / 'sft'}) or drop "
+                         "--sft_dir (out_dir/sft)")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out_dir {out} is a file, not a folder (it is left as it is); pass a new folder")
     if not out.is_dir():
