@@ -150,6 +150,19 @@ def test_logged_steps_without_a_checkpoint_name_resume(tmp_path, failure):
     assert claims.check_resume(again) is None
 
 
+def test_a_dead_rank_with_logged_steps_names_resume_under_torchrun(tmp_path, monkeypatch):
+    """The fast sibling of test_failures.py's slow dead-worker test: gloo's error on the surviving rank, with
+    logged steps and no checkpoint: one line naming the cause and the torchrun command with --resume=true."""
+    out, argv = failed_run_dir(tmp_path, '{"step": 0}\n')
+    monkeypatch.setattr(run.scale, "world", lambda: 2)
+    e = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    message = run.explain_failure(e, train.parse_args(argv))
+    assert message == ("another process of this torchrun run stopped (Connection closed by peer [127.0.0.1]:4242; "
+                       "torchrun's report names it); no checkpoint of this run exists; once the cause is fixed, "
+                       "--resume=true continues: torchrun [the same launcher flags] train.py --preset=smoke "
+                       f"--out_dir={out} --rl_steps 5 --checkpoint_every=0 --resume=true"), message
+
+
 @pytest.mark.parametrize("log", ["", "not json\n"], ids=["empty-log", "no-step-line"])
 def test_no_logged_step_names_the_command_as_typed(tmp_path, log):
     out, argv = failed_run_dir(tmp_path, log)
