@@ -4,7 +4,9 @@ shared path is refused in one line instead of being overwritten, replaced or mov
 
     check_paths        before anything is written: out_dir must be new, empty or a run's own folder (never a
                        model, an SFT model, the --init_from model or a folder of other things), and
-                       --init_from / --sft_dir must not be the out_dir or inside it
+                       --init_from must not be the out_dir or inside what it writes, and --sft_dir must
+                       not hold the out_dir nor lie inside what it writes (final/, checkpoints/; its sft/ is
+                       the default place)
     check_resume       --resume: the out_dir must hold a run; its settings must be the run's (every
                        difference is named); a finished run is final (nothing is rewritten) unless
                        --extend=true asks to train it further
