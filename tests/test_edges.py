@@ -166,7 +166,8 @@ def test_a_dead_rank_with_logged_steps_names_resume_under_torchrun(tmp_path, mon
 @pytest.mark.parametrize("log", ["", "not json\n"], ids=["empty-log", "no-step-line"])
 def test_no_logged_step_names_the_command_as_typed(tmp_path, log):
     out, argv = failed_run_dir(tmp_path, log)
-    assert run.continue_command(out) == f"python train.py --preset=smoke --out_dir={out} --rl_steps 5 --checkpoint_every=0"
+    want = f"python train.py --preset=smoke --out_dir={out} --rl_steps 5 --checkpoint_every=0"
+    assert run.continue_command(out) == want
 
 
 # -----------------------------------------------------------------------------

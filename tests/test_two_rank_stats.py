@@ -94,7 +94,8 @@ def test_step_log_at_two_ranks_by_hand(monkeypatch):
     a0, a2 = 0.25 / (math.sqrt(0.125 / 3) + 1e-4), 0.5 / (math.sqrt(1 / 3) + 1e-4)
     want = {"step": 3, "skipped_updates": 0, "text/reward": 5.2 / 12, "text/solved": 2 / 12,
             "text/zero_adv_groups": 1 / 3,
-            "text/loss": (0.10 + 0.07) / 2, "text/clipfrac": (2 / 16 + 4 / 16) / 2, "text/kl": (0.6 / 16 + 1.0 / 16) / 2,
+            "text/loss": (0.10 + 0.07) / 2, "text/clipfrac": (2 / 16 + 4 / 16) / 2,
+            "text/kl": (0.6 / 16 + 1.0 / 16) / 2,
             "text/ratio_mean": (16.1 / 16 + 16.4 / 16) / 2, "text/ratio_max": 1.6, "text/num_tokens": 32.0,
             "text/adv_abs_mean": (2 * a0 + 4 * a2) / 12, "grad_norm_mean": 0.6, "grad_norm_max": 0.8}
     assert log.keys() == want.keys()
