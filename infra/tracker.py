@@ -201,22 +201,26 @@ class TensorBoard:
 
 
 class Wandb:
-    """Weights & Biases: files in out_dir/wandb; online with an account, or offline (WANDB_MODE=offline)."""
+    """Weights & Biases: files in out_dir/wandb; online with an account, or offline (WANDB_MODE=offline). Each
+    call is a row of its own with log.jsonl's `step` as the charts' x axis (define_metric): wandb's own step
+    only grows, and a resumed run's held-out rewards after RL belong to a step it has already logged."""
 
     def __init__(self, cfg, run_id: str | None):
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(project=cfg.tracker_project, name=run_name(cfg), id=run_id or wandb.util.generate_id(),
-                              resume="allow", dir=cfg.out_dir, config=settings(cfg),
-                              settings=wandb.Settings(console="off"))  # the terminal's lines stay ours
+        self.run = wandb.init(project=cfg.tracker_project, name=run_name(cfg), id=run_id,  # None: wandb draws one
+                              resume="allow" if run_id else None, dir=cfg.out_dir, config=settings(cfg),
+                              settings=wandb.Settings(console="off", quiet=True))  # the terminal keeps our lines
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
         self.id = self.run.id
 
     def log(self, values: dict, step: int) -> None:
-        self.run.log(values, step=step)
+        self.run.log({**values, "step": step})
 
     def images(self, paths: dict, step: int) -> None:
-        self.run.log({k: self.wandb.Image(str(p)) for k, p in paths.items()}, step=step)
+        self.log({k: self.wandb.Image(str(p)) for k, p in paths.items()}, step)
 
     def finish(self) -> None:
         self.run.finish()
@@ -244,7 +248,7 @@ class Trackio:
         self.run.log({k: self.trackio.Image(str(p)) for k, p in paths.items()}, step=step)
 
     def finish(self) -> None:
-        self.run.finish()
+        self.trackio.finish()  # the run's own finish, and trackio's record that no run is open
 
 
 BACKENDS = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
