@@ -39,7 +39,7 @@ def check(cfg) -> None:
     if cfg.tracker == "none":
         return
     if cfg.tracker not in TRACKERS:
-        raise ValueError(f"tracker ({cfg.tracker!r}) must be none, {', '.join(TRACKERS)}")
+        raise ValueError(f"tracker ({cfg.tracker!r}) must be one of none, {', '.join(TRACKERS)}")
     package = TRACKERS[cfg.tracker]
     if importlib.util.find_spec(package) is None:
         raise ValueError(f"--tracker={cfg.tracker} needs the {package} package, which is not installed: "
@@ -169,7 +169,8 @@ def settings(cfg) -> dict:
 
 
 class TensorBoard:
-    """Event files in out_dir/tensorboard, written with torch.utils.tensorboard; numbers as float64 scalars."""
+    """Event files in out_dir/tensorboard, written with torch.utils.tensorboard. TensorBoard keeps a number as a
+    float32 scalar (its dashboard draws no other kind): log.jsonl keeps the float64."""
 
     def __init__(self, cfg, run_id: str | None):
         from torch.utils.tensorboard import SummaryWriter
@@ -183,8 +184,8 @@ class TensorBoard:
         for k, v in values.items():
             if isinstance(v, str):
                 self.writer.add_text(k, v, step)
-            else:  # new_style + double_precision: the float64 of log.jsonl, not a float32 rounding of it
-                self.writer.add_scalar(k, v, step, new_style=True, double_precision=True)
+            else:
+                self.writer.add_scalar(k, v, step)
         self.writer.flush()  # a killed run keeps every step it has counted as logged (tracker.json)
 
     def images(self, paths: dict, step: int) -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import train
@@ -87,23 +88,27 @@ def expected(out: Path, first_taking: dict, two_summary: dict) -> dict:
 
 
 def tensorboard_values(out: Path) -> tuple[dict, dict, str]:
+    """The event files' scalars, images and text, read by TensorBoard's EventAccumulator. TensorBoard keeps
+    scalars as float32, so the values to compare with are log.jsonl's rounded to float32."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
-    ea = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0, "images": 0})
+    ea = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     ea.Reload()
     got, pictures = {}, {}
-    for tag in ea.Tags()["tensors"]:
-        if tag == "config/text_summary":
-            continue
-        for e in ea.Tensors(tag):
+    for tag in ea.Tags()["scalars"]:
+        for e in ea.Scalars(tag):
             assert tag not in got.get(e.step, {}), f"{tag} logged twice at step {e.step}"
-            got.setdefault(e.step, {})[tag] = tensor_util.make_ndarray(e.tensor_proto).item()
+            got.setdefault(e.step, {})[tag] = e.value
     for tag in ea.Tags()["images"]:
         for e in ea.Images(tag):
             pictures.setdefault(e.step, set()).add(tag)
     config = tensor_util.make_ndarray(ea.Tensors("config/text_summary")[-1].tensor_proto).item().decode()
     return got, pictures, config
+
+
+def float32(want: dict) -> dict:
+    return {s: {k: float(np.float32(v)) for k, v in row.items()} for s, row in want.items()}
 
 
 def wandb_values(out: Path) -> tuple[dict, dict, str]:
@@ -157,12 +162,23 @@ def test_every_step_reaches_the_tracker_once_through_a_resume(tracked, untracked
     name, out, first_taking, (two_log, two_summary) = tracked
     want = expected(out, first_taking, two_summary)
     got, pictures, config = READ[name](out)
+    if name == "tensorboard":
+        want = float32(want)
     assert sorted(want) == [0, 1, 2] and len(want[0]) > 30
     assert got == want  # every key of every step, nothing more, equal to the run's own files
     assert want[0]["text/num_tokens"] != want[1]["text/num_tokens"]  # steps that differ: a mix-up would show
     assert pictures == {1: {"pictures/curves", "pictures/images"}, 2: {"pictures/curves", "pictures/images"}}
     assert f'"tracker": "{name}"' in config.replace("\\", "") and '"group_size": 4' in config
     assert two_log == untracked  # the tracker changes nothing in log.jsonl
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--tracker=mlflow"], r"^tracker \('mlflow'\) must be one of none, tensorboard, wandb, trackio$"),
+    (["--tracker=tensorboard", "--tracker_project= "], r"^tracker_project is empty"),
+])
+def test_bad_tracker_settings_are_refused(argv, match):
+    with pytest.raises(ValueError, match=match):
+        train.parse_args(argv)
 
 
 @pytest.mark.parametrize("name", list(tracker.TRACKERS))
