@@ -160,10 +160,6 @@ def run_name(cfg) -> str:
     return cfg.tracker_run or Path(cfg.out_dir).resolve().name
 
 
-def settings(cfg) -> dict:
-    return asdict(cfg)
-
-
 # -----------------------------------------------------------------------------------------------------
 # the trackers: each opens (or reopens) a run, logs numbers and text at a step, logs pictures, finishes
 
@@ -176,8 +172,8 @@ class TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(Path(cfg.out_dir) / "tensorboard"))
-        self.id = run_id or run_name(cfg)
-        self.writer.add_text("config", "```\n" + json.dumps(settings(cfg), indent=1) + "\n```")
+        self.id = "tensorboard"  # TensorBoard has no run id: a run is its folder
+        self.writer.add_text("config", "```\n" + json.dumps(asdict(cfg), indent=1) + "\n```")
         self.writer.flush()
 
     def log(self, values: dict, step: int) -> None:
@@ -211,7 +207,7 @@ class Wandb:
 
         self.wandb = wandb
         self.run = wandb.init(project=cfg.tracker_project, name=run_name(cfg), id=run_id,  # None: wandb draws one
-                              resume="allow" if run_id else None, dir=cfg.out_dir, config=settings(cfg),
+                              resume="allow" if run_id else None, dir=cfg.out_dir, config=asdict(cfg),
                               settings=wandb.Settings(console="off", quiet=True))  # the terminal keeps our lines
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
@@ -235,12 +231,12 @@ class Trackio:
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project=cfg.tracker_project, name=run_name(cfg), config=settings(cfg),
+        self.run = trackio.init(project=cfg.tracker_project, name=run_name(cfg), config=asdict(cfg),
                                 resume="must" if run_id else "never", embed=False)
         self.id = self.run.id
         if run_id and self.id != run_id:
-            raise RuntimeError(f"the trackio run named {run_name(cfg)!r} is {self.id}, not this run's {run_id} "
-                               "(another run took the name); pass --tracker_run=its name")
+            raise RuntimeError(f"trackio resumes by name, and its latest run named {run_name(cfg)!r} is {self.id}, "
+                               f"not this run's {run_id}: another run took the name since")
 
     def log(self, values: dict, step: int) -> None:
         self.run.log(values, step=step)

@@ -229,3 +229,13 @@ def test_a_tracker_that_cannot_start_is_one_line(tmp_path, capsys):
     out = capsys.readouterr().out.strip()
     assert out.startswith("warning: the tensorboard tracker failed (FileExistsError") and "\n" not in out, out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tensorboard"]
+
+
+def test_only_rank_0_logs(tmp_path, monkeypatch):
+    """Under torchrun every rank makes the calls; on a rank other than 0 they do nothing and write nothing."""
+    monkeypatch.setattr(tracker.scale, "rank", lambda: 1)
+    track = tracker.start(train.Config(out_dir=str(tmp_path), tracker="tensorboard"))
+    track.held_out("before", {"text": 0.5})
+    track.step(0, {"step": 0, "text/reward": 0.5}, {"seconds": 1.0})
+    track.finish(tmp_path)
+    assert list(tmp_path.iterdir()) == [] and track.backend is None
