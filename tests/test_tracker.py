@@ -100,6 +100,10 @@ def tensorboard_values(out: Path) -> tuple[dict, dict, str]:
         for e in ea.Scalars(tag):
             assert tag not in got.get(e.step, {}), f"{tag} logged twice at step {e.step}"
             got.setdefault(e.step, {})[tag] = e.value
+    for tag in ea.Tags()["tensors"]:  # text: a skipped step's reason (and the config, below)
+        for e in ea.Tensors(tag) if tag != "config/text_summary" else ():
+            got.setdefault(e.step, {})[tag.removesuffix("/text_summary")] = \
+                tensor_util.make_ndarray(e.tensor_proto).item().decode()
     for tag in ea.Tags()["images"]:
         for e in ea.Images(tag):
             pictures.setdefault(e.step, set()).add(tag)
@@ -108,7 +112,8 @@ def tensorboard_values(out: Path) -> tuple[dict, dict, str]:
 
 
 def float32(want: dict) -> dict:
-    return {s: {k: float(np.float32(v)) for k, v in row.items()} for s, row in want.items()}
+    return {s: {k: v if isinstance(v, str) else float(np.float32(v)) for k, v in row.items()}
+            for s, row in want.items()}
 
 
 def wandb_values(out: Path) -> tuple[dict, dict, str]:
@@ -239,3 +244,15 @@ def test_only_rank_0_logs(tmp_path, monkeypatch):
     track.step(0, {"step": 0, "text/reward": 0.5}, {"seconds": 1.0})
     track.finish(tmp_path)
     assert list(tmp_path.iterdir()) == [] and track.backend is None
+
+
+@pytest.mark.parametrize("name", list(tracker.TRACKERS))
+def test_a_skipped_steps_reason_goes_as_text(name, stores, tmp_path):
+    """A step skipped for a bad reward logs its reason, a string, beside numbers (Run.record's line)."""
+    cfg = train.Config(out_dir=str(tmp_path), tracker=name, rl_steps=2)
+    track = tracker.start(cfg)
+    line = {"step": 0, "bad_reward": "1 text reward(s) not a finite number in [0, 1]", "bad_steps": 1}
+    track.step(0, line, {"seconds": 0.25})
+    track.finish(tmp_path)
+    got, _, _ = READ[name](tmp_path)
+    assert got == {0: {"bad_reward": line["bad_reward"], "bad_steps": 1, "time/seconds": 0.25}}
