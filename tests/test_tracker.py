@@ -4,11 +4,9 @@ EventAccumulator, `wandb leet inspect` on wandb's offline run files, trackio's S
 the run's own files, through a resume; a missing package is refused in one line; a tracker that fails leaves
 training and log.jsonl as they are without it.
 
-    OMP_NUM_THREADS=1 python -m pytest tests/test_tracker.py -q      # ~40 s on 2 CPU cores
+    OMP_NUM_THREADS=1 python -m pytest tests/test_tracker.py -q      # ~18 s on a shared 2-core machine
 """
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
