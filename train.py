@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import grpo
 import importance
 import tasks
-from infra import checkpoint, claims, cli, dryrun, lora, phases, scale, timing
+from infra import checkpoint, claims, cli, dryrun, lora, phases, scale, timing, tracker
 from infra.data import load_data
 from infra.fast_sample import FastSampler
 from infra.load import load_policy, report_truncation
@@ -153,6 +153,9 @@ class Config(StepConfig):
     eval_prompts: int = 256           # held-out prompts per task, scored before and after RL
     eval_samples: int = 4             # sampled completions per held-out prompt
     sample_every: int = 20            # print a decoded rollout every N RL steps (0 = never)
+    tracker: str = "none"             # none | tensorboard | wandb | trackio: live curves beside log.jsonl (infra/tracker.py)
+    tracker_project: str = "maskgrpo" # the tracker's project this run is filed under
+    tracker_run: str = ""             # the tracked run's name ("" = out_dir's folder name)
     # checkpoints and failures (infra/checkpoint.py)
     checkpoint_every: int = 10        # rollout batches between checkpoints in out_dir/checkpoints (0 = never)
     keep_last: int = 2                # complete checkpoints kept (0 = all)
@@ -446,6 +449,7 @@ def _run(cfg: Config, argv) -> dict:
     print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.mu} optimizer steps, {cfg.prompts_per_step} "
            f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "
            f"steps count from 0, as in log.jsonl")
+    track = tracker.start(cfg)  # --tracker: the run's settings as the tracked run's config (off by default)
     with Run(cfg, model, opt, device) as run:
         if run.state["before"] is None:
             with phases.before_rl(run):  # a signal stops it after the current batch
@@ -454,6 +458,7 @@ def _run(cfg: Config, argv) -> dict:
                 run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
                 run.state["grid_before"] = image_snapshot(model, ctx)
         print_held_out("before RL", run.state["before"])
+        track.held_out("before", run.state["before"])
         with timing.phases(*PHASES):  # each phase's seconds, for times.jsonl (infra/timing.py)
             for step in range(run.start, cfg.rl_steps):
                 start, cpu, _ = time.time(), time.process_time(), timing.reset()
@@ -464,7 +469,7 @@ def _run(cfg: Config, argv) -> dict:
                 if isinstance(ctx.text_sampler, FastSampler):  # Fast-dLLM rollouts' statistics, over all ranks
                     log.update(ctx.text_sampler.take_log(device))
                 log.update(seconds=time.time() - start, cpu_s=time.process_time() - cpu, **timing.take())
-                run.record(step, log, rolls, tok, ids)  # log.jsonl; the *_s keys go to times.jsonl
+                run.record(step, log, rolls, tok, ids, track)  # log.jsonl (and the tracker); *_s keys: times.jsonl
         nothing_trained = all_skipped(run)
         if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported
             raise TrainingStopped(nothing_trained)
@@ -476,6 +481,8 @@ def _run(cfg: Config, argv) -> dict:
         stop.saving()
         summary = run.finish(after, after_by_prompt, grid_after, tok, dtype, sft_seconds)
     print_held_out("after RL", after, summary)
+    track.held_out("after", after)
+    track.finish(run.out)  # the pictures, then the tracked run is closed
     phases.closing_summary(run, time.time() - t_start)
     check_measured(run, after)  # a number the run should report is missing: the exit status says so
     return summary

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from infra import checkpoint, data, hf, scale
+from infra import checkpoint, data, hf, scale, tracker
 from infra.load import check_sft_cache, reference_identity, refuse_training_checkpoint, sft_dir_of
 from infra.outdir import RESUMABLE, resume_point, take_pid_file
 
@@ -30,7 +30,7 @@ from infra.outdir import RESUMABLE, resume_point, take_pid_file
 # What a run writes at the top of its out_dir (run.py, checkpoint.py, load.py's SFT cache), and the
 # temporary names of those writes. Anything else in an out_dir that holds none of them is someone else's.
 RUN_NAMES = {"config.json", "log.jsonl", "times.jsonl", "summary.json", "final", "checkpoints", "curves.png",
-             "images.png", "run.pid", "sft", "sft.run.pid", "log.tmp", "times.tmp"}
+             "images.png", "run.pid", "sft", "sft.run.pid", "log.tmp", "times.tmp", *tracker.FILES}
 RUN_TEMPORARY = (".write-test-", ".sft.tmp-", ".sft.old-")
 # Files that make a folder a model (a Hugging Face checkpoint, or an SFT model this code wrote).
 MODEL_FILES = ("sft_meta.json", "tokenizer.json", "model.safetensors.index.json", "generation.json")

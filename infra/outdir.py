@@ -21,7 +21,8 @@ from tasks import IMAGE_TASKS, task_list
 
 
 RESUMABLE = ("resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
-             "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip", "init_from", "sft_dir")
+             "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip", "init_from", "sft_dir",
+             "tracker", "tracker_project", "tracker_run")
 
 
 def startup_checks(cfg, device) -> None:

@@ -273,8 +273,9 @@ class Run:
     def rl_seconds(self) -> float:
         return self.state["rl_seconds"] + time.time() - self.t0  # over every segment of a resumed run
 
-    def record(self, step: int, log: dict, rolls: list, tok, ids) -> None:
-        """Count bad steps, write the logs, show samples, checkpoint on cadence or on a signal."""
+    def record(self, step: int, log: dict, rolls: list, tok, ids, tracker=None) -> None:
+        """Count bad steps, write the logs (and send them to the tracker, infra/tracker.py), show samples,
+        checkpoint on cadence or on a signal."""
         cfg, state = self.cfg, self.state
         if os.environ.get(KILL_RANK_ENV) == f"{scale.rank()}:{step}":  # fault injection (tests only)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -297,6 +298,8 @@ class Run:
             self.logf.flush()
             self.timef.write(json.dumps({"step": step, **times}) + "\n")
             self.timef.flush()
+        if tracker is not None:  # before a stop below, so that a resumed run does not miss this step
+            tracker.step(step, log, times)
         if state["bad_run"] >= cfg.max_bad_steps:
             raise TrainingStopped(
                 f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the "

@@ -15,7 +15,7 @@ import grpo
 import importance
 import sample
 import tasks
-from infra import fast_sample, hf, lora, scale
+from infra import fast_sample, hf, lora, scale, tracker
 from infra.data import data_paths
 from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
@@ -150,6 +150,7 @@ def validate(cfg) -> None:
     for k in ("checkpoint_every", "keep_last"):
         need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0 (0 = {'never' if k == 'checkpoint_every' else 'keep all'})")
     need(cfg.max_bad_steps >= 1, f"max_bad_steps ({cfg.max_bad_steps}) must be >= 1")
+    tracker.check(cfg)  # an unknown tracker, or its package missing: one line with the install command
     need(cfg.max_prompt_len >= 8, f"max_prompt_len ({cfg.max_prompt_len}) must be >= 8")
     need(cfg.dtype in ("auto", "float32", "bfloat16"),
          f"dtype ({cfg.dtype!r}) must be auto, float32 or bfloat16 (float16 needs a grad scaler, which this code omits)")

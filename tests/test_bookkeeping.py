@@ -33,7 +33,9 @@ CPU = torch.device("cpu")
 MAY_CHANGE = {"resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every",
               "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip",
               # paths of the starting model: a copy elsewhere resumes; its content is the reference identity
-              "init_from", "sft_dir"}
+              "init_from", "sft_dir",
+              # where the curves go besides log.jsonl (infra/tracker.py): the run's numbers are the same
+              "tracker", "tracker_project", "tracker_run"}
 
 
 def config(out, *flags):

@@ -1,0 +1,253 @@
+"""An experiment tracker beside log.jsonl, off by default: --tracker=tensorboard|wandb|trackio.
+
+    python train.py --preset toy --tracker=tensorboard     # then: tensorboard --logdir out/toy/tensorboard
+    WANDB_MODE=offline python train.py --preset toy --tracker=wandb --tracker_project=maskgrpo
+    python train.py --preset toy --tracker=trackio         # then: trackio show --project maskgrpo
+
+train.main calls `start` once (the run's settings become the tracked run's config), then each event in one line:
+the step's log.jsonl line and its seconds (Run.record, as it writes log.jsonl), the held-out rewards before and
+after RL, and at the end the pictures. On the tracker's x axis a step is log.jsonl's `step`; the held-out rewards
+before RL sit at step 0 and those after at the last step (`heldout/TASK/before`, `heldout/TASK/after`).
+
+log.jsonl stays the record: a tracker that cannot start or fails mid-run is reported in one line and dropped, and
+training goes on. Only rank 0 logs. out_dir/tracker.json keeps each tracker's run id and how far it has logged,
+so that --resume=true continues the same tracked run and no step reaches it twice (a step re-taken after a
+resume from an older checkpoint keeps the values it was first logged with). The package is an optional extra
+(`pip install -e '.[track]'`); a tracker asked for without it is refused by `check`, before anything runs.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from infra import scale
+from infra.scale import print0
+
+# --tracker value -> the package it imports (TensorBoard's writer is torch.utils.tensorboard, which needs it)
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+STATE = "tracker.json"  # in out_dir: {tracker: {"id": ..., "done": {event: last step logged}}}
+FILES = (STATE, "tracker.tmp", "tensorboard", "wandb")  # what a tracker writes at the top of out_dir
+PICTURES = ("curves", "images")  # out_dir/NAME.png, drawn by Run.finish when Pillow is installed
+
+
+def check(cfg) -> None:
+    """Refuse an unknown tracker, or one whose package is missing, in one line naming the install command."""
+    if cfg.tracker == "none":
+        return
+    if cfg.tracker not in TRACKERS:
+        raise ValueError(f"tracker ({cfg.tracker!r}) must be one of none, {', '.join(TRACKERS)}")
+    package = TRACKERS[cfg.tracker]
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"--tracker={cfg.tracker} needs the {package} package, which is not installed: "
+                         f"pip install {package} (or pip install -e '.[track]'), or drop --tracker")
+    if not cfg.tracker_project.strip():
+        raise ValueError("tracker_project is empty: pass the project the run is filed under, e.g. "
+                         "--tracker_project=maskgrpo")
+
+
+class Tracker:
+    """The calls train.py makes; each one does nothing when tracking is off, on ranks other than 0, or once the
+    tracker has failed."""
+
+    def __init__(self, cfg, backend=None, state: dict | None = None):
+        self.cfg, self.backend, self.state = cfg, backend, state or {}
+        self.last = max(cfg.rl_steps - 1, 0)  # the step of the held-out rewards after RL and the pictures
+
+    def step(self, step: int, log: dict, times: dict) -> None:
+        """One RL step: every key of its log.jsonl line (but `step`, the x axis) and of its times.jsonl line,
+        the seconds of the step and of its phases, under time/."""
+        values = {**{k: v for k, v in log.items() if k != "step"},
+                  **{f"time/{k}": v for k, v in times.items() if k != "step"}}
+        self._send("step", step, lambda b: b.log(values, step))
+
+    def held_out(self, when: str, rewards: dict) -> None:
+        """The held-out mean reward per task, when = before (at step 0) or after (at the last step) RL."""
+        if not rewards:  # no held-out set
+            return
+        step = 0 if when == "before" else self.last
+        self._send(when, step, lambda b: b.log({f"heldout/{k}/{when}": v for k, v in rewards.items()}, step))
+
+    def finish(self, out: Path) -> None:
+        """The end of a complete run: send the pictures it drew (curves.png, images.png), close the tracked run."""
+        pictures = {f"pictures/{n}": out / f"{n}.png" for n in PICTURES if (out / f"{n}.png").is_file()}
+        if pictures:
+            self._send("pictures", self.last, lambda b: b.images(pictures, self.last))
+        self.close()
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self._call(lambda b: b.finish())
+            self.backend = None
+
+    def _send(self, event: str, step: int, call) -> None:
+        """Call the tracker once per (event, step): a step it has logged before (a resumed run re-taking it) is
+        skipped; then remember, in out_dir/tracker.json, that it has."""
+        done = self.state.setdefault("done", {})
+        if self.backend is None or step <= done.get(event, -1):
+            return
+        if self._call(call):
+            done[event] = step
+            self._save()
+
+    def _call(self, call) -> bool:
+        try:
+            call(self.backend)
+            return True
+        except Exception as e:  # whatever the tracker raises: log.jsonl is the record, training goes on
+            self.fail(e)
+            return False
+
+    def fail(self, e: Exception) -> None:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        print0(f"warning: the {self.cfg.tracker} tracker failed ({type(e).__name__}: {first}); training goes on "
+               "without it, log.jsonl is the record")
+        backend, self.backend = self.backend, None
+        try:
+            if backend is not None:
+                backend.finish()
+        except Exception:
+            pass
+
+    def _save(self) -> None:
+        out = Path(self.cfg.out_dir)
+        saved = read_state(out)
+        saved[self.cfg.tracker] = self.state
+        tmp = out / "tracker.tmp"
+        tmp.write_text(json.dumps(saved, indent=1) + "\n")
+        os.replace(tmp, out / STATE)
+
+
+_OPEN: list[Tracker] = []  # the tracker this process has open: finished at exit if the run ends early
+
+
+def start(cfg) -> Tracker:
+    """Open --tracker's run on rank 0 (a resumed run reopens the run id in out_dir/tracker.json); a tracker that
+    cannot start is reported in one line and the run goes on without it."""
+    _close_open()  # an earlier main() in this process that ended early (tests; a notebook)
+    if cfg.tracker == "none" or scale.rank() != 0:
+        return Tracker(cfg)
+    state = read_state(Path(cfg.out_dir)).get(cfg.tracker, {})
+    tracker = Tracker(cfg, state={"done": dict(state.get("done", {}))})
+    try:
+        tracker.backend = BACKENDS[cfg.tracker](cfg, state.get("id"))
+    except Exception as e:
+        tracker.fail(e)
+        return tracker
+    tracker.state["id"] = tracker.backend.id
+    tracker._save()
+    _OPEN.append(tracker)
+    return tracker
+
+
+@atexit.register
+def _close_open() -> None:
+    """Close a tracked run whose training ended early (an error, a signal), so its tracker writes what it holds."""
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def read_state(out: Path) -> dict:
+    try:
+        saved = json.loads((out / STATE).read_text())
+        return saved if isinstance(saved, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def run_name(cfg) -> str:
+    return cfg.tracker_run or Path(cfg.out_dir).resolve().name
+
+
+# -----------------------------------------------------------------------------------------------------
+# the trackers: each opens (or reopens) a run, logs numbers and text at a step, logs pictures, finishes
+
+
+class TensorBoard:
+    """Event files in out_dir/tensorboard, written with torch.utils.tensorboard. TensorBoard keeps a number as a
+    float32 scalar (its dashboard draws no other kind): log.jsonl keeps the float64."""
+
+    def __init__(self, cfg, run_id: str | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(Path(cfg.out_dir) / "tensorboard"))
+        self.id = "tensorboard"  # TensorBoard has no run id: a run is its folder
+        self.writer.add_text("config", "```\n" + json.dumps(asdict(cfg), indent=1) + "\n```")
+        self.writer.flush()
+
+    def log(self, values: dict, step: int) -> None:
+        for k, v in values.items():
+            if isinstance(v, str):
+                self.writer.add_text(k, v, step)
+            else:
+                self.writer.add_scalar(k, v, step)
+        self.writer.flush()  # a killed run keeps every step it has counted as logged (tracker.json)
+
+    def images(self, paths: dict, step: int) -> None:
+        import numpy as np
+        from PIL import Image
+
+        for k, path in paths.items():
+            with Image.open(path) as im:
+                self.writer.add_image(k, np.asarray(im.convert("RGB")), step, dataformats="HWC")
+        self.writer.flush()
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class Wandb:
+    """Weights & Biases: files in out_dir/wandb; online with an account, or offline (WANDB_MODE=offline). Each
+    call is a row of its own with log.jsonl's `step` as the charts' x axis (define_metric): wandb's own step
+    only grows, and a resumed run's held-out rewards after RL belong to a step it has already logged."""
+
+    def __init__(self, cfg, run_id: str | None):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(project=cfg.tracker_project, name=run_name(cfg), id=run_id,  # None: wandb draws one
+                              resume="allow" if run_id else None, dir=cfg.out_dir, config=asdict(cfg),
+                              settings=wandb.Settings(console="off", quiet=True))  # the terminal keeps our lines
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        self.id = self.run.id
+
+    def log(self, values: dict, step: int) -> None:
+        self.run.log({**values, "step": step})
+
+    def images(self, paths: dict, step: int) -> None:
+        self.log({k: self.wandb.Image(str(p)) for k, p in paths.items()}, step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class Trackio:
+    """trackio (wandb's API, local-first): a SQLite store of its own (TRACKIO_DIR, by default
+    ~/.cache/huggingface/trackio). trackio reopens a run by name, so the name must lead back to the saved id."""
+
+    def __init__(self, cfg, run_id: str | None):
+        import trackio
+
+        self.trackio = trackio
+        self.run = trackio.init(project=cfg.tracker_project, name=run_name(cfg), config=asdict(cfg),
+                                resume="must" if run_id else "never", embed=False)
+        self.id = self.run.id
+        if run_id and self.id != run_id:
+            raise RuntimeError(f"trackio resumes by name, and its latest run named {run_name(cfg)!r} is {self.id}, "
+                               f"not this run's {run_id}: another run took the name since")
+
+    def log(self, values: dict, step: int) -> None:
+        self.run.log(values, step=step)
+
+    def images(self, paths: dict, step: int) -> None:
+        self.run.log({k: self.trackio.Image(str(p)) for k, p in paths.items()}, step=step)
+
+    def finish(self) -> None:
+        self.trackio.finish()  # the run's own finish, and trackio's record that no run is open
+
+
+BACKENDS = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
