@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import functools
 import inspect
 import io
+import os
 import re
+import select
 import sys
 import tokenize
 from contextlib import contextmanager
@@ -177,19 +180,100 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     return obj
 
 
+def output_gone(fd: int) -> bool:
+    """Whether nobody can read what is written to fd any more: a terminal that hung up (closed window, dropped
+    ssh session: poll reports POLLHUP, and every write fails with EIO) or a pipe whose reader left (POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+def silence(fd: int) -> None:
+    """Point fd at /dev/null, so that later prints to it succeed (and go nowhere) instead of raising."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except OSError:
+        pass
+
+
+class _Unbroken:
+    """sys.stdout or sys.stderr of an entry point: a write that fails because nobody reads any more (EIO: the
+    terminal closed; EPIPE: the reader of a pipe left; EBADF: the descriptor was closed) points the descriptor
+    at /dev/null and goes on, and a full non-blocking pipe (EAGAIN) drops the line: losing a message must not
+    lose the run (the step finishes and its checkpoint is written; infra/checkpoint.graceful_stop)."""
+
+    GONE = (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO)
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _failed(self, e: OSError) -> None:
+        if isinstance(e, BlockingIOError):
+            return
+        if e.errno not in self.GONE:
+            raise e
+        silence(self._stream.fileno())
+        try:
+            self._stream.flush()  # what the buffer still holds goes to /dev/null
+        except (OSError, ValueError):
+            pass
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            self._failed(e)
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError as e:
+            self._failed(e)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def output_may_vanish():
+    """sys.stdout and sys.stderr that survive their reader going away (_Unbroken), where they are real files
+    (a test's in-memory capture is left alone); restored afterwards."""
+    saved = sys.stdout, sys.stderr
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            stream.fileno()
+        except (AttributeError, ValueError, OSError):
+            continue
+        if not isinstance(stream, _Unbroken):
+            setattr(sys, name, _Unbroken(stream))
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 @contextmanager
 def user_errors():
     """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2; Ctrl-C -> exit 130.
     Either way no traceback: the message names the value, the file and the fix, which is all a user needs.
-    Programming errors (anything else) keep their traceback."""
-    try:
-        yield
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(USER_ERROR)
-    except KeyboardInterrupt:
-        print("interrupted (Ctrl-C)", file=sys.stderr)
-        sys.exit(130)
+    Programming errors (anything else) keep their traceback. Output whose reader is gone (a closed terminal)
+    is dropped rather than raised (output_may_vanish)."""
+    with output_may_vanish():
+        try:
+            yield
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(USER_ERROR)
+        except KeyboardInterrupt:
+            print("interrupted (Ctrl-C)", file=sys.stderr)
+            sys.exit(130)
 
 
 def bars_shown(file=None) -> bool:
