@@ -34,6 +34,19 @@ SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_n
             "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
 
 
+class WriteFailed(OSError):
+    """Writing a model folder failed (a full disk, a file-size limit; whatever the writer raised, safetensors'
+    SafetensorError included): one line saying what was being written, why, and what is left of it."""
+
+
+def writer_error(e: BaseException) -> str:
+    """What a writer's exception says, in a few words: an OSError's reason and file, else its first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f": {e.filename}" if e.filename else "")
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}{': ' + text if text else ''}"[:200]
+
+
 def sft_key(cfg) -> dict:
     """What the toy SFT model depends on: the SFT_KEYS settings, the toy tasks it trains, and the source of
     infra/toy.py (its data) and tasks.py (how the data becomes token ids)."""
@@ -110,6 +123,10 @@ def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
                     if old.exists():
                         os.rename(old, sft_dir)
                     raise
+            except Exception as e:  # whatever the writer raised: one line (train.py adds the command)
+                raise WriteFailed(f"saving the SFT model to {sft_dir} failed ({writer_error(e)}): SFT keeps no "
+                                  f"checkpoint, so the trained SFT model is lost, and {sft_dir} is left as it "
+                                  "was") from e
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(old, ignore_errors=True)
@@ -233,6 +250,17 @@ def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
     state = scale.full_state_dict(model)
     if scale.rank() != 0:
         return
+    existed = path.is_dir()  # an empty folder given for an export stays, emptied
+    try:
+        _write_model(model, cfg, path, tok, dtype, state)
+    except Exception as e:  # whatever the writer raised (SafetensorError is no OSError): one line, no half model
+        for p in (path.iterdir() if existed and path.is_dir() else [path]):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        raise WriteFailed(f"writing the model to {path} failed ({writer_error(e)}); what it had written is "
+                          "removed") from e
+
+
+def _write_model(model, cfg, path: Path, tok, dtype: torch.dtype, state: dict) -> None:
     if cfg.lora_rank:
         # An unsharded copy on CPU to merge into (16 GB for LLaDA-8B in bf16, on rank 0 only).
         dtype = next(v for k, v in state.items() if k.endswith(".weight")).dtype

@@ -25,7 +25,7 @@ import torch
 
 import tasks
 from infra import checkpoint, heldout, phases, scale
-from infra.load import reference_identity, save_model
+from infra.load import WriteFailed, reference_identity, save_model, writer_error
 from infra.outdir import logged_steps, release_out_dir, resume_point
 from infra.scale import print0
 from tasks import IMAGE_TASKS, task_list
@@ -148,6 +148,12 @@ def explain_failure(e: BaseException, cfg) -> str | None:
                     f"{cfg.prompts_per_step}, device_batch_size={cfg.device_batch_size or 'all'}: fewer sequences per "
                     f"forward pass need less memory (--device_batch_size={fewer}; or a lower --group_size in a new "
                     f"run); {kept_line(out)}; continue with: {continue_command(out)} --device_batch_size={fewer}")
+        if isinstance(x, WriteFailed):  # a model folder (SFT, final/) whose writer failed, whatever it raised
+            return (f"{x}; {kept_line(out)}; free space there (or raise the file-size limit, ulimit -f), then "
+                    f"continue with: {continue_command(out)}")
+        if isinstance(x, OSError) and x.errno == errno.EFBIG:
+            return (f"a file outgrew the file-size limit ({x.strerror}{': ' + str(x.filename) if x.filename else ''}); "
+                    f"{kept_line(out)}; raise the limit (ulimit -f), then continue with: {continue_command(out)}")
         if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
             return (f"the disk is full ({x.strerror}{': ' + str(x.filename) if x.filename else ''}); "
                     f"{kept_line(out)}; free space there (or lower --keep_last), then continue with: "
@@ -326,9 +332,12 @@ class Run:
             path = checkpoint.save(self.out, step, self.model, self.opt, saved, keep_last=self.cfg.keep_last,
                                    trainable_only=self.cfg.lora_rank > 0, protect=protect)
         except BaseException as e:  # DCP wraps a writer's OSError in CheckpointException, a BaseException
-            message = explain_failure(e, self.cfg) if not isinstance(e, KeyboardInterrupt) else None
-            if message is None:
+            if isinstance(e, KeyboardInterrupt) or not isinstance(e, Exception) and not hasattr(e, "failures"):
                 raise
+            # whatever the writer raised: the machine's reason when it is one, else the writer's own words
+            cause = ([x for x in root_causes(e) if isinstance(x, Exception)] or [e])[-1]
+            message = explain_failure(e, self.cfg) or (f"{writer_error(cause)}; {kept_line(self.out)}; fix the "
+                                                       f"cause, then continue with: {continue_command(self.out)}")
             if scale.rank() == 0:  # the half-written directory, never loaded, would only take the room
                 shutil.rmtree(checkpoint._step_dir(self.out, step, tmp=True), ignore_errors=True)
             raise RunFailed(f"writing checkpoint step {step}: {message}") from None

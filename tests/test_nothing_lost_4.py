@@ -95,3 +95,83 @@ def test_sighup_with_the_output_gone_still_writes_the_checkpoint(sft_dir, tmp_pa
     assert p.returncode == 128 + signal.SIGHUP, p.returncode
     assert checkpoint.latest(out).name == "step-00000002", list((out / "checkpoints").iterdir())
     assert not (out / "run.pid").exists()
+
+
+# -----------------------------------------------------------------------------------------------------
+# a save that fails, whatever the writer raises
+
+TINY = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1"]
+
+
+def test_sft_save_over_a_file_size_limit_is_one_line(tmp_path):
+    """RLIMIT_FSIZE below the SFT model's size: safetensors raises SafetensorError ("File too large"), not an
+    OSError. One line says the SFT model was lost, the sft_dir is as it was, and the command to run again;
+    no traceback, no temporary folder left."""
+    out = tmp_path / "run"
+    limit = 32 << 10  # the smoke model's weights are larger; config.json and the logs are smaller
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    p = subprocess.run([sys.executable, "train.py", *TINY, "--sft_steps=2", "--rl_steps=0", f"--out_dir={out}"],
+                       cwd=ROOT, env=child_env(), preexec_fn=small_files, capture_output=True, text=True,
+                       timeout=300)
+    err = p.stderr.strip()
+    assert p.returncode == 1 and "Traceback" not in p.stderr and len(err.splitlines()) == 1, p.stdout + p.stderr
+    assert err.startswith("error: saving the SFT model to") and "File too large" in err, err
+    assert "the trained SFT model is lost" in err and "no checkpoint of this run exists" in err, err
+    assert "continue with: python train.py" in err and f"--out_dir={out}" in err, err
+    assert not (out / "sft").exists() and not [q for q in out.iterdir() if q.name.startswith(".sft")]
+
+
+def test_final_save_failing_with_a_safetensors_error_keeps_the_checkpoint(smoke_sft_run, tmp_path, monkeypatch):
+    """A fake writer raises SafetensorError while final/ is written: RunFailed in one line naming the last
+    step's checkpoint as kept and --resume=true; no partial final/; that command then finishes the run."""
+    import train
+    from infra import hf
+    from infra.run import RunFailed
+    from safetensors import SafetensorError
+
+    out = tmp_path / "run"
+    args = [*TINY, f"--sft_dir={smoke_sft_run / 'sft'}", f"--out_dir={out}", "--rl_steps=1", "--checkpoint_every=1"]
+    real = hf.save_file
+
+    def full_disk(tensors, filename, *a, **k):
+        if Path(filename).parent == out / "final":
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, filename, *a, **k)
+    monkeypatch.setattr(hf, "save_file", full_disk)
+    with pytest.raises(RunFailed) as e:
+        train.main(args)
+    msg = str(e.value)
+    assert "\n" not in msg and f"writing the model to {out / 'final'} failed" in msg, msg
+    assert "No space left on device" in msg and "step-00000001, is kept" in msg, msg
+    assert "continue with: python train.py" in msg and "--resume=true" in msg, msg
+    assert not (out / "final").exists() and not (out / "summary.json").exists()
+    monkeypatch.setattr(hf, "save_file", real)
+    train.main([*args, "--resume=true"])
+    assert (out / "summary.json").is_file() and (out / "final" / "config.json").is_file()
+
+
+def test_checkpoint_writer_raising_anything_is_one_line(smoke_sft_run, tmp_path, monkeypatch):
+    """A checkpoint writer that raises an error no one foresaw (not an OSError): one line naming the
+    previous checkpoint as kept and the command that continues, and no half-written checkpoint."""
+    import train
+    from infra import checkpoint as ckpt
+    from infra.run import RunFailed
+
+    out = tmp_path / "run"
+    real = ckpt.save
+
+    def broken(out_dir, step, *a, **k):
+        if step == 2:
+            ckpt._step_dir(out_dir, step, tmp=True).mkdir(parents=True)
+            raise RuntimeError("the storage driver gave up")
+        return real(out_dir, step, *a, **k)
+    monkeypatch.setattr(ckpt, "save", broken)
+    with pytest.raises(RunFailed) as e:
+        train.main([*TINY, f"--sft_dir={smoke_sft_run / 'sft'}", f"--out_dir={out}", "--rl_steps=2",
+                    "--checkpoint_every=1"])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("writing checkpoint step 2: RuntimeError: the storage driver gave up"), msg
+    assert "step-00000001, is kept" in msg and "--resume=true" in msg, msg
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000001"]
