@@ -148,9 +148,6 @@ def explain_failure(e: BaseException, cfg) -> str | None:
                     f"{cfg.prompts_per_step}, device_batch_size={cfg.device_batch_size or 'all'}: fewer sequences per "
                     f"forward pass need less memory (--device_batch_size={fewer}; or a lower --group_size in a new "
                     f"run); {kept_line(out)}; continue with: {continue_command(out)} --device_batch_size={fewer}")
-        if isinstance(x, WriteFailed):  # a model folder (SFT, final/) whose writer failed, whatever it raised
-            return (f"{x}; {kept_line(out)}; free space there (or raise the file-size limit, ulimit -f), then "
-                    f"continue with: {continue_command(out)}")
         if isinstance(x, OSError) and x.errno == errno.EFBIG:
             return (f"a file outgrew the file-size limit ({x.strerror}{': ' + str(x.filename) if x.filename else ''}); "
                     f"{kept_line(out)}; raise the limit (ulimit -f), then continue with: {continue_command(out)}")
@@ -163,6 +160,10 @@ def explain_failure(e: BaseException, cfg) -> str | None:
             text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text).split(". ")[0]  # gloo's source location
             return (f"another process of this torchrun run stopped ({text[:120]}; torchrun's report names it); "
                     f"{kept_line(out)}; once the cause is fixed, --resume=true continues: {continue_command(out)}")
+    for x in root_causes(e):  # a model folder (SFT, final/) whose writer failed, whatever it raised
+        if isinstance(x, WriteFailed):
+            return (f"{x}; {kept_line(out)}; free space there (or raise the file-size limit, ulimit -f), then "
+                    f"continue with: {continue_command(out)}")
     return None
 
 
