@@ -22,8 +22,10 @@ and exit with code 2. A training checkpoint (out_dir/checkpoints/step-N) becomes
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -160,17 +162,27 @@ def build_config(o: Options) -> tuple[train.Config, int]:
 
 def open_out(out: str):
     """The --out file, opened before anything is evaluated: a directory, an unwritable place or an earlier
-    evaluation's file is refused now, not after hours of scoring (and a result is never overwritten)."""
+    evaluation's file is refused now, not after hours of scoring (and a result is never overwritten). The file
+    is this process's alone while it is open (an exclusive lock): a second evaluate.py given the same --out is
+    refused, so two never interleave their lines in one file."""
     path = Path(out)
     if path.is_dir():
         raise ValueError(f"--out {out} is a directory; give a file in it, e.g. --out {path / 'eval.jsonl'}")
-    if path.is_file() and path.stat().st_size:
-        raise ValueError(f"--out {out} already exists (an earlier evaluation?); choose another path, or delete it")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "w")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # never truncates: the checks below decide
     except OSError as e:
         raise ValueError(f"--out {out} is not writable ({e.strerror}: {e.filename}); choose a writable path") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ValueError(f"--out {out} is being written by another evaluate.py (it holds the file's lock); wait "
+                         "for it to end, or choose another --out") from None
+    if os.fstat(fd).st_size:
+        os.close(fd)
+        raise ValueError(f"--out {out} already exists (an earlier evaluation?); choose another path, or delete it")
+    return os.fdopen(fd, "a")
 
 
 class Scored(list):

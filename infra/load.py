@@ -86,10 +86,31 @@ def check_sft_cache(cfg) -> bool:
                          "this code wrote, and it is left as it is; pass --sft_dir=a new or empty folder")
     else:
         return False
+    owner = other_run_of(sft_dir, cfg)
+    if owner is not None:  # --retrain_sft would replace the model that run was trained from: never offered
+        raise ValueError(f"sft_dir {sft_dir} is the SFT model of the run in {owner} and {problem}; a run never "
+                         f"replaces another run's files, so --retrain_sft does not apply: give this run its own "
+                         f"--sft_dir (e.g. --sft_dir={Path(cfg.out_dir) / 'sft'}), or drop --sft_dir")
     if not cfg.retrain_sft:
         raise ValueError(f"sft_dir {sft_dir} {problem}; pass --retrain_sft=true to replace it, or give this "
                          "run its own --sft_dir")
     return False
+
+
+def other_run_of(sft_dir: Path, cfg) -> Path | None:
+    """The out_dir of another train.py run whose own SFT model sft_dir is (RUN/sft of a run that took no
+    --sft_dir, or the --sft_dir its config.json names), or None."""
+    run_dir = sft_dir.parent
+    if run_dir.resolve() == Path(cfg.out_dir).resolve():
+        return None
+    try:
+        saved = json.loads((run_dir / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(saved, dict) and "rl_steps" in saved and "out_dir" in saved):
+        return None  # a model's config.json, or none: not a run
+    own = Path(saved["sft_dir"]) if saved.get("sft_dir") else run_dir / "sft"
+    return run_dir if own.resolve() == sft_dir.resolve() else None
 
 
 def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
