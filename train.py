@@ -158,6 +158,7 @@ class Config(StepConfig):
     keep_last: int = 2                # complete checkpoints kept (0 = all)
     resume: bool = False              # continue from the latest complete checkpoint in out_dir
     extend: bool = False              # with --resume and a larger --rl_steps: train a finished run further
+    change_on_resume: str = ""        # with --resume: lr and/or grad_clip (comma separated) differ from the run's from the checkpoint's step on (else refused); log.jsonl records the step
     max_bad_steps: int = 3            # stop after this many consecutive steps with non-finite loss/grad/reward
     dry_run: bool = False             # print parameters, memory per GPU and FLOPs per step; no weights, no run
     dry_run_gpus: int = 8             # world size assumed by --dry_run

@@ -204,13 +204,21 @@ def check_resumable(path, state: dict, config: dict, reference: dict, may_change
     changed = sorted(k for k, v in config.items() if k not in may_change and state["config"].get(k) != v)
     if changed:
         raise ValueError(f"cannot resume {path}: these settings differ from the saved run: "
-                         + ", ".join(f"{k} {state['config'].get(k)!r} -> {config[k]!r}" for k in changed))
+                         + ", ".join(f"{k} {state['config'].get(k)!r} -> {config[k]!r}" for k in changed)
+                         + changeable_hint(changed))
     if state["reference"] != reference:
         old = "" if "init_from" not in state["reference"] else " (that checkpoint identifies its model by path " \
             "and file times, as older versions of train.py did: resume it with that version, or start again)"
         raise ValueError(f"cannot resume {path}: the reference policy changed (saved {state['reference']}, "
                          f"now {reference}){old}; resume with the same --init_from / SFT model (its content, "
                          "wherever it is)")
+
+
+def changeable_hint(changed) -> str:
+    """The way to change lr or grad_clip on purpose, when they are among the refused differences."""
+    names = [k for k in changed if k in ("lr", "grad_clip")]
+    return (f" (to change {' and '.join(names)} from here on, which log.jsonl then records, add "
+            f"--change_on_resume={','.join(names)})") if names else ""
 
 
 def _say_in_handler(text: str) -> None:

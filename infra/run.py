@@ -28,6 +28,7 @@ from infra import checkpoint, heldout, phases, scale
 from infra.load import WriteFailed, reference_identity, save_model, writer_error
 from infra.outdir import logged_steps, release_out_dir, resume_point
 from infra.scale import print0
+from infra.settings import resume_changes
 from tasks import IMAGE_TASKS, task_list
 
 
@@ -195,10 +196,6 @@ def keep_steps_before(path: Path, start: int) -> Path:
     return path
 
 
-# Fields that may change between a run and its resumption; any other difference is refused.
-# lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
-# init_from and sft_dir are paths: the model they hold is compared by content (load.reference_identity), so
-# a copy of it at another path (a cluster job's local disk) resumes.
 KILL_RANK_ENV = "MASKGRPO_KILL_RANK_AT_STEP"
 
 
@@ -217,11 +214,19 @@ class Run:
         self.state = {"step": 0, "before": None, "before_by_prompt": None, "bad_steps": 0, "bad_run": 0,
                       "rl_seconds": 0.0, "last_good": None, "grid_before": None}
         last = resume_point(self.out, quiet=False) if cfg.resume and checkpoint.latest(self.out) else None
+        self.changed = {}  # {setting: [the run's value, this segment's]}: --change_on_resume, logged at run.start
         if last is not None:
-            self.state.update(checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0))
-            for group in opt.param_groups:  # the saved optimizer carries the old lr; --lr may change on resume
+            saved = checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0)
+            self.state.update(saved)
+            for group in opt.param_groups:  # the saved optimizer carries the run's lr; --change_on_resume=lr a new one
                 group["lr"] = cfg.lr
-            print0(f"resumed from {last} at step {self.state['step']}")
+            self.changed = {k: [saved["config"].get(k), getattr(cfg, k)] for k in resume_changes(cfg)
+                            if saved["config"].get(k) != getattr(cfg, k)}
+            print0(f"resumed from {last} at step {self.state['step']}" + "".join(
+                f"; {k} changes from {a} to {b} at this step (log.jsonl records it)" for k, (a, b) in self.changed.items()))
+            same = [k for k in resume_changes(cfg) if k not in self.changed]
+            if same:
+                print0(f"warning: --change_on_resume names {', '.join(same)}, which the run already has; nothing changes")
         elif cfg.resume:
             print0(f"--resume: no complete checkpoint in {self.out / checkpoint.DIRNAME}; starting from step 0 "
                    "(the log of any earlier attempt is rewritten)")
@@ -298,6 +303,8 @@ class Run:
         state["bad_run"] = state["bad_run"] + 1 if bad else 0
         state["bad_steps"] += bad
         log["bad_steps"] = state["bad_steps"]
+        if step == self.start and self.changed:  # where the run's settings changed (--change_on_resume)
+            log["changed"] = self.changed
         times = {k: log.pop(k) for k in list(log) if k == "seconds" or k.endswith("_s")}
         if self.logf:
             self.logf.write(json.dumps(log) + "\n")
@@ -309,8 +316,8 @@ class Run:
                 f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the "
                 f"warnings above), stopping at step {step}. Last good checkpoint: "
                 f"{state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or "
-                "--grad_clip, the reward function or scorer) and continue from it with --resume=true "
-                "(delete the newer checkpoints first)")
+                "--grad_clip with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from "
+                "it with --resume=true (delete the newer checkpoints first)")
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
                 show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)

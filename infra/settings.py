@@ -157,6 +157,12 @@ def validate(cfg) -> None:
         need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0")
     for k in ("prompts_per_step", "sft_batch_size"):
         need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1")
+    other = [k for k in resume_changes(cfg) if k not in CHANGEABLE]
+    need(not other, f"change_on_resume ({cfg.change_on_resume!r}) names {', '.join(other)}: only "
+         f"{_one_of(CHANGEABLE)} may change when a run resumes (any other change makes another run: start it "
+         "with another --out_dir)")
+    need(cfg.resume or not cfg.change_on_resume, "--change_on_resume changes settings of a run being continued: "
+         "pass --resume=true with it, or drop it")
 
 
 def check_device(name: str, flag: str = "device") -> None:
@@ -175,6 +181,16 @@ def check_device(name: str, flag: str = "device") -> None:
 def check_threads(n: int, flag: str = "threads") -> None:
     if n < 0:
         raise ValueError(f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
+
+
+# The settings a resumed run may change, named in --change_on_resume (a run stopped by bad steps continues more
+# carefully); any other difference from the checkpoint's settings is refused (infra/outdir.RESUMABLE).
+CHANGEABLE = ("lr", "grad_clip")
+
+
+def resume_changes(cfg) -> tuple:
+    """The settings --change_on_resume names (checked by validate)."""
+    return tuple(k.strip() for k in cfg.change_on_resume.split(",") if k.strip())
 
 
 # Flags that only shape and train the toy model built here (init_from=scratch): with --init_from they act on
