@@ -148,6 +148,9 @@ def build_config(o: Options) -> tuple[train.Config, int]:
     if o.limit < 0 or o.samples < -1:
         raise ValueError(f"--limit ({o.limit}) must be >= 0 and --samples ({o.samples}) >= 0")
     samples = o.eval_samples if o.samples == -1 else o.samples
+    if samples == 0 and o.task in tasks.IMAGE_TASKS:  # greedy only, and images have no greedy decoding
+        raise ValueError(f"--samples 0 scores greedy completions only, and image tasks ({o.task}) have none (the "
+                         "image samplers always draw): pass --samples >= 1")
     if samples and o.temperature <= 0:  # heldout.evaluate then draws one completion per prompt: no pass@k
         raise ValueError(f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
     implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1)}
@@ -231,6 +234,9 @@ def _score(cfg, task, sink, limit, samples):
     model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
     load.report_truncation(cfg, tok, datasets)
     n = len(heldout.eval_examples(task, cfg, datasets))
+    if n == 0:  # a table of zero samples would look like a result
+        raise ValueError(f"no {task} prompts to score (" + (f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS
+                         else f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty") + "); pass at least one")
     ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer)
     modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
     if task not in tasks.IMAGE_TASKS:  # as heldout.evaluate_all: images have no greedy decoding
@@ -294,6 +300,10 @@ def check_run(run_dir: str, **overrides) -> bool | None:
     cfg = replace(train.Config(**raw), **overrides)  # RUN_OVERRIDES: threads, device
     train.validate(cfg)
     summary = json.loads((out_dir / "summary.json").read_text())
+    if not [k for k in summary if k != "seconds"]:  # "all 0 numbers match" would pass on nothing
+        raise ValueError(f"{out_dir / 'summary.json'} holds no held-out reward (the run had no held-out set: "
+                         f"eval_prompts={cfg.eval_prompts}, eval_data={cfg.eval_data!r}), so --run has nothing to "
+                         f"compare; score its model with: python evaluate.py --ckpt={out_dir / 'final'} --task=TASK")
     device, dtype = settings.setup(cfg)
     datasets = load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None

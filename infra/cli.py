@@ -58,8 +58,9 @@ def _comments(cls) -> tuple:
             continue
         current = None
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type == tokenize.NAME and tok.start[1] == 4 and re.match(rf"\s*{tok.string}\s*:", tok.line):
-                current = tok.string if tok.string in klass.__dataclass_fields__ else None
+            if tok.type == tokenize.NAME and tok.start[1] == 4:  # a field, or a method (whose comment is its own)
+                field = re.match(rf"\s*{tok.string}\s*:", tok.line) and tok.string in klass.__dataclass_fields__
+                current = tok.string if field else None
             elif tok.type == tokenize.COMMENT and current:
                 text, alone = tok.string.lstrip("#").strip(), tok.line.strip().startswith("#")
                 if alone and tok.start[1] <= 4:  # a section heading ("    # model"), not a continuation
@@ -95,7 +96,7 @@ def preset_named(argv, presets: dict) -> str:
 
 
 def parser(cls, description: str, presets: dict | None = None, argv=(), defaults: dict | None = None,
-           inherited: set | None = None) -> argparse.ArgumentParser:
+           inherited: set | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     """An ArgumentParser with one flag per field of `cls` (and --preset when presets are given); every
     default is None so that `given` below sees which flags were typed. --help shows each field's value
     under the preset argv names (or the default preset) and `defaults`, and says where it comes from."""
@@ -103,7 +104,7 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
         "flag given twice takes its last value)"
     # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
     p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False, allow_abbrev=False,
-                                epilog=EPILOGS.get(cls.__name__))
+                                epilog=EPILOGS.get(cls.__name__), prog=prog)
     base, name = dict(defaults or {}), None
     if presets is not None:
         first, name = next(iter(presets)), preset_named(list(argv), presets)
@@ -143,14 +144,15 @@ def parse_known(p: argparse.ArgumentParser, argv, module: str) -> argparse.Names
 
 
 def parse(cls, argv=None, *, description: str = "", presets: dict | None = None, defaults: dict | None = None,
-          inherited: set | None = None, refused: str = ""):
+          inherited: set | None = None, refused: str = "", prog: str | None = None):
     """Build `cls` from the command line. defaults: values that replace the dataclass defaults (for
     instance a checkpoint's own generation settings), overridden in turn by the preset and the flags.
     inherited: the only fields of cls's bases that are flags (None: all); a flag naming another one is
-    refused with `refused`, the reason this entry point does not take it."""
+    refused with `refused`, the reason this entry point does not take it. prog: the command as --help shows it
+    (`python -m tools.sample`; default: the script's file name)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args, unknown = parser(cls, description, presets, argv, defaults, inherited).parse_known_args(argv)
+        args, unknown = parser(cls, description, presets, argv, defaults, inherited, prog).parse_known_args(argv)
     except argparse.ArgumentError as e:  # a value of the wrong type: one line naming flag and value
         raise ValueError(str(e)) from None
     other = [u for u in unknown if u.startswith("--") and u[2:].split("=")[0] in {f.name for f in fields(cls)}]

@@ -112,7 +112,8 @@ def _check_out_dir(cfg, out: Path) -> None:
     else:
         check_sft_cache(cfg)
     if cfg.checkpoint_every:
-        budget.check_disk(cfg, out, mc or scratch_config(cfg, vocab_size=128))
+        present = len(checkpoint.complete(out)) if cfg.resume else 0  # already on the disk
+        budget.check_disk(cfg, out, mc or scratch_config(cfg, vocab_size=128), present)
     any_checkpoint = checkpoint.latest(out)
     if any_checkpoint is not None and not cfg.resume:
         raise ValueError(f"out_dir {out} already holds checkpoints (latest {any_checkpoint.name}): pass "
