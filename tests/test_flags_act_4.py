@@ -96,8 +96,9 @@ def test_rank_correlation_of_ties_is_undefined_not_one(capsys):
     out = capsys.readouterr().out
     assert "| MaskGRPO | undefined | undefined | undefined | undefined | 1.000 |" in out and "1.000 | 1.000" not in out
     assert "warning: text: a correlation is undefined" in out, out
-    # sign agreement leaves out the sequences whose exact log-ratio is 0: 1 of the 2 others agrees
-    m = diagnose.metrics(torch.tensor([[0.5, -1.0, 2.0]]), torch.tensor([0.0, 1.0, 3.0]), torch.ones(3), 0.2)
+    # sign agreement leaves out the sequences whose exact log-ratio is 0: in each draw 1 of the 2 others agrees
+    m = diagnose.metrics(torch.tensor([[0.5, -1.0, 2.0], [0.4, -0.5, 1.0]]), torch.tensor([0.0, 1.0, 3.0]),
+                         torch.ones(3), 0.2)
     assert m["sign"] == 0.5
 
 
