@@ -351,7 +351,7 @@ def main(argv=None) -> int:
         o = parse_options(argv)
         argv = argv if argv is not None else sys.argv[1:]
         if o.compare:
-            extra = [a for a in argv if not a.startswith("--compare") and a != o.compare]
+            extra = [a for i, a in enumerate(argv) if not a.startswith("--compare") and argv[i - 1:i] != ["--compare"]]
             if extra:
                 raise ValueError(f"--compare reads two --out files and takes no other flag; drop {extra}")
             files = [f for f in o.compare.split(",") if f]

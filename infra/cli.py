@@ -38,6 +38,29 @@ USER_ERROR = 2  # exit status of a user error, as argparse's own
 EPILOGS: dict[str, str] = {}
 
 
+# Flags whose value is a path (in any entry point: the names mean the same everywhere), or a list of paths
+# (TASK=PATH,... or A,B). A shell expands `~` only at the start of a word, never after `--flag=`: expanded here,
+# once, so that a run never writes into a folder named `~` while its messages point at the home folder.
+PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
+PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
+
+
+def expand_home(flag: str, value: str) -> str:
+    """value with a leading ~ or ~user expanded (each item of a PATH_LIST_FLAGS list); an unknown user is refused."""
+    def one(path: str) -> str:
+        task, eq, where = path.rpartition("=") if flag in ("train_data", "eval_data") else ("", "", path)
+        if not where.startswith("~"):
+            return path
+        full = os.path.expanduser(where)
+        if full.startswith("~"):
+            raise ValueError(f"--{flag}={value}: {where.split('/')[0]} names no user's home folder here; write "
+                             "the path out in full")
+        return task + eq + full
+    if flag in PATH_LIST_FLAGS:
+        return ",".join(one(item) for item in value.split(","))
+    return one(value) if flag in PATH_FLAGS else value
+
+
 def parse_bool(s: str) -> bool:
     if s.lower() in ("1", "true", "yes", "on"):
         return True
@@ -165,7 +188,8 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
         hint = "; ".join(f"did you mean {m[0]} (not {u.split('=')[0]})?" for u, m in close.items() if m)
         raise ValueError(f"unknown argument(s) {unknown}; the flags are the fields of {cls.__name__} (--help)"
                          + (f"; {hint}" if hint else ""))
-    given = {k: v for k, v in vars(args).items() if v is not None and k != "preset"}
+    given = {k: expand_home(k, v) if isinstance(v, str) else v for k, v in vars(args).items()
+             if v is not None and k != "preset"}
     base = dict(defaults or {})
     if presets is not None:
         if args.preset not in presets:
