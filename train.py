@@ -103,7 +103,7 @@ class Config(StepConfig):
     out_dir: str = "out/toy"          # everything this run writes goes here
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     dtype: str = "auto"               # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
-    threads: int = 0                  # torch CPU threads (0 = torch's default)
+    threads: int = 0                  # torch CPU threads (0 = 1 on CPU, where the toy's small matrices gain little from more and a busy machine makes more much slower; torch's default beside a GPU)
     # Fast-dLLM (arXiv:2505.22618) text rollouts in RL steps (tasks.Ctx.text_sampler; evaluation stays exact)
     kv_cache: str = "none"            # none (exact) | prefix | dual: block KV cache
     threshold: float = 0.0            # > 0: also commit every masked token more confident than this

@@ -228,6 +228,10 @@ def setup(cfg) -> tuple[torch.device, torch.dtype]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = scale.init(cfg.device)
+    if not cfg.threads and device.type == "cpu":
+        # One thread: the toy's matrices are too small to gain much from more, and on cores other jobs keep busy
+        # OpenMP's threads wait on each other (40 toy SFT steps at load 3 on 2 cores: 16 s with one, 147 s with two).
+        torch.set_num_threads(1)
     if cfg.dtype == "auto":
         # bf16 on GPUs that support it (the released LLaDA weights are bf16); float32 on CPU, where bf16
         # matmuls are slow and the toy model is small.

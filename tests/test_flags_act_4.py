@@ -187,3 +187,20 @@ def test_disk_estimate_counts_only_the_checkpoints_the_run_writes(tmp_path, monk
     with pytest.raises(ValueError, match="rotation keeps 3 at once"):
         budget.check_disk(longer, tmp_path, mc)
     budget.check_disk(longer, tmp_path, mc, present=2)
+
+
+# -----------------------------------------------------------------------------------------------------
+# the README's command: one CPU thread unless --threads says otherwise
+
+def test_default_threads_on_cpu_is_one():
+    from infra.settings import setup
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        setup(train.parse_args(["--device=cpu"]))
+        assert torch.get_num_threads() == 1
+        setup(train.parse_args(["--device=cpu", "--threads=2"]))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
