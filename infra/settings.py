@@ -196,7 +196,7 @@ def idle_flags(cfg) -> list:
     idle = []
     if not benchmark_text:
         idle += [(k, "benchmark prompts: gsm8k, math, mbpp, countdown, sudoku") for k in
-                 ("system_prompt", "prompt_prefill", "max_prompt_len", "reward_shaping")]
+                 ("system_prompt", "prompt_prefill", "reward_shaping")]
     if "text" not in chosen:
         idle += [(k, "the toy text task") for k in ("text_reward", "text_max_steps")]
     if not cfg.image_scorer_url:
