@@ -6,12 +6,14 @@ terminals and file-size limits are what is tested.
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_nothing_lost_4.py -q
 """
+import fcntl
 import os
 import pty
 import resource
 import signal
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -66,17 +68,26 @@ def sft_dir(smoke_sft_run):
     return smoke_sft_run / "sft"
 
 
-@pytest.mark.parametrize("output", ["closed terminal", "closed pipe"])
+def controlling_terminal():
+    """In the child, after its setsid: make the pty on stdin its controlling terminal, as a terminal window's
+    shell has it, so that closing the pty's other side makes the kernel send it SIGHUP."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+@pytest.mark.parametrize("output", ["terminal window closed", "closed terminal", "closed pipe"])
 def test_sighup_with_the_output_gone_still_writes_the_checkpoint(sft_dir, tmp_path, output):
-    """The terminal goes away during RL step 1 (the pty's other side is closed: writes to it fail with EIO),
-    or the pipe the run prints into loses its reader (EPIPE); then SIGHUP. The step finishes, its checkpoint
-    is written, the exit status is 128 + SIGHUP and the out_dir is released, as with a terminal still there."""
+    """The terminal goes away during RL step 1: its window closes (the pty's other side is closed, the kernel
+    hangs the terminal up and sends SIGHUP; every write to it then fails with EIO); or the pty closes and SIGHUP
+    comes from elsewhere; or the pipe the run prints into loses its reader (EPIPE), then SIGHUP. The step
+    finishes, its checkpoint is written, the exit status is 128 + SIGHUP and the out_dir is released, as with a
+    terminal still there."""
     out, go = tmp_path / "run", tmp_path / "go"
     args = [*RUN, f"--sft_dir={sft_dir}", f"--out_dir={out}"]
-    if output == "closed terminal":
+    if output != "closed pipe":
         parent, child = pty.openpty()
         p = subprocess.Popen([sys.executable, "-c", WRAPPER, *args], cwd=ROOT, env=child_env(GO=str(go)),
-                             stdin=child, stdout=child, stderr=child, start_new_session=True)
+                             stdin=child, stdout=child, stderr=child, start_new_session=True,
+                             preexec_fn=controlling_terminal if output == "terminal window closed" else None)
         os.close(child)
     else:
         parent, child = os.pipe()
@@ -86,7 +97,8 @@ def test_sighup_with_the_output_gone_still_writes_the_checkpoint(sft_dir, tmp_pa
     try:
         read_fd_until(parent, b"step 1 begins")
         os.close(parent)  # nobody reads any more: EIO (a hung-up terminal) or EPIPE on every write
-        p.send_signal(signal.SIGHUP)
+        if output != "terminal window closed":  # else the kernel has sent it
+            p.send_signal(signal.SIGHUP)
         time.sleep(0.5)
         go.touch()
         p.wait(timeout=240)
