@@ -77,3 +77,11 @@ def test_stop_step_below_the_checkpoint_is_refused(cut):
     train.main([*args, "--resume=true"])
     train.main([*args[:-1], "--rl_steps=5", "--resume=true", "--extend=true"])
     assert [json.loads(x)["step"] for x in (out / "log.jsonl").read_text().splitlines()] == [0, 1, 2, 3, 4]
+
+
+def test_change_on_resume_naming_an_unchanged_setting_is_warned_about(cut, capsys):
+    out, args = cut
+    train.main([*args, "--resume=true", "--change_on_resume=grad_clip"])
+    text = capsys.readouterr().out
+    assert "warning: --change_on_resume names grad_clip, which the run already has; nothing changes" in text, text
+    assert all("changed" not in json.loads(x) for x in (out / "log.jsonl").read_text().splitlines())
