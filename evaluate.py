@@ -235,8 +235,9 @@ def _score(cfg, task, sink, limit, samples):
     load.report_truncation(cfg, tok, datasets)
     n = len(heldout.eval_examples(task, cfg, datasets))
     if n == 0:  # a table of zero samples would look like a result
-        raise ValueError(f"no {task} prompts to score (" + (f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS
-                         else f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty") + "); pass at least one")
+        why = f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS else \
+            f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty"
+        raise ValueError(f"no {task} prompts to score ({why}); pass at least one")
     ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer)
     modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
     if task not in tasks.IMAGE_TASKS:  # as heldout.evaluate_all: images have no greedy decoding

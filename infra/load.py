@@ -423,7 +423,8 @@ def main(argv=None) -> Path:
     args = cli.parse_known(p, argv, "infra.load")
     if args.dest is None:
         raise ValueError("pass a checkpoint and a new folder: python -m infra.load OUT_DIR/checkpoints/step-N DEST")
-    dest = export_checkpoint(Path(args.checkpoint).expanduser(), Path(args.dest).expanduser())  # ~ after a shell's word start
+    # ~ as a shell user means it (a shell leaves it alone inside a word)
+    dest = export_checkpoint(Path(args.checkpoint).expanduser(), Path(args.dest).expanduser())
     print(f"wrote {dest}: python -m tools.sample --ckpt={dest} --prompt=\"...\"; python evaluate.py --ckpt={dest} --task=TASK")
     return dest
 

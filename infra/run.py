@@ -223,10 +223,12 @@ class Run:
             self.changed = {k: [saved["config"].get(k), getattr(cfg, k)] for k in resume_changes(cfg)
                             if saved["config"].get(k) != getattr(cfg, k)}
             print0(f"resumed from {last} at step {self.state['step']}" + "".join(
-                f"; {k} changes from {a} to {b} at this step (log.jsonl records it)" for k, (a, b) in self.changed.items()))
+                f"; {k} changes from {a} to {b} at this step (log.jsonl records it)"
+                for k, (a, b) in self.changed.items()))
             same = [k for k in resume_changes(cfg) if k not in self.changed]
             if same:
-                print0(f"warning: --change_on_resume names {', '.join(same)}, which the run already has; nothing changes")
+                print0(f"warning: --change_on_resume names {', '.join(same)}, which the run already has; "
+                       "nothing changes")
         elif cfg.resume:
             print0(f"--resume: no complete checkpoint in {self.out / checkpoint.DIRNAME}; starting from step 0 "
                    "(the log of any earlier attempt is rewritten)")

@@ -279,7 +279,8 @@ def read_generation_settings(path) -> dict:
         raise ValueError(f"{f} holds {type(saved).__name__}, not an object of settings; {fix}")
     for k, v in saved.items():
         kind = GENERATION_TYPES.get(k)
-        ok = kind is None or (not isinstance(v, bool) and (isinstance(v, kind) or (kind is float and isinstance(v, int))))
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)  # JSON true is no number
+        ok = kind is None or (isinstance(v, str) if kind is str else number and (kind is float or isinstance(v, int)))
         if not ok:
             what, like = {int: ("a whole number", 12), float: ("a number", 1.0), str: ("a string", "text")}[kind]
             raise ValueError(f"{f}: {k} is {json.dumps(v)}, not {what}; correct it (e.g. \"{k}\": "

@@ -42,8 +42,9 @@ shorter than a millisecond can be missed. It is measured on the first repetition
 import shlex
 import sys
 
-if __name__ == "__main__" and not __package__:  # `python tools/bench.py`: tools/ would shadow the project's modules
-    sys.exit("run it from the project's root as a module: " + shlex.join(["python", "-m", "tools.bench", *sys.argv[1:]]))
+if __name__ == "__main__" and not __package__:  # run as a file, tools/ would shadow the project's modules
+    sys.exit("run it from the project's root as a module: "
+             + shlex.join(["python", "-m", "tools.bench", *sys.argv[1:]]))
 
 import argparse
 import contextlib

@@ -15,8 +15,9 @@ and the Python/torch baseline (reported separately); on GPUs the CPU side is not
 import shlex
 import sys
 
-if __name__ == "__main__" and not __package__:  # `python tools/bench_load.py`: tools/ would shadow the project's modules
-    sys.exit("run it from the project's root as a module: " + shlex.join(["python", "-m", "tools.bench_load", *sys.argv[1:]]))
+if __name__ == "__main__" and not __package__:  # run as a file, tools/ would shadow the project's modules
+    sys.exit("run it from the project's root as a module: "
+             + shlex.join(["python", "-m", "tools.bench_load", *sys.argv[1:]]))
 
 import argparse
 import copy

@@ -20,8 +20,9 @@ from __future__ import annotations
 import shlex
 import sys
 
-if __name__ == "__main__" and not __package__:  # `python tools/official.py`: tools/ would shadow the project's modules
-    sys.exit("run it from the project's root as a module: " + shlex.join(["python", "-m", "tools.official", *sys.argv[1:]]))
+if __name__ == "__main__" and not __package__:  # run as a file, tools/ would shadow the project's modules
+    sys.exit("run it from the project's root as a module: "
+             + shlex.join(["python", "-m", "tools.official", *sys.argv[1:]]))
 
 import torch
 

@@ -13,8 +13,9 @@ written back as the log.jsonl / times.jsonl / summary.json a run writes.
 import shlex
 import sys
 
-if __name__ == "__main__" and not __package__:  # `python tools/report.py`: tools/ would shadow the project's modules
-    sys.exit("run it from the project's root as a module: " + shlex.join(["python", "-m", "tools.report", *sys.argv[1:]]))
+if __name__ == "__main__" and not __package__:  # run as a file, tools/ would shadow the project's modules
+    sys.exit("run it from the project's root as a module: "
+             + shlex.join(["python", "-m", "tools.report", *sys.argv[1:]]))
 
 import argparse
 import itertools

@@ -14,8 +14,9 @@ from __future__ import annotations
 import shlex
 import sys
 
-if __name__ == "__main__" and not __package__:  # `python tools/sample.py`: tools/ would shadow the project's modules
-    sys.exit("run it from the project's root as a module: " + shlex.join(["python", "-m", "tools.sample", *sys.argv[1:]]))
+if __name__ == "__main__" and not __package__:  # run as a file, tools/ would shadow the project's modules
+    sys.exit("run it from the project's root as a module: "
+             + shlex.join(["python", "-m", "tools.sample", *sys.argv[1:]]))
 
 import math
 from dataclasses import dataclass
