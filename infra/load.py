@@ -8,6 +8,7 @@ An intermediate checkpoint becomes a model folder that sample.py and evaluate.py
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
@@ -406,8 +407,21 @@ def export_checkpoint(ckpt, dest) -> Path:
     checkpoint.load(ckpt, model, opt, trainable_only=cfg.lora_rank > 0)
     # The dtype the run's final/ gets: its compute dtype (float32 for the toy on CPU; bf16 for LLaDA's weights).
     dtype = torch.float32 if cfg.init_from == "scratch" or cfg.dtype == "float32" else torch.bfloat16
-    dest.mkdir(parents=True, exist_ok=True)
-    save_model(model, cfg, dest, tok, dtype)
+    # Written beside dest, then renamed onto it (a rename replaces only an empty folder): another export to the
+    # same dest at the same time makes this one fail, never a folder mixing the files of two.
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    try:
+        save_model(model, cfg, tmp, tok, dtype)
+        try:
+            os.rename(tmp, dest)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise ValueError(f"{dest} was filled by another process while this export ran (it is left as it is); "
+                             "pass a new folder") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 

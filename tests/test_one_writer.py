@@ -7,6 +7,7 @@ never replaces another run's files (--sft_dir pointing at another run's SFT mode
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -95,8 +96,6 @@ def tree_digest(root: Path) -> dict:
 def test_another_runs_sft_model_is_never_replaced(smoke_sft_run, tmp_path, retrain):
     """--sft_dir=<another run>/sft with other SFT settings: refused, and the advice is a folder of this run's
     own, never --retrain_sft; given --retrain_sft=true anyway, still refused; that run's files are unchanged."""
-    import shutil
-
     other = tmp_path / "other"
     shutil.copytree(smoke_sft_run, other)
     before = tree_digest(other)
@@ -108,3 +107,26 @@ def test_another_runs_sft_model_is_never_replaced(smoke_sft_run, tmp_path, retra
     assert f"is the SFT model of the run in {other}" in msg and "sft_steps 30 -> 31" in msg, msg
     assert "pass --retrain_sft=true" not in msg and f"--sft_dir={tmp_path / 'mine' / 'sft'}" in msg, msg
     assert tree_digest(other) == before
+
+
+def test_an_export_never_mixes_with_another_into_the_same_folder(smoke_sft_run, tmp_path, monkeypatch):
+    """Two `python -m infra.load` exports to one new folder at once: the one that finishes second is refused and
+    the folder holds the first one's complete model (here the first is a stand-in that fills the folder while
+    the second writes)."""
+    from infra import load
+
+    out = tmp_path / "run"
+    train.main(["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1", "--rl_steps=1",
+                "--checkpoint_every=1", f"--sft_dir={smoke_sft_run / 'sft'}", f"--out_dir={out}"])
+    dest = tmp_path / "model"
+    real = load.save_model
+
+    def meanwhile(model, cfg, path, tok, dtype):
+        real(model, cfg, path, tok, dtype)
+        shutil.copytree(smoke_sft_run / "final", dest)  # the other export finishes first
+    monkeypatch.setattr(load, "save_model", meanwhile)
+    before = tree_digest(dest) if dest.exists() else None
+    with pytest.raises(ValueError, match=rf"{dest} was filled by another process while this export ran"):
+        load.main([str(out / "checkpoints" / "step-00000001"), str(dest)])
+    assert before is None and tree_digest(dest) == tree_digest(smoke_sft_run / "final")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "run"]  # no temporary folder left
