@@ -22,8 +22,10 @@ and exit with code 2. A training checkpoint (out_dir/checkpoints/step-N) becomes
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -146,6 +148,9 @@ def build_config(o: Options) -> tuple[train.Config, int]:
     if o.limit < 0 or o.samples < -1:
         raise ValueError(f"--limit ({o.limit}) must be >= 0 and --samples ({o.samples}) >= 0")
     samples = o.eval_samples if o.samples == -1 else o.samples
+    if samples == 0 and o.task in tasks.IMAGE_TASKS:  # greedy only, and images have no greedy decoding
+        raise ValueError(f"--samples 0 scores greedy completions only, and image tasks ({o.task}) have none (the "
+                         "image samplers always draw): pass --samples >= 1")
     if samples and o.temperature <= 0:  # heldout.evaluate then draws one completion per prompt: no pass@k
         raise ValueError(f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
     implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1)}
@@ -160,17 +165,27 @@ def build_config(o: Options) -> tuple[train.Config, int]:
 
 def open_out(out: str):
     """The --out file, opened before anything is evaluated: a directory, an unwritable place or an earlier
-    evaluation's file is refused now, not after hours of scoring (and a result is never overwritten)."""
+    evaluation's file is refused now, not after hours of scoring (and a result is never overwritten). The file
+    is this process's alone while it is open (an exclusive lock): a second evaluate.py given the same --out is
+    refused, so two never interleave their lines in one file."""
     path = Path(out)
     if path.is_dir():
         raise ValueError(f"--out {out} is a directory; give a file in it, e.g. --out {path / 'eval.jsonl'}")
-    if path.is_file() and path.stat().st_size:
-        raise ValueError(f"--out {out} already exists (an earlier evaluation?); choose another path, or delete it")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "w")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # never truncates: the checks below decide
     except OSError as e:
         raise ValueError(f"--out {out} is not writable ({e.strerror}: {e.filename}); choose a writable path") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ValueError(f"--out {out} is being written by another evaluate.py (it holds the file's lock); wait "
+                         "for it to end, or choose another --out") from None
+    if os.fstat(fd).st_size:
+        os.close(fd)
+        raise ValueError(f"--out {out} already exists (an earlier evaluation?); choose another path, or delete it")
+    return os.fdopen(fd, "a")
 
 
 class Scored(list):
@@ -219,6 +234,10 @@ def _score(cfg, task, sink, limit, samples):
     model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
     load.report_truncation(cfg, tok, datasets)
     n = len(heldout.eval_examples(task, cfg, datasets))
+    if n == 0:  # a table of zero samples would look like a result
+        why = f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS else \
+            f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty"
+        raise ValueError(f"no {task} prompts to score ({why}); pass at least one")
     ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer)
     modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
     if task not in tasks.IMAGE_TASKS:  # as heldout.evaluate_all: images have no greedy decoding
@@ -282,6 +301,10 @@ def check_run(run_dir: str, **overrides) -> bool | None:
     cfg = replace(train.Config(**raw), **overrides)  # RUN_OVERRIDES: threads, device
     train.validate(cfg)
     summary = json.loads((out_dir / "summary.json").read_text())
+    if not [k for k in summary if k != "seconds"]:  # "all 0 numbers match" would pass on nothing
+        raise ValueError(f"{out_dir / 'summary.json'} holds no held-out reward (the run had no held-out set: "
+                         f"eval_prompts={cfg.eval_prompts}, eval_data={cfg.eval_data!r}), so --run has nothing to "
+                         f"compare; score its model with: python evaluate.py --ckpt={out_dir / 'final'} --task=TASK")
     device, dtype = settings.setup(cfg)
     datasets = load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
@@ -329,7 +352,7 @@ def main(argv=None) -> int:
         o = parse_options(argv)
         argv = argv if argv is not None else sys.argv[1:]
         if o.compare:
-            extra = [a for a in argv if not a.startswith("--compare") and a != o.compare]
+            extra = [a for i, a in enumerate(argv) if not a.startswith("--compare") and argv[i - 1:i] != ["--compare"]]
             if extra:
                 raise ValueError(f"--compare reads two --out files and takes no other flag; drop {extra}")
             files = [f for f in o.compare.split(",") if f]

@@ -309,3 +309,11 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
             order[:, span][masked & (new != mask_id)] = s
         x[:, span] = new
     return (x, order) if return_order else x
+
+
+if __name__ == "__main__":  # the sampling library; the command line is tools/sample.py
+    import shlex
+    import sys
+
+    sys.exit("sample.py is the sampling library, not a command; to sample from a checkpoint run: "
+             + shlex.join(["python", "-m", "tools.sample", *sys.argv[1:]]))

@@ -103,7 +103,7 @@ class Config(StepConfig):
     out_dir: str = "out/toy"          # everything this run writes goes here
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     dtype: str = "auto"               # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
-    threads: int = 0                  # torch CPU threads (0 = torch's default)
+    threads: int = 0                  # torch CPU threads (0: one on CPU, fastest for the toy on busy cores; torch's default with a GPU)
     # Fast-dLLM (arXiv:2505.22618) text rollouts in RL steps (tasks.Ctx.text_sampler; evaluation stays exact)
     kv_cache: str = "none"            # none (exact) | prefix | dual: block KV cache
     threshold: float = 0.0            # > 0: also commit every masked token more confident than this
@@ -161,6 +161,7 @@ class Config(StepConfig):
     keep_last: int = 2                # complete checkpoints kept (0 = all)
     resume: bool = False              # continue from the latest complete checkpoint in out_dir
     extend: bool = False              # with --resume and a larger --rl_steps: train a finished run further
+    change_on_resume: str = ""        # with --resume: lr and/or grad_clip (comma separated) may change from here on; log.jsonl records it
     max_bad_steps: int = 3            # stop after this many consecutive steps with non-finite loss/grad/reward
     dry_run: bool = False             # print parameters, memory per GPU and FLOPs per step; no weights, no run
     dry_run_gpus: int = 8             # world size assumed by --dry_run

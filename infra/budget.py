@@ -409,12 +409,13 @@ def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
     return trained * 4 * 3 + 2 ** 20
 
 
-def checkpoints_on_disk(cfg) -> int:
-    """Checkpoints present at once: keep_last complete ones plus the one being written before the oldest
-    is deleted (keep_last 0 keeps every one: rl_steps // checkpoint_every, and one on a stop signal)."""
-    if cfg.keep_last:
-        return cfg.keep_last + 1
-    return cfg.rl_steps // max(cfg.checkpoint_every, 1) + 1
+def checkpoints_on_disk(cfg, present: int = 0) -> int:
+    """New checkpoints on disk at once: keep_last complete ones plus the one being written before the oldest
+    is deleted, but never more than the run writes (rl_steps // checkpoint_every, and one of the last step or
+    on a stop signal; keep_last 0 keeps every one), less the `present` ones a resumed run already has."""
+    writes = cfg.rl_steps // max(cfg.checkpoint_every, 1) + 1 if cfg.rl_steps else 0
+    at_once = min(cfg.keep_last + 1, writes) if cfg.keep_last else writes
+    return max(0, at_once - present)
 
 
 def _bytes(n: float) -> str:
@@ -425,13 +426,14 @@ def _bytes(n: float) -> str:
     return f"{int(n)} bytes"
 
 
-def check_disk(cfg, out: Path, mc) -> None:
-    """Refuse to start when out_dir cannot hold the checkpoints the run will keep during rotation."""
+def check_disk(cfg, out: Path, mc, present: int = 0) -> None:
+    """Refuse to start when out_dir cannot hold the checkpoints the run will keep during rotation (beside the
+    `present` ones of a resumed run, already on that disk)."""
     one = checkpoint_bytes(cfg, mc)
-    k = checkpoints_on_disk(cfg)
+    k = checkpoints_on_disk(cfg, present)
     size = one * k
     free = shutil.disk_usage(out).free
-    if free < size:
+    if k and free < size:
         what = "LoRA adapters and their AdamW moments" if cfg.lora_rank > 0 else \
             "float32 weights and AdamW moments (full fine-tuning)"
         raise ValueError(f"out_dir {out} has {_bytes(free)} free, but a checkpoint needs about {_bytes(one)} "

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-from infra import scale
+from infra import cli, scale
 
 DIRNAME, PREFIX, TMP = "checkpoints", "step-", ".tmp"
 # Fault injection for tests/test_resume.py: SIGKILL this process in the middle of writing the
@@ -204,7 +204,8 @@ def check_resumable(path, state: dict, config: dict, reference: dict, may_change
     changed = sorted(k for k, v in config.items() if k not in may_change and state["config"].get(k) != v)
     if changed:
         raise ValueError(f"cannot resume {path}: these settings differ from the saved run: "
-                         + ", ".join(f"{k} {state['config'].get(k)!r} -> {config[k]!r}" for k in changed))
+                         + ", ".join(f"{k} {state['config'].get(k)!r} -> {config[k]!r}" for k in changed)
+                         + changeable_hint(changed))
     if state["reference"] != reference:
         old = "" if "init_from" not in state["reference"] else " (that checkpoint identifies its model by path " \
             "and file times, as older versions of train.py did: resume it with that version, or start again)"
@@ -213,17 +214,33 @@ def check_resumable(path, state: dict, config: dict, reference: dict, may_change
                          "wherever it is)")
 
 
+def changeable_hint(changed) -> str:
+    """The way to change lr or grad_clip on purpose, when they are among the refused differences."""
+    names = [k for k in changed if k in ("lr", "grad_clip")]
+    return (f" (to change {' and '.join(names)} from here on, which log.jsonl then records, add "
+            f"--change_on_resume={','.join(names)})") if names else ""
+
+
 def _say_in_handler(text: str) -> None:
-    """Print from a signal handler (rank 0). The signal can arrive while this thread is inside a print;
-    re-entering the buffered sys.stdout there raises "reentrant call", so the line goes straight to the
-    file descriptor (print0 flushes every line, so the order holds). A stdout with no descriptor (a test's
-    capture) gets an ordinary print."""
+    """Print from a signal handler (rank 0), never raising: the signal can arrive while this thread is inside a
+    print, and re-entering the buffered sys.stdout there raises "reentrant call", so the line goes straight to
+    the file descriptor (print0 flushes every line, so the order holds); output nobody can read any more (a
+    closed terminal: EIO; a pipe whose reader left: EPIPE; a full one) is dropped, as the checkpoint the
+    handler leads to matters more than the line. A stdout with no descriptor (a test's capture) gets an
+    ordinary print."""
     if scale.rank() != 0:
         return
     try:
-        os.write(sys.stdout.fileno(), (text + "\n").encode())
-    except (AttributeError, OSError, ValueError):
-        print(text, flush=True)
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both
+        fd = None
+    try:
+        if fd is None:
+            print(text, flush=True)
+        else:
+            os.write(fd, (text + "\n").encode())
+    except (OSError, ValueError):
+        pass
 
 
 # The signals a run stops on with a checkpoint: a scheduler's or launcher's SIGTERM, Ctrl-C's SIGINT, and the
@@ -240,19 +257,13 @@ class Aborted(KeyboardInterrupt):
         self.signum = signum
 
 
-def _away_from_a_closed_terminal(signum: int) -> None:
-    """After SIGHUP the terminal may be gone, and every later print to it would fail: stdout and stderr go
-    to /dev/null instead, so that the run can still write its checkpoint and exit cleanly."""
-    if signum != signal.SIGHUP:
-        return
+def away_from_gone_output() -> None:
+    """A stop signal may come with the terminal gone (SIGHUP of a closed window) or after the reader of a pipe
+    left: stdout and stderr that nobody reads go to /dev/null, so that the run can still finish its step, write
+    its checkpoint and exit cleanly instead of dying at its next print."""
     for fd in (1, 2):
-        try:
-            if os.isatty(fd):
-                null = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(null, fd)
-                os.close(null)
-        except OSError:
-            pass
+        if cli.output_gone(fd):
+            cli.silence(fd)
 
 
 @contextmanager
@@ -275,8 +286,8 @@ def graceful_stop(doing: str = "finishing this step, then writing a checkpoint",
             flag["signal"], flag["at"] = signum, time.monotonic()
             again = f"; a second signal (Ctrl-C again, after {REPEAT_WINDOW:.0f} s) stops at once: {abort()}" \
                 if abort else ""
+            away_from_gone_output()
             _say_in_handler(f"caught {signal.Signals(signum).name}: {flag['doing']}{again}")
-            _away_from_a_closed_terminal(signum)
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield flag

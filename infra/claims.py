@@ -24,7 +24,7 @@ from pathlib import Path
 
 from infra import checkpoint, data, hf, scale, tracker
 from infra.load import check_sft_cache, reference_identity, refuse_training_checkpoint, sft_dir_of
-from infra.outdir import RESUMABLE, resume_point, take_pid_file
+from infra.outdir import may_change, resume_point, take_pid_file
 
 
 # What a run writes at the top of its out_dir (run.py, checkpoint.py, load.py's SFT cache), and the
@@ -118,14 +118,21 @@ def check_resume(cfg) -> dict | None:
     if last is not None:
         last = resume_point(out)  # the newest intact one, which the run resumes from
         state = hf.read_json(last / "state.json", "remove that checkpoint directory")
-        checkpoint.check_resumable(last, state, here, reference_identity(cfg), RESUMABLE)
+        checkpoint.check_resumable(last, state, here, reference_identity(cfg), may_change(cfg))
     else:
         saved = hf.read_json(out / "config.json", f"delete {out / 'config.json'} to start a new run there")
-        changed = sorted(k for k, v in here.items() if k not in RESUMABLE and saved.get(k) != v)
+        changed = sorted(k for k, v in here.items() if k not in may_change(cfg) and saved.get(k) != v)
         if changed:
             raise ValueError(f"cannot resume {out}: these settings differ from the saved run ({out / 'config.json'}): "
-                             + ", ".join(f"{k} {saved.get(k)!r} -> {here[k]!r}" for k in changed))
+                             + ", ".join(f"{k} {saved.get(k)!r} -> {here[k]!r}" for k in changed)
+                             + checkpoint.changeable_hint(changed))
     summary = out / "summary.json"
+    if last is not None and not summary.is_file() and cfg.rl_steps < state["step"]:
+        # an unfinished run would end with a final/ of more steps than its config.json says
+        raise ValueError(f"cannot resume {out} at --rl_steps={cfg.rl_steps}: its checkpoint {last.name} has taken "
+                         f"{state['step']} RL steps already, and a resumed run continues from there; pass "
+                         f"--rl_steps={state['config']['rl_steps']} (the run's own) or more, or start a new run "
+                         "with another --out_dir")
     if summary.is_file():
         config = out / "config.json"  # the finished run's own settings (a checkpoint may be older)
         done = (hf.read_json(config, f"re-create {config}") if config.is_file() else state["config"]).get("rl_steps")

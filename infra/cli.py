@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import functools
 import inspect
 import io
+import os
 import re
+import select
 import sys
 import tokenize
 from contextlib import contextmanager
@@ -33,6 +36,29 @@ USER_ERROR = 2  # exit status of a user error, as argparse's own
 # Text --help prints after the flags, per dataclass name (a module that explains a behaviour of that entry
 # point registers it: infra/phases.py, what a signal does to a training run).
 EPILOGS: dict[str, str] = {}
+
+
+# Flags whose value is a path (in any entry point: the names mean the same everywhere), or a list of paths
+# (TASK=PATH,... or A,B). A shell expands `~` only at the start of a word, never after `--flag=`: expanded here,
+# once, so that a run never writes into a folder named `~` while its messages point at the home folder.
+PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
+PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
+
+
+def expand_home(flag: str, value: str) -> str:
+    """value with a leading ~ or ~user expanded (each item of a PATH_LIST_FLAGS list); an unknown user is refused."""
+    def one(path: str) -> str:
+        task, eq, where = path.rpartition("=") if flag in ("train_data", "eval_data") else ("", "", path)
+        if not where.startswith("~"):
+            return path
+        full = os.path.expanduser(where)
+        if full.startswith("~"):
+            raise ValueError(f"--{flag}={value}: {where.split('/')[0]} names no user's home folder here; write "
+                             "the path out in full")
+        return task + eq + full
+    if flag in PATH_LIST_FLAGS:
+        return ",".join(one(item) for item in value.split(","))
+    return one(value) if flag in PATH_FLAGS else value
 
 
 def parse_bool(s: str) -> bool:
@@ -55,8 +81,9 @@ def _comments(cls) -> tuple:
             continue
         current = None
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type == tokenize.NAME and tok.start[1] == 4 and re.match(rf"\s*{tok.string}\s*:", tok.line):
-                current = tok.string if tok.string in klass.__dataclass_fields__ else None
+            if tok.type == tokenize.NAME and tok.start[1] == 4:  # a field, or a method (whose comment is its own)
+                field = re.match(rf"\s*{tok.string}\s*:", tok.line) and tok.string in klass.__dataclass_fields__
+                current = tok.string if field else None
             elif tok.type == tokenize.COMMENT and current:
                 text, alone = tok.string.lstrip("#").strip(), tok.line.strip().startswith("#")
                 if alone and tok.start[1] <= 4:  # a section heading ("    # model"), not a continuation
@@ -92,7 +119,7 @@ def preset_named(argv, presets: dict) -> str:
 
 
 def parser(cls, description: str, presets: dict | None = None, argv=(), defaults: dict | None = None,
-           inherited: set | None = None) -> argparse.ArgumentParser:
+           inherited: set | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     """An ArgumentParser with one flag per field of `cls` (and --preset when presets are given); every
     default is None so that `given` below sees which flags were typed. --help shows each field's value
     under the preset argv names (or the default preset) and `defaults`, and says where it comes from."""
@@ -100,7 +127,7 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
         "flag given twice takes its last value)"
     # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
     p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False, allow_abbrev=False,
-                                epilog=EPILOGS.get(cls.__name__))
+                                epilog=EPILOGS.get(cls.__name__), prog=prog)
     base, name = dict(defaults or {}), None
     if presets is not None:
         first, name = next(iter(presets)), preset_named(list(argv), presets)
@@ -140,14 +167,15 @@ def parse_known(p: argparse.ArgumentParser, argv, module: str) -> argparse.Names
 
 
 def parse(cls, argv=None, *, description: str = "", presets: dict | None = None, defaults: dict | None = None,
-          inherited: set | None = None, refused: str = ""):
+          inherited: set | None = None, refused: str = "", prog: str | None = None):
     """Build `cls` from the command line. defaults: values that replace the dataclass defaults (for
     instance a checkpoint's own generation settings), overridden in turn by the preset and the flags.
     inherited: the only fields of cls's bases that are flags (None: all); a flag naming another one is
-    refused with `refused`, the reason this entry point does not take it."""
+    refused with `refused`, the reason this entry point does not take it. prog: the command as --help shows it
+    (`python -m tools.sample`; default: the script's file name)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args, unknown = parser(cls, description, presets, argv, defaults, inherited).parse_known_args(argv)
+        args, unknown = parser(cls, description, presets, argv, defaults, inherited, prog).parse_known_args(argv)
     except argparse.ArgumentError as e:  # a value of the wrong type: one line naming flag and value
         raise ValueError(str(e)) from None
     other = [u for u in unknown if u.startswith("--") and u[2:].split("=")[0] in {f.name for f in fields(cls)}]
@@ -160,7 +188,8 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
         hint = "; ".join(f"did you mean {m[0]} (not {u.split('=')[0]})?" for u, m in close.items() if m)
         raise ValueError(f"unknown argument(s) {unknown}; the flags are the fields of {cls.__name__} (--help)"
                          + (f"; {hint}" if hint else ""))
-    given = {k: v for k, v in vars(args).items() if v is not None and k != "preset"}
+    given = {k: expand_home(k, v) if isinstance(v, str) else v for k, v in vars(args).items()
+             if v is not None and k != "preset"}
     base = dict(defaults or {})
     if presets is not None:
         if args.preset not in presets:
@@ -177,19 +206,100 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     return obj
 
 
+def output_gone(fd: int) -> bool:
+    """Whether nobody can read what is written to fd any more: a terminal that hung up (closed window, dropped
+    ssh session: poll reports POLLHUP, and every write fails with EIO) or a pipe whose reader left (POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+def silence(fd: int) -> None:
+    """Point fd at /dev/null, so that later prints to it succeed (and go nowhere) instead of raising."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except OSError:
+        pass
+
+
+class _Unbroken:
+    """sys.stdout or sys.stderr of an entry point: a write that fails because nobody reads any more (EIO: the
+    terminal closed; EPIPE: the reader of a pipe left; EBADF: the descriptor was closed) points the descriptor
+    at /dev/null and goes on, and a full non-blocking pipe (EAGAIN) drops the line: losing a message must not
+    lose the run (the step finishes and its checkpoint is written; infra/checkpoint.graceful_stop)."""
+
+    GONE = (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO)
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _failed(self, e: OSError) -> None:
+        if isinstance(e, BlockingIOError):
+            return
+        if e.errno not in self.GONE:
+            raise e
+        silence(self._stream.fileno())
+        try:
+            self._stream.flush()  # what the buffer still holds goes to /dev/null
+        except (OSError, ValueError):
+            pass
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            self._failed(e)
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError as e:
+            self._failed(e)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def output_may_vanish():
+    """sys.stdout and sys.stderr that survive their reader going away (_Unbroken), where they are real files
+    (a test's in-memory capture is left alone); restored afterwards."""
+    saved = sys.stdout, sys.stderr
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            stream.fileno()
+        except (AttributeError, ValueError, OSError):
+            continue
+        if not isinstance(stream, _Unbroken):
+            setattr(sys, name, _Unbroken(stream))
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 @contextmanager
 def user_errors():
     """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2; Ctrl-C -> exit 130.
     Either way no traceback: the message names the value, the file and the fix, which is all a user needs.
-    Programming errors (anything else) keep their traceback."""
-    try:
-        yield
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(USER_ERROR)
-    except KeyboardInterrupt:
-        print("interrupted (Ctrl-C)", file=sys.stderr)
-        sys.exit(130)
+    Programming errors (anything else) keep their traceback. Output whose reader is gone (a closed terminal)
+    is dropped rather than raised (output_may_vanish)."""
+    with output_may_vanish():
+        try:
+            yield
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(USER_ERROR)
+        except KeyboardInterrupt:
+            print("interrupted (Ctrl-C)", file=sys.stderr)
+            sys.exit(130)
 
 
 def bars_shown(file=None) -> bool:

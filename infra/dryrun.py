@@ -12,8 +12,8 @@ from dataclasses import replace
 import torch
 
 import tasks
-from infra.budget import (ASSUMED_MFU, GPU_MEMORY_GB, GPU_NAME, GPU_PEAK_FLOPS, H100_PEAK_FLOPS, MEMORY_ROWS,
-                          SHUTDOWN_TIMEOUT_TORCH, checkpoint_seconds, eval_flops, memory, model_config,
+from infra.budget import (ASSUMED_MFU, DEFAULT_KILL_DELAY, GPU_MEMORY_GB, GPU_NAME, GPU_PEAK_FLOPS, H100_PEAK_FLOPS,
+                          MEMORY_ROWS, SHUTDOWN_TIMEOUT_TORCH, checkpoint_seconds, eval_flops, memory, model_config,
                           padded_prompt_len, shape, step_flops, step_shape, torchrun_reads_shutdown_timeout)
 
 
@@ -111,11 +111,13 @@ def report(cfg) -> dict:
         print(f"rollouts at a padded prompt length of {padded} tokens ({source}): about {rate['A100']:.0f} "
               f"generated tokens/s per A100 and {rate['H100']:.0f} per H100 at {ASSUMED_MFU:.0%} MFU")
     need = step_s + checkpoint_seconds(cfg, mc)
-    print(f"SIGTERM: one RL step plus a checkpoint takes about {need:.0f} s here; under torchrun export "
-          f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)} (default 30"
-          + ("" if torchrun_reads_shutdown_timeout() else f"; read by torch >= {SHUTDOWN_TIMEOUT_TORCH} only, and "
-             f"this torch {torch.__version__} ignores it") +
-          f"), under Slurm sbatch --signal=TERM@{2 * math.ceil(need)} and check KillWait")
+    wait = 2 * math.ceil(need)  # twice the estimate; below torchrun's default of 30 s the default is the advice
+    print(f"SIGTERM: one RL step plus a checkpoint takes about {need:.0f} s here; under torchrun "
+          + (f"the default TORCH_ELASTIC_SHUTDOWN_TIMEOUT of {DEFAULT_KILL_DELAY} s leaves room for it (do not set "
+             "it lower)" if wait <= DEFAULT_KILL_DELAY else f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={wait} (default "
+             f"{DEFAULT_KILL_DELAY}" + ("" if torchrun_reads_shutdown_timeout() else f"; read by torch >= "
+                                       f"{SHUTDOWN_TIMEOUT_TORCH} only, and this torch {torch.__version__} ignores it")
+             + ")") + f", under Slurm sbatch --signal=TERM@{wait} and check KillWait")
     return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs,
             "seq_len": seq_len, "flops": {**f, "evaluation": evaluation, "eval_once": one_eval, "run": run},
             "eval_sequences": eval_seqs, "eval_minutes": eval_min, "chunk": chunk,

@@ -8,6 +8,7 @@ An intermediate checkpoint becomes a model folder that sample.py and evaluate.py
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
@@ -32,6 +33,19 @@ from tasks import IMAGE_TASKS, TOY_TASKS, chat_prompt, task_list
 SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_noise", "image_noise", "image_width",
             "text_max_steps", "image_loss_weight", "image_text_len", "attend_padding",
             "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
+
+
+class WriteFailed(OSError):
+    """Writing a model folder failed (a full disk, a file-size limit; whatever the writer raised, safetensors'
+    SafetensorError included): one line saying what was being written, why, and what is left of it."""
+
+
+def writer_error(e: BaseException) -> str:
+    """What a writer's exception says, in a few words: an OSError's reason and file, else its first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f": {e.filename}" if e.filename else "")
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}{': ' + text if text else ''}"[:200]
 
 
 def sft_key(cfg) -> dict:
@@ -73,10 +87,31 @@ def check_sft_cache(cfg) -> bool:
                          "this code wrote, and it is left as it is; pass --sft_dir=a new or empty folder")
     else:
         return False
+    owner = other_run_of(sft_dir, cfg)
+    if owner is not None:  # --retrain_sft would replace the model that run was trained from: never offered
+        raise ValueError(f"sft_dir {sft_dir} is the SFT model of the run in {owner} and {problem}; a run never "
+                         f"replaces another run's files, so --retrain_sft does not apply: give this run its own "
+                         f"--sft_dir (e.g. --sft_dir={Path(cfg.out_dir) / 'sft'}), or drop --sft_dir")
     if not cfg.retrain_sft:
         raise ValueError(f"sft_dir {sft_dir} {problem}; pass --retrain_sft=true to replace it, or give this "
                          "run its own --sft_dir")
     return False
+
+
+def other_run_of(sft_dir: Path, cfg) -> Path | None:
+    """The out_dir of another train.py run whose own SFT model sft_dir is (RUN/sft of a run that took no
+    --sft_dir, or the --sft_dir its config.json names), or None."""
+    run_dir = sft_dir.parent
+    if run_dir.resolve() == Path(cfg.out_dir).resolve():
+        return None
+    try:
+        saved = json.loads((run_dir / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(saved, dict) and "rl_steps" in saved and "out_dir" in saved):
+        return None  # a model's config.json, or none: not a run
+    own = Path(saved["sft_dir"]) if saved.get("sft_dir") else run_dir / "sft"
+    return run_dir if own.resolve() == sft_dir.resolve() else None
 
 
 def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
@@ -110,6 +145,10 @@ def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
                     if old.exists():
                         os.rename(old, sft_dir)
                     raise
+            except Exception as e:  # whatever the writer raised: one line (train.py adds the command)
+                raise WriteFailed(f"saving the SFT model to {sft_dir} failed ({writer_error(e)}): SFT keeps no "
+                                  f"checkpoint, so the trained SFT model is lost, and {sft_dir} is left as it "
+                                  "was") from e
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(old, ignore_errors=True)
@@ -233,6 +272,17 @@ def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
     state = scale.full_state_dict(model)
     if scale.rank() != 0:
         return
+    existed = path.is_dir()  # an empty folder given for an export stays, emptied
+    try:
+        _write_model(model, cfg, path, tok, dtype, state)
+    except Exception as e:  # whatever the writer raised (SafetensorError is no OSError): one line, no half model
+        for p in (path.iterdir() if existed and path.is_dir() else [path]):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        raise WriteFailed(f"writing the model to {path} failed ({writer_error(e)}); what it had written is "
+                          "removed") from e
+
+
+def _write_model(model, cfg, path: Path, tok, dtype: torch.dtype, state: dict) -> None:
     if cfg.lora_rank:
         # An unsharded copy on CPU to merge into (16 GB for LLaDA-8B in bf16, on rank 0 only).
         dtype = next(v for k, v in state.items() if k.endswith(".weight")).dtype
@@ -357,8 +407,21 @@ def export_checkpoint(ckpt, dest) -> Path:
     checkpoint.load(ckpt, model, opt, trainable_only=cfg.lora_rank > 0)
     # The dtype the run's final/ gets: its compute dtype (float32 for the toy on CPU; bf16 for LLaDA's weights).
     dtype = torch.float32 if cfg.init_from == "scratch" or cfg.dtype == "float32" else torch.bfloat16
-    dest.mkdir(parents=True, exist_ok=True)
-    save_model(model, cfg, dest, tok, dtype)
+    # Written beside dest, then renamed onto it (a rename replaces only an empty folder): another export to the
+    # same dest at the same time makes this one fail, never a folder mixing the files of two.
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    try:
+        save_model(model, cfg, tmp, tok, dtype)
+        try:
+            os.rename(tmp, dest)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise ValueError(f"{dest} was filled by another process while this export ran (it is left as it is); "
+                             "pass a new folder") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -374,7 +437,8 @@ def main(argv=None) -> Path:
     args = cli.parse_known(p, argv, "infra.load")
     if args.dest is None:
         raise ValueError("pass a checkpoint and a new folder: python -m infra.load OUT_DIR/checkpoints/step-N DEST")
-    dest = export_checkpoint(args.checkpoint, args.dest)
+    # ~ as a shell user means it (a shell leaves it alone inside a word)
+    dest = export_checkpoint(Path(args.checkpoint).expanduser(), Path(args.dest).expanduser())
     print(f"wrote {dest}: python -m tools.sample --ckpt={dest} --prompt=\"...\"; python evaluate.py --ckpt={dest} --task=TASK")
     return dest
 

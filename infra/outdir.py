@@ -17,12 +17,22 @@ from infra import budget, checkpoint, hf, scale
 from infra.budget import scratch_config
 from infra.load import check_sft_cache, reference_identity, refuse_training_checkpoint
 from infra.scale import print0
+from infra.settings import resume_changes
 from tasks import IMAGE_TASKS, task_list
 
 
-RESUMABLE = ("resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every", "keep_last",
-             "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip", "init_from", "sft_dir",
+# Fields that may differ between a run and its resumption (how it runs, not what it computes); lr and grad_clip
+# too when --change_on_resume names them (may_change); any other difference is refused. init_from and sft_dir are
+# paths: the model they hold is compared by content (load.reference_identity), so a copy of it at another path
+# (a cluster job's local disk) resumes.
+RESUMABLE = ("resume", "extend", "change_on_resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every",
+             "checkpoint_every", "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "init_from", "sft_dir",
              "tracker", "tracker_project", "tracker_run")
+
+
+def may_change(cfg) -> tuple:
+    """The fields this resumption may change: RESUMABLE and what --change_on_resume names."""
+    return RESUMABLE + resume_changes(cfg)
 
 
 def startup_checks(cfg, device) -> None:
@@ -103,7 +113,8 @@ def _check_out_dir(cfg, out: Path) -> None:
     else:
         check_sft_cache(cfg)
     if cfg.checkpoint_every:
-        budget.check_disk(cfg, out, mc or scratch_config(cfg, vocab_size=128))
+        present = len(checkpoint.complete(out)) if cfg.resume else 0  # already on the disk
+        budget.check_disk(cfg, out, mc or scratch_config(cfg, vocab_size=128), present)
     any_checkpoint = checkpoint.latest(out)
     if any_checkpoint is not None and not cfg.resume:
         raise ValueError(f"out_dir {out} already holds checkpoints (latest {any_checkpoint.name}): pass "
@@ -127,7 +138,7 @@ def _check_out_dir(cfg, out: Path) -> None:
     if any_checkpoint is not None:  # before anything is loaded or config.json is overwritten
         last = resume_point(out)
         state = hf.read_json(last / "state.json", "remove that checkpoint directory")
-        checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), RESUMABLE)
+        checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), may_change(cfg))
     if scale.rank() == 0:
         _claim_out_dir(out)
 

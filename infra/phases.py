@@ -144,6 +144,7 @@ def start_up():
     of its own, like SFT's, takes over inside). Nothing of the run is written before RL but config.json, which
     a new start overwrites, and the SFT model, saved atomically inside holding()."""
     def handler(signum, frame):
+        checkpoint.away_from_gone_output()  # the line below must not fail on a closed terminal
         if _START_UP["holding"]:
             _START_UP["pending"] = _START_UP["pending"] or signum
             return

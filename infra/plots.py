@@ -395,25 +395,33 @@ def main(argv=None) -> Path:
                                      allow_abbrev=False, exit_on_error=False)
     parser.add_argument("run_dir", type=Path, nargs="?")
     parser.add_argument("--compare", nargs="+", default=[], metavar="LABEL=DIR[,DIR...]")
-    parser.add_argument("--png", type=Path, help="the --compare picture")
-    parser.add_argument("--task", default="text")
-    parser.add_argument("--x", default="step", choices=list(X_AXES), help="--compare's horizontal axis: RL step, "
-                        "or cumulative RL seconds from each run's times.jsonl (wall, or process CPU time)")
+    parser.add_argument("--png", type=Path, help="the picture to write: --compare's (needed), or the redrawn curves "
+                        "(default RUN_DIR/curves.png)")
+    parser.add_argument("--task", default=None, help="--compare's task (default text)")
+    parser.add_argument("--x", default=None, choices=list(X_AXES), help="--compare's horizontal axis: RL step "
+                        "(default), or cumulative RL seconds from each run's times.jsonl (wall, or process CPU time)")
     args = cli.parse_known(parser, argv, "infra.plots")
     if not have_pillow():
         raise ValueError('no picture written: Pillow is missing; pip install -e ".[plots]" (or pip install pillow)')
+    png = args.png.expanduser() if args.png else None  # a path given as --png=~/x.png, which no shell expands
     if args.compare:
         bad = [g for g in args.compare if "=" not in g]
-        if bad or args.png is None:
+        if bad or png is None:
             raise ValueError(f"--compare takes LABEL=DIR[,DIR...] groups and needs --png; got {bad or args.compare}")
-        groups = {g.split("=", 1)[0]: g.split("=", 1)[1].split(",") for g in args.compare}
+        groups = {g.split("=", 1)[0]: [str(Path(d).expanduser()) for d in g.split("=", 1)[1].split(",")]
+                  for g in args.compare}
         if len(groups) < len(args.compare):
             raise ValueError(f"--compare labels must differ, got {[g.split('=', 1)[0] for g in args.compare]}")
-        out = compare_runs(groups, args.png, args.task, x=args.x)
+        out = compare_runs(groups, png, args.task or "text", x=args.x or "step")
     elif args.run_dir is None:
         raise ValueError("give RUN_DIR (a train.py out_dir), or --compare LABEL=DIR[,DIR...] --png FILE")
     else:
-        out = plot_curves(args.run_dir / "log.jsonl", args.run_dir / "curves.png")
+        idle = [f"--{k}" for k in ("task", "x") if getattr(args, k) is not None]
+        if idle:  # the run's own curves show every task over steps: nothing for them to choose
+            raise ValueError(f"{' and '.join(idle)} choose what --compare draws; the curves of RUN_DIR show every task "
+                             f"by step: drop {'it' if len(idle) == 1 else 'them'}, or add --compare LABEL=DIR")
+        run_dir = args.run_dir.expanduser()
+        out = plot_curves(run_dir / "log.jsonl", png or run_dir / "curves.png")
     print(f"wrote {out}")
     return out
 

@@ -25,9 +25,10 @@ import torch
 
 import tasks
 from infra import checkpoint, heldout, phases, scale
-from infra.load import reference_identity, save_model
+from infra.load import WriteFailed, reference_identity, save_model, writer_error
 from infra.outdir import logged_steps, release_out_dir, resume_point
 from infra.scale import print0
+from infra.settings import resume_changes
 from tasks import IMAGE_TASKS, task_list
 
 
@@ -148,6 +149,9 @@ def explain_failure(e: BaseException, cfg) -> str | None:
                     f"{cfg.prompts_per_step}, device_batch_size={cfg.device_batch_size or 'all'}: fewer sequences per "
                     f"forward pass need less memory (--device_batch_size={fewer}; or a lower --group_size in a new "
                     f"run); {kept_line(out)}; continue with: {continue_command(out)} --device_batch_size={fewer}")
+        if isinstance(x, OSError) and x.errno == errno.EFBIG:
+            return (f"a file outgrew the file-size limit ({x.strerror}{': ' + str(x.filename) if x.filename else ''}); "
+                    f"{kept_line(out)}; raise the limit (ulimit -f), then continue with: {continue_command(out)}")
         if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
             return (f"the disk is full ({x.strerror}{': ' + str(x.filename) if x.filename else ''}); "
                     f"{kept_line(out)}; free space there (or lower --keep_last), then continue with: "
@@ -157,6 +161,10 @@ def explain_failure(e: BaseException, cfg) -> str | None:
             text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text).split(". ")[0]  # gloo's source location
             return (f"another process of this torchrun run stopped ({text[:120]}; torchrun's report names it); "
                     f"{kept_line(out)}; once the cause is fixed, --resume=true continues: {continue_command(out)}")
+    for x in root_causes(e):  # a model folder (SFT, final/) whose writer failed, whatever it raised
+        if isinstance(x, WriteFailed):
+            return (f"{x}; {kept_line(out)}; free space there (or raise the file-size limit, ulimit -f), then "
+                    f"continue with: {continue_command(out)}")
     return None
 
 
@@ -188,10 +196,6 @@ def keep_steps_before(path: Path, start: int) -> Path:
     return path
 
 
-# Fields that may change between a run and its resumption; any other difference is refused.
-# lr and grad_clip may change so that a run stopped by bad steps can continue more carefully.
-# init_from and sft_dir are paths: the model they hold is compared by content (load.reference_identity), so
-# a copy of it at another path (a cluster job's local disk) resumes.
 KILL_RANK_ENV = "MASKGRPO_KILL_RANK_AT_STEP"
 
 
@@ -210,11 +214,21 @@ class Run:
         self.state = {"step": 0, "before": None, "before_by_prompt": None, "bad_steps": 0, "bad_run": 0,
                       "rl_seconds": 0.0, "last_good": None, "grid_before": None}
         last = resume_point(self.out, quiet=False) if cfg.resume and checkpoint.latest(self.out) else None
+        self.changed = {}  # {setting: [the run's value, this segment's]}: --change_on_resume, logged at run.start
         if last is not None:
-            self.state.update(checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0))
-            for group in opt.param_groups:  # the saved optimizer carries the old lr; --lr may change on resume
+            saved = checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0)
+            self.state.update(saved)
+            for group in opt.param_groups:  # the saved optimizer carries the run's lr; --change_on_resume=lr a new one
                 group["lr"] = cfg.lr
-            print0(f"resumed from {last} at step {self.state['step']}")
+            self.changed = {k: [saved["config"].get(k), getattr(cfg, k)] for k in resume_changes(cfg)
+                            if saved["config"].get(k) != getattr(cfg, k)}
+            print0(f"resumed from {last} at step {self.state['step']}" + "".join(
+                f"; {k} changes from {a} to {b} at this step (log.jsonl records it)"
+                for k, (a, b) in self.changed.items()))
+            same = [k for k in resume_changes(cfg) if k not in self.changed]
+            if same:
+                print0(f"warning: --change_on_resume names {', '.join(same)}, which the run already has; "
+                       "nothing changes")
         elif cfg.resume:
             print0(f"--resume: no complete checkpoint in {self.out / checkpoint.DIRNAME}; starting from step 0 "
                    "(the log of any earlier attempt is rewritten)")
@@ -292,6 +306,8 @@ class Run:
         state["bad_run"] = state["bad_run"] + 1 if bad else 0
         state["bad_steps"] += bad
         log["bad_steps"] = state["bad_steps"]
+        if step == self.start and self.changed:  # where the run's settings changed (--change_on_resume)
+            log["changed"] = self.changed
         times = {k: log.pop(k) for k in list(log) if k == "seconds" or k.endswith("_s")}
         if self.logf:
             self.logf.write(json.dumps(log) + "\n")
@@ -305,8 +321,8 @@ class Run:
                 f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the "
                 f"warnings above), stopping at step {step}. Last good checkpoint: "
                 f"{state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or "
-                "--grad_clip, the reward function or scorer) and continue from it with --resume=true "
-                "(delete the newer checkpoints first)")
+                "--grad_clip with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from "
+                "it with --resume=true (delete the newer checkpoints first)")
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
                 show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
@@ -329,9 +345,12 @@ class Run:
             path = checkpoint.save(self.out, step, self.model, self.opt, saved, keep_last=self.cfg.keep_last,
                                    trainable_only=self.cfg.lora_rank > 0, protect=protect)
         except BaseException as e:  # DCP wraps a writer's OSError in CheckpointException, a BaseException
-            message = explain_failure(e, self.cfg) if not isinstance(e, KeyboardInterrupt) else None
-            if message is None:
+            if isinstance(e, KeyboardInterrupt) or not isinstance(e, Exception) and not hasattr(e, "failures"):
                 raise
+            # whatever the writer raised: the machine's reason when it is one, else the writer's own words
+            cause = ([x for x in root_causes(e) if isinstance(x, Exception)] or [e])[-1]
+            message = explain_failure(e, self.cfg) or (f"{writer_error(cause)}; {kept_line(self.out)}; fix the "
+                                                       f"cause, then continue with: {continue_command(self.out)}")
             if scale.rank() == 0:  # the half-written directory, never loaded, would only take the room
                 shutil.rmtree(checkpoint._step_dir(self.out, step, tmp=True), ignore_errors=True)
             raise RunFailed(f"writing checkpoint step {step}: {message}") from None

@@ -4,6 +4,7 @@ A checkpoint carries the generation settings it was trained with (generation.jso
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -109,6 +110,11 @@ def validate(cfg) -> None:
         if idle:  # harmless, so a warning: a command line reused from a toy run keeps working
             print0(f"warning: {', '.join('--' + k for k in idle)} only act on the SFT stage of a model trained from "
                    f"scratch; with --init_from={cfg.init_from} there is none, so they do nothing")
+    idle = [f"--{k} (it acts on {what})" for k, what in idle_flags(cfg) if k in given]
+    if idle:  # recorded in config.json, so a silent no-op would read as a setting of the run
+        one = len(idle) == 1
+        print0(f"warning: with --tasks={cfg.tasks}, {'; '.join(idle)} {'does' if one else 'do'} nothing: drop "
+               f"{'it' if one else 'them'}, or add a task {'it acts' if one else 'they act'} on")
     if "eval_data" in given:
         need(cfg.eval_prompts > 0, f"--eval_data is given but --eval_prompts=0 scores none of it: drop one of them")
     train_files = data_paths(cfg.train_data, "train_data")
@@ -158,6 +164,12 @@ def validate(cfg) -> None:
         need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0")
     for k in ("prompts_per_step", "sft_batch_size"):
         need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1")
+    other = [k for k in resume_changes(cfg) if k not in CHANGEABLE]
+    need(not other, f"change_on_resume ({cfg.change_on_resume!r}) names {', '.join(other)}: only "
+         f"{_one_of(CHANGEABLE)} may change when a run resumes (any other change makes another run: start it "
+         "with another --out_dir)")
+    need(cfg.resume or not cfg.change_on_resume, "--change_on_resume changes settings of a run being continued: "
+         "pass --resume=true with it, or drop it")
 
 
 def check_device(name: str, flag: str = "device") -> None:
@@ -178,6 +190,31 @@ def check_threads(n: int, flag: str = "threads") -> None:
         raise ValueError(f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
 
 
+def idle_flags(cfg) -> list:
+    """[(setting, what it acts on)] for the settings that cfg's tasks never read."""
+    chosen = task_list(cfg)
+    benchmark_text = [t for t in chosen if t not in TOY_TASKS and t not in IMAGE_TASKS]
+    idle = []
+    if not benchmark_text:
+        idle += [(k, "benchmark prompts: gsm8k, math, mbpp, countdown, sudoku") for k in
+                 ("system_prompt", "prompt_prefill", "reward_shaping")]
+    if "text" not in chosen:
+        idle += [(k, "the toy text task") for k in ("text_reward", "text_max_steps")]
+    if not cfg.image_scorer_url:
+        idle.append(("image_scorer_timeout", "the image scorer of --image_scorer_url, for geneval"))
+    return idle
+
+
+# The settings a resumed run may change, named in --change_on_resume (a run stopped by bad steps continues more
+# carefully); any other difference from the checkpoint's settings is refused (infra/outdir.RESUMABLE).
+CHANGEABLE = ("lr", "grad_clip")
+
+
+def resume_changes(cfg) -> tuple:
+    """The settings --change_on_resume names (checked by validate)."""
+    return tuple(k.strip() for k in cfg.change_on_resume.split(",") if k.strip())
+
+
 # Flags that only shape and train the toy model built here (init_from=scratch): with --init_from they act on
 # nothing, so the shape is refused when typed and the SFT settings are warned about (a preset may set them).
 SCRATCH_SHAPE = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
@@ -192,6 +229,10 @@ def setup(cfg) -> tuple[torch.device, torch.dtype]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = scale.init(cfg.device)
+    if not cfg.threads and device.type == "cpu":
+        # One thread: the toy's matrices are too small to gain much from more, and on cores other jobs keep busy
+        # OpenMP's threads wait on each other (40 toy SFT steps at load 3 on 2 cores: 16 s with one, 147 s with two).
+        torch.set_num_threads(1)
     if cfg.dtype == "auto":
         # bf16 on GPUs that support it (the released LLaDA weights are bf16); float32 on CPU, where bf16
         # matmuls are slow and the toy model is small.
@@ -219,7 +260,30 @@ def generation_settings(cfg) -> dict:
     return {k: getattr(cfg, k) for k in GENERATION_KEYS}
 
 
+# The type of each GENERATION_KEYS value (train.Config's); a float field takes an integer too.
+GENERATION_TYPES = {"tasks": str, "gen_length": int, "block_length": int, "steps": int, "temperature": float,
+                    "image_steps": int, "image_sampler": str, "cfg_scale": float, "image_width": int,
+                    "image_text_len": int, "max_prompt_len": int, "prompt_prefill": str, "system_prompt": str,
+                    "attend_padding": str, "text_max_steps": int, "text_reward": str}
+
+
 def read_generation_settings(path) -> dict:
-    """The generation settings saved beside a checkpoint ({} for one written elsewhere, e.g. LLaDA's own)."""
+    """The generation settings saved beside a checkpoint ({} for one written elsewhere, e.g. LLaDA's own),
+    each of its type: a hand-edited value of another type ("twelve", null, 12.5 for a length) is one line
+    naming the file, the key and the fix."""
     f = Path(path) / GENERATION_FILE
-    return hf.read_json(f, "delete it to use the defaults and flags only") if f.is_file() else {}
+    if not f.is_file():
+        return {}
+    fix = "delete it to use the defaults and flags only"
+    saved = hf.read_json(f, fix)
+    if not isinstance(saved, dict):
+        raise ValueError(f"{f} holds {type(saved).__name__}, not an object of settings; {fix}")
+    for k, v in saved.items():
+        kind = GENERATION_TYPES.get(k)
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)  # JSON true is no number
+        ok = kind is None or (isinstance(v, str) if kind is str else number and (kind is float or isinstance(v, int)))
+        if not ok:
+            what, like = {int: ("a whole number", 12), float: ("a number", 1.0), str: ("a string", "text")}[kind]
+            raise ValueError(f"{f}: {k} is {json.dumps(v)}, not {what}; correct it (e.g. \"{k}\": "
+                             f"{json.dumps(like)}), or {fix}")
+    return saved

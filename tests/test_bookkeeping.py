@@ -10,6 +10,7 @@ whole file takes a few seconds.
     python -m pytest tests/test_bookkeeping.py -q
 """
 import json
+import re
 import shutil
 import signal
 from dataclasses import asdict, fields
@@ -28,10 +29,11 @@ CPU = torch.device("cpu")
 
 # The settings a resume may change, written out by hand (README: a resumed run continues the same run;
 # only where it runs, how often it logs and checkpoints, how it batches its forwards, how many steps it
-# takes (and --extend, which lets a finished run take more) and the two knobs a run stopped by bad steps
-# continues more carefully with). Any other change would alter the result and must be refused.
-MAY_CHANGE = {"resume", "extend", "retrain_sft", "rl_steps", "threads", "device", "sample_every", "checkpoint_every",
-              "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "lr", "grad_clip",
+# takes (and --extend, which lets a finished run take more), and --change_on_resume, which lets lr and
+# grad_clip change on purpose (tests/test_resume_refusals.py). Any other change would alter the result and must
+# be refused.
+MAY_CHANGE = {"resume", "extend", "change_on_resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every",
+              "checkpoint_every", "keep_last", "max_bad_steps", "device_batch_size", "out_dir",
               # paths of the starting model: a copy elsewhere resumes; its content is the reference identity
               "init_from", "sft_dir",
               # where the curves go besides log.jsonl (infra/tracker.py): the run's numbers are the same
@@ -199,17 +201,22 @@ def test_resume_refuses_every_setting_but_the_listed_ones():
         checkpoint.check_resumable("ckpt", state, saved, {"sft_meta": {"seed": 1}}, RESUMABLE)
 
 
-@pytest.mark.parametrize("flag,refused", [("--seed=1", "seed 0 -> 1"), ("--clip_eps=0.3", "clip_eps 0.2 -> 0.3"),
-                                          ("--lr=0.5", None), ("--grad_clip=0.05", None)])
+@pytest.mark.parametrize("flag,refused", [
+    ("--seed=1", "seed 0 -> 1"), ("--clip_eps=0.3", "clip_eps 0.2 -> 0.3"),
+    ("--lr=0.5", "lr 0.0001 -> 0.5 (to change lr from here on, which log.jsonl then records, add --change_on_resume=lr)"),
+    ("--grad_clip=0.05", "grad_clip 1.0 -> 0.05 (to change grad_clip from here on, which log.jsonl then records, add "
+                         "--change_on_resume=grad_clip)"),
+    ("--lr=0.5 --change_on_resume=lr", None), ("--grad_clip=0.05 --change_on_resume=grad_clip", None)])
 def test_startup_checks_apply_the_list(tmp_path, flag, refused):
     """The check train.main runs before loading anything, on a real checkpoint: a seed-0 run resumed with
-    --seed=1 is refused (every random draw derives from it); --lr and --grad_clip may change."""
+    --seed=1 is refused (every random draw derives from it); --lr and --grad_clip change only when
+    --change_on_resume names them."""
     out = tmp_path / "run"
     run_steps(config(out, "--checkpoint_every=1", "--rl_steps=1"), [GOOD(0)])
-    cfg = config(out, "--checkpoint_every=1", "--rl_steps=2", "--resume=true", flag)
+    cfg = config(out, "--checkpoint_every=1", "--rl_steps=2", "--resume=true", *flag.split())
     try:
         if refused:
-            with pytest.raises(ValueError, match=rf"these settings differ from the saved run: {refused}$"):
+            with pytest.raises(ValueError, match=rf"these settings differ from the saved run: {re.escape(refused)}$"):
                 startup_checks(cfg, CPU)
         else:
             startup_checks(cfg, CPU)

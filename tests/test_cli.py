@@ -102,7 +102,7 @@ def test_section_headings_are_not_part_of_the_field_above():
     continue it (train.Config's "# model" once ended the help of --threads)."""
     assert cli.field_comments(Sectioned) == {"out": "where it goes (and stays)", "width": "how wide"}
     comments = cli.field_comments(train.Config)
-    assert comments["threads"] == "torch CPU threads (0 = torch's default)"
+    assert comments["threads"] == "torch CPU threads (0: one on CPU, fastest for the toy on busy cores; torch's default with a GPU)"
     assert comments["activation_checkpointing"] == "recompute each block in backward (needed at 8B)"
 
 

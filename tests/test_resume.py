@@ -235,7 +235,8 @@ INPUTS = [
     ("checkpoints without --resume", _with_checkpoint, [], ValueError,
      r"already holds checkpoints \(latest step-00000001\): pass --resume=true"),
     ("resume with other settings", _with_checkpoint, ["--resume=true", "--lr=0.5", "--group_size=2", "--beta=0.5"],
-     ValueError, r"these settings differ from the saved run: beta 0.01 -> 0.5, group_size 4 -> 2$"),
+     ValueError, r"these settings differ from the saved run: beta 0.01 -> 0.5, group_size 4 -> 2, lr 0.0001 -> 0.5 \(to "
+     r"change lr from here on, which log.jsonl then records, add --change_on_resume=lr\)$"),
     ("resume with another reference", _tamper_reference, ["--resume=true"], ValueError,
      r"the reference policy changed"),
     ("no room for a checkpoint", _no_space, ["--checkpoint_every=1"], ValueError,

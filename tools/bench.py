@@ -39,6 +39,13 @@ Peak memory: CUDA max_memory_allocated; on CPU the growth of the resident set du
 millisecond from /proc/self/statm after handing freed heap back to the OS (glibc malloc_trim), so peaks
 shorter than a millisecond can be missed. It is measured on the first repetition.
 """
+import shlex
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file, tools/ would shadow the project's modules
+    sys.exit("run it from the project's root as a module: "
+             + shlex.join(["python", "-m", "tools.bench", *sys.argv[1:]]))
+
 import argparse
 import contextlib
 import ctypes

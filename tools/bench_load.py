@@ -12,13 +12,19 @@ runs in fresh processes (torchrun), since the peak resident set (getrusage ru_ma
 On CPU the device memory is the resident set, which also counts the checkpoint's memory-mapped file pages
 and the Python/torch baseline (reported separately); on GPUs the CPU side is not device memory.
 """
+import shlex
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file, tools/ would shadow the project's modules
+    sys.exit("run it from the project's root as a module: "
+             + shlex.join(["python", "-m", "tools.bench_load", *sys.argv[1:]]))
+
 import argparse
 import copy
 import json
 import os
 import resource
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 

@@ -29,7 +29,15 @@ decode order (the paper's Fig. 2, measured on the model).
 """
 from __future__ import annotations
 
+import shlex
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file, tools/ would shadow the project's modules
+    sys.exit("run it from the project's root as a module: "
+             + shlex.join(["python", "-m", "tools.diagnose", *sys.argv[1:]]))
+
 import copy
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -78,9 +86,34 @@ def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a @ b).item() / den if den > 0 else float("nan")
 
 
+def ranks(v: torch.Tensor) -> torch.Tensor:
+    """1-based ranks of v, ties given the mean of the ranks they span (so that equal values never look ordered)."""
+    v = v.double().flatten()
+    order = v.argsort()
+    _, group, counts = torch.unique_consecutive(v[order], return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    out = torch.empty_like(v)
+    out[order] = (ends - (counts.double() - 1) / 2)[group]
+    return out
+
+
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    rank = lambda v: v.argsort().argsort().double()  # ties are rare in continuous log-ratios
-    return pearson(rank(a), rank(b))
+    """Spearman's rank correlation (Pearson of tie-averaged ranks); NaN when either side is all ties."""
+    return pearson(ranks(a), ranks(b))
+
+
+def metrics(draws: torch.Tensor, exact: torch.Tensor, ratios: torch.Tensor, clip_eps: float) -> dict:
+    """The table's numbers for one estimator: draws (D, n) estimates, exact (n,) log-ratios, the per-token ratios.
+    A correlation or sign agreement over nothing (Delta all zero: the policy did not move) is NaN, never 1."""
+    moved = exact != 0  # the sign of a zero log-ratio is no direction to agree with
+    return {
+        "pearson": sum(pearson(d, exact) for d in draws) / len(draws),
+        "spearman": sum(spearman(d, exact) for d in draws) / len(draws),
+        "sign": (draws[:, moved].sign() == exact[moved].sign()).double().mean().item() if moved.any() else float("nan"),
+        "spread": (draws.std(0).mean() / exact.std().clamp(min=1e-12)).item() if exact.std() > 0 else float("nan"),
+        "in_clip": ((ratios - 1).abs() <= clip_eps).double().mean().item(),
+        "scatter": (exact.tolist(), draws[0].tolist()),
+    }
 
 
 @torch.no_grad()
@@ -157,14 +190,7 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
         exact = torch.cat(deltas)
         draws = torch.stack(per_draw)                                                     # (draws, (mu-1) B)
         rat = torch.cat(ratios)
-        rows[label] = {
-            "pearson": sum(pearson(d, exact) for d in draws) / len(draws),
-            "spearman": sum(spearman(d, exact) for d in draws) / len(draws),
-            "sign": ((draws.sign() == exact.sign()).double().mean()).item(),
-            "spread": (draws.std(0).mean() / exact.std().clamp(min=1e-12)).item(),
-            "in_clip": ((rat - 1).abs() <= cfg.clip_eps).double().mean().item(),
-            "scatter": (exact.tolist(), draws[0].tolist()),
-        }
+        rows[label] = metrics(draws, exact, rat, cfg.clip_eps)
     rows["_order"] = order_curve(b, order, cfg, task)
     return rows
 
@@ -198,10 +224,15 @@ def print_table(task: str, rows: dict) -> None:
     print(f"\n{task}: estimate vs exact decoding log-ratio (pooled over inner iterations j >= 1)")
     print("| estimator | Pearson | Spearman | sign agreement | spread / sd(Delta) | tokens in clip range |")
     print("|---|---|---|---|---|---|")
+    shown = lambda v: f"{v:.3f}" if math.isfinite(v) else "undefined"
     for label, m in rows.items():
         if not label.startswith("_"):
-            print(f"| {label} | {m['pearson']:.3f} | {m['spearman']:.3f} | {m['sign']:.3f} | {m['spread']:.3f} "
-                  f"| {m['in_clip']:.3f} |")
+            print(f"| {label} | {shown(m['pearson'])} | {shown(m['spearman'])} | {shown(m['sign'])} | "
+                  f"{shown(m['spread'])} | {shown(m['in_clip'])} |")
+    if any(not math.isfinite(m["spearman"]) for label, m in rows.items() if not label.startswith("_")):
+        print(f"warning: {task}: a correlation is undefined: the exact log-ratios (or an estimate) are all equal, "
+              "e.g. all 0 when the updates did not move the policy (a higher --lr, or more --mu); nothing was "
+              "measured there")
 
 
 def draw(results: dict, path: str) -> None:

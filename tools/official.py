@@ -17,6 +17,13 @@ The effective mask ratios of the official AR-like operator are importance.offici
 from __future__ import annotations
 
 
+import shlex
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file, tools/ would shadow the project's modules
+    sys.exit("run it from the project's root as a module: "
+             + shlex.join(["python", "-m", "tools.official", *sys.argv[1:]]))
+
 import torch
 
 

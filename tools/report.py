@@ -10,12 +10,18 @@ printed table was kept, e.g. a benchmark's output). A table sits in docs/results
 figures are what this command makes. The figures are drawn by infra/plots.py from the kept points,
 written back as the log.jsonl / times.jsonl / summary.json a run writes.
 """
+import shlex
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file, tools/ would shadow the project's modules
+    sys.exit("run it from the project's root as a module: "
+             + shlex.join(["python", "-m", "tools.report", *sys.argv[1:]]))
+
 import argparse
 import itertools
 import json
 import re
 import statistics as st
-import sys
 import tempfile
 from pathlib import Path
 
@@ -340,15 +346,21 @@ def main(argv=None) -> int:
     parser.add_argument("--results", type=Path, default=DOCS / "results.md", help="the file whose tables to rewrite")
     parser.add_argument("--figures", type=Path, default=DOCS, help="where to write the figures")
     args = parser.parse_args(argv)
+    args.results, args.figures = args.results.expanduser(), args.figures.expanduser()
+    text = None if args.print else args.results.read_text()
+    named = [] if args.print else [m[1] for m in BEGIN.finditer(text)]
+    if not args.print and not named:  # checked before anything is computed or written
+        raise ValueError(f"{args.results} holds no table markers (<!-- table: NAME --> ... {END}), so no table "
+                         "would be written; pass the project's docs/results.md, or --print")
     tables = {name: fn() for name, fn in TABLES.items()}
     if args.print:
         for name, table in tables.items():
             print(f"<!-- table: {name} -->\n{table}\n{END}\n")
         return 0
-    args.results.write_text(fill(args.results.read_text(), tables))
+    args.results.write_text(fill(text, tables))
     for p in figures(args.figures):
         print(f"wrote {p}")
-    print(f"wrote {len(tables)} tables into {args.results}")
+    print(f"wrote {len(named)} table(s) into {args.results}: {', '.join(named)}")
     return 0
 
 

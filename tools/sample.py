@@ -11,8 +11,14 @@ model's max_sequence_length is refused. A user error is one line and exit status
 """
 from __future__ import annotations
 
-import math
+import shlex
 import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file, tools/ would shadow the project's modules
+    sys.exit("run it from the project's root as a module: "
+             + shlex.join(["python", "-m", "tools.sample", *sys.argv[1:]]))
+
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +29,11 @@ import tasks
 from infra import cli, fast_sample, hf, plots
 from infra.hf import load_tokenizer
 from infra.load import refuse_training_checkpoint
-from infra.settings import read_generation_settings, validate_generation
+from infra.settings import GENERATION_FILE, read_generation_settings, validate_generation
 from tasks import chat_prompt
 
 FORMATS = ("auto", "toy", "chat", "raw")
+PROG = "python -m tools.sample"
 DESCRIPTION = ("Sample from a LLaDA/MMaDA-style checkpoint. A checkpoint written by train.py carries the settings it "
                "was trained to generate with (its generation.json): they replace the defaults shown below; a flag "
                "still overrides them.")
@@ -60,16 +67,21 @@ class Options:
 
 
 def main(argv=None):
-    first = cli.parse(Options, argv, description=DESCRIPTION)
+    first = cli.parse(Options, argv, description=DESCRIPTION, prog=PROG)
     if not first.ckpt:
         raise ValueError("--ckpt is missing: pass --ckpt DIR, a folder with config.json, *.safetensors and "
                          "tokenizer.json (e.g. out/toy/final)")
     refuse_training_checkpoint(first.ckpt, "--ckpt")
     saved = read_generation_settings(first.ckpt) if Path(first.ckpt).is_dir() else {}
-    toy = any(t in ("text", "image") for t in saved.pop("tasks", "").split(","))
+    trained = [t for t in saved.pop("tasks", "").split(",") if t]
+    toy = any(t in ("text", "image") for t in trained)
     known = {k: v for k, v in saved.items() if k in Options.__dataclass_fields__ and k != "temperature"}
-    o = cli.parse(Options, argv, description=DESCRIPTION, defaults=known)
+    o = cli.parse(Options, argv, description=DESCRIPTION, defaults=known, prog=PROG)
     check_options(o)
+    if o.image and trained and not set(trained) & set(tasks.IMAGE_TASKS):
+        raise ValueError(f"--image: {o.ckpt} was trained for {', '.join(trained)} only (its {GENERATION_FILE}), "
+                         "never to draw, so its picture would be noise; drop --image, or pass a checkpoint of a run "
+                         "with an image task (e.g. --tasks=text,image)")
     config = hf.read_config(o.ckpt)  # config.json and tokenizer.json first: the prompt is checked before
     tok = load_tokenizer(o.ckpt, config)  # gigabytes of weights are read
     if o.image:
