@@ -60,7 +60,9 @@ class Tracker:
     def step(self, step: int, log: dict, times: dict) -> None:
         """One RL step: every key of its log.jsonl line (but `step`, the x axis) and of its times.jsonl line,
         the seconds of the step and of its phases, under time/."""
-        values = {**{k: v for k, v in log.items() if k != "step"},
+        # a value that is no number or text (--change_on_resume's {"lr": [old, new]}) goes as its JSON text
+        values = {**{k: v if isinstance(v, (int, float, str)) else json.dumps(v)
+                     for k, v in log.items() if k != "step"},
                   **{f"time/{k}": v for k, v in times.items() if k != "step"}}
         self._send("step", step, lambda b: b.log(values, step))
 

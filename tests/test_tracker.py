@@ -254,3 +254,17 @@ def test_a_skipped_steps_reason_goes_as_text(name, stores, tmp_path):
     track.finish(tmp_path)
     got, _, _ = READ[name](tmp_path)
     assert got == {0: {"bad_reward": line["bad_reward"], "bad_steps": 1, "time/seconds": 0.25}}
+
+
+@pytest.mark.parametrize("name", list(tracker.TRACKERS))
+def test_a_changed_setting_goes_as_its_json_text(name, stores, tmp_path):
+    """The first step after a resume with --change_on_resume logs {"lr": [old, new]}: no tracker takes a dict as a
+    scalar, so it goes as text, and the tracker is not dropped for it (the next step still arrives)."""
+    cfg = train.Config(out_dir=str(tmp_path), tracker=name, rl_steps=3)
+    track = tracker.start(cfg)
+    track.step(1, {"step": 1, "changed": {"lr": [0.0001, 0.05]}, "text/reward": 0.5}, {"seconds": 0.5})
+    track.step(2, {"step": 2, "text/reward": 0.75}, {"seconds": 0.25})
+    track.finish(tmp_path)
+    got, _, _ = READ[name](tmp_path)
+    assert got == {1: {"changed": '{"lr": [0.0001, 0.05]}', "text/reward": 0.5, "time/seconds": 0.5},
+                   2: {"text/reward": 0.75, "time/seconds": 0.25}}
