@@ -127,14 +127,22 @@ def check_resume(cfg) -> dict | None:
                              + ", ".join(f"{k} {saved.get(k)!r} -> {here[k]!r}" for k in changed)
                              + checkpoint.changeable_hint(changed))
     summary = out / "summary.json"
-    if last is not None and not summary.is_file() and cfg.rl_steps < state["step"]:
+    # An extension stopped before it finished: config.json already holds its --rl_steps (written at start-up)
+    # while summary.json is still the earlier finish's, and its newest checkpoint is behind both. It is an
+    # unfinished run: it continues (and is checked) as one, never reported as finished.
+    config = out / "config.json"
+    extending = (last is not None and summary.is_file() and config.is_file()
+                 and state["step"] < hf.read_json(config, f"re-create {config}").get("rl_steps", 0))
+    if extending and not cfg.extend:
+        raise ValueError(f"out_dir {out} holds an extension of a finished run stopped at step {state['step']}: "
+                         "pass --extend=true, as it was started, to continue it")
+    if last is not None and (extending or not summary.is_file()) and cfg.rl_steps < state["step"]:
         # an unfinished run would end with a final/ of more steps than its config.json says
         raise ValueError(f"cannot resume {out} at --rl_steps={cfg.rl_steps}: its checkpoint {last.name} has taken "
                          f"{state['step']} RL steps already, and a resumed run continues from there; pass "
                          f"--rl_steps={state['config']['rl_steps']} (the run's own) or more, or start a new run "
                          "with another --out_dir")
-    if summary.is_file():
-        config = out / "config.json"  # the finished run's own settings (a checkpoint may be older)
+    if summary.is_file() and not extending:  # config.json: the finished run's own settings (a checkpoint may be older)
         done = (hf.read_json(config, f"re-create {config}") if config.is_file() else state["config"]).get("rl_steps")
         if cfg.rl_steps == done:
             if os.environ.get("RANK", "0") == "0":  # before the process group exists: RANK says who speaks
