@@ -278,17 +278,17 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     (B, L), (lo, hi) = input_ids.shape, vocab_slice or (0, None)
     out = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # unscored positions stay exactly 0
     for rows in scale.chunks(B, device_batch_size):
-        # The head over the scored columns only (all without logits_at): (b, L, V) logits would fill memory at 8B.
-        cols = positions[rows].any(0).nonzero()
-        win = slice(int(cols[0]), int(cols[-1]) + 1) if len(cols) else slice(0, 0)
-        win = win if getattr(model, "accepts_cache_kwargs", False) else slice(0, L)
-        am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name for it
-        logits = model(input_ids[rows], *am, **({} if win == slice(0, L) else {"logits_at": win}))  # (b, l, V)
-        pos = positions[rows, win]  # (b, l)
-        sel, t = logits[pos][:, lo:hi], targets[rows, win][pos] - lo  # (T, V'), (T,); no (b, l, V) float32 copy
+        pos, am = positions[rows], () if attention_mask is None else (attention_mask[rows],)  # positional: any
+        if getattr(model, "accepts_cache_kwargs", False):  # model's name for the mask
+            # The head at the scored positions only, over the columns [lo, hi) only, in float32: a bf16 logit is
+            # rounded by up to 0.06 at magnitude 32, while a small update moves log pi by ~1e-3 (test_logprobs.py),
+            # so bf16 logits would turn the ratio pi / pi_old (Eq. 9) into rounding noise. (T, V') float32.
+            sel = model(input_ids[rows], *am, logits_at=pos, vocab_slice=vocab_slice, float32_head=True)
+        else:  # any other model: the full logits (b, L, V), then the same positions and columns
+            sel = model(input_ids[rows], *am)[pos][:, lo:hi].float()
+        t = targets[rows][pos] - lo                                                  # (T,)
         assert not ((t < 0) | (t >= sel.shape[1])).any(), f"targets outside the vocabulary [{lo}, {lo + sel.shape[1]})"
-        # float32: bf16 log-probs err by ~1e-2, a sizeable part of the ratios' clip range (1 +- 0.2).
-        out[rows, win][pos] = F.log_softmax(sel.float(), dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)  # (T,)
+        out[rows][pos] = F.log_softmax(sel, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)  # (T,)
     return out
 
 

@@ -90,11 +90,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
+    def normalize(self, x):  # x / rms(x) in float32, before the weight
         xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
         # Casting before the weight multiply (not after) is what makes bf16 outputs bit-identical.
-        return self.weight * y.to(x.dtype)
+        return self.weight * self.normalize(x).to(x.dtype)
 
 
 def rope_table(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,14 +193,21 @@ class Transformer(nn.Module):
 
     accepts_cache_kwargs = True  # tells the samplers (sample.py, infra/fast_sample.py) forward takes the options below
 
-    def forward(self, input_ids, attention_mask=None, *, logits_at=None, return_kv=False, kv=None, start=0):
+    def forward(self, input_ids, attention_mask=None, *, logits_at=None, vocab_slice=None, float32_head=False,
+                return_kv=False, kv=None, start=0):
         """input_ids (B, L) int64; attention_mask (B, L) with 1 = real token, 0 = padding (optional).
         Returns logits (B, L, V) in the parameter dtype.
 
         Keyword-only options for the samplers (logits_at; the KV cache: infra/fast_sample.py); the defaults are the
         exact forward:
             logits_at: a slice; compute the head only at those positions (same maths, though BLAS may round
-                a smaller matrix differently in the last bit).
+                a smaller matrix differently in the last bit). A bool (B, L) tensor instead: only at its True
+                positions, and the logits are (T, V), one row per True position in row-major order.
+            vocab_slice: (lo, hi); only the logits of vocabulary rows [lo, hi) (image codes), computed from
+                those rows of the head's weight (a (.., V) result is never made and then sliced).
+            float32_head: the final norm and the head in float32, logits float32 whatever the parameter
+                dtype. A bf16 logit is rounded by up to 0.06 at magnitude 32; a log-ratio of two policies
+                that differ by a small update would be mostly that rounding (importance.token_logprobs).
             return_kv: also return every layer's keys and values: a list of (k, v), each (B, Hkv, L, Dh).
             kv, start: the cached path, an APPROXIMATION once the cache is stale. input_ids (B, l) are the
                 positions [start, start + l) of a sequence whose other keys and values come from kv (a
@@ -231,9 +240,18 @@ class Transformer(nn.Module):
             else:
                 x = block(x, cos, sin, mask)
         if logits_at is not None:
-            x = x[:, logits_at]                                                  # (B, l', D)
-        logits = self.ff_out(self.ln_f(x))                                       # (B, l, V)
+            x = x[logits_at] if isinstance(logits_at, torch.Tensor) else x[:, logits_at]  # (T, D) or (B, l', D)
+        logits = self.head(x, vocab_slice, float32_head)                        # (..., V) or (..., hi - lo)
         return (logits, new_kv) if return_kv else logits
+
+    def head(self, x, vocab_slice=None, float32: bool = False):
+        """Final norm and LM head on hidden states x (..., D): logits (..., V), or (..., hi - lo) for
+        vocab_slice (lo, hi), from only those rows of the weight. float32: both computed in float32 (RMSNorm
+        as ln_f does, its weight applied in float32 rather than after a cast back to the parameter dtype)."""
+        weight = self.ff_out.weight if vocab_slice is None else self.ff_out.weight[vocab_slice[0]:vocab_slice[1]]
+        if not float32:
+            return F.linear(self.ln_f(x), weight)                                 # the reference's numerics
+        return F.linear(self.ln_f.weight.float() * self.ln_f.normalize(x.float()), weight.float())
 
     def set_activation_checkpointing(self, on: bool = True) -> "Transformer":
         """Recompute each block in the backward pass instead of storing its activations (needed at 8B)."""
