@@ -93,16 +93,19 @@ def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=Non
 # the text sampler's parts (infra/fast_sample.py reuses them)
 
 
-def _forward(model, x, attention_mask, lo, end, **kw):
+def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
     """Logits (B, end - lo, V) at positions [lo, end) of a full forward pass, the head on those positions
-    only (widened to MIN_HEAD_ROWS rows) if the model takes logits_at. return_kv=True adds the cache."""
+    only (widened to MIN_HEAD_ROWS rows) if the model takes logits_at; vocab_slice (a, b): the columns [a, b)
+    only, from those rows of the head's weight (the image codes: never a full-vocabulary logit tensor).
+    return_kv=True adds the cache."""
     B, L = x.shape
     if not getattr(model, "accepts_cache_kwargs", False):
         logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
         assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
-        return logits[:, lo:end]
+        return logits[:, lo:end] if vocab_slice is None else logits[:, lo:end, vocab_slice[0]:vocab_slice[1]]
     w = min(L, max(end - lo, -(-MIN_HEAD_ROWS // B)))
     a = min(lo, L - w)                                                             # [a, a + w) holds [lo, end)
+    kw = kw if vocab_slice is None else {**kw, "vocab_slice": vocab_slice}
     out = model(x, attention_mask, logits_at=slice(a, a + w), **kw)
     return (out[0][:, lo - a:end - a], out[1]) if kw.get("return_kv") else out[:, lo - a:end - a]
 
@@ -233,13 +236,13 @@ def _sample_categorical(probs, generator):
 def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask, cfg_scale):
     """float64 probabilities (B, n, C) over the codebook at the image slots, with CFG when cfg_scale > 0."""
     if cfg_scale == 0:
-        logits = _forward(model, x, attention_mask, span.start, span.stop)[..., codes]  # (B, n, C)
+        logits = _forward(model, x, attention_mask, span.start, span.stop, vocab_slice=codes)  # (B, n, C)
     else:  # the unconditional input is the empty-caption prompt around the *current* image (MMaDA)
         x_u = uncond_ids.clone()
         x_u[:, span] = x[:, span]
         masks = None if attention_mask is None and uncond_mask is None else torch.cat(
             [m if m is not None else torch.ones_like(x) for m in (attention_mask, uncond_mask)])
-        cond, uncond = _forward(model, torch.cat([x, x_u]), masks, span.start, span.stop)[..., codes].chunk(2)
+        cond, uncond = _forward(model, torch.cat([x, x_u]), masks, span.start, span.stop, vocab_slice=codes).chunk(2)
         logits = (1 + cfg_scale) * cond - cfg_scale * uncond  # MMaDA's (1 + w) l_c - w l_u, in its order
     # float64 (MMaDA samples from bf16 probabilities): with 8192 codes, bf16 rounds away the tail.
     return F.softmax(logits.double(), dim=-1)
@@ -278,7 +281,7 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
         f"input_ids[:, {image_start}:{image_start + n}] must be the only mask ids ({mask_id})"
     assert cfg_scale == 0 or (uncond_input_ids is not None and uncond_input_ids.shape == input_ids.shape), \
         "cfg_scale > 0 needs uncond_input_ids in the layout of input_ids"
-    codes = slice(code_offset, code_offset + codebook_size)
+    codes = (code_offset, code_offset + codebook_size)  # the head's rows of the image codes
     x = input_ids.clone()                                                          # (B, L)
     order = torch.full_like(x, -1) if return_order else None                      # (B, L)
     for s in tqdm(range(steps), desc="image steps", disable=not progress, leave=False):
