@@ -134,7 +134,7 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
 
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
            cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
-           codebook: int = 8192, scored: int | None = None, head_len: int | None = None) -> dict:
+           codebook: int = 8192, scored: int | None = None) -> dict:
     """Memory per GPU in GB (2^30 bytes), by component, for one world size. Estimates: the CUDA context,
     allocator fragmentation and NCCL buffers (a few GB) are left out.
 
@@ -149,12 +149,14 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     is there twice, so the largest group (the root at LLaDA's shape) adds one more copy to every phase.
     An update chunk of `chunk` sequences keeps its activations (checkpointing: each block's input,
     d_model values per token and layer, plus one block's full activations while it is recomputed, about
-    16 d_model + 3 mlp_hidden values per token; without it every block's) and the head's logits: the
-    compute-dtype output at the `head_len` positions per sequence the head runs on (default: all), and at
-    the `scored` positions (default: all) a compute-dtype copy, its float32 cast and log-softmax
-    (importance.token_logprobs; 10 B per entry in bf16; images cast only the codebook's columns).
+    16 d_model + 3 mlp_hidden values per token; without it every block's) and the head: it runs in float32 at
+    the `scored` positions per sequence (default: all) only, over the vocabulary (text) or the codebook's
+    columns (images), so float32 logits and their log-softmax, 8 B per entry, plus a float32 copy of the
+    head's weight rows it uses (none when the compute dtype is float32) and, in full fine-tuning, that copy's
+    gradient during the backward (importance.token_logprobs, model.Transformer.head).
     A rollout forward of `chunk` sequences (twice the rows with CFG) makes bf16 logits over the current
-    block (text; at least MIN_HEAD_ROWS rows) or the image slots (images); the text sampler then draws
+    block (text; at least MIN_HEAD_ROWS rows) or the image slots, the codebook's columns only (images),
+    in the compute dtype; the text sampler then draws
     float64 Gumbel noise over the block's columns (the uniforms, the float64 logits and the noisy sum:
     24 B, and a bf16 softmax: 2 B), the image sampler a float64 softmax over the codebook at every image
     position.
@@ -180,15 +182,15 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     else:
         acts = tokens * c.n_layers * per_tok_block * compute_bytes
     rows["activations"] = acts
-    scored, head_len = (seq_len if v is None else v for v in (scored, head_len))
-    # images score the codebook's columns only (vocab_slice): the float32 cast and log-softmax are that wide
-    rows["logits"] = chunk * (head_len * c.vocab_size * compute_bytes
-                              + scored * (c.vocab_size * compute_bytes + (codebook if image else c.vocab_size) * 8))
+    scored = seq_len if scored is None else scored
+    cols = codebook if image else c.vocab_size  # images score the codebook's columns only (vocab_slice)
+    head_f32 = cols * c.d_model * 4 * (compute_bytes != 4)  # the float32 copy of the head's rows
+    rows["logits"] = chunk * scored * cols * 8 + head_f32
     cfg_rows = 2 if cfg_scale > 0 else 1
     # The text sampler computes the head only over the current block (sample.py, at least MIN_HEAD_ROWS
-    # rows per chunk); the image samplers over the whole sequence.
+    # rows per chunk); the image samplers over the image slots and the codebook's columns only.
     head_rows = chunk * (sampled if image else max(sampled, -(-MIN_HEAD_ROWS // chunk)))
-    model_logits = cfg_rows * head_rows * c.vocab_size * 2
+    model_logits = cfg_rows * head_rows * cols * compute_bytes
     if image:
         sampler = chunk * sampled * codebook * 8 * 2  # float64 probabilities and their cumulative sum
     else:
@@ -199,7 +201,8 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     rollout_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["sampling"]
     scoring_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["no_grad_block"] + rows["logits"]
     for kind in ("full", "lora"):
-        rows[f"{kind}_update"] = rows[f"{kind}_state"] + update_common
+        # full fine-tuning: the float32 head copy's gradient, before it is cast into the weight's gradient
+        rows[f"{kind}_update"] = rows[f"{kind}_state"] + update_common + head_f32 * (kind == "full")
         rows[f"{kind}_rollout"] = rows[f"{kind}_state"] + rollout_common
         rows[f"{kind}_scoring"] = rows[f"{kind}_state"] + scoring_common
         rows[f"{kind}_peak"] = max(rows[f"{kind}_update"], rows[f"{kind}_rollout"], rows[f"{kind}_scoring"])

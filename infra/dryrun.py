@@ -42,14 +42,14 @@ def report(cfg) -> dict:
     cols = [w for w in sorted({1, 8, 16, gpus}) if per_task % w == 0]
     chunk = {w: min(cfg.device_batch_size or per_task // w, per_task // w) for w in cols}
     # Each task's memory; the table shows the largest of each row over the tasks. window: the positions
-    # scored, and the columns the head runs over (importance.token_logprobs).
+    # scored, where the head runs (importance.token_logprobs): an upper bound, as a mask scores a share of them.
     mem = {w: {} for w in cols}
     for t in p["tasks"]:
         for w in cols:
             m = memory(mc, s, world_size=w, chunk=chunk[w], seq_len=t["seq_len"],
                        sampled=t["window"] if t["image"] else cfg.block_length, image=t["image"],
                        cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing,
-                       scored=t["window"], head_len=t["window"])
+                       scored=t["window"])
             mem[w].update({k: max(v, mem[w].get(k, v)) for k, v in m.items()})
 
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "

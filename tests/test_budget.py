@@ -96,10 +96,10 @@ def test_memory_table_has_the_gathered_parts():
     # sampling: the bf16 logits of the preset's 12 sequences per chunk over the current block of 16
     # positions (the sampler's head runs there only), and float64 noise plus its bookkeeping over that block
     assert eight["sampling"] == pytest.approx((12 * 16 * 126464 * 2 + 12 * 16 * 126464 * 26) / gb)
-    # an update chunk's logits: bf16 over the 256-token completion window of the 512-token sequence (the
-    # head runs on the scored window only, importance.token_logprobs), and at the scored positions (at most
-    # those 256) a bf16 copy, its float32 cast and log-softmax: 2 + 8 B more
-    assert eight["logits"] == pytest.approx(12 * 126464 * (256 * 2 + 256 * (2 + 8)) / gb)
+    # an update chunk's logits: the float32 head at the scored positions only (at most the 256-token
+    # completion window of the 512-token sequence), float32 logits and their log-softmax (4 + 4 B), plus the
+    # float32 copy of the head's 126464 x 4096 weight (importance.token_logprobs, model.Transformer.head)
+    assert eight["logits"] == pytest.approx((12 * 126464 * 256 * 8 + 126464 * 4096 * 4) / gb)
     assert eight["weights_gb"] == pytest.approx(8_015_581_184 * 2 / 8 / gb)
 
 
@@ -278,7 +278,7 @@ def test_memory_formula_matches_a_two_rank_run(tmp_path):
                      vocab_size=V, max_sequence_length=P + N, mask_token_id=V - 1, eos_token_id=1, pad_token_id=1)
     s = budget.shape(mc, R, "official")
     est = budget.memory(mc, s, world_size=2, chunk=B, seq_len=P + N, sampled=N, image=False, cfg_scale=0.0,
-                        beta=0.01, activation_checkpointing=True, compute_bytes=4, scored=N, head_len=N)
+                        beta=0.01, activation_checkpointing=True, compute_bytes=4, scored=N)
     formula = est["lora_peak"]
     for r in ranks:
         measured = max(r["rollout"], r["scoring"], r["update"]) / 2 ** 30
@@ -314,15 +314,15 @@ def test_scoring_peak_holds_the_gathered_model_and_a_chunks_logits():
     and float32 adapters with gradients and moments, / 8), the whole adapted model gathered in bf16, the
     all-gather's flat buffer of the root (embedding and head, 126464 x 4096 each, and the final norm), one
     block's activations of a 12-sequence chunk (16 x 4096 + 3 x 12288 values per token, bf16, 512 tokens),
-    and the chunk's logits over the 256-token window (bf16 output, bf16 copy, float32 cast and log-softmax:
-    14 B per entry): about 24.9 GB, above the rollout's 20.0 and the update's 13.9."""
+    and the chunk's float32 logits and log-softmax at the 256 scored positions (8 B per entry) with the float32
+    copy of the head's weight: about 25.4 GB, above the rollout's 20.0 and the update's 14.4."""
     res = train.main(["--preset=llada8b", "--dry_run=true"])
     base, adapters, gb = 8_015_581_184, 167_772_160, 1024 ** 3
     state = (base * 2 + adapters * 16) / 8
     gathered = (base + adapters) * 2
     buffer = (2 * 126464 * 4096 + 4096) * 2
     block = 12 * 512 * (16 * 4096 + 3 * 12288) * 2
-    logits = 12 * 256 * 126464 * (2 + 2 + 8)
+    logits = 12 * 256 * 126464 * 8 + 126464 * 4096 * 4
     by_hand = (state + gathered + buffer + block + logits) / gb
     assert res["budget"][8]["lora_scoring"] == pytest.approx(by_hand, rel=1e-9)
     assert 24.5 < by_hand < 25.5
