@@ -278,17 +278,24 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     (B, L), (lo, hi) = input_ids.shape, vocab_slice or (0, None)
     out = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # unscored positions stay exactly 0
     for rows in scale.chunks(B, device_batch_size):
-        pos, am = positions[rows], () if attention_mask is None else (attention_mask[rows],)  # positional: any
-        if getattr(model, "accepts_cache_kwargs", False):  # model's name for the mask
-            # The head at the scored positions only, over the columns [lo, hi) only, in float32: a bf16 logit is
-            # rounded by up to 0.06 at magnitude 32, while a small update moves log pi by ~1e-3 (test_logprobs.py),
-            # so bf16 logits would turn the ratio pi / pi_old (Eq. 9) into rounding noise. (T, V') float32.
-            sel = model(input_ids[rows], *am, logits_at=pos, vocab_slice=vocab_slice, float32_head=True)
-        else:  # any other model: the full logits (b, L, V), then the same positions and columns
-            sel = model(input_ids[rows], *am)[pos][:, lo:hi].float()
-        t = targets[rows][pos] - lo                                                  # (T,)
-        assert not ((t < 0) | (t >= sel.shape[1])).any(), f"targets outside the vocabulary [{lo}, {lo + sel.shape[1]})"
-        out[rows][pos] = F.log_softmax(sel, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)  # (T,)
+        # The head over the scored columns only (all without logits_at): (b, L, V) logits would fill memory at 8B.
+        cols = positions[rows].any(0).nonzero()
+        win = slice(int(cols[0]), int(cols[-1]) + 1) if len(cols) else slice(0, 0)
+        am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name for it
+        if getattr(model, "accepts_cache_kwargs", False):
+            # ... and over the columns [lo, hi) only, in float32: a bf16 logit is rounded by up to 0.06 at
+            # magnitude 32, while a small update moves log pi by ~1e-3, so bf16 logits would turn the ratio
+            # pi / pi_old (Eq. 9) into rounding (tests/test_logprobs.py measures it). (b, l, V') float32.
+            logits = model(input_ids[rows], *am, logits_at=win, vocab_slice=vocab_slice, float32_head=True)
+        else:  # any other model: the full logits (b, L, V), then the same window and columns
+            win = slice(0, L)
+            logits = model(input_ids[rows], *am)[..., lo:hi].float()
+        pos, t, width = positions[rows, win], targets[rows, win] - lo, logits.shape[-1]  # (b, l) each
+        assert not ((t < 0) | (t >= width))[pos].any(), f"targets outside the vocabulary [{lo}, {lo + width})"
+        # The log-softmax of the whole window, not a copy of the scored rows: unscored rows get exactly zero
+        # gradient either way. Their targets may lie outside [lo, hi) (a prompt token): clamped, then dropped.
+        lp = F.log_softmax(logits, dim=-1).gather(-1, t.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)  # (b, l)
+        out[rows, win] = lp.masked_fill(~pos, 0.0)
     return out
 
 

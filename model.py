@@ -201,8 +201,7 @@ class Transformer(nn.Module):
         Keyword-only options for the samplers (logits_at; the KV cache: infra/fast_sample.py); the defaults are the
         exact forward:
             logits_at: a slice; compute the head only at those positions (same maths, though BLAS may round
-                a smaller matrix differently in the last bit). A bool (B, L) tensor instead: only at its True
-                positions, and the logits are (T, V), one row per True position in row-major order.
+                a smaller matrix differently in the last bit).
             vocab_slice: (lo, hi); only the logits of vocabulary rows [lo, hi) (image codes), computed from
                 those rows of the head's weight (a (.., V) result is never made and then sliced).
             float32_head: the final norm and the head in float32, logits float32 whatever the parameter
@@ -240,8 +239,8 @@ class Transformer(nn.Module):
             else:
                 x = block(x, cos, sin, mask)
         if logits_at is not None:
-            x = x[logits_at] if isinstance(logits_at, torch.Tensor) else x[:, logits_at]  # (T, D) or (B, l', D)
-        logits = self.head(x, vocab_slice, float32_head)                        # (..., V) or (..., hi - lo)
+            x = x[:, logits_at]                                                  # (B, l', D)
+        logits = self.head(x, vocab_slice, float32_head)                         # (B, l', V or hi - lo)
         return (logits, new_kv) if return_kv else logits
 
     def head(self, x, vocab_slice=None, float32: bool = False):

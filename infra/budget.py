@@ -134,7 +134,7 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
 
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
            cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
-           codebook: int = 8192, scored: int | None = None) -> dict:
+           codebook: int = 8192, head_len: int | None = None) -> dict:
     """Memory per GPU in GB (2^30 bytes), by component, for one world size. Estimates: the CUDA context,
     allocator fragmentation and NCCL buffers (a few GB) are left out.
 
@@ -150,10 +150,10 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     An update chunk of `chunk` sequences keeps its activations (checkpointing: each block's input,
     d_model values per token and layer, plus one block's full activations while it is recomputed, about
     16 d_model + 3 mlp_hidden values per token; without it every block's) and the head: it runs in float32 at
-    the `scored` positions per sequence (default: all) only, over the vocabulary (text) or the codebook's
-    columns (images), so float32 logits and their log-softmax, 8 B per entry, plus a float32 copy of the
-    head's weight rows it uses (none when the compute dtype is float32) and, in full fine-tuning, that copy's
-    gradient during the backward (importance.token_logprobs, model.Transformer.head).
+    the `head_len` positions per sequence (default: all; the scored window), over the vocabulary (text) or
+    the codebook's columns (images), so float32 logits and their log-softmax, 8 B per entry, plus a float32
+    copy of the head's weight rows it uses (none when the compute dtype is float32) and, in full
+    fine-tuning, that copy's gradient during the backward (importance.token_logprobs, model.Transformer.head).
     A rollout forward of `chunk` sequences (twice the rows with CFG) makes bf16 logits over the current
     block (text; at least MIN_HEAD_ROWS rows) or the image slots, the codebook's columns only (images),
     in the compute dtype; the text sampler then draws
@@ -182,10 +182,10 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     else:
         acts = tokens * c.n_layers * per_tok_block * compute_bytes
     rows["activations"] = acts
-    scored = seq_len if scored is None else scored
+    head_len = seq_len if head_len is None else head_len
     cols = codebook if image else c.vocab_size  # images score the codebook's columns only (vocab_slice)
     head_f32 = cols * c.d_model * 4 * (compute_bytes != 4)  # the float32 copy of the head's rows
-    rows["logits"] = chunk * scored * cols * 8 + head_f32
+    rows["logits"] = chunk * head_len * cols * 8 + head_f32
     cfg_rows = 2 if cfg_scale > 0 else 1
     # The text sampler computes the head only over the current block (sample.py, at least MIN_HEAD_ROWS
     # rows per chunk); the image samplers over the image slots and the codebook's columns only.

@@ -49,7 +49,7 @@ def report(cfg) -> dict:
             m = memory(mc, s, world_size=w, chunk=chunk[w], seq_len=t["seq_len"],
                        sampled=t["window"] if t["image"] else cfg.block_length, image=t["image"],
                        cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing,
-                       scored=t["window"])
+                       head_len=t["window"])
             mem[w].update({k: max(v, mem[w].get(k, v)) for k, v in m.items()})
 
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "

@@ -96,9 +96,9 @@ def test_memory_table_has_the_gathered_parts():
     # sampling: the bf16 logits of the preset's 12 sequences per chunk over the current block of 16
     # positions (the sampler's head runs there only), and float64 noise plus its bookkeeping over that block
     assert eight["sampling"] == pytest.approx((12 * 16 * 126464 * 2 + 12 * 16 * 126464 * 26) / gb)
-    # an update chunk's logits: the float32 head at the scored positions only (at most the 256-token
-    # completion window of the 512-token sequence), float32 logits and their log-softmax (4 + 4 B), plus the
-    # float32 copy of the head's 126464 x 4096 weight (importance.token_logprobs, model.Transformer.head)
+    # an update chunk's logits: the float32 head over the 256-token completion window of the 512-token
+    # sequence (the columns holding scored positions), float32 logits and their log-softmax (4 + 4 B), plus
+    # the float32 copy of the head's 126464 x 4096 weight (importance.token_logprobs, model.Transformer.head)
     assert eight["logits"] == pytest.approx((12 * 126464 * 256 * 8 + 126464 * 4096 * 4) / gb)
     assert eight["weights_gb"] == pytest.approx(8_015_581_184 * 2 / 8 / gb)
 
@@ -278,7 +278,7 @@ def test_memory_formula_matches_a_two_rank_run(tmp_path):
                      vocab_size=V, max_sequence_length=P + N, mask_token_id=V - 1, eos_token_id=1, pad_token_id=1)
     s = budget.shape(mc, R, "official")
     est = budget.memory(mc, s, world_size=2, chunk=B, seq_len=P + N, sampled=N, image=False, cfg_scale=0.0,
-                        beta=0.01, activation_checkpointing=True, compute_bytes=4, scored=N)
+                        beta=0.01, activation_checkpointing=True, compute_bytes=4, head_len=N)
     formula = est["lora_peak"]
     for r in ranks:
         measured = max(r["rollout"], r["scoring"], r["update"]) / 2 ** 30
@@ -314,7 +314,7 @@ def test_scoring_peak_holds_the_gathered_model_and_a_chunks_logits():
     and float32 adapters with gradients and moments, / 8), the whole adapted model gathered in bf16, the
     all-gather's flat buffer of the root (embedding and head, 126464 x 4096 each, and the final norm), one
     block's activations of a 12-sequence chunk (16 x 4096 + 3 x 12288 values per token, bf16, 512 tokens),
-    and the chunk's float32 logits and log-softmax at the 256 scored positions (8 B per entry) with the float32
+    and the chunk's float32 logits and log-softmax over the 256-token window (8 B per entry) with the float32
     copy of the head's weight: about 25.4 GB, above the rollout's 20.0 and the update's 14.4."""
     res = train.main(["--preset=llada8b", "--dry_run=true"])
     base, adapters, gb = 8_015_581_184, 167_772_160, 1024 ** 3

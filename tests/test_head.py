@@ -12,21 +12,21 @@ from test_sample import C, MASK, OFFSET, gen, image_layout, tiny_model
 
 def test_float32_head_at_positions_and_rows_is_the_float64_head():
     """bf16 weights: float32_head gives the float64 computation of ln_f and the head from the same (bf16) hidden
-    states to float32 rounding, at the True positions of a bool logits_at and the rows [lo, hi) only; without
+    states to float32 rounding, at the positions logits_at and the rows [lo, hi) only; without
     float32_head the logits are bf16, as the reference computes them."""
     cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=48, vocab_size=64,
                       max_sequence_length=64, mask_token_id=63, eos_token_id=1, pad_token_id=1)
     model = Transformer(cfg).init_weights(torch.Generator().manual_seed(0), std=0.3).to(torch.bfloat16)
     x = torch.randint(0, 63, (3, 10), generator=gen(0))
-    at = torch.rand(3, 10, generator=gen(1)) < 0.5
+    at = slice(3, 8)
     hidden = []
     model.ln_f.register_forward_hook(lambda m, args, out: hidden.append(args[0]))
     model(x)  # the hidden states entering ln_f, (B, L, D) bf16
-    h = hidden[0][at].double()                                                       # (T, D)
+    h = hidden[0][:, at].double()                                                    # (B, 5, D)
     n = model.ln_f.weight.double() * h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
-    want = n @ model.ff_out.weight.double()[20:36].T                                 # (T, 16)
+    want = n @ model.ff_out.weight.double()[20:36].T                                 # (B, 5, 16)
     got = model(x, logits_at=at, vocab_slice=(20, 36), float32_head=True)
-    assert got.dtype == torch.float32 and got.shape == (int(at.sum()), 16)
+    assert got.dtype == torch.float32 and got.shape == (3, 5, 16)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     plain = model(x, logits_at=at, vocab_slice=(20, 36))
     assert plain.dtype == torch.bfloat16

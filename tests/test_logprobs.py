@@ -216,10 +216,10 @@ def test_validation_warns_about_an_ignored_setting(capsys):
 
 
 @pytest.mark.parametrize("vocab_slice", [None, (120, 168)])
-def test_token_logprobs_head_over_the_scored_positions_only(vocab_slice):
-    """token_logprobs computes the head only at the scored positions and, with vocab_slice, over the code
-    columns only, from those rows of the weight: no logits over other positions or the full vocabulary are
-    made. The expected values are the plain definition: the same weights with the head over every position and
+def test_token_logprobs_head_over_the_scored_window_only(vocab_slice):
+    """token_logprobs computes the head only over the columns holding scored positions and, with vocab_slice,
+    over the code columns only, from those rows of the weight: no logits over other positions or the full
+    vocabulary are made. The expected values are the plain definition: the same weights with the head over every position and
     every column (a wrapper without logits_at), sliced afterwards, left-padded rows, chunked by
     device_batch_size. Within float32 rounding: a BLAS may pick another kernel for a smaller GEMM, and the
     head's weight gradient sums over fewer rows (the dropped ones contribute exact zeros)."""
@@ -260,8 +260,11 @@ def test_token_logprobs_head_over_the_scored_positions_only(vocab_slice):
                                 with_kwargs=True)
     imp.token_logprobs(model.to(torch.bfloat16), inp, x, pos, attention_mask=am, device_batch_size=2,
                        vocab_slice=vocab_slice)
-    # one (scored positions of the chunk, code columns) float32 logit matrix per chunk of 2 rows, even in bf16
-    assert shapes == [((int(pos[r:r + 2].sum()), hi - lo if vocab_slice else 170), torch.float32) for r in (0, 2, 4)]
+    # per chunk of 2 rows, float32 logits (even in bf16) from its first to its last scored column, code columns only
+    width = hi - lo if vocab_slice else 170
+    windows = [pos[r:r + 2].any(0).nonzero().flatten() for r in (0, 2, 4)]
+    assert shapes == [((2 if r < 4 else 1, int(c[-1] - c[0]) + 1, width), torch.float32) for r, c in zip((0, 2, 4), windows)]
+    assert all(int(c[-1] - c[0]) + 1 <= b - a for c in windows)
 
 
 def test_bf16_log_ratio_of_a_small_update_is_not_rounding():
