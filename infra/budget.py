@@ -35,9 +35,18 @@ GB = 1024 ** 3
 GPU_NAME = "A100-80GB SXM"
 GPU_PEAK_FLOPS = 312e12
 H100_PEAK_FLOPS = 989e12  # H100 SXM (and H200) dense bf16, NVIDIA's datasheet
+# Dense bf16 peaks by the name torch.cuda.get_device_name gives (tests/first_gpu.py times a step against it).
+GPU_PEAKS = {"A100": GPU_PEAK_FLOPS, "H100": H100_PEAK_FLOPS, "H200": H100_PEAK_FLOPS}
 ASSUMED_MFU = 0.35
-# The GPUs whose memory the dry run states the headroom for (GB of HBM per GPU): H100 SXM 80 GB, H200 141 GB.
-GPU_MEMORY_GB = {"H100": 80, "H200": 141}
+# The GPUs whose memory the dry run states the headroom for, in GiB (2^30 bytes, the unit of every memory
+# figure here): the totals nvidia-smi lists for an H100 SXM "80 GB" (81,559 MiB) and an H200 "141 GB"
+# (143,771 MiB), before the CUDA context. tests/first_gpu.py prints the card's own total.
+GPU_MEMORY_GB = {"H100": 79.6, "H200": 140.4}
+
+
+def gpu_kind(device_name: str) -> str | None:
+    """"H100" for "NVIDIA H100 80GB HBM3" and so on: the GPU_PEAKS key a device name holds, or None."""
+    return next((k for k in GPU_PEAKS if k in device_name.upper()), None)
 
 
 # -----------------------------------------------------------------------------------------------------

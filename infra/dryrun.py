@@ -83,21 +83,23 @@ def report(cfg) -> dict:
     print(f"time on {gpus} x {GPU_NAME} (bf16 dense peak {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s, assumed MFU "
           f"{ASSUMED_MFU:.0%}): {step_s:.0f} s per RL step, {eval_min:.0f} min per held-out evaluation, "
           f"{run_h:.1f} h per run = {run_h * gpus:,.0f} GPU-hours")
-    print("| GB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
+    print("| GiB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
     print("|---|" + "---|" * len(cols))
+    other = "full" if lora else "lora"  # the rows of the mode this run does not train in are left out
     for key, label in MEMORY_ROWS:
-        print(f"| {label} | " + " | ".join(f"{mem[w][key]:.1f}" for w in cols) + " |")
+        if not key.startswith(other + "_"):
+            print(f"| {label} | " + " | ".join(f"{mem[w][key]:.1f}" for w in cols) + " |")
     print(f"(update chunk: {', '.join(f'{chunk[w]} seq' for w in cols)}; rollouts chunk the same way; "
           "FSDP2 gathers only with more than one GPU)")
     if gpus in mem:
         kind = "lora" if lora else "full"
         peak = mem[gpus][f"{kind}_peak"]
         phase = max(("update", "rollout", "scoring"), key=lambda ph: mem[gpus][f"{kind}_{ph}"])
-        room = ", ".join(f"{gb - peak:.0f} GB of {gb} on an {name}" if gb >= peak else
-                         f"does not fit on an {name} ({gb} GB, {peak - gb:.0f} GB short)"
+        room = ", ".join(f"{gb - peak:.0f} GiB of {gb} on an {name}" if gb >= peak else
+                         f"does not fit on an {name} ({gb} GiB, {peak - gb:.0f} GiB short)"
                          for name, gb in GPU_MEMORY_GB.items())
         print(f"device_batch_size {chunk[gpus]} of {per_task // gpus} sequences per task and GPU on {gpus} GPUs: "
-              f"{'LoRA' if lora else 'full fine-tuning'} peak {peak:.1f} GB ({phase}), headroom {room} (before the "
+              f"{'LoRA' if lora else 'full fine-tuning'} peak {peak:.1f} GiB ({phase}), headroom {room} (before the "
               "CUDA context and allocator slack)")
         if peak > max(GPU_MEMORY_GB.values()):
             print(f"this run does not fit on {gpus} GPU(s) of any size listed: use more GPUs (--dry_run_gpus), "
