@@ -28,6 +28,7 @@ is seeded by (seed, purpose, step, global sequence index) (sample.derive_seed), 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import signal
@@ -314,9 +315,11 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         views = importance.views(batch, order, cfg, image=p.task in IMAGE_TASKS, step=step, seq_index=p.index,
                                  eos_id=ctx.ids.eos, mask_id=ctx.ids.mask, all_max=scale.all_max)
 
-        # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only
-        logp_old = frozen_logprobs(model, batch, views, ctx)
-        logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
+        # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only.
+        # With LoRA the reference is the policy with its adapters off: one all-gather serves both passes.
+        with scale.full_weights(model) if isinstance(ref, lora.AdaptersOff) else contextlib.nullcontext():
+            logp_old = frozen_logprobs(model, batch, views, ctx)
+            logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
         exps.append(Experience(batch, r, adv, views, logp_old, logp_ref))
 
     # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
