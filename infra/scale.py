@@ -47,16 +47,17 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(minutes=minutes)
 
 
-# The oldest torch the multi-process path runs on (pyproject.toml; its tests were run on it): full_weights
-# needs FSDPModule.set_reshard_after_forward, which FSDP2 gained in torch 2.8.
+# The oldest torch the multi-process path runs on (pyproject.toml; its tests were run on it): the FSDPModule
+# methods below, which shard and full_weights call, are new in torch 2.8.
 MIN_TORCH = (2, 8)
+FSDP_METHODS = ("set_reshard_after_forward", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
 
 
 def check_torch(version: str = torch.__version__) -> None:
     """Refuse a torchrun launch on a torch older than MIN_TORCH, in one line, before any collective."""
     if tuple(int(v) for v in version.split("+")[0].split(".")[:2]) < MIN_TORCH:
         raise ValueError(f"torch {version} is too old for torchrun runs: FSDP2 needs torch >= "
-                         f"{'.'.join(map(str, MIN_TORCH))} (FSDPModule.set_reshard_after_forward); install torch "
+                         f"{'.'.join(map(str, MIN_TORCH))} (FSDPModule.{', .'.join(FSDP_METHODS)}); install torch "
                          f">= {'.'.join(map(str, MIN_TORCH))} (pyproject.toml)")
 
 

@@ -98,8 +98,6 @@ GB = 2 ** 30
 RATIO_TOL = 1e-3
 PEAK_SLACK = 1.25  # measured peak / dry-run figure
 FAULTS_ENV, FAULTS = "FIRST_GPU_FAULTS", ("ratio", "nan", "peak", "resume")
-# The FSDP2 methods infra/scale.py calls that torch 2.8 introduced (scale.MIN_TORCH).
-FSDP_METHODS = ("set_reshard_after_forward", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
 
 
 def planted_faults() -> set:
@@ -249,7 +247,7 @@ def versions(dev: torch.device) -> list:
         floor = f"ok (>= {'.'.join(map(str, scale.MIN_TORCH))})"
     except ValueError:
         floor = f"too old (< {'.'.join(map(str, scale.MIN_TORCH))})"
-    missing = [m for m in FSDP_METHODS if not hasattr(FSDPModule, m)]
+    missing = [m for m in scale.FSDP_METHODS if not hasattr(FSDPModule, m)]
     reads = budget.torchrun_reads_shutdown_timeout()
     total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
     return [("torch", torch.__version__, ""),
