@@ -421,6 +421,14 @@ def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
     return trained * 4 * 3 + 2 ** 20
 
 
+def final_bytes(cfg, mc: ModelConfig) -> int:
+    """Bytes of final/ (infra/run.Run.finish): every parameter in the run's dtype (bf16 on a GPU with --dtype=auto,
+    float32 on the CPU) and, with LoRA, the float32 adapters beside the merged model."""
+    s = shape(mc, cfg.lora_rank, cfg.lora_targets)
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and torch.cuda.is_available())
+    return s["params"] * (2 if bf16 else 4) + (s["lora_params"] * 4 if cfg.lora_rank > 0 else 0)
+
+
 def checkpoints_on_disk(cfg) -> int:
     """Checkpoints present at once: keep_last complete ones plus the one being written before the oldest
     is deleted (keep_last 0 keeps every one: rl_steps // checkpoint_every, and one on a stop signal)."""
@@ -438,15 +446,17 @@ def _bytes(n: float) -> str:
 
 
 def check_disk(cfg, out: Path, mc) -> None:
-    """Refuse to start when out_dir cannot hold the checkpoints the run will keep during rotation."""
+    """Refuse to start when out_dir cannot hold the checkpoints the run will keep during rotation and final/
+    (written while the last checkpoint is still there)."""
     one = checkpoint_bytes(cfg, mc)
     k = checkpoints_on_disk(cfg)
-    size = one * k
+    final = final_bytes(cfg, mc)
+    size = one * k + final
     free = shutil.disk_usage(out).free
     if free < size:
         what = "LoRA adapters and their AdamW moments" if cfg.lora_rank > 0 else \
             "float32 weights and AdamW moments (full fine-tuning)"
         raise ValueError(f"out_dir {out} has {_bytes(free)} free, but a checkpoint needs about {_bytes(one)} "
-                         f"({what}) and rotation keeps {k} at once (--keep_last={cfg.keep_last}): "
-                         f"{_bytes(size)}; free space, pick another --out_dir, lower --keep_last, use LoRA "
-                         "(--lora_rank) or set --checkpoint_every=0")
+                         f"({what}), rotation keeps {k} at once (--keep_last={cfg.keep_last}) and final/ needs "
+                         f"{_bytes(final)}: {_bytes(size)}; free space, pick another --out_dir, lower --keep_last, "
+                         "use LoRA (--lora_rank) or set --checkpoint_every=0")

@@ -110,20 +110,23 @@ def _free(monkeypatch, gb):
 
 def test_disk_check_lora_passes_full_is_refused(tmp_path, monkeypatch):
     """A LoRA checkpoint of LLaDA-8B on all seven projections holds 335.5M float32 adapters and their two
-    AdamW moments: 3.75 GB; keep_last=2 plus the one being written is 11.3 GB, which 12 GB free hold. Full fine-tuning saves
-    float32 weights and moments of all 8.0B parameters (89.6 GB each) and is refused there."""
-    lora = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_targets=all"])
+    AdamW moments: 3.75 GiB; keep_last=2 plus the one being written is 11.25 GiB, and final/ adds the merged
+    8.0B parameters in bf16 and the float32 adapters, 8,015,581,184 x 2 + 335,544,320 x 4 B = 16.18 GiB:
+    27.43 GiB in all, which 28 GiB free hold and 27 do not (final/ is what tips it: 11.25 alone would fit).
+    Full fine-tuning saves float32 weights and moments of all 8.0B parameters (89.6 GiB each) and is refused."""
+    lora = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_targets=all", "--dtype=bfloat16"])
     mc = budget.model_config(lora)
     assert budget.checkpoint_bytes(lora, mc) == pytest.approx(335_544_320 * 12, rel=1e-3)
-    _free(monkeypatch, 12)
+    assert budget.final_bytes(lora, mc) == 8_015_581_184 * 2 + 335_544_320 * 4
+    _free(monkeypatch, 28)
     budget.check_disk(lora, tmp_path, mc)
-    full = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_rank=0"])
-    with pytest.raises(ValueError, match=r"has 12.0 GB free, but a checkpoint needs about 89.6 GB \(float32 weights "
-                                         r"and AdamW moments \(full fine-tuning\)\) and rotation keeps 3 at once "
-                                         r"\(--keep_last=2\): 268.7 GB; .*--checkpoint_every=0"):
+    full = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_rank=0", "--dtype=bfloat16"])
+    with pytest.raises(ValueError, match=r"has 28.0 GB free, but a checkpoint needs about 89.6 GB \(float32 weights "
+                                         r"and AdamW moments \(full fine-tuning\)\), rotation keeps 3 at once "
+                                         r"\(--keep_last=2\) and final/ needs 14.9 GB: 283.7 GB; .*--checkpoint_every=0"):
         budget.check_disk(full, tmp_path, mc)
-    _free(monkeypatch, 11)
-    with pytest.raises(ValueError, match=r"LoRA adapters"):
+    _free(monkeypatch, 27)
+    with pytest.raises(ValueError, match=r"LoRA adapters.*final/ needs 16.2 GB: 27.4 GB"):
         budget.check_disk(lora, tmp_path, mc)
 
 
