@@ -53,7 +53,8 @@ def report(cfg) -> dict:
             mem[w].update({k: max(v, mem[w].get(k, v)) for k, v in m.items()})
 
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
-          f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters")
+          + (f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters"
+             if lora else "full fine-tuning (--lora_rank=0): every parameter trained"))
     print(f"RL step: {seqs} sequences ({cfg.prompts_per_step} prompts x G={cfg.group_size} x {len(names)} task(s)) "
           f"of {seq_len} tokens, {steps} denoising steps ({rollout}), mu={cfg.mu}, "
           f"{'LoRA' if lora else 'full fine-tuning'}, activation checkpointing "
@@ -65,8 +66,9 @@ def report(cfg) -> dict:
     gamma = cfg.gamma_image if image else cfg.gamma_text
     print(f"settings: G {cfg.group_size}, {cfg.prompts_per_step} prompts per optimizer step, mu {cfg.mu}, "
           f"gamma {gamma}, CFG {cfg.cfg_scale}, eps {cfg.clip_eps}, beta {cfg.beta}, lr {cfg.lr}, estimator "
-          f"{cfg.estimator}{'' if image else f' ({cfg.text_reversing})'}, LoRA r {cfg.lora_rank} alpha {cfg.lora_alpha:g} "
-          f"dropout {cfg.lora_dropout} on {cfg.lora_targets}, attention over padding "
+          f"{cfg.estimator}{'' if image else f' ({cfg.text_reversing})'}, "
+          + (f"LoRA r {cfg.lora_rank} alpha {cfg.lora_alpha:g} dropout {cfg.lora_dropout} on {cfg.lora_targets}"
+             if lora else "no LoRA") + ", attention over padding "
           f"{'on' if any(tasks.attends_padding(cfg, t) for t in names) else 'off'}")
     print(f"global FLOPs per RL step: {f['step']:.2e} (rollouts {f['rollout']:.2e}, old/ref scoring "
           f"{f['scoring']:.2e}, updates {f['update']:.2e})")

@@ -346,8 +346,10 @@ def test_a_run_that_does_not_fit_says_so(capsys):
     assert f"does not fit on an H100 (79.6 GiB, {peak - 79.6:.0f} GiB short)" in text
     assert f"does not fit on an H200 (140.4 GiB, {peak - 140.4:.0f} GiB short)" in text
     assert "this run does not fit on 1 GPU(s)" in text and "headroom -" not in text
-    # --lora_rank=0: the table shows no LoRA rows
+    # --lora_rank=0: no LoRA rows in the table, no LoRA figures in the model and settings lines
     assert "LoRA" not in text.split("| GiB per GPU")[1].split("device_batch_size")[0]
+    model_line, settings = (next(ln for ln in text.splitlines() if ln.startswith(k)) for k in ("model:", "settings:"))
+    assert model_line.endswith("full fine-tuning (--lora_rank=0): every parameter trained") and "LoRA r" not in settings
 
 
 # -----------------------------------------------------------------------------------------------------
