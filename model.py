@@ -194,7 +194,7 @@ class Transformer(nn.Module):
     accepts_cache_kwargs = True  # tells the samplers (sample.py, infra/fast_sample.py) forward takes the options below
 
     def forward(self, input_ids, attention_mask=None, *, logits_at=None, vocab_slice=None, float32_head=False,
-                return_kv=False, kv=None, start=0):
+                padded=None, return_kv=False, kv=None, start=0):
         """input_ids (B, L) int64; attention_mask (B, L) with 1 = real token, 0 = padding (optional).
         Returns logits (B, L, V) in the parameter dtype.
 
@@ -204,6 +204,8 @@ class Transformer(nn.Module):
                 a smaller matrix differently in the last bit).
             vocab_slice: (lo, hi); only the logits of vocabulary rows [lo, hi) (image codes), computed from
                 those rows of the head's weight (a (.., V) result is never made and then sliced).
+            padded: whether attention_mask holds a 0; None looks (a host sync each forward), so a caller that
+                runs many forwards on one mask (the samplers, importance.token_logprobs) looks once and says.
             float32_head: the final norm and the head in float32, logits float32 whatever the parameter
                 dtype. A bf16 logit is rounded by up to 0.06 at magnitude 32; a log-ratio of two policies
                 that differ by a small update would be mostly that rounding (importance.token_logprobs).
@@ -223,7 +225,7 @@ class Transformer(nn.Module):
         cos, sin = cos[start:start + l], sin[start:start + l]  # absolute positions, left padding included
         mask = None
         # An all-ones mask is no mask (tasks.attends_padding): the unmasked attention, bit for bit.
-        if attention_mask is not None and not bool(attention_mask.all()):
+        if attention_mask is not None and (not bool(attention_mask.all()) if padded is None else padded):
             # Key-padding mask on a bidirectional attention (the public LLaDA modelling code since Oct 2025):
             # no query attends to a pad key. Pad queries still attend to real keys, so no row is empty.
             # On the cached path it covers the cached keys too, so left padding stays hidden.

@@ -389,10 +389,11 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
 
 
 def reduce_sums(s: dict, device) -> dict:
-    """grpo.policy_loss's sums over ranks: ratio_max by max, the rest summed (a no-op in one process)."""
+    """grpo.policy_loss's sums (0-d tensors) over ranks, as floats: ratio_max by max, the rest summed (a no-op in one
+    process). The update's only host reads of them: two, however many chunks."""
     keys, f64 = [k for k in s if k != "ratio_max"], dict(dtype=torch.float64, device=device)
-    out = dict(zip(keys, scale.all_sum(torch.tensor([s[k] for k in keys], **f64)).tolist()))
-    return {**out, "ratio_max": scale.all_max(torch.tensor(s["ratio_max"], **f64)).item()}
+    out = dict(zip(keys, scale.all_sum(torch.stack([s[k] for k in keys]).to(**f64)).tolist()))
+    return {**out, "ratio_max": scale.all_max(s["ratio_max"].to(**f64)).item()}
 
 
 def step_log(step: int, exps: list, updates: list, cfg) -> dict:

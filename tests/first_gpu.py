@@ -187,7 +187,7 @@ def wrapped(meter: PhaseMeter, faults=frozenset()):
 
     def saw_loss(a, kw, out):
         if torch.is_grad_enabled():
-            stats = out[1]
+            stats = {k: float(v) for k, v in out[1].items()}
             meter.losses.append(stats["loss"])
             if meter.first_ratio is None:  # sums: the mean is ratio / tokens
                 meter.first_ratio = (stats["ratio_max"], stats["ratio"] / max(stats["tokens"], 1.0))
