@@ -408,6 +408,23 @@ def warn_kill_delay(cfg, world: int, env=None) -> None:
         print0(text)
 
 
+def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
+    """The out-of-memory advice when the sharded training state alone (memory's full_state or lora_state rows:
+    weights, gradients, AdamW moments, a float32 reference) exceeds the GPU's memory: then no
+    --device_batch_size helps. None when it fits (fewer sequences per forward pass may then help)."""
+    mc = model_config(cfg)
+    s = shape(mc, cfg.lora_rank, cfg.lora_targets)
+    compute = 2 if cfg.dtype != "float32" else 4
+    state = (s["params"] * compute + s["lora_params"] * 16 if cfg.lora_rank > 0 else
+             s["params"] * (16 + 4 * (cfg.beta > 0))) / world
+    if state < device_bytes:
+        return None
+    mode, lora_too = ("LoRA", "") if cfg.lora_rank > 0 else ("full fine-tuning", " or LoRA (--lora_rank)")
+    return (f"the training state alone is {state / GB:.1f} GiB per GPU ({mode} on {world} GPU(s)), over this GPU's "
+            f"{device_bytes / GB:.1f} GiB, so fewer sequences per forward pass cannot help: use more GPUs (torchrun "
+            f"--nproc_per_node){lora_too}; python train.py --dry_run --dry_run_gpus=N prints the memory per GPU")
+
+
 # -----------------------------------------------------------------------------------------------------
 # disk
 
