@@ -5,8 +5,9 @@ not: it waits in the collective (or in the CUDA sync behind it) until torchrun S
 SIGTERM it cannot act on (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, minutes with the pre-emption advice). infra/scale.py
 has the failing rank write to torchrun's store and every rank watch it. Here rank 0 stands for such a peer:
 blocked in one long call that releases the GIL, with train.py's kind of SIGTERM handler (a flag, no exit), so
-nothing but the watcher can end it before the kill. What only a GPU shows: that a rank blocked in NCCL
-releases the GIL as this sleep does (tests/test_cuda.py's NCCL check).
+nothing but the watcher can end it before the kill. What only a GPU can show, and none has yet: that a rank
+blocked in an NCCL collective (or the CUDA sync behind it) releases the GIL as this sleep does, so that its
+watcher runs.
 
     python -m pytest tests/test_peer_failure.py -q
 """
