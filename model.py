@@ -249,9 +249,11 @@ class Transformer(nn.Module):
         """Final norm and LM head on hidden states x (..., D): logits (..., V), or (..., hi - lo) for
         vocab_slice (lo, hi), from only those rows of the weight. float32: both computed in float32 (RMSNorm
         as ln_f does, its weight applied in float32 rather than after a cast back to the parameter dtype)."""
+        if vocab_slice is None and not float32:
+            return self.ff_out(self.ln_f(x))                                      # the reference's numerics
         weight = self.ff_out.weight if vocab_slice is None else self.ff_out.weight[vocab_slice[0]:vocab_slice[1]]
         if not float32:
-            return F.linear(self.ln_f(x), weight)                                 # the reference's numerics
+            return F.linear(self.ln_f(x), weight)
         return F.linear(self.ln_f.weight.float() * self.ln_f.normalize(x.float()), weight.float())
 
     def set_activation_checkpointing(self, on: bool = True) -> "Transformer":
