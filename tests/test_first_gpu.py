@@ -151,6 +151,15 @@ def test_each_condition_alone_fails_the_decision():
             assert len(fails) == 1 and names[key] in fails[0], (key, v, fails)
 
 
+def test_time_is_compared_with_the_dry_run_of_the_gpu_it_runs_on():
+    """The device names torch reports pick the peak the dry run's time is scaled to (budget.GPU_PEAKS)."""
+    from infra import budget
+    names = {"NVIDIA A100-SXM4-80GB": "A100", "NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200",
+             "NVIDIA GeForce RTX 4090": None}
+    assert {n: budget.gpu_kind(n) for n in names} == names
+    assert budget.GPU_PEAKS == {"A100": 312e12, "H100": 989e12, "H200": 989e12}  # NVIDIA's dense bf16 figures
+
+
 def test_phase_peaks_are_the_largest_while_each_phase_was_current(monkeypatch):
     """The CUDA side of the meter with the allocator's statistics replaced by a script: each phase keeps the
     largest peak seen while it was current, over every time it was entered; the peak is reset on entry."""
