@@ -291,9 +291,9 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
         win = slice(a, b) if a < b else slice(0, 0)
         am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name for it
         if getattr(model, "accepts_cache_kwargs", False):
-            # ... and over the columns [lo, hi) only, in float32: a bf16 logit is rounded by up to 0.06 at
-            # magnitude 32, while a small update moves log pi by ~1e-3, so bf16 logits would turn the ratio
-            # pi / pi_old (Eq. 9) into rounding (tests/test_logprobs.py measures it). (b, l, V') float32.
+            # In float32, and over the columns [lo, hi) only: a bf16 logit is rounded by up to 0.06 at magnitude
+            # 32, while a small update moves log pi by ~1e-3, so bf16 logits would turn the ratio pi / pi_old
+            # (Eq. 9) into rounding (tests/test_logprobs.py measures it; docs/differences.md row 4). (b, l, V')
             logits = model(input_ids[rows], *am, logits_at=win, vocab_slice=vocab_slice, float32_head=True,
                            padded=any(padded[rows]))
         else:  # any other model: the full logits (b, L, V), then the same window and columns
