@@ -524,8 +524,10 @@ def main(argv=None) -> list:
     if rank0:
         print(f"first-GPU run on {rows[2][1]}\n" + format_table(rows))
         print("first-GPU check: " + ("passed" if not fails else f"FAILED, {len(fails)} figure(s)"), flush=True)
-    if fails:
-        raise SystemExit("\n".join(f"error: {f}" for f in fails) if rank0 else 1)
+    if fails:  # every rank exits 1 together (an agreed exit: no rank tells the others it failed alone)
+        if rank0:
+            print("\n".join(f"error: {f}" for f in fails), file=sys.stderr, flush=True)
+        raise SystemExit(1)
     return rows
 
 

@@ -120,6 +120,7 @@ def test_each_planted_fault_fails_the_check_on_two_ranks(tmp_path):
     assert p.returncode != 0
     assert "first-GPU check: FAILED, 12 figure(s)" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error: rank ")]
+    assert "ending, because rank" not in p.stderr  # a verdict every rank reaches: no rank ends another
     for rank in (0, 1):
         mine = [ln[len(f"error: rank {rank}: "):] for ln in errors if ln.startswith(f"error: rank {rank}: ")]
         assert len(mine) == 6, mine
