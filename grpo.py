@@ -5,6 +5,8 @@ log-probs of importance.token_logprobs under one inner iteration's mask, as one 
 however it is chunked; step_stats: the logged statistics. Differences from the paper and the
 official code, and why: docs/differences.md. Shapes: B sequences (num_groups x G), G group size, N columns.
 """
+import math
+
 import torch
 
 NORMS = ("token", "sequence")
@@ -63,17 +65,18 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     # "sequence": Eq. 11's A_i / |o_i|, |o_i| the tokens scored in this update; a sequence without any adds 0.
     S = (per_token * m).sum() if norm == "token" else ((per_token * m).sum(1) / m.sum(1).clamp(min=1.0)).sum()
     loss = S / total
-    with torch.no_grad():
+    with torch.no_grad():  # 0-d float64 tensors on the device: no host sync per chunk (train.reduce_sums reads them)
         clipped = ((A > 0) & (ratio > 1.0 + clip_eps)) | ((A < 0) & (ratio < 1.0 - clip_eps))  # (B, N)
-        sums = {"loss": loss.item(), "tokens": float(m.sum()), "clipped": float((clipped.float() * m).sum()),
-                "kl": float((kl * m).sum()), "ratio": float((ratio * m).sum()),
-                "ratio_max": float(ratio[mask].max()) if mask.any() else 1.0}  # 1.0: neutral when nothing scored
+        top = torch.where(mask.any(), ratio.masked_fill(~mask, -math.inf).max(), 1.0)  # 1.0: neutral if none scored
+        sums = {k: v.double() for k, v in (("loss", loss.detach()), ("tokens", m.sum()),
+                                           ("clipped", (clipped.float() * m).sum()), ("kl", (kl * m).sum()),
+                                           ("ratio", (ratio * m).sum()), ("ratio_max", top))}
     return loss, sums
 
 
 def add_sums(a: dict, b: dict) -> dict:
     """Two chunks' (or ranks') sums of policy_loss as one: ratio_max by max, the rest added."""
-    return {k: max(a[k], b[k]) if k == "ratio_max" else a[k] + b[k] for k in b} if a else dict(b)
+    return {k: torch.maximum(a[k], b[k]) if k == "ratio_max" else a[k] + b[k] for k in b} if a else dict(b)
 
 
 def step_stats(updates: list[dict]) -> dict[str, float]:

@@ -277,18 +277,35 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     assert device_batch_size >= 0, f"{device_batch_size=} >= 0"
     (B, L), (lo, hi) = input_ids.shape, vocab_slice or (0, None)
     out = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # unscored positions stay exactly 0
+    # Read on the host once per call, not per chunk (each read waits for the device): each row's first and last
+    # scored column and whether it holds padding (the model would otherwise look at every chunk's mask).
+    cols = torch.arange(L, device=positions.device)
+    first, last = torch.where(positions, cols, L).min(1).values, torch.where(positions, cols, -1).max(1).values
+    pad = torch.zeros(B, dtype=torch.bool, device=positions.device) if attention_mask is None else \
+        (attention_mask == 0).any(1)
+    first, last, padded = torch.stack([first, last, pad.long()]).tolist()
+    outside = torch.zeros((), dtype=torch.bool, device=input_ids.device)  # a scored target outside [lo, hi)
     for rows in scale.chunks(B, device_batch_size):
         # The head over the scored columns only (all without logits_at): (b, L, V) logits would fill memory at 8B.
-        cols = positions[rows].any(0).nonzero()
-        win = slice(int(cols[0]), int(cols[-1]) + 1) if len(cols) else slice(0, 0)
-        win = win if getattr(model, "accepts_cache_kwargs", False) else slice(0, L)
+        a, b = min(first[rows], default=L), max(last[rows], default=-1) + 1
+        win = slice(a, b) if a < b else slice(0, 0)
         am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name for it
-        logits = model(input_ids[rows], *am, **({} if win == slice(0, L) else {"logits_at": win}))  # (b, l, V)
-        pos = positions[rows, win]  # (b, l)
-        sel, t = logits[pos][:, lo:hi], targets[rows, win][pos] - lo  # (T, V'), (T,); no (b, l, V) float32 copy
-        assert not ((t < 0) | (t >= sel.shape[1])).any(), f"targets outside the vocabulary [{lo}, {lo + sel.shape[1]})"
-        # float32: bf16 log-probs err by ~1e-2, a sizeable part of the ratios' clip range (1 +- 0.2).
-        out[rows, win][pos] = F.log_softmax(sel.float(), dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)  # (T,)
+        if getattr(model, "accepts_cache_kwargs", False):
+            # In float32, and over the columns [lo, hi) only: a bf16 logit is rounded by up to 0.06 at magnitude
+            # 32, while a small update moves log pi by ~1e-3, so bf16 logits would turn the ratio pi / pi_old
+            # (Eq. 9) into rounding (tests/test_logprobs.py measures it; docs/differences.md row 4). (b, l, V')
+            logits = model(input_ids[rows], *am, logits_at=win, vocab_slice=vocab_slice, float32_head=True,
+                           padded=any(padded[rows]))
+        else:  # any other model: the full logits (b, L, V), then the same window and columns
+            win = slice(0, L)
+            logits = model(input_ids[rows], *am)[..., lo:hi].float()
+        pos, t, width = positions[rows, win], targets[rows, win] - lo, logits.shape[-1]  # (b, l) each
+        outside = outside | (((t < 0) | (t >= width)) & pos).any()
+        # The log-softmax of the whole window, not a copy of the scored rows: unscored rows get exactly zero
+        # gradient either way. Their targets may lie outside [lo, hi) (a prompt token): clamped, then dropped.
+        lp = F.log_softmax(logits, dim=-1).gather(-1, t.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)  # (b, l)
+        out[rows, win] = lp.masked_fill(~pos, 0.0)
+    assert not bool(outside), f"targets outside the vocabulary [{lo}, {hi if hi is not None else 'V'})"
     return out
 
 

@@ -90,11 +90,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
+    def normalize(self, x):  # x / rms(x) in float32, before the weight
         xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
         # Casting before the weight multiply (not after) is what makes bf16 outputs bit-identical.
-        return self.weight * y.to(x.dtype)
+        return self.weight * self.normalize(x).to(x.dtype)
 
 
 def rope_table(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +193,8 @@ class Transformer(nn.Module):
 
     accepts_cache_kwargs = True  # tells the samplers (sample.py, infra/fast_sample.py) forward takes the options below
 
-    def forward(self, input_ids, attention_mask=None, *, logits_at=None, return_kv=False, kv=None, start=0):
+    def forward(self, input_ids, attention_mask=None, *, logits_at=None, vocab_slice=None, float32_head=False,
+                padded=None, return_kv=False, kv=None, start=0):
         """input_ids (B, L) int64; attention_mask (B, L) with 1 = real token, 0 = padding (optional).
         Returns logits (B, L, V) in the parameter dtype.
 
@@ -199,6 +202,13 @@ class Transformer(nn.Module):
         exact forward:
             logits_at: a slice; compute the head only at those positions (same maths, though BLAS may round
                 a smaller matrix differently in the last bit).
+            vocab_slice: (lo, hi); only the logits of vocabulary rows [lo, hi) (image codes), computed from
+                those rows of the head's weight (a (.., V) result is never made and then sliced).
+            padded: whether attention_mask holds a 0; None looks (a host sync each forward), so a caller that
+                runs many forwards on one mask (the samplers, importance.token_logprobs) looks once and says.
+            float32_head: the final norm and the head in float32, logits float32 whatever the parameter
+                dtype. A bf16 logit is rounded by up to 0.06 at magnitude 32; a log-ratio of two policies
+                that differ by a small update would be mostly that rounding (importance.token_logprobs).
             return_kv: also return every layer's keys and values: a list of (k, v), each (B, Hkv, L, Dh).
             kv, start: the cached path, an APPROXIMATION once the cache is stale. input_ids (B, l) are the
                 positions [start, start + l) of a sequence whose other keys and values come from kv (a
@@ -215,7 +225,7 @@ class Transformer(nn.Module):
         cos, sin = cos[start:start + l], sin[start:start + l]  # absolute positions, left padding included
         mask = None
         # An all-ones mask is no mask (tasks.attends_padding): the unmasked attention, bit for bit.
-        if attention_mask is not None and not bool(attention_mask.all()):
+        if attention_mask is not None and (not bool(attention_mask.all()) if padded is None else padded):
             # Key-padding mask on a bidirectional attention (the public LLaDA modelling code since Oct 2025):
             # no query attends to a pad key. Pad queries still attend to real keys, so no row is empty.
             # On the cached path it covers the cached keys too, so left padding stays hidden.
@@ -232,8 +242,19 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin, mask)
         if logits_at is not None:
             x = x[:, logits_at]                                                  # (B, l', D)
-        logits = self.ff_out(self.ln_f(x))                                       # (B, l, V)
+        logits = self.head(x, vocab_slice, float32_head)                         # (B, l', V or hi - lo)
         return (logits, new_kv) if return_kv else logits
+
+    def head(self, x, vocab_slice=None, float32: bool = False):
+        """Final norm and LM head on hidden states x (..., D): logits (..., V), or (..., hi - lo) for
+        vocab_slice (lo, hi), from only those rows of the weight. float32: both computed in float32 (RMSNorm
+        as ln_f does, its weight applied in float32 rather than after a cast back to the parameter dtype)."""
+        if vocab_slice is None and not float32:
+            return self.ff_out(self.ln_f(x))                                      # the reference's numerics
+        weight = self.ff_out.weight if vocab_slice is None else self.ff_out.weight[vocab_slice[0]:vocab_slice[1]]
+        if not float32:
+            return F.linear(self.ln_f(x), weight)
+        return F.linear(self.ln_f.weight.float() * self.ln_f.normalize(x.float()), weight.float())
 
     def set_activation_checkpointing(self, on: bool = True) -> "Transformer":
         """Recompute each block in the backward pass instead of storing its activations (needed at 8B)."""

@@ -93,16 +93,19 @@ def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=Non
 # the text sampler's parts (infra/fast_sample.py reuses them)
 
 
-def _forward(model, x, attention_mask, lo, end, **kw):
+def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
     """Logits (B, end - lo, V) at positions [lo, end) of a full forward pass, the head on those positions
-    only (widened to MIN_HEAD_ROWS rows) if the model takes logits_at. return_kv=True adds the cache."""
+    only (widened to MIN_HEAD_ROWS rows) if the model takes logits_at; vocab_slice (a, b): the columns [a, b)
+    only, from those rows of the head's weight (the image codes: never a full-vocabulary logit tensor).
+    return_kv=True adds the cache."""
     B, L = x.shape
     if not getattr(model, "accepts_cache_kwargs", False):
         logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
         assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
-        return logits[:, lo:end]
+        return logits[:, lo:end] if vocab_slice is None else logits[:, lo:end, vocab_slice[0]:vocab_slice[1]]
     w = min(L, max(end - lo, -(-MIN_HEAD_ROWS // B)))
     a = min(lo, L - w)                                                             # [a, a + w) holds [lo, end)
+    kw = kw if vocab_slice is None else {**kw, "vocab_slice": vocab_slice}
     out = model(x, attention_mask, logits_at=slice(a, a + w), **kw)
     return (out[0][:, lo - a:end - a], out[1]) if kw.get("return_kv") else out[:, lo - a:end - a]
 
@@ -127,14 +130,15 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, u=None) -> torch.Ten
     return (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
 
 
-def select_top_k(confidence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def select_top_k(confidence: torch.Tensor, counts: torch.Tensor, distinct=None) -> torch.Tensor:
     """bool (B, L): row j marks the counts[j] positions that torch.topk(confidence[j], counts[j]) returns,
     as LLaDA's per-row topk loop, ties included (CPU topk breaks them in no fixed index order, and bf16
-    confidences near p = 1 tie often), with one batched topk per distinct count. Checked on CPU only."""
+    confidences near p = 1 tie often), with one batched topk per distinct count, kept in the rows of that
+    count. distinct: the distinct values of counts, if the caller knows them (else read: a host sync)."""
     select = torch.zeros_like(confidence, dtype=torch.bool)                        # (B, L)
-    for k in counts.unique().tolist():
-        rows = (counts == k).nonzero().squeeze(1)                                  # (b,)
-        select[rows[:, None], torch.topk(confidence[rows], k, dim=-1).indices] = True
+    for k in (counts.unique().tolist() if distinct is None else distinct):
+        top = torch.zeros_like(select).scatter_(1, torch.topk(confidence, k, dim=-1).indices, True)  # (B, L)
+        select |= top & (counts == k)[:, None]
     return select
 
 
@@ -178,18 +182,21 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     x, order, attention_mask, prompt_index = canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale,
                                                     return_order)
     (B, L), P = x.shape, prompt_ids.shape[1]
+    # Host reads, once per call and block rather than per step (each waits for the device): padding, counts.
+    kw = {} if attention_mask is None else {"padded": not bool(attention_mask.all())}
     bar = tqdm(total=spb * num_blocks, desc="denoising", disable=not progress, leave=False)
     for blk in range(num_blocks):
         start, end = P + blk * block_length, P + (blk + 1) * block_length
         counts = transfer_schedule((x[:, start:end] == mask_id).sum(1), spb)       # (B, spb)
+        distinct = [sorted(set(c)) for c in counts.T.tolist()]                     # [spb] each step's counts
         for i in range(spb):
             masked = x == mask_id                                                  # (B, L)
             # A predicted mask id stays masked and competes again, even past its block (as LLaDA), so the
             # step chooses among the positions from the first masked one up to the block end.
-            cols = masked[:, :end].any(0).nonzero()
-            lo = int(cols[0]) if len(cols) else end
+            any_masked = masked[:, :end].any(0)                                   # (end,)
+            lo = int(torch.where(any_masked, torch.arange(end, device=x.device), end).min())  # the step's one read
             xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
-            logits = _forward(model, xx, attention_mask, lo, end)                 # (B or 2B, l, V)
+            logits = _forward(model, xx, attention_mask, lo, end, **kw)           # (B or 2B, l, V)
             if cfg_scale:  # l_u + (w + 1)(l_c - l_u), in this order so that bf16 rounds as the reference
                 cond, uncond = logits.chunk(2)
                 logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, l, V)
@@ -204,7 +211,7 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
             m = masked[:, lo:end]                                                  # (B, l)
             full = torch.full((B, L), -math.inf, dtype=conf.dtype, device=x.device)  # topk on LLaDA's full rows
             full[:, lo:end] = torch.where(m, conf, -math.inf)
-            new = torch.where(select_top_k(full, counts[:, i])[:, lo:end] & m, x0, x[:, lo:end])  # (B, l)
+            new = torch.where(select_top_k(full, counts[:, i], distinct[i])[:, lo:end] & m, x0, x[:, lo:end])  # (B, l)
             if order is not None:
                 order[:, lo:end][m & (new != mask_id)] = blk * spb + i
             x[:, lo:end] = new
@@ -230,16 +237,19 @@ def _sample_categorical(probs, generator):
     return torch.searchsorted(cdf, u[..., None], right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
-def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask, cfg_scale):
-    """float64 probabilities (B, n, C) over the codebook at the image slots, with CFG when cfg_scale > 0."""
+def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask, cfg_scale, padded=None):
+    """float64 probabilities (B, n, C) over the codebook at the image slots, with CFG when cfg_scale > 0.
+    padded: whether the masks hold a 0 (None: the model looks)."""
+    kw = {} if padded is None else {"padded": padded}
     if cfg_scale == 0:
-        logits = _forward(model, x, attention_mask, span.start, span.stop)[..., codes]  # (B, n, C)
+        logits = _forward(model, x, attention_mask, span.start, span.stop, vocab_slice=codes, **kw)  # (B, n, C)
     else:  # the unconditional input is the empty-caption prompt around the *current* image (MMaDA)
         x_u = uncond_ids.clone()
         x_u[:, span] = x[:, span]
         masks = None if attention_mask is None and uncond_mask is None else torch.cat(
             [m if m is not None else torch.ones_like(x) for m in (attention_mask, uncond_mask)])
-        cond, uncond = _forward(model, torch.cat([x, x_u]), masks, span.start, span.stop)[..., codes].chunk(2)
+        cond, uncond = _forward(model, torch.cat([x, x_u]), masks, span.start, span.stop, vocab_slice=codes,
+                                **kw).chunk(2)
         logits = (1 + cfg_scale) * cond - cfg_scale * uncond  # MMaDA's (1 + w) l_c - w l_u, in its order
     # float64 (MMaDA samples from bf16 probabilities): with 8192 codes, bf16 rounds away the tail.
     return F.softmax(logits.double(), dim=-1)
@@ -278,12 +288,15 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
         f"input_ids[:, {image_start}:{image_start + n}] must be the only mask ids ({mask_id})"
     assert cfg_scale == 0 or (uncond_input_ids is not None and uncond_input_ids.shape == input_ids.shape), \
         "cfg_scale > 0 needs uncond_input_ids in the layout of input_ids"
-    codes = slice(code_offset, code_offset + codebook_size)
+    codes = (code_offset, code_offset + codebook_size)  # the head's rows of the image codes
+    # whether any mask the model sees holds padding: read once, not at every step (a host sync each)
+    masks = [m for m in (attention_mask, uncond_attention_mask if cfg_scale else None) if m is not None]
+    padded = any(not bool(m.all()) for m in masks) if masks else None
     x = input_ids.clone()                                                          # (B, L)
     order = torch.full_like(x, -1) if return_order else None                      # (B, L)
     for s in tqdm(range(steps), desc="image steps", disable=not progress, leave=False):
         probs = _image_probs(model, x, span, codes, attention_mask, uncond_input_ids, uncond_attention_mask,
-                             cfg_scale)                                            # (B, n, C)
+                             cfg_scale, padded)                                    # (B, n, C)
         masked = x[:, span] == mask_id                                             # (B, n)
         code = torch.where(masked, _sample_categorical(probs, generator), x[:, span] - code_offset)  # (B, n)
         stay = torch.zeros_like(masked)  # the last step decodes every slot (MMaDA returns the sample)

@@ -28,6 +28,7 @@ is seeded by (seed, purpose, step, global sequence index) (sample.derive_seed), 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import signal
@@ -318,9 +319,11 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         views = importance.views(batch, order, cfg, image=p.task in IMAGE_TASKS, step=step, seq_index=p.index,
                                  eos_id=ctx.ids.eos, mask_id=ctx.ids.mask, all_max=scale.all_max)
 
-        # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only
-        logp_old = frozen_logprobs(model, batch, views, ctx)
-        logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
+        # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only.
+        # With LoRA the reference is the policy with its adapters off: one all-gather serves both passes.
+        with scale.full_weights(model) if isinstance(ref, lora.AdaptersOff) else contextlib.nullcontext():
+            logp_old = frozen_logprobs(model, batch, views, ctx)
+            logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
         exps.append(Experience(batch, r, adv, views, logp_old, logp_ref))
 
     # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
@@ -390,10 +393,11 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
 
 
 def reduce_sums(s: dict, device) -> dict:
-    """grpo.policy_loss's sums over ranks: ratio_max by max, the rest summed (a no-op in one process)."""
+    """grpo.policy_loss's sums (0-d tensors) over ranks, as floats: ratio_max by max, the rest summed (a no-op in one
+    process). The update's only host reads of them: two, however many chunks."""
     keys, f64 = [k for k in s if k != "ratio_max"], dict(dtype=torch.float64, device=device)
-    out = dict(zip(keys, scale.all_sum(torch.tensor([s[k] for k in keys], **f64)).tolist()))
-    return {**out, "ratio_max": scale.all_max(torch.tensor(s["ratio_max"], **f64)).item()}
+    out = dict(zip(keys, scale.all_sum(torch.stack([s[k] for k in keys]).to(**f64)).tolist()))
+    return {**out, "ratio_max": scale.all_max(s["ratio_max"].to(**f64)).item()}
 
 
 def step_log(step: int, exps: list, updates: list, cfg) -> dict:

@@ -35,9 +35,18 @@ GB = 1024 ** 3
 GPU_NAME = "A100-80GB SXM"
 GPU_PEAK_FLOPS = 312e12
 H100_PEAK_FLOPS = 989e12  # H100 SXM (and H200) dense bf16, NVIDIA's datasheet
+# Dense bf16 peaks by the name torch.cuda.get_device_name gives (tests/first_gpu.py times a step against it).
+GPU_PEAKS = {"A100": GPU_PEAK_FLOPS, "H100": H100_PEAK_FLOPS, "H200": H100_PEAK_FLOPS}
 ASSUMED_MFU = 0.35
-# The GPUs whose memory the dry run states the headroom for (GB of HBM per GPU): H100 SXM 80 GB, H200 141 GB.
-GPU_MEMORY_GB = {"H100": 80, "H200": 141}
+# The GPUs whose memory the dry run states the headroom for, in GiB (2^30 bytes, the unit of every memory
+# figure here): the totals nvidia-smi lists for an H100 SXM "80 GB" (81,559 MiB) and an H200 "141 GB"
+# (143,771 MiB), before the CUDA context. tests/first_gpu.py prints the card's own total.
+GPU_MEMORY_GB = {"H100": 79.6, "H200": 140.4}
+
+
+def gpu_kind(device_name: str) -> str | None:
+    """"H100" for "NVIDIA H100 80GB HBM3" and so on: the GPU_PEAKS key a device name holds, or None."""
+    return next((k for k in GPU_PEAKS if k in device_name.upper()), None)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -134,7 +143,7 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
 
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
            cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
-           codebook: int = 8192, scored: int | None = None, head_len: int | None = None) -> dict:
+           codebook: int = 8192, head_len: int | None = None) -> dict:
     """Memory per GPU in GB (2^30 bytes), by component, for one world size. Estimates: the CUDA context,
     allocator fragmentation and NCCL buffers (a few GB) are left out.
 
@@ -149,12 +158,14 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     is there twice, so the largest group (the root at LLaDA's shape) adds one more copy to every phase.
     An update chunk of `chunk` sequences keeps its activations (checkpointing: each block's input,
     d_model values per token and layer, plus one block's full activations while it is recomputed, about
-    16 d_model + 3 mlp_hidden values per token; without it every block's) and the head's logits: the
-    compute-dtype output at the `head_len` positions per sequence the head runs on (default: all), and at
-    the `scored` positions (default: all) a compute-dtype copy, its float32 cast and log-softmax
-    (importance.token_logprobs; 10 B per entry in bf16; images cast only the codebook's columns).
+    16 d_model + 3 mlp_hidden values per token; without it every block's) and the head: it runs in float32 at
+    the `head_len` positions per sequence (default: all; the scored window), over the vocabulary (text) or
+    the codebook's columns (images), so float32 logits and their log-softmax, 8 B per entry, plus a float32
+    copy of the head's weight rows it uses (none when the compute dtype is float32) and, in full
+    fine-tuning, that copy's gradient during the backward (importance.token_logprobs, model.Transformer.head).
     A rollout forward of `chunk` sequences (twice the rows with CFG) makes bf16 logits over the current
-    block (text; at least MIN_HEAD_ROWS rows) or the image slots (images); the text sampler then draws
+    block (text; at least MIN_HEAD_ROWS rows) or the image slots, the codebook's columns only (images),
+    in the compute dtype; the text sampler then draws
     float64 Gumbel noise over the block's columns (the uniforms, the float64 logits and the noisy sum:
     24 B, and a bf16 softmax: 2 B), the image sampler a float64 softmax over the codebook at every image
     position.
@@ -180,15 +191,15 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     else:
         acts = tokens * c.n_layers * per_tok_block * compute_bytes
     rows["activations"] = acts
-    scored, head_len = (seq_len if v is None else v for v in (scored, head_len))
-    # images score the codebook's columns only (vocab_slice): the float32 cast and log-softmax are that wide
-    rows["logits"] = chunk * (head_len * c.vocab_size * compute_bytes
-                              + scored * (c.vocab_size * compute_bytes + (codebook if image else c.vocab_size) * 8))
+    head_len = seq_len if head_len is None else head_len
+    cols = codebook if image else c.vocab_size  # images score the codebook's columns only (vocab_slice)
+    head_f32 = cols * c.d_model * 4 * (compute_bytes != 4)  # the float32 copy of the head's rows
+    rows["logits"] = chunk * head_len * cols * 8 + head_f32
     cfg_rows = 2 if cfg_scale > 0 else 1
     # The text sampler computes the head only over the current block (sample.py, at least MIN_HEAD_ROWS
-    # rows per chunk); the image samplers over the whole sequence.
+    # rows per chunk); the image samplers over the image slots and the codebook's columns only.
     head_rows = chunk * (sampled if image else max(sampled, -(-MIN_HEAD_ROWS // chunk)))
-    model_logits = cfg_rows * head_rows * c.vocab_size * 2
+    model_logits = cfg_rows * head_rows * cols * compute_bytes
     if image:
         sampler = chunk * sampled * codebook * 8 * 2  # float64 probabilities and their cumulative sum
     else:
@@ -199,7 +210,8 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     rollout_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["sampling"]
     scoring_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["no_grad_block"] + rows["logits"]
     for kind in ("full", "lora"):
-        rows[f"{kind}_update"] = rows[f"{kind}_state"] + update_common
+        # full fine-tuning: the float32 head copy's gradient, before it is cast into the weight's gradient
+        rows[f"{kind}_update"] = rows[f"{kind}_state"] + update_common + head_f32 * (kind == "full")
         rows[f"{kind}_rollout"] = rows[f"{kind}_state"] + rollout_common
         rows[f"{kind}_scoring"] = rows[f"{kind}_state"] + scoring_common
         rows[f"{kind}_peak"] = max(rows[f"{kind}_update"], rows[f"{kind}_rollout"], rows[f"{kind}_scoring"])
@@ -396,6 +408,23 @@ def warn_kill_delay(cfg, world: int, env=None) -> None:
         print0(text)
 
 
+def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
+    """The out-of-memory advice when the sharded training state alone (memory's full_state or lora_state rows:
+    weights, gradients, AdamW moments, a float32 reference) exceeds the GPU's memory: then no
+    --device_batch_size helps. None when it fits (fewer sequences per forward pass may then help)."""
+    mc = model_config(cfg)
+    s = shape(mc, cfg.lora_rank, cfg.lora_targets)
+    compute = 2 if cfg.dtype != "float32" else 4
+    state = (s["params"] * compute + s["lora_params"] * 16 if cfg.lora_rank > 0 else
+             s["params"] * (16 + 4 * (cfg.beta > 0))) / world
+    if state < device_bytes:
+        return None
+    mode, lora_too = ("LoRA", "") if cfg.lora_rank > 0 else ("full fine-tuning", " or LoRA (--lora_rank)")
+    return (f"the training state alone is {state / GB:.1f} GiB per GPU ({mode} on {world} GPU(s)), over this GPU's "
+            f"{device_bytes / GB:.1f} GiB, so fewer sequences per forward pass cannot help: use more GPUs (torchrun "
+            f"--nproc_per_node){lora_too}; python train.py --dry_run --dry_run_gpus=N prints the memory per GPU")
+
+
 # -----------------------------------------------------------------------------------------------------
 # disk
 
@@ -407,6 +436,14 @@ def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     trained = s["lora_params"] if cfg.lora_rank > 0 else s["params"]
     return trained * 4 * 3 + 2 ** 20
+
+
+def final_bytes(cfg, mc: ModelConfig) -> int:
+    """Bytes of final/ (infra/run.Run.finish): every parameter in the run's dtype (bf16 on a GPU with --dtype=auto,
+    float32 on the CPU) and, with LoRA, the float32 adapters beside the merged model."""
+    s = shape(mc, cfg.lora_rank, cfg.lora_targets)
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and torch.cuda.is_available())
+    return s["params"] * (2 if bf16 else 4) + (s["lora_params"] * 4 if cfg.lora_rank > 0 else 0)
 
 
 def checkpoints_on_disk(cfg, present: int = 0) -> int:
@@ -428,15 +465,17 @@ def _bytes(n: float) -> str:
 
 def check_disk(cfg, out: Path, mc, present: int = 0) -> None:
     """Refuse to start when out_dir cannot hold the checkpoints the run will keep during rotation (beside the
-    `present` ones of a resumed run, already on that disk)."""
+    `present` ones of a resumed run, already on that disk) and final/ (written while the last checkpoint is still
+    there)."""
     one = checkpoint_bytes(cfg, mc)
     k = checkpoints_on_disk(cfg, present)
-    size = one * k
+    final = final_bytes(cfg, mc)
+    size = one * k + final
     free = shutil.disk_usage(out).free
-    if k and free < size:
+    if free < size:
         what = "LoRA adapters and their AdamW moments" if cfg.lora_rank > 0 else \
             "float32 weights and AdamW moments (full fine-tuning)"
         raise ValueError(f"out_dir {out} has {_bytes(free)} free, but a checkpoint needs about {_bytes(one)} "
-                         f"({what}) and rotation keeps {k} at once (--keep_last={cfg.keep_last}): "
-                         f"{_bytes(size)}; free space, pick another --out_dir, lower --keep_last, use LoRA "
-                         "(--lora_rank) or set --checkpoint_every=0")
+                         f"({what}), rotation keeps {k} at once (--keep_last={cfg.keep_last}) and final/ needs "
+                         f"{_bytes(final)}: {_bytes(size)}; free space, pick another --out_dir, lower --keep_last, "
+                         "use LoRA (--lora_rank) or set --checkpoint_every=0")

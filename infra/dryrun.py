@@ -42,18 +42,19 @@ def report(cfg) -> dict:
     cols = [w for w in sorted({1, 8, 16, gpus}) if per_task % w == 0]
     chunk = {w: min(cfg.device_batch_size or per_task // w, per_task // w) for w in cols}
     # Each task's memory; the table shows the largest of each row over the tasks. window: the positions
-    # scored, and the columns the head runs over (importance.token_logprobs).
+    # scored, where the head runs (importance.token_logprobs): an upper bound, as a mask scores a share of them.
     mem = {w: {} for w in cols}
     for t in p["tasks"]:
         for w in cols:
             m = memory(mc, s, world_size=w, chunk=chunk[w], seq_len=t["seq_len"],
                        sampled=t["window"] if t["image"] else cfg.block_length, image=t["image"],
                        cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing,
-                       scored=t["window"], head_len=t["window"])
+                       head_len=t["window"])
             mem[w].update({k: max(v, mem[w].get(k, v)) for k, v in m.items()})
 
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
-          f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters")
+          + (f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters"
+             if lora else "full fine-tuning (--lora_rank=0): every parameter trained"))
     print(f"RL step: {seqs} sequences ({cfg.prompts_per_step} prompts x G={cfg.group_size} x {len(names)} task(s)) "
           f"of {seq_len} tokens, {steps} denoising steps ({rollout}), mu={cfg.mu}, "
           f"{'LoRA' if lora else 'full fine-tuning'}, activation checkpointing "
@@ -65,8 +66,9 @@ def report(cfg) -> dict:
     gamma = cfg.gamma_image if image else cfg.gamma_text
     print(f"settings: G {cfg.group_size}, {cfg.prompts_per_step} prompts per optimizer step, mu {cfg.mu}, "
           f"gamma {gamma}, CFG {cfg.cfg_scale}, eps {cfg.clip_eps}, beta {cfg.beta}, lr {cfg.lr}, estimator "
-          f"{cfg.estimator}{'' if image else f' ({cfg.text_reversing})'}, LoRA r {cfg.lora_rank} alpha {cfg.lora_alpha:g} "
-          f"dropout {cfg.lora_dropout} on {cfg.lora_targets}, attention over padding "
+          f"{cfg.estimator}{'' if image else f' ({cfg.text_reversing})'}, "
+          + (f"LoRA r {cfg.lora_rank} alpha {cfg.lora_alpha:g} dropout {cfg.lora_dropout} on {cfg.lora_targets}"
+             if lora else "no LoRA") + ", attention over padding "
           f"{'on' if any(tasks.attends_padding(cfg, t) for t in names) else 'off'}")
     print(f"global FLOPs per RL step: {f['step']:.2e} (rollouts {f['rollout']:.2e}, old/ref scoring "
           f"{f['scoring']:.2e}, updates {f['update']:.2e})")
@@ -83,21 +85,23 @@ def report(cfg) -> dict:
     print(f"time on {gpus} x {GPU_NAME} (bf16 dense peak {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s, assumed MFU "
           f"{ASSUMED_MFU:.0%}): {step_s:.0f} s per RL step, {eval_min:.0f} min per held-out evaluation, "
           f"{run_h:.1f} h per run = {run_h * gpus:,.0f} GPU-hours")
-    print("| GB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
+    print("| GiB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
     print("|---|" + "---|" * len(cols))
+    other = "full" if lora else "lora"  # the rows of the mode this run does not train in are left out
     for key, label in MEMORY_ROWS:
-        print(f"| {label} | " + " | ".join(f"{mem[w][key]:.1f}" for w in cols) + " |")
+        if not key.startswith(other + "_"):
+            print(f"| {label} | " + " | ".join(f"{mem[w][key]:.1f}" for w in cols) + " |")
     print(f"(update chunk: {', '.join(f'{chunk[w]} seq' for w in cols)}; rollouts chunk the same way; "
           "FSDP2 gathers only with more than one GPU)")
     if gpus in mem:
         kind = "lora" if lora else "full"
         peak = mem[gpus][f"{kind}_peak"]
         phase = max(("update", "rollout", "scoring"), key=lambda ph: mem[gpus][f"{kind}_{ph}"])
-        room = ", ".join(f"{gb - peak:.0f} GB of {gb} on an {name}" if gb >= peak else
-                         f"does not fit on an {name} ({gb} GB, {peak - gb:.0f} GB short)"
+        room = ", ".join(f"{gb - peak:.0f} GiB of {gb} on an {name}" if gb >= peak else
+                         f"does not fit on an {name} ({gb} GiB, {peak - gb:.0f} GiB short)"
                          for name, gb in GPU_MEMORY_GB.items())
         print(f"device_batch_size {chunk[gpus]} of {per_task // gpus} sequences per task and GPU on {gpus} GPUs: "
-              f"{'LoRA' if lora else 'full fine-tuning'} peak {peak:.1f} GB ({phase}), headroom {room} (before the "
+              f"{'LoRA' if lora else 'full fine-tuning'} peak {peak:.1f} GiB ({phase}), headroom {room} (before the "
               "CUDA context and allocator slack)")
         if peak > max(GPU_MEMORY_GB.values()):
             print(f"this run does not fit on {gpus} GPU(s) of any size listed: use more GPUs (--dry_run_gpus), "

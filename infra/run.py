@@ -144,6 +144,11 @@ def explain_failure(e: BaseException, cfg) -> str | None:
         text = str(x).splitlines()[0] if str(x) else type(x).__name__
         if isinstance(x, torch.OutOfMemoryError) or (isinstance(x, RuntimeError) and (
                 "out of memory" in text.lower() or "can't allocate memory" in text.lower())):
+            from infra import budget  # the state's size: when it alone is over the GPU, no batch size helps
+            total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+            too_big = total and budget.state_over_memory(cfg, scale.world(), total)
+            if too_big:
+                return f"out of memory ({text[:160]}): {too_big}; {kept_line(out)}"
             fewer = max(1, (cfg.device_batch_size or cfg.group_size * cfg.prompts_per_step) // 2)
             return (f"out of memory ({text[:160]}) with group_size={cfg.group_size}, prompts_per_step="
                     f"{cfg.prompts_per_step}, device_batch_size={cfg.device_batch_size or 'all'}: fewer sequences per "

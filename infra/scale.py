@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import os
 import sys
+import threading
 import traceback
 
 import torch
@@ -46,16 +47,17 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(minutes=minutes)
 
 
-# The oldest torch the multi-process path runs on (pyproject.toml; its tests were run on it): full_weights
-# needs FSDPModule.set_reshard_after_forward, which FSDP2 gained in torch 2.8.
+# The oldest torch the multi-process path runs on (pyproject.toml; its tests were run on it): the FSDPModule
+# methods below, which shard and full_weights call, are new in torch 2.8.
 MIN_TORCH = (2, 8)
+FSDP_METHODS = ("set_reshard_after_forward", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
 
 
 def check_torch(version: str = torch.__version__) -> None:
     """Refuse a torchrun launch on a torch older than MIN_TORCH, in one line, before any collective."""
     if tuple(int(v) for v in version.split("+")[0].split(".")[:2]) < MIN_TORCH:
         raise ValueError(f"torch {version} is too old for torchrun runs: FSDP2 needs torch >= "
-                         f"{'.'.join(map(str, MIN_TORCH))} (FSDPModule.set_reshard_after_forward); install torch "
+                         f"{'.'.join(map(str, MIN_TORCH))} (FSDPModule.{', .'.join(FSDP_METHODS)}); install torch "
                          f">= {'.'.join(map(str, MIN_TORCH))} (pyproject.toml)")
 
 
@@ -77,7 +79,54 @@ def init(device_name: str) -> torch.device:
             dist.init_process_group("nccl", timeout=timeout, device_id=device)
         else:
             dist.init_process_group("gloo", timeout=timeout)
+        _watch_peers()
     return torch.device("cuda", torch.cuda.current_device()) if want_cuda else torch.device("cpu")
+
+
+# A rank that fails tells the others through torchrun's store (the TCPStore at MASTER_ADDR:MASTER_PORT), and
+# each rank's watcher thread ends its process when it reads that: on NCCL a peer blocked in a collective (or
+# in a CUDA sync waiting for one) never learns that its peer is gone, and a SIGTERM from torchrun only sets
+# train.py's stop flag, which the blocked main thread cannot read; torchrun would SIGKILL it only after
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s by default, minutes with the pre-emption advice), and without
+# torchrun not before the collective timeout (an hour). The blocking calls release the GIL, so the watcher runs.
+FAILED_POLL_S = 1.0  # how often a watcher reads the store: a peer's failure ends this rank within about this
+_watcher: dict = {}
+
+
+def _failed_key() -> str:  # one key per torchrun run and restart: a restarted group must not read the last one's
+    return (f"maskgrpo/failed/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/"
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+
+
+def _watch_peers() -> None:
+    """Start this rank's watcher (a daemon thread with a store client of its own), if the launcher named its store."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ or _watcher:
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=60))
+    me, key, stop = dist.get_rank(), _failed_key(), threading.Event()
+
+    def watch():
+        while not stop.wait(FAILED_POLL_S):
+            try:
+                failed = store.get(key).decode() if store.check([key]) else None
+            except Exception:  # the store is gone: the launcher is ending the run anyway
+                return
+            if failed is not None and failed != str(me) and not stop.is_set():
+                print(f"rank {me}: ending, because rank {failed} failed (its error is above)", file=sys.stderr,
+                      flush=True)
+                os._exit(1)
+
+    _watcher.update(store=store, key=key, stop=stop, rank=me)
+    threading.Thread(target=watch, name="maskgrpo-peer-watch", daemon=True).start()
+
+
+def _tell_peers_we_failed() -> None:
+    """Write this rank into the store's failed key (the other ranks' watchers end them); never raises."""
+    if _watcher:
+        _watcher["stop"].set()  # this rank ends itself; its own watcher must not race it
+        with contextlib.suppress(Exception):
+            _watcher["store"].set(_watcher["key"], str(_watcher["rank"]))
 
 
 def rank() -> int:
@@ -165,8 +214,8 @@ def close(ok: bool | None = None) -> None:
     complete, and waiting would only turn the error into a timeout. With other ranks the group is then
     not destroyed either: under NCCL destroy_process_group may wait for the peers' pending collectives
     (up to the collective timeout, an hour), so the failing rank would never exit and torchrun never end
-    the others. The process is ending (process_exit), and torchrun ends its peers when it sees it fail
-    (gloo peers see the closed connection at once)."""
+    the others. The process is ending (process_exit), which tells the peers through the store (their
+    watchers end them within FAILED_POLL_S; gloo peers also see the closed connection at once)."""
     if not dist.is_initialized():
         return
     if ok is None:
@@ -223,6 +272,8 @@ def process_exit():
         if not launched:
             raise
         status = exit_status(exc)
+        if not (isinstance(exc, SystemExit) and (exc.code is None or isinstance(exc.code, int))):
+            _tell_peers_we_failed()  # an error, maybe this rank's alone: the others must not wait for it
     else:
         status = 0
     if launched:  # torchrun starts ranks unbuffered (python -u); other launchers may not

@@ -14,7 +14,9 @@ from model import Transformer
 
 
 def head_dtype(model):
-    """A list that receives the dtype of the LM head's output at every forward: the compute dtype."""
+    """A list that receives the dtype of the LM head's output at every forward through the ff_out module: the
+    compute dtype. Those are the text sampler's; the scoring head runs in float32 from the same weight, and the
+    image sampler's from its code rows (model.Transformer.head), neither through the module."""
     seen = []
     model.ff_out.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
     return seen

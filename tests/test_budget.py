@@ -96,10 +96,10 @@ def test_memory_table_has_the_gathered_parts():
     # sampling: the bf16 logits of the preset's 12 sequences per chunk over the current block of 16
     # positions (the sampler's head runs there only), and float64 noise plus its bookkeeping over that block
     assert eight["sampling"] == pytest.approx((12 * 16 * 126464 * 2 + 12 * 16 * 126464 * 26) / gb)
-    # an update chunk's logits: bf16 over the 256-token completion window of the 512-token sequence (the
-    # head runs on the scored window only, importance.token_logprobs), and at the scored positions (at most
-    # those 256) a bf16 copy, its float32 cast and log-softmax: 2 + 8 B more
-    assert eight["logits"] == pytest.approx(12 * 126464 * (256 * 2 + 256 * (2 + 8)) / gb)
+    # an update chunk's logits: the float32 head over the 256-token completion window of the 512-token
+    # sequence (the columns holding scored positions), float32 logits and their log-softmax (4 + 4 B), plus
+    # the float32 copy of the head's 126464 x 4096 weight (importance.token_logprobs, model.Transformer.head)
+    assert eight["logits"] == pytest.approx((12 * 126464 * 256 * 8 + 126464 * 4096 * 4) / gb)
     assert eight["weights_gb"] == pytest.approx(8_015_581_184 * 2 / 8 / gb)
 
 
@@ -110,20 +110,23 @@ def _free(monkeypatch, gb):
 
 def test_disk_check_lora_passes_full_is_refused(tmp_path, monkeypatch):
     """A LoRA checkpoint of LLaDA-8B on all seven projections holds 335.5M float32 adapters and their two
-    AdamW moments: 3.75 GB; keep_last=2 plus the one being written is 11.3 GB, which 12 GB free hold. Full fine-tuning saves
-    float32 weights and moments of all 8.0B parameters (89.6 GB each) and is refused there."""
-    lora = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_targets=all"])
+    AdamW moments: 3.75 GiB; keep_last=2 plus the one being written is 11.25 GiB, and final/ adds the merged
+    8.0B parameters in bf16 and the float32 adapters, 8,015,581,184 x 2 + 335,544,320 x 4 B = 16.18 GiB:
+    27.43 GiB in all, which 28 GiB free hold and 27 do not (final/ is what tips it: 11.25 alone would fit).
+    Full fine-tuning saves float32 weights and moments of all 8.0B parameters (89.6 GiB each) and is refused."""
+    lora = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_targets=all", "--dtype=bfloat16"])
     mc = budget.model_config(lora)
     assert budget.checkpoint_bytes(lora, mc) == pytest.approx(335_544_320 * 12, rel=1e-3)
-    _free(monkeypatch, 12)
+    assert budget.final_bytes(lora, mc) == 8_015_581_184 * 2 + 335_544_320 * 4
+    _free(monkeypatch, 28)
     budget.check_disk(lora, tmp_path, mc)
-    full = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_rank=0"])
-    with pytest.raises(ValueError, match=r"has 12.0 GB free, but a checkpoint needs about 89.6 GB \(float32 weights "
-                                         r"and AdamW moments \(full fine-tuning\)\) and rotation keeps 3 at once "
-                                         r"\(--keep_last=2\): 268.7 GB; .*--checkpoint_every=0"):
+    full = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_rank=0", "--dtype=bfloat16"])
+    with pytest.raises(ValueError, match=r"has 28.0 GB free, but a checkpoint needs about 89.6 GB \(float32 weights "
+                                         r"and AdamW moments \(full fine-tuning\)\), rotation keeps 3 at once "
+                                         r"\(--keep_last=2\) and final/ needs 14.9 GB: 283.7 GB; .*--checkpoint_every=0"):
         budget.check_disk(full, tmp_path, mc)
-    _free(monkeypatch, 11)
-    with pytest.raises(ValueError, match=r"LoRA adapters"):
+    _free(monkeypatch, 27)
+    with pytest.raises(ValueError, match=r"LoRA adapters.*final/ needs 16.2 GB: 27.4 GB"):
         budget.check_disk(lora, tmp_path, mc)
 
 
@@ -278,7 +281,7 @@ def test_memory_formula_matches_a_two_rank_run(tmp_path):
                      vocab_size=V, max_sequence_length=P + N, mask_token_id=V - 1, eos_token_id=1, pad_token_id=1)
     s = budget.shape(mc, R, "official")
     est = budget.memory(mc, s, world_size=2, chunk=B, seq_len=P + N, sampled=N, image=False, cfg_scale=0.0,
-                        beta=0.01, activation_checkpointing=True, compute_bytes=4, scored=N, head_len=N)
+                        beta=0.01, activation_checkpointing=True, compute_bytes=4, head_len=N)
     formula = est["lora_peak"]
     for r in ranks:
         measured = max(r["rollout"], r["scoring"], r["update"]) / 2 ** 30
@@ -300,8 +303,12 @@ def test_dry_run_states_the_batch_its_headroom_and_the_rollout_rate(capsys):
     b8 = res["budget"][8]
     peak = b8["lora_peak"]
     assert peak == max(b8["lora_update"], b8["lora_rollout"], b8["lora_scoring"]) == b8["lora_scoring"]
-    assert (f"device_batch_size 12 of 12 sequences per task and GPU on 8 GPUs: LoRA peak {peak:.1f} GB (scoring), "
-            f"headroom {80 - peak:.0f} GB of 80 on an H100, {141 - peak:.0f} GB of 141 on an H200") in text
+    # in GiB on both sides: the cards' totals as nvidia-smi lists them, 81,559 and 143,771 MiB
+    h100, h200 = 81559 / 1024, 143771 / 1024
+    assert (f"device_batch_size 12 of 12 sequences per task and GPU on 8 GPUs: LoRA peak {peak:.1f} GiB (scoring), "
+            f"headroom {h100 - peak:.0f} GiB of 79.6 on an H100, {h200 - peak:.0f} GiB of 140.4 on an H200") in text
+    # a LoRA run's table has no full fine-tuning rows, and every memory figure says GiB
+    assert "| GiB per GPU (estimate) |" in text and "full fine-tuning" not in text.split("| GiB per GPU")[1]
     by_hand = 96 * 256 / (96 * 512 * 128 * 2 * 8.0e9 / (312e12 * 0.35))
     assert res["tokens_per_s_per_gpu"]["A100"] == pytest.approx(by_hand, rel=0.10)
     assert res["tokens_per_s_per_gpu"]["H100"] == pytest.approx(by_hand * 989 / 312, rel=0.10)
@@ -314,31 +321,35 @@ def test_scoring_peak_holds_the_gathered_model_and_a_chunks_logits():
     and float32 adapters with gradients and moments, / 8), the whole adapted model gathered in bf16, the
     all-gather's flat buffer of the root (embedding and head, 126464 x 4096 each, and the final norm), one
     block's activations of a 12-sequence chunk (16 x 4096 + 3 x 12288 values per token, bf16, 512 tokens),
-    and the chunk's logits over the 256-token window (bf16 output, bf16 copy, float32 cast and log-softmax:
-    14 B per entry): about 24.9 GB, above the rollout's 20.0 and the update's 13.9."""
+    and the chunk's float32 logits and log-softmax over the 256-token window (8 B per entry) with the float32
+    copy of the head's weight: about 25.4 GiB, above the rollout's 20.0 and the update's 14.4."""
     res = train.main(["--preset=llada8b", "--dry_run=true"])
     base, adapters, gb = 8_015_581_184, 167_772_160, 1024 ** 3
     state = (base * 2 + adapters * 16) / 8
     gathered = (base + adapters) * 2
     buffer = (2 * 126464 * 4096 + 4096) * 2
     block = 12 * 512 * (16 * 4096 + 3 * 12288) * 2
-    logits = 12 * 256 * 126464 * (2 + 2 + 8)
+    logits = 12 * 256 * 126464 * 8 + 126464 * 4096 * 4
     by_hand = (state + gathered + buffer + block + logits) / gb
     assert res["budget"][8]["lora_scoring"] == pytest.approx(by_hand, rel=1e-9)
-    assert 24.5 < by_hand < 25.5
+    assert 25.0 < by_hand < 25.5
 
 
 def test_a_run_that_does_not_fit_says_so(capsys):
     """Full fine-tuning of LLaDA-8B on one GPU: 16 B per parameter of float32 weights, gradients and AdamW
-    moments, and a 4 B float32 reference: 8.0e9 x 20 B = 149 GB before activations. The dry run says it does
-    not fit on an 80 GB H100 nor a 141 GB H200, never "headroom -76 GB"."""
+    moments, and a 4 B float32 reference: 8.0e9 x 20 B = 149 GiB before activations. The dry run says it does
+    not fit on an 80 GB H100 (79.6 GiB) nor a 141 GB H200 (140.4 GiB), never "headroom -76 GiB"."""
     res = train.main(["--preset=llada8b", "--dry_run=true", "--dry_run_gpus=1", "--lora_rank=0"])
     text = capsys.readouterr().out
     assert res["budget"][1]["full_state"] == pytest.approx(8_015_581_184 * 20 / 1024 ** 3)
     peak = res["budget"][1]["full_peak"]
-    assert f"does not fit on an H100 (80 GB, {peak - 80:.0f} GB short)" in text
-    assert f"does not fit on an H200 (141 GB, {peak - 141:.0f} GB short)" in text
+    assert f"does not fit on an H100 (79.6 GiB, {peak - 79.6:.0f} GiB short)" in text
+    assert f"does not fit on an H200 (140.4 GiB, {peak - 140.4:.0f} GiB short)" in text
     assert "this run does not fit on 1 GPU(s)" in text and "headroom -" not in text
+    # --lora_rank=0: no LoRA rows in the table, no LoRA figures in the model and settings lines
+    assert "LoRA" not in text.split("| GiB per GPU")[1].split("device_batch_size")[0]
+    model_line, settings = (next(ln for ln in text.splitlines() if ln.startswith(k)) for k in ("model:", "settings:"))
+    assert model_line.endswith("full fine-tuning (--lora_rank=0): every parameter trained") and "LoRA r" not in settings
 
 
 # -----------------------------------------------------------------------------------------------------

@@ -269,7 +269,7 @@ def test_update_chunk_memory_on_a_padded_batch(big):
     s = budget.shape(mc, PRESET.lora_rank, PRESET.lora_targets)
     est = budget.memory(mc, s, world_size=1, chunk=B, seq_len=P + N, sampled=BIG["block"], image=False,
                         cfg_scale=0.0, beta=PRESET.beta, activation_checkpointing=True,
-                        scored=N, head_len=N)["lora_update"]
+                        head_len=N)["lora_update"]
     assert math.isfinite(stats["loss"]) and est > 0
     what = f"4. update chunk, {mc.n_layers} layers, {B} x {P + N} padded"
     if not HAS_CUDA:
@@ -514,7 +514,7 @@ def test_two_processes_fsdp2_bf16(ckpt, tmp_path, mode):
     s = budget.shape(mc, cfg.lora_rank)
     est = max(budget.memory(mc, s, world_size=2, chunk=cfg.device_batch_size or 8, seq_len=seq_len, sampled=sampled,
                             image=image, cfg_scale=cfg.cfg_scale, beta=cfg.beta,
-                            activation_checkpointing=cfg.activation_checkpointing, scored=window,
+                            activation_checkpointing=cfg.activation_checkpointing,
                             head_len=window)[f"{'lora' if mode == 'lora' else 'full'}_{k}"]
               for image, seq_len, sampled, window in (
                   (False, cfg.max_prompt_len + cfg.gen_length, cfg.block_length, cfg.gen_length),

@@ -236,12 +236,12 @@ with scale.process_exit():
 @pytest.mark.slow
 def test_lora_step_all_gathers_each_unit_once_per_pass(tmp_path):
     """The all-gathers of one LoRA RL step on 2 ranks (text, mu = 3, K = 3 views, one chunk, 2 blocks: 3
-    FSDP2 units, the root and a block each), counted by hand: the rollout, the old and the reference pass
-    each hold the weights (scale.full_weights: one gather per unit, 3 + 3 + 3); each of the 3 updates'
+    FSDP2 units, the root and a block each), counted by hand: the rollout holds the weights, and the old and
+    the reference pass share one hold (scale.full_weights: one gather per unit, 3 + 3); each of the 3 updates'
     forward gathers every unit and its backward gathers the 2 blocks again (the root stays gathered from its
-    forward to its backward), 3 x (3 + 2) = 15. Total 24. The LoRA reference is lora.AdaptersOff around the
+    forward to its backward), 3 x (3 + 2) = 15. Total 21. The LoRA reference is lora.AdaptersOff around the
     policy: a hold marked on the wrapper instead of the policy let the root reshard after each reference
-    forward and gather again at the next (26 here; 12 extra 2 GB gathers per step at LLaDA-8B)."""
+    forward and gather again at the next (12 extra 2 GB gathers per step at LLaDA-8B)."""
     from test_rl_step import save_tiny_checkpoint
 
     ckpt = save_tiny_checkpoint(tmp_path / "ckpt")
@@ -249,7 +249,7 @@ def test_lora_step_all_gathers_each_unit_once_per_pass(tmp_path):
     script.write_text(f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n" + LORA_GATHERS)
     res = launch([str(ckpt), str(tmp_path / "count.json")], nproc=2, script=str(script))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert json.loads((tmp_path / "count.json").read_text())["gathers"] == 3 + 3 + 3 + 3 * (3 + 2)
+    assert json.loads((tmp_path / "count.json").read_text())["gathers"] == 3 + 3 + 3 * (3 + 2)
 
 
 def test_full_weights_holds_the_root_of_a_wrapped_policy(monkeypatch):

@@ -244,8 +244,11 @@ def t_dry_run_8b() -> str:
     f, lines = _dry_run("--preset=llada8b")
     shown = ("schedule:", "settings:", "global FLOPs", "held-out evaluation:", "time on")
     block = "```\n" + "\n".join(line for line in lines if line.startswith(shown)) + "\n```"
-    peaks = [line for line in lines if line.startswith("| GB per GPU") or line.startswith("|---")
-             or line.startswith(("| full fine-tuning, peak", "| LoRA, peak"))]  # each phase's is in --dry_run
+    # each phase's is in --dry_run; a LoRA run's table has no full fine-tuning rows: those of --lora_rank=0
+    full = _dry_run("--preset=llada8b", "--lora_rank=0")[1]
+    peaks = [line for line in lines if line.startswith(("| GiB per GPU", "|---"))] + \
+        [line for line in full if line.startswith("| full fine-tuning, peak")] + \
+        [line for line in lines if line.startswith("| LoRA, peak")]
     step = f["flops"]["step"]
     rows = []
     for label, flags in (("exact trajectory at 8B, FLOPs per RL step", ["--estimator=trajectory"]),
