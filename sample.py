@@ -138,13 +138,12 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
 
 def denoise_step(x, order, s, logits, lo, end, k, distinct=None, *, temperature, remasking, mask_id, generator,
                  active=None, threshold=0.0):
-    """Step s of LLaDA's sampler over the columns [lo, end) of x (B, L), in place: logits (B, l = end - lo, V)
-    the model's prediction there, k (B,) how many masked positions each row reveals (distinct: k's values,
-    read by the caller). Every masked position gets a prediction x0 (Gumbel-max at temperature > 0) and a
-    confidence: p(x0) for "low_confidence", a uniform draw for "random". Row j reveals its k[j] most confident
-    masked positions, and at threshold > 0 (Fast-dLLM) every one more confident than that; order (or None)
-    marks them with s. active: the fast step's rows still decoding (FullRows.noise). Returns the positions
-    revealed (B, l) and the confidences (B, l)."""
+    """Step s of LLaDA's sampler on the columns [lo, end) of x (B, L), in place, given the model's logits
+    (B, l = end - lo, V) there: every masked position gets a prediction x0 (Gumbel-max at temperature > 0) and
+    a confidence, p(x0) for "low_confidence" or a uniform draw for "random"; row j reveals its k[j] most
+    confident (distinct: k's values, read by the caller), and at threshold > 0 (Fast-dLLM) every one more
+    confident than that; order (or None) records s. active: the fast step's rows still decoding
+    (FullRows.noise). Returns the positions revealed (B, l) and the confidences (B, l)."""
     m = x[:, lo:end] == mask_id                                                    # (B, l)
     rows = FullRows(x, lo, end, generator, active)                                 # LLaDA bit parity
     x0 = gumbel_argmax(logits, temperature, rows.noise(logits.shape[-1]) if temperature > 0 else None)  # (B, l)
@@ -207,18 +206,6 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, u=None) -> torch.Ten
     return (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
 
 
-def select_top_k(confidence: torch.Tensor, counts: torch.Tensor, distinct=None) -> torch.Tensor:
-    """bool (B, L): row j marks the counts[j] positions that torch.topk(confidence[j], counts[j]) returns,
-    as LLaDA's per-row topk loop, ties included (CPU topk breaks them in no fixed index order, and bf16
-    confidences near p = 1 tie often), with one batched topk per distinct count, kept in the rows of that
-    count. distinct: the distinct values of counts, if the caller knows them (else read: a host sync)."""
-    select = torch.zeros_like(confidence, dtype=torch.bool)                        # (B, L)
-    for k in (counts.unique().tolist() if distinct is None else distinct):
-        top = torch.zeros_like(select).scatter_(1, torch.topk(confidence, k, dim=-1).indices, True)  # (B, L)
-        select |= top & (counts == k)[:, None]
-    return select
-
-
 def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
     """Logits (B, end - lo, V) at positions [lo, end) of a full forward pass, the head on those positions
     only (FullRows.head) if the model takes logits_at; vocab_slice (a, b): the columns [a, b) only, from
@@ -236,20 +223,18 @@ def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
 
 
 # -----------------------------------------------------------------------------------------------------
-# LLaDA bit parity
+# LLaDA bit parity (a first reading may skip this section)
 
 
 class FullRows:
-    """LLaDA bit parity: a first reading may skip this class. LLaDA's generate.py computes every step over
-    whole rows (B, L); the samplers compute only the columns [lo, end) a step chooses among (the image
-    slots), and this gives each number the value it has in the whole-row computation:
-      head   the head's positions: [lo, end) widened to MIN_HEAD_ROWS rows over the batch where the sequence
-             allows, since BLAS may take another kernel (other rounding) for a GEMM of a few rows, which can
-             flip a near-tie;
-      noise  each row's uniforms drawn over its whole row (LLaDA's stream, uniform's cols) and kept on
-             [lo, end), so a column's numbers depend neither on lo nor, through lo, on the batch mates; the
-             fast step (active: the rows still decoding) matches no stream and draws [lo, end) alone, in
-             the active rows only;
+    """LLaDA bit parity: a first reading may skip this class. LLaDA's generate.py computes each step over
+    whole rows (B, L); the samplers compute only the columns [lo, end) a step chooses among, and this gives
+    every number its whole-row value:
+      head   [lo, end) widened to MIN_HEAD_ROWS head rows over the batch: BLAS may take another kernel (other
+             rounding) for a GEMM of a few rows, which can flip a near-tie;
+      noise  each row's uniforms drawn over its whole row (LLaDA's stream) and kept on [lo, end), so they
+             depend neither on lo nor on the batch mates; the fast step (active: its rows still decoding)
+             draws [lo, end) alone, in those rows;
       top_k  topk over whole rows, -inf outside [lo, end): CPU topk's tie order depends on the row."""
 
     def __init__(self, x, lo, end, generator=None, active=None):
@@ -274,6 +259,18 @@ class FullRows:
         full = conf.new_full(self.x.shape, -math.inf)                              # (B, L)
         full[:, self.cols] = conf
         return select_top_k(full, k, distinct)[:, self.cols]
+
+
+def select_top_k(confidence: torch.Tensor, counts: torch.Tensor, distinct=None) -> torch.Tensor:
+    """bool (B, L): row j marks the counts[j] positions that torch.topk(confidence[j], counts[j]) returns,
+    as LLaDA's per-row topk loop, ties included (CPU topk breaks them in no fixed index order, and bf16
+    confidences near p = 1 tie often), with one batched topk per distinct count, kept in the rows of that
+    count. distinct: the distinct values of counts, if the caller knows them (else read: a host sync)."""
+    select = torch.zeros_like(confidence, dtype=torch.bool)                        # (B, L)
+    for k in (counts.unique().tolist() if distinct is None else distinct):
+        top = torch.zeros_like(select).scatter_(1, torch.topk(confidence, k, dim=-1).indices, True)  # (B, L)
+        select |= top & (counts == k)[:, None]
+    return select
 
 
 # -----------------------------------------------------------------------------------------------------
