@@ -101,14 +101,12 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     """LLaDA's semi-autoregressive sampler (arXiv:2502.09992 §2.4 and its public generate.py, token for
     token at temperature 0): prompt_ids (B, P) int64, left-padded, attention_mask (B, P) 1 = real token
     (optional) -> x (B, P + N), prompt included. return_order=True also returns order (B, P + N) int64: the
-    step at which each position was revealed, counted across blocks, -1 where none was (the prompt). The
+    step at which each position was revealed, counted across blocks, -1 where none was (the prompt); the
     state before step s is x with every position of order >= s masked (importance.decoding_logprob).
-
     The N = gen_length positions are denoised in blocks of block_length, left to right, steps // num_blocks
-    steps each (LLaDA floors it). Every step (denoise_step) predicts x0 and reveals the transfer_schedule
-    count of masked positions with the highest confidence. cfg_scale w: logits l_u + (w + 1)(l_c - l_u), l_u
-    with the prompt masked (arXiv:2410.18514). generator: one torch.Generator, or a list of B, one per row.
-    Eval mode expected."""
+    steps each (LLaDA floors it), each step revealing the transfer_schedule count (denoise_step). cfg_scale
+    w: CFG (arXiv:2410.18514), the unconditional input with the prompt masked. generator: one
+    torch.Generator, or a list of B, one per row. Eval mode expected."""
     num_blocks = gen_length // block_length
     spb = steps // max(num_blocks, 1)
     assert gen_length % block_length == 0 and spb >= 1 and remasking in REMASKING, \
@@ -128,7 +126,10 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
             any_masked = (x[:, :end] == mask_id).any(0)                            # (end,)
             lo = int(torch.where(any_masked, torch.arange(end, device=x.device), end).min())  # the step's one read
             xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
-            logits = guide(_forward(model, xx, attention_mask, lo, end, **fwd), cfg_scale)  # (B, l, V)
+            logits = _forward(model, xx, attention_mask, lo, end, **fwd)          # (B or 2B, l, V)
+            if cfg_scale:  # l_u + (w + 1)(l_c - l_u), in this order so that bf16 rounds as LLaDA
+                cond, uncond = logits.chunk(2)
+                logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, l, V)
             denoise_step(x, order, blk * spb + i, logits, lo, end, counts[:, i], distinct[i],
                          temperature=temperature, remasking=remasking, mask_id=mask_id, generator=generator)
             bar.update()
@@ -175,15 +176,6 @@ def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_or
             attention_mask = attention_mask.repeat(2, 1)                           # (2B, L)
     fwd = {} if attention_mask is None else {"padded": not bool(attention_mask.all())}
     return x, order, attention_mask, x != mask_id, fwd
-
-
-def guide(logits: torch.Tensor, cfg_scale: float) -> torch.Tensor:
-    """Text CFG: the logits (2B, ..., V) of the conditional then the unconditional half -> (B, ..., V)
-    l_u + (w + 1)(l_c - l_u), in this order so that bf16 rounds as LLaDA; at w = 0 the logits themselves."""
-    if not cfg_scale:
-        return logits
-    cond, uncond = logits.chunk(2)
-    return uncond + (cfg_scale + 1) * (cond - uncond)
 
 
 def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 import sample
 from infra import scale
-from sample import _forward, canvas, denoise_step, guide
+from sample import _forward, canvas, denoise_step
 
 KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a cached step recomputes
 
@@ -62,7 +62,9 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
                 stop = L if kv_cache == "prefix" else end
                 logits = model(xx[:, start:stop], attention_mask, kv=kv, start=start, logits_at=slice(0, end - start),
                                **fwd)
-            logits = guide(logits, cfg_scale)                                      # (B, K, V)
+            if cfg_scale:  # l_u + (w + 1)(l_c - l_u), as sample.generate
+                cond, uncond = logits.chunk(2)
+                logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, K, V)
             logits[..., mask_id] = -math.inf
             # At least ceil(masked left / steps left): the fixed schedule when nothing extra was committed.
             k = [(n + spb - i - 1) // (spb - i) for n in left]
