@@ -29,8 +29,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
              remasking="low_confidence", mask_id, generator=None, attention_mask=None, kv_cache="none",
              threshold=0.0, return_order=False, progress=False, stats=None):
     """sample.generate's arguments and outputs, with kv_cache in KV_CACHES and threshold tau >= 0 (module
-    docstring); with neither, sample.generate itself. stats: a dict that receives running sums of what each
-    fast step committed (fast_summary reads them)."""
+    docstring); with neither, sample.generate itself. stats: a dict that collects what each fast step
+    committed, kept on the device until fast_summary sums it."""
     if kv_cache == "none" and threshold <= 0:
         return sample.generate(model, prompt_ids, gen_length=gen_length, block_length=block_length, steps=steps,
                                temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, mask_id=mask_id,
