@@ -2,11 +2,14 @@
 
 MaskGRPO (arXiv:2510.02880) rolls out with these samplers:
   generate        LLaDA's semi-autoregressive block sampler (LLaDA arXiv:2502.09992 and its public
-                  generate.py, reproduced token for token at temperature 0). infra/fast_sample.py adds the
-                  Fast-dLLM approximations (arXiv:2505.22618), off by default.
-  generate_image  over the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`: MaskGRPO's "emerge"
-                  sampler (MDLM ancestral sampling, paper Alg. 4) or MMaDA's MaskGIT sampler, with optional CFG.
-Both can return the decoding order (return_order=True), from which importance.py rebuilds every state.
+                  generate.py, reproduced token for token at temperature 0), one denoise_step at a time.
+                  infra/fast_sample.py runs the same step with the Fast-dLLM approximations
+                  (arXiv:2505.22618), off by default.
+  generate_image  over the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`, with optional CFG:
+                  MaskGRPO's emerge_step (MDLM ancestral sampling, paper Alg. 4) or MMaDA's maskgit_step.
+Both can return the decoding order (return_order=True), from which importance.py rebuilds every state. What
+makes the text sampler LLaDA's bit for bit while it computes only the positions a step needs is FullRows,
+which a first reading may skip.
 Every random number comes from the `generator` argument (one, or one per row), drawn on its own device, so a
 CPU generator gives identical samples on CPU and GPU; the global RNG is never used. The seeds of a run and
 the per-row uniforms are the first section below. The callers (train.py, tools/sample.py) validate the
@@ -25,8 +28,7 @@ from tqdm import tqdm
 
 REMASKING = ("low_confidence", "random")
 IMAGE_SAMPLERS = ("emerge", "maskgit")
-# BLAS may take another kernel (other rounding) for a GEMM of a few rows, which can flip a near-tie. A head over at least this many rows gives each row the full head's bits.
-MIN_HEAD_ROWS = 32
+MIN_HEAD_ROWS = 32  # the head's least number of rows (FullRows.head)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -63,9 +65,8 @@ def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=Non
     per-row generators, the rows that draw (the others get 0.5 and leave their stream alone). cols: a slice
     of dim 1, the only columns returned; the generator still draws the others and discards them, in
     chunks of whole columns that start at column 0 whatever `cols` is, so the columns kept and the
-    stream's end are those of the full draw: a sampler that computes the head on a few positions still
-    consumes LLaDA's full-sequence stream, and neither depends on `cols`, which the sampler computes over the
-    whole batch. One code path for every device: a CUDA generator draws as many numbers, in the same chunks."""
+    stream's end are those of the full draw (FullRows.noise). One code path for every device: a CUDA
+    generator draws as many numbers, in the same chunks."""
     if generator is None:
         raise ValueError("this call samples at random but generator is None; pass e.g. generator="
                          "torch.Generator().manual_seed(0) (a CPU generator gives the same samples on every device)")
@@ -90,24 +91,91 @@ def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=Non
 
 
 # -----------------------------------------------------------------------------------------------------
-# the text sampler's parts (infra/fast_sample.py reuses them)
+# text: LLaDA's semi-autoregressive sampler (infra/fast_sample.py runs the same step)
 
 
-def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
-    """Logits (B, end - lo, V) at positions [lo, end) of a full forward pass, the head on those positions
-    only (widened to MIN_HEAD_ROWS rows) if the model takes logits_at; vocab_slice (a, b): the columns [a, b)
-    only, from those rows of the head's weight (the image codes: never a full-vocabulary logit tensor).
-    return_kv=True adds the cache."""
-    B, L = x.shape
-    if not getattr(model, "accepts_cache_kwargs", False):
-        logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
-        assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
-        return logits[:, lo:end] if vocab_slice is None else logits[:, lo:end, vocab_slice[0]:vocab_slice[1]]
-    w = min(L, max(end - lo, -(-MIN_HEAD_ROWS // B)))
-    a = min(lo, L - w)                                                             # [a, a + w) holds [lo, end)
-    kw = kw if vocab_slice is None else {**kw, "vocab_slice": vocab_slice}
-    out = model(x, attention_mask, logits_at=slice(a, a + w), **kw)
-    return (out[0][:, lo - a:end - a], out[1]) if kw.get("return_kv") else out[:, lo - a:end - a]
+@torch.no_grad()
+def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
+             remasking="low_confidence", mask_id, generator=None, attention_mask=None, return_order=False,
+             progress=False):
+    """LLaDA's semi-autoregressive sampler (arXiv:2502.09992 §2.4 and its public generate.py, token for
+    token at temperature 0): prompt_ids (B, P) int64, left-padded, attention_mask (B, P) 1 = real token
+    (optional) -> x (B, P + N), prompt included. return_order=True also returns order (B, P + N) int64: the
+    step at which each position was revealed, counted across blocks, -1 where none was (the prompt); the
+    state before step s is x with every position of order >= s masked (importance.decoding_logprob).
+    The N = gen_length positions are denoised in blocks of block_length, left to right, steps // num_blocks
+    steps each (LLaDA floors it), each step revealing the transfer_schedule count (denoise_step). cfg_scale
+    w: CFG (arXiv:2410.18514), the unconditional input with the prompt masked. generator: one
+    torch.Generator, or a list of B, one per row. Eval mode expected."""
+    num_blocks = gen_length // block_length
+    spb = steps // max(num_blocks, 1)
+    assert gen_length % block_length == 0 and spb >= 1 and remasking in REMASKING, \
+        f"gen_length {gen_length} must be a multiple of block_length {block_length}, with steps {steps} >= blocks"
+    x, order, attention_mask, prompt_index, fwd = canvas(prompt_ids, gen_length, mask_id, attention_mask,
+                                                         cfg_scale, return_order)
+    P = prompt_ids.shape[1]
+    bar = tqdm(total=spb * num_blocks, desc="denoising", disable=not progress, leave=False)
+    for blk in range(num_blocks):
+        start, end = P + blk * block_length, P + (blk + 1) * block_length
+        # Host reads once per block rather than per step (each waits for the device): the counts.
+        counts = transfer_schedule((x[:, start:end] == mask_id).sum(1), spb)       # (B, spb)
+        distinct = [sorted(set(c)) for c in counts.T.tolist()]                     # [spb] each step's counts
+        for i in range(spb):
+            # A predicted mask id stays masked and competes again, even past its block (as LLaDA), so the
+            # step chooses among the positions from the first masked one up to the block end.
+            any_masked = (x[:, :end] == mask_id).any(0)                            # (end,)
+            lo = int(torch.where(any_masked, torch.arange(end, device=x.device), end).min())  # the step's one read
+            xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
+            logits = _forward(model, xx, attention_mask, lo, end, **fwd)          # (B or 2B, l, V)
+            if cfg_scale:  # l_u + (w + 1)(l_c - l_u), in this order so that bf16 rounds as LLaDA
+                cond, uncond = logits.chunk(2)
+                logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, l, V)
+            denoise_step(x, order, blk * spb + i, logits, lo, end, counts[:, i], distinct[i],
+                         temperature=temperature, remasking=remasking, mask_id=mask_id, generator=generator)
+            bar.update()
+    bar.close()
+    return (x, order) if return_order else x
+
+
+def denoise_step(x, order, s, logits, lo, end, k, distinct=None, *, temperature, remasking, mask_id, generator,
+                 active=None, threshold=0.0):
+    """Step s of LLaDA's sampler on the columns [lo, end) of x (B, L), in place, given the model's logits
+    (B, l = end - lo, V) there: every masked position gets a prediction x0 (Gumbel-max at temperature > 0) and
+    a confidence, p(x0) for "low_confidence" or a uniform draw for "random"; row j reveals its k[j] most
+    confident (distinct: k's values, read by the caller), and at threshold > 0 (Fast-dLLM) every one more
+    confident than that; order (or None) records s. active: the fast step's rows still decoding
+    (FullRows.noise). Returns the positions revealed (B, l) and the confidences (B, l)."""
+    m = x[:, lo:end] == mask_id                                                    # (B, l)
+    rows = FullRows(x, lo, end, generator, active)                                 # LLaDA bit parity
+    x0 = gumbel_argmax(logits, temperature, rows.noise(logits.shape[-1]) if temperature > 0 else None)  # (B, l)
+    if remasking == "low_confidence":  # in the logits' dtype, as LLaDA (float32 breaks bf16 ties)
+        conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)   # (B, l)
+    else:
+        conf = rows.noise(dtype=torch.float32)                                     # (B, l)
+    revealed = rows.top_k(torch.where(m, conf, -math.inf), k, distinct) & m        # (B, l)
+    if threshold > 0:
+        revealed |= m & (conf > threshold)
+    new = torch.where(revealed, x0, x[:, lo:end])                                  # (B, l)
+    if order is not None:
+        order[:, lo:end] = torch.where(m & (new != mask_id), s, order[:, lo:end])
+    x[:, lo:end] = new
+    return revealed, conf
+
+
+def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_order):
+    """The text sampler's starting state: x (B, P + N) = prompt then N mask ids; order (B, L) all -1 (or
+    None); the attention mask extended over the completion (and doubled for CFG's two halves); prompt_index,
+    the positions CFG's unconditional input masks; the forward's keywords (whether the mask holds padding,
+    read here once rather than at every forward: a host read waits for the device)."""
+    B = prompt_ids.shape[0]
+    x = torch.cat([prompt_ids.long(), prompt_ids.new_full((B, gen_length), mask_id).long()], 1)  # (B, L)
+    order = torch.full_like(x, -1) if return_order else None                      # (B, L)
+    if attention_mask is not None:
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, gen_length)], 1)  # (B, L)
+        if cfg_scale:
+            attention_mask = attention_mask.repeat(2, 1)                           # (2B, L)
+    fwd = {} if attention_mask is None else {"padded": not bool(attention_mask.all())}
+    return x, order, attention_mask, x != mask_id, fwd
 
 
 def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
@@ -130,6 +198,61 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, u=None) -> torch.Ten
     return (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
 
 
+def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
+    """Logits (B, end - lo, V) at positions [lo, end) of a full forward pass, the head on those positions
+    only (FullRows.head) if the model takes logits_at; vocab_slice (a, b): the columns [a, b) only, from
+    those rows of the head's weight (the image codes: never a full-vocabulary logit tensor). return_kv=True
+    adds the cache."""
+    if not getattr(model, "accepts_cache_kwargs", False):
+        logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
+        assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
+        return logits[:, lo:end] if vocab_slice is None else logits[:, lo:end, vocab_slice[0]:vocab_slice[1]]
+    head = FullRows(x, lo, end).head()                                             # [a, b) holds [lo, end)
+    kw = kw if vocab_slice is None else {**kw, "vocab_slice": vocab_slice}
+    out = model(x, attention_mask, logits_at=head, **kw)
+    a = head.start
+    return (out[0][:, lo - a:end - a], out[1]) if kw.get("return_kv") else out[:, lo - a:end - a]
+
+
+# -----------------------------------------------------------------------------------------------------
+# LLaDA bit parity (a first reading may skip this section)
+
+
+class FullRows:
+    """LLaDA bit parity: a first reading may skip this class. LLaDA's generate.py computes each step over
+    whole rows (B, L); the samplers compute only the columns [lo, end) a step chooses among, and this gives
+    every number its whole-row value:
+      head   [lo, end) widened to MIN_HEAD_ROWS head rows over the batch: BLAS may take another kernel (other
+             rounding) for a GEMM of a few rows, which can flip a near-tie;
+      noise  each row's uniforms drawn over its whole row (LLaDA's stream) and kept on [lo, end), so they
+             depend neither on lo nor on the batch mates; the fast step (active: its rows still decoding)
+             draws [lo, end) alone, in those rows;
+      top_k  topk over whole rows, -inf outside [lo, end): CPU topk's tie order depends on the row."""
+
+    def __init__(self, x, lo, end, generator=None, active=None):
+        self.x, self.cols, self.generator, self.active = x, slice(lo, end), generator, active
+
+    def head(self) -> slice:
+        (B, L), lo, end = self.x.shape, self.cols.start, self.cols.stop
+        w = min(L, max(end - lo, -(-MIN_HEAD_ROWS // B)))
+        a = min(lo, L - w)
+        return slice(a, a + w)
+
+    def noise(self, *tail, dtype=torch.float64) -> torch.Tensor:
+        """U[0, 1) (B, end - lo, *tail) from the generator (see the class docstring)."""
+        (B, L), device = self.x.shape, self.x.device
+        if self.active is None:
+            return uniform((B, L, *tail), self.generator, device, dtype, cols=self.cols)
+        return uniform((B, self.cols.stop - self.cols.start, *tail), self.generator, device, dtype,
+                       active=self.active)
+
+    def top_k(self, conf: torch.Tensor, k: torch.Tensor, distinct=None) -> torch.Tensor:
+        """bool (B, end - lo): select_top_k of conf (B, end - lo) as a whole row of -inf outside."""
+        full = conf.new_full(self.x.shape, -math.inf)                              # (B, L)
+        full[:, self.cols] = conf
+        return select_top_k(full, k, distinct)[:, self.cols]
+
+
 def select_top_k(confidence: torch.Tensor, counts: torch.Tensor, distinct=None) -> torch.Tensor:
     """bool (B, L): row j marks the counts[j] positions that torch.topk(confidence[j], counts[j]) returns,
     as LLaDA's per-row topk loop, ties included (CPU topk breaks them in no fixed index order, and bf16
@@ -142,86 +265,98 @@ def select_top_k(confidence: torch.Tensor, counts: torch.Tensor, distinct=None) 
     return select
 
 
-def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_order):
-    """The sampler's starting state: x (B, P + N) = prompt then N mask ids; order (B, L) all -1 (or None);
-    the attention mask extended over the completion (and doubled for CFG's two halves); prompt_index, the
-    positions CFG's unconditional input masks."""
-    B = prompt_ids.shape[0]
-    x = torch.cat([prompt_ids.long(), prompt_ids.new_full((B, gen_length), mask_id).long()], 1)  # (B, L)
-    order = torch.full_like(x, -1) if return_order else None                      # (B, L)
-    if attention_mask is not None:
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, gen_length)], 1)  # (B, L)
-        if cfg_scale:
-            attention_mask = attention_mask.repeat(2, 1)                           # (2B, L)
-    return x, order, attention_mask, x != mask_id
-
-
 # -----------------------------------------------------------------------------------------------------
-# text: LLaDA semi-autoregressive sampler
+# images: emerge (MaskGRPO Alg. 4) and MaskGIT (MMaDA t2i_generate)
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
-             remasking="low_confidence", mask_id, generator=None, attention_mask=None, return_order=False,
-             progress=False):
-    """LLaDA's semi-autoregressive sampler (arXiv:2502.09992 §2.4 and its public generate.py, token for
-    token at temperature 0): prompt_ids (B, P) int64, left-padded, attention_mask (B, P) 1 = real token
-    (optional) -> x (B, P + N), prompt included. return_order=True also returns order (B, P + N) int64: the
-    step at which each position was revealed, counted across blocks, -1 where none was (the prompt). The
-    state before step s is x with every position of order >= s masked (importance.decoding_logprob).
+def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler="emerge", cfg_scale=0.0,
+                   uncond_input_ids=None, generator=None, attention_mask=None, uncond_attention_mask=None,
+                   temperature=1.0, code_offset=None, codebook_size=None, mask_id=None, return_order=False,
+                   progress=False):
+    """Fill the image slots input_ids[:, image_start : image_start + num_tokens] (all mask ids on entry) with
+    image tokens (code + code_offset): (B, L) -> (B, L) [, order (B, L) as generate's, -1 off the slots].
+    Each of the `steps` steps predicts p over the codebook at the slots (with CFG) and hands it to the
+    sampler's step: emerge_step (MaskGRPO Alg. 4) or maskgit_step (MMaDA's t2i_generate).
 
-    The N = gen_length positions are denoised in blocks of block_length, left to right, steps // num_blocks
-    steps each (LLaDA floors it). Every step predicts x0 (Gumbel-max at temperature > 0) and reveals the
-    transfer_schedule count of masked positions with the highest confidence: p(x0) for "low_confidence", a
-    uniform draw for "random". cfg_scale w: logits l_u + (w + 1)(l_c - l_u), l_u with the prompt masked
-    (arXiv:2410.18514). generator: one torch.Generator, or a list of B, one per row. Eval mode expected."""
-    num_blocks = gen_length // block_length
-    spb = steps // max(num_blocks, 1)
-    assert gen_length % block_length == 0 and spb >= 1 and remasking in REMASKING, \
-        f"gen_length {gen_length} must be a multiple of block_length {block_length}, with steps {steps} >= blocks"
-    x, order, attention_mask, prompt_index = canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale,
-                                                    return_order)
-    (B, L), P = x.shape, prompt_ids.shape[1]
-    # Host reads, once per call and block rather than per step (each waits for the device): padding, counts.
-    kw = {} if attention_mask is None else {"padded": not bool(attention_mask.all())}
-    bar = tqdm(total=spb * num_blocks, desc="denoising", disable=not progress, leave=False)
-    for blk in range(num_blocks):
-        start, end = P + blk * block_length, P + (blk + 1) * block_length
-        counts = transfer_schedule((x[:, start:end] == mask_id).sum(1), spb)       # (B, spb)
-        distinct = [sorted(set(c)) for c in counts.T.tolist()]                     # [spb] each step's counts
-        for i in range(spb):
-            masked = x == mask_id                                                  # (B, L)
-            # A predicted mask id stays masked and competes again, even past its block (as LLaDA), so the
-            # step chooses among the positions from the first masked one up to the block end.
-            any_masked = masked[:, :end].any(0)                                   # (end,)
-            lo = int(torch.where(any_masked, torch.arange(end, device=x.device), end).min())  # the step's one read
-            xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
-            logits = _forward(model, xx, attention_mask, lo, end, **kw)           # (B or 2B, l, V)
-            if cfg_scale:  # l_u + (w + 1)(l_c - l_u), in this order so that bf16 rounds as the reference
-                cond, uncond = logits.chunk(2)
-                logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, l, V)
-            # Each row's noise is drawn over the whole sequence (LLaDA's stream), kept on the columns [lo, end);
-            # which number lands on which column does not depend on lo, so not on the batch mates (uniform).
-            u = uniform((B, L, logits.shape[-1]), generator, x.device, cols=slice(lo, end)) if temperature > 0 else None
-            x0 = gumbel_argmax(logits, temperature, u)                             # (B, l)
-            if remasking == "low_confidence":  # in the logits' dtype, as LLaDA (float32 breaks bf16 ties)
-                conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # (B, l)
-            else:
-                conf = uniform((B, L), generator, x.device, torch.float32, cols=slice(lo, end))  # (B, l)
-            m = masked[:, lo:end]                                                  # (B, l)
-            full = torch.full((B, L), -math.inf, dtype=conf.dtype, device=x.device)  # topk on LLaDA's full rows
-            full[:, lo:end] = torch.where(m, conf, -math.inf)
-            new = torch.where(select_top_k(full, counts[:, i], distinct[i])[:, lo:end] & m, x0, x[:, lo:end])  # (B, l)
-            if order is not None:
-                order[:, lo:end][m & (new != mask_id)] = blk * spb + i
-            x[:, lo:end] = new
-            bar.update()
-    bar.close()
+    Args:
+        uncond_input_ids, uncond_attention_mask: the unconditional prompt (B, L) and its padding mask for CFG;
+            its slots take the current image at every step. Unused at cfg_scale 0.
+        temperature: MaskGIT's choice temperature; emerge samples from p itself, so it must stay 1 (the
+            official sampler takes one and ignores it, docs/differences.md).
+        code_offset, codebook_size, mask_id: default to model.config's image_token_offset, codebook_size and
+            mask_token_id.
+        generator: torch.Generator for every draw (required), or a list of B generators, one per row.
+    """
+    config = getattr(model, "config", None)
+    code_offset = getattr(config, "image_token_offset", None) if code_offset is None else code_offset
+    codebook_size = getattr(config, "codebook_size", None) if codebook_size is None else codebook_size
+    mask_id = getattr(config, "mask_token_id", None) if mask_id is None else mask_id
+    B, L = input_ids.shape
+    n, span = num_tokens, slice(image_start, image_start + num_tokens)
+    assert sampler in IMAGE_SAMPLERS and steps >= 1 and (sampler == "maskgit" or temperature == 1.0), \
+        f"sampler {sampler!r}, steps {steps}, temperature {temperature}: emerge samples from p itself (tau = 1)"
+    assert (input_ids[:, span] == mask_id).all() and (input_ids == mask_id).sum() == B * n, \
+        f"input_ids[:, {image_start}:{image_start + n}] must be the only mask ids ({mask_id})"
+    assert cfg_scale == 0 or (uncond_input_ids is not None and uncond_input_ids.shape == input_ids.shape), \
+        "cfg_scale > 0 needs uncond_input_ids in the layout of input_ids"
+    codes = (code_offset, code_offset + codebook_size)  # the head's rows of the image codes
+    # whether any mask the model sees holds padding: read once, not at every step (a host sync each)
+    masks = [m for m in (attention_mask, uncond_attention_mask if cfg_scale else None) if m is not None]
+    padded = any(not bool(m.all()) for m in masks) if masks else None
+    x = input_ids.clone()                                                          # (B, L)
+    order = torch.full_like(x, -1) if return_order else None                      # (B, L)
+    for s in tqdm(range(steps), desc="image steps", disable=not progress, leave=False):
+        probs = _image_probs(model, x, span, codes, attention_mask, uncond_input_ids, uncond_attention_mask,
+                             cfg_scale, padded)                                    # (B, n, C)
+        slots = x[:, span]                                                         # (B, n)
+        if sampler == "emerge":
+            new = emerge_step(probs, slots, s, steps, generator, code_offset, mask_id)  # (B, n)
+        else:
+            new = maskgit_step(probs, slots, s, steps, temperature, generator, code_offset, mask_id)
+        if order is not None:
+            order[:, span] = torch.where((slots == mask_id) & (new != mask_id), s, order[:, span])
+        x[:, span] = new
     return (x, order) if return_order else x
 
 
-# -----------------------------------------------------------------------------------------------------
-# images: emerge (MaskGRPO Alg. 4) and MaskGIT (MMaDA t2i_generate)
+def emerge_step(probs, slots, s, steps, generator, code_offset, mask_id):
+    """Step s of T of MaskGRPO's emerge sampler (Alg. 4), MDLM ancestral sampling with kappa(u) = cos(pi u / 2):
+    probs (B, n, C) float64, slots (B, n) -> the new slots. A masked slot is revealed with probability
+    (kappa_t - kappa_s) / kappa_t, taking a code drawn from p, then frozen; the last step reveals every slot."""
+    masked = slots == mask_id                                                      # (B, n)
+    code = torch.where(masked, _sample_categorical(probs, generator), slots - code_offset)  # (B, n)
+    if s == steps - 1:
+        return code + code_offset
+    # Alg. 4's (C+1)-way categorical [p(v) (k_t - k_s)/k_t ..., masked: k_s/k_t], drawn as "reveal?" and the
+    # code apart: the same distribution.
+    k_t, k_s = _cosine(s / steps), _cosine((s + 1) / steps)
+    stay = masked & (uniform(masked.shape, generator, slots.device) >= (k_t - k_s) / k_t)  # (B, n)
+    return torch.where(stay, mask_id, code + code_offset)
+
+
+def maskgit_step(probs, slots, s, steps, temperature, generator, code_offset, mask_id):
+    """Step s of T of MaskGIT as MMaDA's t2i_generate runs it: probs (B, n, C) float64, slots (B, n) -> the
+    new slots. Every unknown slot is sampled from p, then the floor(n cos(pi/2 (s+1)/T)) least confident
+    are masked again, the confidence being log p(code) plus Gumbel noise at the choice temperature; the last
+    step keeps every sample (MMaDA returns it)."""
+    masked = slots == mask_id                                                      # (B, n)
+    code = torch.where(masked, _sample_categorical(probs, generator), slots - code_offset)  # (B, n)
+    if s == steps - 1:
+        return code + code_offset
+    logp = probs.gather(-1, code[..., None]).squeeze(-1).log()                     # (B, n); p > 0
+    # Annealed choice temperature tau (1 - (s+1)/T), canonical MaskGIT; MMaDA's compounds across
+    # steps (docs/differences.md). float64 Gumbel (arXiv:2409.02908).
+    tau = temperature * (1 - (s + 1) / steps)
+    if tau > 0:
+        logp = logp + tau * -torch.log(-torch.log(uniform(masked.shape, generator, slots.device)))
+    conf = torch.where(masked, logp, math.inf)  # known slots are never re-masked
+    # floor(n cos(pi/2 (s+1)/T)) stay masked, clamped to [1, unknown - 1] (MMaDA's clamp); exactly
+    # that many by stable rank (MMaDA's "< cutoff" re-masks fewer on exact ties).
+    n = slots.shape[1]
+    num_remask = (masked.sum(1) - 1).clamp(max=math.floor(n * _cosine((s + 1) / steps))).clamp(min=1)
+    stay = conf.argsort(dim=-1, stable=True).argsort(dim=-1) < num_remask[:, None]  # (B, n)
+    return torch.where(stay, mask_id, code + code_offset)
 
 
 def _cosine(u: float) -> float:  # masked fraction at time u in [0, 1]: kappa(u) = cos(pi u / 2) (Alg. 4)
@@ -253,75 +388,6 @@ def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask,
         logits = (1 + cfg_scale) * cond - cfg_scale * uncond  # MMaDA's (1 + w) l_c - w l_u, in its order
     # float64 (MMaDA samples from bf16 probabilities): with 8192 codes, bf16 rounds away the tail.
     return F.softmax(logits.double(), dim=-1)
-
-
-@torch.no_grad()
-def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler="emerge", cfg_scale=0.0,
-                   uncond_input_ids=None, generator=None, attention_mask=None, uncond_attention_mask=None,
-                   temperature=1.0, code_offset=None, codebook_size=None, mask_id=None, return_order=False,
-                   progress=False):
-    """Fill the image slots input_ids[:, image_start : image_start + num_tokens] (all mask ids on entry) with
-    image tokens (code + code_offset): (B, L) -> (B, L) [, order (B, L) as generate's, -1 off the slots].
-
-    "emerge" (MaskGRPO Alg. 4): MDLM ancestral sampling with kappa(u) = cos(pi u / 2): a masked slot is
-    revealed at step s with probability (kappa_t - kappa_s) / kappa_t, drawn from p, then frozen. Temperature
-    must stay 1 (the official sampler takes one and ignores it, docs/differences.md).
-    "maskgit" (MMaDA t2i_generate): sample every unknown slot, then re-mask the floor(n cos(pi/2 (s+1)/T))
-    least confident; temperature scales the Gumbel choice noise.
-
-    Args:
-        uncond_input_ids, uncond_attention_mask: the unconditional prompt (B, L) and its padding mask for CFG;
-            its slots take the current image at every step. Unused at cfg_scale 0.
-        code_offset, codebook_size, mask_id: default to model.config's image_token_offset, codebook_size and
-            mask_token_id.
-        generator: torch.Generator for every draw (required), or a list of B generators, one per row.
-    """
-    config = getattr(model, "config", None)
-    code_offset = getattr(config, "image_token_offset", None) if code_offset is None else code_offset
-    codebook_size = getattr(config, "codebook_size", None) if codebook_size is None else codebook_size
-    mask_id = getattr(config, "mask_token_id", None) if mask_id is None else mask_id
-    B, L = input_ids.shape
-    n, span = num_tokens, slice(image_start, image_start + num_tokens)
-    assert sampler in IMAGE_SAMPLERS and steps >= 1 and (sampler == "maskgit" or temperature == 1.0), \
-        f"sampler {sampler!r}, steps {steps}, temperature {temperature}: emerge samples from p itself (tau = 1)"
-    assert (input_ids[:, span] == mask_id).all() and (input_ids == mask_id).sum() == B * n, \
-        f"input_ids[:, {image_start}:{image_start + n}] must be the only mask ids ({mask_id})"
-    assert cfg_scale == 0 or (uncond_input_ids is not None and uncond_input_ids.shape == input_ids.shape), \
-        "cfg_scale > 0 needs uncond_input_ids in the layout of input_ids"
-    codes = (code_offset, code_offset + codebook_size)  # the head's rows of the image codes
-    # whether any mask the model sees holds padding: read once, not at every step (a host sync each)
-    masks = [m for m in (attention_mask, uncond_attention_mask if cfg_scale else None) if m is not None]
-    padded = any(not bool(m.all()) for m in masks) if masks else None
-    x = input_ids.clone()                                                          # (B, L)
-    order = torch.full_like(x, -1) if return_order else None                      # (B, L)
-    for s in tqdm(range(steps), desc="image steps", disable=not progress, leave=False):
-        probs = _image_probs(model, x, span, codes, attention_mask, uncond_input_ids, uncond_attention_mask,
-                             cfg_scale, padded)                                    # (B, n, C)
-        masked = x[:, span] == mask_id                                             # (B, n)
-        code = torch.where(masked, _sample_categorical(probs, generator), x[:, span] - code_offset)  # (B, n)
-        stay = torch.zeros_like(masked)  # the last step decodes every slot (MMaDA returns the sample)
-        if s < steps - 1 and sampler == "emerge":
-            # Alg. 4's (C+1)-way categorical [p(v) (k_t - k_s)/k_t ..., masked: k_s/k_t], drawn as "reveal?"
-            # and the code apart: the same distribution.
-            k_t, k_s = _cosine(s / steps), _cosine((s + 1) / steps)
-            stay = masked & (uniform((B, n), generator, x.device) >= (k_t - k_s) / k_t)
-        elif s < steps - 1:
-            logp = probs.gather(-1, code[..., None]).squeeze(-1).log()             # (B, n); p > 0
-            # Annealed choice temperature tau (1 - (s+1)/T), canonical MaskGIT; MMaDA's compounds across
-            # steps (docs/differences.md). float64 Gumbel (arXiv:2409.02908).
-            tau = temperature * (1 - (s + 1) / steps)
-            if tau > 0:
-                logp = logp + tau * -torch.log(-torch.log(uniform((B, n), generator, x.device)))
-            conf = torch.where(masked, logp, math.inf)  # known slots are never re-masked
-            # floor(n cos(pi/2 (s+1)/T)) stay masked, clamped to [1, unknown - 1] (MMaDA's clamp); exactly
-            # that many by stable rank (MMaDA's "< cutoff" re-masks fewer on exact ties).
-            num_remask = (masked.sum(1) - 1).clamp(max=math.floor(n * _cosine((s + 1) / steps))).clamp(min=1)
-            stay = conf.argsort(dim=-1, stable=True).argsort(dim=-1) < num_remask[:, None]  # (B, n)
-        new = torch.where(stay, mask_id, code + code_offset)                       # (B, n)
-        if order is not None:
-            order[:, span][masked & (new != mask_id)] = s
-        x[:, span] = new
-    return (x, order) if return_order else x
 
 
 if __name__ == "__main__":  # the sampling library; the command line is tools/sample.py

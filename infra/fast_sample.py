@@ -6,20 +6,20 @@
   threshold tau > 0 also commits every masked position of the block more confident than tau, at least
             ceil(masked left / steps left), so a block may end early.
 
-Either one switches from LLaDA's exact step to the fast step: the block alone is scored, the mask id is never
-committed, and a row whose block is done draws no noise. They approximate the behaviour policy only:
+Either one switches from LLaDA's exact step to the fast step, the same sample.denoise_step around a cache and
+a threshold: the block alone is scored, the mask id is never committed, and a row whose block is done draws no
+noise. They approximate the behaviour policy only:
 MaskGRPO rescores every rollout under its own masks. RL rollouts use FastSampler under --kv_cache /
 --threshold; held-out evaluation keeps the exact sampler.
 """
 import math
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import sample
 from infra import scale
-from sample import _forward, canvas, gumbel_argmax, select_top_k, uniform
+from sample import _forward, canvas, denoise_step
 
 KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a cached step recomputes
 
@@ -29,8 +29,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
              remasking="low_confidence", mask_id, generator=None, attention_mask=None, kv_cache="none",
              threshold=0.0, return_order=False, progress=False, stats=None):
     """sample.generate's arguments and outputs, with kv_cache in KV_CACHES and threshold tau >= 0 (module
-    docstring); with neither, sample.generate itself. stats: a dict that receives running sums of what each
-    fast step committed (fast_summary reads them)."""
+    docstring); with neither, sample.generate itself. stats: a dict that collects what each fast step
+    committed, kept on the device until fast_summary sums it."""
     if kv_cache == "none" and threshold <= 0:
         return sample.generate(model, prompt_ids, gen_length=gen_length, block_length=block_length, steps=steps,
                                temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, mask_id=mask_id,
@@ -43,51 +43,38 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     assert kv_cache in KV_CACHES and (kv_cache == "none" or getattr(model, "accepts_cache_kwargs", False)), \
         f"kv_cache={kv_cache!r} needs model.Transformer's kv / start / return_kv forward arguments, in {KV_CACHES}"
     assert threshold == 0 or remasking == "low_confidence", "threshold compares model confidences"
-    x, order, attention_mask, prompt_index = canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale,
-                                                    return_order)
-    (B, L), P = x.shape, prompt_ids.shape[1]
+    x, order, attention_mask, prompt_index, fwd = canvas(prompt_ids, gen_length, mask_id, attention_mask,
+                                                         cfg_scale, return_order)
+    L, P = x.shape[1], prompt_ids.shape[1]
     bar = tqdm(total=spb * num_blocks, desc="denoising", disable=not progress, leave=False)
     for blk in range(num_blocks):
         start, end = P + blk * block_length, P + (blk + 1) * block_length
         kv = None
         for i in range(spb):
-            masked = x == mask_id                                                  # (B, L)
-            if not masked[:, start:end].any():  # the threshold finished this block early
+            left = (x[:, start:end] == mask_id).sum(1).tolist()                   # the step's one host read
+            if not any(left):  # the threshold finished this block early
                 break
             xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
             if kv is None:  # a full forward (at a block start, it stores every layer's keys and values)
-                logits, kv = _forward(model, xx, attention_mask, start, end, return_kv=True) if kv_cache != "none" \
-                    else (_forward(model, xx, attention_mask, start, end), None)  # (B or 2B, K, V)
+                logits, kv = _forward(model, xx, attention_mask, start, end, return_kv=True, **fwd) \
+                    if kv_cache != "none" else (_forward(model, xx, attention_mask, start, end, **fwd), None)
             else:  # recompute the block and what follows it (prefix) or the block alone (dual)
                 stop = L if kv_cache == "prefix" else end
-                logits = model(xx[:, start:stop], attention_mask, kv=kv, start=start, logits_at=slice(0, end - start))
+                logits = model(xx[:, start:stop], attention_mask, kv=kv, start=start, logits_at=slice(0, end - start),
+                               **fwd)
             if cfg_scale:  # l_u + (w + 1)(l_c - l_u), as sample.generate
                 cond, uncond = logits.chunk(2)
                 logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, K, V)
             logits[..., mask_id] = -math.inf
-            # The block's noise only, for the rows still decoding it (per-row generators: the others draw none).
-            active = masked[:, start:end].any(1).tolist()
-            u = uniform((B, end - start, logits.shape[-1]), generator, x.device, active=active) \
-                if temperature > 0 else None
-            x0 = gumbel_argmax(logits, temperature, u)                             # (B, K)
-            if remasking == "low_confidence":  # in the logits' dtype, as LLaDA
-                conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # (B, K)
-            else:
-                conf = uniform((B, end - start), generator, x.device, torch.float32, active=active)  # (B, K)
-            m = masked[:, start:end]                                               # (B, K)
-            full = torch.full((B, L), -math.inf, dtype=conf.dtype, device=x.device)  # topk on LLaDA's full rows
-            full[:, start:end] = torch.where(m, conf, -math.inf)
             # At least ceil(masked left / steps left): the fixed schedule when nothing extra was committed.
-            k = (m.sum(1) + spb - i - 1) // (spb - i)                              # (B,)
-            select = select_top_k(full, k)[:, start:end]                           # (B, K)
-            if threshold > 0:
-                select |= m & (conf > threshold)
-            new = torch.where(select & m, x0, x[:, start:end])                     # (B, K)
-            if stats is not None:  # per row that still had masked tokens: how many it committed, how sure
-                _count(stats, (select & m)[m.any(1)].sum(1), conf[select & m])
-            if order is not None:
-                order[:, start:end][m & (new != mask_id)] = blk * spb + i
-            x[:, start:end] = new
+            k = [(n + spb - i - 1) // (spb - i) for n in left]
+            # A row whose block is done draws no noise (with per-row generators).
+            active = [n > 0 for n in left]
+            revealed, conf = denoise_step(x, order, blk * spb + i, logits, start, end, torch.tensor(k, device=x.device),
+                                          sorted(set(k)), temperature=temperature, remasking=remasking,
+                                          mask_id=mask_id, generator=generator, active=active, threshold=threshold)
+            if stats is not None:  # kept on the device; fast_summary reads them (a read per step would stall)
+                stats.setdefault("steps", []).append((revealed, conf, active))
             bar.update()
     bar.close()
     return (x, order) if return_order else x
@@ -107,6 +94,8 @@ def fast_summary(task: str, stats: dict | None, device) -> dict:
     tokens under the sampling distribution (Fast-dLLM thresholds it). {} without stats."""
     if stats is None:
         return {}
+    for revealed, conf, active in stats.pop("steps", []):  # each fast step's (B, K) tensors, read here
+        _count(stats, revealed[torch.tensor(active, device=revealed.device)].sum(1), conf[revealed])
     sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
                                       dtype=torch.float64, device=device)).tolist()
     top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()

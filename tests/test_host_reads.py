@@ -7,12 +7,14 @@ dispatched reads (_local_scalar_dense behind item/bool/int, nonzero, unique) and
 """
 from collections import Counter
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo
 import importance
 import sample
+from infra import fast_sample
 from test_sample import gen, prompts, tiny_model
 
 READS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten._unique2.default",
@@ -44,6 +46,29 @@ def test_the_text_sampler_reads_once_per_step(monkeypatch):
     with HostReads(monkeypatch) as reads:
         sample.generate(model, p, gen_length=16, block_length=8, steps=8, mask_id=63, attention_mask=am)
     assert reads.count == {"_local_scalar_dense": 8 + 1, "tolist": 2}, reads.count
+
+
+@pytest.mark.parametrize("kv_cache, threshold", [("dual", 0.0), ("prefix", 0.05)])
+def test_the_fast_sampler_reads_once_per_step(monkeypatch, kv_cache, threshold):
+    """Fast-dLLM on padded prompts, 8 steps in 2 blocks, with the decoding order and statistics: one read per
+    step (each row's masks left in the block: the step's counts and active rows), and one more where the
+    threshold finished a block early (the read that finds it done), one per call (padding). The statistics
+    wait on the device for fast_summary."""
+    p, model = prompts(B=3, P=5), tiny_model().eval()
+    am = torch.ones_like(p)
+    am[1, :2] = 0
+    forwards, stats = [], {}
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    with HostReads(monkeypatch) as reads:
+        _, order = fast_sample.generate(model, p, gen_length=16, block_length=8, steps=8, mask_id=63,
+                                        attention_mask=am, kv_cache=kv_cache, threshold=threshold, stats=stats,
+                                        return_order=True)
+    used = [int(order[:, 5 + 8 * b:13 + 8 * b].max()) - 4 * b + 1 for b in range(2)]  # steps each block took
+    assert len(forwards) == sum(used) and (threshold == 0) == (sum(used) == 8), used
+    assert reads.count == {"_local_scalar_dense": 1, "tolist": sum(used) + sum(u < 4 for u in used)}, reads.count
+    assert len(stats["steps"]) == sum(used)
+    fast_sample.fast_summary("text", stats, "cpu")
+    assert stats["tokens"] == 3 * 16 and "steps" not in stats  # each completion position committed once
 
 
 def test_scoring_reads_twice_per_call_whatever_the_chunks(monkeypatch):
