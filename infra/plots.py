@@ -6,7 +6,7 @@ never depend on them.
 
     python -m infra.plots out/toy          # writes out/toy/curves.png from out/toy/log.jsonl
     python -m infra.plots --compare d1=out/d1-s0,out/d1-s1 MaskGRPO=out/m-s0,out/m-s1 --png kl.png
-                                           # KL and reward per step, one line per label (mean over its runs)
+                                           # KL and reward per step, one line per label (median over its runs)
     python -m infra.plots --compare ... --x=cpu_seconds --png r.png   # against cumulative RL seconds
 """
 import argparse
@@ -147,7 +147,8 @@ def held_out_lines(summary: dict) -> list[tuple[str, str]]:
 
 def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "RL step"):
     """A matplotlib Figure of (title, series) panels side by side, PANEL_W x PANEL_H pixels each, with one
-    legend above them; held: held_out_lines of the run, written as a last panel. Raw per-step values are drawn faint under a trailing mean of the last `window` logged values."""
+    legend above them; held: held_out_lines of the run, written as a last panel. Raw per-step values are drawn
+    faint under a trailing mean of the last `window` logged values."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
