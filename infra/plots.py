@@ -10,6 +10,7 @@ never depend on them.
     python -m infra.plots --compare ... --x=cpu_seconds --png r.png   # against cumulative RL seconds
 """
 import argparse
+import importlib
 import importlib.util
 import json
 import math
@@ -57,13 +58,20 @@ def text_image(codes: list[int], width: int, stream=None) -> str:
                      for r in range(0, len(codes), width))
 
 
-def _pil():
-    # Imported here, not at the top, so that `import plots` works without the extra.
+def _extra(name: str, module: str):
+    """The module, imported here rather than at the top so that `import plots` works without the extra; None
+    after the one-line install hint when `name` is not installed."""
     try:
-        from PIL import Image, ImageDraw, ImageFont
+        return importlib.import_module(module)
     except ImportError:
-        print(INSTALL_HINT.format("Pillow"))
+        print(INSTALL_HINT.format(name))
         return None
+
+
+def _pil():
+    if _extra("Pillow", "PIL.ImageDraw") is None:
+        return None
+    from PIL import Image, ImageDraw, ImageFont
     return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
 
 
@@ -191,10 +199,7 @@ def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "R
 def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None,
                  xlabel: str = "RL step") -> Path | None:
     """Draw _figure's panels and save the PNG; None (with the hint) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(INSTALL_HINT.format("matplotlib"))
+    if (matplotlib := _extra("matplotlib", "matplotlib")) is None:
         return None
     with matplotlib.rc_context({"font.size": 8}):
         _figure(panels, colours, steps, held, xlabel).savefig(png_path)
