@@ -10,7 +10,6 @@ never depend on them.
     python -m infra.plots --compare ... --x=cpu_seconds --png r.png   # against cumulative RL seconds
 """
 import argparse
-import importlib
 import importlib.util
 import json
 import math
@@ -69,7 +68,7 @@ def _extra(name: str, module: str):
 
 
 def _pil():
-    if _extra("Pillow", "PIL.ImageDraw") is None:
+    if _extra("Pillow", "PIL") is None:
         return None
     from PIL import Image, ImageDraw, ImageFont
     return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
@@ -169,7 +168,8 @@ def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "R
             xs, ys = [x for x, _ in pts], [y for _, y in pts]
             avg = [sum(ys[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(ys))]
             marker = "o" if len(pts) == 1 else None  # a single logged step: a dot
-            ax.plot(xs, ys, color=rgb[name], alpha=0.3, lw=1, marker=marker, ms=3)
+            # zorder: under every task's mean (2), so that no mean hides under another task's raw values
+            ax.plot(xs, ys, color=rgb[name], alpha=0.3, lw=1, marker=marker, ms=3, zorder=1.8)
             ax.plot(xs, avg, color=rgb[name], lw=2, marker=marker, ms=3, label=name)
         xs = [x for pts in series.values() for x, _ in pts]
         ax.set_xlim(min(xs), max(max(xs), min(xs) + 1))  # exactly the logged steps: the curves reach both edges

@@ -63,6 +63,7 @@ def test_curves_draw_the_logged_values_and_their_trailing_mean(tmp_path, monkeyp
             assert list(faint.get_xdata()) == [x for x, _ in pts] and list(faint.get_ydata()) == ys
             assert list(bold.get_xdata()) == [x for x, _ in pts] and bold.get_ydata() == pytest.approx(mean)
             assert faint.get_alpha() == 0.3 and bold.get_label() == task
+            assert faint.get_zorder() < 2 == bold.get_zorder()  # every raw line under every mean
             assert tuple(round(255 * c) for c in bold.get_color()) == plots.TASK_COLOURS[task]
         assert ax.get_xlim() == (0, 29)  # exactly the logged steps
     assert [t.get_text() for t in figures[0].legends[0].get_texts()] == ["text", "image", "bold: 3-step mean"]
