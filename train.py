@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import grpo
 import importance
 import tasks
-from infra import checkpoint, claims, cli, dryrun, lora, phases, scale, timing, tracker
+from infra import budget, checkpoint, claims, cli, lora, phases, scale, timing, tracker
 from infra.data import load_data
 from infra.fast_sample import FastSampler
 from infra.load import load_policy, report_truncation
@@ -427,7 +427,7 @@ PHASES = ((sys.modules[__name__], "rollout", "rollout"), (tasks, "score", "rewar
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
-        return claims.dry_run(cfg, dryrun.report)
+        return claims.dry_run(cfg, budget.report)
     with failures_in_one_line(cfg):  # out of memory, a full disk, a dead rank: one line naming what is kept
         return _run(cfg, argv)
 

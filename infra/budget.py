@@ -1,11 +1,8 @@
-"""The dry-run budget: parameters, FLOPs per RL step and for the whole run, a wall-time and GPU-hour
-estimate, and memory per GPU, without loading any weights (infra/dryrun.py prints them); the launcher's kill
-delay and the start-up disk check.
-
-    python train.py --preset llada8b --dry_run
-
-Every figure here is an estimate from the model shape and the config, written so that it can be checked
-by hand (tests/test_budget.py holds the hand derivation for LLaDA-8B).
+"""The dry run: `python train.py --preset llada8b --dry_run` prints parameters, FLOPs per RL step and per run,
+the held-out evaluations' cost, a wall-time and GPU-hour estimate, memory per GPU by phase and the kill delay a
+launcher needs, without loading any weights (report); and the start-up checks built on the same figures: the
+launcher's kill delay, the out-of-memory advice and the disk check. Every figure is an estimate from the model
+shape and the config, to be checked by hand (tests/test_budget.py holds the derivation for LLaDA-8B).
 """
 from __future__ import annotations
 
@@ -28,29 +25,29 @@ from infra import hf, toy
 from infra.scale import print0
 
 GB = 1024 ** 3
-# The GPU the time estimate is stated for, its dense bf16 peak (NVIDIA's A100 datasheet: 312 TFLOP/s
-# without sparsity), and the fraction of it assumed to be achieved. The MFU is an assumption, not a
-# measurement: this code has not run on a GPU. Large-batch bf16 transformer training commonly reaches
-# 35-50% on A100s; rollouts here are full-sequence forwards of 6-12 sequences per GPU, so the low end.
+# The GPU the time estimate is stated for, its dense bf16 peak (NVIDIA's A100 datasheet, without sparsity) and
+# the fraction of it assumed achieved: an assumption, not a measurement. Large-batch bf16 transformer training
+# reaches 35-50% on A100s; rollouts here are full-sequence forwards of 6-12 sequences per GPU, so the low end.
 GPU_NAME = "A100-80GB SXM"
 GPU_PEAK_FLOPS = 312e12
 H100_PEAK_FLOPS = 989e12  # H100 SXM (and H200) dense bf16, NVIDIA's datasheet
 # Dense bf16 peaks by the name torch.cuda.get_device_name gives (tests/first_gpu.py times a step against it).
 GPU_PEAKS = {"A100": GPU_PEAK_FLOPS, "H100": H100_PEAK_FLOPS, "H200": H100_PEAK_FLOPS}
 ASSUMED_MFU = 0.35
-# The GPUs whose memory the dry run states the headroom for, in GiB (2^30 bytes, the unit of every memory
-# figure here): the totals nvidia-smi lists for an H100 SXM "80 GB" (81,559 MiB) and an H200 "141 GB"
-# (143,771 MiB), before the CUDA context. tests/first_gpu.py prints the card's own total.
+# The GPUs the dry run states the headroom for, in GiB (2^30 bytes, every memory figure's unit): nvidia-smi's
+# totals for an H100 SXM "80 GB" (81,559 MiB) and an H200 "141 GB" (143,771 MiB), before the CUDA context.
 GPU_MEMORY_GB = {"H100": 79.6, "H200": 140.4}
+# Seconds from SIGTERM to SIGKILL by default: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT and Slurm's KillWait.
+DEFAULT_KILL_DELAY = 30
+# Assumed checkpoint write speed (bytes/s): torch.distributed.checkpoint to a network file system.
+CHECKPOINT_WRITE_SPEED = 0.5 * GB
+# The first torch whose torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT; earlier ones kill 30 s after SIGTERM.
+SHUTDOWN_TIMEOUT_TORCH = "2.12"
 
 
 def gpu_kind(device_name: str) -> str | None:
     """"H100" for "NVIDIA H100 80GB HBM3" and so on: the GPU_PEAKS key a device name holds, or None."""
     return next((k for k in GPU_PEAKS if k in device_name.upper()), None)
-
-
-# -----------------------------------------------------------------------------------------------------
-# shape
 
 
 def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
@@ -69,36 +66,17 @@ def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
                                                          block.named_children() if name in targets)}
 
 
-# -----------------------------------------------------------------------------------------------------
-# FLOPs
-
-
 def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int, rollout: str, steps: int,
           block_length: int, cfg_scale: float, mu: int, beta: float, lora: bool,
           activation_checkpointing: bool, window: int, trajectory: bool = False, trajectory_states: int = 0) -> dict:
-    """Global FLOPs of one RL step (one rollout batch: every task's prompts_per_step * group_size
-    sequences, all ranks together), by phase. A multiply-add is 2 FLOPs.
-
-    Per token of a forward pass: 2 per weight of every block matrix (and adapter), plus attention,
-    4 * keys * d_model per layer (QK^T and the weighted sum of V); the embedding is a lookup. The head
-    (2 per weight) runs only at the positions the code computes it at, not at every token:
-    - rollouts: `steps` denoising passes over the whole sequence, the head over the current block of
-      block_length positions ("exact", LLaDA's sampler without a KV cache: an upper bound, the first
-      masked position of the block on) or over the `window` image slots ("image", MMaDA's sampler); with
-      CFG (images only: text rollouts take no guidance) each pass runs the unconditional rows too.
-      "prefix"/"dual" (Fast-dLLM caches): one full pass per block, then only the tokens from the block on
-      (prefix) or the block itself (dual), attending to all keys, the head over the block. Threshold
-      decoding can end a block early: these are upper bounds then.
-    - scoring: the old policy's log-probabilities for each of the mu masks, and the reference's when
-      beta > 0 (LoRA: the same model with adapters off), one forward each, the head over the `window`
-      (importance.token_logprobs: the columns holding a scored position, the completion or the image).
-    - updates: mu optimizer steps over all sequences: a forward, the backward (full fine-tuning: input
-      and weight gradients, 2x the forward; LoRA: input gradients of the frozen matrices, 1x, plus the
-      adapters' both), the head's over the window, and with activation checkpointing the blocks' forward
-      once more.
-    - trajectory: the exact-path estimator scores the state of every decoding step instead of mu masks,
-      so scoring takes `steps` forwards per sequence, and each of the mu updates `steps` forward-backwards;
-      with trajectory_states = K > 0 each update takes K (at most `steps`) and scoring min(mu K, steps).
+    """Global FLOPs of one RL step (every task's prompts_per_step * group_size sequences, all ranks), by phase.
+    A forward costs per token 2 FLOPs per weight of the block matrices (and adapters) and 4 * keys * d_model
+    per layer of attention; the head (2 per weight) runs only where the code computes it. Rollouts: `steps`
+    passes (twice the rows with CFG), the head over the current block or the image slots; the Fast-dLLM
+    caches one full pass per block, then the tokens from the block on (prefix) or the block (dual): upper
+    bounds, as threshold decoding can end a block early. Scoring: old and (beta > 0) reference log-probs of mu
+    masks. Updates: mu forward-backwards (full 2x the forward, LoRA 1x plus the adapters'), and a recompute
+    with activation checkpointing. trajectory: every decoding state (or K per update) instead of mu masks.
     per_rollout_seq: the FLOPs of one rollout sequence (its CFG rows included)."""
     d, nl = mc.d_model, mc.n_layers
     body, head = nl * s["block_matmul"], s["head"]
@@ -137,41 +115,15 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
             "per_rollout_seq": cfg_rows * per_seq}
 
 
-# -----------------------------------------------------------------------------------------------------
-# memory
-
-
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
            cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
            codebook: int = 8192, head_len: int | None = None) -> dict:
-    """Memory per GPU in GB (2^30 bytes), by component, for one world size. Estimates: the CUDA context,
-    allocator fragmentation and NCCL buffers (a few GB) are left out.
-
-    Sharded state (FSDP2 splits it over the ranks): full fine-tuning keeps float32 master weights,
-    gradients and AdamW's two moments (16 B/param) and, with beta > 0, a float32 reference copy (4 B);
-    LoRA keeps the frozen base in the compute dtype (2 B) and float32 adapters with gradients and moments
-    (16 B). One process holds all of it and computes from it directly, so it gathers nothing.
-    Gathered (world_size > 1, compute dtype): the root (embedding, final norm, head) stays gathered from
-    an update chunk's forward to its backward; blocks are gathered one at a time, two with the next
-    one's prefetch; a rollout holds the whole model (scale.full_weights). Each all-gather first fills a
-    flat buffer of the whole group, then copies it into the unsharded parameters: for a moment the group
-    is there twice, so the largest group (the root at LLaDA's shape) adds one more copy to every phase.
-    An update chunk of `chunk` sequences keeps its activations (checkpointing: each block's input,
-    d_model values per token and layer, plus one block's full activations while it is recomputed, about
-    16 d_model + 3 mlp_hidden values per token; without it every block's) and the head: it runs in float32 at
-    the `head_len` positions per sequence (default: all; the scored window), over the vocabulary (text) or
-    the codebook's columns (images), so float32 logits and their log-softmax, 8 B per entry, plus a float32
-    copy of the head's weight rows it uses (none when the compute dtype is float32) and, in full
-    fine-tuning, that copy's gradient during the backward (importance.token_logprobs, model.Transformer.head).
-    A rollout forward of `chunk` sequences (twice the rows with CFG) makes bf16 logits over the current
-    block (text; at least MIN_HEAD_ROWS rows) or the image slots, the codebook's columns only (images),
-    in the compute dtype; the text sampler then draws
-    float64 Gumbel noise over the block's columns (the uniforms, the float64 logits and the noisy sum:
-    24 B, and a bf16 softmax: 2 B), the image sampler a float64 softmax over the codebook at every image
-    position.
-    Scoring (the old and reference log-probs, train.rl_step step 5) runs without gradients inside
-    scale.full_weights: the whole model gathered, as in a rollout, with a chunk's logits as in an update
-    and one block's activations at a time (no_grad_block: nothing is kept for a backward)."""
+    """Memory per GPU in GB (2^30 bytes), by component, for one world size (the CUDA context, fragmentation and
+    NCCL buffers left out). Sharded: full fine-tuning's float32 weights, gradients and AdamW moments (16 B a
+    parameter, + 4 B reference with beta > 0), or LoRA's base in the compute dtype and float32 adapters. Gathered
+    (world_size > 1): the root and two blocks in an update, the whole model in a rollout or scoring, and the
+    largest group again in the all-gather buffer. Per chunk: activations (checkpointing: each block's input and
+    one block's), float32 logits at the `head_len` positions (8 B an entry), the samplers' transients."""
     c, w = mc, world_size
     n = s["params"]
     per_tok_block = 16 * c.d_model + 3 * c.mlp_hidden_size
@@ -186,10 +138,8 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     rows["allgather_buffer"] = max(root, block) * compute_bytes * gathered
     rows["model_gathered"] = (n + s["lora_params"]) * compute_bytes * gathered
     tokens = chunk * seq_len
-    if activation_checkpointing:
-        acts = tokens * c.n_layers * c.d_model * compute_bytes + tokens * per_tok_block * compute_bytes
-    else:
-        acts = tokens * c.n_layers * per_tok_block * compute_bytes
+    acts = tokens * c.n_layers * (c.d_model if activation_checkpointing else per_tok_block) * compute_bytes
+    acts += tokens * per_tok_block * compute_bytes * activation_checkpointing  # the block being recomputed
     rows["activations"] = acts
     head_len = seq_len if head_len is None else head_len
     cols = codebook if image else c.vocab_size  # images score the codebook's columns only (vocab_slice)
@@ -200,10 +150,8 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     # rows per chunk); the image samplers over the image slots and the codebook's columns only.
     head_rows = chunk * (sampled if image else max(sampled, -(-MIN_HEAD_ROWS // chunk)))
     model_logits = cfg_rows * head_rows * cols * compute_bytes
-    if image:
-        sampler = chunk * sampled * codebook * 8 * 2  # float64 probabilities and their cumulative sum
-    else:
-        sampler = chunk * sampled * c.vocab_size * (24 + 2)
+    # images: float64 probabilities and their cumulative sum; text: float64 Gumbel noise (24 B) and a softmax
+    sampler = chunk * sampled * codebook * 8 * 2 if image else chunk * sampled * c.vocab_size * (24 + 2)
     rows["sampling"] = model_logits + sampler
     rows["no_grad_block"] = tokens * per_tok_block * compute_bytes
     update_common = rows["root_gathered"] + rows["blocks_gathered"] + rows["allgather_buffer"] + acts + rows["logits"]
@@ -217,9 +165,7 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
         rows[f"{kind}_peak"] = max(rows[f"{kind}_update"], rows[f"{kind}_rollout"], rows[f"{kind}_scoring"])
     out = {k: v / GB for k, v in rows.items()}
     # the short names that the README and tests read
-    out.update(weights_gb=n * compute_bytes / w / GB, full_ft_gb=out["full_peak"], lora_gb=out["lora_peak"],
-               full_ft_rollout_gb=out["full_rollout"], lora_rollout_gb=out["lora_rollout"],
-               activations_gb=out["activations"], logits_gb=out["logits"])
+    out.update(weights_gb=n * compute_bytes / w / GB, full_ft_gb=out["full_peak"], lora_gb=out["lora_peak"])
     return out
 
 
@@ -235,13 +181,8 @@ MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state",
                ("lora_scoring", "LoRA, scoring peak"), ("lora_peak", "LoRA, peak"))
 
 
-# -----------------------------------------------------------------------------------------------------
-# the dry run
-
-
 def scratch_config(cfg, **vocab) -> ModelConfig:
-    """The model shape given by the Config's d_model / n_layers / n_heads / mlp_hidden_size fields, with
-    the vocabulary fields passed in (the toy tokenizer's, or --vocab_size for --dry_run)."""
+    """The model shape of the Config's d_model, n_layers, n_heads and mlp_hidden_size, with the vocabulary given."""
     return ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
                        mlp_hidden_size=cfg.mlp_hidden_size, **vocab)
 
@@ -256,9 +197,8 @@ def model_config(cfg) -> ModelConfig:
 
 
 def task_shape(cfg, task: str) -> dict:
-    """What one RL step processes for one task: whether it is images, the prompt and sequence lengths, the
-    rollout kind, the denoising steps, the global number of sequences and the window (completion or image
-    slots: the positions scored, and the head's columns in scoring and updates)."""
+    """What one RL step processes for one task: images or not, the prompt and sequence lengths, the rollout
+    kind, the denoising steps, the global number of sequences and the window (the completion or image slots)."""
     if task in IMAGE_TASKS:
         prompt_len = (cfg.image_text_len or 32) + 2
         seq_len, rollout, steps, window = prompt_len + cfg.image_width ** 2, "image", cfg.image_steps, cfg.image_width ** 2
@@ -270,8 +210,7 @@ def task_shape(cfg, task: str) -> dict:
 
 
 def step_shape(cfg) -> dict:
-    """The step's tasks (task_shape of each) and what the dry run prints of them: the global number of
-    sequences, the longest sequence, the denoising steps and rollout kind of the first task."""
+    """The step's tasks (task_shape of each) and what the dry run prints of them, over all tasks."""
     shapes = [task_shape(cfg, t) for t in task_list(cfg)]
     return dict(names=[p["task"] for p in shapes], tasks=shapes, image=any(p["image"] for p in shapes),
                 seq_len=max(p["seq_len"] for p in shapes), rollout="/".join(dict.fromkeys(p["rollout"] for p in shapes)),
@@ -279,8 +218,8 @@ def step_shape(cfg) -> dict:
 
 
 def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
-    """flops() of one RL step of the Config `cfg` on the model shape mc, summed over its tasks;
-    per_rollout_seq by task."""
+    """flops() of one RL step of the Config `cfg` on the model shape mc, summed over its tasks (per_rollout_seq
+    by task)."""
     s = shape(mc, cfg.lora_rank, cfg.lora_targets) if s is None else s
     total = {"rollout": 0, "scoring": 0, "update": 0, "step": 0, "per_rollout_seq": {}}
     for p in step_shape(cfg)["tasks"]:
@@ -295,19 +234,16 @@ def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
 
 
 def eval_flops(cfg, mc: ModelConfig, s: dict) -> tuple[float, int]:
-    """(FLOPs, sequences) of ONE held-out evaluation (the run makes two, before and after RL) at
-    --eval_prompts per task: heldout.evaluate_all samples eval_samples completions per prompt and, for text,
-    one more greedily, always with the exact sampler (no KV cache, no threshold; images with CFG)."""
+    """(FLOPs, sequences) of ONE held-out evaluation (a run makes two): heldout.evaluate_all samples
+    eval_samples completions per prompt, and one greedy per text prompt, with the exact sampler."""
     exact = step_flops(replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
     seqs = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}
     return sum(seqs[t] * exact[t] for t in exact), sum(seqs.values())
 
 
 def padded_prompt_len(cfg) -> tuple[int, str]:
-    """The prompt length a text rollout batch is padded to (tasks.make_batch pads to the longest prompt of
-    the batch), and where the figure comes from. With --init_from's tokenizer and --train_data at hand:
-    measured, the mean over the data's consecutive groups of prompts_per_step prompts of the longest one;
-    otherwise --max_prompt_len, the upper bound."""
+    """The prompt length a text rollout batch is padded to (its longest prompt), and where the figure comes
+    from: with --init_from's tokenizer and --train_data, the mean over the data's batches; else --max_prompt_len."""
     from infra import data
 
     paths = data.data_paths(cfg.train_data, "train_data")
@@ -325,14 +261,118 @@ def padded_prompt_len(cfg) -> tuple[int, str]:
     return round(sum(longest) / len(longest)), f"measured over {len(longest)} batches of {k} {'/'.join(text)} prompts"
 
 
-# -----------------------------------------------------------------------------------------------------
-# the launcher's kill delay
+def report(cfg) -> dict:
+    """--dry_run: print and return the schedule, FLOPs, time on GPU_NAME at ASSUMED_MFU and memory (no weights)."""
+    mc = model_config(cfg)
+    p = step_shape(cfg)
+    names, image, seq_len, rollout, steps, seqs = (p[k] for k in ("names", "image", "seq_len", "rollout", "steps",
+                                                                   "seqs"))
+    lora = cfg.lora_rank > 0
+    s = shape(mc, cfg.lora_rank, cfg.lora_targets)
+    f = step_flops(cfg, mc, s)
+    maskgrpo = step_flops(dataclasses.replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # to compare with
+    one_eval, eval_seqs = eval_flops(cfg, mc, s)
+    evaluation = 2 * one_eval  # before and after RL
+    run = f["step"] * cfg.rl_steps + evaluation
+    gpus = cfg.dry_run_gpus
+    step_s = f["step"] / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU)
+    eval_min = one_eval / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU) / 60
+    run_h = run / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU) / 3600
+    opt_steps = cfg.rl_steps * cfg.mu
+    # world sizes each task's batch splits evenly over (train.py requires it)
+    per_task = cfg.prompts_per_step * cfg.group_size
+    cols = [w for w in sorted({1, 8, 16, gpus}) if per_task % w == 0]
+    chunk = {w: min(cfg.device_batch_size or per_task // w, per_task // w) for w in cols}
+    # The largest of each row over the tasks; the head runs over the scored window (an upper bound per mask).
+    mem = {w: {} for w in cols}
+    for t in p["tasks"]:
+        for w in cols:
+            m = memory(mc, s, world_size=w, chunk=chunk[w], seq_len=t["seq_len"],
+                       sampled=t["window"] if t["image"] else cfg.block_length, image=t["image"],
+                       cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing,
+                       head_len=t["window"])
+            mem[w].update({k: max(v, mem[w].get(k, v)) for k, v in m.items()})
+    print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
+          + (f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters"
+             if lora else "full fine-tuning (--lora_rank=0): every parameter trained"))
+    print(f"RL step: {seqs} sequences ({cfg.prompts_per_step} prompts x G={cfg.group_size} x {len(names)} task(s)) "
+          f"of {seq_len} tokens, {steps} denoising steps ({rollout}), mu={cfg.mu}, "
+          f"{'LoRA' if lora else 'full fine-tuning'}, activation checkpointing "
+          f"{'on' if cfg.activation_checkpointing else 'off'}, device_batch_size {cfg.device_batch_size or 'all'}")
+    ckpt = (f"a checkpoint every {cfg.checkpoint_every} rollout batches = "
+            f"{cfg.checkpoint_every * cfg.mu:,} optimizer steps" if cfg.checkpoint_every else "no checkpoints")
+    print(f"schedule: {cfg.rl_steps:,} rollout batches x mu {cfg.mu} = {opt_steps:,} optimizer steps; {ckpt}")
+    # The settings an official script fixes, in its own terms, to compare line by line (tests/test_presets.py).
+    gamma = cfg.gamma_image if image else cfg.gamma_text
+    print(f"settings: G {cfg.group_size}, {cfg.prompts_per_step} prompts per optimizer step, mu {cfg.mu}, "
+          f"gamma {gamma}, CFG {cfg.cfg_scale}, eps {cfg.clip_eps}, beta {cfg.beta}, lr {cfg.lr}, estimator "
+          f"{cfg.estimator}{'' if image else f' ({cfg.text_reversing})'}, "
+          + (f"LoRA r {cfg.lora_rank} alpha {cfg.lora_alpha:g} dropout {cfg.lora_dropout} on {cfg.lora_targets}"
+             if lora else "no LoRA") + ", attention over padding "
+          f"{'on' if any(tasks.attends_padding(cfg, t) for t in names) else 'off'}")
+    print(f"global FLOPs per RL step: {f['step']:.2e} (rollouts {f['rollout']:.2e}, old/ref scoring "
+          f"{f['scoring']:.2e}, updates {f['update']:.2e})")
+    if cfg.estimator == "trajectory":
+        states = (f"{cfg.trajectory_states} decoding state(s) per update" if cfg.trajectory_states
+                  else "every decoding state")
+        print(f"trajectory estimator, {states}: {f['step']:.2e} FLOPs per RL step against {maskgrpo:.2e} for "
+              f"MaskGRPO's mu = {cfg.mu} masks, {f['step'] / maskgrpo:.2f} x")
+    print(f"held-out evaluation: {eval_seqs:,} sequences ({cfg.eval_prompts} prompts x {cfg.eval_samples} sampled "
+          f"per task{', + 1 greedy per text prompt' if not all(t['image'] for t in p['tasks']) else ''}; exact "
+          f"sampler), {one_eval:.2e} FLOPs each, run before and after RL")
+    print(f"global FLOPs per run: {run:.2e} ({cfg.rl_steps:,} RL steps, and 2 x {one_eval:.2e} for the held-out "
+          f"evaluations)")
+    print(f"time on {gpus} x {GPU_NAME} (bf16 dense peak {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s, assumed MFU "
+          f"{ASSUMED_MFU:.0%}): {step_s:.0f} s per RL step, {eval_min:.0f} min per held-out evaluation, "
+          f"{run_h:.1f} h per run = {run_h * gpus:,.0f} GPU-hours")
+    print("| GiB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    other = "full" if lora else "lora"  # the rows of the mode this run does not train in are left out
+    for key, label in MEMORY_ROWS:
+        if not key.startswith(other + "_"):
+            print(f"| {label} | " + " | ".join(f"{mem[w][key]:.1f}" for w in cols) + " |")
+    print(f"(update chunk: {', '.join(f'{chunk[w]} seq' for w in cols)}; rollouts chunk the same way; "
+          "FSDP2 gathers only with more than one GPU)")
+    if gpus in mem:
+        kind = "lora" if lora else "full"
+        peak = mem[gpus][f"{kind}_peak"]
+        phase = max(("update", "rollout", "scoring"), key=lambda ph: mem[gpus][f"{kind}_{ph}"])
+        room = ", ".join(f"{gb - peak:.0f} GiB of {gb} on an {name}" if gb >= peak else
+                         f"does not fit on an {name} ({gb} GiB, {peak - gb:.0f} GiB short)"
+                         for name, gb in GPU_MEMORY_GB.items())
+        print(f"device_batch_size {chunk[gpus]} of {per_task // gpus} sequences per task and GPU on {gpus} GPUs: "
+              f"{'LoRA' if lora else 'full fine-tuning'} peak {peak:.1f} GiB ({phase}), headroom {room} (before the "
+              "CUDA context and allocator slack)")
+        if peak > max(GPU_MEMORY_GB.values()):
+            print(f"this run does not fit on {gpus} GPU(s) of any size listed: use more GPUs (--dry_run_gpus), "
+                  f"{'a lower --device_batch_size' if lora else 'LoRA (--lora_rank)'} or a smaller model")
+    rate = {}
+    if not image:  # generated tokens/s per GPU of the rollout phase at the padded prompt length
+        padded, source = padded_prompt_len(cfg)
+        roll = step_flops(replace(cfg, max_prompt_len=padded), mc, s)["rollout"]
+        for name, peak_flops in (("A100", GPU_PEAK_FLOPS), ("H100", H100_PEAK_FLOPS)):
+            rate[name] = seqs * cfg.gen_length / (roll / (peak_flops * ASSUMED_MFU))  # = per GPU on any count
+        print(f"rollouts at a padded prompt length of {padded} tokens ({source}): about {rate['A100']:.0f} "
+              f"generated tokens/s per A100 and {rate['H100']:.0f} per H100 at {ASSUMED_MFU:.0%} MFU")
+    need = step_s + checkpoint_seconds(cfg, mc)
+    wait = 2 * math.ceil(need)  # twice the estimate; below torchrun's default of 30 s the default is the advice
+    print(f"SIGTERM: one RL step plus a checkpoint takes about {need:.0f} s here; under torchrun "
+          + (f"the default TORCH_ELASTIC_SHUTDOWN_TIMEOUT of {DEFAULT_KILL_DELAY} s leaves room for it (do not set "
+             "it lower)" if wait <= DEFAULT_KILL_DELAY else f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={wait} (default "
+             f"{DEFAULT_KILL_DELAY}" + ("" if torchrun_reads_shutdown_timeout() else f"; read by torch >= "
+                                       f"{SHUTDOWN_TIMEOUT_TORCH} only, and this torch {torch.__version__} ignores it")
+             + ")") + f", under Slurm sbatch --signal=TERM@{wait} and check KillWait")
+    return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs,
+            "seq_len": seq_len, "flops": {**f, "evaluation": evaluation, "eval_once": one_eval, "run": run},
+            "eval_sequences": eval_seqs, "eval_minutes": eval_min, "chunk": chunk,
+            "rollout_batches": cfg.rl_steps, "optimizer_steps": opt_steps,
+            "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.mu,
+            "gpu": GPU_NAME, "gpus": gpus, "mfu": ASSUMED_MFU, "seconds_per_step": step_s, "run_hours": run_h,
+            "gpu_hours": run_h * gpus, "budget": mem, "tokens_per_s_per_gpu": rate}
 
-# Seconds a launcher waits between forwarding SIGTERM and SIGKILL when nothing says otherwise: torchrun's
-# TORCH_ELASTIC_SHUTDOWN_TIMEOUT default (torch.distributed.launcher) and Slurm's KillWait default.
-DEFAULT_KILL_DELAY = 30
-# Assumed checkpoint write speed (bytes/s): torch.distributed.checkpoint to a network file system.
-CHECKPOINT_WRITE_SPEED = 0.5 * GB
+
+# -----------------------------------------------------------------------------------------------------
+# start-up checks: the launcher's kill delay, the training state over the GPU's memory, the disk
 
 
 def checkpoint_seconds(cfg, mc: ModelConfig) -> float:
@@ -340,16 +380,9 @@ def checkpoint_seconds(cfg, mc: ModelConfig) -> float:
     return checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED
 
 
-# The first torch release whose torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT (and --shutdown_timeout);
-# earlier ones send SIGKILL 30 s after SIGTERM whatever the variable says.
-SHUTDOWN_TIMEOUT_TORCH = "2.12"
-
-
 def torchrun_reads_shutdown_timeout() -> bool:
-    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT: its launch configuration
-    (torch.distributed.launcher.api.LaunchConfig) has the shutdown_timeout field that reads the variable.
-    Read from the installed torch itself, not from its version number; tests/test_cuda.py check 9
-    measures it with a worker that ignores SIGTERM."""
+    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT: its LaunchConfig has the
+    shutdown_timeout field that reads it (tests/test_cuda.py check 9 measures it on a worker ignoring SIGTERM)."""
     try:
         from torch.distributed.launcher.api import LaunchConfig
     except ImportError:
@@ -359,20 +392,13 @@ def torchrun_reads_shutdown_timeout() -> bool:
 
 def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float,
                        reads_variable: bool | None = None) -> str | None:
-    """The start-up warning when a SIGTERM would not end in a checkpoint, else None. On SIGTERM the run
-    finishes its step and writes a checkpoint (infra/checkpoint.graceful_stop), so it needs step_seconds +
-    checkpoint_seconds before the launcher's SIGKILL. env: the process environment. Under torchrun
-    (TORCHELASTIC_RUN_ID set) the delay is TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30 s, if the installed
-    torchrun reads it (reads_variable; default: torchrun_reads_shutdown_timeout()), else 30 s whatever it
-    says; under Slurm (SLURM_JOB_ID) the cluster's KillWait, which a process cannot read, so its default,
-    30 s, is assumed; both apply to a torchrun inside Slurm. Without a launcher the user's own kill
-    decides: None."""
+    """The start-up warning when a SIGTERM (the run finishes its step and writes a checkpoint) would get SIGKILL
+    first, else None. Under torchrun (TORCHELASTIC_RUN_ID in env) the delay is TORCH_ELASTIC_SHUTDOWN_TIMEOUT if
+    that torchrun reads it (reads_variable), else 30 s; under Slurm (SLURM_JOB_ID) KillWait's default, 30 s."""
     torchrun, slurm = "TORCHELASTIC_RUN_ID" in env, "SLURM_JOB_ID" in env
     if not (torchrun or slurm):
         return None
-    if reads_variable is None:
-        reads_variable = torchrun_reads_shutdown_timeout() if torchrun else True
-    ignored = torchrun and not reads_variable
+    ignored = torchrun and not (torchrun_reads_shutdown_timeout() if reads_variable is None else reads_variable)
     delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun and not ignored \
         else DEFAULT_KILL_DELAY
     if slurm:
@@ -396,8 +422,7 @@ def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float
 
 
 def warn_kill_delay(cfg, world: int, env=None) -> None:
-    """Print kill_delay_warning's warning (rank 0) for cfg's run on `world` GPUs at the dry run's speed.
-    Returns at once without a launcher, so a plain run computes nothing here."""
+    """Print kill_delay_warning's warning (rank 0) for cfg's run on `world` GPUs; nothing without a launcher."""
     env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" not in env and "SLURM_JOB_ID" not in env:
         return
@@ -409,9 +434,8 @@ def warn_kill_delay(cfg, world: int, env=None) -> None:
 
 
 def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
-    """The out-of-memory advice when the sharded training state alone (memory's full_state or lora_state rows:
-    weights, gradients, AdamW moments, a float32 reference) exceeds the GPU's memory: then no
-    --device_batch_size helps. None when it fits (fewer sequences per forward pass may then help)."""
+    """The out-of-memory advice when the sharded training state alone (memory's full_state or lora_state)
+    exceeds the GPU's memory, so that no --device_batch_size helps; None when it fits."""
     mc = model_config(cfg)
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     compute = 2 if cfg.dtype != "float32" else 4
@@ -425,14 +449,9 @@ def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
             f"--nproc_per_node){lora_too}; python train.py --dry_run --dry_run_gpus=N prints the memory per GPU")
 
 
-# -----------------------------------------------------------------------------------------------------
-# disk
-
-
 def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
-    """Bytes of one checkpoint as checkpoint.save writes it: with LoRA the adapters (float32) and their
-    AdamW moments (two float32 tensors each); with full fine-tuning every parameter in float32 (the master
-    weights train.py keeps) and its two moments. 1 MB more for state.json, step counters and DCP metadata."""
+    """Bytes of one checkpoint (checkpoint.save): the trained parameters (the adapters with LoRA) in float32
+    with their two AdamW moments, and 1 MB for state.json and DCP metadata."""
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     trained = s["lora_params"] if cfg.lora_rank > 0 else s["params"]
     return trained * 4 * 3 + 2 ** 20
@@ -447,9 +466,8 @@ def final_bytes(cfg, mc: ModelConfig) -> int:
 
 
 def checkpoints_on_disk(cfg, present: int = 0) -> int:
-    """New checkpoints on disk at once: keep_last complete ones plus the one being written before the oldest
-    is deleted, but never more than the run writes (rl_steps // checkpoint_every, and one of the last step or
-    on a stop signal; keep_last 0 keeps every one), less the `present` ones a resumed run already has."""
+    """New checkpoints on disk at once: keep_last plus the one being written (keep_last 0: every one), never
+    more than the run writes (one per checkpoint_every steps and the last), less a resumed run's `present`."""
     writes = cfg.rl_steps // max(cfg.checkpoint_every, 1) + 1 if cfg.rl_steps else 0
     at_once = min(cfg.keep_last + 1, writes) if cfg.keep_last else writes
     return max(0, at_once - present)
@@ -464,9 +482,8 @@ def _bytes(n: float) -> str:
 
 
 def check_disk(cfg, out: Path, mc, present: int = 0) -> None:
-    """Refuse to start when out_dir cannot hold the checkpoints the run will keep during rotation (beside the
-    `present` ones of a resumed run, already on that disk) and final/ (written while the last checkpoint is still
-    there)."""
+    """Refuse to start when out_dir cannot hold the checkpoints the run keeps during rotation (beside a resumed
+    run's `present` ones) and final/ (written while the last checkpoint is still there)."""
     one = checkpoint_bytes(cfg, mc)
     k = checkpoints_on_disk(cfg, present)
     final = final_bytes(cfg, mc)

@@ -120,15 +120,12 @@ def fsync_tree(path: Path) -> None:
     """Flush every file of a directory, then the directory entries themselves, to stable storage."""
     for p in sorted(path.rglob("*")):
         if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(path)
+            _fsync(p)
+    _fsync(path)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush one file, or a directory's entries, to stable storage."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -162,7 +159,7 @@ def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainab
             os.kill(os.getpid(), signal.SIGKILL)
         fsync_tree(tmp)
         os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        _fsync(final.parent)
         if keep_last:
             keep = Path(protect).resolve() if protect else None
             for old in complete(out_dir)[:-keep_last]:

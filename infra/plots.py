@@ -1,15 +1,16 @@
 """Pictures of a run: training curves from out_dir/log.jsonl, and a grid of toy images.
 
-Optional: everything here needs Pillow (`pip install -e ".[plots]"`). Without it each function prints
-one line saying so and returns None, so training and the tests of the core never depend on it. The
-axes are drawn by hand with PIL.ImageDraw: four line panels do not justify matplotlib as an extra.
+Optional: the curves need matplotlib and the image grid Pillow (`pip install -e ".[plots]"` gives both).
+Without them each function prints one line saying so and returns None, so training and the tests of the core
+never depend on them.
 
     python -m infra.plots out/toy          # writes out/toy/curves.png from out/toy/log.jsonl
     python -m infra.plots --compare d1=out/d1-s0,out/d1-s1 MaskGRPO=out/m-s0,out/m-s1 --png kl.png
-                                           # KL and reward per step, one line per label (mean over its runs)
+                                           # KL and reward per step, one line per label (median over its runs)
     python -m infra.plots --compare ... --x=cpu_seconds --png r.png   # against cumulative RL seconds
 """
 import argparse
+import importlib.util
 import json
 import math
 import statistics
@@ -27,17 +28,19 @@ TASK_COLOURS = {"text": (30, 110, 190), "image": (230, 110, 20)}
 OTHER_COLOURS = [(40, 150, 60), (180, 40, 150), (110, 110, 110), (200, 40, 40), (150, 120, 30)]
 PANELS = [("reward", "reward"), ("solved", "accuracy (reward = 1)"), ("kl", "KL to reference (k3)"),
           ("clipfrac", "clip fraction")]
-PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # four panels: 1200 x 300, legible at 100%
+PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # curves: pixels per panel; font: the image grid's, in pixels
 # Image grid geometry (pixels). Every toy image is scaled to about IMAGE_PX whatever its width, and a
 # prompt is wrapped to at most CAPTION_LINES lines, so the picture's size depends only on the counts.
 IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES = 96, 90, 150, 14, 12, 3
-INSTALL_HINT = 'plots.py: no picture written, Pillow is missing; pip install -e ".[plots]" gives the pictures'
+INSTALL_HINT = 'plots.py: no picture written, {} is missing; pip install -e ".[plots]" gives the pictures'
 
 
 def have_pillow() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("PIL") is not None
+
+
+def have_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def text_image(codes: list[int], width: int, stream=None) -> str:
@@ -54,13 +57,20 @@ def text_image(codes: list[int], width: int, stream=None) -> str:
                      for r in range(0, len(codes), width))
 
 
-def _pil():
-    # Imported here, not at the top, so that `import plots` works without the extra.
+def _extra(name: str, module: str):
+    """The module, imported here rather than at the top so that `import plots` works without the extra; None
+    after the one-line install hint when `name` is not installed."""
     try:
-        from PIL import Image, ImageDraw, ImageFont
+        return importlib.import_module(module)
     except ImportError:
-        print(INSTALL_HINT)
+        print(INSTALL_HINT.format(name))
         return None
+
+
+def _pil():
+    if _extra("Pillow", "PIL") is None:
+        return None
+    from PIL import Image, ImageDraw, ImageFont
     return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
 
 
@@ -90,75 +100,6 @@ def _read_log(log_path) -> list[dict]:
     if not records:
         raise ValueError(f"{path} has no records; train.py writes one per RL step, so no step is logged yet")
     return records
-
-
-def _nice_ticks(lo: float, hi: float, n: int = 4) -> list[float]:
-    # Steps of 1, 2 or 5 x 10^k, so tick labels are short round numbers; the range is widened to ticks.
-    raw = (hi - lo or abs(hi) or 1.0) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw * 0.999)
-    start, stop = math.floor(lo / step + 1e-9) * step, math.ceil(hi / step - 1e-9) * step
-    stop = max(stop, start + step)  # a flat series still gets an axis with height
-    return [start + k * step for k in range(round((stop - start) / step) + 1)]
-
-
-def _tick_label(t: float, step: float) -> str:
-    return f"{t:.{max(0, -math.floor(math.log10(step) + 1e-9))}f}"  # as many decimals as the step needs
-
-
-def _fade(rgb, keep: float):
-    return tuple(round(keep * c + (1 - keep) * 255) for c in rgb)
-
-
-def _draw_panel(draw, font, x0: int, title: str, series: dict, colours: dict, window: int, xlabel: str = "RL step"):
-    # The legend sits on its own lines under the title, so a long title never runs into it; it wraps when
-    # the labels are too many for one line, and the plot area starts below it.
-    places, lx, ly = [], x0 + 10, 23
-    for task in series:
-        width = 30 + draw.textlength(task, font=font)
-        if lx + width > x0 + PANEL_W - 14 and places:
-            lx, ly = x0 + 10, ly + FONT_SIZE + 4
-        places.append((task, lx, ly))
-        lx += width
-    left, right, top, bottom = x0 + 50, x0 + PANEL_W - 14, ly + 23, PANEL_H - 36  # plot area inside the panel
-    xs = [x for pts in series.values() for x, _ in pts]
-    ys = [y for pts in series.values() for _, y in pts]
-    # y is widened to round ticks; x spans exactly the logged steps, so the curves reach both edges.
-    yt = _nice_ticks(min(ys), max(ys))
-    xlo, xhi = min(xs), max(max(xs), min(xs) + 1)
-    xt = _nice_ticks(xlo, xhi)
-    px = lambda x: left + (x - xlo) / (xhi - xlo) * (right - left)
-    py = lambda y: bottom - (y - yt[0]) / (yt[-1] - yt[0]) * (bottom - top)
-    grey = (90, 90, 90)
-    for t in yt:
-        draw.line([(left, py(t)), (right, py(t))], fill=(228, 228, 228))
-        _text(draw, left - 5, py(t) - FONT_SIZE / 2 - 1, _tick_label(t, yt[1] - yt[0]), font, grey, "right")
-    for t in (t for t in xt if xlo <= t <= xhi):
-        draw.line([(px(t), bottom), (px(t), bottom + 4)], fill=grey)
-        _text(draw, px(t), bottom + 6, _tick_label(t, xt[1] - xt[0]), font, grey, "centre")
-    draw.line([(left, top), (left, bottom), (right, bottom)], fill=grey)
-    _text(draw, (left + right) / 2, bottom + 20, xlabel, font, grey, "centre")
-    _text(draw, x0 + 10, 6, title, font)
-    if window > 1:
-        _text(draw, x0 + PANEL_W - 14, 6, f"bold: {window}-step mean", font, grey, "right")
-    for task, lx, ly in places:
-        draw.line([(lx, ly + 8), (lx + 14, ly + 8)], fill=colours[task], width=2)
-        _text(draw, lx + 18, ly, task, font, colours[task])
-    # Raw per-step values faint under a trailing moving average (each point the mean of the last
-    # `window` logged values), drawn after every faint line so no task's average hides under another's.
-    for faint in (True, False):
-        for task, pts in series.items():
-            if faint:
-                line, colour, width = pts, _fade(colours[task], 0.3), 1
-            else:
-                avg = [sum(y for _, y in pts[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1))
-                       for i in range(len(pts))]
-                line, colour, width = [(x, a) for (x, _), a in zip(pts, avg)], colours[task], 2
-            xy = [(px(x), py(y)) for x, y in line]
-            if len(xy) > 1:
-                draw.line(xy, fill=colour, width=width, joint="curve")
-            else:  # a single logged step: a dot, since a one-point line draws nothing
-                draw.ellipse([xy[0][0] - 2, xy[0][1] - 2, xy[0][0] + 2, xy[0][1] + 2], fill=colour)
 
 
 def plot_curves(log_path, png_path) -> Path | None:
@@ -211,27 +152,57 @@ def held_out_lines(summary: dict) -> list[tuple[str, str]]:
     return out
 
 
+def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "RL step"):
+    """A matplotlib Figure of (title, series) panels side by side, PANEL_W x PANEL_H pixels each, with one
+    legend above them; held: held_out_lines of the run, written as a last panel. Raw per-step values are drawn
+    faint under a trailing mean of the last `window` logged values."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    rgb = {k: tuple(c / 255 for c in v) for k, v in colours.items()}
+    fig = Figure(figsize=(PANEL_W * (len(panels) + bool(held)) / 100, PANEL_H / 100), dpi=100, layout="constrained")
+    axes = fig.subplots(1, len(panels) + bool(held), squeeze=False)[0]
+    window = max(1, steps // 10)  # about a tenth of the run: 5 steps for the toy's 50
+    for ax, (title, series) in zip(axes, panels):
+        for name, pts in series.items():
+            xs, ys = [x for x, _ in pts], [y for _, y in pts]
+            avg = [sum(ys[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(ys))]
+            marker = "o" if len(pts) == 1 else None  # a single logged step: a dot
+            # zorder: under every task's mean (2), so that no mean hides under another task's raw values
+            ax.plot(xs, ys, color=rgb[name], alpha=0.3, lw=1, marker=marker, ms=3, zorder=1.8)
+            ax.plot(xs, avg, color=rgb[name], lw=2, marker=marker, ms=3, label=name)
+        xs = [x for pts in series.values() for x, _ in pts]
+        ax.set_xlim(min(xs), max(max(xs), min(xs) + 1))  # exactly the logged steps: the curves reach both edges
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.set_xlabel(xlabel)
+        ax.grid(axis="y", color=(0.9, 0.9, 0.9))
+    labels = [name for name in colours if any(name in series for _, series in panels)]
+    handles = [Line2D([], [], color=rgb[name], lw=2) for name in labels]
+    if window > 1:
+        handles.append(Line2D([], [], color="black", lw=2))
+        labels.append(f"bold: {window}-step mean")
+    # As many columns as fit the picture's width: about 7 pixels a character, plus the swatch and the spacing
+    per_column = 56 + 7 * max(len(label) for label in labels)
+    fig.legend(handles, labels, loc="outside upper center", frameon=False,
+               ncols=max(1, min(len(labels), int(PANEL_W * len(axes) // per_column))))
+    if held:
+        ax = axes[-1]
+        ax.axis("off")
+        lines = [("held-out mean reward", "black"), ("before -> after RL (summary.json)", "grey")]
+        for key, text in held:
+            lines += [(key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black")]
+        for k, (text, colour) in enumerate(lines):
+            ax.text(0, 1 - k * 0.08, text, color=colour, va="top", transform=ax.transAxes)
+    return fig
+
+
 def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None,
                  xlabel: str = "RL step") -> Path | None:
-    """Draw (title, series) panels side by side and save the PNG; None (with the hint) without Pillow.
-    held: held_out_lines of the run, drawn as a last panel."""
-    if (pil := _pil()) is None:
+    """Draw _figure's panels and save the PNG; None (with the hint) without matplotlib."""
+    if (matplotlib := _extra("matplotlib", "matplotlib")) is None:
         return None
-    Image, ImageDraw, font = pil
-    picture = Image.new("RGB", (PANEL_W * (len(panels) + bool(held)), PANEL_H), "white")
-    draw = ImageDraw.Draw(picture)
-    window = max(1, steps // 10)  # about a tenth of the run: 5 steps for the toy's 50
-    for k, (title, series) in enumerate(panels):
-        _draw_panel(draw, font, k * PANEL_W, title, series, colours, window, xlabel)
-    if held:
-        x0, line_h = len(panels) * PANEL_W + 10, FONT_SIZE + 5
-        _text(draw, x0, 6, "held-out mean reward", font)
-        _text(draw, x0, 6 + line_h, "before -> after RL (summary.json)", font, (90, 90, 90))
-        for k, (key, text) in enumerate(held):
-            colour = colours.get(key.split("_")[0], (0, 0, 0))
-            _text(draw, x0, 23 + (2 * k + 1.5) * line_h, key, font, colour)
-            _text(draw, x0 + 10, 23 + (2 * k + 2.5) * line_h, text, font)
-    picture.save(png_path)
+    with matplotlib.rc_context({"font.size": 8}):
+        _figure(panels, colours, steps, held, xlabel).savefig(png_path)
     return Path(png_path)
 
 
@@ -401,8 +372,9 @@ def main(argv=None) -> Path:
     parser.add_argument("--x", default=None, choices=list(X_AXES), help="--compare's horizontal axis: RL step "
                         "(default), or cumulative RL seconds from each run's times.jsonl (wall, or process CPU time)")
     args = cli.parse_known(parser, argv, "infra.plots")
-    if not have_pillow():
-        raise ValueError('no picture written: Pillow is missing; pip install -e ".[plots]" (or pip install pillow)')
+    if not have_matplotlib():
+        raise ValueError('no picture written: matplotlib is missing; pip install -e ".[plots]" (or pip install '
+                         'matplotlib)')
     png = args.png.expanduser() if args.png else None  # a path given as --png=~/x.png, which no shell expands
     if args.compare:
         bad = [g for g in args.compare if "=" not in g]

@@ -75,7 +75,7 @@ import importance  # noqa: E402
 import tasks  # noqa: E402
 import train  # noqa: E402
 from cuda_helpers import random_weights  # noqa: E402
-from infra import budget, dryrun, hf, run as run_mod, scale, toy  # noqa: E402
+from infra import budget, hf, run as run_mod, scale, toy  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 # Inner updates per rollout batch: None keeps the Config default. The flag's name is in one place here.
@@ -312,7 +312,7 @@ def dry_run(flags: list, prompt_len: int | None = None) -> dict:
     pad = [] if prompt_len is None else [f"--max_prompt_len={prompt_len}"]
     cfg = train.parse_args([*flags, "--dry_run=true", f"--dry_run_gpus={scale.world()}", *pad])
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
-        return dryrun.report(cfg)
+        return budget.report(cfg)
 
 
 def resume_check(meter: PhaseMeter, log) -> tuple[int, int, int]:

@@ -71,7 +71,7 @@ import importance  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
 from conftest import REFERENCE  # noqa: E402
-from infra import budget, dryrun, hf, lora, scale  # noqa: E402
+from infra import budget, hf, lora, scale  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from test_rl_step import build, run_step, save_tiny_checkpoint  # noqa: E402
 from cuda_helpers import (free_port, head_dtype, one_update_chunk, padded_prompts, quiet, random_weights,  # noqa: F401
@@ -321,7 +321,7 @@ def test_exact_sampler_speed_and_the_step_time_it_implies(big):
     sync()
     per_step = (time.time() - t0) / steps
     assert not (out[:, xs.shape[1]:] == mc.mask_token_id).any()
-    res = quiet(dryrun.report, PRESET)
+    res = quiet(budget.report, PRESET)
     gpus, f = res["gpus"], res["flops"]
     per_gpu = res["seqs_per_step"] // gpus
     rollout_s = math.ceil(per_gpu / B) * PRESET.steps * per_step         # one RL step's rollouts on one GPU
@@ -445,7 +445,7 @@ def test_kill_delay_against_one_step(tmp_path):
     record("9. kill delay measured with the variable at 6 (s)", measured,
            f"~{expected} s (torch {torch.__version__} {'reads' if reads else 'ignores'} the variable)")
     assert expected - 0.5 <= measured <= expected + 10, (measured, expected)
-    res = quiet(dryrun.report, PRESET)
+    res = quiet(budget.report, PRESET)
     mc = budget.model_config(PRESET)
     need = res["seconds_per_step"] + budget.checkpoint_seconds(PRESET, mc)
     env = {**os.environ, "TORCHELASTIC_RUN_ID": os.environ.get("TORCHELASTIC_RUN_ID", "check")}

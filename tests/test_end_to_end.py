@@ -44,7 +44,7 @@ def test_smoke_run(tmp_path, capsys):
     for task in ("text", "image"):
         assert set(summary[task]) == {"before", "after", "gain_se"}
     assert json.loads((out / "summary.json").read_text())["seconds"]["rl"] > 0
-    assert (out / "curves.png").is_file() and (out / "images.png").is_file()  # Pillow: in the dev extra
+    assert (out / "curves.png").is_file() and (out / "images.png").is_file()  # the plots extra: in dev
 
     model = hf.from_pretrained(out / "final")
     tok = load_tokenizer(out / "final", model.config)
@@ -79,7 +79,7 @@ def test_toy_preset_reward_rises(tmp_path):
     for task in ("text", "image"):
         gain = summary[task]["after"] - summary[task]["before"]
         assert gain >= 0.10, f"{task}: {summary[task]}"
-    # The pictures (Pillow is in the dev extra) and the periodic checkpoints.
+    # The pictures (the plots extra is in the dev extra) and the periodic checkpoints.
     from PIL import Image
     assert Image.open(tmp_path / "curves.png").size[0] >= 600 and Image.open(tmp_path / "images.png").size[0] >= 600
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] and (tmp_path / "times.jsonl").is_file()

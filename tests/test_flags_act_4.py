@@ -138,7 +138,7 @@ def test_evaluate_table_of_nothing_is_refused(smoke_sft_run, tmp_path, argv, mes
 # flags that act on nothing
 
 def test_plots_png_is_where_the_curves_go(tmp_path):
-    pytest.importorskip("PIL")
+    pytest.importorskip("matplotlib")
     run = tmp_path / "run"
     run.mkdir()
     (run / "log.jsonl").write_text("".join(json.dumps({"step": s, "text/reward": s / 4, "text/kl": 0.01 * s})

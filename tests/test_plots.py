@@ -1,7 +1,7 @@
 """Pictures of a run. Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_plots.py
 
-The drawing tests need the optional Pillow extra (in the dev extra, so CI runs them) and skip without it;
-the missing-Pillow path is tested by hiding the module."""
+The drawing tests need the optional plots extra (matplotlib for the curves, Pillow for the image grid; in the
+dev extra, so CI runs them) and skip without it; the missing-package path is tested by hiding the modules."""
 import json
 import math
 import sys
@@ -28,6 +28,7 @@ def write_log(path, n=30, tasks=("text", "image")):
 
 
 def test_curves_png_has_expected_size_and_content(tmp_path):
+    pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
     out = plots.plot_curves(write_log(tmp_path / "log.jsonl"), tmp_path / "curves.png")
     assert out == tmp_path / "curves.png"
@@ -40,7 +41,36 @@ def test_curves_png_has_expected_size_and_content(tmp_path):
     assert plots.TASK_COLOURS["text"] in present and plots.TASK_COLOURS["image"] in present
 
 
+def test_curves_draw_the_logged_values_and_their_trailing_mean(tmp_path, monkeypatch):
+    """Read back from the figure: per panel and task, a faint line of the logged values (the NaN and the
+    absent step left out) and a bold one of the trailing mean over window = steps // 10 = 3 values."""
+    pytest.importorskip("matplotlib")
+    figures = []
+    monkeypatch.setattr(plots, "_figure", lambda *a, _f=plots._figure: figures.append(_f(*a)) or figures[-1])
+    log = write_log(tmp_path / "log.jsonl")
+    plots.plot_curves(log, tmp_path / "c.png")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    axes = figures[0].axes
+    assert [ax.get_title(loc="left") for ax in axes] == ["reward", "KL to reference (k3)", "clip fraction"]
+    for ax, metric in zip(axes, ("reward", "kl", "clipfrac")):
+        lines = ax.get_lines()
+        assert len(lines) == 4  # faint and bold, for text and image
+        for (faint, bold), task in zip((lines[:2], lines[2:]), ("text", "image")):
+            pts = [(r["step"], r[f"{task}/{metric}"]) for r in records
+                   if f"{task}/{metric}" in r and math.isfinite(r[f"{task}/{metric}"])]
+            ys = [y for _, y in pts]
+            mean = [sum(ys[max(0, i - 2):i + 1]) / len(ys[max(0, i - 2):i + 1]) for i in range(len(ys))]
+            assert list(faint.get_xdata()) == [x for x, _ in pts] and list(faint.get_ydata()) == ys
+            assert list(bold.get_xdata()) == [x for x, _ in pts] and bold.get_ydata() == pytest.approx(mean)
+            assert faint.get_alpha() == 0.3 and bold.get_label() == task
+            assert faint.get_zorder() < 2 == bold.get_zorder()  # every raw line under every mean
+            assert tuple(round(255 * c) for c in bold.get_color()) == plots.TASK_COLOURS[task]
+        assert ax.get_xlim() == (0, 29)  # exactly the logged steps
+    assert [t.get_text() for t in figures[0].legends[0].get_texts()] == ["text", "image", "bold: 3-step mean"]
+
+
 def test_curves_skip_panels_whose_metric_is_missing(tmp_path):
+    pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps({"step": s, "text/reward": s / 10}) + "\n" for s in range(10)))
@@ -49,7 +79,7 @@ def test_curves_skip_panels_whose_metric_is_missing(tmp_path):
 
 
 def test_curves_single_step_and_truncated_last_line(tmp_path):
-    pytest.importorskip("PIL")
+    pytest.importorskip("matplotlib")
     log = tmp_path / "log.jsonl"
     log.write_text(json.dumps({"step": 0, "text/reward": 0.5, "text/kl": 0.0}) + '\n{"step": 1, "text/rew')
     assert plots.plot_curves(log, tmp_path / "c.png").is_file()
@@ -107,13 +137,16 @@ def test_image_grid_rejects_bad_shapes(tmp_path):
         plots.image_grid([("a", [[0] * 15])], ["p"], 4, tmp_path / "g.png")
 
 
-def test_without_pillow_returns_none_and_prints_hint(tmp_path, monkeypatch, capsys):
-    # None in sys.modules makes `from PIL import ...` raise ImportError, as if Pillow were not installed.
+def test_without_the_extra_returns_none_and_prints_hint(tmp_path, monkeypatch, capsys):
+    # None in sys.modules makes `import matplotlib` (and `from PIL import ...`) raise ImportError, as if the
+    # package were not installed: the curves need matplotlib, the image grid Pillow.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "PIL", None)
     assert plots.plot_curves(write_log(tmp_path / "log.jsonl"), tmp_path / "c.png") is None
     assert plots.image_grid([("a", [[0] * 16])], ["p"], 4, tmp_path / "g.png") is None
     out = capsys.readouterr().out
     assert out.count('pip install -e ".[plots]"') == 2 and len(out.splitlines()) == 2
+    assert "matplotlib is missing" in out and "Pillow is missing" in out
     assert not (tmp_path / "c.png").exists() and not (tmp_path / "g.png").exists()
 
 
@@ -135,6 +168,7 @@ def test_group_medians_take_runs_step_by_step(tmp_path):
 
 
 def test_compare_runs_png(tmp_path):
+    pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
     groups = {"d1": [_run(tmp_path, "a", [0.1, 0.3])], "MaskGRPO": [_run(tmp_path, "b", [0.2, 0.1])]}
     with Image.open(plots.compare_runs(groups, tmp_path / "kl.png")) as im:
@@ -145,21 +179,26 @@ def test_compare_runs_png(tmp_path):
         plots.compare_runs(groups, tmp_path / "x.png", task="image")
 
 
-def test_compare_seven_labels_wraps_the_legend(tmp_path):
-    """An ablation's seven rows get seven colours, and the legend wraps onto a second line above the plot
-    area instead of running past the panel's edge."""
+def test_compare_seven_labels_wraps_the_legend(tmp_path, monkeypatch):
+    """An ablation's seven rows get seven colours, and the legend wraps onto more lines above the panels
+    instead of running past the picture's edge."""
+    pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
+    figures = []
+    monkeypatch.setattr(plots, "_figure", lambda *a, _f=plots._figure: figures.append(_f(*a)) or figures[-1])
     names = ["d1", "UniGRPO", "random", "MaskGRPO", "official", "trajectory", "gamma0"]
     groups = {n: [_run(tmp_path, n, [0.1 * k, 0.2])] for k, n in enumerate(names)}
+    colours = [plots.TASK_COLOURS["text"], plots.TASK_COLOURS["image"]] + plots.OTHER_COLOURS
     with Image.open(plots.compare_runs(groups, tmp_path / "kl.png")) as im:
-        rgb = im.convert("RGB")
-        colours = [plots.TASK_COLOURS["text"], plots.TASK_COLOURS["image"]] + plots.OTHER_COLOURS
-        present = {c for _, c in rgb.getcolors(maxcolors=1 << 16)}
-        assert set(colours) <= present
-        # Three labels fit on a 300-pixel line: the seventh's swatch is on the third legend line, y = 23 +
-        # 2 * (13 + 4) + 8 = 65, inside the left panel; the first line's swatches are at y = 31.
-        assert colours[6] in [rgb.getpixel((x, 65)) for x in range(plots.PANEL_W)]
-        assert colours[6] not in [rgb.getpixel((x, 31)) for x in range(plots.PANEL_W)]
+        assert im.size == (2 * plots.PANEL_W, plots.PANEL_H)
+        assert set(colours) <= {c for _, c in im.convert("RGB").getcolors(maxcolors=1 << 16)}
+    fig = figures[0]
+    legend = fig.legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == names  # two steps: a window of 1, no mean to name
+    assert [tuple(round(255 * c) for c in h.get_color()) for h in legend.legend_handles] == colours
+    box, rows = legend.get_window_extent(), {round(t.get_window_extent().y0) for t in legend.get_texts()}
+    assert 0 <= box.x0 and box.x1 <= 2 * plots.PANEL_W and len(rows) == 2  # four on a line, then three
+    assert all(box.y0 >= ax.get_window_extent().y1 for ax in fig.axes)  # above the panels' plot areas
     with pytest.raises(ValueError, match="at most 7 labels"):
         plots.compare_runs({**groups, "eighth": groups["d1"]}, tmp_path / "x.png")
 
@@ -167,7 +206,7 @@ def test_compare_seven_labels_wraps_the_legend(tmp_path):
 def test_cli_redraws_and_compares(tmp_path, capsys):
     """python -m infra.plots RUN_DIR redraws curves.png; --compare LABEL=DIR,DIR LABEL=DIR --png FILE
     --task image draws the image metric's picture; a --task no run logs is refused, naming it."""
-    pytest.importorskip("PIL")
+    pytest.importorskip("matplotlib")
     runs = []
     for i in range(3):
         d = tmp_path / f"run{i}"
@@ -195,6 +234,7 @@ def test_compare_against_cumulative_seconds(tmp_path, monkeypatch):
     # cumulative wall: a 2, 4, 6; b 4, 10, 18 -> medians 3, 7, 12. CPU: a 1, 2, 3; b 1, 4, 9 -> 1, 3, 6.
     assert plots.group_medians({"x": [a, b]}, "text/kl", "seconds") == {"x": [(3.0, 2.0), (7.0, 3.0), (12.0, 4.0)]}
     assert plots.group_medians({"x": [a, b]}, "text/kl", "cpu_seconds") == {"x": [(1.0, 2.0), (3.0, 3.0), (6.0, 4.0)]}
+    pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
     monkeypatch.setattr(plots, "cli", cli, raising=False)  # main's command line parser, imported by __main__
     out = plots.main(["--compare", f"A={a}", f"B={b}", "--x=cpu_seconds", "--png", str(tmp_path / "s.png")])

@@ -31,6 +31,7 @@ def test_rewriting_the_results_changes_nothing(tmp_path):
 
 
 def test_figures_have_the_committed_pixels(tmp_path):
+    pytest.importorskip("matplotlib")  # the plots extra, in the dev extra, as tests/test_plots.py requires it
     written = report.figures(tmp_path)
     names = {p.name for p in written}
     text = RESULTS.read_text()

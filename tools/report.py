@@ -287,8 +287,8 @@ def figures(out: Path) -> list[Path]:
     """Write every figure of docs/results.md into out; returns their paths."""
     from infra import plots
 
-    if not plots.have_pillow():
-        raise ValueError('no figure written: Pillow is missing; pip install -e ".[plots]"')
+    if not plots.have_matplotlib():
+        raise ValueError('no figure written: matplotlib is missing; pip install -e ".[plots]"')
     out.mkdir(parents=True, exist_ok=True)
     written, n = [], itertools.count()
     with tempfile.TemporaryDirectory() as tmp:
