@@ -52,6 +52,7 @@ from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measu
 from infra.scale import print0
 from infra.scorer import RemoteScorer
 from infra.settings import setup, validate
+from infra.timing import timed
 from infra.heldout import evaluate_all, image_snapshot
 from sample import derive_seed, generator
 from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts, task_list,
@@ -204,6 +205,8 @@ def parse_args(argv=None) -> Config:
         raise ValueError("unknown flag --num_iterations: the inner updates per rollout batch are --mu (the paper's mu)")
     cfg = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
     validate(cfg)
+    for task in task_list(cfg):  # a verifier the settings name that a task lacks: refused here, not at step 0
+        tasks.verifier(task, cfg.text_reward, cfg.reward_shaping)
     return cfg
 
 
@@ -304,32 +307,40 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
     for p in prompts:
         # 1. rollouts: G completions per prompt, one generator per sequence, with their decoding order
         gens = [generator(device, cfg.seed, "rollout", p.task, step, i) for i in p.index]
-        batch, order = rollout(model, p, ctx, gens, cfg.temperature, ctx.text_sampler)
+        with timed("rollout"):  # each phase's seconds go to times.jsonl (infra/timing.py)
+            batch, order = rollout(model, p, ctx, gens, cfg.temperature, ctx.text_sampler)
 
-        # 2. rewards, gathered in global order (a no-op in one process): a group is normalised over all its members
-        r = scale.all_gather_rows(tasks.score(batch, ctx.tok, ctx.ids, ctx.scorer, cfg.reward_shaping,
-                                              cfg.text_reward).to(device)).cpu()                # (B_global,)
+        # 2. rewards from the task's verifier (rewards.py; geneval: the remote scorer), gathered in global order
+        # (a no-op in one process): a group is normalised over all its members
+        verify = tasks.verifier(p.task, cfg.text_reward, cfg.reward_shaping)
+        with timed("reward"):
+            r = tasks.score(batch, verify, ctx.tok, ctx.ids, ctx.scorer).to(device)
+        r = scale.all_gather_rows(r).cpu()                                                 # (B_global,)
         check_rewards(r, p.task, cfg.group_size)
 
         # 3. advantages within each group of G (GRPO, arXiv:2402.03300 §4.1.2)
         adv = grpo.group_advantages(r, cfg.group_size, scale_by_std=cfg.adv_scaled)        # (B_global,)
 
-        # 4. the estimator's views: K masked inputs and the positions each scores, from seeds shared by the
-        # old, reference and current passes (scale.all_max: which decoding states any rank used; no-op in one process)
-        views = importance.views(batch, order, cfg, image=p.task in IMAGE_TASKS, step=step, seq_index=p.index,
-                                 eos_id=ctx.ids.eos, mask_id=ctx.ids.mask, all_max=scale.all_max)
+        # 4. the estimator's views (default importance.maskgrpo_views): K masked inputs and the positions each
+        # scores, from seeds shared by the old, reference and current passes (scale.all_max: which decoding
+        # states any rank used, for --estimator=trajectory; a no-op in one process)
+        views = importance.VIEWS[cfg.estimator](batch, order, cfg, image=p.task in IMAGE_TASKS, step=step,
+                                                seq_index=p.index, eos_id=ctx.ids.eos, mask_id=ctx.ids.mask,
+                                                all_max=scale.all_max)
 
         # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only.
         # With LoRA the reference is the policy with its adapters off: one all-gather serves both passes.
         with scale.full_weights(model) if isinstance(ref, lora.AdaptersOff) else contextlib.nullcontext():
-            logp_old = frozen_logprobs(model, batch, views, ctx)
-            logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
+            with timed("logprob"):
+                logp_old = frozen_logprobs(model, batch, views, ctx)
+                logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
         exps.append(Experience(batch, r, adv, views, logp_old, logp_ref))
 
     # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
     model.train()
-    updates = [update(model, opt, exps, ctx, step, j) for j in range(cfg.mu)]
+    with timed("update"):
+        updates = [update(model, opt, exps, ctx, step, j) for j in range(cfg.mu)]
     model.eval()
     return step_log(step, exps, updates, cfg), exps
 
@@ -419,11 +430,6 @@ def step_log(step: int, exps: list, updates: list, cfg) -> dict:
 # -----------------------------------------------------------------------------------------------------
 # main
 
-# The phases times.jsonl times, (module, function, name): the loop wraps them, so the step carries no timing.
-PHASES = ((sys.modules[__name__], "rollout", "rollout"), (tasks, "score", "reward"),
-          (sys.modules[__name__], "frozen_logprobs", "logprob"), (sys.modules[__name__], "update", "update"))
-
-
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
@@ -464,17 +470,16 @@ def _run(cfg: Config, argv) -> dict:
                 run.state["grid_before"] = image_snapshot(model, ctx)
         print_held_out("before RL", run.state["before"])
         track.held_out("before", run.state["before"])
-        with timing.phases(*PHASES):  # each phase's seconds, for times.jsonl (infra/timing.py)
-            for step in range(run.start, cfg.rl_steps):
-                start, cpu, _ = time.time(), time.process_time(), timing.reset()
-                try:
-                    log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
-                except BadStep as e:
-                    log, rolls = {"step": step, "bad_reward": str(e)}, []
-                if isinstance(ctx.text_sampler, FastSampler):  # Fast-dLLM rollouts' statistics, over all ranks
-                    log.update(ctx.text_sampler.take_log(device))
-                log.update(seconds=time.time() - start, cpu_s=time.process_time() - cpu, **timing.take())
-                run.record(step, log, rolls, tok, ids, track)  # log.jsonl (and the tracker); *_s keys: times.jsonl
+        for step in range(run.start, cfg.rl_steps):
+            start, cpu = time.time(), time.process_time()
+            try:
+                log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
+            except BadStep as e:
+                log, rolls = {"step": step, "bad_reward": str(e)}, []
+            if isinstance(ctx.text_sampler, FastSampler):  # Fast-dLLM rollouts' statistics, over all ranks
+                log.update(ctx.text_sampler.take_log(device))
+            times = {"seconds": time.time() - start, "cpu_s": time.process_time() - cpu, **timing.take()}
+            run.record(step, log, times, rolls, tok, ids, track)  # log.jsonl, times.jsonl (and the tracker)
         nothing_trained = all_skipped(run)
         if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported
             raise TrainingStopped(nothing_trained)
