@@ -209,6 +209,7 @@ class Batch:
     uncond_mask: torch.Tensor | None = None  # (B, L)
     examples: list | None = None
     index: list | None = None       # each row's index in the global batch (seeds its randomness); None = 0..B-1
+    vocab_slice: tuple | None = None  # (lo, hi): image positions are scored over the code columns only (MMaDA)
 
     @property
     def prompt_mask(self):          # (B, P) real prompt tokens (never masked by the MaskGRPO estimator)
@@ -223,7 +224,7 @@ class Batch:
         pick = lambda t: None if t is None else t[rows]
         index = list(range(self.x.shape[0])) if self.index is None else self.index
         return Batch(self.task, self.x[rows], self.attention_mask[rows], self.prompt_len, self.window,
-                     pick(self.uncond), pick(self.uncond_mask), self.examples[rows], index[rows])
+                     pick(self.uncond), pick(self.uncond_mask), self.examples[rows], index[rows], self.vocab_slice)
 
 
 def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: bool) -> Batch:
@@ -261,17 +262,14 @@ def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> B
     start = enc[0][1]
     if with_targets:
         x[:B, start:start + n] = torch.tensor([ex["image"] for ex in examples], device=device) + ids.image_token_offset
-    return Batch(task, x[:B], att[:B], start, n, x[B:].expand(B, -1).clone(), att[B:].expand(B, -1).clone(), examples)
+    codes = (ids.image_token_offset, ids.image_token_offset + ids.codebook_size)  # arXiv:2505.15809: the head predicts codes
+    return Batch(task, x[:B], att[:B], start, n, x[B:].expand(B, -1).clone(), att[B:].expand(B, -1).clone(), examples,
+                 vocab_slice=codes)
 
 
 def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 0.0) -> dict:
     """A fresh example of toy task `task` (its TASKS entry's generator), in `split`."""
     return TASKS[task].example(rng, cfg, split, noise)
-
-
-def vocab_slice(task: str, ids):
-    """Image positions are scored over the image-code columns only (MMaDA arXiv:2505.15809: the image head predicts codes)."""
-    return (ids.image_token_offset, ids.image_token_offset + ids.codebook_size) if task in IMAGE_TASKS else None
 
 
 def decode_window(b: Batch, tok, ids) -> list:

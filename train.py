@@ -55,8 +55,8 @@ from infra.settings import setup, validate
 from infra.timing import timed
 from infra.heldout import evaluate_all, image_snapshot
 from sample import derive_seed, generator
-from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts, task_list,
-                   vocab_slice)
+from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts,
+                   task_list)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3
     masked, t = masked.to(b.x.device), t.to(b.x.device)
     logits = model(b.x.masked_fill(masked, ids.mask), b.attention_mask)                # (B, L, V)
     # Image positions predict image codes only, so the softmax runs over the codebook columns.
-    lo, hi = vocab_slice(b.task, ids) or (0, logits.shape[-1])
+    lo, hi = b.vocab_slice or (0, logits.shape[-1])
     ce = F.cross_entropy(logits[masked][:, lo:hi].float(), b.x[masked] - lo, reduction="none")  # (T,)
     return (ce / t.expand(B, L)[masked]).sum() / (B * b.window)
 
@@ -358,7 +358,7 @@ def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
     """K x (B, L) float32: the log-probs of every view under a frozen policy (pi_old or pi_ref)."""
     with scale.full_weights(model):  # FSDP2 gathers the weights once for all K passes; a no-op in one process
         return [importance.token_logprobs(model, x_k, b.x, m_k, attention_mask=b.attention_mask,
-                                          vocab_slice=vocab_slice(b.task, ctx.ids),
+                                          vocab_slice=b.vocab_slice,
                                           device_batch_size=ctx.cfg.device_batch_size)
                 for x_k, m_k in zip(views.inputs, views.loss_masks)]
 
@@ -394,7 +394,7 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
         mask = v.loss_masks[k]                                                             # (B, L)
         for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
             logp = importance.token_logprobs(model, v.inputs[k][rows], b.x[rows], mask[rows],
-                                             attention_mask=b.attention_mask[rows], vocab_slice=vocab_slice(b.task, ctx.ids))
+                                             attention_mask=b.attention_mask[rows], vocab_slice=b.vocab_slice)
             loss, s = grpo.policy_loss(logp, e.logp_old[k][rows], adv[rows], mask[rows], clip_eps=cfg.clip_eps,
                                        beta=cfg.beta, norm=cfg.loss_norm, total=n,
                                        logp_ref=None if e.logp_ref is None else e.logp_ref[k][rows])
