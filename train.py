@@ -43,15 +43,11 @@ import grpo
 import importance
 import tasks
 from infra import checkpoint, claims, cli, dryrun, lora, phases, scale, timing, tracker
-from infra.data import load_data
 from infra.fast_sample import FastSampler
-from infra.load import load_policy, report_truncation
-from infra.outdir import startup_checks
 from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, eval_batches,
-                       failures_in_one_line, print_held_out)
+                       failures_in_one_line, print_held_out, start)
 from infra.scale import print0
-from infra.scorer import RemoteScorer
-from infra.settings import setup, validate
+from infra.settings import validate
 from infra.timing import timed
 from infra.heldout import evaluate_all, image_snapshot
 from sample import derive_seed, generator
@@ -440,26 +436,11 @@ def main(argv=None) -> dict:
 
 def _run(cfg: Config, argv) -> dict:
     t_start = time.time()
-    phases.remember_command(argv)   # for the messages that name the command continuing this run
-    claims.check_paths(cfg)         # out_dir, init_from, sft_dir: nothing of anyone else's is written over
-    with phases.start_up():             # a signal before RL stops at once and names the command to rerun
-        finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
-        if finished is not None:
-            return finished
-        device, dtype = setup(cfg)
-        datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
-        with claims.sft_dir_claimed(cfg):  # a folder, writable, and this run's alone until its SFT model is saved
-            startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
-            scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
-            model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
-        fast = cfg.kv_cache != "none" or cfg.threshold > 0  # Fast-dLLM text rollouts in RL steps
-        ctx = Ctx(cfg, tok, ids, device, datasets, scorer, FastSampler(cfg.kv_cache, cfg.threshold) if fast else None)
-        report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
-        opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
-                                weight_decay=cfg.weight_decay)
-    print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.mu} optimizer steps, {cfg.prompts_per_step} "
-           f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "
-           f"steps count from 0, as in log.jsonl")
+    started = start(cfg, argv, sft)  # infra/run.py: data, the policy (SFT first for a toy run), its reference
+    if isinstance(started, dict):    # --resume of a run that had finished: its summary, nothing to do
+        return started
+    model, ref, opt, ctx, dtype, sft_seconds = started
+    device, tok, ids = ctx.device, ctx.tok, ctx.ids
     track = tracker.start(cfg)  # --tracker: the run's settings as the tracked run's config (off by default)
     with Run(cfg, model, opt, device) as run:
         if run.state["before"] is None:
@@ -471,14 +452,14 @@ def _run(cfg: Config, argv) -> dict:
         print_held_out("before RL", run.state["before"])
         track.held_out("before", run.state["before"])
         for step in range(run.start, cfg.rl_steps):
-            start, cpu = time.time(), time.process_time()
+            t0, cpu0 = time.time(), time.process_time()
             try:
                 log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
             except BadStep as e:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
             if isinstance(ctx.text_sampler, FastSampler):  # Fast-dLLM rollouts' statistics, over all ranks
                 log.update(ctx.text_sampler.take_log(device))
-            times = {"seconds": time.time() - start, "cpu_s": time.process_time() - cpu, **timing.take()}
+            times = {"seconds": time.time() - t0, "cpu_s": time.process_time() - cpu0, **timing.take()}
             run.record(step, log, times, rolls, tok, ids, track)  # log.jsonl, times.jsonl (and the tracker)
         nothing_trained = all_skipped(run)
         if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported

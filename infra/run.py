@@ -24,15 +24,45 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, heldout, phases, scale
-from infra.load import WriteFailed, reference_identity, save_model, writer_error
-from infra.outdir import logged_steps, release_out_dir, resume_point
+from infra import checkpoint, claims, heldout, lora, phases, scale
+from infra.data import load_data
+from infra.fast_sample import FastSampler
+from infra.load import WriteFailed, load_policy, reference_identity, report_truncation, save_model, writer_error
+from infra.outdir import logged_steps, release_out_dir, resume_point, startup_checks
 from infra.scale import print0
-from infra.settings import resume_changes
+from infra.scorer import RemoteScorer
+from infra.settings import resume_changes, setup
 from tasks import IMAGE_TASKS, task_list
 
 
 EVAL_BATCH = 64  # rows per heldout.evaluate batch
+
+
+def start(cfg, argv, sft):
+    """train.py's start-up, from the parsed flags to the first RL step: (model, ref, opt, ctx, dtype, sft_seconds),
+    the SFT stage first for a toy run (sft: train.sft), or, for --resume of a run that had finished, its summary."""
+    phases.remember_command(argv)   # for the messages that name the command continuing this run
+    claims.check_paths(cfg)         # out_dir, init_from, sft_dir: nothing of anyone else's is written over
+    with phases.start_up():             # a signal before RL stops at once and names the command to rerun
+        finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
+        if finished is not None:
+            return finished
+        device, dtype = setup(cfg)
+        datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
+        with claims.sft_dir_claimed(cfg):  # a folder, writable, and this run's alone until its SFT model is saved
+            startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
+            scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
+            model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
+        fast = cfg.kv_cache != "none" or cfg.threshold > 0  # Fast-dLLM text rollouts in RL steps
+        text_sampler = FastSampler(cfg.kv_cache, cfg.threshold) if fast else None
+        ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer, text_sampler)
+        report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
+        opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
+                                weight_decay=cfg.weight_decay)
+    print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.mu} optimizer steps, {cfg.prompts_per_step} "
+           f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "
+           f"steps count from 0, as in log.jsonl")
+    return model, ref, opt, ctx, dtype, sft_seconds
 
 
 def eval_batches(ctx) -> int:
