@@ -158,7 +158,8 @@ TASKS = {
                  example=lambda rng, cfg, split, noise: make_text_example(rng, split, noise, max_steps=cfg.text_max_steps)),
     "image": Task("image", {"grid": rewards.image_reward},
                   example=lambda rng, cfg, split, noise: make_image_example(rng, split, noise, width=cfg.image_width)),
-    **{name: Task("text", _benchmark(name), "reward_shaping") for name in ("gsm8k", "math", "mbpp", "countdown", "sudoku")},
+    **{name: Task("text", _benchmark(name), "reward_shaping")
+       for name in ("gsm8k", "math", "mbpp", "countdown", "sudoku")},
     "geneval": Task("image", {}),
 }
 TOY_TASKS = tuple(t for t, k in TASKS.items() if k.toy)
@@ -262,7 +263,7 @@ def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> B
     start = enc[0][1]
     if with_targets:
         x[:B, start:start + n] = torch.tensor([ex["image"] for ex in examples], device=device) + ids.image_token_offset
-    codes = (ids.image_token_offset, ids.image_token_offset + ids.codebook_size)  # arXiv:2505.15809: the head predicts codes
+    codes = (ids.image_token_offset, ids.image_token_offset + ids.codebook_size)  # MMaDA's head predicts codes
     return Batch(task, x[:B], att[:B], start, n, x[B:].expand(B, -1).clone(), att[B:].expand(B, -1).clone(), examples,
                  vocab_slice=codes)
 

@@ -11,11 +11,11 @@ Alg. 5), one rollout batch at a time:
 
     1. rollouts      tasks.rollout: G completions per prompt with their decoding order; sample.generate
                      (text, LLaDA's block sampler) or sample.generate_image (emerge sampler + CFG)
-    2. rewards       tasks.score: each task's verifier from its tasks.TASKS entry (rewards.py), or a remote image
-                     scorer, in [0, 1]
+    2. rewards       tasks.score with tasks.verifier: the task's rewards.py function its settings name, or a
+                     remote image scorer, in [0, 1]
     3. advantages    grpo.group_advantages: (R - mean) / std within each group of G (d1: R - mean)
-    4. views         importance.views: one function per estimator (maskgrpo_views: mu re-masked copies of every
-                     completion), K masked inputs and the positions each scores
+    4. views         importance.VIEWS[estimator], one function each (maskgrpo_views: mu re-masked copies of
+                     every completion): K masked inputs and the positions each scores
     5. old/ref       importance.token_logprobs on exactly those inputs, without gradient -> an Experience
     6. mu updates    update j re-scores its views with the current policy (backward_loss: grpo.policy_loss, the
                      clipped per-token ratio + beta * k3 KL, as one full-batch mean) and steps; step_log
@@ -75,7 +75,7 @@ class StepConfig:
     text_reward: str = "answer"       # toy text verifier: answer (the last \\boxed{}) | solution (every step and the box)
     group_size: int = 8               # G completions per prompt
     adv_std: str = "auto"             # divide advantages by the group std: on | off | auto (off for d1, as d1)
-    # importance estimator (importance.views)
+    # importance estimator (importance.VIEWS)
     estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines) | trajectory (exact decoding path)
     text_reversing: str = "arlike"    # maskgrpo's text masks: arlike (paper Alg. 1) | random | arlike_official
     gamma_text: float = 0.6           # maskgrpo: text mask ratios live in (gamma, 1) (paper: 0.6)

@@ -140,8 +140,8 @@ def test_a_dead_torchrun_worker_names_resume(sft_dir, tmp_path):
     assert line is not None, p.stderr[-3000:]
     assert "Connection" in line and f"{out / 'checkpoints' / 'step-00000002'}, is kept" in line, line
     assert line.endswith("--resume=true") and "--resume=true continues: torchrun" in line, line
-    p = subprocess.run([*torchrun, "train.py", *args, "--resume=true"], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=900)
+    p = subprocess.run([*torchrun, "train.py", *args, "--resume=true"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=900)
     assert p.returncode == 0 and (out / "summary.json").is_file(), p.stdout[-2000:] + p.stderr[-2000:]
 
 
