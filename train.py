@@ -440,17 +440,9 @@ def _run(cfg: Config, argv) -> dict:
     if isinstance(started, dict):    # --resume of a run that had finished: its summary, nothing to do
         return started
     model, ref, opt, ctx, dtype, sft_seconds = started
-    device, tok, ids = ctx.device, ctx.tok, ctx.ids
     track = tracker.start(cfg)  # --tracker: the run's settings as the tracked run's config (off by default)
-    with Run(cfg, model, opt, device) as run:
-        if run.state["before"] is None:
-            with phases.before_rl(run):  # a signal stops it after the current batch
-                stop = phases.Stop(run.signal, device, eval_batches(ctx), "held-out evaluation before RL")
-                run.state["before_by_prompt"] = {}
-                run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
-                run.state["grid_before"] = image_snapshot(model, ctx)
-        print_held_out("before RL", run.state["before"])
-        track.held_out("before", run.state["before"])
+    with Run(cfg, model, opt, ctx.device) as run:
+        held_out_before(run, model, ctx, track)  # once per run (a resumed run has it in its checkpoint)
         for step in range(run.start, cfg.rl_steps):
             t0, cpu0 = time.time(), time.process_time()
             try:
@@ -458,25 +450,43 @@ def _run(cfg: Config, argv) -> dict:
             except BadStep as e:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
             if isinstance(ctx.text_sampler, FastSampler):  # Fast-dLLM rollouts' statistics, over all ranks
-                log.update(ctx.text_sampler.take_log(device))
+                log.update(ctx.text_sampler.take_log(ctx.device))
             times = {"seconds": time.time() - t0, "cpu_s": time.process_time() - cpu0, **timing.take()}
-            run.record(step, log, times, rolls, tok, ids, track)  # log.jsonl, times.jsonl (and the tracker)
+            run.record(step, log, times, rolls, ctx.tok, ctx.ids, track)  # log.jsonl, times.jsonl, the tracker
         nothing_trained = all_skipped(run)
         if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported
             raise TrainingStopped(nothing_trained)
+    summary, after = held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds)
+    phases.closing_summary(run, time.time() - t_start)
+    check_measured(run, after)  # a number the run should report is missing: the exit status says so
+    return summary
+
+
+def held_out_before(run, model, ctx, track) -> None:
+    """The held-out rewards before RL (and the toy image grid), unless a resumed run measured them already."""
+    if run.state["before"] is None:
+        with phases.before_rl(run):  # a signal stops it after the current batch
+            stop = phases.Stop(run.signal, ctx.device, eval_batches(ctx), "held-out evaluation before RL")
+            run.state["before_by_prompt"] = {}
+            run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
+            run.state["grid_before"] = image_snapshot(model, ctx)
+    print_held_out("before RL", run.state["before"])
+    track.held_out("before", run.state["before"])
+
+
+def held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds: float) -> tuple[dict, dict]:
+    """The held-out rewards after RL, then final/, summary.json and the pictures: (summary, rewards after RL)."""
     after_by_prompt = {}
     with phases.final(run) as stop:  # the last step is checkpointed first; a signal stops after a batch
         stop.counting(eval_batches(ctx), "held-out evaluation after RL")
         after = evaluate_all(model, ctx, after_by_prompt, stop)
         grid_after = image_snapshot(model, ctx)
         stop.saving()
-        summary = run.finish(after, after_by_prompt, grid_after, tok, dtype, sft_seconds)
+        summary = run.finish(after, after_by_prompt, grid_after, ctx.tok, dtype, sft_seconds)
     print_held_out("after RL", after, summary)
     track.held_out("after", after)
     track.finish(run.out)  # the pictures, then the tracked run is closed
-    phases.closing_summary(run, time.time() - t_start)
-    check_measured(run, after)  # a number the run should report is missing: the exit status says so
-    return summary
+    return summary, after
 
 
 if __name__ == "__main__":
