@@ -1,5 +1,5 @@
-"""The run's lifecycle around train.py's loop: logs, checkpoints and resume, signals, bad-step guard, and the
-final save (the out_dir's start-up checks and ownership are infra/outdir.py).
+"""The run's lifecycle around train.py's loop: its start-up (start), logs, checkpoints and resume, signals,
+bad-step guard, and the final save (the out_dir's start-up checks and ownership are infra/outdir.py).
 
 A Run keeps the state a resumed run must continue from (step, the held-out rewards before RL, bad-step
 counters, RL seconds, the last good checkpoint), writes log.jsonl (one line per RL step; wall times go to
