@@ -90,7 +90,9 @@ def test_a_starting_model_changed_in_its_tail_is_another_model(big, tmp_path):
 # -----------------------------------------------------------------------------
 # the dry run's verdict against each card
 
-CARDS = {"H100": 80, "H200": 141}  # GB of HBM per GPU (NVIDIA datasheets: H100 SXM 80 GB, H200 141 GB)
+# GiB of memory per GPU as nvidia-smi reports it (H100 SXM 81,559 MiB; H200 143,771 MiB): the dry run's figures are
+# GiB, so its headroom is taken against these totals, not the datasheets' 80 and 141 GB
+CARDS = {"H100": 81559 / 1024, "H200": 143771 / 1024}
 
 
 @pytest.mark.parametrize("gpus, flags", [(1, ["--lora_rank=0"]), (2, ["--lora_rank=0"]), (4, ["--lora_rank=0"]),
@@ -103,16 +105,16 @@ def test_the_dry_run_verdict_for_each_card(capsys, gpus, flags):
     kind = "full" if "--lora_rank=0" in flags else "lora"
     peak = res["budget"][gpus][f"{kind}_peak"]
     line = next(s for s in text.splitlines() if s.startswith("device_batch_size") and f"on {gpus} GPUs" in s)
-    assert f"peak {peak:.1f} GB" in line, line
+    assert f"peak {peak:.1f} GiB" in line, line
     fits = {name: peak <= gb for name, gb in CARDS.items()}
     assert fits == {1: {"H100": False, "H200": False}, 2: {"H100": False, "H200": True},
                     4: {"H100": True, "H200": True}, 8: {"H100": True, "H200": True}}[gpus]  # the cases meant
     for name, gb in CARDS.items():
         if fits[name]:
-            assert f"{gb - peak:.0f} GB of {gb} on an {name}" in line and f"not fit on an {name}" not in line, line
+            assert f"{gb - peak:.0f} GiB of {gb:.1f} on an {name}" in line and f"not fit on an {name}" not in line, line
         else:
-            assert f"does not fit on an {name} ({gb} GB, {peak - gb:.0f} GB short)" in line, line
-            assert f"GB of {gb} on an {name}" not in line, line
+            assert f"does not fit on an {name} ({gb:.1f} GiB, {peak - gb:.0f} GiB short)" in line, line
+            assert f"GiB of {gb:.1f} on an {name}" not in line, line
     assert (f"this run does not fit on {gpus} GPU(s) of any size listed" in text) == (not any(fits.values())), text
 
 

@@ -56,11 +56,13 @@ def at_two_ranks(monkeypatch, fn, rounds=5):
 
 
 # Each rank's sums of policy_loss for two updates (what backward_loss returns), chosen by hand so that the
-# largest ratio is on rank 0 in update 0 and on rank 1 in update 1.
-SUMS = {0: [{"loss": 0.12, "tokens": 10.0, "clipped": 2.0, "kl": 0.5, "ratio": 10.4, "ratio_max": 1.3},
-            {"loss": 0.02, "tokens": 10.0, "clipped": 1.0, "kl": 0.7, "ratio": 9.5, "ratio_max": 0.9}],
-        1: [{"loss": -0.02, "tokens": 6.0, "clipped": 0.0, "kl": 0.1, "ratio": 5.7, "ratio_max": 1.1},
-            {"loss": 0.05, "tokens": 6.0, "clipped": 3.0, "kl": 0.3, "ratio": 6.9, "ratio_max": 1.6}]}
+# largest ratio is on rank 0 in update 0 and on rank 1 in update 1. As policy_loss returns them: 0-d float64
+# tensors (read on the host once per update, by reduce_sums).
+SUMS = {r: [{k: torch.tensor(v, dtype=torch.float64) for k, v in s.items()} for s in sums] for r, sums in {
+    0: [{"loss": 0.12, "tokens": 10.0, "clipped": 2.0, "kl": 0.5, "ratio": 10.4, "ratio_max": 1.3},
+        {"loss": 0.02, "tokens": 10.0, "clipped": 1.0, "kl": 0.7, "ratio": 9.5, "ratio_max": 0.9}],
+    1: [{"loss": -0.02, "tokens": 6.0, "clipped": 0.0, "kl": 0.1, "ratio": 5.7, "ratio_max": 1.1},
+        {"loss": 0.05, "tokens": 6.0, "clipped": 3.0, "kl": 0.3, "ratio": 6.9, "ratio_max": 1.6}]}.items()}
 
 # 12 rewards, 3 groups of G = 4 (rank 0 holds rows 0-5, rank 1 rows 6-11; every rank sees all 12):
 # group 0 has two members exactly at its mean 0.5 but is not equal; group 1 is equal; group 2 has none at 0.5.
