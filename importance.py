@@ -5,7 +5,7 @@ the paper argues (§3) that two policies' masked log-likelihoods at one masked s
 their per-step decoding log-likelihoods (decoding_logprob computes those exactly). Inner iteration j re-masks
 the completion with a seeded reversing operator o^t ~ Rev(o, t_j, S_j) and scores pi_theta, pi_old and pi_ref on
 that same input; a mask is a function of (seed, ratio, N) alone. Per rollout step (train.rl_step):
-    v = views(batch, order, cfg, ...)          # one function per estimator (VIEWS): K inputs, their loss masks
+    v = VIEWS[cfg.estimator](batch, order, cfg, ...)  # one function per estimator: K inputs, their loss masks
     logp_old[k] = token_logprobs(model, v.inputs[k], x, v.loss_masks[k])  # no_grad; the same inputs for pi_ref
     update j scores the views v.updates[j] with grad -> grpo.policy_loss
 The "trajectory" estimator is what the others approximate: trajectory_masks turns the sampler's decoding
@@ -38,21 +38,16 @@ class Views(NamedTuple):
     norm: torch.Tensor | None = None  # --trajectory_states: this rank's part of the loss normaliser (None: the terms)
 
 
-def views(batch, order, cfg, *, image: bool, step: int, seq_index, eos_id: int, mask_id: int, all_max=lambda t: t):
-    """Step 4 of the RL step (Alg. 5): one task's Views under cfg.estimator. order: (B, L) each position's reveal step;
-    seq_index: each row's GLOBAL index (no mask depends on the world size); all_max: max over ranks (trajectory's)."""
-    return VIEWS[cfg.estimator](batch, order, cfg, image=image, step=step, seq_index=[int(i) for i in seq_index],
-                                eos_id=eos_id, mask_id=mask_id, all_max=all_max)
-
-
 def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -> Views:
-    """MaskGRPO (Alg. 5): mu views, update j scoring view j, in which o^t_j ~ Rev(o, t_j, S_j) re-masks the window
-    (Alg. 1 AR-like for text, or --text_reversing; Alg. 2 random for images): one mask, the input's and the loss's."""
+    """Step 4 of the RL step (Alg. 5) under MaskGRPO: mu views, update j scoring view j, in which o^t_j ~
+    Rev(o, t_j, S_j) re-masks the window (Alg. 1 AR-like for text, or --text_reversing; Alg. 2 random for images):
+    one mask, the input's and the loss's. seq_index: each row's GLOBAL index (no mask depends on the world size).
+    Every estimator's views function (VIEWS) takes these keywords, and eos_id and all_max (max over ranks)."""
     mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
     (B, L), P, N, seed = batch.x.shape, batch.prompt_len, batch.window, derive_seed(cfg.seed, "masks", batch.task)
     masks = torch.zeros(cfg.mu, B, L, dtype=torch.bool, device=batch.x.device)  # (mu, B, L); never the prompt (§3)
     for j, t in enumerate(mask_ratios(cfg.mu, gamma)):
-        seeds, window = [mask_seed(seed, step, i, j) for i in seq_index], torch.ones(B, N, dtype=torch.bool)
+        seeds, window = [mask_seed(seed, step, int(i), j) for i in seq_index], torch.ones(B, N, dtype=torch.bool)
         masks[j, :, P:P + N] = reverse_mask(window, [t] * B, seeds, mode, prompt_len=batch.prompt_mask.sum(1).tolist())
     return Views([batch.x.masked_fill(m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
 
@@ -154,7 +149,7 @@ def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float
 def unigrpo_views(batch, order, cfg, *, step, seq_index, mask_id, **_) -> Views:
     """UniGRPO (MMaDA, arXiv:2505.15809): K = mu random-reversing views at UniGRPO's ratios, one per update."""
     seed = derive_seed(cfg.seed, "masks", batch.task)
-    ratios = list(zip(*[_unigrpo_ratios(seed, step, i, cfg.mu) for i in seq_index]))  # [mu][B]
+    ratios = list(zip(*[_unigrpo_ratios(seed, step, int(i), cfg.mu) for i in seq_index]))  # [mu][B]
     window = torch.ones(batch.x.shape[0], batch.window, dtype=torch.bool, device=batch.x.device)  # (B, N)
     masks = reversed_masks(batch.prompt_mask, window, ratios, "random", seed=seed, step=step, seq_index=seq_index,
                            length=batch.x.shape[1])                                      # (mu, B, L)
@@ -194,6 +189,7 @@ def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_
     return Views([apply_mask(x, m, mask_id) for m in in_masks], loss_masks, updates, norm)
 
 
+# --estimator's views functions (train.rl_step calls VIEWS[cfg.estimator]; maskgrpo_views is the default)
 VIEWS = {"maskgrpo": maskgrpo_views, "d1": d1_views, "unigrpo": unigrpo_views, "trajectory": trajectory_views}
 
 

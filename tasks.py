@@ -137,9 +137,10 @@ def ids_to_codes(tok: Tokenizer, ids: list[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class Task:
-    """One RL task: its modality, where its prompts come from, and its reward."""
+    """One RL task: its modality, where its prompts come from, and its verifiers."""
     modality: str                   # "text" or "image": the sampler, the reversing operator, the scored vocabulary
-    reward: dict                    # {name: verifier(completion, example) -> [0, 1]} (score picks one); {}: remote scorer
+    reward: dict                    # {name: verifier(completion, example) -> [0, 1]}; {}: the remote image scorer
+    picked_by: str = ""             # the setting naming the verifier (text_reward, reward_shaping); "": the only one
     example: object = None          # toy: example(rng, cfg, split, noise) -> a fresh example; None: read --train_data
 
     @property
@@ -153,11 +154,12 @@ def _benchmark(name: str) -> dict:
 
 
 TASKS = {
-    "text": Task("text", {"answer": rewards.answer_reward, "solution": rewards.solution_reward},
+    "text": Task("text", {"answer": rewards.answer_reward, "solution": rewards.solution_reward}, "text_reward",
                  example=lambda rng, cfg, split, noise: make_text_example(rng, split, noise, max_steps=cfg.text_max_steps)),
     "image": Task("image", {"grid": rewards.image_reward},
                   example=lambda rng, cfg, split, noise: make_image_example(rng, split, noise, width=cfg.image_width)),
-    **{name: Task("text", _benchmark(name)) for name in ("gsm8k", "math", "mbpp", "countdown", "sudoku")},
+    **{name: Task("text", _benchmark(name), "reward_shaping")
+       for name in ("gsm8k", "math", "mbpp", "countdown", "sudoku")},
     "geneval": Task("image", {}),
 }
 TOY_TASKS = tuple(t for t, k in TASKS.items() if k.toy)
@@ -165,14 +167,31 @@ IMAGE_TASKS = tuple(t for t, k in TASKS.items() if k.modality == "image")  # gen
 TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
-def score(b, tok, ids, scorer=None, shaping: str = "none", text_reward: str = "answer") -> torch.Tensor:
-    """Step 2: a reward in [0, 1] per row of Batch b from its task's TASKS entry: the verifier named by text_reward
-    (toy tasks) or shaping (benchmarks), else the entry's first; an entry without verifiers asks the remote scorer."""
-    task, outs = TASKS[b.task], decode_window(b, tok, ids)
-    if not task.reward:  # geneval: NaN rewards if the scorer fails, which skip the step on every rank
+def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none"):
+    """The rewards.py function that scores `task`: the toy text task's by --text_reward, a benchmark's by
+    --reward_shaping, the toy image task's only one; None for geneval (the remote scorer). One a task lacks is an
+    error (train.parse_args asks for every task's at start-up)."""
+    t = TASKS[task]
+    if not t.reward:  # geneval: the remote scorer
+        return None
+    if not t.picked_by:  # the toy image task's one verifier
+        (verify,) = t.reward.values()
+        return verify
+    name = {"text_reward": text_reward, "reward_shaping": reward_shaping}[t.picked_by]
+    if name not in t.reward:
+        choices = " or ".join(f"--{t.picked_by}={k}" for k in t.reward)
+        raise ValueError(f"--{t.picked_by}={name} names no verifier of task {task}: pass {choices}, or drop {task} "
+                         "from --tasks")
+    return t.reward[name]
+
+
+def score(b, verify, tok, ids, scorer=None) -> torch.Tensor:
+    """Step 2: a reward in [0, 1] per row of Batch b: verify(completion, example) (tasks.verifier) on each decoded
+    completion, or, with verify None (geneval), the remote scorer."""
+    outs = decode_window(b, tok, ids)
+    if verify is None:  # geneval: NaN rewards if the scorer fails, which skip the step on every rank
         return scorer.rewards([ex["prompt"] for ex in b.examples], outs)
-    fn = task.reward.get(text_reward if task.toy else shaping, next(iter(task.reward.values())))
-    return torch.tensor([fn(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
+    return torch.tensor([verify(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -191,6 +210,7 @@ class Batch:
     uncond_mask: torch.Tensor | None = None  # (B, L)
     examples: list | None = None
     index: list | None = None       # each row's index in the global batch (seeds its randomness); None = 0..B-1
+    vocab_slice: tuple | None = None  # (lo, hi): image positions are scored over the code columns only (MMaDA)
 
     @property
     def prompt_mask(self):          # (B, P) real prompt tokens (never masked by the MaskGRPO estimator)
@@ -205,7 +225,7 @@ class Batch:
         pick = lambda t: None if t is None else t[rows]
         index = list(range(self.x.shape[0])) if self.index is None else self.index
         return Batch(self.task, self.x[rows], self.attention_mask[rows], self.prompt_len, self.window,
-                     pick(self.uncond), pick(self.uncond_mask), self.examples[rows], index[rows])
+                     pick(self.uncond), pick(self.uncond_mask), self.examples[rows], index[rows], self.vocab_slice)
 
 
 def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: bool) -> Batch:
@@ -243,17 +263,14 @@ def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> B
     start = enc[0][1]
     if with_targets:
         x[:B, start:start + n] = torch.tensor([ex["image"] for ex in examples], device=device) + ids.image_token_offset
-    return Batch(task, x[:B], att[:B], start, n, x[B:].expand(B, -1).clone(), att[B:].expand(B, -1).clone(), examples)
+    codes = (ids.image_token_offset, ids.image_token_offset + ids.codebook_size)  # MMaDA's head predicts codes
+    return Batch(task, x[:B], att[:B], start, n, x[B:].expand(B, -1).clone(), att[B:].expand(B, -1).clone(), examples,
+                 vocab_slice=codes)
 
 
 def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 0.0) -> dict:
     """A fresh example of toy task `task` (its TASKS entry's generator), in `split`."""
     return TASKS[task].example(rng, cfg, split, noise)
-
-
-def vocab_slice(task: str, ids):
-    """Image positions are scored over the image-code columns only (MMaDA arXiv:2505.15809: the image head predicts codes)."""
-    return (ids.image_token_offset, ids.image_token_offset + ids.codebook_size) if task in IMAGE_TASKS else None
 
 
 def decode_window(b: Batch, tok, ids) -> list:

@@ -11,11 +11,11 @@ Alg. 5), one rollout batch at a time:
 
     1. rollouts      tasks.rollout: G completions per prompt with their decoding order; sample.generate
                      (text, LLaDA's block sampler) or sample.generate_image (emerge sampler + CFG)
-    2. rewards       tasks.score: each task's verifier from its tasks.TASKS entry (rewards.py), or a remote image
-                     scorer, in [0, 1]
+    2. rewards       tasks.score with tasks.verifier: the task's rewards.py function its settings name, or a
+                     remote image scorer, in [0, 1]
     3. advantages    grpo.group_advantages: (R - mean) / std within each group of G (d1: R - mean)
-    4. views         importance.views: one function per estimator (maskgrpo_views: mu re-masked copies of every
-                     completion), K masked inputs and the positions each scores
+    4. views         importance.VIEWS[estimator], one function each (maskgrpo_views: mu re-masked copies of
+                     every completion): K masked inputs and the positions each scores
     5. old/ref       importance.token_logprobs on exactly those inputs, without gradient -> an Experience
     6. mu updates    update j re-scores its views with the current policy (backward_loss: grpo.policy_loss, the
                      clipped per-token ratio + beta * k3 KL, as one full-batch mean) and steps; step_log
@@ -43,19 +43,16 @@ import grpo
 import importance
 import tasks
 from infra import budget, checkpoint, claims, cli, lora, phases, scale, timing, tracker
-from infra.data import load_data
 from infra.fast_sample import FastSampler
-from infra.load import load_policy, report_truncation
-from infra.outdir import startup_checks
 from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, eval_batches,
-                       failures_in_one_line, print_held_out)
+                       failures_in_one_line, print_held_out, start)
 from infra.scale import print0
-from infra.scorer import RemoteScorer
-from infra.settings import setup, validate
+from infra.settings import validate
+from infra.timing import timed
 from infra.heldout import evaluate_all, image_snapshot
 from sample import derive_seed, generator
-from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts, task_list,
-                   vocab_slice)
+from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts,
+                   task_list)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -78,7 +75,7 @@ class StepConfig:
     text_reward: str = "answer"       # toy text verifier: answer (the last \\boxed{}) | solution (every step and the box)
     group_size: int = 8               # G completions per prompt
     adv_std: str = "auto"             # divide advantages by the group std: on | off | auto (off for d1, as d1)
-    # importance estimator (importance.views)
+    # importance estimator (importance.VIEWS)
     estimator: str = "maskgrpo"       # maskgrpo | d1 | unigrpo (baselines) | trajectory (exact decoding path)
     text_reversing: str = "arlike"    # maskgrpo's text masks: arlike (paper Alg. 1) | random | arlike_official
     gamma_text: float = 0.6           # maskgrpo: text mask ratios live in (gamma, 1) (paper: 0.6)
@@ -204,6 +201,8 @@ def parse_args(argv=None) -> Config:
         raise ValueError("unknown flag --num_iterations: the inner updates per rollout batch are --mu (the paper's mu)")
     cfg = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
     validate(cfg)
+    for task in task_list(cfg):  # a verifier the settings name that a task lacks: refused here, not at step 0
+        tasks.verifier(task, cfg.text_reward, cfg.reward_shaping)
     return cfg
 
 
@@ -223,7 +222,7 @@ def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3
     masked, t = masked.to(b.x.device), t.to(b.x.device)
     logits = model(b.x.masked_fill(masked, ids.mask), b.attention_mask)                # (B, L, V)
     # Image positions predict image codes only, so the softmax runs over the codebook columns.
-    lo, hi = vocab_slice(b.task, ids) or (0, logits.shape[-1])
+    lo, hi = b.vocab_slice or (0, logits.shape[-1])
     ce = F.cross_entropy(logits[masked][:, lo:hi].float(), b.x[masked] - lo, reduction="none")  # (T,)
     return (ce / t.expand(B, L)[masked]).sum() / (B * b.window)
 
@@ -304,32 +303,40 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
     for p in prompts:
         # 1. rollouts: G completions per prompt, one generator per sequence, with their decoding order
         gens = [generator(device, cfg.seed, "rollout", p.task, step, i) for i in p.index]
-        batch, order = rollout(model, p, ctx, gens, cfg.temperature, ctx.text_sampler)
+        with timed("rollout"):  # each phase's seconds go to times.jsonl (infra/timing.py)
+            batch, order = rollout(model, p, ctx, gens, cfg.temperature, ctx.text_sampler)
 
-        # 2. rewards, gathered in global order (a no-op in one process): a group is normalised over all its members
-        r = scale.all_gather_rows(tasks.score(batch, ctx.tok, ctx.ids, ctx.scorer, cfg.reward_shaping,
-                                              cfg.text_reward).to(device)).cpu()                # (B_global,)
+        # 2. rewards from the task's verifier (rewards.py; geneval: the remote scorer), gathered in global order
+        # (a no-op in one process): a group is normalised over all its members
+        verify = tasks.verifier(p.task, cfg.text_reward, cfg.reward_shaping)
+        with timed("reward"):
+            r = tasks.score(batch, verify, ctx.tok, ctx.ids, ctx.scorer).to(device)
+        r = scale.all_gather_rows(r).cpu()                                                 # (B_global,)
         check_rewards(r, p.task, cfg.group_size)
 
         # 3. advantages within each group of G (GRPO, arXiv:2402.03300 §4.1.2)
         adv = grpo.group_advantages(r, cfg.group_size, scale_by_std=cfg.adv_scaled)        # (B_global,)
 
-        # 4. the estimator's views: K masked inputs and the positions each scores, from seeds shared by the
-        # old, reference and current passes (scale.all_max: which decoding states any rank used; no-op in one process)
-        views = importance.views(batch, order, cfg, image=p.task in IMAGE_TASKS, step=step, seq_index=p.index,
-                                 eos_id=ctx.ids.eos, mask_id=ctx.ids.mask, all_max=scale.all_max)
+        # 4. the estimator's views (default importance.maskgrpo_views): K masked inputs and the positions each
+        # scores, from seeds shared by the old, reference and current passes (scale.all_max: which decoding
+        # states any rank used, for --estimator=trajectory; a no-op in one process)
+        views = importance.VIEWS[cfg.estimator](batch, order, cfg, image=p.task in IMAGE_TASKS, step=step,
+                                                seq_index=p.index, eos_id=ctx.ids.eos, mask_id=ctx.ids.mask,
+                                                all_max=scale.all_max)
 
         # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only.
         # With LoRA the reference is the policy with its adapters off: one all-gather serves both passes.
         with scale.full_weights(model) if isinstance(ref, lora.AdaptersOff) else contextlib.nullcontext():
-            logp_old = frozen_logprobs(model, batch, views, ctx)
-            logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
+            with timed("logprob"):
+                logp_old = frozen_logprobs(model, batch, views, ctx)
+                logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
         exps.append(Experience(batch, r, adv, views, logp_old, logp_ref))
 
     # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
     # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
     model.train()
-    updates = [update(model, opt, exps, ctx, step, j) for j in range(cfg.mu)]
+    with timed("update"):
+        updates = [update(model, opt, exps, ctx, step, j) for j in range(cfg.mu)]
     model.eval()
     return step_log(step, exps, updates, cfg), exps
 
@@ -347,7 +354,7 @@ def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
     """K x (B, L) float32: the log-probs of every view under a frozen policy (pi_old or pi_ref)."""
     with scale.full_weights(model):  # FSDP2 gathers the weights once for all K passes; a no-op in one process
         return [importance.token_logprobs(model, x_k, b.x, m_k, attention_mask=b.attention_mask,
-                                          vocab_slice=vocab_slice(b.task, ctx.ids),
+                                          vocab_slice=b.vocab_slice,
                                           device_batch_size=ctx.cfg.device_batch_size)
                 for x_k, m_k in zip(views.inputs, views.loss_masks)]
 
@@ -383,7 +390,7 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
         mask = v.loss_masks[k]                                                             # (B, L)
         for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
             logp = importance.token_logprobs(model, v.inputs[k][rows], b.x[rows], mask[rows],
-                                             attention_mask=b.attention_mask[rows], vocab_slice=vocab_slice(b.task, ctx.ids))
+                                             attention_mask=b.attention_mask[rows], vocab_slice=b.vocab_slice)
             loss, s = grpo.policy_loss(logp, e.logp_old[k][rows], adv[rows], mask[rows], clip_eps=cfg.clip_eps,
                                        beta=cfg.beta, norm=cfg.loss_norm, total=n,
                                        logp_ref=None if e.logp_ref is None else e.logp_ref[k][rows])
@@ -419,11 +426,6 @@ def step_log(step: int, exps: list, updates: list, cfg) -> dict:
 # -----------------------------------------------------------------------------------------------------
 # main
 
-# The phases times.jsonl times, (module, function, name): the loop wraps them, so the step carries no timing.
-PHASES = ((sys.modules[__name__], "rollout", "rollout"), (tasks, "score", "reward"),
-          (sys.modules[__name__], "frozen_logprobs", "logprob"), (sys.modules[__name__], "update", "update"))
-
-
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
@@ -434,63 +436,57 @@ def main(argv=None) -> dict:
 
 def _run(cfg: Config, argv) -> dict:
     t_start = time.time()
-    phases.remember_command(argv)   # for the messages that name the command continuing this run
-    claims.check_paths(cfg)         # out_dir, init_from, sft_dir: nothing of anyone else's is written over
-    with phases.start_up():             # a signal before RL stops at once and names the command to rerun
-        finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
-        if finished is not None:
-            return finished
-        device, dtype = setup(cfg)
-        datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
-        with claims.sft_dir_claimed(cfg):  # a folder, writable, and this run's alone until its SFT model is saved
-            startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
-            scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
-            model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
-        fast = cfg.kv_cache != "none" or cfg.threshold > 0  # Fast-dLLM text rollouts in RL steps
-        ctx = Ctx(cfg, tok, ids, device, datasets, scorer, FastSampler(cfg.kv_cache, cfg.threshold) if fast else None)
-        report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
-        opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
-                                weight_decay=cfg.weight_decay)
-    print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.mu} optimizer steps, {cfg.prompts_per_step} "
-           f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "
-           f"steps count from 0, as in log.jsonl")
+    started = start(cfg, argv, sft)  # infra/run.py: data, the policy (SFT first for a toy run), its reference
+    if isinstance(started, dict):    # --resume of a run that had finished: its summary, nothing to do
+        return started
+    model, ref, opt, ctx, dtype, sft_seconds = started
     track = tracker.start(cfg)  # --tracker: the run's settings as the tracked run's config (off by default)
-    with Run(cfg, model, opt, device) as run:
-        if run.state["before"] is None:
-            with phases.before_rl(run):  # a signal stops it after the current batch
-                stop = phases.Stop(run.signal, device, eval_batches(ctx), "held-out evaluation before RL")
-                run.state["before_by_prompt"] = {}
-                run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
-                run.state["grid_before"] = image_snapshot(model, ctx)
-        print_held_out("before RL", run.state["before"])
-        track.held_out("before", run.state["before"])
-        with timing.phases(*PHASES):  # each phase's seconds, for times.jsonl (infra/timing.py)
-            for step in range(run.start, cfg.rl_steps):
-                start, cpu, _ = time.time(), time.process_time(), timing.reset()
-                try:
-                    log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
-                except BadStep as e:
-                    log, rolls = {"step": step, "bad_reward": str(e)}, []
-                if isinstance(ctx.text_sampler, FastSampler):  # Fast-dLLM rollouts' statistics, over all ranks
-                    log.update(ctx.text_sampler.take_log(device))
-                log.update(seconds=time.time() - start, cpu_s=time.process_time() - cpu, **timing.take())
-                run.record(step, log, rolls, tok, ids, track)  # log.jsonl (and the tracker); *_s keys: times.jsonl
+    with Run(cfg, model, opt, ctx.device) as run:
+        held_out_before(run, model, ctx, track)  # once per run (a resumed run has it in its checkpoint)
+        for step in range(run.start, cfg.rl_steps):
+            t0, cpu0 = time.time(), time.process_time()
+            try:
+                log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
+            except BadStep as e:
+                log, rolls = {"step": step, "bad_reward": str(e)}, []
+            if isinstance(ctx.text_sampler, FastSampler):  # Fast-dLLM rollouts' statistics, over all ranks
+                log.update(ctx.text_sampler.take_log(ctx.device))
+            times = {"seconds": time.time() - t0, "cpu_s": time.process_time() - cpu0, **timing.take()}
+            run.record(step, log, times, rolls, ctx.tok, ctx.ids, track)  # log.jsonl, times.jsonl, the tracker
         nothing_trained = all_skipped(run)
         if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported
             raise TrainingStopped(nothing_trained)
+    summary, after = held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds)
+    phases.closing_summary(run, time.time() - t_start)
+    check_measured(run, after)  # a number the run should report is missing: the exit status says so
+    return summary
+
+
+def held_out_before(run, model, ctx, track) -> None:
+    """The held-out rewards before RL (and the toy image grid), unless a resumed run measured them already."""
+    if run.state["before"] is None:
+        with phases.before_rl(run):  # a signal stops it after the current batch
+            stop = phases.Stop(run.signal, ctx.device, eval_batches(ctx), "held-out evaluation before RL")
+            run.state["before_by_prompt"] = {}
+            run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
+            run.state["grid_before"] = image_snapshot(model, ctx)
+    print_held_out("before RL", run.state["before"])
+    track.held_out("before", run.state["before"])
+
+
+def held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds: float) -> tuple[dict, dict]:
+    """The held-out rewards after RL, then final/, summary.json and the pictures: (summary, rewards after RL)."""
     after_by_prompt = {}
     with phases.final(run) as stop:  # the last step is checkpointed first; a signal stops after a batch
         stop.counting(eval_batches(ctx), "held-out evaluation after RL")
         after = evaluate_all(model, ctx, after_by_prompt, stop)
         grid_after = image_snapshot(model, ctx)
         stop.saving()
-        summary = run.finish(after, after_by_prompt, grid_after, tok, dtype, sft_seconds)
+        summary = run.finish(after, after_by_prompt, grid_after, ctx.tok, dtype, sft_seconds)
     print_held_out("after RL", after, summary)
     track.held_out("after", after)
     track.finish(run.out)  # the pictures, then the tracked run is closed
-    phases.closing_summary(run, time.time() - t_start)
-    check_measured(run, after)  # a number the run should report is missing: the exit status says so
-    return summary
+    return summary, after
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
                 continue
             gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
             b, _ = tasks.rollout(model, b, ctx, gens, temperature)
-            r = tasks.score(b, ctx.tok, ctx.ids, ctx.scorer, text_reward=cfg.text_reward)
+            r = tasks.score(b, tasks.verifier(task, cfg.text_reward), ctx.tok, ctx.ids, ctx.scorer)
             total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
             per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
             if progress is not None:

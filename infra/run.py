@@ -1,5 +1,5 @@
-"""The run's lifecycle around train.py's loop: logs, checkpoints and resume, signals, bad-step guard, and the
-final save (the out_dir's start-up checks and ownership are infra/outdir.py).
+"""The run's lifecycle around train.py's loop: its start-up (start), logs, checkpoints and resume, signals,
+bad-step guard, and the final save (the out_dir's start-up checks and ownership are infra/outdir.py).
 
 A Run keeps the state a resumed run must continue from (step, the held-out rewards before RL, bad-step
 counters, RL seconds, the last good checkpoint), writes log.jsonl (one line per RL step; wall times go to
@@ -24,15 +24,45 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, heldout, phases, scale
-from infra.load import WriteFailed, reference_identity, save_model, writer_error
-from infra.outdir import logged_steps, release_out_dir, resume_point
+from infra import checkpoint, claims, heldout, lora, phases, scale
+from infra.data import load_data
+from infra.fast_sample import FastSampler
+from infra.load import WriteFailed, load_policy, reference_identity, report_truncation, save_model, writer_error
+from infra.outdir import logged_steps, release_out_dir, resume_point, startup_checks
 from infra.scale import print0
-from infra.settings import resume_changes
+from infra.scorer import RemoteScorer
+from infra.settings import resume_changes, setup
 from tasks import IMAGE_TASKS, task_list
 
 
 EVAL_BATCH = 64  # rows per heldout.evaluate batch
+
+
+def start(cfg, argv, sft):
+    """train.py's start-up, from the parsed flags to the first RL step: (model, ref, opt, ctx, dtype, sft_seconds),
+    the SFT stage first for a toy run (sft: train.sft), or, for --resume of a run that had finished, its summary."""
+    phases.remember_command(argv)   # for the messages that name the command continuing this run
+    claims.check_paths(cfg)         # out_dir, init_from, sft_dir: nothing of anyone else's is written over
+    with phases.start_up():             # a signal before RL stops at once and names the command to rerun
+        finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
+        if finished is not None:
+            return finished
+        device, dtype = setup(cfg)
+        datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
+        with claims.sft_dir_claimed(cfg):  # a folder, writable, and this run's alone until its SFT model is saved
+            startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
+            scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
+            model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
+        fast = cfg.kv_cache != "none" or cfg.threshold > 0  # Fast-dLLM text rollouts in RL steps
+        text_sampler = FastSampler(cfg.kv_cache, cfg.threshold) if fast else None
+        ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer, text_sampler)
+        report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
+        opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
+                                weight_decay=cfg.weight_decay)
+    print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.mu} optimizer steps, {cfg.prompts_per_step} "
+           f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "
+           f"steps count from 0, as in log.jsonl")
+    return model, ref, opt, ctx, dtype, sft_seconds
 
 
 def eval_batches(ctx) -> int:
@@ -173,14 +203,14 @@ def explain_failure(e: BaseException, cfg) -> str | None:
     return None
 
 
-def log_line(log: dict, total: int) -> str:
+def log_line(log: dict, seconds: float, total: int) -> str:
     # 0-based, as log.jsonl and the plots count: the last step of a 50-step run is "step 49/50".
     parts = [f"step {log['step']}/{total}"]
     for t in sorted({k.split("/")[0] for k in log if k.endswith("/reward")}):
         if f"{t}/reward" in log:
             parts.append(f"{t} reward {log[f'{t}/reward']:.3f} loss {log[f'{t}/loss']:+.4f} "
                          f"clip {log[f'{t}/clipfrac']:.3f} kl {log[f'{t}/kl']:.4f}")
-    parts.append(f"{log['seconds']:.1f}s")
+    parts.append(f"{seconds:.1f}s")
     return " | ".join(parts)
 
 
@@ -199,9 +229,6 @@ def keep_steps_before(path: Path, start: int) -> Path:
     tmp.write_text("".join(l + "\n" for l in kept))
     os.replace(tmp, path)
     return path
-
-
-KILL_RANK_ENV = "MASKGRPO_KILL_RANK_AT_STEP"
 
 
 class Run:
@@ -253,10 +280,9 @@ class Run:
         self.signal = self._stop.__enter__()
         return self
 
-    def _time_left(self, step: int, seconds) -> str:
+    def _time_left(self, step: int, seconds: float) -> str:
         """" | about 3m10s left": the mean time of this process's steps so far times the steps to go."""
-        if seconds is not None:
-            self.step_seconds.append(seconds)
+        self.step_seconds.append(seconds)
         left = self.cfg.rl_steps - step - 1
         if not left or not self.step_seconds:
             return ""
@@ -292,28 +318,14 @@ class Run:
     def rl_seconds(self) -> float:
         return self.state["rl_seconds"] + time.time() - self.t0  # over every segment of a resumed run
 
-    def record(self, step: int, log: dict, rolls: list, tok, ids, tracker=None) -> None:
-        """Count bad steps, write the logs (and send them to the tracker, infra/tracker.py), show samples,
-        checkpoint on cadence or on a signal."""
-        cfg, state = self.cfg, self.state
-        if os.environ.get(KILL_RANK_ENV) == f"{scale.rank()}:{step}":  # fault injection (tests only)
-            os.kill(os.getpid(), signal.SIGKILL)
+    def record(self, step: int, log: dict, times: dict, rolls: list, tok, ids, tracker=None) -> None:
+        """After RL step `step`: its line on the screen, `log` (with the run's bad-step count) to log.jsonl and
+        `times` (its seconds) to times.jsonl, both to the tracker (infra/tracker.py); then the bad-step guard,
+        a sample every sample_every steps, and a checkpoint on cadence or on a signal (after_step)."""
         self.done = step + 1
-        bad = "bad_reward" in log or log.get("skipped_updates", 0) > 0
-        if "bad_reward" in log:
-            self.last_bad = log["bad_reward"]
-            print0(f"warning: step {step} skipped: {log['bad_reward']}")
-        else:
-            print0(log_line(log, cfg.rl_steps) + self._time_left(step, log.get("seconds")))
-        if log.get("skipped_updates", 0) > 0:
-            print0(f"warning: step {step}: {log['skipped_updates']} of {cfg.mu} updates skipped for a non-finite loss "
-                   f"or gradient norm (largest gradient norm {log.get('grad_norm_max')}); the others stand")
-        state["bad_run"] = state["bad_run"] + 1 if bad else 0
-        state["bad_steps"] += bad
-        log["bad_steps"] = state["bad_steps"]
+        log["bad_steps"] = self.count_bad(step, log, times["seconds"])
         if step == self.start and self.changed:  # where the run's settings changed (--change_on_resume)
             log["changed"] = self.changed
-        times = {k: log.pop(k) for k in list(log) if k == "seconds" or k.endswith("_s")}
         if self.logf:
             self.logf.write(json.dumps(log) + "\n")
             self.logf.flush()
@@ -321,6 +333,26 @@ class Run:
             self.timef.flush()
         if tracker is not None:  # before a stop below, so that a resumed run does not miss this step
             tracker.step(step, log, times)
+        self.after_step(step, rolls, tok, ids)
+
+    def count_bad(self, step: int, log: dict, seconds: float) -> int:
+        """Print the step's line, or why it was skipped; returns the run's count of bad steps so far."""
+        state, bad = self.state, "bad_reward" in log or log.get("skipped_updates", 0) > 0
+        if "bad_reward" in log:
+            self.last_bad = log["bad_reward"]
+            print0(f"warning: step {step} skipped: {log['bad_reward']}")
+        else:
+            print0(log_line(log, seconds, self.cfg.rl_steps) + self._time_left(step, seconds))
+        if log.get("skipped_updates", 0) > 0:
+            print0(f"warning: step {step}: {log['skipped_updates']} of {self.cfg.mu} updates skipped for a non-finite "
+                   f"loss or gradient norm (largest gradient norm {log.get('grad_norm_max')}); the others stand")
+        state["bad_run"] = state["bad_run"] + 1 if bad else 0
+        state["bad_steps"] += bad
+        return state["bad_steps"]
+
+    def after_step(self, step: int, rolls: list, tok, ids) -> None:
+        """Stop after max_bad_steps bad steps in a row; show a sample; checkpoint on cadence or on a signal."""
+        cfg, state = self.cfg, self.state
         if state["bad_run"] >= cfg.max_bad_steps:
             raise TrainingStopped(
                 f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the "

@@ -1,56 +1,33 @@
-"""Wall and CPU seconds of each phase of an RL step, for times.jsonl, kept out of the step's own lines.
+"""Wall and CPU seconds of each phase of an RL step, for times.jsonl (never log.jsonl, which is then the same on
+every repetition). rl_step marks each phase where it calls it:
 
-    with timing.phases((tasks, "score", "reward"), ...):   # train.main's loop: while open, every call of
-        ...                                                 # tasks.score adds to reward_s and reward_cpu_s
+    with timed("reward"):            # adds the block's seconds to reward_s and reward_cpu_s
+        r = tasks.score(...)
 
-train.main resets the counters before a step and adds take() to the step's record (infra/run.Run.record moves
-every *_s key to times.jsonl, so that log.jsonl is the same on every repetition). CPU seconds (every thread of
-this process) compare runs on a shared machine, where wall seconds depend on the neighbours.
+and train.py's loop takes the counters after each step (take). CPU seconds (every thread of this process) compare
+runs on a shared machine, where wall seconds depend on the neighbours.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 
 _SECONDS: dict[str, float] = {}
 
 
-def timed(phase: str):
-    """Decorator: add the wall and CPU seconds of every call to the phase's counters."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            wall, cpu = time.time(), time.process_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _SECONDS[f"{phase}_s"] = _SECONDS.get(f"{phase}_s", 0.0) + time.time() - wall
-                _SECONDS[f"{phase}_cpu_s"] = _SECONDS.get(f"{phase}_cpu_s", 0.0) + time.process_time() - cpu
-        return inner
-    return wrap
-
-
 @contextlib.contextmanager
-def phases(*targets):
-    """While open, each (module, function name, phase) of targets is the function wrapped by timed(phase), so
-    that its callers, which look it up in the module, are timed; the functions are restored on exit."""
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
-    for (mod, name, phase), (_, _, fn) in zip(targets, saved):
-        setattr(mod, name, timed(phase)(fn))
+def timed(phase: str):
+    """Add the wall and CPU seconds of the block to the phase's counters (also when it raises)."""
+    wall, cpu = time.time(), time.process_time()
     try:
         yield
     finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
-
-
-def reset() -> None:
-    _SECONDS.clear()
+        _SECONDS[f"{phase}_s"] = _SECONDS.get(f"{phase}_s", 0.0) + time.time() - wall
+        _SECONDS[f"{phase}_cpu_s"] = _SECONDS.get(f"{phase}_cpu_s", 0.0) + time.process_time() - cpu
 
 
 def take() -> dict[str, float]:
-    """The counters since the last reset, and a reset."""
+    """The counters since the last take, which starts them again from zero."""
     out = dict(_SECONDS)
     _SECONDS.clear()
     return out

@@ -64,6 +64,11 @@ def log_steps(out):
     return [json.loads(l)["step"] for l in (out / "log.jsonl").read_text().splitlines()]
 
 
+def split_times(log: dict) -> tuple[dict, dict]:
+    """(log.jsonl's line, times.jsonl's) of a step, as train.main's loop hands them to Run.record."""
+    return {k: v for k, v in log.items() if k != "seconds"}, {"seconds": log.get("seconds", 0.0)}
+
+
 def run_steps(cfg, logs, model=None, opt=None, before_record=None):
     """Drive a Run through `logs` (one dict per step, from `start`); returns the Run."""
     if model is None:
@@ -73,7 +78,7 @@ def run_steps(cfg, logs, model=None, opt=None, before_record=None):
         for log in logs:
             if before_record:
                 before_record(run, log["step"])
-            run.record(log["step"], dict(log), [], None, None)
+            run.record(log["step"], *split_times(log), [], None, None)
     return run
 
 
@@ -346,9 +351,9 @@ def test_a_signal_writes_a_checkpoint_off_cadence_and_exits(tmp_path):
     out.mkdir()
     model, opt = tiny()
     with pytest.raises(SystemExit) as e, Run(cfg, model, opt, CPU) as run:
-        run.record(0, GOOD(0), [], None, None)
+        run.record(0, *split_times(GOOD(0)), [], None, None)
         run.signal["signal"] = signal.SIGTERM
-        run.record(1, GOOD(1), [], None, None)
+        run.record(1, *split_times(GOOD(1)), [], None, None)
     assert e.value.code == 128 + signal.SIGTERM
     assert names(out) == ["step-00000002"] and log_steps(out) == [0, 1]
 

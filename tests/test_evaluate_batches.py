@@ -51,7 +51,7 @@ def naive(model, ctx, temperature, **fast):
                                  **fast)
         done = tasks.Batch("text", x, b.attention_mask, b.prompt_len, b.window, examples=b.examples)
         texts = [tok.decode(w, skip_special_tokens=True) for w in x[:, b.window_slice].tolist()]
-        rewards = tasks.score(done, tok, ids, text_reward=cfg.text_reward).tolist()
+        rewards = tasks.score(done, tasks.verifier("text", cfg.text_reward), tok, ids).tolist()
         out.update({start + i: (t, r) for i, (t, r) in enumerate(zip(texts, rewards))})
     return out
 

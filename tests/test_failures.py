@@ -101,31 +101,47 @@ def test_every_step_skipped_for_a_scorer_down_names_it(sft_dir, tmp_path, monkey
     assert all("bad_reward" in json.loads(x) for x in (out / "log.jsonl").read_text().splitlines())
 
 
+# Rank 1 dies by SIGKILL as it records step 3; then train.py runs as its own __main__ (its one-line errors).
+KILL_RANK_1_AT_STEP_3 = """
+import os, runpy, signal, sys
+sys.path.insert(0, {root!r})
+from infra import run, scale
+record = run.Run.record
+def dying(self, step, *args, **kwargs):
+    if scale.rank() == 1 and step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return record(self, step, *args, **kwargs)
+run.Run.record = dying
+runpy.run_path(os.path.join({root!r}, "train.py"), run_name="__main__")
+"""
+
+
 @pytest.mark.slow  # two torchrun launches
 def test_a_dead_torchrun_worker_names_resume(sft_dir, tmp_path):
-    """Rank 1 SIGKILLed after step 3 (run.KILL_RANK_ENV): rank 0 ends with one line saying another process
-    stopped, the checkpoint kept and the --resume=true command; that command finishes the run."""
+    """Rank 1 SIGKILLed after step 3 (a launcher that wraps Run.record, then runs train.py as torchrun would):
+    rank 0 ends with one line saying another process stopped, the checkpoint kept and the --resume=true command;
+    that command finishes the run."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from infra.run import KILL_RANK_ENV
-
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "run"
     args = [*RUN, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=8", "--checkpoint_every=2"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{KILL_RANK_ENV: "1:3"})
-    p = subprocess.run([*torchrun, *args], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    killer = tmp_path / "train.py"  # named train.py, so that the command it prints is train.py's
+    killer.write_text(KILL_RANK_1_AT_STEP_3.format(root=str(root)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([*torchrun, str(killer), *args], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=900)
     assert p.returncode != 0
     line = next((x for x in p.stderr.splitlines() if x.startswith("error: another process")), None)
     assert line is not None, p.stderr[-3000:]
     assert "Connection" in line and f"{out / 'checkpoints' / 'step-00000002'}, is kept" in line, line
     assert line.endswith("--resume=true") and "--resume=true continues: torchrun" in line, line
-    env.pop(KILL_RANK_ENV)
-    p = subprocess.run([*torchrun, *args, "--resume=true"], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=900)
+    p = subprocess.run([*torchrun, "train.py", *args, "--resume=true"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=900)
     assert p.returncode == 0 and (out / "summary.json").is_file(), p.stdout[-2000:] + p.stderr[-2000:]
 
 

@@ -40,16 +40,16 @@ def test_ids_outside_the_toy_tokenizer_decode_as_nothing():
     with_window = lambda window: tasks.Batch(**{**b.__dict__, "x": torch.cat([b.x[:, :w.start], window], 1)})
     target = b.x[:, w]                                                                  # (B, 32)
     # the targets themselves: the verifier's reward is 1 (its definition: the true answer boxed)
-    assert tasks.score(b, tok, ids).tolist() == [1.0] * B
+    assert tasks.score(b, tasks.verifier("text"), tok, ids).tolist() == [1.0] * B
     # every window id unknown to the tokenizer (model rows up to LLaDA's 126,464): reward 0, no error
     unknown = torch.arange(size, size + target.shape[1]).expand(B, -1)
-    assert tasks.score(with_window(unknown), tok, ids).tolist() == [0.0] * B
+    assert tasks.score(with_window(unknown), tasks.verifier("text"), tok, ids).tolist() == [0.0] * B
     # the true answer with an unknown id after each of its tokens: they are dropped, the answer scores 1
     half = target.shape[1] // 2
     assert (target[:, half:] == ids.eos).all()  # the answer fits in the first half (then EOS padding)
     after = torch.arange(LLADA_VOCAB - half, LLADA_VOCAB).expand(B, -1)
     mixed = torch.stack([target[:, :half], after], 2).reshape(B, 2 * half)
-    assert tasks.score(with_window(mixed), tok, ids).tolist() == [1.0] * B
+    assert tasks.score(with_window(mixed), tasks.verifier("text"), tok, ids).tolist() == [1.0] * B
 
 
 def run_script(out, *args):

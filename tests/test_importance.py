@@ -287,8 +287,8 @@ def test_maskgrpo_views_are_the_masks_build_masks_builds(image, mode):
     batch = tasks.Batch("image" if image else "text", x, am, P, N, examples=[{}] * B)
     cfg = train.parse_args(["--preset=toy", "--mu=3", f"--text_reversing={mode}", "--gamma_text=0.4",
                             "--gamma_image=0.7", "--seed=5"])
-    v = imp.views(batch, torch.zeros_like(x), cfg, image=image, step=4, seq_index=[9, 3, 7, 0, 12], eos_id=1,
-                  mask_id=99)
+    v = imp.maskgrpo_views(batch, torch.zeros_like(x), cfg, image=image, step=4, seq_index=[9, 3, 7, 0, 12],
+                           eos_id=1, mask_id=99)
     ins, loss = imp.build_masks(pm, torch.ones(B, N, dtype=torch.bool), seed=imp.derive_seed(5, "masks", batch.task),
                                 step=4, seq_index=[9, 3, 7, 0, 12], mu=3, gamma=0.7 if image else 0.4,
                                 mode="random" if image else mode, suffix_len=S)

@@ -191,7 +191,7 @@ def test_decoding_log_ratio_exactly_zero_for_same_policy():
 
 def test_settings_an_estimator_ignores_are_named():
     """gamma_text / gamma_image / text_reversing are read by maskgrpo alone and p_mask_prompt by d1 alone
-    (importance.views): a value set away from its default for another estimator is named, so that
+    (importance.VIEWS): a value set away from its default for another estimator is named, so that
     validation can warn; defaults and the estimator's own settings are not."""
     from dataclasses import replace
 

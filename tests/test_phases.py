@@ -70,7 +70,8 @@ def test_signal_during_model_loading_stops_at_once(sft_dir, tmp_path, monkeypatc
 
 
 def test_signal_while_loading_data_stops_at_once(tmp_path, monkeypatch, capsys):
-    calls = signal_on_call(monkeypatch, train, "load_data", 1, signal.SIGTERM)
+    from infra import run  # train.main's start-up (infra/run.start) loads the data
+    calls = signal_on_call(monkeypatch, run, "load_data", 1, signal.SIGTERM)
     with pytest.raises(SystemExit) as e:
         train.main([*TINY, f"--out_dir={tmp_path / 'run'}"])
     assert e.value.code == 128 + signal.SIGTERM and calls["n"] == 1

@@ -464,6 +464,23 @@ def test_math_adversarial_answers(completion, answer, expected):
     assert rewards.math_reward(completion, answer) == expected
 
 
+def test_a_verifier_a_task_lacks_is_an_error_never_another():
+    """No shaped reward exists for countdown: --reward_shaping=official is refused at start-up with a line naming
+    the flag and the choice, instead of scoring with the correctness verifier; the toy image task has its one
+    verifier whatever --text_reward and --reward_shaping say, geneval none (the remote scorer)."""
+    import train
+
+    want = "--reward_shaping=official names no verifier of task countdown: pass --reward_shaping=none, or drop"
+    with pytest.raises(ValueError, match=want):
+        tasks.verifier("countdown", reward_shaping="official")
+    with pytest.raises(ValueError, match=want):
+        train.parse_args(["--tasks=countdown", "--reward_shaping=official", "--init_from=/nowhere",
+                          "--train_data=countdown=/nowhere.jsonl"])
+    assert tasks.verifier("countdown") is rewards.REWARDS["countdown"]
+    assert tasks.verifier("image", "solution", "official") is rewards.image_reward
+    assert tasks.verifier("geneval", "solution", "official") is None
+
+
 def test_score_dispatch_at_non_default_options():
     """shaping="official" uses the official format + correctness terms for gsm8k; text_reward="solution" scores the
     toy text task by its whole solution, "answer" by its box."""
@@ -473,14 +490,16 @@ def test_score_dispatch_at_non_default_options():
     decoded = lambda *_: outs
     orig, tasks.decode_window = tasks.decode_window, decoded
     try:
-        assert tasks.score(b, None, None).tolist() == [1.0, 1.0, 0.0]
-        assert tasks.score(b, None, None, shaping="official").tolist() == pytest.approx([3 / 3, 2.5 / 3, 0.5 / 3])
+        assert tasks.score(b, tasks.verifier("gsm8k"), None, None).tolist() == [1.0, 1.0, 0.0]
+        official = tasks.verifier("gsm8k", reward_shaping="official")
+        assert tasks.score(b, official, None, None).tolist() == pytest.approx([3 / 3, 2.5 / 3, 0.5 / 3])
         t = tasks.Batch("text", b.x, b.attention_mask, 0, 1, examples=[
             {"answer": "7", "solution": "3 + 4 = 7 . \\boxed{7}"}] * 2)
         outs[:] = ["3 + 4 = 7 . \\boxed{7}", "3 + 5 = 7 . \\boxed{7}"]
-        assert tasks.score(t, None, None).tolist() == [1.0, 1.0]
-        assert tasks.score(t, None, None, text_reward="solution").tolist() == [1.0, 0.0]
-        assert tasks.score(t, None, None, shaping="official").tolist() == [1.0, 1.0]  # no shaped toy reward
+        assert tasks.score(t, tasks.verifier("text"), None, None).tolist() == [1.0, 1.0]
+        assert tasks.score(t, tasks.verifier("text", "solution"), None, None).tolist() == [1.0, 0.0]
+        no_shaping = tasks.verifier("text", reward_shaping="official")  # no shaped toy reward: --text_reward picks
+        assert tasks.score(t, no_shaping, None, None).tolist() == [1.0, 1.0]
     finally:
         tasks.decode_window = orig
 

@@ -66,7 +66,7 @@ def build(ckpt, *flags, float64=False, device=CPU, dtype=torch.float32):
     return cfg, policy, ref, opt, tok, ids
 
 
-def fake_score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
+def fake_score(b, verify, tok, ids, scorer=None):
     """A reward in {0, 0.5, 1} from the sampled window: an untrained model's groups then carry signal."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 

@@ -177,6 +177,7 @@ def test_the_timeout_is_a_flag(monkeypatch, tmp_path):
     may need more than 30 s), and a timeout that is not > 0 is refused at the boundary, naming the flag."""
     import pytest
     import train
+    from infra import run
     from infra import scorer as scorer_module
     cfg = train.parse_args(["--preset=mmada8b", "--dry_run=true", "--image_scorer_timeout=120"])
     assert cfg.image_scorer_timeout == 120.0
@@ -190,9 +191,9 @@ def test_the_timeout_is_a_flag(monkeypatch, tmp_path):
             built.append(self.timeout)
             raise SystemExit("stop after the scorer is built")
 
-    monkeypatch.setattr(train, "RemoteScorer", Spy)
-    monkeypatch.setattr(train, "load_data", lambda cfg: {})
-    monkeypatch.setattr(train, "startup_checks", lambda cfg, device: None)
+    monkeypatch.setattr(run, "RemoteScorer", Spy)
+    monkeypatch.setattr(run, "load_data", lambda cfg: {})
+    monkeypatch.setattr(run, "startup_checks", lambda cfg, device: None)
     monkeypatch.setattr(train.claims, "check_resume", lambda cfg: None)
     with pytest.raises(SystemExit, match="stop after the scorer"):
         train.main(["--preset=mmada8b", f"--train_data=geneval={tmp_path / 'unread.jsonl'}", "--threads=1",

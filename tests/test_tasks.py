@@ -342,7 +342,7 @@ def test_benchmark_batch_system_prompt_prefill_and_cut(tok):
     want = [tok.encode(chat_prompt([{"role": "system", "content": "ann has"}, {"role": "user", "content": e["prompt"]}])
                        + "3 +", add_special_tokens=False).ids for e in exs]
     P = max(map(len, want))
-    assert b.prompt_len == P and b.window == 6
+    assert b.prompt_len == P and b.window == 6 and b.vocab_slice is None  # text: scored over the whole vocabulary
     for row, w, am in zip(b.x.tolist(), want, b.attention_mask.tolist()):
         pad = P - len(w)
         assert row == [ids.pad] * pad + w + [ids.mask] * 6 and am == [0] * pad + [1] * (len(w) + 6)
@@ -365,7 +365,7 @@ def test_image_batch_width_text_len_and_padding(tok):
     on = tasks.make_batch("image", [ex], tok, ids, cfg(image_width=3, image_text_len=12, attend_padding="on"), "cpu",
                           with_targets=False)
     assert (on.attention_mask == 1).all() and (on.uncond_mask == 1).all() and (on.x[0, 13:22] == ids.mask).all()
-    assert tasks.vocab_slice("image", ids) == (ids.image_token_offset, ids.image_token_offset + toy.CODEBOOK_SIZE)
-    assert tasks.vocab_slice("gsm8k", ids) is None
+    assert b.vocab_slice == (ids.image_token_offset, ids.image_token_offset + toy.CODEBOOK_SIZE)  # the code columns
     half = b.rows(slice(1, 2))
     assert half.x.shape[0] == 1 and half.examples == [ex] and torch.equal(half.uncond, b.uncond[1:2])
+    assert half.vocab_slice == b.vocab_slice

@@ -1,16 +1,16 @@
-"""infra/timing.py: each phase's seconds reach times.jsonl, and a reset starts them from zero."""
+"""infra/timing.py: each phase's seconds reach times.jsonl, and a take starts them from zero."""
 import time
 
 from infra import timing
 
 
-def test_timed_adds_every_call_and_take_resets():
-    @timing.timed("nap")
+def test_timed_adds_every_block_and_take_resets():
     def nap(s):
-        time.sleep(s)
+        with timing.timed("nap"):
+            time.sleep(s)
         return s
 
-    timing.reset()
+    timing.take()
     assert nap(0.02) == 0.02 and nap(0.03) == 0.03
     took = timing.take()
     assert set(took) == {"nap_s", "nap_cpu_s"}
@@ -19,11 +19,11 @@ def test_timed_adds_every_call_and_take_resets():
 
 
 def test_a_phase_that_raises_is_still_counted():
-    @timing.timed("boom")
     def boom():
-        raise RuntimeError("x")
+        with timing.timed("boom"):
+            raise RuntimeError("x")
 
-    timing.reset()
+    timing.take()
     try:
         boom()
     except RuntimeError:

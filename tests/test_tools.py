@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 import torch
 
+import rewards
 import sample
 import tasks
 from conftest import ROOT
@@ -227,11 +228,11 @@ def test_bench_on_a_checkpoint_with_the_long_toy(tmp_path, capsys, monkeypatch):
     hf.save_pretrained(Transformer(cfg).init_weights(torch.Generator().manual_seed(0)), tmp_path)
     tok.save(str(tmp_path / "tokenizer.json"))
     seen, score, make = [], tasks.score, tasks.make_example
-    monkeypatch.setattr(tasks, "score", lambda *a, **kw: seen.append(kw.get("text_reward")) or score(*a, **kw))
+    monkeypatch.setattr(tasks, "score", lambda b, verify, *a: seen.append(verify) or score(b, verify, *a))
     monkeypatch.setattr(tasks, "make_example", lambda t, rng, c, *a: seen.append(c.text_max_steps) or make(t, rng, c, *a))
     monkeypatch.setattr(bench, "CONFIGS", bench.CONFIGS[2:4])  # exact and one cache row keep it quick
     bench.main(["--ckpt", str(tmp_path), "--preset", "toy_long", "--prompts", "2", "--threads", "1"])
     out = capsys.readouterr().out
     tables = re.findall(r"2 toy text prompts \(\d+ tokens, left-padded\), gen (\d+), block (\d+), steps (\d+)", out)
     assert tables == [("32", "8", "32"), ("128", "8", "128")], tables
-    assert seen[:2] == [4, 4] and set(seen[2:]) == {"solution"}, seen
+    assert seen[:2] == [4, 4] and set(seen[2:]) == {rewards.solution_reward}, seen

@@ -143,8 +143,8 @@ def views_at_two_ranks(monkeypatch, k):
 
     def views(r):
         b, order = rank_batch(r)
-        return importance.views(b, order, cfg, image=False, step=1, seq_index=b.index, eos_id=-1, mask_id=MASK_ID,
-                                all_max=lambda t: scale.all_max(t))
+        return importance.VIEWS[cfg.estimator](b, order, cfg, image=False, step=1, seq_index=b.index, eos_id=-1,
+                                               mask_id=MASK_ID, all_max=lambda t: scale.all_max(t))
     return at_two_ranks(monkeypatch, views)
 
 

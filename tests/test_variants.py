@@ -131,8 +131,9 @@ def test_reward_shaping_reaches_the_benchmark_rewards(monkeypatch):
     monkeypatch.setattr(tasks, "decode_window", lambda b, tok, ids: texts)
     b = tasks.Batch("gsm8k", torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4), 2, 2,
                        examples=[{"prompt": "q", "answer": "7"}] * 3)
-    assert tasks.score(b, None, None).tolist() == [1.0, 0.0, 0.0]
-    assert tasks.score(b, None, None, shaping="official").tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
+    assert tasks.score(b, tasks.verifier("gsm8k"), None, None).tolist() == [1.0, 0.0, 0.0]
+    official = tasks.verifier("gsm8k", reward_shaping="official")
+    assert tasks.score(b, official, None, None).tolist() == pytest.approx([1.0, 0.5 / 3, 0.0])
 
 
 def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):

@@ -46,7 +46,7 @@ BASE = ["--preset=smoke", "--threads=1", "--prompts_per_step=2", "--group_size=4
         "--lr=0.05", "--grad_clip=1e6", "--beta=0.05", "--cfg_scale=1.5"]
 
 
-def score(b, tok, ids, scorer=None, shaping="none", text_reward="answer"):
+def score(b, verify, tok, ids, scorer=None):
     """A reward in {0, 0.5, 1} from the window's tokens: a random model's groups then carry signal."""
     return (b.x[:, b.window_slice].sum(1) % 3).float() / 2
 

@@ -270,7 +270,7 @@ def toy_prompts(ckpt, n, device, preset="toy"):
 
     def reward(out):  # the whole completion, however long, through the toy verifier
         b_out = tasks.Batch("text", out, torch.ones_like(out), P_, out.shape[1] - P_, examples=exs)
-        return tasks.score(b_out, tok, ids, text_reward=cfg.text_reward).mean().item()
+        return tasks.score(b_out, tasks.verifier("text", cfg.text_reward), tok, ids).mean().item()
     gens = [(cfg.gen_length, cfg.block_length, cfg.steps), (4 * cfg.gen_length, cfg.block_length, 4 * cfg.steps)]
     return model, b.x[:, :P_], b.attention_mask[:, :P_], gens, reward
 

@@ -48,7 +48,7 @@ import tasks
 import train
 from infra import cli, plots
 from sample import derive_seed, generator
-from tasks import IMAGE_TASKS, draw_prompts, make_batch, task_list, vocab_slice
+from tasks import IMAGE_TASKS, draw_prompts, make_batch, task_list
 from infra.settings import read_generation_settings, setup, validate
 from infra.hf import load_tokenizer
 from infra import hf
@@ -122,7 +122,7 @@ def estimate(theta, old, r, mask_in, mask_loss, ids) -> tuple[torch.Tensor, torc
     computes them (importance.token_logprobs), and the per-token ratios: ((B,), (T,))."""
     b = r.batch
     x_in = importance.apply_mask(b.x, mask_in, ids.mask)
-    kw = dict(attention_mask=b.attention_mask, vocab_slice=vocab_slice(b.task, ids))
+    kw = dict(attention_mask=b.attention_mask, vocab_slice=b.vocab_slice)
     lr = importance.token_logprobs(theta, x_in, b.x, mask_loss, **kw) - importance.token_logprobs(
         old, x_in, b.x, mask_loss, **kw)                                                  # (B, L)
     return lr.sum(-1), lr[mask_loss].exp()
@@ -161,7 +161,7 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     assert torch.equal(r.batch.x, b.x), "rl_step drew other rollouts than tasks.rollout with its generators"
     thetas = opt.thetas
     # 3. exact Delta_j and every estimator's estimates
-    b, kw = r.batch, dict(attention_mask=r.batch.attention_mask, vocab_slice=vocab_slice(task, ids), mask_id=ids.mask)
+    b, kw = r.batch, dict(attention_mask=r.batch.attention_mask, vocab_slice=r.batch.vocab_slice, mask_id=ids.mask)
     l_old = importance.decoding_logprob(old, b.x, order, **kw)                           # (B,)
     deltas = [importance.decoding_logprob(t, b.x, order, **kw) - l_old for t in thetas]  # (mu-1) x (B,)
     B, L = b.x.shape
