@@ -66,6 +66,7 @@ def table(stdout: str) -> dict:
     return rows
 
 
+@pytest.mark.slow  # the whole script end to end (about 15 s); its decisions are tested fast below
 def test_first_gpu_script_on_cpu(tmp_path):
     out = tmp_path / "fg"
     p = run_script(out)
@@ -107,6 +108,8 @@ def test_first_gpu_script_on_cpu(tmp_path):
     assert str(e.value) == f"error: --out_dir {out} is not empty; choose a new directory or delete it"
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
+
+@pytest.mark.slow  # two torchrun ranks (about 25 s); test_each_condition_alone_fails_the_decision is its fast sibling
 def test_each_planted_fault_fails_the_check_on_two_ranks(tmp_path):
     """torchrun --nproc_per_node=2 (gloo: FSDP2 over two ranks) with the four faults planted (FIRST_GPU_FAULTS):
     pi_old's log-probs of view 0 raised by 0.05, so update 0's ratio is exp(-0.05); one NaN log-prob in the
