@@ -257,6 +257,7 @@ def closing_summary(run, seconds: float) -> None:
     rl = run.rl_end
     print0(f"done in {duration(seconds)} (RL {duration(rl)}{' over every resumed segment' if run.start else ''}): "
            f"model {out / 'final'}, summary {out / 'summary.json'}, log {out / 'log.jsonl'}"
-           + (f", pictures {', '.join(pictures)}" if pictures else ", no pictures (Pillow is not installed)"))
+           + (f", pictures {', '.join(pictures)}" if pictures
+              else ", no pictures (the plots extra is not installed: pip install -e '.[plots]')"))
     print0(f"next: python -m tools.sample --ckpt={out / 'final'} --prompt=\"...\" (add --image for a picture); "
            f"python evaluate.py --run={out} re-scores it")

@@ -451,7 +451,8 @@ def show(b, rewards, tok, ids, n: int = 1) -> None:
 
 def write_pictures(cfg, out: Path, grid: list) -> None:
     """out_dir/curves.png (reward, KL, clip fraction per step) and out_dir/images.png (toy images before
-    and after RL, prompt under each), when Pillow is installed (plots.py says how to get it otherwise)."""
+    and after RL, prompt under each), when the plots extra is installed (matplotlib for the curves, Pillow for the
+    grid; plots.py says how to get it otherwise)."""
     from infra import plots
 
     log = out / "log.jsonl"

@@ -31,7 +31,7 @@ from infra.scale import print0
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 STATE = "tracker.json"  # in out_dir: {tracker: {"id": ..., "done": {event: last step logged}}}
 FILES = (STATE, "tracker.tmp", "tensorboard", "wandb")  # what a tracker writes at the top of out_dir
-PICTURES = ("curves", "images")  # out_dir/NAME.png, drawn by Run.finish when Pillow is installed
+PICTURES = ("curves", "images")  # out_dir/NAME.png, drawn by Run.finish when the plots extra is installed
 
 
 def check(cfg) -> None:
