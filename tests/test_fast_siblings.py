@@ -14,7 +14,6 @@
 """
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -30,6 +29,7 @@ import train
 from infra import checkpoint, load, scale, toy
 from model import Transformer
 from test_rl_step import save_tiny_checkpoint
+from test_signals import printed_command, read_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,21 +62,6 @@ def spawn(args, go: Path, slow_step=-1):
     env = dict(os.environ, OMP_NUM_THREADS="1", SLOW_STEP=str(slow_step), GO=str(go), REPEAT_WINDOW=str(REPEAT))
     return subprocess.Popen([sys.executable, "-c", WRAPPER, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-
-
-def read_until(p, marker: str) -> str:
-    seen = []
-    for line in p.stdout:
-        seen.append(line)
-        if marker in line:
-            return "".join(seen)
-    raise AssertionError(f"{marker!r} never printed:\n{''.join(seen)}")
-
-
-def printed_command(text: str, after: str) -> list[str]:
-    """The arguments of the `python train.py ...` command on the line that says `after`."""
-    line = next(line for line in text.splitlines() if after in line)
-    return shlex.split(line.split("python train.py ", 1)[1])
 
 
 def finish(p, timeout=120) -> str:

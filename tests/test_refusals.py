@@ -20,8 +20,9 @@ import torch
 
 import train
 from infra import cli, load, scorer
-from infra.scorer import RemoteScorer, _StubHandler, serve_stub
+from infra.scorer import RemoteScorer, _StubHandler
 from test_rl_step import save_tiny_checkpoint
+from test_scorer import no_proxy, serve  # noqa: F401 (fixtures: requests stay on 127.0.0.1; a stub server per test)
 
 # -----------------------------------------------------------------------------
 # python -m infra.load
@@ -87,24 +88,6 @@ def test_a_changed_starting_model_is_refused_then_exports_once_restored(trained,
 
 PROMPTS = ["three green blocks", "a red block", "an empty image"]
 CODES = [[3, 3, 5, 1], [7, 7, 7, 7], [1, 2, 3, 4]]
-
-
-@pytest.fixture(autouse=True)
-def no_proxy(monkeypatch):
-    monkeypatch.setenv("no_proxy", "127.0.0.1")
-
-
-@pytest.fixture
-def serve():
-    servers = []
-
-    def start(handler=_StubHandler):
-        servers.append(serve_stub(0, handler=handler))
-        return f"http://127.0.0.1:{servers[-1].server_address[1]}/score"
-    yield start
-    for s in servers:
-        s.shutdown()
-        s.server_close()
 
 
 def answering(status, calls):
