@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import checkpoint
+from infra import checkpoint, cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1", "--rl_steps=2",
@@ -74,6 +74,24 @@ def controlling_terminal():
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
+def test_a_handler_line_nobody_can_read_is_dropped_and_the_output_silenced(monkeypatch):
+    """The fast sibling of the run below: a pipe whose reader left (as a closed terminal, every write fails).
+    The handler's line raises nothing, and the descriptor is found gone and pointed at /dev/null, so the
+    next print succeeds."""
+    r, w = os.pipe()
+    os.close(r)
+    out = os.fdopen(w, "w")
+    monkeypatch.setattr(sys, "stdout", out)
+    with pytest.raises(BrokenPipeError):  # what the handler meets: a write to it fails
+        os.write(w, b"x")
+    checkpoint._say_in_handler("caught SIGHUP: finishing this step, then writing a checkpoint")
+    assert cli.output_gone(w)
+    cli.silence(w)
+    assert not cli.output_gone(w) and os.write(w, b"now nowhere\n") == 12
+    out.close()
+
+
+@pytest.mark.slow  # two real runs (about 8 s); the handler's part is tested fast just above
 @pytest.mark.parametrize("output", ["terminal window closed", "closed pipe"])
 def test_sighup_with_the_output_gone_still_writes_the_checkpoint(sft_dir, tmp_path, output):
     """The terminal goes away during RL step 1: its window closes (the pty's other side is closed, the kernel

@@ -38,6 +38,7 @@ sys.exit(evaluate.main())
 """
 
 
+@pytest.mark.slow  # two real evaluate.py processes (about 8 s); the lock is tested fast in one process below
 def test_two_evaluations_with_one_out_file(smoke_sft_run, tmp_path):
     """The first evaluate.py holds --out while it scores; a second one started meanwhile with the same --out
     exits 2 naming the other writer; the first then completes the file: 4 greedy + 4 x 2 sampled records,
