@@ -34,7 +34,7 @@ import tasks
 import train
 from infra import cli, data, heldout, load, lora, run, scale, settings
 from infra.data import load_data
-from infra.scorer import RemoteScorer
+from infra.sandbox import RemoteScorer
 
 CORRECT_TOL = 1e-6  # reward >= 1 - CORRECT_TOL is a solved prompt (float32 rewards of exactly 1 pass)
 TASKS = tasks.TOY_TASKS + data.TASKS

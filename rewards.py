@@ -6,7 +6,7 @@ Each verifier is written anew from those descriptions (nothing copied from the H
 d1): answer extraction, numeric normalisation, a Fraction-based arithmetic parser for countdown (no eval).
 LaTeX answer equivalence lives in infra/latex.py (`math_equiv` and `normalize_math` are re-exported here);
 untrusted code runs in infra/sandbox.py (`run_code` is re-exported here). MMaDA's image rewards (CLIP, HPS,
-UnifiedReward) need models we cannot ship: infra/scorer.py asks an HTTP server for them.
+UnifiedReward) need models we cannot ship: infra/sandbox.py asks an HTTP server for them.
 
 Model output never makes a reward raise, however long or strange; a malformed dataset row or argument
 raises ValueError naming the value. The verifiers use only the standard library (MBPP's runs a sandboxed subprocess). `REWARDS` maps a task name to

@@ -312,7 +312,7 @@ class Ctx:
     ids: TokenIds
     device: torch.device
     datasets: dict                    # {task: {"train": rows, "test": rows}} (infra/data.load_data)
-    scorer: object = None             # infra/scorer.RemoteScorer for geneval rewards
+    scorer: object = None             # infra/sandbox.RemoteScorer for geneval rewards
     text_sampler: object = None       # RL text rollouts: None = sample.generate (or infra/fast_sample.FastSampler)
 
 

@@ -128,7 +128,7 @@ class Config(StepConfig):
     prompt_prefill: str = ""          # text that opens the assistant turn of benchmark prompts (e.g. "<reasoning>")
     system_prompt: str = ""           # a system turn before benchmark prompts' user turn ("" = none)
     image_text_len: int = 0           # t2i text part, left-padded with [iPAD] (0 = longest toy caption; MMaDA 257)
-    image_scorer_url: str = ""        # geneval rewards: POST to this scorer (infra/scorer.py)
+    image_scorer_url: str = ""        # geneval rewards: POST to this scorer (infra/sandbox.py)
     image_scorer_timeout: float = 30.0  # seconds a scorer request may take before a retry (every rank posts at once)
     text_max_steps: int = 1           # arithmetic steps per toy word problem (1 to 4)
     text_noise: float = 0.4           # fraction of SFT text targets boxing the amount before the last step

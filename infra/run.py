@@ -30,7 +30,7 @@ from infra.fast_sample import FastSampler
 from infra.load import WriteFailed, load_policy, reference_identity, report_truncation, save_model, writer_error
 from infra.outdir import logged_steps, release_out_dir, resume_point, startup_checks
 from infra.scale import print0
-from infra.scorer import RemoteScorer
+from infra.sandbox import RemoteScorer
 from infra.settings import resume_changes, setup
 from tasks import IMAGE_TASKS, task_list
 
@@ -427,7 +427,7 @@ def all_skipped(run) -> str | None:
     cfg = run.cfg
     if not cfg.rl_steps or run.state["bad_steps"] < cfg.rl_steps:
         return None
-    scorer = f"; is the image scorer at {cfg.image_scorer_url} up? (`python -m infra.scorer --stub` serves a " \
+    scorer = f"; is the image scorer at {cfg.image_scorer_url} up? (`python -m infra.sandbox --stub` serves a " \
         "stand-in)" if cfg.image_scorer_url else ""
     return (f"every one of the {cfg.rl_steps} RL steps was skipped (the last: {run.last_bad}){scorer}; nothing was "
             f"trained, so no final/ or summary.json is written and no reward after RL is reported; fix the cause "

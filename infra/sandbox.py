@@ -1,48 +1,54 @@
-"""A process sandbox for untrusted programs: `run_code(program, tests)` -> fraction of the tests that pass.
+"""Running and scoring what the model generates: `run_code(program, tests)` runs unit tests in a process sandbox,
+`RemoteScorer(url)` asks an HTTP reward server to score text-to-image rollouts.
 
-MaskGRPO (arXiv:2510.02880) §6 scores code by the fraction of MBPP-style unit tests that pass, run in E2B;
-we run them locally. Each test runs program + test in its own process group with CPU-time, address-space,
-file-size, open-file and process limits, a private temporary directory, no inherited environment (so no
-secrets), no network where the OS allows it, and a kill of the whole group at its timeout. `run_code` never
-raises on what the program does (a crash, a hang, sys.exit, a fork bomb are all failed tests) and never
-leaves a process behind; only a malformed argument raises ValueError. Standard library only, and nothing
-from this project: the supervisor runs this file as `python -I -S sandbox.py`, which cannot import it.
+MaskGRPO (arXiv:2510.02880) §6 scores code by the fraction of MBPP-style tests that pass (run in E2B; we run
+them locally) and images with CLIP / HPS / UnifiedReward models this project cannot ship, which run elsewhere.
+Standard library only, and nothing from this project: the supervisor runs this file as `python -I -S sandbox.py`.
 
-How it works. run_code (this process) starts one supervisor, `python -I -S sandbox.py --sandbox-supervisor`,
-in a new session with an empty environment, a private temporary directory as cwd, the job on stdin and an
-anonymous result file as stdout. The supervisor forks one worker per test. A worker isolates itself, then
-runs program + that one test and writes "<test index> <nonce>" to the result file only if both finished
-without an exception, so sys.exit/os._exit/crashes count as failures and a hanging test costs one timeout,
-not all. Isolation is set up inside the forked worker rather than in Popen's preexec_fn, which Python
-documents as unsafe when the caller has threads (the trainer does).
+The sandbox. run_code starts one supervisor in a new session with an empty environment (no secrets), a private
+temporary cwd, the job on stdin and an anonymous result file as stdout. The supervisor forks one worker per test;
+the worker isolates itself (in the fork: Popen's preexec_fn is unsafe when the caller has threads, as the trainer
+does), runs program + its test and writes "<test index> <nonce>" only if both finished without an exception, so
+sys.exit, crashes, hangs and fork bombs are failed tests and a hang costs one timeout, not all. run_code never
+raises on what the program does and leaves no process behind; only a malformed argument raises ValueError.
   * always: rlimits on CPU seconds, address space, file size, open files, processes and core dumps;
-    stdin/stdout/stderr on /dev/null (a 100 MB print is never buffered); no inherited environment.
-  * as root: the worker also takes a fresh random uid (so RLIMIT_NPROC binds, writes outside its own
-    directory and other processes' /proc entries are refused, and every process it spawned can be killed
-    by uid, even if it left its session), no_new_privs, a private network namespace (no network), and a
-    private mount namespace whose cwd, /tmp, /var/tmp, /dev/shm and /run/lock are small private tmpfs.
-  * not root: no uid switch and no mount namespace; a private network only if user namespaces are allowed.
-    RLIMIT_NPROC then counts all of the user's processes, so forks mostly fail, but a setsid() child that
-    got through escapes the group kill, and writes to /tmp or anywhere the user may write are not stopped.
-The supervisor is a child subreaper, so whatever the worker forked is re-parented to it and reaped: no
-process and no zombie survives a call (PID 1 of a container often reaps nothing). Only if the supervisor
-itself wedges past a generous backstop are processes killed from here, and their zombies may remain.
-Known gaps: world-readable files stay readable; after the uid switch, stdlib modules not in _PRELOAD fail
-to import when the interpreter lives in an unreadable directory (e.g. /root/.pyenv); a program that
-searches the harness's memory for the nonce can fake a pass. This is damage control, not a jail.
+    stdin/stdout/stderr on /dev/null (a 100 MB print is never buffered); the whole group killed at its timeout.
+  * as root: a fresh random uid (RLIMIT_NPROC binds, writes outside its directory and other processes' /proc
+    entries are refused, and all it spawned can be killed by uid, even out of its session), no_new_privs, a
+    private network namespace, and a private mount namespace whose cwd, /tmp, /var/tmp, /dev/shm and /run/lock
+    are small private tmpfs.
+  * not root: a private network only if user namespaces are allowed. RLIMIT_NPROC counts all the user's
+    processes, so forks mostly fail, but a setsid() child escapes the group kill, and writes are not stopped.
+The supervisor is a child subreaper, so whatever a worker forked is reaped (PID 1 of a container often reaps
+nothing); only if it wedges past a backstop are processes killed from here, and their zombies may remain.
+Known gaps: world-readable files stay readable; after the uid switch, stdlib modules not in _PRELOAD fail to
+import when the interpreter lives in an unreadable directory (e.g. /root/.pyenv); a program that searches the
+harness's memory for the nonce can fake a pass. This is damage control, not a jail.
 
-Test: python -m pytest tests/test_sandbox.py -q;  throughput: python -m tools.bench --sandbox
+    run_code("def f(x): return x + 1", ["assert f(1) == 2", "assert f(2) == 4"])  # -> 0.5
+    RemoteScorer("http://127.0.0.1:8765")(["three green blocks"], [[3, 3, 5, 1]])   # -> [0.75] from the stub
+    python -m infra.sandbox --stub --port 8765                                       # the model-free stub server
+Tests: tests/test_sandbox.py, tests/test_scorer.py;  throughput: python -m tools.bench --sandbox
 """
 from __future__ import annotations
 
+import argparse
+import http.client
+import http.server
 import json
+import math
+import operator
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 
 _SANDBOX_FLAG = "--sandbox-supervisor"
 _SANDBOX_UIDS = (1 << 30, 1 << 24)  # (first, count): random per call, so concurrent calls never share a uid
@@ -53,13 +59,13 @@ _PRELOAD = ("re", "math", "cmath", "collections", "heapq", "itertools", "functoo
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x20000, 0x10000000, 0x40000000  # linux/sched.h
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 2, 4, 1 << 14, 1 << 18  # linux/mount.h
 _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 36, 38  # linux/prctl.h
+_STUB_HINT = "python -m infra.sandbox --stub --port 8765, then use http://127.0.0.1:8765"
 
 
 def run_code(program: str, tests: list[str], timeout: float = 5.0, memory_mb: int = 512) -> float:
     """Fraction of `tests` (Python statements, e.g. asserts) that pass after `program`, each in a sandboxed process.
 
     `timeout` is wall-clock seconds per test; `memory_mb` caps each process's address space.
-    ("def f(x): return x + 1", ["assert f(1) == 2", "assert f(2) == 4"]) -> 0.5;  ("while True: pass", [...]) -> 0.0
     """
     if not (isinstance(tests, (list, tuple)) and tests and all(isinstance(t, str) for t in tests)):
         raise ValueError(f"tests must be a non-empty list of str, got {tests!r:.200}")
@@ -220,8 +226,171 @@ def _isolate(workdir: str, uid: int | None, timeout: float, memory_mb: int, libc
         os.setuid(uid)
 
 
+# -----------------------------------------------------------------------------------------------------
+# the image scorer's protocol: one POST per call, JSON both ways, one row per image:
+#   request  {"prompts": ["three green blocks", ...], "image_codes": [[3, 3, 5, 1, ...], ...]}
+#   reply    {"scores": [0.75, ...]}   same length as the request, every score a finite number
+# A real server decodes the VQ codes with its own image tokenizer and runs its reward models.
+
+
+class RemoteScorer:
+    """Scores text-to-image rollouts by POSTing prompts and VQ codes to a reward server (protocol above).
+
+    Connection errors, timeouts, HTTP 429 and 5xx are tried again up to `retries` more times, sleeping
+    backoff * 2**k seconds before the k-th retry, then raise ConnectionError; any other HTTP error raises
+    RuntimeError at once, and a reply that breaks the protocol raises ValueError (a retry would not fix it).
+    """
+
+    def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 1.0):
+        try:
+            parts = urllib.parse.urlsplit(url)
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except (TypeError, ValueError, AttributeError):  # not a str, or a port that is not a number
+            ok = False
+        if not ok:
+            raise ValueError(f"image scorer url must look like http(s)://host[:port][/path], got {url!r}; "
+                             f"to try the pipeline without models: {_STUB_HINT}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"image scorer timeout must be > 0 seconds, got {timeout!r}; set "
+                             "--image_scorer_timeout (default 30)")
+        if not (isinstance(retries, int) and retries >= 0):
+            raise ValueError(f"image scorer retries must be an int >= 0 (0 = one attempt), got {retries!r}")
+        if not (isinstance(backoff, (int, float)) and backoff >= 0):
+            raise ValueError(f"image scorer backoff must be >= 0 seconds, got {backoff!r}")
+        self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+
+    def __call__(self, prompts: list[str], image_codes: list[list[int]]) -> list[float]:
+        """One score per (prompt, image); image_codes is a list of code lists or anything with .tolist()."""
+        codes = image_codes.tolist() if hasattr(image_codes, "tolist") else image_codes  # a (B, N) tensor
+        if not (isinstance(prompts, (list, tuple)) and all(isinstance(p, str) for p in prompts)):
+            raise ValueError(f"prompts must be a list of str, got {prompts!r:.120}")
+        if not isinstance(codes, (list, tuple)) or len(codes) != len(prompts):
+            raise ValueError(f"image_codes needs one row per prompt ({len(prompts)} prompts), got {codes!r:.120}")
+        try:  # operator.index takes Python, numpy and integer-tensor scalars but refuses floats
+            rows = [[operator.index(c) for c in row] for row in codes]
+        except TypeError:
+            raise ValueError(f"image_codes rows must be lists of int codes, got {codes!r:.120}") from None
+        if not rows:
+            return []
+        body = json.dumps({"prompts": list(prompts), "image_codes": rows}).encode()
+        request = urllib.request.Request(self.url, data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                    return _parse_scores(reply.read(), len(rows), self.url)
+            except urllib.error.HTTPError as err:
+                detail = err.read(300).decode(errors="replace")
+                err.close()
+                if err.code < 500 and err.code != 429:  # our request or the url is wrong: retrying cannot help
+                    raise RuntimeError(f"image scorer at {self.url} refused the request: HTTP {err.code} "
+                                       f"{err.reason}: {detail!r}") from None
+                last = err
+            except (OSError, http.client.HTTPException) as err:  # refused, reset, DNS, timed out, cut short
+                last = err
+        raise ConnectionError(f"image scorer at {self.url} failed {self.retries + 1} attempts (last error: "
+                              f"{last!r}); start the server or fix image_scorer_url, or for a model-free "
+                              f"stand-in run {_STUB_HINT}") from last
+
+    def rewards(self, prompts: list[str], image_codes) -> "torch.Tensor":
+        """The RL step's rewards, float32 (B,): the scores, or NaN for every row when the scorer fails, which
+        train.rl_step's gathered check turns into a skipped step on every rank (one rank raising would hang)."""
+        import torch
+
+        try:
+            return torch.tensor(self(prompts, image_codes), dtype=torch.float32)
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"warning: image scorer failed ({e}); this batch gets NaN rewards", flush=True)
+            return torch.full((len(prompts),), math.nan)
+
+
+def _parse_scores(raw: bytes, n: int, url: str) -> list[float]:
+    """The scores of a reply, checked against the protocol; ValueError naming the first problem."""
+    try:
+        reply = json.loads(raw, parse_int=float)  # every number a float: huge ints become inf, caught below
+    except ValueError:  # also UnicodeDecodeError
+        raise ValueError(f"image scorer at {url} replied with something that is not JSON: {raw[:200]!r}") from None
+    scores = reply.get("scores") if isinstance(reply, dict) else None
+    if not isinstance(scores, list):
+        raise ValueError(f"image scorer at {url} replied without a 'scores' list: {raw[:200]!r}")
+    if len(scores) != n:
+        raise ValueError(f"image scorer at {url} returned {len(scores)} scores for {n} images")
+    for i, score in enumerate(scores):
+        if type(score) is not float:  # bool and str are not scores
+            raise ValueError(f"image scorer at {url} returned a non-numeric score {score!r} at index {i}")
+        if not math.isfinite(score):
+            raise ValueError(f"image scorer at {url} returned a non-finite score {score!r} at index {i}")
+    return scores
+
+
+def stub_score(codes: list[int]) -> float:
+    """The stub server's rule, simple enough to check by hand: the fraction of distinct codes, 0.0 for none.
+
+    [3, 3, 5, 1] -> 0.75;  [7] * 16 -> 0.0625;  list(range(16)) -> 1.0
+    """
+    return len(set(codes)) / len(codes) if codes else 0.0
+
+
+class _StubHandler(http.server.BaseHTTPRequestHandler):
+    """Answers the protocol with stub_score per image; a malformed request gets HTTP 400 and the reason."""
+
+    def do_POST(self):
+        try:
+            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            rows = request["image_codes"]
+            if len(request["prompts"]) != len(rows):
+                raise ValueError(f"{len(request['prompts'])} prompts but {len(rows)} images")
+            status, reply = 200, {"scores": [stub_score(row) for row in rows]}
+        except (ValueError, KeyError, TypeError) as err:
+            status, reply = 400, {"error": f"{type(err).__name__}: {err}"}
+        self.reply(status, reply)
+
+    def reply(self, status: int, obj) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *args):  # one line per request would drown the trainer's log
+        pass
+
+
+def serve_stub(port: int = 0, host: str = "127.0.0.1", handler=_StubHandler) -> http.server.ThreadingHTTPServer:
+    """Start the stub scorer on host:port (0: a free port, server.server_address[1]) in a daemon thread.
+
+    Stop it with server.shutdown() then server.server_close().
+    """
+    server = http.server.ThreadingHTTPServer((host, port), handler)
+    # shutdown() waits for the serving loop's next poll: 0.05 s instead of the default 0.5 s keeps tests quick
+    threading.Thread(target=server.serve_forever, args=(0.05,), name="stub-scorer", daemon=True).start()
+    return server
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != [_SANDBOX_FLAG]:
+    if sys.argv[1:] == [_SANDBOX_FLAG]:
+        _supervise()
+    cli = argparse.ArgumentParser(description="Serve the stub image scorer for RemoteScorer (no models needed)")
+    cli.add_argument("--stub", action="store_true", help="serve the stub (the only thing a user runs here)")
+    cli.add_argument("--port", type=int, default=8765)
+    cli.add_argument("--host", default="127.0.0.1", help="0.0.0.0 lets other machines reach it")
+    args = cli.parse_args()
+    if not args.stub:
         sys.exit(f"sandbox.py is started by run_code as `python -I -S sandbox.py {_SANDBOX_FLAG}` with a job on "
-                 "stdin; to use the sandbox, call sandbox.run_code(program, tests) from Python")
-    _supervise()
+                 "stdin; to use the sandbox, call sandbox.run_code(program, tests) from Python; to serve the "
+                 "stub image scorer, pass --stub")
+    try:
+        stub = serve_stub(args.port, args.host)
+    except OSError as e:  # a busy port (another stub still running), or a host this machine does not have
+        print(f"error: cannot serve on {args.host}:{args.port} ({e.strerror}); stop what holds it, or pass "
+              "another --port", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"stub image scorer at http://{args.host}:{stub.server_address[1]} (score = fraction of distinct "
+          "codes per image); Ctrl-C stops it", flush=True)
+    try:
+        threading.Event().wait()  # the server runs in its thread; this one waits for Ctrl-C
+    except KeyboardInterrupt:
+        stub.shutdown()

@@ -248,7 +248,7 @@ def scorer_down(monkeypatch):
     geneval evaluation takes when its scorer fails (tasks.score gives NaN rewards and a warning)."""
     import dataclasses
     import tasks
-    from infra.scorer import RemoteScorer
+    from infra.sandbox import RemoteScorer
 
     monkeypatch.setattr(tasks, "TASKS", {**tasks.TASKS, "image": dataclasses.replace(tasks.TASKS["image"], reward=None)})
     real = tasks.Ctx

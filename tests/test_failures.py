@@ -16,7 +16,7 @@ import torch
 import model as model_module
 import tasks
 import train
-from infra import checkpoint, scorer
+from infra import checkpoint, sandbox
 from infra.run import RunFailed, TrainingStopped
 
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1"]
@@ -88,7 +88,7 @@ def test_every_step_skipped_for_a_scorer_down_names_it(sft_dir, tmp_path, monkey
     (it wrote final/ and ended with an error about missing log keys)."""
     monkeypatch.setattr(tasks, "TASKS", {**tasks.TASKS, "image": dataclasses.replace(tasks.TASKS["image"], reward=None)})
     monkeypatch.setattr(train, "validate", lambda cfg: None)  # a toy image task with a scorer url
-    monkeypatch.setattr(scorer.time, "sleep", lambda s: None)   # no back-off waits between the retries
+    monkeypatch.setattr(sandbox.time, "sleep", lambda s: None)   # no back-off waits between the retries
     out = tmp_path / "run"
     url = "http://127.0.0.1:9"
     with pytest.raises(TrainingStopped) as e:

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import train
-from infra import cli, load, scorer
-from infra.scorer import RemoteScorer, _StubHandler
+from infra import cli, load, sandbox
+from infra.sandbox import RemoteScorer, _StubHandler
 from test_rl_step import save_tiny_checkpoint
 from test_scorer import no_proxy, serve  # noqa: F401 (fixtures: requests stay on 127.0.0.1; a stub server per test)
 
@@ -133,7 +133,7 @@ def test_a_refusing_or_failing_scorer_gives_nan(serve, capsys, status, attempts,
 
 
 def test_a_scorer_that_is_down_gives_nan(monkeypatch, capsys):
-    monkeypatch.setattr(scorer.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sandbox.time, "sleep", lambda s: None)
     r = RemoteScorer(down_url(), timeout=0.5, retries=1, backoff=1.0).rewards(PROMPTS, CODES)
     assert_not_measured(r, capsys, "failed 2 attempts")
 

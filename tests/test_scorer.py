@@ -1,4 +1,4 @@
-"""Tests for scorer.RemoteScorer and its stub server: scores come back by the documented rule, a server that
+"""Tests for sandbox.RemoteScorer and its stub server: scores come back by the documented rule, a server that
 is down fails with a clear error after the retries, 5xx is retried, and replies that break the protocol raise.
 
 Every server runs on 127.0.0.1 on a free port in a thread of this process; tiny timeouts and backoffs keep
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from infra import scorer
-from infra.scorer import RemoteScorer, _StubHandler, serve_stub, stub_score
+from infra import sandbox
+from infra.sandbox import RemoteScorer, _StubHandler, serve_stub, stub_score
 
 PROMPTS = ["three green blocks", "a red block left of a blue block", "an empty image"]
 CODES = [[3, 3, 5, 1], [7] * 16, []]
@@ -69,7 +69,7 @@ def test_server_down_raises_after_retries(monkeypatch):
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     slept = []
-    monkeypatch.setattr(scorer.time, "sleep", slept.append)
+    monkeypatch.setattr(sandbox.time, "sleep", slept.append)
     with pytest.raises(ConnectionError, match="failed 3 attempts") as info:
         RemoteScorer(url, timeout=0.5, retries=2, backoff=0.01)(PROMPTS, CODES)
     assert url in str(info.value) and "--stub" in str(info.value) and "last error" in str(info.value)
@@ -178,7 +178,7 @@ def test_the_timeout_is_a_flag(monkeypatch, tmp_path):
     import pytest
     import train
     from infra import run
-    from infra import scorer as scorer_module
+    from infra import sandbox as scorer_module
     cfg = train.parse_args(["--preset=mmada8b", "--dry_run=true", "--image_scorer_timeout=120"])
     assert cfg.image_scorer_timeout == 120.0
     with pytest.raises(ValueError, match=r"image_scorer_timeout \(0.0\) must be > 0 seconds"):

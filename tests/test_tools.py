@@ -16,7 +16,7 @@ import rewards
 import sample
 import tasks
 from conftest import ROOT
-from infra import data, fast_sample, hf, scorer, toy
+from infra import data, fast_sample, hf, sandbox, toy
 from tools import bench
 from tools import sample as sample_cli
 from model import ModelConfig, Transformer
@@ -175,7 +175,7 @@ def test_data_check_command(capsys):
 
 
 def test_stub_scorer_refuses_prompts_and_images_of_different_counts():
-    server = scorer.serve_stub()
+    server = sandbox.serve_stub()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         body = json.dumps({"prompts": ["a", "b"], "image_codes": [[1]]}).encode()

@@ -71,11 +71,11 @@ FIXTURES = Path(__file__).parent / "fixtures" / "data"
 
 
 def test_geneval_with_remote_scorer(tiny_ckpt, tmp_path, monkeypatch):
-    """Text-to-image on GenEval prompts with rewards from the stub scorer over HTTP (scorer.serve_stub):
+    """Text-to-image on GenEval prompts with rewards from the stub scorer over HTTP (sandbox.serve_stub):
     the logged reward is the stub's rule (fraction of distinct codes) of the rollouts."""
-    from infra import scorer
+    from infra import sandbox
     monkeypatch.setenv("no_proxy", "127.0.0.1")
-    server = scorer.serve_stub(0)
+    server = sandbox.serve_stub(0)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         out = tmp_path / "geneval"
@@ -121,11 +121,11 @@ def test_missing_data_file_fails_before_model(tmp_path):
 def test_scorer_failure_skips_the_step(tiny_ckpt, tmp_path, monkeypatch, capsys):
     """A scorer that is down gives NaN rewards: the step is skipped on every rank, logged, and the run
     stops after max_bad_steps of them in a row, instead of a traceback (or a hang under torchrun)."""
-    from infra import scorer
+    from infra import sandbox
 
     def down(self, prompts, codes):
         raise ConnectionError("image scorer at http://127.0.0.1:9 failed 4 attempts")
-    monkeypatch.setattr(scorer.RemoteScorer, "__call__", down)
+    monkeypatch.setattr(sandbox.RemoteScorer, "__call__", down)
     out = tmp_path / "down"
     path = FIXTURES / "geneval.jsonl"
     with pytest.raises(train.TrainingStopped, match="2 consecutive bad steps"):
