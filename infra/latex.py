@@ -1,23 +1,16 @@
 """LaTeX answer equivalence for the MATH reward: `normalize_math(s) -> str`, `math_equiv(a, b) -> bool`.
 
-MaskGRPO (arXiv:2510.02880) §6 rewards a MATH completion whose last \\boxed{} answer equals the reference.
-Model answers are written many ways, so two answers are compared in three stages, written anew for this
-project (nothing copied from the Hendrycks MATH utilities or a computer algebra system):
-  1. `normalize_math`: a canonical string (LaTeX spacing, sizing, \\text{}, units, degrees, %, $, "x =", spaces).
-  2. `value`: the exact value of a constant expression, from our own bounded parser (never eval): integers,
-     decimals, + - * / \\times \\cdot \\div, implicit products, \\frac, \\sqrt, \\sqrt[n], ^, !, \\binom, i, \\pi.
-     Rational and Gaussian-rational results stay exact Fractions; anything with an irrational part (\\sqrt3,
-     \\pi) becomes a complex float, and only two irrational values are compared, to 1e-9 relative.
-  3. `_equiv`: structure. Bare lists ("3, 5, 7": the solutions of an equation) and sets \\{..\\} are unordered,
-     tuples, intervals and matrices are ordered, a union's pieces are unordered, and a leading "name =" is
-     dropped when the other answer has no "=".
-
-The contract is one-sided: a wrong answer must never be accepted; a right answer written in a form we do not
-know may be rejected. Hence: a decimal never equals an irrational ("1.414" != \\sqrt2), numbers carry no
-tolerance when exact ("0.33" != \\frac13), units are dropped only from a fixed list of unit words, and the
-"name =" left-hand side must hold no operator or leading digit ("2x = 6" is not the answer 6). Sizes are
-bounded (answers over 1000 characters compare verbatim, Fractions over 4096 bits, factorials over 200 and
-nesting over 40 are refused), so a hostile completion cannot hang the trainer or eat its memory.
+MaskGRPO (arXiv:2510.02880) §6 rewards a MATH completion whose last \\boxed{} answer equals the reference. Answers
+are compared in three stages, written anew (nothing copied from the Hendrycks MATH utilities or a CAS):
+`normalize_math`, a canonical string; `value`, the exact value of a constant expression from a bounded parser
+(never eval): Gaussian-rational Fractions while exact, else a complex float, and only two irrational values
+compare, to 1e-9 relative; `_equiv`, the structure: lists ("3, 5, 7": the solutions of an equation), sets and a
+union's pieces are unordered, tuples, intervals and matrices ordered, and a leading "name =" is dropped when the
+other answer has no "=". The contract is one-sided: a wrong answer must never be accepted; a right one in a form
+we do not know may be rejected. So a decimal never equals an irrational ("1.414" != \\sqrt2), exact numbers have
+no tolerance ("0.33" != \\frac13), only listed unit words are dropped, and "2x = 6" is not the answer 6. Answers
+over 1000 characters compare verbatim; Fractions over 4096 bits, factorials over 200 and nesting over 40 are
+refused, so a hostile completion cannot hang the trainer or eat its memory.
 
 Test: python -m pytest tests/test_latex.py -q
 """
@@ -86,15 +79,14 @@ class _Refuse(Exception):
 
 _TOKEN = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+|\\[a-zA-Z]+|[a-zA-Z]|[-+*/^!(){}\[\]]")
 _MIXED = re.compile(r"(-?)([0-9]{1,40})\\frac\{([0-9]{1,40})\}\{([0-9]{1,40})\}")  # 137\frac{1}{2} = 137.5
+_ONE, _MINUS_ONE = (Fraction(1), Fraction(0)), (Fraction(-1), Fraction(0))
 
 
 def _check(v):
     if isinstance(v, tuple):
-        for q in v:
-            if max(q.numerator.bit_length(), q.denominator.bit_length()) > _MAX_BITS:
-                raise _Refuse("too large")
-        return v
-    if not (math.isfinite(v.real) and math.isfinite(v.imag)):
+        if max(max(q.numerator.bit_length(), q.denominator.bit_length()) for q in v) > _MAX_BITS:
+            raise _Refuse("too large")
+    elif not (math.isfinite(v.real) and math.isfinite(v.imag)):
         raise _Refuse("not finite")
     return v
 
@@ -106,25 +98,18 @@ def _approx(v) -> complex:
         raise _Refuse("too large for a float") from None
 
 
-def _add(a, b, sign=1):
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return _check((a[0] + sign * b[0], a[1] + sign * b[1]))
-    return _check(_approx(a) + sign * _approx(b))
-
-
-def _mul(a, b):
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return _check((a[0] * b[0] - a[1] * b[1], a[0] * b[1] + a[1] * b[0]))
-    return _check(_approx(a) * _approx(b))
-
-
-def _div(a, b):
-    if b == (0, 0) or b == 0:
+def _arith(a, op: str, b):
+    """a op b for op in "+-*/": exact while both values are, else a complex float."""
+    if op == "/" and (b == (0, 0) or b == 0):
         raise _Refuse("division by zero")
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        n = b[0] * b[0] + b[1] * b[1]
-        return _check(((a[0] * b[0] + a[1] * b[1]) / n, (a[1] * b[0] - a[0] * b[1]) / n))
-    return _check(_approx(a) / _approx(b))
+    if not (isinstance(a, tuple) and isinstance(b, tuple)):
+        x, y = _approx(a), _approx(b)
+        return _check(x + y if op == "+" else x - y if op == "-" else x * y if op == "*" else x / y)
+    (p, q), (r, s) = a, b
+    if op == "/":
+        n = r * r + s * s
+        return _check(((p * r + q * s) / n, (q * r - p * s) / n))
+    return _check((p + r, q + s) if op == "+" else (p - r, q - s) if op == "-" else (p * r - q * s, p * s + q * r))
 
 
 def _root(a, n: int):
@@ -151,7 +136,6 @@ def _root(a, n: int):
 
 
 def _pow(a, b):
-    one = (Fraction(1), Fraction(0))
     if isinstance(b, tuple) and b[1] == 0 and b[0].denominator == 1:  # an integer power
         n = int(b[0])
         if abs(n) > _MAX_BITS:
@@ -161,16 +145,16 @@ def _pow(a, b):
                 return _check(a ** n)
             except (OverflowError, ZeroDivisionError):
                 raise _Refuse("power overflows") from None
-        result, base, k = one, (a if n >= 0 else _div(one, a)), abs(n)
+        result, base, k = _ONE, (a if n >= 0 else _arith(_ONE, "/", a)), abs(n)
         while k:  # square and multiply: each product is checked, so no step exceeds 2 * _MAX_BITS
             if k & 1:
-                result = _mul(result, base)
+                result = _arith(result, "*", base)
             k >>= 1
-            base = _mul(base, base) if k else base
+            base = _arith(base, "*", base) if k else base
         return result
     if isinstance(b, tuple) and b[1] == 0 and b[0].numerator in (1, -1) and b[0].denominator <= _MAX_ROOT:
         r = _root(a, b[0].denominator)  # x^{1/2} = \sqrt{x}
-        return r if b[0] > 0 else _div(one, r)
+        return r if b[0] > 0 else _arith(_ONE, "/", r)
     base, exp = _approx(a), _approx(b)
     if base.imag or base.real <= 0:
         raise _Refuse("non-integer power of a non-positive or complex base")
@@ -188,7 +172,7 @@ def _factorial(a, k: int = 0):
 
 class _Parser:
     """Recursive descent: expr = term (+|- term)*;  term = unary ((* | / | \\times | \\cdot | \\div)? unary)*;
-    unary = (+|-) unary | power;  power = postfix (^ arg)?;  postfix = atom !*;
+    unary = (+|-) unary | power;  power = atom !* (^ arg)?;
     atom = number | i | \\pi | (expr) | {expr} | \\frac arg arg | \\sqrt([n])? arg | \\binom arg arg."""
 
     def __init__(self, tokens: list[str]):
@@ -204,11 +188,19 @@ class _Parser:
         self.pos += 1
         return tok
 
+    def nested(self, parse):
+        """parse() one level deeper: "------1" or "\\sqrt\\sqrt..." must not exhaust the stack."""
+        self.depth += 1
+        if self.depth > _MAX_DEPTH:
+            raise _Refuse("nested too deeply")
+        value = parse()
+        self.depth -= 1
+        return value
+
     def expr(self):
         value = self.term()
         while self.peek() in ("+", "-"):
-            sign = 1 if self.take() == "+" else -1
-            value = _add(value, self.term(), sign)
+            value = _arith(value, self.take(), self.term())
         return value
 
     def term(self):
@@ -219,36 +211,24 @@ class _Parser:
                 self.take()
             elif op == "\\frac" and re.fullmatch(r"[0-9.]+", self.tokens[self.pos - 1]):
                 raise _Refuse("2\\frac{1}{2} is a mixed number, not a product")
-            value = _div(value, self.unary()) if op in ("/", "\\div") else _mul(value, self.unary())
+            value = _arith(value, "/" if op in ("/", "\\div") else "*", self.unary())
         return value
-
-    def nest(self, step: int) -> None:
-        """Count open groups, signs and arguments: "------1" or "\\sqrt\\sqrt..." must not exhaust the stack."""
-        self.depth += step
-        if self.depth > _MAX_DEPTH:
-            raise _Refuse("nested too deeply")
 
     def unary(self):
-        if self.peek() in ("+", "-"):
-            sign = self.take()
-            self.nest(1)
-            value = self.unary()
-            self.nest(-1)
-            return value if sign == "+" else _mul((Fraction(-1), Fraction(0)), value)
-        return self.power()
+        if self.peek() not in ("+", "-"):
+            return self.power()
+        sign = self.take()
+        value = self.nested(self.unary)
+        return value if sign == "+" else _arith(_MINUS_ONE, "*", value)
 
     def power(self):
-        value = self.postfix()
-        if self.peek() == "^":
-            self.take()
-            return _pow(value, self.arg())
-        return value
-
-    def postfix(self):
         value = self.atom()
         while self.peek() == "!":
             self.take()
             value = _factorial(value)
+        if self.peek() == "^":
+            self.take()
+            return _pow(value, self.arg())
         return value
 
     def arg(self):
@@ -261,16 +241,11 @@ class _Parser:
                 raise _Refuse(f"multi-digit argument {tok!r} without braces")
             return (Fraction(int(tok)), Fraction(0))
         self.pos -= 1
-        self.nest(1)
-        value = self.atom()
-        self.nest(-1)
-        return value
+        return self.nested(self.atom)
 
     def group(self, open_: str, close: str):
         self.take(open_)
-        self.nest(1)
-        value = self.expr()
-        self.nest(-1)
+        value = self.nested(self.expr)
         self.take(close)
         return value
 
@@ -281,18 +256,16 @@ class _Parser:
         self.take()
         if re.fullmatch(r"[0-9.]+", tok):
             return _check((Fraction(tok), Fraction(0)))
-        if tok == "i":
-            return (Fraction(0), Fraction(1))
-        if tok == "\\pi":
-            return complex(math.pi)
+        if tok in ("i", "\\pi"):
+            return (Fraction(0), Fraction(1)) if tok == "i" else complex(math.pi)
         if tok == "\\frac":
-            return _div(self.arg(), self.arg())
+            return _arith(self.arg(), "/", self.arg())
         if tok == "\\binom":
             n, k = self.arg(), self.arg()
             if not (isinstance(n, tuple) and isinstance(k, tuple) and k[1] == 0 and k[0].denominator == 1
                     and 0 <= k[0] <= n[0]):
                 raise _Refuse("binomial of non-naturals")
-            return _div(_factorial(n, int(k[0])), _factorial(_add(n, k, -1)))
+            return _arith(_factorial(n, int(k[0])), "/", _factorial(_arith(n, "-", k)))
         if tok == "\\sqrt":
             n = 2
             if self.peek() == "[":
@@ -342,26 +315,18 @@ def _same_value(a, b) -> bool:
 
 def _split_top(s: str, sep: str) -> list[str]:
     """Split at `sep` outside any (), [] or {} (an interval like (3,4] closes with a different bracket)."""
-    parts, depth, start, i = [], 0, 0, 0
-    while i < len(s):
-        if s[i] in "([{":
-            depth += 1
-        elif s[i] in ")]}":
-            depth -= 1
-        elif depth == 0 and s.startswith(sep, i):
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(s):
+        depth += (ch in "([{") - (ch in ")]}")
+        if depth == 0 and i >= start and s.startswith(sep, i):
             parts.append(s[start:i])
             start = i + len(sep)
-            i = start
-            continue
-        i += 1
     return parts + [s[start:]]
 
 
 def _rhs_of_name(s: str) -> str | None:
-    """"\\text{proj}_{\\mathbf b}\\mathbf a=(1,2)" -> "(1,2)": the value after a left-hand side that only names it.
-
-    The name holds no operator and does not start with a digit: "2x=6" or "x+y=5" keep their "=".
-    """
+    """The value after a left-hand side that only names it: "\\text{proj}_{\\mathbf b}\\mathbf a=(1,2)" -> "(1,2)";
+    the name holds no operator and does not start with a digit, so "2x=6" or "x+y=5" keep their "="."""
     parts = _split_top(s, "=")
     if len(parts) != 2 or not parts[1] or re.match(r"[0-9]", parts[0]) or not re.search(r"[a-zA-Z]", parts[0]):
         return None
