@@ -1,18 +1,13 @@
 """LaTeX answer equivalence for the MATH reward: `normalize_math(s) -> str`, `math_equiv(a, b) -> bool`.
 
-MaskGRPO (arXiv:2510.02880) §6 rewards a MATH completion whose last \\boxed{} answer equals the reference. Answers
-are compared in three stages, written anew (nothing copied from the Hendrycks MATH utilities or a CAS):
-`normalize_math`, a canonical string; `value`, the exact value of a constant expression from a bounded parser
-(never eval): Gaussian-rational Fractions while exact, else a complex float, and only two irrational values
-compare, to 1e-9 relative; `_equiv`, the structure: lists ("3, 5, 7": the solutions of an equation), sets and a
-union's pieces are unordered, tuples, intervals and matrices ordered, and a leading "name =" is dropped when the
-other answer has no "=". The contract is one-sided: a wrong answer must never be accepted; a right one in a form
-we do not know may be rejected. So a decimal never equals an irrational ("1.414" != \\sqrt2), exact numbers have
-no tolerance ("0.33" != \\frac13), only listed unit words are dropped, and "2x = 6" is not the answer 6. Answers
-over 1000 characters compare verbatim; Fractions over 4096 bits, factorials over 200 and nesting over 40 are
-refused, so a hostile completion cannot hang the trainer or eat its memory.
-
-Test: python -m pytest tests/test_latex.py -q
+MaskGRPO (arXiv:2510.02880) §6 rewards a MATH completion whose last \\boxed{} answer equals the reference. Three
+stages, written anew (no Hendrycks MATH utilities, no CAS): `normalize_math`, a canonical string; `value`, the
+value of a constant expression from a bounded parser (never eval), Gaussian-rational Fractions while exact, else
+a complex float; `_equiv`, the structure (lists, sets and unions unordered; tuples, intervals, matrices ordered;
+a leading "name =" dropped when the other answer has none). One-sided: a wrong answer is never accepted, a right
+one in a form we do not know may be rejected; so a decimal never equals an irrational ("1.414" != \\sqrt2), exact
+numbers have no tolerance ("0.33" != \\frac13), only listed unit words go, and "2x = 6" is not 6. Sizes are
+bounded (the limits below), so a hostile completion cannot hang the trainer or eat its memory.
 """
 from __future__ import annotations
 
@@ -22,7 +17,7 @@ from fractions import Fraction
 from functools import lru_cache
 
 MAX_ANSWER_CHARS = 1000  # beyond this an answer is compared verbatim: normalising it buys nothing
-_MAX_BITS, _MAX_FACTORIAL, _MAX_DEPTH, _MAX_ROOT = 4096, 200, 40, 12
+_MAX_BITS, _MAX_FACTORIAL, _MAX_DEPTH, _MAX_ROOT = 4096, 200, 40, 12  # refused: larger Fractions, n!, nesting, roots
 
 # -----------------------------------------------------------------------------------------------------
 # stage 1: a canonical string
@@ -39,10 +34,8 @@ _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")  # 10,080 but not "3, 500
 
 
 def normalize_math(s: str) -> str:
-    """Canonical string of a MATH answer: strips LaTeX spacing, sizing, units, degrees, %, $, 'x =' and spaces.
-
-    "\\left( \\dfrac12, 3 \\right)" -> "(\\frac{1}{2},3)";  "90^\\circ" -> "90";  "x = 10,\\!080." -> "10080"
-    """
+    """Canonical string of a MATH answer: strips LaTeX spacing, sizing, units, degrees, %, $, 'x =' and spaces;
+    "\\left( \\dfrac12, 3 \\right)" -> "(\\frac{1}{2},3)",  "90^\\circ" -> "90",  "x = 10,\\!080." -> "10080"."""
     if len(s) > MAX_ANSWER_CHARS:
         return s.strip()
     s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
@@ -54,14 +47,13 @@ def normalize_math(s: str) -> str:
         s = s.replace(junk, "")
     s = s.strip().rstrip(".").strip()
     unit = _UNIT_SUFFIX.fullmatch(s) or _PLAIN_UNIT.fullmatch(s)  # "15\mbox{ cm}^2", "12 cm" -> the number
-    if unit:  # a lone \text{Evelyn} is the answer itself: a unit needs a number before it
-        s = unit.group(1).strip()
+    s = unit.group(1).strip() if unit else s  # a lone \text{Evelyn} is the answer: a unit needs a number first
     s = _TEXT_WRAP.sub(r"\1", s)
     s = _ONE_TOKEN_ARG.sub(r"\\\1{\2}", s)  # \frac12 -> \frac{1}2, \sqrt2 -> \sqrt{2}
     s = _SECOND_ARG.sub(r"\\frac{\1}{\2}", s)  # \frac{1}2 -> \frac{1}{2}
     s = re.sub(r"^[a-zA-Z]\s*(?:=|\\in)\s*(?=\S)", "", s)  # "x = 5", "x \in [-2,7]": keep the value
-    if _THOUSANDS.fullmatch(s.strip()):  # commas only when the whole answer is one number, checked before
-        s = s.replace(",", "")  # spaces go, so "3, 500" stays a list
+    # commas go only when the whole answer is one number, checked before spaces go, so "3, 500" stays a list
+    s = s.replace(",", "") if _THOUSANDS.fullmatch(s.strip()) else s
     s = re.sub(r"\s+", "", s).rstrip(".")
     s = re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)  # x^{2} -> x^2, 4210_{5} -> 4210_5
     s = re.sub(r"^\(([A-E])\)$", r"\1", s)  # multiple choice "(B)" -> "B"
@@ -126,10 +118,8 @@ def _root(a, n: int):
             raise _Refuse("even root of a negative number")
         q, sign = -q, (-1 if n % 2 else 1)
     num, den = (round(x ** (1 / n)) if x < 2 ** 1000 else -1 for x in (q.numerator, q.denominator))
-    if num >= 0 and den > 0 and num ** n == q.numerator and den ** n == q.denominator:
-        r = Fraction(num, den)
-    else:
-        r = float(q) ** (1 / n)
+    exact = num >= 0 and den > 0 and num ** n == q.numerator and den ** n == q.denominator
+    r = Fraction(num, den) if exact else float(q) ** (1 / n)
     if a[0] < 0 and n == 2:  # \sqrt{-9} = 3i
         return (Fraction(0), r) if isinstance(r, Fraction) else complex(0, r)
     return (sign * r, Fraction(0)) if isinstance(r, Fraction) else complex(sign * r)
@@ -279,10 +269,8 @@ class _Parser:
 
 @lru_cache(maxsize=4096)
 def value(s: str):
-    """Exact (Fraction re, Fraction im) or complex-float value of a normalised constant expression, else None.
-
-    "7!\\times2!" -> (10080, 0);  "7i-2" -> (-2, 7);  "\\sqrt{3}/3" -> 0.577...+0j;  "2x" -> None
-    """
+    """Exact (Fraction re, Fraction im) or complex-float value of a normalised constant expression, else None:
+    "7!\\times2!" -> (10080, 0);  "7i-2" -> (-2, 7);  "\\sqrt{3}/3" -> 0.577...+0j;  "2x" -> None."""
     if len(s) > MAX_ANSWER_CHARS or not s:
         return None
     m = _MIXED.fullmatch(s)
@@ -295,11 +283,9 @@ def value(s: str):
     parser = _Parser(tokens)
     try:
         result = parser.expr()
-        if parser.peek() is not None:
-            raise _Refuse(f"trailing {parser.peek()!r}")
     except (_Refuse, RecursionError, ZeroDivisionError, OverflowError, ValueError):
         return None
-    return result
+    return result if parser.peek() is None else None  # trailing tokens: not one expression
 
 
 def _same_value(a, b) -> bool:
@@ -383,8 +369,6 @@ def _equiv(x: str, y: str, depth: int = 0, ordered: bool = False) -> bool:
 
 def math_equiv(a: str, b: str) -> bool:
     """True if two MATH answers are equivalent: same canonical string, same value, or same structure.
-
     ("0.5", "\\frac12") -> True;  ("\\sqrt{3}/3", "\\frac{\\sqrt{3}}{3}") -> True;  ("7i - 2", "-2 + 7i") -> True
-    ("3, 7, 5", "3, 5, 7") -> True;  ("(3,5)", "(5,3)") -> False;  ("0.33", "\\frac13") -> False
-    """
+    ("3, 7, 5", "3, 5, 7") -> True;  ("(3,5)", "(5,3)") -> False;  ("0.33", "\\frac13") -> False"""
     return _equiv(normalize_math(a), normalize_math(b))

@@ -1,38 +1,31 @@
-"""Running and scoring what the model generates: `run_code(program, tests)` runs unit tests in a process sandbox,
-`RemoteScorer(url)` asks an HTTP reward server to score text-to-image rollouts.
+"""Running and scoring what the model generates: `run_code(program, tests)` runs unit tests in a process sandbox;
+`RemoteScorer(url)` asks an HTTP reward server to score text-to-image rollouts. MaskGRPO (arXiv:2510.02880) §6
+scores code by the fraction of MBPP tests that pass (in E2B; we run them locally) and images with reward models
+this project cannot ship. Standard library only, and nothing from this project: the supervisor runs this file as
+`python -I -S sandbox.py`.
 
-MaskGRPO (arXiv:2510.02880) §6 scores code by the fraction of MBPP-style tests that pass (run in E2B; we run
-them locally) and images with CLIP / HPS / UnifiedReward models this project cannot ship, which run elsewhere.
-Standard library only, and nothing from this project: the supervisor runs this file as `python -I -S sandbox.py`.
-
-The sandbox. run_code starts one supervisor in a new session with an empty environment (no secrets), a private
-temporary cwd, the job on stdin and an anonymous result file as stdout. The supervisor forks one worker per test;
-the worker isolates itself (in the fork: Popen's preexec_fn is unsafe when the caller has threads, as the trainer
-does), runs program + its test and writes "<test index> <nonce>" only if both finished without an exception, so
-sys.exit, crashes, hangs and fork bombs are failed tests and a hang costs one timeout, not all. run_code never
-raises on what the program does and leaves no process behind; only a malformed argument raises ValueError.
-  * always: rlimits on CPU seconds, address space, file size, open files, processes and core dumps;
-    stdin/stdout/stderr on /dev/null (a 100 MB print is never buffered); the whole group killed at its timeout.
-  * as root: a fresh random uid (RLIMIT_NPROC binds, writes outside its directory and other processes' /proc
-    entries are refused, and all it spawned can be killed by uid, even out of its session), no_new_privs, a
-    private network namespace, and a private mount namespace whose cwd, /tmp, /var/tmp, /dev/shm and /run/lock
-    are small private tmpfs.
-  * not root: a private network only if user namespaces are allowed. RLIMIT_NPROC counts all the user's
-    processes, so forks mostly fail, but a setsid() child escapes the group kill, and writes are not stopped.
-The supervisor is a child subreaper, so whatever a worker forked is reaped (PID 1 of a container often reaps
-nothing); only if it wedges past a backstop are processes killed from here, and their zombies may remain.
+The sandbox: run_code starts one supervisor in a new session with an empty environment (no secrets), a private
+temporary cwd and the job on stdin. It forks one worker per test, which isolates itself (in the fork: Popen's
+preexec_fn is unsafe in a caller with threads), runs program + test and reports "<index> <nonce>" only if both
+finished, so sys.exit, crashes, hangs and fork bombs are failed tests, and a hang costs one timeout, not all.
+Always: rlimits (CPU, address space, file size, open files, processes, core), stdio on /dev/null, the group
+killed at its timeout. As root, also: a fresh random uid (RLIMIT_NPROC binds, writes outside its directory and
+other processes' /proc are refused, all it spawned dies by uid), no_new_privs, a private network and a private
+mount namespace whose cwd, /tmp, /var/tmp, /dev/shm and /run/lock are small tmpfs. Not root: a private network
+only if user namespaces are allowed; a setsid() child escapes the group kill and writes are not stopped.
+The supervisor is a child subreaper (PID 1 of a container often reaps nothing), so no process or zombie survives.
 Known gaps: world-readable files stay readable; after the uid switch, stdlib modules not in _PRELOAD fail to
-import when the interpreter lives in an unreadable directory (e.g. /root/.pyenv); a program that searches the
-harness's memory for the nonce can fake a pass. This is damage control, not a jail.
+import when the interpreter's directory is unreadable (/root/.pyenv); a program that finds the nonce in the
+harness's memory can fake a pass. This is damage control, not a jail.
 
     run_code("def f(x): return x + 1", ["assert f(1) == 2", "assert f(2) == 4"])  # -> 0.5
     RemoteScorer("http://127.0.0.1:8765")(["three green blocks"], [[3, 3, 5, 1]])   # -> [0.75] from the stub
     python -m infra.sandbox --stub --port 8765                                       # the model-free stub server
-Tests: tests/test_sandbox.py, tests/test_scorer.py;  throughput: python -m tools.bench --sandbox
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import http.server
 import json
@@ -63,10 +56,8 @@ _STUB_HINT = "python -m infra.sandbox --stub --port 8765, then use http://127.0.
 
 
 def run_code(program: str, tests: list[str], timeout: float = 5.0, memory_mb: int = 512) -> float:
-    """Fraction of `tests` (Python statements, e.g. asserts) that pass after `program`, each in a sandboxed process.
-
-    `timeout` is wall-clock seconds per test; `memory_mb` caps each process's address space.
-    """
+    """Fraction of `tests` (Python statements, e.g. asserts) that pass after `program`, each in a sandboxed process;
+    `timeout` is wall-clock seconds per test, `memory_mb` caps each process's address space."""
     if not (isinstance(tests, (list, tuple)) and tests and all(isinstance(t, str) for t in tests)):
         raise ValueError(f"tests must be a non-empty list of str, got {tests!r:.200}")
     if not (isinstance(timeout, (int, float)) and 0 < timeout <= 600):
@@ -97,18 +88,13 @@ def run_code(program: str, tests: list[str], timeout: float = 5.0, memory_mb: in
 
 def _kill_everything(proc: subprocess.Popen, uid: int | None) -> None:
     """Backstop: SIGKILL the supervisor's session and, as root, every process of the sandbox uid; then reap."""
-    try:
+    with contextlib.suppress(OSError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
     if uid is not None:  # root: every process whose real uid is the sandbox's
         for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/status") as status:
-                    if any(line.split()[1:2] == [str(uid)] for line in status if line.startswith("Uid:")):
-                        os.kill(int(pid), signal.SIGKILL)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
+                if any(line.split()[1:2] == [str(uid)] for line in status if line.startswith("Uid:")):
+                    os.kill(int(pid), signal.SIGKILL)
     proc.wait()
 
 
@@ -129,10 +115,8 @@ def _supervise() -> None:
     if libc is not None:
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the worker come back to us to be reaped
     for name in _PRELOAD:  # after the uid switch the stdlib may be unreadable (e.g. under /root): import now
-        try:
+        with contextlib.suppress(ImportError):
             __import__(name)
-        except ImportError:
-            pass
     for index in range(len(job["tests"])):
         workdir = os.path.join(os.getcwd(), str(index))
         os.mkdir(workdir, 0o700)
@@ -146,12 +130,10 @@ def _supervise() -> None:
             time.sleep(0.002)
         _kill_worker(pid, uid)
         reap_until = time.monotonic() + 2.0
-        while time.monotonic() < reap_until:
-            try:
+        with contextlib.suppress(ChildProcessError):  # raised once the worker, the killer and all they left are gone
+            while time.monotonic() < reap_until:
                 if os.waitpid(-1, os.WNOHANG)[0] == 0:
                     time.sleep(0.002)
-            except ChildProcessError:
-                break  # the worker, the killer and every re-parented descendant are gone
     os._exit(0)
 
 
@@ -169,10 +151,8 @@ def _kill_worker(pid: int, uid: int | None) -> None:
             os.kill(-1, signal.SIGKILL)
         finally:
             os._exit(0)
-    try:
+    with contextlib.suppress(OSError):
         os.killpg(pid, signal.SIGKILL)  # the worker leads its own process group
-    except OSError:
-        pass
 
 
 def _work(job: dict, index: int, workdir: str, libc) -> None:
@@ -227,19 +207,16 @@ def _isolate(workdir: str, uid: int | None, timeout: float, memory_mb: int, libc
 
 
 # -----------------------------------------------------------------------------------------------------
-# the image scorer's protocol: one POST per call, JSON both ways, one row per image:
+# the image scorer's protocol: one POST per call, JSON both ways, one row per image; a real server decodes
+# the VQ codes with its own image tokenizer and runs its reward models (CLIP, HPS, UnifiedReward in MMaDA).
 #   request  {"prompts": ["three green blocks", ...], "image_codes": [[3, 3, 5, 1, ...], ...]}
 #   reply    {"scores": [0.75, ...]}   same length as the request, every score a finite number
-# A real server decodes the VQ codes with its own image tokenizer and runs its reward models.
 
 
 class RemoteScorer:
-    """Scores text-to-image rollouts by POSTing prompts and VQ codes to a reward server (protocol above).
-
-    Connection errors, timeouts, HTTP 429 and 5xx are tried again up to `retries` more times, sleeping
-    backoff * 2**k seconds before the k-th retry, then raise ConnectionError; any other HTTP error raises
-    RuntimeError at once, and a reply that breaks the protocol raises ValueError (a retry would not fix it).
-    """
+    """Scores text-to-image rollouts on a reward server (protocol above). Connection errors, timeouts, HTTP 429
+    and 5xx are retried `retries` times, the k-th after backoff * 2**k s, then raise ConnectionError; another HTTP
+    error raises RuntimeError and a reply that breaks the protocol ValueError at once (a retry would not fix it)."""
 
     def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 1.0):
         try:
@@ -326,10 +303,7 @@ def _parse_scores(raw: bytes, n: int, url: str) -> list[float]:
 
 
 def stub_score(codes: list[int]) -> float:
-    """The stub server's rule, simple enough to check by hand: the fraction of distinct codes, 0.0 for none.
-
-    [3, 3, 5, 1] -> 0.75;  [7] * 16 -> 0.0625;  list(range(16)) -> 1.0
-    """
+    """The stub server's rule, simple enough to check by hand: the fraction of distinct codes ([3, 3, 5, 1] -> 0.75)."""
     return len(set(codes)) / len(codes) if codes else 0.0
 
 
@@ -360,10 +334,8 @@ class _StubHandler(http.server.BaseHTTPRequestHandler):
 
 
 def serve_stub(port: int = 0, host: str = "127.0.0.1", handler=_StubHandler) -> http.server.ThreadingHTTPServer:
-    """Start the stub scorer on host:port (0: a free port, server.server_address[1]) in a daemon thread.
-
-    Stop it with server.shutdown() then server.server_close().
-    """
+    """Start the stub scorer on host:port (0: a free one, server.server_address[1]) in a daemon thread; stop it
+    with server.shutdown() then server.server_close()."""
     server = http.server.ThreadingHTTPServer((host, port), handler)
     # shutdown() waits for the serving loop's next poll: 0.05 s instead of the default 0.5 s keeps tests quick
     threading.Thread(target=server.serve_forever, args=(0.05,), name="stub-scorer", daemon=True).start()
