@@ -427,7 +427,7 @@ def all_skipped(run) -> str | None:
     cfg = run.cfg
     if not cfg.rl_steps or run.state["bad_steps"] < cfg.rl_steps:
         return None
-    scorer = f"; is the image scorer at {cfg.image_scorer_url} up? (`python -m infra.sandbox --stub` serves a " \
+    scorer = f"; is the image scorer at {cfg.image_scorer_url} up? (`python -m tools.stub_scorer` serves a " \
         "stand-in)" if cfg.image_scorer_url else ""
     return (f"every one of the {cfg.rl_steps} RL steps was skipped (the last: {run.last_bad}){scorer}; nothing was "
             f"trained, so no final/ or summary.json is written and no reward after RL is reported; fix the cause "

@@ -19,15 +19,12 @@ import when the interpreter's directory is unreadable (/root/.pyenv); a program 
 harness's memory can fake a pass. This is damage control, not a jail.
 
     run_code("def f(x): return x + 1", ["assert f(1) == 2", "assert f(2) == 4"])  # -> 0.5
-    RemoteScorer("http://127.0.0.1:8765")(["three green blocks"], [[3, 3, 5, 1]])   # -> [0.75] from the stub
-    python -m infra.sandbox --stub --port 8765                                       # the model-free stub server
+    RemoteScorer("http://127.0.0.1:8765")(["three green blocks"], [[3, 3, 5, 1]])  # -> [0.75] (tools/stub_scorer.py)
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.client
-import http.server
 import json
 import math
 import operator
@@ -37,7 +34,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -52,7 +48,7 @@ _PRELOAD = ("re", "math", "cmath", "collections", "heapq", "itertools", "functoo
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x20000, 0x10000000, 0x40000000  # linux/sched.h
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 2, 4, 1 << 14, 1 << 18  # linux/mount.h
 _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 36, 38  # linux/prctl.h
-_STUB_HINT = "python -m infra.sandbox --stub --port 8765, then use http://127.0.0.1:8765"
+_STUB_HINT = "python -m tools.stub_scorer --port 8765, then use http://127.0.0.1:8765"
 
 
 def run_code(program: str, tests: list[str], timeout: float = 5.0, memory_mb: int = 512) -> float:
@@ -302,67 +298,8 @@ def _parse_scores(raw: bytes, n: int, url: str) -> list[float]:
     return scores
 
 
-def stub_score(codes: list[int]) -> float:
-    """The stub server's rule, simple enough to check by hand: the fraction of distinct codes ([3, 3, 5, 1] -> 0.75)."""
-    return len(set(codes)) / len(codes) if codes else 0.0
-
-
-class _StubHandler(http.server.BaseHTTPRequestHandler):
-    """Answers the protocol with stub_score per image; a malformed request gets HTTP 400 and the reason."""
-
-    def do_POST(self):
-        try:
-            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-            rows = request["image_codes"]
-            if len(request["prompts"]) != len(rows):
-                raise ValueError(f"{len(request['prompts'])} prompts but {len(rows)} images")
-            status, reply = 200, {"scores": [stub_score(row) for row in rows]}
-        except (ValueError, KeyError, TypeError) as err:
-            status, reply = 400, {"error": f"{type(err).__name__}: {err}"}
-        self.reply(status, reply)
-
-    def reply(self, status: int, obj) -> None:
-        body = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format, *args):  # one line per request would drown the trainer's log
-        pass
-
-
-def serve_stub(port: int = 0, host: str = "127.0.0.1", handler=_StubHandler) -> http.server.ThreadingHTTPServer:
-    """Start the stub scorer on host:port (0: a free one, server.server_address[1]) in a daemon thread; stop it
-    with server.shutdown() then server.server_close()."""
-    server = http.server.ThreadingHTTPServer((host, port), handler)
-    # shutdown() waits for the serving loop's next poll: 0.05 s instead of the default 0.5 s keeps tests quick
-    threading.Thread(target=server.serve_forever, args=(0.05,), name="stub-scorer", daemon=True).start()
-    return server
-
-
 if __name__ == "__main__":
-    if sys.argv[1:] == [_SANDBOX_FLAG]:
-        _supervise()
-    cli = argparse.ArgumentParser(description="Serve the stub image scorer for RemoteScorer (no models needed)")
-    cli.add_argument("--stub", action="store_true", help="serve the stub (the only thing a user runs here)")
-    cli.add_argument("--port", type=int, default=8765)
-    cli.add_argument("--host", default="127.0.0.1", help="0.0.0.0 lets other machines reach it")
-    args = cli.parse_args()
-    if not args.stub:
+    if sys.argv[1:] != [_SANDBOX_FLAG]:
         sys.exit(f"sandbox.py is started by run_code as `python -I -S sandbox.py {_SANDBOX_FLAG}` with a job on "
-                 "stdin; to use the sandbox, call sandbox.run_code(program, tests) from Python; to serve the "
-                 "stub image scorer, pass --stub")
-    try:
-        stub = serve_stub(args.port, args.host)
-    except OSError as e:  # a busy port (another stub still running), or a host this machine does not have
-        print(f"error: cannot serve on {args.host}:{args.port} ({e.strerror}); stop what holds it, or pass "
-              "another --port", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(f"stub image scorer at http://{args.host}:{stub.server_address[1]} (score = fraction of distinct "
-          "codes per image); Ctrl-C stops it", flush=True)
-    try:
-        threading.Event().wait()  # the server runs in its thread; this one waits for Ctrl-C
-    except KeyboardInterrupt:
-        stub.shutdown()
+                 "stdin; to use the sandbox, call sandbox.run_code(program, tests) from Python")
+    _supervise()

@@ -125,7 +125,7 @@ def validate(cfg) -> None:
         need(not extra, f"{field_name} names {extra}, which are not among the RL tasks {task_list(cfg)}")
     need("geneval" not in real or cfg.image_scorer_url or cfg.dry_run,
          "task geneval needs a reward model: --image_scorer_url=http://HOST:PORT (sandbox.RemoteScorer; "
-         "`python -m infra.sandbox --stub` serves a stand-in)")
+         "`python -m tools.stub_scorer` serves a stand-in)")
     need(cfg.image_scorer_timeout > 0, f"image_scorer_timeout ({cfg.image_scorer_timeout}) must be > 0 seconds "
          "(default 30; a scorer serving every rank at once may need more)")
     need(cfg.lora_rank >= 0, f"lora_rank ({cfg.lora_rank}) must be >= 0 (0 = full fine-tuning)")

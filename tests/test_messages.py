@@ -94,7 +94,7 @@ def test_scorer_on_a_busy_port_is_one_line():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "infra.sandbox", "--stub", f"--port={port}"], cwd=ROOT,
+        p = subprocess.run([sys.executable, "-m", "tools.stub_scorer", f"--port={port}"], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip() == (
         f"error: cannot serve on 127.0.0.1:{port} (Address already in use); stop what holds it, or pass another "

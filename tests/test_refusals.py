@@ -20,7 +20,8 @@ import torch
 
 import train
 from infra import cli, load, sandbox
-from infra.sandbox import RemoteScorer, _StubHandler
+from infra.sandbox import RemoteScorer
+from tools.stub_scorer import _StubHandler
 from test_rl_step import save_tiny_checkpoint
 from test_scorer import no_proxy, serve  # noqa: F401 (fixtures: requests stay on 127.0.0.1; a stub server per test)
 

@@ -1,4 +1,4 @@
-"""Tests for sandbox.RemoteScorer and its stub server: scores come back by the documented rule, a server that
+"""Tests for sandbox.RemoteScorer and tools/stub_scorer.py: scores come back by the stub's rule, a server that
 is down fails with a clear error after the retries, 5xx is retried, and replies that break the protocol raise.
 
 Every server runs on 127.0.0.1 on a free port in a thread of this process; tiny timeouts and backoffs keep
@@ -13,7 +13,8 @@ import time
 import pytest
 
 from infra import sandbox
-from infra.sandbox import RemoteScorer, _StubHandler, serve_stub, stub_score
+from infra.sandbox import RemoteScorer
+from tools.stub_scorer import _StubHandler, serve_stub, stub_score
 
 PROMPTS = ["three green blocks", "a red block left of a blue block", "an empty image"]
 CODES = [[3, 3, 5, 1], [7] * 16, []]
@@ -72,7 +73,7 @@ def test_server_down_raises_after_retries(monkeypatch):
     monkeypatch.setattr(sandbox.time, "sleep", slept.append)
     with pytest.raises(ConnectionError, match="failed 3 attempts") as info:
         RemoteScorer(url, timeout=0.5, retries=2, backoff=0.01)(PROMPTS, CODES)
-    assert url in str(info.value) and "--stub" in str(info.value) and "last error" in str(info.value)
+    assert url in str(info.value) and "tools.stub_scorer" in str(info.value) and "last error" in str(info.value)
     assert slept == [0.01, 0.02]  # backoff * 2**k before the k-th retry, and no other wait
 
 
@@ -149,7 +150,7 @@ def test_stub_rejects_malformed_requests(serve):
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8765", "ftp://host/x", "http://", "http://host:notaport", 8765, None])
 def test_bad_url_raises(url):
-    with pytest.raises(ValueError, match="image scorer url.*--stub"):
+    with pytest.raises(ValueError, match="image scorer url.*tools.stub_scorer"):
         RemoteScorer(url)
 
 

@@ -16,9 +16,10 @@ import rewards
 import sample
 import tasks
 from conftest import ROOT
-from infra import data, fast_sample, hf, sandbox, toy
+from infra import data, fast_sample, hf, toy
 from tools import bench
 from tools import sample as sample_cli
+from tools import stub_scorer
 from model import ModelConfig, Transformer
 from tasks import chat_prompt
 
@@ -175,7 +176,7 @@ def test_data_check_command(capsys):
 
 
 def test_stub_scorer_refuses_prompts_and_images_of_different_counts():
-    server = sandbox.serve_stub()
+    server = stub_scorer.serve_stub()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         body = json.dumps({"prompts": ["a", "b"], "image_codes": [[1]]}).encode()

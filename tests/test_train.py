@@ -71,11 +71,11 @@ FIXTURES = Path(__file__).parent / "fixtures" / "data"
 
 
 def test_geneval_with_remote_scorer(tiny_ckpt, tmp_path, monkeypatch):
-    """Text-to-image on GenEval prompts with rewards from the stub scorer over HTTP (sandbox.serve_stub):
+    """Text-to-image on GenEval prompts with rewards from the stub scorer over HTTP (tools.stub_scorer.serve_stub):
     the logged reward is the stub's rule (fraction of distinct codes) of the rollouts."""
-    from infra import sandbox
+    from tools import stub_scorer
     monkeypatch.setenv("no_proxy", "127.0.0.1")
-    server = sandbox.serve_stub(0)
+    server = stub_scorer.serve_stub(0)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         out = tmp_path / "geneval"
