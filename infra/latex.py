@@ -257,13 +257,10 @@ class _Parser:
                 raise _Refuse("binomial of non-naturals")
             return _arith(_factorial(n, int(k[0])), "/", _factorial(_arith(n, "-", k)))
         if tok == "\\sqrt":
-            n = 2
-            if self.peek() == "[":
-                index = self.group("[", "]")
-                if not (isinstance(index, tuple) and index[1] == 0 and index[0] in range(2, _MAX_ROOT + 1)):
-                    raise _Refuse("root index")
-                n = int(index[0])
-            return _root(self.arg(), n)
+            index = self.group("[", "]") if self.peek() == "[" else (Fraction(2), Fraction(0))
+            if not (isinstance(index, tuple) and index[1] == 0 and index[0] in range(2, _MAX_ROOT + 1)):
+                raise _Refuse("root index")
+            return _root(self.arg(), int(index[0]))
         raise _Refuse(f"not a constant: {tok!r}")
 
 

@@ -1,25 +1,20 @@
 """Running and scoring what the model generates: `run_code(program, tests)` runs unit tests in a process sandbox;
 `RemoteScorer(url)` asks an HTTP reward server to score text-to-image rollouts. MaskGRPO (arXiv:2510.02880) §6
 scores code by the fraction of MBPP tests that pass (in E2B; we run them locally) and images with reward models
-this project cannot ship. Standard library only, and nothing from this project: the supervisor runs this file as
-`python -I -S sandbox.py`.
+this project cannot ship. Standard library only: the supervisor runs this file as `python -I -S sandbox.py`.
 
-The sandbox: run_code starts one supervisor in a new session with an empty environment (no secrets), a private
-temporary cwd and the job on stdin. It forks one worker per test, which isolates itself (in the fork: Popen's
-preexec_fn is unsafe in a caller with threads), runs program + test and reports "<index> <nonce>" only if both
-finished, so sys.exit, crashes, hangs and fork bombs are failed tests, and a hang costs one timeout, not all.
-Always: rlimits (CPU, address space, file size, open files, processes, core), stdio on /dev/null, the group
-killed at its timeout. As root, also: a fresh random uid (RLIMIT_NPROC binds, writes outside its directory and
-other processes' /proc are refused, all it spawned dies by uid), no_new_privs, a private network and a private
-mount namespace whose cwd, /tmp, /var/tmp, /dev/shm and /run/lock are small tmpfs. Not root: a private network
-only if user namespaces are allowed; a setsid() child escapes the group kill and writes are not stopped.
-The supervisor is a child subreaper (PID 1 of a container often reaps nothing), so no process or zombie survives.
-Known gaps: world-readable files stay readable; after the uid switch, stdlib modules not in _PRELOAD fail to
-import when the interpreter's directory is unreadable (/root/.pyenv); a program that finds the nonce in the
-harness's memory can fake a pass. This is damage control, not a jail.
-
-    run_code("def f(x): return x + 1", ["assert f(1) == 2", "assert f(2) == 4"])  # -> 0.5
-    RemoteScorer("http://127.0.0.1:8765")(["three green blocks"], [[3, 3, 5, 1]])  # -> [0.75] (tools/stub_scorer.py)
+run_code starts a supervisor in a new session with an empty environment, a private temporary cwd and the job on
+stdin; it forks one worker per test, which isolates itself (in the fork: preexec_fn is unsafe in a caller with
+threads), runs program + test and reports "<index> <nonce>" only if both finished: sys.exit, crashes, hangs and
+fork bombs are failed tests, and a hang costs one timeout. Always: rlimits (CPU, address space, file size, open
+files, processes, core), stdio on /dev/null, the group killed at its timeout. As root, also: a fresh random uid
+(RLIMIT_NPROC binds, writes outside its directory and other processes' /proc are refused, all it spawned dies by
+uid), no_new_privs, a private network and mount namespace with small tmpfs on its cwd, /tmp, /var/tmp, /dev/shm,
+/run/lock. Not root: a private network only if user namespaces are allowed; a setsid() child escapes the group
+kill and writes are not stopped. The supervisor is a child subreaper (PID 1 of a container often reaps nothing),
+so no process or zombie survives. Known gaps: world-readable files stay readable; after the uid switch, stdlib
+modules not in _PRELOAD fail to import if the interpreter's directory is unreadable (/root/.pyenv); a program
+that finds the nonce in the harness's memory can fake a pass. This is damage control, not a jail.
 """
 from __future__ import annotations
 
@@ -53,7 +48,8 @@ _STUB_HINT = "python -m tools.stub_scorer --port 8765, then use http://127.0.0.1
 
 def run_code(program: str, tests: list[str], timeout: float = 5.0, memory_mb: int = 512) -> float:
     """Fraction of `tests` (Python statements, e.g. asserts) that pass after `program`, each in a sandboxed process;
-    `timeout` is wall-clock seconds per test, `memory_mb` caps each process's address space."""
+    `timeout` is wall-clock seconds per test, `memory_mb` caps each process's address space.
+    ("def f(x): return x + 1", ["assert f(1) == 2", "assert f(2) == 4"]) -> 0.5;  ("while True: pass", [...]) -> 0.0"""
     if not (isinstance(tests, (list, tuple)) and tests and all(isinstance(t, str) for t in tests)):
         raise ValueError(f"tests must be a non-empty list of str, got {tests!r:.200}")
     if not (isinstance(timeout, (int, float)) and 0 < timeout <= 600):
@@ -271,7 +267,6 @@ class RemoteScorer:
         """The RL step's rewards, float32 (B,): the scores, or NaN for every row when the scorer fails, which
         train.rl_step's gathered check turns into a skipped step on every rank (one rank raising would hang)."""
         import torch
-
         try:
             return torch.tensor(self(prompts, image_codes), dtype=torch.float32)
         except (ValueError, OSError, RuntimeError) as e:
