@@ -19,7 +19,6 @@ that finds the nonce in the harness's memory can fake a pass. This is damage con
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import math
 import operator
@@ -30,9 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 
 _SANDBOX_FLAG = "--sandbox-supervisor"
 _SANDBOX_UIDS = (1 << 30, 1 << 24)  # (first, count): random per call, so concurrent calls never share a uid
@@ -230,6 +227,9 @@ class RemoteScorer:
 
     def __call__(self, prompts: list[str], image_codes: list[list[int]]) -> list[float]:
         """One score per (prompt, image); image_codes is a list of code lists or anything with .tolist()."""
+        import http.client  # imported here: the sandbox's supervisor runs this file and must start fast
+        import urllib.error
+        import urllib.request
         codes = image_codes.tolist() if hasattr(image_codes, "tolist") else image_codes  # a (B, N) tensor
         if not (isinstance(prompts, (list, tuple)) and all(isinstance(p, str) for p in prompts)):
             raise ValueError(f"prompts must be a list of str, got {prompts!r:.120}")
