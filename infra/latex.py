@@ -110,18 +110,15 @@ def _root(a, n: int):
         if a.imag or a.real < 0:
             raise _Refuse("root of a complex or negative irrational number")
         return _check(complex(a.real ** (1 / n)))
-    if a[1] != 0:
-        raise _Refuse("root of a complex number")
-    q, sign = a[0], 1
-    if q < 0:
-        if n % 2 == 0 and n != 2:
-            raise _Refuse("even root of a negative number")
-        q, sign = -q, (-1 if n % 2 else 1)
+    if a[1] != 0 or (a[0] < 0 and n % 2 == 0 and n != 2):
+        raise _Refuse("root of a complex number, or an even root of a negative one")
+    q = abs(a[0])
     num, den = (round(x ** (1 / n)) if x < 2 ** 1000 else -1 for x in (q.numerator, q.denominator))
     exact = num >= 0 and den > 0 and num ** n == q.numerator and den ** n == q.denominator
     r = Fraction(num, den) if exact else float(q) ** (1 / n)
     if a[0] < 0 and n == 2:  # \sqrt{-9} = 3i
         return (Fraction(0), r) if isinstance(r, Fraction) else complex(0, r)
+    sign = -1 if a[0] < 0 else 1  # an odd root: even ones of negatives were refused or made imaginary above
     return (sign * r, Fraction(0)) if isinstance(r, Fraction) else complex(sign * r)
 
 
