@@ -44,11 +44,12 @@ def extract_boxed(text: str) -> str | None:
     return None  # a truncated generation: the last box never closes
 
 
-def _last_tagged(text: str, tag: str) -> str | None:
-    """Content of the last <tag>...</tag>, found with two rfind calls (a regex would go quadratic)."""
-    close = text.rfind(f"</{tag}>")
-    start = text.rfind(f"<{tag}>", 0, close) if close >= 0 else -1
-    return text[start + len(tag) + 2:close] if start >= 0 else None
+def _answer_block(text: str) -> str | None:
+    """Content of the last <answer>...</answer> (two rfind calls: a regex would go quadratic), else of the
+    last \\boxed{}, else None (d1's answer)."""
+    close = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, close) if close >= 0 else -1
+    return text[start + len("<answer>"):close] if start >= 0 else extract_boxed(text)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -114,20 +115,17 @@ def math_reward(completion: str, answer: str) -> float:
 # countdown (d1): an arithmetic equation over given numbers, evaluated by our own parser, never eval
 
 _CD_MAX_CHARS, _CD_MAX_DEPTH, _CD_MAX_DIGITS = 200, 20, 6
-_CD_TOKEN = re.compile(r"\s*([0-9]+|[-+*/()])")
+_CD_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
+_CD_OTHER = re.compile(r"[^0-9\s()*/+-]")  # whitespace separates tokens; any other character is an error
 _CD_SYMBOLS = {"\\times": "*", "\\cdot": "*", "×": "*", "·": "*", "\\div": "/", "÷": "/", "\\left": "",
                "\\right": "", "$": ""}
 
 
 def _cd_tokens(expr: str) -> list[str]:
-    tokens, pos = [], 0
-    while pos < len(expr):
-        m = _CD_TOKEN.match(expr, pos)
-        if m is None:
-            raise ValueError(f"unexpected character at {pos}")
-        tokens.append(m.group(1))
-        pos = m.end()
-    return tokens
+    other = _CD_OTHER.search(expr)
+    if other:
+        raise ValueError(f"unexpected character at {other.start()}")
+    return _CD_TOKEN.findall(expr)
 
 
 def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
@@ -187,9 +185,7 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
         raise ValueError(f"countdown numbers must be a non-empty list of int, got {numbers!r:.80}")
     if type(target) is not int:
         raise ValueError(f"countdown target must be an int, got {target!r:.80}")
-    equation = _last_tagged(completion, "answer")
-    if equation is None:
-        equation = extract_boxed(completion)
+    equation = _answer_block(completion)
     if equation is None or not equation.strip():
         return 0.0
     if len(equation) > _CD_MAX_CHARS:
@@ -214,10 +210,7 @@ def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
     for name, grid, digits in (("puzzle", puzzle, "0-4"), ("solution", solution, "1-4")):
         if not (isinstance(grid, str) and re.fullmatch(f"[{digits}]{{16}}", grid)):
             raise ValueError(f"sudoku {name} must be 16 digits in [{digits}], got {grid!r:.80}")
-    block = _last_tagged(completion, "answer")
-    if block is None:
-        block = extract_boxed(completion)
-    cells = re.findall(r"[0-9]", block or "")  # ASCII digits only: no unicode look-alikes
+    cells = re.findall(r"[0-9]", _answer_block(completion) or "")  # ASCII digits only: no unicode look-alikes
     if len(cells) != 16:
         return 0.0
     empty = [i for i, c in enumerate(puzzle) if c == "0"] or list(range(16))

@@ -1,15 +1,13 @@
 """Reverse-process samplers for masked diffusion models: text (LLaDA) and images (MMaDA / MaskGRPO).
 
 MaskGRPO (arXiv:2510.02880) rolls out with these samplers:
-  generate        LLaDA's semi-autoregressive block sampler (arXiv:2502.09992 and its public generate.py,
-                  token for token at temperature 0), one denoise_step at a time. fast_generate runs the same
-                  step under Fast-dLLM's approximations (arXiv:2505.22618), off by default.
+  generate        LLaDA's block sampler (arXiv:2502.09992 and its public generate.py, token for token at
+                  temperature 0); fast_generate runs its denoise_step under Fast-dLLM's approximations.
   generate_image  the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`, with optional CFG:
                   MaskGRPO's emerge sampler (paper Alg. 4, emerge_step) or MMaDA's MaskGIT (maskgit_step).
-Both can return the decoding order (return_order=True), from which importance.py rebuilds every state.
-Every random number comes from the `generator` argument (one, or one per row), drawn on its own device, so a
-CPU generator gives identical samples on CPU and GPU; the global RNG is never used. The callers validate the
-settings; the samplers assert their preconditions.
+Both can return the decoding order, from which importance.py rebuilds every state. Every random number
+comes from the `generator` argument (one, or one per row) on its own device, so a CPU generator gives the
+same samples on every device. The callers validate the settings; the samplers assert their preconditions.
 
     python -m tools.sample --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
 
@@ -32,9 +30,7 @@ CHUNK = 1 << 24  # elements per draw when uniform walks a row's stream: 128 MB i
 
 
 # -----------------------------------------------------------------------------------------------------
-# random numbers: each seed a hash of its purpose and global index, e.g. derive_seed(seed, "rollout",
-# task, step, i) for sequence i's rollout noise, so a sequence gets the same draws in any batch, process
-# or world size (LoRA dropout aside, which train.py seeds per update)
+# random numbers: a seed per purpose and global index, the same in any batch, process or world size
 
 
 def derive_seed(*parts) -> int:
@@ -50,11 +46,9 @@ def generator(device, *parts) -> torch.Generator:
 
 
 def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=None) -> torch.Tensor:
-    """U[0, 1) draws of `shape`, made on the generator's device, moved to `device`. generator: one, or a list
-    of shape[0], one per row (row i then depends on its own only). active: with per-row generators, the rows
-    that draw (the others get 0.5 and leave their stream alone). cols: a slice of dim 1, the only columns
-    returned; the others are still drawn, in chunks of whole columns from column 0, so the kept columns and
-    the stream's end are those of the full draw (FullRows.noise). One code path for every device."""
+    """U[0, 1) draws of `shape` on the generator's device, moved to `device`. generator: one, or one per row.
+    active: with per-row generators, the rows that draw (the others get 0.5). cols: a slice of dim 1, the
+    columns returned; the others are drawn too, in chunks from column 0, as the full draw (FullRows.noise)."""
     if generator is None:
         raise ValueError("this call samples at random but generator is None; pass e.g. generator="
                          "torch.Generator().manual_seed(0) (a CPU generator gives the same samples on every device)")
@@ -86,12 +80,10 @@ def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=Non
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
              remasking="low_confidence", mask_id, generator=None, attention_mask=None, return_order=False,
              progress=False):
-    """LLaDA's sampler (arXiv:2502.09992 §2.4): prompt_ids (B, P) int64, left-padded, attention_mask (B, P)
-    1 = real token (optional) -> x (B, P + N). return_order=True also returns order (B, P + N): the step that
-    revealed each position, counted across blocks, -1 for the prompt; the state before step s masks every
-    position of order >= s (importance.decoding_logprob). The N positions are denoised in blocks, left to
-    right, steps // num_blocks steps each, each revealing the transfer_schedule count. cfg_scale w: CFG
-    (arXiv:2410.18514) against the prompt masked. generator: one, or a list of B. Eval mode expected."""
+    """LLaDA's sampler (arXiv:2502.09992 §2.4): prompt_ids (B, P), left-padded, attention_mask (B, P) 1 = real
+    token (optional) -> x (B, P + N) [, order (B, P + N): the step that revealed each position, -1 for the
+    prompt]. Blocks left to right, steps // blocks steps each, each revealing the transfer_schedule count.
+    cfg_scale w: CFG (arXiv:2410.18514) against the prompt masked. Eval mode expected."""
     num_blocks, spb = blocks(gen_length, block_length, steps, remasking)
     x, order, attention_mask, prompt_index, fwd = canvas(prompt_ids, gen_length, mask_id, attention_mask,
                                                          cfg_scale, return_order)
@@ -126,9 +118,9 @@ def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, tempera
     """generate under Fast-dLLM (arXiv:2505.22618), or generate itself with neither approximation. kv_cache
     "prefix"/"dual" caches every layer's keys and values at a block start; later steps recompute the block and
     what follows it (prefix) or the block alone (dual). threshold tau > 0 also reveals every masked position
-    more confident than tau, at least ceil(masked left / steps left), so a block may end early. Only the block
-    is scored, the mask id is never revealed, and a row whose block is done draws no noise. MaskGRPO rescores
-    every rollout, so this approximates the behaviour policy only. stats: a dict for fast_summary."""
+    above tau, at least ceil(masked left / steps left), so a block may end early. Only the block is scored,
+    the mask id is never revealed, and a done row draws no noise. MaskGRPO rescores every rollout, so only
+    the behaviour policy is approximate. stats: a dict for fast_summary."""
     if kv_cache == "none" and threshold <= 0:
         return generate(model, prompt_ids, gen_length=gen_length, block_length=block_length, steps=steps,
                         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, mask_id=mask_id,
@@ -175,11 +167,10 @@ def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, tempera
 
 def denoise_step(x, order, s, logits, lo, end, k, distinct=None, *, temperature, remasking, mask_id, generator,
                  active=None, threshold=0.0):
-    """Step s of LLaDA's sampler on the columns [lo, end) of x (B, L), in place, given the logits (B, l, V)
-    there: every masked position gets a prediction x0 (Gumbel-max at temperature > 0) and a confidence, p(x0)
-    for "low_confidence" or a uniform draw for "random"; row j reveals its k[j] most confident (distinct: k's
-    values, read by the caller), and at threshold > 0 every one above it; order (or None) records s. active:
-    the fast step's rows still decoding. Returns the positions revealed (B, l) and the confidences (B, l)."""
+    """Step s on the columns [lo, end) of x (B, L), in place, given the logits (B, l, V) there: each masked
+    position gets a prediction x0 (Gumbel-max) and a confidence, p(x0) or a uniform draw ("random"); row j
+    reveals its k[j] most confident (distinct: k's values), and every one above threshold > 0; order records
+    s. active: the fast step's rows still decoding. Returns the revealed positions and confidences (B, l)."""
     m = x[:, lo:end] == mask_id                                                    # (B, l)
     rows = FullRows(x, lo, end, generator, active)                                 # LLaDA bit parity
     x0 = gumbel_argmax(logits, temperature, rows.noise(logits.shape[-1]) if temperature > 0 else None)  # (B, l)
@@ -207,9 +198,8 @@ def blocks(gen_length, block_length, steps, remasking):
 
 
 def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_order):
-    """The text sampler's start: x (B, P + N) = prompt then N mask ids; order all -1 (or None); the attention
-    mask over x (doubled for CFG); the positions CFG's unconditional input masks; the forward's keywords
-    (whether the mask holds padding, read once: a host read waits for the device)."""
+    """The text sampler's start: x (B, P + N) = prompt then N mask ids, order all -1 (or None), the attention
+    mask over x (doubled for CFG), the prompt positions (CFG masks them), and whether the mask pads (read once)."""
     B = prompt_ids.shape[0]
     x = torch.cat([prompt_ids.long(), prompt_ids.new_full((B, gen_length), mask_id).long()], 1)  # (B, L)
     order = torch.full_like(x, -1) if return_order else None                      # (B, L)
@@ -241,8 +231,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, u=None) -> torch.Ten
 
 def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
     """Logits (B, end - lo, V) at positions [lo, end), the head on those rows only (FullRows.head) if the
-    model takes logits_at; vocab_slice (a, b): those vocabulary columns only (never a full-vocabulary logit
-    tensor). return_kv=True adds the cache."""
+    model takes logits_at; vocab_slice (a, b): those vocabulary columns only. return_kv=True adds the cache."""
     if not getattr(model, "accepts_cache_kwargs", False):
         logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
         assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
@@ -255,8 +244,7 @@ def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
 
 
 class FastSampler:
-    """The text sampler of RL rollouts under --kv_cache / --threshold: generate's keywords, run by
-    fast_generate with these settings, its statistics summed until take_log."""
+    """RL rollouts' text sampler under --kv_cache / --threshold: fast_generate, its statistics kept for take_log."""
 
     def __init__(self, kv_cache: str, threshold: float):
         self.kv_cache, self.threshold, self.stats = kv_cache, threshold, {}
@@ -272,9 +260,8 @@ class FastSampler:
 
 
 def fast_summary(task: str, stats: dict | None, device) -> dict:
-    """Log entries of one RL step's fast rollouts, over all ranks: tokens revealed per step and row (mean,
-    max; the exact sampler reveals gen_length / steps) and their mean probability under the sampling
-    distribution (what Fast-dLLM thresholds). {} without stats."""
+    """Log entries of one RL step's fast rollouts, over all ranks: tokens revealed per step and row (mean, max)
+    and their mean probability under the sampling distribution (what Fast-dLLM thresholds). {} without stats."""
     if stats is None:
         return {}
     for revealed, conf, active in stats.pop("steps", []):  # each fast step's (B, K) tensors, read here
@@ -291,18 +278,17 @@ def fast_summary(task: str, stats: dict | None, device) -> dict:
 
 
 # -----------------------------------------------------------------------------------------------------
-# LLaDA bit parity (a first reading may skip this section)
+# LLaDA bit parity
 
 
 class FullRows:
-    """LLaDA bit parity; a first reading may skip it. LLaDA's generate.py computes each step over whole rows
-    (B, L); the samplers compute only the columns [lo, end) a step chooses among, and this gives every
-    number its whole-row value:
-      head   [lo, end) widened to MIN_HEAD_ROWS head rows over the batch: BLAS may take another kernel (other
-             rounding) for a GEMM of a few rows, which can flip a near-tie;
-      noise  each row's uniforms drawn over its whole row (LLaDA's stream) and kept on [lo, end), so they
-             depend neither on lo nor on the batch mates; the fast step (active: its rows still decoding)
-             draws [lo, end) alone, in those rows;
+    """LLaDA bit parity; a first reading may skip it. LLaDA computes each step over whole rows (B, L); the
+    samplers compute only the columns [lo, end) a step chooses among, and this gives each number its
+    whole-row value:
+      head   [lo, end) widened to MIN_HEAD_ROWS head rows over the batch: a GEMM of a few rows may take
+             another BLAS kernel (other rounding), which can flip a near-tie;
+      noise  each row's uniforms drawn over its whole row and kept on [lo, end), independent of lo and of
+             the batch mates; the fast step (active: its rows still decoding) draws [lo, end) alone;
       top_k  topk over whole rows, -inf outside [lo, end): CPU topk's tie order depends on the row."""
 
     def __init__(self, x, lo, end, generator=None, active=None):
@@ -350,12 +336,10 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
                    temperature=1.0, code_offset=None, codebook_size=None, mask_id=None, return_order=False,
                    progress=False):
     """Fill the image slots input_ids[:, image_start : image_start + num_tokens] (all mask ids) with image
-    tokens (code + code_offset): (B, L) -> (B, L) [, order as generate's, -1 off the slots]. Each step
-    predicts p over the codebook at the slots and hands it to emerge_step or maskgit_step. uncond_*: the
-    unconditional prompt (B, L) and its mask for CFG; its slots take the current image at every step.
-    temperature: MaskGIT's choice temperature; emerge samples from p itself, so it must stay 1 (the official
-    sampler ignores it, docs/differences.md). code_offset, codebook_size, mask_id default to model.config's
-    image_token_offset, codebook_size, mask_token_id. generator: one, or a list of B (required)."""
+    tokens (code + code_offset) [, order as generate's]: each step predicts p over the codebook at the slots
+    for emerge_step or maskgit_step. uncond_*: CFG's unconditional prompt, around the current image.
+    temperature: MaskGIT's; emerge samples from p itself (docs/differences.md). code_offset, codebook_size,
+    mask_id default to model.config's."""
     config = getattr(model, "config", None)
     code_offset = getattr(config, "image_token_offset", None) if code_offset is None else code_offset
     codebook_size = getattr(config, "codebook_size", None) if codebook_size is None else codebook_size
@@ -396,7 +380,7 @@ def emerge_step(probs, slots, s, steps, generator, code_offset, mask_id):
     code = torch.where(masked, _sample_categorical(probs, generator), slots - code_offset)  # (B, n)
     if s == steps - 1:
         return code + code_offset
-    # Alg. 4's (C+1)-way categorical, drawn as "reveal?" and the code apart: the same distribution.
+    # Alg. 4's (C+1)-way categorical, drawn as "reveal?" and the code apart (the same distribution).
     k_t, k_s = _cosine(s / steps), _cosine((s + 1) / steps)
     stay = masked & (uniform(masked.shape, generator, slots.device) >= (k_t - k_s) / k_t)  # (B, n)
     return torch.where(stay, mask_id, code + code_offset)
