@@ -6,13 +6,10 @@
     python evaluate.py --run out/toy                         # re-score a run's sft/ and final/ vs summary.json
     python evaluate.py --compare=before.jsonl,after.jsonl    # gain of two --out files, paired by prompt
 
-Every completion comes from heldout.evaluate, as in train.py, so under the same Config the numbers are the
-run's own (`--run` checks that, exit 1 if any differs by more than 1e-6). pass@k is Chen et al.'s unbiased
-estimator (arXiv:2107.03374 §2.1) with n = k samples per prompt; images have no greedy decoding. --out is
-checked before anything is evaluated and gets each batch's records as they are scored (Ctrl-C keeps them,
-exit 130). A completion without a reward (a scorer down) is never counted as 0: its metrics print "not
-measured", exit 3. User errors print one line, exit 2. A training checkpoint becomes a --ckpt folder with
-`python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
+Completions come from heldout.evaluate, as in train.py, so under the same Config the numbers are the run's
+own (`--run` checks it). pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374 §2.1), n = k samples
+per prompt. --out gets each batch's records as they are scored. Exit codes: see main. A training checkpoint
+becomes a --ckpt folder with `python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
 """
 from __future__ import annotations
 

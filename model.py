@@ -171,16 +171,12 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, *, logits_at=None, vocab_slice=None, float32_head=False,
                 padded=None, return_kv=False, kv=None, start=0):
-        """input_ids (B, L) int64, attention_mask (B, L) 1 = real token (optional) -> logits (B, L, V).
-        The options serve the samplers and the likelihoods; their defaults are the exact forward:
-            logits_at: a slice, the head at those positions only; vocab_slice: see head.
-            padded: whether attention_mask holds a 0; None looks (a host sync), so a caller of many
-                forwards on one mask looks once and says.
-            float32_head: see head (a bf16 logit rounds by up to 0.06 at 32, which would swamp the
-                log-ratio of two close policies: importance.token_logprobs).
-            return_kv: also every layer's (k, v), each (B, Hkv, L, Dh). kv, start: input_ids are positions
-                [start, start + l) and the other keys come from kv (whose rows this call overwrites); an
-                APPROXIMATION once kv is stale (Fast-dLLM, arXiv:2505.22618)."""
+        """input_ids (B, L) int64, attention_mask (B, L) 1 = real token (optional) -> logits (B, L, V). The
+        options' defaults are the exact forward. logits_at: the head at those positions only. vocab_slice,
+        float32_head: see head (a bf16 logit rounds by up to 0.06 at 32, which would swamp the log-ratio of two
+        close policies). padded: whether attention_mask holds a 0 (None looks: a host sync). return_kv: also
+        every layer's (k, v), each (B, Hkv, L, Dh). kv, start: input_ids are positions [start, start + l), the
+        other keys from kv (whose rows this call overwrites): an APPROXIMATION once kv is stale (Fast-dLLM)."""
         B, l = input_ids.shape
         Lk = start + l if kv is None else kv[0][0].shape[2]
         assert (kv is None and start == 0) or (kv is not None and len(kv) == len(self.blocks) and start + l <= Lk), \
