@@ -82,8 +82,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
              progress=False):
     """LLaDA's sampler (arXiv:2502.09992 §2.4): prompt_ids (B, P), left-padded, attention_mask (B, P) 1 = real
     token (optional) -> x (B, P + N) [, order (B, P + N): the step that revealed each position, -1 for the
-    prompt]. Blocks left to right, steps // blocks steps each, each revealing the transfer_schedule count.
-    cfg_scale w: CFG (arXiv:2410.18514) against the prompt masked. Eval mode expected."""
+    prompt; the state before step s masks order >= s]. Blocks left to right, steps // blocks steps each, each
+    revealing the transfer_schedule count. cfg_scale w: CFG (arXiv:2410.18514) against the prompt masked. Eval mode."""
     num_blocks, spb = blocks(gen_length, block_length, steps, remasking)
     x, order, attention_mask, prompt_index, fwd = canvas(prompt_ids, gen_length, mask_id, attention_mask,
                                                          cfg_scale, return_order)
