@@ -6,19 +6,10 @@
     python evaluate.py --run out/toy                         # re-score a run's sft/ and final/ vs summary.json
     python evaluate.py --compare=before.jsonl,after.jsonl    # gain of two --out files, paired by prompt
 
-Tasks: gsm8k, math, countdown, sudoku, mbpp (sandboxed, rewards.REWARDS) and geneval (--image_scorer_url),
-which read --data; the toy tasks text and image, which need none. Every completion comes from heldout.evaluate,
-the function train.py scores its held-out sets with, so under the same Config the numbers are the run's own
-(`--run` checks exactly that, and exits 1 if any differs by more than 1e-6). A completion counts as correct
-when its reward is >= 1 - 1e-6; pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374, §2.1) with
-n = k samples per prompt at the config temperature; mean reward averages the sampled completions (the
-number train.py logs as the held-out reward). Image tasks have no greedy decoding (the image samplers always
-draw), so their greedy column is empty. --out FILE is checked before anything is evaluated (a directory, an
-unwritable path or an earlier result is refused) and gets each batch's records as soon as they are scored, so
-Ctrl-C keeps them (exit code 130). A completion that got no reward (a scorer down) is never counted as 0:
-the metrics over it print "not measured" and the exit code is 3. Single process; user errors print one line
-and exit with code 2. A training checkpoint (out_dir/checkpoints/step-N) becomes a --ckpt folder with
-`python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
+Completions come from heldout.evaluate, as in train.py, so under the same Config the numbers are the run's
+own (`--run` checks it). pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374 §2.1), n = k samples
+per prompt. --out gets each batch's records as they are scored. Exit codes: see main. A training checkpoint
+becomes a --ckpt folder with `python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
 """
 from __future__ import annotations
 
@@ -38,37 +29,22 @@ from infra.sandbox import RemoteScorer
 
 CORRECT_TOL = 1e-6  # reward >= 1 - CORRECT_TOL is a solved prompt (float32 rewards of exactly 1 pass)
 TASKS = tasks.TOY_TASKS + data.TASKS
+NOT_MEASURED = "not measured"
+NOT_MEASURED_EXIT = 3
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n completions of which c are correct (Chen et al. 2021, §2.1):
-    1 - C(n - c, k) / C(n, k). With n = k it is 1 when c > 0, else 0."""
+    """Unbiased pass@k from n completions of which c are correct: 1 - C(n - c, k) / C(n, k)."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # comb(n - c, k) is 0 when k > n - c
 
 
-NOT_MEASURED = "not measured"
-
-
 def summarize(records: list[dict]) -> dict:
-    """One task's table row from its records (mode, prompt_index, reward): n prompts, k samples per
-    prompt, greedy pass@1, pass@k and the mean sampled reward (None where there are no such records), and
-    how many completions got no reward (a scorer down: NaN). A metric over any such completion is
-    NOT_MEASURED, never a number: a failed score counted as 0 would pass for a measured pass@k of 0."""
-    unscored = {m: sum(1 for r in records if r["mode"] == m and not math.isfinite(r["reward"]))
-                for m in ("greedy", "sampled")}
-    row = _summarize(records)
-    if unscored["greedy"]:
-        row["greedy_pass@1"] = NOT_MEASURED
-    if unscored["sampled"]:
-        row["pass@k"] = row["mean_reward"] = NOT_MEASURED
-    row["unscored"] = sum(unscored.values())
-    return row
-
-
-def _summarize(records: list[dict]) -> dict:
-    greedy = [r["reward"] >= 1 - CORRECT_TOL for r in records if r["mode"] == "greedy"]
+    """One task's row from its records: n prompts, k samples each, greedy pass@1, pass@k, mean sampled reward
+    (None where there are no such records), and the completions without a reward (NaN). A metric over one
+    of those is NOT_MEASURED: a failed score counted as 0 would pass for a measured 0."""
+    greedy = [r["reward"] for r in records if r["mode"] == "greedy"]
     by_prompt: dict[int, list[float]] = {}
     for r in records:
         if r["mode"] == "sampled":
@@ -77,11 +53,13 @@ def _summarize(records: list[dict]) -> dict:
     if len(ks) > 1:
         raise ValueError(f"prompts have different numbers of samples {sorted(ks)}; pass@k needs the same k for all")
     k = ks.pop() if ks else 0
+    sampled = [x for v in by_prompt.values() for x in v]
+    unscored = [sum(not math.isfinite(x) for x in xs) for xs in (greedy, sampled)]
+    mean = lambda xs, bad=0: NOT_MEASURED if bad else sum(xs) / len(xs) if xs else None
     solved = [pass_at_k(k, sum(x >= 1 - CORRECT_TOL for x in v), k) for v in by_prompt.values()]
-    rewards_all = [x for v in by_prompt.values() for x in v]
-    mean = lambda xs: sum(xs) / len(xs) if xs else None
-    return {"n": len(by_prompt) or len(greedy), "k": k, "greedy_pass@1": mean(greedy), "pass@k": mean(solved),
-            "mean_reward": mean(rewards_all)}
+    return {"n": len(by_prompt) or len(greedy), "k": k,
+            "greedy_pass@1": mean([x >= 1 - CORRECT_TOL for x in greedy], unscored[0]),
+            "pass@k": mean(solved, unscored[1]), "mean_reward": mean(sampled, unscored[1]), "unscored": sum(unscored)}
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -104,19 +82,16 @@ class Options(train.Config):
     compare: str = ""       # BEFORE.jsonl,AFTER.jsonl: two --out files of the same prompts; the paired gain
 
 
-# The train.Config settings an evaluation reads (sampling, prompts, rewards, the process); the training-only
-# ones (learning rates, RL and SFT sizes, checkpoints, out_dir) are refused, never silently ignored.
+# The train.Config settings an evaluation reads; the training-only ones are refused, never silently ignored.
 SHARED = {"seed", "device", "dtype", "threads", "max_prompt_len", "prompt_prefill", "system_prompt", "image_text_len",
           "image_scorer_url", "text_max_steps", "text_reward", "attend_padding", "gen_length", "block_length", "steps",
           "temperature", "image_sampler", "image_steps", "cfg_scale", "image_width", "eval_prompts", "eval_samples",
           "device_batch_size"}
 REFUSED = "a train.py setting that evaluate.py does not use (it scores a checkpoint, it does not train)"
-# Settings --run takes beside the run's own config.json: they change how fast, not what is computed.
-RUN_OVERRIDES = ("threads", "device")
-
-# The official evaluation settings of the paper's code: GSM8K and MATH500 greedy, 256 tokens in blocks of 16
-# with 128 steps, the answer turn opened with "<reasoning>"; GenEval 4 images per prompt from 32 emerge steps
-# with CFG 3.5. Toy tasks keep the settings their checkpoint was trained with (generation.json).
+RUN_OVERRIDES = ("threads", "device")  # what --run takes beside the run's config.json: speed, not results
+# The paper code's official evaluation settings: GSM8K and MATH500 greedy, 256 tokens in blocks of 16 with
+# 128 steps after "<reasoning>"; GenEval 4 images per prompt, 32 emerge steps, CFG 3.5. Toy tasks keep
+# their checkpoint's generation.json.
 OFFICIAL = {"gsm8k": {"gen_length": 256, "block_length": 16, "steps": 128, "prompt_prefill": "<reasoning>",
                       "samples": 0},
             "geneval": {"image_steps": 32, "image_sampler": "emerge", "cfg_scale": 3.5, "samples": 4}}
@@ -134,8 +109,7 @@ def parse_options(argv=None) -> Options:
 
 
 def build_config(o: Options) -> tuple[train.Config, int]:
-    """The train.Config that evaluates o.ckpt on o.task, checked like a training run's, and the number of
-    samples per prompt."""
+    """The train.Config that evaluates o.ckpt on o.task, checked as a run's, and the samples per prompt."""
     if o.task not in TASKS:
         raise ValueError(f"unknown task {o.task!r}; choose one of {', '.join(TASKS)}")
     if not Path(o.ckpt).is_dir():
@@ -148,7 +122,7 @@ def build_config(o: Options) -> tuple[train.Config, int]:
     if o.limit < 0 or o.samples < -1:
         raise ValueError(f"--limit ({o.limit}) must be >= 0 and --samples ({o.samples}) >= 0")
     samples = o.eval_samples if o.samples == -1 else o.samples
-    if samples == 0 and o.task in tasks.IMAGE_TASKS:  # greedy only, and images have no greedy decoding
+    if samples == 0 and o.task in tasks.IMAGE_TASKS:
         raise ValueError(f"--samples 0 scores greedy completions only, and image tasks ({o.task}) have none (the "
                          "image samplers always draw): pass --samples >= 1")
     if samples and o.temperature <= 0:  # heldout.evaluate then draws one completion per prompt: no pass@k
@@ -164,10 +138,8 @@ def build_config(o: Options) -> tuple[train.Config, int]:
 
 
 def open_out(out: str):
-    """The --out file, opened before anything is evaluated: a directory, an unwritable place or an earlier
-    evaluation's file is refused now, not after hours of scoring (and a result is never overwritten). The file
-    is this process's alone while it is open (an exclusive lock): a second evaluate.py given the same --out is
-    refused, so two never interleave their lines in one file."""
+    """The --out file, opened and locked before anything is evaluated: a directory, an unwritable place, an
+    earlier result or a file another evaluate.py is writing is refused now, not after hours of scoring."""
     path = Path(out)
     if path.is_dir():
         raise ValueError(f"--out {out} is a directory; give a file in it, e.g. --out {path / 'eval.jsonl'}")
@@ -189,8 +161,8 @@ def open_out(out: str):
 
 
 class Scored(list):
-    """The `records` list heldout.evaluate extends once per scored batch: each record is also written to the
-    --out file at once (and flushed), so an interrupted evaluation keeps every completion it scored."""
+    """The records heldout.evaluate extends once per scored batch, each also written (and flushed) to the
+    --out file at once, so an interrupted evaluation keeps every completion it scored."""
 
     def __init__(self, task: str, mode: str, k: int, file=None):
         super().__init__()
@@ -207,13 +179,34 @@ class Scored(list):
             self.file.flush()
 
 
-def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: int = 1) -> tuple[dict, list]:
-    """Greedy and sampled completions of cfg.init_from on the single task of cfg: (table row, records),
-    the records also written to `out` (JSON lines) as they are scored."""
-    task = cfg.tasks
-    sink = open_out(out) if out else None
+def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: int = 1) -> dict:
+    """Greedy and sampled completions of cfg.init_from on cfg's one task: its table row, the records also
+    written to `out` as they are scored."""
+    task, sink = cfg.tasks, open_out(out) if out else None
     try:
-        return _score(cfg, task, sink, limit, samples)
+        device, dtype = settings.setup(cfg)
+        datasets = load_data(cfg)  # a missing or malformed file fails here, before the model loads
+        if task in datasets and not limit:  # benchmarks: every row of the file unless --limit
+            cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
+        scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
+        model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
+        load.report_truncation(cfg, tok, datasets)
+        n = len(heldout.eval_examples(task, cfg, datasets))
+        if n == 0:  # a table of zero samples would look like a result
+            why = f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS else \
+                f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty"
+            raise ValueError(f"no {task} prompts to score ({why}); pass at least one")
+        ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer)
+        modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
+        if task not in tasks.IMAGE_TASKS:  # as heldout.evaluate_all: images have no greedy decoding
+            modes.insert(0, ("greedy", 0.0, 1))
+        records = []
+        with cli.progress_bar(total=n * sum(k for *_, k in modes), desc=f"eval {task}", unit="completion",
+                              leave=False) as bar:  # heldout.evaluate reports after each batch of (up to) 64
+            for mode, temperature, k in modes:
+                rows = Scored(task, mode, k, sink)
+                heldout.evaluate(model, ctx, task, temperature, rows, bar.update)
+                records += rows
     except KeyboardInterrupt:
         if sink is not None:
             sink.flush()
@@ -223,44 +216,16 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
     finally:
         if sink is not None:
             sink.close()
-
-
-def _score(cfg, task, sink, limit, samples):
-    device, dtype = settings.setup(cfg)
-    datasets = load_data(cfg)  # a missing or malformed file fails here, before the model loads
-    if task in datasets and not limit:  # benchmarks: every row of the file unless --limit
-        cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
-    scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
-    model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
-    load.report_truncation(cfg, tok, datasets)
-    n = len(heldout.eval_examples(task, cfg, datasets))
-    if n == 0:  # a table of zero samples would look like a result
-        why = f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS else \
-            f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty"
-        raise ValueError(f"no {task} prompts to score ({why}); pass at least one")
-    ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer)
-    modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
-    if task not in tasks.IMAGE_TASKS:  # as heldout.evaluate_all: images have no greedy decoding
-        modes.insert(0, ("greedy", 0.0, 1))
-    records = []
-    # The bar counts completions; heldout.evaluate reports after each batch of (up to) 64.
-    with cli.progress_bar(total=n * sum(k for *_, k in modes), desc=f"eval {task}", unit="completion",
-                          leave=False) as bar:
-        for mode, temperature, k in modes:
-            rows = Scored(task, mode, k, sink)
-            heldout.evaluate(model, ctx, task, temperature, rows, bar.update)
-            records += rows
     row = summarize(records)
     print(table(["task", "n", "greedy pass@1", f"pass@{row['k']}", "mean reward"],
                 [[task, row["n"], row["greedy_pass@1"], row["pass@k"], row["mean_reward"]]]))
-    return row, records
+    return row
 
 
 def compare(before: str, after: str) -> list[list]:
-    """Rows [mode, prompts, before, after, gain, paired SE, gain / SE] of two --out files scored on the same
-    prompts (e.g. a run's sft/ and final/ under one Config). Each prompt's mean over its samples is paired
-    across the files, so the SE is sd(per-prompt difference) / sqrt(prompts): the prompt-to-prompt spread
-    that both evaluations share cancels, which the SE of each mean alone would count twice."""
+    """Rows [mode, prompts, before, after, gain, paired SE, gain / SE] of two --out files of the same
+    prompts. Each prompt's mean is paired across the files, so the SE is sd(per-prompt difference) /
+    sqrt(prompts): the prompt-to-prompt spread both share cancels."""
     def read(path):
         per: dict = {}
         for i, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -286,9 +251,8 @@ def compare(before: str, after: str) -> list[list]:
 
 
 def check_run(run_dir: str, **overrides) -> bool | None:
-    """Re-score a train.py run with its own config.json: the model before RL (the SFT model, or init_from)
-    and final/ after, through heldout.evaluate_all; print them beside summary.json. True if all agree, None
-    when a number could not be measured (a scorer down)."""
+    """Re-score a train.py run with its own config.json, the model before RL and final/, beside summary.json.
+    True if all agree, None when a number could not be measured (a scorer down)."""
     out_dir = Path(run_dir)
     for f in ("config.json", "summary.json"):
         if not (out_dir / f).is_file():
@@ -308,9 +272,8 @@ def check_run(run_dir: str, **overrides) -> bool | None:
     device, dtype = settings.setup(cfg)
     datasets = load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
-    # As train.main: the RL start is the SFT model for scratch runs, else init_from. LoRA runs start from
-    # init_from with zero adapters (the same outputs) and end as init_from + final/adapters.*, the exact
-    # record of the trained policy (final/'s merged weights differ from it by rounding).
+    # As train.main: RL starts from the SFT model for scratch runs, else init_from. LoRA runs end as
+    # init_from + final/adapters.*, the exact trained policy (final/'s merged weights differ by rounding).
     start = cfg.init_from if cfg.init_from != "scratch" else cfg.sft_dir or str(out_dir / "sft")
     evals = {}
     for label in cli.progress_bar(("before", "after"), desc="checkpoints", leave=False):
@@ -337,17 +300,13 @@ def check_run(run_dir: str, **overrides) -> bool | None:
     return ok
 
 
-NOT_MEASURED_EXIT = 3
-
-
 def scorer_named(cfg) -> str:
     return f"the image scorer at {cfg.image_scorer_url} failed" if cfg.image_scorer_url else "a reward was not finite"
 
 
 def main(argv=None) -> int:
-    """Exit code: 0 done (and, with --run, every number matches), 1 a --run mismatch, 2 a user error,
-    3 a metric not measured (completions without a reward: a scorer down), 130 Ctrl-C (the completions
-    scored so far are in --out)."""
+    """Exit code: 0 done (with --run, every number matches), 1 a --run mismatch, 2 a user error, 3 a metric
+    not measured (a scorer down), 130 Ctrl-C (what was scored is in --out)."""
     try:
         o = parse_options(argv)
         argv = argv if argv is not None else sys.argv[1:]
@@ -372,7 +331,7 @@ def main(argv=None) -> int:
         if not (o.ckpt and o.task):
             raise ValueError("pass --ckpt DIR --task TASK [--data PATH], or --run OUT_DIR")
         cfg, samples = build_config(o)
-        row, _ = score_checkpoint(cfg, o.out, o.limit, samples)
+        row = score_checkpoint(cfg, o.out, o.limit, samples)
         if row["unscored"]:
             print(f"error: {row['unscored']} completion(s) got no reward ({scorer_named(cfg)}, see the warnings "
                   "above): the metrics over them are not measured; fix that and evaluate again", file=sys.stderr)

@@ -1,21 +1,13 @@
 """A LLaDA-architecture masked diffusion transformer.
 
-LLaDA (arXiv:2502.09992) is a LLaMA-style Transformer with the causal mask removed and one reserved
-mask token: every position sees the whole sequence and predicts the clean token behind each mask.
-MMaDA (arXiv:2505.15809) is the same network with 8192 image-code rows appended to the vocabulary.
-
-This file reproduces the public LLaDA modelling code's numerics (tests/test_model.py checks it against
-logits that code wrote, tests/fixtures/tiny-llada):
-RMSNorm and rotary embeddings computed in float32, separate q/k/v projections, SwiGLU with the SiLU on
-`ff_proj`, untied output head. Module names mirror the checkpoint keys (`q_proj`, `attn_out`, `ff_proj`,
-...), so a checkpoint key is our state-dict key behind the prefix `model.transformer.`, and a LoRA
-target list written for LLaDA names the right layers.
+LLaDA (arXiv:2502.09992) is a LLaMA-style Transformer with no causal mask and one reserved mask token:
+every position sees the whole sequence and predicts the clean token behind each mask. MMaDA
+(arXiv:2505.15809) is the same network with 8192 image-code rows appended to the vocabulary. The numerics
+are the public LLaDA modelling code's (tests/test_model.py checks logits that code wrote), and module names
+mirror its checkpoint keys behind `model.transformer.` (infra/hf.py reads and writes that layout).
 
     model = Transformer(ModelConfig(d_model=128, n_layers=4, vocab_size=128)).init_weights()
     logits = model(input_ids)                  # (B, L, V)
-
-Checkpoints in the Hugging Face LLaDA layout are read and written by infra/hf.py (from_pretrained,
-save_pretrained), which also builds the special-token ids (tasks.TokenIds) of a released checkpoint.
 
 Shapes: B batch, L sequence length, D d_model, H heads, Hkv key/value heads, Dh head dim, V vocab rows.
 """
@@ -28,9 +20,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
-# -----------------------------------------------------------------------------------------------------
-# config
 
 
 @dataclass
@@ -78,12 +67,9 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
-# -----------------------------------------------------------------------------------------------------
-# layers
-
 
 class RMSNorm(nn.Module):
-    """RMSNorm as LLaDA computes it (LLaDA's modelling code): normalise in float32, cast back, then scale by the weight."""
+    """RMSNorm as LLaDA computes it: normalise in float32, cast back, then scale by the weight."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -94,14 +80,13 @@ class RMSNorm(nn.Module):
         xf = x.float()
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
 
-    def forward(self, x):
-        # Casting before the weight multiply (not after) is what makes bf16 outputs bit-identical.
+    def forward(self, x):  # casting before the weight multiply makes bf16 outputs LLaDA's bit for bit
         return self.weight * self.normalize(x).to(x.dtype)
 
 
 def rope_table(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (length, Dh) in float32, built on the CPU as the reference does: CPU and
-    CUDA sin/cos can differ in the last bit, so the table is always computed here and moved."""
+    """(cos, sin), each (length, Dh) in float32, built on the CPU as the reference does (CPU and CUDA
+    sin/cos can differ in the last bit)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (Dh/2,)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)              # (length, Dh/2)
     angles = torch.cat([angles, angles], dim=-1)                                          # (length, Dh)
@@ -124,8 +109,7 @@ class Block(nn.Module):
         d, dh = cfg.d_model, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, dh
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
-        # Separate q/k/v GEMMs rather than one fused projection: fusing can change cuBLAS tiling and
-        # therefore the low bits of bf16 outputs.
+        # Separate q/k/v GEMMs: fusing them can change cuBLAS tiling, so the low bits of bf16 outputs.
         self.q_proj = nn.Linear(d, cfg.n_heads * dh, bias=False)
         self.k_proj = nn.Linear(d, cfg.n_kv_heads * dh, bias=False)
         self.v_proj = nn.Linear(d, cfg.n_kv_heads * dh, bias=False)
@@ -144,10 +128,7 @@ class Block(nn.Module):
         k = self.k_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, L, Dh)
         v = self.v_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, Hkv, L, Dh)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv is not None:
-            # The fresh slice overwrites its rows of the cache in place (no copy of the whole cache per layer
-            # and step), so keys stay in sequence order and a key-padding mask over the full sequence lines up
-            # with them. Cached after RoPE: positions are absolute.
+        if kv is not None:  # in place, keys in sequence order (the padding mask lines up); after RoPE
             kv[0][:, :, start:start + L], kv[1][:, :, start:start + L] = k, v
             k, v = kv                                                                     # (B, Hkv, Lk, Dh)
         new_kv = (k, v)  # before the GQA repeat: a cache of Hkv heads, not H
@@ -160,10 +141,6 @@ class Block(nn.Module):
         h = self.ff_norm(x)
         x = x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
         return (x, new_kv) if return_kv else x
-
-
-# -----------------------------------------------------------------------------------------------------
-# model
 
 
 class Transformer(nn.Module):
@@ -180,8 +157,7 @@ class Transformer(nn.Module):
         self._rope_cache: dict = {}
 
     def rope(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        # The reference pre-computes max_sequence_length rows and slices; rows are position-wise, so
-        # slicing a longer table gives the same values as building a short one.
+        # The reference slices a max_sequence_length table; rows are position-wise, so any longer one serves.
         n = max(length, self.config.max_sequence_length)
         key = (n, str(device))
         if key not in self._rope_cache:
@@ -191,44 +167,25 @@ class Transformer(nn.Module):
         cos, sin = self._rope_cache[key]
         return cos[:length], sin[:length]
 
-    accepts_cache_kwargs = True  # tells the samplers (sample.py, infra/fast_sample.py) forward takes the options below
+    accepts_cache_kwargs = True  # tells sample.py that forward takes the options below
 
     def forward(self, input_ids, attention_mask=None, *, logits_at=None, vocab_slice=None, float32_head=False,
                 padded=None, return_kv=False, kv=None, start=0):
-        """input_ids (B, L) int64; attention_mask (B, L) with 1 = real token, 0 = padding (optional).
-        Returns logits (B, L, V) in the parameter dtype.
-
-        Keyword-only options for the samplers (logits_at; the KV cache: infra/fast_sample.py); the defaults are the
-        exact forward:
-            logits_at: a slice; compute the head only at those positions (same maths, though BLAS may round
-                a smaller matrix differently in the last bit).
-            vocab_slice: (lo, hi); only the logits of vocabulary rows [lo, hi) (image codes), computed from
-                those rows of the head's weight (a (.., V) result is never made and then sliced).
-            padded: whether attention_mask holds a 0; None looks (a host sync each forward), so a caller that
-                runs many forwards on one mask (the samplers, importance.token_logprobs) looks once and says.
-            float32_head: the final norm and the head in float32, logits float32 whatever the parameter
-                dtype. A bf16 logit is rounded by up to 0.06 at magnitude 32; a log-ratio of two policies
-                that differ by a small update would be mostly that rounding (importance.token_logprobs).
-            return_kv: also return every layer's keys and values: a list of (k, v), each (B, Hkv, L, Dh).
-            kv, start: the cached path, an APPROXIMATION once the cache is stale. input_ids (B, l) are the
-                positions [start, start + l) of a sequence whose other keys and values come from kv (a
-                return_kv list for the same batch, Lk positions, whose rows [start, start + l) this call
-                overwrites in place with the fresh keys and values); attention_mask then covers all Lk. With a
-                cache of the current tokens this equals the exact forward up to rounding; with an older
-                one it does not, since bidirectional attention lets every key depend on every token.
-                Fast-dLLM (arXiv:2505.22618) finds the drift small across the steps of one block."""
+        """input_ids (B, L) int64, attention_mask (B, L) 1 = real token (optional) -> logits (B, L, V). The
+        options' defaults are the exact forward. logits_at: the head at those positions only. vocab_slice,
+        float32_head: see head (a bf16 logit rounds by up to 0.06 at 32, which would swamp the log-ratio of two
+        close policies). padded: whether attention_mask holds a 0 (None looks: a host sync). return_kv: also
+        every layer's (k, v), each (B, Hkv, L, Dh). kv, start: input_ids are positions [start, start + l), the
+        other keys from kv (whose rows this call overwrites): an APPROXIMATION once kv is stale (Fast-dLLM)."""
         B, l = input_ids.shape
         Lk = start + l if kv is None else kv[0][0].shape[2]
         assert (kv is None and start == 0) or (kv is not None and len(kv) == len(self.blocks) and start + l <= Lk), \
             "start > 0 needs the kv list a return_kv=True call returned for this batch"
         cos, sin = self.rope(Lk, input_ids.device)
         cos, sin = cos[start:start + l], sin[start:start + l]  # absolute positions, left padding included
-        mask = None
-        # An all-ones mask is no mask (tasks.attends_padding): the unmasked attention, bit for bit.
+        mask = None  # an all-ones mask is no mask: the unmasked attention, bit for bit
         if attention_mask is not None and (not bool(attention_mask.all()) if padded is None else padded):
-            # Key-padding mask on a bidirectional attention (the public LLaDA modelling code since Oct 2025):
-            # no query attends to a pad key. Pad queries still attend to real keys, so no row is empty.
-            # On the cached path it covers the cached keys too, so left padding stays hidden.
+            # Key padding (LLaDA's code since Oct 2025): no query sees a pad key; pad queries see real keys.
             mask = attention_mask.bool()[:, None, None, :]                       # (B, 1, 1, Lk)
         x = self.wte(input_ids)                                                  # (B, l, D)
         new_kv = []
@@ -246,9 +203,8 @@ class Transformer(nn.Module):
         return (logits, new_kv) if return_kv else logits
 
     def head(self, x, vocab_slice=None, float32: bool = False):
-        """Final norm and LM head on hidden states x (..., D): logits (..., V), or (..., hi - lo) for
-        vocab_slice (lo, hi), from only those rows of the weight. float32: both computed in float32 (RMSNorm
-        as ln_f does, its weight applied in float32 rather than after a cast back to the parameter dtype)."""
+        """Final norm and LM head on x (..., D): logits (..., V), or (..., hi - lo) from those rows of the
+        weight for vocab_slice (lo, hi). float32: both in float32 (ln_f's weight applied without a cast back)."""
         if vocab_slice is None and not float32:
             return self.ff_out(self.ln_f(x))                                      # the reference's numerics
         weight = self.ff_out.weight if vocab_slice is None else self.ff_out.weight[vocab_slice[0]:vocab_slice[1]]
@@ -263,17 +219,16 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02):
-        """Random init for training from scratch: N(0, std) matrices, unit norm weights, and output
-        projections scaled by 1/sqrt(2 n_layers) (GPT-2's residual scaling)."""
+        """N(0, std) matrices, unit norm weights, residual projections scaled by 1/sqrt(2 n_layers) (GPT-2)."""
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
             else:
-                # Projections that write into the residual stream (attn_out, a block's ff_out).
                 residual = name.startswith("blocks.") and name.endswith(("attn_out.weight", "ff_out.weight"))
                 scale = std / math.sqrt(2 * self.config.n_layers) if residual else std
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * scale)
         return self
+
 
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

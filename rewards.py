@@ -1,19 +1,12 @@
 """Reward functions: pure functions from a completion string (and its example) to a float in [0, 1].
 
 MaskGRPO (arXiv:2510.02880) §6 scores GSM8K and MATH by the last \\boxed{} answer and code by the fraction
-of unit tests that pass in a sandbox, and keeps d1's (arXiv:2504.12216) countdown and 4x4 sudoku rewards.
-Each verifier is written anew from those descriptions (nothing copied from the Hendrycks MATH utilities or
-d1): answer extraction, numeric normalisation, a Fraction-based arithmetic parser for countdown (no eval).
-LaTeX answer equivalence lives in infra/latex.py (`math_equiv` and `normalize_math` are re-exported here);
-untrusted code runs in infra/sandbox.py (`run_code` is re-exported here). MMaDA's image rewards (CLIP, HPS,
-UnifiedReward) need models we cannot ship: infra/sandbox.py asks an HTTP server for them.
-
-Model output never makes a reward raise, however long or strange; a malformed dataset row or argument
-raises ValueError naming the value. The verifiers use only the standard library (MBPP's runs a sandboxed subprocess). `REWARDS` maps a task name to
-`reward(completion, example) -> float` for the benchmark tasks: correctness only, 0 or 1. `SHAPED` holds
-the official runs' shaped GSM8K and MATH rewards (format + correctness), same signature, divided by their
-maximum total so that they too lie in [0, 1]. tasks.TASKS gives each task its reward, and tasks.score, the
-RL loop's reward step, applies it to a batch.
+of unit tests that pass in a sandbox, and keeps d1's (arXiv:2504.12216) countdown and 4x4 sudoku rewards,
+each written anew from those descriptions. LaTeX equivalence is infra/latex.py's and sandboxed code runs
+in infra/sandbox.py (math_equiv, normalize_math and run_code are re-exported here); MMaDA's image rewards
+come from an HTTP server (infra/sandbox.py). Model output never makes a reward raise; a malformed dataset
+row raises ValueError naming the value. REWARDS maps a benchmark to reward(completion, example), 0 or 1;
+SHAPED holds the official runs' format + correctness rewards, divided by their maximum.
 
 Test: python -m pytest tests/test_rewards.py tests/test_latex.py -q
 """
@@ -33,10 +26,8 @@ _BRACE = re.compile(r"\\.|[{}]", re.S)  # an escaped character (\{, \}, \\) neve
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}) with nested braces balanced; None if absent or unclosed.
-
-    "so \\boxed{\\frac{1}{2}}." -> "\\frac{1}{2}";  "\\boxed{1} or \\boxed{2}" -> "2";  "\\boxed{3" -> None
-    """
+    """Content of the last \\boxed{...} (or \\fbox{...}), nested braces balanced; None if absent or unclosed:
+    "so \\boxed{\\frac{1}{2}}." -> "\\frac{1}{2}";  "\\boxed{1} or \\boxed{2}" -> "2";  "\\boxed{3" -> None."""
     last = None
     for last in _BOX_OPEN.finditer(text):  # one linear pass; only the last opener is then scanned
         pass
@@ -53,11 +44,12 @@ def extract_boxed(text: str) -> str | None:
     return None  # a truncated generation: the last box never closes
 
 
-def _last_tagged(text: str, tag: str) -> str | None:
-    """Content of the last <tag>...</tag>, found with two rfind calls (a regex would go quadratic)."""
-    close = text.rfind(f"</{tag}>")
-    start = text.rfind(f"<{tag}>", 0, close) if close >= 0 else -1
-    return text[start + len(tag) + 2:close] if start >= 0 else None
+def _answer_block(text: str) -> str | None:
+    """Content of the last <answer>...</answer> (two rfind calls: a regex would go quadratic), else of the
+    last \\boxed{}, else None (d1's answer)."""
+    close = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, close) if close >= 0 else -1
+    return text[start + len("<answer>"):close] if start >= 0 else extract_boxed(text)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -70,17 +62,13 @@ _MAX_NUMBER_CHARS = 100  # longer "numbers" score 0: never int() a 10^6-digit st
 
 
 def extract_answer(text: str) -> str | None:
-    """Final answer of a GSM8K-style text: the last \\boxed{} content, else what follows the last `####`.
-
-    "... \\boxed{72}" -> "72";  "... #### 1,000" -> "1,000";  "no answer" -> None
-    """
+    """Final answer of a GSM8K-style text: the last \\boxed{} content, else what follows the last `####`:
+    "... \\boxed{72}" -> "72";  "... #### 1,000" -> "1,000";  "no answer" -> None."""
     boxed = extract_boxed(text)
     if boxed is not None:
         return boxed.strip()
-    last = None
-    for last in _HASH_ANSWER.finditer(text):
-        pass
-    return None if last is None else last.group(1).strip()
+    hashes = _HASH_ANSWER.findall(text)
+    return hashes[-1].strip() if hashes else None
 
 
 def _to_number(s: str) -> Fraction | None:
@@ -96,10 +84,8 @@ def _to_number(s: str) -> Fraction | None:
 
 
 def gsm8k_reward(completion: str, answer: str) -> float:
-    """1.0 if the completion's final answer equals the reference number (GSM8K `####` line or bare), else 0.0.
-
-    ("... \\boxed{$1,000.00}", "#### 1000") -> 1.0;  ("#### +72 dollars", "72") -> 1.0;  ("\\boxed{71}", "72") -> 0.0
-    """
+    """1.0 if the completion's final answer equals the reference number (a `####` line or bare), else 0.0:
+    ("... \\boxed{$1,000.00}", "#### 1000") -> 1.0;  ("#### +72 dollars", "72") -> 1.0."""
     pred = extract_answer(completion)
     return float(pred is not None and _to_number(pred) == _gsm8k_gold(answer))
 
@@ -116,10 +102,8 @@ def _gsm8k_gold(answer: str) -> Fraction:
 
 
 def math_reward(completion: str, answer: str) -> float:
-    """1.0 if the completion's last \\boxed{} is equivalent to the reference (bare answer or boxed solution).
-
-    ("... \\boxed{\\dfrac{1}{2}}", "0.5") -> 1.0;  ("\\boxed{90^\\circ}", "90") -> 1.0;  ("the answer is 2", "2") -> 0.0
-    """
+    """1.0 if the completion's last \\boxed{} is equivalent to the reference (bare answer or boxed solution):
+    ("... \\boxed{\\dfrac{1}{2}}", "0.5") -> 1.0;  ("the answer is 2", "2") -> 0.0."""
     if not isinstance(answer, str):
         raise ValueError(f"math reference answer must be a str, got {answer!r:.80}")
     gold = extract_boxed(answer)
@@ -131,20 +115,17 @@ def math_reward(completion: str, answer: str) -> float:
 # countdown (d1): an arithmetic equation over given numbers, evaluated by our own parser, never eval
 
 _CD_MAX_CHARS, _CD_MAX_DEPTH, _CD_MAX_DIGITS = 200, 20, 6
-_CD_TOKEN = re.compile(r"\s*([0-9]+|[-+*/()])")
+_CD_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
+_CD_OTHER = re.compile(r"[^0-9\s()*/+-]")  # whitespace separates tokens; any other character is an error
 _CD_SYMBOLS = {"\\times": "*", "\\cdot": "*", "×": "*", "·": "*", "\\div": "/", "÷": "/", "\\left": "",
                "\\right": "", "$": ""}
 
 
 def _cd_tokens(expr: str) -> list[str]:
-    tokens, pos = [], 0
-    while pos < len(expr):
-        m = _CD_TOKEN.match(expr, pos)
-        if m is None:
-            raise ValueError(f"unexpected character at {pos}")
-        tokens.append(m.group(1))
-        pos = m.end()
-    return tokens
+    other = _CD_OTHER.search(expr)
+    if other:
+        raise ValueError(f"unexpected character at {other.start()}")
+    return _CD_TOKEN.findall(expr)
 
 
 def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
@@ -198,18 +179,13 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
 
 def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
     """d1 countdown reward: 1.0 if the last <answer> (or \\boxed{}) equation uses each number once and hits the
-    target, 0.1 if an equation is there but wrong or invalid, 0.0 if there is none. An "= 23" tail is ignored.
-
-    ("<answer>(100 - 93) + 30 = 37</answer>", [30, 100, 93], 37) -> 1.0;  ("<answer>30+100</answer>", ...) -> 0.1
-    ("<answer>__import__('os').system('ls')</answer>", [30, 100, 93], 37) -> 0.1 (nothing is executed)
-    """
+    target, 0.1 if an equation is there but wrong or invalid (nothing is executed), 0.0 if there is none. An
+    "= 23" tail is ignored: ("<answer>(100 - 93) + 30 = 37</answer>", [30, 100, 93], 37) -> 1.0."""
     if not (isinstance(numbers, (list, tuple)) and numbers and all(type(n) is int for n in numbers)):
         raise ValueError(f"countdown numbers must be a non-empty list of int, got {numbers!r:.80}")
     if type(target) is not int:
         raise ValueError(f"countdown target must be an int, got {target!r:.80}")
-    equation = _last_tagged(completion, "answer")
-    if equation is None:
-        equation = extract_boxed(completion)
+    equation = _answer_block(completion)
     if equation is None or not equation.strip():
         return 0.0
     if len(equation) > _CD_MAX_CHARS:
@@ -230,18 +206,11 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
 
 def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
     """Fraction of the puzzle's empty cells (0s) filled correctly, from the 16 digits of the last <answer> block
-    (or last \\boxed{}); separators are ignored and any other digit count scores 0 (d1 sudoku reward).
-
-    ("<answer>3142 2431 4213 1324</answer>", "3102200002100320", "3142243142131324") -> 1.0
-    ("<answer>3102200002100320</answer>", same puzzle and solution) -> 0.0;  ("no answer", ...) -> 0.0
-    """
+    (or last \\boxed{}); separators are ignored and any other digit count scores 0 (d1 sudoku reward)."""
     for name, grid, digits in (("puzzle", puzzle, "0-4"), ("solution", solution, "1-4")):
         if not (isinstance(grid, str) and re.fullmatch(f"[{digits}]{{16}}", grid)):
             raise ValueError(f"sudoku {name} must be 16 digits in [{digits}], got {grid!r:.80}")
-    block = _last_tagged(completion, "answer")
-    if block is None:
-        block = extract_boxed(completion)
-    cells = re.findall(r"[0-9]", block or "")  # ASCII digits only: no unicode look-alikes
+    cells = re.findall(r"[0-9]", _answer_block(completion) or "")  # ASCII digits only: no unicode look-alikes
     if len(cells) != 16:
         return 0.0
     empty = [i for i, c in enumerate(puzzle) if c == "0"] or list(range(16))
@@ -249,18 +218,12 @@ def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
 
 
 def boxed_format_reward(text: str) -> float:
-    """1.0 if the text holds a closed \\boxed{} (official `boxed_format` scaled to [0, 1]), else 0.0.
-
-    "so \\boxed{4}" -> 1.0;  "so 4" -> 0.0;  "\\boxed{4" -> 0.0
-    """
+    """1.0 if the text holds a closed \\boxed{} (official `boxed_format` scaled to [0, 1]), else 0.0."""
     return float(extract_boxed(text) is not None)
 
 
 def reasoning_format_reward(text: str) -> float:
-    """1.0 if the text holds <reasoning>...</reasoning> (official `soft_format` scaled to [0, 1]), else 0.0.
-
-    "<reasoning>2+2=4</reasoning> \\boxed{4}" -> 1.0;  "<reasoning>2+2" -> 0.0;  "\\boxed{4}" -> 0.0
-    """
+    """1.0 if the text holds <reasoning>...</reasoning> (official `soft_format` scaled to [0, 1]), else 0.0."""
     start = text.find("<reasoning>")
     return float(start >= 0 and text.find("</reasoning>", start + len("<reasoning>")) >= 0)
 
@@ -270,10 +233,7 @@ def reasoning_format_reward(text: str) -> float:
 
 
 def extract_code(completion: str) -> str:
-    """The first ```python fenced block of a completion (to its end if unclosed), else the whole text.
-
-    "Here:\\n```python\\ndef f():\\n    return 1\\n```" -> "def f():\\n    return 1\\n";  "def f(): pass" -> itself
-    """
+    """The first ```python fenced block of a completion (to its end if unclosed), else the whole text."""
     start = completion.find("```python")
     if start < 0:
         return completion
@@ -329,11 +289,8 @@ SHAPED_MAX = {"gsm8k": 3.0, "math": 2.5}
 
 def gsm8k_shaped_reward(completion: str, answer: str) -> float:
     """Official GSM8K reward / 3.0: <reasoning>..</reasoning> anywhere 0.5, an answer of ASCII digits only 0.5,
-    a correct answer 2.0. The answer is the last closed \\boxed{} (the whole completion when there is none), and
-    it is correct when it is the reference number (equal values: "72.0" counts, as an exact string would not).
-
-    ("<reasoning>..</reasoning> \\boxed{72}", "72") -> 1.0;  ("\\boxed{72}", "72") -> 2.5 / 3;  ("-3", "72") -> 0.0
-    """
+    a correct answer (equal value: "72.0" counts) 2.0. The answer is the last closed \\boxed{}, else the whole
+    completion: ("<reasoning>..</reasoning> \\boxed{72}", "72") -> 1.0;  ("\\boxed{72}", "72") -> 2.5 / 3."""
     gold, boxed = _gsm8k_gold(answer), extract_boxed(completion)
     pred = completion if boxed is None else boxed
     total = (0.5 * reasoning_format_reward(completion) + 0.5 * (re.fullmatch(r"[0-9]+", pred) is not None)
@@ -342,12 +299,9 @@ def gsm8k_shaped_reward(completion: str, answer: str) -> float:
 
 
 def math_shaped_reward(completion: str, answer: str) -> float:
-    """Official MATH reward / 2.5: a correct last \\boxed{} 2.0 (by `math_equiv`, which accepts more forms than the
-    official string match), plus 0.5 if "\\boxed" occurs in the completion at all (closed or not), else 0.25.
-    So a completion scores at least 0.1, and a correct boxed one 1.0.
-
-    ("so \\boxed{\\frac12}", "0.5") -> 1.0;  ("so \\boxed{3}", "0.5") -> 0.2;  ("so 1/2", "0.5") -> 0.1
-    """
+    """Official MATH reward / 2.5: a correct last \\boxed{} 2.0 (by `math_equiv`, which accepts more forms than
+    the official string match), plus 0.5 if "\\boxed" occurs at all (closed or not), else 0.25: so at least 0.1,
+    ("so \\boxed{3}", "0.5") -> 0.2, and a correct boxed one 1.0."""
     total = 2.0 * math_reward(completion, answer) + (0.5 if "\\boxed" in completion else 0.25)
     return total / SHAPED_MAX["math"]
 
@@ -365,28 +319,20 @@ _BOX = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def answer_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the last \\boxed{} of the completion holds the true answer, else 0.0, a missing box included (no
-    format credit: the toy's SFT model always writes a box): "3 + 4 = 7 . \\\\boxed{7}" scores 1 for answer "7"."""
+    """1.0 if the completion's last \\boxed{} holds the true answer, else 0.0 (a missing box too: the toy's
+    SFT model always writes one): "3 + 4 = 7 . \\\\boxed{7}" scores 1 for answer "7"."""
     boxes = _BOX.findall(completion_text)
     return float(bool(boxes) and boxes[-1].strip() == example["answer"])
 
 
 def solution_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the completion is the whole right solution, every step of the working as the problem states
-    it and the box holding the answer, else 0.0 (the long toy's verifier, --text_reward=solution).
-
-    The working of these problems is unique, so the check is an exact comparison (docs/results.md: why the
-    long toy reads the working).
-
-        solution_reward("3 + 4 = 7 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 1.0
-        solution_reward("3 + 4 = 6 . \\\\boxed{7}", {"solution": "3 + 4 = 7 . \\\\boxed{7}"}) == 0.0
-    """
+    """1.0 if the completion is the whole right solution, working and box, else 0.0 (--text_reward=solution).
+    The working of these problems is unique, so an exact comparison checks it (docs/results.md)."""
     return float(completion_text.strip() == example["solution"])
 
 
-# The toy image world (infra/toy.py draws its prompts and SFT images from these): a grid of palette colours,
-# code 0 background and code c >= 1 COLOURS[c - 1]; a relation puts one colour on a side of another (axis, sign),
-# a place puts a colour in the first or last row or column (axis, end).
+# The toy image world (infra/toy.py draws from it): code 0 background, code c >= 1 COLOURS[c - 1]; a relation
+# puts one colour on a side of another (axis, sign), a place in the first or last row or column (axis, end).
 COLOURS = ["red", "green", "blue", "yellow", "purple", "cyan", "white"]
 RELATIONS = {"left of": (1, -1), "right of": (1, 1), "above": (0, -1), "below": (0, 1)}
 PLACES = {"top row": (0, "first"), "bottom row": (0, "last"), "left column": (1, "first"),
@@ -394,9 +340,8 @@ PLACES = {"top row": (0, "first"), "bottom row": (0, "last"), "left column": (1,
 
 
 def image_checks(codes: list[int], spec: dict) -> list[bool]:
-    """Each named colour's exact cell count; "no stray colours" (the colours present are the named ones); the
-    relation (every cell of a strictly on the named side of every cell of b: GenEval compares box centres, the
-    same for one-cell objects) or the placement (every cell of a in the named row or column), if any."""
+    """Each named colour's exact cell count; no stray colours; the relation (every cell of a strictly on the
+    named side of every cell of b) or the placement (every cell of a in the named row or column), if any."""
     w = spec["width"]
     cells = {c: [divmod(i, w) for i, x in enumerate(codes) if x == COLOURS.index(c) + 1] for c in COLOURS}
     checks = [len(cells[c]) == n for c, n in spec["counts"].items()]
@@ -415,6 +360,6 @@ def image_checks(codes: list[int], spec: dict) -> list[bool]:
 
 def image_reward(codes: list[int], example: dict) -> float:
     """The fraction of image_checks that hold (GenEval's all-or-nothing is a sparser signal), 0 for a wrong number
-    of codes. "One red" on a 2 x 2 grid: [1, 0, 0, 0] -> 1.0; [1, 1, 0, 0] -> 0.5 (the count fails, the colours hold)."""
+    of codes: "one red" on a 2 x 2 grid, [1, 0, 0, 0] -> 1.0 and [1, 1, 0, 0] -> 0.5."""
     checks = image_checks(codes, example["spec"]) if len(codes) == example["spec"]["width"] ** 2 else [False]
     return sum(checks) / len(checks)

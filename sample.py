@@ -1,19 +1,13 @@
 """Reverse-process samplers for masked diffusion models: text (LLaDA) and images (MMaDA / MaskGRPO).
 
 MaskGRPO (arXiv:2510.02880) rolls out with these samplers:
-  generate        LLaDA's semi-autoregressive block sampler (LLaDA arXiv:2502.09992 and its public
-                  generate.py, reproduced token for token at temperature 0), one denoise_step at a time.
-                  infra/fast_sample.py runs the same step with the Fast-dLLM approximations
-                  (arXiv:2505.22618), off by default.
-  generate_image  over the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`, with optional CFG:
-                  MaskGRPO's emerge_step (MDLM ancestral sampling, paper Alg. 4) or MMaDA's maskgit_step.
-Both can return the decoding order (return_order=True), from which importance.py rebuilds every state. What
-makes the text sampler LLaDA's bit for bit while it computes only the positions a step needs is FullRows,
-which a first reading may skip.
-Every random number comes from the `generator` argument (one, or one per row), drawn on its own device, so a
-CPU generator gives identical samples on CPU and GPU; the global RNG is never used. The seeds of a run and
-the per-row uniforms are the first section below. The callers (train.py, tools/sample.py) validate the
-settings; the samplers assert their preconditions.
+  generate        LLaDA's block sampler (arXiv:2502.09992 and its public generate.py, token for token at
+                  temperature 0); fast_generate runs its denoise_step under Fast-dLLM's approximations.
+  generate_image  the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`, with optional CFG:
+                  MaskGRPO's emerge sampler (paper Alg. 4, emerge_step) or MMaDA's MaskGIT (maskgit_step).
+Both can return the decoding order, from which importance.py rebuilds every state. Every random number
+comes from the `generator` argument (one, or one per row) on its own device, so a CPU generator gives the
+same samples on every device. The callers validate the settings; the samplers assert their preconditions.
 
     python -m tools.sample --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
 
@@ -26,27 +20,24 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from infra import scale
+
 REMASKING = ("low_confidence", "random")
 IMAGE_SAMPLERS = ("emerge", "maskgit")
+KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a cached step recomputes
 MIN_HEAD_ROWS = 32  # the head's least number of rows (FullRows.head)
+CHUNK = 1 << 24  # elements per draw when uniform walks a row's stream: 128 MB in float64 at most
 
 
 # -----------------------------------------------------------------------------------------------------
-# random numbers: seeds named by purpose, per-row uniforms
-#
-# No draw uses the global RNG (LoRA dropout aside, which train.py seeds per update): each seed is a blake2b
-# hash of its purpose and global index, e.g. derive_seed(seed, "rollout", task, step, i) for sequence i's
-# rollout noise, so a sequence gets the same randomness in any batch, process or world size.
-
-
-def _blake64(data: bytes) -> int:
-    # blake2b, not hash(): the same in every process and Python version, and neighbours come out unrelated.
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+# random numbers: a seed per purpose and global index, the same in any batch, process or world size
 
 
 def derive_seed(*parts) -> int:
-    """A 63-bit seed from (run seed, purpose, step, ...), e.g. derive_seed(0, "rollout", "text", 3, 7)."""
-    return _blake64(repr(parts).encode()) & (2**63 - 1)  # repr: parts may be strings and floats
+    """A 63-bit seed from (run seed, purpose, step, ...), e.g. derive_seed(0, "rollout", "text", 3, 7).
+    blake2b of repr(parts), not hash(): the same in every process and Python version."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def generator(device, *parts) -> torch.Generator:
@@ -54,19 +45,10 @@ def generator(device, *parts) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(derive_seed(*parts))
 
 
-# Elements per draw when a row's stream is walked in chunks: bounds the memory of the discarded numbers
-# (128 MB in float64) without changing them (a chunked draw is the one-shot draw's numbers in order).
-CHUNK = 1 << 24
-
-
 def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=None) -> torch.Tensor:
-    """U[0, 1) draws of `shape`, made on the generator's device, moved to `device`. generator: one
-    torch.Generator, or a list of shape[0], one per row (row i then depends on its own only). active: with
-    per-row generators, the rows that draw (the others get 0.5 and leave their stream alone). cols: a slice
-    of dim 1, the only columns returned; the generator still draws the others and discards them, in
-    chunks of whole columns that start at column 0 whatever `cols` is, so the columns kept and the
-    stream's end are those of the full draw (FullRows.noise). One code path for every device: a CUDA
-    generator draws as many numbers, in the same chunks."""
+    """U[0, 1) draws of `shape` on the generator's device, moved to `device`. generator: one, or one per row.
+    active: with per-row generators, the rows that draw (the others get 0.5). cols: a slice of dim 1, the
+    columns returned; the others are drawn too, in chunks from column 0, as the full draw (FullRows.noise)."""
     if generator is None:
         raise ValueError("this call samples at random but generator is None; pass e.g. generator="
                          "torch.Generator().manual_seed(0) (a CPU generator gives the same samples on every device)")
@@ -91,34 +73,26 @@ def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=Non
 
 
 # -----------------------------------------------------------------------------------------------------
-# text: LLaDA's semi-autoregressive sampler (infra/fast_sample.py runs the same step)
+# text: LLaDA's semi-autoregressive sampler, exact and under Fast-dLLM's approximations
 
 
 @torch.no_grad()
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
              remasking="low_confidence", mask_id, generator=None, attention_mask=None, return_order=False,
              progress=False):
-    """LLaDA's semi-autoregressive sampler (arXiv:2502.09992 §2.4 and its public generate.py, token for
-    token at temperature 0): prompt_ids (B, P) int64, left-padded, attention_mask (B, P) 1 = real token
-    (optional) -> x (B, P + N), prompt included. return_order=True also returns order (B, P + N) int64: the
-    step at which each position was revealed, counted across blocks, -1 where none was (the prompt); the
-    state before step s is x with every position of order >= s masked (importance.decoding_logprob).
-    The N = gen_length positions are denoised in blocks of block_length, left to right, steps // num_blocks
-    steps each (LLaDA floors it), each step revealing the transfer_schedule count (denoise_step). cfg_scale
-    w: CFG (arXiv:2410.18514), the unconditional input with the prompt masked. generator: one
-    torch.Generator, or a list of B, one per row. Eval mode expected."""
-    num_blocks = gen_length // block_length
-    spb = steps // max(num_blocks, 1)
-    assert gen_length % block_length == 0 and spb >= 1 and remasking in REMASKING, \
-        f"gen_length {gen_length} must be a multiple of block_length {block_length}, with steps {steps} >= blocks"
+    """LLaDA's sampler (arXiv:2502.09992 §2.4): prompt_ids (B, P), left-padded, attention_mask (B, P) 1 = real
+    token (optional) -> x (B, P + N) [, order (B, P + N): the step that revealed each position, -1 for the
+    prompt; the state before step s masks order >= s]. Blocks left to right, steps // blocks steps each, each
+    revealing the transfer_schedule count. cfg_scale w: CFG (arXiv:2410.18514) against the prompt masked. Eval mode."""
+    num_blocks, spb = blocks(gen_length, block_length, steps, remasking)
     x, order, attention_mask, prompt_index, fwd = canvas(prompt_ids, gen_length, mask_id, attention_mask,
                                                          cfg_scale, return_order)
     P = prompt_ids.shape[1]
     bar = tqdm(total=spb * num_blocks, desc="denoising", disable=not progress, leave=False)
     for blk in range(num_blocks):
-        start, end = P + blk * block_length, P + (blk + 1) * block_length
+        end = P + (blk + 1) * block_length
         # Host reads once per block rather than per step (each waits for the device): the counts.
-        counts = transfer_schedule((x[:, start:end] == mask_id).sum(1), spb)       # (B, spb)
+        counts = transfer_schedule((x[:, end - block_length:end] == mask_id).sum(1), spb)  # (B, spb)
         distinct = [sorted(set(c)) for c in counts.T.tolist()]                     # [spb] each step's counts
         for i in range(spb):
             # A predicted mask id stays masked and competes again, even past its block (as LLaDA), so the
@@ -137,14 +111,66 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     return (x, order) if return_order else x
 
 
+@torch.no_grad()
+def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
+                  remasking="low_confidence", mask_id, generator=None, attention_mask=None, kv_cache="none",
+                  threshold=0.0, return_order=False, progress=False, stats=None):
+    """generate under Fast-dLLM (arXiv:2505.22618), or generate itself with neither approximation. kv_cache
+    "prefix"/"dual" caches every layer's keys and values at a block start; later steps recompute the block and
+    what follows it (prefix) or the block alone (dual). threshold tau > 0 also reveals every masked position
+    above tau, at least ceil(masked left / steps left), so a block may end early. Only the block is scored,
+    the mask id is never revealed, and a done row draws no noise. MaskGRPO rescores every rollout, so only
+    the behaviour policy is approximate. stats: a dict for fast_summary."""
+    if kv_cache == "none" and threshold <= 0:
+        return generate(model, prompt_ids, gen_length=gen_length, block_length=block_length, steps=steps,
+                        temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, mask_id=mask_id,
+                        generator=generator, attention_mask=attention_mask, return_order=return_order,
+                        progress=progress)
+    num_blocks, spb = blocks(gen_length, block_length, steps, remasking)
+    assert kv_cache in KV_CACHES and (kv_cache == "none" or getattr(model, "accepts_cache_kwargs", False)), \
+        f"kv_cache={kv_cache!r} needs model.Transformer's kv / start / return_kv forward arguments, in {KV_CACHES}"
+    assert threshold == 0 or remasking == "low_confidence", "threshold compares model confidences"
+    x, order, attention_mask, prompt_index, fwd = canvas(prompt_ids, gen_length, mask_id, attention_mask,
+                                                         cfg_scale, return_order)
+    L, P = x.shape[1], prompt_ids.shape[1]
+    bar = tqdm(total=spb * num_blocks, desc="denoising", disable=not progress, leave=False)
+    for blk in range(num_blocks):
+        start, end = P + blk * block_length, P + (blk + 1) * block_length
+        kv = None
+        for i in range(spb):
+            left = (x[:, start:end] == mask_id).sum(1).tolist()                   # the step's one host read
+            if not any(left):  # the threshold finished this block early
+                break
+            xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
+            if kv is None:  # a full forward (at a block start, it stores every layer's keys and values)
+                logits, kv = _forward(model, xx, attention_mask, start, end, return_kv=True, **fwd) \
+                    if kv_cache != "none" else (_forward(model, xx, attention_mask, start, end, **fwd), None)
+            else:
+                stop = L if kv_cache == "prefix" else end
+                logits = model(xx[:, start:stop], attention_mask, kv=kv, start=start, logits_at=slice(0, end - start),
+                               **fwd)
+            if cfg_scale:  # as generate
+                cond, uncond = logits.chunk(2)
+                logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, K, V)
+            logits[..., mask_id] = -math.inf
+            k = [(n + spb - i - 1) // (spb - i) for n in left]  # the fixed schedule when nothing extra was revealed
+            active = [n > 0 for n in left]
+            revealed, conf = denoise_step(x, order, blk * spb + i, logits, start, end, torch.tensor(k, device=x.device),
+                                          sorted(set(k)), temperature=temperature, remasking=remasking,
+                                          mask_id=mask_id, generator=generator, active=active, threshold=threshold)
+            if stats is not None:  # kept on the device: a read per step would stall
+                stats.setdefault("steps", []).append((revealed, conf, active))
+            bar.update()
+    bar.close()
+    return (x, order) if return_order else x
+
+
 def denoise_step(x, order, s, logits, lo, end, k, distinct=None, *, temperature, remasking, mask_id, generator,
                  active=None, threshold=0.0):
-    """Step s of LLaDA's sampler on the columns [lo, end) of x (B, L), in place, given the model's logits
-    (B, l = end - lo, V) there: every masked position gets a prediction x0 (Gumbel-max at temperature > 0) and
-    a confidence, p(x0) for "low_confidence" or a uniform draw for "random"; row j reveals its k[j] most
-    confident (distinct: k's values, read by the caller), and at threshold > 0 (Fast-dLLM) every one more
-    confident than that; order (or None) records s. active: the fast step's rows still decoding
-    (FullRows.noise). Returns the positions revealed (B, l) and the confidences (B, l)."""
+    """Step s on the columns [lo, end) of x (B, L), in place, given the logits (B, l, V) there: each masked
+    position gets a prediction x0 (Gumbel-max) and a confidence, p(x0) or a uniform draw ("random"); row j
+    reveals its k[j] most confident (distinct: k's values), and every one above threshold > 0; order records
+    s. active: the fast step's rows still decoding. Returns the revealed positions and confidences (B, l)."""
     m = x[:, lo:end] == mask_id                                                    # (B, l)
     rows = FullRows(x, lo, end, generator, active)                                 # LLaDA bit parity
     x0 = gumbel_argmax(logits, temperature, rows.noise(logits.shape[-1]) if temperature > 0 else None)  # (B, l)
@@ -162,11 +188,18 @@ def denoise_step(x, order, s, logits, lo, end, k, distinct=None, *, temperature,
     return revealed, conf
 
 
+def blocks(gen_length, block_length, steps, remasking):
+    """(number of blocks, steps per block): LLaDA floors steps // blocks."""
+    num_blocks = gen_length // block_length
+    spb = steps // max(num_blocks, 1)
+    assert gen_length % block_length == 0 and spb >= 1 and remasking in REMASKING, \
+        f"gen_length {gen_length} must be a multiple of block_length {block_length}, with steps {steps} >= blocks"
+    return num_blocks, spb
+
+
 def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_order):
-    """The text sampler's starting state: x (B, P + N) = prompt then N mask ids; order (B, L) all -1 (or
-    None); the attention mask extended over the completion (and doubled for CFG's two halves); prompt_index,
-    the positions CFG's unconditional input masks; the forward's keywords (whether the mask holds padding,
-    read here once rather than at every forward: a host read waits for the device)."""
+    """The text sampler's start: x (B, P + N) = prompt then N mask ids, order all -1 (or None), the attention
+    mask over x (doubled for CFG), the prompt positions (CFG masks them), and whether the mask pads (read once)."""
     B = prompt_ids.shape[0]
     x = torch.cat([prompt_ids.long(), prompt_ids.new_full((B, gen_length), mask_id).long()], 1)  # (B, L)
     order = torch.full_like(x, -1) if return_order else None                      # (B, L)
@@ -179,9 +212,8 @@ def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_or
 
 
 def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
-    """Tokens to reveal at each step: num_masked (B,) -> (B, steps) int64, rows summing to num_masked.
-    LLaDA Eq. (8): its linear schedule reveals a constant expected number per step, so c tokens over s steps
-    get c // s each, the remainder going one apiece to the earliest steps."""
+    """Tokens to reveal at each step: num_masked (B,) -> (B, steps), rows summing to num_masked. LLaDA Eq. (8):
+    c tokens over s steps get c // s each, the remainder one apiece to the earliest steps."""
     assert steps >= 1, f"steps ({steps}) must be >= 1"
     i = torch.arange(steps, device=num_masked.device)                              # (S,)
     c = num_masked.long()[:, None]                                                 # (B, 1)
@@ -189,20 +221,17 @@ def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float, u=None) -> torch.Tensor:
-    """A sample of softmax(logits / temperature) per row, given float64 uniforms u of the logits' shape:
-    (..., V) -> (...) int64; argmax at temperature 0. LLaDA's form exp(l) / (-log u)^tau (the argmax of
-    l / tau + Gumbel), so the same uniforms pick the same tokens. float64: float32 uniforms truncate the
-    Gumbel tail and lower the effective temperature (arXiv:2409.02908); the official trainer uses bf16."""
+    """A sample of softmax(logits / temperature), (..., V) -> (...), from float64 uniforms u of the logits'
+    shape; argmax at temperature 0. LLaDA's form exp(l) / (-log u)^tau, so the same uniforms pick the same
+    tokens; float64, as float32 truncates the Gumbel tail and lowers the temperature (arXiv:2409.02908)."""
     if temperature == 0:
         return logits.argmax(-1)
     return (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
 
 
 def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
-    """Logits (B, end - lo, V) at positions [lo, end) of a full forward pass, the head on those positions
-    only (FullRows.head) if the model takes logits_at; vocab_slice (a, b): the columns [a, b) only, from
-    those rows of the head's weight (the image codes: never a full-vocabulary logit tensor). return_kv=True
-    adds the cache."""
+    """Logits (B, end - lo, V) at positions [lo, end), the head on those rows only (FullRows.head) if the
+    model takes logits_at; vocab_slice (a, b): those vocabulary columns only. return_kv=True adds the cache."""
     if not getattr(model, "accepts_cache_kwargs", False):
         logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
         assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
@@ -214,19 +243,52 @@ def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
     return (out[0][:, lo - a:end - a], out[1]) if kw.get("return_kv") else out[:, lo - a:end - a]
 
 
+class FastSampler:
+    """RL rollouts' text sampler under --kv_cache / --threshold: fast_generate, its statistics kept for take_log."""
+
+    def __init__(self, kv_cache: str, threshold: float):
+        self.kv_cache, self.threshold, self.stats = kv_cache, threshold, {}
+
+    def __call__(self, model, prompt_ids, **kw):
+        return fast_generate(model, prompt_ids, kv_cache=self.kv_cache, threshold=self.threshold, stats=self.stats,
+                             **kw)
+
+    def take_log(self, device) -> dict:
+        """fast_summary of the statistics since the last call, over all ranks (task "text"); then reset."""
+        log, self.stats = fast_summary("text", self.stats, device), {}
+        return log
+
+
+def fast_summary(task: str, stats: dict | None, device) -> dict:
+    """Log entries of one RL step's fast rollouts, over all ranks: tokens revealed per step and row (mean, max)
+    and their mean probability under the sampling distribution (what Fast-dLLM thresholds). {} without stats."""
+    if stats is None:
+        return {}
+    for revealed, conf, active in stats.pop("steps", []):  # each fast step's (B, K) tensors, read here
+        committed = revealed[torch.tensor(active, device=revealed.device)].sum(1)  # per active row
+        for k, v in (("row_steps", committed.numel()), ("tokens", int(committed.sum())),
+                     ("conf_sum", float(conf[revealed].double().sum()))):
+            stats[k] = stats.get(k, 0) + v
+        stats["max"] = max(stats.get("max", 0), int(committed.max()) if committed.numel() else 0)
+    sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
+                                      dtype=torch.float64, device=device)).tolist()
+    top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()
+    return {f"{task}/committed_per_step": sums[1] / max(sums[0], 1), f"{task}/committed_per_step_max": top,
+            f"{task}/committed_conf": sums[2] / max(sums[1], 1)}
+
+
 # -----------------------------------------------------------------------------------------------------
-# LLaDA bit parity (a first reading may skip this section)
+# LLaDA bit parity
 
 
 class FullRows:
-    """LLaDA bit parity: a first reading may skip this class. LLaDA's generate.py computes each step over
-    whole rows (B, L); the samplers compute only the columns [lo, end) a step chooses among, and this gives
-    every number its whole-row value:
-      head   [lo, end) widened to MIN_HEAD_ROWS head rows over the batch: BLAS may take another kernel (other
-             rounding) for a GEMM of a few rows, which can flip a near-tie;
-      noise  each row's uniforms drawn over its whole row (LLaDA's stream) and kept on [lo, end), so they
-             depend neither on lo nor on the batch mates; the fast step (active: its rows still decoding)
-             draws [lo, end) alone, in those rows;
+    """LLaDA bit parity; a first reading may skip it. LLaDA computes each step over whole rows (B, L); the
+    samplers compute only the columns [lo, end) a step chooses among, and this gives each number its
+    whole-row value:
+      head   [lo, end) widened to MIN_HEAD_ROWS head rows over the batch: a GEMM of a few rows may take
+             another BLAS kernel (other rounding), which can flip a near-tie;
+      noise  each row's uniforms drawn over its whole row and kept on [lo, end), independent of lo and of
+             the batch mates; the fast step (active: its rows still decoding) draws [lo, end) alone;
       top_k  topk over whole rows, -inf outside [lo, end): CPU topk's tie order depends on the row."""
 
     def __init__(self, x, lo, end, generator=None, active=None):
@@ -239,7 +301,7 @@ class FullRows:
         return slice(a, a + w)
 
     def noise(self, *tail, dtype=torch.float64) -> torch.Tensor:
-        """U[0, 1) (B, end - lo, *tail) from the generator (see the class docstring)."""
+        """U[0, 1) (B, end - lo, *tail) from the generator."""
         (B, L), device = self.x.shape, self.x.device
         if self.active is None:
             return uniform((B, L, *tail), self.generator, device, dtype, cols=self.cols)
@@ -254,10 +316,9 @@ class FullRows:
 
 
 def select_top_k(confidence: torch.Tensor, counts: torch.Tensor, distinct=None) -> torch.Tensor:
-    """bool (B, L): row j marks the counts[j] positions that torch.topk(confidence[j], counts[j]) returns,
-    as LLaDA's per-row topk loop, ties included (CPU topk breaks them in no fixed index order, and bf16
-    confidences near p = 1 tie often), with one batched topk per distinct count, kept in the rows of that
-    count. distinct: the distinct values of counts, if the caller knows them (else read: a host sync)."""
+    """bool (B, L): row j marks what torch.topk(confidence[j], counts[j]) returns, as LLaDA's per-row loop,
+    ties included (CPU topk breaks them in no fixed order; bf16 confidences near 1 tie often), with one
+    batched topk per distinct count (given by the caller, else read: a host sync)."""
     select = torch.zeros_like(confidence, dtype=torch.bool)                        # (B, L)
     for k in (counts.unique().tolist() if distinct is None else distinct):
         top = torch.zeros_like(select).scatter_(1, torch.topk(confidence, k, dim=-1).indices, True)  # (B, L)
@@ -274,20 +335,11 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
                    uncond_input_ids=None, generator=None, attention_mask=None, uncond_attention_mask=None,
                    temperature=1.0, code_offset=None, codebook_size=None, mask_id=None, return_order=False,
                    progress=False):
-    """Fill the image slots input_ids[:, image_start : image_start + num_tokens] (all mask ids on entry) with
-    image tokens (code + code_offset): (B, L) -> (B, L) [, order (B, L) as generate's, -1 off the slots].
-    Each of the `steps` steps predicts p over the codebook at the slots (with CFG) and hands it to the
-    sampler's step: emerge_step (MaskGRPO Alg. 4) or maskgit_step (MMaDA's t2i_generate).
-
-    Args:
-        uncond_input_ids, uncond_attention_mask: the unconditional prompt (B, L) and its padding mask for CFG;
-            its slots take the current image at every step. Unused at cfg_scale 0.
-        temperature: MaskGIT's choice temperature; emerge samples from p itself, so it must stay 1 (the
-            official sampler takes one and ignores it, docs/differences.md).
-        code_offset, codebook_size, mask_id: default to model.config's image_token_offset, codebook_size and
-            mask_token_id.
-        generator: torch.Generator for every draw (required), or a list of B generators, one per row.
-    """
+    """Fill the image slots input_ids[:, image_start : image_start + num_tokens] (all mask ids) with image
+    tokens (code + code_offset) [, order as generate's]: each step predicts p over the codebook at the slots
+    for emerge_step or maskgit_step. uncond_*: CFG's unconditional prompt, around the current image.
+    temperature: MaskGIT's; emerge samples from p itself (docs/differences.md). code_offset, codebook_size,
+    mask_id default to model.config's."""
     config = getattr(model, "config", None)
     code_offset = getattr(config, "image_token_offset", None) if code_offset is None else code_offset
     codebook_size = getattr(config, "codebook_size", None) if codebook_size is None else codebook_size
@@ -328,8 +380,7 @@ def emerge_step(probs, slots, s, steps, generator, code_offset, mask_id):
     code = torch.where(masked, _sample_categorical(probs, generator), slots - code_offset)  # (B, n)
     if s == steps - 1:
         return code + code_offset
-    # Alg. 4's (C+1)-way categorical [p(v) (k_t - k_s)/k_t ..., masked: k_s/k_t], drawn as "reveal?" and the
-    # code apart: the same distribution.
+    # Alg. 4's (C+1)-way categorical, drawn as "reveal?" and the code apart (the same distribution).
     k_t, k_s = _cosine(s / steps), _cosine((s + 1) / steps)
     stay = masked & (uniform(masked.shape, generator, slots.device) >= (k_t - k_s) / k_t)  # (B, n)
     return torch.where(stay, mask_id, code + code_offset)
@@ -338,8 +389,7 @@ def emerge_step(probs, slots, s, steps, generator, code_offset, mask_id):
 def maskgit_step(probs, slots, s, steps, temperature, generator, code_offset, mask_id):
     """Step s of T of MaskGIT as MMaDA's t2i_generate runs it: probs (B, n, C) float64, slots (B, n) -> the
     new slots. Every unknown slot is sampled from p, then the floor(n cos(pi/2 (s+1)/T)) least confident
-    are masked again, the confidence being log p(code) plus Gumbel noise at the choice temperature; the last
-    step keeps every sample (MMaDA returns it)."""
+    (log p(code) plus Gumbel noise at the choice temperature) are masked again; the last step keeps all."""
     masked = slots == mask_id                                                      # (B, n)
     code = torch.where(masked, _sample_categorical(probs, generator), slots - code_offset)  # (B, n)
     if s == steps - 1:
@@ -351,8 +401,8 @@ def maskgit_step(probs, slots, s, steps, temperature, generator, code_offset, ma
     if tau > 0:
         logp = logp + tau * -torch.log(-torch.log(uniform(masked.shape, generator, slots.device)))
     conf = torch.where(masked, logp, math.inf)  # known slots are never re-masked
-    # floor(n cos(pi/2 (s+1)/T)) stay masked, clamped to [1, unknown - 1] (MMaDA's clamp); exactly
-    # that many by stable rank (MMaDA's "< cutoff" re-masks fewer on exact ties).
+    # Clamped to [1, unknown - 1] (MMaDA's clamp); exactly that many by stable rank (MMaDA's "< cutoff"
+    # re-masks fewer on exact ties).
     n = slots.shape[1]
     num_remask = (masked.sum(1) - 1).clamp(max=math.floor(n * _cosine((s + 1) / steps))).clamp(min=1)
     stay = conf.argsort(dim=-1, stable=True).argsort(dim=-1) < num_remask[:, None]  # (B, n)
@@ -365,8 +415,7 @@ def _cosine(u: float) -> float:  # masked fraction at time u in [0, 1]: kappa(u)
 
 def _sample_categorical(probs, generator):
     """One draw per row of probs (..., C) float64 by inverse CDF: (...,) int64. One uniform per draw (Gumbel
-    would need C), so a CPU generator stays cheap for 1024 x 8192 probabilities; float64 sums keep the bins
-    exact to ~1e-16, and scaling u by the total keeps it inside the last bin."""
+    would need C); float64 sums keep the bins exact to ~1e-16, and scaling u by the total keeps it inside."""
     cdf = probs.cumsum(-1)                                                         # (..., C)
     u = uniform(probs.shape[:-1], generator, probs.device) * cdf[..., -1]         # (...,)
     return torch.searchsorted(cdf, u[..., None], right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)

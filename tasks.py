@@ -313,7 +313,7 @@ class Ctx:
     device: torch.device
     datasets: dict                    # {task: {"train": rows, "test": rows}} (infra/data.load_data)
     scorer: object = None             # infra/sandbox.RemoteScorer for geneval rewards
-    text_sampler: object = None       # RL text rollouts: None = sample.generate (or infra/fast_sample.FastSampler)
+    text_sampler: object = None       # RL text rollouts: None = sample.generate (or sample.FastSampler)
 
 
 @torch.no_grad()

@@ -43,7 +43,7 @@ import grpo
 import importance
 import tasks
 from infra import budget, checkpoint, claims, cli, lora, phases, scale, timing, tracker
-from infra.fast_sample import FastSampler
+from sample import FastSampler
 from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, eval_batches,
                        failures_in_one_line, print_held_out, start)
 from infra.scale import print0

@@ -26,7 +26,7 @@ import torch
 import tasks
 from infra import checkpoint, claims, heldout, lora, phases, scale
 from infra.data import load_data
-from infra.fast_sample import FastSampler
+from sample import FastSampler
 from infra.load import WriteFailed, load_policy, reference_identity, report_truncation, save_model, writer_error
 from infra.outdir import logged_steps, release_out_dir, resume_point, startup_checks
 from infra.scale import print0

@@ -16,7 +16,7 @@ import grpo
 import importance
 import sample
 import tasks
-from infra import fast_sample, hf, lora, scale, tracker
+from infra import hf, lora, scale, tracker
 from infra.data import data_paths
 from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
@@ -49,7 +49,7 @@ def validate_generation(o) -> None:
          f"steps ({o.steps}) must be a positive multiple of the number of blocks ({blocks}); "
          f"try --steps={blocks * max(1, o.steps // blocks)}")
     need(o.temperature >= 0, f"temperature ({o.temperature}) must be >= 0")
-    need(o.kv_cache in fast_sample.KV_CACHES, f"kv_cache ({o.kv_cache!r}) must be {_one_of(fast_sample.KV_CACHES)}")
+    need(o.kv_cache in sample.KV_CACHES, f"kv_cache ({o.kv_cache!r}) must be {_one_of(sample.KV_CACHES)}")
     need(0 <= o.threshold < 1, f"threshold ({o.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
     need(o.image_sampler in sample.IMAGE_SAMPLERS,
          f"image_sampler ({o.image_sampler!r}) must be {_one_of(sample.IMAGE_SAMPLERS)}")

@@ -20,7 +20,7 @@ import evaluate
 import sample
 import tasks
 import train
-from infra import fast_sample, heldout, scale
+from infra import heldout, scale
 
 from test_trajectory import base, fake_score  # noqa: F401 (base: the tiny random smoke model, a fixture)
 
@@ -45,7 +45,7 @@ def naive(model, ctx, temperature, **fast):
         b = tasks.make_batch("text", rows[start:start + 64], tok, ids, cfg, ctx.device, with_targets=False)
         gens = [sample.generator("cpu", cfg.seed, "eval-sampling", "text", temperature, j)
                 for j in range(start, start + b.x.shape[0])]
-        x = fast_sample.generate(model, b.x[:, :b.prompt_len], gen_length=cfg.gen_length,
+        x = sample.fast_generate(model, b.x[:, :b.prompt_len], gen_length=cfg.gen_length,
                                  block_length=cfg.block_length, steps=cfg.steps, temperature=temperature,
                                  mask_id=ids.mask, generator=gens, attention_mask=b.attention_mask[:, :b.prompt_len],
                                  **fast)

@@ -1,4 +1,4 @@
-"""The fast text sampler infra/fast_sample.py (kv_cache, threshold) and model.py's cached forward: the
+"""The fast text sampler sample.fast_generate (kv_cache, threshold) and model.py's cached forward: the
 defaults stay the reference (sample.generate itself), the cached forward equals the plain one on a fresh
 cache, the fast paths decode every position and leave the prompt alone, they equal exact decoding on a model
 for which the cache is not an approximation, and FastSampler's statistics are what the decoding order shows.
@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import ModelConfig, Transformer
-from infra import fast_sample, hf
-from infra.fast_sample import generate
+from infra import hf
+from sample import fast_generate as generate
 import sample
 
 
@@ -130,7 +130,7 @@ def test_cached_forward_refuses_a_slice_without_its_cache():
 
 
 # -----------------------------------------------------------------------------------------------------
-# infra/fast_sample.py: the fast paths
+# sample.fast_generate: the fast paths
 
 
 @pytest.mark.parametrize("kv_cache, threshold", FAST)
@@ -269,7 +269,7 @@ def test_fast_sampler_sums_its_calls_until_take_log():
     stub at temperature 0 (position i commits argmax table[i], of probability max softmax(table[i]))."""
     model, table = table_stub()
     conf = torch.softmax(table, -1).max(-1).values                                 # (64,)
-    sampler = fast_sample.FastSampler("none", 0.5)
+    sampler = sample.FastSampler("none", 0.5)
     calls = [(5, 16, 4, 16, 2), (3, 8, 8, 4, 3)]                                   # P, G, K, steps, B
     want = [0, 0, 0, 0.0]
     for P, G, K, S, B in calls:
@@ -309,7 +309,7 @@ def test_cache_needs_a_model_with_cache_arguments():
 
 
 # -----------------------------------------------------------------------------
-# fast_sample.generate's fast-step noise and reveal order at temperature > 0, replayed by a naive loop written here from
+# sample.fast_generate's fast-step noise and reveal order at temperature > 0, replayed by a naive loop written here from
 # its documented behaviour: per block and step, each row whose block still has a mask draws its own uniforms
 # (float64, block positions x vocabulary, for the Gumbel-max token; then float32, block positions, for "random"
 # remasking), commits the top ceil(masked left / steps left) masked positions by confidence plus every one

@@ -14,7 +14,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import grpo
 import importance
 import sample
-from infra import fast_sample
 from test_sample import gen, prompts, tiny_model
 
 READS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten._unique2.default",
@@ -60,14 +59,14 @@ def test_the_fast_sampler_reads_once_per_step(monkeypatch, kv_cache, threshold):
     forwards, stats = [], {}
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
     with HostReads(monkeypatch) as reads:
-        _, order = fast_sample.generate(model, p, gen_length=16, block_length=8, steps=8, mask_id=63,
+        _, order = sample.fast_generate(model, p, gen_length=16, block_length=8, steps=8, mask_id=63,
                                         attention_mask=am, kv_cache=kv_cache, threshold=threshold, stats=stats,
                                         return_order=True)
     used = [int(order[:, 5 + 8 * b:13 + 8 * b].max()) - 4 * b + 1 for b in range(2)]  # steps each block took
     assert len(forwards) == sum(used) and (threshold == 0) == (sum(used) == 8), used
     assert reads.count == {"_local_scalar_dense": 1, "tolist": sum(used) + sum(u < 4 for u in used)}, reads.count
     assert len(stats["steps"]) == sum(used)
-    fast_sample.fast_summary("text", stats, "cpu")
+    sample.fast_summary("text", stats, "cpu")
     assert stats["tokens"] == 3 * 16 and "steps" not in stats  # each completion position committed once
 
 

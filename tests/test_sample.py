@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sample
-from infra import fast_sample
 from model import ModelConfig, Transformer
 from sample import generate, generate_image, transfer_schedule
 from infra import hf
@@ -173,7 +172,7 @@ def test_per_row_generators_make_rows_batch_independent(kw):
     is the same alone, in a batch, or in another order (train.py shards rollouts across processes)."""
     model, p = tiny_model(dtype=torch.float64), prompts(B=4, high=60)
     args = dict(gen_length=8, block_length=4, steps=8, mask_id=63, temperature=1.0, **kw)
-    run = fast_sample.generate if "kv_cache" in kw else generate
+    run = sample.fast_generate if "kv_cache" in kw else generate
     whole = run(model, p, generator=[gen(10 + i) for i in range(4)], **args)
     for i in range(4):
         alone = run(model, p[i:i + 1], generator=[gen(10 + i)], **args)
@@ -197,10 +196,10 @@ def test_per_row_generators_threshold_rows_finishing_apart():
         return logits
     p = torch.tensor([[0, 3, 4], [1, 3, 4]])
     args = dict(gen_length=12, block_length=4, steps=12, mask_id=MASK, temperature=1.0, threshold=0.4)
-    whole = fast_sample.generate(Recorder(fn), p, generator=[gen(1), gen(2)], **args)
+    whole = sample.fast_generate(Recorder(fn), p, generator=[gen(1), gen(2)], **args)
     assert set(whole[0, 3:].tolist()) == {5, 6}  # the fast row's tokens do depend on its noise
     for i in range(2):
-        alone = fast_sample.generate(Recorder(fn), p[i:i + 1], generator=[gen(1 + i)], **args)
+        alone = sample.fast_generate(Recorder(fn), p[i:i + 1], generator=[gen(1 + i)], **args)
         assert torch.equal(alone[0], whole[i]), i
 
 
@@ -538,7 +537,7 @@ def test_cache_modes_recompute_what_they_say(kv_cache, threshold):
     spy = Spy(model)
     P, G, K = 5, 12, 4
     p = torch.randint(2, 60, (2, P), generator=torch.Generator().manual_seed(3))
-    out = fast_sample.generate(spy, p, gen_length=G, block_length=K, steps=G, mask_id=MASK2, kv_cache=kv_cache,
+    out = sample.fast_generate(spy, p, gen_length=G, block_length=K, steps=G, mask_id=MASK2, kv_cache=kv_cache,
                                threshold=threshold)
     assert not (out == MASK2).any()
     L = P + G

@@ -16,7 +16,7 @@ import rewards
 import sample
 import tasks
 from conftest import ROOT
-from infra import data, fast_sample, hf, toy
+from infra import data, hf, toy
 from tools import bench
 from tools import sample as sample_cli
 from tools import stub_scorer
@@ -49,7 +49,7 @@ def spy(monkeypatch):
         out = ids.clone()
         out[:, kw["image_start"]:kw["image_start"] + kw["num_tokens"]] = kw["code_offset"] + 2
         return out
-    monkeypatch.setattr(fast_sample, "generate", text)
+    monkeypatch.setattr(sample, "fast_generate", text)
     monkeypatch.setattr(sample, "generate_image", image)
     return calls
 

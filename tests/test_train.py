@@ -21,7 +21,7 @@ import rewards
 import sample
 import tasks
 import train
-from infra import fast_sample, heldout, hf, lora
+from infra import heldout, hf, lora
 from infra import toy as toy_world
 from infra.budget import scratch_config
 from infra.load import load_policy
@@ -391,7 +391,7 @@ def test_evaluate_cli_greedy_and_sampled_modes(toy_model, tmp_path, monkeypatch,
 
 def rl_step(toy_model, monkeypatch, *flags, calls):
     tok, ids, model = toy_model
-    for module, name in ((sample, "generate"), (fast_sample, "generate"), (sample, "generate_image"),
+    for module, name in ((sample, "generate"), (sample, "fast_generate"), (sample, "generate_image"),
                          (importance, "reverse_mask"),
                          (importance, "reversed_masks"), (importance, "d1_masks"), (grpo, "policy_loss")):
         spy(monkeypatch, module, name, calls)
@@ -407,7 +407,7 @@ def rl_step(toy_model, monkeypatch, *flags, calls):
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
     fast = cfg.kv_cache != "none" or cfg.threshold > 0  # as train.main builds its Ctx
     ctx = tasks.Ctx(cfg, tok, ids, CPU, {},
-                    text_sampler=fast_sample.FastSampler(cfg.kv_cache, cfg.threshold) if fast else None)
+                    text_sampler=sample.FastSampler(cfg.kv_cache, cfg.threshold) if fast else None)
     log, rolls = train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))
     return cfg, log, rolls, scored
 
@@ -455,7 +455,7 @@ def test_fast_sampler_and_estimator_settings(toy_model, monkeypatch, estimator):
     cfg, log, (r,), _ = rl_step(toy_model, monkeypatch, "--tasks=text", "--kv_cache=prefix", "--threshold=0.5",
                                 f"--estimator={estimator}", "--p_mask_prompt=0.3", "--mu=2",
                                 "--temperature=0.9", calls=calls)
-    fast = [kw for name, _, kw in calls if name == "generate" and "kv_cache" in kw]
+    fast = [kw for name, _, kw in calls if name == "fast_generate" and "kv_cache" in kw]
     assert fast and all((kw["kv_cache"], kw["threshold"], kw["temperature"]) == ("prefix", 0.5, 0.9) for kw in fast)
     if estimator == "d1":
         (kw,) = [kw for name, _, kw in calls if name == "d1_masks"]

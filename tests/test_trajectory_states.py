@@ -22,7 +22,7 @@ import importance
 import sample
 import tasks
 import train
-from infra import fast_sample, lora
+from infra import lora
 
 
 # The tiny model, the spread-out reward and the gradient recorder of the full-trajectory tests.
@@ -188,7 +188,7 @@ def test_fast_rollout_statistics_match_the_decoding_order(base, kv_cache, thresh
     ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
     exs = tasks.make_batch("text", [tasks.make_example("text", __import__("random").Random(i), cfg, "test", 0.0)
                                     for i in range(6)], tok, ids, cfg, ctx.device, with_targets=False)
-    sampler, P = fast_sample.FastSampler(cfg.kv_cache, cfg.threshold), exs.prompt_len
+    sampler, P = sample.FastSampler(cfg.kv_cache, cfg.threshold), exs.prompt_len
     order = torch.cat([sampler(model, exs.x[rows, :P], gen_length=exs.window, block_length=cfg.block_length,
                                steps=cfg.steps, mask_id=ids.mask, attention_mask=exs.attention_mask[rows, :P],
                                return_order=True)[1] for rows in (slice(0, 4), slice(4, 6))])  # two calls, summed
@@ -203,7 +203,7 @@ def test_fast_rollout_statistics_match_the_decoding_order(base, kv_cache, thresh
     else:
         assert max(per_step) > 1
     assert 0 < log["text/committed_conf"] <= 1
-    assert fast_sample.fast_summary("text", None, ctx.device) == {}  # no statistics, no entries
+    assert sample.fast_summary("text", None, ctx.device) == {}  # no statistics, no entries
 
 
 # -----------------------------------------------------------------------------

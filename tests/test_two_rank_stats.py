@@ -23,7 +23,8 @@ import torch
 import grpo
 import importance
 import train
-from infra import fast_sample, scale
+import sample
+from infra import scale
 from tasks import Batch
 
 COMBINE = {"sum": lambda a, b: a + b, "max": torch.maximum, "cat": lambda a, b: torch.cat([a, b])}
@@ -106,11 +107,11 @@ def test_step_log_at_two_ranks_by_hand(monkeypatch):
 
 
 def test_committed_per_step_max_is_a_max_over_ranks(monkeypatch):
-    """Fast-dLLM statistics (infra/fast_sample.fast_summary): rank 0 committed 12 tokens in 10 row-steps, at
+    """Fast-dLLM statistics (sample.fast_summary): rank 0 committed 12 tokens in 10 row-steps, at
     most 3 at once; rank 1 6 tokens in 6 row-steps, 1 at a time."""
     stats = {0: {"row_steps": 10, "tokens": 12, "conf_sum": 6.0, "max": 3},
              1: {"row_steps": 6, "tokens": 6, "conf_sum": 4.5, "max": 1}}
-    logs = at_two_ranks(monkeypatch, lambda r: fast_sample.fast_summary("text", stats[r], torch.device("cpu")))
+    logs = at_two_ranks(monkeypatch, lambda r: sample.fast_summary("text", stats[r], torch.device("cpu")))
     assert logs[0] == logs[1] == pytest.approx({"text/committed_per_step": 18 / 16, "text/committed_per_step_max": 3.0,
                                                 "text/committed_conf": 10.5 / 18})
 

@@ -1,4 +1,4 @@
-"""Rollout speed of sample.generate and infra/fast_sample.generate against LLaDA's public generate() (a benchmark).
+"""Rollout speed of sample.generate and sample.fast_generate against LLaDA's public generate() (a benchmark).
 
     python -m tools.bench --threads 1           # both random models, one repetition
     python -m tools.bench --quick --threads 1   # smoke run: gen length 64, a 2-layer 256-d "llada"
@@ -9,7 +9,7 @@
 
 One table, all measured in this run: tokens/second of LLaDA's public generate() loop (re-implemented below:
 the output head and the softmax over the whole sequence at every step), of sample.generate's exact sampler
-(the same tokens, the head only where a step chooses) and of infra/fast_sample.py's opt-in approximations,
+(the same tokens, the head only where a step chooses) and of sample.fast_generate's opt-in approximations,
 Fast-dLLM's prefix and dual KV caches and its confidence-threshold parallel decoding (arXiv:2505.22618), alone
 and combined; the speed ratio to the public loop; forward passes; token agreement with the public loop's output
 at temperature 0; peak memory. Random models: prompt 64 (left-padded to 48-64 real tokens), gen length 128,
@@ -57,7 +57,8 @@ import time
 import torch
 
 from model import ModelConfig, Transformer
-from infra import cli, fast_sample, hf, settings
+import sample
+from infra import cli, hf, settings
 from sample import generate
 from infra.sandbox import run_code
 
@@ -213,7 +214,7 @@ def run(model, prompts, mask, gen, kv_cache, threshold, memory):
                 out = generate(FullHead(model), prompts, attention_mask=mask, gen_length=gen[0],
                                block_length=gen[1], steps=gen[2], mask_id=mask_id)
             else:
-                out = fast_sample.generate(model, prompts, attention_mask=mask, gen_length=gen[0],
+                out = sample.fast_generate(model, prompts, attention_mask=mask, gen_length=gen[0],
                                            block_length=gen[1], steps=gen[2], mask_id=mask_id, kv_cache=kv_cache,
                                            threshold=threshold)
             sync()

@@ -26,7 +26,7 @@ import torch
 
 import sample
 import tasks
-from infra import cli, fast_sample, hf, plots
+from infra import cli, hf, plots
 from infra.hf import load_tokenizer
 from infra.load import refuse_training_checkpoint
 from infra.settings import GENERATION_FILE, read_generation_settings, validate_generation
@@ -97,7 +97,7 @@ def main(argv=None):
     check_length(len(ids), o.gen_length, config, o.ckpt)
     model, device, gen = _load(o)
     prompt = torch.tensor([ids], device=device)                                          # (1, P)
-    out = fast_sample.generate(model, prompt, gen_length=o.gen_length, block_length=o.block_length, steps=o.steps,
+    out = sample.fast_generate(model, prompt, gen_length=o.gen_length, block_length=o.block_length, steps=o.steps,
                                temperature=o.temperature, mask_id=model.config.mask_token_id, generator=gen,
                                kv_cache=o.kv_cache, threshold=o.threshold, remasking=o.remasking,
                                cfg_scale=o.text_cfg_scale, progress=cli.bars_shown())
