@@ -1,5 +1,5 @@
 """Resumable training state: atomic, sharded, rotated checkpoints; what a resume may change; stopping on a
-signal with a checkpoint.
+signal with a checkpoint, and output that survives its reader going away (a closed terminal, a dropped ssh).
 
     out_dir/checkpoints/step-00000010/      complete: .metadata and *.distcp (model or LoRA adapter, AdamW),
                                             state.json (step, config, rewards before RL, reference identity)
@@ -13,8 +13,11 @@ the newest intact one. No RNG state is saved: every draw comes from a generator 
 """
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
+import select
 import shutil
 import signal
 import sys
@@ -23,7 +26,7 @@ import warnings
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from infra import cli, scale
+from infra import scale
 
 DIRNAME, PREFIX, TMP = "checkpoints", "step-", ".tmp"
 # Fault injection for tests/test_resume.py: SIGKILL in the middle of writing this step's checkpoint.
@@ -191,17 +194,12 @@ def _say_in_handler(text: str) -> None:
     """Print from a signal handler (rank 0), never raising: re-entering a buffered sys.stdout mid-print raises, so
     the line goes straight to the descriptor (a test's capture, with none, gets a print); output nobody reads is
     dropped, as the checkpoint the handler leads to matters more than the line."""
-    if scale.rank() != 0:
-        return
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both
-        fd = None
-    with suppress(OSError, ValueError):
-        if fd is None:
-            print(text, flush=True)
-        else:
-            os.write(fd, (text + "\n").encode())
+    if scale.rank() == 0:
+        with suppress(OSError, ValueError):
+            try:
+                os.write(sys.stdout.fileno(), (text + "\n").encode())
+            except (AttributeError, io.UnsupportedOperation):
+                print(text, flush=True)
 
 
 # The signals a run stops on with a checkpoint: a scheduler's or launcher's SIGTERM, Ctrl-C's SIGINT, and the
@@ -218,12 +216,82 @@ class Aborted(KeyboardInterrupt):
         self.signum = signum
 
 
+def output_gone(fd: int) -> bool:
+    """Whether nobody reads fd any more: a terminal that hung up (POLLHUP; every write fails with EIO) or a
+    pipe whose reader left (POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+def silence(fd: int) -> None:
+    """Point fd at /dev/null, so that later prints to it succeed (and go nowhere) instead of raising."""
+    with suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+
+
+class _Unbroken:
+    """A real sys.stdout or sys.stderr whose write fails because nobody reads any more (EIO, EPIPE, EBADF) is
+    silenced and goes on, and a full non-blocking pipe (EAGAIN) drops the line: losing a message must not lose
+    the run (its step finishes and its checkpoint is written)."""
+
+    GONE = (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO)
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guarded(self, call, *text):
+        try:
+            return call(*text)
+        except OSError as e:
+            if not isinstance(e, BlockingIOError):
+                if e.errno not in self.GONE:
+                    raise
+                silence(self._stream.fileno())
+                with suppress(OSError, ValueError):
+                    self._stream.flush()  # what the buffer still holds goes to /dev/null
+            return len(text[0]) if text else None
+
+    def write(self, text):
+        return self._guarded(self._stream.write, text)
+
+    def flush(self):
+        self._guarded(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def output_may_vanish():
+    """sys.stdout and sys.stderr that survive their reader going away (_Unbroken), where they are real files (a
+    test's in-memory capture is left alone); restored afterwards."""
+    saved = sys.stdout, sys.stderr
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            stream.fileno()
+        except (AttributeError, ValueError, OSError):
+            continue
+        if not isinstance(stream, _Unbroken):
+            setattr(sys, name, _Unbroken(stream))
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 def away_from_gone_output() -> None:
     """stdout and stderr that nobody reads any more (a closed terminal's SIGHUP) go to /dev/null, so that the run
     finishes its step, writes its checkpoint and exits cleanly instead of dying at its next print."""
     for fd in (1, 2):
-        if cli.output_gone(fd):
-            cli.silence(fd)
+        if output_gone(fd):
+            silence(fd)
 
 
 @contextmanager

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import errno
 import functools
 import inspect
 import io
@@ -18,7 +17,6 @@ import json
 import math
 import os
 import re
-import select
 import sys
 import tokenize
 from contextlib import contextmanager
@@ -33,7 +31,7 @@ import grpo
 import importance
 import sample
 import tasks
-from infra import fast_sample, hf, lora, scale, tracker
+from infra import checkpoint, fast_sample, hf, lora, scale, tracker
 from infra.data import data_paths
 from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
@@ -104,16 +102,6 @@ def flag_fields(cls, inherited: set | None = None) -> list:
     return mine + base if mine and base else mine or base
 
 
-def preset_named(argv, presets: dict) -> str:
-    """The --preset NAME given in argv, else the first preset (the one that applies when none is given)."""
-    for i, a in enumerate(argv):
-        if a.startswith("--preset="):
-            return a.split("=", 1)[1]
-        if a == "--preset" and i + 1 < len(argv):
-            return argv[i + 1]
-    return next(iter(presets))
-
-
 def parser(cls, description: str, presets: dict | None = None, argv=(), defaults: dict | None = None,
            inherited: set | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     """One flag per field of `cls` (and --preset), each defaulting to None so that parse() sees what was typed;
@@ -125,8 +113,11 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
                                 epilog=EPILOGS.get(cls.__name__), prog=prog)
     base, name = dict(defaults or {}), None
     if presets is not None:
-        first, name = next(iter(presets)), preset_named(list(argv), presets)
+        first = next(iter(presets))
         p.add_argument("--preset", default=first, help=f"one of {', '.join(presets)}; {first} when none is given")
+        named = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
+        named.add_argument("--preset", default=first)
+        name = named.parse_known_args(list(argv))[0].preset
         base.update(presets.get(name, {}))
     types = {"int": int, "float": float, "str": str, "bool": parse_bool}
     comments = field_comments(cls)
@@ -449,88 +440,19 @@ def read_generation_settings(path) -> dict:
     return saved
 
 
-def output_gone(fd: int) -> bool:
-    """Whether nobody reads fd any more: a terminal that hung up (POLLHUP; every write fails with EIO) or a
-    pipe whose reader left (POLLERR)."""
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLOUT)
-        return any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0))
-    except (OSError, ValueError):
-        return False
-
-
-def silence(fd: int) -> None:
-    """Point fd at /dev/null, so that later prints to it succeed (and go nowhere) instead of raising."""
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, fd)
-        os.close(null)
-    except OSError:
-        pass
-
-
-class _Unbroken:
-    """A real sys.stdout or sys.stderr whose write fails because nobody reads any more (EIO, EPIPE, EBADF) is
-    silenced and goes on, and a full non-blocking pipe (EAGAIN) drops the line: losing a message must not lose
-    the run (its step finishes and its checkpoint is written; infra/checkpoint.graceful_stop)."""
-
-    GONE = (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO)
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def _failed(self, e: OSError) -> None:
-        if isinstance(e, BlockingIOError):
-            return
-        if e.errno not in self.GONE:
-            raise e
-        silence(self._stream.fileno())
-        try:
-            self._stream.flush()  # what the buffer still holds goes to /dev/null
-        except (OSError, ValueError):
-            pass
-
-    def write(self, text):
-        try:
-            return self._stream.write(text)
-        except OSError as e:
-            self._failed(e)
-            return len(text)
-
-    def flush(self):
-        try:
-            self._stream.flush()
-        except OSError as e:
-            self._failed(e)
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
 @contextmanager
 def user_errors():
     """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2; Ctrl-C -> exit 130;
-    no traceback (programming errors keep theirs). Output whose reader is gone is dropped (_Unbroken)."""
-    saved = sys.stdout, sys.stderr
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
+    no traceback (programming errors keep theirs). Output whose reader is gone is dropped, not raised."""
+    with checkpoint.output_may_vanish():
         try:
-            stream.fileno()  # a test's in-memory capture has none, and is left alone
-        except (AttributeError, ValueError, OSError):
-            continue
-        if not isinstance(stream, _Unbroken):
-            setattr(sys, name, _Unbroken(stream))
-    try:
-        yield
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(USER_ERROR)
-    except KeyboardInterrupt:
-        print("interrupted (Ctrl-C)", file=sys.stderr)
-        sys.exit(130)
-    finally:
-        sys.stdout, sys.stderr = saved
+            yield
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(USER_ERROR)
+        except KeyboardInterrupt:
+            print("interrupted (Ctrl-C)", file=sys.stderr)
+            sys.exit(130)
 
 
 def bars_shown(file=None) -> bool:
