@@ -32,7 +32,6 @@ import importance
 import sample
 import tasks
 from infra import checkpoint, fast_sample, hf, lora, scale, tracker
-from infra.data import data_paths
 from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
 
@@ -187,6 +186,20 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     obj._given, obj._preset = frozenset(given), (args.preset if presets is not None else None)
     obj._preset_values = dict(presets[args.preset]) if presets is not None else {}
     return obj
+
+
+def data_paths(spec: str, name: str) -> dict[str, str]:
+    """--train_data / --eval_data "gsm8k=a.jsonl,math=b.jsonl" -> {"gsm8k": "a.jsonl", "math": "b.jsonl"}."""
+    known = [t for t in tasks.TASKS if t not in TOY_TASKS]  # the benchmarks, whose files infra/data.py reads
+    out = {}
+    for item in filter(None, spec.split(",")):
+        task, eq, path = item.partition("=")
+        if not eq or not path or task not in known:
+            raise ValueError(f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(known)}")
+        if task in out:  # the last would silently win
+            raise ValueError(f"{name} names task {task} twice ({out[task]} and {path}); give one file per task")
+        out[task] = path
+    return out
 
 
 def _need(ok, msg):
