@@ -190,32 +190,6 @@ def changeable_hint(changed) -> str:
             f"--change_on_resume={','.join(names)})") if names else ""
 
 
-def _say_in_handler(text: str) -> None:
-    """Print from a signal handler (rank 0), never raising: re-entering a buffered sys.stdout mid-print raises, so
-    the line goes straight to the descriptor (a test's capture, with none, gets a print); output nobody reads is
-    dropped, as the checkpoint the handler leads to matters more than the line."""
-    if scale.rank() == 0:
-        with suppress(OSError, ValueError):
-            try:
-                os.write(sys.stdout.fileno(), (text + "\n").encode())
-            except (AttributeError, io.UnsupportedOperation):
-                print(text, flush=True)
-
-
-# The signals a run stops on with a checkpoint: a scheduler's or launcher's SIGTERM, Ctrl-C's SIGINT, and the
-# SIGHUP of a closed terminal or a dropped ssh session (which would otherwise kill the run at once).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-class Aborted(KeyboardInterrupt):
-    """A second stop signal: the work in progress is dropped at once. A KeyboardInterrupt, so that every handler
-    of Ctrl-C on the way treats it as one."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def output_gone(fd: int) -> bool:
     """Whether nobody reads fd any more: a terminal that hung up (POLLHUP; every write fails with EIO) or a
     pipe whose reader left (POLLERR)."""
@@ -292,6 +266,32 @@ def away_from_gone_output() -> None:
     for fd in (1, 2):
         if output_gone(fd):
             silence(fd)
+
+
+def _say_in_handler(text: str) -> None:
+    """Print from a signal handler (rank 0), never raising: re-entering a buffered sys.stdout mid-print raises, so
+    the line goes straight to the descriptor (a test's capture, with none, gets a print); output nobody reads is
+    dropped, as the checkpoint the handler leads to matters more than the line."""
+    if scale.rank() == 0:
+        with suppress(OSError, ValueError):
+            try:
+                os.write(sys.stdout.fileno(), (text + "\n").encode())
+            except (AttributeError, io.UnsupportedOperation):
+                print(text, flush=True)
+
+
+# The signals a run stops on with a checkpoint: a scheduler's or launcher's SIGTERM, Ctrl-C's SIGINT, and the
+# SIGHUP of a closed terminal or a dropped ssh session (which would otherwise kill the run at once).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Aborted(KeyboardInterrupt):
+    """A second stop signal: the work in progress is dropped at once. A KeyboardInterrupt, so that every handler
+    of Ctrl-C on the way treats it as one."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @contextmanager

@@ -97,8 +97,7 @@ def flag_fields(cls, inherited: set | None = None) -> list:
     `inherited`, when given: an entry point reusing train.Config takes only the settings it shares)."""
     own = set(getattr(cls, "__annotations__", {}))
     mine = [f for f in fields(cls) if f.name in own]
-    base = [f for f in fields(cls) if f.name not in own and (inherited is None or f.name in inherited)]
-    return mine + base if mine and base else mine or base
+    return mine + [f for f in fields(cls) if f.name not in own and (inherited is None or f.name in inherited)]
 
 
 def parser(cls, description: str, presets: dict | None = None, argv=(), defaults: dict | None = None,
@@ -110,14 +109,15 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
     # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
     p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False, allow_abbrev=False,
                                 epilog=EPILOGS.get(cls.__name__), prog=prog)
-    base, name = dict(defaults or {}), None
+    base, name, preset = dict(defaults or {}), None, {}
     if presets is not None:
         first = next(iter(presets))
         p.add_argument("--preset", default=first, help=f"one of {', '.join(presets)}; {first} when none is given")
         named = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
         named.add_argument("--preset", default=first)
         name = named.parse_known_args(list(argv))[0].preset
-        base.update(presets.get(name, {}))
+        preset = presets.get(name, {})
+        base.update(preset)
     types = {"int": int, "float": float, "str": str, "bool": parse_bool}
     comments = field_comments(cls)
     own = set(getattr(cls, "__annotations__", {}))
@@ -126,16 +126,12 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
         if f.name not in own and own and group is p:  # an entry point's own flags first, then train.py's
             group = p.add_argument_group("settings shared with train.py")
         kind = f.type if isinstance(f.type, str) else f.type.__name__  # with or without postponed annotations
+        default = "required" if f.default is MISSING else f"default {f.default!r}"
         if f.name in base:
-            default = f"{base[f.name]!r}" + (f" under --preset {name}" if presets is not None and
-                                             f.name in presets.get(name, {}) else "")
-        else:
-            default = "required" if f.default is MISSING else f"default {f.default!r}"
+            default = f"{base[f.name]!r}" + (f" under --preset {name}" if f.name in preset else "")
         text = (f"{comments[f.name]} ({default})" if f.name in comments else default).replace("%", "%%")
-        if kind == "bool":  # bare --flag means true
-            group.add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, default=None, help=text)
-        else:
-            group.add_argument(f"--{f.name}", type=types[kind], default=None, help=text)
+        bare = {"nargs": "?", "const": True} if kind == "bool" else {}  # bare --flag means true
+        group.add_argument(f"--{f.name}", type=types[kind], default=None, help=text, **bare)
     return p
 
 
@@ -202,7 +198,7 @@ def data_paths(spec: str, name: str) -> dict[str, str]:
     return out
 
 
-def _need(ok, msg):
+def need(ok, msg) -> None:
     if not ok:
         raise ValueError(msg)
 
@@ -213,7 +209,6 @@ def _one_of(names) -> str:
 
 def validate_generation(o) -> None:
     """The sampler settings train.Config and sample.py's options share (same names, same rules)."""
-    need = _need
     for k, v in vars(o).items():  # inf or nan would pass the range checks below (inf > 0) and fail mid-run
         need(not isinstance(v, float) or math.isfinite(v), f"{k} ({v}) must be a finite number")
     for k in ("gen_length", "block_length", "steps", "image_steps", "image_width"):
@@ -245,7 +240,6 @@ AT_LEAST = {1: ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "prompts_
 
 def validate(cfg) -> None:
     """Refuse impossible settings before any heavy work, naming the value and a fix."""
-    need = _need
     validate_generation(cfg)
     if cfg.init_from == "scratch" or cfg.dry_run:  # the sizes of the model built here (else: its config.json)
         for k in SCRATCH_SHAPE:
@@ -444,9 +438,7 @@ def read_generation_settings(path) -> dict:
         raise ValueError(f"{f} holds {type(saved).__name__}, not an object of settings; {fix}")
     for k, v in saved.items():
         kind = GENERATION_TYPES.get(k)
-        number = isinstance(v, (int, float)) and not isinstance(v, bool)  # JSON true is no number
-        ok = kind is None or (isinstance(v, str) if kind is str else number and (kind is float or isinstance(v, int)))
-        if not ok:
+        if kind is not None and type(v) is not kind and not (kind is float and type(v) is int):  # JSON true is no number
             what, like = {int: ("a whole number", 12), float: ("a number", 1.0), str: ("a string", "text")}[kind]
             raise ValueError(f"{f}: {k} is {json.dumps(v)}, not {what}; correct it (e.g. \"{k}\": "
                              f"{json.dumps(like)}), or {fix}")
