@@ -42,11 +42,11 @@ def _dcp():
 
 
 def _transfer(how: str, path, model, opt, trainable_only: bool) -> tuple:
-    """DCP save or load of the model's and AdamW's state dicts (with LoRA only the adapters: the frozen base is the
-    --init_from checkpoint, already on disk). DCP's warning that it assumes a single process is intended."""
+    """DCP save or load of the model's and AdamW's state dicts; with LoRA only the adapters (the frozen base is the
+    --init_from checkpoint, already on disk)."""
     options = _dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only)
     model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, opt, options=options)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # DCP's "assumes a single process" without a process group: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         getattr(_dcp(), how)({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     return model_sd, optim_sd
@@ -58,11 +58,8 @@ def _step_dir(out_dir, step: int, tmp: bool = False) -> Path:
 
 def complete(out_dir) -> list[Path]:
     """Complete checkpoints in out_dir, oldest first."""
-    root = Path(out_dir) / DIRNAME
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(TMP)
-             and (p / "state.json").is_file()]
+    found = [p for p in (Path(out_dir) / DIRNAME).glob(f"{PREFIX}*")
+             if not p.name.endswith(TMP) and (p / "state.json").is_file()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
@@ -191,8 +188,7 @@ def changeable_hint(changed) -> str:
 
 
 def output_gone(fd: int) -> bool:
-    """Whether nobody reads fd any more: a terminal that hung up (POLLHUP; every write fails with EIO) or a
-    pipe whose reader left (POLLERR)."""
+    """Whether nobody reads fd any more: a terminal that hung up (POLLHUP) or a pipe whose reader left (POLLERR)."""
     try:
         poller = select.poll()
         poller.register(fd, select.POLLOUT)
@@ -210,9 +206,8 @@ def silence(fd: int) -> None:
 
 
 class _Unbroken:
-    """A real sys.stdout or sys.stderr whose write fails because nobody reads any more (EIO, EPIPE, EBADF) is
-    silenced and goes on, and a full non-blocking pipe (EAGAIN) drops the line: losing a message must not lose
-    the run (its step finishes and its checkpoint is written)."""
+    """A real sys.stdout or sys.stderr that nobody reads any more (EIO, EPIPE, EBADF) is silenced, and a full
+    non-blocking pipe (EAGAIN) drops the line: losing a message must not lose the run or its checkpoint."""
 
     GONE = (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO)
 
@@ -243,8 +238,7 @@ class _Unbroken:
 
 @contextmanager
 def output_may_vanish():
-    """sys.stdout and sys.stderr that survive their reader going away (_Unbroken), where they are real files (a
-    test's in-memory capture is left alone); restored afterwards."""
+    """sys.stdout and sys.stderr as _Unbroken where they are real files (not a test's capture), then restored."""
     saved = sys.stdout, sys.stderr
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
@@ -261,7 +255,7 @@ def output_may_vanish():
 
 
 def away_from_gone_output() -> None:
-    """stdout and stderr that nobody reads any more (a closed terminal's SIGHUP) go to /dev/null, so that the run
+    """stdout and stderr nobody reads any more (SIGHUP: a closed terminal) go to /dev/null, so that the run
     finishes its step, writes its checkpoint and exits cleanly instead of dying at its next print."""
     for fd in (1, 2):
         if output_gone(fd):
@@ -286,8 +280,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Aborted(KeyboardInterrupt):
-    """A second stop signal: the work in progress is dropped at once. A KeyboardInterrupt, so that every handler
-    of Ctrl-C on the way treats it as one."""
+    """A second stop signal: the work in progress is dropped at once (a KeyboardInterrupt, handled as Ctrl-C)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)

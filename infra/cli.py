@@ -168,19 +168,17 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
                          + (f"; {hint}" if hint else ""))
     given = {k: expand_home(k, v) if isinstance(v, str) else v for k, v in vars(args).items()
              if v is not None and k != "preset"}
-    base = dict(defaults or {})
-    if presets is not None:
-        if args.preset not in presets:
-            raise ValueError(f"unknown preset {args.preset!r}; choose one of {', '.join(presets)}")
-        base.update(presets[args.preset])
-    missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in {**base, **given}]
+    if presets is not None and args.preset not in presets:
+        raise ValueError(f"unknown preset {args.preset!r}; choose one of {', '.join(presets)}")
+    preset = dict(presets[args.preset]) if presets is not None else {}
+    values = {**(defaults or {}), **preset, **given}
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in values]
     if missing:
         raise ValueError("missing " + ", ".join(f"--{m}" for m in missing))
-    obj = cls(**{**base, **given})
+    obj = cls(**values)
     # What was typed and which preset, for checks that refuse a flag the other inputs make meaningless
     # (not fields: asdict, config.json and replace() never see them).
-    obj._given, obj._preset = frozenset(given), (args.preset if presets is not None else None)
-    obj._preset_values = dict(presets[args.preset]) if presets is not None else {}
+    obj._given, obj._preset, obj._preset_values = frozenset(given), getattr(args, "preset", None), preset
     return obj
 
 
@@ -413,8 +411,8 @@ def setup(cfg) -> tuple[torch.device, torch.dtype]:
 
 
 # A checkpoint carries the settings it was trained to generate with, so that sample.py and evaluate.py decode it
-# as it was trained (each flag still overrides them), and those its held-out evaluation scored with; each of
-# train.Config's type (a float field takes an integer too).
+# as it was trained (each flag still overrides them), and those its held-out evaluation scored with, each of
+# its type in train.Config.
 GENERATION_FILE = "generation.json"
 GENERATION_TYPES = {"tasks": str, "gen_length": int, "block_length": int, "steps": int, "temperature": float,
                     "image_steps": int, "image_sampler": str, "cfg_scale": float, "image_width": int,
@@ -437,8 +435,8 @@ def read_generation_settings(path) -> dict:
     if not isinstance(saved, dict):
         raise ValueError(f"{f} holds {type(saved).__name__}, not an object of settings; {fix}")
     for k, v in saved.items():
-        kind = GENERATION_TYPES.get(k)
-        if kind is not None and type(v) is not kind and not (kind is float and type(v) is int):  # JSON true is no number
+        kind = GENERATION_TYPES.get(k, type(v))  # a float takes an int; JSON true is a bool, no int
+        if type(v) is not kind and not (kind is float and type(v) is int):
             what, like = {int: ("a whole number", 12), float: ("a number", 1.0), str: ("a string", "text")}[kind]
             raise ValueError(f"{f}: {k} is {json.dumps(v)}, not {what}; correct it (e.g. \"{k}\": "
                              f"{json.dumps(like)}), or {fix}")
