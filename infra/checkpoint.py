@@ -1,15 +1,14 @@
 """Resumable training state: atomic, sharded, rotated checkpoints; what a resume may change; stopping on a
 signal with a checkpoint, and output that survives its reader going away (a closed terminal, a dropped ssh).
 
-    out_dir/checkpoints/step-00000010/      complete: .metadata and *.distcp (model or LoRA adapter, AdamW),
+    out_dir/checkpoints/step-00000010/      complete: .metadata, *.distcp (model or LoRA adapter, AdamW) and
                                             state.json (step, config, rewards before RL, reference identity)
     out_dir/checkpoints/step-00000020.tmp/  being written, or left by a crash: never loaded, removed later
 
-Tensors go through torch.distributed.checkpoint (DCP): under FSDP2 every rank writes its shards, and DCP reshards
-on load (saved on 8 GPUs, resumed on 4 or on one process). A checkpoint is written into `step-N.tmp`, fsynced and
-renamed (atomic on POSIX), so a directory without `.tmp` is complete; one damaged later (a shard cut short, a
-state.json edited) is found by `damage` from DCP's index of offsets and lengths, and `--resume` falls back to
-the newest intact one. No RNG state is saved: every draw comes from a generator seeded by (seed, step, index).
+Tensors go through torch.distributed.checkpoint (DCP): every rank writes its shards, and DCP reshards on load (a
+run saved on 8 GPUs resumes on 4 or on one process). A checkpoint is written into `step-N.tmp`, fsynced, then
+renamed (atomic on POSIX); `damage` finds one damaged later from DCP's index of offsets and lengths. No RNG state
+is saved: every draw comes from a generator seeded by (seed, step, index).
 """
 from __future__ import annotations
 

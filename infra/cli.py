@@ -213,13 +213,11 @@ def validate_generation(o) -> None:
         need(getattr(o, k) >= 1, f"{k} ({getattr(o, k)}) must be >= 1")
     need(o.steps <= o.gen_length, f"steps ({o.steps}) must be <= gen_length ({o.gen_length}): each step commits at "
          f"least one token, so steps beyond gen_length do nothing; try --steps={o.gen_length}")
-    need(o.gen_length % o.block_length == 0,
-         f"gen_length ({o.gen_length}) must be divisible by block_length ({o.block_length}); "
-         f"try --block_length={o.gen_length}")
+    need(o.gen_length % o.block_length == 0, f"gen_length ({o.gen_length}) must be divisible by block_length "
+         f"({o.block_length}); try --block_length={o.gen_length}")
     blocks = o.gen_length // o.block_length
-    need(o.steps % blocks == 0 and o.steps >= blocks,
-         f"steps ({o.steps}) must be a positive multiple of the number of blocks ({blocks}); "
-         f"try --steps={blocks * max(1, o.steps // blocks)}")
+    need(o.steps % blocks == 0 and o.steps >= blocks, f"steps ({o.steps}) must be a positive multiple of the number "
+         f"of blocks ({blocks}); try --steps={blocks * max(1, o.steps // blocks)}")
     need(o.temperature >= 0, f"temperature ({o.temperature}) must be >= 0")
     need(o.kv_cache in fast_sample.KV_CACHES, f"kv_cache ({o.kv_cache!r}) must be {_one_of(fast_sample.KV_CACHES)}")
     need(0 <= o.threshold < 1, f"threshold ({o.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
@@ -300,9 +298,8 @@ def validate(cfg) -> None:
     for field_name, paths in (("train_data", train_files), ("eval_data", data_paths(cfg.eval_data, "eval_data"))):
         extra = [t for t in paths if t not in real]
         need(not extra, f"{field_name} names {extra}, which are not among the RL tasks {chosen}")
-    need("geneval" not in real or cfg.image_scorer_url or cfg.dry_run,
-         "task geneval needs a reward model: --image_scorer_url=http://HOST:PORT (scorer.RemoteScorer; "
-         "`python -m infra.scorer --stub` serves a stand-in)")
+    need("geneval" not in real or cfg.image_scorer_url or cfg.dry_run, "task geneval needs a reward model: "
+         "--image_scorer_url=http://HOST:PORT (scorer.RemoteScorer; `python -m infra.scorer --stub` serves a stand-in)")
     need(cfg.image_scorer_timeout > 0, f"image_scorer_timeout ({cfg.image_scorer_timeout}) must be > 0 seconds "
          "(default 30; a scorer serving every rank at once may need more)")
     need(cfg.lora_rank >= 0, f"lora_rank ({cfg.lora_rank}) must be >= 0 (0 = full fine-tuning)")
