@@ -23,7 +23,7 @@ from pathlib import Path
 
 import tasks
 import train
-from infra import cli, data, heldout, load, lora, run, scale, settings
+from infra import cli, data, heldout, load, lora, run, scale
 from infra.data import load_data
 from infra.sandbox import RemoteScorer
 
@@ -103,7 +103,7 @@ def parse_options(argv=None) -> Options:
     kw = dict(description=__doc__.split("\n")[0], presets=train.PRESETS, inherited=SHARED, refused=REFUSED)
     first = cli.parse(Options, argv, **kw)
     load.refuse_training_checkpoint(first.ckpt, "--ckpt")
-    saved = settings.read_generation_settings(first.ckpt) if first.ckpt and not first.run else {}
+    saved = cli.read_generation_settings(first.ckpt) if first.ckpt and not first.run else {}
     saved.pop("tasks", None)
     return cli.parse(Options, argv, defaults={**saved, **OFFICIAL.get(first.task, {})}, **kw)
 
@@ -184,7 +184,7 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
     written to `out` as they are scored."""
     task, sink = cfg.tasks, open_out(out) if out else None
     try:
-        device, dtype = settings.setup(cfg)
+        device, dtype = cli.setup(cfg)
         datasets = load_data(cfg)  # a missing or malformed file fails here, before the model loads
         if task in datasets and not limit:  # benchmarks: every row of the file unless --limit
             cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
@@ -269,7 +269,7 @@ def check_run(run_dir: str, **overrides) -> bool | None:
         raise ValueError(f"{out_dir / 'summary.json'} holds no held-out reward (the run had no held-out set: "
                          f"eval_prompts={cfg.eval_prompts}, eval_data={cfg.eval_data!r}), so --run has nothing to "
                          f"compare; score its model with: python evaluate.py --ckpt={out_dir / 'final'} --task=TASK")
-    device, dtype = settings.setup(cfg)
+    device, dtype = cli.setup(cfg)
     datasets = load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
     # As train.main: RL starts from the SFT model for scratch runs, else init_from. LoRA runs end as

@@ -22,7 +22,7 @@ Alg. 5), one rollout batch at a time:
 
 docs/method.md derives each step; docs/differences.md lists where this code departs from the paper and the
 official code. A run writes to out_dir: log.jsonl, summary.json (held-out reward before and after RL), final/,
-checkpoints/, curves.png, images.png. Settings are checked in infra/settings.py, the policy and its reference
+checkpoints/, curves.png, images.png. Settings are checked in infra/cli.py, the policy and its reference
 loaded by infra/load.py, the run kept by infra/run.py; torchrun and FSDP2 are infra/scale.py. Every random draw
 is seeded by (seed, purpose, step, global sequence index) (sample.derive_seed), so the world size changes nothing.
 """
@@ -47,7 +47,7 @@ from sample import FastSampler
 from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, eval_batches,
                        failures_in_one_line, print_held_out, start)
 from infra.scale import print0
-from infra.settings import validate
+from infra.cli import validate
 from infra.timing import timed
 from infra.heldout import evaluate_all, image_snapshot
 from sample import derive_seed, generator
@@ -196,7 +196,7 @@ PRESETS: dict[str, dict] = {
 
 
 def parse_args(argv=None) -> Config:
-    """Dataclass defaults, then PRESETS[--preset], then the flags; checked once, here (infra/settings.validate)."""
+    """Dataclass defaults, then PRESETS[--preset], then the flags; checked once, here (infra/cli.validate)."""
     if any(a.split("=")[0] == "--num_iterations" for a in (sys.argv[1:] if argv is None else argv)):
         raise ValueError("unknown flag --num_iterations: the inner updates per rollout batch are --mu (the paper's mu)")
     cfg = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)

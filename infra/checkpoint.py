@@ -1,63 +1,54 @@
 """Resumable training state: atomic, sharded, rotated checkpoints; what a resume may change; stopping on a
-signal with a checkpoint.
+signal with a checkpoint, and output that survives its reader going away (a closed terminal, a dropped ssh).
 
-    out_dir/checkpoints/step-00000010/      a complete checkpoint: the state after 10 RL steps
-        .metadata, __0_0.distcp, ...        model (or, with LoRA, adapter) and AdamW tensors
-        state.json                          step, config, held-out rewards before RL, reference identity
-    out_dir/checkpoints/step-00000020.tmp/  being written (or left by a crash): never loaded, removed later
+    out_dir/checkpoints/step-00000010/      complete: .metadata, *.distcp (model or LoRA adapter, AdamW) and
+                                            state.json (step, config, rewards before RL, reference identity)
+    out_dir/checkpoints/step-00000020.tmp/  being written, or left by a crash: never loaded, removed later
 
-The tensors go through torch.distributed.checkpoint (DCP), PyTorch's own sharded format: under FSDP2
-every rank writes its shards in parallel, and DCP reshards on load, so a run saved on 8 GPUs resumes on
-4 (or on one process). A single process uses the same two calls, so there is one code path.
-
-Atomicity: everything is written into `step-N.tmp`, fsynced, then the directory is renamed to `step-N`
-and its parent fsynced. A rename is atomic on POSIX file systems, so a checkpoint directory without the
-`.tmp` suffix is complete by construction; a kill at any moment leaves at worst a `.tmp` directory,
-which `latest` ignores and the next `save` deletes. A complete checkpoint damaged afterwards (a shard
-deleted or cut short by a full disk or a partial copy, state.json edited) is found by `damage` from DCP's
-own index of every tensor's file, offset and length, without reading the tensors; `--resume` then falls
-back to the newest intact checkpoint and says which one to remove (`latest_intact`).
-
-Randomness needs no saved RNG state: every random draw in train.py comes from a generator seeded by
-(seed, step, index), and the data position is the step itself (tasks.draw_prompts), so a resumed step
-draws exactly what the uninterrupted run drew.
+Tensors go through torch.distributed.checkpoint (DCP): every rank writes its shards, and DCP reshards on load (a
+run saved on 8 GPUs resumes on 4 or on one process). A checkpoint is written into `step-N.tmp`, fsynced, then
+renamed (atomic on POSIX); `damage` finds one damaged later from DCP's index of offsets and lengths. No RNG state
+is saved: every draw comes from a generator seeded by (seed, step, index).
 """
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
+import select
 import shutil
 import signal
 import sys
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-
-from infra import cli, scale
+from infra import scale
 
 DIRNAME, PREFIX, TMP = "checkpoints", "step-", ".tmp"
-# Fault injection for tests/test_resume.py: SIGKILL this process in the middle of writing the
-# checkpoint of this step (tensors written, directory not yet renamed). Unset in normal use.
+# Fault injection for tests/test_resume.py: SIGKILL in the middle of writing this step's checkpoint.
 KILL_ENV = "MASKGRPO_KILL_DURING_CHECKPOINT"
 REPEAT_WINDOW = 5.0  # seconds in which a second signal is torchrun's copy of the first, not a new one
 
 
 def _dcp():
-    """torch.distributed.checkpoint, imported on first use: the import takes about a second, and sampling,
-    evaluation and most tests never save or load a checkpoint."""
+    """torch.distributed.checkpoint, imported on first use (about a second; sampling and evaluation never need it)."""
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.state_dict  # noqa: F401  (get_state_dict, StateDictOptions)
     return dcp
 
 
-@contextmanager
-def _quiet():
-    """DCP warns that it 'assumes a single process' whenever there is no process group: that is intended."""
-    with warnings.catch_warnings():
+def _transfer(how: str, path, model, opt, trainable_only: bool) -> tuple:
+    """DCP save or load of the model's and AdamW's state dicts; with LoRA only the adapters (the frozen base is the
+    --init_from checkpoint, already on disk)."""
+    options = _dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only)
+    model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, opt, options=options)
+    with warnings.catch_warnings():  # DCP's "assumes a single process" without a process group: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        getattr(_dcp(), how)({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    return model_sd, optim_sd
 
 
 def _step_dir(out_dir, step: int, tmp: bool = False) -> Path:
@@ -66,17 +57,13 @@ def _step_dir(out_dir, step: int, tmp: bool = False) -> Path:
 
 def complete(out_dir) -> list[Path]:
     """Complete checkpoints in out_dir, oldest first."""
-    root = Path(out_dir) / DIRNAME
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(TMP)
-             and (p / "state.json").is_file()]
+    found = [p for p in (Path(out_dir) / DIRNAME).glob(f"{PREFIX}*")
+             if not p.name.endswith(TMP) and (p / "state.json").is_file()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
 def latest(out_dir) -> Path | None:
-    done = complete(out_dir)
-    return done[-1] if done else None
+    return (complete(out_dir) or [None])[-1]
 
 
 def damage(path) -> str | None:
@@ -116,42 +103,27 @@ def latest_intact(out_dir) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
-def fsync_tree(path: Path) -> None:
-    """Flush every file of a directory, then the directory entries themselves, to stable storage."""
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            _fsync(p)
-    _fsync(path)
-
-
-def _fsync(path: Path) -> None:
-    """Flush one file, or a directory's entries, to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _options(trainable_only: bool):
-    # With LoRA the frozen base is the --init_from checkpoint, already on disk: save only the adapters.
-    return _dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only)
+def fsync_tree(path: Path, entries_only: bool = False) -> None:
+    """Flush every file under the directory path (unless entries_only), then its own entries, to stable storage."""
+    for p in [*(() if entries_only else sorted(p for p in path.rglob("*") if p.is_file())), path]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainable_only: bool = False,
          protect=None) -> Path:
-    """Write the checkpoint of `step` atomically and keep only the newest keep_last complete ones
-    (0 keeps all), and `protect` (the last one written after a good step) whatever its age. A collective
-    under FSDP2: every rank calls it. Returns the final directory."""
+    """Write the checkpoint of `step` atomically; keep the newest keep_last complete ones (0: all) and `protect`
+    (the last one written after a good step). A collective under FSDP2: every rank calls it."""
     tmp, final = _step_dir(out_dir, step, tmp=True), _step_dir(out_dir, step)
     if scale.rank() == 0:
         for stale in (tmp, final):  # a crash's leftovers, or a checkpoint of a run we were told to redo
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     scale.barrier()
-    model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, opt, options=_options(trainable_only))
-    with _quiet():
-        _dcp().save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    _transfer("save", tmp, model, opt, trainable_only)
     scale.barrier()
     if scale.rank() == 0:
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
@@ -159,14 +131,13 @@ def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainab
             os.kill(os.getpid(), signal.SIGKILL)
         fsync_tree(tmp)
         os.rename(tmp, final)
-        _fsync(final.parent)
+        fsync_tree(final.parent, entries_only=True)
         if keep_last:
             keep = Path(protect).resolve() if protect else None
             for old in complete(out_dir)[:-keep_last]:
                 if old.resolve() == keep:
                     continue
-                # Renamed first: a kill during the delete leaves a .tmp directory, never a checkpoint
-                # directory with state.json but missing shards.
+                # Renamed first: a kill during the delete leaves a .tmp directory, never a damaged checkpoint.
                 doomed = old.with_name(old.name + TMP)
                 os.rename(old, doomed)
                 shutil.rmtree(doomed, ignore_errors=True)
@@ -177,17 +148,14 @@ def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainab
 
 
 def load(path, model, opt, *, trainable_only: bool = False) -> dict:
-    """Restore model (or adapter) and optimizer tensors in place from a complete checkpoint; returns its
-    state.json. Works at any world size (DCP reshards)."""
+    """Restore model (or adapter) and optimizer tensors in place, at any world size; returns state.json."""
     path = Path(path)
     if not (path / "state.json").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no state.json)")
     problem = damage(path)
     if problem is not None:
         raise ValueError(f"checkpoint {path} is damaged: {problem}; remove it to resume from an older one")
-    model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, opt, options=_options(trainable_only))
-    with _quiet():
-        _dcp().load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    model_sd, optim_sd = _transfer("load", path, model, opt, trainable_only)
     # Loading adapters only leaves the frozen base (from --init_from) as it is: not strict then.
     _dcp().state_dict.set_state_dict(
         model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
@@ -218,26 +186,91 @@ def changeable_hint(changed) -> str:
             f"--change_on_resume={','.join(names)})") if names else ""
 
 
-def _say_in_handler(text: str) -> None:
-    """Print from a signal handler (rank 0), never raising: the signal can arrive while this thread is inside a
-    print, and re-entering the buffered sys.stdout there raises "reentrant call", so the line goes straight to
-    the file descriptor (print0 flushes every line, so the order holds); output nobody can read any more (a
-    closed terminal: EIO; a pipe whose reader left: EPIPE; a full one) is dropped, as the checkpoint the
-    handler leads to matters more than the line. A stdout with no descriptor (a test's capture) gets an
-    ordinary print."""
-    if scale.rank() != 0:
-        return
+def output_gone(fd: int) -> bool:
+    """Whether nobody reads fd any more: a terminal that hung up (POLLHUP) or a pipe whose reader left (POLLERR)."""
     try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both
-        fd = None
-    try:
-        if fd is None:
-            print(text, flush=True)
-        else:
-            os.write(fd, (text + "\n").encode())
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0))
     except (OSError, ValueError):
-        pass
+        return False
+
+
+def silence(fd: int) -> None:
+    """Point fd at /dev/null, so that later prints to it succeed (and go nowhere) instead of raising."""
+    with suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+
+
+class _Unbroken:
+    """A real sys.stdout or sys.stderr that nobody reads any more (EIO, EPIPE, EBADF) is silenced, and a full
+    non-blocking pipe (EAGAIN) drops the line: losing a message must not lose the run or its checkpoint."""
+
+    GONE = (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO)
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guarded(self, call, *text):
+        try:
+            return call(*text)
+        except OSError as e:
+            if not isinstance(e, BlockingIOError):
+                if e.errno not in self.GONE:
+                    raise
+                silence(self._stream.fileno())
+                with suppress(OSError, ValueError):
+                    self._stream.flush()  # what the buffer still holds goes to /dev/null
+            return len(text[0]) if text else None
+
+    def write(self, text):
+        return self._guarded(self._stream.write, text)
+
+    def flush(self):
+        self._guarded(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def output_may_vanish():
+    """sys.stdout and sys.stderr as _Unbroken where they are real files (not a test's capture), then restored."""
+    saved = sys.stdout, sys.stderr
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            stream.fileno()
+        except (AttributeError, ValueError, OSError):
+            continue
+        if not isinstance(stream, _Unbroken):
+            setattr(sys, name, _Unbroken(stream))
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
+def away_from_gone_output() -> None:
+    """stdout and stderr nobody reads any more (SIGHUP: a closed terminal) go to /dev/null, so that the run
+    finishes its step, writes its checkpoint and exits cleanly instead of dying at its next print."""
+    for fd in (1, 2):
+        if output_gone(fd):
+            silence(fd)
+
+
+def _say_in_handler(text: str) -> None:
+    """Print from a signal handler (rank 0), never raising: re-entering a buffered sys.stdout mid-print raises, so
+    the line goes straight to the descriptor (a test's capture, with none, gets a print); output nobody reads is
+    dropped, as the checkpoint the handler leads to matters more than the line."""
+    if scale.rank() == 0:
+        with suppress(OSError, ValueError):
+            try:
+                os.write(sys.stdout.fileno(), (text + "\n").encode())
+            except (AttributeError, io.UnsupportedOperation):
+                print(text, flush=True)
 
 
 # The signals a run stops on with a checkpoint: a scheduler's or launcher's SIGTERM, Ctrl-C's SIGINT, and the
@@ -246,32 +279,19 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Aborted(KeyboardInterrupt):
-    """A second stop signal: the work in progress is dropped at once (what it loses was said on the first).
-    A KeyboardInterrupt, so that every handler of Ctrl-C on the way treats it as one."""
+    """A second stop signal: the work in progress is dropped at once (a KeyboardInterrupt, handled as Ctrl-C)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-def away_from_gone_output() -> None:
-    """A stop signal may come with the terminal gone (SIGHUP of a closed window) or after the reader of a pipe
-    left: stdout and stderr that nobody reads go to /dev/null, so that the run can still finish its step, write
-    its checkpoint and exit cleanly instead of dying at its next print."""
-    for fd in (1, 2):
-        if cli.output_gone(fd):
-            cli.silence(fd)
-
-
 @contextmanager
 def graceful_stop(doing: str = "finishing this step, then writing a checkpoint", abort=None):
-    """SIGTERM / SIGINT / SIGHUP (pre-emption, Ctrl-C, a closed terminal) set a flag: the current step
-    finishes, a checkpoint is written, and the run exits (`doing` is what the caught signal's line says
-    happens next; flag["doing"] may change it as the phase moves on; infra/phases.py lists every phase's).
-    A second signal more than REPEAT_WINDOW seconds later raises Aborted at once; abort() (if given) says,
-    in the first signal's line, what that would lose. Under torchrun the launcher SIGKILLs its workers
-    TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) after forwarding a signal: set it above one step plus
-    a checkpoint write (README)."""
+    """A stop signal sets a flag: the step finishes, a checkpoint is written, the run exits (flag["doing"] is what
+    the signal's line says happens next; infra/phases.py sets each phase's). A second one more than REPEAT_WINDOW
+    seconds later raises Aborted; abort() says in the first line what that would lose. torchrun SIGKILLs its
+    workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) seconds after forwarding a signal: set it above a step (README)."""
     flag = {"signal": 0, "at": 0.0, "doing": doing}
 
     def handler(signum, frame):

@@ -1,46 +1,45 @@
-"""One command-line style for every entry point: a dataclass is the list of options, a user error is one
-line, and progress bars stay readable in a log file.
+"""Flags and settings, one place: a dataclass is an entry point's list of flags, every train.py, evaluate.py
+and sample.py setting is checked here once (naming the value and a fix, so that the method files only assert
+their preconditions), and a user error is one line.
 
-Every field of the dataclass becomes a flag of its own name, given as `--field=value` or `--field value`;
-a boolean also works bare (`--dry_run`) or with a value (`--resume=true`, `--resume false`). Flags match
-exactly, never by prefix: `--sft_step=1` is refused, not taken for --sft_steps. A flag given twice takes its
-last value (`--seed=1 --seed=2` is seed 2; --help says so), so that a command can be extended by appending.
-With presets, the value of a field comes from, in order of precedence: the flag, then `--preset NAME`, then
-the dataclass default (--help shows the value under the preset given, or the default one). Only
-int, float, str and bool fields exist, so no configuration language is needed. `--help` gives each flag the
-comment written beside its field in the dataclass (and any comment lines under it).
-
-`with user_errors():` around an entry point's body turns a ValueError or OSError (a bad flag, a missing or
-damaged file) into one line `error: ...` on stderr and exit status 2, and Ctrl-C into exit status 130,
-without a traceback. `progress_bar` is tqdm, drawn only when stderr is a terminal.
+Each field is a flag of its own name, `--field=value` or `--field value`; a boolean also works bare. Flags match
+exactly, never by prefix, and a flag given twice takes its last value. A value comes from the flag, else
+`--preset NAME`, else the dataclass default; --help shows each field's comment from the dataclass source.
 """
 from __future__ import annotations
 
 import argparse
 import difflib
-import errno
 import functools
 import inspect
 import io
+import json
+import math
 import os
 import re
-import select
 import sys
 import tokenize
 from contextlib import contextmanager
 from dataclasses import MISSING, fields
+from pathlib import Path
+from types import MappingProxyType
 
+import torch
 from tqdm import tqdm
 
+import grpo
+import importance
+import sample
+import tasks
+from infra import checkpoint, hf, lora, scale, tracker
+from infra.scale import print0
+from tasks import IMAGE_TASKS, TOY_TASKS, task_list
+
 USER_ERROR = 2  # exit status of a user error, as argparse's own
-# Text --help prints after the flags, per dataclass name (a module that explains a behaviour of that entry
-# point registers it: infra/phases.py, what a signal does to a training run).
+# Text --help prints after the flags, per dataclass name (infra/phases.py: what a signal does to a training run).
 EPILOGS: dict[str, str] = {}
-
-
-# Flags whose value is a path (in any entry point: the names mean the same everywhere), or a list of paths
-# (TASK=PATH,... or A,B). A shell expands `~` only at the start of a word, never after `--flag=`: expanded here,
-# once, so that a run never writes into a folder named `~` while its messages point at the home folder.
+# Flags whose value is a path, or a list of paths (TASK=PATH,... or A,B), in any entry point. A shell expands `~`
+# only at the start of a word, never after `--flag=`: expanded here, so that a run never writes into a folder `~`.
 PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
 PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
 
@@ -70,9 +69,9 @@ def parse_bool(s: str) -> bool:
 
 
 @functools.cache  # parsing the module's source costs ~20 ms, and every parse() asks (a test suite, often)
-def _comments(cls) -> tuple:
-    """((field, its comment), ...) from the source of cls and its dataclass bases: the comment at the end of
-    the field's line, continued by comment-only lines below it."""
+def field_comments(cls):
+    """{field: its comment} (read-only) from the source of cls and its dataclass bases: the comment at the end of
+    the field's line, continued by comment-only lines indented below it."""
     out: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if "__dataclass_fields__" in vars(k)]):
         try:
@@ -90,49 +89,35 @@ def _comments(cls) -> tuple:
                     current = None
                 else:
                     out[current] = f"{out[current]} {text}" if current in out and alone else text
-    return tuple(out.items())
-
-
-def field_comments(cls) -> dict[str, str]:
-    """{field: its comment}, as written beside the field in the dataclass (see _comments)."""
-    return dict(_comments(cls))
+    return MappingProxyType(out)
 
 
 def flag_fields(cls, inherited: set | None = None) -> list:
-    """The fields of cls that are flags: its own first (the ones its --help lists first), then those of its
-    dataclass bases, all of them or only the names in `inherited` (an entry point that reuses train.Config
-    for the settings it shares takes only those)."""
+    """The fields of cls that are flags: its own first, then those of its dataclass bases (only the names in
+    `inherited`, when given: an entry point reusing train.Config takes only the settings it shares)."""
     own = set(getattr(cls, "__annotations__", {}))
     mine = [f for f in fields(cls) if f.name in own]
-    base = [f for f in fields(cls) if f.name not in own and (inherited is None or f.name in inherited)]
-    return mine + base if mine and base else mine or base
-
-
-def preset_named(argv, presets: dict) -> str:
-    """The --preset NAME given in argv, else the first preset (the one that applies when none is given)."""
-    for i, a in enumerate(argv):
-        if a.startswith("--preset="):
-            return a.split("=", 1)[1]
-        if a == "--preset" and i + 1 < len(argv):
-            return argv[i + 1]
-    return next(iter(presets))
+    return mine + [f for f in fields(cls) if f.name not in own and (inherited is None or f.name in inherited)]
 
 
 def parser(cls, description: str, presets: dict | None = None, argv=(), defaults: dict | None = None,
            inherited: set | None = None, prog: str | None = None) -> argparse.ArgumentParser:
-    """An ArgumentParser with one flag per field of `cls` (and --preset when presets are given); every
-    default is None so that `given` below sees which flags were typed. --help shows each field's value
-    under the preset argv names (or the default preset) and `defaults`, and says where it comes from."""
+    """One flag per field of `cls` (and --preset), each defaulting to None so that parse() sees what was typed;
+    --help shows each value under the preset argv names and `defaults`, and where it comes from."""
     usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below; a " \
         "flag given twice takes its last value)"
     # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
     p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False, allow_abbrev=False,
                                 epilog=EPILOGS.get(cls.__name__), prog=prog)
-    base, name = dict(defaults or {}), None
+    base, name, preset = dict(defaults or {}), None, {}
     if presets is not None:
-        first, name = next(iter(presets)), preset_named(list(argv), presets)
+        first = next(iter(presets))
         p.add_argument("--preset", default=first, help=f"one of {', '.join(presets)}; {first} when none is given")
-        base.update(presets.get(name, {}))
+        named = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
+        named.add_argument("--preset", default=first)
+        name = named.parse_known_args(list(argv))[0].preset
+        preset = presets.get(name, {})
+        base.update(preset)
     types = {"int": int, "float": float, "str": str, "bool": parse_bool}
     comments = field_comments(cls)
     own = set(getattr(cls, "__annotations__", {}))
@@ -141,22 +126,17 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
         if f.name not in own and own and group is p:  # an entry point's own flags first, then train.py's
             group = p.add_argument_group("settings shared with train.py")
         kind = f.type if isinstance(f.type, str) else f.type.__name__  # with or without postponed annotations
+        default = "required" if f.default is MISSING else f"default {f.default!r}"
         if f.name in base:
-            default = f"{base[f.name]!r}" + (f" under --preset {name}" if presets is not None and
-                                             f.name in presets.get(name, {}) else "")
-        else:
-            default = "required" if f.default is MISSING else f"default {f.default!r}"
+            default = f"{base[f.name]!r}" + (f" under --preset {name}" if f.name in preset else "")
         text = (f"{comments[f.name]} ({default})" if f.name in comments else default).replace("%", "%%")
-        if kind == "bool":  # bare --flag means true
-            group.add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, default=None, help=text)
-        else:
-            group.add_argument(f"--{f.name}", type=types[kind], default=None, help=text)
+        bare = {"nargs": "?", "const": True} if kind == "bool" else {}  # bare --flag means true
+        group.add_argument(f"--{f.name}", type=types[kind], default=None, help=text, **bare)
     return p
 
 
 def parse_known(p: argparse.ArgumentParser, argv, module: str) -> argparse.Namespace:
-    """p.parse_known_args for a module with its own argparse flags (python -m MODULE): a bad value or an
-    unknown flag is a ValueError of one line."""
+    """p.parse_known_args for `python -m MODULE` with its own flags: a bad value or unknown flag is one line."""
     try:
         args, unknown = p.parse_known_args(argv)
     except argparse.ArgumentError as e:
@@ -168,11 +148,9 @@ def parse_known(p: argparse.ArgumentParser, argv, module: str) -> argparse.Names
 
 def parse(cls, argv=None, *, description: str = "", presets: dict | None = None, defaults: dict | None = None,
           inherited: set | None = None, refused: str = "", prog: str | None = None):
-    """Build `cls` from the command line. defaults: values that replace the dataclass defaults (for
-    instance a checkpoint's own generation settings), overridden in turn by the preset and the flags.
-    inherited: the only fields of cls's bases that are flags (None: all); a flag naming another one is
-    refused with `refused`, the reason this entry point does not take it. prog: the command as --help shows it
-    (`python -m tools.sample`; default: the script's file name)."""
+    """Build `cls` from the command line. defaults replace the dataclass defaults (a checkpoint's generation
+    settings), and the preset and flags override them; a base-class flag outside `inherited` is refused with
+    `refused`; prog is the command --help shows (default: the script's file name)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, unknown = parser(cls, description, presets, argv, defaults, inherited, prog).parse_known_args(argv)
@@ -190,108 +168,283 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
                          + (f"; {hint}" if hint else ""))
     given = {k: expand_home(k, v) if isinstance(v, str) else v for k, v in vars(args).items()
              if v is not None and k != "preset"}
-    base = dict(defaults or {})
-    if presets is not None:
-        if args.preset not in presets:
-            raise ValueError(f"unknown preset {args.preset!r}; choose one of {', '.join(presets)}")
-        base.update(presets[args.preset])
-    missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in {**base, **given}]
+    if presets is not None and args.preset not in presets:
+        raise ValueError(f"unknown preset {args.preset!r}; choose one of {', '.join(presets)}")
+    preset = dict(presets[args.preset]) if presets is not None else {}
+    values = {**(defaults or {}), **preset, **given}
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in values]
     if missing:
         raise ValueError("missing " + ", ".join(f"--{m}" for m in missing))
-    obj = cls(**{**base, **given})
+    obj = cls(**values)
     # What was typed and which preset, for checks that refuse a flag the other inputs make meaningless
     # (not fields: asdict, config.json and replace() never see them).
-    obj._given, obj._preset = frozenset(given), (args.preset if presets is not None else None)
-    obj._preset_values = dict(presets[args.preset]) if presets is not None else {}
+    obj._given, obj._preset, obj._preset_values = frozenset(given), getattr(args, "preset", None), preset
     return obj
 
 
-def output_gone(fd: int) -> bool:
-    """Whether nobody can read what is written to fd any more: a terminal that hung up (closed window, dropped
-    ssh session: poll reports POLLHUP, and every write fails with EIO) or a pipe whose reader left (POLLERR)."""
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLOUT)
-        return any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0))
-    except (OSError, ValueError):
-        return False
+def data_paths(spec: str, name: str) -> dict[str, str]:
+    """--train_data / --eval_data "gsm8k=a.jsonl,math=b.jsonl" -> {"gsm8k": "a.jsonl", "math": "b.jsonl"}."""
+    known = [t for t in tasks.TASKS if t not in TOY_TASKS]  # the benchmarks, whose files infra/data.py reads
+    out = {}
+    for item in filter(None, spec.split(",")):
+        task, eq, path = item.partition("=")
+        if not eq or not path or task not in known:
+            raise ValueError(f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(known)}")
+        if task in out:  # the last would silently win
+            raise ValueError(f"{name} names task {task} twice ({out[task]} and {path}); give one file per task")
+        out[task] = path
+    return out
 
 
-def silence(fd: int) -> None:
-    """Point fd at /dev/null, so that later prints to it succeed (and go nowhere) instead of raising."""
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, fd)
-        os.close(null)
-    except OSError:
-        pass
+def need(ok, msg) -> None:
+    if not ok:
+        raise ValueError(msg)
 
 
-class _Unbroken:
-    """sys.stdout or sys.stderr of an entry point: a write that fails because nobody reads any more (EIO: the
-    terminal closed; EPIPE: the reader of a pipe left; EBADF: the descriptor was closed) points the descriptor
-    at /dev/null and goes on, and a full non-blocking pipe (EAGAIN) drops the line: losing a message must not
-    lose the run (the step finishes and its checkpoint is written; infra/checkpoint.graceful_stop)."""
-
-    GONE = (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO)
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def _failed(self, e: OSError) -> None:
-        if isinstance(e, BlockingIOError):
-            return
-        if e.errno not in self.GONE:
-            raise e
-        silence(self._stream.fileno())
-        try:
-            self._stream.flush()  # what the buffer still holds goes to /dev/null
-        except (OSError, ValueError):
-            pass
-
-    def write(self, text):
-        try:
-            return self._stream.write(text)
-        except OSError as e:
-            self._failed(e)
-            return len(text)
-
-    def flush(self):
-        try:
-            self._stream.flush()
-        except OSError as e:
-            self._failed(e)
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
+def _one_of(names) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
-@contextmanager
-def output_may_vanish():
-    """sys.stdout and sys.stderr that survive their reader going away (_Unbroken), where they are real files
-    (a test's in-memory capture is left alone); restored afterwards."""
-    saved = sys.stdout, sys.stderr
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        try:
-            stream.fileno()
-        except (AttributeError, ValueError, OSError):
-            continue
-        if not isinstance(stream, _Unbroken):
-            setattr(sys, name, _Unbroken(stream))
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = saved
+def validate_generation(o) -> None:
+    """The sampler settings train.Config and sample.py's options share (same names, same rules)."""
+    for k, v in vars(o).items():  # inf or nan would pass the range checks below (inf > 0) and fail mid-run
+        need(not isinstance(v, float) or math.isfinite(v), f"{k} ({v}) must be a finite number")
+    for k in ("gen_length", "block_length", "steps", "image_steps", "image_width"):
+        need(getattr(o, k) >= 1, f"{k} ({getattr(o, k)}) must be >= 1")
+    need(o.steps <= o.gen_length, f"steps ({o.steps}) must be <= gen_length ({o.gen_length}): each step commits at "
+         f"least one token, so steps beyond gen_length do nothing; try --steps={o.gen_length}")
+    need(o.gen_length % o.block_length == 0, f"gen_length ({o.gen_length}) must be divisible by block_length "
+         f"({o.block_length}); try --block_length={o.gen_length}")
+    blocks = o.gen_length // o.block_length
+    need(o.steps % blocks == 0 and o.steps >= blocks, f"steps ({o.steps}) must be a positive multiple of the number "
+         f"of blocks ({blocks}); try --steps={blocks * max(1, o.steps // blocks)}")
+    need(o.temperature >= 0, f"temperature ({o.temperature}) must be >= 0")
+    need(o.kv_cache in sample.KV_CACHES, f"kv_cache ({o.kv_cache!r}) must be {_one_of(sample.KV_CACHES)}")
+    need(0 <= o.threshold < 1, f"threshold ({o.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
+    need(o.image_sampler in sample.IMAGE_SAMPLERS,
+         f"image_sampler ({o.image_sampler!r}) must be {_one_of(sample.IMAGE_SAMPLERS)}")
+    need(o.cfg_scale >= 0, f"cfg_scale ({o.cfg_scale}) must be >= 0 (0 = no guidance; MaskGRPO uses 3.0)")
+    need(o.image_text_len >= 0, f"image_text_len ({o.image_text_len}) must be >= 0 (0 = the longest toy caption)")
+
+
+# Lower bounds of whole-number settings, each refused as "NAME (VALUE) must be >= BOUND".
+AT_LEAST = {1: ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "prompts_per_step", "sft_batch_size"),
+            0: ("beta", "threads", "sample_every", "vocab_size", "weight_decay", "sft_steps", "rl_steps",
+                "eval_prompts", "device_batch_size"),
+            8: ("max_prompt_len",)}
+
+
+def validate(cfg) -> None:
+    """Refuse impossible settings before any heavy work, naming the value and a fix."""
+    validate_generation(cfg)
+    if cfg.init_from == "scratch" or cfg.dry_run:  # the sizes of the model built here (else: its config.json)
+        for k in SCRATCH_SHAPE:
+            need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1: a model needs at least one of each")
+        need(cfg.d_model % cfg.n_heads == 0 and (cfg.d_model // cfg.n_heads) % 2 == 0,
+             f"d_model ({cfg.d_model}) must be n_heads ({cfg.n_heads}) times an even head size (rotary embeddings)")
+    need(cfg.group_size >= 2, f"group_size ({cfg.group_size}) must be >= 2: GRPO compares completions of a group")
+    for g in ("gamma_text", "gamma_image"):
+        need(0 <= getattr(cfg, g) < 1, f"{g} ({getattr(cfg, g)}) must be in [0, 1)")
+    need(cfg.clip_eps > 0, f"clip_eps ({cfg.clip_eps}) must be > 0 (paper: 0.2)")
+    for k, allowed in (("estimator", importance.ESTIMATORS), ("text_reversing", importance.MODES),
+                       ("loss_norm", grpo.NORMS), ("text_reward", tuple(tasks.TEXT_REWARDS)),
+                       ("lora_targets", tuple(lora.TARGET_SETS))):
+        need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be one of {allowed}")
+    ignored = importance.ignored_settings(cfg, type(cfg)())
+    if ignored:  # a setting the chosen estimator never reads would otherwise be silently without effect
+        print0(f"warning: --estimator={cfg.estimator} does not read {', '.join(f'--{k}' for k in ignored)}; "
+               "drop the flag, or choose an estimator that uses it (importance.READ_BY)")
+    need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
+         "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
+    need(cfg.trajectory_states >= 0, f"trajectory_states ({cfg.trajectory_states}) must be >= 0 (0 = every "
+         "decoding state; K > 0 scores K of them per update)")
+    need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
+         f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add --estimator=trajectory "
+         "or drop it")
+    for k, allowed in (("adv_std", ("auto", "on", "off")), ("reward_shaping", ("none", "official")),
+                       ("attend_padding", ("auto", "on", "off"))):
+        need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be {_one_of(allowed)}")
+    known, chosen = tuple(tasks.TASKS), task_list(cfg)
+    need(cfg.tasks and all(t in known for t in chosen),
+         f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")
+    twice = sorted({t for t in chosen if chosen.count(t) > 1})
+    need(not twice, f"tasks ({cfg.tasks!r}) names {', '.join(twice)} twice, which would roll out and update it twice "
+         f"per step; give each task once (--tasks={','.join(dict.fromkeys(chosen))})")
+    real = [t for t in chosen if t not in TOY_TASKS]
+    need(not real or cfg.dry_run or cfg.init_from not in ("", "scratch"),
+         f"tasks {real} need a pretrained model: pass --init_from=DIR (a LLaDA/MMaDA checkpoint directory)")
+    need(cfg.init_from != "" or cfg.dry_run, "init_from is empty: pass --init_from=DIR, the local checkpoint")
+    given = getattr(cfg, "_given", frozenset())  # the flags typed (parse); empty when built in code
+    if cfg.init_from != "scratch" and not cfg.dry_run:
+        # Settings of the toy model built and SFT-trained here: a pretrained model has its own shape and no SFT.
+        idle = sorted(given & set(SCRATCH_SHAPE))
+        need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the shape of the "
+             f"toy model trained from scratch, but --init_from={cfg.init_from} is given (its config.json sets the "
+             "shape): drop " + ("it" if len(idle) == 1 else "them"))
+        idle = sorted(given & set(SCRATCH_SFT))
+        if idle:  # harmless, so a warning: a command line reused from a toy run keeps working
+            print0(f"warning: {', '.join('--' + k for k in idle)} only act on the SFT stage of a model trained from "
+                   f"scratch; with --init_from={cfg.init_from} there is none, so they do nothing")
+    idle = [f"--{k} (it acts on {what})" for k, what in idle_flags(cfg) if k in given]
+    if idle:  # recorded in config.json, so a silent no-op would read as a setting of the run
+        one = len(idle) == 1
+        print0(f"warning: with --tasks={cfg.tasks}, {'; '.join(idle)} {'does' if one else 'do'} nothing: drop "
+               f"{'it' if one else 'them'}, or add a task {'it acts' if one else 'they act'} on")
+    if "eval_data" in given:
+        need(cfg.eval_prompts > 0, "--eval_data is given but --eval_prompts=0 scores none of it: drop one of them")
+    train_files = data_paths(cfg.train_data, "train_data")
+    for t in real:
+        need(t in train_files or cfg.dry_run, f"task {t!r} needs its training file: --train_data={t}=PATH")
+    for field_name, paths in (("train_data", train_files), ("eval_data", data_paths(cfg.eval_data, "eval_data"))):
+        extra = [t for t in paths if t not in real]
+        need(not extra, f"{field_name} names {extra}, which are not among the RL tasks {chosen}")
+    need("geneval" not in real or cfg.image_scorer_url or cfg.dry_run, "task geneval needs a reward model: "
+         "--image_scorer_url=http://HOST:PORT (scorer.RemoteScorer; `python -m infra.scorer --stub` serves a stand-in)")
+    need(cfg.image_scorer_timeout > 0, f"image_scorer_timeout ({cfg.image_scorer_timeout}) must be > 0 seconds "
+         "(default 30; a scorer serving every rank at once may need more)")
+    need(cfg.lora_rank >= 0, f"lora_rank ({cfg.lora_rank}) must be >= 0 (0 = full fine-tuning)")
+    need(cfg.lora_rank == 0 or (cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1),
+         f"lora_alpha ({cfg.lora_alpha}) must be > 0 and lora_dropout ({cfg.lora_dropout}) in [0, 1)")
+    need(cfg.lora_rank == 0 or cfg.init_from != "scratch",
+         "lora_rank > 0 with init_from=scratch: the toy model is trained from scratch by SFT, so there is no "
+         "pretrained base to adapt; pass --init_from=DIR (for instance a toy run's out_dir/final)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # validated before the process group exists
+    need(cfg.prompts_per_step % world == 0,
+         f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by the world size ({world}): groups are "
+         f"never split across ranks; try --prompts_per_step={world * max(1, cfg.prompts_per_step // world)}")
+    if not cfg.dry_run:  # a dry run plans for GPUs it need not see
+        check_device(cfg.device)
+    for bound, names in AT_LEAST.items():
+        for k in names:
+            need(getattr(cfg, k) >= bound, f"{k} ({getattr(cfg, k)}) must be >= {bound}")
+    need(cfg.lr > 0, f"lr ({cfg.lr}) must be > 0 (paper: 3e-6 at 8B; the toy uses 1e-4)")
+    need(cfg.grad_clip > 0, f"grad_clip ({cfg.grad_clip}) must be > 0: 0 would zero every gradient (paper: 0.2)")
+    need(0 <= cfg.p_mask_prompt <= 1, f"p_mask_prompt ({cfg.p_mask_prompt}) must be in [0, 1] (d1 uses 0.15)")
+    need(not (all(t in IMAGE_TASKS for t in chosen) and (cfg.kv_cache != "none" or cfg.threshold)),
+         f"kv_cache / threshold apply to text rollouts, but tasks ({cfg.tasks!r}) has no text task; drop them")
+    need(not cfg.image_scorer_url or "geneval" in chosen,
+         f"image_scorer_url is set but no task uses it (tasks {cfg.tasks!r}); add geneval or drop the flag")
+    for k, zero in (("checkpoint_every", "never"), ("keep_last", "keep all")):
+        need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0 (0 = {zero})")
+    tracker.check(cfg)  # an unknown tracker, or its package missing: one line with the install command
+    need(cfg.dtype in ("auto", "float32", "bfloat16"), f"dtype ({cfg.dtype!r}) must be auto, float32 or bfloat16 "
+         "(float16 needs a grad scaler, which this code omits)")
+    other = [k for k in resume_changes(cfg) if k not in CHANGEABLE]
+    need(not other, f"change_on_resume ({cfg.change_on_resume!r}) names {', '.join(other)}: only "
+         f"{_one_of(CHANGEABLE)} may change when a run resumes (any other change makes another run: start it "
+         "with another --out_dir)")
+    need(cfg.resume or not cfg.change_on_resume, "--change_on_resume changes settings of a run being continued: "
+         "pass --resume=true with it, or drop it")
+
+
+def check_device(name: str, flag: str = "device") -> None:
+    """auto, cpu, cuda or cuda:N (the maths runs on CPU and CUDA only), and CUDA only where torch sees the GPU."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        hint = " (Apple GPUs are not supported: use --device=cpu)" if name == "mps" else \
+            " (for a GPU: --device=cuda)" if name.lower() in ("gpu", "cuda0", "nvidia") else ""
+        raise ValueError(f"{flag} ({name!r}) must be auto, cpu, cuda or cuda:N{hint}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"{flag} ({name!r}) asks for CUDA, but torch sees no GPU; use --{flag}=cpu")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"{flag} ({name!r}): torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
+
+
+def check_threads(n: int, flag: str = "threads") -> None:
+    if n < 0:
+        raise ValueError(f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
+
+
+def idle_flags(cfg) -> list:
+    """[(setting, what it acts on)] for the settings that cfg's tasks never read."""
+    chosen = task_list(cfg)
+    idle = []
+    if all(t in TOY_TASKS or t in IMAGE_TASKS for t in chosen):
+        idle += [(k, "benchmark prompts: gsm8k, math, mbpp, countdown, sudoku") for k in
+                 ("system_prompt", "prompt_prefill", "reward_shaping")]
+    if "text" not in chosen:
+        idle += [(k, "the toy text task") for k in ("text_reward", "text_max_steps")]
+    if not cfg.image_scorer_url:
+        idle.append(("image_scorer_timeout", "the image scorer of --image_scorer_url, for geneval"))
+    return idle
+
+
+# The settings --change_on_resume may name (a run stopped by bad steps continues more carefully); any other
+# difference from the checkpoint's settings is refused (infra/outdir.RESUMABLE).
+CHANGEABLE = ("lr", "grad_clip")
+
+
+def resume_changes(cfg) -> tuple:
+    return tuple(k.strip() for k in cfg.change_on_resume.split(",") if k.strip())
+
+
+# Flags that only shape and train the toy model built here (init_from=scratch): with --init_from the shape is
+# refused when typed, and the SFT settings are warned about (a preset may set them).
+SCRATCH_SHAPE = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
+SCRATCH_SFT = ("sft_dir", "retrain_sft", "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout",
+               "text_noise", "image_noise", "image_loss_weight")
+
+
+def setup(cfg) -> tuple[torch.device, torch.dtype]:
+    """Pick device and compute dtype once (joining torchrun's process group if there is one), and say why."""
+    check_threads(cfg.threads)
+    check_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = scale.init(cfg.device)
+    if not cfg.threads and device.type == "cpu":
+        # One thread: the toy's matrices are too small to gain much from more, and on cores other jobs keep busy
+        # OpenMP's threads wait on each other (40 toy SFT steps at load 3 on 2 cores: 16 s with one, 147 s with two).
+        torch.set_num_threads(1)
+    if cfg.dtype == "auto":
+        # bf16 on GPUs that support it (the released LLaDA weights are bf16); float32 on CPU, where bf16
+        # matmuls are slow and the toy model is small.
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        dtype = torch.bfloat16 if bf16 else torch.float32
+    else:
+        dtype = getattr(torch, cfg.dtype)
+    print0(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, torch threads {torch.get_num_threads()}, "
+           f"world size {scale.world()}")
+    return device, dtype
+
+
+# A checkpoint carries the settings it was trained to generate with, so that sample.py and evaluate.py decode it
+# as it was trained (each flag still overrides them), and those its held-out evaluation scored with, each of
+# its type in train.Config.
+GENERATION_FILE = "generation.json"
+GENERATION_TYPES = {"tasks": str, "gen_length": int, "block_length": int, "steps": int, "temperature": float,
+                    "image_steps": int, "image_sampler": str, "cfg_scale": float, "image_width": int,
+                    "image_text_len": int, "max_prompt_len": int, "prompt_prefill": str, "system_prompt": str,
+                    "attend_padding": str, "text_max_steps": int, "text_reward": str}
+
+
+def generation_settings(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in GENERATION_TYPES}
+
+
+def read_generation_settings(path) -> dict:
+    """The generation settings saved beside a checkpoint ({} for one written elsewhere, e.g. LLaDA's own); a
+    hand-edited value of another type ("twelve", null, 12.5 for a length) is one line naming the key and fix."""
+    f = Path(path) / GENERATION_FILE
+    if not f.is_file():
+        return {}
+    fix = "delete it to use the defaults and flags only"
+    saved = hf.read_json(f, fix)
+    if not isinstance(saved, dict):
+        raise ValueError(f"{f} holds {type(saved).__name__}, not an object of settings; {fix}")
+    for k, v in saved.items():
+        kind = GENERATION_TYPES.get(k, type(v))  # a float takes an int; JSON true is a bool, no int
+        if type(v) is not kind and not (kind is float and type(v) is int):
+            what, like = {int: ("a whole number", 12), float: ("a number", 1.0), str: ("a string", "text")}[kind]
+            raise ValueError(f"{f}: {k} is {json.dumps(v)}, not {what}; correct it (e.g. \"{k}\": "
+                             f"{json.dumps(like)}), or {fix}")
+    return saved
 
 
 @contextmanager
 def user_errors():
-    """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2; Ctrl-C -> exit 130.
-    Either way no traceback: the message names the value, the file and the fix, which is all a user needs.
-    Programming errors (anything else) keep their traceback. Output whose reader is gone (a closed terminal)
-    is dropped rather than raised (output_may_vanish)."""
-    with output_may_vanish():
+    """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2; Ctrl-C -> exit 130;
+    no traceback (programming errors keep theirs). Output whose reader is gone is dropped, not raised."""
+    with checkpoint.output_may_vanish():
         try:
             yield
         except (ValueError, OSError) as e:
@@ -309,7 +462,6 @@ def bars_shown(file=None) -> bool:
 
 
 def progress_bar(iterable=None, **kwargs):
-    """tqdm, drawn on stderr when it is a terminal and silent otherwise (a log file gets the summary lines
-    the callers print instead). The one place every bar of the project is made."""
+    """tqdm, drawn on stderr when it is a terminal and silent otherwise: every bar of the project is made here."""
     kwargs.setdefault("disable", not bars_shown(kwargs.get("file")))
     return tqdm(iterable, **kwargs)

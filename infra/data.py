@@ -24,6 +24,8 @@ import re
 import sys
 from pathlib import Path
 
+from infra.cli import data_paths
+
 TASKS = ("gsm8k", "math", "mbpp", "countdown", "sudoku", "geneval")
 MAX_REPORTED = 5  # problems listed per error; the rest are only counted
 
@@ -242,19 +244,6 @@ def make_prompt(example: dict) -> str:
     if task == "geneval":
         return example["prompt"]  # a text-to-image caption is its own prompt
     raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
-
-
-def data_paths(spec: str, name: str) -> dict[str, str]:
-    """"gsm8k=a.jsonl,math=b.jsonl" -> {"gsm8k": "a.jsonl", "math": "b.jsonl"}."""
-    out = {}
-    for item in filter(None, spec.split(",")):
-        task, eq, path = item.partition("=")
-        if not eq or not path or task not in TASKS:
-            raise ValueError(f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(TASKS)}")
-        if task in out:  # the last would silently win
-            raise ValueError(f"{name} names task {task} twice ({out[task]} and {path}); give one file per task")
-        out[task] = path
-    return out
 
 
 def load_data(cfg) -> dict:

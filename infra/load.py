@@ -24,7 +24,7 @@ from infra import checkpoint, hf, lora, phases, scale, toy
 from infra.budget import scratch_config
 from infra.hf import load_tokenizer, read_checkpoint
 from infra.scale import print0
-from infra.settings import GENERATION_FILE, generation_settings
+from infra.cli import GENERATION_FILE, generation_settings
 from model import Transformer, num_params
 from sample import generator
 from tasks import IMAGE_TASKS, TOY_TASKS, chat_prompt, task_list

@@ -17,7 +17,7 @@ from infra import budget, checkpoint, hf, scale
 from infra.budget import scratch_config
 from infra.load import check_sft_cache, reference_identity, refuse_training_checkpoint
 from infra.scale import print0
-from infra.settings import resume_changes
+from infra.cli import resume_changes
 from tasks import IMAGE_TASKS, task_list
 
 

@@ -31,7 +31,7 @@ from infra.load import WriteFailed, load_policy, reference_identity, report_trun
 from infra.outdir import logged_steps, release_out_dir, resume_point, startup_checks
 from infra.scale import print0
 from infra.sandbox import RemoteScorer
-from infra.settings import resume_changes, setup
+from infra.cli import resume_changes, setup
 from tasks import IMAGE_TASKS, task_list
 
 

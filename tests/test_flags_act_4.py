@@ -193,7 +193,7 @@ def test_disk_estimate_counts_only_the_checkpoints_the_run_writes(tmp_path, monk
 # the README's command: one CPU thread unless --threads says otherwise
 
 def test_default_threads_on_cpu_is_one():
-    from infra.settings import setup
+    from infra.cli import setup
 
     before = torch.get_num_threads()
     try:

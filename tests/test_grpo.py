@@ -54,7 +54,7 @@ def test_d1_advantages_are_reward_minus_group_mean():
 
 
 def test_preconditions_are_asserted():
-    """Settings are validated at the command line (infra/settings.validate) and rewards checked by train.rl_step
+    """Settings are validated at the command line (infra/cli.validate) and rewards checked by train.rl_step
     before they get here; the maths asserts what it needs: finite rewards and groups of >= 2 that tile."""
     R = torch.zeros(12)
     R[6] = float("nan")

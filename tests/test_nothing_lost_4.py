@@ -85,9 +85,9 @@ def test_a_handler_line_nobody_can_read_is_dropped_and_the_output_silenced(monke
     with pytest.raises(BrokenPipeError):  # what the handler meets: a write to it fails
         os.write(w, b"x")
     checkpoint._say_in_handler("caught SIGHUP: finishing this step, then writing a checkpoint")
-    assert cli.output_gone(w)
-    cli.silence(w)
-    assert not cli.output_gone(w) and os.write(w, b"now nowhere\n") == 12
+    assert checkpoint.output_gone(w)
+    checkpoint.silence(w)
+    assert not checkpoint.output_gone(w) and os.write(w, b"now nowhere\n") == 12
     out.close()
 
 

@@ -237,7 +237,7 @@ def test_long_examples_chain_and_length(tok):
 
 def test_toy_long_preset_is_long_and_fits(tok):
     import train
-    from infra.settings import validate
+    from infra.cli import validate
     cfg = train.Config(**train.PRESETS["toy_long"])
     validate(cfg)
     rng = random.Random(0)

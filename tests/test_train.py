@@ -25,7 +25,7 @@ from infra import heldout, hf, lora
 from infra import toy as toy_world
 from infra.budget import scratch_config
 from infra.load import load_policy
-from infra.settings import setup
+from infra.cli import setup
 from model import Transformer
 
 

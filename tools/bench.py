@@ -58,7 +58,7 @@ import torch
 
 from model import ModelConfig, Transformer
 import sample
-from infra import cli, hf, settings
+from infra import cli, hf
 from sample import generate
 from infra.sandbox import run_code
 
@@ -333,8 +333,8 @@ def main(argv=None):
         raise ValueError(f"--preset {args.preset} chooses the prompts of --ckpt, which is not given; add --ckpt DIR")
     if args.gen_length < K or args.gen_length % K:
         raise ValueError(f"--gen_length must be a positive multiple of the block length {K}, got {args.gen_length}")
-    settings.check_threads(args.threads)
-    settings.check_device(args.device)
+    cli.check_threads(args.threads)
+    cli.check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else

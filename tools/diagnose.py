@@ -49,7 +49,7 @@ import train
 from infra import cli, plots
 from sample import derive_seed, generator
 from tasks import IMAGE_TASKS, draw_prompts, make_batch, task_list
-from infra.settings import read_generation_settings, setup, validate
+from infra.cli import read_generation_settings, setup, validate
 from infra.hf import load_tokenizer
 from infra import hf
 

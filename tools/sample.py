@@ -5,7 +5,7 @@
     python -m tools.sample --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
 
 Every setting is checked before the weights are read, with the rules train.py applies to the same names
-(infra/settings.validate_generation), and the prompt is checked against the checkpoint: characters the
+(infra/cli.validate_generation), and the prompt is checked against the checkpoint: characters the
 tokenizer does not know are named (they become its unknown token), and a prompt that does not fit the
 model's max_sequence_length is refused. A user error is one line and exit status 2 (infra/cli.py).
 """
@@ -29,7 +29,7 @@ import tasks
 from infra import cli, hf, plots
 from infra.hf import load_tokenizer
 from infra.load import refuse_training_checkpoint
-from infra.settings import GENERATION_FILE, read_generation_settings, validate_generation
+from infra.cli import GENERATION_FILE, read_generation_settings, validate_generation
 from tasks import chat_prompt
 
 FORMATS = ("auto", "toy", "chat", "raw")
