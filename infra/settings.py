@@ -16,7 +16,7 @@ import grpo
 import importance
 import sample
 import tasks
-from infra import fast_sample, hf, lora, scale, tracker
+from infra import fast_sample, hf, scale, tracker
 from infra.data import data_paths
 from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
@@ -129,7 +129,7 @@ def validate(cfg) -> None:
     need(cfg.image_scorer_timeout > 0, f"image_scorer_timeout ({cfg.image_scorer_timeout}) must be > 0 seconds "
          "(default 30; a scorer serving every rank at once may need more)")
     need(cfg.lora_rank >= 0, f"lora_rank ({cfg.lora_rank}) must be >= 0 (0 = full fine-tuning)")
-    need(cfg.lora_targets in lora.TARGET_SETS, f"lora_targets ({cfg.lora_targets!r}) must be one of {tuple(lora.TARGET_SETS)}")
+    need(cfg.lora_targets in hf.TARGET_SETS, f"lora_targets ({cfg.lora_targets!r}) must be one of {tuple(hf.TARGET_SETS)}")
     need(cfg.lora_rank == 0 or (cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1),
          f"lora_alpha ({cfg.lora_alpha}) must be > 0 and lora_dropout ({cfg.lora_dropout}) in [0, 1)")
     need(cfg.lora_rank == 0 or cfg.init_from != "scratch",
