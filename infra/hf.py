@@ -1,10 +1,9 @@
-"""The LLaDA checkpoint format: config.json, sharded safetensors, tokenizer.json, and LoRA adapters.
+"""The LLaDA checkpoint format (config.json, sharded safetensors, tokenizer.json) and LoRA adapters.
 
-A checkpoint key is HF_PREFIX + our state-dict key (model.py names its modules after the checkpoint keys), so a
-folder written by save_pretrained loads in the public LLaDA code, and a released LLaDA-8B / MMaDA-8B folder loads
-here; tests/test_model.py checks the logits against a checkpoint the public code wrote.
-LoRA (Hu et al., arXiv:2106.09685) learns y = W x + (alpha / r) B A x on a frozen W; MaskGRPO trains LLaDA-8B so,
-and its reference policy is the same network with the adapters off (AdaptersOff), so no second copy is held.
+A checkpoint key is HF_PREFIX + our state-dict key, so a folder save_pretrained writes loads in the public LLaDA
+code and a released LLaDA-8B / MMaDA-8B folder loads here (tests/test_model.py: logits of a public checkpoint).
+LoRA (arXiv:2106.09685) learns y = W x + (alpha / r) B A x on a frozen W; MaskGRPO trains LLaDA-8B so, and its
+reference policy is the same network with the adapters off (AdaptersOff), so no second copy is held.
 
     model = add_lora(from_pretrained(path, device="cuda", dtype=torch.bfloat16), rank=128, alpha=64)
     save_adapters(model, "out/final")
@@ -31,14 +30,12 @@ from tokenizers import Tokenizer
 from model import ModelConfig, Transformer
 from tasks import TokenIds
 
-# The HF wrapper LLaDAModelLM holds `model`, which holds the ModuleDict `transformer`.
-HF_PREFIX = "model.transformer."
+HF_PREFIX = "model.transformer."  # the HF wrapper LLaDAModelLM holds `model`, which holds the ModuleDict
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-# config.json values the reference code accepts but that would change the architecture. We implement the
-# released LLaDA/MMaDA architecture only, so anything else is refused up front.
+# config.json values the reference code accepts that would change the architecture: we implement the released
+# LLaDA/MMaDA one only, so anything else is refused up front.
 _REQUIRED_VALUES = {
     "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
     "alibi": False, "weight_tying": False, "include_bias": False, "attention_layer_norm": False,
@@ -92,15 +89,13 @@ def read_config(path) -> ModelConfig:
 def config_from_hf(hf: dict) -> ModelConfig:
     """Build from a LLaDA/MMaDA config.json dict, refusing architectures we do not implement."""
     bad = {k: hf.get(k) for k, want in _REQUIRED_VALUES.items() if k in hf and hf[k] != want}
-    bad.update({k: hf[k] for k in _ZERO_FIELDS if hf.get(k)})
-    if hf.get("include_qkv_bias"):
-        bad["include_qkv_bias"] = hf["include_qkv_bias"]
+    bad.update({k: hf[k] for k in (*_ZERO_FIELDS, "include_qkv_bias") if hf.get(k)})
     if bad:
         want = {k: _REQUIRED_VALUES.get(k, 0.0 if k in _ZERO_FIELDS else False) for k in bad}
         raise ValueError(f"unsupported config values {bad}; this implementation covers the released "
                          f"LLaDA/MMaDA architecture, which needs {want}")
-    # The reference fills missing fields with GPT-2-like defaults (dropout 0.1, tied weights), which
-    # would silently build another network; require the architecture fields instead.
+    # The reference fills missing fields with GPT-2-like defaults (dropout 0.1, tied weights), which would
+    # silently build another network; require the architecture fields instead.
     need = ["d_model", "n_layers", "n_heads", "mask_token_id"]
     missing = [k for k in need if k not in hf]
     if missing and not any(k in hf for k in need[:3]):  # another architecture's names (n_layer, hidden_size...)
@@ -115,24 +110,23 @@ def config_from_hf(hf: dict) -> ModelConfig:
     n_kv = hf.get("n_kv_heads")
     if n_kv is None:
         n_kv = 1 if hf.get("multi_query_attention") else hf["n_heads"]
-    hidden = hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"]
     eos = hf.get("eos_token_id", hf["mask_token_id"] - 1)
     offset = hf.get("image_token_offset")
     if offset is None and hf.get("codebook_size") and hf.get("llm_vocab_size"):
         # MMaDA: codes start at len(text tokenizer), which its config does not store; 126349 is the released value.
         offset = hf.get("text_tokenizer_size", 126349)
-    # The HF `vocab_size` may be smaller than the row count (MMaDA); keep it in `extra` for saving.
+    # The HF `vocab_size` may be smaller than the row count (MMaDA); it stays in `extra` for saving.
     known = {f.name for f in fields(ModelConfig)} - {"vocab_size"} | {"embedding_size", "mlp_ratio",
                                                               "multi_query_attention"}
     return ModelConfig(
         d_model=hf["d_model"], n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=n_kv,
-        mlp_hidden_size=hidden, vocab_size=hf.get("embedding_size") or hf.get("vocab_size"),
+        mlp_hidden_size=hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"],
+        vocab_size=hf.get("embedding_size") or hf.get("vocab_size"),
         max_sequence_length=hf.get("max_sequence_length", 4096),
         rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
         mask_token_id=hf["mask_token_id"], eos_token_id=eos,
         pad_token_id=hf.get("pad_token_id", eos),  # LLaDA pads with the EOS id, given or defaulted
-        bos_token_id=hf.get("bos_token_id"), image_token_offset=offset,
-        codebook_size=hf.get("codebook_size"),
+        bos_token_id=hf.get("bos_token_id"), image_token_offset=offset, codebook_size=hf.get("codebook_size"),
         extra={k: v for k, v in hf.items() if k not in known},
     )
 
@@ -206,15 +200,14 @@ def save_pretrained(model: Transformer, path, max_shard_bytes: int = 4 << 30, st
 
 
 def same_mode(file: Path, like: Path) -> None:
-    """Give `file` the permissions of `like`, written beside it by open() under the umask: safetensors creates
-    its files 0600, which would leave a shared checkpoint's weights unreadable to the group."""
+    """Give `file` the mode of `like`, written beside it by open() under the umask: safetensors creates its
+    files 0600, which would leave a shared checkpoint's weights unreadable to the group."""
     os.chmod(file, stat.S_IMODE(os.stat(like).st_mode))
 
 
 def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """(config, tensors) of a checkpoint directory; tensors yields (state-dict key, stored tensor on `device`)
-    one at a time, so a caller keeps what it needs (the tensor, or one rank's shard) before the next is read.
-    The key set is checked against the config's architecture up front, each shape as its tensor is read."""
+    """(config, tensors): tensors yields (state-dict key, stored tensor on `device`) one at a time, for a caller
+    to keep what it needs (the tensor, or one rank's shard). Keys are checked up front, shapes as they come."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass the folder that "
@@ -265,8 +258,8 @@ def _weight_map(path: Path) -> dict[str, str]:
 
 
 def load_tokenizer(path, model_config: ModelConfig | None = None):
-    """tokenizer.json of a checkpoint directory (or the file itself); with a model config, checks that every
-    token id the tokenizer can emit has an embedding row."""
+    """tokenizer.json of a checkpoint directory (or the file); with a model config, checks that every token id
+    it can emit has an embedding row."""
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
@@ -292,37 +285,22 @@ def token_ids(tok: Tokenizer, config: ModelConfig) -> TokenIds:
                     image_token_offset=config.image_token_offset, codebook_size=config.codebook_size)
 
 
-# -----------------------------------------------------------------------------------------------------
-# LoRA adapters
-
-# The seven nn.Linear of a LLaDA block (the LM head is also named ff_out, but add_lora looks only inside
-# model.blocks): 335,544,320 adapter parameters at LLaDA-8B and r = 128. The official run (martian422/MaskGRPO)
-# lists Llama names, q/k/v/o/up/down/gate_proj; peft matches module names, so in a LLaDA/MMaDA block only the
-# "official" four exist, half the parameters (docs/differences.md, "LoRA targets"). Config.lora_targets picks.
+# LoRA. The seven nn.Linear of a LLaDA block (add_lora looks only inside model.blocks, so the head, also named
+# ff_out, is never matched): 335,544,320 adapter parameters at LLaDA-8B and r = 128. The official run
+# (martian422/MaskGRPO) lists Llama names, of which peft finds only the "official" four in a LLaDA/MMaDA block,
+# half as many (docs/differences.md, "LoRA targets"). Config.lora_targets picks the set.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
 OFFICIAL_TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj")
 TARGET_SETS = {"all": LORA_TARGETS, "official": OFFICIAL_TARGETS}
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapters.safetensors", "adapters.json"
 
 
-def _check_hparams(rank, alpha, dropout) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"LoRA rank ({rank!r}) must be an integer >= 1; the official recipe uses rank=128")
-    if not alpha > 0:
-        raise ValueError(f"LoRA alpha ({alpha!r}) must be > 0: it sets the update scale alpha / rank; "
-                         "the official recipe uses alpha=64")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"LoRA dropout ({dropout!r}) must be in [0, 1); use 0.0 to switch it off")
-
-
 class LoRALinear(nn.Linear):
-    """nn.Linear plus a low-rank adapter: it adopts the base layer's `weight` (no copy, same state-dict key) and
-    adds `lora_A` (r, in) and `lora_B` (out, r). The adapters stay float32 under a bf16 base (AdamW's small steps
-    would vanish in bf16's spacing) and are cast to the input dtype in the forward, as the model's weights are."""
+    """nn.Linear plus an adapter: adopts the base `weight` (no copy, same key) and adds `lora_A` (r, in) and
+    `lora_B` (out, r), kept float32 under a bf16 base (AdamW's small steps would vanish in bf16's spacing)."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
                  generator: torch.Generator | None = None):
-        _check_hparams(rank, alpha, dropout)
         # On the meta device nn.Linear allocates no second weight; the base Parameters replace it just below.
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
         self.weight, self.bias = base.weight, base.bias
@@ -330,20 +308,19 @@ class LoRALinear(nn.Linear):
         self.scaling = alpha / rank  # LoRA §4.1: dividing by r keeps the update size stable across ranks
         self.disabled = False        # True: exactly the base layer (the reference policy)
         self.train(base.training)
-        # A ~ U(+-1/sqrt(in)) (peft's kaiming-uniform, a=sqrt(5)), the scale the published hyperparameters used;
-        # drawn on the CPU, so a CPU and a CUDA run get the same A. B = 0: the model starts at the base (LoRA §4.1).
-        bound = 1.0 / math.sqrt(base.in_features)
+        # A ~ U(+-1/sqrt(in)), peft's kaiming-uniform(a=sqrt(5)) that the official run used, drawn on the CPU (a
+        # CPU and a CUDA run get the same A); B = 0, so the adapted model starts at the base (LoRA §4.1).
         a = torch.rand(rank, base.in_features, generator=generator, dtype=torch.float32) * 2 - 1  # (r, in)
         dev = base.weight.device
-        self.lora_A = nn.Parameter((a * bound).to(dev))
+        self.lora_A = nn.Parameter((a * (1.0 / math.sqrt(base.in_features))).to(dev))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=torch.float32, device=dev))
 
     def forward(self, x):
         y = F.linear(x, self.weight, self.bias)                                  # (..., out)
         if self.disabled:
             return y
-        # Dropout on the adapter input (as peft), from the global RNG on purpose: activation checkpointing
-        # replays only the default generators, so a private one would draw another mask in the recompute.
+        # Dropout from the global RNG on purpose: activation checkpointing replays only the default generators,
+        # so a private one would draw another mask in the recompute. The adapters follow x's dtype.
         h = F.dropout(x, self.lora_dropout, self.training)
         h = F.linear(h, self.lora_A.to(x.dtype)) * self.scaling                  # (..., r)
         return y + F.linear(h, self.lora_B.to(x.dtype))                          # (..., out)
@@ -358,9 +335,15 @@ def _adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 
 def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS,
              generator: torch.Generator | None = None) -> nn.Module:
-    """Wrap the nn.Linear children of each `model.blocks[i]` named in `targets` in LoRALinear and freeze the
-    rest, in place, before any FSDP wrap or optimizer. `generator` draws every lora_A (default: seeded 0)."""
-    _check_hparams(rank, alpha, dropout)
+    """Wrap the nn.Linear of each block named in `targets` in LoRALinear and freeze the rest, in place, before
+    any FSDP wrap or optimizer. `generator` draws every lora_A (default: seeded 0, never the global RNG)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA rank ({rank!r}) must be an integer >= 1; the official recipe uses rank=128")
+    if not alpha > 0:
+        raise ValueError(f"LoRA alpha ({alpha!r}) must be > 0: it sets the update scale alpha / rank; "
+                         "the official recipe uses alpha=64")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout ({dropout!r}) must be in [0, 1); use 0.0 to switch it off")
     # A lone string is one name, not a list of characters; duplicates would wrap a layer twice.
     targets = tuple(dict.fromkeys((targets,) if isinstance(targets, str) else targets))
     if _adapted(model):
@@ -372,7 +355,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, ta
                          f"available names are {available}")
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     model.requires_grad_(False)
-    for block in model.blocks:  # fixed order, so a seed always gives the same A to the same layer
+    for block in model.blocks:  # a fixed order: a seed always gives the same A to the same layer
         for name in targets:
             setattr(block, name, LoRALinear(getattr(block, name), rank, alpha, dropout, generator))
     return model
@@ -393,8 +376,7 @@ def lora_stats(model: nn.Module) -> dict:
 
 @contextmanager
 def adapters_disabled(model: nn.Module):
-    """Run the base model (the GRPO reference policy) inside the block; each adapter's on/off state comes back
-    afterwards, also when the block raises."""
+    """The base model (the GRPO reference policy) inside the block; each adapter's state comes back after it."""
     before = {m: m.disabled for _, m in _adapted(model)}
     for m in before:
         m.disabled = True
@@ -406,7 +388,7 @@ def adapters_disabled(model: nn.Module):
 
 
 class AdaptersOff(nn.Module):
-    """The reference policy of a LoRA run: the policy itself with its adapters off, so no second copy of the base
+    """A LoRA run's reference policy: the policy itself with its adapters off, so no second copy of the base
     model is held (MaskGRPO's setup). Other attributes are the policy's."""
 
     def __init__(self, policy: nn.Module):
@@ -446,8 +428,8 @@ def save_adapters(model: nn.Module, path) -> None:
 
 
 def load_adapters(model: nn.Module, path) -> nn.Module:
-    """Load adapters written by save_adapters. A model without adapters gets them first (add_lora with the
-    saved rank/alpha/dropout/targets); an adapted model must match the saved names, shapes and alpha."""
+    """Load adapters written by save_adapters; a model without adapters gets them first (add_lora with the saved
+    settings), an adapted one must match the saved names, shapes and alpha."""
     path = Path(path)
     for f in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
         if not (path / f).is_file():
@@ -478,9 +460,9 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight, W <- W + (alpha / r) B A, formed in float32 and rounded once, and
-    swap each LoRALinear back to nn.Linear, so save_pretrained writes LLaDA's own key set. In bf16, updates below
-    half of W's spacing vanish: save_adapters' output is the exact record. The result stays frozen."""
+    """Fold each adapter into its weight, W <- W + (alpha / r) B A in float32 rounded once, and make it a frozen
+    nn.Linear again, so save_pretrained writes LLaDA's key set. In bf16, updates under half of W's spacing
+    vanish: save_adapters' output is the exact record."""
     for name, m in _adapted(model):
         parent, _, child = name.rpartition(".")
         delta = m.scaling * (m.lora_B.float() @ m.lora_A.float())                 # (out, in)

@@ -1,6 +1,5 @@
-"""The policy and its reference, loaded and saved: the toy SFT model (trained once, cached in sft_dir), a
-pretrained checkpoint, LoRA, FSDP2 sharding that never holds the whole model on one rank, and the final save.
-A checkpoint becomes a model folder that sample.py and evaluate.py take:
+"""The policy and its reference, loaded and saved: the toy SFT model (trained once, cached in sft_dir), a pretrained
+checkpoint, LoRA, FSDP2 sharding that never holds the whole model on one rank; a checkpoint made a model folder:
 
     python -m infra.load out/toy/checkpoints/step-00000040 out/toy-step-00000040
 """
@@ -34,8 +33,7 @@ SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_n
 
 
 class WriteFailed(OSError):
-    """Writing a model folder failed (whatever the writer raised, SafetensorError included): one line saying
-    what was being written, why, and what is left of it."""
+    """Writing a model folder failed (whatever the writer raised): one line saying what, why, and what is left."""
 
 
 def writer_error(e: BaseException) -> str:
@@ -53,8 +51,7 @@ def add_lora(model, cfg):
 
 
 def sft_key(cfg) -> dict:
-    """What the toy SFT model depends on: the SFT_KEYS settings, its toy tasks, and the source of infra/toy.py
-    (the data) and tasks.py (its encoding)."""
+    """What the toy SFT model depends on: SFT_KEYS, its toy tasks, and the source of its data and their encoding."""
     source = b"".join(Path(m.__file__).read_bytes() for m in (toy, tasks))
     return {k: getattr(cfg, k) for k in SFT_KEYS} | {"sft_tasks": list(tasks.sft_tasks(cfg)),
                                                      "toy_sha1": hashlib.sha1(source).hexdigest()}
@@ -65,8 +62,8 @@ def sft_dir_of(cfg) -> Path:
 
 
 def check_sft_cache(cfg) -> bool:
-    """True when sft_dir holds an SFT model trained with cfg's settings, False when there is none; another is
-    refused, naming what differs, unless --retrain_sft=true. Never replaced silently: runs may share one."""
+    """True when sft_dir holds an SFT model trained with cfg's settings, False when none; another is refused,
+    naming what differs, unless --retrain_sft=true: runs may share one, and SFT can take an hour."""
     sft_dir = sft_dir_of(cfg)
     meta_file = sft_dir / "sft_meta.json"
     if meta_file.is_file():
@@ -100,8 +97,7 @@ def check_sft_cache(cfg) -> bool:
 
 
 def other_run_of(sft_dir: Path, cfg) -> Path | None:
-    """The out_dir of another run whose own SFT model sft_dir is (RUN/sft, or the --sft_dir its config.json
-    names), or None."""
+    """The out_dir of another run whose own SFT model sft_dir is (RUN/sft, or its --sft_dir), or None."""
     run_dir = sft_dir.parent
     if run_dir.resolve() == Path(cfg.out_dir).resolve():
         return None
@@ -109,8 +105,8 @@ def other_run_of(sft_dir: Path, cfg) -> Path | None:
         saved = hf.read_json(run_dir / "config.json")
     except (OSError, ValueError):
         return None
-    if "rl_steps" not in saved or "out_dir" not in saved:
-        return None  # a model's config.json: not a run
+    if "rl_steps" not in saved or "out_dir" not in saved:  # a model's config.json: not a run
+        return None
     own = Path(saved["sft_dir"]) if saved.get("sft_dir") else run_dir / "sft"
     return run_dir if own.resolve() == sft_dir.resolve() else None
 
@@ -168,8 +164,7 @@ def find_model(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
         return path, tok, ids, seconds
     config, _ = hf.read_checkpoint(cfg.init_from)  # checks the directory; reads no weights
     tok = hf.load_tokenizer(cfg.init_from, config)
-    # Toy tasks on a toy checkpoint (a LoRA run from a toy run's final/) read its ids by name.
-    toy_only = all(t in TOY_TASKS for t in task_list(cfg))
+    toy_only = all(t in TOY_TASKS for t in task_list(cfg))  # a toy checkpoint (a toy run's final/): ids by name
     return Path(cfg.init_from), tok, tasks.token_ids(tok) if toy_only else hf.token_ids(tok, config), 0.0
 
 
@@ -226,9 +221,9 @@ def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
 
 
 def _adapt_on_meta(model: Transformer, adapt) -> dict[str, torch.Tensor]:
-    """adapt(model) on a meta-device model; returns the parameters it added (lora_A, lora_B) on the CPU.
-    LoRALinear draws lora_A on the CPU and moves it to its base weight's device, where meta would lose the
-    values; so adapt runs on empty CPU stand-ins, and the meta weights go back (frozen as adapt left them)."""
+    """adapt(model) on a meta model, returning the parameters it added (lora_A, lora_B) with their values on the
+    CPU: adapt runs on empty CPU stand-ins (on meta LoRALinear's draws would be lost), then the meta weights
+    go back, frozen as adapt left them."""
     def put(name, p):
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, p)
@@ -278,8 +273,8 @@ FINGERPRINT_BLOCKS, BLOCK_BYTES = 256, 1 << 16  # up to 16 MiB read per weight f
 
 
 def file_fingerprint(f: Path, digest) -> None:
-    """Feed digest with f's size and content: all of it up to FINGERPRINT_BLOCKS blocks, else that many evenly
-    spaced blocks (the first holds the safetensors header). Hashing 16 GB at every start would take minutes."""
+    """Feed digest with f's size and content, or FINGERPRINT_BLOCKS evenly spaced blocks of a larger file (the
+    first holds the safetensors header): hashing 16 GB at every start would take minutes."""
     size = f.stat().st_size
     digest.update(f"{size}:".encode())
     with open(f, "rb") as fh:
