@@ -308,7 +308,9 @@ def report_truncation(cfg, tok, datasets: dict) -> dict:
     keeps their last tokens, as the official code), printed when any is cut."""
     cut = {}
     for task, splits in datasets.items():
-        for split, exs in splits.items() if task not in IMAGE_TASKS else ():
+        if task in IMAGE_TASKS:
+            continue
+        for split, exs in splits.items():
             texts = [chat_prompt([{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill for ex in exs]
             lengths = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
             n = sum(length > cfg.max_prompt_len for length in lengths)
@@ -350,13 +352,10 @@ def export_checkpoint(ckpt, dest) -> Path:
         raise ValueError(f"the SFT model this run started from ({start}) is missing; the checkpoint "
                          "holds the trained weights but tokenizer and shape come from it")
     if reference_identity(cfg) != state["reference"]:
-        raise ValueError(f"the starting model of this run ({start}) "
-                         "is not the one the checkpoint was trained from (its content changed); restore it to export")
-    if cfg.init_from == "scratch":  # its content was checked above; the code's SFT settings key does not matter
-        path, tok = start, toy.build_tokenizer()
-    else:
-        path, tok, _, _ = find_model(cfg, "cpu", torch.float32, sft=None)
-    model = hf.from_pretrained(path, dtype=torch.float32)
+        raise ValueError(f"the starting model of this run ({start}) is not the one the checkpoint was trained from "
+                         "(its content changed); restore it to export")
+    model = hf.from_pretrained(start, dtype=torch.float32)
+    tok = toy.build_tokenizer() if cfg.init_from == "scratch" else hf.load_tokenizer(start, model.config)
     model = add_lora(model, cfg) if cfg.lora_rank else model
     opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=cfg.lr)  # DCP restores model and optimizer together
     checkpoint.load(ckpt, model, opt, trainable_only=cfg.lora_rank > 0)
