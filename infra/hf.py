@@ -367,11 +367,10 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def lora_stats(model: nn.Module) -> dict:
-    """Counts for a startup log line: adapted modules, adapter and total parameters, adapter fraction."""
+    """Counts for a startup log line: adapted modules, adapter parameters, all parameters."""
     n_lora = sum(m.lora_A.numel() + m.lora_B.numel() for _, m in _adapted(model))
     n_total = sum(p.numel() for p in model.parameters())
-    return {"modules": len(_adapted(model)), "lora_params": n_lora, "total_params": n_total,
-            "lora_fraction": n_lora / n_total}
+    return {"modules": len(_adapted(model)), "lora_params": n_lora, "total_params": n_total}
 
 
 @contextmanager
