@@ -30,7 +30,8 @@ from tokenizers import Tokenizer
 from model import ModelConfig, Transformer
 from tasks import TokenIds
 
-HF_PREFIX = "model.transformer."  # the HF wrapper LLaDAModelLM holds `model`, which holds the ModuleDict
+# The HF wrapper LLaDAModelLM holds `model`, which holds the ModuleDict `transformer`.
+HF_PREFIX = "model.transformer."
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
