@@ -5,6 +5,7 @@ checkpoint, LoRA, FSDP2 sharding that never holds the whole model on one rank; a
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import hashlib
 import itertools
@@ -18,7 +19,7 @@ import torch
 
 import tasks
 
-from infra import checkpoint, hf, phases, scale, toy
+from infra import checkpoint, cli, hf, phases, scale, toy
 from infra.budget import scratch_config
 from infra.scale import print0
 from infra.settings import GENERATION_FILE, generation_settings
@@ -381,10 +382,6 @@ def export_checkpoint(ckpt, dest) -> Path:
 
 
 def main(argv=None) -> Path:
-    import argparse
-
-    from infra import cli
-
     p = argparse.ArgumentParser(description="Turn a train.py checkpoint (out_dir/checkpoints/step-N) into a model "
                                 "folder that sample.py and evaluate.py take", allow_abbrev=False, exit_on_error=False)
     p.add_argument("checkpoint", nargs="?", help="OUT_DIR/checkpoints/step-N")
@@ -399,7 +396,5 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    from infra import cli
-
     with cli.user_errors():
         main()
