@@ -23,7 +23,7 @@ from pathlib import Path
 
 import tasks
 import train
-from infra import cli, data, heldout, load, lora, run, scale
+from infra import cli, data, heldout, hf, load, run, scale
 from infra.data import load_data
 from infra.sandbox import RemoteScorer
 
@@ -282,7 +282,7 @@ def check_run(run_dir: str, **overrides) -> bool | None:
             raise FileNotFoundError(f"checkpoint directory not found: {ckpt} (the run's {label}-RL model)")
         model, tok, ids, _ = load.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
         if label == "after" and cfg.lora_rank:
-            lora.load_adapters(model, out_dir / "final")
+            hf.load_adapters(model, out_dir / "final")
         evals[label] = heldout.evaluate_all(model.eval(), tasks.Ctx(cfg, tok, ids, device, datasets, scorer))
     keys = [k for k in summary if k != "seconds"] + sorted(set(evals["before"]) - set(summary))
     rows, ok = [], True

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import grpo
 import importance
 import tasks
-from infra import budget, checkpoint, claims, cli, lora, phases, scale, timing, tracker
+from infra import budget, checkpoint, claims, cli, hf, phases, scale, timing, tracker
 from sample import FastSampler
 from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, eval_batches,
                        failures_in_one_line, print_held_out, start)
@@ -326,7 +326,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
 
         # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only.
         # With LoRA the reference is the policy with its adapters off: one all-gather serves both passes.
-        with scale.full_weights(model) if isinstance(ref, lora.AdaptersOff) else contextlib.nullcontext():
+        with scale.full_weights(model) if isinstance(ref, hf.AdaptersOff) else contextlib.nullcontext():
             with timed("logprob"):
                 logp_old = frozen_logprobs(model, batch, views, ctx)
                 logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None

@@ -52,8 +52,8 @@ def gpu_kind(device_name: str) -> str | None:
 
 def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
     """Parameter counts from a meta-device model (no memory): total, embedding, head, one block's matrices,
-    and LoRA's adapters (rank r on every projection of lora.TARGET_SETS[lora_targets]: r * (in + out) each)."""
-    from infra.lora import TARGET_SETS
+    and LoRA's adapters (rank r on every projection of hf.TARGET_SETS[lora_targets]: r * (in + out) each)."""
+    from infra.hf import TARGET_SETS
     targets = TARGET_SETS[lora_targets]
 
     with torch.device("meta"):

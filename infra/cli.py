@@ -31,7 +31,7 @@ import grpo
 import importance
 import sample
 import tasks
-from infra import checkpoint, hf, lora, scale, tracker
+from infra import checkpoint, hf, scale, tracker
 from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
 
@@ -248,7 +248,7 @@ def validate(cfg) -> None:
     need(cfg.clip_eps > 0, f"clip_eps ({cfg.clip_eps}) must be > 0 (paper: 0.2)")
     for k, allowed in (("estimator", importance.ESTIMATORS), ("text_reversing", importance.MODES),
                        ("loss_norm", grpo.NORMS), ("text_reward", tuple(tasks.TEXT_REWARDS)),
-                       ("lora_targets", tuple(lora.TARGET_SETS))):
+                       ("lora_targets", tuple(hf.TARGET_SETS))):
         need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be one of {allowed}")
     ignored = importance.ignored_settings(cfg, type(cfg)())
     if ignored:  # a setting the chosen estimator never reads would otherwise be silently without effect

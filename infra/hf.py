@@ -1,16 +1,18 @@
-"""Checkpoint I/O in the Hugging Face LLaDA layout: config.json translation, sharded safetensors, tokenizer.
+"""The LLaDA checkpoint format (config.json, sharded safetensors, tokenizer.json) and LoRA adapters.
 
-A checkpoint key is "model.transformer." + our state-dict key (model.py names its modules after the
-checkpoint keys), so a folder written by save_pretrained loads unchanged in the public LLaDA code, and a
-released LLaDA-8B / MMaDA-8B folder loads here. tests/test_model.py checks the logits against a checkpoint
-the public code wrote (tests/fixtures/tiny-llada).
+A checkpoint key is HF_PREFIX + our state-dict key, so a folder save_pretrained writes loads in the public LLaDA
+code and a released LLaDA-8B / MMaDA-8B folder loads here (tests/test_model.py: logits of a public checkpoint).
+LoRA (arXiv:2106.09685) learns y = W x + (alpha / r) B A x on a frozen W; MaskGRPO trains LLaDA-8B so, and its
+reference policy is the same network with the adapters off (AdaptersOff), so no second copy is held.
 
-    model = from_pretrained("path/to/LLaDA-8B-Instruct", device="cuda", dtype=torch.bfloat16)
-    save_pretrained(model, "out/final")
+    model = add_lora(from_pretrained(path, device="cuda", dtype=torch.bfloat16), rank=128, alpha=64)
+    save_adapters(model, "out/final")
+    save_pretrained(merge_lora(model), "out/final")
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from contextlib import contextmanager
@@ -19,32 +21,28 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from model import ModelConfig, Transformer
 from tasks import TokenIds
 
-# Every checkpoint key is "model.transformer." + our state-dict key: the HF wrapper
-# LLaDAModelLM holds `model`, which holds the ModuleDict `transformer`.
+# The HF wrapper LLaDAModelLM holds `model`, which holds the ModuleDict `transformer`.
 HF_PREFIX = "model.transformer."
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-# config.json values the reference code accepts but that would change the architecture. We implement the
-# released LLaDA/MMaDA architecture only, so anything else is refused up front.
+# config.json values the reference code accepts that would change the architecture: we implement the released
+# LLaDA/MMaDA one only, so anything else is refused up front.
 _REQUIRED_VALUES = {
     "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
     "alibi": False, "weight_tying": False, "include_bias": False, "attention_layer_norm": False,
     "input_emb_norm": False, "scale_logits": False, "block_group_size": 1,
 }
 _ZERO_FIELDS = ("attention_dropout", "residual_dropout", "embedding_dropout")
-
-
-# -----------------------------------------------------------------------------------------------------
-# reading files a user may have damaged: every error names the file
 
 
 def read_json(file, fix: str = "re-copy it from where it came from"):
@@ -63,8 +61,7 @@ def read_json(file, fix: str = "re-copy it from where it came from"):
 
 @contextmanager
 def _safetensors_file(file: Path, device="cpu"):
-    """safe_open(file), with the library's errors (an empty, truncated or random file says only
-    'incomplete metadata' or 'header too small') naming the file."""
+    """safe_open(file), naming the file in the library's errors ('incomplete metadata', 'header too small')."""
     try:
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             yield f
@@ -90,22 +87,16 @@ def read_config(path) -> ModelConfig:
         raise ValueError(f"{file}: a field has the wrong type ({e}); re-copy the checkpoint's config.json") from None
 
 
-# -----------------------------------------------------------------------------------------------------
-# config.json
-
-
 def config_from_hf(hf: dict) -> ModelConfig:
     """Build from a LLaDA/MMaDA config.json dict, refusing architectures we do not implement."""
     bad = {k: hf.get(k) for k, want in _REQUIRED_VALUES.items() if k in hf and hf[k] != want}
-    bad.update({k: hf[k] for k in _ZERO_FIELDS if hf.get(k)})
-    if hf.get("include_qkv_bias"):
-        bad["include_qkv_bias"] = hf["include_qkv_bias"]
+    bad.update({k: hf[k] for k in (*_ZERO_FIELDS, "include_qkv_bias") if hf.get(k)})
     if bad:
         want = {k: _REQUIRED_VALUES.get(k, 0.0 if k in _ZERO_FIELDS else False) for k in bad}
         raise ValueError(f"unsupported config values {bad}; this implementation covers the released "
                          f"LLaDA/MMaDA architecture, which needs {want}")
-    # The reference fills missing fields with GPT-2-like defaults (dropout 0.1, tied weights), which
-    # would silently build another network; require the architecture fields instead.
+    # The reference fills missing fields with GPT-2-like defaults (dropout 0.1, tied weights), which would
+    # silently build another network; require the architecture fields instead.
     need = ["d_model", "n_layers", "n_heads", "mask_token_id"]
     missing = [k for k in need if k not in hf]
     if missing and not any(k in hf for k in need[:3]):  # another architecture's names (n_layer, hidden_size...)
@@ -120,26 +111,23 @@ def config_from_hf(hf: dict) -> ModelConfig:
     n_kv = hf.get("n_kv_heads")
     if n_kv is None:
         n_kv = 1 if hf.get("multi_query_attention") else hf["n_heads"]
-    hidden = hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"]
     eos = hf.get("eos_token_id", hf["mask_token_id"] - 1)
-    rows = hf.get("embedding_size") or hf.get("vocab_size")
     offset = hf.get("image_token_offset")
     if offset is None and hf.get("codebook_size") and hf.get("llm_vocab_size"):
-        # MMaDA: codes start at len(text tokenizer) = 126349, which the config does not store; the
-        # released value is the only one we know of.
+        # MMaDA: codes start at len(text tokenizer), which its config does not store; 126349 is the released value.
         offset = hf.get("text_tokenizer_size", 126349)
-    # The HF `vocab_size` may be smaller than the row count (MMaDA); keep it in `extra` for saving.
+    # The HF `vocab_size` may be smaller than the row count (MMaDA); it stays in `extra` for saving.
     known = {f.name for f in fields(ModelConfig)} - {"vocab_size"} | {"embedding_size", "mlp_ratio",
                                                               "multi_query_attention"}
     return ModelConfig(
         d_model=hf["d_model"], n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=n_kv,
-        mlp_hidden_size=hidden, vocab_size=rows,
+        mlp_hidden_size=hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"],
+        vocab_size=hf.get("embedding_size") or hf.get("vocab_size"),
         max_sequence_length=hf.get("max_sequence_length", 4096),
         rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
         mask_token_id=hf["mask_token_id"], eos_token_id=eos,
         pad_token_id=hf.get("pad_token_id", eos),  # LLaDA pads with the EOS id, given or defaulted
-        bos_token_id=hf.get("bos_token_id"), image_token_offset=offset,
-        codebook_size=hf.get("codebook_size"),
+        bos_token_id=hf.get("bos_token_id"), image_token_offset=offset, codebook_size=hf.get("codebook_size"),
         extra={k: v for k, v in hf.items() if k not in known},
     )
 
@@ -174,33 +162,24 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
     return dict(sorted(hf.items()))
 
 
-# -----------------------------------------------------------------------------------------------------
-# weights
-
-
 def from_pretrained(path, device="cpu", dtype=torch.float32) -> Transformer:
-    """Load a LLaDA/MMaDA checkpoint directory: config.json plus model.safetensors or sharded
-    model-*.safetensors with model.safetensors.index.json. The model is built on the meta device
-    and each tensor is read straight into `dtype` on `device`, so an 8B bf16 load never holds a
-    float32 copy or a second set of weights. (Under torchrun infra/load.py's load_sharded reads the
-    same tensors, through read_checkpoint, into each rank's shard instead.)"""
+    """Load a LLaDA/MMaDA checkpoint directory, built on the meta device with each tensor read straight into
+    `dtype` on `device`, so an 8B bf16 load never holds a float32 copy or a second set of weights."""
     config, tensors = read_checkpoint(path, device)
     with torch.device("meta"):
         model = Transformer(config)
-    state = {key: t.to(dtype) for key, t in tensors}
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict({key: t.to(dtype) for key, t in tensors}, strict=True, assign=True)
     return model.eval()
 
+
 def save_pretrained(model: Transformer, path, max_shard_bytes: int = 4 << 30, state_dict: dict | None = None) -> None:
-    """Write config.json, model-0000K-of-0000N.safetensors shards and model.safetensors.index.json,
-    the layout the public LLaDA code (and our from_pretrained) loads. state_dict: the tensors to
-    write instead of model.state_dict() (e.g. the full state gathered from FSDP2 shards)."""
+    """Write config.json, model-0000K-of-0000N.safetensors and their index, the layout the public LLaDA code
+    loads. state_dict: the tensors to write instead of model.state_dict() (the full state gathered from FSDP2)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state_dict = model.state_dict() if state_dict is None else state_dict
     tensors = {HF_PREFIX + k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    shards: list[dict] = [{}]
-    size = 0
+    shards, size = [{}], 0
     for key in sorted(tensors):
         nbytes = tensors[key].numel() * tensors[key].element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
@@ -208,41 +187,34 @@ def save_pretrained(model: Transformer, path, max_shard_bytes: int = 4 << 30, st
             size = 0
         shards[-1][key] = tensors[key]
         size += nbytes
-    n = len(shards)
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(path / fname), metadata={"format": "pt"})
-        for key, t in shard.items():
-            weight_map[key] = fname
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     dtype = next(iter(tensors.values())).dtype
     (path / CONFIG_NAME).write_text(json.dumps(config_to_hf(model.config, dtype), indent=2) + "\n")
-    for i in range(n):
-        same_mode(path / f"model-{i + 1:05d}-of-{n:05d}.safetensors", path / CONFIG_NAME)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        same_mode(path / fname, path / CONFIG_NAME)
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def same_mode(file: Path, like: Path) -> None:
-    """Give `file` the permissions of `like`, a file written beside it with open() (so under the umask):
-    safetensors creates its files 0600, which would leave the weights of a shared checkpoint unreadable
-    to the group while its config.json and tokenizer.json are readable."""
+    """Give `file` the mode of `like`, written beside it by open() under the umask: safetensors creates its
+    files 0600, which would leave a shared checkpoint's weights unreadable to the group."""
     os.chmod(file, stat.S_IMODE(os.stat(like).st_mode))
 
 
 def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """(config, tensors) of a LLaDA/MMaDA checkpoint directory. tensors yields (state-dict key, tensor in
-    its stored dtype on `device`) one tensor at a time, so a caller can keep what it needs of each (the
-    whole tensor, or one rank's shard) before the next is read. The key set is checked against the
-    config's architecture up front, each shape as its tensor is read."""
+    """(config, tensors): tensors yields (state-dict key, stored tensor on `device`) one at a time, for a caller
+    to keep what it needs (the tensor, or one rank's shard). Keys are checked up front, shapes as they come."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass the folder that "
                                 "holds config.json and the *.safetensors files")
     config = read_config(path)
     weight_map = _weight_map(path)
-
     with torch.device("meta"):
         expected = {HF_PREFIX + k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     missing = sorted(set(expected) - set(weight_map))
@@ -253,13 +225,10 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
                          f"tensors {unexpected[:8]}")
 
     def tensors():
-        by_file: dict[str, list[str]] = {}
-        for key, fname in weight_map.items():
-            by_file.setdefault(fname, []).append(key)
-        for fname, keys in sorted(by_file.items()):
+        for fname in sorted(set(weight_map.values())):
             with _safetensors_file(path / fname, device) as f:
                 present = set(f.keys())
-                for key in keys:
+                for key in (k for k, v in weight_map.items() if v == fname):
                     if key not in present:
                         raise ValueError(f"{path / fname} does not contain {key}, which the index assigns to it")
                     shape = tuple(f.get_slice(key).get_shape())
@@ -290,8 +259,8 @@ def _weight_map(path: Path) -> dict[str, str]:
 
 
 def load_tokenizer(path, model_config: ModelConfig | None = None):
-    """tokenizer.json from a checkpoint directory (or the file itself), via the `tokenizers` library.
-    With a model config, checks that every token id the tokenizer can emit has an embedding row."""
+    """tokenizer.json of a checkpoint directory (or the file); with a model config, checks that every token id
+    it can emit has an embedding row."""
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
@@ -315,3 +284,192 @@ def token_ids(tok: Tokenizer, config: ModelConfig) -> TokenIds:
                     mask=config.mask_token_id, vocab_size=config.vocab_size, t2i=tok.token_to_id("<|t2i|>"),
                     soi=tok.token_to_id("<|soi|>"), eoi=tok.token_to_id("<|eoi|>"), ipad=tok.token_to_id("[iPAD]"),
                     image_token_offset=config.image_token_offset, codebook_size=config.codebook_size)
+
+
+# LoRA. The seven nn.Linear of a LLaDA block (add_lora looks only inside model.blocks, so the head, also named
+# ff_out, is never matched): 335,544,320 adapter parameters at LLaDA-8B and r = 128. The official run
+# (martian422/MaskGRPO) lists Llama names, of which peft finds only the "official" four in a LLaDA/MMaDA block,
+# half as many (docs/differences.md, "LoRA targets"). Config.lora_targets picks the set.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
+OFFICIAL_TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj")
+TARGET_SETS = {"all": LORA_TARGETS, "official": OFFICIAL_TARGETS}
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapters.safetensors", "adapters.json"
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear plus an adapter: adopts the base `weight` (no copy, same key) and adds `lora_A` (r, in) and
+    `lora_B` (out, r), kept float32 under a bf16 base (AdamW's small steps would vanish in bf16's spacing)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
+                 generator: torch.Generator | None = None):
+        # On the meta device nn.Linear allocates no second weight; the base Parameters replace it just below.
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        self.weight, self.bias = base.weight, base.bias
+        self.rank, self.alpha, self.lora_dropout = rank, alpha, dropout
+        self.scaling = alpha / rank  # LoRA §4.1: dividing by r keeps the update size stable across ranks
+        self.disabled = False        # True: exactly the base layer (the reference policy)
+        self.train(base.training)
+        # A ~ U(+-1/sqrt(in)), peft's kaiming-uniform(a=sqrt(5)) that the official run used, drawn on the CPU (a
+        # CPU and a CUDA run get the same A); B = 0, so the adapted model starts at the base (LoRA §4.1).
+        a = torch.rand(rank, base.in_features, generator=generator, dtype=torch.float32) * 2 - 1  # (r, in)
+        dev = base.weight.device
+        self.lora_A = nn.Parameter((a * (1.0 / math.sqrt(base.in_features))).to(dev))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=torch.float32, device=dev))
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)                                  # (..., out)
+        if self.disabled:
+            return y
+        # Dropout from the global RNG on purpose: activation checkpointing replays only the default generators,
+        # so a private one would draw another mask in the recompute. The adapters follow x's dtype.
+        h = F.dropout(x, self.lora_dropout, self.training)
+        h = F.linear(h, self.lora_A.to(x.dtype)) * self.scaling                  # (..., r)
+        return y + F.linear(h, self.lora_B.to(x.dtype))                          # (..., out)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}, dropout={self.lora_dropout}"
+
+
+def _adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS,
+             generator: torch.Generator | None = None) -> nn.Module:
+    """Wrap the nn.Linear of each block named in `targets` in LoRALinear and freeze the rest, in place, before
+    any FSDP wrap or optimizer. `generator` draws every lora_A (default: seeded 0, never the global RNG)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA rank ({rank!r}) must be an integer >= 1; the official recipe uses rank=128")
+    if not alpha > 0:
+        raise ValueError(f"LoRA alpha ({alpha!r}) must be > 0: it sets the update scale alpha / rank; "
+                         "the official recipe uses alpha=64")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout ({dropout!r}) must be in [0, 1); use 0.0 to switch it off")
+    # A lone string is one name, not a list of characters; duplicates would wrap a layer twice.
+    targets = tuple(dict.fromkeys((targets,) if isinstance(targets, str) else targets))
+    if _adapted(model):
+        raise ValueError("model already has LoRA adapters; merge_lora(model) first to stack a new set")
+    available = sorted({n for b in model.blocks for n, m in b.named_children() if isinstance(m, nn.Linear)})
+    unknown = [t for t in targets if t not in available]
+    if unknown or not targets:
+        raise ValueError(f"LoRA targets {unknown or targets} match no nn.Linear in model.blocks; "
+                         f"available names are {available}")
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    model.requires_grad_(False)
+    for block in model.blocks:  # a fixed order: a seed always gives the same A to the same layer
+        for name in targets:
+            setattr(block, name, LoRALinear(getattr(block, name), rank, alpha, dropout, generator))
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters to hand to the optimizer (after add_lora: only lora_A and lora_B)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def lora_stats(model: nn.Module) -> dict:
+    """Counts for a startup log line: adapted modules, adapter parameters, all parameters."""
+    n_lora = sum(m.lora_A.numel() + m.lora_B.numel() for _, m in _adapted(model))
+    n_total = sum(p.numel() for p in model.parameters())
+    return {"modules": len(_adapted(model)), "lora_params": n_lora, "total_params": n_total}
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base model (the GRPO reference policy) inside the block; each adapter's state comes back after it."""
+    before = {m: m.disabled for _, m in _adapted(model)}
+    for m in before:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m, state in before.items():
+            m.disabled = state
+
+
+class AdaptersOff(nn.Module):
+    """A LoRA run's reference policy: the policy itself with its adapters off, so no second copy of the base
+    model is held (MaskGRPO's setup). Other attributes are the policy's."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, *args, **kwargs):
+        with adapters_disabled(self.policy):
+            return self.policy(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.policy, name)
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapter tensors, keyed like the model's state dict (`blocks.0.q_proj.lora_A`)."""
+    return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_A", ".lora_B"))}
+
+
+def save_adapters(model: nn.Module, path) -> None:
+    """Write `path/adapters.safetensors` (the lora tensors) and `path/adapters.json` (rank, alpha, ...)."""
+    mods = _adapted(model)
+    if not mods:
+        raise ValueError("model has no LoRA adapters to save; call add_lora(model, ...) first")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in lora_state_dict(model).items()},
+              str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    m = mods[0][1]
+    config = {"rank": m.rank, "alpha": m.alpha, "dropout": m.lora_dropout,
+              "targets": sorted({n.rsplit(".", 1)[-1] for n, _ in mods})}
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    same_mode(path / ADAPTER_WEIGHTS, path / ADAPTER_CONFIG)
+
+
+def load_adapters(model: nn.Module, path) -> nn.Module:
+    """Load adapters written by save_adapters; a model without adapters gets them first (add_lora with the saved
+    settings), an adapted one must match the saved names, shapes and alpha."""
+    path = Path(path)
+    for f in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        if not (path / f).is_file():
+            raise FileNotFoundError(f"{path / f} not found; pass the directory written by save_adapters")
+    config = read_json(path / ADAPTER_CONFIG, "pass the directory written by save_adapters")
+    if not _adapted(model):
+        add_lora(model, config["rank"], config["alpha"], config["dropout"], config["targets"])
+    saved, ours = load_file(str(path / ADAPTER_WEIGHTS)), lora_state_dict(model)
+    missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
+    if missing or unexpected:
+        raise ValueError(f"adapters in {path} do not fit this model: {len(missing)} missing {missing[:6]}, "
+                         f"{len(unexpected)} unexpected {unexpected[:6]}; were they trained with other targets "
+                         "or another n_layers?")
+    bad = [f"{k}: saved {tuple(saved[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
+           if saved[k].shape != v.shape]
+    if bad:
+        raise ValueError(f"adapter shapes in {path} differ (another rank?): {bad[:4]}")
+    alphas = {m.alpha for _, m in _adapted(model)}
+    if alphas != {config["alpha"]}:
+        raise ValueError(f"saved alpha {config['alpha']} differs from the model's {sorted(alphas)}; the "
+                         "update would be rescaled, so rebuild the adapters with the saved alpha")
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for k, t in saved.items():
+            params[k].copy_(t)  # keeps each parameter's own dtype (float32) and device
+    return model
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold each adapter into its weight, W <- W + (alpha / r) B A in float32 rounded once, and make it a frozen
+    nn.Linear again, so save_pretrained writes LLaDA's key set. In bf16, updates under half of W's spacing
+    vanish: save_adapters' output is the exact record."""
+    for name, m in _adapted(model):
+        parent, _, child = name.rpartition(".")
+        delta = m.scaling * (m.lora_B.float() @ m.lora_A.float())                 # (out, in)
+        m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
+        with torch.device("meta"):  # as in LoRALinear.__init__: adopt the Parameters, allocate nothing
+            plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        plain.weight, plain.bias = m.weight, m.bias
+        plain.train(m.training)
+        setattr(model.get_submodule(parent), child, plain)
+    return model

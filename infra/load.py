@@ -1,28 +1,26 @@
-"""Loading the policy and its reference: the toy SFT model (trained once, cached in sft_dir), a pretrained
-checkpoint, LoRA adapters, FSDP2 sharding without ever holding the whole model on one rank, and the final
-save in the Hugging Face LLaDA layout.
-
-An intermediate checkpoint becomes a model folder that sample.py and evaluate.py take (as final/ is):
+"""The policy and its reference, loaded and saved: the toy SFT model (trained once, cached in sft_dir), a pretrained
+checkpoint, LoRA, FSDP2 sharding that never holds the whole model on one rank; a checkpoint made a model folder:
 
     python -m infra.load out/toy/checkpoints/step-00000040 out/toy-step-00000040
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import hashlib
 import itertools
 import json
 import os
 import shutil
+import types
 from pathlib import Path
 
 import torch
 
 import tasks
 
-from infra import checkpoint, hf, lora, phases, scale, toy
+from infra import checkpoint, cli, hf, phases, scale, toy
 from infra.budget import scratch_config
-from infra.hf import load_tokenizer, read_checkpoint
 from infra.scale import print0
 from infra.cli import GENERATION_FILE, generation_settings
 from model import Transformer, num_params
@@ -36,8 +34,7 @@ SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_n
 
 
 class WriteFailed(OSError):
-    """Writing a model folder failed (a full disk, a file-size limit; whatever the writer raised, safetensors'
-    SafetensorError included): one line saying what was being written, why, and what is left of it."""
+    """Writing a model folder failed (whatever the writer raised): one line saying what, why, and what is left."""
 
 
 def writer_error(e: BaseException) -> str:
@@ -48,9 +45,14 @@ def writer_error(e: BaseException) -> str:
     return f"{type(e).__name__}{': ' + text if text else ''}"[:200]
 
 
+def add_lora(model, cfg):
+    """cfg's LoRA adapters on `model`, lora_A drawn from the run's seed."""
+    return hf.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, hf.TARGET_SETS[cfg.lora_targets],
+                       generator=generator("cpu", cfg.seed, "lora"))
+
+
 def sft_key(cfg) -> dict:
-    """What the toy SFT model depends on: the SFT_KEYS settings, the toy tasks it trains, and the source of
-    infra/toy.py (its data) and tasks.py (how the data becomes token ids)."""
+    """What the toy SFT model depends on: SFT_KEYS, its toy tasks, and the source of its data and their encoding."""
     source = b"".join(Path(m.__file__).read_bytes() for m in (toy, tasks))
     return {k: getattr(cfg, k) for k in SFT_KEYS} | {"sft_tasks": list(tasks.sft_tasks(cfg)),
                                                      "toy_sha1": hashlib.sha1(source).hexdigest()}
@@ -61,15 +63,13 @@ def sft_dir_of(cfg) -> Path:
 
 
 def check_sft_cache(cfg) -> bool:
-    """True when sft_dir holds an SFT model trained with cfg's settings (reuse it), False when it is new
-    (train it); a model trained with other settings is refused, naming them, unless --retrain_sft=true.
-    Never silently replaced: several runs may share one --sft_dir, and SFT can take an hour."""
+    """True when sft_dir holds an SFT model trained with cfg's settings, False when none; another is refused,
+    naming what differs, unless --retrain_sft=true: runs may share one, and SFT can take an hour."""
     sft_dir = sft_dir_of(cfg)
     meta_file = sft_dir / "sft_meta.json"
     if meta_file.is_file():
         saved, meta = hf.read_json(meta_file, "pass --retrain_sft=true to train the SFT model again"), sft_key(cfg)
-        # A model trained on more toy tasks serves a run on fewer (a text-only ablation from the toy's SFT
-        # model); models saved before sft_tasks was recorded were trained on both.
+        # A model trained on more toy tasks serves a run on fewer; one without sft_tasks was trained on both.
         trained, wanted = saved.pop("sft_tasks", list(TOY_TASKS)), meta.pop("sft_tasks")
         covered = set(wanted) <= set(trained)
         if saved == meta and covered:
@@ -80,8 +80,7 @@ def check_sft_cache(cfg) -> bool:
         if saved.get("toy_sha1") != meta["toy_sha1"]:
             diff.append("infra/toy.py or tasks.py (the toy data or its encoding) changed")
         problem = f"holds an SFT model trained with other settings: {', '.join(diff)}"
-    elif sft_dir.is_dir() and any(sft_dir.iterdir()):
-        # Not an SFT model: replacing it (--retrain_sft) would delete someone's files, so no flag does that.
+    elif sft_dir.is_dir() and any(sft_dir.iterdir()):  # not an SFT model: no flag deletes someone's files
         shown = ", ".join(sorted(p.name for p in sft_dir.iterdir())[:5])
         raise ValueError(f"sft_dir {sft_dir} holds files ({shown}) but no sft_meta.json, so it is not an SFT model "
                          "this code wrote, and it is left as it is; pass --sft_dir=a new or empty folder")
@@ -99,28 +98,24 @@ def check_sft_cache(cfg) -> bool:
 
 
 def other_run_of(sft_dir: Path, cfg) -> Path | None:
-    """The out_dir of another train.py run whose own SFT model sft_dir is (RUN/sft of a run that took no
-    --sft_dir, or the --sft_dir its config.json names), or None."""
+    """The out_dir of another run whose own SFT model sft_dir is (RUN/sft, or its --sft_dir), or None."""
     run_dir = sft_dir.parent
     if run_dir.resolve() == Path(cfg.out_dir).resolve():
         return None
     try:
-        saved = json.loads((run_dir / "config.json").read_bytes())
+        saved = hf.read_json(run_dir / "config.json")
     except (OSError, ValueError):
         return None
-    if not (isinstance(saved, dict) and "rl_steps" in saved and "out_dir" in saved):
-        return None  # a model's config.json, or none: not a run
+    if "rl_steps" not in saved or "out_dir" not in saved:  # a model's config.json: not a run
+        return None
     own = Path(saved["sft_dir"]) if saved.get("sft_dir") else run_dir / "sft"
     return run_dir if own.resolve() == sft_dir.resolve() else None
 
 
 def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
-    """(directory, SFT seconds) of the toy SFT model: sft_dir when it was trained with the same settings,
-    else trained now by `sft(model, tok, ids, cfg, device) -> seconds` (by rank 0 alone under torchrun; the
-    other ranks wait, then every rank reads the same files).
-
-    Written atomically: into a temporary directory beside sft_dir, which replaces it by rename once complete
-    (sft_meta.json last), so a crash or Ctrl-C at any moment leaves the old model, or none, never a mix."""
+    """(directory, SFT seconds) of the toy SFT model: sft_dir when it matches cfg, else trained now by
+    `sft(model, tok, ids, cfg, device) -> seconds` on rank 0 while the other ranks wait. Written into a temporary
+    folder that replaces sft_dir by rename once complete: a crash leaves the old model, or none, never a mix."""
     sft_dir = sft_dir_of(cfg)
     cached = check_sft_cache(cfg)
     if not cached and scale.rank() == 0:
@@ -137,7 +132,7 @@ def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
                 (tmp / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
                 (tmp / "sft_meta.json").write_text(json.dumps(sft_key(cfg), indent=2))
                 checkpoint.fsync_tree(tmp)
-                if sft_dir.exists():  # the model being replaced (--retrain_sft) stays whole until the new one is in
+                if sft_dir.exists():  # the model being replaced stays whole until the new one is in
                     os.rename(sft_dir, old)
                 try:
                     os.rename(tmp, sft_dir)
@@ -168,12 +163,10 @@ def find_model(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
         ids = tasks.token_ids(tok)
         path, seconds = load_or_train_sft(cfg, tok, ids, device, dtype, sft)
         return path, tok, ids, seconds
-    config, _ = read_checkpoint(cfg.init_from)  # checks the directory; reads no weights
-    tok = load_tokenizer(cfg.init_from, config)
-    # Toy tasks on a toy checkpoint (e.g. a LoRA run from a toy run's final/) read its ids by name.
-    toy_only = all(t in TOY_TASKS for t in task_list(cfg))
-    ids = tasks.token_ids(tok) if toy_only else hf.token_ids(tok, config)
-    return Path(cfg.init_from), tok, ids, 0.0
+    config, _ = hf.read_checkpoint(cfg.init_from)  # checks the directory; reads no weights
+    tok = hf.load_tokenizer(cfg.init_from, config)
+    toy_only = all(t in TOY_TASKS for t in task_list(cfg))  # a toy checkpoint (a toy run's final/): ids by name
+    return Path(cfg.init_from), tok, tasks.token_ids(tok) if toy_only else hf.token_ids(tok, config), 0.0
 
 
 def load_model(cfg, device, dtype, sft):
@@ -185,45 +178,35 @@ def load_model(cfg, device, dtype, sft):
 def load_policy(cfg, device, dtype, sft):
     """(policy, reference, tokenizer, special ids, SFT seconds), sharded under torchrun and ready to train.
 
-    Full fine-tuning keeps float32 master weights: AdamW's steps at lr 3e-6 are far below bf16's spacing
-    near LLaDA's weights and would round away (lora.py says the same of adapters). Under torchrun FSDP2
-    computes in `dtype` from them; one process computes in float32 (use LoRA or torchrun for bf16).
-    The reference policy is the starting model, and only exists when the KL term needs it (beta > 0, else
-    None): with LoRA, the policy with its adapters switched off (lora.AdaptersOff, no second copy);
-    otherwise a frozen second copy read from the same checkpoint."""
+    Full fine-tuning keeps float32 master weights (AdamW's steps at lr 3e-6 would round away in bf16); FSDP2
+    computes in `dtype` from them, one process in float32. The reference (only when beta > 0) is the policy with
+    its adapters off under LoRA (no second copy), else a frozen second copy of the starting model."""
     master = torch.float32 if cfg.lora_rank == 0 else dtype
     if master != dtype:
         print0(f"full fine-tuning: float32 master weights, {'bf16 compute (FSDP2)' if scale.world() > 1 else 'float32 compute'}")
     path, tok, ids, sft_seconds = find_model(cfg, device, master, sft)
-    adapt = None
-    if cfg.lora_rank:
-        adapt = lambda m: lora.add_lora(m, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                                        lora.TARGET_SETS[cfg.lora_targets], generator=generator("cpu", cfg.seed, "lora"))
-    model = load_sharded(path, device, master, dtype, adapt)
+    model = load_sharded(path, device, master, dtype, (lambda m: add_lora(m, cfg)) if cfg.lora_rank else None)
     if cfg.lora_rank:
         print0("LoRA: {modules} modules, {lora_params:,} trainable of {total_params:,} parameters".format(
-            **lora.lora_stats(model)))
+            **hf.lora_stats(model)))
     ref = None
     if cfg.beta > 0:
-        ref = lora.AdaptersOff(model) if cfg.lora_rank else \
+        ref = hf.AdaptersOff(model) if cfg.lora_rank else \
             load_sharded(path, device, master, dtype, lambda m: m.requires_grad_(False))
     model.set_activation_checkpointing(cfg.activation_checkpointing)
     return model, ref, tok, ids, sft_seconds
 
 
 def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
-    """hf.from_pretrained(path) in `dtype`, then adapt(model) (add_lora, freezing), then
-    scale.shard(model, compute_dtype); in one process that is exactly what happens.
+    """hf.from_pretrained(path) in `dtype`, then adapt(model) (LoRA, freezing), then scale.shard(model).
 
-    Under torchrun no rank ever holds the whole model: loading it whole first would put every rank's
-    device at the full float32 size (32 GB for LLaDA-8B, twice that with the reference) before sharding.
-    So the model is built, adapted and sharded on the meta device (no memory), each rank allocates only
-    its shards on `device`, and every checkpoint tensor is read on the CPU, one at a time, for each rank
-    to copy in its own rows (scale.fill_shard): about one shard plus one tensor in transit per rank."""
+    Under torchrun no rank holds the whole model (32 GB in float32 for LLaDA-8B): the model is built, adapted
+    and sharded on the meta device, each rank allocates its shards on `device`, and each checkpoint tensor is
+    read on the CPU, one at a time, for every rank to copy in its own rows (scale.fill_shard)."""
     if scale.world() == 1:
         model = hf.from_pretrained(path, device=device, dtype=dtype)
         return adapt(model) if adapt else model
-    config, tensors = read_checkpoint(path)  # on the CPU
+    config, tensors = hf.read_checkpoint(path)  # on the CPU
     with torch.device("meta"):
         model = Transformer(config).to(dtype).eval()  # eval(): as from_pretrained returns it
     added = _adapt_on_meta(model, adapt) if adapt else {}
@@ -239,13 +222,9 @@ def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
 
 
 def _adapt_on_meta(model: Transformer, adapt) -> dict[str, torch.Tensor]:
-    """Run adapt(model) on a meta-device model and return the parameters it added, on the CPU with the
-    values it gave them (LoRA's lora_A and lora_B), leaving meta placeholders in the model.
-
-    LoRALinear draws lora_A from the seeded generator on the CPU, then moves it to its base weight's
-    device: on meta the values would be lost. So while adapt runs, every weight is an empty CPU
-    stand-in (the adapters land on the CPU, drawn in the same order as in one process), and the meta
-    weights go back afterwards, frozen or not as adapt left the stand-ins."""
+    """adapt(model) on a meta model, returning the parameters it added (lora_A, lora_B) with their values on the
+    CPU: adapt runs on empty CPU stand-ins (on meta LoRALinear's draws would be lost), then the meta weights
+    go back, frozen as adapt left them."""
     def put(name, p):
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, p)
@@ -265,16 +244,25 @@ def _adapt_on_meta(model: Transformer, adapt) -> dict[str, torch.Tensor]:
 
 
 def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
-    """The trained policy in the Hugging Face LLaDA layout (with tokenizer.json), weights in `dtype` (the
-    compute dtype: bf16 for LLaDA, whatever the master weights were). With LoRA: the adapters
-    (path/adapters.safetensors + adapters.json, the exact record) and the merged full checkpoint beside
-    them. A collective under FSDP2: every rank calls it; rank 0 writes."""
+    """The policy as a LLaDA model folder with tokenizer.json and generation.json, weights in `dtype`; with LoRA,
+    adapters.safetensors (the exact record) beside the merged weights. A collective: rank 0 writes."""
     state = scale.full_state_dict(model)
     if scale.rank() != 0:
         return
     existed = path.is_dir()  # an empty folder given for an export stays, emptied
     try:
-        _write_model(model, cfg, path, tok, dtype, state)
+        if cfg.lora_rank:  # merged into an unsharded CPU copy (16 GB for LLaDA-8B in bf16, on rank 0 only)
+            dtype = next(v for k, v in state.items() if k.endswith(".weight")).dtype
+            with torch.device("meta"):
+                plain = Transformer(model.config)
+            plain = add_lora(plain.to(dtype).to_empty(device="cpu"), cfg)
+            plain.load_state_dict(state)
+            hf.save_adapters(plain, path)
+            hf.save_pretrained(hf.merge_lora(plain), path)
+        else:
+            hf.save_pretrained(model, path, state_dict={k: v.to(dtype) for k, v in state.items()})
+        tok.save(str(path / "tokenizer.json"))
+        (path / GENERATION_FILE).write_text(json.dumps(generation_settings(cfg), indent=2) + "\n")
     except Exception as e:  # whatever the writer raised (SafetensorError is no OSError): one line, no half model
         for p in (path.iterdir() if existed and path.is_dir() else [path]):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
@@ -282,31 +270,13 @@ def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
                           "removed") from e
 
 
-def _write_model(model, cfg, path: Path, tok, dtype: torch.dtype, state: dict) -> None:
-    if cfg.lora_rank:
-        # An unsharded copy on CPU to merge into (16 GB for LLaDA-8B in bf16, on rank 0 only).
-        dtype = next(v for k, v in state.items() if k.endswith(".weight")).dtype
-        with torch.device("meta"):
-            plain = Transformer(model.config)
-        plain = plain.to(dtype).to_empty(device="cpu")
-        lora.add_lora(plain, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, lora.TARGET_SETS[cfg.lora_targets])
-        plain.load_state_dict(state)
-        lora.save_adapters(plain, path)
-        hf.save_pretrained(lora.merge_lora(plain), path)
-    else:
-        hf.save_pretrained(model, path, state_dict={k: v.to(dtype) for k, v in state.items()})
-    tok.save(str(path / "tokenizer.json"))
-    (path / GENERATION_FILE).write_text(json.dumps(generation_settings(cfg), indent=2) + "\n")
-
-
 FINGERPRINT_BLOCKS, BLOCK_BYTES = 256, 1 << 16  # up to 16 MiB read per weight file
 
 
 def file_fingerprint(f: Path, digest) -> None:
-    """Feed digest with f's size and content: the whole file when it is at most FINGERPRINT_BLOCKS blocks,
-    else that many evenly spaced blocks (the first holds safetensors' header: every tensor's name, dtype,
-    shape and offsets). Reading 16 GB of weights whole would take minutes at every start; a block every
-    few hundred MB of trained bf16 weights differs between any two models in practice."""
+    """Feed digest with f's size and content, or FINGERPRINT_BLOCKS evenly spaced blocks of a larger file (the
+    first holds the safetensors header): hashing 16 GB at every start would take minutes, and a block every few
+    hundred MB differs between any two trained models in practice."""
     size = f.stat().st_size
     digest.update(f"{size}:".encode())
     with open(f, "rb") as fh:
@@ -319,10 +289,8 @@ def file_fingerprint(f: Path, digest) -> None:
 
 
 def reference_identity(cfg) -> dict:
-    """What the reference policy (and the starting point) is: the SFT cache key, or a fingerprint of the
-    init_from checkpoint's content (config, index, and each weight file: file_fingerprint), so that a resumed
-    run cannot silently change its KL anchor, while the same model copied elsewhere (another path, new file
-    times: a cluster job's local copy) resumes."""
+    """The reference policy (the starting point): the SFT cache key, or a fingerprint of the init_from content,
+    so a resumed run cannot silently change its KL anchor while a copy of the same model elsewhere resumes."""
     if cfg.init_from == "scratch":
         meta = sft_dir_of(cfg) / "sft_meta.json"
         return {"sft_meta": hf.read_json(meta) if meta.is_file() else None}
@@ -338,15 +306,13 @@ def reference_identity(cfg) -> dict:
 
 
 def report_truncation(cfg, tok, datasets: dict) -> dict:
-    """Say how many benchmark prompts --max_prompt_len cuts (tasks.make_batch keeps their last max_prompt_len
-    tokens, as the official code): {(task, split): (cut, total, longest)}, printed when anything is cut."""
+    """{(task, split): (cut, total, longest)} of the benchmark prompts --max_prompt_len cuts (tasks.make_batch
+    keeps their last tokens, as the official code), printed when any is cut."""
     cut = {}
     for task, splits in datasets.items():
         if task in IMAGE_TASKS:
             continue
         for split, exs in splits.items():
-            if not exs:
-                continue
             texts = [chat_prompt([{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill for ex in exs]
             lengths = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
             n = sum(length > cfg.max_prompt_len for length in lengths)
@@ -359,8 +325,8 @@ def report_truncation(cfg, tok, datasets: dict) -> dict:
 
 
 def refuse_training_checkpoint(path, flag: str) -> None:
-    """A training checkpoint (out_dir/checkpoints/step-N: DCP shards and state.json) given where a model folder
-    is needed: one line with the command that turns it into one."""
+    """A training checkpoint (DCP shards and state.json) given where a model folder is needed: one line with the
+    command that turns it into one."""
     path = Path(path)
     if (path / "state.json").is_file() and not (path / "config.json").is_file():
         raise ValueError(f"{flag} {path} is a training checkpoint (model and optimizer shards), not a model folder; "
@@ -369,12 +335,8 @@ def refuse_training_checkpoint(path, flag: str) -> None:
 
 
 def export_checkpoint(ckpt, dest) -> Path:
-    """Write the policy of checkpoint `ckpt` (out_dir/checkpoints/step-N) as a model folder `dest` in the
-    layout of out_dir/final (weights, tokenizer.json, generation.json; with LoRA the adapters and the merged
-    model). The run's starting model (its SFT model or --init_from) must still be there, unchanged: the
-    checkpoint holds the trained tensors (with LoRA only the adapters) and refers to it for the rest."""
-    import types
-
+    """Write the policy of checkpoint `ckpt` as a new model folder `dest` laid out as out_dir/final. The run's
+    starting model must still be there, unchanged: the checkpoint holds only the trained tensors."""
     ckpt, dest = Path(ckpt), Path(dest)
     if not (ckpt / "state.json").is_file():
         raise ValueError(f"{ckpt} is not a complete checkpoint (no state.json); pass a folder "
@@ -387,25 +349,19 @@ def export_checkpoint(ckpt, dest) -> Path:
     state = hf.read_json(ckpt / "state.json", "export another checkpoint")
     cfg = types.SimpleNamespace(**state["config"])
     cfg.out_dir = str(ckpt.parent.parent)  # the run's folder wherever it now is (its sft/ by default)
-    if cfg.init_from == "scratch" and not (sft_dir_of(cfg) / "config.json").is_file():
-        raise ValueError(f"the SFT model this run started from ({sft_dir_of(cfg)}) is missing; the checkpoint "
+    start = sft_dir_of(cfg) if cfg.init_from == "scratch" else cfg.init_from
+    if cfg.init_from == "scratch" and not (start / "config.json").is_file():
+        raise ValueError(f"the SFT model this run started from ({start}) is missing; the checkpoint "
                          "holds the trained weights but tokenizer and shape come from it")
     if reference_identity(cfg) != state["reference"]:
-        raise ValueError(f"the starting model of this run ({cfg.init_from if cfg.init_from != 'scratch' else sft_dir_of(cfg)}) "
-                         "is not the one the checkpoint was trained from (its content changed); restore it to export")
-
-    if cfg.init_from == "scratch":  # its content was checked above; the code's SFT settings key does not matter
-        path, tok = sft_dir_of(cfg), toy.build_tokenizer()
-        ids = tasks.token_ids(tok)
-    else:
-        path, tok, ids, _ = find_model(cfg, "cpu", torch.float32, sft=None)
-    model = hf.from_pretrained(path, dtype=torch.float32)
-    if cfg.lora_rank:
-        model = lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, lora.TARGET_SETS[cfg.lora_targets],
-                              generator=generator("cpu", cfg.seed, "lora"))
-    opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr)  # DCP restores model and optimizer together
+        raise ValueError(f"the starting model of this run ({start}) is not the one the checkpoint was trained from "
+                         "(its content changed); restore it to export")
+    model = hf.from_pretrained(start, dtype=torch.float32)
+    tok = toy.build_tokenizer() if cfg.init_from == "scratch" else hf.load_tokenizer(start, model.config)
+    model = add_lora(model, cfg) if cfg.lora_rank else model
+    opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=cfg.lr)  # DCP restores model and optimizer together
     checkpoint.load(ckpt, model, opt, trainable_only=cfg.lora_rank > 0)
-    # The dtype the run's final/ gets: its compute dtype (float32 for the toy on CPU; bf16 for LLaDA's weights).
+    # final/'s dtype: the run's compute dtype (float32 for the toy on CPU; bf16 for LLaDA's weights).
     dtype = torch.float32 if cfg.init_from == "scratch" or cfg.dtype == "float32" else torch.bfloat16
     # Written beside dest, then renamed onto it (a rename replaces only an empty folder): another export to the
     # same dest at the same time makes this one fail, never a folder mixing the files of two.
@@ -426,10 +382,6 @@ def export_checkpoint(ckpt, dest) -> Path:
 
 
 def main(argv=None) -> Path:
-    import argparse
-
-    from infra import cli
-
     p = argparse.ArgumentParser(description="Turn a train.py checkpoint (out_dir/checkpoints/step-N) into a model "
                                 "folder that sample.py and evaluate.py take", allow_abbrev=False, exit_on_error=False)
     p.add_argument("checkpoint", nargs="?", help="OUT_DIR/checkpoints/step-N")
@@ -444,7 +396,5 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    from infra import cli
-
     with cli.user_errors():
         main()

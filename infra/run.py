@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, claims, heldout, lora, phases, scale
+from infra import checkpoint, claims, heldout, hf, phases, scale
 from infra.data import load_data
 from sample import FastSampler
 from infra.load import WriteFailed, load_policy, reference_identity, report_truncation, save_model, writer_error
@@ -57,7 +57,7 @@ def start(cfg, argv, sft):
         text_sampler = FastSampler(cfg.kv_cache, cfg.threshold) if fast else None
         ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer, text_sampler)
         report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
-        opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
+        opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                                 weight_decay=cfg.weight_decay)
     print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.mu} optimizer steps, {cfg.prompts_per_step} "
            f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "

@@ -335,7 +335,7 @@ def _fsdp_modules(model):
 @contextlib.contextmanager
 def full_weights(model):
     """Hold the unsharded weights (one all-gather; re-entrant; a no-op in one process) for no-grad forwards whose
-    number may differ between ranks, a sharded forward being a collective. model may be a lora.AdaptersOff."""
+    number may differ between ranks, a sharded forward being a collective. model may be a hf.AdaptersOff."""
     mods = _fsdp_modules(model) if world() > 1 else []
     if not mods or getattr(mods[0], "_full_weights", False):
         yield model

@@ -11,7 +11,7 @@ import torch
 
 import tasks
 import train
-from infra import lora
+from infra import hf
 
 from test_trajectory import base  # noqa: F401 (the tiny random smoke model, a fixture)
 from test_trajectory_states import Recorder
@@ -29,7 +29,7 @@ def step_with_reward(base, monkeypatch, value):
     cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4"])
     policy = copy.deepcopy(model)
     ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-    return train.rl_step(policy, copy.deepcopy(model), Recorder(lora.trainable_parameters(policy)), ctx, 0,
+    return train.rl_step(policy, copy.deepcopy(model), Recorder(hf.trainable_parameters(policy)), ctx, 0,
                          tasks.step_prompts(ctx, 0))
 
 

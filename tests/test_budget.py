@@ -204,7 +204,7 @@ import torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 import grpo, importance, sample
-from infra import budget, lora, scale
+from infra import budget, hf, scale
 from model import ModelConfig, Transformer
 D, V, MLP, B, P, N, R = (int(v) for v in sys.argv[2:9])
 def rss():
@@ -218,7 +218,7 @@ x = torch.randint(0, V - 1, (B, P + N), generator=g)
 base = rss()
 with torch.device("meta"):
     model = Transformer(mc)
-lora.add_lora(model, R, 2.0 * R, 0.0, targets=lora.TARGET_SETS["official"])
+hf.add_lora(model, R, 2.0 * R, 0.0, targets=hf.TARGET_SETS["official"])
 model = scale.shard(model, compute_dtype=torch.float32)
 model.to_empty(device="cpu")
 with torch.no_grad():
@@ -238,7 +238,7 @@ with torch.no_grad(), scale.full_weights(model):  # as train.rl_step scores: on 
     old = importance.token_logprobs(model, inp, x, mask)
     ref = importance.token_logprobs(model, inp, x, mask)
 out["scoring"] = peak() - base
-opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=1e-4)
+opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=1e-4)
 model.train()
 logp = importance.token_logprobs(model, inp, x, mask)
 loss, _ = grpo.policy_loss(logp, old, torch.randn(B, generator=g), mask, clip_eps=0.2, beta=0.01, logp_ref=ref,

@@ -71,7 +71,7 @@ import importance  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
 from conftest import REFERENCE  # noqa: E402
-from infra import budget, hf, lora, scale  # noqa: E402
+from infra import budget, hf, scale  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from test_rl_step import build, run_step, save_tiny_checkpoint  # noqa: E402
 from cuda_helpers import (free_port, head_dtype, one_update_chunk, padded_prompts, quiet, random_weights,  # noqa: F401
@@ -177,8 +177,8 @@ def big():
     the llada8b preset's targets, activation checkpointing: shared by checks 4 and 6."""
     mc = BIG["mc"]
     model = random_weights(mc, DEV, torch.bfloat16)
-    model = lora.add_lora(model, PRESET.lora_rank, PRESET.lora_alpha, 0.0,
-                          targets=lora.TARGET_SETS[PRESET.lora_targets], generator=torch.Generator().manual_seed(0))
+    model = hf.add_lora(model, PRESET.lora_rank, PRESET.lora_alpha, 0.0,
+                        targets=hf.TARGET_SETS[PRESET.lora_targets], generator=torch.Generator().manual_seed(0))
     return mc, model.set_activation_checkpointing(True)
 
 
@@ -191,7 +191,7 @@ def test_lora_bf16_base_with_checkpointing_and_chunks(ckpt):
              "--activation_checkpointing=true", "--device_batch_size=3", "--lr=1e-2", *SHORT]
     cfg, policy, ref, opt, tok, ids = build(ckpt, *flags, device=DEV, dtype=torch.bfloat16)
     base = [p for n, p in policy.named_parameters() if "lora_" not in n]
-    adapters = lora.trainable_parameters(policy)
+    adapters = hf.trainable_parameters(policy)
     assert all(p.dtype == torch.bfloat16 for p in base) and all(p.dtype == torch.float32 for p in adapters)
     seen = head_dtype(policy)
     t0 = time.time()
@@ -254,7 +254,7 @@ def test_logits_match_the_reference(dtype, worst, mean):
 def test_update_chunk_memory_on_a_padded_batch(big):
     mc, model = big
     B, P, N = BIG["chunk"], BIG["prompt_len"], BIG["gen_len"]
-    opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=PRESET.lr)
+    opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=PRESET.lr)
     r = synthetic_rollout(model, mc, B, P, N, DEV)
     assert not bool(r.batch.attention_mask.all())  # padded: the key-mask attention path
     if HAS_CUDA:
@@ -376,14 +376,14 @@ def test_dropout_replays_under_activation_checkpointing():
 
     def grads(checkpointing, seed):
         model = Transformer(mc).init_weights(torch.Generator().manual_seed(0)).to(DEV)
-        lora.add_lora(model, 4, 8.0, 0.3, generator=torch.Generator().manual_seed(1))
+        hf.add_lora(model, 4, 8.0, 0.3, generator=torch.Generator().manual_seed(1))
         for n, p in model.named_parameters():  # B starts at 0; move it so that A's gradient is not 0 too
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(2))
         model.set_activation_checkpointing(checkpointing).train()
         torch.manual_seed(seed)  # dropout draws from the default generators, which checkpointing replays
         model(x, am).float().logsumexp(-1).mean().backward()
-        return torch.cat([p.grad.flatten() for p in lora.trainable_parameters(model)])
+        return torch.cat([p.grad.flatten() for p in hf.trainable_parameters(model)])
 
     on, off, other = grads(True, 0), grads(False, 0), grads(True, 1)
     diff = (on - off).abs().max().item()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra import hf, lora
+from infra import hf
 import train
 from model import Transformer
 
@@ -132,8 +132,8 @@ def test_lora_two_processes_and_merge(single, tmp_path):
     assert_same_run(one, two, lr=1e-2)
 
     merged = hf.from_pretrained(one / "final")
-    adapted = lora.load_adapters(hf.from_pretrained(base), one / "final")
-    assert lora.lora_stats(adapted)["modules"] == 7 * merged.config.n_layers
+    adapted = hf.load_adapters(hf.from_pretrained(base), one / "final")
+    assert hf.lora_stats(adapted)["modules"] == 7 * merged.config.n_layers
     x = torch.randint(0, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want, got, start = adapted(x), merged(x), hf.from_pretrained(base)(x)
@@ -239,7 +239,7 @@ def test_lora_step_all_gathers_each_unit_once_per_pass(tmp_path):
     FSDP2 units, the root and a block each), counted by hand: the rollout holds the weights, and the old and
     the reference pass share one hold (scale.full_weights: one gather per unit, 3 + 3); each of the 3 updates'
     forward gathers every unit and its backward gathers the 2 blocks again (the root stays gathered from its
-    forward to its backward), 3 x (3 + 2) = 15. Total 21. The LoRA reference is lora.AdaptersOff around the
+    forward to its backward), 3 x (3 + 2) = 15. Total 21. The LoRA reference is hf.AdaptersOff around the
     policy: a hold marked on the wrapper instead of the policy let the root reshard after each reference
     forward and gather again at the next (12 extra 2 GB gathers per step at LLaDA-8B)."""
     from test_rl_step import save_tiny_checkpoint
@@ -253,10 +253,10 @@ def test_lora_step_all_gathers_each_unit_once_per_pass(tmp_path):
 
 
 def test_full_weights_holds_the_root_of_a_wrapped_policy(monkeypatch):
-    """The fast sibling of the all-gather count: inside scale.full_weights(lora.AdaptersOff(policy)) the
+    """The fast sibling of the all-gather count: inside scale.full_weights(hf.AdaptersOff(policy)) the
     root's no-gradient forward hook does not reshard the policy (two ranks simulated by fake FSDP modules
     that record unshard / reshard); outside it, it does."""
-    from infra import lora, scale
+    from infra import hf, scale
 
     class Unit(torch.nn.Module):
         def __init__(self, log, name, children=()):
@@ -277,7 +277,7 @@ def test_full_weights_holds_the_root_of_a_wrapped_policy(monkeypatch):
     monkeypatch.setattr(scale, "world", lambda: 2)
     monkeypatch.setattr(scale, "_fsdp_modules", lambda m: [u for u in m.modules() if isinstance(u, Unit)])
     with torch.no_grad():
-        with scale.full_weights(lora.AdaptersOff(policy)):
+        with scale.full_weights(hf.AdaptersOff(policy)):
             scale._reshard_root_without_grad(policy, (), None)  # the hook after a reference forward
             with scale.full_weights(policy):  # nested: nothing more
                 pass
@@ -350,7 +350,7 @@ def test_bf16_logits_do_not_depend_on_the_world_size(tmp_path):
 def test_dry_run_llada8b(capsys):
     res = train.main(["--preset=llada8b", "--dry_run=true"])
     assert res["params"] == 8_015_581_184
-    assert res["lora_params"] == 167_772_160  # r=128 on the official q/k/v/up (lora.py; all seven: 335,544,320)
+    assert res["lora_params"] == 167_772_160  # r=128 on the official q/k/v/up (hf.py; all seven: 335,544,320)
     text = capsys.readouterr().out
     assert "8,015,581,184 parameters" in text and "| LoRA, update peak |" in text
     b8 = res["budget"][8]

@@ -1,4 +1,4 @@
-"""lora.py: exact start at the base, targets and freezing, adapter switch-off, save/load, merge into a
+"""hf.py: exact start at the base, targets and freezing, adapter switch-off, save/load, merge into a
 Hugging Face checkpoint, bad-input errors, dropout.
 
     python -m pytest tests/test_lora.py -q
@@ -12,13 +12,13 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from infra.lora import (LORA_TARGETS, LoRALinear, adapters_disabled, add_lora, load_adapters, lora_state_dict,
+from infra.hf import (LORA_TARGETS, LoRALinear, adapters_disabled, add_lora, load_adapters, lora_state_dict,
                   lora_stats, merge_lora, save_adapters, trainable_parameters)
 from model import ModelConfig, Transformer
 from infra.hf import INDEX_NAME
 from infra import hf
 import math
-from infra.lora import (OFFICIAL_TARGETS, TARGET_SETS, LoRALinear, adapters_disabled, add_lora, load_adapters,
+from infra.hf import (OFFICIAL_TARGETS, TARGET_SETS, LoRALinear, adapters_disabled, add_lora, load_adapters,
                         lora_stats, merge_lora, save_adapters)
 
 
@@ -191,7 +191,7 @@ def test_dropout_only_in_train_mode_and_checkpoint_safe():
 
 
 # -----------------------------------------------------------------------------
-# infra/lora.py at non-default settings, against y = W x + (alpha / r) B A x written out here.
+# infra/hf.py at non-default settings, against y = W x + (alpha / r) B A x written out here.
 #
 # tests/test_lora.py starts from B = 0 or compares a model with its own merge, where the scale alpha / r cannot
 # show. Here A and B are set to known values and the layer, the merged weight and a whole adapted model are

@@ -1,4 +1,4 @@
-"""With LoRA the reference pass is the policy with its adapters off (lora.AdaptersOff): train.rl_step scores
+"""With LoRA the reference pass is the policy with its adapters off (hf.AdaptersOff): train.rl_step scores
 pi_old and pi_ref inside ONE scale.full_weights hold of the policy, so FSDP2 gathers the weights once for
 both (at LLaDA-8B one 16 GB all-gather per task and step instead of two). A full fine-tuning run's reference
 is a separate copy: no hold of the policy around its pass.
@@ -10,7 +10,7 @@ import contextlib
 import pytest
 
 import train
-from infra import lora, scale
+from infra import hf, scale
 from test_rl_step import build, ckpt, run_step  # noqa: F401
 
 
@@ -37,7 +37,7 @@ def test_old_and_reference_passes_share_one_hold(ckpt, monkeypatch, lora_rank): 
     (old, old_holds), (ref_model, ref_holds) = passes
     assert old is policy and ref_model is ref
     if lora_rank:
-        assert isinstance(ref, lora.AdaptersOff)
+        assert isinstance(ref, hf.AdaptersOff)
         assert old_holds == [policy] and ref_holds == [policy]  # the policy's hold is open for both passes
     else:
         assert old_holds == [] and ref_holds == []  # each pass holds its own model (inside frozen_logprobs)

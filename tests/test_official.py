@@ -114,7 +114,7 @@ def test_official_mode_needs_the_prompt_length():
 # LoRA targets
 
 def lora_param_count(targets):
-    from infra.lora import add_lora, lora_stats
+    from infra.hf import add_lora, lora_stats
     from model import ModelConfig, Transformer
     mc = ModelConfig(vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288)
     with torch.device("meta"):
@@ -124,7 +124,7 @@ def lora_param_count(targets):
 
 @pytest.mark.slow  # builds LLaDA-8B-shaped adapters
 def test_lora_parameter_counts_at_llada8b_shape():
-    from infra.lora import TARGET_SETS
+    from infra.hf import TARGET_SETS
     # By hand: an adapter on W (out, in) holds r (in + out). LLaDA-8B: d 4096, MLP 12288, 32 heads of 128 and
     # 32 key/value heads (q, k, v and attn_out are 4096 x 4096); 32 blocks; r 128.
     r, d, h, layers = 128, 4096, 12288, 32

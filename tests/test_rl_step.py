@@ -25,7 +25,7 @@ import grpo
 import rewards
 import tasks
 import train
-from infra import load, lora, toy
+from infra import hf, load, toy
 from model import Transformer
 from infra import hf
 import dataclasses
@@ -61,7 +61,7 @@ def build(ckpt, *flags, float64=False, device=CPU, dtype=torch.float32):
     if float64:
         policy = policy.double()
         ref = None if ref is None else ref.double()
-    opt = torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr, betas=(0.9, 0.99),
+    opt = torch.optim.AdamW(hf.trainable_parameters(policy), lr=cfg.lr, betas=(0.9, 0.99),
                             weight_decay=cfg.weight_decay)
     return cfg, policy, ref, opt, tok, ids
 
@@ -361,11 +361,11 @@ def test_lora_reference_is_the_base_with_adapters_off(ckpt):
     """With LoRA the reference is the base network (the checkpoint), not the adapted policy. The adapters
     are given nonzero B first, so the policy differs from the base already at the first step."""
     cfg, policy, ref, opt, tok, ids = build(ckpt, "--tasks=text", "--lora_rank=4", "--lora_alpha=8", "--beta=0.5")
-    assert isinstance(ref, lora.AdaptersOff) and ref.policy is policy  # the policy with its adapters off
+    assert isinstance(ref, hf.AdaptersOff) and ref.policy is policy  # the policy with its adapters off
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for m in policy.modules():
-            if isinstance(m, lora.LoRALinear):
+            if isinstance(m, hf.LoRALinear):
                 m.lora_B.copy_(0.5 * torch.randn(m.lora_B.shape, generator=g))
     base = hf.from_pretrained(ckpt)
     adapted = copy.deepcopy(policy).eval()

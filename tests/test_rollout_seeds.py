@@ -15,7 +15,7 @@ import torch
 import sample
 import tasks
 import train
-from infra import lora
+from infra import hf
 
 from test_trajectory import base, fake_score  # noqa: F401 (base: a fixture)
 from test_trajectory_states import Recorder
@@ -39,7 +39,7 @@ def windows(base, model64, monkeypatch, task, step, n_prompts, *flags):
                                with_targets=False).rows(slice(None))
     policy = copy.deepcopy(model64)
     ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-    _, (exp,) = train.rl_step(policy, None, Recorder(lora.trainable_parameters(policy)), ctx, step, [prompts])
+    _, (exp,) = train.rl_step(policy, None, Recorder(hf.trainable_parameters(policy)), ctx, step, [prompts])
     return exp.batch.x[:, exp.batch.window_slice], (prompts, ctx)
 
 

@@ -12,7 +12,7 @@ from tests.test_distributed import ROOT, launch
 LOAD = """
 import sys, torch
 import tasks, train
-from infra import load, lora, scale
+from infra import hf, load, scale
 from model import ModelConfig, Transformer
 
 ckpt, out = sys.argv[1], sys.argv[2]
@@ -28,7 +28,7 @@ for name, dtype, extra in (("full", torch.float32, {}), ("lora", torch.bfloat16,
     logits = scale.all_gather_rows(logits)
     result[name] = {
         "policy": scale.full_state_dict(model),
-        "reference": "adapters off" if isinstance(ref, lora.AdaptersOff) and ref.policy is model else scale.full_state_dict(ref),
+        "reference": "adapters off" if isinstance(ref, hf.AdaptersOff) and ref.policy is model else scale.full_state_dict(ref),
         "requires_grad": {k: p.requires_grad for k, p in model.named_parameters()},
         "training": model.training, "logits": logits,
     }

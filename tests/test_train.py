@@ -21,7 +21,7 @@ import rewards
 import sample
 import tasks
 import train
-from infra import heldout, hf, lora
+from infra import heldout, hf
 from infra import toy as toy_world
 from infra.budget import scratch_config
 from infra.load import load_policy
@@ -574,7 +574,7 @@ def test_load_policy_adapts_what_the_lora_flags_say(toy_model, tmp_path, targets
     cfg = parse(f"--init_from={ckpt}", "--tasks=text", "--lora_rank=4", "--lora_alpha=6", "--lora_dropout=0.2",
                 f"--lora_targets={targets}")
     policy, ref, *_ = load_policy(cfg, CPU, torch.float32, train.sft)
-    assert isinstance(ref, lora.AdaptersOff) and ref.policy is policy  # beta 0.01 > 0: the adapters-off policy
+    assert isinstance(ref, hf.AdaptersOff) and ref.policy is policy  # beta 0.01 > 0: the adapters-off policy
     adapted = {n.rsplit(".", 1)[0] for n, p in policy.named_parameters() if n.endswith(".lora_A")}
     want = {f"blocks.{i}.{m}" for i in range(len(policy.blocks)) for m in names}
     assert adapted == want

@@ -20,7 +20,7 @@ import sample
 import tasks
 
 import train
-from infra import load, lora, toy
+from infra import hf, load, toy
 from model import Transformer
 
 
@@ -60,7 +60,7 @@ def run_step(base, monkeypatch, task, *flags):
     cfg = train.parse_args(["--preset=smoke", f"--tasks={task}", "--prompts_per_step=2", "--group_size=4",
                             "--estimator=trajectory", "--cfg_scale=0", *flags])
     policy, ref = copy.deepcopy(model), copy.deepcopy(model)
-    params = lora.trainable_parameters(policy)
+    params = hf.trainable_parameters(policy)
     opt = GradRecorder(torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99)), policy.parameters())
     ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
     log, (r,) = train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))

@@ -22,7 +22,7 @@ import importance
 import sample
 import tasks
 import train
-from infra import lora
+from infra import hf
 
 
 # The tiny model, the spread-out reward and the gradient recorder of the full-trajectory tests.
@@ -39,7 +39,7 @@ def run_step(base, monkeypatch, *flags):
     monkeypatch.setattr(tasks, "score", fake_score)
     cfg = train.parse_args([*FLAGS, *flags])
     policy, ref = copy.deepcopy(model), copy.deepcopy(model)
-    opt = GradRecorder(torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr), policy.parameters())
+    opt = GradRecorder(torch.optim.AdamW(hf.trainable_parameters(policy), lr=cfg.lr), policy.parameters())
     ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
     log, (r,) = train.rl_step(policy, ref, opt, ctx, 0, tasks.step_prompts(ctx, 0))
     return log, r, opt.grads, ctx
@@ -253,7 +253,7 @@ def rl_step_grads(base, monkeypatch, flags, step=0):
     monkeypatch.setattr(tasks, "score", fake_score)
     cfg = train.parse_args(flags)
     policy, ref = copy.deepcopy(model), copy.deepcopy(model)
-    opt = Recorder(lora.trainable_parameters(policy))
+    opt = Recorder(hf.trainable_parameters(policy))
     ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
     _, (exp,) = train.rl_step(policy, ref, opt, ctx, step, tasks.step_prompts(ctx, step))
     return opt.grads, exp, ctx
@@ -264,7 +264,7 @@ def naive_pair_gradients(base, exp, ctx):
     scored tokens over the whole trajectory; the decoding order from an independent rollout."""
     ids, cfg, b = base[1], ctx.cfg, exp.batch
     order, theta, old = replayed_order(base, b, ctx)
-    params = lora.trainable_parameters(theta)
+    params = hf.trainable_parameters(theta)
 
     def state_logp(m, i, s):  # log pi_m(x_i | x^(s)) at every position: one forward on row i's state s
         state = b.x[i].masked_fill(order[i] >= s, ids.mask)[None]

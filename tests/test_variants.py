@@ -14,7 +14,7 @@ import torch
 import tasks
 
 import train
-from infra import heldout, load, lora, toy
+from infra import heldout, hf, load, toy
 from model import Transformer
 
 
@@ -44,7 +44,7 @@ def rl_step(base, monkeypatch, *flags, grads=None):
     cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4", *flags])
     policy = copy.deepcopy(model)
     ref = copy.deepcopy(model) if cfg.beta > 0 else None
-    opt = torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr, betas=(0.9, 0.99))
+    opt = torch.optim.AdamW(hf.trainable_parameters(policy), lr=cfg.lr, betas=(0.9, 0.99))
     if grads is not None:
         opt.register_step_pre_hook(lambda o, a, k: grads.append([p.grad.clone() for p in policy.parameters()]))
     ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})

@@ -19,7 +19,7 @@ import torch
 
 import tasks
 import train
-from infra import load, lora, scale
+from infra import hf, load, scale
 
 from test_trajectory import base, fake_score  # noqa: F401 (base: the tiny random smoke model, a fixture)
 from test_rl_step import save_tiny_checkpoint
@@ -56,10 +56,10 @@ def one_step(base, model64, flags, lora_policy=None):
                             "--grad_clip=1e9", *flags])
     if cfg.lora_rank:  # as train.main: the reference is the policy with its adapters off
         policy = copy.deepcopy(lora_policy[0])
-        ref = lora.AdaptersOff(policy)
+        ref = hf.AdaptersOff(policy)
     else:
         policy, ref = copy.deepcopy(model64), copy.deepcopy(model64)
-    opt = Recorder(lora.trainable_parameters(policy))
+    opt = Recorder(hf.trainable_parameters(policy))
     ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
     log, _ = train.rl_step(policy, ref, opt, ctx, 2, tasks.step_prompts(ctx, 2))
     return log, opt.grads
