@@ -2,8 +2,8 @@
 
 group_advantages: rewards -> advantages per group. policy_loss: clipped per-token surrogate + k3 KL on the
 log-probs of importance.token_logprobs under one inner iteration's mask, as one mean over the whole batch
-however it is chunked; step_stats: the logged statistics. Differences from the paper and the
-official code, and why: docs/differences.md. Shapes: B sequences (num_groups x G), G group size, N columns.
+however it is chunked. Departures from the paper and the official code: docs/differences.md.
+Shapes: B sequences (num_groups x G), G group size, N columns.
 """
 import math
 
@@ -72,19 +72,3 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
                                            ("clipped", (clipped.float() * m).sum()), ("kl", (kl * m).sum()),
                                            ("ratio", (ratio * m).sum()), ("ratio_max", top))}
     return loss, sums
-
-
-def add_sums(a: dict, b: dict) -> dict:
-    """Two chunks' (or ranks') sums of policy_loss as one: ratio_max by max, the rest added."""
-    return {k: torch.maximum(a[k], b[k]) if k == "ratio_max" else a[k] + b[k] for k in b} if a else dict(b)
-
-
-def step_stats(updates: list[dict]) -> dict[str, float]:
-    """The logged statistics of one RL step from each update's sums over the whole batch (every rank), divided once:
-    loss, and clipfrac, kl, ratio_mean per scored token, are each update's value averaged over the mu updates;
-    ratio_max is the largest ratio of any token in any update; num_tokens the step's scored tokens, all updates."""
-    mean = lambda f: sum(f(u) / len(updates) for u in updates)  # over the updates, in order
-    per_token = lambda k, empty=0.0: mean(lambda u: u[k] / u["tokens"] if u["tokens"] else empty)
-    return {"loss": mean(lambda u: u["loss"]), "clipfrac": per_token("clipped"), "kl": per_token("kl"),
-            "ratio_mean": per_token("ratio", 1.0), "ratio_max": max(u["ratio_max"] for u in updates),
-            "num_tokens": sum(u["tokens"] for u in updates)}

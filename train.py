@@ -392,8 +392,13 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
                                        beta=cfg.beta, norm=cfg.loss_norm, total=n,
                                        logp_ref=None if e.logp_ref is None else e.logp_ref[k][rows])
             loss.backward()  # FSDP2 sums the ranks' gradients (scale.shard), as the loss is a sum over ranks
-            sums = grpo.add_sums(sums, s)
+            sums = add_sums(sums, s)
     return sums
+
+
+def add_sums(a: dict, b: dict) -> dict:
+    """Two chunks' (or ranks') sums of grpo.policy_loss as one: ratio_max by max, the rest added."""
+    return {k: torch.maximum(a[k], b[k]) if k == "ratio_max" else a[k] + b[k] for k in b} if a else dict(b)
 
 
 def reduce_sums(s: dict, device) -> dict:
@@ -413,11 +418,22 @@ def step_log(step: int, exps: list, updates: list, cfg) -> dict:
         log[f"{t}/solved"] = (e.rewards >= 0.999).float().mean().item()
         # groups of equal rewards: no GRPO signal (grpo.group_advantages makes their advantages exactly 0)
         log[f"{t}/zero_adv_groups"] = (e.adv.view(-1, cfg.group_size) == 0).all(1).float().mean().item()
-        log.update({f"{t}/{k}": v for k, v in grpo.step_stats([u[t] for u in updates]).items()})
+        log.update({f"{t}/{k}": v for k, v in step_stats([u[t] for u in updates]).items()})
         log[f"{t}/adv_abs_mean"] = e.adv.abs().mean().item()
     norms = [u["grad_norm"] for u in updates]
     log.update(grad_norm_mean=sum(x / len(norms) for x in norms), grad_norm_max=max(norms))
     return log
+
+
+def step_stats(updates: list[dict]) -> dict[str, float]:
+    """One task's logged statistics from each update's sums over the whole batch, divided once: loss, and
+    clipfrac, kl, ratio_mean per scored token, averaged over the mu updates; ratio_max the largest ratio of any
+    update; num_tokens the step's scored tokens."""
+    mean = lambda f: sum(f(u) / len(updates) for u in updates)  # over the updates, in order
+    per_token = lambda k, empty=0.0: mean(lambda u: u[k] / u["tokens"] if u["tokens"] else empty)
+    return {"loss": mean(lambda u: u["loss"]), "clipfrac": per_token("clipped"), "kl": per_token("kl"),
+            "ratio_mean": per_token("ratio", 1.0), "ratio_max": max(u["ratio_max"] for u in updates),
+            "num_tokens": sum(u["tokens"] for u in updates)}
 
 
 # -----------------------------------------------------------------------------------------------------
