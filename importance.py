@@ -69,7 +69,7 @@ def reverse_mask(completion_mask: torch.Tensor, ratios, seeds, mode: str = "arli
     """Seeded reversing o^t ~ Rev(o, t, S) (REVERSING[mode]) of the window, bool (B, N), True = masked, only where
     completion_mask (bool (B, N)) allows. ratios, seeds: one per row; prompt_len: each row's prompt length, read by
     "arlike_official" only. A fresh CPU generator per row: row b depends on (seeds[b], ratios[b], N) alone."""
-    assert mode in REVERSING and completion_mask.dtype == torch.bool and completion_mask.dim() == 2, f"{mode=}, {MODES}"
+    assert mode in REVERSING and completion_mask.dtype == torch.bool and completion_mask.dim() == 2, f"{mode=}"
     assert len(ratios) == len(seeds) == len(completion_mask) and all(0 <= t <= 1 for t in ratios), f"{ratios=} {seeds=}"
     mask = torch.zeros(completion_mask.shape, dtype=torch.bool)                                   # (B, N)
     for b, (t, s) in enumerate(zip(ratios, seeds)):
@@ -138,11 +138,10 @@ def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float
 
 def unigrpo_views(batch, order, cfg, *, step, seq_index, mask_id, **_) -> Views:
     """UniGRPO (MMaDA, arXiv:2505.15809): K = mu random-reversing views at UniGRPO's ratios, one per update."""
-    seed = derive_seed(cfg.seed, "masks", batch.task)
-    ratios = list(zip(*[_unigrpo_ratios(seed, step, int(i), cfg.mu) for i in seq_index]))  # [mu][B]
     window = torch.ones(batch.x.shape[0], batch.window, dtype=torch.bool, device=batch.x.device)  # (B, N)
-    masks = reversed_masks(batch.prompt_mask, window, ratios, "random", seed=seed, step=step, seq_index=seq_index,
-                           length=batch.x.shape[1])                                      # (mu, B, L)
+    masks, _ = build_masks(batch.prompt_mask, window, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
+                           seq_index=seq_index, mu=cfg.mu, estimator="unigrpo",
+                           suffix_len=batch.x.shape[1] - batch.prompt_len - batch.window)  # (mu, B, L)
     return Views([batch.x.masked_fill(m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
 
 
@@ -185,9 +184,8 @@ VIEWS = {"maskgrpo": maskgrpo_views, "d1": d1_views, "unigrpo": unigrpo_views, "
 
 def reversed_masks(prompt_mask: torch.Tensor, scored: torch.Tensor, ratios, mode: str, *, seed: int, step: int,
                    seq_index, length: int) -> torch.Tensor:
-    """bool (mu, B, length) over [prompt (P) | window (N) | suffix]: mask j holds o^t_j ~ Rev(o, ratios[j], S_j)
-    (reverse_mask) inside scored (bool (B, N), where the window may be masked), one seed S_j per sequence
-    (mask_seed); the prompt is never masked (paper §3). ratios: [mu][B]. Both the input and the loss mask."""
+    """bool (mu, B, length), input and loss mask: mask j holds o^t_j ~ Rev(o, ratios[j], S_j) inside scored (bool
+    (B, N)), one seed S_j per sequence (mask_seed); never the prompt (paper §3). ratios: [mu][B]."""
     (B, P), N = prompt_mask.shape, scored.shape[1]
     prompt_len = prompt_mask.sum(1).tolist()  # [B] each row's real prompt length (arlike_official's P)
     masks = torch.zeros(len(ratios), B, length, dtype=torch.bool, device=scored.device)  # (mu, B, L)
@@ -199,9 +197,8 @@ def reversed_masks(prompt_mask: torch.Tensor, scored: torch.Tensor, ratios, mode
 
 def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int, seq_index,
              mu: int, p_mask_prompt: float, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """d1's mu (input mask, loss mask) pairs, bool (mu, B, L) each: a one-step estimate at t = 1, the whole window
-    masked (also past the loss mask: a visible trailing EOS would give the answer's length away), each real prompt
-    token masked with probability p_mask_prompt, and completion_mask (bool (B, N)) scored."""
+    """d1's mu (input mask, loss mask) pairs, bool (mu, B, L) each: the whole window masked (a visible trailing EOS
+    would give the answer's length away), each real prompt token with prob p_mask_prompt; completion_mask scored."""
     assert 0.0 <= p_mask_prompt <= 1.0, f"{p_mask_prompt=} in [0, 1]"
     (B, P), N = prompt_mask.shape, completion_mask.shape[1]
     in_masks = torch.zeros(mu, B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)

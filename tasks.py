@@ -55,7 +55,6 @@ def chat_prompt(messages: list[dict], bos: str = "<|startoftext|>") -> str:
     return bos + "".join(turns) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
 
 
-
 def token_ids(tok: Tokenizer) -> TokenIds:
     """The toy vocabulary's special ids, looked up by name."""
     def tid(s):
@@ -159,14 +158,11 @@ TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
 def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none"):
-    """The rewards.py function that scores `task`: the toy text task's by --text_reward, a benchmark's by
-    --reward_shaping, the toy image task's only one; None for geneval (the remote scorer). One a task lacks is an
-    error (train.parse_args asks for every task's at start-up)."""
+    """The rewards.py function that scores `task`, by the setting its TASKS entry names (the toy image task has
+    one; geneval None: the remote scorer). One a task lacks is an error (train.parse_args asks at start-up)."""
     t = TASKS[task]
-    if not t.reward:  # geneval: the remote scorer
-        return None
-    if not t.picked_by:  # the toy image task's one verifier
-        (verify,) = t.reward.values()
+    if not t.picked_by:  # the toy image task's one verifier; geneval: None
+        (verify,) = t.reward.values() or [None]
         return verify
     name = {"text_reward": text_reward, "reward_shaping": reward_shaping}[t.picked_by]
     if name not in t.reward:
@@ -234,8 +230,7 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
         window = c if with_targets else [ids.mask] * cfg.gen_length
         rows.append([ids.pad] * pad + p + window)  # LLaDA left-pads prompts with EOS
         att.append([0] * pad + [1] * (len(p) + cfg.gen_length))
-    x = torch.tensor(rows, device=device)
-    att = torch.tensor(att, device=device)
+    x, att = torch.tensor(rows, device=device), torch.tensor(att, device=device)
     return Batch(task, x, att.fill_(1) if attends_padding(cfg, task) else att, P, cfg.gen_length, examples=examples)
 
 

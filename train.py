@@ -195,9 +195,8 @@ def parse_args(argv=None) -> Config:
 
 
 def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
-    """The masked-diffusion negative ELBO (MDLM, LLaDA; docs/method.md §1): t ~ U(eps, 1) per sequence,
-    each completion token masked with probability t, cross-entropy on the masked tokens weighted by 1/t,
-    normalised by the completion length (LLaDA's SFT loss: the prompt is never masked)."""
+    """The masked-diffusion negative ELBO (LLaDA's SFT loss; docs/method.md §1): t ~ U(eps, 1) per sequence, each
+    completion token masked with prob t, cross-entropy on them weighted by 1/t, over the completion length."""
     B, L = b.x.shape
     t = torch.rand(B, 1, generator=gen) * (1 - eps) + eps                              # (B, 1)
     region = torch.zeros(B, L, dtype=torch.bool)
@@ -212,10 +211,8 @@ def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3
 
 
 def sft(model, tok, ids, cfg: Config, device) -> float:
-    """Train the toy model from scratch on noisy toy data (tasks.py) of the run's toy tasks; returns the
-    seconds spent. SIGINT or SIGTERM finishes the current step and exits with 128 + signal: SFT keeps no
-    checkpoint (it takes minutes on a laptop, not hours), so the next run restarts it, and sft_dir is left
-    as it was (infra/phases.py: every phase's stop)."""
+    """Train the toy model from scratch on noisy data of the run's toy tasks; returns the seconds spent. A signal
+    finishes the step and exits with 128 + signal: SFT (minutes) keeps no checkpoint, sft_dir is left as it was."""
     t0 = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Linear warm-up, then cosine decay to 10%: a fixed learning rate plateaus early at this size.
