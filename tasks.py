@@ -162,7 +162,7 @@ def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none
     one; geneval None: the remote scorer). One a task lacks is an error (train.parse_args asks at start-up)."""
     t = TASKS[task]
     if not t.picked_by:  # the toy image task's one verifier; geneval: None
-        (verify,) = t.reward.values() or [None]
+        (verify,) = t.reward.values() if t.reward else [None]
         return verify
     name = {"text_reward": text_reward, "reward_shaping": reward_shaping}[t.picked_by]
     if name not in t.reward:
