@@ -5,12 +5,11 @@
     torchrun --nproc_per_node=8 train.py --preset llada8b --init_from=DIR --train_data=gsm8k=train.jsonl
     python train.py --preset llada8b --dry_run         # parameters, memory per GPU, FLOPs, schedule
 
-Stage 1 (`sft`) trains the toy model from scratch with the masked-diffusion loss (LLaDA arXiv:2502.09992,
-MDLM arXiv:2406.07524), cached in out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880, Alg. 5),
-one rollout batch at a time: rollouts, rewards, group advantages, the estimator's views, old/ref log-probs,
-then mu updates (docs/method.md §9 derives each). A run writes to out_dir: log.jsonl, times.jsonl,
-summary.json, final/, checkpoints/, curves.png, images.png. Every random draw is seeded by (seed, purpose,
-step, global sequence index) (sample.derive_seed), so the world size changes nothing.
+Stage 1 (`sft`) trains the toy model with the masked-diffusion loss (LLaDA arXiv:2502.09992), cached in
+out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880, Alg. 5; docs/method.md §9): rollouts, rewards,
+group advantages, the estimator's views, old/ref log-probs, mu updates. A run writes log.jsonl, times.jsonl,
+summary.json, final/, checkpoints/ and pictures to out_dir. Every random draw is seeded by (seed, purpose, step,
+global sequence index) (sample.derive_seed), so the world size changes nothing.
 """
 from __future__ import annotations
 
@@ -276,7 +275,7 @@ class BadStep(Exception):
     """Rewards that are not finite numbers in [0, 1]: the RL step is skipped (main counts it)."""
 
 
-_SECONDS: dict[str, float] = {}  # each phase's wall and CPU seconds since the last take (times.jsonl only)
+_SECONDS: dict[str, float] = {}  # each phase's wall and CPU seconds in this step (times.jsonl only)
 
 
 @contextlib.contextmanager
@@ -289,13 +288,6 @@ def timed(phase: str):
     finally:
         _SECONDS[f"{phase}_s"] = _SECONDS.get(f"{phase}_s", 0.0) + time.time() - wall
         _SECONDS[f"{phase}_cpu_s"] = _SECONDS.get(f"{phase}_cpu_s", 0.0) + time.process_time() - cpu
-
-
-def take() -> dict[str, float]:
-    """The phases' seconds since the last take, which starts them again from zero."""
-    out = dict(_SECONDS)
-    _SECONDS.clear()
-    return out
 
 
 def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple[dict, list]:
@@ -371,9 +363,8 @@ def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
 
 
 def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
-    """Backpropagate update j's loss on one task's experience, device_batch_size rows at a time; returns this
-    rank's sums (grpo.policy_loss). The loss is ONE mean over the global batch: n counts the terms of every view
-    the update scores, chunk and rank (--trajectory_states: Views.norm, the full trajectory's, estimated)."""
+    """Backpropagate update j's loss on one task, device_batch_size rows at a time; returns this rank's sums. The
+    loss is ONE mean over the global batch: n counts the terms of every view, chunk and rank (or Views.norm)."""
     cfg, b, v = ctx.cfg, e.batch, e.views
     adv = e.adv[b.index].to(b.x.device)                                                    # (B,)
     scored = v.updates[j]
@@ -399,8 +390,7 @@ def add_sums(a: dict, b: dict) -> dict:
 
 
 def reduce_sums(s: dict, device) -> dict:
-    """grpo.policy_loss's sums (0-d tensors) over ranks, as floats: ratio_max by max, the rest summed; the update's
-    only host reads of them, however many chunks."""
+    """grpo.policy_loss's sums (0-d tensors) over ranks as floats, ratio_max by max: the update's only host reads."""
     keys, f64 = [k for k in s if k != "ratio_max"], dict(dtype=torch.float64, device=device)
     out = dict(zip(keys, scale.all_sum(torch.stack([s[k] for k in keys]).to(**f64)).tolist()))
     return {**out, "ratio_max": scale.all_max(s["ratio_max"].to(**f64)).item()}
@@ -423,9 +413,8 @@ def step_log(step: int, exps: list, updates: list, cfg) -> dict:
 
 
 def step_stats(updates: list[dict]) -> dict[str, float]:
-    """One task's logged statistics from each update's sums over the whole batch, divided once: loss, and
-    clipfrac, kl, ratio_mean per scored token, averaged over the mu updates; ratio_max the largest ratio of any
-    update; num_tokens the step's scored tokens."""
+    """One task's statistics from each update's sums over the whole batch, divided once: loss, clipfrac, kl and
+    ratio_mean (per scored token) averaged over the updates; ratio_max of any update; num_tokens, all updates."""
     mean = lambda f: sum(f(u) / len(updates) for u in updates)  # over the updates, in order
     per_token = lambda k, empty=0.0: mean(lambda u: u[k] / u["tokens"] if u["tokens"] else empty)
     return {"loss": mean(lambda u: u["loss"]), "clipfrac": per_token("clipped"), "kl": per_token("kl"),
@@ -461,7 +450,8 @@ def _run(cfg: Config, argv) -> dict:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
             if ctx.text_sampler is not None:  # --kv_cache/--threshold: Fast-dLLM rollouts' statistics, all ranks
                 log.update(ctx.text_sampler.take_log(ctx.device))
-            times = {"seconds": time.time() - t0, "cpu_s": time.process_time() - cpu0, **take()}
+            times = {"seconds": time.time() - t0, "cpu_s": time.process_time() - cpu0, **_SECONDS}
+            _SECONDS.clear()  # the next step's phases count from zero
             run.record(step, log, times, rolls, ctx.tok, ctx.ids, track)  # log.jsonl, times.jsonl, the tracker
         nothing_trained = all_skipped(run)
         if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported
