@@ -2,8 +2,8 @@
 
 group_advantages: rewards -> advantages per group. policy_loss: clipped per-token surrogate + k3 KL on the
 log-probs of importance.token_logprobs under one inner iteration's mask, as one mean over the whole batch
-however it is chunked; step_stats: the logged statistics. Differences from the paper and the
-official code, and why: docs/differences.md. Shapes: B sequences (num_groups x G), G group size, N columns.
+however it is chunked. Departures from the paper and the official code: docs/differences.md.
+Shapes: B sequences (num_groups x G), G group size, N columns.
 """
 import math
 
@@ -16,9 +16,8 @@ NORMS = ("token", "sequence")
 # advantages
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale_by_std: bool = True):
-    """(R - mean_g) / (std_g + eps) within each group of group_size consecutive rewards (outcome supervision,
-    arXiv:2402.03300 §4.1): rewards (B,) -> advantages (B,). std is unbiased (N - 1), as in the official code;
-    scale_by_std=False gives R - mean_g, as d1 does."""
+    """(R - mean_g) / (std_g + eps) within each group of group_size consecutive rewards (arXiv:2402.03300 §4.1),
+    (B,) -> (B,); std unbiased (N - 1) as in the official code; scale_by_std=False: R - mean_g, as d1."""
     assert rewards.dim() == 1 and group_size >= 2 and len(rewards) % group_size == 0, f"{rewards.shape=} {group_size=}"
     R = (rewards if rewards.is_floating_point() else rewards.float()).reshape(-1, group_size)  # (num_groups, G)
     assert torch.isfinite(R).all(), "GRPO compares finite rewards"
@@ -41,11 +40,10 @@ def num_terms(mask: torch.Tensor, norm: str) -> torch.Tensor:
 
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *, clip_eps: float,
                 beta: float = 0.0, logp_ref=None, norm: str = "token", total=None) -> tuple[torch.Tensor, dict]:
-    """Clipped GRPO surrogate + beta * k3 KL (Eqs. 9-11) on one chunk of rows: (its share S_c / total of the batch's
-    mean, sums). total: the terms of the whole batch, every chunk, view and rank (default: this chunk's); a term is a
-    scored token (norm "token") or a sequence with one, as its tokens' mean ("sequence"). logp: float32 (B, N) with
-    grad; logp_old, logp_ref: (B, N); adv: (B,); mask: bool (B, N), the tokens THIS update scores (none: loss 0).
-    sums, added over chunks, views and ranks (step_stats divides): loss, tokens, clipped, kl, ratio, ratio_max."""
+    """Clipped GRPO surrogate + beta * k3 KL (Eqs. 9-11) on one chunk of rows: (its share S_c / total of the batch
+    mean, sums of loss, tokens, clipped, kl, ratio, ratio_max). total: the terms (scored tokens, or sequences with
+    one for "sequence") of every chunk, view and rank (default: this chunk's). logp: float32 (B, N) with grad;
+    logp_old, logp_ref: (B, N); adv: (B,); mask: bool (B, N), the tokens THIS update scores."""
     assert clip_eps > 0 and beta >= 0 and norm in NORMS, f"{clip_eps=} > 0, {beta=} >= 0, {norm=} in {NORMS}"
     assert mask.dtype == torch.bool and (beta == 0 or logp_ref is not None), "a bool mask; beta > 0 needs logp_ref"
     assert {t.shape for t in (logp, logp_old, mask, logp_ref) if t is not None} == {adv.shape + mask.shape[1:]}, "(B,N)"
@@ -72,19 +70,3 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
                                            ("clipped", (clipped.float() * m).sum()), ("kl", (kl * m).sum()),
                                            ("ratio", (ratio * m).sum()), ("ratio_max", top))}
     return loss, sums
-
-
-def add_sums(a: dict, b: dict) -> dict:
-    """Two chunks' (or ranks') sums of policy_loss as one: ratio_max by max, the rest added."""
-    return {k: torch.maximum(a[k], b[k]) if k == "ratio_max" else a[k] + b[k] for k in b} if a else dict(b)
-
-
-def step_stats(updates: list[dict]) -> dict[str, float]:
-    """The logged statistics of one RL step from each update's sums over the whole batch (every rank), divided once:
-    loss, and clipfrac, kl, ratio_mean per scored token, are each update's value averaged over the mu updates;
-    ratio_max is the largest ratio of any token in any update; num_tokens the step's scored tokens, all updates."""
-    mean = lambda f: sum(f(u) / len(updates) for u in updates)  # over the updates, in order
-    per_token = lambda k, empty=0.0: mean(lambda u: u[k] / u["tokens"] if u["tokens"] else empty)
-    return {"loss": mean(lambda u: u["loss"]), "clipfrac": per_token("clipped"), "kl": per_token("kl"),
-            "ratio_mean": per_token("ratio", 1.0), "ratio_max": max(u["ratio_max"] for u in updates),
-            "num_tokens": sum(u["tokens"] for u in updates)}

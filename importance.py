@@ -1,18 +1,12 @@
 """MaskGRPO's importance estimator (arXiv:2510.02880 §3, Eqs. 9-10): re-mask the finished completion, score it.
 
 A masked diffusion model's sequence likelihood is intractable, so GRPO's pi_theta(o) / pi_old(o) is estimated:
-the paper argues (§3) that two policies' masked log-likelihoods at one masked state differ by about as much as
-their per-step decoding log-likelihoods (decoding_logprob computes those exactly). Inner iteration j re-masks
-the completion with a seeded reversing operator o^t ~ Rev(o, t_j, S_j) and scores pi_theta, pi_old and pi_ref on
-that same input; a mask is a function of (seed, ratio, N) alone. Per rollout step (train.rl_step):
-    v = VIEWS[cfg.estimator](batch, order, cfg, ...)  # one function per estimator: K inputs, their loss masks
-    logp_old[k] = token_logprobs(model, v.inputs[k], x, v.loss_masks[k])  # no_grad; the same inputs for pi_ref
-    update j scores the views v.updates[j] with grad -> grpo.policy_loss
-The "trajectory" estimator is what the others approximate: trajectory_masks turns the sampler's decoding
-order into one (state, revealed tokens) pair per decoding step, so that every token is scored under the
-state in which it was revealed; the sum of those log-probs is decoding_logprob's exact l_pi(o).
-Shapes: B sequences, P prompt, N generation window, S suffix (<|eoi|> for images), L = P + N + S. Differences
-from the official code, and why: docs/differences.md.
+inner iteration j re-masks the completion with a seeded reversing operator o^t ~ Rev(o, t_j, S_j) and scores
+pi_theta, pi_old and pi_ref on that same input. VIEWS[cfg.estimator] builds one task's views (K inputs and the
+positions each scores), token_logprobs scores them. The "trajectory" estimator, and decoding_logprob, score every
+token under the sampler state that revealed it: the exact l_pi(o) the others approximate. Shapes: B sequences,
+P prompt, N window, S suffix (<|eoi|> for images), L = P + N + S. Departures from the official code:
+docs/differences.md.
 """
 import hashlib
 import math
@@ -39,16 +33,16 @@ class Views(NamedTuple):
 
 
 def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -> Views:
-    """Step 4 of the RL step (Alg. 5) under MaskGRPO: mu views, update j scoring view j, in which o^t_j ~
-    Rev(o, t_j, S_j) re-masks the window (Alg. 1 AR-like for text, or --text_reversing; Alg. 2 random for images):
-    one mask, the input's and the loss's. seq_index: each row's GLOBAL index (no mask depends on the world size).
-    Every estimator's views function (VIEWS) takes these keywords, and eos_id and all_max (max over ranks)."""
+    """Step 4 (Alg. 5): mu views, update j scoring view j, o^t_j ~ Rev(o, t_j, S_j) of the window (text: Alg. 1
+    AR-like, or --text_reversing; images: Alg. 2 random), one mask for input and loss. seq_index: each row's
+    GLOBAL index. Every VIEWS function takes these keywords, and eos_id and all_max (max over ranks)."""
     mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
     (B, L), P, N, seed = batch.x.shape, batch.prompt_len, batch.window, derive_seed(cfg.seed, "masks", batch.task)
+    prompt_len, window = batch.attention_mask[:, :P].bool().sum(1).tolist(), torch.ones(B, N, dtype=torch.bool)
     masks = torch.zeros(cfg.mu, B, L, dtype=torch.bool, device=batch.x.device)  # (mu, B, L); never the prompt (§3)
     for j, t in enumerate(mask_ratios(cfg.mu, gamma)):
-        seeds, window = [mask_seed(seed, step, int(i), j) for i in seq_index], torch.ones(B, N, dtype=torch.bool)
-        masks[j, :, P:P + N] = reverse_mask(window, [t] * B, seeds, mode, prompt_len=batch.prompt_mask.sum(1).tolist())
+        seeds = [mask_seed(seed, step, int(i), j) for i in seq_index]
+        masks[j, :, P:P + N] = reverse_mask(window, [t] * B, seeds, mode, prompt_len=prompt_len)
     return Views([batch.x.masked_fill(m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
 
 
@@ -75,7 +69,7 @@ def reverse_mask(completion_mask: torch.Tensor, ratios, seeds, mode: str = "arli
     """Seeded reversing o^t ~ Rev(o, t, S) (REVERSING[mode]) of the window, bool (B, N), True = masked, only where
     completion_mask (bool (B, N)) allows. ratios, seeds: one per row; prompt_len: each row's prompt length, read by
     "arlike_official" only. A fresh CPU generator per row: row b depends on (seeds[b], ratios[b], N) alone."""
-    assert mode in REVERSING and completion_mask.dtype == torch.bool and completion_mask.dim() == 2, f"{mode=}, {MODES}"
+    assert mode in REVERSING and completion_mask.dtype == torch.bool and completion_mask.dim() == 2, f"{mode=}"
     assert len(ratios) == len(seeds) == len(completion_mask) and all(0 <= t <= 1 for t in ratios), f"{ratios=} {seeds=}"
     mask = torch.zeros(completion_mask.shape, dtype=torch.bool)                                   # (B, N)
     for b, (t, s) in enumerate(zip(ratios, seeds)):
@@ -102,13 +96,9 @@ def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
 # the other estimators (default off): the official AR-like masks, UniGRPO, d1, the exact trajectory
 
 def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
-    # The official code's AR-like masks as its trainer applies them: it takes the prompt length to be 1
-    # (docs/differences.md says where and why), so its ramp spans the L - 1 positions 1..L-1 of [prompt | window],
-    # and prompt positions, never masked, use up its high-keep start. Window token n (absolute position P + n)
-    # stays visible with prob min(1, 2 (1-r) (1 - (P + n - 1) / (L - 2))), L = P + N: the paper's ramp over
-    # L - 1 positions, of which the window holds the last N. The masked share of the window then grows with P.
-    # P is the row's own prompt length, not a batch's padded one: the official runs put one unpadded prompt group
-    # on a GPU.
+    # The official trainer's AR-like masks take the prompt length to be 1 (docs/differences.md), so the paper's
+    # ramp spans positions 1..L-1 of [prompt | window] and the never-masked prompt uses up its high-keep start:
+    # the window's masked share grows with P, the row's own prompt length (one unpadded group per GPU there).
     assert P is not None and P >= 0, f"arlike_official masks need prompt_len, each row's prompt length >= 0: got {P}"
     head = min(P, 1)  # the official prompt length: 1 (0 only if there were no prompt at all)
     return _arlike_keep(P + N - head, ratio)[P - head:]  # (N,)
@@ -116,7 +106,7 @@ def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
 
 def official_completion_ratio(P: int, N: int, ratio: float) -> float:
     """Expected masked fraction of an N-token window behind a P-token prompt under "arlike_official" at nominal
-    ratio `ratio` (the paper's operator masks exactly `ratio` for ratio >= 0.5). docs/differences.md tabulates it."""
+    `ratio` (docs/differences.md tabulates it)."""
     return float((1.0 - _arlike_official_keep(P, N, ratio)).mean())
 
 
@@ -127,8 +117,8 @@ def completion_mask_until_eos(window_tokens: torch.Tensor, eos_id: int) -> torch
 
 
 def _d1_prompt_mask(prompt_mask: torch.Tensor, p_mask_prompt: float, seeds: list[int]) -> torch.Tensor:
-    # d1 (arXiv:2504.12216) masks each prompt token with prob p_mask_prompt. The k-th uniform goes to the
-    # k-th REAL token, so a row's draw does not depend on how much padding its batch needed.
+    # d1 (arXiv:2504.12216) masks each prompt token with prob p_mask_prompt; the k-th uniform goes to the k-th
+    # REAL token, so a row's draw does not depend on its batch's padding.
     pm = prompt_mask.cpu()  # (B, P)
     out = torch.zeros_like(pm)  # (B, P)
     for b in range(pm.shape[0]):
@@ -139,8 +129,8 @@ def _d1_prompt_mask(prompt_mask: torch.Tensor, p_mask_prompt: float, seeds: list
 
 
 def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float]:
-    # UniGRPO (MMaDA, arXiv:2505.15809): t_1 = floor(r_1 T) with r_1 ~ U(0,1), then mu timesteps evenly
-    # spaced from t_1 to T. r_1 is drawn per sequence, so it does not depend on the world size either.
+    # UniGRPO (MMaDA, arXiv:2505.15809): t_1 = floor(r_1 T), r_1 ~ U(0,1) per sequence, then mu timesteps
+    # evenly spaced from t_1 to T.
     g = torch.Generator().manual_seed(packed_seed(b"maskgrpo/unigrpo-t1", seed, step, seq_index))
     t1 = math.floor(torch.rand((), generator=g, dtype=torch.float64).item() * UNIGRPO_T)
     return [math.floor((n - 1) / max(mu - 1, 1) * (UNIGRPO_T - t1) + t1) / UNIGRPO_T for n in range(1, mu + 1)]
@@ -148,12 +138,11 @@ def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float
 
 def unigrpo_views(batch, order, cfg, *, step, seq_index, mask_id, **_) -> Views:
     """UniGRPO (MMaDA, arXiv:2505.15809): K = mu random-reversing views at UniGRPO's ratios, one per update."""
-    seed = derive_seed(cfg.seed, "masks", batch.task)
-    ratios = list(zip(*[_unigrpo_ratios(seed, step, int(i), cfg.mu) for i in seq_index]))  # [mu][B]
     window = torch.ones(batch.x.shape[0], batch.window, dtype=torch.bool, device=batch.x.device)  # (B, N)
-    masks = reversed_masks(batch.prompt_mask, window, ratios, "random", seed=seed, step=step, seq_index=seq_index,
-                           length=batch.x.shape[1])                                      # (mu, B, L)
-    return Views([apply_mask(batch.x, m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
+    masks, _ = build_masks(batch.prompt_mask, window, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
+                           seq_index=seq_index, mu=cfg.mu, estimator="unigrpo",
+                           suffix_len=batch.x.shape[1] - batch.prompt_len - batch.window)  # (mu, B, L)
+    return Views([batch.x.masked_fill(m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
 
 
 def d1_views(batch, order, cfg, *, image, step, seq_index, eos_id, mask_id, **_) -> Views:
@@ -166,27 +155,27 @@ def d1_views(batch, order, cfg, *, image, step, seq_index, eos_id, mask_id, **_)
     ins, loss_masks = d1_masks(batch.prompt_mask, scored, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
                                seq_index=seq_index, mu=cfg.mu, p_mask_prompt=cfg.p_mask_prompt,
                                suffix_len=x.shape[1] - P - N)                             # (mu, B, L) each
-    return Views([apply_mask(x, m, mask_id) for m in ins], loss_masks, [[j] for j in range(cfg.mu)])
+    return Views([x.masked_fill(m, mask_id) for m in ins], loss_masks, [[j] for j in range(cfg.mu)])
 
 
 def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_max, **_) -> Views:
-    """The exact decoding path: K = T views, the sampler's own states (trajectory_masks), each scoring the tokens
-    revealed in it, and every update scores all of them. States in which no rank revealed anything are dropped,
-    the same on every rank. --trajectory_states=K: update j scores K of them (draw_states), each weighing T / K."""
+    """The exact decoding path: K = T views, the sampler's states (trajectory_masks) in which any rank revealed a
+    token, each scoring what it revealed; every update scores all. --trajectory_states=K: update j scores K of
+    them (draw_states), each weighing T / K."""
     x, B = batch.x, batch.x.shape[0]
     in_masks, loss_masks = trajectory_masks(order, cfg.image_steps if image else cfg.steps)
     keep = all_max(loss_masks.flatten(1).any(1).to(x.device, torch.float32)).bool().cpu()
     in_masks, loss_masks = in_masks[keep], loss_masks[keep]                        # (T, B, L) each
     T = len(in_masks)
     if not cfg.trajectory_states:
-        return Views([apply_mask(x, m, mask_id) for m in in_masks], loss_masks, [range(T)] * cfg.mu)
+        return Views([x.masked_fill(m, mask_id) for m in in_masks], loss_masks, [range(T)] * cfg.mu)
     K = min(cfg.trajectory_states, T)
     states, updates = draw_states(T, K, cfg.mu, step=step, seq_index=seq_index,
                                   seed=derive_seed(cfg.seed, "trajectory-states", batch.task))  # (U, B)
     pick = states.to(x.device), torch.arange(B, device=x.device)           # view u of row b: state u of b
     norm = loss_masks.sum().float() * (K / T)                              # K = T: exactly the full count
     in_masks, loss_masks = in_masks[pick], loss_masks[pick]                # (U, B, L) each
-    return Views([apply_mask(x, m, mask_id) for m in in_masks], loss_masks, updates, norm)
+    return Views([x.masked_fill(m, mask_id) for m in in_masks], loss_masks, updates, norm)
 
 
 # --estimator's views functions (train.rl_step calls VIEWS[cfg.estimator]; maskgrpo_views is the default)
@@ -195,9 +184,8 @@ VIEWS = {"maskgrpo": maskgrpo_views, "d1": d1_views, "unigrpo": unigrpo_views, "
 
 def reversed_masks(prompt_mask: torch.Tensor, scored: torch.Tensor, ratios, mode: str, *, seed: int, step: int,
                    seq_index, length: int) -> torch.Tensor:
-    """bool (mu, B, length) over [prompt (P) | window (N) | suffix]: mask j holds o^t_j ~ Rev(o, ratios[j], S_j)
-    (reverse_mask) inside scored (bool (B, N), where the window may be masked), one seed S_j per sequence
-    (mask_seed); the prompt is never masked (paper §3). ratios: [mu][B]. Both the input and the loss mask."""
+    """bool (mu, B, length), input and loss mask: mask j holds o^t_j ~ Rev(o, ratios[j], S_j) inside scored (bool
+    (B, N)), one seed S_j per sequence (mask_seed); never the prompt (paper §3). ratios: [mu][B]."""
     (B, P), N = prompt_mask.shape, scored.shape[1]
     prompt_len = prompt_mask.sum(1).tolist()  # [B] each row's real prompt length (arlike_official's P)
     masks = torch.zeros(len(ratios), B, length, dtype=torch.bool, device=scored.device)  # (mu, B, L)
@@ -209,9 +197,8 @@ def reversed_masks(prompt_mask: torch.Tensor, scored: torch.Tensor, ratios, mode
 
 def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int, seq_index,
              mu: int, p_mask_prompt: float, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """d1's mu (input mask, loss mask) pairs, bool (mu, B, L) each: a one-step estimate at t = 1, the whole window
-    masked (also past the loss mask: a visible trailing EOS would give the answer's length away), each real prompt
-    token masked with probability p_mask_prompt, and completion_mask (bool (B, N)) scored."""
+    """d1's mu (input mask, loss mask) pairs, bool (mu, B, L) each: the whole window masked (a visible trailing EOS
+    would give the answer's length away), each real prompt token with prob p_mask_prompt; completion_mask scored."""
     assert 0.0 <= p_mask_prompt <= 1.0, f"{p_mask_prompt=} in [0, 1]"
     (B, P), N = prompt_mask.shape, completion_mask.shape[1]
     in_masks = torch.zeros(mu, B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)
@@ -227,8 +214,8 @@ def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: 
 def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int,
                 seq_index, mu: int, gamma: float = 0.6, estimator: str = "maskgrpo", mode: str = "arlike",
                 p_mask_prompt: float = 0.15, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A mask estimator's mu (input mask, loss mask) pairs from explicit settings, bool (mu, B, L) each (the
-    masks the views above build, for callers that choose seed, mode and gamma themselves: tools/diagnose.py)."""
+    """A mask estimator's mu (input mask, loss mask) pairs, bool (mu, B, L) each, from explicit settings (the
+    views' masks, for tools/diagnose.py)."""
     assert estimator in MASK_ESTIMATORS and mode in MODES, f"{estimator=} in {MASK_ESTIMATORS}, {mode=} in {MODES}"
     assert mu >= 1 and prompt_mask.dtype == completion_mask.dtype == torch.bool, f"{mu=} >= 1; bool (B, P), (B, N)"
     idx = [int(i) for i in seq_index]
@@ -255,14 +242,8 @@ def ignored_settings(cfg, defaults) -> list[str]:
     return [k for k, users in READ_BY if cfg.estimator not in users and getattr(cfg, k) != getattr(defaults, k)]
 
 
-def apply_mask(input_ids: torch.Tensor, mask: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """input_ids (B, L) with positions where mask (B, L) is True replaced by mask_id."""
-    assert mask.dtype == torch.bool and mask.shape == input_ids.shape, "mask: bool, shaped like input_ids"
-    return input_ids.masked_fill(mask, mask_id)  # (B, L)
-
-
 # -----------------------------------------------------------------------------
-# log-probs: the estimator's per-token terms, and the exact decoding log-likelihood they approximate
+# log-probs: the estimator's terms, and the exact decoding log-likelihood they approximate
 
 def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, *,
                    attention_mask=None, vocab_slice: tuple[int, int] | None = None, device_batch_size: int = 0):
@@ -273,8 +254,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     assert device_batch_size >= 0, f"{device_batch_size=} >= 0"
     (B, L), (lo, hi) = input_ids.shape, vocab_slice or (0, None)
     out = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # unscored positions stay exactly 0
-    # Read on the host once per call, not per chunk (each read waits for the device): each row's first and last
-    # scored column and whether it holds padding (the model would otherwise look at every chunk's mask).
+    # One host read per call, not per chunk: each row's first and last scored column and whether it is padded.
     cols = torch.arange(L, device=positions.device)
     first, last = torch.where(positions, cols, L).min(1).values, torch.where(positions, cols, -1).max(1).values
     pad = torch.zeros(B, dtype=torch.bool, device=positions.device) if attention_mask is None else \
@@ -287,9 +267,8 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
         win = slice(a, b) if a < b else slice(0, 0)
         am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name for it
         if getattr(model, "accepts_cache_kwargs", False):
-            # In float32, and over the columns [lo, hi) only: a bf16 logit is rounded by up to 0.06 at magnitude
-            # 32, while a small update moves log pi by ~1e-3, so bf16 logits would turn the ratio pi / pi_old
-            # (Eq. 9) into rounding (tests/test_logprobs.py measures it; docs/differences.md row 4). (b, l, V')
+            # float32 over the columns [lo, hi): bf16 rounds a logit by up to 0.06 where an update moves log pi
+            # by ~1e-3, so the ratio of Eq. 9 would be rounding (docs/differences.md row 4). (b, l, V')
             logits = model(input_ids[rows], *am, logits_at=win, vocab_slice=vocab_slice, float32_head=True,
                            padded=any(padded[rows]))
         else:  # any other model: the full logits (b, L, V), then the same window and columns
@@ -297,8 +276,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
             logits = model(input_ids[rows], *am)[..., lo:hi].float()
         pos, t, width = positions[rows, win], targets[rows, win] - lo, logits.shape[-1]  # (b, l) each
         outside = outside | (((t < 0) | (t >= width)) & pos).any()
-        # The log-softmax of the whole window, not a copy of the scored rows: unscored rows get exactly zero
-        # gradient either way. Their targets may lie outside [lo, hi) (a prompt token): clamped, then dropped.
+        # Unscored targets may lie outside [lo, hi) (a prompt token): clamped, then dropped with zero gradient.
         lp = F.log_softmax(logits, dim=-1).gather(-1, t.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)  # (b, l)
         out[rows, win] = lp.masked_fill(~pos, 0.0)
     assert not bool(outside), f"targets outside the vocabulary [{lo}, {hi if hi is not None else 'V'})"
@@ -306,10 +284,9 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
 
 
 def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoding path as (input mask, loss mask) pairs, bool (T, B, L) each, one per sampler step s < T:
-    the input masks every position revealed at s or later (x^(s), the state the sampler saw), the loss mask
-    the positions revealed at s. order: (B, L) long, the step each position was revealed at, -1 where it
-    never was masked (the prompt). num_steps: T (default: the last step in order, + 1)."""
+    """The decoding path as (input mask, loss mask) pairs, bool (T, B, L) each, per sampler step s < T: the input
+    masks what was revealed at s or later (x^(s)), the loss mask what was revealed at s. order: (B, L), the step
+    that revealed each position, -1 for the prompt; num_steps: T (default: the last step + 1)."""
     assert not order.is_floating_point() and bool((order >= -1).all()), "order: integer (B, L), -1 = never masked"
     steps = torch.arange(int(order.max()) + 1 if num_steps is None else num_steps, device=order.device)
     return order >= steps[:, None, None], order == steps[:, None, None]     # (T, B, L) each
@@ -317,16 +294,10 @@ def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple
 
 def draw_states(num_states: int, k: int, mu: int, *, seed: int, step: int,
                 seq_index) -> tuple[torch.Tensor, list[list[int]]]:
-    """--trajectory_states=K: which of the T = num_states decoding states each of the mu updates scores.
-    Returns (states, updates): states long (U, B), the state of view u for each row (U = min(mu K, T) views,
-    scored once by the old and reference passes), and updates, mu lists of K view indices, update j's.
-
-    The mu updates PARTITION the states: each row draws one permutation of its T states, seeded by (seed,
-    step, global seq_index) alone, so the draw is the same in every pass, batch and world size; update j
-    takes its positions jK .. jK+K-1, cyclically. Any K distinct positions of a uniform permutation hold a
-    uniform K-subset, so each update alone is an unbiased draw without replacement; together the updates
-    cover mu K distinct states (every state once per RL step at mu K = T), where independent draws would
-    spend the same forwards on repeats. At K >= T every state is drawn, in the sampler's order."""
+    """--trajectory_states=K: (states long (U, B), the state of view u per row, U = min(mu K, T); updates, mu
+    lists of K view indices). Each row draws one permutation of its T states, seeded by (seed, step, global
+    seq_index); update j takes positions jK .. jK+K-1 cyclically: each update alone is a uniform K-subset
+    (unbiased, without replacement), and together they cover mu K distinct states. K >= T: all, in order."""
     assert k >= 1 and mu >= 1 and num_states >= 1, f"{k=}, {mu=}, {num_states=} must be >= 1"
     T, K = num_states, min(k, num_states)
     perms = [torch.arange(T) if K == T else torch.randperm(T, generator=torch.Generator().manual_seed(
@@ -339,14 +310,13 @@ def draw_states(num_states: int, k: int, mu: int, *, seed: int, step: int,
 @torch.no_grad()  # a measurement: a graph kept across all the steps would hold every step's activations
 def decoding_logprob(model, x: torch.Tensor, order: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                      vocab_slice: tuple[int, int] | None = None, mask_id: int) -> torch.Tensor:
-    """Exact decoding log-likelihood l_pi(o) = sum_s sum_{k revealed at step s} log pi(o_k | c, x^(s)): (B,) fp32.
-    x: (B, L) finished sequences; order: (B, L) long, the sampler step at which each position was revealed
-    (-1 = never masked, e.g. the prompt). x^(s) = x with every position of order >= s masked is the state the
-    sampler saw at step s (arXiv:2510.02880 §3). One batched forward per step."""
+    """Exact decoding log-likelihood l_pi(o) = sum_s sum_{k revealed at step s} log pi(o_k | c, x^(s)), (B,) fp32
+    (arXiv:2510.02880 §3): x^(s) masks every position of order >= s (order: (B, L), the step that revealed each
+    position, -1 for the prompt), the state the sampler saw at step s. One batched forward per step."""
     assert order.shape == x.shape, "order: (B, L), the step each position was revealed at"
     total = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)  # (B,)
     for state, revealed in zip(*trajectory_masks(order)):
         if revealed.any():
-            total = total + token_logprobs(model, apply_mask(x, state, mask_id), x, revealed,
+            total = total + token_logprobs(model, x.masked_fill(state, mask_id), x, revealed,
                                            attention_mask=attention_mask, vocab_slice=vocab_slice).sum(-1)
     return total

@@ -1,10 +1,7 @@
-"""The tasks: one registry entry each (TASKS: modality, prompts, reward), the batches they become, and
-the RL step's prompts, rollouts and rewards on them (held-out evaluation: infra/heldout.py).
-
-A batch lays out [prompt | window | suffix] in the LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809)
-formats; the window is what the model generates (a text completion, or the image slots). The toy tasks'
-vocabulary and data are infra/toy.py; every task's verifiers are in rewards.py, and benchmark data files
-are read by infra/data.py.
+"""The tasks (TASKS: modality, prompts, verifiers), the batches they become, and the RL step's prompts,
+rollouts and rewards on them. A batch lays out [prompt | window | suffix] in the LLaDA (arXiv:2502.09992) and
+MMaDA (arXiv:2505.15809) formats; the window is what the model generates (text, or the image slots). The toy
+data is infra/toy.py, the verifiers rewards.py, benchmark files infra/data.py.
 """
 from __future__ import annotations
 
@@ -58,7 +55,6 @@ def chat_prompt(messages: list[dict], bos: str = "<|startoftext|>") -> str:
     return bos + "".join(turns) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
 
 
-
 def token_ids(tok: Tokenizer) -> TokenIds:
     """The toy vocabulary's special ids, looked up by name."""
     def tid(s):
@@ -84,8 +80,7 @@ def model_config_overrides(tok: Tokenizer) -> dict:
 
 
 def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
-    """(BOS + question, answer + EOS padding to gen_length tokens): LLaDA's SFT pads answers with EOS, so the
-    model learns where to stop."""
+    """(BOS + question, answer + EOS padding to gen_length): LLaDA's SFT pads with EOS, teaching where to stop."""
     prompt = [ids.bos] + tok.encode(example["prompt"], add_special_tokens=False).ids
     answer = tok.encode(example["completion"], add_special_tokens=False).ids
     if len(answer) >= gen_length:
@@ -103,9 +98,8 @@ def encode_chat(tok: Tokenizer, example: dict, cfg) -> list[int]:
 
 def encode_image_prompt(tok: Tokenizer, ids: TokenIds, prompt_text: str, text_len: int,
                         num_tokens: int) -> tuple[list[int], int, list[int]]:
-    """MMaDA's t2i layout (arXiv:2505.15809): [iPAD]* <|t2i|> BOS caption EOS <|soi|> mask*num_tokens <|eoi|>,
-    the text part left-padded with [iPAD] (attention 0) or cut to text_len tokens; caption "" is CFG's
-    unconditional prompt. Returns (input_ids, image_start, attention_mask)."""
+    """MMaDA's t2i layout: [iPAD]* <|t2i|> BOS caption EOS <|soi|> mask*num_tokens <|eoi|>, the text part padded
+    (attention 0) or cut to text_len; caption "" is CFG's unconditional prompt. (input_ids, image_start, mask)."""
     if None in (ids.t2i, ids.soi, ids.eoi, ids.ipad):
         raise ValueError("the tokenizer lacks MMaDA's <|t2i|>, <|soi|>, <|eoi|>, [iPAD]: images need an MMaDA one")
     text = [ids.t2i, ids.bos] + tok.encode(prompt_text, add_special_tokens=False).ids + [ids.eos]
@@ -125,8 +119,7 @@ def image_text_len(tok: Tokenizer, n: int = 2000) -> int:
 
 
 def ids_to_codes(tok: Tokenizer, ids: list[int]) -> list[int]:
-    """Image codes of token ids (code c is id image_token_offset + c); any id outside the image range (a
-    leftover mask, say) becomes -1."""
+    """Image codes of token ids (code c is id image_token_offset + c); -1 outside the image range (a mask)."""
     s = token_ids(tok)
     return [i - s.image_token_offset if 0 <= i - s.image_token_offset < s.codebook_size else -1 for i in ids]
 
@@ -148,17 +141,14 @@ class Task:
         return self.example is not None
 
 
-def _benchmark(name: str) -> dict:
-    # correctness ("none"), and the official runs' shaped reward where they had one (--reward_shaping=official)
-    return {"none": rewards.REWARDS[name], **({"official": rewards.SHAPED[name]} if name in rewards.SHAPED else {})}
-
-
 TASKS = {
     "text": Task("text", {"answer": rewards.answer_reward, "solution": rewards.solution_reward}, "text_reward",
                  example=lambda rng, cfg, split, noise: make_text_example(rng, split, noise, max_steps=cfg.text_max_steps)),
     "image": Task("image", {"grid": rewards.image_reward},
                   example=lambda rng, cfg, split, noise: make_image_example(rng, split, noise, width=cfg.image_width)),
-    **{name: Task("text", _benchmark(name), "reward_shaping")
+    # benchmarks: correctness ("none"), and the official runs' shaped reward where they had one ("official")
+    **{name: Task("text", {"none": rewards.REWARDS[name], **({"official": rewards.SHAPED[name]}
+                                                            if name in rewards.SHAPED else {})}, "reward_shaping")
        for name in ("gsm8k", "math", "mbpp", "countdown", "sudoku")},
     "geneval": Task("image", {}),
 }
@@ -168,14 +158,11 @@ TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
 def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none"):
-    """The rewards.py function that scores `task`: the toy text task's by --text_reward, a benchmark's by
-    --reward_shaping, the toy image task's only one; None for geneval (the remote scorer). One a task lacks is an
-    error (train.parse_args asks for every task's at start-up)."""
+    """The rewards.py function that scores `task`, by the setting its TASKS entry names (the toy image task has
+    one; geneval None: the remote scorer). One a task lacks is an error (train.parse_args asks at start-up)."""
     t = TASKS[task]
-    if not t.reward:  # geneval: the remote scorer
-        return None
-    if not t.picked_by:  # the toy image task's one verifier
-        (verify,) = t.reward.values()
+    if not t.picked_by:  # the toy image task's one verifier; geneval: None
+        (verify,) = t.reward.values() if t.reward else [None]
         return verify
     name = {"text_reward": text_reward, "reward_shaping": reward_shaping}[t.picked_by]
     if name not in t.reward:
@@ -230,8 +217,8 @@ class Batch:
 
 def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: bool) -> Batch:
     """Token tensors for `examples`, the window holding the targets (SFT) or mask ids. Text prompts are left-padded
-    to the longest in `examples`: build the global batch on every rank and take rows (Batch.rows), so that a
-    row's padding, and its logits, do not depend on the world size."""
+    to the longest: build the global batch on every rank and take rows (Batch.rows), so padding and logits do not
+    depend on the world size."""
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
     toy = TASKS[task].toy  # toy: BOS + question, the answer padded with EOS; benchmarks: the chat template
@@ -243,8 +230,7 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
         window = c if with_targets else [ids.mask] * cfg.gen_length
         rows.append([ids.pad] * pad + p + window)  # LLaDA left-pads prompts with EOS
         att.append([0] * pad + [1] * (len(p) + cfg.gen_length))
-    x = torch.tensor(rows, device=device)
-    att = torch.tensor(att, device=device)
+    x, att = torch.tensor(rows, device=device), torch.tensor(att, device=device)
     return Batch(task, x, att.fill_(1) if attends_padding(cfg, task) else att, P, cfg.gen_length, examples=examples)
 
 
@@ -290,8 +276,7 @@ def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
 
 
 def dataset_prompts(task: str, cfg, step: int, rows: list) -> list:
-    """Step `step`'s rows of a dataset, walked in a fresh seeded permutation per epoch: step s always sees the
-    same prompts (and a resumed run continues where it stopped)."""
+    """Step `step`'s rows of a dataset, in a fresh seeded permutation per epoch: a resumed run sees the same ones."""
     out, first = [], step * cfg.prompts_per_step
     for i in range(first, first + cfg.prompts_per_step):
         if i == first or i % len(rows) == 0:  # one shuffle per epoch this step touches (at most two)
@@ -301,7 +286,7 @@ def dataset_prompts(task: str, cfg, step: int, rows: list) -> list:
     return out
 
 # -----------------------------------------------------------------------------------------------------
-# the RL step's prompts, rollouts (step 1) and rewards (step 2, score above)
+# the RL step's prompts and rollouts (step 1); its rewards (step 2) are score above
 
 
 @dataclass
@@ -321,8 +306,8 @@ def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, tex
     """Step 1: (the Batch with the policy's samples in its windows, the decoding order (B, L): the sampler step that
     revealed each position, -1 for the prompt). gens: one generator per row; text_sampler: None = LLaDA's sampler."""
     cfg, ids, xs, orders = ctx.cfg, ctx.ids, [], []
-    with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout; a no-op in one process
-        for rows in scale.chunks(len(gens), cfg.device_batch_size):   # device_batch_size rows at a time
+    with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout
+        for rows in scale.chunks(len(gens), cfg.device_batch_size):
             c, g = prompts.rows(rows), gens[rows]
             if c.task in IMAGE_TASKS:
                 x, order = sample.generate_image(
@@ -342,11 +327,11 @@ def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, tex
 
 
 def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
-    """The prompts of RL step `step`, one Batch per task, each prompt G times. Every rank builds the global batch
-    and keeps its own rows with their global index, which seeds each sequence's noise and masks."""
+    """The prompts of RL step `step`, one Batch per task, each prompt G times; every rank keeps its own rows of the
+    global batch, with their global index, which seeds each sequence's noise and masks."""
     cfg, out = ctx.cfg, []
     for task in task_list(cfg):
         exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]
         b = make_batch(task, exs, ctx.tok, ctx.ids, cfg, ctx.device, with_targets=False)
-        out.append(b.rows(scale.shard_rows(len(exs))))  # this rank's whole groups: every row in one process
+        out.append(b.rows(scale.shard_rows(len(exs))))  # this rank's whole groups
     return out

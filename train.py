@@ -5,26 +5,11 @@
     torchrun --nproc_per_node=8 train.py --preset llada8b --init_from=DIR --train_data=gsm8k=train.jsonl
     python train.py --preset llada8b --dry_run         # parameters, memory per GPU, FLOPs, schedule
 
-Stage 1 (`sft`) trains the toy model from scratch with the masked-diffusion loss (LLaDA arXiv:2502.09992,
-MDLM arXiv:2406.07524); it is cached in out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880,
-Alg. 5), one rollout batch at a time:
-
-    1. rollouts      tasks.rollout: G completions per prompt with their decoding order; sample.generate
-                     (text, LLaDA's block sampler) or sample.generate_image (emerge sampler + CFG)
-    2. rewards       tasks.score with tasks.verifier: the task's rewards.py function its settings name, or a
-                     remote image scorer, in [0, 1]
-    3. advantages    grpo.group_advantages: (R - mean) / std within each group of G (d1: R - mean)
-    4. views         importance.VIEWS[estimator], one function each (maskgrpo_views: mu re-masked copies of
-                     every completion): K masked inputs and the positions each scores
-    5. old/ref       importance.token_logprobs on exactly those inputs, without gradient -> an Experience
-    6. mu updates    update j re-scores its views with the current policy (backward_loss: grpo.policy_loss, the
-                     clipped per-token ratio + beta * k3 KL, as one full-batch mean) and steps; step_log
-
-docs/method.md derives each step; docs/differences.md lists where this code departs from the paper and the
-official code. A run writes to out_dir: log.jsonl, summary.json (held-out reward before and after RL), final/,
-checkpoints/, curves.png, images.png. Settings are checked in infra/cli.py, the policy and its reference
-loaded by infra/load.py, the run kept by infra/run.py; torchrun and FSDP2 are infra/scale.py. Every random draw
-is seeded by (seed, purpose, step, global sequence index) (sample.derive_seed), so the world size changes nothing.
+Stage 1 (`sft`) trains the toy model with the masked-diffusion loss (LLaDA arXiv:2502.09992), cached in
+out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880, Alg. 5; docs/method.md §9): rollouts, rewards,
+group advantages, the estimator's views, old/ref log-probs, mu updates. A run writes log.jsonl, times.jsonl,
+summary.json, final/, checkpoints/ and pictures to out_dir. Every random draw is seeded by (seed, purpose, step,
+global sequence index) (sample.derive_seed), so the world size changes nothing.
 """
 from __future__ import annotations
 
@@ -42,13 +27,11 @@ import torch.nn.functional as F
 import grpo
 import importance
 import tasks
-from infra import budget, checkpoint, claims, cli, hf, phases, scale, timing, tracker
-from sample import FastSampler
+from infra import budget, checkpoint, claims, cli, phases, scale, tracker
 from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, eval_batches,
                        failures_in_one_line, print_held_out, start)
 from infra.scale import print0
 from infra.cli import validate
-from infra.timing import timed
 from infra.heldout import evaluate_all, image_snapshot
 from sample import derive_seed, generator
 from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts,
@@ -211,9 +194,8 @@ def parse_args(argv=None) -> Config:
 
 
 def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
-    """The masked-diffusion negative ELBO (MDLM, LLaDA; docs/method.md §1): t ~ U(eps, 1) per sequence,
-    each completion token masked with probability t, cross-entropy on the masked tokens weighted by 1/t,
-    normalised by the completion length (LLaDA's SFT loss: the prompt is never masked)."""
+    """The masked-diffusion negative ELBO (LLaDA's SFT loss; docs/method.md §1): t ~ U(eps, 1) per sequence, each
+    completion token masked with prob t, cross-entropy on them weighted by 1/t, over the completion length."""
     B, L = b.x.shape
     t = torch.rand(B, 1, generator=gen) * (1 - eps) + eps                              # (B, 1)
     region = torch.zeros(B, L, dtype=torch.bool)
@@ -228,10 +210,8 @@ def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3
 
 
 def sft(model, tok, ids, cfg: Config, device) -> float:
-    """Train the toy model from scratch on noisy toy data (tasks.py) of the run's toy tasks; returns the
-    seconds spent. SIGINT or SIGTERM finishes the current step and exits with 128 + signal: SFT keeps no
-    checkpoint (it takes minutes on a laptop, not hours), so the next run restarts it, and sft_dir is left
-    as it was (infra/phases.py: every phase's stop)."""
+    """Train the toy model from scratch on noisy data of the run's toy tasks; returns the seconds spent. A signal
+    finishes the step and exits with 128 + signal: SFT (minutes) keeps no checkpoint, sft_dir is left as it was."""
     t0 = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Linear warm-up, then cosine decay to 10%: a fixed learning rate plateaus early at this size.
@@ -295,6 +275,21 @@ class BadStep(Exception):
     """Rewards that are not finite numbers in [0, 1]: the RL step is skipped (main counts it)."""
 
 
+_SECONDS: dict[str, float] = {}  # each phase's wall and CPU seconds in this step (times.jsonl only)
+
+
+@contextlib.contextmanager
+def timed(phase: str):
+    """Add the block's wall and CPU seconds to the phase's counters, also when it raises. CPU seconds compare
+    runs on a shared machine, where wall seconds depend on the neighbours."""
+    wall, cpu = time.time(), time.process_time()
+    try:
+        yield
+    finally:
+        _SECONDS[f"{phase}_s"] = _SECONDS.get(f"{phase}_s", 0.0) + time.time() - wall
+        _SECONDS[f"{phase}_cpu_s"] = _SECONDS.get(f"{phase}_cpu_s", 0.0) + time.process_time() - cpu
+
+
 def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple[dict, list]:
     """One MaskGRPO step (paper Alg. 5; docs/method.md §9) on tasks.step_prompts' prompts. ref: the reference policy
     (a frozen copy, or the policy with its LoRA adapters off), None when beta = 0. Returns the log and experiences."""
@@ -303,37 +298,30 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
     for p in prompts:
         # 1. rollouts: G completions per prompt, one generator per sequence, with their decoding order
         gens = [generator(device, cfg.seed, "rollout", p.task, step, i) for i in p.index]
-        with timed("rollout"):  # each phase's seconds go to times.jsonl (infra/timing.py)
+        with timed("rollout"):
             batch, order = rollout(model, p, ctx, gens, cfg.temperature, ctx.text_sampler)
-
-        # 2. rewards from the task's verifier (rewards.py; geneval: the remote scorer), gathered in global order
-        # (a no-op in one process): a group is normalised over all its members
+        # 2. rewards from the task's verifier (None for geneval: the remote scorer), gathered over ranks in
+        # global order, as a group is normalised over all its members
         verify = tasks.verifier(p.task, cfg.text_reward, cfg.reward_shaping)
         with timed("reward"):
             r = tasks.score(batch, verify, ctx.tok, ctx.ids, ctx.scorer).to(device)
         r = scale.all_gather_rows(r).cpu()                                                 # (B_global,)
         check_rewards(r, p.task, cfg.group_size)
-
         # 3. advantages within each group of G (GRPO, arXiv:2402.03300 §4.1.2)
         adv = grpo.group_advantages(r, cfg.group_size, scale_by_std=cfg.adv_scaled)        # (B_global,)
-
         # 4. the estimator's views (default importance.maskgrpo_views): K masked inputs and the positions each
-        # scores, from seeds shared by the old, reference and current passes (scale.all_max: which decoding
-        # states any rank used, for --estimator=trajectory; a no-op in one process)
+        # scores, from seeds shared by the old, reference and current passes
         views = importance.VIEWS[cfg.estimator](batch, order, cfg, image=p.task in IMAGE_TASKS, step=step,
                                                 seq_index=p.index, eos_id=ctx.ids.eos, mask_id=ctx.ids.mask,
                                                 all_max=scale.all_max)
-
-        # 5. old and reference log-probs on the same masked inputs, without gradient; conditional logits only.
-        # With LoRA the reference is the policy with its adapters off: one all-gather serves both passes.
-        with scale.full_weights(model) if isinstance(ref, hf.AdaptersOff) else contextlib.nullcontext():
-            with timed("logprob"):
-                logp_old = frozen_logprobs(model, batch, views, ctx)
-                logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
+        # 5. old and reference log-probs on the same inputs, without gradient. With LoRA the reference is the
+        # policy with its adapters off (its .policy): one all-gather serves both passes.
+        shared = getattr(ref, "policy", None) is model
+        with scale.full_weights(model) if shared else contextlib.nullcontext(), timed("logprob"):
+            logp_old = frozen_logprobs(model, batch, views, ctx)
+            logp_ref = frozen_logprobs(ref, batch, views, ctx) if ref is not None else None
         exps.append(Experience(batch, r, adv, views, logp_old, logp_ref))
-
-    # 6. mu inner updates: update j re-scores its views with the current policy and takes one optimizer step
-    # on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11, clipped per token)
+    # 6. mu inner updates on the clipped GRPO objective with the k3 KL to the reference (paper Eq. 11)
     model.train()
     with timed("update"):
         updates = [update(model, opt, exps, ctx, step, j) for j in range(cfg.mu)]
@@ -352,10 +340,9 @@ def check_rewards(r: torch.Tensor, task: str, group_size: int) -> None:
 @torch.no_grad()
 def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
     """K x (B, L) float32: the log-probs of every view under a frozen policy (pi_old or pi_ref)."""
-    with scale.full_weights(model):  # FSDP2 gathers the weights once for all K passes; a no-op in one process
+    with scale.full_weights(model):  # FSDP2 gathers the weights once for all K passes
         return [importance.token_logprobs(model, x_k, b.x, m_k, attention_mask=b.attention_mask,
-                                          vocab_slice=b.vocab_slice,
-                                          device_batch_size=ctx.cfg.device_batch_size)
+                                          vocab_slice=b.vocab_slice, device_batch_size=ctx.cfg.device_batch_size)
                 for x_k, m_k in zip(views.inputs, views.loss_masks)]
 
 
@@ -363,28 +350,26 @@ def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
     """Inner update j: backpropagate every task's loss, clip, step. Returns each task's sums over every rank and the
     gradient norm; a non-finite loss or norm skips the step (on every rank alike: both are reduced over ranks)."""
     # LoRA dropout draws from the global RNG (activation checkpointing replays it): seeded per (step, j, rank)
-    torch.manual_seed(derive_seed(ctx.cfg.seed, "dropout", step, j, scale.rank()))  # rank 0 in one process
+    torch.manual_seed(derive_seed(ctx.cfg.seed, "dropout", step, j, scale.rank()))
     opt.zero_grad(set_to_none=True)
-    # each task's sums, then summed over ranks (reduce_sums: a no-op in one process)
     out = {e.batch.task: reduce_sums(backward_loss(model, e, j, ctx), ctx.device) for e in exps}
-    # clip_grad_norm_ on the optimizer's own parameters (under FSDP2 the norm is over every rank's shards)
+    # under FSDP2 the norm is over every rank's shards
     out["grad_norm"] = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], ctx.cfg.grad_clip)
     losses = [s["loss"] for t, s in out.items() if t != "grad_norm"]
     out["skipped"] = not (math.isfinite(out["grad_norm"]) and all(map(math.isfinite, losses)))
-    if not out["skipped"]:  # else the next zero_grad drops the gradients (infra/run.Run.record warns)
+    if not out["skipped"]:  # else the next zero_grad drops the gradients (Run.record warns)
         opt.step()
     return out
 
 
 def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
-    """Backpropagate update j's loss on one task's experience, device_batch_size rows at a time; returns this
-    rank's sums (grpo.policy_loss). The loss is ONE mean over the global batch: n counts the terms of every view
-    the update scores, chunk and rank (--trajectory_states: Views.norm, the full trajectory's, estimated)."""
+    """Backpropagate update j's loss on one task, device_batch_size rows at a time; returns this rank's sums. The
+    loss is ONE mean over the global batch: n counts the terms of every view, chunk and rank (or Views.norm)."""
     cfg, b, v = ctx.cfg, e.batch, e.views
     adv = e.adv[b.index].to(b.x.device)                                                    # (B,)
     scored = v.updates[j]
     n = v.norm if v.norm is not None else sum(grpo.num_terms(v.loss_masks[k], cfg.loss_norm) for k in scored)
-    n = scale.all_sum(torch.as_tensor(n).float()).clamp(min=1)  # over ranks: a no-op in one process
+    n = scale.all_sum(torch.as_tensor(n).float()).clamp(min=1)
     sums = {}
     for k in scored:
         mask = v.loss_masks[k]                                                             # (B, L)
@@ -395,13 +380,17 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
                                        beta=cfg.beta, norm=cfg.loss_norm, total=n,
                                        logp_ref=None if e.logp_ref is None else e.logp_ref[k][rows])
             loss.backward()  # FSDP2 sums the ranks' gradients (scale.shard), as the loss is a sum over ranks
-            sums = grpo.add_sums(sums, s)
+            sums = add_sums(sums, s)
     return sums
 
 
+def add_sums(a: dict, b: dict) -> dict:
+    """Two chunks' (or ranks') sums of grpo.policy_loss as one: ratio_max by max, the rest added."""
+    return {k: torch.maximum(a[k], b[k]) if k == "ratio_max" else a[k] + b[k] for k in b} if a else dict(b)
+
+
 def reduce_sums(s: dict, device) -> dict:
-    """grpo.policy_loss's sums (0-d tensors) over ranks, as floats: ratio_max by max, the rest summed (a no-op in one
-    process). The update's only host reads of them: two, however many chunks."""
+    """grpo.policy_loss's sums (0-d tensors) over ranks as floats, ratio_max by max: the update's only host reads."""
     keys, f64 = [k for k in s if k != "ratio_max"], dict(dtype=torch.float64, device=device)
     out = dict(zip(keys, scale.all_sum(torch.stack([s[k] for k in keys]).to(**f64)).tolist()))
     return {**out, "ratio_max": scale.all_max(s["ratio_max"].to(**f64)).item()}
@@ -416,11 +405,21 @@ def step_log(step: int, exps: list, updates: list, cfg) -> dict:
         log[f"{t}/solved"] = (e.rewards >= 0.999).float().mean().item()
         # groups of equal rewards: no GRPO signal (grpo.group_advantages makes their advantages exactly 0)
         log[f"{t}/zero_adv_groups"] = (e.adv.view(-1, cfg.group_size) == 0).all(1).float().mean().item()
-        log.update({f"{t}/{k}": v for k, v in grpo.step_stats([u[t] for u in updates]).items()})
+        log.update({f"{t}/{k}": v for k, v in step_stats([u[t] for u in updates]).items()})
         log[f"{t}/adv_abs_mean"] = e.adv.abs().mean().item()
     norms = [u["grad_norm"] for u in updates]
     log.update(grad_norm_mean=sum(x / len(norms) for x in norms), grad_norm_max=max(norms))
     return log
+
+
+def step_stats(updates: list[dict]) -> dict[str, float]:
+    """One task's statistics from each update's sums over the whole batch, divided once: loss, clipfrac, kl and
+    ratio_mean (per scored token) averaged over the updates; ratio_max of any update; num_tokens, all updates."""
+    mean = lambda f: sum(f(u) / len(updates) for u in updates)  # over the updates, in order
+    per_token = lambda k, empty=0.0: mean(lambda u: u[k] / u["tokens"] if u["tokens"] else empty)
+    return {"loss": mean(lambda u: u["loss"]), "clipfrac": per_token("clipped"), "kl": per_token("kl"),
+            "ratio_mean": per_token("ratio", 1.0), "ratio_max": max(u["ratio_max"] for u in updates),
+            "num_tokens": sum(u["tokens"] for u in updates)}
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -449,9 +448,10 @@ def _run(cfg: Config, argv) -> dict:
                 log, rolls = rl_step(model, ref, opt, ctx, step, step_prompts(ctx, step))
             except BadStep as e:
                 log, rolls = {"step": step, "bad_reward": str(e)}, []
-            if isinstance(ctx.text_sampler, FastSampler):  # Fast-dLLM rollouts' statistics, over all ranks
+            if ctx.text_sampler is not None:  # --kv_cache/--threshold: Fast-dLLM rollouts' statistics, all ranks
                 log.update(ctx.text_sampler.take_log(ctx.device))
-            times = {"seconds": time.time() - t0, "cpu_s": time.process_time() - cpu0, **timing.take()}
+            times = {"seconds": time.time() - t0, "cpu_s": time.process_time() - cpu0, **_SECONDS}
+            _SECONDS.clear()  # the next step's phases count from zero
             run.record(step, log, times, rolls, ctx.tok, ctx.ids, track)  # log.jsonl, times.jsonl, the tracker
         nothing_trained = all_skipped(run)
         if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported

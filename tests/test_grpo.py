@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import grpo
+import train
 from grpo import group_advantages, policy_loss
 
 
@@ -193,7 +194,7 @@ def test_chunks_with_the_global_normaliser_add_up_to_the_full_batch_mean(norm):
         loss, s = policy_loss(logp[rows], logp_old[rows], adv[rows], mask[rows], clip_eps=0.2, beta=0.05,
                               logp_ref=logp_ref[rows], norm=norm, total=total)
         losses.append(loss)
-        sums = grpo.add_sums(sums, s)
+        sums = train.add_sums(sums, s)
     (g,) = torch.autograd.grad(sum(losses), logp)
     ref = naive_loss(logp, logp_old, adv, mask, 0.2, 0.05, logp_ref, norm)
     (g_ref,) = torch.autograd.grad(ref, logp)
@@ -216,9 +217,9 @@ def test_step_stats_divide_once_by_hand():
     over the updates; ratio_max is the largest of any update; num_tokens the step's total."""
     u1 = {"loss": 0.5, "tokens": 4.0, "clipped": 1.0, "kl": 0.2, "ratio": 4.4, "ratio_max": 1.3}
     u2 = {"loss": -0.1, "tokens": 6.0, "clipped": 3.0, "kl": 0.6, "ratio": 5.4, "ratio_max": 1.1}
-    got = grpo.step_stats([u1, u2])
+    got = train.step_stats([u1, u2])
     want = {"loss": 0.2, "clipfrac": (1 / 4 + 3 / 6) / 2, "kl": (0.2 / 4 + 0.6 / 6) / 2,
             "ratio_mean": (4.4 / 4 + 5.4 / 6) / 2, "ratio_max": 1.3, "num_tokens": 10.0}
     assert got.keys() == want.keys() and all(got[k] == pytest.approx(v, rel=1e-12) for k, v in want.items())
     empty = dict(u2, tokens=0.0, clipped=0.0, kl=0.0, ratio=0.0, ratio_max=1.0)  # an update that scored nothing
-    assert grpo.step_stats([u1, empty])["ratio_mean"] == pytest.approx((1.1 + 1.0) / 2)
+    assert train.step_stats([u1, empty])["ratio_mean"] == pytest.approx((1.1 + 1.0) / 2)

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo
 import importance
+import train
 import sample
 from test_sample import gen, prompts, tiny_model
 
@@ -91,6 +92,6 @@ def test_the_loss_of_an_update_chunk_reads_nothing(monkeypatch):
     with HostReads(monkeypatch) as reads:
         loss, sums = grpo.policy_loss(lp, lp.detach() + 0.01, torch.randn(4, generator=gen(5)), mask, clip_eps=0.2,
                                       beta=0.1, logp_ref=lp.detach() - 0.02)
-        both = grpo.add_sums(sums, sums)
+        both = train.add_sums(sums, sums)
     assert reads.count == {}, reads.count
     assert all(torch.is_tensor(v) and v.dim() == 0 for v in both.values())

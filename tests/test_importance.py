@@ -266,14 +266,6 @@ def test_build_masks_errors():
         imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(8), mu=2, gamma=1.2)
 
 
-def test_apply_mask():
-    x = torch.arange(12).view(2, 6)
-    m = torch.zeros(2, 6, dtype=torch.bool)
-    m[0, 1] = m[1, 5] = True
-    y = imp.apply_mask(x, m, 99)
-    assert y[0, 1] == 99 and y[1, 5] == 99 and y.eq(99).sum() == 2 and torch.equal(y[~m], x[~m])
-
-
 @pytest.mark.parametrize("image, mode", [(False, "arlike"), (False, "arlike_official"), (True, "random")])
 def test_maskgrpo_views_are_the_masks_build_masks_builds(image, mode):
     # The RL step's views (maskgrpo_views) and the masks tools/diagnose.py builds from explicit settings

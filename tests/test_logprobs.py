@@ -63,7 +63,7 @@ def test_token_logprobs_device_batch_size():
     g = torch.Generator().manual_seed(4)
     tgt = torch.randint(0, V, (B, L), generator=g)
     pos = torch.rand(B, L, generator=g) < 0.6
-    x = imp.apply_mask(tgt, pos, V - 1)
+    x = tgt.masked_fill(pos, V - 1)
     cf = ContextFree(L, V)
     assert torch.equal(imp.token_logprobs(cf, x, tgt, pos), imp.token_logprobs(cf, x, tgt, pos, device_batch_size=3))
     tiny = Tiny(V)
@@ -85,7 +85,7 @@ def test_log_ratio_exactly_zero_for_same_model():
     cm = torch.ones(B, N, dtype=torch.bool)
     ins, loss = imp.build_masks(pm, cm, seed=0, step=0, seq_index=range(B), mu=3)
     for j in range(3):
-        xj = imp.apply_mask(x, ins[j], V - 1)
+        xj = x.masked_fill(ins[j], V - 1)
         with torch.no_grad():
             old = imp.token_logprobs(tiny, xj, x, loss[j])
         cur = imp.token_logprobs(tiny, xj, x, loss[j])
@@ -171,7 +171,7 @@ def test_decoding_logprob_vocab_slice_and_skipped_steps():
         got = imp.decoding_logprob(model, x, order, vocab_slice=(lo, hi), mask_id=V - 1)
         want = torch.zeros(B)
         for s in (0, 2, 5):
-            state = imp.apply_mask(x, order >= s, V - 1)
+            state = x.masked_fill(order >= s, V - 1)
             lp = F.log_softmax(model(state)[..., lo:hi].float(), -1).gather(-1, (x - lo).unsqueeze(-1))[..., 0]
             want += (lp * (order == s)).sum(-1)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

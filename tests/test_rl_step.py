@@ -98,7 +98,7 @@ def run_step(cfg, policy, ref, opt, tok, ids, step, *, prompts=None, device=CPU,
         if not updates or updates[-1].j != j:
             updates.append(Update(stats={}, j=j))
         # s: this update's sums over the batch (one process: every rank's); as one update's statistics
-        updates[-1].stats.update({f"{e.batch.task}/{k}": v for k, v in grpo.step_stats([s]).items()})
+        updates[-1].stats.update({f"{e.batch.task}/{k}": v for k, v in train.step_stats([s]).items()})
         return s
 
     real_backward, real_score, real_draw = train.backward_loss, tasks.score, tasks.draw_prompts

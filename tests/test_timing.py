@@ -1,46 +1,44 @@
-"""infra/timing.py: each phase's seconds reach times.jsonl, and a take starts them from zero."""
+"""train.timed: each phase's seconds reach times.jsonl, and the loop starts them from zero every step."""
 import time
 
-from infra import timing
+import train
 
 
-def test_timed_adds_every_block_and_take_resets():
+def test_timed_adds_every_block():
     def nap(s):
-        with timing.timed("nap"):
+        with train.timed("nap"):
             time.sleep(s)
         return s
 
-    timing.take()
+    train._SECONDS.clear()
     assert nap(0.02) == 0.02 and nap(0.03) == 0.03
-    took = timing.take()
+    took = dict(train._SECONDS)
     assert set(took) == {"nap_s", "nap_cpu_s"}
     assert 0.05 <= took["nap_s"] < 1.0 and took["nap_cpu_s"] < took["nap_s"]  # sleeping spends no CPU
-    assert timing.take() == {}
 
 
 def test_a_phase_that_raises_is_still_counted():
     def boom():
-        with timing.timed("boom"):
+        with train.timed("boom"):
             raise RuntimeError("x")
 
-    timing.take()
+    train._SECONDS.clear()
     try:
         boom()
     except RuntimeError:
         pass
-    assert "boom_s" in timing.take()
+    assert "boom_s" in train._SECONDS
 
 
 def test_the_step_writes_each_phase(tmp_path):
     """A smoke run's times.jsonl: the four phases of every step, each within the step's wall time."""
     import json
 
-    import train
-
     train.main(["--preset=smoke", "--tasks=text", "--rl_steps=2", "--eval_prompts=0", "--threads=1",
                 f"--out_dir={tmp_path / 'run'}"])
     rows = [json.loads(line) for line in (tmp_path / "run" / "times.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
+    assert train._SECONDS == {}  # the loop hands each step's phases on and starts the next step's from zero
     for r in rows:
         phases = [r[f"{p}_s"] for p in ("rollout", "reward", "logprob", "update")]
         assert all(p > 0 for p in phases) and sum(phases) <= r["seconds"]

@@ -121,7 +121,7 @@ def estimate(theta, old, r, mask_in, mask_loss, ids) -> tuple[torch.Tensor, torc
     """Per-sequence sum of log pi_theta - log pi_old over the scored positions of one mask, as training
     computes them (importance.token_logprobs), and the per-token ratios: ((B,), (T,))."""
     b = r.batch
-    x_in = importance.apply_mask(b.x, mask_in, ids.mask)
+    x_in = b.x.masked_fill(mask_in, ids.mask)
     kw = dict(attention_mask=b.attention_mask, vocab_slice=b.vocab_slice)
     lr = importance.token_logprobs(theta, x_in, b.x, mask_loss, **kw) - importance.token_logprobs(
         old, x_in, b.x, mask_loss, **kw)                                                  # (B, L)
