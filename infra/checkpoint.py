@@ -267,7 +267,7 @@ def away_from_gone_output() -> None:
 def graceful_stop(doing: str = "finishing this step, then writing a checkpoint", abort=None):
     """SIGTERM / SIGINT / SIGHUP (pre-emption, Ctrl-C, a closed terminal) set a flag: the current step
     finishes, a checkpoint is written, and the run exits (`doing` is what the caught signal's line says
-    happens next; flag["doing"] may change it as the phase moves on; infra/phases.py lists every phase's).
+    happens next; flag["doing"] may change it as the phase moves on; infra/outdir.py lists every phase's).
     A second signal more than REPEAT_WINDOW seconds later raises Aborted at once; abort() (if given) says,
     in the first signal's line, what that would lose. Under torchrun the launcher SIGKILLs its workers
     TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) after forwarding a signal: set it above one step plus

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 USER_ERROR = 2  # exit status of a user error, as argparse's own
 # Text --help prints after the flags, per dataclass name (a module that explains a behaviour of that entry
-# point registers it: infra/phases.py, what a signal does to a training run).
+# point registers it: infra/outdir.py, what a signal does to a training run).
 EPILOGS: dict[str, str] = {}
 
 

@@ -20,7 +20,7 @@ import torch
 
 import tasks
 
-from infra import checkpoint, hf, lora, phases, scale, toy
+from infra import checkpoint, hf, lora, outdir, scale, toy
 from infra.budget import scratch_config
 from infra.hf import load_tokenizer, read_checkpoint
 from infra.scale import print0
@@ -130,7 +130,7 @@ def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
         seconds = sft(model, tok, ids, cfg, device)
         sft_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp, old = (sft_dir.with_name(f".{sft_dir.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
-        with phases.holding():  # a signal waits until the model is saved and renamed
+        with outdir.holding():  # a signal waits until the model is saved and renamed
             try:
                 hf.save_pretrained(model, tmp)
                 tok.save(str(tmp / "tokenizer.json"))
