@@ -44,8 +44,9 @@ import importance
 import tasks
 from infra import budget, checkpoint, cli, lora, outdir, scale, timing, tracker
 from infra.fast_sample import FastSampler
-from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, closing_summary, dry_run,
-                       eval_batches, failures_in_one_line, print_held_out, start)
+from infra.outdir import closing_summary, print_held_out
+from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, dry_run, eval_batches,
+                       failures_in_one_line, start)
 from infra.scale import print0
 from infra.settings import validate
 from infra.timing import timed

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 
-from infra import checkpoint, cli, scale, tracker
+import tasks
+from infra import checkpoint, cli, plots, scale, tracker
 from infra.scale import print0
+from tasks import IMAGE_TASKS
 
 
 # What a run writes at the top of its out_dir (run.py, checkpoint.py, load.py's SFT cache), and the temporary
@@ -361,3 +363,68 @@ def final(run):
         print0(f"stopped by {signal.Signals(flag['signal']).name} after the final save: the run is complete "
                f"({run.out / 'final'}, {run.out / 'summary.json'})")
         raise SystemExit(128 + flag["signal"])
+
+
+def continue_command(out: Path) -> str:
+    """The command that goes on after a failure: --resume=true when the run has a checkpoint or logged steps
+    (which then restart from step 0), else the command as typed."""
+    return resume_command() if checkpoint.latest(out) or step_lines(out / "log.jsonl") else start_command()
+
+
+def kept_line(out: Path) -> str:
+    last = checkpoint.latest(out)
+    return f"the last checkpoint, {last}, is kept" if last else "no checkpoint of this run exists"
+
+
+def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
+    """The held-out mean reward per task before or after RL in one line; after RL with the gain over before and its
+    standard error paired by prompt, where both were measured."""
+    if not rewards:
+        if when == "before RL":
+            print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
+                   "(and --eval_prompts > 0)")
+        return
+
+    def gain(k, v) -> str:
+        s = (summary or {}).get(k, {})
+        if None in (s.get("gain_se"), s.get("before"), s.get("after")):
+            return ""
+        return f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})"
+    print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} " +
+           ", ".join(f"{k} {shown(v)}{gain(k, v)}" for k, v in rewards.items()))
+
+
+def step_lines(log: Path) -> list[tuple[int, str]]:
+    """(step, line) of each complete line of a jsonl log ([] if none; a line cut short by a crash is skipped)."""
+    lines = []
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else ():
+        try:
+            lines.append((int(json.loads(line)["step"]), line))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return lines
+
+
+def show(b, rewards, tok, ids, n: int = 1) -> None:
+    """Print n decoded rollouts with their rewards (a toy image in ANSI colours on a terminal, letters in a log)."""
+    outs = tasks.decode_window(b, tok, ids)
+    for i in range(n):
+        prompt = b.examples[i]["prompt"]
+        if b.task in IMAGE_TASKS:
+            print0(f"  [{b.task}] {prompt!r}  reward {rewards[i]:.2f}")
+        else:
+            print0(f"  [{b.task}] {prompt[-200:]!r} -> {outs[i]!r}  reward {rewards[i]:.2f}")
+        if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
+            print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
+
+
+def closing_summary(run, seconds: float) -> None:
+    """The run's last lines: the time it took, where the model and pictures are, and the next commands."""
+    out = run.out
+    pictures = [str(out / n) for n in ("curves.png", "images.png") if (out / n).is_file()]
+    print0(f"done in {duration(seconds)} (RL {duration(run.rl_end)}{' over every resumed segment' if run.start else ''}"
+           f"): model {out / 'final'}, summary {out / 'summary.json'}, log {out / 'log.jsonl'}"
+           + (f", pictures {', '.join(pictures)}" if pictures
+              else ", no pictures (the plots extra is not installed: pip install -e '.[plots]')"))
+    print0(f"next: python -m tools.sample --ckpt={out / 'final'} --prompt=\"...\" (add --image for a picture); "
+           f"python evaluate.py --run={out} re-scores it")

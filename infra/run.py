@@ -1,8 +1,6 @@
 """The run's lifecycle around train.py's loop: start-up and its refusals (start), the Run (log.jsonl, checkpoints,
-resume, the bad-step guard, signals, the final save) and machine failures in one line. log.jsonl gets one line per
-RL step (wall times go to times.jsonl, so that a repeated run gives an identical log.jsonl). Every rank makes the
-same decisions: flags are reduced over ranks before they are acted on. The out_dir's paths are infra/outdir.py.
-"""
+resume, the bad-step guard, signals, the final save) and machine failures in one line. Every rank makes the same
+decisions: flags are reduced over ranks before they are acted on. The out_dir's paths are infra/outdir.py."""
 from __future__ import annotations
 
 import errno
@@ -25,8 +23,9 @@ from infra.data import load_data
 from infra.fast_sample import FastSampler
 from infra.load import (WriteFailed, check_sft_cache, load_policy, reference_identity, refuse_training_checkpoint,
                         report_truncation, save_model, sft_dir_of, writer_error)
-from infra.outdir import (PID_FILE, check_paths, check_shared, claim_out_dir, duration, release, remember_command,
-                          resume_command, resume_point, shown, start_command, start_up, step_of, take_pid_file)
+from infra.outdir import (PID_FILE, check_paths, check_shared, claim_out_dir, continue_command, duration, kept_line,
+                          release, remember_command, resume_command, resume_point, show, start_up, step_lines,
+                          step_of, take_pid_file)
 from infra.scale import print0
 from infra.scorer import RemoteScorer
 from infra.settings import resume_changes, setup
@@ -34,9 +33,8 @@ from tasks import IMAGE_TASKS, task_list
 
 
 EVAL_BATCH = 64  # rows per heldout.evaluate batch
-# Fields that may differ between a run and its resumption (how it runs, not what it computes), and lr and grad_clip
-# when --change_on_resume names them; any other difference is refused. init_from and sft_dir are compared by the
-# model's content (load.reference_identity), so a copy at another path resumes.
+# Fields a resumption may change (how it runs, not what it computes; lr and grad_clip when --change_on_resume names
+# them). init_from and sft_dir are compared by the model's content (load.reference_identity), not by path.
 RESUMABLE = ("resume", "extend", "change_on_resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every",
              "checkpoint_every", "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "init_from", "sft_dir",
              "tracker", "tracker_project", "tracker_run")
@@ -70,8 +68,7 @@ def start(cfg, argv, sft):
 
 
 def _resumable(cfg, out: Path) -> tuple[Path, dict]:
-    """The intact checkpoint a resume continues from and its state; refused (every difference named) when this
-    run's settings would change its result."""
+    """The intact checkpoint a resume continues from, and its state; refused when the settings would change it."""
     last = resume_point(out)
     state = hf.read_json(last / "state.json", "remove that checkpoint directory")
     checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), RESUMABLE + resume_changes(cfg))
@@ -201,13 +198,13 @@ def _check_out_dir(cfg, out: Path) -> None:
             raise FileNotFoundError(f"{Path(cfg.init_from) / 'config.json'} not found: --init_from must be a "
                                     "LLaDA/MMaDA checkpoint directory")
         mc = hf.read_config(cfg.init_from)
-        name, preset = getattr(cfg, "_preset", None), getattr(cfg, "_preset_values", {})
-        other = {k: (preset[k], getattr(mc, k)) for k in ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
-                 if k in preset and getattr(mc, k) != preset[k]}
+        preset = getattr(cfg, "_preset_values", {})
+        other = [k for k in ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
+                 if k in preset and getattr(mc, k) != preset[k]]
         if other:  # the preset's lr, lengths and batch sizes were chosen for a model of its shape
-            print0(f"warning: --preset {name} is set for a model with "
-                   + ", ".join(f"{k}={v}" for k, (v, _) in other.items()) + f", but {cfg.init_from} has "
-                   + ", ".join(f"{k}={m}" for k, (_, m) in other.items())
+            print0(f"warning: --preset {getattr(cfg, '_preset', None)} is set for a model with "
+                   + ", ".join(f"{k}={preset[k]}" for k in other) + f", but {cfg.init_from} has "
+                   + ", ".join(f"{k}={getattr(mc, k)}" for k in other)
                    + "; its config.json is used, and the preset's other settings may not suit it")
         image = any(t in IMAGE_TASKS for t in task_list(cfg))
         need = (cfg.image_text_len or 64) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
@@ -297,17 +294,6 @@ def root_causes(e: BaseException) -> list[BaseException]:
     return seen
 
 
-def continue_command(out: Path) -> str:
-    """The command that goes on after a failure: --resume=true when the run has a checkpoint or logged steps
-    (which then restart from step 0), else the command as typed."""
-    return resume_command() if checkpoint.latest(out) or step_lines(out / "log.jsonl") else start_command()
-
-
-def kept_line(out: Path) -> str:
-    last = checkpoint.latest(out)
-    return f"the last checkpoint, {last}, is kept" if last else "no checkpoint of this run exists"
-
-
 @contextmanager
 def failures_in_one_line(cfg):
     """Out of memory, a full disk, a dead rank: RunFailed with one line (explain_failure) instead of a traceback;
@@ -358,24 +344,6 @@ def explain_failure(e: BaseException, cfg) -> str | None:
     return None
 
 
-def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
-    """The held-out mean reward per task before or after RL in one line; after RL with the gain over before and its
-    standard error paired by prompt, where both were measured."""
-    if not rewards:
-        if when == "before RL":
-            print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
-                   "(and --eval_prompts > 0)")
-        return
-
-    def gain(k, v) -> str:
-        s = (summary or {}).get(k, {})
-        if None in (s.get("gain_se"), s.get("before"), s.get("after")):
-            return ""
-        return f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})"
-    print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} " +
-           ", ".join(f"{k} {shown(v)}{gain(k, v)}" for k, v in rewards.items()))
-
-
 def check_measured(run, after: dict) -> None:
     """A complete run whose held-out reward could not be measured (a scorer down) ends with RunFailed, so that its
     exit status says so; the model is saved."""
@@ -386,18 +354,6 @@ def check_measured(run, after: dict) -> None:
                         "warnings above: " + (f"the image scorer at {url} failed" if url else "a reward was not "
                         "finite") + f"); the model is saved in {run.out / 'final'}; score it again with: python "
                         f"evaluate.py --run={run.out}")
-
-
-def step_lines(log: Path) -> list[tuple[int, str]]:
-    """(step, line) for each complete line of a jsonl log, [] when it is missing (a line cut short by a crash is
-    skipped)."""
-    lines = []
-    for line in log.read_text(errors="replace").splitlines() if log.is_file() else ():
-        try:
-            lines.append((int(json.loads(line)["step"]), line))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return lines
 
 
 class Run:
@@ -563,8 +519,8 @@ class Run:
         return path
 
     def finish(self, after: dict, after_by_prompt: dict, grid_after, tok, dtype, sft_seconds: float) -> dict:
-        """Write out_dir/final (the policy, with tokenizer.json and generation.json), summary.json (held-out
-        reward before/after RL per task, the gain's standard error paired by prompt, seconds) and the pictures."""
+        """Write final/ (the policy, tokenizer.json, generation.json), summary.json (held-out reward before/after RL
+        per task, the gain's standard error paired by prompt, seconds), curves.png and images.png (the plots extra)."""
         before, before_by_prompt = self.state["before"], self.state.get("before_by_prompt") or {}
         save_model(self.model, self.cfg, self.out / "final", tok, dtype)
         # A reward that could not be measured (a scorer down: NaN) is null in summary.json, never a number.
@@ -576,10 +532,15 @@ class Run:
         summary["seconds"] = {"sft": sft_seconds, "rl": self.rl_end}
         if scale.rank() == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            write_pictures(self.cfg, self.out, [("before RL", self.state["grid_before"]), ("after RL", grid_after)])
-        print0(f"wrote {self.out / 'final'} and {self.out / 'summary.json'}")
-        if scale.rank() == 0:
+            log, grid = self.out / "log.jsonl", [("before RL", self.state["grid_before"]), ("after RL", grid_after)]
+            if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step taken
+                plots.plot_curves(log, self.out / "curves.png")
+            if grid[0][1] is not None and grid_after is not None:  # a score not measured (null) is left off
+                scores = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
+                plots.toy_image_panel(grid, heldout.eval_examples("image", self.cfg, {})[:heldout.GRID_PROMPTS],
+                                      self.cfg.image_width, self.out / "images.png", scores)
             release(self.out / PID_FILE)
+        print0(f"wrote {self.out / 'final'} and {self.out / 'summary.json'}")
         return summary
 
 
@@ -598,42 +559,3 @@ def all_skipped(run) -> str | None:
     return (f"every one of the {cfg.rl_steps} RL steps was skipped (the last: {run.last_bad}){scorer}; nothing was "
             f"trained, so no final/ or summary.json is written and no reward after RL is reported; fix the cause "
             "and start again with another --out_dir")
-
-
-def show(b, rewards, tok, ids, n: int = 1) -> None:
-    """Print n decoded rollouts with their rewards."""
-    outs = tasks.decode_window(b, tok, ids)
-    for i in range(n):
-        prompt = b.examples[i]["prompt"]
-        if b.task not in IMAGE_TASKS:
-            print0(f"  [{b.task}] {prompt[-200:]!r} -> {outs[i]!r}  reward {rewards[i]:.2f}")
-        else:
-            print0(f"  [{b.task}] {prompt!r}  reward {rewards[i]:.2f}")
-            if b.task == "image":  # toy palette codes (ANSI colours on a terminal, letters in a log file)
-                print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
-
-
-def write_pictures(cfg, out: Path, grid: list) -> None:
-    """out_dir/curves.png (reward, KL, clip fraction per step) and images.png (toy images before and after RL,
-    prompt under each), when the plots extra is installed (plots.py says how to get it otherwise)."""
-    log = out / "log.jsonl"
-    if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step that was taken
-        plots.plot_curves(log, out / "curves.png")
-    if grid[0][1] is not None and grid[1][1] is not None:
-        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
-        if summary:  # a score that was not measured (null) is left off the panel, never drawn as a number
-            summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
-        plots.toy_image_panel(grid, heldout.eval_examples("image", cfg, {})[:heldout.GRID_PROMPTS], cfg.image_width,
-                              out / "images.png", summary)
-
-
-def closing_summary(run, seconds: float) -> None:
-    """The run's last lines: the time it took, where the model and pictures are, and the next commands."""
-    out = run.out
-    pictures = [str(out / n) for n in ("curves.png", "images.png") if (out / n).is_file()]
-    print0(f"done in {duration(seconds)} (RL {duration(run.rl_end)}{' over every resumed segment' if run.start else ''}"
-           f"): model {out / 'final'}, summary {out / 'summary.json'}, log {out / 'log.jsonl'}"
-           + (f", pictures {', '.join(pictures)}" if pictures
-              else ", no pictures (the plots extra is not installed: pip install -e '.[plots]')"))
-    print0(f"next: python -m tools.sample --ckpt={out / 'final'} --prompt=\"...\" (add --image for a picture); "
-           f"python evaluate.py --run={out} re-scores it")
