@@ -1,13 +1,14 @@
-"""A run's out_dir: the paths refused before anything is written, the pid files that make out_dir (and an sft_dir
-being trained) one process's alone, where a resume continues, and what SIGTERM, SIGINT or SIGHUP (pre-emption,
-Ctrl-C, a closed terminal) keeps in each phase, naming the command that continues (exit status 128 + signal):
+"""A run's out_dir and what the run tells about it: the paths refused before anything is written, the pid files
+that make out_dir (and an sft_dir being trained) one process's alone, where a resume continues, the closing lines,
+and what SIGTERM, SIGINT or SIGHUP (pre-emption, Ctrl-C, a closed terminal) keeps in each phase, with the command
+that continues (exit status 128 + signal):
 
     start-up          stops at once: nothing of the run is written (an SFT model being saved is saved first)
     SFT               the SFT step finishes, then the run exits: SFT keeps no checkpoint (train.sft)
     evaluations       the batch finishes, then the run exits (before_rl; final writes the last RL step's
                       checkpoint first if it is missing, and --resume=true redoes the evaluation and the save)
     an RL step        the step finishes, a checkpoint is written, the run exits (infra/run.Run.after_step); a
-                      second signal (after 5 s) drops the step at once, naming what is lost and what is kept
+                      second signal (after 5 s) drops the step at once, naming what is lost and kept (rl_steps)
     final save        finishes (the run is then complete), then the run exits
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, cli, plots, scale, tracker
+from infra import checkpoint, cli, heldout, plots, scale, tracker
 from infra.scale import print0
 from tasks import IMAGE_TASKS
 
@@ -38,6 +39,11 @@ RUN_NAMES = {"config.json", "log.jsonl", "times.jsonl", "summary.json", "final",
 RUN_TEMPORARY = (".write-test-", ".sft.tmp-", ".sft.old-")
 # Files that make a folder a model (a Hugging Face checkpoint, or an SFT model this code wrote).
 MODEL_FILES = ("sft_meta.json", "tokenizer.json", "model.safetensors.index.json", "generation.json")
+# Fields a resumption may change (how it runs, not what it computes; lr and grad_clip when --change_on_resume names
+# them). init_from and sft_dir are compared by the model's content (load.reference_identity), not by path.
+RESUMABLE = ("resume", "extend", "change_on_resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every",
+             "checkpoint_every", "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "init_from", "sft_dir",
+             "tracker", "tracker_project", "tracker_run")
 PID_FILE = "run.pid"
 _HELD: set[Path] = set()
 _ARGV: list[str] = []
@@ -94,8 +100,8 @@ def check_paths(cfg) -> None:
         raise ValueError(f"--out_dir {out} holds a model ({', '.join(model)}), not a run: a run would write its "
                          "settings and logs into it; pass a new folder as --out_dir (is it meant as --init_from?)")
     if names and not any(n in RUN_NAMES or n.startswith(RUN_TEMPORARY) for n in names):
-        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
-        raise ValueError(f"--out_dir {out} is not empty and holds no run of train.py ({shown}): a run writes only "
+        listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        raise ValueError(f"--out_dir {out} is not empty and holds no run of train.py ({listed}): a run writes only "
                          "into a new, empty or its own folder; pass a new folder as --out_dir")
 
 
@@ -119,23 +125,24 @@ def check_shared(out: Path, device) -> None:
                          "multi-node run needs out_dir on a file system every node shares (a network file system)")
 
 
-def take_pid_file(pid_file: Path) -> int | None:
-    """Create pid_file atomically (O_EXCL) with this process id, taking over one left by a dead process (or an
-    earlier main() of this one). 0: taken; a pid: the live process holding it; None: it kept reappearing."""
+def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> None:
+    """Hold pid_file, created atomically with this process id (one left by a dead process, or by an earlier main()
+    of this one, is taken over), or refuse in one line naming its holder, or that it could not be created."""
     for _ in range(3):
         try:
             with open(pid_file, "x") as f:
                 f.write(f"{os.getpid()}\n")
-            return 0
+            return
         except FileExistsError:
             try:
                 holder = int(pid_file.read_text().strip() or 0)
             except (OSError, ValueError):
                 holder = 0
             if holder and holder != os.getpid() and pid_alive(holder):
-                return holder
+                raise ValueError(f"{what} {busy} by the running process {holder} ({pid_file}); wait for it to "
+                                 f"end{note}, {fix}, or delete that file if no run holds it") from None
             pid_file.unlink(missing_ok=True)
-    return None
+    raise ValueError(f"{what}: could not create {pid_file}; {fix}")
 
 
 def pid_alive(pid: int) -> bool:
@@ -149,18 +156,12 @@ def pid_alive(pid: int) -> bool:
 
 
 def claim_out_dir(out: Path) -> None:
-    """Two runs started at once in one out_dir would both pass the checks and overwrite each other's files:
-    the first to create out/run.pid holds it until it exits (a pid file of a killed run is taken over)."""
-    pid_file = out / PID_FILE
-    holder = take_pid_file(pid_file)
-    if holder:
-        raise ValueError(f"out_dir {out} is in use by the running process {holder} ({pid_file}); wait "
-                         "for it to end, choose another --out_dir, or delete that file if no run holds it")
-    if holder is None:
-        raise ValueError(f"out_dir {out}: could not create {pid_file}; choose another --out_dir")
+    """Two runs started at once in one out_dir would both pass the checks and overwrite each other's files: the
+    first to create out/run.pid holds it until it exits."""
+    claim(out / PID_FILE, f"out_dir {out}", "is in use", "choose another --out_dir")
     if out not in _HELD:  # one exit hook per directory, however often main() runs in this process
         _HELD.add(out)
-        atexit.register(release, pid_file)
+        atexit.register(release, out / PID_FILE)
 
 
 def release(pid_file: Path) -> None:  # if this process holds it
@@ -172,8 +173,8 @@ def release(pid_file: Path) -> None:  # if this process holds it
 
 
 def resume_point(out: Path, quiet: bool = True) -> Path:
-    """The newest intact checkpoint of out; newer damaged ones are named with the fix, unless quiet. None
-    intact: a ValueError listing every problem."""
+    """The newest intact checkpoint of out; newer damaged ones are named with the fix, unless quiet. None intact:
+    a ValueError listing every problem."""
     last, skipped = checkpoint.latest_intact(out)
     if last is None:
         raise ValueError(f"--resume: no intact checkpoint in {out / checkpoint.DIRNAME}: " + "; ".join(skipped)
@@ -186,6 +187,31 @@ def resume_point(out: Path, quiet: bool = True) -> Path:
 
 def step_of(path: Path | None) -> int:  # the RL step a checkpoint holds, 0 for none
     return int(path.name[len(checkpoint.PREFIX):]) if path else 0
+
+
+def step_lines(log: Path) -> list[tuple[int, str]]:
+    """(step, line) of each complete line of a jsonl log ([] if none; a line cut short by a crash is skipped)."""
+    lines = []
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else ():
+        try:
+            lines.append((int(json.loads(line)["step"]), line))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return lines
+
+
+def root_causes(e: BaseException) -> list[BaseException]:
+    """e, its cause and context chain, and the per-rank failures a (DCP) CheckpointException carries."""
+    seen, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is y for y in seen):
+            continue
+        seen.append(x)
+        todo += [x.__cause__, x.__context__]
+        for failure in getattr(x, "failures", {}).values() if isinstance(getattr(x, "failures", None), dict) else ():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return seen
 
 
 def remember_command(argv) -> None:
@@ -212,15 +238,15 @@ def resume_command() -> str:
     return start_command([*args, "--resume=true"])
 
 
-def duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
-        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+def continue_command(out: Path) -> str:
+    """The command that goes on after a failure: --resume=true when the run has a checkpoint or logged steps
+    (which then restart from step 0), else the command as typed."""
+    return resume_command() if checkpoint.latest(out) or step_lines(out / "log.jsonl") else start_command()
 
 
-def shown(v) -> str:
-    """A held-out reward as printed: three decimals, or "not measured" (NaN: a scorer down)."""
-    return f"{v:.3f}" if math.isfinite(v) else "not measured"
+def kept_line(out: Path) -> str:
+    last = checkpoint.latest(out)
+    return f"the last checkpoint, {last}, is kept" if last else "no checkpoint of this run exists"
 
 
 class Stopped(Exception):
@@ -232,8 +258,8 @@ class Stopped(Exception):
 
 
 class Stop:
-    """stop() raises Stopped once a signal has arrived on any rank (a collective, called by every rank at the top
-    of each evaluation batch); given the batch count it prints progress every PROGRESS_EVERY seconds."""
+    """stop() raises Stopped once a signal has arrived on any rank (a collective, called by every rank at the top of
+    each evaluation batch); given the batch count it prints progress every PROGRESS_EVERY seconds."""
 
     PROGRESS_EVERY = 30.0
 
@@ -310,8 +336,8 @@ def holding():
 
 @contextmanager
 def before_rl(run):
-    """The held-out evaluation before RL: a signal stops it after the current batch and removes the empty logs
-    the run opened, so the out_dir reads as a run that took no step and the command starts it again."""
+    """The held-out evaluation before RL: a signal stops it after the current batch and removes the empty logs the
+    run opened, so the out_dir reads as a run that took no step and the command starts it again."""
     try:
         yield
     except Stopped as s:
@@ -323,6 +349,31 @@ def before_rl(run):
         print0(f"stopped by {s} during the held-out evaluation before RL: no RL step was taken, so no checkpoint "
                f"was written ({kept}the evaluation starts again); continue with: {resume_command()}")
         raise SystemExit(128 + s.signum) from None
+
+
+@contextmanager
+def rl_steps(run):
+    """The RL steps: a signal sets the flag run.signal (Run.after_step then checkpoints and exits); a second one
+    drops the step in progress at once, naming what is lost and the command that continues."""
+    def lost() -> tuple[Path | None, str, bool]:  # the newest checkpoint, the steps lost, whether several
+        last = checkpoint.latest(run.out)
+        many = run.done > step_of(last)
+        return last, f"steps {step_of(last)} to {run.done}" if many else f"step {run.done}", many
+
+    def abort() -> str:
+        last, steps, _ = lost()
+        return (f"{steps} would be lost and the run would continue from {last}" if last else
+                f"no checkpoint exists yet, so {steps} would be lost and the run would restart from step 0")
+    try:
+        with checkpoint.graceful_stop(abort=abort) as run.signal:
+            yield
+    except KeyboardInterrupt as e:
+        last, steps, many = lost()
+        name = f"a second {e}" if isinstance(e, checkpoint.Aborted) else "Ctrl-C"
+        print0(f"aborted by {name} during RL step {run.done}: {steps} {'are' if many else 'is'} lost; " +
+               (f"{last} is kept; continue with: " if last else "no checkpoint was written, so the run "
+                "restarts from step 0 with: ") + resume_command())
+        raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
 
 
 @contextmanager
@@ -365,15 +416,15 @@ def final(run):
         raise SystemExit(128 + flag["signal"])
 
 
-def continue_command(out: Path) -> str:
-    """The command that goes on after a failure: --resume=true when the run has a checkpoint or logged steps
-    (which then restart from step 0), else the command as typed."""
-    return resume_command() if checkpoint.latest(out) or step_lines(out / "log.jsonl") else start_command()
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def kept_line(out: Path) -> str:
-    last = checkpoint.latest(out)
-    return f"the last checkpoint, {last}, is kept" if last else "no checkpoint of this run exists"
+def shown(v) -> str:
+    """A held-out reward as printed: three decimals, or "not measured" (NaN: a scorer down)."""
+    return f"{v:.3f}" if math.isfinite(v) else "not measured"
 
 
 def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
@@ -394,17 +445,6 @@ def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> Non
            ", ".join(f"{k} {shown(v)}{gain(k, v)}" for k, v in rewards.items()))
 
 
-def step_lines(log: Path) -> list[tuple[int, str]]:
-    """(step, line) of each complete line of a jsonl log ([] if none; a line cut short by a crash is skipped)."""
-    lines = []
-    for line in log.read_text(errors="replace").splitlines() if log.is_file() else ():
-        try:
-            lines.append((int(json.loads(line)["step"]), line))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return lines
-
-
 def show(b, rewards, tok, ids, n: int = 1) -> None:
     """Print n decoded rollouts with their rewards (a toy image in ANSI colours on a terminal, letters in a log)."""
     outs = tasks.decode_window(b, tok, ids)
@@ -416,6 +456,19 @@ def show(b, rewards, tok, ids, n: int = 1) -> None:
             print0(f"  [{b.task}] {prompt[-200:]!r} -> {outs[i]!r}  reward {rewards[i]:.2f}")
         if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
             print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
+
+
+def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> None:
+    """curves.png (reward, KL, clip fraction per step) and images.png (toy images before and after RL, prompt under
+    each), when the plots extra is installed (plots.py says how to get it otherwise)."""
+    log = out / "log.jsonl"
+    if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step that was taken
+        plots.plot_curves(log, out / "curves.png")
+    if grid_before is not None and grid_after is not None:  # a score not measured (null) is left off the panel
+        summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
+        grid = [("before RL", grid_before), ("after RL", grid_after)]
+        plots.toy_image_panel(grid, heldout.eval_examples("image", cfg, {})[:heldout.GRID_PROMPTS], cfg.image_width,
+                              out / "images.png", summary)
 
 
 def closing_summary(run, seconds: float) -> None:

@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import budget, checkpoint, data, heldout, hf, lora, plots, scale
+from infra import budget, checkpoint, data, heldout, hf, lora, scale
 from infra.data import load_data
 from infra.fast_sample import FastSampler
 from infra.load import (WriteFailed, check_sft_cache, load_policy, reference_identity, refuse_training_checkpoint,
                         report_truncation, save_model, sft_dir_of, writer_error)
-from infra.outdir import (PID_FILE, check_paths, check_shared, claim_out_dir, continue_command, duration, kept_line,
-                          release, remember_command, resume_command, resume_point, show, start_up, step_lines,
-                          step_of, take_pid_file)
+from infra.outdir import (PID_FILE, RESUMABLE, check_paths, check_shared, claim, claim_out_dir, continue_command,
+                          duration, kept_line, release, remember_command, resume_command, resume_point, rl_steps,
+                          root_causes, show, start_up, step_lines, step_of, write_pictures)
 from infra.scale import print0
 from infra.scorer import RemoteScorer
 from infra.settings import resume_changes, setup
@@ -33,11 +33,6 @@ from tasks import IMAGE_TASKS, task_list
 
 
 EVAL_BATCH = 64  # rows per heldout.evaluate batch
-# Fields a resumption may change (how it runs, not what it computes; lr and grad_clip when --change_on_resume names
-# them). init_from and sft_dir are compared by the model's content (load.reference_identity), not by path.
-RESUMABLE = ("resume", "extend", "change_on_resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every",
-             "checkpoint_every", "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "init_from", "sft_dir",
-             "tracker", "tracker_project", "tracker_run")
 
 
 def start(cfg, argv, sft):
@@ -76,8 +71,8 @@ def _resumable(cfg, out: Path) -> tuple[Path, dict]:
 
 
 def check_resume(cfg) -> dict | None:
-    """--resume: refuse an out_dir that holds no run, or other settings than the run's; a finished run is reported
-    and its summary returned, nothing rewritten, unless --extend=true trains it further. None: go on."""
+    """--resume: refuse an out_dir with no run, or other settings than the run's; a finished run's summary is
+    returned, nothing rewritten, unless --extend=true trains it further. None: go on."""
     if cfg.extend and not cfg.resume:
         raise ValueError("--extend=true continues a finished run: pass --resume=true with it (and a larger --rl_steps)")
     if not cfg.resume:
@@ -132,8 +127,8 @@ def check_resume(cfg) -> dict | None:
 
 @contextmanager
 def sft_dir_claimed(cfg):
-    """When rank 0 is to train the toy SFT model, check sft_dir and hold it (SFT_DIR.run.pid) until the model is
-    saved; a model trained with the same settings is reused, read-only, unclaimed."""
+    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model into it; a model trained with the
+    same settings is reused, read-only, unclaimed."""
     mine, sft_dir = cfg.init_from == "scratch" and scale.rank() == 0, sft_dir_of(cfg)
     existing = next(p for p in (sft_dir, *sft_dir.parents) if p.exists())
     if mine and not existing.is_dir():
@@ -147,16 +142,11 @@ def sft_dir_claimed(cfg):
         pid_file.parent.mkdir(parents=True, exist_ok=True)
         if sft_dir.is_dir() and not os.access(sft_dir, os.W_OK):
             raise PermissionError(13, "Permission denied")
-        holder = take_pid_file(pid_file)
+        claim(pid_file, f"sft_dir {sft_dir}", "is being trained", "pass another --sft_dir",
+              " (a run with the same settings then reuses its model)")
     except OSError as e:
         raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass --sft_dir=a writable folder") \
             from None
-    if holder:
-        raise ValueError(f"sft_dir {sft_dir} is being trained by the running process {holder} ({pid_file}); wait "
-                         "for it to end (a run with the same settings then reuses its model), pass another "
-                         "--sft_dir, or delete that file if no run holds it")
-    if holder is None:
-        raise ValueError(f"sft_dir {sft_dir}: could not create {pid_file}; pass another --sft_dir")
     try:
         yield
     finally:
@@ -164,8 +154,7 @@ def sft_dir_claimed(cfg):
 
 
 def startup_checks(cfg, device) -> None:
-    """On every rank, and agreed: if one rank fails (a node-local disk, say), all stop here together. Then rank 0
-    writes out_dir/config.json."""
+    """On every rank, agreed (one rank failing, on a node-local disk say, stops all); then rank 0 writes config.json."""
     out, error = Path(cfg.out_dir), None
     try:
         _check_out_dir(cfg, out)
@@ -182,8 +171,8 @@ def startup_checks(cfg, device) -> None:
 
 
 def _check_out_dir(cfg, out: Path) -> None:
-    """Before any heavy work: out_dir writable with room for a checkpoint, sequences that fit the model, no finished
-    run or stale checkpoints a fresh run would overwrite or mix with, and this run's SFT cache or none."""
+    """out_dir writable with room for a checkpoint, sequences that fit the model, no run a fresh start would overwrite
+    or mix with, and this run's SFT cache or none; then the out_dir is claimed."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
@@ -238,8 +227,8 @@ def _check_out_dir(cfg, out: Path) -> None:
 
 
 def dry_run(cfg, report):
-    """--dry_run: report(cfg) on one process (RANK says which: no process group is joined), after checking that
-    the files a real run reads exist, the --init_from folder and the data files ("check, then run")."""
+    """--dry_run: report(cfg) on RANK 0 (no process group is joined), once the --init_from folder and the data files
+    a real run reads are there ("check, then run")."""
     if cfg.init_from not in ("", "scratch"):
         refuse_training_checkpoint(cfg.init_from, "--init_from")
         where = Path(cfg.init_from)
@@ -262,8 +251,8 @@ def eval_batches(ctx) -> int:
 
 
 def paired_se(d: list) -> float:
-    """Standard error of the mean of per-prompt differences d (after - before on the same prompts):
-    sd(d) / sqrt(n), so that the prompt-to-prompt spread both scores share cancels."""
+    """Standard error of the mean of per-prompt gains d (after - before, same prompts): sd(d) / sqrt(n), so that
+    the prompt-to-prompt spread both scores share cancels."""
     n = len(d)
     assert n > 1, "a standard error needs two or more prompts"
     m = sum(d) / n
@@ -275,29 +264,12 @@ class TrainingStopped(RuntimeError):
 
 
 class RunFailed(RuntimeError):
-    """The machine failed the run (disk full, out of memory, a dead rank): one line naming the cause, what was kept
-    and the command that continues."""
-
-
-def root_causes(e: BaseException) -> list[BaseException]:
-    """e and what it wraps: its cause and context chain, and the per-rank failures a torch.distributed.checkpoint
-    CheckpointException (a BaseException) carries."""
-    seen, todo = [], [e]
-    while todo:
-        x = todo.pop()
-        if x is None or any(x is y for y in seen):
-            continue
-        seen.append(x)
-        todo += [x.__cause__, x.__context__]
-        for failure in getattr(x, "failures", {}).values() if isinstance(getattr(x, "failures", None), dict) else ():
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-    return seen
+    """The machine failed the run (disk full, out of memory, a dead rank): one line of cause, what is kept, command."""
 
 
 @contextmanager
 def failures_in_one_line(cfg):
-    """Out of memory, a full disk, a dead rank: RunFailed with one line (explain_failure) instead of a traceback;
-    any other error is raised as it is."""
+    """A machine failure ends in RunFailed with one line (explain_failure), not a traceback; a bug keeps its own."""
     try:
         yield
     except Exception as e:
@@ -308,8 +280,7 @@ def failures_in_one_line(cfg):
 
 
 def explain_failure(e: BaseException, cfg) -> str | None:
-    """The one-line message of a machine failure (out of memory, a full disk, a dead torchrun rank), or None for
-    anything else (a bug keeps its traceback)."""
+    """The one-line message of a machine failure (out of memory, a full disk, a dead torchrun rank), else None."""
     out = Path(cfg.out_dir)
     for x in root_causes(e):
         text = str(x).splitlines()[0] if str(x) else type(x).__name__
@@ -345,8 +316,7 @@ def explain_failure(e: BaseException, cfg) -> str | None:
 
 
 def check_measured(run, after: dict) -> None:
-    """A complete run whose held-out reward could not be measured (a scorer down) ends with RunFailed, so that its
-    exit status says so; the model is saved."""
+    """A held-out reward not measured (a scorer down) ends the saved run in RunFailed: the exit status says so."""
     unmeasured = [k for k, v in {**run.state["before"], **after}.items() if not math.isfinite(v)]
     if unmeasured:
         url = run.cfg.image_scorer_url
@@ -357,9 +327,8 @@ def check_measured(run, after: dict) -> None:
 
 
 class Run:
-    """The bookkeeping around train.py's loop, as `with Run(cfg, model, opt, device) as run:`. It resumes from
-    the latest complete checkpoint when --resume is set (run.start is the first step to take); inside the block
-    a signal only sets a flag; `record` takes each RL step's log; `finish` writes the model and summary.json."""
+    """Around train.py's loop, `with Run(cfg, model, opt, device) as run:`: resumes under --resume (run.start is the
+    first step), `record`s each step (wall times in times.jsonl keep log.jsonl repeatable), `finish` saves the model."""
 
     def __init__(self, cfg, model, opt, device):
         self.cfg, self.model, self.opt, self.device = cfg, model, opt, device
@@ -398,38 +367,18 @@ class Run:
             self.logf, self.timef = (open(self.out / f"{name}.jsonl", "a") for name in ("log", "times"))
         self.last_bad = "a non-finite loss or gradient"  # why the last skipped step was skipped
         self.step_seconds: list[float] = []
-        self._stop = checkpoint.graceful_stop(abort=self._abort_loses)
 
     def __enter__(self):
-        self.signal = self._stop.__enter__()
+        self._steps = rl_steps(self)  # a signal sets self.signal; a second one drops the step at once
+        self._steps.__enter__()
         return self
-
-    def _lost(self) -> tuple[Path | None, str, bool]:
-        """The newest checkpoint, the steps a stop now loses ("steps 3 to 5"), and whether more than one."""
-        last = checkpoint.latest(self.out)
-        many = self.done > step_of(last)
-        return last, f"steps {step_of(last)} to {self.done}" if many else f"step {self.done}", many
-
-    def _abort_loses(self) -> str:
-        """What a second signal during an RL step would lose, and where the run would continue from."""
-        last, lost, _ = self._lost()
-        return (f"{lost} would be lost and the run would continue from {last}" if last else
-                f"no checkpoint exists yet, so {lost} would be lost and the run would restart from step 0")
 
     def __exit__(self, kind, exc, tb):
         self.rl_end = self.rl_seconds()
-        self._stop.__exit__(kind, exc, tb)
         for f in (self.logf, self.timef):
             if f:
                 f.close()
-        if kind is not None and issubclass(kind, KeyboardInterrupt):  # a second signal dropped the step
-            last, lost, many = self._lost()
-            name = f"a second {exc}" if isinstance(exc, checkpoint.Aborted) else "Ctrl-C"
-            print0(f"aborted by {name} during RL step {self.done}: {lost} {'are' if many else 'is'} lost; " +
-                   (f"{last} is kept; continue with: " if last else "no checkpoint was written, so the run "
-                    "restarts from step 0 with: ") + resume_command())
-            raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from None
-        return False
+        return self._steps.__exit__(kind, exc, tb)
 
     def rl_seconds(self) -> float:
         return self.state["rl_seconds"] + time.time() - self.t0  # over every segment of a resumed run
@@ -456,22 +405,19 @@ class Run:
             self.last_bad = log["bad_reward"]
             print0(f"warning: step {step} skipped: {log['bad_reward']}")
         else:  # 0-based, as log.jsonl and the plots count: the last step of a 50-step run is "step 49/50"
+            self.step_seconds.append(seconds)  # the time left: this process's mean step times the steps to go
+            left = self.cfg.rl_steps - step - 1
+            eta = f" | about {duration(sum(self.step_seconds) / len(self.step_seconds) * left)} left" if left else ""
             print0(" | ".join([f"step {step}/{self.cfg.rl_steps}", *(
                 f"{t} reward {log[f'{t}/reward']:.3f} loss {log[f'{t}/loss']:+.4f} clip {log[f'{t}/clipfrac']:.3f} "
                 f"kl {log[f'{t}/kl']:.4f}" for t in sorted(k.split("/")[0] for k in log if k.endswith("/reward"))),
-                f"{seconds:.1f}s"]) + self._time_left(step, seconds))
+                f"{seconds:.1f}s"]) + eta)
         if log.get("skipped_updates", 0) > 0:
             print0(f"warning: step {step}: {log['skipped_updates']} of {self.cfg.mu} updates skipped for a non-finite "
                    f"loss or gradient norm (largest gradient norm {log.get('grad_norm_max')}); the others stand")
         state["bad_run"] = state["bad_run"] + 1 if bad else 0
         state["bad_steps"] += bad
         return state["bad_steps"]
-
-    def _time_left(self, step: int, seconds: float) -> str:
-        """" | about 3m10s left": the mean time of this process's steps so far times the steps to go."""
-        self.step_seconds.append(seconds)
-        left = self.cfg.rl_steps - step - 1
-        return f" | about {duration(sum(self.step_seconds) / len(self.step_seconds) * left)} left" if left else ""
 
     def after_step(self, step: int, rolls: list, tok, ids) -> None:
         """Stop after max_bad_steps bad steps in a row; show a sample; checkpoint on cadence or on a signal."""
@@ -520,7 +466,7 @@ class Run:
 
     def finish(self, after: dict, after_by_prompt: dict, grid_after, tok, dtype, sft_seconds: float) -> dict:
         """Write final/ (the policy, tokenizer.json, generation.json), summary.json (held-out reward before/after RL
-        per task, the gain's standard error paired by prompt, seconds), curves.png and images.png (the plots extra)."""
+        per task, the gain's standard error paired by prompt, seconds) and the pictures."""
         before, before_by_prompt = self.state["before"], self.state.get("before_by_prompt") or {}
         save_model(self.model, self.cfg, self.out / "final", tok, dtype)
         # A reward that could not be measured (a scorer down: NaN) is null in summary.json, never a number.
@@ -532,20 +478,13 @@ class Run:
         summary["seconds"] = {"sft": sft_seconds, "rl": self.rl_end}
         if scale.rank() == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            log, grid = self.out / "log.jsonl", [("before RL", self.state["grid_before"]), ("after RL", grid_after)]
-            if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step taken
-                plots.plot_curves(log, self.out / "curves.png")
-            if grid[0][1] is not None and grid_after is not None:  # a score not measured (null) is left off
-                scores = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
-                plots.toy_image_panel(grid, heldout.eval_examples("image", self.cfg, {})[:heldout.GRID_PROMPTS],
-                                      self.cfg.image_width, self.out / "images.png", scores)
+            write_pictures(self.cfg, self.out, self.state["grid_before"], grid_after, summary)
             release(self.out / PID_FILE)
         print0(f"wrote {self.out / 'final'} and {self.out / 'summary.json'}")
         return summary
 
 
-def measured(x):
-    """x when it is a finite number, else None (not measured)."""
+def measured(x):  # a finite number, else None (not measured)
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 

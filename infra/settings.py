@@ -206,7 +206,7 @@ def idle_flags(cfg) -> list:
 
 
 # The settings a resumed run may change, named in --change_on_resume (a run stopped by bad steps continues more
-# carefully); any other difference from the checkpoint's settings is refused (infra/run.RESUMABLE).
+# carefully); any other difference from the checkpoint's settings is refused (infra/outdir.RESUMABLE).
 CHANGEABLE = ("lr", "grad_clip")
 
 

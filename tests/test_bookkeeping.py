@@ -22,8 +22,8 @@ import torch
 import train
 from infra import checkpoint, scale
 from infra.load import check_sft_cache
-from infra.outdir import PID_FILE, release
-from infra.run import RESUMABLE, Run, TrainingStopped, startup_checks
+from infra.outdir import PID_FILE, RESUMABLE, release
+from infra.run import Run, TrainingStopped, startup_checks
 
 CPU = torch.device("cpu")
 
