@@ -1,15 +1,14 @@
-"""A run's out_dir and what the run tells about it: the paths refused before anything is written, the pid files
-that make out_dir (and an sft_dir being trained) one process's alone, where a resume continues, the closing lines,
-and what SIGTERM, SIGINT or SIGHUP (pre-emption, Ctrl-C, a closed terminal) keeps in each phase, with the command
+"""A run's out_dir and what the run says of it: the paths refused before anything is written, the pid files that
+make out_dir (and an sft_dir being trained) one process's alone, where a resume continues, the closing lines, and
+what SIGTERM, SIGINT or SIGHUP (pre-emption, Ctrl-C, a closed terminal) keeps in each phase, naming the command
 that continues (exit status 128 + signal):
 
-    start-up          stops at once: nothing of the run is written (an SFT model being saved is saved first)
-    SFT               the SFT step finishes, then the run exits: SFT keeps no checkpoint (train.sft)
-    evaluations       the batch finishes, then the run exits (before_rl; final writes the last RL step's
-                      checkpoint first if it is missing, and --resume=true redoes the evaluation and the save)
-    an RL step        the step finishes, a checkpoint is written, the run exits (infra/run.Run.after_step); a
-                      second signal (after 5 s) drops the step at once, naming what is lost and kept (rl_steps)
-    final save        finishes (the run is then complete), then the run exits
+    start-up      stops at once: nothing of the run is written (an SFT model being saved is saved first)
+    SFT           the step finishes, then the run exits: SFT keeps no checkpoint (train.sft)
+    evaluations   the batch finishes, then the run exits (before_rl; final checkpoints the last RL step first)
+    an RL step    the step finishes, a checkpoint is written, the run exits; a second signal (after 5 s) drops
+                  the step at once, naming what is lost and kept (rl_steps, Run.after_step)
+    final save    finishes (the run is then complete), then the run exits
 """
 from __future__ import annotations
 
@@ -127,7 +126,7 @@ def check_shared(out: Path, device) -> None:
 
 def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> None:
     """Hold pid_file, created atomically with this process id (one left by a dead process, or by an earlier main()
-    of this one, is taken over), or refuse in one line naming its holder, or that it could not be created."""
+    of this one, is taken over), or refuse in one line naming its live holder."""
     for _ in range(3):
         try:
             with open(pid_file, "x") as f:
@@ -156,8 +155,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def claim_out_dir(out: Path) -> None:
-    """Two runs started at once in one out_dir would both pass the checks and overwrite each other's files: the
-    first to create out/run.pid holds it until it exits."""
+    """Two runs started at once in one out_dir would pass the checks and overwrite each other: run.pid is one's."""
     claim(out / PID_FILE, f"out_dir {out}", "is in use", "choose another --out_dir")
     if out not in _HELD:  # one exit hook per directory, however often main() runs in this process
         _HELD.add(out)
@@ -173,8 +171,7 @@ def release(pid_file: Path) -> None:  # if this process holds it
 
 
 def resume_point(out: Path, quiet: bool = True) -> Path:
-    """The newest intact checkpoint of out; newer damaged ones are named with the fix, unless quiet. None intact:
-    a ValueError listing every problem."""
+    """The newest intact checkpoint of out (newer damaged ones named, with the fix, unless quiet), else ValueError."""
     last, skipped = checkpoint.latest_intact(out)
     if last is None:
         raise ValueError(f"--resume: no intact checkpoint in {out / checkpoint.DIRNAME}: " + "; ".join(skipped)
@@ -239,8 +236,7 @@ def resume_command() -> str:
 
 
 def continue_command(out: Path) -> str:
-    """The command that goes on after a failure: --resume=true when the run has a checkpoint or logged steps
-    (which then restart from step 0), else the command as typed."""
+    """After a failure: --resume=true with a checkpoint or logged steps (then redone from step 0), else as typed."""
     return resume_command() if checkpoint.latest(out) or step_lines(out / "log.jsonl") else start_command()
 
 
@@ -336,8 +332,8 @@ def holding():
 
 @contextmanager
 def before_rl(run):
-    """The held-out evaluation before RL: a signal stops it after the current batch and removes the empty logs the
-    run opened, so the out_dir reads as a run that took no step and the command starts it again."""
+    """The held-out evaluation before RL: a signal stops it after the current batch; the empty logs the run opened
+    are removed, so the out_dir reads as a run that took no step."""
     try:
         yield
     except Stopped as s:
