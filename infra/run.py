@@ -100,9 +100,9 @@ def check_resume(cfg) -> dict | None:
                          "pass --extend=true, as it was started, to continue it")
     if last is not None and (extending or not summary.is_file()) and cfg.rl_steps < state["step"]:
         raise ValueError(f"cannot resume {out} at --rl_steps={cfg.rl_steps}: its checkpoint {last.name} has taken "
-                         f"{state['step']} RL steps already, and a resumed run continues from there; pass "
-                         f"--rl_steps={state['config']['rl_steps']} (the run's own) or more, or start a new run "
-                         "with another --out_dir")
+                         f"{state['step']} RL steps already, and a resumed run continues from there; pass --rl_steps="
+                         f"{state['config']['rl_steps']} (the run's own) or more, or start a new run with another "
+                         "--out_dir")
     if not summary.is_file() or extending:
         return None
     done = (hf.read_json(config, f"re-create {config}") if config.is_file() else state["config"]).get("rl_steps")
@@ -117,8 +117,8 @@ def check_resume(cfg) -> dict | None:
                          f"for fewer, and a finished run is final: drop --rl_steps, or choose another --out_dir")
     if not cfg.extend:
         raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} would "
-                         "train it further and replace its final/ and summary.json: pass --extend=true to do "
-                         "that, or start a new run with another --out_dir")
+                         "train it further and replace its final/ and summary.json: pass --extend=true to do that, or "
+                         "start a new run with another --out_dir")
     if last is None or step_of(last) != done:
         raise ValueError(f"--extend: out_dir {out} has no checkpoint of its last step ({done}) to continue from "
                          f"(latest: {last.name if last else 'none'}); start a new run with another --out_dir")
@@ -320,10 +320,10 @@ def check_measured(run, after: dict) -> None:
     unmeasured = [k for k, v in {**run.state["before"], **after}.items() if not math.isfinite(v)]
     if unmeasured:
         url = run.cfg.image_scorer_url
-        raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} (see the "
-                        "warnings above: " + (f"the image scorer at {url} failed" if url else "a reward was not "
-                        "finite") + f"); the model is saved in {run.out / 'final'}; score it again with: python "
-                        f"evaluate.py --run={run.out}")
+        raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} (see the warnings "
+                        "above: " + (f"the image scorer at {url} failed" if url else "a reward was not finite")
+                        + f"); the model is saved in {run.out / 'final'}; score it again with: python evaluate.py "
+                        f"--run={run.out}")
 
 
 class Run:
@@ -351,8 +351,8 @@ class Run:
                 for k, (a, b) in self.changed.items()))
             same = [k for k in resume_changes(cfg) if k not in self.changed]
             if same:
-                print0(f"warning: --change_on_resume names {', '.join(same)}, which the run already has; "
-                       "nothing changes")
+                print0(f"warning: --change_on_resume names {', '.join(same)}, which the run already has; nothing "
+                       "changes")
         elif cfg.resume:
             print0(f"--resume: no complete checkpoint in {self.out / checkpoint.DIRNAME}; starting from step 0 "
                    "(the log of any earlier attempt is rewritten)")
@@ -424,11 +424,11 @@ class Run:
         cfg, state = self.cfg, self.state
         if state["bad_run"] >= cfg.max_bad_steps:
             raise TrainingStopped(
-                f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the "
-                f"warnings above), stopping at step {step}. Last good checkpoint: "
-                f"{state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or "
-                "--grad_clip with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from "
-                "it with --resume=true (delete the newer checkpoints first)")
+                f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
+                f"above), stopping at step {step}. Last good checkpoint: "
+                f"{state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or --grad_clip "
+                "with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from it with "
+                "--resume=true (delete the newer checkpoints first)")
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
                 show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
@@ -496,5 +496,5 @@ def all_skipped(run) -> str | None:
     scorer = f"; is the image scorer at {cfg.image_scorer_url} up? (`python -m infra.scorer --stub` serves a " \
         "stand-in)" if cfg.image_scorer_url else ""
     return (f"every one of the {cfg.rl_steps} RL steps was skipped (the last: {run.last_bad}){scorer}; nothing was "
-            f"trained, so no final/ or summary.json is written and no reward after RL is reported; fix the cause "
-            "and start again with another --out_dir")
+            "trained, so no final/ or summary.json is written and no reward after RL is reported; fix the cause and "
+            "start again with another --out_dir")
