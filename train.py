@@ -27,9 +27,10 @@ import torch.nn.functional as F
 import grpo
 import importance
 import tasks
-from infra import budget, checkpoint, claims, cli, phases, scale, tracker
-from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, eval_batches,
-                       failures_in_one_line, print_held_out, start)
+from infra import budget, checkpoint, cli, outdir, scale, tracker
+from infra.outdir import closing_summary, print_held_out
+from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, dry_run, eval_batches,
+                       failures_in_one_line, start)
 from infra.scale import print0
 from infra.cli import validate
 from infra.heldout import evaluate_all, image_snapshot
@@ -228,7 +229,7 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
             if stop["signal"]:
                 print0(f"SFT stopped by {signal.Signals(stop['signal']).name} after {step} of {cfg.sft_steps} "
                        "steps; SFT keeps no checkpoint, so the next run restarts SFT from step 0 (nothing was "
-                       f"written to the sft_dir); start it again with: {phases.resume_command()}")
+                       f"written to the sft_dir); start it again with: {outdir.resume_command()}")
                 raise SystemExit(128 + stop["signal"])
             loss_sum = 0.0
             for task in sft_tasks(cfg):
@@ -428,7 +429,7 @@ def step_stats(updates: list[dict]) -> dict[str, float]:
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
-        return claims.dry_run(cfg, budget.report)
+        return dry_run(cfg, budget.report)
     with failures_in_one_line(cfg):  # out of memory, a full disk, a dead rank: one line naming what is kept
         return _run(cfg, argv)
 
@@ -457,7 +458,7 @@ def _run(cfg: Config, argv) -> dict:
         if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported
             raise TrainingStopped(nothing_trained)
     summary, after = held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds)
-    phases.closing_summary(run, time.time() - t_start)
+    closing_summary(run, time.time() - t_start)
     check_measured(run, after)  # a number the run should report is missing: the exit status says so
     return summary
 
@@ -465,8 +466,8 @@ def _run(cfg: Config, argv) -> dict:
 def held_out_before(run, model, ctx, track) -> None:
     """The held-out rewards before RL (and the toy image grid), unless a resumed run measured them already."""
     if run.state["before"] is None:
-        with phases.before_rl(run):  # a signal stops it after the current batch
-            stop = phases.Stop(run.signal, ctx.device, eval_batches(ctx), "held-out evaluation before RL")
+        with outdir.before_rl(run):  # a signal stops it after the current batch
+            stop = outdir.Stop(run.signal, ctx.device, eval_batches(ctx), "held-out evaluation before RL")
             run.state["before_by_prompt"] = {}
             run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
             run.state["grid_before"] = image_snapshot(model, ctx)
@@ -477,7 +478,7 @@ def held_out_before(run, model, ctx, track) -> None:
 def held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds: float) -> tuple[dict, dict]:
     """The held-out rewards after RL, then final/, summary.json and the pictures: (summary, rewards after RL)."""
     after_by_prompt = {}
-    with phases.final(run) as stop:  # the last step is checkpointed first; a signal stops after a batch
+    with outdir.final(run) as stop:  # the last step is checkpointed first; a signal stops after a batch
         stop.counting(eval_batches(ctx), "held-out evaluation after RL")
         after = evaluate_all(model, ctx, after_by_prompt, stop)
         grid_after = image_snapshot(model, ctx)

@@ -289,7 +289,7 @@ class Aborted(KeyboardInterrupt):
 @contextmanager
 def graceful_stop(doing: str = "finishing this step, then writing a checkpoint", abort=None):
     """A stop signal sets a flag: the step finishes, a checkpoint is written, the run exits (flag["doing"] is what
-    the signal's line says happens next; infra/phases.py sets each phase's). A second one more than REPEAT_WINDOW
+    the signal's line says happens next; infra/outdir.py sets each phase's). A second one more than REPEAT_WINDOW
     seconds later raises Aborted; abort() says in the first line what that would lose. torchrun SIGKILLs its
     workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) seconds after forwarding a signal: set it above a step (README)."""
     flag = {"signal": 0, "at": 0.0, "doing": doing}

@@ -36,7 +36,7 @@ from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
 
 USER_ERROR = 2  # exit status of a user error, as argparse's own
-# Text --help prints after the flags, per dataclass name (infra/phases.py: what a signal does to a training run).
+# Text --help prints after the flags, per dataclass name (infra/outdir.py: what a signal does to a training run).
 EPILOGS: dict[str, str] = {}
 # Flags whose value is a path, or a list of paths (TASK=PATH,... or A,B), in any entry point. A shell expands `~`
 # only at the start of a word, never after `--flag=`: expanded here, so that a run never writes into a folder `~`.

@@ -33,7 +33,7 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
     interleaved rows of every 64-example batch. records: if given, receives one dict per scored row of this
     rank (index, prompt, output, reward); prompt_means: each held-out prompt's mean reward, over ranks (for a
     gain's paired standard error); progress(n) after each batch of n rows (evaluate.py's bar); stop() before
-    each batch, on every rank (it raises to end a run on a signal: infra/phases.py). None without held-out set."""
+    each batch, on every rank (it raises to end a run on a signal: infra/outdir.py). None without held-out set."""
     cfg, device = ctx.cfg, ctx.device
     exs = eval_examples(task, cfg, ctx.datasets)
     if not exs:

@@ -19,7 +19,7 @@ import torch
 
 import tasks
 
-from infra import checkpoint, cli, hf, phases, scale, toy
+from infra import checkpoint, cli, hf, outdir, scale, toy
 from infra.budget import scratch_config
 from infra.scale import print0
 from infra.cli import GENERATION_FILE, generation_settings
@@ -125,7 +125,7 @@ def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
         seconds = sft(model, tok, ids, cfg, device)
         sft_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp, old = (sft_dir.with_name(f".{sft_dir.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
-        with phases.holding():  # a signal waits until the model is saved and renamed
+        with outdir.holding():  # a signal waits until the model is saved and renamed
             try:
                 hf.save_pretrained(model, tmp)
                 tok.save(str(tmp / "tokenizer.json"))

@@ -1,12 +1,6 @@
-"""The run's lifecycle around train.py's loop: its start-up (start), logs, checkpoints and resume, signals,
-bad-step guard, and the final save (the out_dir's start-up checks and ownership are infra/outdir.py).
-
-A Run keeps the state a resumed run must continue from (step, the held-out rewards before RL, bad-step
-counters, RL seconds, the last good checkpoint), writes log.jsonl (one line per RL step; wall times go to
-times.jsonl so that a repeated run gives an identical log.jsonl), stops after max_bad_steps consecutive bad
-steps, and on SIGTERM/SIGINT writes a checkpoint and exits 128 + signal (checkpoint.py). Every rank makes
-the same decisions: flags are reduced over ranks before they are acted on.
-"""
+"""The run's lifecycle around train.py's loop: start-up and its refusals (start), the Run (log.jsonl, checkpoints,
+resume, the bad-step guard, signals, the final save) and machine failures in one line. Every rank makes the same
+decisions: flags are reduced over ranks before they are acted on. The out_dir's paths are infra/outdir.py."""
 from __future__ import annotations
 
 import errno
@@ -24,11 +18,14 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, claims, heldout, hf, phases, scale
+from infra import budget, checkpoint, data, heldout, hf, scale
 from infra.data import load_data
 from sample import FastSampler
-from infra.load import WriteFailed, load_policy, reference_identity, report_truncation, save_model, writer_error
-from infra.outdir import logged_steps, release_out_dir, resume_point, startup_checks
+from infra.load import (WriteFailed, check_sft_cache, load_policy, reference_identity, refuse_training_checkpoint,
+                        report_truncation, save_model, sft_dir_of, writer_error)
+from infra.outdir import (PID_FILE, RESUMABLE, check_paths, check_shared, claim, claim_out_dir, continue_command,
+                          duration, kept_line, release, remember_command, resume_command, resume_point, rl_steps,
+                          root_causes, show, start_up, step_lines, step_of, write_pictures)
 from infra.scale import print0
 from infra.sandbox import RemoteScorer
 from infra.cli import resume_changes, setup
@@ -41,16 +38,16 @@ EVAL_BATCH = 64  # rows per heldout.evaluate batch
 def start(cfg, argv, sft):
     """train.py's start-up, from the parsed flags to the first RL step: (model, ref, opt, ctx, dtype, sft_seconds),
     the SFT stage first for a toy run (sft: train.sft), or, for --resume of a run that had finished, its summary."""
-    phases.remember_command(argv)   # for the messages that name the command continuing this run
-    claims.check_paths(cfg)         # out_dir, init_from, sft_dir: nothing of anyone else's is written over
-    with phases.start_up():             # a signal before RL stops at once and names the command to rerun
-        finished = claims.check_resume(cfg)  # --resume: a run to continue, or a finished one (nothing to do)
+    remember_command(argv)   # for the messages that name the command continuing this run
+    check_paths(cfg)         # nothing of anyone else's is written over
+    with start_up():             # a signal before RL stops at once and names the command to rerun
+        finished = check_resume(cfg)
         if finished is not None:
             return finished
         device, dtype = setup(cfg)
         datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
-        with claims.sft_dir_claimed(cfg):  # a folder, writable, and this run's alone until its SFT model is saved
-            startup_checks(cfg, device)     # out_dir, disk room, sequence lengths, resume compatibility
+        with sft_dir_claimed(cfg):
+            startup_checks(cfg, device)
             scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
             model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
         fast = cfg.kv_cache != "none" or cfg.threshold > 0  # Fast-dLLM text rollouts in RL steps
@@ -65,19 +62,197 @@ def start(cfg, argv, sft):
     return model, ref, opt, ctx, dtype, sft_seconds
 
 
+def _resumable(cfg, out: Path) -> tuple[Path, dict]:
+    """The intact checkpoint a resume continues from, and its state; refused when the settings would change it."""
+    last = resume_point(out)
+    state = hf.read_json(last / "state.json", "remove that checkpoint directory")
+    checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), RESUMABLE + resume_changes(cfg))
+    return last, state
+
+
+def check_resume(cfg) -> dict | None:
+    """--resume: refuse an out_dir with no run, or other settings than the run's; a finished run's summary is
+    returned, nothing rewritten, unless --extend=true trains it further. None: go on."""
+    if cfg.extend and not cfg.resume:
+        raise ValueError("--extend=true continues a finished run: pass --resume=true with it (and a larger --rl_steps)")
+    if not cfg.resume:
+        return None
+    out = Path(cfg.out_dir)
+    last, config, summary = checkpoint.latest(out), out / "config.json", out / "summary.json"
+    if last is None and not config.is_file():
+        raise ValueError(f"--resume: out_dir {out} holds no run (no config.json, no {checkpoint.DIRNAME}/); check "
+                         "the path, or drop --resume to start a new run there")
+    if last is not None:  # the real conflicts first: the SFT cache check would name only the SFT settings
+        last, state = _resumable(cfg, out)
+    else:
+        saved, here = hf.read_json(config, f"delete {config} to start a new run there"), asdict(cfg)
+        changed = sorted(k for k, v in here.items() if k not in RESUMABLE + resume_changes(cfg) and saved.get(k) != v)
+        if changed:
+            raise ValueError(f"cannot resume {out}: these settings differ from the saved run ({config}): "
+                             + ", ".join(f"{k} {saved.get(k)!r} -> {here[k]!r}" for k in changed)
+                             + checkpoint.changeable_hint(changed))
+    # An extension stopped before it finished: config.json holds its larger --rl_steps (written at start-up),
+    # summary.json the earlier finish's, its checkpoint is behind both. It continues as an unfinished run.
+    extending = (last is not None and summary.is_file() and config.is_file()
+                 and state["step"] < hf.read_json(config, f"re-create {config}").get("rl_steps", 0))
+    if extending and not cfg.extend:
+        raise ValueError(f"out_dir {out} holds an extension of a finished run stopped at step {state['step']}: "
+                         "pass --extend=true, as it was started, to continue it")
+    if last is not None and (extending or not summary.is_file()) and cfg.rl_steps < state["step"]:
+        raise ValueError(f"cannot resume {out} at --rl_steps={cfg.rl_steps}: its checkpoint {last.name} has taken "
+                         f"{state['step']} RL steps already, and a resumed run continues from there; pass --rl_steps="
+                         f"{state['config']['rl_steps']} (the run's own) or more, or start a new run with another "
+                         "--out_dir")
+    if not summary.is_file() or extending:
+        return None
+    done = (hf.read_json(config, f"re-create {config}") if config.is_file() else state["config"]).get("rl_steps")
+    if cfg.rl_steps == done:
+        if os.environ.get("RANK", "0") == "0":  # before the process group exists: RANK says who speaks
+            print(f"out_dir {out} holds a finished run ({done} RL steps; {summary}, {out / 'final'}): nothing "
+                  f"to do, nothing rewritten. `python evaluate.py --run={out}` scores it again; --extend=true "
+                  "with a larger --rl_steps trains it further", flush=True)
+        return hf.read_json(summary, f"delete {summary} and resume to redo the final evaluation")
+    if cfg.rl_steps < done:
+        raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} asks "
+                         f"for fewer, and a finished run is final: drop --rl_steps, or choose another --out_dir")
+    if not cfg.extend:
+        raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} would "
+                         "train it further and replace its final/ and summary.json: pass --extend=true to do that, or "
+                         "start a new run with another --out_dir")
+    if last is None or step_of(last) != done:
+        raise ValueError(f"--extend: out_dir {out} has no checkpoint of its last step ({done}) to continue from "
+                         f"(latest: {last.name if last else 'none'}); start a new run with another --out_dir")
+    return None
+
+
+@contextmanager
+def sft_dir_claimed(cfg):
+    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model into it; a model trained with the
+    same settings is reused, read-only, unclaimed."""
+    mine, sft_dir = cfg.init_from == "scratch" and scale.rank() == 0, sft_dir_of(cfg)
+    existing = next(p for p in (sft_dir, *sft_dir.parents) if p.exists())
+    if mine and not existing.is_dir():
+        raise ValueError(f"sft_dir {sft_dir}: {'it' if existing == sft_dir else existing} is a file, not a folder "
+                         "(it is left as it is); pass --sft_dir=a folder for the SFT model")
+    if not mine or check_sft_cache(cfg):
+        yield
+        return
+    pid_file = sft_dir.with_name(sft_dir.name + ".run.pid")
+    try:
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        if sft_dir.is_dir() and not os.access(sft_dir, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+        claim(pid_file, f"sft_dir {sft_dir}", "is being trained", "pass another --sft_dir",
+              " (a run with the same settings then reuses its model)")
+    except OSError as e:
+        raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass --sft_dir=a writable folder") \
+            from None
+    try:
+        yield
+    finally:
+        release(pid_file)
+
+
+def startup_checks(cfg, device) -> None:
+    """On every rank, agreed (one rank failing, on a node-local disk say, stops all); then rank 0 writes config.json."""
+    out, error = Path(cfg.out_dir), None
+    try:
+        _check_out_dir(cfg, out)
+    except (ValueError, OSError) as e:
+        error = e
+    if scale.all_max(torch.tensor([int(error is not None)], device=device)).item():
+        raise error or ValueError("another rank failed its start-up checks (its message is above)")
+    if scale.rank() == 0:
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    scale.barrier()
+    check_shared(out, device)
+    print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
+    budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
+
+
+def _check_out_dir(cfg, out: Path) -> None:
+    """out_dir writable with room for a checkpoint, sequences that fit the model, no run a fresh start would overwrite
+    or mix with, and this run's SFT cache or none; then the out_dir is claimed."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"out_dir {out} is not writable ({e.strerror}); pass --out_dir=a writable directory") from None
+    mc = None
+    if cfg.init_from != "scratch":
+        refuse_training_checkpoint(cfg.init_from, "--init_from")
+        if not (Path(cfg.init_from) / "config.json").is_file():
+            raise FileNotFoundError(f"{Path(cfg.init_from) / 'config.json'} not found: --init_from must be a "
+                                    "LLaDA/MMaDA checkpoint directory")
+        mc = hf.read_config(cfg.init_from)
+        preset = getattr(cfg, "_preset_values", {})
+        other = [k for k in ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
+                 if k in preset and getattr(mc, k) != preset[k]]
+        if other:  # the preset's lr, lengths and batch sizes were chosen for a model of its shape
+            print0(f"warning: --preset {getattr(cfg, '_preset', None)} is set for a model with "
+                   + ", ".join(f"{k}={preset[k]}" for k in other) + f", but {cfg.init_from} has "
+                   + ", ".join(f"{k}={getattr(mc, k)}" for k in other)
+                   + "; its config.json is used, and the preset's other settings may not suit it")
+        image = any(t in IMAGE_TASKS for t in task_list(cfg))
+        need = (cfg.image_text_len or 64) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
+        if need > mc.max_sequence_length:
+            raise ValueError(f"sequences of up to {need} tokens exceed the model's max_sequence_length "
+                             f"({mc.max_sequence_length}); lower --max_prompt_len / --gen_length (or image sizes)")
+    else:
+        check_sft_cache(cfg)
+    if cfg.checkpoint_every:
+        present = len(checkpoint.complete(out)) if cfg.resume else 0  # already on the disk
+        budget.check_disk(cfg, out, mc or budget.scratch_config(cfg, vocab_size=128), present)
+    last = checkpoint.latest(out)
+    if last is not None and not cfg.resume:
+        raise ValueError(f"out_dir {out} already holds checkpoints (latest {last.name}): pass --resume=true to "
+                         "continue that run, or choose another --out_dir")
+    finished = [f"{n}/" if (out / n).is_dir() else n for n in ("final", "summary.json") if (out / n).exists()]
+    if finished and last is None:  # nothing to continue from, and a new start would replace them
+        raise ValueError(f"out_dir {out} holds a finished run ({', '.join(finished)}) and no checkpoint to "
+                         "continue from; choose another --out_dir")
+    logged = len(step_lines(out / "log.jsonl"))
+    if logged and last is None and not cfg.resume:  # a crash before the first checkpoint: only step 0 is left
+        raise ValueError(f"out_dir {out} holds an unfinished run ({logged} RL step(s) in log.jsonl) with no "
+                         "checkpoint to continue from; --resume=true restarts it from step 0 (its log is "
+                         "rewritten), or choose another --out_dir")
+    if not logged and (out / "log.jsonl").exists() and last is None:
+        print0(f"out_dir {out} holds a run that took no RL step (its log.jsonl is empty): starting it again")
+    if last is not None:  # before anything is loaded or config.json is overwritten
+        _resumable(cfg, out)
+    if scale.rank() == 0:
+        claim_out_dir(out)
+
+
+def dry_run(cfg, report):
+    """--dry_run: report(cfg) on RANK 0 (no process group is joined), once the --init_from folder and the data files
+    a real run reads are there ("check, then run")."""
+    if cfg.init_from not in ("", "scratch"):
+        refuse_training_checkpoint(cfg.init_from, "--init_from")
+        where = Path(cfg.init_from)
+        if not (where / "config.json").is_file():
+            raise ValueError(f"--init_from {where} {'has no config.json' if where.is_dir() else 'does not exist'}: "
+                             "the run would stop there; pass the LLaDA/MMaDA checkpoint folder (or no --init_from "
+                             "for the preset's model shape)")
+    for flag in ("train_data", "eval_data"):
+        for task, path in data.data_paths(getattr(cfg, flag), flag).items():
+            if not Path(path).is_file():
+                raise ValueError(f"--{flag} {task}={path}: no such file; the run would stop there")
+    return report(cfg) if os.environ.get("RANK", "0") == "0" else {}
+
+
 def eval_batches(ctx) -> int:
     """How many batches heldout.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
-    n = 0
-    for task in task_list(ctx.cfg):
-        rows = len(heldout.eval_examples(task, ctx.cfg, ctx.datasets))
-        for k in ((ctx.cfg.eval_samples,) if task in tasks.IMAGE_TASKS else (ctx.cfg.eval_samples, 1)):
-            n += -(-rows * k // EVAL_BATCH) if rows else 0
-    return n
+    cfg = ctx.cfg
+    return sum(-(-len(heldout.eval_examples(t, cfg, ctx.datasets)) * k // EVAL_BATCH) for t in task_list(cfg)
+               for k in ((cfg.eval_samples,) if t in IMAGE_TASKS else (cfg.eval_samples, 1)))
 
 
 def paired_se(d: list) -> float:
-    """Standard error of the mean of per-prompt differences d (after - before on the same prompts):
-    sd(d) / sqrt(n), so that the prompt-to-prompt spread both scores share cancels."""
+    """Standard error of the mean of per-prompt gains d (after - before, same prompts): sd(d) / sqrt(n), so that
+    the prompt-to-prompt spread both scores share cancels."""
     n = len(d)
     assert n > 1, "a standard error needs two or more prompts"
     m = sum(d) / n
@@ -89,92 +264,30 @@ class TrainingStopped(RuntimeError):
 
 
 class RunFailed(RuntimeError):
-    """The machine failed the run (disk full, out of memory, a dead rank): one line naming the cause, what
-    was kept and the command that continues."""
-
-
-def root_causes(e: BaseException) -> list[BaseException]:
-    """e and what it wraps: its cause and context chain, and the per-rank failures a
-    torch.distributed.checkpoint CheckpointException (a BaseException) carries."""
-    seen, todo = [], [e]
-    while todo:
-        x = todo.pop()
-        if x is None or any(x is y for y in seen):
-            continue
-        seen.append(x)
-        todo += [x.__cause__, x.__context__]
-        for failure in getattr(x, "failures", {}).values() if isinstance(getattr(x, "failures", None), dict) else ():
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-    return seen
-
-
-def continue_command(out: Path) -> str:
-    """The one command that goes on with this run after a failure: --resume=true when it has a checkpoint
-    or logged steps (which then restart from step 0), else the command as typed."""
-    if checkpoint.latest(out) is not None or logged_steps(out / "log.jsonl"):
-        return phases.resume_command()
-    return phases.start_command()
-
-
-def kept_line(out: Path) -> str:
-    last = checkpoint.latest(out)
-    return f"the last checkpoint, {last}, is kept" if last else "no checkpoint of this run exists"
+    """The machine failed the run (disk full, out of memory, a dead rank): one line of cause, what is kept, command."""
 
 
 @contextmanager
 def failures_in_one_line(cfg):
-    """Out of memory, a full disk, a dead rank: RunFailed with one line naming what is kept and the command
-    that continues (explain_failure), instead of a traceback; any other error is raised as it is."""
+    """A machine failure ends in RunFailed with one line (explain_failure), not a traceback; a bug keeps its own."""
     try:
         yield
-    except (RunFailed, TrainingStopped):
-        raise
     except Exception as e:
-        message = explain_failure(e, cfg)
+        message = None if isinstance(e, (RunFailed, TrainingStopped)) else explain_failure(e, cfg)
         if message is None:
             raise
         raise RunFailed(message) from None
 
 
-def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
-    """The held-out mean reward per task before or after RL in one line; after RL with the gain over before and
-    its standard error paired by prompt, where both were measured."""
-    if not rewards:
-        if when == "before RL":
-            print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
-                   "(and --eval_prompts > 0)")
-        return
-
-    def gain(k, v) -> str:
-        s = (summary or {}).get(k, {})
-        if None in (s.get("gain_se"), s.get("before"), s.get("after")):
-            return ""
-        return f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})"
-    print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} " +
-           ", ".join(f"{k} {phases.shown(v)}{gain(k, v)}" for k, v in rewards.items()))
-
-
-def check_measured(run, after: dict) -> None:
-    """A complete run whose held-out reward could not be measured (a scorer down) ends with RunFailed, so that
-    its exit status says so; the model is saved."""
-    unmeasured = [k for k, v in {**run.state["before"], **after}.items() if not math.isfinite(v)]
-    if unmeasured:
-        cfg = run.cfg
-        raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} (see the "
-                        "warnings above: " + (f"the image scorer at {cfg.image_scorer_url} failed" if cfg.image_scorer_url
-                                              else "a reward was not finite") + f"); the model is saved in "
-                        f"{run.out / 'final'}; score it again with: python evaluate.py --run={run.out}")
-
-
 def explain_failure(e: BaseException, cfg) -> str | None:
-    """The one-line message of a machine failure (out of memory, a full disk, a dead torchrun rank), or None
-    for anything else (a bug keeps its traceback)."""
+    """The one-line message of a machine failure (out of memory, a full disk, a dead torchrun rank), else None."""
     out = Path(cfg.out_dir)
     for x in root_causes(e):
         text = str(x).splitlines()[0] if str(x) else type(x).__name__
+        where = f"{x.strerror}{': ' + str(x.filename) if x.filename else ''}" if isinstance(x, OSError) else ""
         if isinstance(x, torch.OutOfMemoryError) or (isinstance(x, RuntimeError) and (
                 "out of memory" in text.lower() or "can't allocate memory" in text.lower())):
-            from infra import budget  # the state's size: when it alone is over the GPU, no batch size helps
+            # the state's size: when it alone is over the GPU, no batch size helps
             total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
             too_big = total and budget.state_over_memory(cfg, scale.world(), total)
             if too_big:
@@ -185,12 +298,11 @@ def explain_failure(e: BaseException, cfg) -> str | None:
                     f"forward pass need less memory (--device_batch_size={fewer}; or a lower --group_size in a new "
                     f"run); {kept_line(out)}; continue with: {continue_command(out)} --device_batch_size={fewer}")
         if isinstance(x, OSError) and x.errno == errno.EFBIG:
-            return (f"a file outgrew the file-size limit ({x.strerror}{': ' + str(x.filename) if x.filename else ''}); "
-                    f"{kept_line(out)}; raise the limit (ulimit -f), then continue with: {continue_command(out)}")
+            return (f"a file outgrew the file-size limit ({where}); {kept_line(out)}; raise the limit (ulimit -f), "
+                    f"then continue with: {continue_command(out)}")
         if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
-            return (f"the disk is full ({x.strerror}{': ' + str(x.filename) if x.filename else ''}); "
-                    f"{kept_line(out)}; free space there (or lower --keep_last), then continue with: "
-                    f"{continue_command(out)}")
+            return (f"the disk is full ({where}); {kept_line(out)}; free space there (or lower --keep_last), then "
+                    f"continue with: {continue_command(out)}")
         if scale.world() > 1 and isinstance(x, RuntimeError) and any(w in text.lower() for w in (
                 "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer")):
             text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text).split(". ")[0]  # gloo's source location
@@ -203,46 +315,26 @@ def explain_failure(e: BaseException, cfg) -> str | None:
     return None
 
 
-def log_line(log: dict, seconds: float, total: int) -> str:
-    # 0-based, as log.jsonl and the plots count: the last step of a 50-step run is "step 49/50".
-    parts = [f"step {log['step']}/{total}"]
-    for t in sorted({k.split("/")[0] for k in log if k.endswith("/reward")}):
-        if f"{t}/reward" in log:
-            parts.append(f"{t} reward {log[f'{t}/reward']:.3f} loss {log[f'{t}/loss']:+.4f} "
-                         f"clip {log[f'{t}/clipfrac']:.3f} kl {log[f'{t}/kl']:.4f}")
-    parts.append(f"{seconds:.1f}s")
-    return " | ".join(parts)
-
-
-def keep_steps_before(path: Path, start: int) -> Path:
-    """Rewrite a jsonl log to its lines with step < start (all of it is dropped when start is 0), atomically
-    (temporary file, then rename), skipping a line cut short by a crash; returns path for appending."""
-    kept = []
-    if start and path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] < start:
-                    kept.append(line)
-            except (ValueError, KeyError, TypeError):
-                continue
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(l + "\n" for l in kept))
-    os.replace(tmp, path)
-    return path
+def check_measured(run, after: dict) -> None:
+    """A held-out reward not measured (a scorer down) ends the saved run in RunFailed: the exit status says so."""
+    unmeasured = [k for k, v in {**run.state["before"], **after}.items() if not math.isfinite(v)]
+    if unmeasured:
+        url = run.cfg.image_scorer_url
+        raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} (see the warnings "
+                        "above: " + (f"the image scorer at {url} failed" if url else "a reward was not finite")
+                        + f"); the model is saved in {run.out / 'final'}; score it again with: python evaluate.py "
+                        f"--run={run.out}")
 
 
 class Run:
-    """The bookkeeping around train.py's loop, used as `with Run(cfg, model, opt, device) as run:`.
-    Construction resumes from the latest complete checkpoint when --resume is set (run.start is the first
-    step to take, run.state["before"] the held-out rewards measured before RL); inside the block SIGTERM and
-    SIGINT only set a flag; `record` is called once per RL step with that step's log; `finish` writes the
-    model, summary.json and the pictures."""
+    """Around train.py's loop, `with Run(cfg, model, opt, device) as run:`: resumes under --resume (run.start is the
+    first step), `record`s each step (wall times in times.jsonl keep log.jsonl repeatable), `finish` saves the model."""
 
     def __init__(self, cfg, model, opt, device):
         self.cfg, self.model, self.opt, self.device = cfg, model, opt, device
         self.out = Path(cfg.out_dir)
         self.identity = reference_identity(cfg)
-        # What a resumed run must continue from (startup_checks has refused incompatible settings already).
+        # What a resumed run continues from (_check_out_dir has refused incompatible settings already).
         self.state = {"step": 0, "before": None, "before_by_prompt": None, "bad_steps": 0, "bad_run": 0,
                       "rl_seconds": 0.0, "last_good": None, "grid_before": None}
         last = resume_point(self.out, quiet=False) if cfg.resume and checkpoint.latest(self.out) else None
@@ -259,78 +351,49 @@ class Run:
                 for k, (a, b) in self.changed.items()))
             same = [k for k in resume_changes(cfg) if k not in self.changed]
             if same:
-                print0(f"warning: --change_on_resume names {', '.join(same)}, which the run already has; "
-                       "nothing changes")
+                print0(f"warning: --change_on_resume names {', '.join(same)}, which the run already has; nothing "
+                       "changes")
         elif cfg.resume:
             print0(f"--resume: no complete checkpoint in {self.out / checkpoint.DIRNAME}; starting from step 0 "
                    "(the log of any earlier attempt is rewritten)")
-        self.start = self.state["step"]
+        self.start = self.done = self.state["step"]  # done: RL steps taken so far
         self.t0 = time.time()
         self.logf = self.timef = None
-        if scale.rank() == 0:
-            # The logs keep the steps before `start` (a resumed run rewrites what came later).
-            self.logf, self.timef = (open(keep_steps_before(self.out / name, self.start), "a")
-                                     for name in ("log.jsonl", "times.jsonl"))
-        self.done = self.start  # RL steps taken so far (the step in progress is this one)
+        if scale.rank() == 0:  # the logs keep the steps before `start`, rewritten atomically
+            for name in ("log", "times"):
+                tmp = self.out / f"{name}.tmp"
+                tmp.write_text("".join(l + "\n" for s, l in step_lines(self.out / f"{name}.jsonl") if s < self.start))
+                os.replace(tmp, self.out / f"{name}.jsonl")
+            self.logf, self.timef = (open(self.out / f"{name}.jsonl", "a") for name in ("log", "times"))
         self.last_bad = "a non-finite loss or gradient"  # why the last skipped step was skipped
         self.step_seconds: list[float] = []
-        self._stop = checkpoint.graceful_stop(abort=self._abort_loses)
 
     def __enter__(self):
-        self.signal = self._stop.__enter__()
+        self._steps = rl_steps(self)  # a signal sets self.signal; a second one drops the step at once
+        self._steps.__enter__()
         return self
-
-    def _time_left(self, step: int, seconds: float) -> str:
-        """" | about 3m10s left": the mean time of this process's steps so far times the steps to go."""
-        self.step_seconds.append(seconds)
-        left = self.cfg.rl_steps - step - 1
-        if not left or not self.step_seconds:
-            return ""
-        return f" | about {phases.duration(sum(self.step_seconds) / len(self.step_seconds) * left)} left"
-
-    def _abort_loses(self) -> str:
-        """What a second signal during an RL step would lose, and where the run would continue from."""
-        last = checkpoint.latest(self.out)
-        since = int(last.name[len(checkpoint.PREFIX):]) if last else 0
-        lost = f"steps {since} to {self.done}" if self.done > since else f"step {self.done}"
-        return (f"{lost} would be lost and the run would continue from {last}" if last else
-                f"no checkpoint exists yet, so {lost} would be lost and the run would restart from step 0")
 
     def __exit__(self, kind, exc, tb):
         self.rl_end = self.rl_seconds()
-        self._stop.__exit__(kind, exc, tb)
         for f in (self.logf, self.timef):
             if f:
                 f.close()
-        if kind is not None and issubclass(kind, (checkpoint.Aborted, KeyboardInterrupt)):
-            # A second signal dropped the step in progress: the newest checkpoint (or none) is where the
-            # printed command goes on from; --resume=true rewrites the log past it.
-            last = checkpoint.latest(self.out)
-            since = int(last.name[len(checkpoint.PREFIX):]) if last else 0
-            name = f"a second {exc}" if isinstance(exc, checkpoint.Aborted) else "Ctrl-C"
-            lost = f"steps {since} to {self.done}" if self.done > since else f"step {self.done}"
-            print0(f"aborted by {name} during RL step {self.done}: {lost} {'are' if self.done > since else 'is'} lost; " +
-                   (f"{last} is kept; continue with: " if last else "no checkpoint was written, so the run "
-                    "restarts from step 0 with: ") + phases.resume_command())
-            raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from None
-        return False
+        return self._steps.__exit__(kind, exc, tb)
 
     def rl_seconds(self) -> float:
         return self.state["rl_seconds"] + time.time() - self.t0  # over every segment of a resumed run
 
     def record(self, step: int, log: dict, times: dict, rolls: list, tok, ids, tracker=None) -> None:
         """After RL step `step`: its line on the screen, `log` (with the run's bad-step count) to log.jsonl and
-        `times` (its seconds) to times.jsonl, both to the tracker (infra/tracker.py); then the bad-step guard,
-        a sample every sample_every steps, and a checkpoint on cadence or on a signal (after_step)."""
+        `times` to times.jsonl, both to the tracker; then the bad-step guard, a sample, a checkpoint on cadence."""
         self.done = step + 1
         log["bad_steps"] = self.count_bad(step, log, times["seconds"])
         if step == self.start and self.changed:  # where the run's settings changed (--change_on_resume)
             log["changed"] = self.changed
-        if self.logf:
-            self.logf.write(json.dumps(log) + "\n")
-            self.logf.flush()
-            self.timef.write(json.dumps({"step": step, **times}) + "\n")
-            self.timef.flush()
+        if self.logf:  # rank 0
+            for f, line in ((self.logf, log), (self.timef, {"step": step, **times})):
+                f.write(json.dumps(line) + "\n")
+                f.flush()
         if tracker is not None:  # before a stop below, so that a resumed run does not miss this step
             tracker.step(step, log, times)
         self.after_step(step, rolls, tok, ids)
@@ -341,8 +404,14 @@ class Run:
         if "bad_reward" in log:
             self.last_bad = log["bad_reward"]
             print0(f"warning: step {step} skipped: {log['bad_reward']}")
-        else:
-            print0(log_line(log, seconds, self.cfg.rl_steps) + self._time_left(step, seconds))
+        else:  # 0-based, as log.jsonl and the plots count: the last step of a 50-step run is "step 49/50"
+            self.step_seconds.append(seconds)  # the time left: this process's mean step times the steps to go
+            left = self.cfg.rl_steps - step - 1
+            eta = f" | about {duration(sum(self.step_seconds) / len(self.step_seconds) * left)} left" if left else ""
+            print0(" | ".join([f"step {step}/{self.cfg.rl_steps}", *(
+                f"{t} reward {log[f'{t}/reward']:.3f} loss {log[f'{t}/loss']:+.4f} clip {log[f'{t}/clipfrac']:.3f} "
+                f"kl {log[f'{t}/kl']:.4f}" for t in sorted(k.split("/")[0] for k in log if k.endswith("/reward"))),
+                f"{seconds:.1f}s"]) + eta)
         if log.get("skipped_updates", 0) > 0:
             print0(f"warning: step {step}: {log['skipped_updates']} of {self.cfg.mu} updates skipped for a non-finite "
                    f"loss or gradient norm (largest gradient norm {log.get('grad_norm_max')}); the others stand")
@@ -355,11 +424,11 @@ class Run:
         cfg, state = self.cfg, self.state
         if state["bad_run"] >= cfg.max_bad_steps:
             raise TrainingStopped(
-                f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the "
-                f"warnings above), stopping at step {step}. Last good checkpoint: "
-                f"{state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or "
-                "--grad_clip with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from "
-                "it with --resume=true (delete the newer checkpoints first)")
+                f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
+                f"above), stopping at step {step}. Last good checkpoint: "
+                f"{state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or --grad_clip "
+                "with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from it with "
+                "--resume=true (delete the newer checkpoints first)")
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
                 show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
@@ -369,7 +438,7 @@ class Run:
             print0(f"checkpoint {self._save_checkpoint(step + 1)}")
         if stopping:
             print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with: "
-                   f"{phases.resume_command()}")
+                   f"{resume_command()}")
             raise SystemExit(128 + int(stopping))
 
     def _save_checkpoint(self, step: int) -> Path:
@@ -396,9 +465,8 @@ class Run:
         return path
 
     def finish(self, after: dict, after_by_prompt: dict, grid_after, tok, dtype, sft_seconds: float) -> dict:
-        """Write out_dir/final (the policy, with tokenizer.json and generation.json), summary.json (held-out
-        mean reward before/after RL per task, the gain's standard error paired by prompt, and seconds) and
-        the pictures; returns the summary."""
+        """Write final/ (the policy, tokenizer.json, generation.json), summary.json (held-out reward before/after RL
+        per task, the gain's standard error paired by prompt, seconds) and the pictures."""
         before, before_by_prompt = self.state["before"], self.state.get("before_by_prompt") or {}
         save_model(self.model, self.cfg, self.out / "final", tok, dtype)
         # A reward that could not be measured (a scorer down: NaN) is null in summary.json, never a number.
@@ -410,15 +478,13 @@ class Run:
         summary["seconds"] = {"sft": sft_seconds, "rl": self.rl_end}
         if scale.rank() == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            write_pictures(self.cfg, self.out, [("before RL", self.state["grid_before"]), ("after RL", grid_after)])
+            write_pictures(self.cfg, self.out, self.state["grid_before"], grid_after, summary)
+            release(self.out / PID_FILE)
         print0(f"wrote {self.out / 'final'} and {self.out / 'summary.json'}")
-        if scale.rank() == 0:
-            release_out_dir(self.out)
         return summary
 
 
-def measured(x):
-    """x when it is a finite number, else None (not measured)."""
+def measured(x):  # a finite number, else None (not measured)
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
@@ -430,37 +496,5 @@ def all_skipped(run) -> str | None:
     scorer = f"; is the image scorer at {cfg.image_scorer_url} up? (`python -m tools.stub_scorer` serves a " \
         "stand-in)" if cfg.image_scorer_url else ""
     return (f"every one of the {cfg.rl_steps} RL steps was skipped (the last: {run.last_bad}){scorer}; nothing was "
-            f"trained, so no final/ or summary.json is written and no reward after RL is reported; fix the cause "
-            "and start again with another --out_dir")
-
-
-def show(b, rewards, tok, ids, n: int = 1) -> None:
-    """Print n decoded rollouts with their rewards."""
-    outs = tasks.decode_window(b, tok, ids)
-    for i in range(n):
-        prompt = b.examples[i]["prompt"]
-        if b.task not in IMAGE_TASKS:
-            print0(f"  [{b.task}] {prompt[-200:]!r} -> {outs[i]!r}  reward {rewards[i]:.2f}")
-        else:
-            print0(f"  [{b.task}] {prompt!r}  reward {rewards[i]:.2f}")
-            if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
-                from infra import plots  # (ANSI colours on a terminal only, letters in a log file)
-
-                print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
-
-
-def write_pictures(cfg, out: Path, grid: list) -> None:
-    """out_dir/curves.png (reward, KL, clip fraction per step) and out_dir/images.png (toy images before
-    and after RL, prompt under each), when the plots extra is installed (matplotlib for the curves, Pillow for the
-    grid; plots.py says how to get it otherwise)."""
-    from infra import plots
-
-    log = out / "log.jsonl"
-    if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step that was taken
-        plots.plot_curves(log, out / "curves.png")
-    if grid[0][1] is not None and grid[1][1] is not None:
-        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
-        if summary:  # a score that was not measured (null) is left off the panel, never drawn as a number
-            summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
-        plots.toy_image_panel(grid, heldout.eval_examples("image", cfg, {})[:heldout.GRID_PROMPTS], cfg.image_width,
-                              out / "images.png", summary)
+            "trained, so no final/ or summary.json is written and no reward after RL is reported; fix the cause and "
+            "start again with another --out_dir")

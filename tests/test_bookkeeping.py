@@ -22,8 +22,8 @@ import torch
 import train
 from infra import checkpoint, scale
 from infra.load import check_sft_cache
-from infra.outdir import RESUMABLE, release_out_dir, startup_checks
-from infra.run import Run, TrainingStopped
+from infra.outdir import PID_FILE, RESUMABLE, release
+from infra.run import Run, TrainingStopped, startup_checks
 
 CPU = torch.device("cpu")
 
@@ -133,7 +133,7 @@ def test_a_leftover_tmp_directory_neither_blocks_a_fresh_start_nor_a_resume(tmp_
     try:
         startup_checks(config(fresh, "--checkpoint_every=0"), CPU)  # no ValueError
     finally:
-        release_out_dir(fresh)
+        release(fresh / PID_FILE)
 
     out = tmp_path / "run"
     run_steps(config(out, "--checkpoint_every=1", "--rl_steps=1"), [GOOD(0)])
@@ -142,7 +142,7 @@ def test_a_leftover_tmp_directory_neither_blocks_a_fresh_start_nor_a_resume(tmp_
     try:
         startup_checks(cfg, CPU)
     finally:
-        release_out_dir(out)
+        release(out / PID_FILE)
     run = run_steps(cfg, [])
     assert run.start == 1
 
@@ -226,7 +226,7 @@ def test_startup_checks_apply_the_list(tmp_path, flag, refused):
         else:
             startup_checks(cfg, CPU)
     finally:
-        release_out_dir(out)
+        release(out / PID_FILE)
 
 
 def test_resume_restores_the_run_and_takes_the_new_lr(tmp_path):

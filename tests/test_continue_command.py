@@ -1,4 +1,4 @@
-"""The command a stopped run prints to continue it (infra/phases.resume_command) and to start it again
+"""The command a stopped run prints to continue it (infra/outdir.resume_command) and to start it again
 (start_command), for every way a flag can be written: `--flag=v`, `--flag v`, and booleans bare
 (`--resume`, `--extend`) or with a value (`--resume true`, `--resume=false`, `--resume 0`). Expected strings
 are written by hand; and parsing the printed command gives the run's own settings with resume = true.
@@ -11,7 +11,7 @@ import shlex
 import pytest
 
 import train
-from infra import phases, scale
+from infra import outdir, scale
 
 CASES = [  # (argv as typed, the continue command by hand)
     (["--preset=smoke", "--out_dir", "out/a", "--resume"],
@@ -32,22 +32,22 @@ CASES = [  # (argv as typed, the continue command by hand)
 
 @pytest.mark.parametrize("argv, want", CASES)
 def test_continue_command_by_hand(argv, want):
-    phases.remember_command(argv)
-    assert phases.resume_command() == want
-    assert phases.start_command() == " ".join(["python", "train.py", *map(shlex.quote, argv)])
+    outdir.remember_command(argv)
+    assert outdir.resume_command() == want
+    assert outdir.start_command() == " ".join(["python", "train.py", *map(shlex.quote, argv)])
 
 
 @pytest.mark.parametrize("argv, want", CASES)
 def test_continue_command_parses_to_the_same_run_with_resume(argv, want):
     """What the printed command would run: the same settings, resume = true (extend kept as given)."""
-    phases.remember_command(argv)
-    printed = shlex.split(phases.resume_command())
+    outdir.remember_command(argv)
+    printed = shlex.split(outdir.resume_command())
     assert printed[:2] == ["python", "train.py"]
     assert train.parse_args(printed[2:]) == dataclasses.replace(train.parse_args(argv), resume=True)
 
 
 def test_under_torchrun_the_launcher_is_named(monkeypatch):
     monkeypatch.setattr(scale, "world", lambda: 2)
-    phases.remember_command(["--resume", "false", "--seed", "3"])
-    assert phases.resume_command() == "torchrun [the same launcher flags] train.py --seed 3 --resume=true"
-    assert phases.start_command() == "torchrun [the same launcher flags] train.py --resume false --seed 3"
+    outdir.remember_command(["--resume", "false", "--seed", "3"])
+    assert outdir.resume_command() == "torchrun [the same launcher flags] train.py --seed 3 --resume=true"
+    assert outdir.start_command() == "torchrun [the same launcher flags] train.py --resume false --seed 3"

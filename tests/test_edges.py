@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import train
-from infra import claims, load, phases, run
+from infra import load, outdir, run
 
 # -----------------------------------------------------------------------------
 # the fingerprint past its sample
@@ -129,7 +129,7 @@ def failed_run_dir(tmp_path, log: str):
     out.mkdir()
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(train.parse_args(argv))))
     (out / "log.jsonl").write_text(log)
-    phases.remember_command(argv)
+    outdir.remember_command(argv)
     return out, argv
 
 
@@ -149,7 +149,7 @@ def test_logged_steps_without_a_checkpoint_name_resume(tmp_path, failure):
     # the printed command is this run's settings with resume = true, and --resume accepts this out_dir
     again = train.parse_args(command[2:])
     assert again == dataclasses.replace(cfg, resume=True, device_batch_size=4 if extra else 0)
-    assert claims.check_resume(again) is None
+    assert run.check_resume(again) is None
 
 
 def test_a_dead_rank_with_logged_steps_names_resume_under_torchrun(tmp_path, monkeypatch):
@@ -177,7 +177,7 @@ def test_no_logged_step_names_the_command_as_typed(tmp_path, log):
 
 
 def check(tmp_path, sft_dir, out="run"):
-    claims.check_paths(train.parse_args(["--preset=smoke", f"--out_dir={tmp_path / out}", f"--sft_dir={sft_dir}"]))
+    outdir.check_paths(train.parse_args(["--preset=smoke", f"--out_dir={tmp_path / out}", f"--sft_dir={sft_dir}"]))
 
 
 def test_an_sft_dir_holding_the_out_dir_is_refused(tmp_path):

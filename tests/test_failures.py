@@ -149,9 +149,9 @@ def test_progress_time_left_and_closing_summary(sft_dir, tmp_path, monkeypatch, 
     """Each RL step line says the time left; the held-out evaluations say how far they are (every
     PROGRESS_EVERY seconds: 0 here); the last lines name the time, the model, the pictures and the next
     commands."""
-    from infra import phases
+    from infra import outdir
 
-    monkeypatch.setattr(phases.Stop, "PROGRESS_EVERY", 0.0)
+    monkeypatch.setattr(outdir.Stop, "PROGRESS_EVERY", 0.0)
     out = tmp_path / "run"
     train.main([*RUN, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=3"])
     lines = capsys.readouterr().out.splitlines()

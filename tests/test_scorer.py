@@ -195,7 +195,7 @@ def test_the_timeout_is_a_flag(monkeypatch, tmp_path):
     monkeypatch.setattr(run, "RemoteScorer", Spy)
     monkeypatch.setattr(run, "load_data", lambda cfg: {})
     monkeypatch.setattr(run, "startup_checks", lambda cfg, device: None)
-    monkeypatch.setattr(train.claims, "check_resume", lambda cfg: None)
+    monkeypatch.setattr(run, "check_resume", lambda cfg: None)
     with pytest.raises(SystemExit, match="stop after the scorer"):
         train.main(["--preset=mmada8b", f"--train_data=geneval={tmp_path / 'unread.jsonl'}", "--threads=1",
                     f"--init_from={tmp_path / 'unread_model'}",
