@@ -7,7 +7,7 @@
     python evaluate.py --compare=before.jsonl,after.jsonl    # gain of two --out files, paired by prompt
 
 Tasks: gsm8k, math, countdown, sudoku, mbpp (sandboxed, rewards.REWARDS) and geneval (--image_scorer_url),
-which read --data; the toy tasks text and image, which need none. Every completion comes from heldout.evaluate,
+which read --data; the toy tasks text and image, which need none. Every completion comes from data.evaluate,
 the function train.py scores its held-out sets with, so under the same Config the numbers are the run's own
 (`--run` checks exactly that, and exits 1 if any differs by more than 1e-6). A completion counts as correct
 when its reward is >= 1 - 1e-6; pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374, §2.1) with
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import tasks
 import train
-from infra import cli, data, heldout, load, lora, run, scale, settings
+from infra import cli, data, load, lora, run, scale, settings
 from infra.data import load_data
 from infra.scorer import RemoteScorer
 
@@ -151,7 +151,7 @@ def build_config(o: Options) -> tuple[train.Config, int]:
     if samples == 0 and o.task in tasks.IMAGE_TASKS:  # greedy only, and images have no greedy decoding
         raise ValueError(f"--samples 0 scores greedy completions only, and image tasks ({o.task}) have none (the "
                          "image samplers always draw): pass --samples >= 1")
-    if samples and o.temperature <= 0:  # heldout.evaluate then draws one completion per prompt: no pass@k
+    if samples and o.temperature <= 0:  # data.evaluate then draws one completion per prompt: no pass@k
         raise ValueError(f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
     implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1)}
     if not toy:  # load_data keys on train_data, so the evaluation file is given as both (only "test" is scored)
@@ -189,7 +189,7 @@ def open_out(out: str):
 
 
 class Scored(list):
-    """The `records` list heldout.evaluate extends once per scored batch: each record is also written to the
+    """The `records` list data.evaluate extends once per scored batch: each record is also written to the
     --out file at once (and flushed), so an interrupted evaluation keeps every completion it scored."""
 
     def __init__(self, task: str, mode: str, k: int, file=None):
@@ -197,7 +197,7 @@ class Scored(list):
         self.task, self.mode, self.k, self.file = task, mode, k, file
 
     def extend(self, rows):
-        # heldout.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
+        # data.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
         recs = [{"task": self.task, "mode": self.mode, "prompt_index": r["index"] // self.k,
                  "sample": r["index"] % self.k, "prompt": r["prompt"], "output": r["output"], "reward": r["reward"]}
                 for r in rows]
@@ -233,22 +233,22 @@ def _score(cfg, task, sink, limit, samples):
     scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
     model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
     load.report_truncation(cfg, tok, datasets)
-    n = len(heldout.eval_examples(task, cfg, datasets))
+    n = len(data.eval_examples(task, cfg, datasets))
     if n == 0:  # a table of zero samples would look like a result
         why = f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS else \
             f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty"
         raise ValueError(f"no {task} prompts to score ({why}); pass at least one")
     ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer)
     modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
-    if task not in tasks.IMAGE_TASKS:  # as heldout.evaluate_all: images have no greedy decoding
+    if task not in tasks.IMAGE_TASKS:  # as data.evaluate_all: images have no greedy decoding
         modes.insert(0, ("greedy", 0.0, 1))
     records = []
-    # The bar counts completions; heldout.evaluate reports after each batch of (up to) 64.
+    # The bar counts completions; data.evaluate reports after each batch of (up to) 64.
     with cli.progress_bar(total=n * sum(k for *_, k in modes), desc=f"eval {task}", unit="completion",
                           leave=False) as bar:
         for mode, temperature, k in modes:
             rows = Scored(task, mode, k, sink)
-            heldout.evaluate(model, ctx, task, temperature, rows, bar.update)
+            data.evaluate(model, ctx, task, temperature, rows, bar.update)
             records += rows
     row = summarize(records)
     print(table(["task", "n", "greedy pass@1", f"pass@{row['k']}", "mean reward"],
@@ -287,7 +287,7 @@ def compare(before: str, after: str) -> list[list]:
 
 def check_run(run_dir: str, **overrides) -> bool | None:
     """Re-score a train.py run with its own config.json: the model before RL (the SFT model, or init_from)
-    and final/ after, through heldout.evaluate_all; print them beside summary.json. True if all agree, None
+    and final/ after, through data.evaluate_all; print them beside summary.json. True if all agree, None
     when a number could not be measured (a scorer down)."""
     out_dir = Path(run_dir)
     for f in ("config.json", "summary.json"):
@@ -320,7 +320,7 @@ def check_run(run_dir: str, **overrides) -> bool | None:
         model, tok, ids, _ = load.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
         if label == "after" and cfg.lora_rank:
             lora.load_adapters(model, out_dir / "final")
-        evals[label] = heldout.evaluate_all(model.eval(), tasks.Ctx(cfg, tok, ids, device, datasets, scorer))
+        evals[label] = data.evaluate_all(model.eval(), tasks.Ctx(cfg, tok, ids, device, datasets, scorer))
     keys = [k for k in summary if k != "seconds"] + sorted(set(evals["before"]) - set(summary))
     rows, ok = [], True
     for k in keys:

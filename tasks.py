@@ -1,5 +1,5 @@
 """The tasks: one registry entry each (TASKS: modality, prompts, reward), the batches they become, and
-the RL step's prompts, rollouts and rewards on them (held-out evaluation: infra/heldout.py).
+the RL step's prompts, rollouts and rewards on them (held-out evaluation: infra/data.py).
 
 A batch lays out [prompt | window | suffix] in the LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809)
 formats; the window is what the model generates (a text completion, or the image slots). The toy tasks'

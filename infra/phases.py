@@ -99,7 +99,7 @@ def shown(v) -> str:
 
 class Stop:
     """stop() raises Stopped when SIGTERM or SIGINT has arrived on any rank (a collective: every rank calls
-    it at the same point, as infra/heldout.evaluate does at the top of every batch). Given the number of batches it
+    it at the same point, as infra/data.evaluate does at the top of every batch). Given the number of batches it
     also prints, every PROGRESS_EVERY seconds, how far the evaluation is and the time left."""
 
     PROGRESS_EVERY = 30.0

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, claims, heldout, lora, phases, scale
+from infra import checkpoint, claims, data, lora, phases, scale
 from infra.data import load_data
 from infra.fast_sample import FastSampler
 from infra.load import WriteFailed, load_policy, reference_identity, report_truncation, save_model, writer_error
@@ -35,7 +35,7 @@ from infra.settings import resume_changes, setup
 from tasks import IMAGE_TASKS, task_list
 
 
-EVAL_BATCH = 64  # rows per heldout.evaluate batch
+EVAL_BATCH = 64  # rows per data.evaluate batch
 
 
 def start(cfg, argv, sft):
@@ -66,10 +66,10 @@ def start(cfg, argv, sft):
 
 
 def eval_batches(ctx) -> int:
-    """How many batches heldout.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
+    """How many batches data.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
     n = 0
     for task in task_list(ctx.cfg):
-        rows = len(heldout.eval_examples(task, ctx.cfg, ctx.datasets))
+        rows = len(data.eval_examples(task, ctx.cfg, ctx.datasets))
         for k in ((ctx.cfg.eval_samples,) if task in tasks.IMAGE_TASKS else (ctx.cfg.eval_samples, 1)):
             n += -(-rows * k // EVAL_BATCH) if rows else 0
     return n
@@ -462,5 +462,5 @@ def write_pictures(cfg, out: Path, grid: list) -> None:
         summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
         if summary:  # a score that was not measured (null) is left off the panel, never drawn as a number
             summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
-        plots.toy_image_panel(grid, heldout.eval_examples("image", cfg, {})[:heldout.GRID_PROMPTS], cfg.image_width,
+        plots.toy_image_panel(grid, data.eval_examples("image", cfg, {})[:data.GRID_PROMPTS], cfg.image_width,
                               out / "images.png", summary)
