@@ -1,10 +1,9 @@
-"""The data: local benchmark files -> validated example dicts with their prompt, and the held-out evaluation.
+"""The data: local benchmark files -> checked example dicts with their prompt; the held-out evaluation on them.
 
-MaskGRPO (arXiv:2510.02880) trains and evaluates on GSM8K, MATH(500) and MBPP-style code, keeps d1's countdown
-and 4x4 sudoku (the paper's evaluation setup), and scores images on GenEval prompts. Each public file format is
-read (never downloaded) and every row checked *before any model is loaded*; a bad row is reported as
-`file:line: problem`. One dict per example: the `example` that `rewards.REWARDS[example["task"]](completion,
-example)` receives, plus "prompt", the user-turn text (tasks.chat_prompt applies the chat template later).
+MaskGRPO (arXiv:2510.02880) uses GSM8K, MATH(500), MBPP-style code, d1's countdown and 4x4 sudoku, and GenEval
+prompts. Public files are read (never downloaded) and every row is checked before any model is loaded (a bad one
+is named as `file:line: problem`). Each example is what `rewards.REWARDS[task](completion, example)` receives, plus
+"prompt", the user turn (tasks.chat_prompt applies the chat template):
 
     gsm8k      {"task", "prompt", "question", "answer": "1200"}               (the `#### N` number, no commas)
     math       {"task", "prompt", "question", "answer": "\\frac{1}{2}"}       (LaTeX; `answer` or last \\boxed{})
@@ -35,8 +34,7 @@ from tasks import Ctx
 TASKS = ("gsm8k", "math", "mbpp", "countdown", "sudoku", "geneval")
 MAX_REPORTED = 5  # problems listed per error; the rest are only counted
 
-# -----------------------------------------------------------------------------------------------------
-# readers: every problem carries its file and 1-based line number
+# readers: every problem carries its file and 1-based line number -----------------------------------------
 
 
 def _collect(path: Path, numbered, parse) -> list:
@@ -54,11 +52,6 @@ def _collect(path: Path, numbered, parse) -> list:
     if not out:
         raise ValueError(f"{path}: the file is empty (no rows); expected one example per line")
     return out
-
-
-def _json_lines(path: Path):
-    with open(path, "rb") as f:  # bytes: a non-UTF-8 line is then one reported problem, not a crash
-        yield from ((lineno, line) for lineno, line in enumerate(f, 1) if line.strip())
 
 
 def _json_object(line: bytes) -> dict:
@@ -106,8 +99,7 @@ def _int(value, name: str) -> int:
     raise ValueError(f"{name} should be an integer, got {value!r:.60}")
 
 
-# -----------------------------------------------------------------------------------------------------
-# one parser per public format: raw row -> example (without "prompt"), ValueError on a bad row
+# one parser per public format: raw row -> example (without "prompt"), ValueError on a bad row ------------
 
 def _gsm8k(row: dict) -> dict:
     # openai/gsm8k: the worked solution ends in "#### 1,200"; a bare number is accepted too.
@@ -199,14 +191,15 @@ def load_dataset(task: str, path) -> list[dict]:
     if task == "sudoku":
         examples = _collect(path, _csv_rows(path), _sudoku)
     else:
-        examples = _collect(path, _json_lines(path), lambda line: _PARSERS[task](_json_object(line)))
+        with open(path, "rb") as f:  # bytes: a non-UTF-8 line is then one reported problem, not a crash
+            lines = [(lineno, line) for lineno, line in enumerate(f, 1) if line.strip()]
+        examples = _collect(path, lines, lambda line: _PARSERS[task](_json_object(line)))
     for ex in examples:
         ex["prompt"] = make_prompt(ex)
     return examples
 
 
-# -----------------------------------------------------------------------------------------------------
-# prompts (user turn only), paraphrasing the official instructions (d1, arXiv:2504.12216, for countdown/sudoku)
+# the user turn, paraphrasing the official instructions (d1, arXiv:2504.12216, for countdown and sudoku) ---
 
 REPLY_FORMAT = "Reply in this format:\n<reasoning>\nyour step-by-step reasoning\n</reasoning>\n{}"
 MATH_INSTRUCTION = ("You are good at mathematics. Work through the question below step by step and put the final "
@@ -260,9 +253,8 @@ def load_data(cfg) -> dict:
             for task, path in data_paths(cfg.train_data, "train_data").items()}
 
 
-# -----------------------------------------------------------------------------------------------------
-# held-out evaluation: the mean reward of completions of held-out prompts, before and after RL (train.main's
-# summary.json and images.png) and of checkpoints (evaluate.py); tasks.rollout samples, tasks.score scores
+# held-out evaluation: the mean reward of completions of held-out prompts before and after RL (train.main) and
+# of checkpoints (evaluate.py); tasks.rollout samples, tasks.score scores ----------------------------------
 
 GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
 
@@ -277,12 +269,10 @@ def eval_examples(task: str, cfg, datasets: dict) -> list:
 
 def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
              prompt_means: list | None = None, stop=None) -> float | None:
-    """Held-out mean reward (None without a held-out set): eval_samples completions per prompt (one at temperature
-    0), each from a generator seeded by its index, so runs are paired and the world size changes nothing; ranks
-    take interleaved rows of every 64-row batch. records receives one dict per scored row of this rank (index,
-    prompt, output, reward); prompt_means each prompt's mean over ranks (for a gain's paired standard error);
-    progress(n) follows each batch of n rows (evaluate.py's bar); stop() precedes each, on every rank (it raises
-    to end a run on a signal: infra/phases.py)."""
+    """Held-out mean reward (None without a held-out set) of eval_samples completions per prompt (1 at temperature
+    0), each seeded by its index (runs are paired; the world size changes nothing); ranks interleave the rows of each
+    64-row batch. records gets a dict per row of this rank (index, prompt, output, reward); prompt_means each prompt's
+    mean (for a paired standard error); progress(n) follows each batch of n rows, stop() precedes it on every rank."""
     cfg, device = ctx.cfg, ctx.device
     exs = eval_examples(task, cfg, ctx.datasets)
     if not exs:
@@ -291,8 +281,7 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
     per_prompt = torch.zeros(len(exs), dtype=torch.float64, device=device)  # summed reward of each prompt
     exs = [ex for ex in exs for _ in range(k)]
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
-    # Entered by every rank, also one without rows in some batch (tasks.rollout's own is then a no-op).
-    with scale.full_weights(model):
+    with scale.full_weights(model):  # on every rank, also one without rows in a batch (tasks.rollout's is a no-op)
         for i in range(0, len(exs), 64):
             if stop is not None:
                 stop()

@@ -1,12 +1,9 @@
-"""Running at scale: torchrun process groups, FSDP2 sharding, cross-rank reductions.
+"""Running at scale (`torchrun --nproc_per_node=8 train.py ...`): process groups, FSDP2 sharding, reductions.
 
-    torchrun --nproc_per_node=8 train.py --preset llada8b --init_from=/models/LLaDA-8B-Instruct ...
-
-In one process (WORLD_SIZE unset or 1) every function below is a no-op or the identity, so train.py has one code
-path. With WORLD_SIZE > 1 the model is sharded with FSDP2 (`fully_shard` on each block, then on the root, as
-torchtitan does), on NCCL for CUDA and gloo for CPU (what the tests run). Results do not depend on the world size:
-every random number comes from generators seeded by (seed, step, global prompt index), every rank builds the
-global batch and keeps its own rows, and the collectives only move rewards, token counts and statistics.
+In one process every function here is a no-op or the identity, so train.py has one code path. With WORLD_SIZE > 1
+the model is sharded with FSDP2 (NCCL on CUDA, gloo on CPU as the tests run). The world size changes no result:
+random numbers come from generators seeded by (seed, step, global prompt index), every rank builds the global batch
+and keeps its own rows, and the collectives only move rewards, token counts and statistics.
 """
 from __future__ import annotations
 
@@ -20,9 +17,6 @@ import traceback
 import torch
 import torch.distributed as dist
 
-# -----------------------------------------------------------------------------------------------------
-# process group
-
 # How long a collective waits for the slowest rank, in minutes. Rank 0 alone writes the final weights and fsyncs
 # checkpoints while the others wait: for an 8B model in float32 with AdamW moments (96 GB) on a network file
 # system that takes past NCCL's 10-minute default.
@@ -32,13 +26,10 @@ DEFAULT_TIMEOUT_MIN = 60
 
 def collective_timeout() -> datetime.timedelta:
     raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_MIN))
-    try:
-        minutes = float(raw)
-    except ValueError:
-        minutes = -1.0
-    if not minutes > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of minutes (default {DEFAULT_TIMEOUT_MIN})")
-    return datetime.timedelta(minutes=minutes)
+    with contextlib.suppress(ValueError):
+        if float(raw) > 0:
+            return datetime.timedelta(minutes=float(raw))
+    raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of minutes (default {DEFAULT_TIMEOUT_MIN})")
 
 
 # The oldest torch the multi-process path runs on (pyproject.toml): these FSDPModule methods are new in torch 2.8.
@@ -59,8 +50,7 @@ def init(device_name: str) -> torch.device:
     torchrun each rank takes cuda:LOCAL_RANK, bound to the group so NCCL sets up its communicator at once)."""
     want_cuda = device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available())
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return torch.device("cuda" if device_name == "auto" and want_cuda else
-                            ("cpu" if device_name == "auto" else device_name))
+        return torch.device(("cuda" if want_cuda else "cpu") if device_name == "auto" else device_name)
     if not dist.is_initialized():
         check_torch()
         timeout = collective_timeout()
@@ -172,14 +162,11 @@ def _together(exc: BaseException | None) -> bool:
 
 
 def close(ok: bool | None = None) -> None:
-    """Leave the process group, once per process on every path (process_exit does it); a no-op without a group.
-    ok: every rank is on its way out together (None: _together on the exception being handled).
-
-    On a clean exit the barrier first lets every rank's last collective complete, so no rank enters interpreter
-    shutdown while gloo's worker thread still releases its tensors (an abort: "terminate called without an active
-    exception"). After an error with other ranks nothing is done: they may be inside a collective that never
-    completes, and a barrier, or NCCL's destroy_process_group, would wait for them (up to the collective timeout);
-    process_exit ends the process, which tells the peers through the store."""
+    """Leave the process group once per process (process_exit does); a no-op without a group. ok: every rank leaves
+    together (None: _together on the exception being handled). Then the barrier lets every last collective complete,
+    so no rank shuts down while gloo's worker still holds its tensors (an abort: "terminate called without an active
+    exception"); otherwise, with other ranks, nothing is done: a peer may be stuck in a collective, which a barrier
+    or NCCL's destroy_process_group would wait for, and process_exit tells the peers through the store."""
     if not dist.is_initialized():
         return
     if not (_together(sys.exc_info()[1]) if ok is None else ok) and world() > 1:
@@ -211,7 +198,7 @@ def process_exit():
     flushed; in one process it changes nothing. Why not let Python end the rank: gloo's threads, which something
     FSDP2 set up keeps referencing, still run after destroy_process_group (torch 2.13, CPU), and interpreter
     teardown freeing what they hold ends in SIGABRT. Every file of the run is closed by then; os._exit skips it."""
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    launched, status = int(os.environ.get("WORLD_SIZE", "1")) > 1, 0
     try:
         try:
             yield
@@ -225,16 +212,13 @@ def process_exit():
             _watcher["stop"].set()  # this rank ends itself; its own watcher must not race it
             with contextlib.suppress(Exception):
                 _watcher["store"].set(_watcher["key"], str(_watcher["rank"]))
-    else:
-        status = 0
     if launched:  # torchrun starts ranks unbuffered (python -u); other launchers may not
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
 
 
-# -----------------------------------------------------------------------------------------------------
-# FSDP2
+# FSDP2 -------------------------------------------------------------------------------------------------
 
 
 def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:

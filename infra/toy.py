@@ -1,17 +1,15 @@
-"""The toy world of the laptop preset: one vocabulary, two modalities, their data and verifiers (tasks.TASKS).
+"""The toy world of the laptop preset: one vocabulary, two modalities, their data (tasks.TASKS), in pure Python.
 
-Text: generated arithmetic word problems answered as written-out steps and a final `\\boxed{N}` that a GSM8K-style
-reward reads (MaskGRPO arXiv:2510.02880 §4.1 trains on GSM8K). Image: text-to-image on a tiny grid whose cells are
-image tokens coding palette colours, scored by a GenEval-style verifier (colour, count, relative position), as
-GenEval scores MMaDA in the paper. Sequences follow the LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809) layouts:
+Text: word problems answered as written-out steps and a `\\boxed{N}` a GSM8K-style reward reads (MaskGRPO
+arXiv:2510.02880 §4.1). Image: text-to-image on a tiny grid of palette-colour tokens, scored by a GenEval-style
+verifier (colour, count, position). Sequences follow the LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809) layouts:
 
     text   <|startoftext|> question | answer <|endoftext|>...   (completion padded with EOS, as LLaDA SFT)
     image  [iPAD]... <|t2i|> <|startoftext|> caption <|endoftext|> <|soi|> image codes <|eoi|>
 
-Pure Python seeded by `random.Random`. `noise` gives a fraction of SFT targets one *systematic* mistake (the box
-copies the wrong number of the right working; a named colour is drawn as its look-alike), so the SFT model mixes a
-right and a wrong habit: what RL fixes in minutes, where random mistakes were measured to leave errors a few minutes
-of RL cannot repair. A property of the toy, not of the paper; held-out evaluation scores the *true* answer/spec.
+`noise` gives a fraction of SFT targets one *systematic* mistake, so the SFT model mixes a right and a wrong habit,
+which RL fixes in minutes (random mistakes were measured to leave errors it cannot). A property of the toy, not of
+the paper; held-out evaluation scores the *true* answer/spec.
 """
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ import random
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from rewards import COLOURS, PLACES, RELATIONS  # the grid the image verifier reads
+from rewards import COLOURS, PLACES, RELATIONS, image_checks  # the grid the image verifier reads
 
 # LLaDA/MMaDA special-token names (their released tokenizers). EOS doubles as pad, as in LLaDA-Instruct.
 BOS, EOS, MASK = "<|startoftext|>", "<|endoftext|>", "<|mdm_mask|>"
@@ -28,8 +26,7 @@ T2I, SOI, EOI, IPAD = "<|t2i|>", "<|soi|>", "<|eoi|>", "[iPAD]"
 UNK = "[UNK]"  # WordLevel needs one; no generated text ever maps to it (tested)
 SPECIAL_TOKENS = [BOS, EOS, UNK, T2I, SOI, EOI, IPAD, MASK]
 
-NAMES = {"ann": "she", "sue": "she", "eve": "she", "amy": "she", "bob": "he", "tom": "he", "max": "he",
-         "sam": "he"}
+NAMES = {"ann": "she", "sue": "she", "eve": "she", "amy": "she", "bob": "he", "tom": "he", "max": "he", "sam": "he"}
 OBJECTS = ["apples", "pens", "books", "cards", "coins", "eggs", "shells", "stamps"]
 ADD_VERBS = ["buys {} more", "finds {} more", "gets {} more"]     # each step: x + n
 SUB_VERBS = ["gives {} away", "loses {}", "sells {}"]            # each step: x - n
@@ -55,7 +52,7 @@ def build_tokenizer() -> Tokenizer:
     """The toy word-level tokenizer (decode(encode(s)) == s): special tokens, then text pieces. Image codes are ids
     appended after it, not text tokens (MMaDA: code c <-> id len(text_tokenizer) + c)."""
     pieces = [f"▁{w}" for w in WORDS] + [f"▁{s}" for s in SYMBOLS] + [f"▁{BOXED}", "}"]
-    pieces += [d for d in "0123456789"] + [f"▁{d}" for d in "0123456789"]
+    pieces += list("0123456789") + [f"▁{d}" for d in "0123456789"]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL_TOKENS + pieces)}, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
@@ -84,16 +81,11 @@ def _draw(rng: random.Random, make, split: str):
 
 def make_text_example(rng: random.Random, split: str = "train", noise: float = 0.0, max_value: int = 9,
                       max_steps: int = 2) -> dict:
-    """One word problem of max_steps - 1 or max_steps add/subtract steps (at least one), every value in
-    [0, max_value], each written out as `a + n = r`. `answer` is the true result and `solution` the right completion;
-    with probability `noise` the `completion` is the systematic mistake (SFT data only): right working, but the
-    box holds the amount before the last step, as if that step were forgotten. Same tokens and length, never the
-    answer (docs/differences.md, "The toy's SFT mistake").
-
-        make_text_example(random.Random(0)) -> {
-          "prompt": "sue has 1 shells . she loses 1 and gets 6 more . how many shells does she have ?",
-          "completion": "1 - 1 = 0 , 0 + 6 = 6 . \\\\boxed{6}", "answer": "6", "solution": <the same>}
-    """
+    """A word problem of max_steps - 1 or max_steps (at least one) steps `a + n = r` or `a - n = r` in [0, max_value].
+    `answer` is the true result, `solution` the right completion; with probability `noise` the `completion` is the
+    systematic mistake: right working, but the box holds the amount before the last step (same length, never the
+    answer: docs/differences.md, "The toy's SFT mistake"). Seed 0: "sue has 1 shells . she loses 1 and gets 6 more
+    . how many shells does she have ?" -> "1 - 1 = 0 , 0 + 6 = 6 . \\\\boxed{6}"."""
     def make():
         name, obj = rng.choice(sorted(NAMES)), rng.choice(OBJECTS)
         x = rng.randint(1, max_value)
@@ -118,14 +110,9 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
 
 
 def make_image_example(rng: random.Random, split: str = "train", noise: float = 0.0, width: int = 4) -> dict:
-    """One caption, its checkable spec, and one valid target grid (row-major codes, 0 = background); with
-    probability `noise` the grid breaks one check (SFT data only). GenEval's categories: single object, counting,
-    two objects, relative position and placement; every object is one cell of its colour.
-
-        make_image_example(random.Random(1)) -> {"prompt": "three purple blocks",
-          "spec": {"width": 4, "counts": {"purple": 3}, "relation": None, "place": None},
-          "image": [0, 0, 0, 5, 0, 0, 0, 5, 0, 0, 0, 0, 5, 0, 0, 0]}
-    """
+    """A caption of one of GenEval's categories (single object, counting, two objects, relative position, placement),
+    its checkable spec ({"width", "counts": {colour: n}, "relation", "place"}) and a valid grid (row-major codes, 0 =
+    background, one cell per object); with probability `noise` the grid breaks one check (_corrupt)."""
     def make():
         kind = rng.choice(["single", "count", "two", "relation", "place"])
         a, b = rng.sample(COLOURS, 2)
@@ -150,27 +137,10 @@ def make_image_example(rng: random.Random, split: str = "train", noise: float = 
         image = [0] * width * width
         for cell, code in zip(rng.sample(range(width * width), len(codes)), codes):
             image[cell] = code
-        if _placed(image, ex["spec"]):
+        if all(image_checks(image, ex["spec"])):
             break
     ex["image"] = _corrupt(rng, image, ex["spec"]) if rng.random() < noise else image
     return ex
-
-
-def _placed(image: list[int], spec: dict) -> bool:
-    # Whether the relation's or the place's colour sits where the caption says: counts and colours hold by
-    # construction, so this is all rewards.image_reward checks (tests check both agree).
-    w = spec["width"]
-    cells = {c: [divmod(i, w) for i, x in enumerate(image) if x == COLOURS.index(c) + 1] for c in spec["counts"]}
-    if spec["relation"]:
-        a, rel, b = spec["relation"]
-        axis, sign = RELATIONS[rel]
-        if not all(sign * (q[axis] - p[axis]) > 0 for p in cells[b] for q in cells[a]):
-            return False
-    if spec["place"]:
-        a, place = spec["place"]
-        axis, end = PLACES[place]
-        return all(p[axis] == (0 if end == "first" else w - 1) for p in cells[a])
-    return True
 
 
 def _corrupt(rng: random.Random, image: list[int], spec: dict) -> list[int]:
