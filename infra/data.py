@@ -92,10 +92,8 @@ def _get(row: dict, name: str, types):
 
 
 def _int(value, name: str) -> int:
-    if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value):
+    if type(value) is int or isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value):  # JSON: bool is no int
         return int(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
     raise ValueError(f"{name} should be an integer, got {value!r:.60}")
 
 
@@ -175,8 +173,7 @@ def _geneval(row: dict) -> dict:
     return {"task": "geneval", "prompt": prompt, "spec": {k: v for k, v in row.items() if k != "prompt"}}
 
 
-_PARSERS = {"gsm8k": _gsm8k, "math": _math, "mbpp": _mbpp, "countdown": _countdown, "sudoku": _sudoku,
-            "geneval": _geneval}
+_PARSERS = {parse.__name__[1:]: parse for parse in (_gsm8k, _math, _mbpp, _countdown, _sudoku, _geneval)}
 
 
 def load_dataset(task: str, path) -> list[dict]:

@@ -17,9 +17,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-# How long a collective waits for the slowest rank, in minutes. Rank 0 alone writes the final weights and fsyncs
-# checkpoints while the others wait: for an 8B model in float32 with AdamW moments (96 GB) on a network file
-# system that takes past NCCL's 10-minute default.
+# How long a collective waits for the slowest rank, in minutes: rank 0 alone writing an 8B checkpoint with AdamW
+# moments (96 GB) to a network file system while the others wait takes past NCCL's 10-minute default.
 TIMEOUT_ENV = "MASKGRPO_COLLECTIVE_TIMEOUT_MIN"
 DEFAULT_TIMEOUT_MIN = 60
 
@@ -64,9 +63,8 @@ def init(device_name: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if want_cuda else torch.device("cpu")
 
 
-# A rank that fails writes its rank into torchrun's store, and every rank's watcher thread ends its process when it
-# reads that: a peer blocked in an NCCL collective never learns that its peer is gone, nor reads train.py's stop
-# flag, and would otherwise wait for torchrun's SIGKILL or the collective timeout. Blocking calls release the GIL.
+# A failing rank writes its rank into torchrun's store; every rank's watcher thread ends its process on reading it,
+# since a peer blocked in an NCCL collective (the GIL released) would otherwise wait for the collective timeout.
 FAILED_POLL_S = 1.0  # how often a watcher reads the store: a peer's failure ends this rank within about this
 _watcher: dict = {}
 
@@ -163,10 +161,9 @@ def _together(exc: BaseException | None) -> bool:
 
 def close(ok: bool | None = None) -> None:
     """Leave the process group once per process (process_exit does); a no-op without a group. ok: every rank leaves
-    together (None: _together on the exception being handled). Then the barrier lets every last collective complete,
-    so no rank shuts down while gloo's worker still holds its tensors (an abort: "terminate called without an active
-    exception"); otherwise, with other ranks, nothing is done: a peer may be stuck in a collective, which a barrier
-    or NCCL's destroy_process_group would wait for, and process_exit tells the peers through the store."""
+    together (None: _together on the exception being handled); the barrier then lets every last collective complete
+    so no rank shuts down while gloo still holds its tensors (SIGABRT). Otherwise, with other ranks, nothing is done:
+    a peer may be stuck in a collective that a barrier or NCCL's destroy_process_group would wait for."""
     if not dist.is_initialized():
         return
     if not (_together(sys.exc_info()[1]) if ok is None else ok) and world() > 1:
@@ -193,11 +190,10 @@ def exit_status(exc: BaseException | None) -> int:
 
 @contextlib.contextmanager
 def process_exit():
-    """Wrap an entry point's body (`with scale.process_exit(): main()`): on every way out it leaves the process
-    group (close), and a torchrun rank then ends at once with the status Python would give it, stdout and stderr
-    flushed; in one process it changes nothing. Why not let Python end the rank: gloo's threads, which something
-    FSDP2 set up keeps referencing, still run after destroy_process_group (torch 2.13, CPU), and interpreter
-    teardown freeing what they hold ends in SIGABRT. Every file of the run is closed by then; os._exit skips it."""
+    """Wrap an entry point's body (`with scale.process_exit(): main()`): on every way out it closes the group, and a
+    torchrun rank then ends at once (os._exit) with the status Python would give it; one process is left alone. Why:
+    gloo's threads still run after destroy_process_group once FSDP2 has run (torch 2.13, CPU), and interpreter
+    teardown freeing what they hold ends in SIGABRT. Every file of the run is closed (fsynced) by then."""
     launched, status = int(os.environ.get("WORLD_SIZE", "1")) > 1, 0
     try:
         try:
@@ -222,16 +218,14 @@ def process_exit():
 
 
 def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """FSDP2 over the ranks: each block is one all-gather unit, then the root (embedding, final norm, head). The
-    shards keep their loaded dtype (float32 master weights, or a bf16 LoRA base), compute in compute_dtype, and
-    reduce gradients in float32 so summing 8+ ranks keeps the small ones. The identity in one process. Call after
-    add_lora (frozen and trainable parameters are sharded alike) and before the optimizer."""
+    """FSDP2 (as torchtitan: each block, then the root) after add_lora and before the optimizer; the identity in one
+    process. Shards keep their loaded dtype (float32 master weights, a bf16 LoRA base), compute in compute_dtype and
+    reduce gradients in float32, so summing 8+ ranks keeps the small ones."""
     if world() == 1:
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # cast_forward_inputs=False: the float32 RoPE tables passed to each block must not be cast to bf16 (the world
-    # size would change the logits); the blocks cast what they need themselves (model.py).
+    # cast_forward_inputs=False: RoPE tables cast to bf16 would make the logits depend on the world size (model.py)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
@@ -241,9 +235,8 @@ def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> t
     for m in _fsdp_modules(model):
         m.set_force_sum_reduction_for_comms(True)
         m.set_gradient_divide_factor(1.0)
-    # FSDP2 never reshards a root after its forward (the backward reuses it). After a no-grad forward outside
-    # full_weights, model.parameters() would then return the unsharded copies, not the shards the optimizer
-    # holds, and gradient clipping would miss the root.
+    # FSDP2 never reshards a root after its forward; after a no-grad one outside full_weights model.parameters()
+    # would then be the unsharded copies, not the optimizer's shards, and gradient clipping would miss the root.
     model.register_forward_hook(_reshard_root_without_grad)
     return model
 
@@ -293,9 +286,8 @@ def full_state_dict(model) -> dict:
 
 @torch.no_grad()
 def fill_shard(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy into target, a parameter or buffer of a shard() model, this rank's part of the whole CPU tensor full,
-    cast to target's dtype; only that part travels to the device. FSDP2 splits dim 0 as torch.chunk does (the last
-    ranks may hold fewer rows or none); buffers are not sharded and take the whole tensor."""
+    """Copy into target (a parameter or buffer of a shard() model) this rank's part of full, the whole CPU tensor;
+    only that part travels. FSDP2 splits dim 0 as torch.chunk does (the last ranks may hold fewer rows or none)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if isinstance(target, DTensor):
