@@ -38,10 +38,10 @@ FSDP_METHODS = ("set_reshard_after_forward", "set_gradient_divide_factor", "set_
 
 def check_torch(version: str = torch.__version__) -> None:
     """Refuse a torchrun launch on a torch older than MIN_TORCH, in one line, before any collective."""
+    need = ".".join(map(str, MIN_TORCH))
     if tuple(int(v) for v in version.split("+")[0].split(".")[:2]) < MIN_TORCH:
-        raise ValueError(f"torch {version} is too old for torchrun runs: FSDP2 needs torch >= "
-                         f"{'.'.join(map(str, MIN_TORCH))} (FSDPModule.{', .'.join(FSDP_METHODS)}); install torch "
-                         f">= {'.'.join(map(str, MIN_TORCH))} (pyproject.toml)")
+        raise ValueError(f"torch {version} is too old for torchrun runs: FSDP2 needs torch >= {need} "
+                         f"(FSDPModule.{', .'.join(FSDP_METHODS)}); install torch >= {need} (pyproject.toml)")
 
 
 def init(device_name: str) -> torch.device:

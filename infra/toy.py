@@ -63,19 +63,14 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
-def split_of(prompt: str, test_fraction: float = 0.2) -> str:
-    """Deterministic train/test assignment by prompt hash, so held-out prompts are never trained on."""
-    h = int.from_bytes(hashlib.sha1(prompt.encode()).digest()[:8], "big") / 2**64
-    return "test" if h < test_fraction else "train"
-
-
-def _draw(rng: random.Random, make, split: str):
-    # Rejection-sample until the prompt lands in the requested split (~1.25 draws for train).
+def _draw(make, split: str):
+    # Rejection-sample until the prompt's hash puts it in the requested split (a fifth is "test", never trained on).
     if split not in ("train", "test", "any"):
         raise ValueError(f"split must be 'train', 'test' or 'any', got {split!r}")
     while True:
         ex = make()
-        if split == "any" or split_of(ex["prompt"]) == split:
+        h = int.from_bytes(hashlib.sha1(ex["prompt"].encode()).digest()[:8], "big") / 2**64
+        if split == "any" or ("test" if h < 0.2 else "train") == split:
             return ex
 
 
@@ -101,7 +96,7 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
                   f"how many {obj} does {NAMES[name]} have ?")
         return dict(prompt=prompt, steps=steps, answer=str(x))
 
-    ex = _draw(rng, make, split)
+    ex = _draw(make, split)
     steps = ex.pop("steps")
     work = " , ".join(f"{a} {op} {n} = {r}" for a, op, n, r in steps)
     ex["solution"] = f"{work} . {BOXED}{steps[-1][3]}}}"
@@ -131,7 +126,7 @@ def make_image_example(rng: random.Random, split: str = "train", noise: float = 
             spec["place"], prompt = [a, place], f"a {a} block in the {place}"
         return dict(prompt=prompt, spec=spec)
 
-    ex = _draw(rng, make, split)
+    ex = _draw(make, split)
     codes = [COLOURS.index(c) + 1 for c, n in ex["spec"]["counts"].items() for _ in range(n)]
     while True:  # rejection-sample a grid that satisfies every check (a handful of tries at most)
         image = [0] * width * width
