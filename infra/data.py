@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import scale
+from infra import cli, scale
 from rewards import extract_boxed
 from sample import derive_seed, generator
 from tasks import Ctx
@@ -350,7 +350,5 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from infra import cli
-
     with cli.user_errors():
         main()
