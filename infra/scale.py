@@ -161,12 +161,13 @@ def _together(exc: BaseException | None) -> bool:
 
 def close(ok: bool | None = None) -> None:
     """Leave the process group once per process (process_exit does); a no-op without a group. ok: every rank leaves
-    together (None: _together on the exception being handled); the barrier then lets every last collective complete
-    so no rank shuts down while gloo still holds its tensors (SIGABRT). Otherwise, with other ranks, nothing is done:
-    a peer may be stuck in a collective that a barrier or NCCL's destroy_process_group would wait for."""
+    together (None: _together(the exception being handled)). If so, the barrier first lets every last collective
+    complete, so no rank shuts down while gloo still holds its tensors (SIGABRT); if not, with other ranks, nothing
+    is done: a peer may be stuck in a collective that a barrier or NCCL's destroy_process_group would wait for."""
     if not dist.is_initialized():
         return
-    if not (_together(sys.exc_info()[1]) if ok is None else ok) and world() > 1:
+    ok = _together(sys.exc_info()[1]) if ok is None else ok
+    if not ok and world() > 1:
         return
     try:
         barrier()
