@@ -6,7 +6,7 @@
     python evaluate.py --run out/toy                         # re-score a run's sft/ and final/ vs summary.json
     python evaluate.py --compare=before.jsonl,after.jsonl    # gain of two --out files, paired by prompt
 
-Completions come from heldout.evaluate, as in train.py, so under the same Config the numbers are the run's
+Completions come from data.evaluate, as in train.py, so under the same Config the numbers are the run's
 own (`--run` checks it). pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374 §2.1), n = k samples
 per prompt. --out gets each batch's records as they are scored. Exit codes: see main. A training checkpoint
 becomes a --ckpt folder with `python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import tasks
 import train
-from infra import cli, data, heldout, hf, load, run, scale
+from infra import cli, data, hf, load, run, scale
 from infra.data import load_data
 from infra.sandbox import RemoteScorer
 
@@ -125,7 +125,7 @@ def build_config(o: Options) -> tuple[train.Config, int]:
     if samples == 0 and o.task in tasks.IMAGE_TASKS:
         raise ValueError(f"--samples 0 scores greedy completions only, and image tasks ({o.task}) have none (the "
                          "image samplers always draw): pass --samples >= 1")
-    if samples and o.temperature <= 0:  # heldout.evaluate then draws one completion per prompt: no pass@k
+    if samples and o.temperature <= 0:  # data.evaluate then draws one completion per prompt: no pass@k
         raise ValueError(f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
     implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1)}
     if not toy:  # load_data keys on train_data, so the evaluation file is given as both (only "test" is scored)
@@ -161,7 +161,7 @@ def open_out(out: str):
 
 
 class Scored(list):
-    """The records heldout.evaluate extends once per scored batch, each also written (and flushed) to the
+    """The records data.evaluate extends once per scored batch, each also written (and flushed) to the
     --out file at once, so an interrupted evaluation keeps every completion it scored."""
 
     def __init__(self, task: str, mode: str, k: int, file=None):
@@ -169,7 +169,7 @@ class Scored(list):
         self.task, self.mode, self.k, self.file = task, mode, k, file
 
     def extend(self, rows):
-        # heldout.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
+        # data.evaluate repeats each prompt k times consecutively: row index = prompt index * k + sample.
         recs = [{"task": self.task, "mode": self.mode, "prompt_index": r["index"] // self.k,
                  "sample": r["index"] % self.k, "prompt": r["prompt"], "output": r["output"], "reward": r["reward"]}
                 for r in rows]
@@ -191,21 +191,21 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
         scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
         model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
         load.report_truncation(cfg, tok, datasets)
-        n = len(heldout.eval_examples(task, cfg, datasets))
+        n = len(data.eval_examples(task, cfg, datasets))
         if n == 0:  # a table of zero samples would look like a result
             why = f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS else \
                 f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty"
             raise ValueError(f"no {task} prompts to score ({why}); pass at least one")
         ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer)
         modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
-        if task not in tasks.IMAGE_TASKS:  # as heldout.evaluate_all: images have no greedy decoding
+        if task not in tasks.IMAGE_TASKS:  # as data.evaluate_all: images have no greedy decoding
             modes.insert(0, ("greedy", 0.0, 1))
         records = []
         with cli.progress_bar(total=n * sum(k for *_, k in modes), desc=f"eval {task}", unit="completion",
-                              leave=False) as bar:  # heldout.evaluate reports after each batch of (up to) 64
+                              leave=False) as bar:  # data.evaluate reports after each batch of (up to) 64
             for mode, temperature, k in modes:
                 rows = Scored(task, mode, k, sink)
-                heldout.evaluate(model, ctx, task, temperature, rows, bar.update)
+                data.evaluate(model, ctx, task, temperature, rows, bar.update)
                 records += rows
     except KeyboardInterrupt:
         if sink is not None:
@@ -283,7 +283,7 @@ def check_run(run_dir: str, **overrides) -> bool | None:
         model, tok, ids, _ = load.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
         if label == "after" and cfg.lora_rank:
             hf.load_adapters(model, out_dir / "final")
-        evals[label] = heldout.evaluate_all(model.eval(), tasks.Ctx(cfg, tok, ids, device, datasets, scorer))
+        evals[label] = data.evaluate_all(model.eval(), tasks.Ctx(cfg, tok, ids, device, datasets, scorer))
     keys = [k for k in summary if k != "seconds"] + sorted(set(evals["before"]) - set(summary))
     rows, ok = [], True
     for k in keys:

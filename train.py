@@ -33,7 +33,7 @@ from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measu
                        failures_in_one_line, start)
 from infra.scale import print0
 from infra.cli import validate
-from infra.heldout import evaluate_all, image_snapshot
+from infra.data import evaluate_all, image_snapshot
 from sample import derive_seed, generator
 from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts,
                    task_list)

@@ -234,7 +234,7 @@ def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
 
 
 def eval_flops(cfg, mc: ModelConfig, s: dict) -> tuple[float, int]:
-    """(FLOPs, sequences) of ONE held-out evaluation (a run makes two): heldout.evaluate_all samples
+    """(FLOPs, sequences) of ONE held-out evaluation (a run makes two): data.evaluate_all samples
     eval_samples completions per prompt, and one greedy per text prompt, with the exact sampler."""
     exact = step_flops(replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
     seqs = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}

@@ -1,10 +1,9 @@
-"""Local benchmark files -> validated example dicts, and the user-turn prompt for each task.
+"""The data: local benchmark files -> checked example dicts with their prompt; the held-out evaluation on them.
 
-MaskGRPO (arXiv:2510.02880) trains and evaluates on GSM8K, MATH(500) and MBPP-style code, keeps d1's
-countdown and 4x4 sudoku (the paper's evaluation setup), and scores images on GenEval prompts. This module
-reads each public file format (it never downloads), checks every row *before any model is loaded*, and
-returns one dict per example: the `example` that `rewards.REWARDS[example["task"]](completion, example)`
-receives, plus "prompt", the user-turn text (the chat template is applied later, by tasks.chat_prompt).
+MaskGRPO (arXiv:2510.02880) uses GSM8K, MATH(500), MBPP-style code, d1's countdown and 4x4 sudoku, and GenEval
+prompts. Public files are read (never downloaded) and every row is checked before any model is loaded (a bad one
+is named as `file:line: problem`). Each example is what `rewards.REWARDS[task](completion, example)` receives, plus
+"prompt", the user turn (tasks.chat_prompt applies the chat template):
 
     gsm8k      {"task", "prompt", "question", "answer": "1200"}               (the `#### N` number, no commas)
     math       {"task", "prompt", "question", "answer": "\\frac{1}{2}"}       (LaTeX; `answer` or last \\boxed{})
@@ -13,32 +12,30 @@ receives, plus "prompt", the user-turn text (the chat template is applied later,
     sudoku     {"task", "prompt", "puzzle": "3102...", "solution": "3142..."}  (16 digits row by row, 0 = empty)
     geneval    {"task", "prompt": "a photo of a cow", "spec": {"tag", "include", ...}}
 
-Every bad row is reported as `file:line: problem`, the first few at once. Standard library only.
 Check a file: python -m infra.data math math500.jsonl
 """
 from __future__ import annotations
 
 import csv
 import json
+import random
 import re
 import sys
 from pathlib import Path
 
+import torch
+
+import tasks
+from infra import cli, scale
+from rewards import extract_boxed
+from sample import derive_seed, generator
+from tasks import Ctx
 from infra.cli import data_paths
 
 TASKS = ("gsm8k", "math", "mbpp", "countdown", "sudoku", "geneval")
 MAX_REPORTED = 5  # problems listed per error; the rest are only counted
 
-# -----------------------------------------------------------------------------------------------------
-# generic readers: every problem carries its file and 1-based line number
-
-
-def _existing(path) -> Path:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path} (this project never downloads data; "
-                                f"give the path of a local copy in the public format, see data.py)")
-    return path
+# readers: every problem carries its file and 1-based line number -----------------------------------------
 
 
 def _collect(path: Path, numbered, parse) -> list:
@@ -58,13 +55,6 @@ def _collect(path: Path, numbered, parse) -> list:
     return out
 
 
-def _json_lines(path: Path):
-    with open(path, "rb") as f:  # bytes: a non-UTF-8 line is then one reported problem, not a crash
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                yield lineno, line
-
-
 def _json_object(line: bytes) -> dict:
     try:
         row = json.loads(line)
@@ -75,6 +65,20 @@ def _json_object(line: bytes) -> dict:
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     return row
+
+
+def _csv_rows(path: Path):
+    # utf-8-sig: spreadsheet exports start with a BOM; a bad byte becomes U+FFFD and fails the digit check
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        reader = csv.DictReader(f)
+        header = [name.strip().lower() for name in reader.fieldnames or []]
+        if not header:
+            return  # _collect reports the empty file
+        missing = [c for c in ("puzzle", "solution") if c not in header]
+        if missing:
+            raise ValueError(f"{path}:1: missing column {missing[0]!r} (header: {','.join(reader.fieldnames)})")
+        reader.fieldnames = header
+        yield from ((reader.line_num, row) for row in reader)
 
 
 def _get(row: dict, name: str, types):
@@ -89,15 +93,12 @@ def _get(row: dict, name: str, types):
 
 
 def _int(value, name: str) -> int:
-    if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value):
+    if type(value) is int or isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value):  # JSON: bool is no int
         return int(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
     raise ValueError(f"{name} should be an integer, got {value!r:.60}")
 
 
-# -----------------------------------------------------------------------------------------------------
-# one parser per public format: raw row -> example (without "prompt"), ValueError on a bad row
+# one parser per public format: raw row -> example (without "prompt"), ValueError on a bad row ------------
 
 def _gsm8k(row: dict) -> dict:
     # openai/gsm8k: the worked solution ends in "#### 1,200"; a bare number is accepted too.
@@ -111,15 +112,14 @@ def _gsm8k(row: dict) -> dict:
 def _math(row: dict) -> dict:
     # MATH500 rows carry "answer"; Hendrycks MATH rows carry a "solution" whose last \boxed{} is the answer.
     question = _get(row, "problem", str)
-    if "answer" not in row and "solution" not in row:
-        raise ValueError(f"missing field 'answer' or 'solution' (the row has: {', '.join(sorted(row))})")
     if "answer" in row:
         answer = _get(row, "answer", str)
-    else:
-        from rewards import extract_boxed  # lazy: only solution-style rows need it
+    elif "solution" in row:
         answer = extract_boxed(_get(row, "solution", str))
         if answer is None:
             raise ValueError("field 'solution' has no closed \\boxed{...} final answer")
+    else:
+        raise ValueError(f"missing field 'answer' or 'solution' (the row has: {', '.join(sorted(row))})")
     if not answer.strip():
         raise ValueError("the answer is empty")
     return {"task": "math", "question": question, "answer": answer.strip()}
@@ -166,21 +166,6 @@ def _sudoku(row: dict) -> dict:
     return {"task": "sudoku", "puzzle": puzzle, "solution": solution}
 
 
-def _csv_rows(path: Path):
-    # utf-8-sig: spreadsheet exports start with a BOM; a bad byte becomes U+FFFD and fails the digit check
-    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
-        reader = csv.DictReader(f)
-        header = [name.strip().lower() for name in reader.fieldnames or []]
-        if not header:
-            return  # _collect reports the empty file
-        missing = [c for c in ("puzzle", "solution") if c not in header]
-        if missing:
-            raise ValueError(f"{path}:1: missing column {missing[0]!r} (header: {','.join(reader.fieldnames)})")
-        reader.fieldnames = header
-        for row in reader:
-            yield reader.line_num, row
-
-
 def _geneval(row: dict) -> dict:
     # GenEval metadata: {"tag", "include": [{"class", "count", ...}], "exclude"?, "prompt"}
     prompt, include = _get(row, "prompt", str), _get(row, "include", list)
@@ -189,30 +174,30 @@ def _geneval(row: dict) -> dict:
     return {"task": "geneval", "prompt": prompt, "spec": {k: v for k, v in row.items() if k != "prompt"}}
 
 
-_PARSERS = {"gsm8k": _gsm8k, "math": _math, "mbpp": _mbpp, "countdown": _countdown, "sudoku": _sudoku,
-            "geneval": _geneval}
+_PARSERS = {parse.__name__[1:]: parse for parse in (_gsm8k, _math, _mbpp, _countdown, _sudoku, _geneval)}
 
 
 def load_dataset(task: str, path) -> list[dict]:
-    """All examples of a local file for `task` (one of TASKS), validated, each with its "prompt".
-
-    gsm8k/math/mbpp/countdown/geneval read .jsonl; sudoku reads a CSV with puzzle,solution columns.
-    "mbpp" also reads HumanEval-style rows (prompt/test/entry_point). Raises FileNotFoundError or ValueError.
-    """
+    """All examples of a local file for `task` (one of TASKS), validated, each with its "prompt". sudoku reads a CSV
+    with puzzle,solution columns, the others .jsonl ("mbpp" also HumanEval-style prompt/test/entry_point rows)."""
     if task not in _PARSERS:
         raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
-    path = _existing(path)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path} (this project never downloads data; "
+                                f"give the path of a local copy in the public format, see data.py)")
     if task == "sudoku":
         examples = _collect(path, _csv_rows(path), _sudoku)
     else:
-        examples = _collect(path, _json_lines(path), lambda line: _PARSERS[task](_json_object(line)))
+        with open(path, "rb") as f:  # bytes: a non-UTF-8 line is then one reported problem, not a crash
+            lines = [(lineno, line) for lineno, line in enumerate(f, 1) if line.strip()]
+        examples = _collect(path, lines, lambda line: _PARSERS[task](_json_object(line)))
     for ex in examples:
         ex["prompt"] = make_prompt(ex)
     return examples
 
 
-# -----------------------------------------------------------------------------------------------------
-# prompts (user turn only), paraphrasing the official instructions (the official evaluation; d1, arXiv:2504.12216, for countdown/sudoku)
+# the user turn, paraphrasing the official instructions (d1, arXiv:2504.12216, for countdown and sudoku) ---
 
 REPLY_FORMAT = "Reply in this format:\n<reasoning>\nyour step-by-step reasoning\n</reasoning>\n{}"
 MATH_INSTRUCTION = ("You are good at mathematics. Work through the question below step by step and put the final "
@@ -247,14 +232,95 @@ def make_prompt(example: dict) -> str:
 
 
 def load_data(cfg) -> dict:
-    """{task: {"train": examples, "test": examples}} for the benchmark tasks, read and checked before any
-    model is loaded (data.py reports every malformed row with its file and line)."""
-    out = {}
+    """{task: {"train": examples, "test": examples}} for the benchmark tasks, read and checked before any model."""
     evals = data_paths(cfg.eval_data, "eval_data")
-    for task, path in data_paths(cfg.train_data, "train_data").items():
-        out[task] = {"train": load_dataset(task, path),
-                     "test": load_dataset(task, evals[task]) if task in evals else []}
-    return out
+    return {task: {"train": load_dataset(task, path), "test": load_dataset(task, evals[task]) if task in evals else []}
+            for task, path in data_paths(cfg.train_data, "train_data").items()}
+
+
+# held-out evaluation: the mean reward of completions of held-out prompts before and after RL (train.main) and
+# of checkpoints (evaluate.py); tasks.rollout samples, tasks.score scores ----------------------------------
+
+GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
+
+
+def eval_examples(task: str, cfg, datasets: dict) -> list:
+    """The held-out prompts: fixed toy draws from the test split, or the first eval_prompts of eval_data."""
+    if task in tasks.TOY_TASKS:
+        rng = random.Random(derive_seed(cfg.seed, "eval", task))
+        return [tasks.make_example(task, rng, cfg, "test") for _ in range(cfg.eval_prompts)]
+    return datasets.get(task, {}).get("test", [])[: cfg.eval_prompts]
+
+
+def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
+             prompt_means: list | None = None, stop=None) -> float | None:
+    """Held-out mean reward (None without a held-out set) of eval_samples completions per prompt (1 at temperature
+    0), each seeded by its index (runs are paired; the world size changes nothing); ranks interleave the rows of each
+    64-row batch. records gets a dict per row of this rank (index, prompt, output, reward); prompt_means each prompt's
+    mean (for a paired standard error); progress(n) follows each batch of n rows, stop() precedes it on every rank."""
+    cfg, device = ctx.cfg, ctx.device
+    exs = eval_examples(task, cfg, ctx.datasets)
+    if not exs:
+        return None
+    k = cfg.eval_samples if temperature > 0 else 1
+    per_prompt = torch.zeros(len(exs), dtype=torch.float64, device=device)  # summed reward of each prompt
+    exs = [ex for ex in exs for _ in range(k)]
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
+    with scale.full_weights(model):  # on every rank, also one without rows in a batch (tasks.rollout's is a no-op)
+        for i in range(0, len(exs), 64):
+            if stop is not None:
+                stop()
+            mine = slice(scale.rank(), None, scale.world())
+            b = tasks.make_batch(task, exs[i:i + 64], ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(mine)
+            idx = list(range(i, min(i + 64, len(exs))))[mine]
+            if not idx:
+                continue
+            gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
+            b, _ = tasks.rollout(model, b, ctx, gens, temperature)
+            r = tasks.score(b, tasks.verifier(task, cfg.text_reward), ctx.tok, ctx.ids, ctx.scorer)
+            total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
+            per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
+            if progress is not None:
+                progress(len(idx))
+            if records is not None:
+                outs = tasks.decode_window(b, ctx.tok, ctx.ids)
+                records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
+                               for j, ex, o, v in zip(idx, b.examples, outs, r.tolist()))
+    total = scale.all_sum(total)
+    if prompt_means is not None:
+        prompt_means.extend((scale.all_sum(per_prompt) / k).tolist())
+    return (total[0] / total[1]).item()
+
+
+def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None, stop=None) -> dict:
+    """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data are left
+    out. prompt_means receives each one's per-prompt means under the same keys; stop: as evaluate's."""
+    res = {}
+    for task in tasks.task_list(ctx.cfg):
+        for key, temperature in ((task, ctx.cfg.temperature), (f"{task}_greedy", 0.0)):
+            if key != task and task in tasks.IMAGE_TASKS:  # images have no greedy decoding
+                continue
+            means = []
+            r = evaluate(model, ctx, task, temperature, prompt_means=means, stop=stop)
+            if r is None:
+                break
+            res[key] = r
+            if prompt_means is not None:
+                prompt_means[key] = means
+    return res
+
+
+def image_snapshot(model, ctx: Ctx) -> list | None:
+    """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the before and
+    after pictures differ only by the policy. None without the toy image task."""
+    if "image" not in tasks.task_list(ctx.cfg):
+        return None
+    exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS]
+    if not exs:
+        return None
+    b = tasks.make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)
+    gens = [generator(ctx.device, ctx.cfg.seed, "grid", i) for i in range(len(exs))]
+    return tasks.decode_window(tasks.rollout(model, b, ctx, gens, ctx.cfg.temperature)[0], ctx.tok, ctx.ids)
 
 
 def main(argv=None) -> list[dict]:
@@ -272,7 +338,5 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from infra import cli
-
     with cli.user_errors():
         main()

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, cli, heldout, plots, scale, tracker
+from infra import checkpoint, cli, data, plots, scale, tracker
 from infra.scale import print0
 from tasks import IMAGE_TASKS
 
@@ -463,7 +463,7 @@ def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> No
     if grid_before is not None and grid_after is not None:  # a score not measured (null) is left off the panel
         summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
         grid = [("before RL", grid_before), ("after RL", grid_after)]
-        plots.toy_image_panel(grid, heldout.eval_examples("image", cfg, {})[:heldout.GRID_PROMPTS], cfg.image_width,
+        plots.toy_image_panel(grid, data.eval_examples("image", cfg, {})[:data.GRID_PROMPTS], cfg.image_width,
                               out / "images.png", summary)
 
 

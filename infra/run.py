@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import budget, checkpoint, data, heldout, hf, scale
+from infra import budget, checkpoint, data, hf, scale
 from infra.data import load_data
 from sample import FastSampler
 from infra.load import (WriteFailed, check_sft_cache, load_policy, reference_identity, refuse_training_checkpoint,
@@ -32,7 +32,7 @@ from infra.cli import resume_changes, setup
 from tasks import IMAGE_TASKS, task_list
 
 
-EVAL_BATCH = 64  # rows per heldout.evaluate batch
+EVAL_BATCH = 64  # rows per data.evaluate batch
 
 
 def start(cfg, argv, sft):
@@ -244,9 +244,9 @@ def dry_run(cfg, report):
 
 
 def eval_batches(ctx) -> int:
-    """How many batches heldout.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
+    """How many batches data.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
     cfg = ctx.cfg
-    return sum(-(-len(heldout.eval_examples(t, cfg, ctx.datasets)) * k // EVAL_BATCH) for t in task_list(cfg)
+    return sum(-(-len(data.eval_examples(t, cfg, ctx.datasets)) * k // EVAL_BATCH) for t in task_list(cfg)
                for k in ((cfg.eval_samples,) if t in IMAGE_TASKS else (cfg.eval_samples, 1)))
 
 

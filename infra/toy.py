@@ -1,23 +1,15 @@
-"""The toy world of the laptop preset: one vocabulary, two modalities, their data and verifiers (tasks.TASKS).
+"""The toy world of the laptop preset: one vocabulary, two modalities, their data (tasks.TASKS), in pure Python.
 
-Text: procedurally generated arithmetic word problems answered as written-out steps and a final
-`\\boxed{N}` that a GSM8K-style reward reads (MaskGRPO arXiv:2510.02880 §4.1 trains on GSM8K).
-Image: text-to-image on a tiny grid where every cell is one image token whose code is a palette colour,
-scored by a GenEval-style verifier (colour, count, relative position), the role GenEval/UnifiedReward
-play for MMaDA in the paper. Sequences follow the LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809)
-layouts, with their special-token names:
+Text: word problems answered as written-out steps and a `\\boxed{N}` a GSM8K-style reward reads (MaskGRPO
+arXiv:2510.02880 §4.1). Image: text-to-image on a tiny grid of palette-colour tokens, scored by a GenEval-style
+verifier (colour, count, position). Sequences follow the LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809) layouts:
 
     text   <|startoftext|> question | answer <|endoftext|>...   (completion padded with EOS, as LLaDA SFT)
     image  [iPAD]... <|t2i|> <|startoftext|> caption <|endoftext|> <|soi|> image codes <|eoi|>
 
-Everything here is pure Python seeded by `random.Random` (no torch), so tasks and rewards are testable
-alone. `noise` makes a controlled fraction of SFT targets carry one *systematic* mistake: the boxed
-answer copied from the wrong number of the (correct) working, or one named colour drawn as its
-look-alike colour. The SFT model then becomes a mixture of a right and a wrong habit, the situation RL
-is good at fixing (shift probability toward the habit that earns reward) and the one the toy is meant
-to show in minutes. Random mistakes (wrong arithmetic, stray cells) were measured to mostly slow SFT
-down and to leave errors that a few minutes of RL cannot repair. This is a deliberate property of the
-toy, not of the paper; held-out evaluation always scores against the *true* answer/spec.
+`noise` gives a fraction of SFT targets one *systematic* mistake, so the SFT model mixes a right and a wrong habit,
+which RL fixes in minutes (random mistakes were measured to leave errors it cannot). A property of the toy, not of
+the paper; held-out evaluation scores the *true* answer/spec.
 """
 from __future__ import annotations
 
@@ -26,8 +18,7 @@ import random
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from rewards import COLOURS, PLACES, RELATIONS  # the grid the image verifier reads
-
+from rewards import COLOURS, PLACES, RELATIONS, image_checks  # the grid the image verifier reads
 
 # LLaDA/MMaDA special-token names (their released tokenizers). EOS doubles as pad, as in LLaDA-Instruct.
 BOS, EOS, MASK = "<|startoftext|>", "<|endoftext|>", "<|mdm_mask|>"
@@ -35,14 +26,12 @@ T2I, SOI, EOI, IPAD = "<|t2i|>", "<|soi|>", "<|eoi|>", "[iPAD]"
 UNK = "[UNK]"  # WordLevel needs one; no generated text ever maps to it (tested)
 SPECIAL_TOKENS = [BOS, EOS, UNK, T2I, SOI, EOI, IPAD, MASK]
 
-NAMES = {"ann": "she", "sue": "she", "eve": "she", "amy": "she", "bob": "he", "tom": "he", "max": "he",
-         "sam": "he"}
+NAMES = {"ann": "she", "sue": "she", "eve": "she", "amy": "she", "bob": "he", "tom": "he", "max": "he", "sam": "he"}
 OBJECTS = ["apples", "pens", "books", "cards", "coins", "eggs", "shells", "stamps"]
 ADD_VERBS = ["buys {} more", "finds {} more", "gets {} more"]     # each step: x + n
 SUB_VERBS = ["gives {} away", "loses {}", "sells {}"]            # each step: x - n
 
-# Palette (rewards.COLOURS, with the relations and places the image verifier checks): code 0 is background,
-# code c >= 1 is COLOURS[c - 1]. ANSI 256-colour index for render_image.
+# Palette: code 0 is background, code c >= 1 is rewards.COLOURS[c - 1]. ANSI 256-colour index for render_image.
 ANSI = [236, 196, 46, 27, 226, 129, 51, 231]
 CODEBOOK_SIZE = 1 + len(COLOURS)
 COUNT_WORDS = {1: "a", 2: "two", 3: "three", 4: "four"}
@@ -54,79 +43,50 @@ WORDS = sorted(set(NAMES) | set(NAMES.values()) | set(OBJECTS) | set(COLOURS) | 
 SYMBOLS = [".", ",", "?", "+", "-", "="]
 BOXED = "\\boxed{"
 
-# Pre-tokenization: Metaspace turns each space into "▁" glued to the next word (and prepends one at the
-# start), then the regex isolates `\boxed{`, words, single digits, and single symbols, each optionally
-# led by "▁". Single-digit tokens keep the vocabulary tiny and make numbers compositional; the
-# Metaspace decoder maps "▁" back to spaces and drops the leading one, so decode(encode(s)) == s.
+# Metaspace turns each space into "▁" glued to the next word (one is prepended), then the regex isolates `\boxed{`,
+# words, single digits (a tiny vocabulary, compositional numbers) and single symbols, each optionally led by "▁".
 _PIECE = r"▁?(?:\\boxed\{|[a-z]+|[0-9]|[^▁a-z0-9])"
 
 
 def build_tokenizer() -> Tokenizer:
-    """The toy word-level tokenizer: special tokens, then text pieces; image codes are NOT tokens of
-    the text tokenizer but ids appended after it (MMaDA: code c <-> id len(text_tokenizer) + c).
-
-        tok = build_tokenizer()
-        tok.encode("ann has 3 apples").tokens == ["▁ann", "▁has", "▁3", "▁apples"]
-        tok.decode(tok.encode("5 . \\\\boxed{5}").ids) == "5 . \\\\boxed{5}"
-    """
+    """The toy word-level tokenizer (decode(encode(s)) == s): special tokens, then text pieces. Image codes are ids
+    appended after it, not text tokens (MMaDA: code c <-> id len(text_tokenizer) + c)."""
     pieces = [f"▁{w}" for w in WORDS] + [f"▁{s}" for s in SYMBOLS] + [f"▁{BOXED}", "}"]
-    pieces += [d for d in "0123456789"] + [f"▁{d}" for d in "0123456789"]
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + pieces)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    pieces += list("0123456789") + [f"▁{d}" for d in "0123456789"]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL_TOKENS + pieces)}, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
         pre_tokenizers.Split(Regex(_PIECE), behavior="isolated"),
     ])
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-    # Marking them special makes decode(..., skip_special_tokens=True) drop EOS padding and masks.
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(SPECIAL_TOKENS)  # so decode(..., skip_special_tokens=True) drops EOS padding and masks
     return tok
 
 
-def split_of(prompt: str, test_fraction: float = 0.2) -> str:
-    """Deterministic train/test assignment by prompt hash, so held-out prompts are never trained on."""
-    h = int.from_bytes(hashlib.sha1(prompt.encode()).digest()[:8], "big") / 2**64
-    return "test" if h < test_fraction else "train"
-
-
-def _draw(rng: random.Random, make, split: str):
-    # Rejection-sample until the prompt lands in the requested split (~1.25 draws for train).
+def _draw(make, split: str):
+    # Rejection-sample until the prompt's hash puts it in the requested split (a fifth is "test", never trained on).
     if split not in ("train", "test", "any"):
         raise ValueError(f"split must be 'train', 'test' or 'any', got {split!r}")
     while True:
         ex = make()
-        if split == "any" or split_of(ex["prompt"]) == split:
+        h = int.from_bytes(hashlib.sha1(ex["prompt"].encode()).digest()[:8], "big") / 2**64
+        if split == "any" or ("test" if h < 0.2 else "train") == split:
             return ex
-
-
-
-# -----------------------------------------------------------------------------------------------------
-# text task: arithmetic word problems with a \boxed{} answer
 
 
 def make_text_example(rng: random.Random, split: str = "train", noise: float = 0.0, max_value: int = 9,
                       max_steps: int = 2) -> dict:
-    """One word problem with max_steps - 1 or max_steps add/subtract steps (at least one, so the default
-    toy's max_steps 1 and 2 give 1 and 1..2); every intermediate value in [0, max_value]. Each step is
-    written out as `a + n = r` (5 tokens with one-digit values), so max_steps 4 gives completions of 21 or
-    27 tokens, which the `toy_long` preset in train.py decodes in several semi-autoregressive blocks.
-
-    With probability `noise` the completion is the systematic wrong target of `_wrong_target` (SFT data
-    only): right working, box holding the amount before the last step. `answer` is always the true result
-    and `solution` the right completion, which `solution_reward` compares with.
-
-        make_text_example(random.Random(0)) -> {
-          "prompt": "sue has 1 shells . she loses 1 and gets 6 more . how many shells does she have ?",
-          "completion": "1 - 1 = 0 , 0 + 6 = 6 . \\\\boxed{6}", "answer": "6",
-          "solution": "1 - 1 = 0 , 0 + 6 = 6 . \\\\boxed{6}"}
-    """
+    """A word problem of max_steps - 1 or max_steps (at least one) steps `a + n = r` or `a - n = r` in [0, max_value].
+    `answer` is the true result, `solution` the right completion; with probability `noise` the `completion` is the
+    systematic mistake: right working, but the box holds the amount before the last step (same length, never the
+    answer: docs/differences.md, "The toy's SFT mistake"). Seed 0: "sue has 1 shells . she loses 1 and gets 6 more
+    . how many shells does she have ?" -> "1 - 1 = 0 , 0 + 6 = 6 . \\\\boxed{6}"."""
     def make():
         name, obj = rng.choice(sorted(NAMES)), rng.choice(OBJECTS)
         x = rng.randint(1, max_value)
         clauses, steps = [], []  # steps: (left, op, n, result)
         for _ in range(rng.randint(max(1, max_steps - 1), max_steps)):
-            ops = [o for o in "+-" if (o == "+" and x < max_value) or (o == "-" and x > 0)]
-            op = rng.choice(ops)
+            op = rng.choice([o for o in "+-" if (o == "+" and x < max_value) or (o == "-" and x > 0)])
             n = rng.randint(1, max_value - x) if op == "+" else rng.randint(1, x)
             clauses.append(rng.choice(ADD_VERBS if op == "+" else SUB_VERBS).format(n))
             steps.append((x, op, n, x + n if op == "+" else x - n))
@@ -136,115 +96,56 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
                   f"how many {obj} does {NAMES[name]} have ?")
         return dict(prompt=prompt, steps=steps, answer=str(x))
 
-    ex = _draw(rng, make, split)
+    ex = _draw(make, split)
     steps = ex.pop("steps")
-    ex["solution"] = _written(steps, steps[-1][3])
-    ex["completion"] = _written(*_wrong_target(rng, steps, max_value)) if rng.random() < noise else ex["solution"]
+    work = " , ".join(f"{a} {op} {n} = {r}" for a, op, n, r in steps)
+    ex["solution"] = f"{work} . {BOXED}{steps[-1][3]}}}"
+    ex["completion"] = f"{work} . {BOXED}{steps[-1][0]}}}" if rng.random() < noise else ex["solution"]
     return ex
 
 
-def _written(steps: list, boxed: int) -> str:
-    work = " , ".join(f"{a} {op} {n} = {r}" for a, op, n, r in steps)
-    return f"{work} . {BOXED}{boxed}}}"
-
-
-def _wrong_target(rng: random.Random, steps: list, max_value: int) -> tuple[list, int]:
-    # The systematic mistake -> (steps written, boxed value): right working, but the box holds the amount
-    # *before* the last step (for one step: the starting amount), as if the last action were forgotten.
-    # Same tokens and length as a right target; only the box digit differs, so the SFT model learns
-    # "copy the result" and "copy the last step's first number" as two habits. It is never the answer
-    # (every step moves the amount by n >= 1), and no small shift of a working digit makes it one
-    # (docs/differences.md, "The toy's SFT mistake", says why not another one).
-    return steps, steps[-1][0]
-
-
-# -----------------------------------------------------------------------------------------------------
-# image task: text-to-image on a grid of palette colours, with a GenEval-style verifier
-
-
 def make_image_example(rng: random.Random, split: str = "train", noise: float = 0.0, width: int = 4) -> dict:
-    """One caption, its checkable spec, and one valid target grid (row-major codes, 0 = background).
-
-    Categories as in GenEval: single object, counting, two objects, relative position, and placement
-    ("in the top row"). Every object is one cell of its colour, so "count" is a number of cells.
-    With probability `noise` the target grid breaks one check (SFT data only).
-
-        make_image_example(random.Random(1)) -> {"prompt": "three purple blocks",
-          "spec": {"width": 4, "counts": {"purple": 3}, "relation": None, "place": None},
-          "image": [0, 0, 0, 5, 0, 0, 0, 5, 0, 0, 0, 0, 5, 0, 0, 0]}
-    """
+    """A caption of one of GenEval's categories (single object, counting, two objects, relative position, placement),
+    its checkable spec ({"width", "counts": {colour: n}, "relation", "place"}) and a valid grid (row-major codes, 0 =
+    background, one cell per object); with probability `noise` the grid breaks one check (_corrupt)."""
     def make():
         kind = rng.choice(["single", "count", "two", "relation", "place"])
         a, b = rng.sample(COLOURS, 2)
         spec = {"width": width, "counts": {a: 1}, "relation": None, "place": None}
-        if kind == "single":
-            prompt = f"a {a} block"
-        elif kind == "count":
+        prompt = f"a {a} block"
+        if kind == "count":
             n = rng.randint(2, len(COUNT_WORDS))
-            spec["counts"] = {a: n}
-            prompt = f"{COUNT_WORDS[n]} {a} blocks"
+            spec["counts"], prompt = {a: n}, f"{COUNT_WORDS[n]} {a} blocks"
         elif kind == "two":
-            spec["counts"] = {a: 1, b: 1}
-            prompt = f"a {a} block and a {b} block"
+            spec["counts"], prompt = {a: 1, b: 1}, f"a {a} block and a {b} block"
         elif kind == "relation":
             rel = rng.choice(sorted(RELATIONS))
-            spec["counts"], spec["relation"] = {a: 1, b: 1}, [a, rel, b]
-            prompt = f"a {a} block {rel} a {b} block"
-        else:
+            spec["counts"], spec["relation"], prompt = {a: 1, b: 1}, [a, rel, b], f"a {a} block {rel} a {b} block"
+        elif kind == "place":
             place = rng.choice(sorted(PLACES))
-            spec["place"] = [a, place]
-            prompt = f"a {a} block in the {place}"
+            spec["place"], prompt = [a, place], f"a {a} block in the {place}"
         return dict(prompt=prompt, spec=spec)
 
-    ex = _draw(rng, make, split)
-    spec = ex["spec"]
-    cells = width * width
+    ex = _draw(make, split)
+    codes = [COLOURS.index(c) + 1 for c, n in ex["spec"]["counts"].items() for _ in range(n)]
     while True:  # rejection-sample a grid that satisfies every check (a handful of tries at most)
-        image = [0] * cells
-        free = rng.sample(range(cells), sum(spec["counts"].values()))
-        k = 0
-        for c, n in spec["counts"].items():
-            for _ in range(n):
-                image[free[k]] = COLOURS.index(c) + 1
-                k += 1
-        if _placed(image, spec):
+        image = [0] * width * width
+        for cell, code in zip(rng.sample(range(width * width), len(codes)), codes):
+            image[cell] = code
+        if all(image_checks(image, ex["spec"])):
             break
-    if rng.random() < noise:
-        image = _corrupt(rng, image, spec)
-    ex["image"] = image
+    ex["image"] = _corrupt(rng, image, ex["spec"]) if rng.random() < noise else image
     return ex
 
 
-def _placed(image: list[int], spec: dict) -> bool:
-    # The drawn grid puts the relation's or the place's colour where the caption says. The counts and the set of
-    # colours hold by construction, so this is all rewards.image_reward checks (tests check both agree).
-    w = spec["width"]
-    cells = {c: [divmod(i, w) for i, x in enumerate(image) if x == COLOURS.index(c) + 1] for c in spec["counts"]}
-    if spec["relation"]:
-        a, rel, b = spec["relation"]
-        axis, sign = RELATIONS[rel]
-        if not all(sign * (q[axis] - p[axis]) > 0 for p in cells[b] for q in cells[a]):
-            return False
-    if spec["place"]:
-        a, place = spec["place"]
-        axis, end = PLACES[place]
-        if not all(p[axis] == (0 if end == "first" else w - 1) for p in cells[a]):
-            return False
-    return True
-
-
 def _corrupt(rng: random.Random, image: list[int], spec: dict) -> list[int]:
-    # The systematic mistake: every cell of the first named colour drawn in its look-alike (the next
-    # palette colour), which always breaks that colour's count check. Layout is untouched.
+    # The systematic mistake: every cell of the first named colour drawn in its look-alike (the next palette
+    # colour), which always breaks that colour's count check. Layout is untouched.
     c = COLOURS.index(next(iter(spec["counts"]))) + 1
-    look_alike = c % len(COLOURS) + 1
-    return [look_alike if x == c else x for x in image]
+    return [c % len(COLOURS) + 1 if x == c else x for x in image]
 
 
 def render_image(codes: list[int], width: int) -> str:
     """The grid as ANSI 256-colour blocks, one row per line ('??' for an invalid code)."""
-    rows = []
-    for r in range(0, len(codes), width):
-        rows.append("".join(f"\x1b[48;5;{ANSI[c]}m  \x1b[0m" if 0 <= c < len(ANSI) else "??"
-                            for c in codes[r:r + width]))
-    return "\n".join(rows)
+    cell = [f"\x1b[48;5;{ANSI[c]}m  \x1b[0m" if 0 <= c < len(ANSI) else "??" for c in codes]
+    return "\n".join("".join(cell[r:r + width]) for r in range(0, len(codes), width))

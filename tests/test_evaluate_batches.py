@@ -1,7 +1,7 @@
-"""The held-out evaluation (infra/heldout.evaluate, evaluate_all: train.py's before/after scores and evaluate.py's)
+"""The held-out evaluation (infra/data.evaluate, evaluate_all: train.py's before/after scores and evaluate.py's)
 over more than one batch of 64 rows, on more than one process, and under the fast-rollout flags.
 
-The expectation is a naive re-implementation of what infra/heldout.evaluate documents: held-out prompts repeated
+The expectation is a naive re-implementation of what infra/data.evaluate documents: held-out prompts repeated
 eval_samples times, batches of 64 rows, row j (its GLOBAL index) sampled by LLaDA's exact sampler
 (sample.generate with no KV cache and no threshold: "the held-out evaluations always use the exact
 sampler", docs/results.md; tasks.rollout: "evaluation keeps the exact sampler") from the generator
@@ -20,7 +20,7 @@ import evaluate
 import sample
 import tasks
 import train
-from infra import heldout, scale
+from infra import data, scale
 
 from test_trajectory import base, fake_score  # noqa: F401 (base: the tiny random smoke model, a fixture)
 
@@ -29,9 +29,9 @@ FAST = ["--kv_cache=dual", "--threshold=0.0101"]  # 100-token vocabulary: the ar
 
 
 def run_evaluate(model, ctx, temperature, prompt_means=None):
-    """(mean, records) of heldout.evaluate on the toy text task: the one call into the code under test."""
+    """(mean, records) of data.evaluate on the toy text task: the one call into the code under test."""
     records = []
-    mean = heldout.evaluate(model, ctx, "text", temperature, records, prompt_means=prompt_means)
+    mean = data.evaluate(model, ctx, "text", temperature, records, prompt_means=prompt_means)
     return mean, {r["index"]: r for r in records}
 
 
@@ -39,7 +39,7 @@ def naive(model, ctx, temperature, **fast):
     """{global row index: (completion text, reward)} by the documented recipe, batch by batch of 64."""
     cfg, tok, ids = ctx.cfg, ctx.tok, ctx.ids
     k = cfg.eval_samples if temperature > 0 else 1
-    rows = [ex for ex in heldout.eval_examples("text", cfg, {}) for _ in range(k)]
+    rows = [ex for ex in data.eval_examples("text", cfg, {}) for _ in range(k)]
     out = {}
     for start in range(0, len(rows), 64):
         b = tasks.make_batch("text", rows[start:start + 64], tok, ids, cfg, ctx.device, with_targets=False)
@@ -108,7 +108,7 @@ def test_each_process_scores_its_rows_as_one_process_does(base, model64, monkeyp
 
 def test_evaluate_all_ignores_the_fast_rollout_flags(base, model64):
     """train.py's before/after scores (sampled and greedy) are the exact sampler's under --kv_cache/--threshold."""
-    fast = heldout.evaluate_all(model64, ctx_of(base, *FAST))
+    fast = data.evaluate_all(model64, ctx_of(base, *FAST))
     assert set(fast) == {"text", "text_greedy"}
     for key, temperature in (("text", 1.0), ("text_greedy", 0.0)):
         want = naive(model64, ctx_of(base), temperature)

@@ -3,7 +3,7 @@ evaluation decodes and scores with, so that evaluate.py and sample.py decode a c
 a checkpoint trained with CFG (--cfg_scale) is decoded with it.
 
 The settings the evaluation reads are recorded by running train.py's own held-out evaluation
-(heldout.evaluate_all) with a Config that records every field read; of those, the evaluator's own choices
+(data.evaluate_all) with a Config that records every field read; of those, the evaluator's own choices
 (the seed, how many prompts and samples, the batch size, which only changes speed) are left to evaluate.py's
 flags, and every other one must come back from the checkpoint, at a non-default value.
 
@@ -19,7 +19,7 @@ import evaluate
 import sample
 import tasks
 import train
-from infra import heldout, load, toy
+from infra import data, load, toy
 from tools import sample as sample_cli
 from model import Transformer
 
@@ -53,7 +53,7 @@ def test_the_fields_evaluation_reads_are_known():
     model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
     reading = Reading(cfg)
-    heldout.evaluate_all(model.eval(), tasks.Ctx(reading, tok, ids, torch.device("cpu"), {}))
+    data.evaluate_all(model.eval(), tasks.Ctx(reading, tok, ids, torch.device("cpu"), {}))
     assert reading.read == EVALUATOR_CHOICES | set(NON_DEFAULT)
     assert all(getattr(cfg, k) != v for k, v in NON_DEFAULT.items())
 

@@ -16,7 +16,7 @@ import pytest
 import evaluate
 import tasks
 import train
-from infra import heldout, hf
+from infra import data, hf
 from infra.run import RunFailed
 
 # A two-step SFT and no RL: enough to leave a complete run (sft/, final/, summary.json, log.jsonl).
@@ -199,7 +199,7 @@ def test_evaluate_checks_out_before_evaluating(finished, tmp_path, monkeypatch, 
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("x")
     (tmp_path / "done.jsonl").write_text('{"reward": 1.0}\n')
-    monkeypatch.setattr(heldout, "evaluate", _no_evaluation)
+    monkeypatch.setattr(data, "evaluate", _no_evaluation)
     out = tmp_path / bad
     assert evaluate.main(["--ckpt", str(finished / "final"), "--task", "text", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()

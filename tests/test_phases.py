@@ -15,7 +15,7 @@ import pytest
 
 import tasks
 import train
-from infra import checkpoint, heldout, run as run_mod
+from infra import checkpoint, data, run as run_mod
 from test_nothing_lost import TINY, tree_digest
 
 
@@ -105,7 +105,7 @@ def test_signal_during_final_evaluation_keeps_the_last_step(sft_dir, tmp_path, m
     out = tmp_path / "run"
     args = [*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=3", "--checkpoint_every=2"]
     # before RL: text, text greedy, image (3 evaluations); the 4th is the first of the final evaluation
-    signal_on_call(monkeypatch, heldout, "evaluate", 4, sig)
+    signal_on_call(monkeypatch, data, "evaluate", 4, sig)
     with pytest.raises(SystemExit) as e:
         train.main(args)
     assert e.value.code == 128 + sig
@@ -128,7 +128,7 @@ def test_without_cadence_the_stop_writes_the_checkpoint(sft_dir, tmp_path, monke
     step's checkpoint then."""
     out = tmp_path / "run"
     args = [*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1"]
-    signal_on_call(monkeypatch, heldout, "evaluate", 5, signal.SIGINT)  # the final evaluation's second
+    signal_on_call(monkeypatch, data, "evaluate", 5, signal.SIGINT)  # the final evaluation's second
     with pytest.raises(SystemExit) as e:
         train.main(args)
     assert e.value.code == 130
@@ -141,7 +141,7 @@ def test_signal_during_evaluation_before_rl(sft_dir, tmp_path, monkeypatch, caps
     the command printed starts the run again."""
     out = tmp_path / "run"
     args = [*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=2"]
-    calls = signal_on_call(monkeypatch, heldout, "evaluate", 1, signal.SIGTERM)
+    calls = signal_on_call(monkeypatch, data, "evaluate", 1, signal.SIGTERM)
     with pytest.raises(SystemExit) as e:
         train.main(args)
     assert e.value.code == 128 + signal.SIGTERM and calls["n"] == 1
@@ -201,7 +201,7 @@ def finished_with_checkpoint(sft_dir, tmp_path_factory):
 def test_resume_of_a_finished_run_rewrites_nothing(sft_dir, finished_with_checkpoint, monkeypatch, capsys):
     out = finished_with_checkpoint
     before = tree_digest(out)
-    monkeypatch.setattr(heldout, "evaluate", no_sft)
+    monkeypatch.setattr(data, "evaluate", no_sft)
     summary = train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1", "--checkpoint_every=1",
                           "--resume=true"])
     assert summary == json.loads((out / "summary.json").read_text())

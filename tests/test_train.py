@@ -21,7 +21,7 @@ import rewards
 import sample
 import tasks
 import train
-from infra import heldout, hf
+from infra import data, hf
 from infra import toy as toy_world
 from infra.budget import scratch_config
 from infra.load import load_policy
@@ -195,7 +195,7 @@ def test_rl_prompts_never_come_from_the_held_out_split(task, seed):
     held-out prompts are --eval_prompts draws from the test split; --text_max_steps and --image_width
     reach both."""
     cfg = parse(f"--seed={seed}", "--prompts_per_step=8", "--eval_prompts=40", "--text_max_steps=2", "--image_width=3")
-    evals = heldout.eval_examples(task, cfg, {})
+    evals = data.eval_examples(task, cfg, {})
     assert len(evals) == 40 and all(held_out(ex["prompt"]) for ex in evals)
     held = {ex["prompt"] for ex in evals}
     drawn = [ex for step in range(300) for ex in tasks.draw_prompts(task, cfg, step, {})]
@@ -228,7 +228,7 @@ def test_dataset_prompts_walk_every_train_row_once_per_epoch():
     again = [ex["prompt"] for s in range(7) for ex in tasks.draw_prompts("gsm8k", parse("--prompts_per_step=3",
                                                                                         "--seed=3"), s, datasets)]
     assert again != drawn
-    assert [ex["prompt"] for ex in heldout.eval_examples("gsm8k", cfg, datasets)] == ["test 0", "test 1", "test 2"]
+    assert [ex["prompt"] for ex in data.eval_examples("gsm8k", cfg, datasets)] == ["test 0", "test 1", "test 2"]
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -348,20 +348,20 @@ def test_greedy_evaluation_decodes_at_temperature_zero(toy_model, monkeypatch):
     spy(monkeypatch, sample, "generate_image", calls)
     monkeypatch.setattr(tasks, "score", fake_score)
     cfg = parse("--temperature=0.7", "--eval_prompts=3", "--eval_samples=2")
-    res = heldout.evaluate_all(model, tasks.Ctx(cfg, tok, ids, CPU, {}))
+    res = data.evaluate_all(model, tasks.Ctx(cfg, tok, ids, CPU, {}))
     assert set(res) == {"text", "text_greedy", "image"}
     text = [(c[2]["temperature"], c[1][1].shape[0]) for c in calls if c[0] == "generate"]
     assert [t for t, _ in text] == [0.7, 0.0]  # one batch each (at most 64 rows)
     assert [n for _, n in text] == [6, 3]
     assert sum(c[1][1].shape[0] for c in calls if c[0] == "generate_image") == 6
 
-    prompts = heldout.eval_examples("text", cfg, {})
-    monkeypatch.setattr(heldout, "eval_examples", lambda task, cfg_, datasets: prompts)
+    prompts = data.eval_examples("text", cfg, {})
+    monkeypatch.setattr(data, "eval_examples", lambda task, cfg_, datasets: prompts)
 
     def outputs(seed, temperature):
         records = []
         c = tasks.Ctx(parse("--tasks=text", f"--seed={seed}", "--eval_samples=2", "--eval_prompts=3"), tok, ids, CPU, {})
-        heldout.evaluate(model, c, "text", temperature, records)
+        data.evaluate(model, c, "text", temperature, records)
         return [r["output"] for r in records]
 
     assert outputs(0, 0.0) == outputs(1, 0.0)

@@ -14,7 +14,7 @@ import torch
 import tasks
 
 import train
-from infra import heldout, hf, load, toy
+from infra import data, hf, load, toy
 from model import Transformer
 
 
@@ -143,14 +143,14 @@ def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
     solution = "4 + 3 = 7 , 7 - 5 = 2 . \\boxed{2}"
     example = {"prompt": "amy has 4 pens", "answer": "2", "completion": solution, "solution": solution}
     monkeypatch.setattr(tasks, "decode_window", lambda b, tok, ids: ["4 + 3 = 8 , 8 - 5 = 2 . \\boxed{2}"] * len(b.x))
-    monkeypatch.setattr(heldout, "eval_examples", lambda task, cfg, datasets: [example] * 3)
+    monkeypatch.setattr(data, "eval_examples", lambda task, cfg, datasets: [example] * 3)
     monkeypatch.setattr(tasks, "draw_prompts", lambda task, cfg, step, datasets: [example] * cfg.prompts_per_step)
     for name, want in (("answer", 1.0), ("solution", 0.0)):
         cfg = train.parse_args(["--preset=smoke", "--tasks=text", "--prompts_per_step=2", "--group_size=4",
                                 "--mu=1", "--gen_length=16", "--block_length=16", "--steps=16",
                                 f"--text_reward={name}"])
         ctx = tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {})
-        assert heldout.evaluate(copy.deepcopy(model), ctx, "text", 0.0) == want
+        assert data.evaluate(copy.deepcopy(model), ctx, "text", 0.0) == want
         policy = copy.deepcopy(model)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
         _, (r,) = train.rl_step(policy, copy.deepcopy(model), opt, ctx, 0, tasks.step_prompts(ctx, 0))
@@ -158,12 +158,12 @@ def test_text_reward_setting_reaches_rollouts_and_evaluation(base, monkeypatch):
 
 
 def test_evaluate_prompt_means_average_each_prompts_samples(base):
-    """heldout.evaluate's prompt_means: held-out prompt j's mean over its eval_samples completions, which are
+    """data.evaluate's prompt_means: held-out prompt j's mean over its eval_samples completions, which are
     rows j * k .. j * k + k - 1 of its records (toy images: rewards are fractions, so prompts differ)."""
     tok, ids, model = base
     cfg = train.parse_args(["--preset=smoke", "--tasks=image", "--eval_prompts=6", "--eval_samples=3"])
     records, means = [], []
-    mean = heldout.evaluate(model, tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {}), "image", 1.0, records,
+    mean = data.evaluate(model, tasks.Ctx(cfg, tok, ids, torch.device("cpu"), {}), "image", 1.0, records,
                           prompt_means=means)
     want = [sum(r["reward"] for r in records if r["index"] // 3 == j) / 3 for j in range(6)]
     assert len(records) == 18 and means == pytest.approx(want, abs=1e-12) and len(set(want)) > 1
