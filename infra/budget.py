@@ -24,15 +24,13 @@ from infra import hf, toy
 from infra.scale import print0
 
 GB = 1024 ** 3
-# Dense bf16 peaks (NVIDIA's datasheets, without sparsity) by the name torch.cuda.get_device_name gives
-# (tests/first_gpu.py times a step against it); the time estimate is stated for GPU_NAME at ASSUMED_MFU, an
-# assumption: large-batch bf16 training reaches 35-50% on A100s, and rollouts here are full-sequence forwards
-# of 6-12 sequences per GPU, so the low end.
+# Dense bf16 peaks (NVIDIA's datasheets, without sparsity) by torch.cuda.get_device_name; the time estimate is for
+# GPU_NAME at ASSUMED_MFU, an assumption: large-batch bf16 training reaches 35-50% on A100s, and rollouts here
+# are full-sequence forwards of 6-12 sequences per GPU, so the low end.
 GPU_PEAKS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 GPU_NAME, GPU_PEAK_FLOPS = "A100-80GB SXM", GPU_PEAKS["A100"]
 ASSUMED_MFU = 0.35
-# GiB (2^30 bytes, every memory figure's unit) of an H100 SXM "80 GB" and an H200 "141 GB" by nvidia-smi
-# (81,559 and 143,771 MiB), before the CUDA context: the GPUs the dry run states the headroom for.
+# GiB (every memory figure's unit) of an H100 SXM and an H200 by nvidia-smi, before the CUDA context
 GPU_MEMORY_GB = {"H100": 79.6, "H200": 140.4}
 # Seconds from SIGTERM to SIGKILL by default: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT and Slurm's KillWait.
 DEFAULT_KILL_DELAY = 30
@@ -63,13 +61,9 @@ def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
 
 
 def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
-    """Global FLOPs of one RL step of task shape p (task_shapes), all ranks, by phase. A forward costs per token 2
-    FLOPs per weight of the block matrices (and adapters) and 4 * keys * d_model per layer of attention; the head
-    (2 per weight) runs only where the code computes it. Rollouts: `steps` passes (twice the rows with CFG); the
-    Fast-dLLM caches one full pass per block, then the tokens from the block on (prefix) or the block (dual): upper
-    bounds, as threshold decoding can end a block early. Scoring: old and (beta > 0) reference log-probs of mu
-    masks (trajectory: decoding states). Updates: forward-backwards (LoRA's backward 1x plus the adapters'), and
-    a recompute with activation checkpointing. per_rollout_seq: one rollout sequence, its CFG rows included."""
+    """Global FLOPs of one RL step of task shape p (task_shapes), all ranks, by phase, and of one rollout sequence
+    (per_rollout_seq). A forward costs per token 2 FLOPs per weight of the block matrices (and adapters) and
+    4 * keys * d_model per layer of attention; the head (2 per weight) runs only where the code computes it."""
     d, nl = mc.d_model, mc.n_layers
     body, head = nl * s["block_matmul"], s["head"]
     lora = cfg.lora_rank > 0
@@ -82,7 +76,8 @@ def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
     cfg_rows = 2 if p["image"] and cfg.cfg_scale > 0 else 1
     if p["rollout"] in ("exact", "image"):
         per_seq = steps * fwd(seq_len, seq_len, window if p["image"] else block_length)
-    else:  # Fast-dLLM block caches
+    else:  # Fast-dLLM: a full pass per block, then the tokens from the block on (prefix) or the block (dual);
+        # upper bounds, as threshold decoding can end a block early
         blocks = (seq_len - p["prompt_len"]) // block_length
         spb = steps // blocks
         per_seq = 0
@@ -110,12 +105,9 @@ def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
            cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
            codebook: int = 8192, head_len: int | None = None) -> dict:
-    """Memory per GPU in GiB by component, for one world size (the CUDA context, fragmentation and NCCL buffers
-    left out). Sharded: full fine-tuning's float32 weights, gradients and AdamW moments (16 B a parameter, + 4 B
-    reference with beta > 0), or LoRA's base in the compute dtype and float32 adapters. Gathered (world_size > 1):
-    the root and two blocks in an update, the whole model in a rollout or scoring, the largest group again in the
-    all-gather buffer. Per chunk: activations (checkpointing: each block's input and one block's), float32 logits
-    at the `head_len` positions (8 B an entry), the samplers' transients."""
+    """Memory per GPU in GiB by component and phase for one world size (the CUDA context, fragmentation and NCCL
+    buffers left out): the sharded training state, the groups FSDP2 gathers (world_size > 1), and per chunk the
+    activations, float32 logits at `head_len` positions and the samplers' transients."""
     c, w, n = mc, world_size, s["params"]
     per_tok_block = 16 * c.d_model + 3 * c.mlp_hidden_size
     gathered = w > 1
@@ -133,6 +125,8 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     head_rows = chunk * (sampled if image else max(sampled, -(-MIN_HEAD_ROWS // chunk)))
     # images: float64 probabilities and their cumulative sum; text: float64 Gumbel noise (24 B) and a softmax
     sampler = chunk * sampled * codebook * 8 * 2 if image else chunk * sampled * c.vocab_size * (24 + 2)
+    # full fine-tuning: float32 weights, gradients, AdamW moments (+ the reference); LoRA: the base in the compute
+    # dtype. Gathered: the root and two blocks in an update, the whole model in a rollout or scoring.
     rows = {"full_state": n * (16 + 4 * (beta > 0)) / w,
             "lora_state": n * compute_bytes / w + s["lora_params"] * 16 / w,
             "root_gathered": root * compute_bytes * gathered, "blocks_gathered": 2 * block * compute_bytes * gathered,

@@ -3,23 +3,18 @@
     python train.py --preset toy --tracker=tensorboard     # then: tensorboard --logdir out/toy/tensorboard
     WANDB_MODE=offline python train.py --preset toy --tracker=wandb --tracker_project=maskgrpo
     python train.py --preset toy --tracker=trackio         # then: trackio show --project maskgrpo
-    python -m infra.tracker out/toy         # redraws out/toy/curves.png from out/toy/log.jsonl
-    python -m infra.tracker --compare d1=out/d1-s0,out/d1-s1 MaskGRPO=out/m-s0,out/m-s1 --png kl.png
-                                           # KL and reward per step, one line per label (median over its runs)
-    python -m infra.tracker --compare ... --x=cpu_seconds --png r.png   # against cumulative RL seconds
+    python -m infra.tracker out/toy      # redraws out/toy/curves.png from out/toy/log.jsonl
+    python -m infra.tracker --compare d1=out/d1-s0,out/d1-s1 MaskGRPO=out/m-s0 --png kl.png [--x=cpu_seconds]
 
-The tracker (off by default) gets the run's settings as its config, each step's log.jsonl and times.jsonl lines
-at log.jsonl's `step`, the held-out rewards before (step 0) and after RL (the last step), and the pictures. Only
-rank 0 logs. log.jsonl stays the record: a tracker that fails is reported in one line and dropped.
-out_dir/tracker.json keeps its run id and how far it has logged, so --resume=true continues the tracked run and
-no step reaches it twice. The trackers (`pip install -e '.[track]'`) and the pictures' matplotlib and Pillow
-(`pip install -e ".[plots]"`) are optional extras: a missing tracker is refused by `check`, before anything
-runs; a missing picture extra prints one line and the picture is not drawn.
+log.jsonl stays the record: a tracker that fails is reported in one line and dropped, and out_dir/tracker.json
+lets --resume=true continue the tracked run with no step logged twice. The trackers, matplotlib and Pillow are
+optional extras (`pip install -e '.[track]'`, `'.[plots]'`).
 """
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import importlib.util
 import json
 import math
@@ -62,7 +57,7 @@ class Tracker:
         self.last = max(cfg.rl_steps - 1, 0)  # the step of the held-out rewards after RL and the pictures
 
     def step(self, step: int, log: dict, times: dict) -> None:
-        """One RL step: its log.jsonl line but `step` (the x axis), and its times.jsonl line under time/."""
+        """One RL step's log.jsonl line (`step` is the x axis), and its times.jsonl line under time/."""
         # a value that is no number or text (--change_on_resume's {"lr": [old, new]}) goes as its JSON text
         values = {**{k: v if isinstance(v, (int, float, str)) else json.dumps(v)
                      for k, v in log.items() if k != "step"},
@@ -77,7 +72,7 @@ class Tracker:
         self._send(when, step, lambda b: b.log({f"heldout/{k}/{when}": v for k, v in rewards.items()}, step))
 
     def finish(self, out: Path) -> None:
-        """The end of a complete run: send the pictures it drew, close the tracked run."""
+        """A complete run: send the pictures it drew, close the tracked run."""
         pictures = {f"pictures/{n}": out / f"{n}.png" for n in PICTURES if (out / f"{n}.png").is_file()}
         if pictures:
             self._send("pictures", self.last, lambda b: b.images(pictures, self.last))
@@ -110,19 +105,14 @@ class Tracker:
         print0(f"warning: the {self.cfg.tracker} tracker failed ({type(e).__name__}: {first}); training goes on "
                "without it, log.jsonl is the record")
         backend, self.backend = self.backend, None
-        try:
+        with contextlib.suppress(Exception):
             if backend is not None:
                 backend.finish()
-        except Exception:
-            pass
 
     def _save(self) -> None:
         out = Path(self.cfg.out_dir)
-        saved = read_state(out)
-        saved[self.cfg.tracker] = self.state
-        tmp = out / "tracker.tmp"
-        tmp.write_text(json.dumps(saved, indent=1) + "\n")
-        os.replace(tmp, out / STATE)
+        (out / "tracker.tmp").write_text(json.dumps({**read_state(out), self.cfg.tracker: self.state}, indent=1) + "\n")
+        os.replace(out / "tracker.tmp", out / STATE)
 
 
 _OPEN: list[Tracker] = []  # the tracker this process has open: finished at exit if the run ends early
@@ -204,7 +194,7 @@ class Wandb:
     def __init__(self, cfg, run_id: str | None):
         import wandb
 
-        self.wandb = wandb
+        self.lib = wandb
         self.run = wandb.init(project=cfg.tracker_project, name=run_name(cfg), id=run_id,  # None: wandb draws one
                               resume="allow" if run_id else None, dir=cfg.out_dir, config=asdict(cfg),
                               settings=wandb.Settings(console="off", quiet=True))  # the terminal keeps our lines
@@ -216,20 +206,20 @@ class Wandb:
         self.run.log({**values, "step": step})
 
     def images(self, paths: dict, step: int) -> None:
-        self.log({k: self.wandb.Image(str(p)) for k, p in paths.items()}, step)
+        self.log({k: self.lib.Image(str(p)) for k, p in paths.items()}, step)
 
     def finish(self) -> None:
         self.run.finish()
 
 
-class Trackio:
+class Trackio(Wandb):
     """trackio (wandb's API, a local SQLite store under TRACKIO_DIR). It reopens a run by name, so the name must
     lead back to the saved id."""
 
     def __init__(self, cfg, run_id: str | None):
         import trackio
 
-        self.trackio = trackio
+        self.lib = trackio
         self.run = trackio.init(project=cfg.tracker_project, name=run_name(cfg), config=asdict(cfg),
                                 resume="must" if run_id else "never", embed=False)
         self.id = self.run.id
@@ -240,11 +230,8 @@ class Trackio:
     def log(self, values: dict, step: int) -> None:
         self.run.log(values, step=step)
 
-    def images(self, paths: dict, step: int) -> None:
-        self.run.log({k: self.trackio.Image(str(p)) for k, p in paths.items()}, step=step)
-
     def finish(self) -> None:
-        self.trackio.finish()  # the run's own finish, and trackio's record that no run is open
+        self.lib.finish()  # the run's own finish, and trackio's record that no run is open
 
 
 BACKENDS = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
@@ -331,22 +318,22 @@ def _read_log(log_path) -> list[dict]:
     return records
 
 
+def _points(records: list[dict], key: str) -> list[tuple]:
+    # (step, value) of each record that logged `key` as a finite number; NaN or missing values are skipped
+    pts = [(r.get("step", i), r.get(key)) for i, r in enumerate(records)]
+    return [(x, float(y)) for x, y in pts if isinstance(y, (int, float)) and math.isfinite(y)]
+
+
 def plot_curves(log_path, png_path) -> Path | None:
     """Reward, accuracy, KL and clip fraction per task against RL step, a panel each (none for a metric no task
-    logged; NaN or missing values skipped), and the held-out gain of summary.json; None without matplotlib."""
+    logged), and the held-out gain of summary.json; None without matplotlib."""
     records = _read_log(log_path)
     tasks = sorted({k.split("/")[0] for r in records for k in r if "/" in k},
                    key=lambda t: ((list(TASK_COLOURS) + [t]).index(t), t))  # text, image, then the rest A-Z
     colours = {t: TASK_COLOURS.get(t, OTHER_COLOURS[k % len(OTHER_COLOURS)]) for k, t in enumerate(tasks)}
     panels = []
     for metric, title in PANELS:
-        series = {}
-        for task in tasks:
-            pts = [(r.get("step", i), r.get(f"{task}/{metric}")) for i, r in enumerate(records)]
-            pts = [(x, float(y)) for x, y in pts if isinstance(y, (int, float)) and math.isfinite(y)]
-            if pts:
-                series[task] = pts
-        if series:
+        if series := {t: pts for t in tasks if (pts := _points(records, f"{t}/{metric}"))}:
             panels.append(_cut_spikes(series) if metric == "kl" else (title, series))
     if not panels:
         raise ValueError(f"{log_path} logs none of " + ", ".join(f"<task>/{m}" for m, _ in PANELS))
@@ -537,10 +524,9 @@ def group_medians(groups: dict[str, list], key: str, x: str = "step") -> dict[st
                                      "use --x=seconds")
                 total += r[col]
                 clock[r.get("step", i)] = total
-            for i, r in enumerate(_read_log(Path(d) / "log.jsonl")):
-                y, step = r.get(key), r.get("step", i)
-                if isinstance(y, (int, float)) and math.isfinite(y) and (not col or step in clock):
-                    per_step.setdefault(step, []).append((clock[step] if col else step, float(y)))
+            for step, y in _points(_read_log(Path(d) / "log.jsonl"), key):
+                if not col or step in clock:
+                    per_step.setdefault(step, []).append((clock[step] if col else step, y))
         if per_step:
             out[label] = [(statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
                           for _, v in sorted(per_step.items())]
