@@ -156,10 +156,8 @@ MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state",
                ("model_gathered", "gathered model (rollout)"), ("activations", "activations per update chunk"),
                ("logits", "logits per update or scoring chunk"), ("sampling", "sampling transients per rollout chunk"),
                ("no_grad_block", "one block's activations per scoring chunk"),
-               ("full_update", "full fine-tuning, update peak"), ("full_rollout", "full fine-tuning, rollout peak"),
-               ("full_scoring", "full fine-tuning, scoring peak"), ("full_peak", "full fine-tuning, peak"),
-               ("lora_update", "LoRA, update peak"), ("lora_rollout", "LoRA, rollout peak"),
-               ("lora_scoring", "LoRA, scoring peak"), ("lora_peak", "LoRA, peak"))
+               *((f"{kind}_{ph}", f"{mode}, {'' if ph == 'peak' else ph + ' '}peak") for kind, mode in
+                 (("full", "full fine-tuning"), ("lora", "LoRA")) for ph in ("update", "rollout", "scoring", "peak")))
 
 
 def scratch_config(cfg, **vocab) -> ModelConfig:
@@ -204,14 +202,6 @@ def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
     return total
 
 
-def eval_flops(cfg, mc: ModelConfig, s: dict) -> tuple[float, int]:
-    """(FLOPs, sequences) of ONE held-out evaluation (a run makes two): heldout.evaluate_all samples
-    eval_samples completions per prompt, and one greedy per text prompt, with the exact sampler."""
-    exact = step_flops(replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
-    seqs = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}
-    return sum(seqs[t] * exact[t] for t in exact), sum(seqs.values())
-
-
 def padded_prompt_len(cfg) -> tuple[int, str]:
     """The prompt length a text rollout batch is padded to (its longest prompt), and where the figure comes
     from: with --init_from's tokenizer and --train_data, the mean over the data's batches; else --max_prompt_len."""
@@ -240,8 +230,12 @@ def report(cfg) -> dict:
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     f = step_flops(cfg, mc, s)
     maskgrpo = step_flops(replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # to compare with
-    one_eval, eval_seqs = eval_flops(cfg, mc, s)
-    evaluation = 2 * one_eval  # before and after RL
+    # one held-out evaluation (heldout.evaluate_all, before and after RL): eval_samples completions per prompt
+    # and one greedy per text prompt, with the exact sampler
+    exact = step_flops(replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
+    eval_n = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}
+    one_eval, eval_seqs = sum(eval_n[t] * exact[t] for t in exact), sum(eval_n.values())
+    evaluation = 2 * one_eval
     run = f["step"] * cfg.rl_steps + evaluation
     achieved = gpus * GPU_PEAK_FLOPS * ASSUMED_MFU
     step_s, eval_min, run_h = f["step"] / achieved, one_eval / achieved / 60, run / achieved / 3600
@@ -361,15 +355,13 @@ def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float
     first, else None. The delay: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT if that torchrun reads it
     (reads_variable), else 30 s; under Slurm (SLURM_JOB_ID) KillWait's default, 30 s."""
     torchrun, slurm = "TORCHELASTIC_RUN_ID" in env, "SLURM_JOB_ID" in env
-    if not (torchrun or slurm):
-        return None
     ignored = torchrun and not (torchrun_reads_shutdown_timeout() if reads_variable is None else reads_variable)
     delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun and not ignored \
         else DEFAULT_KILL_DELAY
     if slurm:
         delay = min(delay, DEFAULT_KILL_DELAY)
     need = step_seconds + checkpoint_seconds
-    if delay >= need:
+    if not (torchrun or slurm) or delay >= need:
         return None
     wait = 2 * math.ceil(need)
     fix = [] if not torchrun else [
