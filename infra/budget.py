@@ -94,7 +94,7 @@ def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
     attn = 4 * seq_len * d * nl
     if lora:  # input gradients through frozen matrices (2 per weight), adapters' input and weight gradients
         bwd = seq_len * (2 * body + 4 * adapters + 2 * attn) + window * 2 * head
-    else:
+    else:  # full fine-tuning: input and weight gradients, twice the forward
         bwd = seq_len * (4 * body + 2 * attn) + window * 4 * head
     recompute = seq_len * (2 * (body + adapters) + attn) if cfg.activation_checkpointing else 0
     update = p["seqs"] * cfg.mu * per_update * (fwd(seq_len, seq_len, window) + bwd + recompute)
