@@ -1,15 +1,6 @@
-"""A run's outputs a person looks at: the live experiment tracker beside log.jsonl, and the pictures.
-
-    python train.py --preset toy --tracker=tensorboard     # then: tensorboard --logdir out/toy/tensorboard
-    WANDB_MODE=offline python train.py --preset toy --tracker=wandb --tracker_project=maskgrpo
-    python train.py --preset toy --tracker=trackio         # then: trackio show --project maskgrpo
-    python -m infra.tracker out/toy      # redraws out/toy/curves.png from out/toy/log.jsonl
-    python -m infra.tracker --compare d1=out/d1-s0,out/d1-s1 MaskGRPO=out/m-s0 --png kl.png [--x=cpu_seconds]
-
-log.jsonl stays the record: a tracker that fails is reported in one line and dropped, and out_dir/tracker.json
-lets --resume=true continue the tracked run with no step logged twice. The trackers, matplotlib and Pillow are
-optional extras (`pip install -e '.[track]'`, `'.[plots]'`).
-"""
+"""A run's outputs a person looks at: the live experiment tracker (--tracker, docs/usage.md) beside log.jsonl, which
+stays the record, and the pictures (curves.png, images.png; `python -m infra.tracker` redraws them or compares runs).
+The trackers, matplotlib and Pillow are optional extras (`pip install -e '.[track]'`, `'.[plots]'`)."""
 from __future__ import annotations
 
 import argparse
@@ -29,7 +20,9 @@ from infra.scale import print0
 
 # --tracker value -> the package it imports (TensorBoard's writer is torch.utils.tensorboard, which needs it)
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-STATE = "tracker.json"  # in out_dir: {tracker: {"id": ..., "done": {event: last step logged}}}
+# in out_dir: {tracker: {"id": ..., "done": {event: last step logged}}}, so that --resume=true reopens the tracked
+# run and logs no step twice
+STATE = "tracker.json"
 FILES = (STATE, "tracker.tmp", "tensorboard", "wandb")  # what a tracker writes at the top of out_dir
 PICTURES = ("curves", "images")  # out_dir/NAME.png, drawn by Run.finish when the plots extra is installed
 
@@ -237,11 +230,8 @@ class Trackio(Wandb):
 BACKENDS = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
 
 
-# -----------------------------------------------------------------------------------------------------
-# the pictures: curves.png (matplotlib) and the toy's image grid (Pillow)
-
-# RGB for the toy image codes: 0 is the background (ANSI 236 in toy.render_image), code c >= 1 is
-# toy.COLOURS[c - 1] = red, green, blue, yellow, purple, cyan, white.
+# The pictures: curves.png (matplotlib) and the toy's image grid (Pillow). RGB of a toy image code: 0 is the
+# background (ANSI 236 in toy.render_image), c >= 1 is toy.COLOURS[c - 1].
 PALETTE = ((48, 48, 48), (230, 50, 50), (40, 190, 70), (50, 100, 240), (250, 210, 30),
            (150, 60, 200), (40, 210, 220), (245, 245, 245))
 TASK_COLOURS = {"text": (30, 110, 190), "image": (230, 110, 20)}
@@ -252,7 +242,7 @@ PANELS = [("reward", "reward"), ("solved", "accuracy (reward = 1)"), ("kl", "KL 
 PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # curves: pixels per panel; font: the image grid's, in pixels
 # Image grid geometry (pixels). Every toy image is scaled to about IMAGE_PX whatever its width, and a
 # prompt is wrapped to at most CAPTION_LINES lines, so the picture's size depends only on the counts.
-IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES = 96, 90, 150, 14, 12, 3
+IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES, LINE_H = 96, 90, 150, 14, 12, 3, FONT_SIZE + 3
 INSTALL_HINT = 'tracker.py: no picture written, {} is missing; pip install -e ".[plots]" gives the pictures'
 X_AXES = {"step": "RL step", "seconds": "cumulative RL seconds (wall)", "cpu_seconds": "cumulative RL CPU seconds"}
 
@@ -294,10 +284,10 @@ def _pil():
     return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
 
 
-def _text(draw, x, y, s, font, fill=(0, 0, 0), align="left"):
-    # Positions from textlength rather than Pillow's anchors, which the bitmap fallback font rejects.
-    w = draw.textlength(s, font=font)
-    draw.text((x - {"left": 0, "centre": w / 2, "right": w}[align], y), s, font=font, fill=fill)
+def _text(draw, x, y, lines, font, fill=(0, 0, 0), centre=False):
+    # Lines LINE_H apart, placed by textlength rather than Pillow's anchors, which the bitmap fallback font rejects.
+    for k, s in enumerate(lines):
+        draw.text((x - (draw.textlength(s, font=font) / 2 if centre else 0), y + k * LINE_H), s, font=font, fill=fill)
 
 
 def _read_log(log_path) -> list[dict]:
@@ -333,8 +323,16 @@ def plot_curves(log_path, png_path) -> Path | None:
     colours = {t: TASK_COLOURS.get(t, OTHER_COLOURS[k % len(OTHER_COLOURS)]) for k, t in enumerate(tasks)}
     panels = []
     for metric, title in PANELS:
-        if series := {t: pts for t in tasks if (pts := _points(records, f"{t}/{metric}"))}:
-            panels.append(_cut_spikes(series) if metric == "kl" else (title, series))
+        series = {t: pts for t in tasks if (pts := _points(records, f"{t}/{metric}"))}
+        ys = sorted(y for pts in series.values() for _, y in pts)
+        if metric == "kl" and len(ys) >= 10 and (p90 := ys[int(0.9 * (len(ys) - 1))]) > 0 and ys[-1] > 5 * p90:
+            # one spike would flatten every other step into the x axis: values above twice the 90th percentile
+            # are drawn at that level, and the title says where it cuts
+            cap = float(f"{2 * p90:.2g}")
+            title = f"KL k3 (axis cut at {cap:g})"
+            series = {t: [(x, min(y, cap)) for x, y in pts] for t, pts in series.items()}
+        if series:
+            panels.append((title, series))
     if not panels:
         raise ValueError(f"{log_path} logs none of " + ", ".join(f"<task>/{m}" for m, _ in PANELS))
     summary = Path(log_path).with_name("summary.json")  # the run's point: held-out reward before and after RL
@@ -342,23 +340,12 @@ def plot_curves(log_path, png_path) -> Path | None:
     return _save_panels(panels, colours, len(records), png_path, held)
 
 
-def _cut_spikes(series: dict) -> tuple[str, dict]:
-    """The KL panel: one spike would flatten every other step into the x axis, so values above twice the 90th
-    percentile are drawn at that level, and the title says where it cuts."""
-    ys = sorted(y for pts in series.values() for _, y in pts)
-    p90 = ys[int(0.9 * (len(ys) - 1))]
-    if not (len(ys) >= 10 and p90 > 0 and ys[-1] > 5 * p90):  # a spike among many points, not a short run
-        return "KL to reference (k3)", series
-    cap = float(f"{2 * p90:.2g}")
-    return f"KL k3 (axis cut at {cap:g})", {t: [(x, min(y, cap)) for x, y in pts] for t, pts in series.items()}
-
-
 def held_out_lines(summary: dict) -> list[tuple[str, str]]:
     """(task, "before -> after (gain +- paired SE)") per held-out key of a summary.json."""
+    shown = lambda x: "not measured" if x is None else f"{x:.3f}"  # null: a scorer down
     out = []
     for key, v in summary.items():
         if isinstance(v, dict) and "before" in v and "after" in v:
-            shown = lambda x: "not measured" if x is None else f"{x:.3f}"  # null: a scorer down
             gain = f" ({v['after'] - v['before']:+.3f} ± {v['gain_se']:.3f})" if "gain_se" in v and None not in (
                 v["before"], v["after"], v["gain_se"]) else ""
             out.append((key, f"{shown(v['before'])} -> {shown(v['after'])}{gain}"))
@@ -454,18 +441,14 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
     if (pil := _pil()) is None:
         return None
     Image, ImageDraw, font = pil
-    line_h = FONT_SIZE + 3
-    gap = ROW_GAP + (line_h if scores else 0)
+    gap = ROW_GAP + (LINE_H if scores else 0)
     grid_h = len(rows) * (IMAGE_PX + gap)
-    size = (2 * MARGIN + LABEL_W + len(prompts) * COL_W,
-            2 * MARGIN + grid_h + (CAPTION_LINES + len(notes)) * line_h)
+    size = (2 * MARGIN + LABEL_W + len(prompts) * COL_W, 2 * MARGIN + grid_h + (CAPTION_LINES + len(notes)) * LINE_H)
     picture = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(picture)
     for i, (name, images) in enumerate(rows):
         label = _wrap(draw, name, font, LABEL_W - 8)
-        y = _cell_box(i, 0, 0, 0, width, gap)[1] + (IMAGE_PX - len(label) * line_h) / 2  # centred on the row
-        for k, line in enumerate(label):
-            _text(draw, MARGIN, y + k * line_h, line, font)
+        _text(draw, MARGIN, _cell_box(i, 0, 0, 0, width, gap)[1] + (IMAGE_PX - len(label) * LINE_H) / 2, label, font)
         for j, codes in enumerate(images):
             # A darker frame behind cells inset by one pixel: thin lines between cells, so a reader can
             # count blocks even where two cells of one colour touch (counting is half the verifier).
@@ -473,22 +456,17 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
             _, _, x1, y1 = _cell_box(i, j, width - 1, width - 1, width, gap)
             draw.rectangle((x0, y0, x1 + 1, y1 + 1), fill=(20, 20, 20))
             if scores:
-                _text(draw, (x0 + x1) / 2, y1 + 3, f"score {scores[i][j]:.2f}", font, (60, 60, 60), "centre")
+                _text(draw, (x0 + x1) / 2, y1 + 3, [f"score {scores[i][j]:.2f}"], font, (60, 60, 60), True)
             for idx, code in enumerate(codes):
                 x0, y0, x1, y1 = _cell_box(i, j, *divmod(idx, width), width, gap)
-                box = (x0 + 1, y0 + 1, x1, y1)
-                if 0 <= code < len(palette):
-                    draw.rectangle(box, fill=tuple(palette[code]))
-                else:
-                    draw.rectangle(box, fill=(150, 150, 150))
-                    draw.line(box, fill=(90, 90, 90), width=2)
-                    draw.line((box[0], box[3], box[2], box[1]), fill=(90, 90, 90), width=2)
+                valid = 0 <= code < len(palette)
+                draw.rectangle((x0 + 1, y0 + 1, x1, y1), fill=tuple(palette[code]) if valid else (150, 150, 150))
+                for line in [] if valid else [(x0 + 1, y0 + 1, x1, y1), (x0 + 1, y1, x1, y0 + 1)]:
+                    draw.line(line, fill=(90, 90, 90), width=2)
     for j, prompt in enumerate(prompts):
-        centre = MARGIN + LABEL_W + j * COL_W + COL_W / 2
-        for k, line in enumerate(_wrap(draw, prompt, font, COL_W - 10)):
-            _text(draw, centre, MARGIN + grid_h + k * line_h, line, font, align="centre")
-    for k, note in enumerate(notes):
-        _text(draw, MARGIN, MARGIN + grid_h + (CAPTION_LINES + k) * line_h, note, font, (60, 60, 60))
+        x = MARGIN + LABEL_W + j * COL_W + COL_W / 2
+        _text(draw, x, MARGIN + grid_h, _wrap(draw, prompt, font, COL_W - 10), font, centre=True)
+    _text(draw, MARGIN, MARGIN + grid_h + CAPTION_LINES * LINE_H, notes, font, (60, 60, 60))
     picture.save(png_path)
     return Path(png_path)
 
@@ -508,10 +486,9 @@ def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summ
 
 
 def group_medians(groups: dict[str, list], key: str, x: str = "step") -> dict[str, list[tuple[float, float]]]:
-    """{label: [(step, median of `key` over the label's run directories that logged it at that step)]}; labels
-    with no finite value left out. The median, as one seed's k3 KL can jump by orders of magnitude for a step
-    (up to 1e7 on the long toy). x "seconds" or "cpu_seconds": the first coordinate is the median cumulative RL
-    seconds at the end of that step (times.jsonl), so that estimators of different cost share one axis."""
+    """{label: [(step, median of `key` over the label's runs that logged it there)]}: a median, as one seed's k3 KL
+    can jump by orders of magnitude. x "seconds"/"cpu_seconds": the first coordinate is the median cumulative RL
+    seconds (times.jsonl) at that step's end, so that estimators of different cost share one axis."""
     col = {"seconds": "seconds", "cpu_seconds": "cpu_s"}.get(x)  # times.jsonl: wall, or process CPU time
     out = {}
     for label, run_dirs in groups.items():
@@ -533,8 +510,8 @@ def group_medians(groups: dict[str, list], key: str, x: str = "step") -> dict[st
     return out
 
 
-def compare_runs(groups: dict[str, list], png_path, task: str = "text",
-                 metrics=(("kl", "KL to reference (k3)"), ("reward", "rollout reward")), x: str = "step") -> Path | None:
+def compare_runs(groups: dict[str, list], png_path, task: str = "text", x: str = "step",
+                 metrics=(("kl", "KL to reference (k3)"), ("reward", "rollout reward"))) -> Path | None:
     """A panel per metric, a line per label: the per-step median of `task/metric` over the label's runs (e.g. the
     seeds of one estimator), as the paper's Fig. 5 (bottom) draws each method's KL; x as group_medians."""
     colours = dict(zip(groups, [TASK_COLOURS["text"], TASK_COLOURS["image"]] + OTHER_COLOURS))
