@@ -5,5 +5,5 @@ setting checked once), load (the policy, its reference, the toy SFT cache), run 
 bookkeeping), checkpoint (atomic checkpoints, resume, graceful stop), hf (Hugging Face LLaDA checkpoint
 I/O), lora (adapters, the adapters-off reference), sandbox (running generated code), scorer (remote image
 rewards), data (benchmark readers), budget (the dry-run memory and FLOPs), diagnose (estimators against
-the exact log-ratio), tracker (live curves, PNGs) and bench (speed tables).
+the exact log-ratio), plots (PNG curves) and bench (speed tables).
 """

@@ -444,23 +444,23 @@ def show(b, rewards, tok, ids, n: int = 1) -> None:
         else:
             print0(f"  [{b.task}] {prompt!r}  reward {rewards[i]:.2f}")
             if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
-                from infra import tracker  # (ANSI colours on a terminal only, letters in a log file)
+                from infra import plots  # (ANSI colours on a terminal only, letters in a log file)
 
-                print0(tracker.text_image(outs[i], int(math.isqrt(len(outs[i])))))
+                print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
 
 
 def write_pictures(cfg, out: Path, grid: list) -> None:
     """out_dir/curves.png (reward, KL, clip fraction per step) and out_dir/images.png (toy images before
     and after RL, prompt under each), when the plots extra is installed (matplotlib for the curves, Pillow for the
-    grid; tracker.py says how to get it otherwise)."""
-    from infra import tracker
+    grid; plots.py says how to get it otherwise)."""
+    from infra import plots
 
     log = out / "log.jsonl"
     if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step that was taken
-        tracker.plot_curves(log, out / "curves.png")
+        plots.plot_curves(log, out / "curves.png")
     if grid[0][1] is not None and grid[1][1] is not None:
         summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
         if summary:  # a score that was not measured (null) is left off the panel, never drawn as a number
             summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
-        tracker.toy_image_panel(grid, heldout.eval_examples("image", cfg, {})[:heldout.GRID_PROMPTS], cfg.image_width,
+        plots.toy_image_panel(grid, heldout.eval_examples("image", cfg, {})[:heldout.GRID_PROMPTS], cfg.image_width,
                               out / "images.png", summary)

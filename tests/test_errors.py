@@ -19,7 +19,7 @@ import torch
 
 import evaluate
 import train
-from infra import checkpoint, cli, hf, load, outdir, tracker
+from infra import checkpoint, cli, hf, load, outdir, plots
 from tools import sample as sample_cli
 from model import ModelConfig, Transformer
 
@@ -302,10 +302,10 @@ def test_image_png_and_plain_text_off_a_terminal(toy, tmp_path, capsys):
     from PIL import Image
 
     picture = Image.open(png).convert("RGB")
-    # image_grid's geometry (infra/tracker.py): one row of one image; its first cell sits below and right of
+    # image_grid's geometry (infra/plots.py): one row of one image; its first cell sits below and right of
     # the margin and the label column; its colour is PALETTE[code].
-    x, y = tracker.MARGIN + tracker.LABEL_W + (tracker.COL_W - tracker.IMAGE_PX) // 2 + 5, tracker.MARGIN + 5
-    assert picture.getpixel((x, y)) == tracker.PALETTE[codes[0]]
+    x, y = plots.MARGIN + plots.LABEL_W + (plots.COL_W - plots.IMAGE_PX) // 2 + 5, plots.MARGIN + 5
+    assert picture.getpixel((x, y)) == plots.PALETTE[codes[0]]
 
 
 class FakeTerminal(io.StringIO):
@@ -361,8 +361,8 @@ ENTRY_POINTS = [
     pytest.param(["-m", "tools.bench", "--rep=2"], "error: unknown argument(s) ['--rep=2']", marks=SLOW),
     (["-m", "infra.data", "gsm8k", "/no/such.jsonl"], "error: dataset file not found: /no/such.jsonl"),
     (["-m", "infra.data"], "error: usage: python -m infra.data TASK PATH"),
-    (["-m", "infra.tracker", "/no/such/run"], "error: /no/such/run/log.jsonl not found"),
-    (["-m", "infra.tracker", "--compare", "a=x"], "error: --compare takes LABEL=DIR[,DIR...] groups and needs --png"),
+    (["-m", "infra.plots", "/no/such/run"], "error: /no/such/run/log.jsonl not found"),
+    (["-m", "infra.plots", "--compare", "a=x"], "error: --compare takes LABEL=DIR[,DIR...] groups and needs --png"),
 ]
 
 

@@ -16,7 +16,7 @@ import torch
 
 import evaluate
 import train
-from infra import budget, cli, tracker
+from infra import budget, cli, plots
 from tools import diagnose, report
 from tools import sample as sample_cli
 
@@ -144,10 +144,10 @@ def test_plots_png_is_where_the_curves_go(tmp_path):
     (run / "log.jsonl").write_text("".join(json.dumps({"step": s, "text/reward": s / 4, "text/kl": 0.01 * s})
                                            + "\n" for s in range(4)))
     png = tmp_path / "mine.png"
-    assert tracker.main([str(run), "--png", str(png)]) == png
+    assert plots.main([str(run), "--png", str(png)]) == png
     assert png.is_file() and not (run / "curves.png").exists()
     with pytest.raises(ValueError, match="--task choose what --compare draws"):
-        tracker.main([str(run), "--task", "image"])
+        plots.main([str(run), "--task", "image"])
 
 
 @pytest.mark.parametrize("argv,idle", [

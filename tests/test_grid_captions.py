@@ -1,4 +1,4 @@
-"""Image-grid captions sit under their own column (infra/tracker.image_grid): the column geometry is measured
+"""Image-grid captions sit under their own column (infra/plots.image_grid): the column geometry is measured
 from the picture itself (the dark frame of each image of the last row), not from plots' constants, and the
 ink of each caption must be centred under its column's images.
 
@@ -6,7 +6,7 @@ ink of each caption must be centred under its column's images.
 """
 import pytest
 
-from infra import tracker
+from infra import plots
 
 
 def runs(flags):
@@ -27,11 +27,11 @@ def test_each_caption_is_centred_under_its_column(tmp_path, n_prompts):
     width = 4
     prompts = ["red", "yellowish", "mm", "cyan block"][:n_prompts]
     rows = [(name, [[0] * width * width for _ in prompts]) for name in ("before RL", "after RL")]
-    with Image.open(tracker.image_grid(rows, prompts, width, tmp_path / "grid.png")) as im:
+    with Image.open(plots.image_grid(rows, prompts, width, tmp_path / "grid.png")) as im:
         im = im.convert("RGB")
         W, H = im.size
         # The last row's images: the dark frame and the background cells, scanned from the bottom up.
-        dark = lambda p: p == (20, 20, 20) or p == tuple(tracker.PALETTE[0])
+        dark = lambda p: p == (20, 20, 20) or p == tuple(plots.PALETTE[0])
         y_img = max(y for y in range(H) if sum(dark(im.getpixel((x, y))) for x in range(W)) > 20)
         mid = y_img - 10
         columns = [(a, b) for a, b in runs(dark(im.getpixel((x, mid))) for x in range(W)) if b - a > 20]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from infra import cli, tracker
+from infra import cli, plots
 
 
 def write_log(path, n=30, tasks=("text", "image")):
@@ -30,15 +30,15 @@ def write_log(path, n=30, tasks=("text", "image")):
 def test_curves_png_has_expected_size_and_content(tmp_path):
     pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
-    out = tracker.plot_curves(write_log(tmp_path / "log.jsonl"), tmp_path / "curves.png")
+    out = plots.plot_curves(write_log(tmp_path / "log.jsonl"), tmp_path / "curves.png")
     assert out == tmp_path / "curves.png"
     with Image.open(out) as im:
-        assert im.size == (3 * tracker.PANEL_W, tracker.PANEL_H)
+        assert im.size == (3 * plots.PANEL_W, plots.PANEL_H)
         colours = im.convert("RGB").getcolors(maxcolors=1 << 16)
     assert len(colours) > 10, "the picture is (nearly) one colour: nothing was drawn"
     # Both task colours appear: each task got its own line.
     present = {c for _, c in colours}
-    assert tracker.TASK_COLOURS["text"] in present and tracker.TASK_COLOURS["image"] in present
+    assert plots.TASK_COLOURS["text"] in present and plots.TASK_COLOURS["image"] in present
 
 
 def test_curves_draw_the_logged_values_and_their_trailing_mean(tmp_path, monkeypatch):
@@ -46,9 +46,9 @@ def test_curves_draw_the_logged_values_and_their_trailing_mean(tmp_path, monkeyp
     absent step left out) and a bold one of the trailing mean over window = steps // 10 = 3 values."""
     pytest.importorskip("matplotlib")
     figures = []
-    monkeypatch.setattr(tracker, "_figure", lambda *a, _f=tracker._figure: figures.append(_f(*a)) or figures[-1])
+    monkeypatch.setattr(plots, "_figure", lambda *a, _f=plots._figure: figures.append(_f(*a)) or figures[-1])
     log = write_log(tmp_path / "log.jsonl")
-    tracker.plot_curves(log, tmp_path / "c.png")
+    plots.plot_curves(log, tmp_path / "c.png")
     records = [json.loads(line) for line in log.read_text().splitlines()]
     axes = figures[0].axes
     assert [ax.get_title(loc="left") for ax in axes] == ["reward", "KL to reference (k3)", "clip fraction"]
@@ -64,7 +64,7 @@ def test_curves_draw_the_logged_values_and_their_trailing_mean(tmp_path, monkeyp
             assert list(bold.get_xdata()) == [x for x, _ in pts] and bold.get_ydata() == pytest.approx(mean)
             assert faint.get_alpha() == 0.3 and bold.get_label() == task
             assert faint.get_zorder() < 2 == bold.get_zorder()  # every raw line under every mean
-            assert tuple(round(255 * c) for c in bold.get_color()) == tracker.TASK_COLOURS[task]
+            assert tuple(round(255 * c) for c in bold.get_color()) == plots.TASK_COLOURS[task]
         assert ax.get_xlim() == (0, 29)  # exactly the logged steps
     assert [t.get_text() for t in figures[0].legends[0].get_texts()] == ["text", "image", "bold: 3-step mean"]
 
@@ -74,31 +74,31 @@ def test_curves_skip_panels_whose_metric_is_missing(tmp_path):
     Image = pytest.importorskip("PIL.Image")
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps({"step": s, "text/reward": s / 10}) + "\n" for s in range(10)))
-    with Image.open(tracker.plot_curves(log, tmp_path / "c.png")) as im:
-        assert im.size == (tracker.PANEL_W, tracker.PANEL_H)  # reward only: one panel
+    with Image.open(plots.plot_curves(log, tmp_path / "c.png")) as im:
+        assert im.size == (plots.PANEL_W, plots.PANEL_H)  # reward only: one panel
 
 
 def test_curves_single_step_and_truncated_last_line(tmp_path):
     pytest.importorskip("matplotlib")
     log = tmp_path / "log.jsonl"
     log.write_text(json.dumps({"step": 0, "text/reward": 0.5, "text/kl": 0.0}) + '\n{"step": 1, "text/rew')
-    assert tracker.plot_curves(log, tmp_path / "c.png").is_file()
+    assert plots.plot_curves(log, tmp_path / "c.png").is_file()
 
 
 def test_empty_log_raises(tmp_path):
     log = tmp_path / "log.jsonl"
     log.write_text("\n")
     with pytest.raises(ValueError, match="no records"):
-        tracker.plot_curves(log, tmp_path / "c.png")
+        plots.plot_curves(log, tmp_path / "c.png")
     with pytest.raises(FileNotFoundError, match="out_dir"):
-        tracker.plot_curves(tmp_path / "missing.jsonl", tmp_path / "c.png")
+        plots.plot_curves(tmp_path / "missing.jsonl", tmp_path / "c.png")
 
 
 def test_log_without_known_metrics_raises(tmp_path):
     log = tmp_path / "log.jsonl"
     log.write_text(json.dumps({"step": 0, "grad_norm": 1.0}) + "\n")
     with pytest.raises(ValueError, match="reward"):
-        tracker.plot_curves(log, tmp_path / "c.png")
+        plots.plot_curves(log, tmp_path / "c.png")
 
 
 def test_image_grid_size_and_cell_colours(tmp_path):
@@ -114,27 +114,27 @@ def test_image_grid_size_and_cell_colours(tmp_path):
             codes[3 * width + 3] = -1
             images.append(codes)
         rows.append((name, images))
-    out = tracker.image_grid(rows, prompts, width, tmp_path / "grid.png")
+    out = plots.image_grid(rows, prompts, width, tmp_path / "grid.png")
     with Image.open(out) as im:
         im = im.convert("RGB")
-        assert im.size == (2 * tracker.MARGIN + tracker.LABEL_W + 3 * tracker.COL_W,
-                           2 * tracker.MARGIN + 2 * (tracker.IMAGE_PX + tracker.ROW_GAP)
-                           + tracker.CAPTION_LINES * (tracker.FONT_SIZE + 3))
+        assert im.size == (2 * plots.MARGIN + plots.LABEL_W + 3 * plots.COL_W,
+                           2 * plots.MARGIN + 2 * (plots.IMAGE_PX + plots.ROW_GAP)
+                           + plots.CAPTION_LINES * (plots.FONT_SIZE + 3))
         for i in range(2):
             for j in range(3):
                 def centre(r, c):
-                    x0, y0, x1, y1 = tracker._cell_box(i, j, r, c, width)
+                    x0, y0, x1, y1 = plots._cell_box(i, j, r, c, width)
                     return (x0 + x1) // 2, (y0 + y1) // 2
-                assert im.getpixel(centre(1, 2)) == tracker.PALETTE[1 + (i * 3 + j) % 7]
-                assert im.getpixel(centre(0, 0)) == tracker.PALETTE[0]
-                assert im.getpixel(centre(3, 3)) not in tracker.PALETTE  # invalid code: not a palette colour
+                assert im.getpixel(centre(1, 2)) == plots.PALETTE[1 + (i * 3 + j) % 7]
+                assert im.getpixel(centre(0, 0)) == plots.PALETTE[0]
+                assert im.getpixel(centre(3, 3)) not in plots.PALETTE  # invalid code: not a palette colour
 
 
 def test_image_grid_rejects_bad_shapes(tmp_path):
     with pytest.raises(ValueError, match="one image per prompt"):
-        tracker.image_grid([("a", [[0] * 16])], ["p", "q"], 4, tmp_path / "g.png")
+        plots.image_grid([("a", [[0] * 16])], ["p", "q"], 4, tmp_path / "g.png")
     with pytest.raises(ValueError, match="width\\*width = 16"):
-        tracker.image_grid([("a", [[0] * 15])], ["p"], 4, tmp_path / "g.png")
+        plots.image_grid([("a", [[0] * 15])], ["p"], 4, tmp_path / "g.png")
 
 
 def test_without_the_extra_returns_none_and_prints_hint(tmp_path, monkeypatch, capsys):
@@ -142,8 +142,8 @@ def test_without_the_extra_returns_none_and_prints_hint(tmp_path, monkeypatch, c
     # package were not installed: the curves need matplotlib, the image grid Pillow.
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "PIL", None)
-    assert tracker.plot_curves(write_log(tmp_path / "log.jsonl"), tmp_path / "c.png") is None
-    assert tracker.image_grid([("a", [[0] * 16])], ["p"], 4, tmp_path / "g.png") is None
+    assert plots.plot_curves(write_log(tmp_path / "log.jsonl"), tmp_path / "c.png") is None
+    assert plots.image_grid([("a", [[0] * 16])], ["p"], 4, tmp_path / "g.png") is None
     out = capsys.readouterr().out
     assert out.count('pip install -e ".[plots]"') == 2 and len(out.splitlines()) == 2
     assert "matplotlib is missing" in out and "Pillow is missing" in out
@@ -161,22 +161,22 @@ def _run(tmp_path, name, kls):
 def test_group_medians_take_runs_step_by_step(tmp_path):
     a, b = _run(tmp_path, "a", [1.0, 2.0, float("nan")]), _run(tmp_path, "b", [3.0, 4.0, 5.0])
     c = _run(tmp_path, "c", [1e7, 3.5, 6.0])  # one seed's KL spike at step 0 does not move the median
-    medians = tracker.group_medians({"x": [a, b], "y": [a], "z": [a, b, c]}, "text/kl")
+    medians = plots.group_medians({"x": [a, b], "y": [a], "z": [a, b, c]}, "text/kl")
     assert medians["x"] == [(0, 2.0), (1, 3.0), (2, 5.0)] and medians["y"] == [(0, 1.0), (1, 2.0)]
     assert medians["z"] == [(0, 3.0), (1, 3.5), (2, 5.5)]  # medians of {1, 3, 1e7}, {2, 4, 3.5}, {5, 6}
-    assert tracker.group_medians({"x": [a]}, "image/kl") == {}
+    assert plots.group_medians({"x": [a]}, "image/kl") == {}
 
 
 def test_compare_runs_png(tmp_path):
     pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
     groups = {"d1": [_run(tmp_path, "a", [0.1, 0.3])], "MaskGRPO": [_run(tmp_path, "b", [0.2, 0.1])]}
-    with Image.open(tracker.compare_runs(groups, tmp_path / "kl.png")) as im:
-        assert im.size == (2 * tracker.PANEL_W, tracker.PANEL_H)  # KL and reward panels
+    with Image.open(plots.compare_runs(groups, tmp_path / "kl.png")) as im:
+        assert im.size == (2 * plots.PANEL_W, plots.PANEL_H)  # KL and reward panels
         present = {c for _, c in im.convert("RGB").getcolors(maxcolors=1 << 16)}
-    assert tracker.TASK_COLOURS["text"] in present and tracker.TASK_COLOURS["image"] in present  # one line per label
+    assert plots.TASK_COLOURS["text"] in present and plots.TASK_COLOURS["image"] in present  # one line per label
     with pytest.raises(ValueError, match="no run logs"):
-        tracker.compare_runs(groups, tmp_path / "x.png", task="image")
+        plots.compare_runs(groups, tmp_path / "x.png", task="image")
 
 
 def test_compare_seven_labels_wraps_the_legend(tmp_path, monkeypatch):
@@ -185,26 +185,26 @@ def test_compare_seven_labels_wraps_the_legend(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
     figures = []
-    monkeypatch.setattr(tracker, "_figure", lambda *a, _f=tracker._figure: figures.append(_f(*a)) or figures[-1])
+    monkeypatch.setattr(plots, "_figure", lambda *a, _f=plots._figure: figures.append(_f(*a)) or figures[-1])
     names = ["d1", "UniGRPO", "random", "MaskGRPO", "official", "trajectory", "gamma0"]
     groups = {n: [_run(tmp_path, n, [0.1 * k, 0.2])] for k, n in enumerate(names)}
-    colours = [tracker.TASK_COLOURS["text"], tracker.TASK_COLOURS["image"]] + tracker.OTHER_COLOURS
-    with Image.open(tracker.compare_runs(groups, tmp_path / "kl.png")) as im:
-        assert im.size == (2 * tracker.PANEL_W, tracker.PANEL_H)
+    colours = [plots.TASK_COLOURS["text"], plots.TASK_COLOURS["image"]] + plots.OTHER_COLOURS
+    with Image.open(plots.compare_runs(groups, tmp_path / "kl.png")) as im:
+        assert im.size == (2 * plots.PANEL_W, plots.PANEL_H)
         assert set(colours) <= {c for _, c in im.convert("RGB").getcolors(maxcolors=1 << 16)}
     fig = figures[0]
     legend = fig.legends[0]
     assert [t.get_text() for t in legend.get_texts()] == names  # two steps: a window of 1, no mean to name
     assert [tuple(round(255 * c) for c in h.get_color()) for h in legend.legend_handles] == colours
     box, rows = legend.get_window_extent(), {round(t.get_window_extent().y0) for t in legend.get_texts()}
-    assert 0 <= box.x0 and box.x1 <= 2 * tracker.PANEL_W and len(rows) == 2  # four on a line, then three
+    assert 0 <= box.x0 and box.x1 <= 2 * plots.PANEL_W and len(rows) == 2  # four on a line, then three
     assert all(box.y0 >= ax.get_window_extent().y1 for ax in fig.axes)  # above the panels' plot areas
     with pytest.raises(ValueError, match="at most 7 labels"):
-        tracker.compare_runs({**groups, "eighth": groups["d1"]}, tmp_path / "x.png")
+        plots.compare_runs({**groups, "eighth": groups["d1"]}, tmp_path / "x.png")
 
 
 def test_cli_redraws_and_compares(tmp_path, capsys):
-    """python -m infra.tracker RUN_DIR redraws curves.png; --compare LABEL=DIR,DIR LABEL=DIR --png FILE
+    """python -m infra.plots RUN_DIR redraws curves.png; --compare LABEL=DIR,DIR LABEL=DIR --png FILE
     --task image draws the image metric's picture; a --task no run logs is refused, naming it."""
     pytest.importorskip("matplotlib")
     runs = []
@@ -213,15 +213,15 @@ def test_cli_redraws_and_compares(tmp_path, capsys):
         d.mkdir()
         write_log(d / "log.jsonl", n=10)
         runs.append(str(d))
-    assert tracker.main([runs[0]]) == tmp_path / "run0" / "curves.png"
+    assert plots.main([runs[0]]) == tmp_path / "run0" / "curves.png"
     assert (tmp_path / "run0" / "curves.png").is_file()
     png = tmp_path / "cmp.png"
-    assert tracker.main(["--compare", f"a={runs[0]},{runs[1]}", f"b={runs[2]}", "--png", str(png), "--task", "image"]) == png
+    assert plots.main(["--compare", f"a={runs[0]},{runs[1]}", f"b={runs[2]}", "--png", str(png), "--task", "image"]) == png
     assert png.is_file() and f"wrote {png}" in capsys.readouterr().out
     with pytest.raises(ValueError, match="no run logs sound/"):
-        tracker.main(["--compare", f"a={runs[0]}", "--png", str(png), "--task", "sound"])
+        plots.main(["--compare", f"a={runs[0]}", "--png", str(png), "--task", "sound"])
     with pytest.raises(ValueError, match="labels must differ"):
-        tracker.main(["--compare", f"a={runs[0]}", f"a={runs[1]}", "--png", str(png)])
+        plots.main(["--compare", f"a={runs[0]}", f"a={runs[1]}", "--png", str(png)])
 
 
 def test_compare_against_cumulative_seconds(tmp_path, monkeypatch):
@@ -232,14 +232,14 @@ def test_compare_against_cumulative_seconds(tmp_path, monkeypatch):
         (d / "times.jsonl").write_text("".join(json.dumps({"step": s, "seconds": w, "cpu_s": c}) + "\n"
                                                for s, (w, c) in enumerate(zip(wall, cpu))))
     # cumulative wall: a 2, 4, 6; b 4, 10, 18 -> medians 3, 7, 12. CPU: a 1, 2, 3; b 1, 4, 9 -> 1, 3, 6.
-    assert tracker.group_medians({"x": [a, b]}, "text/kl", "seconds") == {"x": [(3.0, 2.0), (7.0, 3.0), (12.0, 4.0)]}
-    assert tracker.group_medians({"x": [a, b]}, "text/kl", "cpu_seconds") == {"x": [(1.0, 2.0), (3.0, 3.0), (6.0, 4.0)]}
+    assert plots.group_medians({"x": [a, b]}, "text/kl", "seconds") == {"x": [(3.0, 2.0), (7.0, 3.0), (12.0, 4.0)]}
+    assert plots.group_medians({"x": [a, b]}, "text/kl", "cpu_seconds") == {"x": [(1.0, 2.0), (3.0, 3.0), (6.0, 4.0)]}
     pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
-    monkeypatch.setattr(tracker, "cli", cli, raising=False)  # main's command line parser, imported by __main__
-    out = tracker.main(["--compare", f"A={a}", f"B={b}", "--x=cpu_seconds", "--png", str(tmp_path / "s.png")])
+    monkeypatch.setattr(plots, "cli", cli, raising=False)  # main's command line parser, imported by __main__
+    out = plots.main(["--compare", f"A={a}", f"B={b}", "--x=cpu_seconds", "--png", str(tmp_path / "s.png")])
     with Image.open(out) as im:
-        assert im.size == (2 * tracker.PANEL_W, tracker.PANEL_H)
+        assert im.size == (2 * plots.PANEL_W, plots.PANEL_H)
     (a / "times.jsonl").write_text(json.dumps({"step": 0, "seconds": 1.0}) + "\n")
     with pytest.raises(ValueError, match="no 'cpu_s'"):
-        tracker.group_medians({"x": [a]}, "text/kl", "cpu_seconds")
+        plots.group_medians({"x": [a]}, "text/kl", "cpu_seconds")

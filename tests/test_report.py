@@ -1,7 +1,7 @@
 """docs/results.md and its figures are what `python -m tools.report` writes from docs/data/.
 
 The tables between the `<!-- table: NAME -->` markers must equal the tables the report builds from the kept
-run data, and the figures it draws (infra/tracker.py, from the kept per-step points) must have the pixels of
+run data, and the figures it draws (infra/plots.py, from the kept per-step points) must have the pixels of
 the committed PNGs, so the docs cannot drift from the data. The kept data stays compact."""
 import json
 import shutil

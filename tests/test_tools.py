@@ -211,7 +211,7 @@ def test_image_needs_image_tokens_pillow_and_warns_of_a_cut_caption(toy_ckpt, sp
     tok.save(str(text_only / "tokenizer.json"))
     with pytest.raises(ValueError, match="has no image tokens"):
         sample_cli.main(["--ckpt", str(text_only), "--image", "--prompt", "a red block"])
-    monkeypatch.setattr(sample_cli.tracker, "have_pillow", lambda: False)
+    monkeypatch.setattr(sample_cli.plots, "have_pillow", lambda: False)
     with pytest.raises(ValueError, match="needs Pillow, which is not installed"):
         sample_cli.main(["--ckpt", str(path), "--image", "--prompt", "a red block", "--png", str(tmp_path / "x.png")])
     assert not spy

@@ -46,7 +46,7 @@ import torch
 import importance
 import tasks
 import train
-from infra import cli, tracker
+from infra import cli, plots
 from sample import derive_seed, generator
 from tasks import IMAGE_TASKS, draw_prompts, make_batch, task_list
 from infra.settings import read_generation_settings, setup, validate
@@ -237,7 +237,7 @@ def print_table(task: str, rows: dict) -> None:
 
 def draw(results: dict, path: str) -> None:
     """One row of panels per task: a scatter per estimator, then the Fig. 2 panel."""
-    pil = tracker._pil()
+    pil = plots._pil()
     if pil is None:
         return
     Image, ImageDraw, font = pil

@@ -7,7 +7,7 @@ Each docs/data/<name>.json holds one result: per run its summary.json, the sums 
 times.jsonl and log.jsonl, and the per-step points its figure needs ("source": "table" where only the
 printed table was kept, e.g. a benchmark's output). A table sits in docs/results.md between
 `<!-- table: NAME -->` and `<!-- /table -->`; tests/test_report.py checks that the committed tables and
-figures are what this command makes. The figures are drawn by infra/tracker.py from the kept points,
+figures are what this command makes. The figures are drawn by infra/plots.py from the kept points,
 written back as the log.jsonl / times.jsonl / summary.json a run writes.
 """
 import shlex
@@ -274,7 +274,7 @@ TABLES = {name[2:]: fn for name, fn in globals().items() if name.startswith("t_"
 
 
 def _write_run(folder: Path, run: dict) -> str:
-    """A run directory as train.py writes it, from the kept points, for infra/tracker.py to read."""
+    """A run directory as train.py writes it, from the kept points, for infra/plots.py to read."""
     folder.mkdir(parents=True)
     (folder / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run["log"]))
     if "times" in run:
@@ -285,7 +285,7 @@ def _write_run(folder: Path, run: dict) -> str:
 
 def figures(out: Path) -> list[Path]:
     """Write every figure of docs/results.md into out; returns their paths."""
-    from infra import tracker as plots
+    from infra import plots
 
     if not plots.have_matplotlib():
         raise ValueError('no figure written: matplotlib is missing; pip install -e ".[plots]"')

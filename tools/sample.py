@@ -26,7 +26,7 @@ import torch
 
 import sample
 import tasks
-from infra import cli, fast_sample, hf, tracker
+from infra import cli, fast_sample, hf, plots
 from infra.hf import load_tokenizer
 from infra.load import refuse_training_checkpoint
 from infra.settings import GENERATION_FILE, read_generation_settings, validate_generation
@@ -123,7 +123,7 @@ def check_options(o: Options) -> None:
         raise ValueError(f"prompt_format ({o.prompt_format!r}) must be one of {', '.join(FORMATS)}")
     if o.png and not o.image:
         raise ValueError(f"--png {o.png} draws an image sample: add --image, or drop --png")
-    if o.png and not tracker.have_pillow():
+    if o.png and not plots.have_pillow():
         raise ValueError(f"--png {o.png} needs Pillow, which is not installed: pip install pillow")
     if o.png and not Path(o.png).parent.is_dir():
         raise ValueError(f"--png {o.png}: the directory {Path(o.png).parent} does not exist")
@@ -168,7 +168,7 @@ def _load(o: Options):
 
 
 def _sample_image(cfg, tok, o):
-    # The toy's MMaDA-style t2i layout lives in tasks.py; its pictures in infra/tracker.py.
+    # The toy's MMaDA-style t2i layout lives in tasks.py; its pictures in infra/plots.py.
     if cfg.image_token_offset is None:
         raise ValueError(f"{o.ckpt} has no image tokens (image_token_offset is unset in config.json); "
                          "--image needs a multimodal checkpoint such as train.py's toy output")
@@ -191,9 +191,9 @@ def _sample_image(cfg, tok, o):
                          code_offset=cfg.image_token_offset, codebook_size=cfg.codebook_size,
                          mask_id=cfg.mask_token_id, progress=cli.bars_shown())
     codes = [c - cfg.image_token_offset for c in out[0, start:start + n].tolist()]
-    print(tracker.text_image(codes, o.image_width, sys.stdout))
+    print(plots.text_image(codes, o.image_width, sys.stdout))
     if o.png:
-        tracker.image_grid([("sample", [codes])], [o.prompt], o.image_width, o.png)
+        plots.image_grid([("sample", [codes])], [o.prompt], o.image_width, o.png)
         print(f"wrote {o.png}", file=sys.stderr)
     return codes
 

@@ -1,0 +1,350 @@
+"""The run's pictures: curves.png (matplotlib) and the toy's image grid, images.png (Pillow), both optional extras
+(`pip install -e '.[plots]'`). `python -m infra.plots RUN_DIR` redraws curves.png; `--compare LABEL=DIR[,DIR...]
+--png FILE [--x=cpu_seconds]` draws several runs' KL and rollout reward on one axis (docs/usage.md)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from infra import cli
+
+# RGB of a toy image code: 0 is the background (ANSI 236 in toy.render_image), c >= 1 is toy.COLOURS[c - 1].
+PALETTE = ((48, 48, 48), (230, 50, 50), (40, 190, 70), (50, 100, 240), (250, 210, 30),
+           (150, 60, 200), (40, 210, 220), (245, 245, 245))
+TASK_COLOURS = {"text": (30, 110, 190), "image": (230, 110, 20)}
+# Tasks beyond the toy's two, and --compare labels beyond two (an ablation of seven rows).
+OTHER_COLOURS = [(40, 150, 60), (180, 40, 150), (110, 110, 110), (200, 40, 40), (150, 120, 30)]
+PANELS = [("reward", "reward"), ("solved", "accuracy (reward = 1)"), ("kl", "KL to reference (k3)"),
+          ("clipfrac", "clip fraction")]
+PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # curves: pixels per panel; font: the image grid's, in pixels
+# Image grid geometry (pixels). Every toy image is scaled to about IMAGE_PX whatever its width, and a
+# prompt is wrapped to at most CAPTION_LINES lines, so the picture's size depends only on the counts.
+IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES, LINE_H = 96, 90, 150, 14, 12, 3, FONT_SIZE + 3
+INSTALL_HINT = 'plots.py: no picture written, {} is missing; pip install -e ".[plots]" gives the pictures'
+X_AXES = {"step": "RL step", "seconds": "cumulative RL seconds (wall)", "cpu_seconds": "cumulative RL CPU seconds"}
+
+
+def have_pillow() -> bool:
+    return importlib.util.find_spec("PIL") is not None
+
+
+def have_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def text_image(codes: list[int], width: int, stream=None) -> str:
+    """A toy image for the console: ANSI colour blocks on a terminal (toy.render_image), else one letter per cell
+    (. background, the initials of toy.COLOURS, ? an invalid code), so that a log file gets no escape codes."""
+    from infra import toy
+
+    stream = stream or sys.stdout
+    if hasattr(stream, "isatty") and stream.isatty():
+        return toy.render_image(codes, width)
+    letters = "." + "".join(c[0] for c in toy.COLOURS)  # r g b y p c w: the initials differ
+    return "\n".join(" ".join(letters[c] if 0 <= c < len(letters) else "?" for c in codes[r:r + width])
+                     for r in range(0, len(codes), width))
+
+
+def _extra(name: str, module: str):
+    """The extra's module, imported only when a picture is drawn; None after the one-line hint without it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        print(INSTALL_HINT.format(name))
+        return None
+
+
+def _pil():
+    if _extra("Pillow", "PIL") is None:
+        return None
+    from PIL import Image, ImageDraw, ImageFont
+    return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
+
+
+def _text(draw, x, y, lines, font, fill=(0, 0, 0), centre=False):
+    # Lines LINE_H apart, placed by textlength rather than Pillow's anchors, which the bitmap fallback font rejects.
+    for k, s in enumerate(lines):
+        draw.text((x - (draw.textlength(s, font=font) / 2 if centre else 0), y + k * LINE_H), s, font=font, fill=fill)
+
+
+def _read_log(log_path) -> list[dict]:
+    # One dict per RL step. A truncated last line is skipped: it is a run that is still writing it.
+    path = Path(log_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; train.py writes log.jsonl into its --out_dir")
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path} line {i + 1} is not JSON ({e}); is this a train.py log?") from None
+    if not records:
+        raise ValueError(f"{path} has no records; train.py writes one per RL step, so no step is logged yet")
+    return records
+
+
+def _points(records: list[dict], key: str) -> list[tuple]:
+    # (step, value) of each record that logged `key` as a finite number; NaN or missing values are skipped
+    pts = [(r.get("step", i), r.get(key)) for i, r in enumerate(records)]
+    return [(x, float(y)) for x, y in pts if isinstance(y, (int, float)) and math.isfinite(y)]
+
+
+def plot_curves(log_path, png_path) -> Path | None:
+    """Reward, accuracy, KL and clip fraction per task against RL step, a panel each (none for a metric no task
+    logged), and the held-out gain of summary.json; None without matplotlib."""
+    records = _read_log(log_path)
+    tasks = sorted({k.split("/")[0] for r in records for k in r if "/" in k},
+                   key=lambda t: ((list(TASK_COLOURS) + [t]).index(t), t))  # text, image, then the rest A-Z
+    colours = {t: TASK_COLOURS.get(t, OTHER_COLOURS[k % len(OTHER_COLOURS)]) for k, t in enumerate(tasks)}
+    panels = []
+    for metric, title in PANELS:
+        series = {t: pts for t in tasks if (pts := _points(records, f"{t}/{metric}"))}
+        ys = sorted(y for pts in series.values() for _, y in pts)
+        if metric == "kl" and len(ys) >= 10 and (p90 := ys[int(0.9 * (len(ys) - 1))]) > 0 and ys[-1] > 5 * p90:
+            # one spike would flatten every other step into the x axis: values above twice the 90th percentile
+            # are drawn at that level, and the title says where it cuts
+            cap = float(f"{2 * p90:.2g}")
+            title = f"KL k3 (axis cut at {cap:g})"
+            series = {t: [(x, min(y, cap)) for x, y in pts] for t, pts in series.items()}
+        if series:
+            panels.append((title, series))
+    if not panels:
+        raise ValueError(f"{log_path} logs none of " + ", ".join(f"<task>/{m}" for m, _ in PANELS))
+    summary = Path(log_path).with_name("summary.json")  # the run's point: held-out reward before and after RL
+    held = held_out_lines(json.loads(summary.read_text())) if summary.is_file() else None
+    return _save_panels(panels, colours, len(records), png_path, held)
+
+
+def held_out_lines(summary: dict) -> list[tuple[str, str]]:
+    """(task, "before -> after (gain +- paired SE)") per held-out key of a summary.json."""
+    shown = lambda x: "not measured" if x is None else f"{x:.3f}"  # null: a scorer down
+    out = []
+    for key, v in summary.items():
+        if isinstance(v, dict) and "before" in v and "after" in v:
+            gain = f" ({v['after'] - v['before']:+.3f} ± {v['gain_se']:.3f})" if "gain_se" in v and None not in (
+                v["before"], v["after"], v["gain_se"]) else ""
+            out.append((key, f"{shown(v['before'])} -> {shown(v['after'])}{gain}"))
+    return out
+
+
+def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "RL step"):
+    """A matplotlib Figure of (title, series) panels side by side, PANEL_W x PANEL_H pixels each, one legend above
+    them, and held_out_lines as a last panel. Raw values are drawn faint under a trailing mean."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    rgb = {k: tuple(c / 255 for c in v) for k, v in colours.items()}
+    fig = Figure(figsize=(PANEL_W * (len(panels) + bool(held)) / 100, PANEL_H / 100), dpi=100, layout="constrained")
+    axes = fig.subplots(1, len(panels) + bool(held), squeeze=False)[0]
+    window = max(1, steps // 10)  # about a tenth of the run: 5 steps for the toy's 50
+    for ax, (title, series) in zip(axes, panels):
+        for name, pts in series.items():
+            xs, ys = [x for x, _ in pts], [y for _, y in pts]
+            avg = [sum(ys[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(ys))]
+            marker = "o" if len(pts) == 1 else None  # a single logged step: a dot
+            # zorder: under every task's mean (2), so that no mean hides under another task's raw values
+            ax.plot(xs, ys, color=rgb[name], alpha=0.3, lw=1, marker=marker, ms=3, zorder=1.8)
+            ax.plot(xs, avg, color=rgb[name], lw=2, marker=marker, ms=3, label=name)
+        xs = [x for pts in series.values() for x, _ in pts]
+        ax.set_xlim(min(xs), max(max(xs), min(xs) + 1))  # exactly the logged steps: the curves reach both edges
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.set_xlabel(xlabel)
+        ax.grid(axis="y", color=(0.9, 0.9, 0.9))
+    labels = [name for name in colours if any(name in series for _, series in panels)]
+    handles = [Line2D([], [], color=rgb[name], lw=2) for name in labels]
+    if window > 1:
+        handles.append(Line2D([], [], color="black", lw=2))
+        labels.append(f"bold: {window}-step mean")
+    # As many columns as fit the picture's width: about 7 pixels a character, plus the swatch and the spacing
+    per_column = 56 + 7 * max(len(label) for label in labels)
+    fig.legend(handles, labels, loc="outside upper center", frameon=False,
+               ncols=max(1, min(len(labels), int(PANEL_W * len(axes) // per_column))))
+    if held:
+        ax = axes[-1]
+        ax.axis("off")
+        lines = [("held-out mean reward", "black"), ("before -> after RL (summary.json)", "grey")]
+        for key, text in held:
+            lines += [(key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black")]
+        for k, (text, colour) in enumerate(lines):
+            ax.text(0, 1 - k * 0.08, text, color=colour, va="top", transform=ax.transAxes)
+    return fig
+
+
+def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None,
+                 xlabel: str = "RL step") -> Path | None:
+    if (matplotlib := _extra("matplotlib", "matplotlib")) is None:
+        return None
+    with matplotlib.rc_context({"font.size": 8}):
+        _figure(panels, colours, steps, held, xlabel).savefig(png_path)
+    return Path(png_path)
+
+
+def _cell_box(row: int, col: int, r: int, c: int, width: int, gap: int = ROW_GAP) -> tuple[int, int, int, int]:
+    # (x0, y0, x1, y1) of cell (r, c) of the image in grid row `row`, column `col`; gap: between rows.
+    cell = max(1, IMAGE_PX // width)
+    x = MARGIN + LABEL_W + col * COL_W + (COL_W - cell * width) // 2 + c * cell
+    y = MARGIN + row * (IMAGE_PX + gap) + r * cell
+    return x, y, x + cell - 1, y + cell - 1
+
+
+def _wrap(draw, s: str, font, max_px: float) -> list[str]:
+    # Greedy word wrap by pixel width; past CAPTION_LINES the last line ends in "..."
+    lines = []
+    for word in s.split():
+        if lines and draw.textlength(lines[-1] + " " + word, font=font) <= max_px:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    if len(lines) > CAPTION_LINES:
+        lines = lines[:CAPTION_LINES - 1] + [lines[CAPTION_LINES - 1] + " ..."]
+    return lines
+
+
+def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], width: int, png_path,
+               palette=PALETTE, scores: list[list[float]] | None = None, notes: tuple = ()) -> Path | None:
+    """Toy images (width*width row-major palette codes) as coloured squares: a grid row per (name, images), a
+    column per prompt; a code outside the palette (a leftover mask) is a grey crossed cell. scores: one list per
+    row, written under each image; notes: lines under the captions. None without Pillow."""
+    for name, images in rows:
+        if len(images) != len(prompts):
+            raise ValueError(f"row {name!r} has {len(images)} images for {len(prompts)} prompts; "
+                             "give one image per prompt")
+        for j, codes in enumerate(images):
+            if len(codes) != width * width:
+                raise ValueError(f"row {name!r} image {j} has {len(codes)} codes, expected width*width = "
+                                 f"{width * width}")
+    if (pil := _pil()) is None:
+        return None
+    Image, ImageDraw, font = pil
+    gap = ROW_GAP + (LINE_H if scores else 0)
+    grid_h = len(rows) * (IMAGE_PX + gap)
+    size = (2 * MARGIN + LABEL_W + len(prompts) * COL_W, 2 * MARGIN + grid_h + (CAPTION_LINES + len(notes)) * LINE_H)
+    picture = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(picture)
+    for i, (name, images) in enumerate(rows):
+        label = _wrap(draw, name, font, LABEL_W - 8)
+        _text(draw, MARGIN, _cell_box(i, 0, 0, 0, width, gap)[1] + (IMAGE_PX - len(label) * LINE_H) / 2, label, font)
+        for j, codes in enumerate(images):
+            # A darker frame behind cells inset by one pixel: thin lines between cells, so a reader can
+            # count blocks even where two cells of one colour touch (counting is half the verifier).
+            x0, y0, _, _ = _cell_box(i, j, 0, 0, width, gap)
+            _, _, x1, y1 = _cell_box(i, j, width - 1, width - 1, width, gap)
+            draw.rectangle((x0, y0, x1 + 1, y1 + 1), fill=(20, 20, 20))
+            if scores:
+                _text(draw, (x0 + x1) / 2, y1 + 3, [f"score {scores[i][j]:.2f}"], font, (60, 60, 60), True)
+            for idx, code in enumerate(codes):
+                x0, y0, x1, y1 = _cell_box(i, j, *divmod(idx, width), width, gap)
+                valid = 0 <= code < len(palette)
+                draw.rectangle((x0 + 1, y0 + 1, x1, y1), fill=tuple(palette[code]) if valid else (150, 150, 150))
+                for line in [] if valid else [(x0 + 1, y0 + 1, x1, y1), (x0 + 1, y1, x1, y0 + 1)]:
+                    draw.line(line, fill=(90, 90, 90), width=2)
+    for j, prompt in enumerate(prompts):
+        x = MARGIN + LABEL_W + j * COL_W + COL_W / 2
+        _text(draw, x, MARGIN + grid_h, _wrap(draw, prompt, font, COL_W - 10), font, centre=True)
+    _text(draw, MARGIN, MARGIN + grid_h + CAPTION_LINES * LINE_H, notes, font, (60, 60, 60))
+    picture.save(png_path)
+    return Path(png_path)
+
+
+def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summary: dict | None = None):
+    """images.png of a toy run: the held-out examples' images with their verifier score (the RL reward), a
+    legend, and the held-out mean image reward before and after RL, which the few images only illustrate."""
+    import rewards
+
+    scores = [[rewards.image_reward(codes, ex) for codes, ex in zip(images, examples)] for _, images in grid]
+    notes = ["score: fraction of the prompt's checks the image passes (the RL reward); dark grey: empty cell",
+             "same prompts and sampling seeds before and after RL: only the policy differs"]
+    held = dict(held_out_lines({"image": (summary or {}).get("image")}))
+    if "image" in held:
+        notes.append(f"held-out mean image reward (summary.json): {held['image']}")
+    return image_grid(grid, [ex["prompt"] for ex in examples], width, png_path, scores=scores, notes=tuple(notes))
+
+
+def group_medians(groups: dict[str, list], key: str, x: str = "step") -> dict[str, list[tuple[float, float]]]:
+    """{label: [(step, median of `key` over the label's runs that logged it there)]}: a median, as one seed's k3 KL
+    can jump by orders of magnitude. x "seconds"/"cpu_seconds": the first coordinate is the median cumulative RL
+    seconds (times.jsonl) at that step's end, so that estimators of different cost share one axis."""
+    col = {"seconds": "seconds", "cpu_seconds": "cpu_s"}.get(x)  # times.jsonl: wall, or process CPU time
+    out = {}
+    for label, run_dirs in groups.items():
+        per_step: dict = {}
+        for d in run_dirs:
+            clock, total = {}, 0.0  # {step: seconds of steps 0..step}
+            for i, r in enumerate(_read_log(Path(d) / "times.jsonl") if col else ()):
+                if col not in r:
+                    raise ValueError(f"{d}/times.jsonl has no {col!r} (runs before CPU times were logged): "
+                                     "use --x=seconds")
+                total += r[col]
+                clock[r.get("step", i)] = total
+            for step, y in _points(_read_log(Path(d) / "log.jsonl"), key):
+                if not col or step in clock:
+                    per_step.setdefault(step, []).append((clock[step] if col else step, y))
+        if per_step:
+            out[label] = [(statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
+                          for _, v in sorted(per_step.items())]
+    return out
+
+
+def compare_runs(groups: dict[str, list], png_path, task: str = "text", x: str = "step",
+                 metrics=(("kl", "KL to reference (k3)"), ("reward", "rollout reward"))) -> Path | None:
+    """A panel per metric, a line per label: the per-step median of `task/metric` over the label's runs (e.g. the
+    seeds of one estimator), as the paper's Fig. 5 (bottom) draws each method's KL; x as group_medians."""
+    colours = dict(zip(groups, [TASK_COLOURS["text"], TASK_COLOURS["image"]] + OTHER_COLOURS))
+    if len(colours) < len(groups):
+        raise ValueError(f"at most {len(colours)} labels per picture, got {len(groups)}")
+    panels = [(f"{task}: {title}", series) for metric, title in metrics
+              if (series := group_medians(groups, f"{task}/{metric}", x))]
+    if not panels:
+        raise ValueError(f"no run logs {task}/" + " or ".join(m for m, _ in metrics))
+    return _save_panels(panels, colours, max(len(pts) for _, ser in panels for pts in ser.values()), png_path,
+                        xlabel=X_AXES[x])
+
+
+def main(argv=None) -> Path:
+    parser = argparse.ArgumentParser(description="Redraw RUN_DIR/curves.png from RUN_DIR/log.jsonl, or "
+                                     "compare runs with --compare LABEL=DIR[,DIR...] ... --png FILE.",
+                                     allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("run_dir", type=Path, nargs="?")
+    parser.add_argument("--compare", nargs="+", default=[], metavar="LABEL=DIR[,DIR...]")
+    parser.add_argument("--png", type=Path, help="the picture to write: --compare's (needed), or the redrawn curves "
+                        "(default RUN_DIR/curves.png)")
+    parser.add_argument("--task", default=None, help="--compare's task (default text)")
+    parser.add_argument("--x", default=None, choices=list(X_AXES), help="--compare's horizontal axis: RL step "
+                        "(default), or cumulative RL seconds from each run's times.jsonl (wall, or process CPU time)")
+    args = cli.parse_known(parser, argv, "infra.plots")
+    if not have_matplotlib():
+        raise ValueError('no picture written: matplotlib is missing; pip install -e ".[plots]" (or pip install '
+                         'matplotlib)')
+    png = args.png.expanduser() if args.png else None  # a path given as --png=~/x.png, which no shell expands
+    if args.compare:
+        bad = [g for g in args.compare if "=" not in g]
+        if bad or png is None:
+            raise ValueError(f"--compare takes LABEL=DIR[,DIR...] groups and needs --png; got {bad or args.compare}")
+        groups = {g.split("=", 1)[0]: [str(Path(d).expanduser()) for d in g.split("=", 1)[1].split(",")]
+                  for g in args.compare}
+        if len(groups) < len(args.compare):
+            raise ValueError(f"--compare labels must differ, got {[g.split('=', 1)[0] for g in args.compare]}")
+        out = compare_runs(groups, png, args.task or "text", x=args.x or "step")
+    elif args.run_dir is None:
+        raise ValueError("give RUN_DIR (a train.py out_dir), or --compare LABEL=DIR[,DIR...] --png FILE")
+    else:
+        idle = [f"--{k}" for k in ("task", "x") if getattr(args, k) is not None]
+        if idle:  # the run's own curves show every task over steps: nothing for them to choose
+            raise ValueError(f"{' and '.join(idle)} choose what --compare draws; the curves of RUN_DIR show every task "
+                             f"by step: drop {'it' if len(idle) == 1 else 'them'}, or add --compare LABEL=DIR")
+        run_dir = args.run_dir.expanduser()
+        out = plot_curves(run_dir / "log.jsonl", png or run_dir / "curves.png")
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    with cli.user_errors():
+        main()
