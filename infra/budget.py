@@ -1,8 +1,6 @@
-"""The dry run (`python train.py --preset llada8b --dry_run`): parameters, FLOPs per RL step and per run, a time and
-GPU-hour estimate and memory per GPU by phase, from the model shape and the config, loading no weights (report);
-and the start-up checks on the same figures: the launcher's kill delay, the out-of-memory advice, the disk.
-Estimates to be checked by hand: tests/test_budget.py holds the derivation for LLaDA-8B.
-"""
+"""The dry run (`python train.py --preset llada8b --dry_run`): parameters, FLOPs, time and memory per GPU by phase
+from the model shape and the config, loading no weights; and the start-up checks on the same figures (the launcher's
+kill delay, the out-of-memory advice, the disk). tests/test_budget.py derives them by hand for LLaDA-8B."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +14,6 @@ from pathlib import Path
 import torch
 
 import tasks
-
 from tasks import IMAGE_TASKS, task_list
 from model import ModelConfig, Transformer, num_params
 from sample import MIN_HEAD_ROWS
@@ -48,7 +45,6 @@ def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
     """Parameter counts from a meta-device model: total, embedding, head, one block's matrices, and LoRA's
     adapters (rank r on every projection of lora.TARGET_SETS[lora_targets]: r * (in + out) each)."""
     from infra.lora import TARGET_SETS
-    targets = TARGET_SETS[lora_targets]
 
     with torch.device("meta"):
         model = Transformer(mc)
@@ -57,7 +53,7 @@ def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
     return {"params": num_params(model), "embedding": model.wte.weight.numel(), "head": model.ff_out.weight.numel(),
             "block_params": num_params(block), "block_matmul": sum(m.weight.numel() for m in linears),
             "lora_params": lora_rank * mc.n_layers * sum(m.in_features + m.out_features for name, m in
-                                                         block.named_children() if name in targets)}
+                                                         block.named_children() if name in TARGET_SETS[lora_targets])}
 
 
 def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
@@ -80,10 +76,9 @@ def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
         # upper bounds, as threshold decoding can end a block early
         blocks = (seq_len - p["prompt_len"]) // block_length
         spb = steps // blocks
-        per_seq = 0
-        for b in range(blocks):
-            q = seq_len - (p["prompt_len"] + b * block_length) if p["rollout"] == "prefix" else block_length
-            per_seq += fwd(seq_len, seq_len, block_length) + (spb - 1) * fwd(q, seq_len, block_length)
+        queries = [seq_len - p["prompt_len"] - b * block_length if p["rollout"] == "prefix" else block_length
+                   for b in range(blocks)]
+        per_seq = sum(fwd(seq_len, seq_len, block_length) + (spb - 1) * fwd(q, seq_len, block_length) for q in queries)
     roll = p["seqs"] * cfg_rows * per_seq
     trajectory = cfg.estimator == "trajectory"
     per_update = min(cfg.trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
@@ -144,10 +139,9 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
         rows[f"{kind}_rollout"] = rows[f"{kind}_state"] + rollout_common
         rows[f"{kind}_scoring"] = rows[f"{kind}_state"] + scoring_common
         rows[f"{kind}_peak"] = max(rows[f"{kind}_update"], rows[f"{kind}_rollout"], rows[f"{kind}_scoring"])
-    out = {k: v / GB for k, v in rows.items()}
-    # the short names that the README and tests read
-    out.update(weights_gb=n * compute_bytes / w / GB, full_ft_gb=out["full_peak"], lora_gb=out["lora_peak"])
-    return out
+    out = {k: v / GB for k, v in rows.items()}  # and the short names that the README and tests read:
+    return {**out, "weights_gb": n * compute_bytes / w / GB, "full_ft_gb": out["full_peak"],
+            "lora_gb": out["lora_peak"]}
 
 
 MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state", "LoRA state, sharded"),
@@ -245,14 +239,11 @@ def report(cfg) -> dict:
     cols = [w for w in sorted({1, 8, 16, gpus}) if per_task % w == 0]
     chunk = {w: min(cfg.device_batch_size or per_task // w, per_task // w) for w in cols}
     # The largest of each row over the tasks; the head runs over the scored window (an upper bound per mask).
-    mem = {w: {} for w in cols}
-    for t in shapes:
-        for w in cols:
-            m = memory(mc, s, world_size=w, chunk=chunk[w], seq_len=t["seq_len"],
-                       sampled=t["window"] if t["image"] else cfg.block_length, image=t["image"],
-                       cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing,
-                       head_len=t["window"])
-            mem[w].update({k: max(v, mem[w].get(k, v)) for k, v in m.items()})
+    mem = {w: [memory(mc, s, world_size=w, chunk=chunk[w], seq_len=t["seq_len"], image=t["image"],
+                      sampled=t["window"] if t["image"] else cfg.block_length, head_len=t["window"],
+                      cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing)
+                   for t in shapes] for w in cols}
+    mem = {w: {k: max(m[k] for m in per_task) for k in per_task[0]} for w, per_task in mem.items()}
     mode = "LoRA" if lora else "full fine-tuning"
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
           + (f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters"
@@ -330,9 +321,7 @@ def report(cfg) -> dict:
             "gpu_hours": run_h * gpus, "budget": mem, "tokens_per_s_per_gpu": rate}
 
 
-# -----------------------------------------------------------------------------------------------------
-# start-up checks: the launcher's kill delay, the training state over the GPU's memory, the disk
-
+# Start-up checks: the launcher's kill delay, the training state over the GPU's memory, the disk
 
 def checkpoint_seconds(cfg, mc: ModelConfig) -> float:
     """Estimated seconds to write one checkpoint (checkpoint_bytes at CHECKPOINT_WRITE_SPEED)."""
