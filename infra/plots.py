@@ -169,16 +169,14 @@ def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "R
     if held:
         ax = axes[-1]
         ax.axis("off")
-        lines = [("held-out mean reward", "black"), ("before -> after RL (summary.json)", "grey")]
-        for key, text in held:
-            lines += [(key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black")]
+        lines = [("held-out mean reward", "black"), ("before -> after RL (summary.json)", "grey")] + [
+            line for key, text in held for line in ((key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black"))]
         for k, (text, colour) in enumerate(lines):
             ax.text(0, 1 - k * 0.08, text, color=colour, va="top", transform=ax.transAxes)
     return fig
 
 
-def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None,
-                 xlabel: str = "RL step") -> Path | None:
+def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, xlabel: str = "RL step") -> Path | None:
     if (matplotlib := _extra("matplotlib", "matplotlib")) is None:
         return None
     with matplotlib.rc_context({"font.size": 8}):
@@ -216,10 +214,9 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
         if len(images) != len(prompts):
             raise ValueError(f"row {name!r} has {len(images)} images for {len(prompts)} prompts; "
                              "give one image per prompt")
-        for j, codes in enumerate(images):
-            if len(codes) != width * width:
-                raise ValueError(f"row {name!r} image {j} has {len(codes)} codes, expected width*width = "
-                                 f"{width * width}")
+        if bad := [j for j, codes in enumerate(images) if len(codes) != width * width]:
+            raise ValueError(f"row {name!r} image {bad[0]} has {len(images[bad[0]])} codes, expected width*width = "
+                             f"{width * width}")
     if (pil := _pil()) is None:
         return None
     Image, ImageDraw, font = pil
