@@ -229,8 +229,7 @@ def report(cfg) -> dict:
     exact = step_flops(replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
     eval_n = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}
     one_eval, eval_seqs = sum(eval_n[t] * exact[t] for t in exact), sum(eval_n.values())
-    evaluation = 2 * one_eval
-    run = f["step"] * cfg.rl_steps + evaluation
+    run = f["step"] * cfg.rl_steps + 2 * one_eval
     achieved = gpus * GPU_PEAK_FLOPS * ASSUMED_MFU
     step_s, eval_min, run_h = f["step"] / achieved, one_eval / achieved / 60, run / achieved / 3600
     opt_steps = cfg.rl_steps * cfg.mu
@@ -313,7 +312,7 @@ def report(cfg) -> dict:
                                        f"{SHUTDOWN_TIMEOUT_TORCH} only, and this torch {torch.__version__} ignores it")
              + ")") + f", under Slurm sbatch --signal=TERM@{wait} and check KillWait")
     return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs,
-            "seq_len": seq_len, "flops": {**f, "evaluation": evaluation, "eval_once": one_eval, "run": run},
+            "seq_len": seq_len, "flops": {**f, "evaluation": 2 * one_eval, "eval_once": one_eval, "run": run},
             "eval_sequences": eval_seqs, "eval_minutes": eval_min, "chunk": chunk,
             "rollout_batches": cfg.rl_steps, "optimizer_steps": opt_steps,
             "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.mu,
@@ -375,8 +374,7 @@ def warn_kill_delay(cfg, world: int, env=None) -> None:
         return
     mc = model_config(cfg)
     step_s = step_flops(cfg, mc)["step"] / (world * GPU_PEAK_FLOPS * ASSUMED_MFU)
-    text = kill_delay_warning(env, step_s, checkpoint_seconds(cfg, mc))
-    if text:
+    if text := kill_delay_warning(env, step_s, checkpoint_seconds(cfg, mc)):
         print0(text)
 
 
