@@ -1,9 +1,6 @@
-"""The dry run: `python train.py --preset llada8b --dry_run` prints parameters, FLOPs per RL step and per run,
-the held-out evaluations' cost, a wall-time and GPU-hour estimate, memory per GPU by phase and the kill delay a
-launcher needs, without loading any weights (report); and the start-up checks built on the same figures: the
-launcher's kill delay, the out-of-memory advice and the disk check. Every figure is an estimate from the model
-shape and the config, to be checked by hand (tests/test_budget.py holds the derivation for LLaDA-8B).
-"""
+"""The dry run (`python train.py --preset llada8b --dry_run`): parameters, FLOPs, time and memory per GPU by phase
+from the model shape and the config, loading no weights; and the start-up checks on the same figures (the launcher's
+kill delay, the out-of-memory advice, the disk). tests/test_budget.py derives them by hand for LLaDA-8B."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +14,6 @@ from pathlib import Path
 import torch
 
 import tasks
-
 from tasks import IMAGE_TASKS, task_list
 from model import ModelConfig, Transformer, num_params
 from sample import MIN_HEAD_ROWS
@@ -25,22 +21,17 @@ from infra import hf, toy
 from infra.scale import print0
 
 GB = 1024 ** 3
-# The GPU the time estimate is stated for, its dense bf16 peak (NVIDIA's A100 datasheet, without sparsity) and
-# the fraction of it assumed achieved: an assumption, not a measurement. Large-batch bf16 transformer training
-# reaches 35-50% on A100s; rollouts here are full-sequence forwards of 6-12 sequences per GPU, so the low end.
-GPU_NAME = "A100-80GB SXM"
-GPU_PEAK_FLOPS = 312e12
-H100_PEAK_FLOPS = 989e12  # H100 SXM (and H200) dense bf16, NVIDIA's datasheet
-# Dense bf16 peaks by the name torch.cuda.get_device_name gives (tests/first_gpu.py times a step against it).
-GPU_PEAKS = {"A100": GPU_PEAK_FLOPS, "H100": H100_PEAK_FLOPS, "H200": H100_PEAK_FLOPS}
+# Dense bf16 peaks (NVIDIA's datasheets, without sparsity) by torch.cuda.get_device_name; the time estimate is for
+# GPU_NAME at ASSUMED_MFU, an assumption: large-batch bf16 training reaches 35-50% on A100s, and rollouts here
+# are full-sequence forwards of 6-12 sequences per GPU, so the low end.
+GPU_PEAKS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+GPU_NAME, GPU_PEAK_FLOPS = "A100-80GB SXM", GPU_PEAKS["A100"]
 ASSUMED_MFU = 0.35
-# The GPUs the dry run states the headroom for, in GiB (2^30 bytes, every memory figure's unit): nvidia-smi's
-# totals for an H100 SXM "80 GB" (81,559 MiB) and an H200 "141 GB" (143,771 MiB), before the CUDA context.
+# GiB (every memory figure's unit) of an H100 SXM and an H200 by nvidia-smi, before the CUDA context
 GPU_MEMORY_GB = {"H100": 79.6, "H200": 140.4}
 # Seconds from SIGTERM to SIGKILL by default: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT and Slurm's KillWait.
 DEFAULT_KILL_DELAY = 30
-# Assumed checkpoint write speed (bytes/s): torch.distributed.checkpoint to a network file system.
-CHECKPOINT_WRITE_SPEED = 0.5 * GB
+CHECKPOINT_WRITE_SPEED = 0.5 * GB  # bytes/s, assumed: torch.distributed.checkpoint to a network file system
 # The first torch whose torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT; earlier ones kill 30 s after SIGTERM.
 SHUTDOWN_TIMEOUT_TORCH = "2.12"
 
@@ -51,10 +42,9 @@ def gpu_kind(device_name: str) -> str | None:
 
 
 def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
-    """Parameter counts from a meta-device model (no memory): total, embedding, head, one block's matrices,
-    and LoRA's adapters (rank r on every projection of hf.TARGET_SETS[lora_targets]: r * (in + out) each)."""
+    """Parameter counts from a meta-device model: total, embedding, head, one block's matrices, and LoRA's
+    adapters (rank r on every projection of hf.TARGET_SETS[lora_targets]: r * (in + out) each)."""
     from infra.hf import TARGET_SETS
-    targets = TARGET_SETS[lora_targets]
 
     with torch.device("meta"):
         model = Transformer(mc)
@@ -63,54 +53,46 @@ def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
     return {"params": num_params(model), "embedding": model.wte.weight.numel(), "head": model.ff_out.weight.numel(),
             "block_params": num_params(block), "block_matmul": sum(m.weight.numel() for m in linears),
             "lora_params": lora_rank * mc.n_layers * sum(m.in_features + m.out_features for name, m in
-                                                         block.named_children() if name in targets)}
+                                                         block.named_children() if name in TARGET_SETS[lora_targets])}
 
 
-def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int, rollout: str, steps: int,
-          block_length: int, cfg_scale: float, mu: int, beta: float, lora: bool,
-          activation_checkpointing: bool, window: int, trajectory: bool = False, trajectory_states: int = 0) -> dict:
-    """Global FLOPs of one RL step (every task's prompts_per_step * group_size sequences, all ranks), by phase.
-    A forward costs per token 2 FLOPs per weight of the block matrices (and adapters) and 4 * keys * d_model
-    per layer of attention; the head (2 per weight) runs only where the code computes it. Rollouts: `steps`
-    passes (twice the rows with CFG), the head over the current block or the image slots; the Fast-dLLM
-    caches one full pass per block, then the tokens from the block on (prefix) or the block (dual): upper
-    bounds, as threshold decoding can end a block early. Scoring: old and (beta > 0) reference log-probs of mu
-    masks. Updates: mu forward-backwards (full 2x the forward, LoRA 1x plus the adapters'), and a recompute
-    with activation checkpointing. trajectory: every decoding state (or K per update) instead of mu masks.
-    per_rollout_seq: the FLOPs of one rollout sequence (its CFG rows included)."""
+def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
+    """Global FLOPs of one RL step of task shape p (task_shapes), all ranks, by phase, and of one rollout sequence
+    (per_rollout_seq). A forward costs per token 2 FLOPs per weight of the block matrices (and adapters) and
+    4 * keys * d_model per layer of attention; the head (2 per weight) runs only where the code computes it."""
     d, nl = mc.d_model, mc.n_layers
     body, head = nl * s["block_matmul"], s["head"]
+    lora = cfg.lora_rank > 0
     adapters = s["lora_params"] if lora else 0
-    image = rollout == "image"
+    seq_len, steps, window, block_length = p["seq_len"], p["steps"], p["window"], cfg.block_length
 
     def fwd(tokens, keys, head_tokens):  # FLOPs of a forward over `tokens` query positions
         return tokens * (2 * (body + adapters) + 4 * keys * d * nl) + head_tokens * 2 * head
 
-    cfg_rows = 2 if image and cfg_scale > 0 else 1
-    if rollout in ("exact", "image"):
-        per_seq = steps * fwd(seq_len, seq_len, window if image else block_length)
-    else:  # Fast-dLLM block caches
-        blocks = (seq_len - prompt_len) // block_length
+    cfg_rows = 2 if p["image"] and cfg.cfg_scale > 0 else 1
+    if p["rollout"] in ("exact", "image"):
+        per_seq = steps * fwd(seq_len, seq_len, window if p["image"] else block_length)
+    else:  # Fast-dLLM: a full pass per block, then the tokens from the block on (prefix) or the block (dual);
+        # upper bounds, as threshold decoding can end a block early
+        blocks = (seq_len - p["prompt_len"]) // block_length
         spb = steps // blocks
-        per_seq = 0
-        for b in range(blocks):
-            start = prompt_len + b * block_length
-            q = seq_len - start if rollout == "prefix" else block_length
-            per_seq += fwd(seq_len, seq_len, block_length) + (spb - 1) * fwd(q, seq_len, block_length)
-    roll = seqs * cfg_rows * per_seq
-    per_update = min(trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
-    views = min(mu * per_update, steps) if trajectory else mu  # scored, old and ref
+        queries = [seq_len - p["prompt_len"] - b * block_length if p["rollout"] == "prefix" else block_length
+                   for b in range(blocks)]
+        per_seq = sum(fwd(seq_len, seq_len, block_length) + (spb - 1) * fwd(q, seq_len, block_length) for q in queries)
+    roll = p["seqs"] * cfg_rows * per_seq
+    trajectory = cfg.estimator == "trajectory"
+    per_update = min(cfg.trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
+    views = min(cfg.mu * per_update, steps) if trajectory else cfg.mu  # scored, old and ref
     # Head positions of a scored input: the window. A trajectory state of a text rollout scores only the
     # tokens one step revealed, within its block, so the head runs over fewer columns: an upper bound there.
-    scored = window
-    score = seqs * views * (1 + (beta > 0)) * fwd(seq_len, seq_len, scored)
+    score = p["seqs"] * views * (1 + (cfg.beta > 0)) * fwd(seq_len, seq_len, window)
     attn = 4 * seq_len * d * nl
     if lora:  # input gradients through frozen matrices (2 per weight), adapters' input and weight gradients
-        bwd = seq_len * (2 * body + 4 * adapters + 2 * attn) + scored * 2 * head
-    else:
-        bwd = seq_len * (4 * body + 2 * attn) + scored * 4 * head
-    recompute = seq_len * (2 * (body + adapters) + attn) if activation_checkpointing else 0
-    update = seqs * mu * per_update * (fwd(seq_len, seq_len, scored) + bwd + recompute)
+        bwd = seq_len * (2 * body + 4 * adapters + 2 * attn) + window * 2 * head
+    else:  # full fine-tuning: input and weight gradients, twice the forward
+        bwd = seq_len * (4 * body + 2 * attn) + window * 4 * head
+    recompute = seq_len * (2 * (body + adapters) + attn) if cfg.activation_checkpointing else 0
+    update = p["seqs"] * cfg.mu * per_update * (fwd(seq_len, seq_len, window) + bwd + recompute)
     return {"rollout": roll, "scoring": score, "update": update, "step": roll + score + update,
             "per_rollout_seq": cfg_rows * per_seq}
 
@@ -118,42 +100,36 @@ def flops(mc: ModelConfig, s: dict, *, seqs: int, seq_len: int, prompt_len: int,
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
            cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
            codebook: int = 8192, head_len: int | None = None) -> dict:
-    """Memory per GPU in GB (2^30 bytes), by component, for one world size (the CUDA context, fragmentation and
-    NCCL buffers left out). Sharded: full fine-tuning's float32 weights, gradients and AdamW moments (16 B a
-    parameter, + 4 B reference with beta > 0), or LoRA's base in the compute dtype and float32 adapters. Gathered
-    (world_size > 1): the root and two blocks in an update, the whole model in a rollout or scoring, and the
-    largest group again in the all-gather buffer. Per chunk: activations (checkpointing: each block's input and
-    one block's), float32 logits at the `head_len` positions (8 B an entry), the samplers' transients."""
-    c, w = mc, world_size
-    n = s["params"]
+    """Memory per GPU in GiB by component and phase for one world size (the CUDA context, fragmentation and NCCL
+    buffers left out): the sharded training state, the groups FSDP2 gathers (world_size > 1), and per chunk the
+    activations, float32 logits at `head_len` positions and the samplers' transients."""
+    c, w, n = mc, world_size, s["params"]
     per_tok_block = 16 * c.d_model + 3 * c.mlp_hidden_size
-    rows = {}
-    rows["full_state"] = n * (16 + 4 * (beta > 0)) / w
-    rows["lora_state"] = n * compute_bytes / w + s["lora_params"] * 16 / w
     gathered = w > 1
     root = s["embedding"] + s["head"] + c.d_model
-    rows["root_gathered"] = root * compute_bytes * gathered
     block = s["block_params"] + s["lora_params"] / c.n_layers
-    rows["blocks_gathered"] = 2 * block * compute_bytes * gathered
-    rows["allgather_buffer"] = max(root, block) * compute_bytes * gathered
-    rows["model_gathered"] = (n + s["lora_params"]) * compute_bytes * gathered
     tokens = chunk * seq_len
     acts = tokens * c.n_layers * (c.d_model if activation_checkpointing else per_tok_block) * compute_bytes
     acts += tokens * per_tok_block * compute_bytes * activation_checkpointing  # the block being recomputed
-    rows["activations"] = acts
     head_len = seq_len if head_len is None else head_len
     cols = codebook if image else c.vocab_size  # images score the codebook's columns only (vocab_slice)
     head_f32 = cols * c.d_model * 4 * (compute_bytes != 4)  # the float32 copy of the head's rows
-    rows["logits"] = chunk * head_len * cols * 8 + head_f32
     cfg_rows = 2 if cfg_scale > 0 else 1
     # The text sampler computes the head only over the current block (sample.py, at least MIN_HEAD_ROWS
     # rows per chunk); the image samplers over the image slots and the codebook's columns only.
     head_rows = chunk * (sampled if image else max(sampled, -(-MIN_HEAD_ROWS // chunk)))
-    model_logits = cfg_rows * head_rows * cols * compute_bytes
     # images: float64 probabilities and their cumulative sum; text: float64 Gumbel noise (24 B) and a softmax
     sampler = chunk * sampled * codebook * 8 * 2 if image else chunk * sampled * c.vocab_size * (24 + 2)
-    rows["sampling"] = model_logits + sampler
-    rows["no_grad_block"] = tokens * per_tok_block * compute_bytes
+    # full fine-tuning: float32 weights, gradients, AdamW moments (+ the reference); LoRA: the base in the compute
+    # dtype. Gathered: the root and two blocks in an update, the whole model in a rollout or scoring.
+    rows = {"full_state": n * (16 + 4 * (beta > 0)) / w,
+            "lora_state": n * compute_bytes / w + s["lora_params"] * 16 / w,
+            "root_gathered": root * compute_bytes * gathered, "blocks_gathered": 2 * block * compute_bytes * gathered,
+            "allgather_buffer": max(root, block) * compute_bytes * gathered,
+            "model_gathered": (n + s["lora_params"]) * compute_bytes * gathered, "activations": acts,
+            "logits": chunk * head_len * cols * 8 + head_f32,
+            "sampling": cfg_rows * head_rows * cols * compute_bytes + sampler,
+            "no_grad_block": tokens * per_tok_block * compute_bytes}
     update_common = rows["root_gathered"] + rows["blocks_gathered"] + rows["allgather_buffer"] + acts + rows["logits"]
     rollout_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["sampling"]
     scoring_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["no_grad_block"] + rows["logits"]
@@ -163,10 +139,9 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
         rows[f"{kind}_rollout"] = rows[f"{kind}_state"] + rollout_common
         rows[f"{kind}_scoring"] = rows[f"{kind}_state"] + scoring_common
         rows[f"{kind}_peak"] = max(rows[f"{kind}_update"], rows[f"{kind}_rollout"], rows[f"{kind}_scoring"])
-    out = {k: v / GB for k, v in rows.items()}
-    # the short names that the README and tests read
-    out.update(weights_gb=n * compute_bytes / w / GB, full_ft_gb=out["full_peak"], lora_gb=out["lora_peak"])
-    return out
+    out = {k: v / GB for k, v in rows.items()}  # and the short names that the README and tests read:
+    return {**out, "weights_gb": n * compute_bytes / w / GB, "full_ft_gb": out["full_peak"],
+            "lora_gb": out["lora_peak"]}
 
 
 MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state", "LoRA state, sharded"),
@@ -175,10 +150,8 @@ MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state",
                ("model_gathered", "gathered model (rollout)"), ("activations", "activations per update chunk"),
                ("logits", "logits per update or scoring chunk"), ("sampling", "sampling transients per rollout chunk"),
                ("no_grad_block", "one block's activations per scoring chunk"),
-               ("full_update", "full fine-tuning, update peak"), ("full_rollout", "full fine-tuning, rollout peak"),
-               ("full_scoring", "full fine-tuning, scoring peak"), ("full_peak", "full fine-tuning, peak"),
-               ("lora_update", "LoRA, update peak"), ("lora_rollout", "LoRA, rollout peak"),
-               ("lora_scoring", "LoRA, scoring peak"), ("lora_peak", "LoRA, peak"))
+               *((f"{kind}_{ph}", f"{mode}, {'' if ph == 'peak' else ph + ' '}peak") for kind, mode in
+                 (("full", "full fine-tuning"), ("lora", "LoRA")) for ph in ("update", "rollout", "scoring", "peak")))
 
 
 def scratch_config(cfg, **vocab) -> ModelConfig:
@@ -196,49 +169,31 @@ def model_config(cfg) -> ModelConfig:
     return scratch_config(cfg, vocab_size=vocab, mask_token_id=vocab - 1)
 
 
-def task_shape(cfg, task: str) -> dict:
-    """What one RL step processes for one task: images or not, the prompt and sequence lengths, the rollout
-    kind, the denoising steps, the global number of sequences and the window (the completion or image slots)."""
-    if task in IMAGE_TASKS:
-        prompt_len = (cfg.image_text_len or 32) + 2
-        seq_len, rollout, steps, window = prompt_len + cfg.image_width ** 2, "image", cfg.image_steps, cfg.image_width ** 2
-    else:
-        prompt_len, steps, window = cfg.max_prompt_len, cfg.steps, cfg.gen_length
-        seq_len, rollout = prompt_len + window, "exact" if cfg.kv_cache == "none" else cfg.kv_cache
-    return dict(task=task, image=task in IMAGE_TASKS, prompt_len=prompt_len, seq_len=seq_len, rollout=rollout,
-                steps=steps, seqs=cfg.prompts_per_step * cfg.group_size, window=window)
-
-
-def step_shape(cfg) -> dict:
-    """The step's tasks (task_shape of each) and what the dry run prints of them, over all tasks."""
-    shapes = [task_shape(cfg, t) for t in task_list(cfg)]
-    return dict(names=[p["task"] for p in shapes], tasks=shapes, image=any(p["image"] for p in shapes),
-                seq_len=max(p["seq_len"] for p in shapes), rollout="/".join(dict.fromkeys(p["rollout"] for p in shapes)),
-                steps="/".join(str(p["steps"]) for p in shapes), seqs=sum(p["seqs"] for p in shapes))
+def task_shapes(cfg) -> list[dict]:
+    """Per task, what one RL step processes: images or not, the prompt and sequence lengths, the rollout kind, the
+    denoising steps, the global number of sequences and the window (the completion or the image slots)."""
+    out = []
+    for task in task_list(cfg):
+        if task in IMAGE_TASKS:
+            prompt_len, window = (cfg.image_text_len or 32) + 2, cfg.image_width ** 2
+            rollout, steps = "image", cfg.image_steps
+        else:
+            prompt_len, window, steps = cfg.max_prompt_len, cfg.gen_length, cfg.steps
+            rollout = "exact" if cfg.kv_cache == "none" else cfg.kv_cache
+        out.append(dict(task=task, image=task in IMAGE_TASKS, prompt_len=prompt_len, seq_len=prompt_len + window,
+                        rollout=rollout, steps=steps, seqs=cfg.prompts_per_step * cfg.group_size, window=window))
+    return out
 
 
 def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
-    """flops() of one RL step of the Config `cfg` on the model shape mc, summed over its tasks (per_rollout_seq
-    by task)."""
+    """flops() of one RL step summed over the tasks, with per_rollout_seq by task."""
     s = shape(mc, cfg.lora_rank, cfg.lora_targets) if s is None else s
     total = {"rollout": 0, "scoring": 0, "update": 0, "step": 0, "per_rollout_seq": {}}
-    for p in step_shape(cfg)["tasks"]:
-        f = flops(mc, s, seqs=p["seqs"], seq_len=p["seq_len"], prompt_len=p["prompt_len"], rollout=p["rollout"],
-                  steps=p["steps"], block_length=cfg.block_length, cfg_scale=cfg.cfg_scale, window=p["window"],
-                  mu=cfg.mu, beta=cfg.beta, lora=cfg.lora_rank > 0,
-                  activation_checkpointing=cfg.activation_checkpointing, trajectory=cfg.estimator == "trajectory",
-                  trajectory_states=cfg.trajectory_states)
+    for p in task_shapes(cfg):
+        f = flops(cfg, mc, s, p)
         total["per_rollout_seq"][p["task"]] = f.pop("per_rollout_seq")
         total.update({k: total[k] + v for k, v in f.items()})
     return total
-
-
-def eval_flops(cfg, mc: ModelConfig, s: dict) -> tuple[float, int]:
-    """(FLOPs, sequences) of ONE held-out evaluation (a run makes two): data.evaluate_all samples
-    eval_samples completions per prompt, and one greedy per text prompt, with the exact sampler."""
-    exact = step_flops(replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
-    seqs = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}
-    return sum(seqs[t] * exact[t] for t in exact), sum(seqs.values())
 
 
 def padded_prompt_len(cfg) -> tuple[int, str]:
@@ -263,50 +218,47 @@ def padded_prompt_len(cfg) -> tuple[int, str]:
 
 def report(cfg) -> dict:
     """--dry_run: print and return the schedule, FLOPs, time on GPU_NAME at ASSUMED_MFU and memory (no weights)."""
-    mc = model_config(cfg)
-    p = step_shape(cfg)
-    names, image, seq_len, rollout, steps, seqs = (p[k] for k in ("names", "image", "seq_len", "rollout", "steps",
-                                                                   "seqs"))
-    lora = cfg.lora_rank > 0
+    mc, shapes, lora, gpus = model_config(cfg), task_shapes(cfg), cfg.lora_rank > 0, cfg.dry_run_gpus
+    names, image = [p["task"] for p in shapes], any(p["image"] for p in shapes)
+    seq_len, seqs = max(p["seq_len"] for p in shapes), sum(p["seqs"] for p in shapes)
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     f = step_flops(cfg, mc, s)
-    maskgrpo = step_flops(dataclasses.replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # to compare with
-    one_eval, eval_seqs = eval_flops(cfg, mc, s)
-    evaluation = 2 * one_eval  # before and after RL
-    run = f["step"] * cfg.rl_steps + evaluation
-    gpus = cfg.dry_run_gpus
-    step_s = f["step"] / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU)
-    eval_min = one_eval / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU) / 60
-    run_h = run / (gpus * GPU_PEAK_FLOPS * ASSUMED_MFU) / 3600
+    maskgrpo = step_flops(replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # to compare with
+    # one held-out evaluation (data.evaluate_all, before and after RL): eval_samples completions per prompt
+    # and one greedy per text prompt, with the exact sampler
+    exact = step_flops(replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
+    eval_n = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}
+    one_eval, eval_seqs = sum(eval_n[t] * exact[t] for t in exact), sum(eval_n.values())
+    run = f["step"] * cfg.rl_steps + 2 * one_eval
+    achieved = gpus * GPU_PEAK_FLOPS * ASSUMED_MFU
+    step_s, eval_min, run_h = f["step"] / achieved, one_eval / achieved / 60, run / achieved / 3600
     opt_steps = cfg.rl_steps * cfg.mu
     # world sizes each task's batch splits evenly over (train.py requires it)
     per_task = cfg.prompts_per_step * cfg.group_size
     cols = [w for w in sorted({1, 8, 16, gpus}) if per_task % w == 0]
     chunk = {w: min(cfg.device_batch_size or per_task // w, per_task // w) for w in cols}
     # The largest of each row over the tasks; the head runs over the scored window (an upper bound per mask).
-    mem = {w: {} for w in cols}
-    for t in p["tasks"]:
-        for w in cols:
-            m = memory(mc, s, world_size=w, chunk=chunk[w], seq_len=t["seq_len"],
-                       sampled=t["window"] if t["image"] else cfg.block_length, image=t["image"],
-                       cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing,
-                       head_len=t["window"])
-            mem[w].update({k: max(v, mem[w].get(k, v)) for k, v in m.items()})
+    mem = {w: [memory(mc, s, world_size=w, chunk=chunk[w], seq_len=t["seq_len"], image=t["image"],
+                      sampled=t["window"] if t["image"] else cfg.block_length, head_len=t["window"],
+                      cfg_scale=cfg.cfg_scale, beta=cfg.beta, activation_checkpointing=cfg.activation_checkpointing)
+                   for t in shapes] for w in cols}
+    mem = {w: {k: max(m[k] for m in per_task) for k in per_task[0]} for w, per_task in mem.items()}
+    mode = "LoRA" if lora else "full fine-tuning"
     print(f"model: {s['params']:,} parameters ({mc.n_layers} layers, d_model {mc.d_model}, vocab {mc.vocab_size}); "
           + (f"LoRA r={cfg.lora_rank} on the {cfg.lora_targets!r} targets: {s['lora_params']:,} adapter parameters"
              if lora else "full fine-tuning (--lora_rank=0): every parameter trained"))
     print(f"RL step: {seqs} sequences ({cfg.prompts_per_step} prompts x G={cfg.group_size} x {len(names)} task(s)) "
-          f"of {seq_len} tokens, {steps} denoising steps ({rollout}), mu={cfg.mu}, "
-          f"{'LoRA' if lora else 'full fine-tuning'}, activation checkpointing "
-          f"{'on' if cfg.activation_checkpointing else 'off'}, device_batch_size {cfg.device_batch_size or 'all'}")
+          f"of {seq_len} tokens, {'/'.join(str(p['steps']) for p in shapes)} denoising steps "
+          f"({'/'.join(dict.fromkeys(p['rollout'] for p in shapes))}), mu={cfg.mu}, {mode}, activation "
+          f"checkpointing {'on' if cfg.activation_checkpointing else 'off'}, device_batch_size "
+          f"{cfg.device_batch_size or 'all'}")
     ckpt = (f"a checkpoint every {cfg.checkpoint_every} rollout batches = "
             f"{cfg.checkpoint_every * cfg.mu:,} optimizer steps" if cfg.checkpoint_every else "no checkpoints")
     print(f"schedule: {cfg.rl_steps:,} rollout batches x mu {cfg.mu} = {opt_steps:,} optimizer steps; {ckpt}")
     # The settings an official script fixes, in its own terms, to compare line by line (tests/test_presets.py).
-    gamma = cfg.gamma_image if image else cfg.gamma_text
     print(f"settings: G {cfg.group_size}, {cfg.prompts_per_step} prompts per optimizer step, mu {cfg.mu}, "
-          f"gamma {gamma}, CFG {cfg.cfg_scale}, eps {cfg.clip_eps}, beta {cfg.beta}, lr {cfg.lr}, estimator "
-          f"{cfg.estimator}{'' if image else f' ({cfg.text_reversing})'}, "
+          f"gamma {cfg.gamma_image if image else cfg.gamma_text}, CFG {cfg.cfg_scale}, eps {cfg.clip_eps}, beta "
+          f"{cfg.beta}, lr {cfg.lr}, estimator {cfg.estimator}{'' if image else f' ({cfg.text_reversing})'}, "
           + (f"LoRA r {cfg.lora_rank} alpha {cfg.lora_alpha:g} dropout {cfg.lora_dropout} on {cfg.lora_targets}"
              if lora else "no LoRA") + ", attention over padding "
           f"{'on' if any(tasks.attends_padding(cfg, t) for t in names) else 'off'}")
@@ -318,7 +270,7 @@ def report(cfg) -> dict:
         print(f"trajectory estimator, {states}: {f['step']:.2e} FLOPs per RL step against {maskgrpo:.2e} for "
               f"MaskGRPO's mu = {cfg.mu} masks, {f['step'] / maskgrpo:.2f} x")
     print(f"held-out evaluation: {eval_seqs:,} sequences ({cfg.eval_prompts} prompts x {cfg.eval_samples} sampled "
-          f"per task{', + 1 greedy per text prompt' if not all(t['image'] for t in p['tasks']) else ''}; exact "
+          f"per task{', + 1 greedy per text prompt' if not all(p['image'] for p in shapes) else ''}; exact "
           f"sampler), {one_eval:.2e} FLOPs each, run before and after RL")
     print(f"global FLOPs per run: {run:.2e} ({cfg.rl_steps:,} RL steps, and 2 x {one_eval:.2e} for the held-out "
           f"evaluations)")
@@ -327,22 +279,20 @@ def report(cfg) -> dict:
           f"{run_h:.1f} h per run = {run_h * gpus:,.0f} GPU-hours")
     print("| GiB per GPU (estimate) | " + " | ".join(f"{w} GPU{'s' * (w > 1)}" for w in cols) + " |")
     print("|---|" + "---|" * len(cols))
-    other = "full" if lora else "lora"  # the rows of the mode this run does not train in are left out
+    kind = "lora" if lora else "full"  # the rows of the mode this run does not train in are left out
     for key, label in MEMORY_ROWS:
-        if not key.startswith(other + "_"):
+        if not key.startswith(("full" if lora else "lora") + "_"):
             print(f"| {label} | " + " | ".join(f"{mem[w][key]:.1f}" for w in cols) + " |")
     print(f"(update chunk: {', '.join(f'{chunk[w]} seq' for w in cols)}; rollouts chunk the same way; "
           "FSDP2 gathers only with more than one GPU)")
     if gpus in mem:
-        kind = "lora" if lora else "full"
         peak = mem[gpus][f"{kind}_peak"]
         phase = max(("update", "rollout", "scoring"), key=lambda ph: mem[gpus][f"{kind}_{ph}"])
         room = ", ".join(f"{gb - peak:.0f} GiB of {gb} on an {name}" if gb >= peak else
                          f"does not fit on an {name} ({gb} GiB, {peak - gb:.0f} GiB short)"
                          for name, gb in GPU_MEMORY_GB.items())
         print(f"device_batch_size {chunk[gpus]} of {per_task // gpus} sequences per task and GPU on {gpus} GPUs: "
-              f"{'LoRA' if lora else 'full fine-tuning'} peak {peak:.1f} GiB ({phase}), headroom {room} (before the "
-              "CUDA context and allocator slack)")
+              f"{mode} peak {peak:.1f} GiB ({phase}), headroom {room} (before the CUDA context and allocator slack)")
         if peak > max(GPU_MEMORY_GB.values()):
             print(f"this run does not fit on {gpus} GPU(s) of any size listed: use more GPUs (--dry_run_gpus), "
                   f"{'a lower --device_batch_size' if lora else 'LoRA (--lora_rank)'} or a smaller model")
@@ -350,8 +300,7 @@ def report(cfg) -> dict:
     if not image:  # generated tokens/s per GPU of the rollout phase at the padded prompt length
         padded, source = padded_prompt_len(cfg)
         roll = step_flops(replace(cfg, max_prompt_len=padded), mc, s)["rollout"]
-        for name, peak_flops in (("A100", GPU_PEAK_FLOPS), ("H100", H100_PEAK_FLOPS)):
-            rate[name] = seqs * cfg.gen_length / (roll / (peak_flops * ASSUMED_MFU))  # = per GPU on any count
+        rate = {k: seqs * cfg.gen_length / (roll / (GPU_PEAKS[k] * ASSUMED_MFU)) for k in ("A100", "H100")}
         print(f"rollouts at a padded prompt length of {padded} tokens ({source}): about {rate['A100']:.0f} "
               f"generated tokens/s per A100 and {rate['H100']:.0f} per H100 at {ASSUMED_MFU:.0%} MFU")
     need = step_s + checkpoint_seconds(cfg, mc)
@@ -363,7 +312,7 @@ def report(cfg) -> dict:
                                        f"{SHUTDOWN_TIMEOUT_TORCH} only, and this torch {torch.__version__} ignores it")
              + ")") + f", under Slurm sbatch --signal=TERM@{wait} and check KillWait")
     return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs,
-            "seq_len": seq_len, "flops": {**f, "evaluation": evaluation, "eval_once": one_eval, "run": run},
+            "seq_len": seq_len, "flops": {**f, "evaluation": 2 * one_eval, "eval_once": one_eval, "run": run},
             "eval_sequences": eval_seqs, "eval_minutes": eval_min, "chunk": chunk,
             "rollout_batches": cfg.rl_steps, "optimizer_steps": opt_steps,
             "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.mu,
@@ -371,18 +320,16 @@ def report(cfg) -> dict:
             "gpu_hours": run_h * gpus, "budget": mem, "tokens_per_s_per_gpu": rate}
 
 
-# -----------------------------------------------------------------------------------------------------
-# start-up checks: the launcher's kill delay, the training state over the GPU's memory, the disk
-
+# Start-up checks: the launcher's kill delay, the training state over the GPU's memory, the disk
 
 def checkpoint_seconds(cfg, mc: ModelConfig) -> float:
-    """Estimated seconds to write one checkpoint of cfg's run (checkpoint_bytes at CHECKPOINT_WRITE_SPEED)."""
+    """Estimated seconds to write one checkpoint (checkpoint_bytes at CHECKPOINT_WRITE_SPEED)."""
     return checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED
 
 
 def torchrun_reads_shutdown_timeout() -> bool:
-    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT: its LaunchConfig has the
-    shutdown_timeout field that reads it (tests/test_cuda.py check 9 measures it on a worker ignoring SIGTERM)."""
+    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT: its LaunchConfig has the field that
+    reads it (tests/test_cuda.py check 9 measures it on a worker ignoring SIGTERM)."""
     try:
         from torch.distributed.launcher.api import LaunchConfig
     except ImportError:
@@ -393,26 +340,25 @@ def torchrun_reads_shutdown_timeout() -> bool:
 def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float,
                        reads_variable: bool | None = None) -> str | None:
     """The start-up warning when a SIGTERM (the run finishes its step and writes a checkpoint) would get SIGKILL
-    first, else None. Under torchrun (TORCHELASTIC_RUN_ID in env) the delay is TORCH_ELASTIC_SHUTDOWN_TIMEOUT if
-    that torchrun reads it (reads_variable), else 30 s; under Slurm (SLURM_JOB_ID) KillWait's default, 30 s."""
+    first, else None. The delay: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT if that torchrun reads it
+    (reads_variable), else 30 s; under Slurm (SLURM_JOB_ID) KillWait's default, 30 s."""
     torchrun, slurm = "TORCHELASTIC_RUN_ID" in env, "SLURM_JOB_ID" in env
-    if not (torchrun or slurm):
-        return None
     ignored = torchrun and not (torchrun_reads_shutdown_timeout() if reads_variable is None else reads_variable)
     delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun and not ignored \
         else DEFAULT_KILL_DELAY
     if slurm:
         delay = min(delay, DEFAULT_KILL_DELAY)
     need = step_seconds + checkpoint_seconds
-    if delay >= need:
+    if not (torchrun or slurm) or delay >= need:
         return None
+    wait = 2 * math.ceil(need)
     fix = [] if not torchrun else [
         f"upgrade torch to {SHUTDOWN_TIMEOUT_TORCH} or later (this torchrun, torch {torch.__version__}, ignores "
-        f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)}"
-        if ignored else f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={2 * math.ceil(need)}"]
+        f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={wait}"
+        if ignored else f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={wait}"]
     if slurm:
-        fix.append(f"ask Slurm for the signal early (sbatch --signal=TERM@{2 * math.ceil(need)}) and check "
-                   "KillWait (scontrol show config)")
+        fix.append(f"ask Slurm for the signal early (sbatch --signal=TERM@{wait}) and check KillWait (scontrol "
+                   "show config)")
     who = " and ".join(([f"torchrun's fixed {DEFAULT_KILL_DELAY} s" if ignored else
                          "torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] if torchrun else [])
                        + (["Slurm's KillWait (default assumed)"] if slurm else []))
@@ -428,16 +374,14 @@ def warn_kill_delay(cfg, world: int, env=None) -> None:
         return
     mc = model_config(cfg)
     step_s = step_flops(cfg, mc)["step"] / (world * GPU_PEAK_FLOPS * ASSUMED_MFU)
-    text = kill_delay_warning(env, step_s, checkpoint_seconds(cfg, mc))
-    if text:
+    if text := kill_delay_warning(env, step_s, checkpoint_seconds(cfg, mc)):
         print0(text)
 
 
 def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
-    """The out-of-memory advice when the sharded training state alone (memory's full_state or lora_state)
-    exceeds the GPU's memory, so that no --device_batch_size helps; None when it fits."""
-    mc = model_config(cfg)
-    s = shape(mc, cfg.lora_rank, cfg.lora_targets)
+    """The out-of-memory advice when the sharded training state alone (memory's full_state or lora_state) is
+    over the GPU's memory, so that no --device_batch_size helps; None when it fits."""
+    s = shape(model_config(cfg), cfg.lora_rank, cfg.lora_targets)
     compute = 2 if cfg.dtype != "float32" else 4
     state = (s["params"] * compute + s["lora_params"] * 16 if cfg.lora_rank > 0 else
              s["params"] * (16 + 4 * (cfg.beta > 0))) / world
@@ -450,16 +394,15 @@ def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
 
 
 def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
-    """Bytes of one checkpoint (checkpoint.save): the trained parameters (the adapters with LoRA) in float32
-    with their two AdamW moments, and 1 MB for state.json and DCP metadata."""
+    """Bytes of one checkpoint: the trained parameters (the adapters with LoRA) in float32 with their two AdamW
+    moments, and 1 MB for state.json and DCP metadata."""
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
-    trained = s["lora_params"] if cfg.lora_rank > 0 else s["params"]
-    return trained * 4 * 3 + 2 ** 20
+    return (s["lora_params"] if cfg.lora_rank > 0 else s["params"]) * 4 * 3 + 2 ** 20
 
 
 def final_bytes(cfg, mc: ModelConfig) -> int:
-    """Bytes of final/ (infra/run.Run.finish): every parameter in the run's dtype (bf16 on a GPU with --dtype=auto,
-    float32 on the CPU) and, with LoRA, the float32 adapters beside the merged model."""
+    """Bytes of final/: every parameter in the run's dtype (bf16 on a GPU with --dtype=auto, float32 on the CPU)
+    and, with LoRA, the float32 adapters beside the merged model."""
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and torch.cuda.is_available())
     return s["params"] * (2 if bf16 else 4) + (s["lora_params"] * 4 if cfg.lora_rank > 0 else 0)
@@ -484,9 +427,7 @@ def _bytes(n: float) -> str:
 def check_disk(cfg, out: Path, mc, present: int = 0) -> None:
     """Refuse to start when out_dir cannot hold the checkpoints the run keeps during rotation (beside a resumed
     run's `present` ones) and final/ (written while the last checkpoint is still there)."""
-    one = checkpoint_bytes(cfg, mc)
-    k = checkpoints_on_disk(cfg, present)
-    final = final_bytes(cfg, mc)
+    one, k, final = checkpoint_bytes(cfg, mc), checkpoints_on_disk(cfg, present), final_bytes(cfg, mc)
     size = one * k + final
     free = shutil.disk_usage(out).free
     if free < size:

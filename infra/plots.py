@@ -1,14 +1,8 @@
-"""Pictures of a run: training curves from out_dir/log.jsonl, and a grid of toy images.
+"""The run's pictures: curves.png (matplotlib) and the toy's image grid, images.png (Pillow), both optional extras
+(`pip install -e '.[plots]'`). `python -m infra.plots RUN_DIR` redraws curves.png; `--compare LABEL=DIR[,DIR...]
+--png FILE [--x=cpu_seconds]` draws several runs' KL and rollout reward on one axis (docs/usage.md)."""
+from __future__ import annotations
 
-Optional: the curves need matplotlib and the image grid Pillow (`pip install -e ".[plots]"` gives both).
-Without them each function prints one line saying so and returns None, so training and the tests of the core
-never depend on them.
-
-    python -m infra.plots out/toy          # writes out/toy/curves.png from out/toy/log.jsonl
-    python -m infra.plots --compare d1=out/d1-s0,out/d1-s1 MaskGRPO=out/m-s0,out/m-s1 --png kl.png
-                                           # KL and reward per step, one line per label (median over its runs)
-    python -m infra.plots --compare ... --x=cpu_seconds --png r.png   # against cumulative RL seconds
-"""
 import argparse
 import importlib.util
 import json
@@ -19,8 +13,7 @@ from pathlib import Path
 
 from infra import cli
 
-# RGB for the toy image codes: 0 is the background (ANSI 236 in toy.render_image), code c >= 1 is
-# toy.COLOURS[c - 1] = red, green, blue, yellow, purple, cyan, white.
+# RGB of a toy image code: 0 is the background (ANSI 236 in toy.render_image), c >= 1 is toy.COLOURS[c - 1].
 PALETTE = ((48, 48, 48), (230, 50, 50), (40, 190, 70), (50, 100, 240), (250, 210, 30),
            (150, 60, 200), (40, 210, 220), (245, 245, 245))
 TASK_COLOURS = {"text": (30, 110, 190), "image": (230, 110, 20)}
@@ -31,8 +24,9 @@ PANELS = [("reward", "reward"), ("solved", "accuracy (reward = 1)"), ("kl", "KL 
 PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # curves: pixels per panel; font: the image grid's, in pixels
 # Image grid geometry (pixels). Every toy image is scaled to about IMAGE_PX whatever its width, and a
 # prompt is wrapped to at most CAPTION_LINES lines, so the picture's size depends only on the counts.
-IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES = 96, 90, 150, 14, 12, 3
+IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES, LINE_H = 96, 90, 150, 14, 12, 3, FONT_SIZE + 3
 INSTALL_HINT = 'plots.py: no picture written, {} is missing; pip install -e ".[plots]" gives the pictures'
+X_AXES = {"step": "RL step", "seconds": "cumulative RL seconds (wall)", "cpu_seconds": "cumulative RL CPU seconds"}
 
 
 def have_pillow() -> bool:
@@ -44,9 +38,8 @@ def have_matplotlib() -> bool:
 
 
 def text_image(codes: list[int], width: int, stream=None) -> str:
-    """A toy image for the console: ANSI colour blocks on a terminal (toy.render_image), else one letter
-    per cell (. background, then the initials of toy.COLOURS, ? an invalid code), so that a log file or a
-    pipe gets no escape codes."""
+    """A toy image for the console: ANSI colour blocks on a terminal (toy.render_image), else one letter per cell
+    (. background, the initials of toy.COLOURS, ? an invalid code), so that a log file gets no escape codes."""
     from infra import toy
 
     stream = stream or sys.stdout
@@ -58,8 +51,7 @@ def text_image(codes: list[int], width: int, stream=None) -> str:
 
 
 def _extra(name: str, module: str):
-    """The module, imported here rather than at the top so that `import plots` works without the extra; None
-    after the one-line install hint when `name` is not installed."""
+    """The extra's module, imported only when a picture is drawn; None after the one-line hint without it."""
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -74,14 +66,10 @@ def _pil():
     return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
 
 
-def _text(draw, x, y, s, font, fill=(0, 0, 0), align="left"):
-    # Positions from textlength rather than Pillow's anchors, which the bitmap fallback font rejects.
-    w = draw.textlength(s, font=font)
-    draw.text((x - {"left": 0, "centre": w / 2, "right": w}[align], y), s, font=font, fill=fill)
-
-
-# -----------------------------------------------------------------------------
-# training curves
+def _text(draw, x, y, lines, font, fill=(0, 0, 0), centre=False):
+    # Lines LINE_H apart, placed by textlength rather than Pillow's anchors, which the bitmap fallback font rejects.
+    for k, s in enumerate(lines):
+        draw.text((x - (draw.textlength(s, font=font) / 2 if centre else 0), y + k * LINE_H), s, font=font, fill=fill)
 
 
 def _read_log(log_path) -> list[dict]:
@@ -102,50 +90,44 @@ def _read_log(log_path) -> list[dict]:
     return records
 
 
-def plot_curves(log_path, png_path) -> Path | None:
-    """Reward, accuracy, KL and clip fraction per task against RL step, one PANEL_W x PANEL_H panel each.
+def _points(records: list[dict], key: str) -> list[tuple]:
+    # (step, value) of each record that logged `key` as a finite number; NaN or missing values are skipped
+    pts = [(r.get("step", i), r.get(key)) for i, r in enumerate(records)]
+    return [(x, float(y)) for x, y in pts if isinstance(y, (int, float)) and math.isfinite(y)]
 
-    A panel whose metric no task logged is left out; NaN or missing values are skipped point by point.
-    Returns the PNG path, or None (after printing the install hint) when Pillow is absent."""
+
+def plot_curves(log_path, png_path) -> Path | None:
+    """Reward, accuracy, KL and clip fraction per task against RL step, a panel each (none for a metric no task
+    logged), and the held-out gain of summary.json; None without matplotlib."""
     records = _read_log(log_path)
     tasks = sorted({k.split("/")[0] for r in records for k in r if "/" in k},
                    key=lambda t: ((list(TASK_COLOURS) + [t]).index(t), t))  # text, image, then the rest A-Z
     colours = {t: TASK_COLOURS.get(t, OTHER_COLOURS[k % len(OTHER_COLOURS)]) for k, t in enumerate(tasks)}
     panels = []
     for metric, title in PANELS:
-        series = {}
-        for task in tasks:
-            pts = [(r.get("step", i), r.get(f"{task}/{metric}")) for i, r in enumerate(records)]
-            pts = [(x, float(y)) for x, y in pts if isinstance(y, (int, float)) and math.isfinite(y)]
-            if pts:
-                series[task] = pts
+        series = {t: pts for t in tasks if (pts := _points(records, f"{t}/{metric}"))}
+        ys = sorted(y for pts in series.values() for _, y in pts)
+        if metric == "kl" and len(ys) >= 10 and (p90 := ys[int(0.9 * (len(ys) - 1))]) > 0 and ys[-1] > 5 * p90:
+            # one spike would flatten every other step into the x axis: values above twice the 90th percentile
+            # are drawn at that level, and the title says where it cuts
+            cap = float(f"{2 * p90:.2g}")
+            title = f"KL k3 (axis cut at {cap:g})"
+            series = {t: [(x, min(y, cap)) for x, y in pts] for t, pts in series.items()}
         if series:
             panels.append((title, series))
     if not panels:
         raise ValueError(f"{log_path} logs none of " + ", ".join(f"<task>/{m}" for m, _ in PANELS))
-    panels = [(_cut_spikes(series) if title.startswith("KL") else (title, series)) for title, series in panels]
     summary = Path(log_path).with_name("summary.json")  # the run's point: held-out reward before and after RL
     held = held_out_lines(json.loads(summary.read_text())) if summary.is_file() else None
     return _save_panels(panels, colours, len(records), png_path, held)
 
 
-def _cut_spikes(series: dict) -> tuple[str, dict]:
-    """The KL panel: one spike (a step far above the rest) would flatten every other step into the x axis,
-    so values above twice the 90th percentile are drawn at that level, and the title says where it cuts."""
-    ys = sorted(y for pts in series.values() for _, y in pts)
-    p90 = ys[int(0.9 * (len(ys) - 1))]
-    if not (len(ys) >= 10 and p90 > 0 and ys[-1] > 5 * p90):  # a spike among many points, not a short run
-        return "KL to reference (k3)", series
-    cap = float(f"{2 * p90:.2g}")
-    return f"KL k3 (axis cut at {cap:g})", {t: [(x, min(y, cap)) for x, y in pts] for t, pts in series.items()}
-
-
 def held_out_lines(summary: dict) -> list[tuple[str, str]]:
     """(task, "before -> after (gain +- paired SE)") per held-out key of a summary.json."""
+    shown = lambda x: "not measured" if x is None else f"{x:.3f}"  # null: a scorer down
     out = []
     for key, v in summary.items():
         if isinstance(v, dict) and "before" in v and "after" in v:
-            shown = lambda x: "not measured" if x is None else f"{x:.3f}"  # null: a scorer down
             gain = f" ({v['after'] - v['before']:+.3f} ± {v['gain_se']:.3f})" if "gain_se" in v and None not in (
                 v["before"], v["after"], v["gain_se"]) else ""
             out.append((key, f"{shown(v['before'])} -> {shown(v['after'])}{gain}"))
@@ -153,9 +135,8 @@ def held_out_lines(summary: dict) -> list[tuple[str, str]]:
 
 
 def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "RL step"):
-    """A matplotlib Figure of (title, series) panels side by side, PANEL_W x PANEL_H pixels each, with one
-    legend above them; held: held_out_lines of the run, written as a last panel. Raw per-step values are drawn
-    faint under a trailing mean of the last `window` logged values."""
+    """A matplotlib Figure of (title, series) panels side by side, PANEL_W x PANEL_H pixels each, one legend above
+    them, and held_out_lines as a last panel. Raw values are drawn faint under a trailing mean."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -188,26 +169,19 @@ def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "R
     if held:
         ax = axes[-1]
         ax.axis("off")
-        lines = [("held-out mean reward", "black"), ("before -> after RL (summary.json)", "grey")]
-        for key, text in held:
-            lines += [(key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black")]
+        lines = [("held-out mean reward", "black"), ("before -> after RL (summary.json)", "grey")] + [
+            line for key, text in held for line in ((key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black"))]
         for k, (text, colour) in enumerate(lines):
             ax.text(0, 1 - k * 0.08, text, color=colour, va="top", transform=ax.transAxes)
     return fig
 
 
-def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None,
-                 xlabel: str = "RL step") -> Path | None:
-    """Draw _figure's panels and save the PNG; None (with the hint) without matplotlib."""
+def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, xlabel: str = "RL step") -> Path | None:
     if (matplotlib := _extra("matplotlib", "matplotlib")) is None:
         return None
     with matplotlib.rc_context({"font.size": 8}):
         _figure(panels, colours, steps, held, xlabel).savefig(png_path)
     return Path(png_path)
-
-
-# -----------------------------------------------------------------------------
-# image grid
 
 
 def _cell_box(row: int, col: int, r: int, c: int, width: int, gap: int = ROW_GAP) -> tuple[int, int, int, int]:
@@ -233,37 +207,27 @@ def _wrap(draw, s: str, font, max_px: float) -> list[str]:
 
 def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], width: int, png_path,
                palette=PALETTE, scores: list[list[float]] | None = None, notes: tuple = ()) -> Path | None:
-    """Toy images as coloured squares: one grid row per (name, images), one column per prompt.
-
-    Each image is width*width row-major palette codes (toy.make_image_example's "image"). A code
-    outside the palette (tasks.ids_to_codes gives -1 for a leftover mask) is drawn as a grey crossed cell.
-    scores: one list per row, written under each image; notes: lines under the captions (a legend).
-    Size in pixels: 2*MARGIN + LABEL_W + len(prompts)*COL_W wide,
-    2*MARGIN + len(rows)*(IMAGE_PX + ROW_GAP) + CAPTION_LINES*(FONT_SIZE + 3) high, and with scores one
-    line more per row, with notes one per note."""
+    """Toy images (width*width row-major palette codes) as coloured squares: a grid row per (name, images), a
+    column per prompt; a code outside the palette (a leftover mask) is a grey crossed cell. scores: one list per
+    row, written under each image; notes: lines under the captions. None without Pillow."""
     for name, images in rows:
         if len(images) != len(prompts):
             raise ValueError(f"row {name!r} has {len(images)} images for {len(prompts)} prompts; "
                              "give one image per prompt")
-        for j, codes in enumerate(images):
-            if len(codes) != width * width:
-                raise ValueError(f"row {name!r} image {j} has {len(codes)} codes, expected width*width = "
-                                 f"{width * width}")
+        if bad := [j for j, codes in enumerate(images) if len(codes) != width * width]:
+            raise ValueError(f"row {name!r} image {bad[0]} has {len(images[bad[0]])} codes, expected width*width = "
+                             f"{width * width}")
     if (pil := _pil()) is None:
         return None
     Image, ImageDraw, font = pil
-    line_h = FONT_SIZE + 3
-    gap = ROW_GAP + (line_h if scores else 0)
+    gap = ROW_GAP + (LINE_H if scores else 0)
     grid_h = len(rows) * (IMAGE_PX + gap)
-    size = (2 * MARGIN + LABEL_W + len(prompts) * COL_W,
-            2 * MARGIN + grid_h + (CAPTION_LINES + len(notes)) * line_h)
+    size = (2 * MARGIN + LABEL_W + len(prompts) * COL_W, 2 * MARGIN + grid_h + (CAPTION_LINES + len(notes)) * LINE_H)
     picture = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(picture)
     for i, (name, images) in enumerate(rows):
         label = _wrap(draw, name, font, LABEL_W - 8)
-        y = _cell_box(i, 0, 0, 0, width, gap)[1] + (IMAGE_PX - len(label) * line_h) / 2  # centred on the row
-        for k, line in enumerate(label):
-            _text(draw, MARGIN, y + k * line_h, line, font)
+        _text(draw, MARGIN, _cell_box(i, 0, 0, 0, width, gap)[1] + (IMAGE_PX - len(label) * LINE_H) / 2, label, font)
         for j, codes in enumerate(images):
             # A darker frame behind cells inset by one pixel: thin lines between cells, so a reader can
             # count blocks even where two cells of one colour touch (counting is half the verifier).
@@ -271,84 +235,64 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
             _, _, x1, y1 = _cell_box(i, j, width - 1, width - 1, width, gap)
             draw.rectangle((x0, y0, x1 + 1, y1 + 1), fill=(20, 20, 20))
             if scores:
-                _text(draw, (x0 + x1) / 2, y1 + 3, f"score {scores[i][j]:.2f}", font, (60, 60, 60), "centre")
+                _text(draw, (x0 + x1) / 2, y1 + 3, [f"score {scores[i][j]:.2f}"], font, (60, 60, 60), True)
             for idx, code in enumerate(codes):
                 x0, y0, x1, y1 = _cell_box(i, j, *divmod(idx, width), width, gap)
-                box = (x0 + 1, y0 + 1, x1, y1)
-                if 0 <= code < len(palette):
-                    draw.rectangle(box, fill=tuple(palette[code]))
-                else:
-                    draw.rectangle(box, fill=(150, 150, 150))
-                    draw.line(box, fill=(90, 90, 90), width=2)
-                    draw.line((box[0], box[3], box[2], box[1]), fill=(90, 90, 90), width=2)
+                valid = 0 <= code < len(palette)
+                draw.rectangle((x0 + 1, y0 + 1, x1, y1), fill=tuple(palette[code]) if valid else (150, 150, 150))
+                for line in [] if valid else [(x0 + 1, y0 + 1, x1, y1), (x0 + 1, y1, x1, y0 + 1)]:
+                    draw.line(line, fill=(90, 90, 90), width=2)
     for j, prompt in enumerate(prompts):
-        centre = MARGIN + LABEL_W + j * COL_W + COL_W / 2
-        for k, line in enumerate(_wrap(draw, prompt, font, COL_W - 10)):
-            _text(draw, centre, MARGIN + grid_h + k * line_h, line, font, align="centre")
-    for k, note in enumerate(notes):
-        _text(draw, MARGIN, MARGIN + grid_h + (CAPTION_LINES + k) * line_h, note, font, (60, 60, 60))
+        x = MARGIN + LABEL_W + j * COL_W + COL_W / 2
+        _text(draw, x, MARGIN + grid_h, _wrap(draw, prompt, font, COL_W - 10), font, centre=True)
+    _text(draw, MARGIN, MARGIN + grid_h + CAPTION_LINES * LINE_H, notes, font, (60, 60, 60))
     picture.save(png_path)
     return Path(png_path)
 
 
 def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summary: dict | None = None):
-    """images.png of a toy run: grid rows (name, images) for the held-out examples, each image with its
-    verifier score (rewards.image_reward, the RL reward), a legend, and the held-out mean image reward
-    before and after RL, which the few images here only illustrate."""
+    """images.png of a toy run: the held-out examples' images with their verifier score (the RL reward), a
+    legend, and the held-out mean image reward before and after RL, which the few images only illustrate."""
     import rewards
-    from infra import toy
 
     scores = [[rewards.image_reward(codes, ex) for codes, ex in zip(images, examples)] for _, images in grid]
     notes = ["score: fraction of the prompt's checks the image passes (the RL reward); dark grey: empty cell",
              "same prompts and sampling seeds before and after RL: only the policy differs"]
-    image = (summary or {}).get("image")
-    if image:
-        gain = f" ({image['after'] - image['before']:+.3f} ± {image['gain_se']:.3f})" if "gain_se" in image else ""
-        notes.append(f"held-out mean image reward (summary.json): {image['before']:.3f} -> {image['after']:.3f}{gain}")
+    held = dict(held_out_lines({"image": (summary or {}).get("image")}))
+    if "image" in held:
+        notes.append(f"held-out mean image reward (summary.json): {held['image']}")
     return image_grid(grid, [ex["prompt"] for ex in examples], width, png_path, scores=scores, notes=tuple(notes))
 
 
-X_AXES = {"step": "RL step", "seconds": "cumulative RL seconds (wall)", "cpu_seconds": "cumulative RL CPU seconds"}
-
-
-def _cumulative_seconds(run_dir, x: str) -> dict:
-    # {step: seconds of steps 0..step}, from times.jsonl ("seconds": wall; "cpu_s": process CPU time).
-    col = {"seconds": "seconds", "cpu_seconds": "cpu_s"}[x]
-    total, out = 0.0, {}
-    for i, r in enumerate(_read_log(Path(run_dir) / "times.jsonl")):
-        if col not in r:
-            raise ValueError(f"{run_dir}/times.jsonl has no {col!r} (runs before CPU times were logged): use --x=seconds")
-        total += r[col]
-        out[r.get("step", i)] = total
-    return out
-
-
 def group_medians(groups: dict[str, list], key: str, x: str = "step") -> dict[str, list[tuple[float, float]]]:
-    """{label: [(step, median of `key` over the label's run directories that logged it at that step)]};
-    labels with no finite value are left out. The median, because one seed's k3 KL can jump by orders of
-    magnitude for a step (up to 1e7 on the long toy) and a mean would draw only that step. x "seconds" or
-    "cpu_seconds": the first coordinate is instead the median over those runs of the cumulative RL seconds
-    at the end of that step (times.jsonl), so that estimators of different cost share one axis."""
+    """{label: [(step, median of `key` over the label's runs that logged it there)]}: a median, as one seed's k3 KL
+    can jump by orders of magnitude. x "seconds"/"cpu_seconds": the first coordinate is the median cumulative RL
+    seconds (times.jsonl) at that step's end, so that estimators of different cost share one axis."""
+    col = {"seconds": "seconds", "cpu_seconds": "cpu_s"}.get(x)  # times.jsonl: wall, or process CPU time
     out = {}
     for label, run_dirs in groups.items():
         per_step: dict = {}
         for d in run_dirs:
-            clock = None if x == "step" else _cumulative_seconds(d, x)
-            for i, r in enumerate(_read_log(Path(d) / "log.jsonl")):
-                y, step = r.get(key), r.get("step", i)
-                if isinstance(y, (int, float)) and math.isfinite(y) and (clock is None or step in clock):
-                    per_step.setdefault(step, []).append((step if clock is None else clock[step], float(y)))
+            clock, total = {}, 0.0  # {step: seconds of steps 0..step}
+            for i, r in enumerate(_read_log(Path(d) / "times.jsonl") if col else ()):
+                if col not in r:
+                    raise ValueError(f"{d}/times.jsonl has no {col!r} (runs before CPU times were logged): "
+                                     "use --x=seconds")
+                total += r[col]
+                clock[r.get("step", i)] = total
+            for step, y in _points(_read_log(Path(d) / "log.jsonl"), key):
+                if not col or step in clock:
+                    per_step.setdefault(step, []).append((clock[step] if col else step, y))
         if per_step:
             out[label] = [(statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
                           for _, v in sorted(per_step.items())]
     return out
 
 
-def compare_runs(groups: dict[str, list], png_path, task: str = "text",
-                 metrics=(("kl", "KL to reference (k3)"), ("reward", "rollout reward")), x: str = "step") -> Path | None:
-    """One panel per metric, one line per label: the per-step median of `task/metric` over the label's runs
-    (e.g. the seeds of one estimator), as the paper's Fig. 5 (bottom) draws the KL of each method; against
-    the RL step, or with x = "seconds" / "cpu_seconds" against cumulative RL seconds (group_medians)."""
+def compare_runs(groups: dict[str, list], png_path, task: str = "text", x: str = "step",
+                 metrics=(("kl", "KL to reference (k3)"), ("reward", "rollout reward"))) -> Path | None:
+    """A panel per metric, a line per label: the per-step median of `task/metric` over the label's runs (e.g. the
+    seeds of one estimator), as the paper's Fig. 5 (bottom) draws each method's KL; x as group_medians."""
     colours = dict(zip(groups, [TASK_COLOURS["text"], TASK_COLOURS["image"]] + OTHER_COLOURS))
     if len(colours) < len(groups):
         raise ValueError(f"at most {len(colours)} labels per picture, got {len(groups)}")

@@ -1,23 +1,9 @@
-"""An experiment tracker beside log.jsonl, off by default: --tracker=tensorboard|wandb|trackio.
-
-    python train.py --preset toy --tracker=tensorboard     # then: tensorboard --logdir out/toy/tensorboard
-    WANDB_MODE=offline python train.py --preset toy --tracker=wandb --tracker_project=maskgrpo
-    python train.py --preset toy --tracker=trackio         # then: trackio show --project maskgrpo
-
-train.main calls `start` once (the run's settings become the tracked run's config), then each event in one line:
-the step's log.jsonl line and its seconds (Run.record, as it writes log.jsonl), the held-out rewards before and
-after RL, and at the end the pictures. On the tracker's x axis a step is log.jsonl's `step`; the held-out rewards
-before RL sit at step 0 and those after at the last step (`heldout/TASK/before`, `heldout/TASK/after`).
-
-log.jsonl stays the record: a tracker that cannot start or fails mid-run is reported in one line and dropped, and
-training goes on. Only rank 0 logs. out_dir/tracker.json keeps each tracker's run id and how far it has logged,
-so that --resume=true continues the same tracked run and no step reaches it twice (a step re-taken after a
-resume from an older checkpoint keeps the values it was first logged with). The package is an optional extra
-(`pip install -e '.[track]'`); a tracker asked for without it is refused by `check`, before anything runs.
-"""
+"""The live experiment tracker (--tracker, docs/usage.md) beside log.jsonl, which stays the record: a tracker that
+fails is reported in one line and dropped. The trackers are optional extras (`pip install -e '.[track]'`)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import json
 import os
@@ -29,7 +15,9 @@ from infra.scale import print0
 
 # --tracker value -> the package it imports (TensorBoard's writer is torch.utils.tensorboard, which needs it)
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-STATE = "tracker.json"  # in out_dir: {tracker: {"id": ..., "done": {event: last step logged}}}
+# in out_dir: {tracker: {"id": ..., "done": {event: last step logged}}}, so that --resume=true reopens the tracked
+# run and logs no step twice
+STATE = "tracker.json"
 FILES = (STATE, "tracker.tmp", "tensorboard", "wandb")  # what a tracker writes at the top of out_dir
 PICTURES = ("curves", "images")  # out_dir/NAME.png, drawn by Run.finish when the plots extra is installed
 
@@ -50,16 +38,14 @@ def check(cfg) -> None:
 
 
 class Tracker:
-    """The calls train.py makes; each one does nothing when tracking is off, on ranks other than 0, or once the
-    tracker has failed."""
+    """The calls train.py makes; each does nothing when tracking is off, on ranks but 0, or once it has failed."""
 
     def __init__(self, cfg, backend=None, state: dict | None = None):
         self.cfg, self.backend, self.state = cfg, backend, state or {}
         self.last = max(cfg.rl_steps - 1, 0)  # the step of the held-out rewards after RL and the pictures
 
     def step(self, step: int, log: dict, times: dict) -> None:
-        """One RL step: every key of its log.jsonl line (but `step`, the x axis) and of its times.jsonl line,
-        the seconds of the step and of its phases, under time/."""
+        """One RL step's log.jsonl line (`step` is the x axis), and its times.jsonl line under time/."""
         # a value that is no number or text (--change_on_resume's {"lr": [old, new]}) goes as its JSON text
         values = {**{k: v if isinstance(v, (int, float, str)) else json.dumps(v)
                      for k, v in log.items() if k != "step"},
@@ -74,7 +60,7 @@ class Tracker:
         self._send(when, step, lambda b: b.log({f"heldout/{k}/{when}": v for k, v in rewards.items()}, step))
 
     def finish(self, out: Path) -> None:
-        """The end of a complete run: send the pictures it drew (curves.png, images.png), close the tracked run."""
+        """A complete run: send the pictures it drew, close the tracked run."""
         pictures = {f"pictures/{n}": out / f"{n}.png" for n in PICTURES if (out / f"{n}.png").is_file()}
         if pictures:
             self._send("pictures", self.last, lambda b: b.images(pictures, self.last))
@@ -86,8 +72,7 @@ class Tracker:
             self.backend = None
 
     def _send(self, event: str, step: int, call) -> None:
-        """Call the tracker once per (event, step): a step it has logged before (a resumed run re-taking it) is
-        skipped; then remember, in out_dir/tracker.json, that it has."""
+        """Call the tracker once per (event, step), skipping a step a resumed run re-takes; record it in STATE."""
         done = self.state.setdefault("done", {})
         if self.backend is None or step <= done.get(event, -1):
             return
@@ -108,27 +93,21 @@ class Tracker:
         print0(f"warning: the {self.cfg.tracker} tracker failed ({type(e).__name__}: {first}); training goes on "
                "without it, log.jsonl is the record")
         backend, self.backend = self.backend, None
-        try:
+        with contextlib.suppress(Exception):
             if backend is not None:
                 backend.finish()
-        except Exception:
-            pass
 
     def _save(self) -> None:
         out = Path(self.cfg.out_dir)
-        saved = read_state(out)
-        saved[self.cfg.tracker] = self.state
-        tmp = out / "tracker.tmp"
-        tmp.write_text(json.dumps(saved, indent=1) + "\n")
-        os.replace(tmp, out / STATE)
+        (out / "tracker.tmp").write_text(json.dumps({**read_state(out), self.cfg.tracker: self.state}, indent=1) + "\n")
+        os.replace(out / "tracker.tmp", out / STATE)
 
 
 _OPEN: list[Tracker] = []  # the tracker this process has open: finished at exit if the run ends early
 
 
 def start(cfg) -> Tracker:
-    """Open --tracker's run on rank 0 (a resumed run reopens the run id in out_dir/tracker.json); a tracker that
-    cannot start is reported in one line and the run goes on without it."""
+    """Open --tracker's run on rank 0, reopening the run id in out_dir/tracker.json on a resume."""
     _close_open()  # an earlier main() in this process that ended early (tests; a notebook)
     if cfg.tracker == "none" or scale.rank() != 0:
         return Tracker(cfg)
@@ -164,13 +143,8 @@ def run_name(cfg) -> str:
     return cfg.tracker_run or Path(cfg.out_dir).resolve().name
 
 
-# -----------------------------------------------------------------------------------------------------
-# the trackers: each opens (or reopens) a run, logs numbers and text at a step, logs pictures, finishes
-
-
 class TensorBoard:
-    """Event files in out_dir/tensorboard, written with torch.utils.tensorboard. TensorBoard keeps a number as a
-    float32 scalar (its dashboard draws no other kind): log.jsonl keeps the float64."""
+    """Event files in out_dir/tensorboard. A number is kept as a float32 scalar: log.jsonl keeps the float64."""
 
     def __init__(self, cfg, run_id: str | None):
         from torch.utils.tensorboard import SummaryWriter
@@ -202,14 +176,13 @@ class TensorBoard:
 
 
 class Wandb:
-    """Weights & Biases: files in out_dir/wandb; online with an account, or offline (WANDB_MODE=offline). Each
-    call is a row of its own with log.jsonl's `step` as the charts' x axis (define_metric): wandb's own step
-    only grows, and a resumed run's held-out rewards after RL belong to a step it has already logged."""
+    """Weights & Biases, files in out_dir/wandb. log.jsonl's `step` is the charts' x axis (define_metric): wandb's
+    own step only grows, and a resumed run's held-out rewards after RL belong to a step it has logged."""
 
     def __init__(self, cfg, run_id: str | None):
         import wandb
 
-        self.wandb = wandb
+        self.lib = wandb
         self.run = wandb.init(project=cfg.tracker_project, name=run_name(cfg), id=run_id,  # None: wandb draws one
                               resume="allow" if run_id else None, dir=cfg.out_dir, config=asdict(cfg),
                               settings=wandb.Settings(console="off", quiet=True))  # the terminal keeps our lines
@@ -221,20 +194,20 @@ class Wandb:
         self.run.log({**values, "step": step})
 
     def images(self, paths: dict, step: int) -> None:
-        self.log({k: self.wandb.Image(str(p)) for k, p in paths.items()}, step)
+        self.log({k: self.lib.Image(str(p)) for k, p in paths.items()}, step)
 
     def finish(self) -> None:
         self.run.finish()
 
 
-class Trackio:
-    """trackio (wandb's API, local-first): a SQLite store of its own (TRACKIO_DIR, by default
-    ~/.cache/huggingface/trackio). trackio reopens a run by name, so the name must lead back to the saved id."""
+class Trackio(Wandb):
+    """trackio (wandb's API, a local SQLite store under TRACKIO_DIR). It reopens a run by name, so the name must
+    lead back to the saved id."""
 
     def __init__(self, cfg, run_id: str | None):
         import trackio
 
-        self.trackio = trackio
+        self.lib = trackio
         self.run = trackio.init(project=cfg.tracker_project, name=run_name(cfg), config=asdict(cfg),
                                 resume="must" if run_id else "never", embed=False)
         self.id = self.run.id
@@ -245,11 +218,8 @@ class Trackio:
     def log(self, values: dict, step: int) -> None:
         self.run.log(values, step=step)
 
-    def images(self, paths: dict, step: int) -> None:
-        self.run.log({k: self.trackio.Image(str(p)) for k, p in paths.items()}, step=step)
-
     def finish(self) -> None:
-        self.trackio.finish()  # the run's own finish, and trackio's record that no run is open
+        self.lib.finish()  # the run's own finish, and trackio's record that no run is open
 
 
 BACKENDS = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
