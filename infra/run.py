@@ -33,6 +33,9 @@ from tasks import IMAGE_TASKS, task_list
 
 
 EVAL_BATCH = 64  # rows per data.evaluate batch
+DISK_ERRORS = {errno.EFBIG: ("a file outgrew the file-size limit", "raise the limit (ulimit -f)"),
+               errno.ENOSPC: ("the disk is full", "free space there (or lower --keep_last)"),
+               errno.EDQUOT: ("the disk is full", "free space there (or lower --keep_last)")}
 
 
 def start(cfg, argv, sft):
@@ -93,8 +96,8 @@ def check_resume(cfg) -> dict | None:
                              + checkpoint.changeable_hint(changed))
     # An extension stopped before it finished: config.json holds its larger --rl_steps (written at start-up),
     # summary.json the earlier finish's, its checkpoint is behind both. It continues as an unfinished run.
-    extending = (last is not None and summary.is_file() and config.is_file()
-                 and state["step"] < hf.read_json(config, f"re-create {config}").get("rl_steps", 0))
+    saved = hf.read_json(config, f"re-create {config}") if summary.is_file() and config.is_file() else None
+    extending = last is not None and saved is not None and state["step"] < saved.get("rl_steps", 0)
     if extending and not cfg.extend:
         raise ValueError(f"out_dir {out} holds an extension of a finished run stopped at step {state['step']}: "
                          "pass --extend=true, as it was started, to continue it")
@@ -105,7 +108,7 @@ def check_resume(cfg) -> dict | None:
                          "--out_dir")
     if not summary.is_file() or extending:
         return None
-    done = (hf.read_json(config, f"re-create {config}") if config.is_file() else state["config"]).get("rl_steps")
+    done = (state["config"] if saved is None else saved).get("rl_steps")
     if cfg.rl_steps == done:
         if os.environ.get("RANK", "0") == "0":  # before the process group exists: RANK says who speaks
             print(f"out_dir {out} holds a finished run ({done} RL steps; {summary}, {out / 'final'}): nothing "
@@ -297,22 +300,17 @@ def explain_failure(e: BaseException, cfg) -> str | None:
                     f"{cfg.prompts_per_step}, device_batch_size={cfg.device_batch_size or 'all'}: fewer sequences per "
                     f"forward pass need less memory (--device_batch_size={fewer}; or a lower --group_size in a new "
                     f"run); {kept_line(out)}; continue with: {continue_command(out)} --device_batch_size={fewer}")
-        if isinstance(x, OSError) and x.errno == errno.EFBIG:
-            return (f"a file outgrew the file-size limit ({where}); {kept_line(out)}; raise the limit (ulimit -f), "
-                    f"then continue with: {continue_command(out)}")
-        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
-            return (f"the disk is full ({where}); {kept_line(out)}; free space there (or lower --keep_last), then "
-                    f"continue with: {continue_command(out)}")
+        if isinstance(x, OSError) and x.errno in DISK_ERRORS:
+            what, fix = DISK_ERRORS[x.errno]
+            return f"{what} ({where}); {kept_line(out)}; {fix}, then continue with: {continue_command(out)}"
         if scale.world() > 1 and isinstance(x, RuntimeError) and any(w in text.lower() for w in (
                 "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer")):
             text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text).split(". ")[0]  # gloo's source location
             return (f"another process of this torchrun run stopped ({text[:120]}; torchrun's report names it); "
                     f"{kept_line(out)}; once the cause is fixed, --resume=true continues: {continue_command(out)}")
-    for x in root_causes(e):  # a model folder (SFT, final/) whose writer failed, whatever it raised
-        if isinstance(x, WriteFailed):
-            return (f"{x}; {kept_line(out)}; free space there (or raise the file-size limit, ulimit -f), then "
-                    f"continue with: {continue_command(out)}")
-    return None
+    written = [x for x in root_causes(e) if isinstance(x, WriteFailed)]  # a model folder's writer failed
+    return (f"{written[0]}; {kept_line(out)}; free space there (or raise the file-size limit, ulimit -f), then "
+            f"continue with: {continue_command(out)}") if written else None
 
 
 def check_measured(run, after: dict) -> None:
