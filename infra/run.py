@@ -1,6 +1,5 @@
-"""The run's lifecycle around train.py's loop: start-up and its refusals (start), the Run (log.jsonl, checkpoints,
-resume, the bad-step guard, signals, the final save) and machine failures in one line. Every rank makes the same
-decisions: flags are reduced over ranks before they are acted on. The out_dir's paths are infra/outdir.py."""
+"""The run's lifecycle around train.py's loop: start-up and its refusals, the Run (log, checkpoints, resume, the
+bad-step guard, the final save) and machine failures in one line; every rank makes the same decisions."""
 from __future__ import annotations
 
 import errno
@@ -39,8 +38,8 @@ DISK_ERRORS = {errno.EFBIG: ("a file outgrew the file-size limit", "raise the li
 
 
 def start(cfg, argv, sft):
-    """train.py's start-up, from the parsed flags to the first RL step: (model, ref, opt, ctx, dtype, sft_seconds),
-    the SFT stage first for a toy run (sft: train.sft), or, for --resume of a run that had finished, its summary."""
+    """train.py's start-up to the first RL step (SFT first for a toy run): (model, ref, opt, ctx, dtype,
+    sft_seconds), or a finished run's summary under --resume."""
     remember_command(argv)   # for the messages that name the command continuing this run
     check_paths(cfg)         # nothing of anyone else's is written over
     with start_up():             # a signal before RL stops at once and names the command to rerun
@@ -53,9 +52,8 @@ def start(cfg, argv, sft):
             startup_checks(cfg, device)
             scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
             model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
-        fast = cfg.kv_cache != "none" or cfg.threshold > 0  # Fast-dLLM text rollouts in RL steps
-        text_sampler = FastSampler(cfg.kv_cache, cfg.threshold) if fast else None
-        ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer, text_sampler)
+        fast = FastSampler(cfg.kv_cache, cfg.threshold) if cfg.kv_cache != "none" or cfg.threshold > 0 else None
+        ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer, fast)  # fast: Fast-dLLM text rollouts
         report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
         opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                                 weight_decay=cfg.weight_decay)
@@ -74,8 +72,8 @@ def _resumable(cfg, out: Path) -> tuple[Path, dict]:
 
 
 def check_resume(cfg) -> dict | None:
-    """--resume: refuse an out_dir with no run, or other settings than the run's; a finished run's summary is
-    returned, nothing rewritten, unless --extend=true trains it further. None: go on."""
+    """--resume: refuse an out_dir with no run or other settings; a finished run's summary (nothing rewritten)
+    unless --extend=true trains it further; None: go on."""
     if cfg.extend and not cfg.resume:
         raise ValueError("--extend=true continues a finished run: pass --resume=true with it (and a larger --rl_steps)")
     if not cfg.resume:
@@ -130,8 +128,7 @@ def check_resume(cfg) -> dict | None:
 
 @contextmanager
 def sft_dir_claimed(cfg):
-    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model into it; a model trained with the
-    same settings is reused, read-only, unclaimed."""
+    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model into it; a cached one is read only."""
     mine, sft_dir = cfg.init_from == "scratch" and scale.rank() == 0, sft_dir_of(cfg)
     existing = next(p for p in (sft_dir, *sft_dir.parents) if p.exists())
     if mine and not existing.is_dir():
@@ -174,8 +171,8 @@ def startup_checks(cfg, device) -> None:
 
 
 def _check_out_dir(cfg, out: Path) -> None:
-    """out_dir writable with room for a checkpoint, sequences that fit the model, no run a fresh start would overwrite
-    or mix with, and this run's SFT cache or none; then the out_dir is claimed."""
+    """out_dir writable with room for checkpoints, no run a fresh start would overwrite, sequences that fit the
+    model, this run's SFT cache or none; then the out_dir is claimed."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
@@ -230,8 +227,7 @@ def _check_out_dir(cfg, out: Path) -> None:
 
 
 def dry_run(cfg, report):
-    """--dry_run: report(cfg) on RANK 0 (no process group is joined), once the --init_from folder and the data files
-    a real run reads are there ("check, then run")."""
+    """--dry_run: report(cfg) on RANK 0 (no process group) once the --init_from folder and data files are there."""
     if cfg.init_from not in ("", "scratch"):
         refuse_training_checkpoint(cfg.init_from, "--init_from")
         where = Path(cfg.init_from)
@@ -254,8 +250,7 @@ def eval_batches(ctx) -> int:
 
 
 def paired_se(d: list) -> float:
-    """Standard error of the mean of per-prompt gains d (after - before, same prompts): sd(d) / sqrt(n), so that
-    the prompt-to-prompt spread both scores share cancels."""
+    """sd(d) / sqrt(n) of per-prompt gains d (after - before): the prompt-to-prompt spread both share cancels."""
     n = len(d)
     assert n > 1, "a standard error needs two or more prompts"
     m = sum(d) / n
