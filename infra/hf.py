@@ -167,8 +167,7 @@ def from_pretrained(path, device="cpu", dtype=torch.float32) -> Transformer:
 
 
 def save_pretrained(model: Transformer, path, max_shard_bytes: int = 4 << 30, state_dict: dict | None = None) -> None:
-    """Write config.json, model-0000K-of-0000N.safetensors and their index, as the public LLaDA code loads them;
-    state_dict replaces model.state_dict() (the full state gathered from FSDP2)."""
+    """Write config.json, model-0000K-of-0000N.safetensors and their index; state_dict: FSDP2's gathered state."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state_dict = model.state_dict() if state_dict is None else state_dict
@@ -319,8 +318,7 @@ def _adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 
 def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS,
              generator: torch.Generator | None = None) -> nn.Module:
-    """Wrap each block's nn.Linear named in `targets` in LoRALinear and freeze the rest, in place, before any
-    FSDP wrap or optimizer; `generator` (default: seeded 0) draws every lora_A."""
+    """Wrap each block's nn.Linear named in `targets` in LoRALinear and freeze the rest, before any FSDP wrap."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank ({rank!r}) must be an integer >= 1; the official recipe uses rank=128")
     if not alpha > 0:

@@ -86,8 +86,13 @@ def check_sft_cache(cfg) -> bool:
                          "this code wrote, and it is left as it is; pass --sft_dir=a new or empty folder")
     else:
         return False
-    owner = other_run_of(sft_dir, cfg)
-    if owner is not None:  # --retrain_sft would replace the model that run was trained from: never offered
+    owner = sft_dir.parent  # a run whose own SFT model (RUN/sft, or its --sft_dir) this is: never replaced
+    try:
+        saved = hf.read_json(owner / "config.json")
+    except (OSError, ValueError):
+        saved = None
+    if (hf.is_run_settings(saved) and owner.resolve() != Path(cfg.out_dir).resolve()
+            and Path(saved.get("sft_dir") or owner / "sft").resolve() == sft_dir.resolve()):
         raise ValueError(f"sft_dir {sft_dir} is the SFT model of the run in {owner} and {problem}; a run never "
                          f"replaces another run's files, so --retrain_sft does not apply: give this run its own "
                          f"--sft_dir (e.g. --sft_dir={Path(cfg.out_dir) / 'sft'}), or drop --sft_dir")
@@ -95,19 +100,6 @@ def check_sft_cache(cfg) -> bool:
         raise ValueError(f"sft_dir {sft_dir} {problem}; pass --retrain_sft=true to replace it, or give this "
                          "run its own --sft_dir")
     return False
-
-
-def other_run_of(sft_dir: Path, cfg) -> Path | None:
-    """The out_dir of another run whose own SFT model sft_dir is (RUN/sft, or its --sft_dir), or None."""
-    run_dir = sft_dir.parent
-    try:
-        saved = hf.read_json(run_dir / "config.json")
-    except (OSError, ValueError):
-        return None
-    if run_dir.resolve() == Path(cfg.out_dir).resolve() or not hf.is_run_settings(saved):
-        return None
-    own = Path(saved["sft_dir"]) if saved.get("sft_dir") else run_dir / "sft"
-    return run_dir if own.resolve() == sft_dir.resolve() else None
 
 
 def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
@@ -319,8 +311,7 @@ def refuse_training_checkpoint(path, flag: str) -> None:
 
 
 def export_checkpoint(ckpt, dest) -> Path:
-    """Write the policy of checkpoint `ckpt` as a new model folder `dest` like out_dir/final, from the run's
-    unchanged starting model (the checkpoint holds only the trained tensors)."""
+    """Write checkpoint `ckpt`'s policy as a new model folder `dest`, from the run's unchanged starting model."""
     ckpt, dest = Path(ckpt), Path(dest)
     if not (ckpt / "state.json").is_file():
         raise ValueError(f"{ckpt} is not a complete checkpoint (no state.json); pass a folder "
@@ -345,8 +336,7 @@ def export_checkpoint(ckpt, dest) -> Path:
     model = add_lora(model, cfg) if cfg.lora_rank else model
     opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=cfg.lr)  # DCP restores model and optimizer together
     checkpoint.load(ckpt, model, opt, trainable_only=cfg.lora_rank > 0)
-    # final/'s dtype: the run's compute dtype (float32 for the toy on CPU; bf16 for LLaDA's weights).
-    dtype = torch.float32 if cfg.init_from == "scratch" or cfg.dtype == "float32" else torch.bfloat16
+    dtype = torch.float32 if cfg.init_from == "scratch" or cfg.dtype == "float32" else torch.bfloat16  # as final/
     # Written beside dest, then renamed onto it (a rename replaces only an empty folder): another export to the
     # same dest at the same time makes this one fail, never a folder mixing the files of two.
     dest.parent.mkdir(parents=True, exist_ok=True)

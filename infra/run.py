@@ -38,8 +38,7 @@ DISK_ERRORS = {errno.EFBIG: ("a file outgrew the file-size limit", "raise the li
 
 
 def start(cfg, argv, sft):
-    """train.py's start-up to the first RL step (SFT first for a toy run): (model, ref, opt, ctx, dtype,
-    sft_seconds), or a finished run's summary under --resume."""
+    """train.py's start-up: (model, ref, opt, ctx, dtype, sft_seconds), or a finished run's summary (--resume)."""
     remember_command(argv)   # for the messages that name the command continuing this run
     check_paths(cfg)         # nothing of anyone else's is written over
     with start_up():             # a signal before RL stops at once and names the command to rerun
@@ -282,7 +281,6 @@ def explain_failure(e: BaseException, cfg) -> str | None:
     out = Path(cfg.out_dir)
     for x in root_causes(e):
         text = str(x).splitlines()[0] if str(x) else type(x).__name__
-        where = f"{x.strerror}{': ' + str(x.filename) if x.filename else ''}" if isinstance(x, OSError) else ""
         if isinstance(x, torch.OutOfMemoryError) or (isinstance(x, RuntimeError) and (
                 "out of memory" in text.lower() or "can't allocate memory" in text.lower())):
             # the state's size: when it alone is over the GPU, no batch size helps
@@ -297,7 +295,7 @@ def explain_failure(e: BaseException, cfg) -> str | None:
                     f"run); {kept_line(out)}; continue with: {continue_command(out)} --device_batch_size={fewer}")
         if isinstance(x, OSError) and x.errno in DISK_ERRORS:
             what, fix = DISK_ERRORS[x.errno]
-            return f"{what} ({where}); {kept_line(out)}; {fix}, then continue with: {continue_command(out)}"
+            return f"{what} ({writer_error(x)}); {kept_line(out)}; {fix}, then continue with: {continue_command(out)}"
         if scale.world() > 1 and isinstance(x, RuntimeError) and any(w in text.lower() for w in (
                 "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer")):
             text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text).split(". ")[0]  # gloo's source location
