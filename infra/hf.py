@@ -136,16 +136,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
     """The config.json the public LLaDA code reads (every field it needs)."""
     hf = {
-        "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0,
-        "architectures": ["LLaDAModelLM"], "attention_dropout": 0.0, "attention_layer_norm": False,
-        "attention_layer_norm_with_affine": True, "bias_for_layer_norm": False,
-        "block_group_size": 1, "block_type": "llama", "embedding_dropout": 0.0,
-        "flash_attention": False, "include_bias": False, "include_qkv_bias": False,
-        "init_cutoff_factor": None, "init_device": "meta", "init_fn": "mitchell", "init_std": 0.02,
-        "input_emb_norm": False, "layer_norm_type": "rms", "layer_norm_with_affine": True,
-        "mlp_ratio": 4, "model_type": "llada", "multi_query_attention": None, "precision": None,
-        "residual_dropout": 0.0, "rope": True, "rope_full_precision": True, "scale_logits": False,
-        "use_cache": False, "weight_tying": False,
+        **_REQUIRED_VALUES, **dict.fromkeys(_ZERO_FIELDS, 0.0), "include_qkv_bias": False, "alibi_bias_max": 8.0,
+        "architectures": ["LLaDAModelLM"], "attention_layer_norm_with_affine": True, "bias_for_layer_norm": False,
+        "flash_attention": False, "init_cutoff_factor": None, "init_device": "meta", "init_fn": "mitchell",
+        "init_std": 0.02, "layer_norm_with_affine": True, "mlp_ratio": 4, "model_type": "llada",
+        "multi_query_attention": None, "precision": None, "rope_full_precision": True, "use_cache": False,
     }
     hf.update(config.extra)  # fields read from a loaded checkpoint win over our defaults
     hf.update({k: getattr(config, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size",
