@@ -270,8 +270,7 @@ def failures_in_one_line(cfg):
     try:
         yield
     except Exception as e:
-        message = None if isinstance(e, (RunFailed, TrainingStopped)) else explain_failure(e, cfg)
-        if message is None:
+        if isinstance(e, (RunFailed, TrainingStopped)) or (message := explain_failure(e, cfg)) is None:
             raise
         raise RunFailed(message) from None
 
