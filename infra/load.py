@@ -168,7 +168,8 @@ def load_policy(cfg, device, dtype, sft):
     Full fine-tuning keeps float32 master weights: AdamW's steps at lr 3e-6 would round away in bf16."""
     master = torch.float32 if cfg.lora_rank == 0 else dtype
     if master != dtype:
-        print0(f"full fine-tuning: float32 master weights, {'bf16 compute (FSDP2)' if scale.world() > 1 else 'float32 compute'}")
+        compute = "bf16 compute (FSDP2)" if scale.world() > 1 else "float32 compute"
+        print0(f"full fine-tuning: float32 master weights, {compute}")
     path, tok, ids, sft_seconds = find_model(cfg, device, master, sft)
     model = load_sharded(path, device, master, dtype, (lambda m: add_lora(m, cfg)) if cfg.lora_rank else None)
     if cfg.lora_rank:
@@ -365,7 +366,8 @@ def main(argv=None) -> Path:
         raise ValueError("pass a checkpoint and a new folder: python -m infra.load OUT_DIR/checkpoints/step-N DEST")
     # ~ as a shell user means it (a shell leaves it alone inside a word)
     dest = export_checkpoint(Path(args.checkpoint).expanduser(), Path(args.dest).expanduser())
-    print(f"wrote {dest}: python -m tools.sample --ckpt={dest} --prompt=\"...\"; python evaluate.py --ckpt={dest} --task=TASK")
+    print(f"wrote {dest}: python -m tools.sample --ckpt={dest} --prompt=\"...\"; "
+          f"python evaluate.py --ckpt={dest} --task=TASK")
     return dest
 
 
