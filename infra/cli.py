@@ -1,10 +1,6 @@
-"""Flags and settings, one place: a dataclass is an entry point's list of flags, every train.py, evaluate.py
-and sample.py setting is checked here once (naming the value and a fix, so that the method files only assert
-their preconditions), and a user error is one line.
-
-Each field is a flag of its own name, `--field=value` or `--field value`; a boolean also works bare. Flags match
-exactly, never by prefix, and a flag given twice takes its last value. A value comes from the flag, else
-`--preset NAME`, else the dataclass default; --help shows each field's comment from the dataclass source.
+"""Flags and settings: each field of an entry point's dataclass is a flag (`--field=value`, `--field value`, a
+bare boolean; exact, never a prefix; the last of two wins) valued from the flag, else `--preset`, else the default.
+Every setting is checked here once, naming the value and a fix; a user error is one line.
 """
 from __future__ import annotations
 
@@ -61,11 +57,9 @@ def expand_home(flag: str, value: str) -> str:
 
 
 def parse_bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+    if s.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+    return s.lower() in ("1", "true", "yes", "on")
 
 
 @functools.cache  # parsing the module's source costs ~20 ms, and every parse() asks (a test suite, often)
@@ -93,8 +87,7 @@ def field_comments(cls):
 
 
 def flag_fields(cls, inherited: set | None = None) -> list:
-    """The fields of cls that are flags: its own first, then those of its dataclass bases (only the names in
-    `inherited`, when given: an entry point reusing train.Config takes only the settings it shares)."""
+    """The fields of cls that are flags: its own first, then its bases' (only those in `inherited`, when given)."""
     own = set(getattr(cls, "__annotations__", {}))
     mine = [f for f in fields(cls) if f.name in own]
     return mine + [f for f in fields(cls) if f.name not in own and (inherited is None or f.name in inherited)]
@@ -178,7 +171,7 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     obj = cls(**values)
     # What was typed and which preset, for checks that refuse a flag the other inputs make meaningless
     # (not fields: asdict, config.json and replace() never see them).
-    obj._given, obj._preset, obj._preset_values = frozenset(given), getattr(args, "preset", None), preset
+    obj._given, obj._preset_values = frozenset(given), preset
     return obj
 
 
@@ -285,7 +278,12 @@ def validate(cfg) -> None:
         if idle:  # harmless, so a warning: a command line reused from a toy run keeps working
             print0(f"warning: {', '.join('--' + k for k in idle)} only act on the SFT stage of a model trained from "
                    f"scratch; with --init_from={cfg.init_from} there is none, so they do nothing")
-    idle = [f"--{k} (it acts on {what})" for k, what in idle_flags(cfg) if k in given]
+    benchmarks = [t for t in chosen if t not in TOY_TASKS and t not in IMAGE_TASKS]
+    idle = [f"--{k} (it acts on {what})" for keys, what, unread in (
+        (("system_prompt", "prompt_prefill", "reward_shaping"), "benchmark prompts: gsm8k, math, mbpp, countdown, "
+         "sudoku", not benchmarks), (("text_reward", "text_max_steps"), "the toy text task", "text" not in chosen),
+        (("image_scorer_timeout",), "the image scorer of --image_scorer_url, for geneval", not cfg.image_scorer_url))
+        if unread for k in keys if k in given]
     if idle:  # recorded in config.json, so a silent no-op would read as a setting of the run
         one = len(idle) == 1
         print0(f"warning: with --tasks={cfg.tasks}, {'; '.join(idle)} {'does' if one else 'do'} nothing: drop "
@@ -354,20 +352,6 @@ def check_threads(n: int, flag: str = "threads") -> None:
         raise ValueError(f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
 
 
-def idle_flags(cfg) -> list:
-    """[(setting, what it acts on)] for the settings that cfg's tasks never read."""
-    chosen = task_list(cfg)
-    idle = []
-    if all(t in TOY_TASKS or t in IMAGE_TASKS for t in chosen):
-        idle += [(k, "benchmark prompts: gsm8k, math, mbpp, countdown, sudoku") for k in
-                 ("system_prompt", "prompt_prefill", "reward_shaping")]
-    if "text" not in chosen:
-        idle += [(k, "the toy text task") for k in ("text_reward", "text_max_steps")]
-    if not cfg.image_scorer_url:
-        idle.append(("image_scorer_timeout", "the image scorer of --image_scorer_url, for geneval"))
-    return idle
-
-
 # The settings --change_on_resume may name (a run stopped by bad steps continues more carefully); any other
 # difference from the checkpoint's settings is refused (infra/outdir.RESUMABLE).
 CHANGEABLE = ("lr", "grad_clip")
@@ -385,23 +369,15 @@ SCRATCH_SFT = ("sft_dir", "retrain_sft", "sft_steps", "sft_batch_size", "sft_lr"
 
 
 def setup(cfg) -> tuple[torch.device, torch.dtype]:
-    """Pick device and compute dtype once (joining torchrun's process group if there is one), and say why."""
-    check_threads(cfg.threads)
-    check_device(cfg.device)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    """Pick device and compute dtype of validated settings once (joining torchrun's process group if any)."""
     device = scale.init(cfg.device)
-    if not cfg.threads and device.type == "cpu":
-        # One thread: the toy's matrices are too small to gain much from more, and on cores other jobs keep busy
-        # OpenMP's threads wait on each other (40 toy SFT steps at load 3 on 2 cores: 16 s with one, 147 s with two).
-        torch.set_num_threads(1)
-    if cfg.dtype == "auto":
-        # bf16 on GPUs that support it (the released LLaDA weights are bf16); float32 on CPU, where bf16
-        # matmuls are slow and the toy model is small.
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        dtype = torch.bfloat16 if bf16 else torch.float32
-    else:
-        dtype = getattr(torch, cfg.dtype)
+    if cfg.threads or device.type == "cpu":
+        # threads=0 on CPU is one: the toy's matrices gain little from more, and on busy cores OpenMP's threads
+        # wait on each other (40 toy SFT steps at load 3 on 2 cores: 16 s with one, 147 s with two).
+        torch.set_num_threads(cfg.threads or 1)
+    # auto: bf16 on GPUs that support it (LLaDA's weights are bf16); float32 on CPU, where bf16 matmuls are slow.
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if bf16 else torch.float32
     print0(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, torch threads {torch.get_num_threads()}, "
            f"world size {scale.world()}")
     return device, dtype
@@ -457,8 +433,7 @@ def user_errors():
 
 def bars_shown(file=None) -> bool:
     """Progress bars only on a terminal: redirected, tqdm's carriage-return updates pile up into one line."""
-    file = file or sys.stderr
-    return hasattr(file, "isatty") and file.isatty()
+    return hasattr(file or sys.stderr, "isatty") and (file or sys.stderr).isatty()
 
 
 def progress_bar(iterable=None, **kwargs):

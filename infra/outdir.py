@@ -1,7 +1,5 @@
-"""A run's out_dir and what the run says of it: the paths refused before anything is written, the pid files that
-make out_dir (and an sft_dir being trained) one process's alone, where a resume continues, the closing lines, and
-what SIGTERM, SIGINT or SIGHUP (pre-emption, Ctrl-C, a closed terminal) keeps in each phase, naming the command
-that continues (exit status 128 + signal):
+"""A run's out_dir: the paths refused before anything is written, the pid files that make it one process's, where
+a resume continues, the closing lines, and what a stop signal keeps in each phase (exit status 128 + signal):
 
     start-up      stops at once: nothing of the run is written (an SFT model being saved is saved first)
     SFT           the step finishes, then the run exits: SFT keeps no checkpoint (train.sft)
@@ -20,7 +18,7 @@ import shlex
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -58,15 +56,14 @@ cli.EPILOGS["Config"] = (  # train.py --help, after the flags
     "and evaluate.py.")
 
 
-def _inside(a: Path, b: Path) -> bool:
-    """a is b or lies under it (links resolved, so two spellings of one folder are the same)."""
+def _inside(a: Path, b: Path) -> bool:  # a is b or lies under it (links resolved)
     a, b = a.resolve(), b.resolve()
     return a == b or b in a.parents
 
 
 def check_paths(cfg) -> None:
-    """Refuse, before anything is written, an out_dir this run would damage: a model folder, the --init_from model
-    or a folder holding it, the --sft_dir, or a non-empty folder holding no run. Read-only, on every rank."""
+    """Refuse an out_dir this run would damage: a model folder, the --init_from model or a folder holding it, the
+    --sft_dir, or a non-empty folder holding no run. Read-only, on every rank, before anything is written."""
     if not cfg.out_dir.strip():
         raise ValueError("--out_dir is empty: pass the folder this run writes into, e.g. --out_dir=out/run1")
     out, here, init = Path(cfg.out_dir), Path(cfg.out_dir).resolve(), Path(cfg.init_from).resolve()
@@ -89,12 +86,10 @@ def check_paths(cfg) -> None:
         raise ValueError(f"--out_dir {out} is a file, not a folder (it is left as it is); pass a new folder")
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
     model = [n for n in MODEL_FILES if n in names] + sorted(n for n in names if n.endswith(".safetensors"))
-    try:  # a config.json that is not train.py's settings is a model's
+    with suppress(OSError, ValueError):  # a config.json that is not train.py's settings is a model's
         saved = json.loads((out / "config.json").read_bytes())
         if not (isinstance(saved, dict) and "rl_steps" in saved and "out_dir" in saved):
             model.insert(0, "config.json (a model's, not a run's)")
-    except (OSError, ValueError):
-        pass
     if model:
         raise ValueError(f"--out_dir {out} holds a model ({', '.join(model)}), not a run: a run would write its "
                          "settings and logs into it; pass a new folder as --out_dir (is it meant as --init_from?)")
@@ -105,8 +100,8 @@ def check_paths(cfg) -> None:
 
 
 def check_shared(out: Path, device) -> None:
-    """A multi-node out_dir must be one file system: ranks that cannot see rank 0's checkpoints would take other
-    branches and hang. Rank 0 leaves a file named by a fresh random number; each rank must see it."""
+    """Ranks that cannot see rank 0's out_dir would take other branches and hang: each must see a file rank 0
+    leaves there, named by a fresh random number."""
     if scale.world() == 1:
         return
     mine = int.from_bytes(os.urandom(7), "big") if scale.rank() == 0 else 0
@@ -125,18 +120,17 @@ def check_shared(out: Path, device) -> None:
 
 
 def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> None:
-    """Hold pid_file, created atomically with this process id (one left by a dead process, or by an earlier main()
-    of this one, is taken over), or refuse in one line naming its live holder."""
+    """Hold pid_file, created atomically with this process id (a dead process's, or this one's, is taken over), or
+    refuse in one line naming its live holder."""
     for _ in range(3):
         try:
             with open(pid_file, "x") as f:
                 f.write(f"{os.getpid()}\n")
             return
         except FileExistsError:
-            try:
+            holder = 0
+            with suppress(OSError, ValueError):
                 holder = int(pid_file.read_text().strip() or 0)
-            except (OSError, ValueError):
-                holder = 0
             if holder and holder != os.getpid() and pid_alive(holder):
                 raise ValueError(f"{what} {busy} by the running process {holder} ({pid_file}); wait for it to "
                                  f"end{note}, {fix}, or delete that file if no run holds it") from None
@@ -147,15 +141,13 @@ def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> Non
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        pass
+    except OSError as e:
+        return isinstance(e, PermissionError)  # another user's live process
     return True
 
 
 def claim_out_dir(out: Path) -> None:
-    """Two runs started at once in one out_dir would pass the checks and overwrite each other: run.pid is one's."""
+    """Two runs started at once in one out_dir would overwrite each other: run.pid is one's."""
     claim(out / PID_FILE, f"out_dir {out}", "is in use", "choose another --out_dir")
     if out not in _HELD:  # one exit hook per directory, however often main() runs in this process
         _HELD.add(out)
@@ -163,16 +155,19 @@ def claim_out_dir(out: Path) -> None:
 
 
 def release(pid_file: Path) -> None:  # if this process holds it
-    try:
+    with suppress(OSError, ValueError):
         if int(pid_file.read_text().strip()) == os.getpid():
             pid_file.unlink()
-    except (OSError, ValueError):
-        pass
 
 
 def resume_point(out: Path, quiet: bool = True) -> Path:
     """The newest intact checkpoint of out (newer damaged ones named, with the fix, unless quiet), else ValueError."""
-    last, skipped = checkpoint.latest_intact(out)
+    last, skipped = None, []
+    for path in reversed(checkpoint.complete(out)):
+        if (problem := checkpoint.damage(path)) is None:
+            last = path
+            break
+        skipped.append(f"{path} is damaged: {problem}")
     if last is None:
         raise ValueError(f"--resume: no intact checkpoint in {out / checkpoint.DIRNAME}: " + "; ".join(skipped)
                          + "; remove the damaged directories, or choose another --out_dir")
@@ -187,13 +182,11 @@ def step_of(path: Path | None) -> int:  # the RL step a checkpoint holds, 0 for 
 
 
 def step_lines(log: Path) -> list[tuple[int, str]]:
-    """(step, line) of each complete line of a jsonl log ([] if none; a line cut short by a crash is skipped)."""
+    """(step, line) of each complete line of a jsonl log (a line cut short by a crash is skipped)."""
     lines = []
     for line in log.read_text(errors="replace").splitlines() if log.is_file() else ():
-        try:
+        with suppress(ValueError, KeyError, TypeError):
             lines.append((int(json.loads(line)["step"]), line))
-        except (ValueError, KeyError, TypeError):
-            continue
     return lines
 
 
@@ -212,31 +205,24 @@ def root_causes(e: BaseException) -> list[BaseException]:
 
 
 def remember_command(argv) -> None:
-    """Keep this run's arguments (train.main's argv, or the command line) for the commands a stop prints."""
+    """Keep this run's arguments for the commands a stop prints."""
     _ARGV[:] = list(sys.argv[1:] if argv is None else argv)
 
 
 def start_command(args=None) -> str:
-    """The command of this run as it was typed, or with args as its arguments."""
     launcher = "torchrun [the same launcher flags]" if scale.world() > 1 else "python"
     return " ".join([launcher, "train.py", *map(shlex.quote, _ARGV if args is None else args)])
 
 
 def resume_command() -> str:
-    """The command that continues this run: its own arguments with --resume=true instead of any --resume."""
-    args, drop = [], False
-    for a in _ARGV:
-        if drop and not a.startswith("--"):  # "--resume false": the value goes too
-            drop = False
-            continue
-        drop = a == "--resume"
-        if not (drop or a.startswith("--resume=")):
-            args.append(a)
+    """This run's command with --resume=true instead of any --resume."""
+    args = [a for i, a in enumerate(_ARGV) if a != "--resume" and not a.startswith("--resume=")
+            and not (i and _ARGV[i - 1] == "--resume" and not a.startswith("--"))]  # "--resume false": value too
     return start_command([*args, "--resume=true"])
 
 
 def continue_command(out: Path) -> str:
-    """After a failure: --resume=true with a checkpoint or logged steps (then redone from step 0), else as typed."""
+    """After a failure: --resume=true with a checkpoint or logged steps, else as typed."""
     return resume_command() if checkpoint.latest(out) or step_lines(out / "log.jsonl") else start_command()
 
 
@@ -246,16 +232,14 @@ def kept_line(out: Path) -> str:
 
 
 class Stopped(Exception):
-    """Raised between evaluation batches once a signal has been caught (on every rank at the same batch)."""
+    """Raised between evaluation batches once a signal has been caught (on every rank at once)."""
 
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    __init__ = checkpoint.Aborted.__init__  # str() is the signal's name; .signum its number
 
 
 class Stop:
-    """stop() raises Stopped once a signal has arrived on any rank (a collective, called by every rank at the top of
-    each evaluation batch); given the batch count it prints progress every PROGRESS_EVERY seconds."""
+    """stop() raises Stopped once a signal has arrived on any rank (a collective, at the top of each evaluation
+    batch), and prints progress every PROGRESS_EVERY seconds."""
 
     PROGRESS_EVERY = 30.0
 
@@ -280,19 +264,19 @@ class Stop:
         self.calls += 1
 
     def saving(self) -> None:
-        """A last check; from here on a signal lets the final save finish (it is the end of the run)."""
+        """A last check; from here on a signal lets the final save finish."""
         self()
         self.flag["doing"] = "finishing the final save first (the run is then complete)"
 
 
 class _StartUpStopped(BaseException):
-    """Raised by the start-up handler; a BaseException so that no `except Exception` on the way swallows it."""
+    """A BaseException, so that no `except Exception` on the way swallows it."""
 
 
 @contextmanager
 def start_up():
-    """From the parsed flags to the first RL phase a signal stops the run at once (SFT's step-finishing handler
-    takes over inside): nothing is written before RL but config.json and the SFT model, saved inside holding()."""
+    """Until RL a signal stops the run at once (SFT's handler takes over inside): nothing is written before RL but
+    config.json and the SFT model, saved inside holding()."""
     def handler(signum, frame):
         checkpoint.away_from_gone_output()  # the line below must not fail on a closed terminal
         if _START_UP["holding"]:
@@ -319,7 +303,7 @@ def start_up():
 
 @contextmanager
 def holding():
-    """Inside start_up: a signal waits until the block is done (the SFT model's save and rename), then stops."""
+    """Inside start_up: a signal waits until the block (the SFT model's save) is done, then stops."""
     _START_UP["holding"] = True
     try:
         yield
@@ -332,8 +316,7 @@ def holding():
 
 @contextmanager
 def before_rl(run):
-    """The held-out evaluation before RL: a signal stops it after the current batch; the empty logs the run opened
-    are removed, so the out_dir reads as a run that took no step."""
+    """A signal stops the evaluation before RL after a batch; the empty logs are removed (no step was taken)."""
     try:
         yield
     except Stopped as s:
@@ -349,8 +332,7 @@ def before_rl(run):
 
 @contextmanager
 def rl_steps(run):
-    """The RL steps: a signal sets the flag run.signal (Run.after_step then checkpoints and exits); a second one
-    drops the step in progress at once, naming what is lost and the command that continues."""
+    """A signal sets run.signal (Run.after_step checkpoints and exits); a second drops the step at once."""
     def lost() -> tuple[Path | None, str, bool]:  # the newest checkpoint, the steps lost, whether several
         last = checkpoint.latest(run.out)
         many = run.done > step_of(last)
@@ -374,9 +356,8 @@ def rl_steps(run):
 
 @contextmanager
 def final(run):
-    """The final evaluation and save, as `with final(run) as stop:`: the last RL step is checkpointed first
-    (checkpoint_every > 0); a signal stops the evaluation after a batch (that checkpoint written if missing) and
-    names the command that finishes the run; a signal during the save lets it finish."""
+    """`with final(run) as stop:` checkpoints the last RL step first; a signal stops the evaluation after a batch
+    (that checkpoint written if missing), and lets the save finish."""
     cfg = run.cfg
 
     def last_step():  # the checkpoint of the run's last RL step, or None
@@ -418,14 +399,8 @@ def duration(seconds: float) -> str:
         f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def shown(v) -> str:
-    """A held-out reward as printed: three decimals, or "not measured" (NaN: a scorer down)."""
-    return f"{v:.3f}" if math.isfinite(v) else "not measured"
-
-
 def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
-    """The held-out mean reward per task before or after RL in one line; after RL with the gain over before and its
-    standard error paired by prompt, where both were measured."""
+    """The held-out mean reward per task in one line; after RL with the gain and its paired standard error."""
     if not rewards:
         if when == "before RL":
             print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
@@ -437,26 +412,24 @@ def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> Non
         if None in (s.get("gain_se"), s.get("before"), s.get("after")):
             return ""
         return f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})"
+    shown = {k: f"{v:.3f}" if math.isfinite(v) else "not measured" for k, v in rewards.items()}  # NaN: scorer down
     print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} " +
-           ", ".join(f"{k} {shown(v)}{gain(k, v)}" for k, v in rewards.items()))
+           ", ".join(f"{k} {shown[k]}{gain(k, v)}" for k, v in rewards.items()))
 
 
 def show(b, rewards, tok, ids, n: int = 1) -> None:
-    """Print n decoded rollouts with their rewards (a toy image in ANSI colours on a terminal, letters in a log)."""
+    """Print n decoded rollouts with their rewards (a toy image in ANSI colours)."""
     outs = tasks.decode_window(b, tok, ids)
     for i in range(n):
         prompt = b.examples[i]["prompt"]
-        if b.task in IMAGE_TASKS:
-            print0(f"  [{b.task}] {prompt!r}  reward {rewards[i]:.2f}")
-        else:
-            print0(f"  [{b.task}] {prompt[-200:]!r} -> {outs[i]!r}  reward {rewards[i]:.2f}")
+        said = repr(prompt) if b.task in IMAGE_TASKS else f"{prompt[-200:]!r} -> {outs[i]!r}"
+        print0(f"  [{b.task}] {said}  reward {rewards[i]:.2f}")
         if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
             print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
 
 
 def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> None:
-    """curves.png (reward, KL, clip fraction per step) and images.png (toy images before and after RL, prompt under
-    each), when the plots extra is installed (plots.py says how to get it otherwise)."""
+    """curves.png (reward, KL, clip fraction per step) and images.png (toy images before and after RL)."""
     log = out / "log.jsonl"
     if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step that was taken
         plots.plot_curves(log, out / "curves.png")
@@ -468,7 +441,7 @@ def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> No
 
 
 def closing_summary(run, seconds: float) -> None:
-    """The run's last lines: the time it took, where the model and pictures are, and the next commands."""
+    """The run's last lines: the time, where the model and pictures are, the next commands."""
     out = run.out
     pictures = [str(out / n) for n in ("curves.png", "images.png") if (out / n).is_file()]
     print0(f"done in {duration(seconds)} (RL {duration(run.rl_end)}{' over every resumed segment' if run.start else ''}"
