@@ -20,8 +20,7 @@ from pathlib import Path
 from infra import scale
 
 DIRNAME, PREFIX, TMP = "checkpoints", "step-", ".tmp"
-# Fault injection for tests/test_resume.py: SIGKILL in the middle of writing this step's checkpoint.
-KILL_ENV = "MASKGRPO_KILL_DURING_CHECKPOINT"
+KILL_ENV = "MASKGRPO_KILL_DURING_CHECKPOINT"  # tests/test_resume.py: SIGKILL while writing this step's checkpoint
 REPEAT_WINDOW = 5.0  # seconds in which a second signal is torchrun's copy of the first, not a new one
 
 
@@ -128,8 +127,7 @@ def load(path, model, opt, *, trainable_only: bool = False) -> dict:
     path = Path(path)
     if not (path / "state.json").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no state.json)")
-    problem = damage(path)
-    if problem is not None:
+    if (problem := damage(path)) is not None:
         raise ValueError(f"checkpoint {path} is damaged: {problem}; remove it to resume from an older one")
     model_sd, optim_sd = _transfer("load", path, model, opt, trainable_only)
     # Loading adapters only leaves the frozen base (from --init_from) as it is: not strict then.
@@ -148,10 +146,8 @@ def check_resumable(path, state: dict, config: dict, reference: dict, may_change
                          + ", ".join(f"{k} {state['config'].get(k)!r} -> {config[k]!r}" for k in changed)
                          + changeable_hint(changed))
     if state["reference"] != reference:
-        old = "" if "init_from" not in state["reference"] else " (that checkpoint identifies its model by path " \
-            "and file times, as older versions of train.py did: resume it with that version, or start again)"
         raise ValueError(f"cannot resume {path}: the reference policy changed (saved {state['reference']}, "
-                         f"now {reference}){old}; resume with the same --init_from / SFT model (its content, "
+                         f"now {reference}); resume with the same --init_from / SFT model (its content, "
                          "wherever it is)")
 
 
@@ -244,8 +240,7 @@ def _say_in_handler(text: str) -> None:
                 print(text, flush=True)
 
 
-# The signals a run stops on with a checkpoint: a scheduler's or launcher's SIGTERM, Ctrl-C's SIGINT, and the
-# SIGHUP of a closed terminal or a dropped ssh session (which would otherwise kill the run at once).
+# A scheduler's SIGTERM, Ctrl-C's SIGINT, and the SIGHUP of a closed terminal or a dropped ssh session.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -265,8 +260,7 @@ def graceful_stop(doing: str = "finishing this step, then writing a checkpoint",
     flag = {"signal": 0, "at": 0.0, "doing": doing}
 
     def handler(signum, frame):
-        # torchrun forwards the signal it gets to every worker, so Ctrl-C or a scheduler that signals
-        # every task arrives twice within moments: only a later one means "stop now".
+        # torchrun forwards the signal to every worker, so one Ctrl-C may arrive twice: only a later one stops.
         if flag["signal"] and time.monotonic() - flag["at"] > REPEAT_WINDOW:
             raise Aborted(signum)
         if not flag["signal"]:

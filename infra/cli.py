@@ -32,10 +32,8 @@ from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
 
 USER_ERROR = 2  # exit status of a user error, as argparse's own
-# Text --help prints after the flags, per dataclass name (infra/outdir.py: what a signal does to a training run).
-EPILOGS: dict[str, str] = {}
-# Flags whose value is a path, or a list of paths (TASK=PATH,... or A,B), in any entry point. A shell expands `~`
-# only at the start of a word, never after `--flag=`: expanded here, so that a run never writes into a folder `~`.
+EPILOGS: dict[str, str] = {}  # what --help prints after the flags, per dataclass name (infra/outdir.py)
+# Flags whose value is a path, or a list of them: a shell expands `~` only at the start of a word, so here.
 PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
 PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
 
@@ -169,8 +167,7 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     if missing:
         raise ValueError("missing " + ", ".join(f"--{m}" for m in missing))
     obj = cls(**values)
-    # What was typed and which preset, for checks that refuse a flag the other inputs make meaningless
-    # (not fields: asdict, config.json and replace() never see them).
+    # What was typed, and the preset's values, for checks that refuse a flag (not fields: config.json omits them).
     obj._given, obj._preset_values = frozenset(given), preset
     return obj
 
@@ -269,7 +266,6 @@ def validate(cfg) -> None:
     need(cfg.init_from != "" or cfg.dry_run, "init_from is empty: pass --init_from=DIR, the local checkpoint")
     given = getattr(cfg, "_given", frozenset())  # the flags typed (parse); empty when built in code
     if cfg.init_from != "scratch" and not cfg.dry_run:
-        # Settings of the toy model built and SFT-trained here: a pretrained model has its own shape and no SFT.
         idle = sorted(given & set(SCRATCH_SHAPE))
         need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the shape of the "
              f"toy model trained from scratch, but --init_from={cfg.init_from} is given (its config.json sets the "
@@ -352,8 +348,7 @@ def check_threads(n: int, flag: str = "threads") -> None:
         raise ValueError(f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
 
 
-# The settings --change_on_resume may name (a run stopped by bad steps continues more carefully); any other
-# difference from the checkpoint's settings is refused (infra/outdir.RESUMABLE).
+# What --change_on_resume may name (a run stopped by bad steps continues more carefully; see outdir.RESUMABLE).
 CHANGEABLE = ("lr", "grad_clip")
 
 
@@ -361,8 +356,7 @@ def resume_changes(cfg) -> tuple:
     return tuple(k.strip() for k in cfg.change_on_resume.split(",") if k.strip())
 
 
-# Flags that only shape and train the toy model built here (init_from=scratch): with --init_from the shape is
-# refused when typed, and the SFT settings are warned about (a preset may set them).
+# The toy model's shape and SFT flags (init_from=scratch): with --init_from the shape is refused, SFT warned of.
 SCRATCH_SHAPE = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
 SCRATCH_SFT = ("sft_dir", "retrain_sft", "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout",
                "text_noise", "image_noise", "image_loss_weight")
@@ -372,8 +366,7 @@ def setup(cfg) -> tuple[torch.device, torch.dtype]:
     """Pick device and compute dtype of validated settings once (joining torchrun's process group if any)."""
     device = scale.init(cfg.device)
     if cfg.threads or device.type == "cpu":
-        # threads=0 on CPU is one: the toy's matrices gain little from more, and on busy cores OpenMP's threads
-        # wait on each other (40 toy SFT steps at load 3 on 2 cores: 16 s with one, 147 s with two).
+        # threads=0 on CPU is one: on busy cores OpenMP's threads wait on each other (toy SFT: 16 s vs 147 s).
         torch.set_num_threads(cfg.threads or 1)
     # auto: bf16 on GPUs that support it (LLaDA's weights are bf16); float32 on CPU, where bf16 matmuls are slow.
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -383,9 +376,8 @@ def setup(cfg) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
-# A checkpoint carries the settings it was trained to generate with, so that sample.py and evaluate.py decode it
-# as it was trained (each flag still overrides them), and those its held-out evaluation scored with, each of
-# its type in train.Config.
+# The settings a checkpoint was trained and evaluated to generate with (and their types in train.Config), so that
+# sample.py and evaluate.py decode it as it was trained; each flag still overrides them.
 GENERATION_FILE = "generation.json"
 GENERATION_TYPES = {"tasks": str, "gen_length": int, "block_length": int, "steps": int, "temperature": float,
                     "image_steps": int, "image_sampler": str, "cfg_scale": float, "image_width": int,

@@ -1,12 +1,6 @@
 """A run's out_dir: the paths refused before anything is written, the pid files that make it one process's, where
-a resume continues, the closing lines, and what a stop signal keeps in each phase (exit status 128 + signal):
-
-    start-up      stops at once: nothing of the run is written (an SFT model being saved is saved first)
-    SFT           the step finishes, then the run exits: SFT keeps no checkpoint (train.sft)
-    evaluations   the batch finishes, then the run exits (before_rl; final checkpoints the last RL step first)
-    an RL step    the step finishes, a checkpoint is written, the run exits; a second signal (after 5 s) drops
-                  the step at once, naming what is lost and kept (rl_steps, Run.after_step)
-    final save    finishes (the run is then complete), then the run exits
+a resume continues, the closing lines, and what a stop signal keeps in each phase (start_up, holding, before_rl,
+rl_steps, final; train.py --help says it to the user: EPILOG below).
 """
 from __future__ import annotations
 
@@ -29,15 +23,13 @@ from infra.scale import print0
 from tasks import IMAGE_TASKS
 
 
-# What a run writes at the top of its out_dir (run.py, checkpoint.py, load.py's SFT cache), and the temporary
-# names of those writes. Anything else in an out_dir that holds none of them is someone else's.
+# What a run writes at the top of its out_dir, and the temporary names of those writes (anything else is not ours).
 RUN_NAMES = {"config.json", "log.jsonl", "times.jsonl", "summary.json", "final", "checkpoints", "curves.png",
              "images.png", "run.pid", "sft", "sft.run.pid", "log.tmp", "times.tmp", *tracker.FILES}
 RUN_TEMPORARY = (".write-test-", ".sft.tmp-", ".sft.old-")
 # Files that make a folder a model (a Hugging Face checkpoint, or an SFT model this code wrote).
 MODEL_FILES = ("sft_meta.json", "tokenizer.json", "model.safetensors.index.json", "generation.json")
-# Fields a resumption may change (how it runs, not what it computes; lr and grad_clip when --change_on_resume names
-# them). init_from and sft_dir are compared by the model's content (load.reference_identity), not by path.
+# Fields a resume may change: how it runs, not what it computes (init_from, sft_dir: compared by content).
 RESUMABLE = ("resume", "extend", "change_on_resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every",
              "checkpoint_every", "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "init_from", "sft_dir",
              "tracker", "tracker_project", "tracker_run")
@@ -162,13 +154,12 @@ def release(pid_file: Path) -> None:  # if this process holds it
 
 def resume_point(out: Path, quiet: bool = True) -> Path:
     """The newest intact checkpoint of out (newer damaged ones named, with the fix, unless quiet), else ValueError."""
-    last, skipped = None, []
-    for path in reversed(checkpoint.complete(out)):
-        if (problem := checkpoint.damage(path)) is None:
-            last = path
+    skipped = []
+    for last in reversed(checkpoint.complete(out)):
+        if (problem := checkpoint.damage(last)) is None:
             break
-        skipped.append(f"{path} is damaged: {problem}")
-    if last is None:
+        skipped.append(f"{last} is damaged: {problem}")
+    else:
         raise ValueError(f"--resume: no intact checkpoint in {out / checkpoint.DIRNAME}: " + "; ".join(skipped)
                          + "; remove the damaged directories, or choose another --out_dir")
     for line in () if quiet else skipped:
@@ -409,9 +400,8 @@ def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> Non
 
     def gain(k, v) -> str:
         s = (summary or {}).get(k, {})
-        if None in (s.get("gain_se"), s.get("before"), s.get("after")):
-            return ""
-        return f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})"
+        known = None not in (s.get("gain_se"), s.get("before"), s.get("after"))
+        return f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})" if known else ""
     shown = {k: f"{v:.3f}" if math.isfinite(v) else "not measured" for k, v in rewards.items()}  # NaN: scorer down
     print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} " +
            ", ".join(f"{k} {shown[k]}{gain(k, v)}" for k, v in rewards.items()))
