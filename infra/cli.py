@@ -132,8 +132,7 @@ def parse_known(p: argparse.ArgumentParser, argv, module: str) -> argparse.Names
         args, unknown = p.parse_known_args(argv)
     except argparse.ArgumentError as e:
         raise ValueError(str(e)) from None
-    if unknown:
-        raise ValueError(f"unknown argument(s) {unknown}; see python -m {module} --help")
+    need(not unknown, f"unknown argument(s) {unknown}; see python -m {module} --help")
     return args
 
 
@@ -164,8 +163,7 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     preset = dict(presets[args.preset]) if presets is not None else {}
     values = {**(defaults or {}), **preset, **given}
     missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in values]
-    if missing:
-        raise ValueError("missing " + ", ".join(f"--{m}" for m in missing))
+    need(not missing, "missing " + ", ".join(f"--{m}" for m in missing))
     obj = cls(**values)
     # What was typed, and the preset's values, for checks that refuse a flag (not fields: config.json omits them).
     obj._given, obj._preset_values = frozenset(given), preset
@@ -178,8 +176,8 @@ def data_paths(spec: str, name: str) -> dict[str, str]:
     out = {}
     for item in filter(None, spec.split(",")):
         task, eq, path = item.partition("=")
-        if not eq or not path or task not in known:
-            raise ValueError(f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(known)}")
+        need(eq and path and task in known,
+             f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(known)}")
         if task in out:  # the last would silently win
             raise ValueError(f"{name} names task {task} twice ({out[task]} and {path}); give one file per task")
         out[task] = path
@@ -337,15 +335,15 @@ def check_device(name: str, flag: str = "device") -> None:
         hint = " (Apple GPUs are not supported: use --device=cpu)" if name == "mps" else \
             " (for a GPU: --device=cuda)" if name.lower() in ("gpu", "cuda0", "nvidia") else ""
         raise ValueError(f"{flag} ({name!r}) must be auto, cpu, cuda or cuda:N{hint}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"{flag} ({name!r}) asks for CUDA, but torch sees no GPU; use --{flag}=cpu")
-    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
-        raise ValueError(f"{flag} ({name!r}): torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
+    cuda = name.startswith("cuda")
+    need(not cuda or torch.cuda.is_available(),
+         f"{flag} ({name!r}) asks for CUDA, but torch sees no GPU; use --{flag}=cpu")
+    need(not cuda or int(name[5:] or 0) < torch.cuda.device_count(),
+         f"{flag} ({name!r}): torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
 
 
 def check_threads(n: int, flag: str = "threads") -> None:
-    if n < 0:
-        raise ValueError(f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
+    need(n >= 0, f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
 
 
 # What --change_on_resume may name (a run stopped by bad steps continues more carefully; see outdir.RESUMABLE).
@@ -397,8 +395,7 @@ def read_generation_settings(path) -> dict:
         return {}
     fix = "delete it to use the defaults and flags only"
     saved = hf.read_json(f, fix)
-    if not isinstance(saved, dict):
-        raise ValueError(f"{f} holds {type(saved).__name__}, not an object of settings; {fix}")
+    need(isinstance(saved, dict), f"{f} holds {type(saved).__name__}, not an object of settings; {fix}")
     for k, v in saved.items():
         kind = GENERATION_TYPES.get(k, type(v))  # a float takes an int; JSON true is a bool, no int
         if type(v) is not kind and not (kind is float and type(v) is int):

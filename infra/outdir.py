@@ -19,6 +19,7 @@ import torch
 
 import tasks
 from infra import checkpoint, cli, data, plots, scale, tracker
+from infra.cli import need
 from infra.scale import print0
 from tasks import IMAGE_TASKS
 
@@ -56,35 +57,32 @@ def _inside(a: Path, b: Path) -> bool:  # a is b or lies under it (links resolve
 def check_paths(cfg) -> None:
     """Refuse an out_dir this run would damage: a model folder, the --init_from model or a folder holding it, the
     --sft_dir, or a non-empty folder holding no run. Read-only, on every rank, before anything is written."""
-    if not cfg.out_dir.strip():
-        raise ValueError("--out_dir is empty: pass the folder this run writes into, e.g. --out_dir=out/run1")
+    need(cfg.out_dir.strip(), "--out_dir is empty: pass the folder this run writes into, e.g. --out_dir=out/run1")
     out, here, init = Path(cfg.out_dir), Path(cfg.out_dir).resolve(), Path(cfg.init_from).resolve()
-    if cfg.init_from not in ("", "scratch") and (init == here or any(_inside(init, out / n) for n in RUN_NAMES)):
-        raise ValueError(f"--init_from {cfg.init_from} {'is' if init == here else 'lies inside'} --out_dir {out}: the "
-                         "run would write its config.json, logs and final/ over the model it starts from; pass a new "
-                         f"folder as --out_dir (e.g. --out_dir={here.parent / (here.name + '-rl')})")
+    clash = cfg.init_from not in ("", "scratch") and (init == here or any(_inside(init, out / n) for n in RUN_NAMES))
+    need(not clash, f"--init_from {cfg.init_from} {'is' if init == here else 'lies inside'} --out_dir {out}: the run "
+         "would write its config.json, logs and final/ over the model it starts from; pass a new folder as --out_dir "
+         f"(e.g. --out_dir={here.parent / (here.name + '-rl')})")
     if cfg.init_from == "scratch" and cfg.sft_dir:
         sft = Path(cfg.sft_dir).resolve()
-        if _inside(out, sft):
-            raise ValueError(f"--sft_dir {cfg.sft_dir} {'is' if sft == here else 'holds'} --out_dir {out}: the SFT "
-                             "model and the run would share files; give the SFT model its own folder (e.g. "
-                             f"--sft_dir={here.parent / 'sft'}) or drop --sft_dir (out_dir/sft)")
+        need(not _inside(out, sft), f"--sft_dir {cfg.sft_dir} {'is' if sft == here else 'holds'} --out_dir {out}: the "
+             "SFT model and the run would share files; give the SFT model its own folder (e.g. "
+             f"--sft_dir={here.parent / 'sft'}) or drop --sft_dir (out_dir/sft)")
         for n in sorted(RUN_NAMES - {"sft"}):  # final/ is replaced, checkpoints/ rotated; sft/ is the SFT model's
-            if _inside(sft, out / n):
-                raise ValueError(f"--sft_dir {cfg.sft_dir} {'is' if sft == (out / n).resolve() else 'lies inside'} "
-                                 f"{out / n}, which the run writes: the SFT model would be overwritten; give it its "
-                                 f"own folder (e.g. --sft_dir={out / 'sft'}) or drop --sft_dir (out_dir/sft)")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out_dir {out} is a file, not a folder (it is left as it is); pass a new folder")
+            where = "is" if sft == (out / n).resolve() else "lies inside"
+            need(not _inside(sft, out / n), f"--sft_dir {cfg.sft_dir} {where} {out / n}, which the run writes: the SFT "
+                 f"model would be overwritten; give it its own folder (e.g. --sft_dir={out / 'sft'}) or drop --sft_dir "
+                 "(out_dir/sft)")
+    need(not out.exists() or out.is_dir(), f"--out_dir {out} is a file, not a folder (it is left as it is); pass a "
+         "new folder")
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
     model = [n for n in MODEL_FILES if n in names] + sorted(n for n in names if n.endswith(".safetensors"))
     with suppress(OSError, ValueError):  # a config.json that is not train.py's settings is a model's
         saved = json.loads((out / "config.json").read_bytes())
         if not (isinstance(saved, dict) and "rl_steps" in saved and "out_dir" in saved):
             model.insert(0, "config.json (a model's, not a run's)")
-    if model:
-        raise ValueError(f"--out_dir {out} holds a model ({', '.join(model)}), not a run: a run would write its "
-                         "settings and logs into it; pass a new folder as --out_dir (is it meant as --init_from?)")
+    need(not model, f"--out_dir {out} holds a model ({', '.join(model)}), not a run: a run would write its settings "
+         "and logs into it; pass a new folder as --out_dir (is it meant as --init_from?)")
     if names and not any(n in RUN_NAMES or n.startswith(RUN_TEMPORARY) for n in names):
         listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
         raise ValueError(f"--out_dir {out} is not empty and holds no run of train.py ({listed}): a run writes only "
@@ -106,9 +104,8 @@ def check_shared(out: Path, device) -> None:
     scale.barrier()
     if scale.rank() == 0:
         probe.unlink()
-    if unseen:
-        raise ValueError(f"--out_dir {out}: a rank on another node cannot see the files rank 0 writes there; a "
-                         "multi-node run needs out_dir on a file system every node shares (a network file system)")
+    need(not unseen, f"--out_dir {out}: a rank on another node cannot see the files rank 0 writes there; a multi-node "
+         "run needs out_dir on a file system every node shares (a network file system)")
 
 
 def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> None:
@@ -222,8 +219,9 @@ def kept_line(out: Path) -> str:
     return f"the last checkpoint, {last}, is kept" if last else "no checkpoint of this run exists"
 
 
-class Stopped(Exception):
-    """Raised between evaluation batches once a signal has been caught (on every rank at once)."""
+class Stopped(BaseException):
+    """A caught signal, raised in start-up or between evaluation batches (on every rank at once); a BaseException,
+    so that no `except Exception` on the way swallows it."""
 
     __init__ = checkpoint.Aborted.__init__  # str() is the signal's name; .signum its number
 
@@ -260,10 +258,6 @@ class Stop:
         self.flag["doing"] = "finishing the final save first (the run is then complete)"
 
 
-class _StartUpStopped(BaseException):
-    """A BaseException, so that no `except Exception` on the way swallows it."""
-
-
 @contextmanager
 def start_up():
     """Until RL a signal stops the run at once (SFT's handler takes over inside): nothing is written before RL but
@@ -273,15 +267,15 @@ def start_up():
         if _START_UP["holding"]:
             _START_UP["pending"] = _START_UP["pending"] or signum
             return
-        raise _StartUpStopped(signum)
+        raise Stopped(signum)
     previous = {sig: signal.signal(sig, handler) for sig in checkpoint.STOP_SIGNALS}
     try:
         yield
-    except _StartUpStopped as e:
-        print0(f"stopped by {signal.Signals(e.args[0]).name} during start-up (loading data or the model, before "
-               "any RL step): nothing was written but config.json and a finished SFT model, and no checkpoint "
-               f"was touched; start it again with: {start_command()}")
-        raise SystemExit(128 + e.args[0]) from None
+    except Stopped as e:
+        print0(f"stopped by {e} during start-up (loading data or the model, before any RL step): nothing was "
+               "written but config.json and a finished SFT model, and no checkpoint was touched; start it again "
+               f"with: {start_command()}")
+        raise SystemExit(128 + e.signum) from None
     except KeyboardInterrupt as e:  # a second signal during SFT (its step-finishing handler raises it)
         print0(f"aborted by a second {e if isinstance(e, checkpoint.Aborted) else 'SIGINT'} during start-up or "
                f"SFT: SFT keeps no checkpoint and nothing was written to the sft_dir; start it again with: "
@@ -302,7 +296,7 @@ def holding():
         _START_UP["holding"], pending = False, _START_UP["pending"]
         _START_UP["pending"] = 0
     if pending:
-        raise _StartUpStopped(pending)
+        raise Stopped(pending)
 
 
 @contextmanager
