@@ -55,8 +55,7 @@ def latest(out_dir) -> Path | None:
 
 
 def damage(path) -> str | None:
-    """What is wrong with the checkpoint `path` (None: intact): state.json must be an object, and every byte
-    range DCP's .metadata assigns to a shard file must lie inside that file."""
+    """What is wrong with the checkpoint `path` (None: intact), down to DCP's byte ranges within each shard."""
     path = Path(path)
     try:
         state = json.loads((path / "state.json").read_text())
@@ -92,8 +91,7 @@ def fsync_tree(path: Path, entries_only: bool = False) -> None:
 
 def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainable_only: bool = False,
          protect=None) -> Path:
-    """Write step's checkpoint atomically; keep the newest keep_last (0: all) and `protect` (the last after a good
-    step). A collective: every rank calls it."""
+    """Write step's checkpoint atomically, keeping the newest keep_last (0: all) and `protect`; every rank calls it."""
     tmp, final = _step_dir(out_dir, step, tmp=True), _step_dir(out_dir, step)
     if scale.rank() == 0:
         for stale in (tmp, final):  # a crash's leftovers, or a checkpoint of a run we were told to redo
@@ -138,8 +136,7 @@ def load(path, model, opt, *, trainable_only: bool = False) -> dict:
 
 
 def check_resumable(path, state: dict, config: dict, reference: dict, may_change) -> None:
-    """Refuse to continue under settings that change the result (a field not in may_change) or another
-    reference policy (the KL anchor), listing what differs."""
+    """Refuse to continue under other settings (but may_change) or another reference policy, listing what differs."""
     changed = sorted(k for k, v in config.items() if k not in may_change and state["config"].get(k) != v)
     if changed:
         raise ValueError(f"cannot resume {path}: these settings differ from the saved run: "
@@ -174,7 +171,7 @@ def silence(fd: int) -> None:
         os.close(null)
 
 
-class _Unbroken:
+class Unbroken:
     """A real stdout/stderr nobody reads (EIO, EPIPE, EBADF) is silenced, a full non-blocking pipe (EAGAIN) drops
     the line: losing a message must not lose the run or its checkpoint."""
 
@@ -205,33 +202,15 @@ class _Unbroken:
         return getattr(self._stream, name)
 
 
-@contextmanager
-def output_may_vanish():
-    """sys.stdout and sys.stderr as _Unbroken where they are real files (not a test's capture), then restored."""
-    saved = sys.stdout, sys.stderr
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        with suppress(AttributeError, ValueError, OSError):
-            stream.fileno()  # a real file
-            if not isinstance(stream, _Unbroken):
-                setattr(sys, name, _Unbroken(stream))
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = saved
-
-
 def away_from_gone_output() -> None:
-    """stdout and stderr nobody reads (SIGHUP: a closed terminal) go to /dev/null: the run checkpoints and exits
-    cleanly instead of dying at its next print."""
+    """stdout and stderr nobody reads (SIGHUP) go to /dev/null: the run checkpoints instead of dying at a print."""
     for fd in (1, 2):
         if output_gone(fd):
             silence(fd)
 
 
 def _say_in_handler(text: str) -> None:
-    """Print from a signal handler (rank 0), never raising: re-entering a buffered sys.stdout raises, so the line
-    goes straight to the descriptor (a test's capture gets a print)."""
+    """Print from a signal handler (rank 0) straight to the descriptor: re-entering sys.stdout would raise."""
     if scale.rank() == 0:
         with suppress(OSError, ValueError):
             try:

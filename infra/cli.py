@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import tokenize
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import MISSING, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -32,7 +32,14 @@ from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
 
 USER_ERROR = 2  # exit status of a user error, as argparse's own
-EPILOGS: dict[str, str] = {}  # what --help prints after the flags, per dataclass name (infra/outdir.py)
+EPILOGS = {"Config": (  # what --help prints after the flags, per dataclass name (train.py's: infra/outdir.py)
+    "Stopping and continuing: Ctrl-C, SIGTERM or SIGHUP (a closed terminal) lets the current SFT step, RL step "
+    "or evaluation batch finish, writes a checkpoint during RL, and prints what was kept and the command that "
+    "continues (the same command with --resume=true); the exit status is 128 + the signal. A second signal, 5 s "
+    "or more after the first, stops at once; the first signal's line says what that loses. Out of memory, a full "
+    "disk or a dead torchrun rank ends with one line naming what was kept and that command. "
+    "`python -m infra.load OUT_DIR/checkpoints/step-N DEST` turns a checkpoint into a model folder for sample.py "
+    "and evaluate.py.")}
 # Flags whose value is a path, or a list of them: a shell expands `~` only at the start of a word, so here.
 PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
 PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
@@ -62,8 +69,7 @@ def parse_bool(s: str) -> bool:
 
 @functools.cache  # parsing the module's source costs ~20 ms, and every parse() asks (a test suite, often)
 def field_comments(cls):
-    """{field: its comment} (read-only) from the source of cls and its dataclass bases: the comment at the end of
-    the field's line, continued by comment-only lines indented below it."""
+    """{field: its comment} from the source of cls and its bases (comment-only lines below it continue it)."""
     out: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if "__dataclass_fields__" in vars(k)]):
         try:
@@ -93,8 +99,8 @@ def flag_fields(cls, inherited: set | None = None) -> list:
 
 def parser(cls, description: str, presets: dict | None = None, argv=(), defaults: dict | None = None,
            inherited: set | None = None, prog: str | None = None) -> argparse.ArgumentParser:
-    """One flag per field of `cls` (and --preset), each defaulting to None so that parse() sees what was typed;
-    --help shows each value under the preset argv names and `defaults`, and where it comes from."""
+    """One flag per field (and --preset), defaulting to None so that parse() sees what was typed; --help shows
+    each value under the preset argv names and `defaults`."""
     usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below; a " \
         "flag given twice takes its last value)"
     # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
@@ -138,9 +144,8 @@ def parse_known(p: argparse.ArgumentParser, argv, module: str) -> argparse.Names
 
 def parse(cls, argv=None, *, description: str = "", presets: dict | None = None, defaults: dict | None = None,
           inherited: set | None = None, refused: str = "", prog: str | None = None):
-    """Build `cls` from the command line. defaults replace the dataclass defaults (a checkpoint's generation
-    settings), and the preset and flags override them; a base-class flag outside `inherited` is refused with
-    `refused`; prog is the command --help shows (default: the script's file name)."""
+    """Build `cls` from the command line: flags over the preset over `defaults` (a checkpoint's generation settings)
+    over the dataclass's; a base-class flag outside `inherited` is refused with `refused`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, unknown = parser(cls, description, presets, argv, defaults, inherited, prog).parse_known_args(argv)
@@ -388,8 +393,7 @@ def generation_settings(cfg) -> dict:
 
 
 def read_generation_settings(path) -> dict:
-    """The generation settings saved beside a checkpoint ({} for one written elsewhere, e.g. LLaDA's own); a
-    hand-edited value of another type ("twelve", null, 12.5 for a length) is one line naming the key and fix."""
+    """The generation settings saved beside a checkpoint ({} if none); a value of another type is refused."""
     f = Path(path) / GENERATION_FILE
     if not f.is_file():
         return {}
@@ -408,16 +412,24 @@ def read_generation_settings(path) -> dict:
 @contextmanager
 def user_errors():
     """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2; Ctrl-C -> exit 130;
-    no traceback (programming errors keep theirs). Output whose reader is gone is dropped, not raised."""
-    with checkpoint.output_may_vanish():
-        try:
-            yield
-        except (ValueError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(USER_ERROR)
-        except KeyboardInterrupt:
-            print("interrupted (Ctrl-C)", file=sys.stderr)
-            sys.exit(130)
+    no traceback (programming errors keep theirs). Real stdout/stderr (not a test's capture) become Unbroken."""
+    saved = sys.stdout, sys.stderr
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        with suppress(AttributeError, ValueError, OSError):
+            stream.fileno()  # a real file
+            if not isinstance(stream, checkpoint.Unbroken):
+                setattr(sys, name, checkpoint.Unbroken(stream))
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(USER_ERROR)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 def bars_shown(file=None) -> bool:

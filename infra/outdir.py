@@ -1,6 +1,6 @@
 """A run's out_dir: the paths refused before anything is written, the pid files that make it one process's, where
 a resume continues, the closing lines, and what a stop signal keeps in each phase (start_up, holding, before_rl,
-rl_steps, final; train.py --help says it to the user: EPILOG below).
+rl_steps, final; train.py --help says it to the user: cli.EPILOGS).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, cli, data, plots, scale, tracker
+from infra import checkpoint, data, plots, scale, tracker
 from infra.cli import need
 from infra.scale import print0
 from tasks import IMAGE_TASKS
@@ -38,15 +38,6 @@ PID_FILE = "run.pid"
 _HELD: set[Path] = set()
 _ARGV: list[str] = []
 _START_UP = {"holding": False, "pending": 0}
-
-cli.EPILOGS["Config"] = (  # train.py --help, after the flags
-    "Stopping and continuing: Ctrl-C, SIGTERM or SIGHUP (a closed terminal) lets the current SFT step, RL step "
-    "or evaluation batch finish, writes a checkpoint during RL, and prints what was kept and the command that "
-    "continues (the same command with --resume=true); the exit status is 128 + the signal. A second signal, 5 s "
-    "or more after the first, stops at once; the first signal's line says what that loses. Out of memory, a full "
-    "disk or a dead torchrun rank ends with one line naming what was kept and that command. "
-    "`python -m infra.load OUT_DIR/checkpoints/step-N DEST` turns a checkpoint into a model folder for sample.py "
-    "and evaluate.py.")
 
 
 def _inside(a: Path, b: Path) -> bool:  # a is b or lies under it (links resolved)
@@ -90,8 +81,7 @@ def check_paths(cfg) -> None:
 
 
 def check_shared(out: Path, device) -> None:
-    """Ranks that cannot see rank 0's out_dir would take other branches and hang: each must see a file rank 0
-    leaves there, named by a fresh random number."""
+    """Every rank must see the file rank 0 leaves in out_dir (ranks that cannot would take other branches, and hang)."""
     if scale.world() == 1:
         return
     mine = int.from_bytes(os.urandom(7), "big") if scale.rank() == 0 else 0
@@ -109,8 +99,7 @@ def check_shared(out: Path, device) -> None:
 
 
 def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> None:
-    """Hold pid_file, created atomically with this process id (a dead process's, or this one's, is taken over), or
-    refuse in one line naming its live holder."""
+    """Hold pid_file, created atomically (a dead process's is taken over), or refuse naming its live holder."""
     for _ in range(3):
         try:
             with open(pid_file, "x") as f:
@@ -227,8 +216,7 @@ class Stopped(BaseException):
 
 
 class Stop:
-    """stop() raises Stopped once a signal has arrived on any rank (a collective, at the top of each evaluation
-    batch), and prints progress every PROGRESS_EVERY seconds."""
+    """stop(), a collective atop each evaluation batch, raises Stopped after a signal on any rank; prints progress."""
 
     PROGRESS_EVERY = 30.0
 
@@ -260,8 +248,7 @@ class Stop:
 
 @contextmanager
 def start_up():
-    """Until RL a signal stops the run at once (SFT's handler takes over inside): nothing is written before RL but
-    config.json and the SFT model, saved inside holding()."""
+    """Until RL a signal stops the run at once (SFT's handler takes over inside; the SFT model saves in holding())."""
     def handler(signum, frame):
         checkpoint.away_from_gone_output()  # the line below must not fail on a closed terminal
         if _START_UP["holding"]:
