@@ -52,9 +52,8 @@ def expand_home(flag: str, value: str) -> str:
         if not where.startswith("~"):
             return path
         full = os.path.expanduser(where)
-        if full.startswith("~"):
-            raise ValueError(f"--{flag}={value}: {where.split('/')[0]} names no user's home folder here; write "
-                             "the path out in full")
+        need(not full.startswith("~"), f"--{flag}={value}: {where.split('/')[0]} names no user's home folder "
+             "here; write the path out in full")
         return task + eq + full
     if flag in PATH_LIST_FLAGS:
         return ",".join(one(item) for item in value.split(","))
@@ -152,9 +151,8 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     except argparse.ArgumentError as e:  # a value of the wrong type: one line naming flag and value
         raise ValueError(str(e)) from None
     other = [u for u in unknown if u.startswith("--") and u[2:].split("=")[0] in {f.name for f in fields(cls)}]
-    if other:  # a field of the base class this entry point does not take (a training-only setting)
-        raise ValueError(f"{', '.join(u.split('=')[0] for u in other)}: {refused or 'not a flag of this command'}; "
-                         f"drop {'them' if len(other) > 1 else 'it'} (--help lists the flags)")
+    need(not other, f"{', '.join(u.split('=')[0] for u in other)}: {refused or 'not a flag of this command'}; "
+         f"drop {'them' if len(other) > 1 else 'it'} (--help lists the flags)")
     if unknown:
         names = [f"--{f.name}" for f in flag_fields(cls, inherited)] + (["--preset"] if presets is not None else [])
         close = {u: difflib.get_close_matches(u.split("=")[0], names, n=1) for u in unknown if u.startswith("--")}
@@ -183,8 +181,7 @@ def data_paths(spec: str, name: str) -> dict[str, str]:
         task, eq, path = item.partition("=")
         need(eq and path and task in known,
              f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(known)}")
-        if task in out:  # the last would silently win
-            raise ValueError(f"{name} names task {task} twice ({out[task]} and {path}); give one file per task")
+        need(task not in out, f"{name} names task {task} twice ({out.get(task)} and {path}); give one file per task")
         out[task] = path
     return out
 
@@ -336,15 +333,13 @@ def validate(cfg) -> None:
 
 def check_device(name: str, flag: str = "device") -> None:
     """auto, cpu, cuda or cuda:N (the maths runs on CPU and CUDA only), and CUDA only where torch sees the GPU."""
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
-        hint = " (Apple GPUs are not supported: use --device=cpu)" if name == "mps" else \
-            " (for a GPU: --device=cuda)" if name.lower() in ("gpu", "cuda0", "nvidia") else ""
-        raise ValueError(f"{flag} ({name!r}) must be auto, cpu, cuda or cuda:N{hint}")
-    cuda = name.startswith("cuda")
-    need(not cuda or torch.cuda.is_available(),
+    hint = " (Apple GPUs are not supported: use --device=cpu)" if name == "mps" else \
+        " (for a GPU: --device=cuda)" if name.lower() in ("gpu", "cuda0", "nvidia") else ""
+    need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", name), f"{flag} ({name!r}) must be auto, cpu, cuda or cuda:N{hint}")
+    need(not name.startswith("cuda") or torch.cuda.is_available(),
          f"{flag} ({name!r}) asks for CUDA, but torch sees no GPU; use --{flag}=cpu")
-    need(not cuda or int(name[5:] or 0) < torch.cuda.device_count(),
-         f"{flag} ({name!r}): torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"{flag} ({name!r}): torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
 
 
 def check_threads(n: int, flag: str = "threads") -> None:
