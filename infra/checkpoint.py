@@ -31,13 +31,14 @@ def _dcp():  # imported on first use (about a second; sampling and evaluation ne
 
 
 def _transfer(how: str, path, model, opt, trainable_only: bool) -> tuple:
-    """DCP save or load of the model's and AdamW's state dicts (with LoRA only the adapters)."""
-    options = _dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only)
+    """DCP save or load of the model's and AdamW's state dicts (with LoRA only the adapters), and their options:
+    loading adapters only leaves the frozen base (from --init_from) as it is, so not strict then."""
+    options = _dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
     model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, opt, options=options)
     with warnings.catch_warnings():  # DCP's "assumes a single process" without a process group: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         getattr(_dcp(), how)({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    return model_sd, optim_sd
+    return model_sd, optim_sd, options
 
 
 def _step_dir(out_dir, step: int, tmp: bool = False) -> Path:
@@ -127,11 +128,8 @@ def load(path, model, opt, *, trainable_only: bool = False) -> dict:
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no state.json)")
     if (problem := damage(path)) is not None:
         raise ValueError(f"checkpoint {path} is damaged: {problem}; remove it to resume from an older one")
-    model_sd, optim_sd = _transfer("load", path, model, opt, trainable_only)
-    # Loading adapters only leaves the frozen base (from --init_from) as it is: not strict then.
-    _dcp().state_dict.set_state_dict(
-        model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
-        options=_dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only))
+    model_sd, optim_sd, options = _transfer("load", path, model, opt, trainable_only)
+    _dcp().state_dict.set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     return json.loads((path / "state.json").read_text())
 
 
