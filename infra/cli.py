@@ -168,8 +168,8 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in values]
     need(not missing, "missing " + ", ".join(f"--{m}" for m in missing))
     obj = cls(**values)
-    # What was typed, and the preset's values, for checks that refuse a flag (not fields: config.json omits them).
-    obj._given, obj._preset_values = frozenset(given), preset
+    # What was typed and which preset, for checks that refuse a flag (not fields: config.json omits them).
+    obj._given, obj._preset, obj._preset_values = frozenset(given), getattr(args, "preset", None), preset
     return obj
 
 
