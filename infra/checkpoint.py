@@ -1,14 +1,6 @@
-"""Resumable training state: atomic, sharded, rotated checkpoints; what a resume may change; stopping on a
-signal with a checkpoint, and output that survives its reader going away (a closed terminal, a dropped ssh).
-
-    out_dir/checkpoints/step-00000010/      complete: .metadata, *.distcp (model or LoRA adapter, AdamW) and
-                                            state.json (step, config, rewards before RL, reference identity)
-    out_dir/checkpoints/step-00000020.tmp/  being written, or left by a crash: never loaded, removed later
-
-Tensors go through torch.distributed.checkpoint (DCP): every rank writes its shards, and DCP reshards on load (a
-run saved on 8 GPUs resumes on 4 or on one process). A checkpoint is written into `step-N.tmp`, fsynced, then
-renamed (atomic on POSIX); `damage` finds one damaged later from DCP's index of offsets and lengths. No RNG state
-is saved: every draw comes from a generator seeded by (seed, step, index).
+"""Atomic, sharded, rotated checkpoints (out_dir/checkpoints/step-N/: DCP shards of model and AdamW, and
+state.json; step-N.tmp/ is one being written or a crash's, never loaded); stopping on a signal with one; output
+that survives its reader going away. DCP reshards on load (8 GPUs resume on 4). No RNG state: draws are seeded.
 """
 from __future__ import annotations
 
@@ -28,35 +20,32 @@ from pathlib import Path
 from infra import scale
 
 DIRNAME, PREFIX, TMP = "checkpoints", "step-", ".tmp"
-# Fault injection for tests/test_resume.py: SIGKILL in the middle of writing this step's checkpoint.
-KILL_ENV = "MASKGRPO_KILL_DURING_CHECKPOINT"
+KILL_ENV = "MASKGRPO_KILL_DURING_CHECKPOINT"  # tests/test_resume.py: SIGKILL while writing this step's checkpoint
 REPEAT_WINDOW = 5.0  # seconds in which a second signal is torchrun's copy of the first, not a new one
 
 
-def _dcp():
-    """torch.distributed.checkpoint, imported on first use (about a second; sampling and evaluation never need it)."""
+def _dcp():  # imported on first use (about a second; sampling and evaluation never need it)
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.state_dict  # noqa: F401  (get_state_dict, StateDictOptions)
     return dcp
 
 
 def _transfer(how: str, path, model, opt, trainable_only: bool) -> tuple:
-    """DCP save or load of the model's and AdamW's state dicts; with LoRA only the adapters (the frozen base is the
-    --init_from checkpoint, already on disk)."""
-    options = _dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only)
+    """DCP save or load of the model's and AdamW's state dicts (with LoRA only the adapters), and their options:
+    loading adapters only leaves the frozen base (from --init_from) as it is, so not strict then."""
+    options = _dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
     model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, opt, options=options)
     with warnings.catch_warnings():  # DCP's "assumes a single process" without a process group: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         getattr(_dcp(), how)({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    return model_sd, optim_sd
+    return model_sd, optim_sd, options
 
 
 def _step_dir(out_dir, step: int, tmp: bool = False) -> Path:
     return Path(out_dir) / DIRNAME / f"{PREFIX}{step:08d}{TMP if tmp else ''}"
 
 
-def complete(out_dir) -> list[Path]:
-    """Complete checkpoints in out_dir, oldest first."""
+def complete(out_dir) -> list[Path]:  # oldest first
     found = [p for p in (Path(out_dir) / DIRNAME).glob(f"{PREFIX}*")
              if not p.name.endswith(TMP) and (p / "state.json").is_file()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
@@ -67,8 +56,7 @@ def latest(out_dir) -> Path | None:
 
 
 def damage(path) -> str | None:
-    """What is wrong with the complete checkpoint `path`, or None when it is intact: state.json must be a
-    JSON object, and every byte range DCP's .metadata assigns to a shard file must lie inside that file."""
+    """What is wrong with the checkpoint `path` (None: intact), down to DCP's byte ranges within each shard."""
     path = Path(path)
     try:
         state = json.loads((path / "state.json").read_text())
@@ -92,19 +80,8 @@ def damage(path) -> str | None:
     return None
 
 
-def latest_intact(out_dir) -> tuple[Path | None, list[str]]:
-    """(the newest complete checkpoint that is not damaged, or None; one line per newer damaged one)."""
-    skipped = []
-    for path in reversed(complete(out_dir)):
-        problem = damage(path)
-        if problem is None:
-            return path, skipped
-        skipped.append(f"{path} is damaged: {problem}")
-    return None, skipped
-
-
 def fsync_tree(path: Path, entries_only: bool = False) -> None:
-    """Flush every file under the directory path (unless entries_only), then its own entries, to stable storage."""
+    """Flush every file under path (unless entries_only), then its entries, to stable storage."""
     for p in [*(() if entries_only else sorted(p for p in path.rglob("*") if p.is_file())), path]:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -115,8 +92,7 @@ def fsync_tree(path: Path, entries_only: bool = False) -> None:
 
 def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainable_only: bool = False,
          protect=None) -> Path:
-    """Write the checkpoint of `step` atomically; keep the newest keep_last complete ones (0: all) and `protect`
-    (the last one written after a good step). A collective under FSDP2: every rank calls it."""
+    """Write step's checkpoint atomically, keeping the newest keep_last (0: all) and `protect`; every rank calls it."""
     tmp, final = _step_dir(out_dir, step, tmp=True), _step_dir(out_dir, step)
     if scale.rank() == 0:
         for stale in (tmp, final):  # a crash's leftovers, or a checkpoint of a run we were told to redo
@@ -134,9 +110,7 @@ def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainab
         fsync_tree(final.parent, entries_only=True)
         if keep_last:
             keep = Path(protect).resolve() if protect else None
-            for old in complete(out_dir)[:-keep_last]:
-                if old.resolve() == keep:
-                    continue
+            for old in [p for p in complete(out_dir)[:-keep_last] if p.resolve() != keep]:
                 # Renamed first: a kill during the delete leaves a .tmp directory, never a damaged checkpoint.
                 doomed = old.with_name(old.name + TMP)
                 os.rename(old, doomed)
@@ -148,65 +122,56 @@ def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainab
 
 
 def load(path, model, opt, *, trainable_only: bool = False) -> dict:
-    """Restore model (or adapter) and optimizer tensors in place, at any world size; returns state.json."""
+    """Restore model (or adapter) and optimizer in place, at any world size; returns state.json."""
     path = Path(path)
     if not (path / "state.json").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no state.json)")
-    problem = damage(path)
-    if problem is not None:
+    if (problem := damage(path)) is not None:
         raise ValueError(f"checkpoint {path} is damaged: {problem}; remove it to resume from an older one")
-    model_sd, optim_sd = _transfer("load", path, model, opt, trainable_only)
-    # Loading adapters only leaves the frozen base (from --init_from) as it is: not strict then.
-    _dcp().state_dict.set_state_dict(
-        model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
-        options=_dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only))
+    model_sd, optim_sd, options = _transfer("load", path, model, opt, trainable_only)
+    _dcp().state_dict.set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     return json.loads((path / "state.json").read_text())
 
 
 def check_resumable(path, state: dict, config: dict, reference: dict, may_change) -> None:
-    """Refuse to continue a run under settings that would change its result (any config field not in
-    may_change), or against another reference policy (the KL anchor), listing what differs."""
+    """Refuse to continue under other settings (but may_change) or another reference policy, listing what differs."""
     changed = sorted(k for k, v in config.items() if k not in may_change and state["config"].get(k) != v)
     if changed:
         raise ValueError(f"cannot resume {path}: these settings differ from the saved run: "
                          + ", ".join(f"{k} {state['config'].get(k)!r} -> {config[k]!r}" for k in changed)
                          + changeable_hint(changed))
     if state["reference"] != reference:
-        old = "" if "init_from" not in state["reference"] else " (that checkpoint identifies its model by path " \
-            "and file times, as older versions of train.py did: resume it with that version, or start again)"
         raise ValueError(f"cannot resume {path}: the reference policy changed (saved {state['reference']}, "
-                         f"now {reference}){old}; resume with the same --init_from / SFT model (its content, "
+                         f"now {reference}); resume with the same --init_from / SFT model (its content, "
                          "wherever it is)")
 
 
 def changeable_hint(changed) -> str:
-    """The way to change lr or grad_clip on purpose, when they are among the refused differences."""
     names = [k for k in changed if k in ("lr", "grad_clip")]
     return (f" (to change {' and '.join(names)} from here on, which log.jsonl then records, add "
             f"--change_on_resume={','.join(names)})") if names else ""
 
 
 def output_gone(fd: int) -> bool:
-    """Whether nobody reads fd any more: a terminal that hung up (POLLHUP) or a pipe whose reader left (POLLERR)."""
-    try:
+    """Whether nobody reads fd any more: a terminal hung up (POLLHUP), a pipe's reader left (POLLERR)."""
+    with suppress(OSError, ValueError):
         poller = select.poll()
         poller.register(fd, select.POLLOUT)
         return any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0))
-    except (OSError, ValueError):
-        return False
+    return False
 
 
 def silence(fd: int) -> None:
-    """Point fd at /dev/null, so that later prints to it succeed (and go nowhere) instead of raising."""
+    """Point fd at /dev/null: later prints succeed (and go nowhere) instead of raising."""
     with suppress(OSError):
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, fd)
         os.close(null)
 
 
-class _Unbroken:
-    """A real sys.stdout or sys.stderr that nobody reads any more (EIO, EPIPE, EBADF) is silenced, and a full
-    non-blocking pipe (EAGAIN) drops the line: losing a message must not lose the run or its checkpoint."""
+class Unbroken:
+    """A real stdout/stderr nobody reads (EIO, EPIPE, EBADF) is silenced, a full non-blocking pipe (EAGAIN) drops
+    the line: losing a message must not lose the run or its checkpoint."""
 
     GONE = (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO)
 
@@ -235,36 +200,15 @@ class _Unbroken:
         return getattr(self._stream, name)
 
 
-@contextmanager
-def output_may_vanish():
-    """sys.stdout and sys.stderr as _Unbroken where they are real files (not a test's capture), then restored."""
-    saved = sys.stdout, sys.stderr
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        try:
-            stream.fileno()
-        except (AttributeError, ValueError, OSError):
-            continue
-        if not isinstance(stream, _Unbroken):
-            setattr(sys, name, _Unbroken(stream))
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = saved
-
-
 def away_from_gone_output() -> None:
-    """stdout and stderr nobody reads any more (SIGHUP: a closed terminal) go to /dev/null, so that the run
-    finishes its step, writes its checkpoint and exits cleanly instead of dying at its next print."""
+    """stdout and stderr nobody reads (SIGHUP) go to /dev/null: the run checkpoints instead of dying at a print."""
     for fd in (1, 2):
         if output_gone(fd):
             silence(fd)
 
 
 def _say_in_handler(text: str) -> None:
-    """Print from a signal handler (rank 0), never raising: re-entering a buffered sys.stdout mid-print raises, so
-    the line goes straight to the descriptor (a test's capture, with none, gets a print); output nobody reads is
-    dropped, as the checkpoint the handler leads to matters more than the line."""
+    """Print from a signal handler (rank 0) straight to the descriptor: re-entering sys.stdout would raise."""
     if scale.rank() == 0:
         with suppress(OSError, ValueError):
             try:
@@ -273,30 +217,27 @@ def _say_in_handler(text: str) -> None:
                 print(text, flush=True)
 
 
-# The signals a run stops on with a checkpoint: a scheduler's or launcher's SIGTERM, Ctrl-C's SIGINT, and the
-# SIGHUP of a closed terminal or a dropped ssh session (which would otherwise kill the run at once).
+# A scheduler's SIGTERM, Ctrl-C's SIGINT, and the SIGHUP of a closed terminal or a dropped ssh session.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Aborted(KeyboardInterrupt):
     """A second stop signal: the work in progress is dropped at once (a KeyboardInterrupt, handled as Ctrl-C)."""
 
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
+    def __init__(self, signum: int):  # outdir.Stopped shares it
+        BaseException.__init__(self, signal.Signals(signum).name)
         self.signum = signum
 
 
 @contextmanager
 def graceful_stop(doing: str = "finishing this step, then writing a checkpoint", abort=None):
-    """A stop signal sets a flag: the step finishes, a checkpoint is written, the run exits (flag["doing"] is what
-    the signal's line says happens next; infra/outdir.py sets each phase's). A second one more than REPEAT_WINDOW
-    seconds later raises Aborted; abort() says in the first line what that would lose. torchrun SIGKILLs its
-    workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) seconds after forwarding a signal: set it above a step (README)."""
+    """A stop signal sets flag["signal"] (its line says flag["doing"] happens next); a second one REPEAT_WINDOW
+    seconds later raises Aborted, and abort() says in the first line what that would lose. torchrun SIGKILLs
+    workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s after forwarding a signal: set it above a step (README)."""
     flag = {"signal": 0, "at": 0.0, "doing": doing}
 
     def handler(signum, frame):
-        # torchrun forwards the signal it gets to every worker, so Ctrl-C or a scheduler that signals
-        # every task arrives twice within moments: only a later one means "stop now".
+        # torchrun forwards the signal to every worker, so one Ctrl-C may arrive twice: only a later one stops.
         if flag["signal"] and time.monotonic() - flag["at"] > REPEAT_WINDOW:
             raise Aborted(signum)
         if not flag["signal"]:

@@ -1,10 +1,6 @@
-"""Flags and settings, one place: a dataclass is an entry point's list of flags, every train.py, evaluate.py
-and sample.py setting is checked here once (naming the value and a fix, so that the method files only assert
-their preconditions), and a user error is one line.
-
-Each field is a flag of its own name, `--field=value` or `--field value`; a boolean also works bare. Flags match
-exactly, never by prefix, and a flag given twice takes its last value. A value comes from the flag, else
-`--preset NAME`, else the dataclass default; --help shows each field's comment from the dataclass source.
+"""Flags and settings: each field of an entry point's dataclass is a flag (`--field=value`, `--field value`, a
+bare boolean; exact, never a prefix; the last of two wins) valued from the flag, else `--preset`, else the default.
+Every setting is checked here once, naming the value and a fix; a user error is one line.
 """
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ import os
 import re
 import sys
 import tokenize
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import MISSING, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -36,10 +32,15 @@ from infra.scale import print0
 from tasks import IMAGE_TASKS, TOY_TASKS, task_list
 
 USER_ERROR = 2  # exit status of a user error, as argparse's own
-# Text --help prints after the flags, per dataclass name (infra/outdir.py: what a signal does to a training run).
-EPILOGS: dict[str, str] = {}
-# Flags whose value is a path, or a list of paths (TASK=PATH,... or A,B), in any entry point. A shell expands `~`
-# only at the start of a word, never after `--flag=`: expanded here, so that a run never writes into a folder `~`.
+EPILOGS = {"Config": (  # what --help prints after the flags, per dataclass name (train.py's: infra/outdir.py)
+    "Stopping and continuing: Ctrl-C, SIGTERM or SIGHUP (a closed terminal) lets the current SFT step, RL step "
+    "or evaluation batch finish, writes a checkpoint during RL, and prints what was kept and the command that "
+    "continues (the same command with --resume=true); the exit status is 128 + the signal. A second signal, 5 s "
+    "or more after the first, stops at once; the first signal's line says what that loses. Out of memory, a full "
+    "disk or a dead torchrun rank ends with one line naming what was kept and that command. "
+    "`python -m infra.load OUT_DIR/checkpoints/step-N DEST` turns a checkpoint into a model folder for sample.py "
+    "and evaluate.py.")}
+# Flags whose value is a path, or a list of them: a shell expands `~` only at the start of a word, so here.
 PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
 PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
 
@@ -51,9 +52,8 @@ def expand_home(flag: str, value: str) -> str:
         if not where.startswith("~"):
             return path
         full = os.path.expanduser(where)
-        if full.startswith("~"):
-            raise ValueError(f"--{flag}={value}: {where.split('/')[0]} names no user's home folder here; write "
-                             "the path out in full")
+        need(not full.startswith("~"), f"--{flag}={value}: {where.split('/')[0]} names no user's home folder "
+             "here; write the path out in full")
         return task + eq + full
     if flag in PATH_LIST_FLAGS:
         return ",".join(one(item) for item in value.split(","))
@@ -61,17 +61,14 @@ def expand_home(flag: str, value: str) -> str:
 
 
 def parse_bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+    if s.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+    return s.lower() in ("1", "true", "yes", "on")
 
 
 @functools.cache  # parsing the module's source costs ~20 ms, and every parse() asks (a test suite, often)
 def field_comments(cls):
-    """{field: its comment} (read-only) from the source of cls and its dataclass bases: the comment at the end of
-    the field's line, continued by comment-only lines indented below it."""
+    """{field: its comment} from the source of cls and its bases (comment-only lines below it continue it)."""
     out: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if "__dataclass_fields__" in vars(k)]):
         try:
@@ -93,8 +90,7 @@ def field_comments(cls):
 
 
 def flag_fields(cls, inherited: set | None = None) -> list:
-    """The fields of cls that are flags: its own first, then those of its dataclass bases (only the names in
-    `inherited`, when given: an entry point reusing train.Config takes only the settings it shares)."""
+    """The fields of cls that are flags: its own first, then its bases' (only those in `inherited`, when given)."""
     own = set(getattr(cls, "__annotations__", {}))
     mine = [f for f in fields(cls) if f.name in own]
     return mine + [f for f in fields(cls) if f.name not in own and (inherited is None or f.name in inherited)]
@@ -102,8 +98,8 @@ def flag_fields(cls, inherited: set | None = None) -> list:
 
 def parser(cls, description: str, presets: dict | None = None, argv=(), defaults: dict | None = None,
            inherited: set | None = None, prog: str | None = None) -> argparse.ArgumentParser:
-    """One flag per field of `cls` (and --preset), each defaulting to None so that parse() sees what was typed;
-    --help shows each value under the preset argv names and `defaults`, and where it comes from."""
+    """One flag per field (and --preset), defaulting to None so that parse() sees what was typed; --help shows
+    each value under the preset argv names and `defaults`."""
     usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below; a " \
         "flag given twice takes its last value)"
     # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
@@ -141,25 +137,22 @@ def parse_known(p: argparse.ArgumentParser, argv, module: str) -> argparse.Names
         args, unknown = p.parse_known_args(argv)
     except argparse.ArgumentError as e:
         raise ValueError(str(e)) from None
-    if unknown:
-        raise ValueError(f"unknown argument(s) {unknown}; see python -m {module} --help")
+    need(not unknown, f"unknown argument(s) {unknown}; see python -m {module} --help")
     return args
 
 
 def parse(cls, argv=None, *, description: str = "", presets: dict | None = None, defaults: dict | None = None,
           inherited: set | None = None, refused: str = "", prog: str | None = None):
-    """Build `cls` from the command line. defaults replace the dataclass defaults (a checkpoint's generation
-    settings), and the preset and flags override them; a base-class flag outside `inherited` is refused with
-    `refused`; prog is the command --help shows (default: the script's file name)."""
+    """Build `cls` from the command line: flags over the preset over `defaults` (a checkpoint's generation settings)
+    over the dataclass's; a base-class flag outside `inherited` is refused with `refused`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, unknown = parser(cls, description, presets, argv, defaults, inherited, prog).parse_known_args(argv)
     except argparse.ArgumentError as e:  # a value of the wrong type: one line naming flag and value
         raise ValueError(str(e)) from None
     other = [u for u in unknown if u.startswith("--") and u[2:].split("=")[0] in {f.name for f in fields(cls)}]
-    if other:  # a field of the base class this entry point does not take (a training-only setting)
-        raise ValueError(f"{', '.join(u.split('=')[0] for u in other)}: {refused or 'not a flag of this command'}; "
-                         f"drop {'them' if len(other) > 1 else 'it'} (--help lists the flags)")
+    need(not other, f"{', '.join(u.split('=')[0] for u in other)}: {refused or 'not a flag of this command'}; "
+         f"drop {'them' if len(other) > 1 else 'it'} (--help lists the flags)")
     if unknown:
         names = [f"--{f.name}" for f in flag_fields(cls, inherited)] + (["--preset"] if presets is not None else [])
         close = {u: difflib.get_close_matches(u.split("=")[0], names, n=1) for u in unknown if u.startswith("--")}
@@ -173,11 +166,9 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     preset = dict(presets[args.preset]) if presets is not None else {}
     values = {**(defaults or {}), **preset, **given}
     missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in values]
-    if missing:
-        raise ValueError("missing " + ", ".join(f"--{m}" for m in missing))
+    need(not missing, "missing " + ", ".join(f"--{m}" for m in missing))
     obj = cls(**values)
-    # What was typed and which preset, for checks that refuse a flag the other inputs make meaningless
-    # (not fields: asdict, config.json and replace() never see them).
+    # What was typed and which preset, for checks that refuse a flag (not fields: config.json omits them).
     obj._given, obj._preset, obj._preset_values = frozenset(given), getattr(args, "preset", None), preset
     return obj
 
@@ -188,10 +179,9 @@ def data_paths(spec: str, name: str) -> dict[str, str]:
     out = {}
     for item in filter(None, spec.split(",")):
         task, eq, path = item.partition("=")
-        if not eq or not path or task not in known:
-            raise ValueError(f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(known)}")
-        if task in out:  # the last would silently win
-            raise ValueError(f"{name} names task {task} twice ({out[task]} and {path}); give one file per task")
+        need(eq and path and task in known,
+             f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(known)}")
+        need(task not in out, f"{name} names task {task} twice ({out.get(task)} and {path}); give one file per task")
         out[task] = path
     return out
 
@@ -276,7 +266,6 @@ def validate(cfg) -> None:
     need(cfg.init_from != "" or cfg.dry_run, "init_from is empty: pass --init_from=DIR, the local checkpoint")
     given = getattr(cfg, "_given", frozenset())  # the flags typed (parse); empty when built in code
     if cfg.init_from != "scratch" and not cfg.dry_run:
-        # Settings of the toy model built and SFT-trained here: a pretrained model has its own shape and no SFT.
         idle = sorted(given & set(SCRATCH_SHAPE))
         need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the shape of the "
              f"toy model trained from scratch, but --init_from={cfg.init_from} is given (its config.json sets the "
@@ -285,7 +274,12 @@ def validate(cfg) -> None:
         if idle:  # harmless, so a warning: a command line reused from a toy run keeps working
             print0(f"warning: {', '.join('--' + k for k in idle)} only act on the SFT stage of a model trained from "
                    f"scratch; with --init_from={cfg.init_from} there is none, so they do nothing")
-    idle = [f"--{k} (it acts on {what})" for k, what in idle_flags(cfg) if k in given]
+    benchmarks = [t for t in chosen if t not in TOY_TASKS and t not in IMAGE_TASKS]
+    idle = [f"--{k} (it acts on {what})" for keys, what, unread in (
+        (("system_prompt", "prompt_prefill", "reward_shaping"), "benchmark prompts: gsm8k, math, mbpp, countdown, "
+         "sudoku", not benchmarks), (("text_reward", "text_max_steps"), "the toy text task", "text" not in chosen),
+        (("image_scorer_timeout",), "the image scorer of --image_scorer_url, for geneval", not cfg.image_scorer_url))
+        if unread for k in keys if k in given]
     if idle:  # recorded in config.json, so a silent no-op would read as a setting of the run
         one = len(idle) == 1
         print0(f"warning: with --tasks={cfg.tasks}, {'; '.join(idle)} {'does' if one else 'do'} nothing: drop "
@@ -339,37 +333,20 @@ def validate(cfg) -> None:
 
 def check_device(name: str, flag: str = "device") -> None:
     """auto, cpu, cuda or cuda:N (the maths runs on CPU and CUDA only), and CUDA only where torch sees the GPU."""
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
-        hint = " (Apple GPUs are not supported: use --device=cpu)" if name == "mps" else \
-            " (for a GPU: --device=cuda)" if name.lower() in ("gpu", "cuda0", "nvidia") else ""
-        raise ValueError(f"{flag} ({name!r}) must be auto, cpu, cuda or cuda:N{hint}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"{flag} ({name!r}) asks for CUDA, but torch sees no GPU; use --{flag}=cpu")
+    hint = " (Apple GPUs are not supported: use --device=cpu)" if name == "mps" else \
+        " (for a GPU: --device=cuda)" if name.lower() in ("gpu", "cuda0", "nvidia") else ""
+    need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", name), f"{flag} ({name!r}) must be auto, cpu, cuda or cuda:N{hint}")
+    need(not name.startswith("cuda") or torch.cuda.is_available(),
+         f"{flag} ({name!r}) asks for CUDA, but torch sees no GPU; use --{flag}=cpu")
     if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
         raise ValueError(f"{flag} ({name!r}): torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
 
 
 def check_threads(n: int, flag: str = "threads") -> None:
-    if n < 0:
-        raise ValueError(f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
+    need(n >= 0, f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
 
 
-def idle_flags(cfg) -> list:
-    """[(setting, what it acts on)] for the settings that cfg's tasks never read."""
-    chosen = task_list(cfg)
-    idle = []
-    if all(t in TOY_TASKS or t in IMAGE_TASKS for t in chosen):
-        idle += [(k, "benchmark prompts: gsm8k, math, mbpp, countdown, sudoku") for k in
-                 ("system_prompt", "prompt_prefill", "reward_shaping")]
-    if "text" not in chosen:
-        idle += [(k, "the toy text task") for k in ("text_reward", "text_max_steps")]
-    if not cfg.image_scorer_url:
-        idle.append(("image_scorer_timeout", "the image scorer of --image_scorer_url, for geneval"))
-    return idle
-
-
-# The settings --change_on_resume may name (a run stopped by bad steps continues more carefully); any other
-# difference from the checkpoint's settings is refused (infra/outdir.RESUMABLE).
+# What --change_on_resume may name (a run stopped by bad steps continues more carefully; see outdir.RESUMABLE).
 CHANGEABLE = ("lr", "grad_clip")
 
 
@@ -377,39 +354,28 @@ def resume_changes(cfg) -> tuple:
     return tuple(k.strip() for k in cfg.change_on_resume.split(",") if k.strip())
 
 
-# Flags that only shape and train the toy model built here (init_from=scratch): with --init_from the shape is
-# refused when typed, and the SFT settings are warned about (a preset may set them).
+# The toy model's shape and SFT flags (init_from=scratch): with --init_from the shape is refused, SFT warned of.
 SCRATCH_SHAPE = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
 SCRATCH_SFT = ("sft_dir", "retrain_sft", "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout",
                "text_noise", "image_noise", "image_loss_weight")
 
 
 def setup(cfg) -> tuple[torch.device, torch.dtype]:
-    """Pick device and compute dtype once (joining torchrun's process group if there is one), and say why."""
-    check_threads(cfg.threads)
-    check_device(cfg.device)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    """Pick device and compute dtype of validated settings once (joining torchrun's process group if any)."""
     device = scale.init(cfg.device)
-    if not cfg.threads and device.type == "cpu":
-        # One thread: the toy's matrices are too small to gain much from more, and on cores other jobs keep busy
-        # OpenMP's threads wait on each other (40 toy SFT steps at load 3 on 2 cores: 16 s with one, 147 s with two).
-        torch.set_num_threads(1)
-    if cfg.dtype == "auto":
-        # bf16 on GPUs that support it (the released LLaDA weights are bf16); float32 on CPU, where bf16
-        # matmuls are slow and the toy model is small.
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        dtype = torch.bfloat16 if bf16 else torch.float32
-    else:
-        dtype = getattr(torch, cfg.dtype)
+    if cfg.threads or device.type == "cpu":
+        # threads=0 on CPU is one: on busy cores OpenMP's threads wait on each other (toy SFT: 16 s vs 147 s).
+        torch.set_num_threads(cfg.threads or 1)
+    # auto: bf16 on GPUs that support it (LLaDA's weights are bf16); float32 on CPU, where bf16 matmuls are slow.
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if bf16 else torch.float32
     print0(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, torch threads {torch.get_num_threads()}, "
            f"world size {scale.world()}")
     return device, dtype
 
 
-# A checkpoint carries the settings it was trained to generate with, so that sample.py and evaluate.py decode it
-# as it was trained (each flag still overrides them), and those its held-out evaluation scored with, each of
-# its type in train.Config.
+# The settings a checkpoint was trained and evaluated to generate with (and their types in train.Config), so that
+# sample.py and evaluate.py decode it as it was trained; each flag still overrides them.
 GENERATION_FILE = "generation.json"
 GENERATION_TYPES = {"tasks": str, "gen_length": int, "block_length": int, "steps": int, "temperature": float,
                     "image_steps": int, "image_sampler": str, "cfg_scale": float, "image_width": int,
@@ -422,15 +388,13 @@ def generation_settings(cfg) -> dict:
 
 
 def read_generation_settings(path) -> dict:
-    """The generation settings saved beside a checkpoint ({} for one written elsewhere, e.g. LLaDA's own); a
-    hand-edited value of another type ("twelve", null, 12.5 for a length) is one line naming the key and fix."""
+    """The generation settings saved beside a checkpoint ({} if none); a value of another type is refused."""
     f = Path(path) / GENERATION_FILE
     if not f.is_file():
         return {}
     fix = "delete it to use the defaults and flags only"
     saved = hf.read_json(f, fix)
-    if not isinstance(saved, dict):
-        raise ValueError(f"{f} holds {type(saved).__name__}, not an object of settings; {fix}")
+    need(isinstance(saved, dict), f"{f} holds {type(saved).__name__}, not an object of settings; {fix}")
     for k, v in saved.items():
         kind = GENERATION_TYPES.get(k, type(v))  # a float takes an int; JSON true is a bool, no int
         if type(v) is not kind and not (kind is float and type(v) is int):
@@ -443,22 +407,29 @@ def read_generation_settings(path) -> dict:
 @contextmanager
 def user_errors():
     """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2; Ctrl-C -> exit 130;
-    no traceback (programming errors keep theirs). Output whose reader is gone is dropped, not raised."""
-    with checkpoint.output_may_vanish():
-        try:
-            yield
-        except (ValueError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(USER_ERROR)
-        except KeyboardInterrupt:
-            print("interrupted (Ctrl-C)", file=sys.stderr)
-            sys.exit(130)
+    no traceback (programming errors keep theirs). Real stdout/stderr (not a test's capture) become Unbroken."""
+    saved = sys.stdout, sys.stderr
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        with suppress(AttributeError, ValueError, OSError):
+            stream.fileno()  # a real file
+            if not isinstance(stream, checkpoint.Unbroken):
+                setattr(sys, name, checkpoint.Unbroken(stream))
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(USER_ERROR)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 def bars_shown(file=None) -> bool:
     """Progress bars only on a terminal: redirected, tqdm's carriage-return updates pile up into one line."""
-    file = file or sys.stderr
-    return hasattr(file, "isatty") and file.isatty()
+    return hasattr(file or sys.stderr, "isatty") and (file or sys.stderr).isatty()
 
 
 def progress_bar(iterable=None, **kwargs):

@@ -1,14 +1,6 @@
-"""A run's out_dir and what the run says of it: the paths refused before anything is written, the pid files that
-make out_dir (and an sft_dir being trained) one process's alone, where a resume continues, the closing lines, and
-what SIGTERM, SIGINT or SIGHUP (pre-emption, Ctrl-C, a closed terminal) keeps in each phase, naming the command
-that continues (exit status 128 + signal):
-
-    start-up      stops at once: nothing of the run is written (an SFT model being saved is saved first)
-    SFT           the step finishes, then the run exits: SFT keeps no checkpoint (train.sft)
-    evaluations   the batch finishes, then the run exits (before_rl; final checkpoints the last RL step first)
-    an RL step    the step finishes, a checkpoint is written, the run exits; a second signal (after 5 s) drops
-                  the step at once, naming what is lost and kept (rl_steps, Run.after_step)
-    final save    finishes (the run is then complete), then the run exits
+"""A run's out_dir: the paths refused before anything is written, the pid files that make it one process's, where
+a resume continues, the closing lines, and what a stop signal keeps in each phase (start_up, holding, before_rl,
+rl_steps, final; train.py --help says it to the user: cli.EPILOGS).
 """
 from __future__ import annotations
 
@@ -20,26 +12,25 @@ import shlex
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
 
 import tasks
-from infra import checkpoint, cli, data, plots, scale, tracker
+from infra import checkpoint, data, plots, scale, tracker
+from infra.cli import need
 from infra.scale import print0
 from tasks import IMAGE_TASKS
 
 
-# What a run writes at the top of its out_dir (run.py, checkpoint.py, load.py's SFT cache), and the temporary
-# names of those writes. Anything else in an out_dir that holds none of them is someone else's.
+# What a run writes at the top of its out_dir, and the temporary names of those writes (anything else is not ours).
 RUN_NAMES = {"config.json", "log.jsonl", "times.jsonl", "summary.json", "final", "checkpoints", "curves.png",
              "images.png", "run.pid", "sft", "sft.run.pid", "log.tmp", "times.tmp", *tracker.FILES}
 RUN_TEMPORARY = (".write-test-", ".sft.tmp-", ".sft.old-")
 # Files that make a folder a model (a Hugging Face checkpoint, or an SFT model this code wrote).
 MODEL_FILES = ("sft_meta.json", "tokenizer.json", "model.safetensors.index.json", "generation.json")
-# Fields a resumption may change (how it runs, not what it computes; lr and grad_clip when --change_on_resume names
-# them). init_from and sft_dir are compared by the model's content (load.reference_identity), not by path.
+# Fields a resume may change: how it runs, not what it computes (init_from, sft_dir: compared by content).
 RESUMABLE = ("resume", "extend", "change_on_resume", "retrain_sft", "rl_steps", "threads", "device", "sample_every",
              "checkpoint_every", "keep_last", "max_bad_steps", "device_batch_size", "out_dir", "init_from", "sft_dir",
              "tracker", "tracker_project", "tracker_run")
@@ -48,56 +39,41 @@ _HELD: set[Path] = set()
 _ARGV: list[str] = []
 _START_UP = {"holding": False, "pending": 0}
 
-cli.EPILOGS["Config"] = (  # train.py --help, after the flags
-    "Stopping and continuing: Ctrl-C, SIGTERM or SIGHUP (a closed terminal) lets the current SFT step, RL step "
-    "or evaluation batch finish, writes a checkpoint during RL, and prints what was kept and the command that "
-    "continues (the same command with --resume=true); the exit status is 128 + the signal. A second signal, 5 s "
-    "or more after the first, stops at once; the first signal's line says what that loses. Out of memory, a full "
-    "disk or a dead torchrun rank ends with one line naming what was kept and that command. "
-    "`python -m infra.load OUT_DIR/checkpoints/step-N DEST` turns a checkpoint into a model folder for sample.py "
-    "and evaluate.py.")
 
-
-def _inside(a: Path, b: Path) -> bool:
-    """a is b or lies under it (links resolved, so two spellings of one folder are the same)."""
+def _inside(a: Path, b: Path) -> bool:  # a is b or lies under it (links resolved)
     a, b = a.resolve(), b.resolve()
     return a == b or b in a.parents
 
 
 def check_paths(cfg) -> None:
-    """Refuse, before anything is written, an out_dir this run would damage: a model folder, the --init_from model
-    or a folder holding it, the --sft_dir, or a non-empty folder holding no run. Read-only, on every rank."""
-    if not cfg.out_dir.strip():
-        raise ValueError("--out_dir is empty: pass the folder this run writes into, e.g. --out_dir=out/run1")
+    """Refuse an out_dir this run would damage: a model folder, the --init_from model or a folder holding it, the
+    --sft_dir, or a non-empty folder holding no run. Read-only, on every rank, before anything is written."""
+    need(cfg.out_dir.strip(), "--out_dir is empty: pass the folder this run writes into, e.g. --out_dir=out/run1")
     out, here, init = Path(cfg.out_dir), Path(cfg.out_dir).resolve(), Path(cfg.init_from).resolve()
-    if cfg.init_from not in ("", "scratch") and (init == here or any(_inside(init, out / n) for n in RUN_NAMES)):
-        raise ValueError(f"--init_from {cfg.init_from} {'is' if init == here else 'lies inside'} --out_dir {out}: the "
-                         "run would write its config.json, logs and final/ over the model it starts from; pass a new "
-                         f"folder as --out_dir (e.g. --out_dir={here.parent / (here.name + '-rl')})")
+    clash = cfg.init_from not in ("", "scratch") and (init == here or any(_inside(init, out / n) for n in RUN_NAMES))
+    need(not clash, f"--init_from {cfg.init_from} {'is' if init == here else 'lies inside'} --out_dir {out}: the run "
+         "would write its config.json, logs and final/ over the model it starts from; pass a new folder as --out_dir "
+         f"(e.g. --out_dir={here.parent / (here.name + '-rl')})")
     if cfg.init_from == "scratch" and cfg.sft_dir:
         sft = Path(cfg.sft_dir).resolve()
-        if _inside(out, sft):
-            raise ValueError(f"--sft_dir {cfg.sft_dir} {'is' if sft == here else 'holds'} --out_dir {out}: the SFT "
-                             "model and the run would share files; give the SFT model its own folder (e.g. "
-                             f"--sft_dir={here.parent / 'sft'}) or drop --sft_dir (out_dir/sft)")
+        need(not _inside(out, sft), f"--sft_dir {cfg.sft_dir} {'is' if sft == here else 'holds'} --out_dir {out}: the "
+             "SFT model and the run would share files; give the SFT model its own folder (e.g. "
+             f"--sft_dir={here.parent / 'sft'}) or drop --sft_dir (out_dir/sft)")
         for n in sorted(RUN_NAMES - {"sft"}):  # final/ is replaced, checkpoints/ rotated; sft/ is the SFT model's
-            if _inside(sft, out / n):
-                raise ValueError(f"--sft_dir {cfg.sft_dir} {'is' if sft == (out / n).resolve() else 'lies inside'} "
-                                 f"{out / n}, which the run writes: the SFT model would be overwritten; give it its "
-                                 f"own folder (e.g. --sft_dir={out / 'sft'}) or drop --sft_dir (out_dir/sft)")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out_dir {out} is a file, not a folder (it is left as it is); pass a new folder")
+            where = "is" if sft == (out / n).resolve() else "lies inside"
+            need(not _inside(sft, out / n), f"--sft_dir {cfg.sft_dir} {where} {out / n}, which the run writes: the SFT "
+                 f"model would be overwritten; give it its own folder (e.g. --sft_dir={out / 'sft'}) or drop --sft_dir "
+                 "(out_dir/sft)")
+    need(not out.exists() or out.is_dir(), f"--out_dir {out} is a file, not a folder (it is left as it is); pass a "
+         "new folder")
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
     model = [n for n in MODEL_FILES if n in names] + sorted(n for n in names if n.endswith(".safetensors"))
-    try:  # a config.json that is not train.py's settings is a model's
+    with suppress(OSError, ValueError):  # a config.json that is not train.py's settings is a model's
         saved = json.loads((out / "config.json").read_bytes())
         if not (isinstance(saved, dict) and "rl_steps" in saved and "out_dir" in saved):
             model.insert(0, "config.json (a model's, not a run's)")
-    except (OSError, ValueError):
-        pass
-    if model:
-        raise ValueError(f"--out_dir {out} holds a model ({', '.join(model)}), not a run: a run would write its "
-                         "settings and logs into it; pass a new folder as --out_dir (is it meant as --init_from?)")
+    need(not model, f"--out_dir {out} holds a model ({', '.join(model)}), not a run: a run would write its settings "
+         "and logs into it; pass a new folder as --out_dir (is it meant as --init_from?)")
     if names and not any(n in RUN_NAMES or n.startswith(RUN_TEMPORARY) for n in names):
         listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
         raise ValueError(f"--out_dir {out} is not empty and holds no run of train.py ({listed}): a run writes only "
@@ -105,8 +81,7 @@ def check_paths(cfg) -> None:
 
 
 def check_shared(out: Path, device) -> None:
-    """A multi-node out_dir must be one file system: ranks that cannot see rank 0's checkpoints would take other
-    branches and hang. Rank 0 leaves a file named by a fresh random number; each rank must see it."""
+    """Every rank must see the file rank 0 leaves in out_dir (ranks that cannot would take other branches, and hang)."""
     if scale.world() == 1:
         return
     mine = int.from_bytes(os.urandom(7), "big") if scale.rank() == 0 else 0
@@ -119,24 +94,21 @@ def check_shared(out: Path, device) -> None:
     scale.barrier()
     if scale.rank() == 0:
         probe.unlink()
-    if unseen:
-        raise ValueError(f"--out_dir {out}: a rank on another node cannot see the files rank 0 writes there; a "
-                         "multi-node run needs out_dir on a file system every node shares (a network file system)")
+    need(not unseen, f"--out_dir {out}: a rank on another node cannot see the files rank 0 writes there; a multi-node "
+         "run needs out_dir on a file system every node shares (a network file system)")
 
 
 def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> None:
-    """Hold pid_file, created atomically with this process id (one left by a dead process, or by an earlier main()
-    of this one, is taken over), or refuse in one line naming its live holder."""
+    """Hold pid_file, created atomically (a dead process's is taken over), or refuse naming its live holder."""
     for _ in range(3):
         try:
             with open(pid_file, "x") as f:
                 f.write(f"{os.getpid()}\n")
             return
         except FileExistsError:
-            try:
+            holder = 0
+            with suppress(OSError, ValueError):
                 holder = int(pid_file.read_text().strip() or 0)
-            except (OSError, ValueError):
-                holder = 0
             if holder and holder != os.getpid() and pid_alive(holder):
                 raise ValueError(f"{what} {busy} by the running process {holder} ({pid_file}); wait for it to "
                                  f"end{note}, {fix}, or delete that file if no run holds it") from None
@@ -147,15 +119,13 @@ def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> Non
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        pass
+    except OSError as e:
+        return isinstance(e, PermissionError)  # another user's live process
     return True
 
 
 def claim_out_dir(out: Path) -> None:
-    """Two runs started at once in one out_dir would pass the checks and overwrite each other: run.pid is one's."""
+    """Two runs started at once in one out_dir would overwrite each other: run.pid is one's."""
     claim(out / PID_FILE, f"out_dir {out}", "is in use", "choose another --out_dir")
     if out not in _HELD:  # one exit hook per directory, however often main() runs in this process
         _HELD.add(out)
@@ -163,17 +133,19 @@ def claim_out_dir(out: Path) -> None:
 
 
 def release(pid_file: Path) -> None:  # if this process holds it
-    try:
+    with suppress(OSError, ValueError):
         if int(pid_file.read_text().strip()) == os.getpid():
             pid_file.unlink()
-    except (OSError, ValueError):
-        pass
 
 
 def resume_point(out: Path, quiet: bool = True) -> Path:
     """The newest intact checkpoint of out (newer damaged ones named, with the fix, unless quiet), else ValueError."""
-    last, skipped = checkpoint.latest_intact(out)
-    if last is None:
+    skipped = []
+    for last in reversed(checkpoint.complete(out)):
+        if (problem := checkpoint.damage(last)) is None:
+            break
+        skipped.append(f"{last} is damaged: {problem}")
+    else:
         raise ValueError(f"--resume: no intact checkpoint in {out / checkpoint.DIRNAME}: " + "; ".join(skipped)
                          + "; remove the damaged directories, or choose another --out_dir")
     for line in () if quiet else skipped:
@@ -187,13 +159,11 @@ def step_of(path: Path | None) -> int:  # the RL step a checkpoint holds, 0 for 
 
 
 def step_lines(log: Path) -> list[tuple[int, str]]:
-    """(step, line) of each complete line of a jsonl log ([] if none; a line cut short by a crash is skipped)."""
+    """(step, line) of each complete line of a jsonl log (a line cut short by a crash is skipped)."""
     lines = []
     for line in log.read_text(errors="replace").splitlines() if log.is_file() else ():
-        try:
+        with suppress(ValueError, KeyError, TypeError):
             lines.append((int(json.loads(line)["step"]), line))
-        except (ValueError, KeyError, TypeError):
-            continue
     return lines
 
 
@@ -212,31 +182,24 @@ def root_causes(e: BaseException) -> list[BaseException]:
 
 
 def remember_command(argv) -> None:
-    """Keep this run's arguments (train.main's argv, or the command line) for the commands a stop prints."""
+    """Keep this run's arguments for the commands a stop prints."""
     _ARGV[:] = list(sys.argv[1:] if argv is None else argv)
 
 
 def start_command(args=None) -> str:
-    """The command of this run as it was typed, or with args as its arguments."""
     launcher = "torchrun [the same launcher flags]" if scale.world() > 1 else "python"
     return " ".join([launcher, "train.py", *map(shlex.quote, _ARGV if args is None else args)])
 
 
 def resume_command() -> str:
-    """The command that continues this run: its own arguments with --resume=true instead of any --resume."""
-    args, drop = [], False
-    for a in _ARGV:
-        if drop and not a.startswith("--"):  # "--resume false": the value goes too
-            drop = False
-            continue
-        drop = a == "--resume"
-        if not (drop or a.startswith("--resume=")):
-            args.append(a)
+    """This run's command with --resume=true instead of any --resume."""
+    args = [a for i, a in enumerate(_ARGV) if a != "--resume" and not a.startswith("--resume=")
+            and not (i and _ARGV[i - 1] == "--resume" and not a.startswith("--"))]  # "--resume false": value too
     return start_command([*args, "--resume=true"])
 
 
 def continue_command(out: Path) -> str:
-    """After a failure: --resume=true with a checkpoint or logged steps (then redone from step 0), else as typed."""
+    """After a failure: --resume=true with a checkpoint or logged steps, else as typed."""
     return resume_command() if checkpoint.latest(out) or step_lines(out / "log.jsonl") else start_command()
 
 
@@ -245,17 +208,15 @@ def kept_line(out: Path) -> str:
     return f"the last checkpoint, {last}, is kept" if last else "no checkpoint of this run exists"
 
 
-class Stopped(Exception):
-    """Raised between evaluation batches once a signal has been caught (on every rank at the same batch)."""
+class Stopped(BaseException):
+    """A caught signal, raised in start-up or between evaluation batches (on every rank at once); a BaseException,
+    so that no `except Exception` on the way swallows it."""
 
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    __init__ = checkpoint.Aborted.__init__  # str() is the signal's name; .signum its number
 
 
 class Stop:
-    """stop() raises Stopped once a signal has arrived on any rank (a collective, called by every rank at the top of
-    each evaluation batch); given the batch count it prints progress every PROGRESS_EVERY seconds."""
+    """stop(), a collective atop each evaluation batch, raises Stopped after a signal on any rank; prints progress."""
 
     PROGRESS_EVERY = 30.0
 
@@ -280,33 +241,28 @@ class Stop:
         self.calls += 1
 
     def saving(self) -> None:
-        """A last check; from here on a signal lets the final save finish (it is the end of the run)."""
+        """A last check; from here on a signal lets the final save finish."""
         self()
         self.flag["doing"] = "finishing the final save first (the run is then complete)"
 
 
-class _StartUpStopped(BaseException):
-    """Raised by the start-up handler; a BaseException so that no `except Exception` on the way swallows it."""
-
-
 @contextmanager
 def start_up():
-    """From the parsed flags to the first RL phase a signal stops the run at once (SFT's step-finishing handler
-    takes over inside): nothing is written before RL but config.json and the SFT model, saved inside holding()."""
+    """Until RL a signal stops the run at once (SFT's handler takes over inside; the SFT model saves in holding())."""
     def handler(signum, frame):
         checkpoint.away_from_gone_output()  # the line below must not fail on a closed terminal
         if _START_UP["holding"]:
             _START_UP["pending"] = _START_UP["pending"] or signum
             return
-        raise _StartUpStopped(signum)
+        raise Stopped(signum)
     previous = {sig: signal.signal(sig, handler) for sig in checkpoint.STOP_SIGNALS}
     try:
         yield
-    except _StartUpStopped as e:
-        print0(f"stopped by {signal.Signals(e.args[0]).name} during start-up (loading data or the model, before "
-               "any RL step): nothing was written but config.json and a finished SFT model, and no checkpoint "
-               f"was touched; start it again with: {start_command()}")
-        raise SystemExit(128 + e.args[0]) from None
+    except Stopped as e:
+        print0(f"stopped by {e} during start-up (loading data or the model, before any RL step): nothing was "
+               "written but config.json and a finished SFT model, and no checkpoint was touched; start it again "
+               f"with: {start_command()}")
+        raise SystemExit(128 + e.signum) from None
     except KeyboardInterrupt as e:  # a second signal during SFT (its step-finishing handler raises it)
         print0(f"aborted by a second {e if isinstance(e, checkpoint.Aborted) else 'SIGINT'} during start-up or "
                f"SFT: SFT keeps no checkpoint and nothing was written to the sft_dir; start it again with: "
@@ -319,7 +275,7 @@ def start_up():
 
 @contextmanager
 def holding():
-    """Inside start_up: a signal waits until the block is done (the SFT model's save and rename), then stops."""
+    """Inside start_up: a signal waits until the block (the SFT model's save) is done, then stops."""
     _START_UP["holding"] = True
     try:
         yield
@@ -327,13 +283,12 @@ def holding():
         _START_UP["holding"], pending = False, _START_UP["pending"]
         _START_UP["pending"] = 0
     if pending:
-        raise _StartUpStopped(pending)
+        raise Stopped(pending)
 
 
 @contextmanager
 def before_rl(run):
-    """The held-out evaluation before RL: a signal stops it after the current batch; the empty logs the run opened
-    are removed, so the out_dir reads as a run that took no step."""
+    """A signal stops the evaluation before RL after a batch; the empty logs are removed (no step was taken)."""
     try:
         yield
     except Stopped as s:
@@ -349,8 +304,7 @@ def before_rl(run):
 
 @contextmanager
 def rl_steps(run):
-    """The RL steps: a signal sets the flag run.signal (Run.after_step then checkpoints and exits); a second one
-    drops the step in progress at once, naming what is lost and the command that continues."""
+    """A signal sets run.signal (Run.after_step checkpoints and exits); a second drops the step at once."""
     def lost() -> tuple[Path | None, str, bool]:  # the newest checkpoint, the steps lost, whether several
         last = checkpoint.latest(run.out)
         many = run.done > step_of(last)
@@ -374,9 +328,8 @@ def rl_steps(run):
 
 @contextmanager
 def final(run):
-    """The final evaluation and save, as `with final(run) as stop:`: the last RL step is checkpointed first
-    (checkpoint_every > 0); a signal stops the evaluation after a batch (that checkpoint written if missing) and
-    names the command that finishes the run; a signal during the save lets it finish."""
+    """`with final(run) as stop:` checkpoints the last RL step first; a signal stops the evaluation after a batch
+    (that checkpoint written if missing), and lets the save finish."""
     cfg = run.cfg
 
     def last_step():  # the checkpoint of the run's last RL step, or None
@@ -418,14 +371,8 @@ def duration(seconds: float) -> str:
         f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def shown(v) -> str:
-    """A held-out reward as printed: three decimals, or "not measured" (NaN: a scorer down)."""
-    return f"{v:.3f}" if math.isfinite(v) else "not measured"
-
-
 def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
-    """The held-out mean reward per task before or after RL in one line; after RL with the gain over before and its
-    standard error paired by prompt, where both were measured."""
+    """The held-out mean reward per task in one line; after RL with the gain and its paired standard error."""
     if not rewards:
         if when == "before RL":
             print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
@@ -434,29 +381,26 @@ def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> Non
 
     def gain(k, v) -> str:
         s = (summary or {}).get(k, {})
-        if None in (s.get("gain_se"), s.get("before"), s.get("after")):
-            return ""
-        return f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})"
+        known = None not in (s.get("gain_se"), s.get("before"), s.get("after"))
+        return f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})" if known else ""
+    shown = {k: f"{v:.3f}" if math.isfinite(v) else "not measured" for k, v in rewards.items()}  # NaN: scorer down
     print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} " +
-           ", ".join(f"{k} {shown(v)}{gain(k, v)}" for k, v in rewards.items()))
+           ", ".join(f"{k} {shown[k]}{gain(k, v)}" for k, v in rewards.items()))
 
 
 def show(b, rewards, tok, ids, n: int = 1) -> None:
-    """Print n decoded rollouts with their rewards (a toy image in ANSI colours on a terminal, letters in a log)."""
+    """Print n decoded rollouts with their rewards (a toy image in ANSI colours)."""
     outs = tasks.decode_window(b, tok, ids)
     for i in range(n):
         prompt = b.examples[i]["prompt"]
-        if b.task in IMAGE_TASKS:
-            print0(f"  [{b.task}] {prompt!r}  reward {rewards[i]:.2f}")
-        else:
-            print0(f"  [{b.task}] {prompt[-200:]!r} -> {outs[i]!r}  reward {rewards[i]:.2f}")
+        said = repr(prompt) if b.task in IMAGE_TASKS else f"{prompt[-200:]!r} -> {outs[i]!r}"
+        print0(f"  [{b.task}] {said}  reward {rewards[i]:.2f}")
         if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
             print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
 
 
 def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> None:
-    """curves.png (reward, KL, clip fraction per step) and images.png (toy images before and after RL, prompt under
-    each), when the plots extra is installed (plots.py says how to get it otherwise)."""
+    """curves.png (reward, KL, clip fraction per step) and images.png (toy images before and after RL)."""
     log = out / "log.jsonl"
     if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step that was taken
         plots.plot_curves(log, out / "curves.png")
@@ -468,7 +412,7 @@ def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> No
 
 
 def closing_summary(run, seconds: float) -> None:
-    """The run's last lines: the time it took, where the model and pictures are, and the next commands."""
+    """The run's last lines: the time, where the model and pictures are, the next commands."""
     out = run.out
     pictures = [str(out / n) for n in ("curves.png", "images.png") if (out / n).is_file()]
     print0(f"done in {duration(seconds)} (RL {duration(run.rl_end)}{' over every resumed segment' if run.start else ''}"
