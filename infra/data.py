@@ -1,9 +1,7 @@
 """The data: local benchmark files -> checked example dicts with their prompt; the held-out evaluation on them.
-
 MaskGRPO (arXiv:2510.02880) uses GSM8K, MATH(500), MBPP-style code, d1's countdown and 4x4 sudoku, and GenEval
-prompts. Public files are read (never downloaded) and every row is checked before any model is loaded (a bad one
-is named as `file:line: problem`). Each example is what `rewards.REWARDS[task](completion, example)` receives, plus
-"prompt", the user turn (tasks.chat_prompt applies the chat template):
+prompts; files are never downloaded, every row is checked before any model loads (`file:line: problem`). An example
+is what `rewards.REWARDS[task](completion, example)` receives, plus "prompt", the user turn before the chat template:
 
     gsm8k      {"task", "prompt", "question", "answer": "1200"}               (the `#### N` number, no commas)
     math       {"task", "prompt", "question", "answer": "\\frac{1}{2}"}       (LaTeX; `answer` or last \\boxed{})
@@ -112,14 +110,11 @@ def _gsm8k(row: dict) -> dict:
 def _math(row: dict) -> dict:
     # MATH500 rows carry "answer"; Hendrycks MATH rows carry a "solution" whose last \boxed{} is the answer.
     question = _get(row, "problem", str)
-    if "answer" in row:
-        answer = _get(row, "answer", str)
-    elif "solution" in row:
-        answer = extract_boxed(_get(row, "solution", str))
-        if answer is None:
-            raise ValueError("field 'solution' has no closed \\boxed{...} final answer")
-    else:
+    if "answer" not in row and "solution" not in row:
         raise ValueError(f"missing field 'answer' or 'solution' (the row has: {', '.join(sorted(row))})")
+    answer = _get(row, "answer", str) if "answer" in row else extract_boxed(_get(row, "solution", str))
+    if answer is None:
+        raise ValueError("field 'solution' has no closed \\boxed{...} final answer")
     if not answer.strip():
         raise ValueError("the answer is empty")
     return {"task": "math", "question": question, "answer": answer.strip()}
@@ -238,8 +233,7 @@ def load_data(cfg) -> dict:
             for task, path in data_paths(cfg.train_data, "train_data").items()}
 
 
-# held-out evaluation: the mean reward of completions of held-out prompts before and after RL (train.main) and
-# of checkpoints (evaluate.py); tasks.rollout samples, tasks.score scores ----------------------------------
+# held-out evaluation: the mean reward on held-out prompts before and after RL, and of checkpoints (evaluate.py)
 
 GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
 
@@ -254,10 +248,9 @@ def eval_examples(task: str, cfg, datasets: dict) -> list:
 
 def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
              prompt_means: list | None = None, stop=None) -> float | None:
-    """Held-out mean reward (None without a held-out set) of eval_samples completions per prompt (1 at temperature
-    0), each seeded by its index (runs are paired; the world size changes nothing); ranks interleave the rows of each
-    64-row batch. records gets a dict per row of this rank (index, prompt, output, reward); prompt_means each prompt's
-    mean (for a paired standard error); progress(n) follows each batch of n rows, stop() precedes it on every rank."""
+    """Held-out mean reward (None without a held-out set) of eval_samples completions per prompt (1 greedy), each
+    seeded by its index, ranks interleaving each 64-row batch. records gets this rank's rows; prompt_means each
+    prompt's mean (for a paired standard error); progress(n) follows each batch of n rows, stop() precedes it."""
     cfg, device = ctx.cfg, ctx.device
     exs = eval_examples(task, cfg, ctx.datasets)
     if not exs:
@@ -313,9 +306,7 @@ def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None, stop=None) -
 def image_snapshot(model, ctx: Ctx) -> list | None:
     """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the before and
     after pictures differ only by the policy. None without the toy image task."""
-    if "image" not in tasks.task_list(ctx.cfg):
-        return None
-    exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS]
+    exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS] if "image" in tasks.task_list(ctx.cfg) else []
     if not exs:
         return None
     b = tasks.make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)

@@ -15,9 +15,7 @@ from infra.scale import print0
 
 # --tracker value -> the package it imports (TensorBoard's writer is torch.utils.tensorboard, which needs it)
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-# in out_dir: {tracker: {"id": ..., "done": {event: last step logged}}}, so that --resume=true reopens the tracked
-# run and logs no step twice
-STATE = "tracker.json"
+STATE = "tracker.json"  # {tracker: {"id", "done": {event: last step logged}}}: a resume logs no step twice
 FILES = (STATE, "tracker.tmp", "tensorboard", "wandb")  # what a tracker writes at the top of out_dir
 PICTURES = ("curves", "images")  # out_dir/NAME.png, drawn by Run.finish when the plots extra is installed
 
@@ -132,11 +130,10 @@ def _close_open() -> None:
 
 
 def read_state(out: Path) -> dict:
-    try:
+    with contextlib.suppress(OSError, ValueError):
         saved = json.loads((out / STATE).read_text())
         return saved if isinstance(saved, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return {}
 
 
 def run_name(cfg) -> str:
@@ -156,10 +153,7 @@ class TensorBoard:
 
     def log(self, values: dict, step: int) -> None:
         for k, v in values.items():
-            if isinstance(v, str):
-                self.writer.add_text(k, v, step)
-            else:
-                self.writer.add_scalar(k, v, step)
+            (self.writer.add_text if isinstance(v, str) else self.writer.add_scalar)(k, v, step)
         self.writer.flush()  # a killed run keeps every step it has counted as logged (tracker.json)
 
     def images(self, paths: dict, step: int) -> None:
