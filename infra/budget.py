@@ -16,7 +16,7 @@ import tasks
 from tasks import IMAGE_TASKS, task_list
 from model import ModelConfig, Transformer, num_params
 from sample import MIN_HEAD_ROWS
-from infra import hf, toy
+from infra import data, hf, toy
 from infra.scale import print0
 
 GB = 1024 ** 3
@@ -174,9 +174,8 @@ def task_shapes(cfg) -> list[dict]:
     return out
 
 
-def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
+def step_flops(cfg, mc: ModelConfig, s: dict) -> dict:
     """flops() of one RL step summed over the tasks, with per_rollout_seq by task."""
-    s = shape(mc, cfg.lora_rank, cfg.lora_targets) if s is None else s
     total = {"rollout": 0, "scoring": 0, "update": 0, "step": 0, "per_rollout_seq": {}}
     for p in task_shapes(cfg):
         f = flops(cfg, mc, s, p)
@@ -188,8 +187,6 @@ def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
 def padded_prompt_len(cfg) -> tuple[int, str]:
     """The prompt length a text rollout batch is padded to (its longest prompt), and where the figure comes
     from: with --init_from's tokenizer and --train_data, the mean over the data's batches; else --max_prompt_len."""
-    from infra import data
-
     paths = data.data_paths(cfg.train_data, "train_data")
     text = [t for t in task_list(cfg) if t not in IMAGE_TASKS and t in paths]
     folder = Path(cfg.init_from) if cfg.init_from not in ("", "scratch") else None
@@ -213,8 +210,7 @@ def report(cfg) -> dict:
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     f = step_flops(cfg, mc, s)
     maskgrpo = step_flops(dataclasses.replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # to compare with
-    # one held-out evaluation (data.evaluate_all, before and after RL): eval_samples completions per prompt
-    # and one greedy per text prompt, with the exact sampler
+    # one held-out evaluation (data.evaluate_all): eval_samples per prompt, 1 greedy per text prompt, exact sampler
     exact = step_flops(dataclasses.replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
     eval_n = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}
     one_eval, eval_seqs = sum(eval_n[t] * exact[t] for t in exact), sum(eval_n.values())
@@ -362,7 +358,8 @@ def warn_kill_delay(cfg, world: int, env=None) -> None:
     if "TORCHELASTIC_RUN_ID" not in env and "SLURM_JOB_ID" not in env:
         return
     mc = model_config(cfg)
-    step_s = step_flops(cfg, mc)["step"] / (world * GPU_PEAK_FLOPS * ASSUMED_MFU)
+    flop = step_flops(cfg, mc, shape(mc, cfg.lora_rank, cfg.lora_targets))["step"]
+    step_s = flop / (world * GPU_PEAK_FLOPS * ASSUMED_MFU)
     if text := kill_delay_warning(env, step_s, checkpoint_seconds(cfg, mc)):
         print0(text)
 

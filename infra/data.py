@@ -27,7 +27,6 @@ import tasks
 from infra import cli, scale
 from rewards import extract_boxed
 from sample import derive_seed, generator
-from tasks import Ctx
 from infra.cli import data_paths
 
 TASKS = ("gsm8k", "math", "mbpp", "countdown", "sudoku", "geneval")
@@ -187,9 +186,7 @@ def load_dataset(task: str, path) -> list[dict]:
         with open(path, "rb") as f:  # bytes: a non-UTF-8 line is then one reported problem, not a crash
             lines = [(lineno, line) for lineno, line in enumerate(f, 1) if line.strip()]
         examples = _collect(path, lines, lambda line: _PARSERS[task](_json_object(line)))
-    for ex in examples:
-        ex["prompt"] = make_prompt(ex)
-    return examples
+    return [{**ex, "prompt": make_prompt(ex)} for ex in examples]
 
 
 # the user turn, paraphrasing the official instructions (d1, arXiv:2504.12216, for countdown and sudoku) ---
@@ -246,7 +243,7 @@ def eval_examples(task: str, cfg, datasets: dict) -> list:
     return datasets.get(task, {}).get("test", [])[: cfg.eval_prompts]
 
 
-def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
+def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list | None = None, progress=None,
              prompt_means: list | None = None, stop=None) -> float | None:
     """Held-out mean reward (None without a held-out set) of eval_samples completions per prompt (1 greedy), each
     seeded by its index, ranks interleaving each 64-row batch. records gets this rank's rows; prompt_means each
@@ -285,14 +282,13 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
     return (total[0] / total[1]).item()
 
 
-def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None, stop=None) -> dict:
+def evaluate_all(model, ctx: tasks.Ctx, prompt_means: dict | None = None, stop=None) -> dict:
     """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data are left
     out. prompt_means receives each one's per-prompt means under the same keys; stop: as evaluate's."""
     res = {}
     for task in tasks.task_list(ctx.cfg):
-        for key, temperature in ((task, ctx.cfg.temperature), (f"{task}_greedy", 0.0)):
-            if key != task and task in tasks.IMAGE_TASKS:  # images have no greedy decoding
-                continue
+        greedy = () if task in tasks.IMAGE_TASKS else ((f"{task}_greedy", 0.0),)  # images have no greedy decoding
+        for key, temperature in ((task, ctx.cfg.temperature), *greedy):
             means = []
             r = evaluate(model, ctx, task, temperature, prompt_means=means, stop=stop)
             if r is None:
@@ -303,7 +299,7 @@ def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None, stop=None) -
     return res
 
 
-def image_snapshot(model, ctx: Ctx) -> list | None:
+def image_snapshot(model, ctx: tasks.Ctx) -> list | None:
     """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the before and
     after pictures differ only by the policy. None without the toy image task."""
     exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS] if "image" in tasks.task_list(ctx.cfg) else []

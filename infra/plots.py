@@ -25,7 +25,6 @@ PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # curves: pixels per panel; font: th
 # Image grid geometry (pixels): images scaled to about IMAGE_PX and captions cut at CAPTION_LINES, so the
 # picture's size depends only on the counts.
 IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES, LINE_H = 96, 90, 150, 14, 12, 3, FONT_SIZE + 3
-INSTALL_HINT = 'plots.py: no picture written, {} is missing; pip install -e ".[plots]" gives the pictures'
 X_AXES = {"step": "RL step", "seconds": "cumulative RL seconds (wall)", "cpu_seconds": "cumulative RL CPU seconds"}
 
 
@@ -54,7 +53,7 @@ def _extra(name: str, module: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        print(INSTALL_HINT.format(name))
+        print(f'plots.py: no picture written, {name} is missing; pip install -e ".[plots]" gives the pictures')
         return None
 
 

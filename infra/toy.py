@@ -52,11 +52,10 @@ def build_tokenizer() -> Tokenizer:
     pieces = [f"▁{w}" for w in WORDS] + [f"▁{s}" for s in SYMBOLS] + [f"▁{BOXED}", "}"]
     pieces += list("0123456789") + [f"▁{d}" for d in "0123456789"]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL_TOKENS + pieces)}, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
-        pre_tokenizers.Split(Regex(_PIECE), behavior="isolated"),
-    ])
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    metaspace = dict(replacement="▁", prepend_scheme="always", split=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(**metaspace),
+                                                 pre_tokenizers.Split(Regex(_PIECE), behavior="isolated")])
+    tok.decoder = decoders.Metaspace(**metaspace)
     tok.add_special_tokens(SPECIAL_TOKENS)  # so decode(..., skip_special_tokens=True) drops EOS padding and masks
     return tok
 

@@ -45,9 +45,8 @@ class Tracker:
     def step(self, step: int, log: dict, times: dict) -> None:
         """One RL step's log.jsonl line (`step` is the x axis), and its times.jsonl line under time/."""
         # a value that is no number or text (--change_on_resume's {"lr": [old, new]}) goes as its JSON text
-        values = {**{k: v if isinstance(v, (int, float, str)) else json.dumps(v)
-                     for k, v in log.items() if k != "step"},
-                  **{f"time/{k}": v for k, v in times.items() if k != "step"}}
+        values = {k: v if isinstance(v, (int, float, str)) else json.dumps(v) for k, v in log.items() if k != "step"}
+        values.update({f"time/{k}": v for k, v in times.items() if k != "step"})
         self._send("step", step, lambda b: b.log(values, step))
 
     def held_out(self, when: str, rewards: dict) -> None:
