@@ -35,8 +35,7 @@ SHUTDOWN_TIMEOUT_TORCH = "2.12"
 
 
 def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
-    """Parameter counts from a meta-device model: total, embedding, head, one block's matrices, and LoRA's
-    adapters (rank r on every projection of hf.TARGET_SETS[lora_targets]: r * (in + out) each)."""
+    """Parameter counts of a meta-device model; LoRA: r * (in + out) per projection of hf.TARGET_SETS[lora_targets]."""
     with torch.device("meta"):
         model = Transformer(mc)
     block = model.blocks[0]
@@ -90,9 +89,8 @@ def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
            cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
            codebook: int = 8192, head_len: int | None = None) -> dict:
-    """Memory per GPU in GiB by component and phase for one world size (the CUDA context, fragmentation and NCCL
-    buffers left out): the sharded training state, the groups FSDP2 gathers (world_size > 1), and per chunk the
-    activations, float32 logits at `head_len` positions and the samplers' transients."""
+    """Memory per GPU in GiB by component and phase (the CUDA context, fragmentation and NCCL buffers left out): the
+    sharded state, the groups FSDP2 gathers, and per chunk activations, float32 logits and sampler transients."""
     c, w, n = mc, world_size, s["params"]
     per_tok_block = 16 * c.d_model + 3 * c.mlp_hidden_size
     gathered = w > 1
@@ -160,8 +158,7 @@ def model_config(cfg) -> ModelConfig:
 
 
 def task_shapes(cfg) -> list[dict]:
-    """Per task, what one RL step processes: images or not, the prompt and sequence lengths, the rollout kind, the
-    denoising steps, the global number of sequences and the window (the completion or the image slots)."""
+    """Per task, what one RL step processes; window: the completion or the image slots."""
     out = []
     for task in task_list(cfg):
         image = task in IMAGE_TASKS
@@ -380,8 +377,7 @@ def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
 
 
 def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
-    """Bytes of one checkpoint: the trained parameters (the adapters with LoRA) in float32 with their two AdamW
-    moments, and 1 MB for state.json and DCP metadata."""
+    """Bytes of one checkpoint: the trained parameters in float32, their two AdamW moments, 1 MB of metadata."""
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     return (s["lora_params"] if cfg.lora_rank > 0 else s["params"]) * 4 * 3 + 2 ** 20
 

@@ -71,8 +71,7 @@ def _csv_rows(path: Path):
         header = [name.strip().lower() for name in reader.fieldnames or []]
         if not header:
             return  # _collect reports the empty file
-        missing = [c for c in ("puzzle", "solution") if c not in header]
-        if missing:
+        if missing := [c for c in ("puzzle", "solution") if c not in header]:
             raise ValueError(f"{path}:1: missing column {missing[0]!r} (header: {','.join(reader.fieldnames)})")
         reader.fieldnames = header
         yield from ((reader.line_num, row) for row in reader)

@@ -94,8 +94,8 @@ def _points(records: list[dict], key: str) -> list[tuple]:
 
 
 def plot_curves(log_path, png_path) -> Path | None:
-    """Reward, accuracy, KL and clip fraction per task against RL step, a panel each (none for a metric no task
-    logged), and the held-out gain of summary.json; None without matplotlib."""
+    """A panel per metric some task logged (PANELS) by RL step, and summary.json's held-out gain; None without
+    matplotlib."""
     records = _read_log(log_path)
     tasks = sorted({k.split("/")[0] for r in records for k in r if "/" in k},
                    key=lambda t: ((list(TASK_COLOURS) + [t]).index(t), t))  # text, image, then the rest A-Z
@@ -241,8 +241,7 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
 
 
 def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summary: dict | None = None):
-    """images.png of a toy run: held-out images with their verifier score (the RL reward), a legend, and the
-    held-out mean image reward before and after RL."""
+    """images.png of a toy run: held-out images, their verifier score (the RL reward) and the held-out mean."""
     import rewards
 
     scores = [[rewards.image_reward(codes, ex) for codes, ex in zip(images, examples)] for _, images in grid]

@@ -80,10 +80,9 @@ class Tracker:
     def _call(self, call) -> bool:
         try:
             call(self.backend)
-            return True
         except Exception as e:  # whatever the tracker raises: log.jsonl is the record, training goes on
             self.fail(e)
-            return False
+        return self.backend is not None
 
     def fail(self, e: Exception) -> None:
         first = (str(e).strip().splitlines() or [""])[0][:200]
