@@ -51,10 +51,9 @@ class Tracker:
 
     def held_out(self, when: str, rewards: dict) -> None:
         """The held-out mean reward per task, when = before (at step 0) or after (at the last step) RL."""
-        if not rewards:  # no held-out set
-            return
         step = 0 if when == "before" else self.last
-        self._send(when, step, lambda b: b.log({f"heldout/{k}/{when}": v for k, v in rewards.items()}, step))
+        if rewards:  # none without a held-out set
+            self._send(when, step, lambda b: b.log({f"heldout/{k}/{when}": v for k, v in rewards.items()}, step))
 
     def finish(self, out: Path) -> None:
         """A complete run: send the pictures it drew, close the tracked run."""
