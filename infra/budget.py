@@ -215,9 +215,8 @@ def report(cfg) -> dict:
     achieved = gpus * GPU_PEAK_FLOPS * ASSUMED_MFU
     step_s, eval_min, run_h = f["step"] / achieved, one_eval / achieved / 60, run / achieved / 3600
     opt_steps = cfg.rl_steps * cfg.mu
-    # world sizes each task's batch splits evenly over (train.py requires it)
     per_task = cfg.prompts_per_step * cfg.group_size
-    cols = [w for w in sorted({1, 8, 16, gpus}) if per_task % w == 0]
+    cols = [w for w in sorted({1, 8, 16, gpus}) if per_task % w == 0]  # each task's batch splits evenly (train.py)
     chunk = {w: min(cfg.device_batch_size or per_task // w, per_task // w) for w in cols}
     # The largest of each row over the tasks; the head runs over the scored window (an upper bound per mask).
     mem = {w: [memory(mc, s, world_size=w, chunk=chunk[w], seq_len=t["seq_len"], image=t["image"],
