@@ -8,7 +8,6 @@ import json
 import math
 import os
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,13 +16,12 @@ import tasks
 from tasks import IMAGE_TASKS, task_list
 from model import ModelConfig, Transformer, num_params
 from sample import MIN_HEAD_ROWS
-from infra import hf, toy
+from infra import data, hf, toy
 from infra.scale import print0
 
 GB = 1024 ** 3
-# Dense bf16 peaks (NVIDIA's datasheets, without sparsity) by torch.cuda.get_device_name; the time estimate is for
-# GPU_NAME at ASSUMED_MFU, an assumption: large-batch bf16 training reaches 35-50% on A100s, and rollouts here
-# are full-sequence forwards of 6-12 sequences per GPU, so the low end.
+# Dense bf16 peaks (NVIDIA's datasheets, without sparsity). ASSUMED_MFU: large-batch bf16 training reaches 35-50% on
+# A100s, and rollouts here are full-sequence forwards of 6-12 sequences per GPU, so the low end.
 GPU_PEAKS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 GPU_NAME, GPU_PEAK_FLOPS = "A100-80GB SXM", GPU_PEAKS["A100"]
 ASSUMED_MFU = 0.35
@@ -36,24 +34,16 @@ CHECKPOINT_WRITE_SPEED = 0.5 * GB  # bytes/s, assumed: torch.distributed.checkpo
 SHUTDOWN_TIMEOUT_TORCH = "2.12"
 
 
-def gpu_kind(device_name: str) -> str | None:
-    """"H100" for "NVIDIA H100 80GB HBM3" and so on: the GPU_PEAKS key a device name holds, or None."""
-    return next((k for k in GPU_PEAKS if k in device_name.upper()), None)
-
-
 def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
-    """Parameter counts from a meta-device model: total, embedding, head, one block's matrices, and LoRA's
-    adapters (rank r on every projection of hf.TARGET_SETS[lora_targets]: r * (in + out) each)."""
-    from infra.hf import TARGET_SETS
-
+    """Parameter counts of a meta-device model; LoRA: r * (in + out) per projection of hf.TARGET_SETS[lora_targets]."""
     with torch.device("meta"):
         model = Transformer(mc)
     block = model.blocks[0]
     linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    adapted = [m for name, m in block.named_children() if name in hf.TARGET_SETS[lora_targets]]
     return {"params": num_params(model), "embedding": model.wte.weight.numel(), "head": model.ff_out.weight.numel(),
             "block_params": num_params(block), "block_matmul": sum(m.weight.numel() for m in linears),
-            "lora_params": lora_rank * mc.n_layers * sum(m.in_features + m.out_features for name, m in
-                                                         block.named_children() if name in TARGET_SETS[lora_targets])}
+            "lora_params": lora_rank * mc.n_layers * sum(m.in_features + m.out_features for m in adapted)}
 
 
 def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
@@ -62,8 +52,7 @@ def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
     4 * keys * d_model per layer of attention; the head (2 per weight) runs only where the code computes it."""
     d, nl = mc.d_model, mc.n_layers
     body, head = nl * s["block_matmul"], s["head"]
-    lora = cfg.lora_rank > 0
-    adapters = s["lora_params"] if lora else 0
+    adapters = s["lora_params"] if cfg.lora_rank > 0 else 0
     seq_len, steps, window, block_length = p["seq_len"], p["steps"], p["window"], cfg.block_length
 
     def fwd(tokens, keys, head_tokens):  # FLOPs of a forward over `tokens` query positions
@@ -75,10 +64,10 @@ def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
     else:  # Fast-dLLM: a full pass per block, then the tokens from the block on (prefix) or the block (dual);
         # upper bounds, as threshold decoding can end a block early
         blocks = (seq_len - p["prompt_len"]) // block_length
-        spb = steps // blocks
         queries = [seq_len - p["prompt_len"] - b * block_length if p["rollout"] == "prefix" else block_length
                    for b in range(blocks)]
-        per_seq = sum(fwd(seq_len, seq_len, block_length) + (spb - 1) * fwd(q, seq_len, block_length) for q in queries)
+        per_seq = sum(fwd(seq_len, seq_len, block_length) + (steps // blocks - 1) * fwd(q, seq_len, block_length)
+                      for q in queries)
     roll = p["seqs"] * cfg_rows * per_seq
     trajectory = cfg.estimator == "trajectory"
     per_update = min(cfg.trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
@@ -87,7 +76,7 @@ def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
     # tokens one step revealed, within its block, so the head runs over fewer columns: an upper bound there.
     score = p["seqs"] * views * (1 + (cfg.beta > 0)) * fwd(seq_len, seq_len, window)
     attn = 4 * seq_len * d * nl
-    if lora:  # input gradients through frozen matrices (2 per weight), adapters' input and weight gradients
+    if adapters:  # LoRA: input gradients through frozen matrices (2 per weight), adapters' input and weight gradients
         bwd = seq_len * (2 * body + 4 * adapters + 2 * attn) + window * 2 * head
     else:  # full fine-tuning: input and weight gradients, twice the forward
         bwd = seq_len * (4 * body + 2 * attn) + window * 4 * head
@@ -100,9 +89,8 @@ def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
            cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
            codebook: int = 8192, head_len: int | None = None) -> dict:
-    """Memory per GPU in GiB by component and phase for one world size (the CUDA context, fragmentation and NCCL
-    buffers left out): the sharded training state, the groups FSDP2 gathers (world_size > 1), and per chunk the
-    activations, float32 logits at `head_len` positions and the samplers' transients."""
+    """Memory per GPU in GiB by component and phase (the CUDA context, fragmentation and NCCL buffers left out): the
+    sharded state, the groups FSDP2 gathers, and per chunk activations, float32 logits and sampler transients."""
     c, w, n = mc, world_size, s["params"]
     per_tok_block = 16 * c.d_model + 3 * c.mlp_hidden_size
     gathered = w > 1
@@ -155,7 +143,7 @@ MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state",
 
 
 def scratch_config(cfg, **vocab) -> ModelConfig:
-    """The model shape of the Config's d_model, n_layers, n_heads and mlp_hidden_size, with the vocabulary given."""
+    """The model shape of the Config's sizes, with the vocabulary given."""
     return ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
                        mlp_hidden_size=cfg.mlp_hidden_size, **vocab)
 
@@ -170,24 +158,21 @@ def model_config(cfg) -> ModelConfig:
 
 
 def task_shapes(cfg) -> list[dict]:
-    """Per task, what one RL step processes: images or not, the prompt and sequence lengths, the rollout kind, the
-    denoising steps, the global number of sequences and the window (the completion or the image slots)."""
+    """Per task, what one RL step processes; window: the completion or the image slots."""
     out = []
     for task in task_list(cfg):
-        if task in IMAGE_TASKS:
-            prompt_len, window = (cfg.image_text_len or 32) + 2, cfg.image_width ** 2
-            rollout, steps = "image", cfg.image_steps
-        else:
-            prompt_len, window, steps = cfg.max_prompt_len, cfg.gen_length, cfg.steps
-            rollout = "exact" if cfg.kv_cache == "none" else cfg.kv_cache
-        out.append(dict(task=task, image=task in IMAGE_TASKS, prompt_len=prompt_len, seq_len=prompt_len + window,
-                        rollout=rollout, steps=steps, seqs=cfg.prompts_per_step * cfg.group_size, window=window))
+        image = task in IMAGE_TASKS
+        prompt_len = (cfg.image_text_len or 32) + 2 if image else cfg.max_prompt_len
+        window = cfg.image_width ** 2 if image else cfg.gen_length
+        out.append(dict(task=task, image=image, prompt_len=prompt_len, seq_len=prompt_len + window,
+                        rollout="image" if image else "exact" if cfg.kv_cache == "none" else cfg.kv_cache,
+                        steps=cfg.image_steps if image else cfg.steps, seqs=cfg.prompts_per_step * cfg.group_size,
+                        window=window))
     return out
 
 
-def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
+def step_flops(cfg, mc: ModelConfig, s: dict) -> dict:
     """flops() of one RL step summed over the tasks, with per_rollout_seq by task."""
-    s = shape(mc, cfg.lora_rank, cfg.lora_targets) if s is None else s
     total = {"rollout": 0, "scoring": 0, "update": 0, "step": 0, "per_rollout_seq": {}}
     for p in task_shapes(cfg):
         f = flops(cfg, mc, s, p)
@@ -199,8 +184,6 @@ def step_flops(cfg, mc: ModelConfig, s: dict | None = None) -> dict:
 def padded_prompt_len(cfg) -> tuple[int, str]:
     """The prompt length a text rollout batch is padded to (its longest prompt), and where the figure comes
     from: with --init_from's tokenizer and --train_data, the mean over the data's batches; else --max_prompt_len."""
-    from infra import data
-
     paths = data.data_paths(cfg.train_data, "train_data")
     text = [t for t in task_list(cfg) if t not in IMAGE_TASKS and t in paths]
     folder = Path(cfg.init_from) if cfg.init_from not in ("", "scratch") else None
@@ -223,19 +206,17 @@ def report(cfg) -> dict:
     seq_len, seqs = max(p["seq_len"] for p in shapes), sum(p["seqs"] for p in shapes)
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     f = step_flops(cfg, mc, s)
-    maskgrpo = step_flops(replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # to compare with
-    # one held-out evaluation (data.evaluate_all, before and after RL): eval_samples completions per prompt
-    # and one greedy per text prompt, with the exact sampler
-    exact = step_flops(replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
+    maskgrpo = step_flops(dataclasses.replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # to compare with
+    # one held-out evaluation (data.evaluate_all): eval_samples per prompt, 1 greedy per text prompt, exact sampler
+    exact = step_flops(dataclasses.replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
     eval_n = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}
     one_eval, eval_seqs = sum(eval_n[t] * exact[t] for t in exact), sum(eval_n.values())
     run = f["step"] * cfg.rl_steps + 2 * one_eval
     achieved = gpus * GPU_PEAK_FLOPS * ASSUMED_MFU
     step_s, eval_min, run_h = f["step"] / achieved, one_eval / achieved / 60, run / achieved / 3600
     opt_steps = cfg.rl_steps * cfg.mu
-    # world sizes each task's batch splits evenly over (train.py requires it)
     per_task = cfg.prompts_per_step * cfg.group_size
-    cols = [w for w in sorted({1, 8, 16, gpus}) if per_task % w == 0]
+    cols = [w for w in sorted({1, 8, 16, gpus}) if per_task % w == 0]  # each task's batch splits evenly (train.py)
     chunk = {w: min(cfg.device_batch_size or per_task // w, per_task // w) for w in cols}
     # The largest of each row over the tasks; the head runs over the scored window (an upper bound per mask).
     mem = {w: [memory(mc, s, world_size=w, chunk=chunk[w], seq_len=t["seq_len"], image=t["image"],
@@ -299,7 +280,7 @@ def report(cfg) -> dict:
     rate = {}
     if not image:  # generated tokens/s per GPU of the rollout phase at the padded prompt length
         padded, source = padded_prompt_len(cfg)
-        roll = step_flops(replace(cfg, max_prompt_len=padded), mc, s)["rollout"]
+        roll = step_flops(dataclasses.replace(cfg, max_prompt_len=padded), mc, s)["rollout"]
         rate = {k: seqs * cfg.gen_length / (roll / (GPU_PEAKS[k] * ASSUMED_MFU)) for k in ("A100", "H100")}
         print(f"rollouts at a padded prompt length of {padded} tokens ({source}): about {rate['A100']:.0f} "
               f"generated tokens/s per A100 and {rate['H100']:.0f} per H100 at {ASSUMED_MFU:.0%} MFU")
@@ -323,13 +304,13 @@ def report(cfg) -> dict:
 # Start-up checks: the launcher's kill delay, the training state over the GPU's memory, the disk
 
 def checkpoint_seconds(cfg, mc: ModelConfig) -> float:
-    """Estimated seconds to write one checkpoint (checkpoint_bytes at CHECKPOINT_WRITE_SPEED)."""
+    """Estimated seconds to write one checkpoint."""
     return checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED
 
 
 def torchrun_reads_shutdown_timeout() -> bool:
-    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT: its LaunchConfig has the field that
-    reads it (tests/test_cuda.py check 9 measures it on a worker ignoring SIGTERM)."""
+    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT (tests/test_cuda.py check 9 measures
+    it on a worker ignoring SIGTERM)."""
     try:
         from torch.distributed.launcher.api import LaunchConfig
     except ImportError:
@@ -351,29 +332,30 @@ def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float
     need = step_seconds + checkpoint_seconds
     if not (torchrun or slurm) or delay >= need:
         return None
-    wait = 2 * math.ceil(need)
-    fix = [] if not torchrun else [
-        f"upgrade torch to {SHUTDOWN_TIMEOUT_TORCH} or later (this torchrun, torch {torch.__version__}, ignores "
-        f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={wait}"
-        if ignored else f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={wait}"]
+    wait, fix, who = 2 * math.ceil(need), [], []
+    if torchrun:
+        fix.append((f"upgrade torch to {SHUTDOWN_TIMEOUT_TORCH} or later (this torchrun, torch {torch.__version__}, "
+                    "ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then " if ignored else "")
+                   + f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={wait}")
+        who.append(f"torchrun's fixed {DEFAULT_KILL_DELAY} s" if ignored else
+                   "torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     if slurm:
         fix.append(f"ask Slurm for the signal early (sbatch --signal=TERM@{wait}) and check KillWait (scontrol "
                    "show config)")
-    who = " and ".join(([f"torchrun's fixed {DEFAULT_KILL_DELAY} s" if ignored else
-                         "torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] if torchrun else [])
-                       + (["Slurm's KillWait (default assumed)"] if slurm else []))
-    return (f"warning: a SIGTERM gets SIGKILL {delay:.0f} s later ({who}), but one RL step plus a checkpoint "
-            f"takes about {need:.0f} s here (dry-run estimate), so a pre-emption would lose the step and write "
-            f"no checkpoint; {'; '.join(fix)} (README: resuming)")
+        who.append("Slurm's KillWait (default assumed)")
+    return (f"warning: a SIGTERM gets SIGKILL {delay:.0f} s later ({' and '.join(who)}), but one RL step plus a "
+            f"checkpoint takes about {need:.0f} s here (dry-run estimate), so a pre-emption would lose the step and "
+            f"write no checkpoint; {'; '.join(fix)} (README: resuming)")
 
 
 def warn_kill_delay(cfg, world: int, env=None) -> None:
-    """Print kill_delay_warning's warning (rank 0) for cfg's run on `world` GPUs; nothing without a launcher."""
+    """Print kill_delay_warning's warning (rank 0) for cfg's run on `world` GPUs."""
     env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" not in env and "SLURM_JOB_ID" not in env:
         return
     mc = model_config(cfg)
-    step_s = step_flops(cfg, mc)["step"] / (world * GPU_PEAK_FLOPS * ASSUMED_MFU)
+    flop = step_flops(cfg, mc, shape(mc, cfg.lora_rank, cfg.lora_targets))["step"]
+    step_s = flop / (world * GPU_PEAK_FLOPS * ASSUMED_MFU)
     if text := kill_delay_warning(env, step_s, checkpoint_seconds(cfg, mc)):
         print0(text)
 
@@ -394,8 +376,7 @@ def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
 
 
 def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
-    """Bytes of one checkpoint: the trained parameters (the adapters with LoRA) in float32 with their two AdamW
-    moments, and 1 MB for state.json and DCP metadata."""
+    """Bytes of one checkpoint: the trained parameters in float32, their two AdamW moments, 1 MB of metadata."""
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
     return (s["lora_params"] if cfg.lora_rank > 0 else s["params"]) * 4 * 3 + 2 ** 20
 
@@ -417,7 +398,7 @@ def checkpoints_on_disk(cfg, present: int = 0) -> int:
 
 
 def _bytes(n: float) -> str:
-    """A size in the largest unit that leaves it at least 1 (1.5 MB, not 0.0 GB)."""
+    # a size in the largest unit that leaves it at least 1 (1.5 MB, not 0.0 GB)
     for unit, size in (("GB", GB), ("MB", 2 ** 20), ("KB", 2 ** 10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"

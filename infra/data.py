@@ -1,9 +1,7 @@
 """The data: local benchmark files -> checked example dicts with their prompt; the held-out evaluation on them.
-
 MaskGRPO (arXiv:2510.02880) uses GSM8K, MATH(500), MBPP-style code, d1's countdown and 4x4 sudoku, and GenEval
-prompts. Public files are read (never downloaded) and every row is checked before any model is loaded (a bad one
-is named as `file:line: problem`). Each example is what `rewards.REWARDS[task](completion, example)` receives, plus
-"prompt", the user turn (tasks.chat_prompt applies the chat template):
+prompts; files are never downloaded, every row is checked before any model loads (`file:line: problem`). An example
+is what `rewards.REWARDS[task](completion, example)` receives, plus "prompt", the user turn before the chat template:
 
     gsm8k      {"task", "prompt", "question", "answer": "1200"}               (the `#### N` number, no commas)
     math       {"task", "prompt", "question", "answer": "\\frac{1}{2}"}       (LaTeX; `answer` or last \\boxed{})
@@ -29,7 +27,6 @@ import tasks
 from infra import cli, scale
 from rewards import extract_boxed
 from sample import derive_seed, generator
-from tasks import Ctx
 from infra.cli import data_paths
 
 TASKS = ("gsm8k", "math", "mbpp", "countdown", "sudoku", "geneval")
@@ -74,8 +71,7 @@ def _csv_rows(path: Path):
         header = [name.strip().lower() for name in reader.fieldnames or []]
         if not header:
             return  # _collect reports the empty file
-        missing = [c for c in ("puzzle", "solution") if c not in header]
-        if missing:
+        if missing := [c for c in ("puzzle", "solution") if c not in header]:
             raise ValueError(f"{path}:1: missing column {missing[0]!r} (header: {','.join(reader.fieldnames)})")
         reader.fieldnames = header
         yield from ((reader.line_num, row) for row in reader)
@@ -112,14 +108,11 @@ def _gsm8k(row: dict) -> dict:
 def _math(row: dict) -> dict:
     # MATH500 rows carry "answer"; Hendrycks MATH rows carry a "solution" whose last \boxed{} is the answer.
     question = _get(row, "problem", str)
-    if "answer" in row:
-        answer = _get(row, "answer", str)
-    elif "solution" in row:
-        answer = extract_boxed(_get(row, "solution", str))
-        if answer is None:
-            raise ValueError("field 'solution' has no closed \\boxed{...} final answer")
-    else:
+    if "answer" not in row and "solution" not in row:
         raise ValueError(f"missing field 'answer' or 'solution' (the row has: {', '.join(sorted(row))})")
+    answer = _get(row, "answer", str) if "answer" in row else extract_boxed(_get(row, "solution", str))
+    if answer is None:
+        raise ValueError("field 'solution' has no closed \\boxed{...} final answer")
     if not answer.strip():
         raise ValueError("the answer is empty")
     return {"task": "math", "question": question, "answer": answer.strip()}
@@ -192,9 +185,7 @@ def load_dataset(task: str, path) -> list[dict]:
         with open(path, "rb") as f:  # bytes: a non-UTF-8 line is then one reported problem, not a crash
             lines = [(lineno, line) for lineno, line in enumerate(f, 1) if line.strip()]
         examples = _collect(path, lines, lambda line: _PARSERS[task](_json_object(line)))
-    for ex in examples:
-        ex["prompt"] = make_prompt(ex)
-    return examples
+    return [{**ex, "prompt": make_prompt(ex)} for ex in examples]
 
 
 # the user turn, paraphrasing the official instructions (d1, arXiv:2504.12216, for countdown and sudoku) ---
@@ -238,8 +229,7 @@ def load_data(cfg) -> dict:
             for task, path in data_paths(cfg.train_data, "train_data").items()}
 
 
-# held-out evaluation: the mean reward of completions of held-out prompts before and after RL (train.main) and
-# of checkpoints (evaluate.py); tasks.rollout samples, tasks.score scores ----------------------------------
+# held-out evaluation: the mean reward on held-out prompts before and after RL, and of checkpoints (evaluate.py)
 
 GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
 
@@ -252,12 +242,11 @@ def eval_examples(task: str, cfg, datasets: dict) -> list:
     return datasets.get(task, {}).get("test", [])[: cfg.eval_prompts]
 
 
-def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | None = None, progress=None,
+def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list | None = None, progress=None,
              prompt_means: list | None = None, stop=None) -> float | None:
-    """Held-out mean reward (None without a held-out set) of eval_samples completions per prompt (1 at temperature
-    0), each seeded by its index (runs are paired; the world size changes nothing); ranks interleave the rows of each
-    64-row batch. records gets a dict per row of this rank (index, prompt, output, reward); prompt_means each prompt's
-    mean (for a paired standard error); progress(n) follows each batch of n rows, stop() precedes it on every rank."""
+    """Held-out mean reward (None without a held-out set) of eval_samples completions per prompt (1 greedy), each
+    seeded by its index, ranks interleaving each 64-row batch. records gets this rank's rows; prompt_means each
+    prompt's mean (for a paired standard error); progress(n) follows each batch of n rows, stop() precedes it."""
     cfg, device = ctx.cfg, ctx.device
     exs = eval_examples(task, cfg, ctx.datasets)
     if not exs:
@@ -292,14 +281,13 @@ def evaluate(model, ctx: Ctx, task: str, temperature: float, records: list | Non
     return (total[0] / total[1]).item()
 
 
-def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None, stop=None) -> dict:
+def evaluate_all(model, ctx: tasks.Ctx, prompt_means: dict | None = None, stop=None) -> dict:
     """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data are left
     out. prompt_means receives each one's per-prompt means under the same keys; stop: as evaluate's."""
     res = {}
     for task in tasks.task_list(ctx.cfg):
-        for key, temperature in ((task, ctx.cfg.temperature), (f"{task}_greedy", 0.0)):
-            if key != task and task in tasks.IMAGE_TASKS:  # images have no greedy decoding
-                continue
+        greedy = () if task in tasks.IMAGE_TASKS else ((f"{task}_greedy", 0.0),)  # images have no greedy decoding
+        for key, temperature in ((task, ctx.cfg.temperature), *greedy):
             means = []
             r = evaluate(model, ctx, task, temperature, prompt_means=means, stop=stop)
             if r is None:
@@ -310,12 +298,10 @@ def evaluate_all(model, ctx: Ctx, prompt_means: dict | None = None, stop=None) -
     return res
 
 
-def image_snapshot(model, ctx: Ctx) -> list | None:
+def image_snapshot(model, ctx: tasks.Ctx) -> list | None:
     """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the before and
     after pictures differ only by the policy. None without the toy image task."""
-    if "image" not in tasks.task_list(ctx.cfg):
-        return None
-    exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS]
+    exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS] if "image" in tasks.task_list(ctx.cfg) else []
     if not exs:
         return None
     b = tasks.make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)

@@ -13,19 +13,18 @@ from pathlib import Path
 
 from infra import cli
 
-# RGB of a toy image code: 0 is the background (ANSI 236 in toy.render_image), c >= 1 is toy.COLOURS[c - 1].
+# RGB of a toy image code: 0 is the background, c >= 1 is toy.COLOURS[c - 1].
 PALETTE = ((48, 48, 48), (230, 50, 50), (40, 190, 70), (50, 100, 240), (250, 210, 30),
            (150, 60, 200), (40, 210, 220), (245, 245, 245))
 TASK_COLOURS = {"text": (30, 110, 190), "image": (230, 110, 20)}
-# Tasks beyond the toy's two, and --compare labels beyond two (an ablation of seven rows).
+# tasks beyond the toy's two, and --compare labels beyond two
 OTHER_COLOURS = [(40, 150, 60), (180, 40, 150), (110, 110, 110), (200, 40, 40), (150, 120, 30)]
 PANELS = [("reward", "reward"), ("solved", "accuracy (reward = 1)"), ("kl", "KL to reference (k3)"),
           ("clipfrac", "clip fraction")]
 PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # curves: pixels per panel; font: the image grid's, in pixels
-# Image grid geometry (pixels). Every toy image is scaled to about IMAGE_PX whatever its width, and a
-# prompt is wrapped to at most CAPTION_LINES lines, so the picture's size depends only on the counts.
+# Image grid geometry (pixels): images scaled to about IMAGE_PX and captions cut at CAPTION_LINES, so the
+# picture's size depends only on the counts.
 IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES, LINE_H = 96, 90, 150, 14, 12, 3, FONT_SIZE + 3
-INSTALL_HINT = 'plots.py: no picture written, {} is missing; pip install -e ".[plots]" gives the pictures'
 X_AXES = {"step": "RL step", "seconds": "cumulative RL seconds (wall)", "cpu_seconds": "cumulative RL CPU seconds"}
 
 
@@ -38,12 +37,11 @@ def have_matplotlib() -> bool:
 
 
 def text_image(codes: list[int], width: int, stream=None) -> str:
-    """A toy image for the console: ANSI colour blocks on a terminal (toy.render_image), else one letter per cell
-    (. background, the initials of toy.COLOURS, ? an invalid code), so that a log file gets no escape codes."""
+    """A toy image for the console: ANSI colour blocks on a terminal, else one letter per cell (. background, the
+    initials of toy.COLOURS, ? an invalid code), so that a log file gets no escape codes."""
     from infra import toy
 
-    stream = stream or sys.stdout
-    if hasattr(stream, "isatty") and stream.isatty():
+    if getattr(stream or sys.stdout, "isatty", bool)():
         return toy.render_image(codes, width)
     letters = "." + "".join(c[0] for c in toy.COLOURS)  # r g b y p c w: the initials differ
     return "\n".join(" ".join(letters[c] if 0 <= c < len(letters) else "?" for c in codes[r:r + width])
@@ -51,11 +49,11 @@ def text_image(codes: list[int], width: int, stream=None) -> str:
 
 
 def _extra(name: str, module: str):
-    """The extra's module, imported only when a picture is drawn; None after the one-line hint without it."""
+    # the extra's module, imported only when a picture is drawn; None after the one-line hint without it
     try:
         return importlib.import_module(module)
     except ImportError:
-        print(INSTALL_HINT.format(name))
+        print(f'plots.py: no picture written, {name} is missing; pip install -e ".[plots]" gives the pictures')
         return None
 
 
@@ -73,7 +71,7 @@ def _text(draw, x, y, lines, font, fill=(0, 0, 0), centre=False):
 
 
 def _read_log(log_path) -> list[dict]:
-    # One dict per RL step. A truncated last line is skipped: it is a run that is still writing it.
+    # One dict per RL step; a truncated last line is a run still writing it, skipped.
     path = Path(log_path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; train.py writes log.jsonl into its --out_dir")
@@ -91,14 +89,13 @@ def _read_log(log_path) -> list[dict]:
 
 
 def _points(records: list[dict], key: str) -> list[tuple]:
-    # (step, value) of each record that logged `key` as a finite number; NaN or missing values are skipped
-    pts = [(r.get("step", i), r.get(key)) for i, r in enumerate(records)]
+    pts = [(r.get("step", i), r.get(key)) for i, r in enumerate(records)]  # NaN or missing values are skipped
     return [(x, float(y)) for x, y in pts if isinstance(y, (int, float)) and math.isfinite(y)]
 
 
 def plot_curves(log_path, png_path) -> Path | None:
-    """Reward, accuracy, KL and clip fraction per task against RL step, a panel each (none for a metric no task
-    logged), and the held-out gain of summary.json; None without matplotlib."""
+    """A panel per metric some task logged (PANELS) by RL step, and summary.json's held-out gain; None without
+    matplotlib."""
     records = _read_log(log_path)
     tasks = sorted({k.split("/")[0] for r in records for k in r if "/" in k},
                    key=lambda t: ((list(TASK_COLOURS) + [t]).index(t), t))  # text, image, then the rest A-Z
@@ -108,16 +105,14 @@ def plot_curves(log_path, png_path) -> Path | None:
         series = {t: pts for t in tasks if (pts := _points(records, f"{t}/{metric}"))}
         ys = sorted(y for pts in series.values() for _, y in pts)
         if metric == "kl" and len(ys) >= 10 and (p90 := ys[int(0.9 * (len(ys) - 1))]) > 0 and ys[-1] > 5 * p90:
-            # one spike would flatten every other step into the x axis: values above twice the 90th percentile
-            # are drawn at that level, and the title says where it cuts
-            cap = float(f"{2 * p90:.2g}")
+            cap = float(f"{2 * p90:.2g}")  # so that one spike does not flatten every other step
             title = f"KL k3 (axis cut at {cap:g})"
             series = {t: [(x, min(y, cap)) for x, y in pts] for t, pts in series.items()}
         if series:
             panels.append((title, series))
     if not panels:
         raise ValueError(f"{log_path} logs none of " + ", ".join(f"<task>/{m}" for m, _ in PANELS))
-    summary = Path(log_path).with_name("summary.json")  # the run's point: held-out reward before and after RL
+    summary = Path(log_path).with_name("summary.json")
     held = held_out_lines(json.loads(summary.read_text())) if summary.is_file() else None
     return _save_panels(panels, colours, len(records), png_path, held)
 
@@ -135,8 +130,8 @@ def held_out_lines(summary: dict) -> list[tuple[str, str]]:
 
 
 def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "RL step"):
-    """A matplotlib Figure of (title, series) panels side by side, PANEL_W x PANEL_H pixels each, one legend above
-    them, and held_out_lines as a last panel. Raw values are drawn faint under a trailing mean."""
+    """(title, series) panels side by side, PANEL_W x PANEL_H pixels each, under one legend, and held_out_lines as
+    a last panel. Raw values are drawn faint under a trailing mean."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -149,8 +144,7 @@ def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "R
             xs, ys = [x for x, _ in pts], [y for _, y in pts]
             avg = [sum(ys[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(ys))]
             marker = "o" if len(pts) == 1 else None  # a single logged step: a dot
-            # zorder: under every task's mean (2), so that no mean hides under another task's raw values
-            ax.plot(xs, ys, color=rgb[name], alpha=0.3, lw=1, marker=marker, ms=3, zorder=1.8)
+            ax.plot(xs, ys, color=rgb[name], alpha=0.3, lw=1, marker=marker, ms=3, zorder=1.8)  # under every mean
             ax.plot(xs, avg, color=rgb[name], lw=2, marker=marker, ms=3, label=name)
         xs = [x for pts in series.values() for x, _ in pts]
         ax.set_xlim(min(xs), max(max(xs), min(xs) + 1))  # exactly the logged steps: the curves reach both edges
@@ -162,17 +156,15 @@ def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "R
     if window > 1:
         handles.append(Line2D([], [], color="black", lw=2))
         labels.append(f"bold: {window}-step mean")
-    # As many columns as fit the picture's width: about 7 pixels a character, plus the swatch and the spacing
-    per_column = 56 + 7 * max(len(label) for label in labels)
+    per_column = 56 + 7 * max(len(label) for label in labels)  # pixels: 7 a character, the swatch, the spacing
     fig.legend(handles, labels, loc="outside upper center", frameon=False,
                ncols=max(1, min(len(labels), int(PANEL_W * len(axes) // per_column))))
     if held:
-        ax = axes[-1]
-        ax.axis("off")
+        axes[-1].axis("off")
         lines = [("held-out mean reward", "black"), ("before -> after RL (summary.json)", "grey")] + [
             line for key, text in held for line in ((key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black"))]
         for k, (text, colour) in enumerate(lines):
-            ax.text(0, 1 - k * 0.08, text, color=colour, va="top", transform=ax.transAxes)
+            axes[-1].text(0, 1 - k * 0.08, text, color=colour, va="top", transform=axes[-1].transAxes)
     return fig
 
 
@@ -185,7 +177,6 @@ def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, x
 
 
 def _cell_box(row: int, col: int, r: int, c: int, width: int, gap: int = ROW_GAP) -> tuple[int, int, int, int]:
-    # (x0, y0, x1, y1) of cell (r, c) of the image in grid row `row`, column `col`; gap: between rows.
     cell = max(1, IMAGE_PX // width)
     x = MARGIN + LABEL_W + col * COL_W + (COL_W - cell * width) // 2 + c * cell
     y = MARGIN + row * (IMAGE_PX + gap) + r * cell
@@ -193,7 +184,7 @@ def _cell_box(row: int, col: int, r: int, c: int, width: int, gap: int = ROW_GAP
 
 
 def _wrap(draw, s: str, font, max_px: float) -> list[str]:
-    # Greedy word wrap by pixel width; past CAPTION_LINES the last line ends in "..."
+    # greedy word wrap by pixel width; past CAPTION_LINES the last line ends in "..."
     lines = []
     for word in s.split():
         if lines and draw.textlength(lines[-1] + " " + word, font=font) <= max_px:
@@ -229,8 +220,7 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
         label = _wrap(draw, name, font, LABEL_W - 8)
         _text(draw, MARGIN, _cell_box(i, 0, 0, 0, width, gap)[1] + (IMAGE_PX - len(label) * LINE_H) / 2, label, font)
         for j, codes in enumerate(images):
-            # A darker frame behind cells inset by one pixel: thin lines between cells, so a reader can
-            # count blocks even where two cells of one colour touch (counting is half the verifier).
+            # a dark frame behind cells inset by a pixel, so that touching cells of one colour can be counted
             x0, y0, _, _ = _cell_box(i, j, 0, 0, width, gap)
             _, _, x1, y1 = _cell_box(i, j, width - 1, width - 1, width, gap)
             draw.rectangle((x0, y0, x1 + 1, y1 + 1), fill=(20, 20, 20))
@@ -251,8 +241,7 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
 
 
 def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summary: dict | None = None):
-    """images.png of a toy run: the held-out examples' images with their verifier score (the RL reward), a
-    legend, and the held-out mean image reward before and after RL, which the few images only illustrate."""
+    """images.png of a toy run: held-out images, their verifier score (the RL reward) and the held-out mean."""
     import rewards
 
     scores = [[rewards.image_reward(codes, ex) for codes, ex in zip(images, examples)] for _, images in grid]
@@ -265,9 +254,8 @@ def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summ
 
 
 def group_medians(groups: dict[str, list], key: str, x: str = "step") -> dict[str, list[tuple[float, float]]]:
-    """{label: [(step, median of `key` over the label's runs that logged it there)]}: a median, as one seed's k3 KL
-    can jump by orders of magnitude. x "seconds"/"cpu_seconds": the first coordinate is the median cumulative RL
-    seconds (times.jsonl) at that step's end, so that estimators of different cost share one axis."""
+    """{label: [(x, median of `key` over the label's runs)]} (a median: one seed's k3 KL can jump by orders of
+    magnitude); x: the step, or the median cumulative RL seconds of times.jsonl at its end (wall or CPU)."""
     col = {"seconds": "seconds", "cpu_seconds": "cpu_s"}.get(x)  # times.jsonl: wall, or process CPU time
     out = {}
     for label, run_dirs in groups.items():
@@ -291,8 +279,7 @@ def group_medians(groups: dict[str, list], key: str, x: str = "step") -> dict[st
 
 def compare_runs(groups: dict[str, list], png_path, task: str = "text", x: str = "step",
                  metrics=(("kl", "KL to reference (k3)"), ("reward", "rollout reward"))) -> Path | None:
-    """A panel per metric, a line per label: the per-step median of `task/metric` over the label's runs (e.g. the
-    seeds of one estimator), as the paper's Fig. 5 (bottom) draws each method's KL; x as group_medians."""
+    """A panel per metric, a line per label: group_medians of `task/metric` (as the paper's Fig. 5, bottom)."""
     colours = dict(zip(groups, [TASK_COLOURS["text"], TASK_COLOURS["image"]] + OTHER_COLOURS))
     if len(colours) < len(groups):
         raise ValueError(f"at most {len(colours)} labels per picture, got {len(groups)}")

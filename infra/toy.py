@@ -1,15 +1,13 @@
 """The toy world of the laptop preset: one vocabulary, two modalities, their data (tasks.TASKS), in pure Python.
+Text: word problems answered as written-out steps and a `\\boxed{N}` a GSM8K-style reward reads (arXiv:2510.02880
+§4.1); image: a tiny grid of palette-colour tokens scored by a GenEval-style verifier (colour, count, position).
+Layouts of LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809); the text completion is padded with EOS:
 
-Text: word problems answered as written-out steps and a `\\boxed{N}` a GSM8K-style reward reads (MaskGRPO
-arXiv:2510.02880 §4.1). Image: text-to-image on a tiny grid of palette-colour tokens, scored by a GenEval-style
-verifier (colour, count, position). Sequences follow the LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809) layouts:
-
-    text   <|startoftext|> question | answer <|endoftext|>...   (completion padded with EOS, as LLaDA SFT)
+    text   <|startoftext|> question | answer <|endoftext|>...
     image  [iPAD]... <|t2i|> <|startoftext|> caption <|endoftext|> <|soi|> image codes <|eoi|>
 
-`noise` gives a fraction of SFT targets one *systematic* mistake, so the SFT model mixes a right and a wrong habit,
-which RL fixes in minutes (random mistakes were measured to leave errors it cannot). A property of the toy, not of
-the paper; held-out evaluation scores the *true* answer/spec.
+`noise` gives a fraction of SFT targets one *systematic* mistake, which RL fixes in minutes (random mistakes were
+measured to leave errors it cannot); held-out evaluation scores the *true* answer/spec.
 """
 from __future__ import annotations
 
@@ -54,11 +52,10 @@ def build_tokenizer() -> Tokenizer:
     pieces = [f"▁{w}" for w in WORDS] + [f"▁{s}" for s in SYMBOLS] + [f"▁{BOXED}", "}"]
     pieces += list("0123456789") + [f"▁{d}" for d in "0123456789"]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL_TOKENS + pieces)}, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
-        pre_tokenizers.Split(Regex(_PIECE), behavior="isolated"),
-    ])
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    metaspace = dict(replacement="▁", prepend_scheme="always", split=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(**metaspace),
+                                                 pre_tokenizers.Split(Regex(_PIECE), behavior="isolated")])
+    tok.decoder = decoders.Metaspace(**metaspace)
     tok.add_special_tokens(SPECIAL_TOKENS)  # so decode(..., skip_special_tokens=True) drops EOS padding and masks
     return tok
 
@@ -76,11 +73,9 @@ def _draw(make, split: str):
 
 def make_text_example(rng: random.Random, split: str = "train", noise: float = 0.0, max_value: int = 9,
                       max_steps: int = 2) -> dict:
-    """A word problem of max_steps - 1 or max_steps (at least one) steps `a + n = r` or `a - n = r` in [0, max_value].
-    `answer` is the true result, `solution` the right completion; with probability `noise` the `completion` is the
-    systematic mistake: right working, but the box holds the amount before the last step (same length, never the
-    answer: docs/differences.md, "The toy's SFT mistake"). Seed 0: "sue has 1 shells . she loses 1 and gets 6 more
-    . how many shells does she have ?" -> "1 - 1 = 0 , 0 + 6 = 6 . \\\\boxed{6}"."""
+    """A word problem of max_steps - 1 or max_steps (at least one) steps `a +/- n = r` in [0, max_value]: `answer`
+    is the true result, `solution` the right completion; with probability `noise` the `completion` boxes the amount
+    before the last step (docs/differences.md, "The toy's SFT mistake"): right working and length, never the answer."""
     def make():
         name, obj = rng.choice(sorted(NAMES)), rng.choice(OBJECTS)
         x = rng.randint(1, max_value)

@@ -15,9 +15,7 @@ from infra.scale import print0
 
 # --tracker value -> the package it imports (TensorBoard's writer is torch.utils.tensorboard, which needs it)
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-# in out_dir: {tracker: {"id": ..., "done": {event: last step logged}}}, so that --resume=true reopens the tracked
-# run and logs no step twice
-STATE = "tracker.json"
+STATE = "tracker.json"  # {tracker: {"id", "done": {event: last step logged}}}: a resume logs no step twice
 FILES = (STATE, "tracker.tmp", "tensorboard", "wandb")  # what a tracker writes at the top of out_dir
 PICTURES = ("curves", "images")  # out_dir/NAME.png, drawn by Run.finish when the plots extra is installed
 
@@ -47,17 +45,15 @@ class Tracker:
     def step(self, step: int, log: dict, times: dict) -> None:
         """One RL step's log.jsonl line (`step` is the x axis), and its times.jsonl line under time/."""
         # a value that is no number or text (--change_on_resume's {"lr": [old, new]}) goes as its JSON text
-        values = {**{k: v if isinstance(v, (int, float, str)) else json.dumps(v)
-                     for k, v in log.items() if k != "step"},
-                  **{f"time/{k}": v for k, v in times.items() if k != "step"}}
+        values = {k: v if isinstance(v, (int, float, str)) else json.dumps(v) for k, v in log.items() if k != "step"}
+        values.update({f"time/{k}": v for k, v in times.items() if k != "step"})
         self._send("step", step, lambda b: b.log(values, step))
 
     def held_out(self, when: str, rewards: dict) -> None:
         """The held-out mean reward per task, when = before (at step 0) or after (at the last step) RL."""
-        if not rewards:  # no held-out set
-            return
         step = 0 if when == "before" else self.last
-        self._send(when, step, lambda b: b.log({f"heldout/{k}/{when}": v for k, v in rewards.items()}, step))
+        if rewards:  # none without a held-out set
+            self._send(when, step, lambda b: b.log({f"heldout/{k}/{when}": v for k, v in rewards.items()}, step))
 
     def finish(self, out: Path) -> None:
         """A complete run: send the pictures it drew, close the tracked run."""
@@ -83,10 +79,9 @@ class Tracker:
     def _call(self, call) -> bool:
         try:
             call(self.backend)
-            return True
         except Exception as e:  # whatever the tracker raises: log.jsonl is the record, training goes on
             self.fail(e)
-            return False
+        return self.backend is not None
 
     def fail(self, e: Exception) -> None:
         first = (str(e).strip().splitlines() or [""])[0][:200]
@@ -132,11 +127,10 @@ def _close_open() -> None:
 
 
 def read_state(out: Path) -> dict:
-    try:
+    with contextlib.suppress(OSError, ValueError):
         saved = json.loads((out / STATE).read_text())
         return saved if isinstance(saved, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return {}
 
 
 def run_name(cfg) -> str:
@@ -156,10 +150,7 @@ class TensorBoard:
 
     def log(self, values: dict, step: int) -> None:
         for k, v in values.items():
-            if isinstance(v, str):
-                self.writer.add_text(k, v, step)
-            else:
-                self.writer.add_scalar(k, v, step)
+            (self.writer.add_text if isinstance(v, str) else self.writer.add_scalar)(k, v, step)
         self.writer.flush()  # a killed run keeps every step it has counted as logged (tracker.json)
 
     def images(self, paths: dict, step: int) -> None:

@@ -369,6 +369,11 @@ def decide(first_ratio, losses, grad_norms, peaks: dict, resumed, stopped: str |
     return fails
 
 
+def gpu_kind(device_name: str) -> str | None:
+    """"H100" for "NVIDIA H100 80GB HBM3" and so on: the budget.GPU_PEAKS key a device name holds, or None."""
+    return next((k for k in budget.GPU_PEAKS if k in device_name.upper()), None)
+
+
 def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -471,7 +476,7 @@ def main(argv=None) -> list:
         secs, src = (times[key], "times.jsonl") if key else (meter.seconds.get(ph, 0.0), "timed here")
         rows.append((f"{ph}: seconds", f"{secs:.2f} s{cpu_note} ({src})", ""))
     # time against the dry run for this GPU: its FLOPs at the GPU's dense bf16 peak and the assumed MFU
-    kind = budget.gpu_kind(torch.cuda.get_device_name(dev)) if cuda else None
+    kind = gpu_kind(torch.cuda.get_device_name(dev)) if cuda else None
     rate = dry["tokens_per_s_per_gpu"]
     scale_to = None if kind is None else budget.GPU_PEAKS[kind] / budget.GPU_PEAK_FLOPS  # the dry run's A100 ->
     no_figure = "no dry-run figure for " + (torch.cuda.get_device_name(dev) if cuda else "a CPU")

@@ -157,10 +157,11 @@ def test_each_condition_alone_fails_the_decision():
 
 def test_time_is_compared_with_the_dry_run_of_the_gpu_it_runs_on():
     """The device names torch reports pick the peak the dry run's time is scaled to (budget.GPU_PEAKS)."""
+    import first_gpu
     from infra import budget
     names = {"NVIDIA A100-SXM4-80GB": "A100", "NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200",
              "NVIDIA GeForce RTX 4090": None}
-    assert {n: budget.gpu_kind(n) for n in names} == names
+    assert {n: first_gpu.gpu_kind(n) for n in names} == names
     assert budget.GPU_PEAKS == {"A100": 312e12, "H100": 989e12, "H200": 989e12}  # NVIDIA's dense bf16 figures
 
 
