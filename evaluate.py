@@ -6,10 +6,9 @@
     python evaluate.py --run out/toy                         # re-score a run's sft/ and final/ vs summary.json
     python evaluate.py --compare=before.jsonl,after.jsonl    # gain of two --out files, paired by prompt
 
-Completions come from data.evaluate, as in train.py, so under the same Config the numbers are the run's
-own (`--run` checks it). pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374 §2.1), n = k samples
-per prompt. --out gets each batch's records as they are scored. Exit codes: see main. A training checkpoint
-becomes a --ckpt folder with `python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
+Completions come from data.evaluate, as in train.py, so under one Config the numbers are the run's own (`--run`
+checks it). pass@k: arXiv:2107.03374 §2.1 with n = k. A training checkpoint becomes a --ckpt folder with
+`python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
 """
 from __future__ import annotations
 
@@ -41,9 +40,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def summarize(records: list[dict]) -> dict:
-    """One task's row from its records: n prompts, k samples each, greedy pass@1, pass@k, mean sampled reward
-    (None where there are no such records), and the completions without a reward (NaN). A metric over one
-    of those is NOT_MEASURED: a failed score counted as 0 would pass for a measured 0."""
+    """One task's row: n prompts, k samples each, greedy pass@1, pass@k, mean sampled reward (None: no such
+    records) and the unscored (NaN) completions; a metric over one is NOT_MEASURED, never a measured 0."""
     greedy = [r["reward"] for r in records if r["mode"] == "greedy"]
     by_prompt: dict[int, list[float]] = {}
     for r in records:
@@ -89,13 +87,10 @@ SHARED = {"seed", "device", "dtype", "threads", "max_prompt_len", "prompt_prefil
           "device_batch_size"}
 REFUSED = "a train.py setting that evaluate.py does not use (it scores a checkpoint, it does not train)"
 RUN_OVERRIDES = ("threads", "device")  # what --run takes beside the run's config.json: speed, not results
-# The paper code's official evaluation settings: GSM8K and MATH500 greedy, 256 tokens in blocks of 16 with
-# 128 steps after "<reasoning>"; GenEval 4 images per prompt, 32 emerge steps, CFG 3.5. Toy tasks keep
-# their checkpoint's generation.json.
-OFFICIAL = {"gsm8k": {"gen_length": 256, "block_length": 16, "steps": 128, "prompt_prefill": "<reasoning>",
-                      "samples": 0},
+# The paper code's official evaluation settings (toy tasks keep their checkpoint's generation.json).
+_READING = {"gen_length": 256, "block_length": 16, "steps": 128, "prompt_prefill": "<reasoning>", "samples": 0}
+OFFICIAL = {"gsm8k": _READING, "math": _READING,
             "geneval": {"image_steps": 32, "image_sampler": "emerge", "cfg_scale": 3.5, "samples": 4}}
-OFFICIAL["math"] = OFFICIAL["gsm8k"]
 
 
 def parse_options(argv=None) -> Options:
@@ -138,8 +133,8 @@ def build_config(o: Options) -> tuple[train.Config, int]:
 
 
 def open_out(out: str):
-    """The --out file, opened and locked before anything is evaluated: a directory, an unwritable place, an
-    earlier result or a file another evaluate.py is writing is refused now, not after hours of scoring."""
+    """The --out file, opened and locked before anything is evaluated: a bad or busy path is refused now, not
+    after hours of scoring."""
     path = Path(out)
     if path.is_dir():
         raise ValueError(f"--out {out} is a directory; give a file in it, e.g. --out {path / 'eval.jsonl'}")
@@ -161,8 +156,7 @@ def open_out(out: str):
 
 
 class Scored(list):
-    """The records data.evaluate extends once per scored batch, each also written (and flushed) to the
-    --out file at once, so an interrupted evaluation keeps every completion it scored."""
+    """The records data.evaluate extends per scored batch, each flushed to --out at once (Ctrl-C keeps them)."""
 
     def __init__(self, task: str, mode: str, k: int, file=None):
         super().__init__()
@@ -180,8 +174,7 @@ class Scored(list):
 
 
 def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: int = 1) -> dict:
-    """Greedy and sampled completions of cfg.init_from on cfg's one task: its table row, the records also
-    written to `out` as they are scored."""
+    """Greedy and sampled completions of cfg.init_from on cfg's one task: its table row (records to `out`)."""
     task, sink = cfg.tasks, open_out(out) if out else None
     try:
         device, dtype = cli.setup(cfg)
@@ -223,9 +216,8 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
 
 
 def compare(before: str, after: str) -> list[list]:
-    """Rows [mode, prompts, before, after, gain, paired SE, gain / SE] of two --out files of the same
-    prompts. Each prompt's mean is paired across the files, so the SE is sd(per-prompt difference) /
-    sqrt(prompts): the prompt-to-prompt spread both share cancels."""
+    """Rows [mode, prompts, before, after, gain, paired SE, gain / SE] of two --out files of the same prompts;
+    the SE is sd(per-prompt difference) / sqrt(prompts): the spread both files share cancels."""
     def read(path):
         per: dict = {}
         for i, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -251,8 +243,8 @@ def compare(before: str, after: str) -> list[list]:
 
 
 def check_run(run_dir: str, **overrides) -> bool | None:
-    """Re-score a train.py run with its own config.json, the model before RL and final/, beside summary.json.
-    True if all agree, None when a number could not be measured (a scorer down)."""
+    """Re-score a run's model before RL and final/ with its config.json: True if all agree with summary.json,
+    None when a number could not be measured (a scorer down)."""
     out_dir = Path(run_dir)
     for f in ("config.json", "summary.json"):
         if not (out_dir / f).is_file():
