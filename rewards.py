@@ -23,9 +23,7 @@ _BRACE = re.compile(r"\\.|[{}]", re.S)  # an escaped character (\{, \}, \\) neve
 def extract_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} (or \\fbox{...}), nested braces balanced; None if absent or unclosed:
     "so \\boxed{\\frac{1}{2}}." -> "\\frac{1}{2}";  "\\boxed{1} or \\boxed{2}" -> "2";  "\\boxed{3" -> None."""
-    last = None
-    for last in _BOX_OPEN.finditer(text):  # one linear pass; only the last opener is then scanned
-        pass
+    last = max(_BOX_OPEN.finditer(text), key=lambda m: m.start(), default=None)  # only the last one is scanned
     if last is None:
         return None
     depth = 1
@@ -55,11 +53,8 @@ _MAX_NUMBER_CHARS = 100  # longer "numbers" score 0: never int() a 10^6-digit st
 def extract_answer(text: str) -> str | None:
     """Final answer of a GSM8K-style text: the last \\boxed{} content, else what follows the last `####`:
     "... \\boxed{72}" -> "72";  "... #### 1,000" -> "1,000";  "no answer" -> None."""
-    boxed = extract_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    hashes = _HASH_ANSWER.findall(text)
-    return hashes[-1].strip() if hashes else None
+    boxed, hashes = extract_boxed(text), _HASH_ANSWER.findall(text)
+    return boxed.strip() if boxed is not None else hashes[-1].strip() if hashes else None
 
 
 def _to_number(s: str) -> Fraction | None:
@@ -93,8 +88,7 @@ def math_reward(completion: str, answer: str) -> float:
     ("... \\boxed{\\dfrac{1}{2}}", "0.5") -> 1.0;  ("the answer is 2", "2") -> 0.0."""
     if not isinstance(answer, str):
         raise ValueError(f"math reference answer must be a str, got {answer!r:.80}")
-    gold = extract_boxed(answer)
-    pred = extract_boxed(completion)
+    gold, pred = extract_boxed(answer), extract_boxed(completion)
     return float(pred is not None and math_equiv(pred, answer if gold is None else gold))
 
 
@@ -112,20 +106,15 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
     """Recursive descent: expr = term (+|- term)*, term = factor (*|/ factor)*, factor = int | (expr) | -factor."""
     pos = 0
 
-    def expr(depth: int) -> Fraction:
-        value = term(depth)
-        while pos < len(tokens) and tokens[pos] in "+-":
-            op = take()
-            value = value + term(depth) if op == "+" else value - term(depth)
-        return value
-
-    def term(depth: int) -> Fraction:
-        value = factor(depth)
-        while pos < len(tokens) and tokens[pos] in "*/":
-            op, rhs = take(), factor(depth)
+    def expr(depth: int, ops: str = "+-") -> Fraction:  # ops "*/": a term
+        operand = factor if ops == "*/" else lambda d: expr(d, "*/")
+        value = operand(depth)
+        while pos < len(tokens) and tokens[pos] in ops:
+            op, rhs = take(), operand(depth)
             if op == "/" and rhs == 0:
                 raise ValueError("division by zero")
-            value = value * rhs if op == "*" else value / rhs
+            value = (value + rhs if op == "+" else value - rhs if op == "-"
+                     else value * rhs if op == "*" else value / rhs)
         return value
 
     def factor(depth: int) -> Fraction:
