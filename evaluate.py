@@ -190,9 +190,8 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
                 f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty"
             raise ValueError(f"no {task} prompts to score ({why}); pass at least one")
         ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer)
-        modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
-        if task not in tasks.IMAGE_TASKS:  # as data.evaluate_all: images have no greedy decoding
-            modes.insert(0, ("greedy", 0.0, 1))
+        modes = ([("greedy", 0.0, 1)] if task not in tasks.IMAGE_TASKS else []) + (  # images: no greedy decoding
+            [("sampled", cfg.temperature, cfg.eval_samples)] if samples else [])
         records = []
         with cli.progress_bar(total=n * sum(k for *_, k in modes), desc=f"eval {task}", unit="completion",
                               leave=False) as bar:  # data.evaluate reports after each batch of (up to) 64
@@ -277,11 +276,8 @@ def check_run(run_dir: str, **overrides) -> bool | None:
             hf.load_adapters(model, out_dir / "final")
         evals[label] = data.evaluate_all(model.eval(), tasks.Ctx(cfg, tok, ids, device, datasets, scorer))
     keys = [k for k in summary if k != "seconds"] + sorted(set(evals["before"]) - set(summary))
-    rows, ok = [], True
-    for k in keys:
-        pair = [(summary.get(k, {}).get(s), evals[s].get(k)) for s in ("before", "after")]
-        ok &= all(a is not None and b is not None and abs(a - b) <= 1e-6 for a, b in pair)
-        rows.append([k, pair[0][0], pair[0][1], pair[1][0], pair[1][1]])
+    rows = [[k, *[x for s in ("before", "after") for x in (summary.get(k, {}).get(s), evals[s].get(k))]] for k in keys]
+    ok = all(a is not None and b is not None and abs(a - b) <= 1e-6 for r in rows for a, b in (r[1:3], r[3:5]))
     print(table(["key", "summary before", "eval before", "summary after", "eval after"], rows))
     unmeasured = [f"{k} {s}" for s in evals for k, v in evals[s].items() if not math.isfinite(v)]
     if unmeasured:
