@@ -83,8 +83,7 @@ def apply_rope(x, cos, sin):
     """Rotate-half (NeoX) rotary embedding in float32: dim i pairs with dim i + Dh/2. x: (B, H, L, Dh)."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 class Block(nn.Module):

@@ -226,18 +226,14 @@ def _countdown(completion: str, example: dict) -> float:
     return countdown_reward(completion, numbers, target)
 
 
-def _mbpp(completion: str, example: dict) -> float:
-    setup = example.get("test_setup_code") or ""  # MBPP runs it after the solution, before the asserts
-    return run_code(extract_code(completion) + "\n" + setup, _field(example, "test_list"))
-
-
 REWARDS = {
     "gsm8k": lambda completion, example: gsm8k_reward(completion, _field(example, "answer")),
     "math": lambda completion, example: math_reward(completion, _field(example, "answer", "solution")),
     "countdown": _countdown,
     "sudoku": lambda completion, example: sudoku_reward(completion, _field(example, "puzzle", "Puzzle"),
                                                         _field(example, "solution", "Solution")),
-    "mbpp": _mbpp,
+    "mbpp": lambda completion, example: run_code(  # MBPP's setup code runs after the solution, before the asserts
+        extract_code(completion) + "\n" + (example.get("test_setup_code") or ""), _field(example, "test_list")),
 }
 
 
@@ -285,8 +281,7 @@ def answer_reward(completion_text: str, example: dict) -> float:
 
 
 def solution_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the completion is the whole right solution, working and box, else 0.0 (--text_reward=solution).
-    The working of these problems is unique, so an exact comparison checks it (docs/results.md)."""
+    """1.0 if the completion is the whole right solution, working (unique here: docs/results.md) and box."""
     return float(completion_text.strip() == example["solution"])
 
 
