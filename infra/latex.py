@@ -119,15 +119,10 @@ def _root(a, n: int):
 
 
 def _pow(a, b):
-    if isinstance(b, tuple) and b[1] == 0 and b[0].denominator == 1:  # an integer power
-        n = int(b[0])
-        if abs(n) > _MAX_BITS:
-            raise _Refuse("power too large")
-        if not isinstance(a, tuple):
-            try:
-                return _check(a ** n)
-            except (OverflowError, ZeroDivisionError):
-                raise _Refuse("power overflows") from None
+    n = int(b[0]) if isinstance(b, tuple) and b[1] == 0 and b[0].denominator == 1 else None  # an integer power
+    if n is not None and abs(n) > _MAX_BITS:
+        raise _Refuse("power too large")
+    if n is not None and isinstance(a, tuple):
         result, base, k = _ONE, (a if n >= 0 else _arith(_ONE, "/", a)), abs(n)
         while k:  # square and multiply: each product is checked, so no step exceeds 2 * _MAX_BITS
             if k & 1:
@@ -135,11 +130,11 @@ def _pow(a, b):
             k >>= 1
             base = _arith(base, "*", base) if k else base
         return result
-    if isinstance(b, tuple) and b[1] == 0 and b[0].numerator in (1, -1) and b[0].denominator <= _MAX_ROOT:
+    if n is None and isinstance(b, tuple) and b[1] == 0 and b[0].numerator in (1, -1) and b[0].denominator <= _MAX_ROOT:
         r = _root(a, b[0].denominator)  # x^{1/2} = \sqrt{x}
         return r if b[0] > 0 else _arith(_ONE, "/", r)
-    base, exp = _approx(a), _approx(b)
-    if base.imag or base.real <= 0:
+    base, exp = _approx(a), (_approx(b) if n is None else n)
+    if n is None and (base.imag or base.real <= 0):
         raise _Refuse("non-integer power of a non-positive or complex base")
     try:
         return _check(base ** exp)
