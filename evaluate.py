@@ -105,23 +105,19 @@ def parse_options(argv=None) -> Options:
 
 def build_config(o: Options) -> tuple[train.Config, int]:
     """The train.Config that evaluates o.ckpt on o.task, checked as a run's, and the samples per prompt."""
-    if o.task not in TASKS:
-        raise ValueError(f"unknown task {o.task!r}; choose one of {', '.join(TASKS)}")
+    cli.need(o.task in TASKS, f"unknown task {o.task!r}; choose one of {', '.join(TASKS)}")
     if not Path(o.ckpt).is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {o.ckpt} (pass a folder with config.json, "
                                 f"*.safetensors and tokenizer.json, e.g. out/toy/final)")
     toy = o.task in tasks.TOY_TASKS
-    if toy == bool(o.data):
-        raise ValueError(f"task {o.task!r} " + ("draws its held-out prompts from --seed: drop --data" if toy
-                                                else "reads its prompts from a local file: pass --data PATH"))
-    if o.limit < 0 or o.samples < -1:
-        raise ValueError(f"--limit ({o.limit}) must be >= 0 and --samples ({o.samples}) >= 0")
+    cli.need(toy != bool(o.data), f"task {o.task!r} " + ("draws its held-out prompts from --seed: drop --data" if toy
+                                                         else "reads its prompts from a local file: pass --data PATH"))
+    cli.need(o.limit >= 0 and o.samples >= -1, f"--limit ({o.limit}) must be >= 0 and --samples ({o.samples}) >= 0")
     samples = o.eval_samples if o.samples == -1 else o.samples
-    if samples == 0 and o.task in tasks.IMAGE_TASKS:
-        raise ValueError(f"--samples 0 scores greedy completions only, and image tasks ({o.task}) have none (the "
-                         "image samplers always draw): pass --samples >= 1")
-    if samples and o.temperature <= 0:  # data.evaluate then draws one completion per prompt: no pass@k
-        raise ValueError(f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
+    cli.need(samples or o.task not in tasks.IMAGE_TASKS, f"--samples 0 scores greedy completions only, and image "
+             f"tasks ({o.task}) have none (the image samplers always draw): pass --samples >= 1")
+    cli.need(not samples or o.temperature > 0,  # data.evaluate would draw one completion per prompt: no pass@k
+             f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
     implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1)}
     if not toy:  # load_data keys on train_data, so the evaluation file is given as both (only "test" is scored)
         implied.update(train_data=f"{o.task}={o.data}", eval_data=f"{o.task}={o.data}")
@@ -136,8 +132,7 @@ def open_out(out: str):
     """The --out file, opened and locked before anything is evaluated: a bad or busy path is refused now, not
     after hours of scoring."""
     path = Path(out)
-    if path.is_dir():
-        raise ValueError(f"--out {out} is a directory; give a file in it, e.g. --out {path / 'eval.jsonl'}")
+    cli.need(not path.is_dir(), f"--out {out} is a directory; give a file in it, e.g. --out {path / 'eval.jsonl'}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # never truncates: the checks below decide
@@ -250,16 +245,15 @@ def check_run(run_dir: str, **overrides) -> bool | None:
             raise FileNotFoundError(f"{out_dir / f} not found; --run takes the out_dir of a finished train.py run")
     raw = json.loads((out_dir / "config.json").read_text())
     unknown = sorted(set(raw) - {f.name for f in fields(train.Config)})
-    if unknown:
-        raise ValueError(f"{out_dir / 'config.json'} has fields unknown to train.Config: {unknown}; it was written by "
-                         f"another version of train.py (check it out, or delete those fields)")
+    cli.need(not unknown, f"{out_dir / 'config.json'} has fields unknown to train.Config: {unknown}; it was written "
+             f"by another version of train.py (check it out, or delete those fields)")
     cfg = replace(train.Config(**raw), **overrides)  # RUN_OVERRIDES: threads, device
     train.validate(cfg)
     summary = json.loads((out_dir / "summary.json").read_text())
-    if not [k for k in summary if k != "seconds"]:  # "all 0 numbers match" would pass on nothing
-        raise ValueError(f"{out_dir / 'summary.json'} holds no held-out reward (the run had no held-out set: "
-                         f"eval_prompts={cfg.eval_prompts}, eval_data={cfg.eval_data!r}), so --run has nothing to "
-                         f"compare; score its model with: python evaluate.py --ckpt={out_dir / 'final'} --task=TASK")
+    cli.need([k for k in summary if k != "seconds"],  # "all 0 numbers match" would pass on nothing
+             f"{out_dir / 'summary.json'} holds no held-out reward (the run had no held-out set: eval_prompts="
+             f"{cfg.eval_prompts}, eval_data={cfg.eval_data!r}), so --run has nothing to compare; score its model "
+             f"with: python evaluate.py --ckpt={out_dir / 'final'} --task=TASK")
     device, dtype = cli.setup(cfg)
     datasets = load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
@@ -300,24 +294,21 @@ def main(argv=None) -> int:
         argv = argv if argv is not None else sys.argv[1:]
         if o.compare:
             extra = [a for i, a in enumerate(argv) if not a.startswith("--compare") and argv[i - 1:i] != ["--compare"]]
-            if extra:
-                raise ValueError(f"--compare reads two --out files and takes no other flag; drop {extra}")
+            cli.need(not extra, f"--compare reads two --out files and takes no other flag; drop {extra}")
             files = [f for f in o.compare.split(",") if f]
-            if len(files) != 2 or not all(Path(f).is_file() for f in files):
-                raise ValueError(f"--compare takes two existing --out files, BEFORE.jsonl,AFTER.jsonl; got {o.compare!r}")
+            cli.need(len(files) == 2 and all(Path(f).is_file() for f in files),
+                     f"--compare takes two existing --out files, BEFORE.jsonl,AFTER.jsonl; got {o.compare!r}")
             print(table(["mode", "prompts", "before", "after", "gain", "paired SE", "gain / SE"], compare(*files)))
             return 0
         if o.run:
             given = [a.split("=")[0] for a in argv if a.startswith("--") and not a.startswith("--run")]
             extra = [g for g in given if g[2:] not in RUN_OVERRIDES]
-            if extra:
-                raise ValueError(f"--run re-scores with the run's own config.json, which {', '.join(extra)} would "
-                                 f"change; drop {'it' if len(extra) == 1 else 'them'} (only "
-                                 f"{', '.join('--' + k for k in RUN_OVERRIDES)} may be given with --run)")
+            cli.need(not extra, f"--run re-scores with the run's own config.json, which {', '.join(extra)} would "
+                     f"change; drop {'it' if len(extra) == 1 else 'them'} (only "
+                     f"{', '.join('--' + k for k in RUN_OVERRIDES)} may be given with --run)")
             ok = check_run(o.run, **{k: getattr(o, k) for k in RUN_OVERRIDES if f"--{k}" in given})
             return NOT_MEASURED_EXIT if ok is None else 0 if ok else 1
-        if not (o.ckpt and o.task):
-            raise ValueError("pass --ckpt DIR --task TASK [--data PATH], or --run OUT_DIR")
+        cli.need(o.ckpt and o.task, "pass --ckpt DIR --task TASK [--data PATH], or --run OUT_DIR")
         cfg, samples = build_config(o)
         row = score_checkpoint(cfg, o.out, o.limit, samples)
         if row["unscored"]:
