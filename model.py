@@ -1,6 +1,7 @@
 """A LLaDA-architecture masked diffusion transformer (arXiv:2502.09992): a LLaMA-style Transformer with no
 causal mask and one reserved mask token; MMaDA (arXiv:2505.15809) appends 8192 image-code rows to the vocabulary.
-The numerics and module names are the public LLaDA code's (tests/test_model.py checks logits it wrote).
+The numerics are the public LLaDA code's (tests/test_model.py checks logits it wrote); module names are its
+checkpoint keys behind `model.transformer.` (infra/hf.py).
 
     logits = Transformer(ModelConfig()).init_weights()(input_ids)     # (B, L, V)
 
