@@ -34,8 +34,7 @@ NOT_MEASURED_EXIT = 3
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n completions of which c are correct: 1 - C(n - c, k) / C(n, k)."""
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    cli.need(0 <= c <= n and 1 <= k <= n, f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # comb(n - c, k) is 0 when k > n - c
 
 
@@ -48,8 +47,7 @@ def summarize(records: list[dict]) -> dict:
         if r["mode"] == "sampled":
             by_prompt.setdefault(r["prompt_index"], []).append(r["reward"])
     ks = {len(v) for v in by_prompt.values()}
-    if len(ks) > 1:
-        raise ValueError(f"prompts have different numbers of samples {sorted(ks)}; pass@k needs the same k for all")
+    cli.need(len(ks) <= 1, f"prompts have different numbers of samples {sorted(ks)}; pass@k needs the same k for all")
     k = ks.pop() if ks else 0
     sampled = [x for v in by_prompt.values() for x in v]
     unscored = [sum(not math.isfinite(x) for x in xs) for xs in (greedy, sampled)]
@@ -225,10 +223,9 @@ def compare(before: str, after: str) -> list[list]:
     mean = lambda per: sum(sum(v) for _, v in per.values()) / sum(len(v) for _, v in per.values())
     rows = []
     for mode in [m for m in ("greedy", "sampled") if m in a or m in b]:
-        if a.get(mode, {}).keys() != b.get(mode, {}).keys() or any(
-                a[mode][j][0] != b[mode][j][0] for j in a[mode]):
-            raise ValueError(f"{before} and {after} hold other {mode} prompts; score both with the same "
-                             "Config (seed, eval_prompts or --limit)")
+        same = a.get(mode, {}).keys() == b.get(mode, {}).keys() and all(a[mode][j][0] == b[mode][j][0] for j in a[mode])
+        cli.need(same, f"{before} and {after} hold other {mode} prompts; score both with the same Config (seed, "
+                 "eval_prompts or --limit)")
         d = [sum(b[mode][j][1]) / len(b[mode][j][1]) - sum(a[mode][j][1]) / len(a[mode][j][1]) for j in a[mode]]
         n, gain = len(d), sum(d) / len(d)
         se = run.paired_se(d) if n > 1 else float("nan")
