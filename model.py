@@ -34,11 +34,9 @@ class ModelConfig:
     eos_token_id: int = 1
     pad_token_id: int = 1
     bos_token_id: int | None = None
-    # MMaDA image tokens: image code c is token id image_token_offset + c.
-    image_token_offset: int | None = None
+    image_token_offset: int | None = None  # MMaDA: image code c is token id image_token_offset + c
     codebook_size: int | None = None
-    # config.json fields we do not interpret, kept so save_pretrained writes them back unchanged.
-    extra: dict = field(default_factory=dict, repr=False)
+    extra: dict = field(default_factory=dict, repr=False)  # config.json fields save_pretrained writes back as read
 
     def __post_init__(self):
         if self.d_model % self.n_heads:

@@ -254,8 +254,7 @@ def value(s: str):
         return None
     m = _MIXED.fullmatch(s)
     if m and int(m.group(4)) != 0:  # MATH writes mixed numbers as 137\frac{1}{2}
-        q = (int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))) * (-1 if m.group(1) else 1)
-        return (q, Fraction(0))
+        return ((int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))) * (-1 if m.group(1) else 1), Fraction(0))
     tokens = _TOKEN.findall(s)
     if "".join(tokens) != s:
         return None  # a character we do not evaluate (",", "|", "&", unicode ...)
