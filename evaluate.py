@@ -178,10 +178,9 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
         model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
         load.report_truncation(cfg, tok, datasets)
         n = len(data.eval_examples(task, cfg, datasets))
-        if n == 0:  # a table of zero samples would look like a result
-            why = f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS else \
-                f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty"
-            raise ValueError(f"no {task} prompts to score ({why}); pass at least one")
+        why = f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS else \
+            f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty"
+        cli.need(n, f"no {task} prompts to score ({why}); pass at least one")  # 0 samples would look like a result
         ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer)
         modes = ([("greedy", 0.0, 1)] if task not in tasks.IMAGE_TASKS else []) + (  # images: no greedy decoding
             [("sampled", cfg.temperature, cfg.eval_samples)] if samples else [])
