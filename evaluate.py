@@ -6,10 +6,9 @@
     python evaluate.py --run out/toy                         # re-score a run's sft/ and final/ vs summary.json
     python evaluate.py --compare=before.jsonl,after.jsonl    # gain of two --out files, paired by prompt
 
-Completions come from data.evaluate, as in train.py, so under the same Config the numbers are the run's
-own (`--run` checks it). pass@k is Chen et al.'s unbiased estimator (arXiv:2107.03374 §2.1), n = k samples
-per prompt. --out gets each batch's records as they are scored. Exit codes: see main. A training checkpoint
-becomes a --ckpt folder with `python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
+Completions come from data.evaluate, as in train.py, so under one Config the numbers are the run's own (`--run`
+checks it). pass@k: arXiv:2107.03374 §2.1 with n = k. A training checkpoint becomes a --ckpt folder with
+`python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
 """
 from __future__ import annotations
 
@@ -35,23 +34,20 @@ NOT_MEASURED_EXIT = 3
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n completions of which c are correct: 1 - C(n - c, k) / C(n, k)."""
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    cli.need(0 <= c <= n and 1 <= k <= n, f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # comb(n - c, k) is 0 when k > n - c
 
 
 def summarize(records: list[dict]) -> dict:
-    """One task's row from its records: n prompts, k samples each, greedy pass@1, pass@k, mean sampled reward
-    (None where there are no such records), and the completions without a reward (NaN). A metric over one
-    of those is NOT_MEASURED: a failed score counted as 0 would pass for a measured 0."""
+    """One task's row: n prompts, k samples each, greedy pass@1, pass@k, mean sampled reward (None: no such
+    records) and the unscored (NaN) completions; a metric over one is NOT_MEASURED, never a measured 0."""
     greedy = [r["reward"] for r in records if r["mode"] == "greedy"]
     by_prompt: dict[int, list[float]] = {}
     for r in records:
         if r["mode"] == "sampled":
             by_prompt.setdefault(r["prompt_index"], []).append(r["reward"])
     ks = {len(v) for v in by_prompt.values()}
-    if len(ks) > 1:
-        raise ValueError(f"prompts have different numbers of samples {sorted(ks)}; pass@k needs the same k for all")
+    cli.need(len(ks) <= 1, f"prompts have different numbers of samples {sorted(ks)}; pass@k needs the same k for all")
     k = ks.pop() if ks else 0
     sampled = [x for v in by_prompt.values() for x in v]
     unscored = [sum(not math.isfinite(x) for x in xs) for xs in (greedy, sampled)]
@@ -89,13 +85,10 @@ SHARED = {"seed", "device", "dtype", "threads", "max_prompt_len", "prompt_prefil
           "device_batch_size"}
 REFUSED = "a train.py setting that evaluate.py does not use (it scores a checkpoint, it does not train)"
 RUN_OVERRIDES = ("threads", "device")  # what --run takes beside the run's config.json: speed, not results
-# The paper code's official evaluation settings: GSM8K and MATH500 greedy, 256 tokens in blocks of 16 with
-# 128 steps after "<reasoning>"; GenEval 4 images per prompt, 32 emerge steps, CFG 3.5. Toy tasks keep
-# their checkpoint's generation.json.
-OFFICIAL = {"gsm8k": {"gen_length": 256, "block_length": 16, "steps": 128, "prompt_prefill": "<reasoning>",
-                      "samples": 0},
+# The paper code's official evaluation settings (toy tasks keep their checkpoint's generation.json).
+_READING = {"gen_length": 256, "block_length": 16, "steps": 128, "prompt_prefill": "<reasoning>", "samples": 0}
+OFFICIAL = {"gsm8k": _READING, "math": _READING,
             "geneval": {"image_steps": 32, "image_sampler": "emerge", "cfg_scale": 3.5, "samples": 4}}
-OFFICIAL["math"] = OFFICIAL["gsm8k"]
 
 
 def parse_options(argv=None) -> Options:
@@ -110,23 +103,19 @@ def parse_options(argv=None) -> Options:
 
 def build_config(o: Options) -> tuple[train.Config, int]:
     """The train.Config that evaluates o.ckpt on o.task, checked as a run's, and the samples per prompt."""
-    if o.task not in TASKS:
-        raise ValueError(f"unknown task {o.task!r}; choose one of {', '.join(TASKS)}")
+    cli.need(o.task in TASKS, f"unknown task {o.task!r}; choose one of {', '.join(TASKS)}")
     if not Path(o.ckpt).is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {o.ckpt} (pass a folder with config.json, "
                                 f"*.safetensors and tokenizer.json, e.g. out/toy/final)")
     toy = o.task in tasks.TOY_TASKS
-    if toy == bool(o.data):
-        raise ValueError(f"task {o.task!r} " + ("draws its held-out prompts from --seed: drop --data" if toy
-                                                else "reads its prompts from a local file: pass --data PATH"))
-    if o.limit < 0 or o.samples < -1:
-        raise ValueError(f"--limit ({o.limit}) must be >= 0 and --samples ({o.samples}) >= 0")
+    cli.need(toy != bool(o.data), f"task {o.task!r} " + ("draws its held-out prompts from --seed: drop --data" if toy
+                                                         else "reads its prompts from a local file: pass --data PATH"))
+    cli.need(o.limit >= 0 and o.samples >= -1, f"--limit ({o.limit}) must be >= 0 and --samples ({o.samples}) >= 0")
     samples = o.eval_samples if o.samples == -1 else o.samples
-    if samples == 0 and o.task in tasks.IMAGE_TASKS:
-        raise ValueError(f"--samples 0 scores greedy completions only, and image tasks ({o.task}) have none (the "
-                         "image samplers always draw): pass --samples >= 1")
-    if samples and o.temperature <= 0:  # data.evaluate then draws one completion per prompt: no pass@k
-        raise ValueError(f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
+    cli.need(samples or o.task not in tasks.IMAGE_TASKS, f"--samples 0 scores greedy completions only, and image "
+             f"tasks ({o.task}) have none (the image samplers always draw): pass --samples >= 1")
+    cli.need(not samples or o.temperature > 0,  # data.evaluate would draw one completion per prompt: no pass@k
+             f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
     implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1)}
     if not toy:  # load_data keys on train_data, so the evaluation file is given as both (only "test" is scored)
         implied.update(train_data=f"{o.task}={o.data}", eval_data=f"{o.task}={o.data}")
@@ -138,11 +127,10 @@ def build_config(o: Options) -> tuple[train.Config, int]:
 
 
 def open_out(out: str):
-    """The --out file, opened and locked before anything is evaluated: a directory, an unwritable place, an
-    earlier result or a file another evaluate.py is writing is refused now, not after hours of scoring."""
+    """The --out file, opened and locked before anything is evaluated: a bad or busy path is refused now, not
+    after hours of scoring."""
     path = Path(out)
-    if path.is_dir():
-        raise ValueError(f"--out {out} is a directory; give a file in it, e.g. --out {path / 'eval.jsonl'}")
+    cli.need(not path.is_dir(), f"--out {out} is a directory; give a file in it, e.g. --out {path / 'eval.jsonl'}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # never truncates: the checks below decide
@@ -161,8 +149,7 @@ def open_out(out: str):
 
 
 class Scored(list):
-    """The records data.evaluate extends once per scored batch, each also written (and flushed) to the
-    --out file at once, so an interrupted evaluation keeps every completion it scored."""
+    """The records data.evaluate extends per scored batch, each flushed to --out at once (Ctrl-C keeps them)."""
 
     def __init__(self, task: str, mode: str, k: int, file=None):
         super().__init__()
@@ -180,8 +167,7 @@ class Scored(list):
 
 
 def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: int = 1) -> dict:
-    """Greedy and sampled completions of cfg.init_from on cfg's one task: its table row, the records also
-    written to `out` as they are scored."""
+    """Greedy and sampled completions of cfg.init_from on cfg's one task: its table row (records to `out`)."""
     task, sink = cfg.tasks, open_out(out) if out else None
     try:
         device, dtype = cli.setup(cfg)
@@ -192,14 +178,12 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
         model, tok, ids, _ = load.load_model(cfg, device, dtype, train.sft)
         load.report_truncation(cfg, tok, datasets)
         n = len(data.eval_examples(task, cfg, datasets))
-        if n == 0:  # a table of zero samples would look like a result
-            why = f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS else \
-                f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty"
-            raise ValueError(f"no {task} prompts to score ({why}); pass at least one")
+        why = f"--eval_prompts={cfg.eval_prompts}" if task in tasks.TOY_TASKS else \
+            f"the test split of {cfg.eval_data.split('=', 1)[-1]} is empty"
+        cli.need(n, f"no {task} prompts to score ({why}); pass at least one")  # 0 samples would look like a result
         ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer)
-        modes = [("sampled", cfg.temperature, cfg.eval_samples)] if samples else []
-        if task not in tasks.IMAGE_TASKS:  # as data.evaluate_all: images have no greedy decoding
-            modes.insert(0, ("greedy", 0.0, 1))
+        modes = ([("greedy", 0.0, 1)] if task not in tasks.IMAGE_TASKS else []) + (  # images: no greedy decoding
+            [("sampled", cfg.temperature, cfg.eval_samples)] if samples else [])
         records = []
         with cli.progress_bar(total=n * sum(k for *_, k in modes), desc=f"eval {task}", unit="completion",
                               leave=False) as bar:  # data.evaluate reports after each batch of (up to) 64
@@ -223,9 +207,8 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
 
 
 def compare(before: str, after: str) -> list[list]:
-    """Rows [mode, prompts, before, after, gain, paired SE, gain / SE] of two --out files of the same
-    prompts. Each prompt's mean is paired across the files, so the SE is sd(per-prompt difference) /
-    sqrt(prompts): the prompt-to-prompt spread both share cancels."""
+    """Rows [mode, prompts, before, after, gain, paired SE, gain / SE] of two --out files of the same prompts;
+    the SE is sd(per-prompt difference) / sqrt(prompts): the spread both files share cancels."""
     def read(path):
         per: dict = {}
         for i, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -239,10 +222,9 @@ def compare(before: str, after: str) -> list[list]:
     mean = lambda per: sum(sum(v) for _, v in per.values()) / sum(len(v) for _, v in per.values())
     rows = []
     for mode in [m for m in ("greedy", "sampled") if m in a or m in b]:
-        if a.get(mode, {}).keys() != b.get(mode, {}).keys() or any(
-                a[mode][j][0] != b[mode][j][0] for j in a[mode]):
-            raise ValueError(f"{before} and {after} hold other {mode} prompts; score both with the same "
-                             "Config (seed, eval_prompts or --limit)")
+        same = a.get(mode, {}).keys() == b.get(mode, {}).keys() and all(a[mode][j][0] == b[mode][j][0] for j in a[mode])
+        cli.need(same, f"{before} and {after} hold other {mode} prompts; score both with the same Config (seed, "
+                 "eval_prompts or --limit)")
         d = [sum(b[mode][j][1]) / len(b[mode][j][1]) - sum(a[mode][j][1]) / len(a[mode][j][1]) for j in a[mode]]
         n, gain = len(d), sum(d) / len(d)
         se = run.paired_se(d) if n > 1 else float("nan")
@@ -251,24 +233,23 @@ def compare(before: str, after: str) -> list[list]:
 
 
 def check_run(run_dir: str, **overrides) -> bool | None:
-    """Re-score a train.py run with its own config.json, the model before RL and final/, beside summary.json.
-    True if all agree, None when a number could not be measured (a scorer down)."""
+    """Re-score a run's model before RL and final/ with its config.json: True if all agree with summary.json,
+    None when a number could not be measured (a scorer down)."""
     out_dir = Path(run_dir)
     for f in ("config.json", "summary.json"):
         if not (out_dir / f).is_file():
             raise FileNotFoundError(f"{out_dir / f} not found; --run takes the out_dir of a finished train.py run")
     raw = json.loads((out_dir / "config.json").read_text())
     unknown = sorted(set(raw) - {f.name for f in fields(train.Config)})
-    if unknown:
-        raise ValueError(f"{out_dir / 'config.json'} has fields unknown to train.Config: {unknown}; it was written by "
-                         f"another version of train.py (check it out, or delete those fields)")
+    cli.need(not unknown, f"{out_dir / 'config.json'} has fields unknown to train.Config: {unknown}; it was written "
+             f"by another version of train.py (check it out, or delete those fields)")
     cfg = replace(train.Config(**raw), **overrides)  # RUN_OVERRIDES: threads, device
     train.validate(cfg)
     summary = json.loads((out_dir / "summary.json").read_text())
-    if not [k for k in summary if k != "seconds"]:  # "all 0 numbers match" would pass on nothing
-        raise ValueError(f"{out_dir / 'summary.json'} holds no held-out reward (the run had no held-out set: "
-                         f"eval_prompts={cfg.eval_prompts}, eval_data={cfg.eval_data!r}), so --run has nothing to "
-                         f"compare; score its model with: python evaluate.py --ckpt={out_dir / 'final'} --task=TASK")
+    cli.need([k for k in summary if k != "seconds"],  # "all 0 numbers match" would pass on nothing
+             f"{out_dir / 'summary.json'} holds no held-out reward (the run had no held-out set: eval_prompts="
+             f"{cfg.eval_prompts}, eval_data={cfg.eval_data!r}), so --run has nothing to compare; score its model "
+             f"with: python evaluate.py --ckpt={out_dir / 'final'} --task=TASK")
     device, dtype = cli.setup(cfg)
     datasets = load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
@@ -285,11 +266,8 @@ def check_run(run_dir: str, **overrides) -> bool | None:
             hf.load_adapters(model, out_dir / "final")
         evals[label] = data.evaluate_all(model.eval(), tasks.Ctx(cfg, tok, ids, device, datasets, scorer))
     keys = [k for k in summary if k != "seconds"] + sorted(set(evals["before"]) - set(summary))
-    rows, ok = [], True
-    for k in keys:
-        pair = [(summary.get(k, {}).get(s), evals[s].get(k)) for s in ("before", "after")]
-        ok &= all(a is not None and b is not None and abs(a - b) <= 1e-6 for a, b in pair)
-        rows.append([k, pair[0][0], pair[0][1], pair[1][0], pair[1][1]])
+    rows = [[k, *[x for s in ("before", "after") for x in (summary.get(k, {}).get(s), evals[s].get(k))]] for k in keys]
+    ok = all(a is not None and b is not None and abs(a - b) <= 1e-6 for r in rows for a, b in (r[1:3], r[3:5]))
     print(table(["key", "summary before", "eval before", "summary after", "eval after"], rows))
     unmeasured = [f"{k} {s}" for s in evals for k, v in evals[s].items() if not math.isfinite(v)]
     if unmeasured:
@@ -312,24 +290,21 @@ def main(argv=None) -> int:
         argv = argv if argv is not None else sys.argv[1:]
         if o.compare:
             extra = [a for i, a in enumerate(argv) if not a.startswith("--compare") and argv[i - 1:i] != ["--compare"]]
-            if extra:
-                raise ValueError(f"--compare reads two --out files and takes no other flag; drop {extra}")
+            cli.need(not extra, f"--compare reads two --out files and takes no other flag; drop {extra}")
             files = [f for f in o.compare.split(",") if f]
-            if len(files) != 2 or not all(Path(f).is_file() for f in files):
-                raise ValueError(f"--compare takes two existing --out files, BEFORE.jsonl,AFTER.jsonl; got {o.compare!r}")
+            cli.need(len(files) == 2 and all(Path(f).is_file() for f in files),
+                     f"--compare takes two existing --out files, BEFORE.jsonl,AFTER.jsonl; got {o.compare!r}")
             print(table(["mode", "prompts", "before", "after", "gain", "paired SE", "gain / SE"], compare(*files)))
             return 0
         if o.run:
             given = [a.split("=")[0] for a in argv if a.startswith("--") and not a.startswith("--run")]
             extra = [g for g in given if g[2:] not in RUN_OVERRIDES]
-            if extra:
-                raise ValueError(f"--run re-scores with the run's own config.json, which {', '.join(extra)} would "
-                                 f"change; drop {'it' if len(extra) == 1 else 'them'} (only "
-                                 f"{', '.join('--' + k for k in RUN_OVERRIDES)} may be given with --run)")
+            cli.need(not extra, f"--run re-scores with the run's own config.json, which {', '.join(extra)} would "
+                     f"change; drop {'it' if len(extra) == 1 else 'them'} (only "
+                     f"{', '.join('--' + k for k in RUN_OVERRIDES)} may be given with --run)")
             ok = check_run(o.run, **{k: getattr(o, k) for k in RUN_OVERRIDES if f"--{k}" in given})
             return NOT_MEASURED_EXIT if ok is None else 0 if ok else 1
-        if not (o.ckpt and o.task):
-            raise ValueError("pass --ckpt DIR --task TASK [--data PATH], or --run OUT_DIR")
+        cli.need(o.ckpt and o.task, "pass --ckpt DIR --task TASK [--data PATH], or --run OUT_DIR")
         cfg, samples = build_config(o)
         row = score_checkpoint(cfg, o.out, o.limit, samples)
         if row["unscored"]:

@@ -1,13 +1,9 @@
-"""A LLaDA-architecture masked diffusion transformer.
+"""A LLaDA-architecture masked diffusion transformer (arXiv:2502.09992): a LLaMA-style Transformer with no
+causal mask and one reserved mask token; MMaDA (arXiv:2505.15809) appends 8192 image-code rows to the vocabulary.
+The numerics are the public LLaDA code's (tests/test_model.py checks logits it wrote); module names are its
+checkpoint keys behind `model.transformer.` (infra/hf.py).
 
-LLaDA (arXiv:2502.09992) is a LLaMA-style Transformer with no causal mask and one reserved mask token:
-every position sees the whole sequence and predicts the clean token behind each mask. MMaDA
-(arXiv:2505.15809) is the same network with 8192 image-code rows appended to the vocabulary. The numerics
-are the public LLaDA modelling code's (tests/test_model.py checks logits that code wrote), and module names
-mirror its checkpoint keys behind `model.transformer.` (infra/hf.py reads and writes that layout).
-
-    model = Transformer(ModelConfig(d_model=128, n_layers=4, vocab_size=128)).init_weights()
-    logits = model(input_ids)                  # (B, L, V)
+    logits = Transformer(ModelConfig()).init_weights()(input_ids)     # (B, L, V)
 
 Shapes: B batch, L sequence length, D d_model, H heads, Hkv key/value heads, Dh head dim, V vocab rows.
 """
@@ -38,11 +34,9 @@ class ModelConfig:
     eos_token_id: int = 1
     pad_token_id: int = 1
     bos_token_id: int | None = None
-    # MMaDA image tokens: image code c is token id image_token_offset + c.
-    image_token_offset: int | None = None
+    image_token_offset: int | None = None  # MMaDA: image code c is token id image_token_offset + c
     codebook_size: int | None = None
-    # config.json fields we do not interpret, kept so save_pretrained writes them back unchanged.
-    extra: dict = field(default_factory=dict, repr=False)
+    extra: dict = field(default_factory=dict, repr=False)  # config.json fields save_pretrained writes back as read
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -84,21 +78,11 @@ class RMSNorm(nn.Module):
         return self.weight * self.normalize(x).to(x.dtype)
 
 
-def rope_table(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (length, Dh) in float32, built on the CPU as the reference does (CPU and CUDA
-    sin/cos can differ in the last bit)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (Dh/2,)
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)              # (length, Dh/2)
-    angles = torch.cat([angles, angles], dim=-1)                                          # (length, Dh)
-    return angles.cos(), angles.sin()
-
-
 def apply_rope(x, cos, sin):
     """Rotate-half (NeoX) rotary embedding in float32: dim i pairs with dim i + Dh/2. x: (B, H, L, Dh)."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 class Block(nn.Module):
@@ -120,8 +104,8 @@ class Block(nn.Module):
         self.ff_out = nn.Linear(cfg.mlp_hidden_size, d, bias=False)    # down projection
 
     def forward(self, x, cos, sin, attn_mask=None, kv=None, start=0, return_kv=False):
-        """x (B, L, D) -> (B, L, D) [, (k, v) each (B, Hkv, Lk, Dh)]. With kv = (k, v) cached for Lk positions,
-        x holds positions [start, start + L) only, and its fresh keys overwrite those rows of the cache in place."""
+        """x (B, L, D) -> (B, L, D) [, (k, v) each (B, Hkv, Lk, Dh)]. With kv cached for Lk positions, x holds
+        positions [start, start + L) only, whose fresh keys overwrite those rows of the cache in place."""
         B, L, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)      # (B, H, L, Dh)
@@ -157,13 +141,15 @@ class Transformer(nn.Module):
         self._rope_cache: dict = {}
 
     def rope(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        # The reference slices a max_sequence_length table; rows are position-wise, so any longer one serves.
-        n = max(length, self.config.max_sequence_length)
+        """(cos, sin), each (length, Dh) float32, built on the CPU as the reference does (CPU and CUDA sin/cos
+        can differ in the last bit) from a max_sequence_length table or longer (rows are position-wise)."""
+        n, dh = max(length, self.config.max_sequence_length), self.config.head_dim
         key = (n, str(device))
         if key not in self._rope_cache:
             self._rope_cache = {k: v for k, v in self._rope_cache.items() if k[0] >= n}
-            cos, sin = rope_table(self.config.head_dim, n, self.config.rope_theta)
-            self._rope_cache[key] = (cos.to(device), sin.to(device))
+            inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
+            angles = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq).repeat(1, 2)     # (n, Dh)
+            self._rope_cache[key] = (angles.cos().to(device), angles.sin().to(device))
         cos, sin = self._rope_cache[key]
         return cos[:length], sin[:length]
 
@@ -171,12 +157,11 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, *, logits_at=None, vocab_slice=None, float32_head=False,
                 padded=None, return_kv=False, kv=None, start=0):
-        """input_ids (B, L) int64, attention_mask (B, L) 1 = real token (optional) -> logits (B, L, V). The
-        options' defaults are the exact forward. logits_at: the head at those positions only. vocab_slice,
-        float32_head: see head (a bf16 logit rounds by up to 0.06 at 32, which would swamp the log-ratio of two
-        close policies). padded: whether attention_mask holds a 0 (None looks: a host sync). return_kv: also
-        every layer's (k, v), each (B, Hkv, L, Dh). kv, start: input_ids are positions [start, start + l), the
-        other keys from kv (whose rows this call overwrites): an APPROXIMATION once kv is stale (Fast-dLLM)."""
+        """input_ids (B, L), attention_mask (B, L) 1 = real token -> logits (B, L, V); the defaults are the exact
+        forward. logits_at: the head at those positions only. vocab_slice, float32_head: see head (a bf16 logit
+        rounds by up to 0.06 at 32, swamping close policies' log-ratio). padded: whether attention_mask holds a 0
+        (None looks: a host sync). return_kv: also each layer's (k, v). kv, start: input_ids are positions
+        [start, start + l), the other keys from kv: an APPROXIMATION once kv is stale (Fast-dLLM)."""
         B, l = input_ids.shape
         Lk = start + l if kv is None else kv[0][0].shape[2]
         assert (kv is None and start == 0) or (kv is not None and len(kv) == len(self.blocks) and start + l <= Lk), \

@@ -1,14 +1,9 @@
-"""Reward functions: pure functions from a completion string (and its example) to a float in [0, 1].
+"""Reward functions: pure functions from a completion (and its example) to a float in [0, 1].
 
-MaskGRPO (arXiv:2510.02880) §6 scores GSM8K and MATH by the last \\boxed{} answer and code by the fraction
-of unit tests that pass in a sandbox, and keeps d1's (arXiv:2504.12216) countdown and 4x4 sudoku rewards,
-each written anew from those descriptions. LaTeX equivalence is infra/latex.py's and sandboxed code runs
-in infra/sandbox.py (math_equiv, normalize_math and run_code are re-exported here); MMaDA's image rewards
-come from an HTTP server (infra/sandbox.py). Model output never makes a reward raise; a malformed dataset
-row raises ValueError naming the value. REWARDS maps a benchmark to reward(completion, example), 0 or 1;
-SHAPED holds the official runs' format + correctness rewards, divided by their maximum.
-
-Test: python -m pytest tests/test_rewards.py tests/test_latex.py -q
+MaskGRPO (arXiv:2510.02880) §6 scores GSM8K and MATH by the last \\boxed{} answer and code by the fraction of
+unit tests that pass (infra/sandbox.py), and keeps d1's (arXiv:2504.12216) countdown and sudoku rewards. Model
+output never makes a reward raise; a malformed dataset row raises ValueError naming the value. REWARDS maps a
+benchmark to reward(completion, example); SHAPED holds the official runs' rewards, divided by their maximum.
 """
 from __future__ import annotations
 
@@ -28,32 +23,26 @@ _BRACE = re.compile(r"\\.|[{}]", re.S)  # an escaped character (\{, \}, \\) neve
 def extract_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} (or \\fbox{...}), nested braces balanced; None if absent or unclosed:
     "so \\boxed{\\frac{1}{2}}." -> "\\frac{1}{2}";  "\\boxed{1} or \\boxed{2}" -> "2";  "\\boxed{3" -> None."""
-    last = None
-    for last in _BOX_OPEN.finditer(text):  # one linear pass; only the last opener is then scanned
-        pass
+    last = max(_BOX_OPEN.finditer(text), key=lambda m: m.start(), default=None)  # only the last one is scanned
     if last is None:
         return None
     depth = 1
     for m in _BRACE.finditer(text, last.end()):
-        if m.group() == "{":
-            depth += 1
-        elif m.group() == "}":
-            depth -= 1
-            if depth == 0:
-                return text[last.end():m.start()]
+        depth += (m.group() == "{") - (m.group() == "}")
+        if depth == 0:
+            return text[last.end():m.start()]
     return None  # a truncated generation: the last box never closes
 
 
 def _answer_block(text: str) -> str | None:
-    """Content of the last <answer>...</answer> (two rfind calls: a regex would go quadratic), else of the
-    last \\boxed{}, else None (d1's answer)."""
+    """Content of the last <answer>...</answer> (rfind: a regex would go quadratic), else of the last \\boxed{}."""
     close = text.rfind("</answer>")
     start = text.rfind("<answer>", 0, close) if close >= 0 else -1
     return text[start + len("<answer>"):close] if start >= 0 else extract_boxed(text)
 
 
 # -----------------------------------------------------------------------------------------------------
-# GSM8K: numeric answers
+# GSM8K (numeric answers) and MATH (LaTeX answers, compared by infra/latex.py)
 
 _HASH_ANSWER = re.compile(r"####([^\n]*)")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,234,567 -> 1234567 but (2,100) stays a pair
@@ -64,11 +53,8 @@ _MAX_NUMBER_CHARS = 100  # longer "numbers" score 0: never int() a 10^6-digit st
 def extract_answer(text: str) -> str | None:
     """Final answer of a GSM8K-style text: the last \\boxed{} content, else what follows the last `####`:
     "... \\boxed{72}" -> "72";  "... #### 1,000" -> "1,000";  "no answer" -> None."""
-    boxed = extract_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    hashes = _HASH_ANSWER.findall(text)
-    return hashes[-1].strip() if hashes else None
+    boxed, hashes = extract_boxed(text), _HASH_ANSWER.findall(text)
+    return boxed.strip() if boxed is not None else hashes[-1].strip() if hashes else None
 
 
 def _to_number(s: str) -> Fraction | None:
@@ -97,17 +83,12 @@ def _gsm8k_gold(answer: str) -> Fraction:
     return gold
 
 
-# -----------------------------------------------------------------------------------------------------
-# MATH: LaTeX answers, compared by infra/latex.py
-
-
 def math_reward(completion: str, answer: str) -> float:
     """1.0 if the completion's last \\boxed{} is equivalent to the reference (bare answer or boxed solution):
     ("... \\boxed{\\dfrac{1}{2}}", "0.5") -> 1.0;  ("the answer is 2", "2") -> 0.0."""
     if not isinstance(answer, str):
         raise ValueError(f"math reference answer must be a str, got {answer!r:.80}")
-    gold = extract_boxed(answer)
-    pred = extract_boxed(completion)
+    gold, pred = extract_boxed(answer), extract_boxed(completion)
     return float(pred is not None and math_equiv(pred, answer if gold is None else gold))
 
 
@@ -116,36 +97,24 @@ def math_reward(completion: str, answer: str) -> float:
 
 _CD_MAX_CHARS, _CD_MAX_DEPTH, _CD_MAX_DIGITS = 200, 20, 6
 _CD_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
-_CD_OTHER = re.compile(r"[^0-9\s()*/+-]")  # whitespace separates tokens; any other character is an error
+_CD_OTHER = re.compile(r"[^0-9\s()*/+-]")
 _CD_SYMBOLS = {"\\times": "*", "\\cdot": "*", "×": "*", "·": "*", "\\div": "/", "÷": "/", "\\left": "",
                "\\right": "", "$": ""}
-
-
-def _cd_tokens(expr: str) -> list[str]:
-    other = _CD_OTHER.search(expr)
-    if other:
-        raise ValueError(f"unexpected character at {other.start()}")
-    return _CD_TOKEN.findall(expr)
 
 
 def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
     """Recursive descent: expr = term (+|- term)*, term = factor (*|/ factor)*, factor = int | (expr) | -factor."""
     pos = 0
 
-    def expr(depth: int) -> Fraction:
-        value = term(depth)
-        while pos < len(tokens) and tokens[pos] in "+-":
-            op = take()
-            value = value + term(depth) if op == "+" else value - term(depth)
-        return value
-
-    def term(depth: int) -> Fraction:
-        value = factor(depth)
-        while pos < len(tokens) and tokens[pos] in "*/":
-            op, rhs = take(), factor(depth)
+    def expr(depth: int, ops: str = "+-") -> Fraction:  # ops "*/": a term
+        operand = factor if ops == "*/" else lambda d: expr(d, "*/")
+        value = operand(depth)
+        while pos < len(tokens) and tokens[pos] in ops:
+            op, rhs = take(), operand(depth)
             if op == "/" and rhs == 0:
                 raise ValueError("division by zero")
-            value = value * rhs if op == "*" else value / rhs
+            value = (value + rhs if op == "+" else value - rhs if op == "-"
+                     else value * rhs if op == "*" else value / rhs)
         return value
 
     def factor(depth: int) -> Fraction:
@@ -179,8 +148,7 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
 
 def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
     """d1 countdown reward: 1.0 if the last <answer> (or \\boxed{}) equation uses each number once and hits the
-    target, 0.1 if an equation is there but wrong or invalid (nothing is executed), 0.0 if there is none. An
-    "= 23" tail is ignored: ("<answer>(100 - 93) + 30 = 37</answer>", [30, 100, 93], 37) -> 1.0."""
+    target ("= 37" tails ignored), 0.1 if an equation is there but wrong or invalid, 0.0 if there is none."""
     if not (isinstance(numbers, (list, tuple)) and numbers and all(type(n) is int for n in numbers)):
         raise ValueError(f"countdown numbers must be a non-empty list of int, got {numbers!r:.80}")
     if type(target) is not int:
@@ -192,16 +160,18 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
         return 0.1
     for symbol, op in _CD_SYMBOLS.items():
         equation = equation.replace(symbol, op)
-    used: list[int] = []
+    equation, used = equation.split("=")[0].strip(), []
+    if _CD_OTHER.search(equation):  # whitespace separates tokens; any other character is an error
+        return 0.1
     try:
-        value = _cd_eval(_cd_tokens(equation.split("=")[0].strip()), used)
+        value = _cd_eval(_CD_TOKEN.findall(equation), used)
     except ValueError:
         return 0.1
     return 1.0 if sorted(used) == sorted(numbers) and value == target else 0.1
 
 
 # -----------------------------------------------------------------------------------------------------
-# sudoku 4x4 (d1) and format rewards
+# sudoku 4x4 (d1), format rewards and code
 
 
 def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
@@ -228,18 +198,10 @@ def reasoning_format_reward(text: str) -> float:
     return float(start >= 0 and text.find("</reasoning>", start + len("<reasoning>")) >= 0)
 
 
-# -----------------------------------------------------------------------------------------------------
-# code (MBPP): the completion's program against the row's unit tests, run by sandbox.run_code
-
-
 def extract_code(completion: str) -> str:
-    """The first ```python fenced block of a completion (to its end if unclosed), else the whole text."""
-    start = completion.find("```python")
-    if start < 0:
-        return completion
-    body = completion[start + len("```python"):]
-    end = body.find("```")
-    return (body if end < 0 else body[:end]).lstrip("\n")
+    """The first ```python fenced block of a completion (to its end if unclosed), else the whole text (MBPP)."""
+    m = re.search(r"```python(.*?)(?:```|\Z)", completion, re.S)
+    return completion if m is None else m.group(1).lstrip("\n")
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -247,7 +209,7 @@ def extract_code(completion: str) -> str:
 
 
 def _field(example: dict, *names: str):
-    """The first of `names` present in a dataset row (our names first, then the data file's), else ValueError."""
+    """The first of `names` in a dataset row (ours first, then the data file's), else ValueError."""
     for name in names:
         if name in example:
             return example[name]
@@ -264,33 +226,27 @@ def _countdown(completion: str, example: dict) -> float:
     return countdown_reward(completion, numbers, target)
 
 
-def _mbpp(completion: str, example: dict) -> float:
-    setup = example.get("test_setup_code") or ""  # MBPP runs it after the solution, before the asserts
-    return run_code(extract_code(completion) + "\n" + setup, _field(example, "test_list"))
-
-
 REWARDS = {
     "gsm8k": lambda completion, example: gsm8k_reward(completion, _field(example, "answer")),
     "math": lambda completion, example: math_reward(completion, _field(example, "answer", "solution")),
     "countdown": _countdown,
     "sudoku": lambda completion, example: sudoku_reward(completion, _field(example, "puzzle", "Puzzle"),
                                                         _field(example, "solution", "Solution")),
-    "mbpp": _mbpp,
+    "mbpp": lambda completion, example: run_code(  # MBPP's setup code runs after the solution, before the asserts
+        extract_code(completion) + "\n" + (example.get("test_setup_code") or ""), _field(example, "test_list")),
 }
 
 
 # -----------------------------------------------------------------------------------------------------
-# shaped rewards of the official MaskGRPO runs: format terms + correctness, divided by the maximum total.
-# (r - mean) / std advantages do not depend on that scale (up to the std epsilon); under r - mean alone
-# (d1's advantages) the division scales every step by 1 / SHAPED_MAX[task], like a learning-rate factor.
+# the official MaskGRPO runs' shaped rewards, divided by their maximum: (r - mean) / std advantages ignore the
+# scale; under r - mean alone (d1's) it scales every step by 1 / SHAPED_MAX[task], like a learning rate.
 
 SHAPED_MAX = {"gsm8k": 3.0, "math": 2.5}
 
 
 def gsm8k_shaped_reward(completion: str, answer: str) -> float:
-    """Official GSM8K reward / 3.0: <reasoning>..</reasoning> anywhere 0.5, an answer of ASCII digits only 0.5,
-    a correct answer (equal value: "72.0" counts) 2.0. The answer is the last closed \\boxed{}, else the whole
-    completion: ("<reasoning>..</reasoning> \\boxed{72}", "72") -> 1.0;  ("\\boxed{72}", "72") -> 2.5 / 3."""
+    """Official GSM8K reward / 3.0: <reasoning>..</reasoning> 0.5, an answer of ASCII digits 0.5, a correct one
+    ("72.0" counts) 2.0; the answer is the last closed \\boxed{}, else the whole completion."""
     gold, boxed = _gsm8k_gold(answer), extract_boxed(completion)
     pred = completion if boxed is None else boxed
     total = (0.5 * reasoning_format_reward(completion) + 0.5 * (re.fullmatch(r"[0-9]+", pred) is not None)
@@ -299,9 +255,8 @@ def gsm8k_shaped_reward(completion: str, answer: str) -> float:
 
 
 def math_shaped_reward(completion: str, answer: str) -> float:
-    """Official MATH reward / 2.5: a correct last \\boxed{} 2.0 (by `math_equiv`, which accepts more forms than
-    the official string match), plus 0.5 if "\\boxed" occurs at all (closed or not), else 0.25: so at least 0.1,
-    ("so \\boxed{3}", "0.5") -> 0.2, and a correct boxed one 1.0."""
+    """Official MATH reward / 2.5: a correct last \\boxed{} 2.0 (by `math_equiv`, laxer than the official string
+    match), plus 0.5 if "\\boxed" occurs at all (closed or not), else 0.25."""
     total = 2.0 * math_reward(completion, answer) + (0.5 if "\\boxed" in completion else 0.25)
     return total / SHAPED_MAX["math"]
 
@@ -326,8 +281,7 @@ def answer_reward(completion_text: str, example: dict) -> float:
 
 
 def solution_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the completion is the whole right solution, working and box, else 0.0 (--text_reward=solution).
-    The working of these problems is unique, so an exact comparison checks it (docs/results.md)."""
+    """1.0 if the completion is the whole right solution, working (unique here: docs/results.md) and box."""
     return float(completion_text.strip() == example["solution"])
 
 

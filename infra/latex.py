@@ -1,13 +1,9 @@
-"""LaTeX answer equivalence for the MATH reward: `normalize_math(s) -> str`, `math_equiv(a, b) -> bool`.
+"""LaTeX answer equivalence for the MATH reward (arXiv:2510.02880 §6): `math_equiv(a, b) -> bool`.
 
-MaskGRPO (arXiv:2510.02880) §6 rewards a MATH completion whose last \\boxed{} answer equals the reference. Three
-stages, written anew (no Hendrycks MATH utilities, no CAS): `normalize_math`, a canonical string; `value`, the
-value of a constant expression from a bounded parser (never eval), Gaussian-rational Fractions while exact, else
-a complex float; `_equiv`, the structure (lists, sets and unions unordered; tuples, intervals, matrices ordered;
-a leading "name =" dropped when the other answer has none). One-sided: a wrong answer is never accepted, a right
-one in a form we do not know may be rejected; so a decimal never equals an irrational ("1.414" != \\sqrt2), exact
-numbers have no tolerance ("0.33" != \\frac13), only listed unit words go, and "2x = 6" is not 6. Sizes are
-bounded (the limits below), so a hostile completion cannot hang the trainer or eat its memory.
+Three stages, no CAS: `normalize_math`, a canonical string; `value`, a constant's value from a bounded parser
+(never eval), Gaussian-rational Fractions while exact, else a complex float; `_equiv`, the structure. One-sided:
+a wrong answer is never accepted, a right one in an unknown form may be ("1.414" != \\sqrt2, "0.33" != \\frac13,
+"2x = 6" is not 6). Sizes are bounded, so a hostile completion cannot hang the trainer or eat its memory.
 """
 from __future__ import annotations
 
@@ -34,7 +30,7 @@ _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")  # 10,080 but not "3, 500
 
 
 def normalize_math(s: str) -> str:
-    """Canonical string of a MATH answer: strips LaTeX spacing, sizing, units, degrees, %, $, 'x =' and spaces;
+    """Canonical string of a MATH answer, without LaTeX spacing, sizing, units, degrees, %, $, 'x =' and spaces:
     "\\left( \\dfrac12, 3 \\right)" -> "(\\frac{1}{2},3)",  "90^\\circ" -> "90",  "x = 10,\\!080." -> "10080"."""
     if len(s) > MAX_ANSWER_CHARS:
         return s.strip()
@@ -61,8 +57,8 @@ def normalize_math(s: str) -> str:
 
 
 # -----------------------------------------------------------------------------------------------------
-# stage 2: the value of a constant expression. A value is a pair of Fractions (re, im) while exact, else
-# a complex float. Every operation refuses (raises _Refuse) rather than build a huge or undefined number.
+# stage 2: a value is (re, im) Fractions while exact, else a complex float; every operation raises _Refuse
+# rather than build a huge or undefined number.
 
 
 class _Refuse(Exception):
@@ -123,15 +119,10 @@ def _root(a, n: int):
 
 
 def _pow(a, b):
-    if isinstance(b, tuple) and b[1] == 0 and b[0].denominator == 1:  # an integer power
-        n = int(b[0])
-        if abs(n) > _MAX_BITS:
-            raise _Refuse("power too large")
-        if not isinstance(a, tuple):
-            try:
-                return _check(a ** n)
-            except (OverflowError, ZeroDivisionError):
-                raise _Refuse("power overflows") from None
+    n = int(b[0]) if isinstance(b, tuple) and b[1] == 0 and b[0].denominator == 1 else None  # an integer power
+    if n is not None and abs(n) > _MAX_BITS:
+        raise _Refuse("power too large")
+    if n is not None and isinstance(a, tuple):
         result, base, k = _ONE, (a if n >= 0 else _arith(_ONE, "/", a)), abs(n)
         while k:  # square and multiply: each product is checked, so no step exceeds 2 * _MAX_BITS
             if k & 1:
@@ -139,11 +130,11 @@ def _pow(a, b):
             k >>= 1
             base = _arith(base, "*", base) if k else base
         return result
-    if isinstance(b, tuple) and b[1] == 0 and b[0].numerator in (1, -1) and b[0].denominator <= _MAX_ROOT:
+    if n is None and isinstance(b, tuple) and b[1] == 0 and b[0].numerator in (1, -1) and b[0].denominator <= _MAX_ROOT:
         r = _root(a, b[0].denominator)  # x^{1/2} = \sqrt{x}
         return r if b[0] > 0 else _arith(_ONE, "/", r)
-    base, exp = _approx(a), _approx(b)
-    if base.imag or base.real <= 0:
+    base, exp = _approx(a), (_approx(b) if n is None else n)
+    if n is None and (base.imag or base.real <= 0):
         raise _Refuse("non-integer power of a non-positive or complex base")
     try:
         return _check(base ** exp)
@@ -159,8 +150,7 @@ def _factorial(a, k: int = 0):
 
 class _Parser:
     """Recursive descent: expr = term (+|- term)*;  term = unary ((* | / | \\times | \\cdot | \\div)? unary)*;
-    unary = (+|-) unary | power;  power = atom !* (^ arg)?;
-    atom = number | i | \\pi | (expr) | {expr} | \\frac arg arg | \\sqrt([n])? arg | \\binom arg arg."""
+    unary = (+|-) unary | atom !* (^ arg)?;  atom = number | i | \\pi | (expr) | {expr} | \\frac arg arg | ..."""
 
     def __init__(self, tokens: list[str]):
         self.tokens, self.pos, self.depth = tokens, 0, 0
@@ -175,8 +165,7 @@ class _Parser:
         self.pos += 1
         return tok
 
-    def nested(self, parse):
-        """parse() one level deeper: "------1" or "\\sqrt\\sqrt..." must not exhaust the stack."""
+    def nested(self, parse):  # "------1" or "\\sqrt\\sqrt..." must not exhaust the stack
         self.depth += 1
         if self.depth > _MAX_DEPTH:
             raise _Refuse("nested too deeply")
@@ -202,13 +191,10 @@ class _Parser:
         return value
 
     def unary(self):
-        if self.peek() not in ("+", "-"):
-            return self.power()
-        sign = self.take()
-        value = self.nested(self.unary)
-        return value if sign == "+" else _arith(_MINUS_ONE, "*", value)
-
-    def power(self):
+        if self.peek() in ("+", "-"):
+            sign = self.take()
+            value = self.nested(self.unary)
+            return value if sign == "+" else _arith(_MINUS_ONE, "*", value)
         value = self.atom()
         while self.peek() == "!":
             self.take()
@@ -218,8 +204,7 @@ class _Parser:
             return _pow(value, self.arg())
         return value
 
-    def arg(self):
-        """A braced group, or one token: the argument of ^, \\frac, \\sqrt (\\frac12, x^2)."""
+    def arg(self):  # of ^, \\frac, \\sqrt: a braced group, or one token (\\frac12, x^2)
         if self.peek() == "{":
             return self.group("{", "}")
         tok = self.take()
@@ -269,8 +254,7 @@ def value(s: str):
         return None
     m = _MIXED.fullmatch(s)
     if m and int(m.group(4)) != 0:  # MATH writes mixed numbers as 137\frac{1}{2}
-        q = (int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))) * (-1 if m.group(1) else 1)
-        return (q, Fraction(0))
+        return ((int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))) * (-1 if m.group(1) else 1), Fraction(0))
     tokens = _TOKEN.findall(s)
     if "".join(tokens) != s:
         return None  # a character we do not evaluate (",", "|", "&", unicode ...)
@@ -280,13 +264,6 @@ def value(s: str):
     except (_Refuse, RecursionError, ZeroDivisionError, OverflowError, ValueError):
         return None
     return result if parser.peek() is None else None  # trailing tokens: not one expression
-
-
-def _same_value(a, b) -> bool:
-    """Exact values compare exactly; irrational ones to 1e-9 relative; an exact one never equals an irrational."""
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return a == b
-    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -305,8 +282,7 @@ def _split_top(s: str, sep: str) -> list[str]:
 
 
 def _rhs_of_name(s: str) -> str | None:
-    """The value after a left-hand side that only names it: "\\text{proj}_{\\mathbf b}\\mathbf a=(1,2)" -> "(1,2)";
-    the name holds no operator and does not start with a digit, so "2x=6" or "x+y=5" keep their "="."""
+    """The value after a "name =" with no operator or leading digit in the name ("2x=6" keeps its "=")."""
     parts = _split_top(s, "=")
     if len(parts) != 2 or not parts[1] or re.match(r"[0-9]", parts[0]) or not re.search(r"[a-zA-Z]", parts[0]):
         return None
@@ -335,7 +311,7 @@ def _all_match(xs: list[str], ys: list[str], ordered: bool, depth: int) -> bool:
 
 
 def _equiv(x: str, y: str, depth: int = 0, ordered: bool = False) -> bool:
-    """Equality of two normalised answers: string, then value, then the structure (see the module docstring)."""
+    """Equality of two normalised answers: string, value, then structure (lists, sets and unions unordered)."""
     if x == y:
         return True
     if depth >= 6 or len(x) + len(y) > 2 * MAX_ANSWER_CHARS:
@@ -344,8 +320,10 @@ def _equiv(x: str, y: str, depth: int = 0, ordered: bool = False) -> bool:
         rx, ry = _rhs_of_name(x) if "=" in x else x, _rhs_of_name(y) if "=" in y else y
         return rx is not None and ry is not None and _equiv(rx, ry, depth + 1)
     vx, vy = value(x), value(y)
-    if vx is not None or vy is not None:
-        return vx is not None and vy is not None and _same_value(vx, vy)
+    if vx is not None or vy is not None:  # exact values exactly (1.414 != \\sqrt2), irrational ones to 1e-9
+        if vx is None or vy is None or isinstance(vx, tuple) or isinstance(vy, tuple):
+            return vx == vy
+        return abs(vx - vy) <= 1e-9 * max(abs(vx), abs(vy))
     for sep, in_order in (("\\cup", False), (",", ordered)):  # a union's pieces, then a list's elements
         px, py = _split_top(x, sep), _split_top(y, sep)
         if len(px) > 1 or len(py) > 1:
@@ -362,7 +340,6 @@ def _equiv(x: str, y: str, depth: int = 0, ordered: bool = False) -> bool:
 
 
 def math_equiv(a: str, b: str) -> bool:
-    """True if two MATH answers are equivalent: same canonical string, same value, or same structure.
-    ("0.5", "\\frac12") -> True;  ("\\sqrt{3}/3", "\\frac{\\sqrt{3}}{3}") -> True;  ("7i - 2", "-2 + 7i") -> True
-    ("3, 7, 5", "3, 5, 7") -> True;  ("(3,5)", "(5,3)") -> False;  ("0.33", "\\frac13") -> False"""
+    """Same canonical string, value or structure: ("0.5", "\\frac12"), ("7i - 2", "-2 + 7i") and ("3, 7, 5",
+    "3, 5, 7") are; ("(3,5)", "(5,3)") and ("0.33", "\\frac13") are not."""
     return _equiv(normalize_math(a), normalize_math(b))

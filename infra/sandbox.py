@@ -1,20 +1,14 @@
 """Running and scoring what the model generates: `run_code(program, tests)` runs unit tests in a process sandbox;
-`RemoteScorer(url)` asks an HTTP reward server to score text-to-image rollouts. MaskGRPO (arXiv:2510.02880) §6
-scores code by the fraction of MBPP tests that pass (in E2B; we run them locally) and images with reward models
-this project cannot ship. Standard library only: the supervisor runs this file as `python -I -S sandbox.py`.
+`RemoteScorer(url)` asks an HTTP reward server to score text-to-image rollouts (arXiv:2510.02880 §6). Standard
+library only: the supervisor runs this file as `python -I -S sandbox.py`.
 
-run_code starts a supervisor in a new session with an empty environment, a private temporary cwd and the job on
-stdin; it forks one worker per test, which isolates itself (in the fork: preexec_fn is unsafe in a caller with
-threads), runs program + test and reports "<index> <nonce>" only if both finished: sys.exit, crashes, hangs and
-fork bombs are failed tests, and a hang costs one timeout. Always: rlimits (CPU, address space, file size, open
-files, processes, core), stdio on /dev/null, the group killed at its timeout. As root, also: a fresh random uid
-(RLIMIT_NPROC binds, writes outside its directory and other processes' /proc are refused, all it spawned dies by
-uid), no_new_privs, a private network and mount namespace with small tmpfs on its cwd, /tmp, /var/tmp, /dev/shm,
-/run/lock. Not root: a private network only if user namespaces are allowed; a setsid() child escapes the group
-kill and writes are not stopped. The supervisor is a child subreaper (PID 1 of a container often reaps nothing),
-so no process or zombie survives. Known gaps: world-readable files stay readable; after the uid switch, stdlib
-modules not in _PRELOAD fail to import if the interpreter's directory is unreadable (/root/.pyenv); a program
-that finds the nonce in the harness's memory can fake a pass. This is damage control, not a jail.
+The supervisor (new session, empty environment, private cwd, child subreaper) forks one worker per test, which
+isolates itself and reports "<index> <nonce>" only if program + test finished: exits, crashes, hangs and fork
+bombs fail, a hang costs one timeout. Always: rlimits, stdio on /dev/null, the group killed at its timeout. As
+root, also a fresh random uid (all it spawned dies by uid), no_new_privs, a private network and mount namespace
+with small tmpfs scratch dirs; not root, a private network only if user namespaces are allowed, and a setsid()
+child escapes the group kill. Known gaps: world-readable files stay readable; after the uid switch, modules not
+in _PRELOAD may fail to import; a program that finds the nonce in memory can fake a pass. Damage control, not a jail.
 """
 from __future__ import annotations
 
@@ -45,8 +39,7 @@ _STUB_HINT = "python -m tools.stub_scorer --port 8765, then use http://127.0.0.1
 
 def run_code(program: str, tests: list[str], timeout: float = 5.0, memory_mb: int = 512) -> float:
     """Fraction of `tests` (Python statements, e.g. asserts) that pass after `program`, each in a sandboxed process;
-    `timeout` is wall-clock seconds per test, `memory_mb` caps each process's address space.
-    ("def f(x): return x + 1", ["assert f(1) == 2", "assert f(2) == 4"]) -> 0.5;  ("while True: pass", [...]) -> 0.0"""
+    `timeout` is wall-clock seconds per test, `memory_mb` caps each process's address space."""
     if not (isinstance(tests, (list, tuple)) and tests and all(isinstance(t, str) for t in tests)):
         raise ValueError(f"tests must be a non-empty list of str, got {tests!r:.200}")
     if not (isinstance(timeout, (int, float)) and 0 < timeout <= 600):
@@ -127,8 +120,7 @@ def _supervise() -> None:
 
 
 def _kill_worker(pid: int, uid: int | None) -> None:
-    """SIGKILL the worker and all it spawned: as root by uid, since kill(-1) from that uid reaches every process
-    of it in any session or group; otherwise the worker's process group, which a setsid() child escapes."""
+    """SIGKILL the worker and all it spawned: as root by uid (kill(-1) from it), else its process group."""
     try:
         killer = os.fork() if uid is not None else -1
     except OSError:
@@ -164,7 +156,8 @@ def _work(job: dict, index: int, workdir: str, libc) -> None:
 
 
 def _isolate(workdir: str, uid: int | None, timeout: float, memory_mb: int, libc) -> None:
-    """Apply the sandbox to the current (worker) process; raises if a required step fails, so nothing runs."""
+    """Apply the sandbox to the worker (in the fork: preexec_fn is unsafe in a caller with threads); raises if a
+    required step fails, so nothing runs."""
     import resource
     os.chdir(workdir)
     if libc is not None and uid is None:
@@ -196,16 +189,15 @@ def _isolate(workdir: str, uid: int | None, timeout: float, memory_mb: int, libc
 
 
 # -----------------------------------------------------------------------------------------------------
-# the image scorer's protocol: one POST per call, JSON both ways, one row per image; a real server decodes
-# the VQ codes with its own image tokenizer and runs its reward models (CLIP, HPS, UnifiedReward in MMaDA).
-#   request  {"prompts": ["three green blocks", ...], "image_codes": [[3, 3, 5, 1, ...], ...]}
-#   reply    {"scores": [0.75, ...]}   same length as the request, every score a finite number
+# the image scorer's protocol: one POST, JSON both ways; a real server decodes the VQ codes and runs its reward
+# models (CLIP, HPS, UnifiedReward in MMaDA).  {"prompts": [...], "image_codes": [[3, 5, ...], ...]}
+# -> {"scores": [0.75, ...]}, one finite number per image
 
 
 class RemoteScorer:
-    """Scores text-to-image rollouts on a reward server (protocol above). Connection errors, timeouts, HTTP 429
-    and 5xx are retried `retries` times, the k-th after backoff * 2**k s, then raise ConnectionError; another HTTP
-    error raises RuntimeError and a reply that breaks the protocol ValueError at once (a retry would not fix it)."""
+    """Scores text-to-image rollouts on a reward server. Connection errors, timeouts, HTTP 429 and 5xx are retried
+    `retries` times (backoff * 2**k s), then ConnectionError; another HTTP error is a RuntimeError, a bad reply
+    a ValueError."""
 
     def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 1.0):
         try:
@@ -264,8 +256,7 @@ class RemoteScorer:
                               f"stand-in run {_STUB_HINT}") from last
 
     def rewards(self, prompts: list[str], image_codes) -> "torch.Tensor":
-        """The RL step's rewards, float32 (B,): the scores, or NaN for every row when the scorer fails, which
-        train.rl_step's gathered check turns into a skipped step on every rank (one rank raising would hang)."""
+        """Float32 (B,) scores, or NaN rows when the scorer fails: a step every rank skips (a raise would hang)."""
         import torch
         try:
             return torch.tensor(self(prompts, image_codes), dtype=torch.float32)
@@ -286,10 +277,9 @@ def _parse_scores(raw: bytes, n: int, url: str) -> list[float]:
     if len(scores) != n:
         raise ValueError(f"image scorer at {url} returned {len(scores)} scores for {n} images")
     for i, score in enumerate(scores):
-        if type(score) is not float:  # bool and str are not scores
-            raise ValueError(f"image scorer at {url} returned a non-numeric score {score!r} at index {i}")
-        if not math.isfinite(score):
-            raise ValueError(f"image scorer at {url} returned a non-finite score {score!r} at index {i}")
+        if type(score) is not float or not math.isfinite(score):  # bool and str are not scores
+            kind = "non-finite" if type(score) is float else "non-numeric"
+            raise ValueError(f"image scorer at {url} returned a {kind} score {score!r} at index {i}")
     return scores
 
 
