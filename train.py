@@ -34,8 +34,8 @@ from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measu
 from infra.scale import print0
 from infra.cli import validate
 from infra.data import evaluate_all, image_snapshot
-from sample import derive_seed, generator
-from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts,
+from sample import derive_seed, generator, rollout
+from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, sft_tasks, step_prompts,
                    task_list)
 
 

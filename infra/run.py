@@ -394,7 +394,7 @@ class Run:
             for f, line in ((self.logf, log), (self.timef, {"step": step, **times})):
                 f.write(json.dumps(line) + "\n")
                 f.flush()
-        if tracker is not None:  # before a stop below, so that a resumed run does not miss this step
+        if tracker is not None and tracker.backend:  # before a stop below: a resumed run misses no step
             tracker.step(step, log, times)
         self.after_step(step, rolls, tok, ids)
 

@@ -252,14 +252,17 @@ def _fsdp_modules(model):
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-@contextlib.contextmanager
 def full_weights(model):
     """Hold the unsharded weights (one all-gather) for no-grad forwards whose number may differ between ranks, a
     sharded forward being a collective. Re-entrant; a no-op in one process; model may be a hf.AdaptersOff."""
     mods = _fsdp_modules(model) if world() > 1 else []
     if not mods or getattr(mods[0], "_full_weights", False):
-        yield model
-        return
+        return contextlib.nullcontext(model)
+    return _unsharded(model, mods)
+
+
+@contextlib.contextmanager
+def _unsharded(model, mods):
     for m in mods:  # blocks reshard after each forward unless told not to; the root (mods[0]) never does
         if m is not mods[0]:
             m.set_reshard_after_forward(False, recurse=False)
