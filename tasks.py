@@ -157,18 +157,14 @@ TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
 def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none"):
-    """The rewards.py function that scores `task`, by the setting its TASKS entry names (the toy image task has
-    one; geneval None: the remote scorer). One a task lacks is an error (train.parse_args asks at start-up)."""
+    """The rewards.py function that scores `task`, named by the setting its TASKS entry picks by (geneval: None, the
+    remote scorer). One a task lacks is an error (train.parse_args asks at start-up)."""
     t = TASKS[task]
-    if not t.picked_by:  # the toy image task's one verifier; geneval: None
-        (verify,) = t.reward.values() if t.reward else [None]
-        return verify
-    name = {"text_reward": text_reward, "reward_shaping": reward_shaping}[t.picked_by]
-    if name not in t.reward:
-        choices = " or ".join(f"--{t.picked_by}={k}" for k in t.reward)
-        raise ValueError(f"--{t.picked_by}={name} names no verifier of task {task}: pass {choices}, or drop {task} "
-                         "from --tasks")
-    return t.reward[name]
+    name = {"text_reward": text_reward, "reward_shaping": reward_shaping, "": next(iter(t.reward), None)}[t.picked_by]
+    if name not in t.reward and t.reward:
+        raise ValueError(f"--{t.picked_by}={name} names no verifier of task {task}: pass "
+                         f"{' or '.join(f'--{t.picked_by}={k}' for k in t.reward)}, or drop {task} from --tasks")
+    return t.reward.get(name)
 
 
 def score(b, verify, tok, ids, scorer=None) -> torch.Tensor:

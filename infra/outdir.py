@@ -27,7 +27,7 @@ import torch
 
 import tasks
 from infra import checkpoint, cli, data, plots, scale, tracker
-from infra.scale import print0
+from infra.scale import duration, print0
 from tasks import IMAGE_TASKS
 
 
@@ -410,12 +410,6 @@ def final(run):
         print0(f"stopped by {signal.Signals(flag['signal']).name} after the final save: the run is complete "
                f"({run.out / 'final'}, {run.out / 'summary.json'})")
         raise SystemExit(128 + flag["signal"])
-
-
-def duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
-        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def shown(v) -> str:

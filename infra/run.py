@@ -24,9 +24,9 @@ from sample import FastSampler
 from infra.load import (WriteFailed, check_sft_cache, load_policy, reference_identity, refuse_training_checkpoint,
                         report_truncation, save_model, sft_dir_of, writer_error)
 from infra.outdir import (PID_FILE, RESUMABLE, check_paths, check_shared, claim, claim_out_dir, continue_command,
-                          duration, kept_line, release, remember_command, resume_command, resume_point, rl_steps,
+                          kept_line, release, remember_command, resume_command, resume_point, rl_steps,
                           root_causes, show, start_up, step_lines, step_of, write_pictures)
-from infra.scale import print0
+from infra.scale import duration, print0
 from infra.sandbox import RemoteScorer
 from infra.cli import resume_changes, setup
 from tasks import IMAGE_TASKS, task_list
@@ -400,11 +400,8 @@ class Run:
 
     def count_bad(self, step: int, log: dict, seconds: float) -> int:
         """Print the step's line, or why it was skipped; returns the run's count of bad steps so far."""
-        state, bad = self.state, "bad_reward" in log or log.get("skipped_updates", 0) > 0
-        if "bad_reward" in log:
-            self.last_bad = log["bad_reward"]
-            print0(f"warning: step {step} skipped: {log['bad_reward']}")
-        else:  # 0-based, as log.jsonl and the plots count: the last step of a 50-step run is "step 49/50"
+        bad = "bad_reward" in log or log.get("skipped_updates", 0) > 0
+        if "bad_reward" not in log:  # 0-based, as log.jsonl and the plots count: the last of 50 steps is "step 49/50"
             self.step_seconds.append(seconds)  # the time left: this process's mean step times the steps to go
             left = self.cfg.rl_steps - step - 1
             eta = f" | about {duration(sum(self.step_seconds) / len(self.step_seconds) * left)} left" if left else ""
@@ -412,23 +409,25 @@ class Run:
                 f"{t} reward {log[f'{t}/reward']:.3f} loss {log[f'{t}/loss']:+.4f} clip {log[f'{t}/clipfrac']:.3f} "
                 f"kl {log[f'{t}/kl']:.4f}" for t in sorted(k.split("/")[0] for k in log if k.endswith("/reward"))),
                 f"{seconds:.1f}s"]) + eta)
-        if log.get("skipped_updates", 0) > 0:
+        if bad:
+            self._warn(step, log)
+        self.state["bad_run"] = self.state["bad_run"] + 1 if bad else 0
+        self.state["bad_steps"] += bad
+        return self.state["bad_steps"]
+
+    def _warn(self, step: int, log: dict) -> None:
+        if "bad_reward" in log:
+            self.last_bad = log["bad_reward"]
+            print0(f"warning: step {step} skipped: {log['bad_reward']}")
+        else:
             print0(f"warning: step {step}: {log['skipped_updates']} of {self.cfg.mu} updates skipped for a non-finite "
                    f"loss or gradient norm (largest gradient norm {log.get('grad_norm_max')}); the others stand")
-        state["bad_run"] = state["bad_run"] + 1 if bad else 0
-        state["bad_steps"] += bad
-        return state["bad_steps"]
 
     def after_step(self, step: int, rolls: list, tok, ids) -> None:
         """Stop after max_bad_steps bad steps in a row; show a sample; checkpoint on cadence or on a signal."""
-        cfg, state = self.cfg, self.state
-        if state["bad_run"] >= cfg.max_bad_steps:
-            raise TrainingStopped(
-                f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
-                f"above), stopping at step {step}. Last good checkpoint: "
-                f"{state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or --grad_clip "
-                "with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from it with "
-                "--resume=true (delete the newer checkpoints first)")
+        cfg = self.cfg
+        if self.state["bad_run"] >= cfg.max_bad_steps:
+            self._stop_bad(step)
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
                 show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
@@ -440,6 +439,14 @@ class Run:
             print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with: "
                    f"{resume_command()}")
             raise SystemExit(128 + int(stopping))
+
+    def _stop_bad(self, step: int) -> None:
+        raise TrainingStopped(
+            f"{self.state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
+            f"above), stopping at step {step}. Last good checkpoint: "
+            f"{self.state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or --grad_clip "
+            "with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from it with "
+            "--resume=true (delete the newer checkpoints first)")
 
     def _save_checkpoint(self, step: int) -> Path:
         saved = {**self.state, "step": step, "config": asdict(self.cfg), "reference": self.identity,

@@ -107,6 +107,12 @@ def print0(*args, **kwargs) -> None:  # one log, not world-size copies of it
         print(*args, **kwargs, flush=True)
 
 
+def duration(seconds: float) -> str:  # the screen's time: 7s, 3m05s, 2h10m
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
 def shard_rows(n: int) -> slice:  # this rank's contiguous share of n rows (n divides evenly: train.py checks)
     per = n // world()
     return slice(rank() * per, (rank() + 1) * per)
