@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import sys
 import threading
@@ -123,20 +124,15 @@ def chunks(n: int, size: int) -> list[slice]:  # slices of device_batch_size row
     return [slice(s, s + size) for s in range(0, n, size)]
 
 
-def all_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks as a new tensor (t unchanged: reducing it twice must not multiply it); t in one process."""
+def all_sum(t: torch.Tensor, **op) -> torch.Tensor:
+    """Sum (or op=) over ranks as a new tensor (t unchanged: reducing twice must not multiply it); t in one process."""
     if world() > 1:
         t = t.clone()
-        dist.all_reduce(t)
+        dist.all_reduce(t, **op)
     return t
 
 
-def all_max(t: torch.Tensor) -> torch.Tensor:
-    """Elementwise maximum over ranks, as a new tensor (t is never changed); t itself in one process."""
-    if world() > 1:
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+all_max = functools.partial(all_sum, op=dist.ReduceOp.MAX)  # elementwise maximum over ranks
 
 
 def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
