@@ -212,8 +212,7 @@ class Batch:
 
 def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: bool) -> Batch:
     """Token tensors for `examples`, the window holding the targets (SFT) or mask ids. Text prompts are left-padded
-    to the longest: build the global batch on every rank and take rows (Batch.rows), so padding and logits do not
-    depend on the world size."""
+    to the longest: every rank builds the global batch and takes its rows (Batch.rows), whatever the world size."""
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
     toy = TASKS[task].toy  # toy: BOS + question, the answer padded with EOS; benchmarks: the chat template

@@ -452,8 +452,7 @@ def _run(cfg: Config, argv) -> dict:
             times = {"seconds": time.time() - t0, "cpu_s": time.process_time() - cpu0, **_SECONDS}
             _SECONDS.clear()  # the next step's phases count from zero
             run.record(step, log, times, rolls, ctx.tok, ctx.ids, track)  # log.jsonl, times.jsonl, the tracker
-        nothing_trained = all_skipped(run)
-        if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported
+        if nothing_trained := all_skipped(run):  # every step skipped (a scorer down): no model, no "after"
             raise TrainingStopped(nothing_trained)
     summary, after = held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds)
     closing_summary(run, time.time() - t_start)
