@@ -334,7 +334,6 @@ class Run:
         self.cfg, self.model, self.opt, self.device = cfg, model, opt, device
         self.out = Path(cfg.out_dir)
         self.identity = reference_identity(cfg)
-        # What a resumed run continues from (_check_out_dir has refused incompatible settings already).
         self.state = {"step": 0, "before": None, "before_by_prompt": None, "bad_steps": 0, "bad_run": 0,
                       "rl_seconds": 0.0, "last_good": None, "grid_before": None}
         last = resume_point(self.out, quiet=False) if cfg.resume and checkpoint.latest(self.out) else None
@@ -349,8 +348,7 @@ class Run:
             print0(f"resumed from {last} at step {self.state['step']}" + "".join(
                 f"; {k} changes from {a} to {b} at this step (log.jsonl records it)"
                 for k, (a, b) in self.changed.items()))
-            same = [k for k in resume_changes(cfg) if k not in self.changed]
-            if same:
+            if same := [k for k in resume_changes(cfg) if k not in self.changed]:
                 print0(f"warning: --change_on_resume names {', '.join(same)}, which the run already has; nothing "
                        "changes")
         elif cfg.resume:
@@ -375,9 +373,8 @@ class Run:
 
     def __exit__(self, kind, exc, tb):
         self.rl_end = self.rl_seconds()
-        for f in (self.logf, self.timef):
-            if f:
-                f.close()
+        for f in filter(None, (self.logf, self.timef)):
+            f.close()
         return self._steps.__exit__(kind, exc, tb)
 
     def rl_seconds(self) -> float:
@@ -409,19 +406,15 @@ class Run:
                 f"{t} reward {log[f'{t}/reward']:.3f} loss {log[f'{t}/loss']:+.4f} clip {log[f'{t}/clipfrac']:.3f} "
                 f"kl {log[f'{t}/kl']:.4f}" for t in sorted(k.split("/")[0] for k in log if k.endswith("/reward"))),
                 f"{seconds:.1f}s"]) + eta)
-        if bad:
-            self._warn(step, log)
-        self.state["bad_run"] = self.state["bad_run"] + 1 if bad else 0
-        self.state["bad_steps"] += bad
-        return self.state["bad_steps"]
-
-    def _warn(self, step: int, log: dict) -> None:
         if "bad_reward" in log:
             self.last_bad = log["bad_reward"]
             print0(f"warning: step {step} skipped: {log['bad_reward']}")
-        else:
+        elif bad:
             print0(f"warning: step {step}: {log['skipped_updates']} of {self.cfg.mu} updates skipped for a non-finite "
                    f"loss or gradient norm (largest gradient norm {log.get('grad_norm_max')}); the others stand")
+        self.state["bad_run"] = self.state["bad_run"] + 1 if bad else 0
+        self.state["bad_steps"] += bad
+        return self.state["bad_steps"]
 
     def after_step(self, step: int, rolls: list, tok, ids) -> None:
         """Stop after max_bad_steps bad steps in a row; show a sample; checkpoint on cadence or on a signal."""
@@ -451,8 +444,7 @@ class Run:
     def _save_checkpoint(self, step: int) -> Path:
         saved = {**self.state, "step": step, "config": asdict(self.cfg), "reference": self.identity,
                  "world_size": scale.world(), "rl_seconds": self.rl_seconds()}
-        # After a good step the checkpoint being written is itself the last good one (the newest, which
-        # rotation keeps): the previous one needs no protection, or --keep_last=1 would keep two.
+        # after a good step the new checkpoint is the last good one: protecting the old would keep two (keep_last=1)
         protect = self.state["last_good"] if self.state["bad_run"] else None
         try:
             path = checkpoint.save(self.out, step, self.model, self.opt, saved, keep_last=self.cfg.keep_last,
