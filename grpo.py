@@ -24,7 +24,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, 
     adv = R - R.mean(dim=1, keepdim=True)  # (num_groups, G)
     if scale_by_std:
         adv = adv / (R.std(dim=1, keepdim=True) + eps)
-    # An equal-reward group carries no signal; R - mean is not exactly 0 in floating point: exactly 0, never NaN.
+    # An equal-reward group carries no signal: exactly 0 (R - mean is not, in floating point), never NaN.
     adv = torch.where((R == R[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv)
     return adv.reshape(-1)
 

@@ -48,14 +48,13 @@ def generator(device, *parts) -> torch.Generator:
 
 @torch.no_grad()
 def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=None):
-    """Step 1: (tasks.Batch `prompts` with the policy's samples in its windows, the decoding order (B, L): the
-    sampler step that revealed each position, -1 for the prompt). gens: one generator per row; text_sampler: None =
-    generate (the exact sampler), or a FastSampler."""
+    """Step 1: (the tasks.Batch with the policy's samples in its windows, the decoding order (B, L): the step
+    that revealed each position, -1 for the prompt). gens: a generator per row; text_sampler: None = generate."""
     cfg, ids, xs, orders = ctx.cfg, ctx.ids, [], []
     with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout
         for rows in scale.chunks(len(gens), cfg.device_batch_size):
             c, g = prompts.rows(rows), gens[rows]
-            if c.uncond is not None:  # an image batch (tasks.make_batch): CFG's empty-caption prompt
+            if c.uncond is not None:  # an image batch (CFG's empty caption: tasks.make_batch)
                 x, order = generate_image(
                     model, c.x, image_start=c.prompt_len, num_tokens=c.window, steps=cfg.image_steps,
                     sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale, uncond_input_ids=c.uncond, generator=g,

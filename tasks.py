@@ -157,7 +157,7 @@ TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
 def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none"):
-    """The rewards.py function that scores `task`, named by the setting its TASKS entry picks by (geneval: None, the
+    """The rewards.py function scoring `task`, named by the setting its TASKS entry picks by (geneval: None, a
     remote scorer). One a task lacks is an error (train.parse_args asks at start-up)."""
     t = TASKS[task]
     name = {"text_reward": text_reward, "reward_shaping": reward_shaping, "": next(iter(t.reward), None)}[t.picked_by]

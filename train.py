@@ -301,7 +301,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         gens = [generator(device, cfg.seed, "rollout", p.task, step, i) for i in p.index]
         with timed("rollout"):
             batch, order = rollout(model, p, ctx, gens, cfg.temperature, ctx.text_sampler)
-        # 2. rewards from the task's verifier (geneval: the remote scorer), of every rank: a group is one whole
+        # 2. rewards from the task's verifier (geneval: a remote scorer), of every rank's rows
         verify = tasks.verifier(p.task, cfg.text_reward, cfg.reward_shaping)
         with timed("reward"):
             r = tasks.score(batch, verify, ctx.tok, ctx.ids, ctx.scorer).to(device)
@@ -309,11 +309,11 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         check_rewards(r, p.task, cfg.group_size)
         # 3. advantages within each group of G (GRPO, arXiv:2402.03300 §4.1.2)
         adv = grpo.group_advantages(r, cfg.group_size, scale_by_std=cfg.adv_scaled)        # (B_global,)
-        # 4. the estimator's views (default importance.maskgrpo_views): K masked inputs, the positions each scores
+        # 4. the estimator's views (importance.maskgrpo_views): K masked inputs, the positions each scores
         views = importance.VIEWS[cfg.estimator](batch, order, cfg, image=p.task in IMAGE_TASKS, step=step,
                                                 seq_index=p.index, eos_id=ctx.ids.eos, mask_id=ctx.ids.mask,
                                                 all_max=scale.all_max)
-        # 5. old and reference log-probs on the same inputs; with LoRA one all-gather serves both (ref.policy)
+        # 5. old and reference log-probs on the same inputs (LoRA: one all-gather serves both)
         shared = getattr(ref, "policy", None) is model
         with scale.full_weights(model) if shared else contextlib.nullcontext(), timed("logprob"):
             logp_old = frozen_logprobs(model, batch, views, ctx)
