@@ -366,7 +366,7 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
     cfg, b, v = ctx.cfg, e.batch, e.views
     adv = e.adv[b.index].to(b.x.device)                                                    # (B,)
     scored = v.updates[j]
-    # the terms: scored tokens ("token") or sequences with one ("sequence"), unless the views set the count
+    # the terms: scored tokens, or sequences with one (--loss_norm), unless the views count them
     terms = [m.sum() if cfg.loss_norm == "token" else m.any(-1).sum() for m in (v.loss_masks[k] for k in scored)]
     n = scale.all_sum(torch.as_tensor(sum(terms) if v.norm is None else v.norm).float()).clamp(min=1)
     sums = {}
