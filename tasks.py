@@ -160,11 +160,14 @@ def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none
     """The rewards.py function scoring `task`, named by the setting its TASKS entry picks by (geneval: None, a
     remote scorer). One a task lacks is an error (train.parse_args asks at start-up)."""
     t = TASKS[task]
-    name = {"text_reward": text_reward, "reward_shaping": reward_shaping, "": next(iter(t.reward), None)}[t.picked_by]
-    if name not in t.reward and t.reward:
+    if not t.picked_by:  # the toy image task's one verifier (more is an error, never a pick); geneval: None
+        (verify,) = t.reward.values() if t.reward else [None]
+        return verify
+    name = {"text_reward": text_reward, "reward_shaping": reward_shaping}[t.picked_by]
+    if name not in t.reward:
         raise ValueError(f"--{t.picked_by}={name} names no verifier of task {task}: pass "
                          f"{' or '.join(f'--{t.picked_by}={k}' for k in t.reward)}, or drop {task} from --tasks")
-    return t.reward.get(name)
+    return t.reward[name]
 
 
 def score(b, verify, tok, ids, scorer=None) -> torch.Tensor:
