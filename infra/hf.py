@@ -1,9 +1,6 @@
-"""The LLaDA checkpoint format (config.json, sharded safetensors, tokenizer.json) and LoRA adapters.
-
-A checkpoint key is HF_PREFIX + our state-dict key, so a folder save_pretrained writes loads in the public LLaDA
-code and a released LLaDA-8B / MMaDA-8B folder loads here (tests/test_model.py: logits of a public checkpoint).
-LoRA (arXiv:2106.09685) learns y = W x + (alpha / r) B A x on a frozen W; MaskGRPO trains LLaDA-8B so, and its
-reference policy is the same network with the adapters off (AdaptersOff), so no second copy is held.
+"""The LLaDA checkpoint format (config.json, sharded safetensors, tokenizer.json; a key is HF_PREFIX + our
+state-dict key, so folders load both ways: tests/test_model.py) and LoRA adapters (arXiv:2106.09685), with
+which MaskGRPO trains LLaDA-8B; its reference policy is the same network with the adapters off (AdaptersOff).
 
     model = add_lora(from_pretrained(path, device="cuda", dtype=torch.bfloat16), rank=128, alpha=64)
     save_adapters(model, "out/final")
@@ -35,14 +32,18 @@ HF_PREFIX = "model.transformer."
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-# config.json values the reference code accepts that would change the architecture: we implement the released
-# LLaDA/MMaDA one only, so anything else is refused up front.
+# config.json values that would change the architecture: only the released LLaDA/MMaDA one is implemented.
 _REQUIRED_VALUES = {
     "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
     "alibi": False, "weight_tying": False, "include_bias": False, "attention_layer_norm": False,
     "input_emb_norm": False, "scale_logits": False, "block_group_size": 1,
 }
 _ZERO_FIELDS = ("attention_dropout", "residual_dropout", "embedding_dropout")
+
+
+def is_run_settings(saved) -> bool:
+    """Whether a config.json's content is train.py's settings (a run's out_dir) rather than a model's."""
+    return isinstance(saved, dict) and "rl_steps" in saved and "out_dir" in saved
 
 
 def read_json(file, fix: str = "re-copy it from where it came from"):
@@ -77,7 +78,7 @@ def read_config(path) -> ModelConfig:
         raise FileNotFoundError(f"{file} not found: a LLaDA/MMaDA checkpoint directory holds config.json")
     try:
         hf = read_json(file, "re-copy the checkpoint's config.json")
-        if "rl_steps" in hf and "out_dir" in hf:  # train.py's settings: a run's out_dir, whose model is final/
+        if is_run_settings(hf):  # a run's out_dir, whose model is final/
             raise ValueError(f"{file} holds a training run's settings, not a model's: {path} is a run's out_dir; "
                              f"did you mean {Path(path) / 'final'}?")
         return config_from_hf(hf)
@@ -135,36 +136,24 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
     """The config.json the public LLaDA code reads (every field it needs)."""
     hf = {
-        "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0,
-        "architectures": ["LLaDAModelLM"], "attention_dropout": 0.0, "attention_layer_norm": False,
-        "attention_layer_norm_with_affine": True, "bias_for_layer_norm": False,
-        "block_group_size": 1, "block_type": "llama", "embedding_dropout": 0.0,
-        "flash_attention": False, "include_bias": False, "include_qkv_bias": False,
-        "init_cutoff_factor": None, "init_device": "meta", "init_fn": "mitchell", "init_std": 0.02,
-        "input_emb_norm": False, "layer_norm_type": "rms", "layer_norm_with_affine": True,
-        "mlp_ratio": 4, "model_type": "llada", "multi_query_attention": None, "precision": None,
-        "residual_dropout": 0.0, "rope": True, "rope_full_precision": True, "scale_logits": False,
-        "use_cache": False, "weight_tying": False,
+        **_REQUIRED_VALUES, **dict.fromkeys(_ZERO_FIELDS, 0.0), "include_qkv_bias": False, "alibi_bias_max": 8.0,
+        "architectures": ["LLaDAModelLM"], "attention_layer_norm_with_affine": True, "bias_for_layer_norm": False,
+        "flash_attention": False, "init_cutoff_factor": None, "init_device": "meta", "init_fn": "mitchell",
+        "init_std": 0.02, "layer_norm_with_affine": True, "mlp_ratio": 4, "model_type": "llada",
+        "multi_query_attention": None, "precision": None, "rope_full_precision": True, "use_cache": False,
     }
     hf.update(config.extra)  # fields read from a loaded checkpoint win over our defaults
-    hf.update({
-        "d_model": config.d_model, "n_layers": config.n_layers, "n_heads": config.n_heads,
-        "n_kv_heads": config.n_kv_heads, "mlp_hidden_size": config.mlp_hidden_size,
-        "vocab_size": config.extra.get("vocab_size", config.vocab_size),
-        "embedding_size": config.vocab_size, "max_sequence_length": config.max_sequence_length,
-        "rope_theta": config.rope_theta, "rms_norm_eps": config.rms_norm_eps,
-        "mask_token_id": config.mask_token_id, "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id, "torch_dtype": str(dtype).removeprefix("torch."),
-    })
-    for k in ("bos_token_id", "image_token_offset", "codebook_size"):
-        if getattr(config, k) is not None:
-            hf[k] = getattr(config, k)
+    hf.update({k: getattr(config, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size",
+               "max_sequence_length", "rope_theta", "rms_norm_eps", "mask_token_id", "eos_token_id", "pad_token_id")})
+    hf.update({k: getattr(config, k) for k in ("bos_token_id", "image_token_offset", "codebook_size")
+               if getattr(config, k) is not None})
+    hf.update(vocab_size=config.extra.get("vocab_size", config.vocab_size), embedding_size=config.vocab_size,
+              torch_dtype=str(dtype).removeprefix("torch."))
     return dict(sorted(hf.items()))
 
 
 def from_pretrained(path, device="cpu", dtype=torch.float32) -> Transformer:
-    """Load a LLaDA/MMaDA checkpoint directory, built on the meta device with each tensor read straight into
-    `dtype` on `device`, so an 8B bf16 load never holds a float32 copy or a second set of weights."""
+    """Load a LLaDA/MMaDA checkpoint directory, each tensor read straight into `dtype` on `device` (no copy)."""
     config, tensors = read_checkpoint(path, device)
     with torch.device("meta"):
         model = Transformer(config)
@@ -173,8 +162,7 @@ def from_pretrained(path, device="cpu", dtype=torch.float32) -> Transformer:
 
 
 def save_pretrained(model: Transformer, path, max_shard_bytes: int = 4 << 30, state_dict: dict | None = None) -> None:
-    """Write config.json, model-0000K-of-0000N.safetensors and their index, the layout the public LLaDA code
-    loads. state_dict: the tensors to write instead of model.state_dict() (the full state gathered from FSDP2)."""
+    """Write config.json, model-0000K-of-0000N.safetensors and their index; state_dict: FSDP2's gathered state."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state_dict = model.state_dict() if state_dict is None else state_dict
@@ -183,8 +171,7 @@ def save_pretrained(model: Transformer, path, max_shard_bytes: int = 4 << 30, st
     for key in sorted(tensors):
         nbytes = tensors[key].numel() * tensors[key].element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
+            shards, size = shards + [{}], 0
         shards[-1][key] = tensors[key]
         size += nbytes
     dtype = next(iter(tensors.values())).dtype
@@ -201,20 +188,32 @@ def save_pretrained(model: Transformer, path, max_shard_bytes: int = 4 << 30, st
 
 
 def same_mode(file: Path, like: Path) -> None:
-    """Give `file` the mode of `like`, written beside it by open() under the umask: safetensors creates its
-    files 0600, which would leave a shared checkpoint's weights unreadable to the group."""
+    """Give `file` the mode of `like` (written by open() under the umask): safetensors creates files 0600."""
     os.chmod(file, stat.S_IMODE(os.stat(like).st_mode))
 
 
 def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """(config, tensors): tensors yields (state-dict key, stored tensor on `device`) one at a time, for a caller
-    to keep what it needs (the tensor, or one rank's shard). Keys are checked up front, shapes as they come."""
+    """(config, tensors yielding (state-dict key, tensor on `device`) one at a time); keys checked up front."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass the folder that "
                                 "holds config.json and the *.safetensors files")
     config = read_config(path)
-    weight_map = _weight_map(path)
+    index = path / INDEX_NAME  # tensor key -> shard file name, else every key in model.safetensors
+    if index.is_file():
+        weight_map = read_json(index, "re-download or re-copy the checkpoint").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map' dict")
+        absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if absent:
+            raise FileNotFoundError(f"{index} names shard files that are missing: {absent}; "
+                                    "re-download or re-copy the checkpoint")
+    elif (path / SINGLE_NAME).is_file():
+        with _safetensors_file(path / SINGLE_NAME) as f:
+            weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
+    else:
+        raise FileNotFoundError(f"no {INDEX_NAME} or {SINGLE_NAME} in {path}; a LLaDA checkpoint stores its "
+                                "weights as safetensors")
     with torch.device("meta"):
         expected = {HF_PREFIX + k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     missing = sorted(set(expected) - set(weight_map))
@@ -240,27 +239,8 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
     return config, tensors()
 
 
-def _weight_map(path: Path) -> dict[str, str]:
-    """Tensor key -> shard file name, from the index when there is one, else from model.safetensors."""
-    if (path / INDEX_NAME).is_file():
-        weight_map = read_json(path / INDEX_NAME, "re-download or re-copy the checkpoint").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{path / INDEX_NAME} has no 'weight_map' dict")
-        absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
-        if absent:
-            raise FileNotFoundError(f"{path / INDEX_NAME} names shard files that are missing: {absent}; "
-                                    "re-download or re-copy the checkpoint")
-        return weight_map
-    if (path / SINGLE_NAME).is_file():
-        with _safetensors_file(path / SINGLE_NAME) as f:
-            return {k: SINGLE_NAME for k in f.keys()}
-    raise FileNotFoundError(f"no {INDEX_NAME} or {SINGLE_NAME} in {path}; a LLaDA checkpoint stores its "
-                            "weights as safetensors")
-
-
 def load_tokenizer(path, model_config: ModelConfig | None = None):
-    """tokenizer.json of a checkpoint directory (or the file); with a model config, checks that every token id
-    it can emit has an embedding row."""
+    """tokenizer.json of a checkpoint directory (or the file), checked to fit model_config's embedding rows."""
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
@@ -270,26 +250,24 @@ def load_tokenizer(path, model_config: ModelConfig | None = None):
     except Exception as e:  # the tokenizers library raises a bare Exception ("expected ident at line 1 ...")
         raise ValueError(f"{file} is not a valid tokenizer.json ({e}); re-copy it from the checkpoint's "
                          "source") from None
-    if model_config is not None and tok.get_vocab_size(with_added_tokens=True) > model_config.vocab_size:
-        raise ValueError(f"tokenizer {file} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the "
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if model_config is not None and n > model_config.vocab_size:
+        raise ValueError(f"tokenizer {file} has {n} tokens but the "
                          f"model has only {model_config.vocab_size} embedding rows; they come from different "
                          "checkpoints")
     return tok
 
 
 def token_ids(tok: Tokenizer, config: ModelConfig) -> TokenIds:
-    """The special ids of a released LLaDA/MMaDA checkpoint: from its config.json, and MMaDA's image markers
-    from its tokenizer by name (None for a text-only LLaDA, which has none)."""
+    """The special ids of a LLaDA/MMaDA checkpoint: its config's, and MMaDA's image markers by name (or None)."""
     return TokenIds(bos=config.bos_token_id, eos=config.eos_token_id, pad=config.pad_token_id,
                     mask=config.mask_token_id, vocab_size=config.vocab_size, t2i=tok.token_to_id("<|t2i|>"),
                     soi=tok.token_to_id("<|soi|>"), eoi=tok.token_to_id("<|eoi|>"), ipad=tok.token_to_id("[iPAD]"),
                     image_token_offset=config.image_token_offset, codebook_size=config.codebook_size)
 
 
-# LoRA. The seven nn.Linear of a LLaDA block (add_lora looks only inside model.blocks, so the head, also named
-# ff_out, is never matched): 335,544,320 adapter parameters at LLaDA-8B and r = 128. The official run
-# (martian422/MaskGRPO) lists Llama names, of which peft finds only the "official" four in a LLaDA/MMaDA block,
-# half as many (docs/differences.md, "LoRA targets"). Config.lora_targets picks the set.
+# LoRA on the seven nn.Linear of a LLaDA block (the head, also named ff_out, is outside model.blocks), or on the
+# four of the official run's Llama names that peft finds in one (docs/differences.md, "LoRA targets").
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
 OFFICIAL_TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj")
 TARGET_SETS = {"all": LORA_TARGETS, "official": OFFICIAL_TARGETS}
@@ -297,13 +275,12 @@ ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapters.safetensors", "adapters.json"
 
 
 class LoRALinear(nn.Linear):
-    """nn.Linear plus an adapter: adopts the base `weight` (no copy, same key) and adds `lora_A` (r, in) and
-    `lora_B` (out, r), kept float32 under a bf16 base (AdamW's small steps would vanish in bf16's spacing)."""
+    """nn.Linear (the base `weight`, adopted) plus `lora_A` (r, in) and `lora_B` (out, r) in float32, where
+    AdamW's small steps do not vanish in bf16's spacing."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
                  generator: torch.Generator | None = None):
-        # On the meta device nn.Linear allocates no second weight; the base Parameters replace it just below.
-        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")  # no copy
         self.weight, self.bias = base.weight, base.bias
         self.rank, self.alpha, self.lora_dropout = rank, alpha, dropout
         self.scaling = alpha / rank  # LoRA §4.1: dividing by r keeps the update size stable across ranks
@@ -336,8 +313,7 @@ def _adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 
 def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS,
              generator: torch.Generator | None = None) -> nn.Module:
-    """Wrap the nn.Linear of each block named in `targets` in LoRALinear and freeze the rest, in place, before
-    any FSDP wrap or optimizer. `generator` draws every lora_A (default: seeded 0, never the global RNG)."""
+    """Wrap each block's nn.Linear named in `targets` in LoRALinear and freeze the rest, before any FSDP wrap."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank ({rank!r}) must be an integer >= 1; the official recipe uses rank=128")
     if not alpha > 0:
@@ -369,9 +345,9 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def lora_stats(model: nn.Module) -> dict:
     """Counts for a startup log line: adapted modules, adapter parameters, all parameters."""
-    n_lora = sum(m.lora_A.numel() + m.lora_B.numel() for _, m in _adapted(model))
-    n_total = sum(p.numel() for p in model.parameters())
-    return {"modules": len(_adapted(model)), "lora_params": n_lora, "total_params": n_total}
+    mods = [m for _, m in _adapted(model)]
+    return {"modules": len(mods), "lora_params": sum(m.lora_A.numel() + m.lora_B.numel() for m in mods),
+            "total_params": sum(p.numel() for p in model.parameters())}
 
 
 @contextmanager
@@ -388,8 +364,7 @@ def adapters_disabled(model: nn.Module):
 
 
 class AdaptersOff(nn.Module):
-    """A LoRA run's reference policy: the policy itself with its adapters off, so no second copy of the base
-    model is held (MaskGRPO's setup). Other attributes are the policy's."""
+    """A LoRA run's reference policy: the policy with its adapters off (no second copy of the base model)."""
 
     def __init__(self, policy: nn.Module):
         super().__init__()
@@ -428,8 +403,7 @@ def save_adapters(model: nn.Module, path) -> None:
 
 
 def load_adapters(model: nn.Module, path) -> nn.Module:
-    """Load adapters written by save_adapters; a model without adapters gets them first (add_lora with the saved
-    settings), an adapted one must match the saved names, shapes and alpha."""
+    """Load save_adapters' output into the model's adapters (added with the saved settings when it has none)."""
     path = Path(path)
     for f in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
         if not (path / f).is_file():
@@ -460,14 +434,13 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold each adapter into its weight, W <- W + (alpha / r) B A in float32 rounded once, and make it a frozen
-    nn.Linear again, so save_pretrained writes LLaDA's key set. In bf16, updates under half of W's spacing
-    vanish: save_adapters' output is the exact record."""
+    """Fold each adapter into a plain nn.Linear, W <- W + (alpha / r) B A in float32 rounded once (in bf16 the
+    smallest updates vanish: save_adapters' output is the exact record)."""
     for name, m in _adapted(model):
         parent, _, child = name.rpartition(".")
         delta = m.scaling * (m.lora_B.float() @ m.lora_A.float())                 # (out, in)
         m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
-        with torch.device("meta"):  # as in LoRALinear.__init__: adopt the Parameters, allocate nothing
+        with torch.device("meta"):  # adopt the Parameters, allocate nothing
             plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
         plain.weight, plain.bias = m.weight, m.bias
         plain.train(m.training)

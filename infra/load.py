@@ -63,8 +63,8 @@ def sft_dir_of(cfg) -> Path:
 
 
 def check_sft_cache(cfg) -> bool:
-    """True when sft_dir holds an SFT model trained with cfg's settings, False when none; another is refused,
-    naming what differs, unless --retrain_sft=true: runs may share one, and SFT can take an hour."""
+    """Whether sft_dir holds an SFT model trained with cfg's settings (runs share one: SFT can take an hour); one
+    trained otherwise is refused, naming what differs, unless --retrain_sft=true."""
     sft_dir = sft_dir_of(cfg)
     meta_file = sft_dir / "sft_meta.json"
     if meta_file.is_file():
@@ -86,8 +86,13 @@ def check_sft_cache(cfg) -> bool:
                          "this code wrote, and it is left as it is; pass --sft_dir=a new or empty folder")
     else:
         return False
-    owner = other_run_of(sft_dir, cfg)
-    if owner is not None:  # --retrain_sft would replace the model that run was trained from: never offered
+    owner = sft_dir.parent  # a run whose own SFT model (RUN/sft, or its --sft_dir) this is: never replaced
+    try:
+        saved = hf.read_json(owner / "config.json")
+    except (OSError, ValueError):
+        saved = None
+    if (hf.is_run_settings(saved) and owner.resolve() != Path(cfg.out_dir).resolve()
+            and Path(saved.get("sft_dir") or owner / "sft").resolve() == sft_dir.resolve()):
         raise ValueError(f"sft_dir {sft_dir} is the SFT model of the run in {owner} and {problem}; a run never "
                          f"replaces another run's files, so --retrain_sft does not apply: give this run its own "
                          f"--sft_dir (e.g. --sft_dir={Path(cfg.out_dir) / 'sft'}), or drop --sft_dir")
@@ -97,25 +102,9 @@ def check_sft_cache(cfg) -> bool:
     return False
 
 
-def other_run_of(sft_dir: Path, cfg) -> Path | None:
-    """The out_dir of another run whose own SFT model sft_dir is (RUN/sft, or its --sft_dir), or None."""
-    run_dir = sft_dir.parent
-    if run_dir.resolve() == Path(cfg.out_dir).resolve():
-        return None
-    try:
-        saved = hf.read_json(run_dir / "config.json")
-    except (OSError, ValueError):
-        return None
-    if "rl_steps" not in saved or "out_dir" not in saved:  # a model's config.json: not a run
-        return None
-    own = Path(saved["sft_dir"]) if saved.get("sft_dir") else run_dir / "sft"
-    return run_dir if own.resolve() == sft_dir.resolve() else None
-
-
 def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
-    """(directory, SFT seconds) of the toy SFT model: sft_dir when it matches cfg, else trained now by
-    `sft(model, tok, ids, cfg, device) -> seconds` on rank 0 while the other ranks wait. Written into a temporary
-    folder that replaces sft_dir by rename once complete: a crash leaves the old model, or none, never a mix."""
+    """(directory, SFT seconds) of the toy SFT model: sft_dir when it matches cfg, else trained now by `sft` on
+    rank 0 and renamed onto sft_dir once complete (a crash leaves the old model or none, never a mix)."""
     sft_dir = sft_dir_of(cfg)
     cached = check_sft_cache(cfg)
     if not cached and scale.rank() == 0:
@@ -156,8 +145,7 @@ def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
 
 
 def find_model(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
-    """(checkpoint directory, tokenizer, special ids, SFT seconds) to start from: init_from, or for the toy
-    out_dir/sft (trained first when missing or stale)."""
+    """(checkpoint directory, tokenizer, special ids, SFT seconds) to start from: init_from, or the toy SFT model."""
     if cfg.init_from == "scratch":
         tok = toy.build_tokenizer()
         ids = tasks.token_ids(tok)
@@ -176,14 +164,12 @@ def load_model(cfg, device, dtype, sft):
 
 
 def load_policy(cfg, device, dtype, sft):
-    """(policy, reference, tokenizer, special ids, SFT seconds), sharded under torchrun and ready to train.
-
-    Full fine-tuning keeps float32 master weights (AdamW's steps at lr 3e-6 would round away in bf16); FSDP2
-    computes in `dtype` from them, one process in float32. The reference (only when beta > 0) is the policy with
-    its adapters off under LoRA (no second copy), else a frozen second copy of the starting model."""
+    """(policy, reference or None when beta = 0, tokenizer, special ids, SFT seconds), sharded under torchrun.
+    Full fine-tuning keeps float32 master weights: AdamW's steps at lr 3e-6 would round away in bf16."""
     master = torch.float32 if cfg.lora_rank == 0 else dtype
     if master != dtype:
-        print0(f"full fine-tuning: float32 master weights, {'bf16 compute (FSDP2)' if scale.world() > 1 else 'float32 compute'}")
+        compute = "bf16 compute (FSDP2)" if scale.world() > 1 else "float32 compute"
+        print0(f"full fine-tuning: float32 master weights, {compute}")
     path, tok, ids, sft_seconds = find_model(cfg, device, master, sft)
     model = load_sharded(path, device, master, dtype, (lambda m: add_lora(m, cfg)) if cfg.lora_rank else None)
     if cfg.lora_rank:
@@ -198,11 +184,8 @@ def load_policy(cfg, device, dtype, sft):
 
 
 def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
-    """hf.from_pretrained(path) in `dtype`, then adapt(model) (LoRA, freezing), then scale.shard(model).
-
-    Under torchrun no rank holds the whole model (32 GB in float32 for LLaDA-8B): the model is built, adapted
-    and sharded on the meta device, each rank allocates its shards on `device`, and each checkpoint tensor is
-    read on the CPU, one at a time, for every rank to copy in its own rows (scale.fill_shard)."""
+    """hf.from_pretrained(path) in `dtype`, adapt(model), scale.shard(model); under torchrun no rank holds the
+    whole model: it is sharded on the meta device and each rank copies its rows of each tensor in (fill_shard)."""
     if scale.world() == 1:
         model = hf.from_pretrained(path, device=device, dtype=dtype)
         return adapt(model) if adapt else model
@@ -222,9 +205,8 @@ def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
 
 
 def _adapt_on_meta(model: Transformer, adapt) -> dict[str, torch.Tensor]:
-    """adapt(model) on a meta model, returning the parameters it added (lora_A, lora_B) with their values on the
-    CPU: adapt runs on empty CPU stand-ins (on meta LoRALinear's draws would be lost), then the meta weights
-    go back, frozen as adapt left them."""
+    """adapt(model) on a meta model, run on empty CPU stand-ins (on meta LoRA's draws would be lost); returns the
+    parameters it added with their CPU values."""
     def put(name, p):
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, p)
@@ -244,8 +226,7 @@ def _adapt_on_meta(model: Transformer, adapt) -> dict[str, torch.Tensor]:
 
 
 def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
-    """The policy as a LLaDA model folder with tokenizer.json and generation.json, weights in `dtype`; with LoRA,
-    adapters.safetensors (the exact record) beside the merged weights. A collective: rank 0 writes."""
+    """The policy as a LLaDA model folder (with LoRA, its adapters beside the merged weights); rank 0 writes."""
     state = scale.full_state_dict(model)
     if scale.rank() != 0:
         return
@@ -274,9 +255,8 @@ FINGERPRINT_BLOCKS, BLOCK_BYTES = 256, 1 << 16  # up to 16 MiB read per weight f
 
 
 def file_fingerprint(f: Path, digest) -> None:
-    """Feed digest with f's size and content, or FINGERPRINT_BLOCKS evenly spaced blocks of a larger file (the
-    first holds the safetensors header): hashing 16 GB at every start would take minutes, and a block every few
-    hundred MB differs between any two trained models in practice."""
+    """Feed digest with f's size and content, or FINGERPRINT_BLOCKS evenly spaced blocks of a larger file: hashing
+    16 GB at every start would take minutes, and a block every few hundred MB tells trained models apart."""
     size = f.stat().st_size
     digest.update(f"{size}:".encode())
     with open(f, "rb") as fh:
@@ -289,8 +269,7 @@ def file_fingerprint(f: Path, digest) -> None:
 
 
 def reference_identity(cfg) -> dict:
-    """The reference policy (the starting point): the SFT cache key, or a fingerprint of the init_from content,
-    so a resumed run cannot silently change its KL anchor while a copy of the same model elsewhere resumes."""
+    """The starting model (the KL anchor) a resume must keep: the SFT cache key, or init_from's content."""
     if cfg.init_from == "scratch":
         meta = sft_dir_of(cfg) / "sft_meta.json"
         return {"sft_meta": hf.read_json(meta) if meta.is_file() else None}
@@ -306,8 +285,7 @@ def reference_identity(cfg) -> dict:
 
 
 def report_truncation(cfg, tok, datasets: dict) -> dict:
-    """{(task, split): (cut, total, longest)} of the benchmark prompts --max_prompt_len cuts (tasks.make_batch
-    keeps their last tokens, as the official code), printed when any is cut."""
+    """{(task, split): (cut, total, longest)} of the prompts --max_prompt_len cuts to their last tokens, printed."""
     cut = {}
     for task, splits in datasets.items():
         if task in IMAGE_TASKS:
@@ -325,8 +303,7 @@ def report_truncation(cfg, tok, datasets: dict) -> dict:
 
 
 def refuse_training_checkpoint(path, flag: str) -> None:
-    """A training checkpoint (DCP shards and state.json) given where a model folder is needed: one line with the
-    command that turns it into one."""
+    """Refuse a training checkpoint given where a model folder is needed, naming the command that converts it."""
     path = Path(path)
     if (path / "state.json").is_file() and not (path / "config.json").is_file():
         raise ValueError(f"{flag} {path} is a training checkpoint (model and optimizer shards), not a model folder; "
@@ -335,8 +312,7 @@ def refuse_training_checkpoint(path, flag: str) -> None:
 
 
 def export_checkpoint(ckpt, dest) -> Path:
-    """Write the policy of checkpoint `ckpt` as a new model folder `dest` laid out as out_dir/final. The run's
-    starting model must still be there, unchanged: the checkpoint holds only the trained tensors."""
+    """Write checkpoint `ckpt`'s policy as a new model folder `dest`, from the run's unchanged starting model."""
     ckpt, dest = Path(ckpt), Path(dest)
     if not (ckpt / "state.json").is_file():
         raise ValueError(f"{ckpt} is not a complete checkpoint (no state.json); pass a folder "
@@ -361,8 +337,7 @@ def export_checkpoint(ckpt, dest) -> Path:
     model = add_lora(model, cfg) if cfg.lora_rank else model
     opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=cfg.lr)  # DCP restores model and optimizer together
     checkpoint.load(ckpt, model, opt, trainable_only=cfg.lora_rank > 0)
-    # final/'s dtype: the run's compute dtype (float32 for the toy on CPU; bf16 for LLaDA's weights).
-    dtype = torch.float32 if cfg.init_from == "scratch" or cfg.dtype == "float32" else torch.bfloat16
+    dtype = torch.float32 if cfg.init_from == "scratch" or cfg.dtype == "float32" else torch.bfloat16  # as final/
     # Written beside dest, then renamed onto it (a rename replaces only an empty folder): another export to the
     # same dest at the same time makes this one fail, never a folder mixing the files of two.
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -391,7 +366,8 @@ def main(argv=None) -> Path:
         raise ValueError("pass a checkpoint and a new folder: python -m infra.load OUT_DIR/checkpoints/step-N DEST")
     # ~ as a shell user means it (a shell leaves it alone inside a word)
     dest = export_checkpoint(Path(args.checkpoint).expanduser(), Path(args.dest).expanduser())
-    print(f"wrote {dest}: python -m tools.sample --ckpt={dest} --prompt=\"...\"; python evaluate.py --ckpt={dest} --task=TASK")
+    print(f"wrote {dest}: python -m tools.sample --ckpt={dest} --prompt=\"...\"; "
+          f"python evaluate.py --ckpt={dest} --task=TASK")
     return dest
 
 

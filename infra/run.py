@@ -1,6 +1,5 @@
-"""The run's lifecycle around train.py's loop: start-up and its refusals (start), the Run (log.jsonl, checkpoints,
-resume, the bad-step guard, signals, the final save) and machine failures in one line. Every rank makes the same
-decisions: flags are reduced over ranks before they are acted on. The out_dir's paths are infra/outdir.py."""
+"""The run's lifecycle around train.py's loop: start-up and its refusals, the Run (log, checkpoints, resume, the
+bad-step guard, the final save) and machine failures in one line; every rank makes the same decisions."""
 from __future__ import annotations
 
 import errno
@@ -33,11 +32,13 @@ from tasks import IMAGE_TASKS, task_list
 
 
 EVAL_BATCH = 64  # rows per data.evaluate batch
+DISK_ERRORS = {errno.EFBIG: ("a file outgrew the file-size limit", "raise the limit (ulimit -f)"),
+               errno.ENOSPC: ("the disk is full", "free space there (or lower --keep_last)"),
+               errno.EDQUOT: ("the disk is full", "free space there (or lower --keep_last)")}
 
 
 def start(cfg, argv, sft):
-    """train.py's start-up, from the parsed flags to the first RL step: (model, ref, opt, ctx, dtype, sft_seconds),
-    the SFT stage first for a toy run (sft: train.sft), or, for --resume of a run that had finished, its summary."""
+    """train.py's start-up: (model, ref, opt, ctx, dtype, sft_seconds), or a finished run's summary (--resume)."""
     remember_command(argv)   # for the messages that name the command continuing this run
     check_paths(cfg)         # nothing of anyone else's is written over
     with start_up():             # a signal before RL stops at once and names the command to rerun
@@ -50,9 +51,8 @@ def start(cfg, argv, sft):
             startup_checks(cfg, device)
             scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
             model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
-        fast = cfg.kv_cache != "none" or cfg.threshold > 0  # Fast-dLLM text rollouts in RL steps
-        text_sampler = FastSampler(cfg.kv_cache, cfg.threshold) if fast else None
-        ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer, text_sampler)
+        fast = FastSampler(cfg.kv_cache, cfg.threshold) if cfg.kv_cache != "none" or cfg.threshold > 0 else None
+        ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer, fast)  # fast: Fast-dLLM text rollouts
         report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
         opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                                 weight_decay=cfg.weight_decay)
@@ -71,8 +71,8 @@ def _resumable(cfg, out: Path) -> tuple[Path, dict]:
 
 
 def check_resume(cfg) -> dict | None:
-    """--resume: refuse an out_dir with no run, or other settings than the run's; a finished run's summary is
-    returned, nothing rewritten, unless --extend=true trains it further. None: go on."""
+    """--resume: refuse an out_dir with no run or other settings; a finished run's summary (nothing rewritten)
+    unless --extend=true trains it further; None: go on."""
     if cfg.extend and not cfg.resume:
         raise ValueError("--extend=true continues a finished run: pass --resume=true with it (and a larger --rl_steps)")
     if not cfg.resume:
@@ -93,8 +93,8 @@ def check_resume(cfg) -> dict | None:
                              + checkpoint.changeable_hint(changed))
     # An extension stopped before it finished: config.json holds its larger --rl_steps (written at start-up),
     # summary.json the earlier finish's, its checkpoint is behind both. It continues as an unfinished run.
-    extending = (last is not None and summary.is_file() and config.is_file()
-                 and state["step"] < hf.read_json(config, f"re-create {config}").get("rl_steps", 0))
+    saved = hf.read_json(config, f"re-create {config}") if summary.is_file() and config.is_file() else None
+    extending = last is not None and saved is not None and state["step"] < saved.get("rl_steps", 0)
     if extending and not cfg.extend:
         raise ValueError(f"out_dir {out} holds an extension of a finished run stopped at step {state['step']}: "
                          "pass --extend=true, as it was started, to continue it")
@@ -105,7 +105,7 @@ def check_resume(cfg) -> dict | None:
                          "--out_dir")
     if not summary.is_file() or extending:
         return None
-    done = (hf.read_json(config, f"re-create {config}") if config.is_file() else state["config"]).get("rl_steps")
+    done = (state["config"] if saved is None else saved).get("rl_steps")
     if cfg.rl_steps == done:
         if os.environ.get("RANK", "0") == "0":  # before the process group exists: RANK says who speaks
             print(f"out_dir {out} holds a finished run ({done} RL steps; {summary}, {out / 'final'}): nothing "
@@ -127,8 +127,7 @@ def check_resume(cfg) -> dict | None:
 
 @contextmanager
 def sft_dir_claimed(cfg):
-    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model into it; a model trained with the
-    same settings is reused, read-only, unclaimed."""
+    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model into it; a cached one is read only."""
     mine, sft_dir = cfg.init_from == "scratch" and scale.rank() == 0, sft_dir_of(cfg)
     existing = next(p for p in (sft_dir, *sft_dir.parents) if p.exists())
     if mine and not existing.is_dir():
@@ -171,8 +170,8 @@ def startup_checks(cfg, device) -> None:
 
 
 def _check_out_dir(cfg, out: Path) -> None:
-    """out_dir writable with room for a checkpoint, sequences that fit the model, no run a fresh start would overwrite
-    or mix with, and this run's SFT cache or none; then the out_dir is claimed."""
+    """out_dir writable with room for checkpoints, no run a fresh start would overwrite, sequences that fit the
+    model, this run's SFT cache or none; then the out_dir is claimed."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
@@ -227,8 +226,7 @@ def _check_out_dir(cfg, out: Path) -> None:
 
 
 def dry_run(cfg, report):
-    """--dry_run: report(cfg) on RANK 0 (no process group is joined), once the --init_from folder and the data files
-    a real run reads are there ("check, then run")."""
+    """--dry_run: report(cfg) on RANK 0 (no process group) once the --init_from folder and data files are there."""
     if cfg.init_from not in ("", "scratch"):
         refuse_training_checkpoint(cfg.init_from, "--init_from")
         where = Path(cfg.init_from)
@@ -251,8 +249,7 @@ def eval_batches(ctx) -> int:
 
 
 def paired_se(d: list) -> float:
-    """Standard error of the mean of per-prompt gains d (after - before, same prompts): sd(d) / sqrt(n), so that
-    the prompt-to-prompt spread both scores share cancels."""
+    """sd(d) / sqrt(n) of per-prompt gains d (after - before): the prompt-to-prompt spread both share cancels."""
     n = len(d)
     assert n > 1, "a standard error needs two or more prompts"
     m = sum(d) / n
@@ -273,8 +270,7 @@ def failures_in_one_line(cfg):
     try:
         yield
     except Exception as e:
-        message = None if isinstance(e, (RunFailed, TrainingStopped)) else explain_failure(e, cfg)
-        if message is None:
+        if isinstance(e, (RunFailed, TrainingStopped)) or (message := explain_failure(e, cfg)) is None:
             raise
         raise RunFailed(message) from None
 
@@ -284,7 +280,6 @@ def explain_failure(e: BaseException, cfg) -> str | None:
     out = Path(cfg.out_dir)
     for x in root_causes(e):
         text = str(x).splitlines()[0] if str(x) else type(x).__name__
-        where = f"{x.strerror}{': ' + str(x.filename) if x.filename else ''}" if isinstance(x, OSError) else ""
         if isinstance(x, torch.OutOfMemoryError) or (isinstance(x, RuntimeError) and (
                 "out of memory" in text.lower() or "can't allocate memory" in text.lower())):
             # the state's size: when it alone is over the GPU, no batch size helps
@@ -297,22 +292,17 @@ def explain_failure(e: BaseException, cfg) -> str | None:
                     f"{cfg.prompts_per_step}, device_batch_size={cfg.device_batch_size or 'all'}: fewer sequences per "
                     f"forward pass need less memory (--device_batch_size={fewer}; or a lower --group_size in a new "
                     f"run); {kept_line(out)}; continue with: {continue_command(out)} --device_batch_size={fewer}")
-        if isinstance(x, OSError) and x.errno == errno.EFBIG:
-            return (f"a file outgrew the file-size limit ({where}); {kept_line(out)}; raise the limit (ulimit -f), "
-                    f"then continue with: {continue_command(out)}")
-        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
-            return (f"the disk is full ({where}); {kept_line(out)}; free space there (or lower --keep_last), then "
-                    f"continue with: {continue_command(out)}")
+        if isinstance(x, OSError) and x.errno in DISK_ERRORS:
+            what, fix = DISK_ERRORS[x.errno]
+            return f"{what} ({writer_error(x)}); {kept_line(out)}; {fix}, then continue with: {continue_command(out)}"
         if scale.world() > 1 and isinstance(x, RuntimeError) and any(w in text.lower() for w in (
                 "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer")):
             text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text).split(". ")[0]  # gloo's source location
             return (f"another process of this torchrun run stopped ({text[:120]}; torchrun's report names it); "
                     f"{kept_line(out)}; once the cause is fixed, --resume=true continues: {continue_command(out)}")
-    for x in root_causes(e):  # a model folder (SFT, final/) whose writer failed, whatever it raised
-        if isinstance(x, WriteFailed):
-            return (f"{x}; {kept_line(out)}; free space there (or raise the file-size limit, ulimit -f), then "
-                    f"continue with: {continue_command(out)}")
-    return None
+    written = [x for x in root_causes(e) if isinstance(x, WriteFailed)]  # a model folder's writer failed
+    return (f"{written[0]}; {kept_line(out)}; free space there (or raise the file-size limit, ulimit -f), then "
+            f"continue with: {continue_command(out)}") if written else None
 
 
 def check_measured(run, after: dict) -> None:
