@@ -24,8 +24,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, 
     adv = R - R.mean(dim=1, keepdim=True)  # (num_groups, G)
     if scale_by_std:
         adv = adv / (R.std(dim=1, keepdim=True) + eps)
-    # An equal-reward group carries no signal, but R - mean is not exactly 0 in floating point (0.1 * 3 / 3 != 0.1),
-    # and over a tiny std it would be noise: exactly 0, never NaN.
+    # An equal-reward group carries no signal: exactly 0 (R - mean is not, in floating point), never NaN.
     adv = torch.where((R == R[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv)
     return adv.reshape(-1)
 
@@ -49,13 +48,11 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     assert {t.shape for t in (logp, logp_old, mask, logp_ref) if t is not None} == {adv.shape + mask.shape[1:]}, "(B,N)"
     total = num_terms(mask, norm).float().clamp(min=1) if total is None else total
     m, A, zero = mask.float(), adv.to(logp.dtype).unsqueeze(1), torch.zeros_like(logp)  # (B, N), (B, 1), (B, N)
-    # The importance ratio of Eqs. 9-10, per token. Log-ratio 0 at unscored positions before exp: their logp is
-    # arbitrary, and exp(huge) * 0 would be NaN.
+    # The importance ratio of Eqs. 9-10, per token; log-ratio 0 where unscored (exp(huge) * 0 would be NaN).
     ratio = torch.exp(torch.where(mask, logp - logp_old.detach(), zero))  # (B, N)
     # Clipped surrogate -min(r A, clip(r, 1-eps, 1+eps) A): a token on the clipped branch gets zero gradient.
     per_token = -torch.minimum(ratio * A, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * A)  # (B, N)
-    # k3 estimator of KL(pi_theta || pi_ref) (Schulman, "Approximating KL Divergence"): exp(d) - d - 1 with
-    # d = logp_ref - logp (0 without a reference), >= 0 and exactly 0 at d = 0.
+    # k3 estimator of KL(pi_theta || pi_ref) (Schulman): exp(d) - d - 1, d = logp_ref - logp, >= 0, 0 at d = 0.
     d = zero if logp_ref is None else torch.where(mask, logp_ref.detach() - logp, zero)  # (B, N)
     kl = torch.exp(d) - d - 1.0  # (B, N)
     per_token = per_token + beta * kl if beta > 0 else per_token

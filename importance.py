@@ -178,7 +178,7 @@ def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_
     return Views([x.masked_fill(m, mask_id) for m in in_masks], loss_masks, updates, norm)
 
 
-# --estimator's views functions (train.rl_step calls VIEWS[cfg.estimator]; maskgrpo_views is the default)
+# --estimator's views functions, called by train.rl_step
 VIEWS = {"maskgrpo": maskgrpo_views, "d1": d1_views, "unigrpo": unigrpo_views, "trajectory": trajectory_views}
 
 
@@ -254,7 +254,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     assert device_batch_size >= 0, f"{device_batch_size=} >= 0"
     (B, L), (lo, hi) = input_ids.shape, vocab_slice or (0, None)
     out = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # unscored positions stay exactly 0
-    # One host read per call, not per chunk: each row's first and last scored column and whether it is padded.
+    # one host read per call: each row's first and last scored column, and whether it is padded
     cols = torch.arange(L, device=positions.device)
     first, last = torch.where(positions, cols, L).min(1).values, torch.where(positions, cols, -1).max(1).values
     pad = torch.zeros(B, dtype=torch.bool, device=positions.device) if attention_mask is None else \
@@ -267,8 +267,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
         win = slice(a, b) if a < b else slice(0, 0)
         am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name for it
         if getattr(model, "accepts_cache_kwargs", False):
-            # float32 over the columns [lo, hi): bf16 rounds a logit by up to 0.06 where an update moves log pi
-            # by ~1e-3, so the ratio of Eq. 9 would be rounding (docs/differences.md row 4). (b, l, V')
+            # float32 head: bf16 rounds a logit by up to 0.06; an update moves log pi by ~1e-3 (Eq. 9)
             logits = model(input_ids[rows], *am, logits_at=win, vocab_slice=vocab_slice, float32_head=True,
                            padded=any(padded[rows]))
         else:  # any other model: the full logits (b, L, V), then the same window and columns
@@ -276,7 +275,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
             logits = model(input_ids[rows], *am)[..., lo:hi].float()
         pos, t, width = positions[rows, win], targets[rows, win] - lo, logits.shape[-1]  # (b, l) each
         outside = outside | (((t < 0) | (t >= width)) & pos).any()
-        # Unscored targets may lie outside [lo, hi) (a prompt token): clamped, then dropped with zero gradient.
+        # unscored targets outside [lo, hi) (a prompt token): clamped, then dropped with zero gradient
         lp = F.log_softmax(logits, dim=-1).gather(-1, t.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)  # (b, l)
         out[rows, win] = lp.masked_fill(~pos, 0.0)
     assert not bool(outside), f"targets outside the vocabulary [{lo}, {hi if hi is not None else 'V'})"

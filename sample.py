@@ -13,6 +13,7 @@ same samples on every device. The callers validate the settings; the samplers as
 
 Shapes: B batch, P prompt, N gen_length, L sequence (P + N for text), V vocabulary, n image slots, C codes.
 """
+import dataclasses
 import hashlib
 import math
 
@@ -44,6 +45,30 @@ def generator(device, *parts) -> torch.Generator:
     """A torch.Generator on `device` seeded with derive_seed(*parts)."""
     return torch.Generator(device=device).manual_seed(derive_seed(*parts))
 
+
+@torch.no_grad()
+def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=None):
+    """Step 1: (the tasks.Batch with the policy's samples in its windows, the decoding order (B, L): the step
+    that revealed each position, -1 for the prompt). gens: a generator per row; text_sampler: None = generate."""
+    cfg, ids, xs, orders = ctx.cfg, ctx.ids, [], []
+    with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout
+        for rows in scale.chunks(len(gens), cfg.device_batch_size):
+            c, g = prompts.rows(rows), gens[rows]
+            if c.uncond is not None:  # an image batch (CFG's empty caption: tasks.make_batch)
+                x, order = generate_image(
+                    model, c.x, image_start=c.prompt_len, num_tokens=c.window, steps=cfg.image_steps,
+                    sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale, uncond_input_ids=c.uncond, generator=g,
+                    attention_mask=c.attention_mask, uncond_attention_mask=c.uncond_mask,
+                    code_offset=ids.image_token_offset, codebook_size=ids.codebook_size, mask_id=ids.mask,
+                    return_order=True)
+            else:
+                x, order = (text_sampler or generate)(
+                    model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length, steps=cfg.steps,
+                    temperature=temperature, mask_id=ids.mask, generator=g,
+                    attention_mask=c.attention_mask[:, : c.prompt_len], return_order=True)
+            xs.append(x)
+            orders.append(order)
+    return dataclasses.replace(prompts, x=torch.cat(xs)), torch.cat(orders)
 
 def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=None) -> torch.Tensor:
     """U[0, 1) draws of `shape` on the generator's device, moved to `device`. generator: one, or one per row.

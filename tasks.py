@@ -6,13 +6,12 @@ data is infra/toy.py, the verifiers rewards.py, benchmark files infra/data.py.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer
 
 import rewards
-import sample
 from infra import scale
 from sample import derive_seed
 from infra.toy import BOS, CODEBOOK_SIZE, EOI, EOS, IPAD, MASK, SOI, T2I, make_image_example, make_text_example
@@ -158,17 +157,16 @@ TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
 def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none"):
-    """The rewards.py function that scores `task`, by the setting its TASKS entry names (the toy image task has
-    one; geneval None: the remote scorer). One a task lacks is an error (train.parse_args asks at start-up)."""
+    """The rewards.py function scoring `task`, named by the setting its TASKS entry picks by (geneval: None, a
+    remote scorer). One a task lacks is an error (train.parse_args asks at start-up)."""
     t = TASKS[task]
-    if not t.picked_by:  # the toy image task's one verifier; geneval: None
+    if not t.picked_by:  # the toy image task's one verifier (more is an error, never a pick); geneval: None
         (verify,) = t.reward.values() if t.reward else [None]
         return verify
     name = {"text_reward": text_reward, "reward_shaping": reward_shaping}[t.picked_by]
     if name not in t.reward:
-        choices = " or ".join(f"--{t.picked_by}={k}" for k in t.reward)
-        raise ValueError(f"--{t.picked_by}={name} names no verifier of task {task}: pass {choices}, or drop {task} "
-                         "from --tasks")
+        raise ValueError(f"--{t.picked_by}={name} names no verifier of task {task}: pass "
+                         f"{' or '.join(f'--{t.picked_by}={k}' for k in t.reward)}, or drop {task} from --tasks")
     return t.reward[name]
 
 
@@ -217,8 +215,7 @@ class Batch:
 
 def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: bool) -> Batch:
     """Token tensors for `examples`, the window holding the targets (SFT) or mask ids. Text prompts are left-padded
-    to the longest: build the global batch on every rank and take rows (Batch.rows), so padding and logits do not
-    depend on the world size."""
+    to the longest: every rank builds the global batch and takes its rows (Batch.rows), whatever the world size."""
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
     toy = TASKS[task].toy  # toy: BOS + question, the answer padded with EOS; benchmarks: the chat template
@@ -286,7 +283,7 @@ def dataset_prompts(task: str, cfg, step: int, rows: list) -> list:
     return out
 
 # -----------------------------------------------------------------------------------------------------
-# the RL step's prompts and rollouts (step 1); its rewards (step 2) are score above
+# the RL step's prompts (its rollouts: sample.rollout; its rewards: score above)
 
 
 @dataclass
@@ -299,31 +296,6 @@ class Ctx:
     datasets: dict                    # {task: {"train": rows, "test": rows}} (infra/data.load_data)
     scorer: object = None             # infra/sandbox.RemoteScorer for geneval rewards
     text_sampler: object = None       # RL text rollouts: None = sample.generate (or sample.FastSampler)
-
-
-@torch.no_grad()
-def rollout(model, prompts: Batch, ctx: Ctx, gens: list, temperature: float, text_sampler=None):
-    """Step 1: (the Batch with the policy's samples in its windows, the decoding order (B, L): the sampler step that
-    revealed each position, -1 for the prompt). gens: one generator per row; text_sampler: None = LLaDA's sampler."""
-    cfg, ids, xs, orders = ctx.cfg, ctx.ids, [], []
-    with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout
-        for rows in scale.chunks(len(gens), cfg.device_batch_size):
-            c, g = prompts.rows(rows), gens[rows]
-            if c.task in IMAGE_TASKS:
-                x, order = sample.generate_image(
-                    model, c.x, image_start=c.prompt_len, num_tokens=c.window, steps=cfg.image_steps,
-                    sampler=cfg.image_sampler, cfg_scale=cfg.cfg_scale, uncond_input_ids=c.uncond, generator=g,
-                    attention_mask=c.attention_mask, uncond_attention_mask=c.uncond_mask,
-                    code_offset=ids.image_token_offset, codebook_size=ids.codebook_size, mask_id=ids.mask,
-                    return_order=True)
-            else:
-                x, order = (text_sampler or sample.generate)(
-                    model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length, steps=cfg.steps,
-                    temperature=temperature, mask_id=ids.mask, generator=g,
-                    attention_mask=c.attention_mask[:, : c.prompt_len], return_order=True)
-            xs.append(x)
-            orders.append(order)
-    return replace(prompts, x=torch.cat(xs)), torch.cat(orders)
 
 
 def step_prompts(ctx: Ctx, step: int) -> list[Batch]:

@@ -34,8 +34,8 @@ from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measu
 from infra.scale import print0
 from infra.cli import validate
 from infra.data import evaluate_all, image_snapshot
-from sample import derive_seed, generator
-from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, rollout, sft_tasks, step_prompts,
+from sample import derive_seed, generator, rollout
+from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, sft_tasks, step_prompts,
                    task_list)
 
 
@@ -301,8 +301,7 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         gens = [generator(device, cfg.seed, "rollout", p.task, step, i) for i in p.index]
         with timed("rollout"):
             batch, order = rollout(model, p, ctx, gens, cfg.temperature, ctx.text_sampler)
-        # 2. rewards from the task's verifier (None for geneval: the remote scorer), gathered over ranks in
-        # global order, as a group is normalised over all its members
+        # 2. rewards from the task's verifier (geneval: a remote scorer), of every rank's rows
         verify = tasks.verifier(p.task, cfg.text_reward, cfg.reward_shaping)
         with timed("reward"):
             r = tasks.score(batch, verify, ctx.tok, ctx.ids, ctx.scorer).to(device)
@@ -310,13 +309,11 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         check_rewards(r, p.task, cfg.group_size)
         # 3. advantages within each group of G (GRPO, arXiv:2402.03300 §4.1.2)
         adv = grpo.group_advantages(r, cfg.group_size, scale_by_std=cfg.adv_scaled)        # (B_global,)
-        # 4. the estimator's views (default importance.maskgrpo_views): K masked inputs and the positions each
-        # scores, from seeds shared by the old, reference and current passes
+        # 4. the estimator's views (importance.maskgrpo_views): K masked inputs, the positions each scores
         views = importance.VIEWS[cfg.estimator](batch, order, cfg, image=p.task in IMAGE_TASKS, step=step,
                                                 seq_index=p.index, eos_id=ctx.ids.eos, mask_id=ctx.ids.mask,
                                                 all_max=scale.all_max)
-        # 5. old and reference log-probs on the same inputs, without gradient. With LoRA the reference is the
-        # policy with its adapters off (its .policy): one all-gather serves both passes.
+        # 5. old and reference log-probs on the same inputs (LoRA: one all-gather serves both)
         shared = getattr(ref, "policy", None) is model
         with scale.full_weights(model) if shared else contextlib.nullcontext(), timed("logprob"):
             logp_old = frozen_logprobs(model, batch, views, ctx)
@@ -369,8 +366,9 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
     cfg, b, v = ctx.cfg, e.batch, e.views
     adv = e.adv[b.index].to(b.x.device)                                                    # (B,)
     scored = v.updates[j]
-    n = v.norm if v.norm is not None else sum(grpo.num_terms(v.loss_masks[k], cfg.loss_norm) for k in scored)
-    n = scale.all_sum(torch.as_tensor(n).float()).clamp(min=1)
+    # the terms: scored tokens, or sequences with one (--loss_norm), unless the views count them
+    terms = [m.sum() if cfg.loss_norm == "token" else m.any(-1).sum() for m in (v.loss_masks[k] for k in scored)]
+    n = scale.all_sum(torch.as_tensor(sum(terms) if v.norm is None else v.norm).float()).clamp(min=1)
     sums = {}
     for k in scored:
         mask = v.loss_masks[k]                                                             # (B, L)
@@ -454,8 +452,7 @@ def _run(cfg: Config, argv) -> dict:
             times = {"seconds": time.time() - t0, "cpu_s": time.process_time() - cpu0, **_SECONDS}
             _SECONDS.clear()  # the next step's phases count from zero
             run.record(step, log, times, rolls, ctx.tok, ctx.ids, track)  # log.jsonl, times.jsonl, the tracker
-        nothing_trained = all_skipped(run)
-        if nothing_trained:  # every step skipped (a scorer down): no model and no "after" number is reported
+        if nothing_trained := all_skipped(run):  # every step skipped (a scorer down): no model, no "after"
             raise TrainingStopped(nothing_trained)
     summary, after = held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds)
     closing_summary(run, time.time() - t_start)

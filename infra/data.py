@@ -26,7 +26,7 @@ import torch
 import tasks
 from infra import cli, scale
 from rewards import extract_boxed
-from sample import derive_seed, generator
+from sample import derive_seed, generator, rollout
 from infra.cli import data_paths
 
 TASKS = ("gsm8k", "math", "mbpp", "countdown", "sudoku", "geneval")
@@ -255,7 +255,7 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
     per_prompt = torch.zeros(len(exs), dtype=torch.float64, device=device)  # summed reward of each prompt
     exs = [ex for ex in exs for _ in range(k)]
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
-    with scale.full_weights(model):  # on every rank, also one without rows in a batch (tasks.rollout's is a no-op)
+    with scale.full_weights(model):  # on every rank, also one without rows in a batch (sample.rollout's is a no-op)
         for i in range(0, len(exs), 64):
             if stop is not None:
                 stop()
@@ -265,7 +265,7 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
             if not idx:
                 continue
             gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
-            b, _ = tasks.rollout(model, b, ctx, gens, temperature)
+            b, _ = rollout(model, b, ctx, gens, temperature)
             r = tasks.score(b, tasks.verifier(task, cfg.text_reward), ctx.tok, ctx.ids, ctx.scorer)
             total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
             per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
@@ -306,7 +306,7 @@ def image_snapshot(model, ctx: tasks.Ctx) -> list | None:
         return None
     b = tasks.make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)
     gens = [generator(ctx.device, ctx.cfg.seed, "grid", i) for i in range(len(exs))]
-    return tasks.decode_window(tasks.rollout(model, b, ctx, gens, ctx.cfg.temperature)[0], ctx.tok, ctx.ids)
+    return tasks.decode_window(rollout(model, b, ctx, gens, ctx.cfg.temperature)[0], ctx.tok, ctx.ids)
 
 
 def main(argv=None) -> list[dict]:

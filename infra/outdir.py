@@ -20,7 +20,7 @@ import torch
 import tasks
 from infra import checkpoint, data, plots, scale, tracker
 from infra.cli import need
-from infra.scale import print0
+from infra.scale import duration, print0
 from tasks import IMAGE_TASKS
 
 
@@ -363,12 +363,6 @@ def final(run):
         print0(f"stopped by {signal.Signals(flag['signal']).name} after the final save: the run is complete "
                f"({run.out / 'final'}, {run.out / 'summary.json'})")
         raise SystemExit(128 + flag["signal"])
-
-
-def duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
-        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:

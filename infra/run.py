@@ -23,9 +23,9 @@ from sample import FastSampler
 from infra.load import (WriteFailed, check_sft_cache, load_policy, reference_identity, refuse_training_checkpoint,
                         report_truncation, save_model, sft_dir_of, writer_error)
 from infra.outdir import (PID_FILE, RESUMABLE, check_paths, check_shared, claim, claim_out_dir, continue_command,
-                          duration, kept_line, release, remember_command, resume_command, resume_point, rl_steps,
+                          kept_line, release, remember_command, resume_command, resume_point, rl_steps,
                           root_causes, show, start_up, step_lines, step_of, write_pictures)
-from infra.scale import print0
+from infra.scale import duration, print0
 from infra.sandbox import RemoteScorer
 from infra.cli import resume_changes, setup
 from tasks import IMAGE_TASKS, task_list
@@ -324,7 +324,6 @@ class Run:
         self.cfg, self.model, self.opt, self.device = cfg, model, opt, device
         self.out = Path(cfg.out_dir)
         self.identity = reference_identity(cfg)
-        # What a resumed run continues from (_check_out_dir has refused incompatible settings already).
         self.state = {"step": 0, "before": None, "before_by_prompt": None, "bad_steps": 0, "bad_run": 0,
                       "rl_seconds": 0.0, "last_good": None, "grid_before": None}
         last = resume_point(self.out, quiet=False) if cfg.resume and checkpoint.latest(self.out) else None
@@ -339,8 +338,7 @@ class Run:
             print0(f"resumed from {last} at step {self.state['step']}" + "".join(
                 f"; {k} changes from {a} to {b} at this step (log.jsonl records it)"
                 for k, (a, b) in self.changed.items()))
-            same = [k for k in resume_changes(cfg) if k not in self.changed]
-            if same:
+            if same := [k for k in resume_changes(cfg) if k not in self.changed]:
                 print0(f"warning: --change_on_resume names {', '.join(same)}, which the run already has; nothing "
                        "changes")
         elif cfg.resume:
@@ -365,9 +363,8 @@ class Run:
 
     def __exit__(self, kind, exc, tb):
         self.rl_end = self.rl_seconds()
-        for f in (self.logf, self.timef):
-            if f:
-                f.close()
+        for f in filter(None, (self.logf, self.timef)):
+            f.close()
         return self._steps.__exit__(kind, exc, tb)
 
     def rl_seconds(self) -> float:
@@ -384,17 +381,14 @@ class Run:
             for f, line in ((self.logf, log), (self.timef, {"step": step, **times})):
                 f.write(json.dumps(line) + "\n")
                 f.flush()
-        if tracker is not None:  # before a stop below, so that a resumed run does not miss this step
+        if tracker is not None and tracker.backend:  # before a stop below: a resumed run misses no step
             tracker.step(step, log, times)
         self.after_step(step, rolls, tok, ids)
 
     def count_bad(self, step: int, log: dict, seconds: float) -> int:
         """Print the step's line, or why it was skipped; returns the run's count of bad steps so far."""
-        state, bad = self.state, "bad_reward" in log or log.get("skipped_updates", 0) > 0
-        if "bad_reward" in log:
-            self.last_bad = log["bad_reward"]
-            print0(f"warning: step {step} skipped: {log['bad_reward']}")
-        else:  # 0-based, as log.jsonl and the plots count: the last step of a 50-step run is "step 49/50"
+        bad = "bad_reward" in log or log.get("skipped_updates", 0) > 0
+        if "bad_reward" not in log:  # 0-based, as log.jsonl and the plots count: the last of 50 steps is "step 49/50"
             self.step_seconds.append(seconds)  # the time left: this process's mean step times the steps to go
             left = self.cfg.rl_steps - step - 1
             eta = f" | about {duration(sum(self.step_seconds) / len(self.step_seconds) * left)} left" if left else ""
@@ -402,23 +396,21 @@ class Run:
                 f"{t} reward {log[f'{t}/reward']:.3f} loss {log[f'{t}/loss']:+.4f} clip {log[f'{t}/clipfrac']:.3f} "
                 f"kl {log[f'{t}/kl']:.4f}" for t in sorted(k.split("/")[0] for k in log if k.endswith("/reward"))),
                 f"{seconds:.1f}s"]) + eta)
-        if log.get("skipped_updates", 0) > 0:
+        if "bad_reward" in log:
+            self.last_bad = log["bad_reward"]
+            print0(f"warning: step {step} skipped: {log['bad_reward']}")
+        elif bad:
             print0(f"warning: step {step}: {log['skipped_updates']} of {self.cfg.mu} updates skipped for a non-finite "
                    f"loss or gradient norm (largest gradient norm {log.get('grad_norm_max')}); the others stand")
-        state["bad_run"] = state["bad_run"] + 1 if bad else 0
-        state["bad_steps"] += bad
-        return state["bad_steps"]
+        self.state["bad_run"] = self.state["bad_run"] + 1 if bad else 0
+        self.state["bad_steps"] += bad
+        return self.state["bad_steps"]
 
     def after_step(self, step: int, rolls: list, tok, ids) -> None:
         """Stop after max_bad_steps bad steps in a row; show a sample; checkpoint on cadence or on a signal."""
-        cfg, state = self.cfg, self.state
-        if state["bad_run"] >= cfg.max_bad_steps:
-            raise TrainingStopped(
-                f"{state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
-                f"above), stopping at step {step}. Last good checkpoint: "
-                f"{state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or --grad_clip "
-                "with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from it with "
-                "--resume=true (delete the newer checkpoints first)")
+        cfg = self.cfg
+        if self.state["bad_run"] >= cfg.max_bad_steps:
+            self._stop_bad(step)
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
                 show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
@@ -431,11 +423,18 @@ class Run:
                    f"{resume_command()}")
             raise SystemExit(128 + int(stopping))
 
+    def _stop_bad(self, step: int) -> None:
+        raise TrainingStopped(
+            f"{self.state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
+            f"above), stopping at step {step}. Last good checkpoint: "
+            f"{self.state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or --grad_clip "
+            "with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from it with "
+            "--resume=true (delete the newer checkpoints first)")
+
     def _save_checkpoint(self, step: int) -> Path:
         saved = {**self.state, "step": step, "config": asdict(self.cfg), "reference": self.identity,
                  "world_size": scale.world(), "rl_seconds": self.rl_seconds()}
-        # After a good step the checkpoint being written is itself the last good one (the newest, which
-        # rotation keeps): the previous one needs no protection, or --keep_last=1 would keep two.
+        # after a good step the new checkpoint is the last good one: protecting the old would keep two (keep_last=1)
         protect = self.state["last_good"] if self.state["bad_run"] else None
         try:
             path = checkpoint.save(self.out, step, self.model, self.opt, saved, keep_last=self.cfg.keep_last,

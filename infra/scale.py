@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import sys
 import threading
@@ -107,6 +108,12 @@ def print0(*args, **kwargs) -> None:  # one log, not world-size copies of it
         print(*args, **kwargs, flush=True)
 
 
+def duration(seconds: float) -> str:  # the screen's time: 7s, 3m05s, 2h10m
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
 def shard_rows(n: int) -> slice:  # this rank's contiguous share of n rows (n divides evenly: train.py checks)
     per = n // world()
     return slice(rank() * per, (rank() + 1) * per)
@@ -117,20 +124,15 @@ def chunks(n: int, size: int) -> list[slice]:  # slices of device_batch_size row
     return [slice(s, s + size) for s in range(0, n, size)]
 
 
-def all_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks as a new tensor (t unchanged: reducing it twice must not multiply it); t in one process."""
+def all_sum(t: torch.Tensor, **op) -> torch.Tensor:
+    """Sum (or op=) over ranks as a new tensor (t unchanged: reducing twice must not multiply it); t in one process."""
     if world() > 1:
         t = t.clone()
-        dist.all_reduce(t)
+        dist.all_reduce(t, **op)
     return t
 
 
-def all_max(t: torch.Tensor) -> torch.Tensor:
-    """Elementwise maximum over ranks, as a new tensor (t is never changed); t itself in one process."""
-    if world() > 1:
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+all_max = functools.partial(all_sum, op=dist.ReduceOp.MAX)  # elementwise maximum over ranks
 
 
 def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
@@ -252,14 +254,17 @@ def _fsdp_modules(model):
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-@contextlib.contextmanager
 def full_weights(model):
     """Hold the unsharded weights (one all-gather) for no-grad forwards whose number may differ between ranks, a
     sharded forward being a collective. Re-entrant; a no-op in one process; model may be a hf.AdaptersOff."""
     mods = _fsdp_modules(model) if world() > 1 else []
     if not mods or getattr(mods[0], "_full_weights", False):
-        yield model
-        return
+        return contextlib.nullcontext(model)
+    return _unsharded(model, mods)
+
+
+@contextlib.contextmanager
+def _unsharded(model, mods):
     for m in mods:  # blocks reshard after each forward unless told not to; the root (mods[0]) never does
         if m is not mods[0]:
             m.set_reshard_after_forward(False, recurse=False)

@@ -38,7 +38,7 @@ What it does, in order:
      the decision.
 
 Phases are told apart by the public functions train.rl_step calls, wrapped by module attribute for the run
-(train.rollout / tasks.rollout, tasks.score, importance.token_logprobs without / with gradients, grpo.policy_loss for the
+(train.rollout / sample.rollout, tasks.score, importance.token_logprobs without / with gradients, grpo.policy_loss for the
 ratio and the losses, scale.clip_grad_norm for the gradient norms, Run.record and Run.finish); nothing inside
 train.py is patched. On the GPU the run needs about 35 GB of disk in --out_dir (16 GB random checkpoint,
 17 GB final/, 2 GB checkpoint) and 16 GB of host memory while the random checkpoint is written; delete the
@@ -192,7 +192,7 @@ def wrapped(meter: PhaseMeter, faults=frozenset()):
             if meter.first_ratio is None:  # sums: the mean is ratio / tokens
                 meter.first_ratio = (stats["ratio_max"], stats["ratio"] / max(stats["tokens"], 1.0))
 
-    # train.py imports rollout by name; tasks.rollout is the same function under its module
+    # train.py imports rollout by name; sample.rollout is the same function under its module
     for owner in (train, tasks):
         if hasattr(owner, "rollout"):
             wrap(owner, "rollout", lambda a, kw: "rollout", saw_rollout)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import importance
+import sample
 import tasks
 import train
 from infra import toy
@@ -43,7 +44,7 @@ def test_log_ratios_are_the_training_codes(sft_dir):
     exs = [ex for ex in tasks.draw_prompts("text", cfg, 0, {}) for _ in range(cfg.group_size)]
     b = tasks.make_batch("text", exs, tok, ids, cfg, ctx.device, with_targets=False)
     gens = [generator("cpu", cfg.seed, "rollout", "text", 0, i) for i in range(len(exs))]
-    b, order = tasks.rollout(old, b, ctx, gens, cfg.temperature)
+    b, order = sample.rollout(old, b, ctx, gens, cfg.temperature)
     assert (order[:, b.window_slice] >= 0).all() and (order[:, : b.prompt_len] == -1).all()
     theta = copy.deepcopy(old)
     opt = diagnose._Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr), cfg.mu)

@@ -4,7 +4,7 @@ over more than one batch of 64 rows, on more than one process, and under the fas
 The expectation is a naive re-implementation of what infra/data.evaluate documents: held-out prompts repeated
 eval_samples times, batches of 64 rows, row j (its GLOBAL index) sampled by LLaDA's exact sampler
 (sample.generate with no KV cache and no threshold: "the held-out evaluations always use the exact
-sampler", docs/results.md; tasks.rollout: "evaluation keeps the exact sampler") from the generator
+sampler", docs/results.md; sample.rollout: "evaluation keeps the exact sampler") from the generator
 (seed, "eval-sampling", task, temperature, j). 20 prompts x 4 samples = 80 rows: rows 64..79 are the second
 batch's, and must not reuse rows 0..15's noise. A float64 model, so that a batch of another size (another
 process's share) cannot flip a near-tie in the sampler.

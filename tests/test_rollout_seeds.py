@@ -54,5 +54,5 @@ def test_rollout_noise_depends_on_step_and_sequence_only(base, model64, monkeypa
     assert len({tuple(w) for w in first[:4].tolist()}) == 4, "members of a group draw different noise"
     # The expectation: the sampler on this batch with one generator per row, seeded (seed, rollout, task, 3, i).
     gens = [sample.generator("cpu", ctx.cfg.seed, "rollout", task, 3, i) for i in range(8)]
-    want, _ = tasks.rollout(model64, prompts, ctx, gens, ctx.cfg.temperature, ctx.text_sampler)
+    want, _ = sample.rollout(model64, prompts, ctx, gens, ctx.cfg.temperature, ctx.text_sampler)
     assert torch.equal(want.x[:, want.window_slice], first)

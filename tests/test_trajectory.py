@@ -94,7 +94,7 @@ def test_gradient_equals_a_naive_per_step_computation(base, monkeypatch, task):
     # The decoding order from an independent rollout with rl_step's generators (same tokens, same order).
     fresh = tasks.make_batch(task, b.examples, tok, ids, cfg, ctx.device, with_targets=False)
     gens = [sample.generator("cpu", cfg.seed, "rollout", task, 0, i) for i in range(len(b.examples))]
-    x, order = tasks.rollout(model, fresh, ctx, gens, cfg.temperature, ctx.text_sampler)
+    x, order = sample.rollout(model, fresh, ctx, gens, cfg.temperature, ctx.text_sampler)
     assert torch.equal(x.x, b.x)
     lo, hi = (ids.image_token_offset, ids.image_token_offset + ids.codebook_size) if task == "image" else (0, None)
 

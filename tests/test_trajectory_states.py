@@ -75,7 +75,7 @@ def replayed_order(base, b, ctx):
     tok, ids, model = base
     fresh = tasks.make_batch("text", b.examples, tok, ids, ctx.cfg, ctx.device, with_targets=False)
     gens = [sample.generator("cpu", ctx.cfg.seed, "rollout", "text", 0, i) for i in range(len(b.examples))]
-    x, order = tasks.rollout(model, fresh, ctx, gens, ctx.cfg.temperature, ctx.text_sampler)
+    x, order = sample.rollout(model, fresh, ctx, gens, ctx.cfg.temperature, ctx.text_sampler)
     assert torch.equal(x.x, b.x)
     return order, copy.deepcopy(model).train(), copy.deepcopy(model).eval()
 

@@ -12,7 +12,7 @@ log-ratios on one seeded masked copy of o (importance.build_masks + token_logpro
 runs). This script measures, in the training regime, how well each estimate tracks Delta:
 
 1. pi_old = the checkpoint. Rollouts from pi_old for prompts_per_step x group_size sequences per task,
-   with the decoding order tasks.rollout returns (and the generators train.rl_step uses).
+   with the decoding order sample.rollout returns (and the generators train.rl_step uses).
 2. One real MaskGRPO step with the Config's settings (train.rl_step on a copy of pi_old): theta_j is the
    policy after j of its mu updates, the one inner iteration j scores in training.
 3. For j = 1 .. mu-1 and every sequence: Delta_j exactly; and, for each estimator, `draws` estimates
@@ -47,7 +47,7 @@ import importance
 import tasks
 import train
 from infra import cli, plots
-from sample import derive_seed, generator
+from sample import derive_seed, generator, rollout
 from tasks import IMAGE_TASKS, draw_prompts, make_batch, task_list
 from infra.cli import read_generation_settings, setup, validate
 from infra.hf import load_tokenizer
@@ -151,14 +151,14 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     exs = [ex for ex in draw_prompts(task, cfg, 0, {}) for _ in range(cfg.group_size)]
     b = make_batch(task, exs, tok, ids, cfg, device, with_targets=False)
     gens = [generator(device, cfg.seed, "rollout", task, 0, i) for i in range(len(exs))]
-    b, order = tasks.rollout(old, b, ctx, gens, cfg.temperature)
+    b, order = rollout(old, b, ctx, gens, cfg.temperature)
     # 2. one MaskGRPO step from a copy of pi_old (the reference is pi_old itself, as in a run's first step);
     # it draws the same rollouts
     theta = copy.deepcopy(old)
     opt = _Snapshots(theta, torch.optim.AdamW(theta.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
                                               weight_decay=cfg.weight_decay), cfg.mu)
     _, (r,) = train.rl_step(theta, old, opt, ctx, 0, tasks.step_prompts(ctx, 0))  # old: the reference (beta > 0)
-    assert torch.equal(r.batch.x, b.x), "rl_step drew other rollouts than tasks.rollout with its generators"
+    assert torch.equal(r.batch.x, b.x), "rl_step drew other rollouts than sample.rollout with its generators"
     thetas = opt.thetas
     # 3. exact Delta_j and every estimator's estimates
     b, kw = r.batch, dict(attention_mask=r.batch.attention_mask, vocab_slice=r.batch.vocab_slice, mask_id=ids.mask)
