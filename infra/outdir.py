@@ -354,7 +354,8 @@ def final(run):
             raise SystemExit(128 + s.signum) from None
         except KeyboardInterrupt as e:  # a second signal (checkpoint.Aborted): out at once, say what is kept
             kept = last_step()
-            print0("aborted by a second SIGINT during the final evaluation or save: " + (
+            name = e if isinstance(e, checkpoint.Aborted) else "SIGINT"  # Aborted's str() is its signal's name
+            print0(f"aborted by a second {name} during the final evaluation or save: " + (
                 f"{kept} holds the model after all {cfg.rl_steps} RL steps; finish the run with: "
                 f"{resume_command()}" if kept else "no checkpoint of the last RL step was written "
                 f"(checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))

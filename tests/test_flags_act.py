@@ -41,6 +41,16 @@ def test_a_preset_may_still_set_what_a_flag_may_not():
     assert cfg.d_model == 32 and cfg.init_from == str(MODEL)
 
 
+def test_a_preset_for_another_model_shape_is_warned_about(tmp_path, capsys):
+    """--preset=smoke names the toy size (d_model 32, mlp 64); the --init_from model is larger: one warning names
+    the preset typed, the differing sizes on both sides, and that the model's config.json wins."""
+    from infra import run
+    run._check_out_dir(train.parse_args(["--preset=smoke", *GSM, "--max_prompt_len=64"]), tmp_path / "out")
+    assert ("warning: --preset smoke is set for a model with d_model=32, mlp_hidden_size=64, but "
+            f"{MODEL} has d_model=64, mlp_hidden_size=160; its config.json is used, and the preset's other "
+            "settings may not suit it\n") in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--threads", "-1"], "threads (-1) must be >= 0"),
     (["--device", "gpu"], "device ('gpu') must be auto, cpu, cuda or cuda:N"),

@@ -31,9 +31,9 @@ def no_sft(*args, **kwargs):
     raise AssertionError("SFT started before the paths were checked")
 
 
-def signal_on_call(monkeypatch, module, name, n, sig):
-    """Replace module.name by a wrapper that sends `sig` to this process on its n-th call (1-based), after
-    checking that a handler is installed (without one SIGTERM ends the process silently)."""
+def signal_on_call(monkeypatch, module, name, n, sig, times=1):
+    """Replace module.name by a wrapper that sends `sig` to this process `times` times on its n-th call (1-based),
+    after checking that a handler is installed (without one SIGTERM ends the process silently)."""
     calls, original = {"n": 0}, getattr(module, name)
 
     def wrapper(*args, **kwargs):
@@ -41,7 +41,8 @@ def signal_on_call(monkeypatch, module, name, n, sig):
         if calls["n"] == n:
             assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.default_int_handler, None), \
                 f"no {sig.name} handler in {name}: the signal would end the run silently"
-            os.kill(os.getpid(), sig)
+            for _ in range(times):
+                os.kill(os.getpid(), sig)
         return original(*args, **kwargs)
     monkeypatch.setattr(module, name, wrapper)
     return calls
@@ -121,6 +122,26 @@ def test_signal_during_final_evaluation_keeps_the_last_step(sft_dir, tmp_path, m
     text = capsys.readouterr().out
     assert f"resumed from {last} at step 3" in text and "image" in summary
     assert (out / "final" / "config.json").is_file() and len((out / "log.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("module,name,n,sig,where", [
+    (train, "rl_step", 1, signal.SIGHUP, "RL step 0: step 0 is lost"),
+    (data, "evaluate", 4, signal.SIGTERM, "the final evaluation or save: {last} holds the model after all 1 RL"),
+])
+def test_a_second_signal_is_named_as_sent(sft_dir, tmp_path, monkeypatch, capsys, module, name, n, sig, where):
+    """A second SIGTERM or SIGHUP (a scheduler's or a closed terminal's, not Ctrl-C) drops the work at once: its
+    line names that signal and the exit status is 128 + it, in an RL step and in the final evaluation."""
+    out = tmp_path / "run"
+    args = [*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1", "--checkpoint_every=1"]
+    monkeypatch.setattr(checkpoint, "REPEAT_WINDOW", -1.0)  # the second signal is a new one, not a repeat
+    calls = signal_on_call(monkeypatch, module, name, n, sig, times=2)
+    with pytest.raises(SystemExit) as e:
+        train.main(args)
+    assert e.value.code == 128 + sig and calls["n"] == n
+    text = capsys.readouterr().out
+    last = out / "checkpoints" / "step-00000001"
+    assert f"caught {sig.name}: " in text and "SIGINT" not in text, text
+    assert f"aborted by a second {sig.name} during {where.format(last=last)}" in text, text
 
 
 def test_without_cadence_the_stop_writes_the_checkpoint(sft_dir, tmp_path, monkeypatch, capsys):
