@@ -340,26 +340,27 @@ def final(run):
         kept = last_step()
         return (f"{kept} is kept and finishes the run" if kept else
                 "no checkpoint of the last RL step exists (checkpoint_every=0), so all RL steps would be lost")
-    with checkpoint.graceful_stop("finishing this evaluation batch, then stopping", abort) as flag:
-        try:
-            if cfg.checkpoint_every and run.start < cfg.rl_steps and last_step() is None:
-                print0(f"checkpoint {run._save_checkpoint(cfg.rl_steps)} (the last RL step, before the final "
-                       "evaluation)")
-            yield Stop(flag, run.device)
-        except Stopped as s:
-            kept = last_step() or run._save_checkpoint(cfg.rl_steps)
-            print0(f"stopped by {s} during the final held-out evaluation: {kept} holds the model after all "
-                   f"{cfg.rl_steps} RL steps; finish the run (the final evaluation and save) with: "
-                   f"{resume_command()}")
-            raise SystemExit(128 + s.signum) from None
-        except KeyboardInterrupt as e:  # a second signal (checkpoint.Aborted): out at once, say what is kept
-            kept = last_step()
-            name = e if isinstance(e, checkpoint.Aborted) else "SIGINT"  # Aborted's str() is its signal's name
-            print0(f"aborted by a second {name} during the final evaluation or save: " + (
-                f"{kept} holds the model after all {cfg.rl_steps} RL steps; finish the run with: "
-                f"{resume_command()}" if kept else "no checkpoint of the last RL step was written "
-                f"(checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))
-            raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
+    try:
+        with checkpoint.graceful_stop("finishing this evaluation batch, then stopping", abort) as flag:
+            try:
+                if cfg.checkpoint_every and run.start < cfg.rl_steps and last_step() is None:
+                    print0(f"checkpoint {run._save_checkpoint(cfg.rl_steps)} (the last RL step, before the final "
+                           "evaluation)")
+                yield Stop(flag, run.device)
+            except Stopped as s:
+                kept = last_step() or run._save_checkpoint(cfg.rl_steps)
+                print0(f"stopped by {s} during the final held-out evaluation: {kept} holds the model after all "
+                       f"{cfg.rl_steps} RL steps; finish the run (the final evaluation and save) with: "
+                       f"{resume_command()}")
+                raise SystemExit(128 + s.signum) from None
+    except KeyboardInterrupt as e:  # a second signal (checkpoint.Aborted), also in the stop's save: say what is kept
+        kept = last_step()
+        name = e if isinstance(e, checkpoint.Aborted) else "SIGINT"  # Aborted's str() is its signal's name
+        print0(f"aborted by a second {name} during the final evaluation or save: " + (
+            f"{kept} holds the model after all {cfg.rl_steps} RL steps; finish the run with: "
+            f"{resume_command()}" if kept else "no checkpoint of the last RL step was written "
+            f"(checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))
+        raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
     if flag["signal"]:
         print0(f"stopped by {signal.Signals(flag['signal']).name} after the final save: the run is complete "
                f"({run.out / 'final'}, {run.out / 'summary.json'})")

@@ -144,6 +144,22 @@ def test_a_second_signal_is_named_as_sent(sft_dir, tmp_path, monkeypatch, capsys
     assert f"aborted by a second {sig.name} during {where.format(last=last)}" in text, text
 
 
+def test_a_second_signal_while_the_stop_writes_the_checkpoint(sft_dir, tmp_path, monkeypatch, capsys):
+    """checkpoint_every=0: the first SIGTERM in the final evaluation writes the last step's checkpoint; a second one
+    during that save drops it at once, in one line naming SIGTERM (no traceback), exit status 128 + SIGTERM."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(checkpoint, "REPEAT_WINDOW", -1.0)  # the second signal is a new one, not a repeat
+    signal_on_call(monkeypatch, data, "evaluate", 4, signal.SIGTERM)
+    calls = signal_on_call(monkeypatch, checkpoint, "save", 1, signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1"])
+    assert e.value.code == 128 + signal.SIGTERM and calls["n"] == 1
+    text = capsys.readouterr().out
+    assert "aborted by a second SIGTERM during the final evaluation or save: no checkpoint of the last RL step " \
+           "was written (checkpoint_every=0), so the RL steps are lost; restart the run with: " in text, text
+    assert checkpoint.latest(out) is None
+
+
 def test_without_cadence_the_stop_writes_the_checkpoint(sft_dir, tmp_path, monkeypatch, capsys):
     """checkpoint_every=0: nothing is written before the final evaluation; a signal in it writes the last
     step's checkpoint then."""
