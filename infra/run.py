@@ -47,7 +47,7 @@ def start(cfg, argv, sft):
             return finished
         device, dtype = setup(cfg)
         datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
-        with sft_dir_claimed(cfg):
+        with sft_dir_claimed(cfg, device):
             startup_checks(cfg, device)
             scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
             model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
@@ -126,16 +126,31 @@ def check_resume(cfg) -> dict | None:
 
 
 @contextmanager
-def sft_dir_claimed(cfg):
-    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model into it; a cached one is read only."""
-    mine, sft_dir = cfg.init_from == "scratch" and scale.rank() == 0, sft_dir_of(cfg)
+def sft_dir_claimed(cfg, device):
+    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model into it; a cached one is read only.
+    Every rank checks sft_dir, agreed: one rank refusing alone would leave the others waiting in a collective."""
+    pid_file, error = None, None
+    try:
+        if cfg.init_from == "scratch":
+            pid_file = _claim_sft_dir(cfg, sft_dir_of(cfg))
+    except (ValueError, OSError) as e:
+        error = e
+    try:
+        agreed(error, device)
+        yield
+    finally:
+        if pid_file is not None:
+            release(pid_file)
+
+
+def _claim_sft_dir(cfg, sft_dir: Path) -> Path | None:
+    """sft_dir's pid file, claimed on rank 0 when the SFT model is to be trained; None when it is cached."""
     existing = next(p for p in (sft_dir, *sft_dir.parents) if p.exists())
-    if mine and not existing.is_dir():
+    if not existing.is_dir():
         raise ValueError(f"sft_dir {sft_dir}: {'it' if existing == sft_dir else existing} is a file, not a folder "
                          "(it is left as it is); pass --sft_dir=a folder for the SFT model")
-    if not mine or check_sft_cache(cfg):
-        yield
-        return
+    if check_sft_cache(cfg) or scale.rank() != 0:
+        return None
     pid_file = sft_dir.with_name(sft_dir.name + ".run.pid")
     try:
         pid_file.parent.mkdir(parents=True, exist_ok=True)
@@ -146,10 +161,14 @@ def sft_dir_claimed(cfg):
     except OSError as e:
         raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass --sft_dir=a writable folder") \
             from None
-    try:
-        yield
-    finally:
-        release(pid_file)
+    return pid_file
+
+
+def agreed(error: Exception | None, device) -> None:
+    """Raise error on every rank when any rank has one. A user error exits every rank with status 2 as if together
+    (scale.process_exit), so a rank refusing alone would leave the others waiting in their next collective."""
+    if scale.all_max(torch.tensor([int(error is not None)], device=device)).item():
+        raise error or ValueError("another rank failed its start-up checks (its message is above)")
 
 
 def startup_checks(cfg, device) -> None:
@@ -159,8 +178,7 @@ def startup_checks(cfg, device) -> None:
         _check_out_dir(cfg, out)
     except (ValueError, OSError) as e:
         error = e
-    if scale.all_max(torch.tensor([int(error is not None)], device=device)).item():
-        raise error or ValueError("another rank failed its start-up checks (its message is above)")
+    agreed(error, device)
     if scale.rank() == 0:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     scale.barrier()

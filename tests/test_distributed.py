@@ -433,6 +433,50 @@ def test_a_rank_that_raises_ends_every_rank_within_seconds(tmp_path):
     assert ended - raised < 10, ended - raised
 
 
+def stale_sft_dir(where: Path) -> tuple[Path, str]:
+    """An SFT cache of the smoke preset whose toy data changed since (its source hash differs): (the folder, the
+    refusal every rank must exit with)."""
+    from infra import load
+    where.mkdir()
+    key = load.sft_key(train.parse_args(["--preset=smoke"])) | {"toy_sha1": "0" * 40}
+    (where / "sft_meta.json").write_text(json.dumps(key))
+    return where, (f"error: sft_dir {where} holds an SFT model trained with other settings: infra/toy.py or "
+                   "tasks.py (the toy data or its encoding) changed; pass --retrain_sft=true to replace it, or give "
+                   "this run its own --sft_dir")
+
+
+@pytest.mark.slow
+def test_a_stale_sft_dir_ends_every_rank_with_the_refusal(tmp_path, monkeypatch):
+    """Two ranks refused a cached SFT model of other settings: each exits 2 at once with the one line (torchrun
+    exits 1), none waits in a collective for the other (a 2-minute collective timeout would show as a hang)."""
+    sft_dir, line = stale_sft_dir(tmp_path / "sft")
+    monkeypatch.setenv("MASKGRPO_COLLECTIVE_TIMEOUT_MIN", "2")
+    res = launch(["--preset=smoke", "--threads=1", f"--sft_dir={sft_dir}", f"--out_dir={tmp_path / 'out'}"], nproc=2)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert [s for s in res.stderr.splitlines() if s.startswith("error:")] == [line, line], res.stderr[-3000:]
+    assert res.stderr.count("exitcode  : 2") == 2, res.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sft"]  # nothing written, no out_dir made
+
+
+def test_a_stale_sft_dir_is_refused_after_the_same_collectives_on_every_rank(tmp_path, monkeypatch):
+    """The fast sibling: run.start as rank 0 and as rank 1 (the collectives recorded, each giving back this rank's
+    value). Both refuse the stale sft_dir with the same line after the same collectives; a rank that refused
+    before a collective its peer had entered would leave the peer waiting in it."""
+    from infra import run, scale
+    sft_dir, line = stale_sft_dir(tmp_path / "sft")
+    args = ["--preset=smoke", "--threads=1", f"--sft_dir={sft_dir}", f"--out_dir={tmp_path / 'out'}"]
+    seen = []
+    for rank in (0, 1):
+        calls = []
+        monkeypatch.setattr(scale, "rank", lambda rank=rank: rank)
+        monkeypatch.setattr(scale, "all_max", lambda t, calls=calls: calls.append(("all_max", t.tolist())) or t)
+        monkeypatch.setattr(scale, "barrier", lambda calls=calls: calls.append("barrier"))
+        with pytest.raises(ValueError) as refused:
+            run.start(train.parse_args(args), args, train.sft)
+        seen.append((calls, f"error: {refused.value}"))
+    assert seen[0] == seen[1] == ([("all_max", [1])], line)
+
+
 def test_close_after_an_error_neither_waits_nor_destroys(monkeypatch):
     """The fast sibling: with other ranks, scale.close after an error returns at once (no barrier, no
     destroy_process_group, either of which may wait for peers stuck in a collective); a clean exit waits
