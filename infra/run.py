@@ -1,5 +1,4 @@
-"""The run's lifecycle around train.py's loop: start-up and its refusals, the Run (log, checkpoints, resume, the
-bad-step guard, the final save) and machine failures in one line; every rank makes the same decisions."""
+"""A run's lifecycle around train.py's loop: start-up and its refusals, the Run, machine failures in one line."""
 from __future__ import annotations
 
 import errno
@@ -71,8 +70,7 @@ def _resumable(cfg, out: Path) -> tuple[Path, dict]:
 
 
 def check_resume(cfg) -> dict | None:
-    """--resume: refuse an out_dir with no run or other settings; a finished run's summary (nothing rewritten)
-    unless --extend=true trains it further; None: go on."""
+    """--resume: refuse an out_dir with no run or other settings; a finished run's summary unless --extend."""
     if cfg.extend and not cfg.resume:
         raise ValueError("--extend=true continues a finished run: pass --resume=true with it (and a larger --rl_steps)")
     if not cfg.resume:
@@ -127,12 +125,10 @@ def check_resume(cfg) -> dict | None:
 
 @contextmanager
 def sft_dir_claimed(cfg, device):
-    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model into it; a cached one is read only.
-    Every rank checks sft_dir, agreed: one rank refusing alone would leave the others waiting in a collective."""
+    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model there; every rank checks it (agreed)."""
     pid_file, error = None, None
     try:
-        if cfg.init_from == "scratch":
-            pid_file = _claim_sft_dir(cfg, sft_dir_of(cfg))
+        pid_file = _claim_sft_dir(cfg, sft_dir_of(cfg)) if cfg.init_from == "scratch" else None
     except (ValueError, OSError) as e:
         error = e
     try:
@@ -165,8 +161,7 @@ def _claim_sft_dir(cfg, sft_dir: Path) -> Path | None:
 
 
 def agreed(error: Exception | None, device) -> None:
-    """Raise error on every rank when any rank has one. A user error exits every rank with status 2 as if together
-    (scale.process_exit), so a rank refusing alone would leave the others waiting in their next collective."""
+    """Raise error on every rank when any rank has one: a rank refusing alone would leave the others waiting."""
     if scale.all_max(torch.tensor([int(error is not None)], device=device)).item():
         raise error or ValueError("another rank failed its start-up checks (its message is above)")
 
@@ -188,8 +183,7 @@ def startup_checks(cfg, device) -> None:
 
 
 def _check_out_dir(cfg, out: Path) -> None:
-    """out_dir writable with room for checkpoints, no run a fresh start would overwrite, sequences that fit the
-    model, this run's SFT cache or none; then the out_dir is claimed."""
+    """out_dir writable with room, no run a fresh start would overwrite, sequences that fit; then claimed."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
@@ -472,8 +466,7 @@ class Run:
         return path
 
     def finish(self, after: dict, after_by_prompt: dict, grid_after, tok, dtype, sft_seconds: float) -> dict:
-        """Write final/ (the policy, tokenizer.json, generation.json), summary.json (held-out reward before/after RL
-        per task, the gain's standard error paired by prompt, seconds) and the pictures."""
+        """Write final/ (policy, tokenizer, generation.json), summary.json (held-out rewards) and the pictures."""
         before, before_by_prompt = self.state["before"], self.state.get("before_by_prompt") or {}
         save_model(self.model, self.cfg, self.out / "final", tok, dtype)
         # A reward that could not be measured (a scorer down: NaN) is null in summary.json, never a number.
