@@ -39,10 +39,9 @@ def num_terms(mask: torch.Tensor, norm: str) -> torch.Tensor:
 
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *, clip_eps: float,
                 beta: float = 0.0, logp_ref=None, norm: str = "token", total=None) -> tuple[torch.Tensor, dict]:
-    """Clipped GRPO surrogate + beta * k3 KL (Eqs. 9-11) on one chunk of rows: (its share S_c / total of the batch
-    mean, sums of loss, tokens, clipped, kl, ratio, ratio_max). total: the terms (scored tokens, or sequences with
-    one for "sequence") of every chunk, view and rank (default: this chunk's). logp: float32 (B, N) with grad;
-    logp_old, logp_ref: (B, N); adv: (B,); mask: bool (B, N), the tokens THIS update scores."""
+    """Clipped GRPO surrogate + beta * k3 KL (Eqs. 9-11) on one chunk: (its share S_c / total of the batch mean, its
+    sums). total: the terms (num_terms) of every chunk, view and rank (default: this chunk's). mask: the tokens THIS
+    update scores; logp (with grad), logp_old, logp_ref, mask: (B, N); adv: (B,)."""
     assert clip_eps > 0 and beta >= 0 and norm in NORMS, f"{clip_eps=} > 0, {beta=} >= 0, {norm=} in {NORMS}"
     assert mask.dtype == torch.bool and (beta == 0 or logp_ref is not None), "a bool mask; beta > 0 needs logp_ref"
     assert {t.shape for t in (logp, logp_old, mask, logp_ref) if t is not None} == {adv.shape + mask.shape[1:]}, "(B,N)"

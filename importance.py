@@ -33,9 +33,8 @@ class Views(NamedTuple):
 
 
 def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -> Views:
-    """Step 4 (Alg. 5): mu views, update j scoring view j, o^t_j ~ Rev(o, t_j, S_j) of the window (text: Alg. 1
-    AR-like, or --text_reversing; images: Alg. 2 random), one mask for input and loss. seq_index: each row's
-    GLOBAL index. Every VIEWS function takes these keywords, and eos_id and all_max (max over ranks)."""
+    """Step 4 (Alg. 5): view j = o^t_j ~ Rev(o, t_j, S_j) (text: Alg. 1 or --text_reversing; images: Alg. 2) scored
+    by update j. seq_index: each row's GLOBAL index. Every VIEWS function also takes eos_id and all_max."""
     mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
     (B, L), P, N, seed = batch.x.shape, batch.prompt_len, batch.window, derive_seed(cfg.seed, "masks", batch.task)
     prompt_len, window = batch.attention_mask[:, :P].bool().sum(1).tolist(), torch.ones(B, N, dtype=torch.bool)
@@ -66,9 +65,8 @@ def mask_seed(seed: int, step: int, seq_index: int, j: int) -> int:
 
 
 def reverse_mask(completion_mask: torch.Tensor, ratios, seeds, mode: str = "arlike", prompt_len=None) -> torch.Tensor:
-    """Seeded reversing o^t ~ Rev(o, t, S) (REVERSING[mode]) of the window, bool (B, N), True = masked, only where
-    completion_mask (bool (B, N)) allows. ratios, seeds: one per row; prompt_len: each row's prompt length, read by
-    "arlike_official" only. A fresh CPU generator per row: row b depends on (seeds[b], ratios[b], N) alone."""
+    """Rev(o, t, S) (REVERSING[mode]): bool (B, N), True = masked, within completion_mask; one ratio, seed (and
+    prompt length, for "arlike_official") per row, whose own CPU generator makes it depend on them and N alone."""
     assert mode in REVERSING and completion_mask.dtype == torch.bool and completion_mask.dim() == 2, f"{mode=}"
     assert len(ratios) == len(seeds) == len(completion_mask) and all(0 <= t <= 1 for t in ratios), f"{ratios=} {seeds=}"
     mask = torch.zeros(completion_mask.shape, dtype=torch.bool)                                   # (B, N)
@@ -247,9 +245,8 @@ def ignored_settings(cfg, defaults) -> list[str]:
 
 def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, *,
                    attention_mask=None, vocab_slice: tuple[int, int] | None = None, device_batch_size: int = 0):
-    """float32 (B, L): log pi(targets | input_ids) at `positions` (bool (B, L)), exactly 0 elsewhere, with or without
-    grad. input_ids: the masked input; targets: the clean tokens; vocab_slice=(lo, hi): targets - lo over the columns
-    [lo, hi) only (image codes); device_batch_size: rows per forward (0 = all). No 1/t ELBO weight (official code)."""
+    """float32 (B, L): log pi(targets | input_ids) at `positions`, exactly 0 elsewhere; vocab_slice=(lo, hi): targets
+    - lo over the columns [lo, hi) only (image codes). No 1/t ELBO weight (official code)."""
     assert input_ids.shape == targets.shape == positions.shape and positions.dtype == torch.bool, "(B, L), bool"
     assert device_batch_size >= 0, f"{device_batch_size=} >= 0"
     (B, L), (lo, hi) = input_ids.shape, vocab_slice or (0, None)
@@ -257,8 +254,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     # one host read per call: each row's first and last scored column, and whether it is padded
     cols = torch.arange(L, device=positions.device)
     first, last = torch.where(positions, cols, L).min(1).values, torch.where(positions, cols, -1).max(1).values
-    pad = torch.zeros(B, dtype=torch.bool, device=positions.device) if attention_mask is None else \
-        (attention_mask == 0).any(1)
+    pad = torch.zeros_like(first, dtype=torch.bool) if attention_mask is None else (attention_mask == 0).any(1)
     first, last, padded = torch.stack([first, last, pad.long()]).tolist()
     outside = torch.zeros((), dtype=torch.bool, device=input_ids.device)  # a scored target outside [lo, hi)
     for rows in scale.chunks(B, device_batch_size):

@@ -48,8 +48,7 @@ def generator(device, *parts) -> torch.Generator:
 
 @torch.no_grad()
 def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=None):
-    """Step 1: (the tasks.Batch with the policy's samples in its windows, the decoding order (B, L): the step
-    that revealed each position, -1 for the prompt). gens: a generator per row; text_sampler: None = generate."""
+    """Step 1: (prompts with samples in their windows, the step that revealed each position (B, L), -1 the prompt)."""
     cfg, ids, xs, orders = ctx.cfg, ctx.ids, [], []
     with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout
         for rows in scale.chunks(len(gens), cfg.device_batch_size):

@@ -179,6 +179,11 @@ def score(b, verify, tok, ids, scorer=None) -> torch.Tensor:
     return torch.tensor([verify(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
 
 
+def step_rewards(b, ctx) -> torch.Tensor:
+    """The RL step's rewards of rollouts b: score with the verifier --text_reward or --reward_shaping names."""
+    return score(b, verifier(b.task, ctx.cfg.text_reward, ctx.cfg.reward_shaping), ctx.tok, ctx.ids, ctx.scorer)
+
+
 # -----------------------------------------------------------------------------------------------------
 # batches: examples of any task -> token tensors [prompt | window | suffix]
 
@@ -214,20 +219,16 @@ class Batch:
 
 
 def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: bool) -> Batch:
-    """Token tensors for `examples`, the window holding the targets (SFT) or mask ids. Text prompts are left-padded
-    to the longest: every rank builds the global batch and takes its rows (Batch.rows), whatever the world size."""
+    """Token tensors for `examples`, the window holding the targets (SFT) or mask ids; text prompts left-padded."""
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
     toy = TASKS[task].toy  # toy: BOS + question, the answer padded with EOS; benchmarks: the chat template
     pairs = [encode_text(tok, ids, ex, cfg.gen_length) if toy else (encode_chat(tok, ex, cfg), None) for ex in examples]
-    P = max(len(p) for p, _ in pairs)
-    rows, att = [], []
-    for p, c in pairs:
-        pad = P - len(p)
-        window = c if with_targets else [ids.mask] * cfg.gen_length
-        rows.append([ids.pad] * pad + p + window)  # LLaDA left-pads prompts with EOS
-        att.append([0] * pad + [1] * (len(p) + cfg.gen_length))
-    x, att = torch.tensor(rows, device=device), torch.tensor(att, device=device)
+    P, N = max(len(p) for p, _ in pairs), cfg.gen_length
+    pad = torch.tensor([P - len(p) for p, _ in pairs], device=device)  # LLaDA left-pads prompts with EOS
+    x = torch.tensor([[ids.pad] * (P - len(p)) + p + (c if with_targets else [ids.mask] * N) for p, c in pairs],
+                     device=device)
+    att = (torch.arange(P + N, device=device) >= pad[:, None]).long()  # (B, L) 0 on the padding
     return Batch(task, x, att.fill_(1) if attends_padding(cfg, task) else att, P, cfg.gen_length, examples=examples)
 
 
@@ -299,8 +300,7 @@ class Ctx:
 
 
 def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
-    """The prompts of RL step `step`, one Batch per task, each prompt G times; every rank keeps its own rows of the
-    global batch, with their global index, which seeds each sequence's noise and masks."""
+    """Step `step`'s prompts, one Batch per task, each G times: this rank's rows, with their global index (seeds)."""
     cfg, out = ctx.cfg, []
     for task in task_list(cfg):
         exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]
