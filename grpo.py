@@ -16,8 +16,7 @@ NORMS = ("token", "sequence")
 # advantages
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale_by_std: bool = True):
-    """(R - mean_g) / (std_g + eps) within each group of group_size consecutive rewards (arXiv:2402.03300 §4.1),
-    (B,) -> (B,); std unbiased (N - 1) as in the official code; scale_by_std=False: R - mean_g, as d1."""
+    """(R - mean_g) / (std_g + eps) per group of group_size (§4.1), std unbiased (official); or R - mean_g (d1)."""
     assert rewards.dim() == 1 and group_size >= 2 and len(rewards) % group_size == 0, f"{rewards.shape=} {group_size=}"
     R = (rewards if rewards.is_floating_point() else rewards.float()).reshape(-1, group_size)  # (num_groups, G)
     assert torch.isfinite(R).all(), "GRPO compares finite rewards"

@@ -46,8 +46,7 @@ def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -
 
 
 def mask_ratios(mu: int, gamma: float) -> list[float]:
-    """Mask ratio t_j of inner iterations j = 0..mu-1: gamma + (1-gamma)(j+1)/mu (Alg. 5), truncated at gamma
-    (Fig. 5a: at low ratios the model is nearly certain, ratios ~ 1); the last, 1.0, clamped as the official code."""
+    """t_j = gamma + (1-gamma)(j+1)/mu, j < mu (Alg. 5; Fig. 5a: low ratios teach little), 1.0 clamped (official)."""
     assert mu >= 1 and 0.0 <= gamma < 1.0, f"mu {mu} >= 1, gamma {gamma} in [0, 1)"
     return [min(gamma + (1.0 - gamma) * (j + 1) / mu, 0.999) for j in range(mu)]
 
@@ -259,8 +258,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     outside = torch.zeros((), dtype=torch.bool, device=input_ids.device)  # a scored target outside [lo, hi)
     for rows in scale.chunks(B, device_batch_size):
         # The head over the scored columns only (all without logits_at): (b, L, V) logits would fill memory at 8B.
-        a, b = min(first[rows], default=L), max(last[rows], default=-1) + 1
-        win = slice(a, b) if a < b else slice(0, 0)
+        win = slice(min(first[rows], default=L), max(last[rows], default=-1) + 1)  # empty when none is scored
         am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name for it
         if getattr(model, "accepts_cache_kwargs", False):
             # float32 head: bf16 rounds a logit by up to 0.06; an update moves log pi by ~1e-3 (Eq. 9)

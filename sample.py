@@ -35,8 +35,7 @@ CHUNK = 1 << 24  # elements per draw when uniform walks a row's stream: 128 MB i
 
 
 def derive_seed(*parts) -> int:
-    """A 63-bit seed from (run seed, purpose, step, ...), e.g. derive_seed(0, "rollout", "text", 3, 7).
-    blake2b of repr(parts), not hash(): the same in every process and Python version."""
+    """A 63-bit seed from (run seed, purpose, step, ...): blake2b of repr(parts), the same in every process."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 

@@ -97,8 +97,7 @@ def encode_chat(tok: Tokenizer, example: dict, cfg) -> list[int]:
 
 def encode_image_prompt(tok: Tokenizer, ids: TokenIds, prompt_text: str, text_len: int,
                         num_tokens: int) -> tuple[list[int], int, list[int]]:
-    """MMaDA's t2i layout: [iPAD]* <|t2i|> BOS caption EOS <|soi|> mask*num_tokens <|eoi|>, the text part padded
-    (attention 0) or cut to text_len; caption "" is CFG's unconditional prompt. (input_ids, image_start, mask)."""
+    """MMaDA's t2i layout [iPAD]* <|t2i|> BOS caption EOS <|soi|> mask*num_tokens <|eoi|>: (ids, image start, mask)."""
     if None in (ids.t2i, ids.soi, ids.eoi, ids.ipad):
         raise ValueError("the tokenizer lacks MMaDA's <|t2i|>, <|soi|>, <|eoi|>, [iPAD]: images need an MMaDA one")
     text = [ids.t2i, ids.bos] + tok.encode(prompt_text, add_special_tokens=False).ids + [ids.eos]
@@ -157,8 +156,7 @@ TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
 def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none"):
-    """The rewards.py function scoring `task`, named by the setting its TASKS entry picks by (geneval: None, a
-    remote scorer). One a task lacks is an error (train.parse_args asks at start-up)."""
+    """The rewards.py function scoring `task` that its TASKS entry's setting names (geneval: None), else an error."""
     t = TASKS[task]
     if not t.picked_by:  # the toy image task's one verifier (more is an error, never a pick); geneval: None
         (verify,) = t.reward.values() if t.reward else [None]
@@ -171,8 +169,7 @@ def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none
 
 
 def score(b, verify, tok, ids, scorer=None) -> torch.Tensor:
-    """Step 2: a reward in [0, 1] per row of Batch b: verify(completion, example) (tasks.verifier) on each decoded
-    completion, or, with verify None (geneval), the remote scorer."""
+    """Step 2: a reward in [0, 1] per row of b: verify(completion, example), or with verify None the scorer's."""
     outs = decode_window(b, tok, ids)
     if verify is None:  # geneval: NaN rewards if the scorer fails, which skip the step on every rank
         return scorer.rewards([ex["prompt"] for ex in b.examples], outs)

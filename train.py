@@ -342,8 +342,7 @@ def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
 
 
 def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
-    """Inner update j: backpropagate every task's loss, clip, step. Returns each task's sums over every rank and the
-    gradient norm; a non-finite loss or norm skips the step (on every rank alike: both are reduced over ranks)."""
+    """Inner update j: every task's loss backward, clip, step, unless a loss or the norm (over ranks) is not finite."""
     # LoRA dropout draws from the global RNG (activation checkpointing replays it): seeded per (step, j, rank)
     torch.manual_seed(derive_seed(ctx.cfg.seed, "dropout", step, j, scale.rank()))
     opt.zero_grad(set_to_none=True)
@@ -406,8 +405,7 @@ def step_log(step: int, exps: list, updates: list, cfg) -> dict:
 
 
 def step_stats(updates: list[dict]) -> dict[str, float]:
-    """One task's statistics from each update's sums over the whole batch, divided once: loss, clipfrac, kl and
-    ratio_mean (per scored token) averaged over the updates; ratio_max of any update; num_tokens, all updates."""
+    """One task's statistics from each update's batch sums, divided once (per scored token), over the updates."""
     mean = lambda f: sum(f(u) / len(updates) for u in updates)  # over the updates, in order
     per_token = lambda k, empty=0.0: mean(lambda u: u[k] / u["tokens"] if u["tokens"] else empty)
     return {"loss": mean(lambda u: u["loss"]), "clipfrac": per_token("clipped"), "kl": per_token("kl"),
