@@ -48,7 +48,7 @@ def generator(device, *parts) -> torch.Generator:
 @torch.no_grad()
 def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=None):
     """Step 1: (prompts with samples in their windows, the step that revealed each position (B, L), -1 the prompt)."""
-    cfg, ids, xs, orders = ctx.cfg, ctx.ids, [], []
+    cfg, ids, out = ctx.cfg, ctx.ids, []
     with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout
         for rows in scale.chunks(len(gens), cfg.device_batch_size):
             c, g = prompts.rows(rows), gens[rows]
@@ -64,9 +64,8 @@ def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=No
                     model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length, steps=cfg.steps,
                     temperature=temperature, mask_id=ids.mask, generator=g,
                     attention_mask=c.attention_mask[:, : c.prompt_len], return_order=True)
-            xs.append(x)
-            orders.append(order)
-    return dataclasses.replace(prompts, x=torch.cat(xs)), torch.cat(orders)
+            out.append((x, order))
+    return dataclasses.replace(prompts, x=torch.cat([x for x, _ in out])), torch.cat([o for _, o in out])
 
 def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=None) -> torch.Tensor:
     """U[0, 1) draws of `shape` on the generator's device, moved to `device`. generator: one, or one per row.
