@@ -16,8 +16,7 @@ NORMS = ("token", "sequence")
 # advantages
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale_by_std: bool = True):
-    """(R - mean_g) / (std_g + eps) within each group of group_size consecutive rewards (arXiv:2402.03300 §4.1),
-    (B,) -> (B,); std unbiased (N - 1) as in the official code; scale_by_std=False: R - mean_g, as d1."""
+    """(R - mean_g) / (std_g + eps) per group of group_size (§4.1), std unbiased (official); or R - mean_g (d1)."""
     assert rewards.dim() == 1 and group_size >= 2 and len(rewards) % group_size == 0, f"{rewards.shape=} {group_size=}"
     R = (rewards if rewards.is_floating_point() else rewards.float()).reshape(-1, group_size)  # (num_groups, G)
     assert torch.isfinite(R).all(), "GRPO compares finite rewards"
@@ -39,10 +38,9 @@ def num_terms(mask: torch.Tensor, norm: str) -> torch.Tensor:
 
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *, clip_eps: float,
                 beta: float = 0.0, logp_ref=None, norm: str = "token", total=None) -> tuple[torch.Tensor, dict]:
-    """Clipped GRPO surrogate + beta * k3 KL (Eqs. 9-11) on one chunk of rows: (its share S_c / total of the batch
-    mean, sums of loss, tokens, clipped, kl, ratio, ratio_max). total: the terms (scored tokens, or sequences with
-    one for "sequence") of every chunk, view and rank (default: this chunk's). logp: float32 (B, N) with grad;
-    logp_old, logp_ref: (B, N); adv: (B,); mask: bool (B, N), the tokens THIS update scores."""
+    """Clipped GRPO surrogate + beta * k3 KL (Eqs. 9-11) on one chunk: (its share S_c / total of the batch mean, its
+    sums). total: the terms (num_terms) of every chunk, view and rank (default: this chunk's). mask: the tokens THIS
+    update scores; logp (with grad), logp_old, logp_ref, mask: (B, N); adv: (B,)."""
     assert clip_eps > 0 and beta >= 0 and norm in NORMS, f"{clip_eps=} > 0, {beta=} >= 0, {norm=} in {NORMS}"
     assert mask.dtype == torch.bool and (beta == 0 or logp_ref is not None), "a bool mask; beta > 0 needs logp_ref"
     assert {t.shape for t in (logp, logp_old, mask, logp_ref) if t is not None} == {adv.shape + mask.shape[1:]}, "(B,N)"

@@ -33,9 +33,8 @@ class Views(NamedTuple):
 
 
 def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -> Views:
-    """Step 4 (Alg. 5): mu views, update j scoring view j, o^t_j ~ Rev(o, t_j, S_j) of the window (text: Alg. 1
-    AR-like, or --text_reversing; images: Alg. 2 random), one mask for input and loss. seq_index: each row's
-    GLOBAL index. Every VIEWS function takes these keywords, and eos_id and all_max (max over ranks)."""
+    """Step 4 (Alg. 5): view j = o^t_j ~ Rev(o, t_j, S_j) (text: Alg. 1 or --text_reversing; images: Alg. 2) scored
+    by update j. seq_index: each row's GLOBAL index. Every VIEWS function also takes eos_id and all_max."""
     mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
     (B, L), P, N, seed = batch.x.shape, batch.prompt_len, batch.window, derive_seed(cfg.seed, "masks", batch.task)
     prompt_len, window = batch.attention_mask[:, :P].bool().sum(1).tolist(), torch.ones(B, N, dtype=torch.bool)
@@ -47,8 +46,7 @@ def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -
 
 
 def mask_ratios(mu: int, gamma: float) -> list[float]:
-    """Mask ratio t_j of inner iterations j = 0..mu-1: gamma + (1-gamma)(j+1)/mu (Alg. 5), truncated at gamma
-    (Fig. 5a: at low ratios the model is nearly certain, ratios ~ 1); the last, 1.0, clamped as the official code."""
+    """t_j = gamma + (1-gamma)(j+1)/mu, j < mu (Alg. 5; Fig. 5a: low ratios teach little), 1.0 clamped (official)."""
     assert mu >= 1 and 0.0 <= gamma < 1.0, f"mu {mu} >= 1, gamma {gamma} in [0, 1)"
     return [min(gamma + (1.0 - gamma) * (j + 1) / mu, 0.999) for j in range(mu)]
 
@@ -66,9 +64,8 @@ def mask_seed(seed: int, step: int, seq_index: int, j: int) -> int:
 
 
 def reverse_mask(completion_mask: torch.Tensor, ratios, seeds, mode: str = "arlike", prompt_len=None) -> torch.Tensor:
-    """Seeded reversing o^t ~ Rev(o, t, S) (REVERSING[mode]) of the window, bool (B, N), True = masked, only where
-    completion_mask (bool (B, N)) allows. ratios, seeds: one per row; prompt_len: each row's prompt length, read by
-    "arlike_official" only. A fresh CPU generator per row: row b depends on (seeds[b], ratios[b], N) alone."""
+    """Rev(o, t, S) (REVERSING[mode]): bool (B, N), True = masked, within completion_mask; one ratio, seed (and
+    prompt length, for "arlike_official") per row, whose own CPU generator makes it depend on them and N alone."""
     assert mode in REVERSING and completion_mask.dtype == torch.bool and completion_mask.dim() == 2, f"{mode=}"
     assert len(ratios) == len(seeds) == len(completion_mask) and all(0 <= t <= 1 for t in ratios), f"{ratios=} {seeds=}"
     mask = torch.zeros(completion_mask.shape, dtype=torch.bool)                                   # (B, N)
@@ -247,9 +244,8 @@ def ignored_settings(cfg, defaults) -> list[str]:
 
 def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, *,
                    attention_mask=None, vocab_slice: tuple[int, int] | None = None, device_batch_size: int = 0):
-    """float32 (B, L): log pi(targets | input_ids) at `positions` (bool (B, L)), exactly 0 elsewhere, with or without
-    grad. input_ids: the masked input; targets: the clean tokens; vocab_slice=(lo, hi): targets - lo over the columns
-    [lo, hi) only (image codes); device_batch_size: rows per forward (0 = all). No 1/t ELBO weight (official code)."""
+    """float32 (B, L): log pi(targets | input_ids) at `positions`, exactly 0 elsewhere; vocab_slice=(lo, hi): targets
+    - lo over the columns [lo, hi) only (image codes). No 1/t ELBO weight (official code)."""
     assert input_ids.shape == targets.shape == positions.shape and positions.dtype == torch.bool, "(B, L), bool"
     assert device_batch_size >= 0, f"{device_batch_size=} >= 0"
     (B, L), (lo, hi) = input_ids.shape, vocab_slice or (0, None)
@@ -257,14 +253,12 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     # one host read per call: each row's first and last scored column, and whether it is padded
     cols = torch.arange(L, device=positions.device)
     first, last = torch.where(positions, cols, L).min(1).values, torch.where(positions, cols, -1).max(1).values
-    pad = torch.zeros(B, dtype=torch.bool, device=positions.device) if attention_mask is None else \
-        (attention_mask == 0).any(1)
+    pad = torch.zeros_like(first, dtype=torch.bool) if attention_mask is None else (attention_mask == 0).any(1)
     first, last, padded = torch.stack([first, last, pad.long()]).tolist()
     outside = torch.zeros((), dtype=torch.bool, device=input_ids.device)  # a scored target outside [lo, hi)
     for rows in scale.chunks(B, device_batch_size):
         # The head over the scored columns only (all without logits_at): (b, L, V) logits would fill memory at 8B.
-        a, b = min(first[rows], default=L), max(last[rows], default=-1) + 1
-        win = slice(a, b) if a < b else slice(0, 0)
+        win = slice(min(first[rows], default=L), max(last[rows], default=-1) + 1)  # empty when none is scored
         am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name for it
         if getattr(model, "accepts_cache_kwargs", False):
             # float32 head: bf16 rounds a logit by up to 0.06; an update moves log pi by ~1e-3 (Eq. 9)

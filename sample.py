@@ -35,8 +35,7 @@ CHUNK = 1 << 24  # elements per draw when uniform walks a row's stream: 128 MB i
 
 
 def derive_seed(*parts) -> int:
-    """A 63-bit seed from (run seed, purpose, step, ...), e.g. derive_seed(0, "rollout", "text", 3, 7).
-    blake2b of repr(parts), not hash(): the same in every process and Python version."""
+    """A 63-bit seed from (run seed, purpose, step, ...): blake2b of repr(parts), the same in every process."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
@@ -48,9 +47,8 @@ def generator(device, *parts) -> torch.Generator:
 
 @torch.no_grad()
 def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=None):
-    """Step 1: (the tasks.Batch with the policy's samples in its windows, the decoding order (B, L): the step
-    that revealed each position, -1 for the prompt). gens: a generator per row; text_sampler: None = generate."""
-    cfg, ids, xs, orders = ctx.cfg, ctx.ids, [], []
+    """Step 1: (prompts with samples in their windows, the step that revealed each position (B, L), -1 the prompt)."""
+    cfg, ids, out = ctx.cfg, ctx.ids, []
     with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout
         for rows in scale.chunks(len(gens), cfg.device_batch_size):
             c, g = prompts.rows(rows), gens[rows]
@@ -66,9 +64,8 @@ def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=No
                     model, c.x[:, : c.prompt_len], gen_length=c.window, block_length=cfg.block_length, steps=cfg.steps,
                     temperature=temperature, mask_id=ids.mask, generator=g,
                     attention_mask=c.attention_mask[:, : c.prompt_len], return_order=True)
-            xs.append(x)
-            orders.append(order)
-    return dataclasses.replace(prompts, x=torch.cat(xs)), torch.cat(orders)
+            out.append((x, order))
+    return dataclasses.replace(prompts, x=torch.cat([x for x, _ in out])), torch.cat([o for _, o in out])
 
 def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=None) -> torch.Tensor:
     """U[0, 1) draws of `shape` on the generator's device, moved to `device`. generator: one, or one per row.

@@ -97,8 +97,7 @@ def encode_chat(tok: Tokenizer, example: dict, cfg) -> list[int]:
 
 def encode_image_prompt(tok: Tokenizer, ids: TokenIds, prompt_text: str, text_len: int,
                         num_tokens: int) -> tuple[list[int], int, list[int]]:
-    """MMaDA's t2i layout: [iPAD]* <|t2i|> BOS caption EOS <|soi|> mask*num_tokens <|eoi|>, the text part padded
-    (attention 0) or cut to text_len; caption "" is CFG's unconditional prompt. (input_ids, image_start, mask)."""
+    """MMaDA's t2i layout [iPAD]* <|t2i|> BOS caption EOS <|soi|> mask*num_tokens <|eoi|>: (ids, image start, mask)."""
     if None in (ids.t2i, ids.soi, ids.eoi, ids.ipad):
         raise ValueError("the tokenizer lacks MMaDA's <|t2i|>, <|soi|>, <|eoi|>, [iPAD]: images need an MMaDA one")
     text = [ids.t2i, ids.bos] + tok.encode(prompt_text, add_special_tokens=False).ids + [ids.eos]
@@ -157,8 +156,7 @@ TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
 def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none"):
-    """The rewards.py function scoring `task`, named by the setting its TASKS entry picks by (geneval: None, a
-    remote scorer). One a task lacks is an error (train.parse_args asks at start-up)."""
+    """The rewards.py function scoring `task` that its TASKS entry's setting names (geneval: None), else an error."""
     t = TASKS[task]
     if not t.picked_by:  # the toy image task's one verifier (more is an error, never a pick); geneval: None
         (verify,) = t.reward.values() if t.reward else [None]
@@ -171,12 +169,16 @@ def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none
 
 
 def score(b, verify, tok, ids, scorer=None) -> torch.Tensor:
-    """Step 2: a reward in [0, 1] per row of Batch b: verify(completion, example) (tasks.verifier) on each decoded
-    completion, or, with verify None (geneval), the remote scorer."""
+    """Step 2: a reward in [0, 1] per row of b: verify(completion, example), or with verify None the scorer's."""
     outs = decode_window(b, tok, ids)
     if verify is None:  # geneval: NaN rewards if the scorer fails, which skip the step on every rank
         return scorer.rewards([ex["prompt"] for ex in b.examples], outs)
     return torch.tensor([verify(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
+
+
+def step_rewards(b, ctx) -> torch.Tensor:
+    """The RL step's rewards of rollouts b: score with the verifier --text_reward or --reward_shaping names."""
+    return score(b, verifier(b.task, ctx.cfg.text_reward, ctx.cfg.reward_shaping), ctx.tok, ctx.ids, ctx.scorer)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -214,20 +216,16 @@ class Batch:
 
 
 def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: bool) -> Batch:
-    """Token tensors for `examples`, the window holding the targets (SFT) or mask ids. Text prompts are left-padded
-    to the longest: every rank builds the global batch and takes its rows (Batch.rows), whatever the world size."""
+    """Token tensors for `examples`, the window holding the targets (SFT) or mask ids; text prompts left-padded."""
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
     toy = TASKS[task].toy  # toy: BOS + question, the answer padded with EOS; benchmarks: the chat template
     pairs = [encode_text(tok, ids, ex, cfg.gen_length) if toy else (encode_chat(tok, ex, cfg), None) for ex in examples]
-    P = max(len(p) for p, _ in pairs)
-    rows, att = [], []
-    for p, c in pairs:
-        pad = P - len(p)
-        window = c if with_targets else [ids.mask] * cfg.gen_length
-        rows.append([ids.pad] * pad + p + window)  # LLaDA left-pads prompts with EOS
-        att.append([0] * pad + [1] * (len(p) + cfg.gen_length))
-    x, att = torch.tensor(rows, device=device), torch.tensor(att, device=device)
+    P, N = max(len(p) for p, _ in pairs), cfg.gen_length
+    pad = torch.tensor([P - len(p) for p, _ in pairs], device=device)  # LLaDA left-pads prompts with EOS
+    x = torch.tensor([[ids.pad] * (P - len(p)) + p + (c if with_targets else [ids.mask] * N) for p, c in pairs],
+                     device=device)
+    att = (torch.arange(P + N, device=device) >= pad[:, None]).long()  # (B, L) 0 on the padding
     return Batch(task, x, att.fill_(1) if attends_padding(cfg, task) else att, P, cfg.gen_length, examples=examples)
 
 
@@ -299,8 +297,7 @@ class Ctx:
 
 
 def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
-    """The prompts of RL step `step`, one Batch per task, each prompt G times; every rank keeps its own rows of the
-    global batch, with their global index, which seeds each sequence's noise and masks."""
+    """Step `step`'s prompts, one Batch per task, each G times: this rank's rows, with their global index (seeds)."""
     cfg, out = ctx.cfg, []
     for task in task_list(cfg):
         exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]

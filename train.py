@@ -281,8 +281,7 @@ _SECONDS: dict[str, float] = {}  # each phase's wall and CPU seconds in this ste
 
 @contextlib.contextmanager
 def timed(phase: str):
-    """Add the block's wall and CPU seconds to the phase's counters, also when it raises. CPU seconds compare
-    runs on a shared machine, where wall seconds depend on the neighbours."""
+    """Add the block's wall and CPU seconds (comparable on a shared machine) to the phase's, also when it raises."""
     wall, cpu = time.time(), time.process_time()
     try:
         yield
@@ -292,8 +291,7 @@ def timed(phase: str):
 
 
 def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple[dict, list]:
-    """One MaskGRPO step (paper Alg. 5; docs/method.md §9) on tasks.step_prompts' prompts. ref: the reference policy
-    (a frozen copy, or the policy with its LoRA adapters off), None when beta = 0. Returns the log and experiences."""
+    """One MaskGRPO step (Alg. 5; docs/method.md §9): (its log line, experiences). ref: None when beta = 0."""
     cfg, device, exps = ctx.cfg, ctx.device, []
     model.eval()  # no dropout when sampling and scoring pi_old: the first ratio of an update is then 1
     for p in prompts:
@@ -302,9 +300,8 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         with timed("rollout"):
             batch, order = rollout(model, p, ctx, gens, cfg.temperature, ctx.text_sampler)
         # 2. rewards from the task's verifier (geneval: a remote scorer), of every rank's rows
-        verify = tasks.verifier(p.task, cfg.text_reward, cfg.reward_shaping)
         with timed("reward"):
-            r = tasks.score(batch, verify, ctx.tok, ctx.ids, ctx.scorer).to(device)
+            r = tasks.step_rewards(batch, ctx).to(device)
         r = scale.all_gather_rows(r).cpu()                                                 # (B_global,)
         check_rewards(r, p.task, cfg.group_size)
         # 3. advantages within each group of G (GRPO, arXiv:2402.03300 §4.1.2)
@@ -345,19 +342,16 @@ def frozen_logprobs(model, b: Batch, views: importance.Views, ctx: Ctx) -> list:
 
 
 def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
-    """Inner update j: backpropagate every task's loss, clip, step. Returns each task's sums over every rank and the
-    gradient norm; a non-finite loss or norm skips the step (on every rank alike: both are reduced over ranks)."""
+    """Inner update j: every task's loss backward, clip, step, unless a loss or the norm (over ranks) is not finite."""
     # LoRA dropout draws from the global RNG (activation checkpointing replays it): seeded per (step, j, rank)
     torch.manual_seed(derive_seed(ctx.cfg.seed, "dropout", step, j, scale.rank()))
     opt.zero_grad(set_to_none=True)
-    out = {e.batch.task: reduce_sums(backward_loss(model, e, j, ctx), ctx.device) for e in exps}
-    # under FSDP2 the norm is over every rank's shards
-    out["grad_norm"] = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], ctx.cfg.grad_clip)
-    losses = [s["loss"] for t, s in out.items() if t != "grad_norm"]
-    out["skipped"] = not (math.isfinite(out["grad_norm"]) and all(map(math.isfinite, losses)))
-    if not out["skipped"]:  # else the next zero_grad drops the gradients (Run.record warns)
+    sums = {e.batch.task: reduce_sums(backward_loss(model, e, j, ctx), ctx.device) for e in exps}
+    norm = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], ctx.cfg.grad_clip)  # all shards
+    skipped = not all(map(math.isfinite, [norm] + [s["loss"] for s in sums.values()]))
+    if not skipped:  # else the next zero_grad drops the gradients (Run.record warns)
         opt.step()
-    return out
+    return {**sums, "grad_norm": norm, "skipped": skipped}
 
 
 def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
@@ -365,12 +359,11 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
     loss is ONE mean over the global batch: n counts the terms of every view, chunk and rank (or Views.norm)."""
     cfg, b, v = ctx.cfg, e.batch, e.views
     adv = e.adv[b.index].to(b.x.device)                                                    # (B,)
-    scored = v.updates[j]
     # the terms: scored tokens, or sequences with one (--loss_norm), unless the views count them
-    terms = [m.sum() if cfg.loss_norm == "token" else m.any(-1).sum() for m in (v.loss_masks[k] for k in scored)]
+    terms = [m.sum() if cfg.loss_norm == "token" else m.any(-1).sum() for m in (v.loss_masks[k] for k in v.updates[j])]
     n = scale.all_sum(torch.as_tensor(sum(terms) if v.norm is None else v.norm).float()).clamp(min=1)
     sums = {}
-    for k in scored:
+    for k in v.updates[j]:
         mask = v.loss_masks[k]                                                             # (B, L)
         for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
             logp = importance.token_logprobs(model, v.inputs[k][rows], b.x[rows], mask[rows],
@@ -412,8 +405,7 @@ def step_log(step: int, exps: list, updates: list, cfg) -> dict:
 
 
 def step_stats(updates: list[dict]) -> dict[str, float]:
-    """One task's statistics from each update's sums over the whole batch, divided once: loss, clipfrac, kl and
-    ratio_mean (per scored token) averaged over the updates; ratio_max of any update; num_tokens, all updates."""
+    """One task's statistics from each update's batch sums, divided once (per scored token), over the updates."""
     mean = lambda f: sum(f(u) / len(updates) for u in updates)  # over the updates, in order
     per_token = lambda k, empty=0.0: mean(lambda u: u[k] / u["tokens"] if u["tokens"] else empty)
     return {"loss": mean(lambda u: u["loss"]), "clipfrac": per_token("clipped"), "kl": per_token("kl"),

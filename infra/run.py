@@ -383,16 +383,14 @@ class Run:
         return self.state["rl_seconds"] + time.time() - self.t0  # over every segment of a resumed run
 
     def record(self, step: int, log: dict, times: dict, rolls: list, tok, ids, tracker=None) -> None:
-        """After RL step `step`: its line on the screen, `log` (with the run's bad-step count) to log.jsonl and
-        `times` to times.jsonl, both to the tracker; then the bad-step guard, a sample, a checkpoint on cadence."""
+        """After RL step `step`: the screen, log.jsonl, times.jsonl, the tracker, then Run.after_step."""
         self.done = step + 1
         log["bad_steps"] = self.count_bad(step, log, times["seconds"])
         if step == self.start and self.changed:  # where the run's settings changed (--change_on_resume)
             log["changed"] = self.changed
         if self.logf:  # rank 0
             for f, line in ((self.logf, log), (self.timef, {"step": step, **times})):
-                f.write(json.dumps(line) + "\n")
-                f.flush()
+                print(json.dumps(line), file=f, flush=True)
         if tracker is not None and tracker.backend:  # before a stop below: a resumed run misses no step
             tracker.step(step, log, times)
         self.after_step(step, rolls, tok, ids)

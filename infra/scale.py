@@ -255,8 +255,7 @@ def _fsdp_modules(model):
 
 
 def full_weights(model):
-    """Hold the unsharded weights (one all-gather) for no-grad forwards whose number may differ between ranks, a
-    sharded forward being a collective. Re-entrant; a no-op in one process; model may be a hf.AdaptersOff."""
+    """Hold the unsharded weights (one all-gather) for no-grad forwards whose number may differ by rank. Re-entrant."""
     mods = _fsdp_modules(model) if world() > 1 else []
     if not mods or getattr(mods[0], "_full_weights", False):
         return contextlib.nullcontext(model)
