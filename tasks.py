@@ -176,11 +176,6 @@ def score(b, verify, tok, ids, scorer=None) -> torch.Tensor:
     return torch.tensor([verify(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
 
 
-def step_rewards(b, ctx) -> torch.Tensor:
-    """The RL step's rewards of rollouts b: score with the verifier --text_reward or --reward_shaping names."""
-    return score(b, verifier(b.task, ctx.cfg.text_reward, ctx.cfg.reward_shaping), ctx.tok, ctx.ids, ctx.scorer)
-
-
 # -----------------------------------------------------------------------------------------------------
 # batches: examples of any task -> token tensors [prompt | window | suffix]
 

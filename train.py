@@ -300,8 +300,9 @@ def rl_step(model, ref, opt, ctx: Ctx, step: int, prompts: list[Batch]) -> tuple
         with timed("rollout"):
             batch, order = rollout(model, p, ctx, gens, cfg.temperature, ctx.text_sampler)
         # 2. rewards from the task's verifier (geneval: a remote scorer), of every rank's rows
+        verify = tasks.verifier(p.task, cfg.text_reward, cfg.reward_shaping)
         with timed("reward"):
-            r = tasks.step_rewards(batch, ctx).to(device)
+            r = tasks.score(batch, verify, ctx.tok, ctx.ids, ctx.scorer).to(device)
         r = scale.all_gather_rows(r).cpu()                                                 # (B_global,)
         check_rewards(r, p.task, cfg.group_size)
         # 3. advantages within each group of G (GRPO, arXiv:2402.03300 §4.1.2)
