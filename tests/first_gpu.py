@@ -1,5 +1,5 @@
 """The first-GPU check: train.main end to end on an 8B-shaped checkpoint, measured, printed as ONE table, and
-DECIDED: the exit status is 1, with one line per failed figure, when
+DECIDED (tests/first_gpu_checks.py): the exit status is 1, with one line per failed figure, when
 
   - update 0's first ratio (its largest and its mean, grpo.policy_loss's) is not 1 within RATIO_TOL: update 0
     re-scores pi_old's inputs with pi_old's weights (LoRA's B starts at zero, so dropout changes nothing);
@@ -75,6 +75,7 @@ import importance  # noqa: E402
 import tasks  # noqa: E402
 import train  # noqa: E402
 from cuda_helpers import random_weights  # noqa: E402
+from first_gpu_checks import GB, RATIO_TOL, decide, du, fmt_gb, format_table, gpu_kind, planted_faults  # noqa: E402
 from infra import budget, hf, run as run_mod, scale, toy  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
@@ -92,20 +93,6 @@ DECODE = {"cuda": dict(gen_length=256, block_length=16, steps=128, prompts_per_s
                       device_batch_size=4)}
 PHASES = ("rollout", "reward", "scoring", "update", "checkpoint", "final")
 DRY_ROW = {"rollout": "lora_rollout", "scoring": "lora_scoring", "update": "lora_update"}
-GB = 2 ** 30
-# The decisions' tolerances. Update 0's ratio: the two passes run the same inputs and weights, but in train
-# vs eval mode, with and without gradients and activation checkpointing, so a GPU may pick other kernels.
-RATIO_TOL = 1e-3
-PEAK_SLACK = 1.25  # measured peak / dry-run figure
-FAULTS_ENV, FAULTS = "FIRST_GPU_FAULTS", ("ratio", "nan", "peak", "resume")
-
-
-def planted_faults() -> set:
-    raw = os.environ.get(FAULTS_ENV, "")
-    faults = {f.strip() for f in raw.split(",") if f.strip()}
-    if faults - set(FAULTS):
-        raise SystemExit(f"error: {FAULTS_ENV}={raw!r} names {sorted(faults - set(FAULTS))}; the faults are {FAULTS}")
-    return faults
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -335,58 +322,6 @@ def resume_check(meter: PhaseMeter, log) -> tuple[int, int, int]:
     differ = sum(not torch.equal(local(t.detach()), k) for t, k in zip(params + states, kept))
     differ += abs(len(params + states) - len(kept))
     return again.start, run.done, differ
-
-
-def decide(first_ratio, losses, grad_norms, peaks: dict, resumed, stopped: str | None = None) -> list[str]:
-    """The failed figures, one line each (empty: the check passes). peaks: phase -> (measured bytes, dry-run
-    GiB); resumed: resume_check's (start, next step, tensors differing), None without a checkpoint; stopped:
-    why train.main raised, if it did."""
-    fails = [] if stopped is None else [stopped]
-    if first_ratio is None:
-        fails.append("update 0's first ratio: not seen (grpo.policy_loss never ran with gradients)")
-    elif not all(math.isfinite(v) and abs(v - 1) <= RATIO_TOL for v in first_ratio):
-        fails.append(f"update 0's first ratio (max, mean) = {first_ratio[0]:.6g}, {first_ratio[1]:.6g}: not 1 within "
-                     f"{RATIO_TOL:g}; pi_old's and the update's passes scored the same inputs with the same weights")
-    bad = [i for i, v in enumerate(losses) if not math.isfinite(v)]
-    if not losses or bad:
-        fails.append("loss: no update ran" if not losses else f"loss not finite in {len(bad)} of {len(losses)} update "
-                     f"chunks (first: chunk {bad[0]}, {losses[bad[0]]})")
-    bad = [i for i, v in enumerate(grad_norms) if not math.isfinite(v)]
-    if not grad_norms or bad:
-        fails.append("gradient norm: no update ran" if not grad_norms else f"gradient norm not finite in {len(bad)} "
-                     f"of {len(grad_norms)} updates (first: update {bad[0]}, {grad_norms[bad[0]]})")
-    for ph, (measured, dry) in peaks.items():
-        if measured / GB > PEAK_SLACK * dry:
-            fails.append(f"{ph}: peak memory {measured / GB:.2f} GiB is {measured / GB / dry - 1:.0%} above the dry "
-                         f"run's {dry:.2f} GiB (allowed: {PEAK_SLACK - 1:.0%})")
-    if resumed is None:
-        return fails + ["resume: no checkpoint was written, so there is nothing to resume from"]
-    start, expected, differ = resumed
-    if start != expected:
-        fails.append(f"resume: the checkpoint resumes at step {start}, the run's next step is {expected}")
-    if differ:
-        fails.append(f"resume: {differ} adapter or optimizer tensors differ from the run's after loading the checkpoint")
-    return fails
-
-
-def gpu_kind(device_name: str) -> str | None:
-    """"H100" for "NVIDIA H100 80GB HBM3" and so on: the budget.GPU_PEAKS key a device name holds, or None."""
-    return next((k for k in budget.GPU_PEAKS if k in device_name.upper()), None)
-
-
-def du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def fmt_gb(b: float) -> str:
-    return f"{b / GB:.2f} GiB" if b >= GB / 10 else f"{b / 2 ** 20:.2f} MiB"
-
-
-def format_table(rows) -> str:
-    head = ("check", "measured", "dry run / expected")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
-    line = lambda r: " | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-    return "\n".join([line(head), "-+-".join("-" * w for w in widths), *map(line, rows)])
 
 
 def main(argv=None) -> list:

@@ -6,7 +6,8 @@ Expected values never come from the code under test: log-probs are a plain log_s
 logits written below (over the image codes for image positions), advantages are GRPO's
 (R - mean) / (std + eps) per group, and the loss is MaskGRPO's clipped per-token surrogate plus beta times
 the k3 KL (arXiv:2510.02880 Eqs. 9-11, token normalisation as the official code), differentiated by
-autograd on a copy of the weights the update saw. The SFT loss is checked against its closed form.
+autograd on a copy of the weights the update saw. The SFT loss is in tests/test_diffusion_loss.py, the
+settings a step reads in tests/test_step_config.py.
 
     python -m pytest tests/test_rl_step.py -q
 """
@@ -28,7 +29,6 @@ import train
 from infra import hf, load, toy
 from model import Transformer
 from infra import hf
-import dataclasses
 
 
 CPU = torch.device("cpu")
@@ -437,134 +437,3 @@ def test_rollout_noise_depends_on_step_and_sequence_only(ckpt, task):
     other = windows(4, prompts)
     assert (other != first).any(1).float().mean() >= 0.5, "another step must draw other noise"
     assert len({tuple(w) for w in first[:4].tolist()}) >= 2, "members of a group must draw different noise"
-
-
-# -----------------------------------------------------------------------------------------------------
-# the SFT loss
-
-
-class FixedLogits(nn.Module):
-    """Logits that depend on the position only (table[k] at position k), and a record of the input: the
-    per-token cross-entropies are then known whatever is masked."""
-
-    def __init__(self, table):
-        super().__init__()
-        self.table, self.seen = table, []
-
-    def forward(self, x, attention_mask=None):
-        self.seen.append(x.clone())
-        return self.table[: x.shape[1]].expand(x.shape[0], -1, -1)
-
-
-def sft_batch(task, B, seed=0):
-    tok = toy.build_tokenizer()
-    ids = tasks.token_ids(tok)
-    cfg = train.parse_args(["--preset=smoke"])
-    rng = random.Random(seed)
-    exs = [train.make_example(task, rng, cfg, "train") for _ in range(B)]
-    return tasks.make_batch(task, exs, tok, ids, cfg, CPU, with_targets=True), ids
-
-
-@pytest.mark.parametrize("task", ["text", "image"])
-def test_diffusion_loss_is_the_weighted_elbo(task):
-    """train.diffusion_loss on a model whose log-probs are known: for t ~ U(eps, 1) per sequence and
-    each window token masked with probability t, the loss is
-        (1 / (B N)) sum_b (1 / t_b) sum_{k masked in b} -log p(o_k)            (MDLM, LLaDA SFT loss)
-    with p over the whole vocabulary for text and over the image codes for images. Two checks:
-      - exact: replaying the documented draws (t first, then the uniforms) reproduces the masks the
-        model was shown, and the loss equals the formula on them;
-      - in expectation, derived by hand: E[1[masked] / t] = 1 for every token, so the mean loss over many
-        sequences is the mean cross-entropy of the window (about 1.0 of it with eps = 1e-3); without the
-        1/t weight it would be E[t] = 0.5 of it."""
-    B = 4000
-    b, ids = sft_batch(task, B)
-    L, V = b.x.shape[1], ids.vocab_size
-    table = 2.0 * torch.randn(L, V, generator=torch.Generator().manual_seed(1))
-    model = FixedLogits(table)
-    lo, hi = (0, V) if task == "text" else (ids.image_token_offset, ids.image_token_offset + ids.codebook_size)
-    logp = F.log_softmax(table[:, lo:hi].double(), -1)                              # (L, V')
-    pos = torch.arange(L).expand(B, L)                                               # (B, L)
-    ce = -logp[pos, (b.x - lo).clamp(0, hi - lo - 1)]                               # (B, L) per-token CE
-    eps = 1e-3
-    g = torch.Generator().manual_seed(5)
-    replay = torch.Generator().manual_seed(5)
-    loss = train.diffusion_loss(model, b, ids, g, eps=eps).item()
-
-    t = torch.rand(B, 1, generator=replay) * (1 - eps) + eps
-    u = torch.rand(B, L, generator=replay)
-    window = torch.zeros(B, L, dtype=torch.bool)
-    window[:, b.window_slice] = True
-    masked = (u < t) & window
-    assert torch.equal(model.seen[0] == ids.mask, masked), "the replayed draws are not the loss's masks"
-    exact = float((ce * masked / t.double()).sum()) / (B * b.window)
-    assert loss == pytest.approx(exact, rel=1e-5)
-
-    mean_ce = float(ce[:, b.window_slice].mean())
-    # Per sequence the weighted sum has variance about log(1/eps) / N times mean_ce^2: 5 sigma over B rows.
-    tol = 5 * mean_ce * math.sqrt(math.log(1 / eps) / b.window / B) * 2
-    assert abs(loss - mean_ce) < tol, (loss, mean_ce, tol)
-    assert abs(0.5 * mean_ce - mean_ce) > 3 * tol  # the check separates the weighted loss from the unweighted
-
-
-def test_diffusion_loss_never_masks_the_prompt():
-    b, ids = sft_batch("text", 64)
-    model = FixedLogits(torch.zeros(b.x.shape[1], ids.vocab_size))
-    train.diffusion_loss(model, b, ids, torch.Generator().manual_seed(0))
-    seen = model.seen[0]
-    assert torch.equal(seen[:, : b.prompt_len], b.x[:, : b.prompt_len])
-    assert (seen[:, b.window_slice] == ids.mask).any()
-
-
-# -----------------------------------------------------------------------------
-# The settings one RL step reads: train.StepConfig lists them, and rl_step reads no other Config field.
-#
-# python -m pytest tests/test_rl_step.py -q
-
-
-class ReadRecorder:
-    """A Config stand-in that records every setting read through it."""
-    def __init__(self, cfg):
-        object.__setattr__(self, "cfg", cfg)
-        object.__setattr__(self, "read", set())
-
-    def __getattr__(self, name):
-        prop = getattr(type(self.cfg), name, None)
-        if isinstance(prop, property):  # a derived setting (StepConfig.adv_scaled): record the fields it reads
-            return prop.fget(self)
-        self.read.add(name)
-        return getattr(self.cfg, name)
-
-
-STEP_VARIANTS = [["--tasks=text,image"], ["--tasks=text", "--estimator=d1", "--adv_std=on"],
-                 ["--tasks=text", "--estimator=trajectory", "--trajectory_states=2", "--loss_norm=token"],
-                 ["--tasks=text", "--estimator=unigrpo", "--threshold=0.9", "--kv_cache=dual"],
-                 ["--tasks=image", "--cfg_scale=1.5", "--image_sampler=maskgit"]]
-
-
-def test_a_step_reads_only_the_step_settings(ckpt):
-    """train.StepConfig lists the settings one RL step reads, so that its reader need not scan the run's
-    settings: every Config field read during rl_step (rollouts, rewards, views, log-probs, updates), over
-    every estimator and both modalities, is one of them, and each of them is read by some variant."""
-    step_fields, seen = {f.name for f in dataclasses.fields(train.StepConfig)}, set()
-    for flags in STEP_VARIANTS:
-        cfg, policy, ref, opt, tok, ids = build(ckpt, *flags)
-        rec = ReadRecorder(cfg)
-        prompts = tasks.step_prompts(tasks.Ctx(cfg, tok, ids, CPU, {}), 0)
-        real_score = tasks.score
-        tasks.score = fake_score
-        try:
-            train.rl_step(policy, ref, opt, tasks.Ctx(rec, tok, ids, CPU, {}), 0, prompts)
-        finally:
-            tasks.score = real_score
-        assert rec.read <= step_fields, (flags, sorted(rec.read - step_fields))
-        seen |= rec.read
-    assert seen == step_fields, sorted(step_fields - seen)
-
-
-def test_num_iterations_is_refused_with_the_name_of_mu():
-    """The inner updates per rollout batch are --mu (the paper's name); the official config's name is refused
-    in one line that names the flag to use, never taken silently."""
-    for argv in (["--num_iterations=3"], ["--preset=smoke", "--num_iterations", "3"]):
-        with pytest.raises(ValueError, match=r"--num_iterations.*--mu"):
-            train.parse_args(argv)
-    assert train.parse_args(["--preset=smoke", "--mu=3"]).mu == 3
