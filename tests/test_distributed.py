@@ -1,8 +1,8 @@
 """Scale-out on CPU: torchrun with 2 gloo processes and FSDP2 gives the single-process run, with full
 fine-tuning and with LoRA; one RL update moves every parameter as in one process for every estimator and
 setting (the world-size matrix, tests/world_matrix.py); the LoRA run's merged checkpoint reproduces the adapter model; --dry_run reports
-LLaDA-8B's parameter count; every rank of a finished run exits 0, run after run, and every way out of
-scale.process_exit gives Python's status.
+LLaDA-8B's parameter count; every rank of a finished run exits 0, run after run. How a failing rank ends
+every rank: tests/test_rank_exits.py.
 
     python -m pytest tests/test_distributed.py -q      # ~6.5 min on 2 shared CPU cores (the torchrun tests
                                                        # are marked slow: they run in CI, not under
@@ -10,7 +10,6 @@ scale.process_exit gives Python's status.
                                                        # can be written)
 """
 import json
-import re
 import os
 import subprocess
 import sys
@@ -365,170 +364,6 @@ def test_dry_run_mmada8b():
     assert res["seqs_per_step"] == 4 * 9 and res["seq_len"] == 257 + 2 + 32 * 32  # t2i_grpo_train.sh: 36
 
 
-PROCESS_EXIT = """
-import atexit, sys, torch
-from infra import scale
-atexit.register(print, "interpreter teardown ran", flush=True)
-with scale.process_exit():
-    scale.init("cpu")
-    print(f"rank {scale.rank()} worked")
-    scale.all_sum(torch.ones(3))  # a collective before the way out
-    if sys.argv[1] == "raise":
-        raise RuntimeError(f"rank {scale.rank()} failed")
-    if sys.argv[1] == "message":
-        raise SystemExit(f"error: rank {scale.rank()} stops")
-"""
-
-
-@pytest.mark.slow
-def test_process_exit_ends_every_rank_with_python_status(tmp_path):
-    """Under torchrun, scale.process_exit ends each rank with the status and output Python would give it
-    (0; 1 with the traceback; 1 with the message), without interpreter teardown (the atexit line never
-    prints); in one process it leaves the exit to Python (the atexit line prints)."""
-    script = tmp_path / "process_exit.py"
-    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + PROCESS_EXIT)
-    for how, status, err in (("return", 0, ""), ("raise", 1, "RuntimeError: rank 1 failed"),
-                             ("message", 1, "error: rank 1 stops")):
-        res = launch([how], nproc=2, script=str(script))
-        assert res.returncode == status, (how, res.stdout[-3000:], res.stderr[-3000:])
-        assert "rank 0 worked" in res.stdout and "rank 1 worked" in res.stdout, (how, res.stdout)
-        assert err in res.stderr and "terminate called" not in res.stderr, (how, res.stderr[-3000:])
-        assert "interpreter teardown ran" not in res.stdout, how
-    res = launch(["message"], script=str(script))
-    assert res.returncode == 1 and "error: rank 0 stops" in res.stderr
-    assert "rank 0 worked" in res.stdout and "interpreter teardown ran" in res.stdout
-
-
-ONE_RANK_FAILS = """
-import sys, time
-import torch
-from infra import scale
-with scale.process_exit():
-    scale.init("cpu")
-    scale.all_sum(torch.ones(3))
-    if scale.rank() == 1:
-        print(f"raised at {time.time()}", flush=True)
-        raise RuntimeError("rank 1 failed")
-    scale.all_sum(torch.ones(3))  # rank 0 waits in a collective that rank 1 never joins
-"""
-
-
-@pytest.mark.slow
-def test_a_rank_that_raises_ends_every_rank_within_seconds(tmp_path):
-    """Rank 1 raises while rank 0 waits in a collective: torchrun exits 1 within 10 s of the raise (with a
-    collective timeout of 2 minutes, so a rank that waited for the other, at a barrier or in
-    destroy_process_group, would show as a timeout), with rank 1's traceback."""
-    import time
-    script = tmp_path / "one_rank_fails.py"
-    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + ONE_RANK_FAILS)
-    os.environ["MASKGRPO_COLLECTIVE_TIMEOUT_MIN"], saved = "2", os.environ.get("MASKGRPO_COLLECTIVE_TIMEOUT_MIN")
-    try:
-        res = launch([], nproc=2, script=str(script))
-    finally:
-        os.environ.pop("MASKGRPO_COLLECTIVE_TIMEOUT_MIN") if saved is None else \
-            os.environ.__setitem__("MASKGRPO_COLLECTIVE_TIMEOUT_MIN", saved)
-    ended = time.time()
-    assert res.returncode == 1 and "RuntimeError: rank 1 failed" in res.stderr, res.stderr[-3000:]
-    raised = float(res.stdout.split("raised at ")[1].split()[0])
-    assert ended - raised < 10, ended - raised
-
-
-def stale_sft_dir(where: Path) -> tuple[Path, str]:
-    """An SFT cache of the smoke preset whose toy data changed since (its source hash differs): (the folder, the
-    refusal every rank must exit with)."""
-    from infra import load
-    where.mkdir()
-    key = load.sft_key(train.parse_args(["--preset=smoke"])) | {"toy_sha1": "0" * 40}
-    (where / "sft_meta.json").write_text(json.dumps(key))
-    return where, (f"error: sft_dir {where} holds an SFT model trained with other settings: infra/toy.py or "
-                   "tasks.py (the toy data or its encoding) changed; pass --retrain_sft=true to replace it, or give "
-                   "this run its own --sft_dir")
-
-
-@pytest.mark.slow
-def test_a_stale_sft_dir_ends_every_rank_with_the_refusal(tmp_path, monkeypatch):
-    """Two ranks refused a cached SFT model of other settings: each exits 2 at once with the one line (torchrun
-    exits 1), none waits in a collective for the other (a 2-minute collective timeout would show as a hang)."""
-    sft_dir, line = stale_sft_dir(tmp_path / "sft")
-    monkeypatch.setenv("MASKGRPO_COLLECTIVE_TIMEOUT_MIN", "2")
-    res = launch(["--preset=smoke", "--threads=1", f"--sft_dir={sft_dir}", f"--out_dir={tmp_path / 'out'}"], nproc=2)
-    assert res.returncode == 1, res.stderr[-3000:]
-    assert [s for s in res.stderr.splitlines() if s.startswith("error:")] == [line, line], res.stderr[-3000:]
-    assert res.stderr.count("exitcode  : 2") == 2, res.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sft"]  # nothing written, no out_dir made
-
-
-def test_a_stale_sft_dir_is_refused_after_the_same_collectives_on_every_rank(tmp_path, monkeypatch):
-    """The fast sibling: run.start as rank 0 and as rank 1 (the collectives recorded, each giving back this rank's
-    value). Both refuse the stale sft_dir with the same line after the same collectives; a rank that refused
-    before a collective its peer had entered would leave the peer waiting in it."""
-    from infra import run, scale
-    sft_dir, line = stale_sft_dir(tmp_path / "sft")
-    args = ["--preset=smoke", "--threads=1", f"--sft_dir={sft_dir}", f"--out_dir={tmp_path / 'out'}"]
-    seen = []
-    for rank in (0, 1):
-        calls = []
-        monkeypatch.setattr(scale, "rank", lambda rank=rank: rank)
-        monkeypatch.setattr(scale, "all_max", lambda t, calls=calls: calls.append(("all_max", t.tolist())) or t)
-        monkeypatch.setattr(scale, "barrier", lambda calls=calls: calls.append("barrier"))
-        with pytest.raises(ValueError) as refused:
-            run.start(train.parse_args(args), args, train.sft)
-        seen.append((calls, f"error: {refused.value}"))
-    assert seen[0] == seen[1] == ([("all_max", [1])], line)
-
-
-def test_close_after_an_error_neither_waits_nor_destroys(monkeypatch):
-    """The fast sibling: with other ranks, scale.close after an error returns at once (no barrier, no
-    destroy_process_group, either of which may wait for peers stuck in a collective); a clean exit waits
-    at the barrier, then destroys the group."""
-    from infra import scale
-    calls = []
-    monkeypatch.setattr(scale, "world", lambda: 2)
-    monkeypatch.setattr(scale.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(scale.dist, "get_backend", lambda: "gloo")
-    monkeypatch.setattr(scale.dist, "barrier", lambda **k: calls.append("barrier"))
-    monkeypatch.setattr(scale.dist, "destroy_process_group", lambda: calls.append("destroy"))
-    scale.close(ok=False)
-    assert calls == []
-    try:
-        raise RuntimeError("a rank's own error")
-    except RuntimeError:
-        scale.close()
-    assert calls == []
-    scale.close(ok=True)
-    assert calls == ["barrier", "destroy"]
-
-
-def test_exit_status_is_pythons(capsys):
-    """The status and message process_exit gives a torchrun rank are those Python gives a script."""
-    from infra import scale
-    assert [scale.exit_status(e) for e in (None, SystemExit(), SystemExit(0), SystemExit(143))] == [0, 0, 0, 143]
-    assert scale.exit_status(KeyboardInterrupt()) == 130
-    assert scale.exit_status(SystemExit("error: bad flag")) == 1
-    assert capsys.readouterr().err == "error: bad flag\n"
-    try:
-        raise RuntimeError("deep inside")
-    except RuntimeError as e:
-        assert scale.exit_status(e) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("Traceback") and err.endswith("RuntimeError: deep inside\n")
-
-
-def test_process_exit_in_one_process_leaves_the_exit_to_python(monkeypatch):
-    from infra import scale
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with scale.process_exit():
-        pass
-    with pytest.raises(SystemExit, match="stop"):
-        with scale.process_exit():
-            raise SystemExit("stop")
-
-
-def test_close_is_safe_without_a_group():
-    """scale.close is a no-op in one process and after --dry_run (no group), and may be called twice."""
-    from infra import scale
-    scale.close()
-    scale.close(ok=False)
 
 
 def test_reductions_leave_their_argument_unchanged(monkeypatch):
@@ -548,19 +383,3 @@ def test_reductions_leave_their_argument_unchanged(monkeypatch):
     assert [scale.all_sum(n).item() for _ in range(3)] == [6.0, 6.0, 6.0] and n.item() == 3.0
     m = torch.tensor([1.0, 5.0])
     assert scale.all_max(m).tolist() == [1.0, 5.0] and m.tolist() == [1.0, 5.0]
-
-
-def test_torch_older_than_the_floor_is_refused_in_one_line():
-    """torchrun runs need FSDPModule.set_reshard_after_forward (torch >= 2.8, the floor in pyproject.toml):
-    an older torch is refused at start-up with one line, the installed one passes."""
-    from torch.distributed.fsdp import FSDPModule
-    from infra import scale
-    for old in ("2.6.0", "2.7.1+cu126"):
-        with pytest.raises(ValueError, match=rf"torch {re.escape(old)} is too old for torchrun runs: FSDP2 needs "
-                                             r"torch >= 2.8"):
-            scale.check_torch(old)
-    scale.check_torch("2.8.0+cu128")
-    scale.check_torch()
-    assert hasattr(FSDPModule, "set_reshard_after_forward")
-    floor = re.search(r'"torch>=([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
-    assert tuple(map(int, floor.split("."))) == scale.MIN_TORCH
