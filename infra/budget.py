@@ -309,8 +309,8 @@ def checkpoint_seconds(cfg, mc: ModelConfig) -> float:
 
 
 def torchrun_reads_shutdown_timeout() -> bool:
-    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT (tests/test_cuda.py check 9 measures
-    it on a worker ignoring SIGTERM)."""
+    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT (check 9 of tests/test_cuda_torchrun.py
+    measures it on a worker ignoring SIGTERM)."""
     try:
         from torch.distributed.launcher.api import LaunchConfig
     except ImportError:

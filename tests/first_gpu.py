@@ -12,14 +12,14 @@ DECIDED (tests/first_gpu_checks.py): the exit status is 1, with one line per fai
 
     python tests/first_gpu.py                          # one GPU: meant to take <= 10 minutes (80 GB)
     torchrun --nproc_per_node=2 tests/first_gpu.py     # two GPUs: NCCL, and FSDP2 sharding over two ranks
-    python tests/first_gpu.py --with_test_cuda         # also runs tests/test_cuda.py first (about 8 more minutes)
+    python tests/first_gpu.py --with_test_cuda         # also runs tests/test_cuda*.py first (about 8 more minutes)
     python tests/first_gpu.py --device=cpu             # the CPU rehearsal at a small width (tests/test_first_gpu.py)
 
 What it does, in order:
   1. versions: torch, CUDA, the GPU and its total memory, the torch floor of multi-GPU runs
      (infra/scale.check_torch, and the FSDPModule methods it stands for present) and whether torchrun reads
      TORCH_ELASTIC_SHUTDOWN_TIMEOUT (infra/budget.torchrun_reads_shutdown_timeout);
-  2. optionally tests/test_cuda.py (--with_test_cuda), its pass/fail line in the table;
+  2. optionally tests/test_cuda.py and test_cuda_torchrun.py (--with_test_cuda), its pass/fail line in the table;
   3. a random checkpoint written by infra/hf.save_pretrained (rank 0) with the toy tokenizer: on a GPU
      LLaDA-8B's shape (32 layers, d_model 4096, vocab 126,464), drawn directly in bf16 on the device
      (tests/cuda_helpers.random_weights); on the CPU the same 32 layers at d_model 64 with the same 126,464-row
@@ -252,11 +252,12 @@ def versions(dev: torch.device) -> list:
 
 def run_test_cuda() -> tuple:
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_cuda.py"), "-q", "-s",
-                        "-p", "no:xdist", "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True)
+    files = [str(ROOT / "tests" / f) for f in ("test_cuda.py", "test_cuda_torchrun.py")]
+    p = subprocess.run([sys.executable, "-m", "pytest", *files, "-q", "-s", "-p", "no:xdist", "-p", "no:cacheprovider"],
+                       cwd=ROOT, capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
     last = lines[-1].strip("= ") if lines else f"exit {p.returncode}"
-    return ("tests/test_cuda.py", f"{last} ({time.time() - t0:.0f} s)", "all passed")
+    return ("tests/test_cuda*.py", f"{last} ({time.time() - t0:.0f} s)", "all passed")
 
 
 def checkpoint_config(dev: torch.device) -> ModelConfig:
@@ -328,7 +329,7 @@ def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out_dir", default="out/first_gpu", help="a new or empty directory for everything written")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    ap.add_argument("--with_test_cuda", action="store_true", help="also run tests/test_cuda.py first")
+    ap.add_argument("--with_test_cuda", action="store_true", help="also run tests/test_cuda*.py first")
     args = ap.parse_args(argv)
     faults = planted_faults()
     out = Path(args.out_dir)
