@@ -417,11 +417,11 @@ def user_errors():
                 setattr(sys, name, checkpoint.Unbroken(stream))
     try:
         yield
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # one write: print's two would interleave with another rank's line
+        sys.stderr.write(f"error: {e}\n")
         sys.exit(USER_ERROR)
     except KeyboardInterrupt:
-        print("interrupted (Ctrl-C)", file=sys.stderr)
+        sys.stderr.write("interrupted (Ctrl-C)\n")
         sys.exit(130)
     finally:
         sys.stdout, sys.stderr = saved

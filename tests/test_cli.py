@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import sys
+
 import pytest
 
 import train
@@ -135,6 +137,18 @@ def test_user_errors_exit_with_one_line(capsys, exc, status, line):
     with pytest.raises(SystemExit) as e, cli.user_errors():
         raise exc
     assert e.value.code == status and capsys.readouterr().err == line + "\n"
+
+
+@pytest.mark.parametrize("exc,line", [(ValueError("bad --n (3)"), "error: bad --n (3)\n"),
+                                      (KeyboardInterrupt(), "interrupted (Ctrl-C)\n")])
+def test_the_line_goes_out_in_one_write(monkeypatch, exc, line):
+    """Two torchrun ranks refusing at once share one stderr, which writes through: a line sent in two writes (text,
+    then newline, as print does) interleaves with the other rank's into one garbled line."""
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Recorder", (), {"write": lambda self, t: writes.append(t)})())
+    with pytest.raises(SystemExit), cli.user_errors():
+        raise exc
+    assert writes == [line]
 
 
 def test_programming_errors_keep_their_traceback():
