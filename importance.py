@@ -16,8 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from infra import scale  # chunks only: rows per forward pass, no collective
-from sample import derive_seed
+from sample import chunks, derive_seed
 
 MASK_ESTIMATORS = ("maskgrpo", "d1", "unigrpo")  # the ones that draw masks (build_masks)
 ESTIMATORS = MASK_ESTIMATORS + ("trajectory",)   # trajectory: the sampler's own states (trajectory_masks)
@@ -256,7 +255,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     pad = torch.zeros_like(first, dtype=torch.bool) if attention_mask is None else (attention_mask == 0).any(1)
     first, last, padded = torch.stack([first, last, pad.long()]).tolist()
     outside = torch.zeros((), dtype=torch.bool, device=input_ids.device)  # a scored target outside [lo, hi)
-    for rows in scale.chunks(B, device_batch_size):
+    for rows in chunks(B, device_batch_size):
         # The head over the scored columns only (all without logits_at): (b, L, V) logits would fill memory at 8B.
         win = slice(min(first[rows], default=L), max(last[rows], default=-1) + 1)  # empty when none is scored
         am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name for it

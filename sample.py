@@ -45,12 +45,18 @@ def generator(device, *parts) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(derive_seed(*parts))
 
 
+def chunks(n: int, size: int) -> list[slice]:
+    """Slices of `size` rows (device_batch_size; 0: all n rows) for the forward passes over n rows."""
+    size = size or n
+    return [slice(s, s + size) for s in range(0, n, size)]
+
+
 @torch.no_grad()
 def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=None):
     """Step 1: (prompts with samples in their windows, the step that revealed each position (B, L), -1 the prompt)."""
     cfg, ids, out = ctx.cfg, ctx.ids, []
     with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout
-        for rows in scale.chunks(len(gens), cfg.device_batch_size):
+        for rows in chunks(len(gens), cfg.device_batch_size):
             c, g = prompts.rows(rows), gens[rows]
             if c.uncond is not None:  # an image batch (CFG's empty caption: tasks.make_batch)
                 x, order = generate_image(

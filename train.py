@@ -34,7 +34,7 @@ from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measu
 from infra.scale import print0
 from infra.cli import validate
 from infra.data import evaluate_all, image_snapshot
-from sample import derive_seed, generator, rollout
+from sample import chunks, derive_seed, generator, rollout
 from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, sft_tasks, step_prompts,
                    task_list)
 
@@ -348,11 +348,17 @@ def update(model, opt, exps: list, ctx: Ctx, step: int, j: int) -> dict:
     torch.manual_seed(derive_seed(ctx.cfg.seed, "dropout", step, j, scale.rank()))
     opt.zero_grad(set_to_none=True)
     sums = {e.batch.task: reduce_sums(backward_loss(model, e, j, ctx), ctx.device) for e in exps}
-    norm = scale.clip_grad_norm([p for g in opt.param_groups for p in g["params"]], ctx.cfg.grad_clip)  # all shards
+    norm = clip_grad_norm([p for g in opt.param_groups for p in g["params"]], ctx.cfg.grad_clip)  # all shards
     skipped = not all(map(math.isfinite, [norm] + [s["loss"] for s in sums.values()]))
     if not skipped:  # else the next zero_grad drops the gradients (Run.record warns)
         opt.step()
     return {**sums, "grad_norm": norm, "skipped": skipped}
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Clip the global gradient norm; return it as a float, the same on every rank (FSDP2: a DTensor's full value)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
@@ -366,7 +372,7 @@ def backward_loss(model, e: Experience, j: int, ctx: Ctx) -> dict:
     sums = {}
     for k in v.updates[j]:
         mask = v.loss_masks[k]                                                             # (B, L)
-        for rows in scale.chunks(b.x.shape[0], cfg.device_batch_size):
+        for rows in chunks(b.x.shape[0], cfg.device_batch_size):
             logp = importance.token_logprobs(model, v.inputs[k][rows], b.x[rows], mask[rows],
                                              attention_mask=b.attention_mask[rows], vocab_slice=b.vocab_slice)
             loss, s = grpo.policy_loss(logp, e.logp_old[k][rows], adv[rows], mask[rows], clip_eps=cfg.clip_eps,

@@ -119,11 +119,6 @@ def shard_rows(n: int) -> slice:  # this rank's contiguous share of n rows (n di
     return slice(rank() * per, (rank() + 1) * per)
 
 
-def chunks(n: int, size: int) -> list[slice]:  # slices of device_batch_size rows (size 0: all n rows)
-    size = size or n
-    return [slice(s, s + size) for s in range(0, n, size)]
-
-
 def all_sum(t: torch.Tensor, **op) -> torch.Tensor:
     """Sum (or op=) over ranks as a new tensor (t unchanged: reducing twice must not multiply it); t in one process."""
     if world() > 1:
@@ -142,12 +137,6 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(world())]
     dist.all_gather(parts, t.contiguous())
     return torch.cat(parts)
-
-
-def clip_grad_norm(params, max_norm: float) -> float:
-    """Clip the global gradient norm; return it as a float, the same on every rank (FSDP2: a DTensor's full value)."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def barrier() -> None:

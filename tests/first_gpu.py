@@ -39,7 +39,7 @@ What it does, in order:
 
 Phases are told apart by the public functions train.rl_step calls, wrapped by module attribute for the run
 (train.rollout / sample.rollout, tasks.score, importance.token_logprobs without / with gradients, grpo.policy_loss for the
-ratio and the losses, scale.clip_grad_norm for the gradient norms, Run.record and Run.finish); nothing inside
+ratio and the losses, train.clip_grad_norm for the gradient norms, Run.record and Run.finish); nothing inside
 train.py is patched. On the GPU the run needs about 35 GB of disk in --out_dir (16 GB random checkpoint,
 17 GB final/, 2 GB checkpoint) and 16 GB of host memory while the random checkpoint is written; delete the
 folder afterwards. Not yet run on a GPU.
@@ -109,7 +109,7 @@ class PhaseMeter:
         self.seconds = {}   # phase -> wall seconds
         self.first_ratio = None  # update 0's first chunk: (ratio_max, ratio_mean)
         self.losses = []    # every update chunk's loss (grpo.policy_loss's sums)
-        self.grad_norms = []  # every update's gradient norm (scale.clip_grad_norm)
+        self.grad_norms = []  # every update's gradient norm (train.clip_grad_norm)
         self.rollout_rows = 0
         self.prompt_len = None
         self.window_ids = []  # every rollout's completion ids, to count those outside the tokenizer
@@ -212,7 +212,7 @@ def wrapped(meter: PhaseMeter, faults=frozenset()):
         train.frozen_logprobs = planted
     wrap(importance, "token_logprobs", lambda a, kw: "update" if torch.is_grad_enabled() else "scoring")
     wrap(grpo, "policy_loss", lambda a, kw: "update" if torch.is_grad_enabled() else "scoring", saw_loss)
-    wrap(scale, "clip_grad_norm", None, lambda a, kw, out: meter.grad_norms.append(out))
+    wrap(train, "clip_grad_norm", None, lambda a, kw, out: meter.grad_norms.append(out))
     wrap(run_mod.Run, "record", lambda a, kw: "checkpoint", lambda a, kw, out: setattr(meter, "run", a[0]))
     wrap(run_mod.Run, "finish", lambda a, kw: "final")
     try:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import sample
 import train
 from infra import checkpoint, scale
 from infra.load import check_sft_cache
@@ -284,7 +285,7 @@ def test_shard_rows_keeps_each_group_on_one_rank(monkeypatch, world, group_size)
 def test_chunks_split_rows_by_device_batch_size(n, size, want):
     """--device_batch_size=size: forwards of at most `size` rows, all n with 0."""
     rows = list(range(n))
-    assert [rows[s] for s in scale.chunks(n, size)] == [list(range(a, b)) for a, b in want]
+    assert [rows[s] for s in sample.chunks(n, size)] == [list(range(a, b)) for a, b in want]
 
 
 @pytest.mark.parametrize("raw,minutes", [("2.5", 2.5), ("60", 60.0), ("0", None), ("-1", None), ("soon", None)])

@@ -73,7 +73,7 @@ def test_token_logprobs_device_batch_size():
                                    rtol=1e-6, atol=1e-6)
     with pytest.raises(AssertionError, match="device_batch_size"):
         imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=-1)
-    assert torch.equal(imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=0), full)  # 0 = all rows, as scale.chunks
+    assert torch.equal(imp.token_logprobs(tiny, x, tgt, pos, device_batch_size=0), full)  # 0 = all rows, as sample.chunks
 
 
 def test_log_ratio_exactly_zero_for_same_model():
