@@ -5,14 +5,12 @@ state-dict key) and LoRA adapters (arXiv:2106.09685); a LoRA run's reference pol
     save_adapters(model, "out/final")
     save_pretrained(merge_lora(model), "out/final")
 """
-from __future__ import annotations
-
 import json
 import math
 import os
 import stat
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Iterator
 
@@ -139,10 +137,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
         "multi_query_attention": None, "precision": None, "rope_full_precision": True, "use_cache": False,
     }
     hf.update(config.extra)  # fields read from a loaded checkpoint win over our defaults
-    hf.update({k: getattr(config, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size",
-               "max_sequence_length", "rope_theta", "rms_norm_eps", "mask_token_id", "eos_token_id", "pad_token_id")})
-    hf.update({k: getattr(config, k) for k in ("bos_token_id", "image_token_offset", "codebook_size")
-               if getattr(config, k) is not None})
+    hf.update({k: v for k, v in asdict(config).items() if k not in ("vocab_size", "extra") and v is not None})
     hf.update(vocab_size=config.extra.get("vocab_size", config.vocab_size), embedding_size=config.vocab_size,
               torch_dtype=str(dtype).removeprefix("torch."))
     return dict(sorted(hf.items()))
@@ -264,8 +259,7 @@ ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapters.safetensors", "adapters.json"
 
 
 class LoRALinear(nn.Linear):
-    """nn.Linear (the base `weight`, adopted) plus `lora_A` (r, in) and `lora_B` (out, r) in float32, where
-    AdamW's small steps do not vanish in bf16's spacing."""
+    """nn.Linear (base weight adopted) and lora_A (r, in), lora_B (out, r) in float32: bf16 drops AdamW's tiny steps."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
                  generator: torch.Generator | None = None):

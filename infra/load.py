@@ -3,8 +3,6 @@ checkpoint, LoRA, FSDP2 sharding that never holds the whole model on one rank; a
 
     python -m infra.load out/toy/checkpoints/step-00000040 out/toy-step-00000040
 """
-from __future__ import annotations
-
 import argparse
 import errno
 import hashlib
@@ -20,6 +18,7 @@ import tasks
 
 from infra import checkpoint, cli, hf, outdir, scale, toy
 from infra.budget import scratch_config
+from infra.scale import print0
 from model import Transformer, num_params
 from sample import generator
 
@@ -134,8 +133,7 @@ def load_or_train_sft(cfg, device, dtype, sft) -> tuple[Path, object, dict, floa
             print(f"saved the SFT model to {sft_dir} (later runs with the same settings reuse it)")
     scale.barrier()
     if cached:
-        scale.print0(f"loading the SFT model from {sft_dir} (trained with these settings; --retrain_sft=true "
-                     "retrains it)")
+        print0(f"loading the SFT model from {sft_dir} (trained with these settings; --retrain_sft=true retrains it)")
     seconds = hf.read_json(sft_dir / "sft_seconds.json", "pass --retrain_sft=true to train it again")["seconds"]
     return sft_dir, tok, ids, seconds
 
@@ -162,11 +160,11 @@ def load_policy(cfg, device, dtype, sft):
     master = torch.float32 if cfg.lora_rank == 0 else dtype
     if master != dtype:
         compute = "bf16 compute (FSDP2)" if scale.world() > 1 else "float32 compute"
-        scale.print0(f"full fine-tuning: float32 master weights, {compute}")
+        print0(f"full fine-tuning: float32 master weights, {compute}")
     path, tok, ids, sft_seconds = find_model(cfg, device, master, sft)
     model = load_sharded(path, device, master, dtype, (lambda m: add_lora(m, cfg)) if cfg.lora_rank else None)
     if cfg.lora_rank:
-        scale.print0("LoRA: {modules} modules, {lora_params:,} trainable of {total_params:,} parameters".format(
+        print0("LoRA: {modules} modules, {lora_params:,} trainable of {total_params:,} parameters".format(
             **hf.lora_stats(model)))
     ref = None
     if cfg.beta > 0:
@@ -281,7 +279,7 @@ def report_truncation(cfg, tok, datasets: dict) -> dict:
             n = sum(length > cfg.max_prompt_len for length in lengths)
             if n:
                 cut[(task, split)] = (n, len(lengths), max(lengths))
-                scale.print0(f"note: {n} of {len(lengths)} {task} {split} prompts are longer than --max_prompt_len="
+                print0(f"note: {n} of {len(lengths)} {task} {split} prompts are longer than --max_prompt_len="
                        f"{cfg.max_prompt_len} tokens (the longest {max(lengths)}) and keep only their last "
                        f"{cfg.max_prompt_len}; raise --max_prompt_len to keep them whole")
     return cut
