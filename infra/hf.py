@@ -201,8 +201,7 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
                                 "weights as safetensors")
     with torch.device("meta"):
         expected = {HF_PREFIX + k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
-    missing = sorted(set(expected) - set(weight_map))
-    unexpected = sorted(set(weight_map) - set(expected))
+    missing, unexpected = sorted(set(expected) - set(weight_map)), sorted(set(weight_map) - set(expected))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the LLaDA architecture of its config: "
                          f"{len(missing)} missing tensors {missing[:8]}, {len(unexpected)} unexpected "
