@@ -1,19 +1,16 @@
 """The LLaDA checkpoint format (config.json, sharded safetensors, tokenizer.json; a key is HF_PREFIX + our
-state-dict key, so folders load both ways: tests/test_model.py) and LoRA adapters (arXiv:2106.09685), with
-which MaskGRPO trains LLaDA-8B; its reference policy is the same network with the adapters off (AdaptersOff).
+state-dict key) and LoRA adapters (arXiv:2106.09685); a LoRA run's reference policy is AdaptersOff.
 
     model = add_lora(from_pretrained(path, device="cuda", dtype=torch.bfloat16), rank=128, alpha=64)
     save_adapters(model, "out/final")
     save_pretrained(merge_lora(model), "out/final")
 """
-from __future__ import annotations
-
 import json
 import math
 import os
 import stat
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Iterator
 
@@ -29,9 +26,7 @@ from tasks import TokenIds
 
 # The HF wrapper LLaDAModelLM holds `model`, which holds the ModuleDict `transformer`.
 HF_PREFIX = "model.transformer."
-CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 # config.json values that would change the architecture: only the released LLaDA/MMaDA one is implemented.
 _REQUIRED_VALUES = {
     "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
@@ -73,17 +68,17 @@ def _safetensors_file(file: Path, device="cpu"):
 
 def read_config(path) -> ModelConfig:
     """The ModelConfig of checkpoint directory `path` (its config.json), every error naming the file."""
-    file = Path(path) / CONFIG_NAME
+    file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: a LLaDA/MMaDA checkpoint directory holds config.json")
+    hf = read_json(file, "re-copy the checkpoint's config.json")
+    if is_run_settings(hf):
+        raise ValueError(f"{file} holds a training run's settings, not a model's: {path} is a run's out_dir; "
+                         f"did you mean {Path(path) / 'final'}?")
     try:
-        hf = read_json(file, "re-copy the checkpoint's config.json")
-        if is_run_settings(hf):  # a run's out_dir, whose model is final/
-            raise ValueError(f"{file} holds a training run's settings, not a model's: {path} is a run's out_dir; "
-                             f"did you mean {Path(path) / 'final'}?")
         return config_from_hf(hf)
     except ValueError as e:
-        raise ValueError(str(e) if str(file) in str(e) else f"{file}: {e}") from None
+        raise ValueError(f"{file}: {e}") from None
     except TypeError as e:  # a field of the wrong type (a string for n_layers, say)
         raise ValueError(f"{file}: a field has the wrong type ({e}); re-copy the checkpoint's config.json") from None
 
@@ -96,8 +91,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         want = {k: _REQUIRED_VALUES.get(k, 0.0 if k in _ZERO_FIELDS else False) for k in bad}
         raise ValueError(f"unsupported config values {bad}; this implementation covers the released "
                          f"LLaDA/MMaDA architecture, which needs {want}")
-    # The reference fills missing fields with GPT-2-like defaults (dropout 0.1, tied weights), which would
-    # silently build another network; require the architecture fields instead.
+    # The reference's defaults for missing fields (dropout 0.1, tied weights) would silently build another network.
     need = ["d_model", "n_layers", "n_heads", "mask_token_id"]
     missing = [k for k in need if k not in hf]
     if missing and not any(k in hf for k in need[:3]):  # another architecture's names (n_layer, hidden_size...)
@@ -143,10 +137,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
         "multi_query_attention": None, "precision": None, "rope_full_precision": True, "use_cache": False,
     }
     hf.update(config.extra)  # fields read from a loaded checkpoint win over our defaults
-    hf.update({k: getattr(config, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size",
-               "max_sequence_length", "rope_theta", "rms_norm_eps", "mask_token_id", "eos_token_id", "pad_token_id")})
-    hf.update({k: getattr(config, k) for k in ("bos_token_id", "image_token_offset", "codebook_size")
-               if getattr(config, k) is not None})
+    hf.update({k: v for k, v in asdict(config).items() if k not in ("vocab_size", "extra") and v is not None})
     hf.update(vocab_size=config.extra.get("vocab_size", config.vocab_size), embedding_size=config.vocab_size,
               torch_dtype=str(dtype).removeprefix("torch."))
     return dict(sorted(hf.items()))
@@ -169,27 +160,21 @@ def save_pretrained(model: Transformer, path, max_shard_bytes: int = 4 << 30, st
     tensors = {HF_PREFIX + k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     shards, size = [{}], 0
     for key in sorted(tensors):
-        nbytes = tensors[key].numel() * tensors[key].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        if shards[-1] and size + tensors[key].nbytes > max_shard_bytes:
             shards, size = shards + [{}], 0
         shards[-1][key] = tensors[key]
-        size += nbytes
+        size += tensors[key].nbytes
     dtype = next(iter(tensors.values())).dtype
-    (path / CONFIG_NAME).write_text(json.dumps(config_to_hf(model.config, dtype), indent=2) + "\n")
-    weight_map = {}
+    (path / "config.json").write_text(json.dumps(config_to_hf(model.config, dtype), indent=2) + "\n")
+    mode, weight_map = stat.S_IMODE((path / "config.json").stat().st_mode), {}  # the umask's; safetensors' is 0600
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(path / fname), metadata={"format": "pt"})
-        same_mode(path / fname, path / CONFIG_NAME)
+        os.chmod(path / fname, mode)
         weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(t.nbytes for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def same_mode(file: Path, like: Path) -> None:
-    """Give `file` the mode of `like` (written by open() under the umask): safetensors creates files 0600."""
-    os.chmod(file, stat.S_IMODE(os.stat(like).st_mode))
 
 
 def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
@@ -208,16 +193,15 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
         if absent:
             raise FileNotFoundError(f"{index} names shard files that are missing: {absent}; "
                                     "re-download or re-copy the checkpoint")
-    elif (path / SINGLE_NAME).is_file():
-        with _safetensors_file(path / SINGLE_NAME) as f:
-            weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
+    elif (path / "model.safetensors").is_file():
+        with _safetensors_file(path / "model.safetensors") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     else:
-        raise FileNotFoundError(f"no {INDEX_NAME} or {SINGLE_NAME} in {path}; a LLaDA checkpoint stores its "
+        raise FileNotFoundError(f"no {INDEX_NAME} or model.safetensors in {path}; a LLaDA checkpoint stores its "
                                 "weights as safetensors")
     with torch.device("meta"):
         expected = {HF_PREFIX + k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
-    missing = sorted(set(expected) - set(weight_map))
-    unexpected = sorted(set(weight_map) - set(expected))
+    missing, unexpected = sorted(set(expected) - set(weight_map)), sorted(set(weight_map) - set(expected))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the LLaDA architecture of its config: "
                          f"{len(missing)} missing tensors {missing[:8]}, {len(unexpected)} unexpected "
@@ -252,9 +236,8 @@ def load_tokenizer(path, model_config: ModelConfig | None = None):
                          "source") from None
     n = tok.get_vocab_size(with_added_tokens=True)
     if model_config is not None and n > model_config.vocab_size:
-        raise ValueError(f"tokenizer {file} has {n} tokens but the "
-                         f"model has only {model_config.vocab_size} embedding rows; they come from different "
-                         "checkpoints")
+        raise ValueError(f"tokenizer {file} has {n} tokens but the model has only {model_config.vocab_size} "
+                         "embedding rows; they come from different checkpoints")
     return tok
 
 
@@ -275,8 +258,7 @@ ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapters.safetensors", "adapters.json"
 
 
 class LoRALinear(nn.Linear):
-    """nn.Linear (the base `weight`, adopted) plus `lora_A` (r, in) and `lora_B` (out, r) in float32, where
-    AdamW's small steps do not vanish in bf16's spacing."""
+    """nn.Linear (base weight adopted) and lora_A (r, in), lora_B (out, r) in float32: bf16 drops AdamW's tiny steps."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
                  generator: torch.Generator | None = None):
@@ -399,7 +381,7 @@ def save_adapters(model: nn.Module, path) -> None:
     config = {"rank": m.rank, "alpha": m.alpha, "dropout": m.lora_dropout,
               "targets": sorted({n.rsplit(".", 1)[-1] for n, _ in mods})}
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    same_mode(path / ADAPTER_WEIGHTS, path / ADAPTER_CONFIG)
+    os.chmod(path / ADAPTER_WEIGHTS, stat.S_IMODE((path / ADAPTER_CONFIG).stat().st_mode))  # as save_pretrained
 
 
 def load_adapters(model: nn.Module, path) -> nn.Module:
@@ -425,10 +407,7 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
     if alphas != {config["alpha"]}:
         raise ValueError(f"saved alpha {config['alpha']} differs from the model's {sorted(alphas)}; the "
                          "update would be rescaled, so rebuild the adapters with the saved alpha")
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        for k, t in saved.items():
-            params[k].copy_(t)  # keeps each parameter's own dtype (float32) and device
+    model.load_state_dict(saved, strict=False)  # copies: each parameter keeps its dtype (float32) and device
     return model
 
 

@@ -3,8 +3,6 @@ checkpoint, LoRA, FSDP2 sharding that never holds the whole model on one rank; a
 
     python -m infra.load out/toy/checkpoints/step-00000040 out/toy-step-00000040
 """
-from __future__ import annotations
-
 import argparse
 import errno
 import hashlib
@@ -12,7 +10,6 @@ import itertools
 import json
 import os
 import shutil
-import types
 from pathlib import Path
 
 import torch
@@ -22,15 +19,8 @@ import tasks
 from infra import checkpoint, cli, hf, outdir, scale, toy
 from infra.budget import scratch_config
 from infra.scale import print0
-from infra.cli import GENERATION_FILE, generation_settings
 from model import Transformer, num_params
 from sample import generator
-from tasks import IMAGE_TASKS, TOY_TASKS, chat_prompt, task_list
-
-
-SFT_KEYS = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_noise", "image_noise", "image_width",
-            "text_max_steps", "image_loss_weight", "image_text_len", "attend_padding",
-            "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
 
 
 class WriteFailed(OSError):
@@ -52,10 +42,13 @@ def add_lora(model, cfg):
 
 
 def sft_key(cfg) -> dict:
-    """What the toy SFT model depends on: SFT_KEYS, its toy tasks, and the source of its data and their encoding."""
+    """What the toy SFT model depends on: these settings, its toy tasks, and the source of its data and encoding."""
+    keys = ("seed", "d_model", "n_layers", "n_heads", "mlp_hidden_size", "text_noise", "image_noise", "image_width",
+            "text_max_steps", "image_loss_weight", "image_text_len", "attend_padding", "sft_steps", "sft_batch_size",
+            "sft_lr", "sft_warmup", "cond_dropout", "gen_length")
     source = b"".join(Path(m.__file__).read_bytes() for m in (toy, tasks))
-    return {k: getattr(cfg, k) for k in SFT_KEYS} | {"sft_tasks": list(tasks.sft_tasks(cfg)),
-                                                     "toy_sha1": hashlib.sha1(source).hexdigest()}
+    return {k: getattr(cfg, k) for k in keys} | {"sft_tasks": list(tasks.sft_tasks(cfg)),
+                                                 "toy_sha1": hashlib.sha1(source).hexdigest()}
 
 
 def sft_dir_of(cfg) -> Path:
@@ -70,7 +63,7 @@ def check_sft_cache(cfg) -> bool:
     if meta_file.is_file():
         saved, meta = hf.read_json(meta_file, "pass --retrain_sft=true to train the SFT model again"), sft_key(cfg)
         # A model trained on more toy tasks serves a run on fewer; one without sft_tasks was trained on both.
-        trained, wanted = saved.pop("sft_tasks", list(TOY_TASKS)), meta.pop("sft_tasks")
+        trained, wanted = saved.pop("sft_tasks", list(tasks.TOY_TASKS)), meta.pop("sft_tasks")
         covered = set(wanted) <= set(trained)
         if saved == meta and covered:
             return True
@@ -102,10 +95,11 @@ def check_sft_cache(cfg) -> bool:
     return False
 
 
-def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
-    """(directory, SFT seconds) of the toy SFT model: sft_dir when it matches cfg, else trained now by `sft` on
-    rank 0 and renamed onto sft_dir once complete (a crash leaves the old model or none, never a mix)."""
-    sft_dir = sft_dir_of(cfg)
+def load_or_train_sft(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
+    """find_model's toy SFT model: sft_dir when it matches cfg, else trained now by `sft` on rank 0 and renamed
+    onto sft_dir once complete (a crash leaves the old model or none, never a mix)."""
+    sft_dir, tok = sft_dir_of(cfg), toy.build_tokenizer()
+    ids = tasks.token_ids(tok)
     cached = check_sft_cache(cfg)
     if not cached and scale.rank() == 0:
         mc = scratch_config(cfg, **tasks.model_config_overrides(tok))
@@ -141,19 +135,16 @@ def load_or_train_sft(cfg, tok, ids, device, dtype, sft) -> tuple[Path, float]:
     if cached:
         print0(f"loading the SFT model from {sft_dir} (trained with these settings; --retrain_sft=true retrains it)")
     seconds = hf.read_json(sft_dir / "sft_seconds.json", "pass --retrain_sft=true to train it again")["seconds"]
-    return sft_dir, seconds
+    return sft_dir, tok, ids, seconds
 
 
 def find_model(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
     """(checkpoint directory, tokenizer, special ids, SFT seconds) to start from: init_from, or the toy SFT model."""
     if cfg.init_from == "scratch":
-        tok = toy.build_tokenizer()
-        ids = tasks.token_ids(tok)
-        path, seconds = load_or_train_sft(cfg, tok, ids, device, dtype, sft)
-        return path, tok, ids, seconds
+        return load_or_train_sft(cfg, device, dtype, sft)
     config, _ = hf.read_checkpoint(cfg.init_from)  # checks the directory; reads no weights
     tok = hf.load_tokenizer(cfg.init_from, config)
-    toy_only = all(t in TOY_TASKS for t in task_list(cfg))  # a toy checkpoint (a toy run's final/): ids by name
+    toy_only = all(t in tasks.TOY_TASKS for t in tasks.task_list(cfg))  # a toy run's final/: ids by name
     return Path(cfg.init_from), tok, tasks.token_ids(tok) if toy_only else hf.token_ids(tok, config), 0.0
 
 
@@ -192,7 +183,23 @@ def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
     config, tensors = hf.read_checkpoint(path)  # on the CPU
     with torch.device("meta"):
         model = Transformer(config).to(dtype).eval()  # eval(): as from_pretrained returns it
-    added = _adapt_on_meta(model, adapt) if adapt else {}
+
+    def put(name, p):
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, p)
+
+    # adapt() runs on empty CPU stand-ins, as on meta LoRA's draws would be lost; what it adds keeps its CPU value.
+    before, added = dict(model.named_parameters()), {}
+    for name, p in before.items():
+        put(name, torch.nn.Parameter(torch.empty(0), p.requires_grad))
+    if adapt:
+        adapt(model)
+    for name, p in list(model.named_parameters()):
+        if name in before:
+            put(name, before[name].requires_grad_(p.requires_grad))
+        else:
+            added[name] = p.detach()
+            put(name, torch.nn.Parameter(p.detach().to("meta"), p.requires_grad))
     model = scale.shard(model, compute_dtype=compute_dtype)
     model.to_empty(device=device)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -202,27 +209,6 @@ def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
     if targets:  # a tensor to_empty left uninitialised would silently train from garbage
         raise RuntimeError(f"{path}: no values for {sorted(targets)[:8]}")
     return model
-
-
-def _adapt_on_meta(model: Transformer, adapt) -> dict[str, torch.Tensor]:
-    """adapt(model) on a meta model, run on empty CPU stand-ins (on meta LoRA's draws would be lost); returns the
-    parameters it added with their CPU values."""
-    def put(name, p):
-        owner, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner), leaf, p)
-
-    before = dict(model.named_parameters())
-    for name, p in before.items():
-        put(name, torch.nn.Parameter(torch.empty(0), p.requires_grad))
-    adapt(model)
-    added = {}
-    for name, p in list(model.named_parameters()):
-        if name in before:
-            put(name, before[name].requires_grad_(p.requires_grad))
-        else:
-            added[name] = p.detach()
-            put(name, torch.nn.Parameter(p.detach().to("meta"), p.requires_grad))
-    return added
 
 
 def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
@@ -243,7 +229,7 @@ def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
         else:
             hf.save_pretrained(model, path, state_dict={k: v.to(dtype) for k, v in state.items()})
         tok.save(str(path / "tokenizer.json"))
-        (path / GENERATION_FILE).write_text(json.dumps(generation_settings(cfg), indent=2) + "\n")
+        (path / cli.GENERATION_FILE).write_text(json.dumps(cli.generation_settings(cfg), indent=2) + "\n")
     except Exception as e:  # whatever the writer raised (SafetensorError is no OSError): one line, no half model
         for p in (path.iterdir() if existed and path.is_dir() else [path]):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
@@ -251,21 +237,18 @@ def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
                           "removed") from e
 
 
-FINGERPRINT_BLOCKS, BLOCK_BYTES = 256, 1 << 16  # up to 16 MiB read per weight file
-
-
-def file_fingerprint(f: Path, digest) -> None:
-    """Feed digest with f's size and content, or FINGERPRINT_BLOCKS evenly spaced blocks of a larger file: hashing
+def file_fingerprint(f: Path, digest, blocks: int = 256, block_bytes: int = 1 << 16) -> None:
+    """Feed digest with f's size and content, or `blocks` evenly spaced blocks of a larger file (16 MiB read): hashing
     16 GB at every start would take minutes, and a block every few hundred MB tells trained models apart."""
     size = f.stat().st_size
     digest.update(f"{size}:".encode())
     with open(f, "rb") as fh:
-        if size <= FINGERPRINT_BLOCKS * BLOCK_BYTES:
+        if size <= blocks * block_bytes:
             digest.update(fh.read())
             return
-        for i in range(FINGERPRINT_BLOCKS):
-            fh.seek((size - BLOCK_BYTES) * i // (FINGERPRINT_BLOCKS - 1))
-            digest.update(fh.read(BLOCK_BYTES))
+        for i in range(blocks):
+            fh.seek((size - block_bytes) * i // (blocks - 1))
+            digest.update(fh.read(block_bytes))
 
 
 def reference_identity(cfg) -> dict:
@@ -288,10 +271,10 @@ def report_truncation(cfg, tok, datasets: dict) -> dict:
     """{(task, split): (cut, total, longest)} of the prompts --max_prompt_len cuts to their last tokens, printed."""
     cut = {}
     for task, splits in datasets.items():
-        if task in IMAGE_TASKS:
+        if task in tasks.IMAGE_TASKS:
             continue
         for split, exs in splits.items():
-            texts = [chat_prompt([{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill for ex in exs]
+            texts = [tasks.chat_prompt([{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill for ex in exs]
             lengths = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
             n = sum(length > cfg.max_prompt_len for length in lengths)
             if n:
@@ -323,7 +306,7 @@ def export_checkpoint(ckpt, dest) -> Path:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"{dest} already exists and is not an empty folder (it is left as it is); pass a new folder")
     state = hf.read_json(ckpt / "state.json", "export another checkpoint")
-    cfg = types.SimpleNamespace(**state["config"])
+    cfg = argparse.Namespace(**state["config"])
     cfg.out_dir = str(ckpt.parent.parent)  # the run's folder wherever it now is (its sft/ by default)
     start = sft_dir_of(cfg) if cfg.init_from == "scratch" else cfg.init_from
     if cfg.init_from == "scratch" and not (start / "config.json").is_file():
