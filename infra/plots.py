@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import statistics
@@ -22,8 +23,7 @@ OTHER_COLOURS = [(40, 150, 60), (180, 40, 150), (110, 110, 110), (200, 40, 40), 
 PANELS = [("reward", "reward"), ("solved", "accuracy (reward = 1)"), ("kl", "KL to reference (k3)"),
           ("clipfrac", "clip fraction")]
 PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # curves: pixels per panel; font: the image grid's, in pixels
-# Image grid geometry (pixels): images scaled to about IMAGE_PX and captions cut at CAPTION_LINES, so the
-# picture's size depends only on the counts.
+# Image grid geometry (pixels): captions cut at CAPTION_LINES, so the picture's size depends only on the counts.
 IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES, LINE_H = 96, 90, 150, 14, 12, 3, FONT_SIZE + 3
 X_AXES = {"step": "RL step", "seconds": "cumulative RL seconds (wall)", "cpu_seconds": "cumulative RL CPU seconds"}
 
@@ -58,10 +58,9 @@ def _extra(name: str, module: str):
 
 
 def _pil():
-    if _extra("Pillow", "PIL") is None:
-        return None
-    from PIL import Image, ImageDraw, ImageFont
-    return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
+    if _extra("Pillow", "PIL"):  # else None
+        from PIL import Image, ImageDraw, ImageFont
+        return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
 
 
 def _text(draw, x, y, lines, font, fill=(0, 0, 0), centre=False):
@@ -141,21 +140,18 @@ def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "R
     window = max(1, steps // 10)  # about a tenth of the run: 5 steps for the toy's 50
     for ax, (title, series) in zip(axes, panels):
         for name, pts in series.items():
-            xs, ys = [x for x, _ in pts], [y for _, y in pts]
-            avg = [sum(ys[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(ys))]
+            xs, ys = zip(*pts)
+            avg = [statistics.fmean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
             marker = "o" if len(pts) == 1 else None  # a single logged step: a dot
             ax.plot(xs, ys, color=rgb[name], alpha=0.3, lw=1, marker=marker, ms=3, zorder=1.8)  # under every mean
             ax.plot(xs, avg, color=rgb[name], lw=2, marker=marker, ms=3, label=name)
-        xs = [x for pts in series.values() for x, _ in pts]
-        ax.set_xlim(min(xs), max(max(xs), min(xs) + 1))  # exactly the logged steps: the curves reach both edges
+        ax.margins(x=0)  # exactly the logged steps: the curves reach both edges
         ax.set_title(title, fontsize=9, loc="left")
         ax.set_xlabel(xlabel)
         ax.grid(axis="y", color=(0.9, 0.9, 0.9))
     labels = [name for name in colours if any(name in series for _, series in panels)]
-    handles = [Line2D([], [], color=rgb[name], lw=2) for name in labels]
-    if window > 1:
-        handles.append(Line2D([], [], color="black", lw=2))
-        labels.append(f"bold: {window}-step mean")
+    labels += [f"bold: {window}-step mean"] * (window > 1)
+    handles = [Line2D([], [], color=rgb.get(name, "black"), lw=2) for name in labels]
     per_column = 56 + 7 * max(len(label) for label in labels)  # pixels: 7 a character, the swatch, the spacing
     fig.legend(handles, labels, loc="outside upper center", frameon=False,
                ncols=max(1, min(len(labels), int(PANEL_W * len(axes) // per_column))))
@@ -261,13 +257,11 @@ def group_medians(groups: dict[str, list], key: str, x: str = "step") -> dict[st
     for label, run_dirs in groups.items():
         per_step: dict = {}
         for d in run_dirs:
-            clock, total = {}, 0.0  # {step: seconds of steps 0..step}
-            for i, r in enumerate(_read_log(Path(d) / "times.jsonl") if col else ()):
-                if col not in r:
-                    raise ValueError(f"{d}/times.jsonl has no {col!r} (runs before CPU times were logged): "
-                                     "use --x=seconds")
-                total += r[col]
-                clock[r.get("step", i)] = total
+            times = _read_log(Path(d) / "times.jsonl") if col else []
+            if any(col not in r for r in times):
+                raise ValueError(f"{d}/times.jsonl has no {col!r} (runs before CPU times were logged): use --x=seconds")
+            steps = [r.get("step", i) for i, r in enumerate(times)]
+            clock = dict(zip(steps, itertools.accumulate(r[col] for r in times)))  # {step: seconds of steps 0..step}
             for step, y in _points(_read_log(Path(d) / "log.jsonl"), key):
                 if not col or step in clock:
                     per_step.setdefault(step, []).append((clock[step] if col else step, y))
@@ -292,20 +286,16 @@ def compare_runs(groups: dict[str, list], png_path, task: str = "text", x: str =
 
 
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(description="Redraw RUN_DIR/curves.png from RUN_DIR/log.jsonl, or "
-                                     "compare runs with --compare LABEL=DIR[,DIR...] ... --png FILE.",
-                                     allow_abbrev=False, exit_on_error=False)
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("run_dir", type=Path, nargs="?")
     parser.add_argument("--compare", nargs="+", default=[], metavar="LABEL=DIR[,DIR...]")
-    parser.add_argument("--png", type=Path, help="the picture to write: --compare's (needed), or the redrawn curves "
-                        "(default RUN_DIR/curves.png)")
+    parser.add_argument("--png", type=Path, help="--compare's picture (needed), or the curves' (RUN_DIR/curves.png)")
     parser.add_argument("--task", default=None, help="--compare's task (default text)")
     parser.add_argument("--x", default=None, choices=list(X_AXES), help="--compare's horizontal axis: RL step "
                         "(default), or cumulative RL seconds from each run's times.jsonl (wall, or process CPU time)")
     args = cli.parse_known(parser, argv, "infra.plots")
     if not have_matplotlib():
-        raise ValueError('no picture written: matplotlib is missing; pip install -e ".[plots]" (or pip install '
-                         'matplotlib)')
+        raise ValueError('no picture written: matplotlib is missing; pip install -e ".[plots]" (or matplotlib)')
     png = args.png.expanduser() if args.png else None  # a path given as --png=~/x.png, which no shell expands
     if args.compare:
         bad = [g for g in args.compare if "=" not in g]
