@@ -193,7 +193,7 @@ def _wrap(draw, s: str, font, max_px: float) -> list[str]:
 
 
 def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], width: int, png_path,
-               palette=PALETTE, scores: list[list[float]] | None = None, notes: tuple = ()) -> Path | None:
+               scores: list[list[float]] | None = None, notes: tuple = ()) -> Path | None:
     """Toy images (width*width row-major palette codes) as coloured squares: a grid row per (name, images), a
     column per prompt; a code outside the palette (a leftover mask) is a grey crossed cell. scores: one list per
     row, written under each image; notes: lines under the captions. None without Pillow."""
@@ -224,8 +224,8 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
                 _text(draw, (x0 + x1) / 2, y1 + 3, [f"score {scores[i][j]:.2f}"], font, (60, 60, 60), True)
             for idx, code in enumerate(codes):
                 x0, y0, x1, y1 = _cell_box(i, j, *divmod(idx, width), width, gap)
-                valid = 0 <= code < len(palette)
-                draw.rectangle((x0 + 1, y0 + 1, x1, y1), fill=tuple(palette[code]) if valid else (150, 150, 150))
+                valid = 0 <= code < len(PALETTE)
+                draw.rectangle((x0 + 1, y0 + 1, x1, y1), fill=PALETTE[code] if valid else (150, 150, 150))
                 for line in [] if valid else [(x0 + 1, y0 + 1, x1, y1), (x0 + 1, y1, x1, y0 + 1)]:
                     draw.line(line, fill=(90, 90, 90), width=2)
     for j, prompt in enumerate(prompts):
