@@ -93,8 +93,7 @@ def _points(records: list[dict], key: str) -> list[tuple]:
 
 
 def plot_curves(log_path, png_path) -> Path | None:
-    """A panel per metric some task logged (PANELS) by RL step, and summary.json's held-out gain; None without
-    matplotlib."""
+    """A panel per logged metric (PANELS) by RL step, and summary.json's held-out gain; None without matplotlib."""
     records = _read_log(log_path)
     tasks = sorted({k.split("/")[0] for r in records for k in r if "/" in k},
                    key=lambda t: ((list(TASK_COLOURS) + [t]).index(t), t))  # text, image, then the rest A-Z
@@ -128,48 +127,47 @@ def held_out_lines(summary: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "RL step"):
+def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, xlabel: str = "RL step") -> Path | None:
     """(title, series) panels side by side, PANEL_W x PANEL_H pixels each, under one legend, and held_out_lines as
-    a last panel. Raw values are drawn faint under a trailing mean."""
+    a last panel. Raw values are drawn faint under a trailing mean; None without matplotlib."""
+    if (matplotlib := _extra("matplotlib", "matplotlib")) is None:
+        return None
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
     rgb = {k: tuple(c / 255 for c in v) for k, v in colours.items()}
-    fig = Figure(figsize=(PANEL_W * (len(panels) + bool(held)) / 100, PANEL_H / 100), dpi=100, layout="constrained")
-    axes = fig.subplots(1, len(panels) + bool(held), squeeze=False)[0]
-    window = max(1, steps // 10)  # about a tenth of the run: 5 steps for the toy's 50
-    for ax, (title, series) in zip(axes, panels):
-        for name, pts in series.items():
-            xs, ys = zip(*pts)
-            avg = [statistics.fmean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
-            marker = "o" if len(pts) == 1 else None  # a single logged step: a dot
-            ax.plot(xs, ys, color=rgb[name], alpha=0.3, lw=1, marker=marker, ms=3, zorder=1.8)  # under every mean
-            ax.plot(xs, avg, color=rgb[name], lw=2, marker=marker, ms=3, label=name)
-        ax.margins(x=0)  # exactly the logged steps: the curves reach both edges
-        ax.set_title(title, fontsize=9, loc="left")
-        ax.set_xlabel(xlabel)
-        ax.grid(axis="y", color=(0.9, 0.9, 0.9))
-    labels = [name for name in colours if any(name in series for _, series in panels)]
-    labels += [f"bold: {window}-step mean"] * (window > 1)
-    handles = [Line2D([], [], color=rgb.get(name, "black"), lw=2) for name in labels]
-    per_column = 56 + 7 * max(len(label) for label in labels)  # pixels: 7 a character, the swatch, the spacing
-    fig.legend(handles, labels, loc="outside upper center", frameon=False,
-               ncols=max(1, min(len(labels), int(PANEL_W * len(axes) // per_column))))
-    if held:
-        axes[-1].axis("off")
-        lines = [("held-out mean reward", "black"), ("before -> after RL (summary.json)", "grey")] + [
-            line for key, text in held for line in ((key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black"))]
-        for k, (text, colour) in enumerate(lines):
-            axes[-1].text(0, 1 - k * 0.08, text, color=colour, va="top", transform=axes[-1].transAxes)
-    return fig
-
-
-def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, xlabel: str = "RL step") -> Path | None:
-    if (matplotlib := _extra("matplotlib", "matplotlib")) is None:
-        return None
+    window, n = max(1, steps // 10), len(panels) + bool(held)  # window: a tenth of the run, 5 steps of the toy's 50
     with matplotlib.rc_context({"font.size": 8}):
-        _figure(panels, colours, steps, held, xlabel).savefig(png_path)
+        fig = Figure(figsize=(PANEL_W * n / 100, PANEL_H / 100), dpi=100, layout="constrained")
+        axes = fig.subplots(1, n, squeeze=False)[0]
+        for ax, (title, series) in zip(axes, panels):
+            for name, pts in series.items():
+                xs, ys = zip(*pts)
+                avg = [statistics.fmean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
+                marker = "o" if len(pts) == 1 else None  # a single logged step: a dot
+                ax.plot(xs, ys, color=rgb[name], alpha=0.3, lw=1, marker=marker, ms=3, zorder=1.8)  # under every mean
+                ax.plot(xs, avg, color=rgb[name], lw=2, marker=marker, ms=3, label=name)
+            ax.margins(x=0)  # exactly the logged steps: the curves reach both edges
+            ax.set_title(title, fontsize=9, loc="left")
+            ax.set_xlabel(xlabel)
+            ax.grid(axis="y", color=(0.9, 0.9, 0.9))
+        labels = [name for name in colours if any(name in series for _, series in panels)]
+        labels += [f"bold: {window}-step mean"] * (window > 1)
+        handles = [Line2D([], [], color=rgb.get(name, "black"), lw=2) for name in labels]
+        per_column = 56 + 7 * max(len(label) for label in labels)  # pixels: 7 a character, the swatch, the spacing
+        fig.legend(handles, labels, loc="outside upper center", frameon=False,
+                   ncols=max(1, min(len(labels), int(PANEL_W * n // per_column))))
+        if held:
+            axes[-1].axis("off")
+            lines = [("held-out mean reward", "black"), ("before -> after RL (summary.json)", "grey")]
+            for key, text in held:
+                lines += [(key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black")]
+            for k, (text, colour) in enumerate(lines):
+                axes[-1].text(0, 1 - k * 0.08, text, color=colour, va="top", transform=axes[-1].transAxes)
+
+        fig.savefig(png_path)
     return Path(png_path)
+
 
 
 def _cell_box(row: int, col: int, r: int, c: int, width: int, gap: int = ROW_GAP) -> tuple[int, int, int, int]:

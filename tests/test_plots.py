@@ -27,7 +27,17 @@ def write_log(path, n=30, tasks=("text", "image")):
     return path
 
 
+def saved_figures(monkeypatch) -> list:
+    """The matplotlib figures plots saves from now on, in order (each still written to its file)."""
+    Figure = pytest.importorskip("matplotlib.figure").Figure
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, _save=Figure.savefig, **k: figures.append(self)
+                        or _save(self, *a, **k))
+    return figures
+
+
 def test_curves_png_has_expected_size_and_content(tmp_path):
+
     pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
     out = plots.plot_curves(write_log(tmp_path / "log.jsonl"), tmp_path / "curves.png")
@@ -44,9 +54,7 @@ def test_curves_png_has_expected_size_and_content(tmp_path):
 def test_curves_draw_the_logged_values_and_their_trailing_mean(tmp_path, monkeypatch):
     """Read back from the figure: per panel and task, a faint line of the logged values (the NaN and the
     absent step left out) and a bold one of the trailing mean over window = steps // 10 = 3 values."""
-    pytest.importorskip("matplotlib")
-    figures = []
-    monkeypatch.setattr(plots, "_figure", lambda *a, _f=plots._figure: figures.append(_f(*a)) or figures[-1])
+    figures = saved_figures(monkeypatch)
     log = write_log(tmp_path / "log.jsonl")
     plots.plot_curves(log, tmp_path / "c.png")
     records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -184,8 +192,7 @@ def test_compare_seven_labels_wraps_the_legend(tmp_path, monkeypatch):
     instead of running past the picture's edge."""
     pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
-    figures = []
-    monkeypatch.setattr(plots, "_figure", lambda *a, _f=plots._figure: figures.append(_f(*a)) or figures[-1])
+    figures = saved_figures(monkeypatch)
     names = ["d1", "UniGRPO", "random", "MaskGRPO", "official", "trajectory", "gamma0"]
     groups = {n: [_run(tmp_path, n, [0.1 * k, 0.2])] for k, n in enumerate(names)}
     colours = [plots.TASK_COLOURS["text"], plots.TASK_COLOURS["image"]] + plots.OTHER_COLOURS
