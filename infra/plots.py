@@ -170,13 +170,6 @@ def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, x
 
 
 
-def _cell_box(row: int, col: int, r: int, c: int, width: int, gap: int = ROW_GAP) -> tuple[int, int, int, int]:
-    cell = max(1, IMAGE_PX // width)
-    x = MARGIN + LABEL_W + col * COL_W + (COL_W - cell * width) // 2 + c * cell
-    y = MARGIN + row * (IMAGE_PX + gap) + r * cell
-    return x, y, x + cell - 1, y + cell - 1
-
-
 def _wrap(draw, s: str, font, max_px: float) -> list[str]:
     # greedy word wrap by pixel width; past CAPTION_LINES the last line ends in "..."
     lines = []
@@ -185,9 +178,7 @@ def _wrap(draw, s: str, font, max_px: float) -> list[str]:
             lines[-1] += " " + word
         else:
             lines.append(word)
-    if len(lines) > CAPTION_LINES:
-        lines = lines[:CAPTION_LINES - 1] + [lines[CAPTION_LINES - 1] + " ..."]
-    return lines
+    return lines[:CAPTION_LINES - 1] + [lines[CAPTION_LINES - 1] + " ..."] if len(lines) > CAPTION_LINES else lines
 
 
 def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], width: int, png_path,
@@ -205,27 +196,27 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
     if (pil := _pil()) is None:
         return None
     Image, ImageDraw, font = pil
-    gap = ROW_GAP + (LINE_H if scores else 0)
-    grid_h = len(rows) * (IMAGE_PX + gap)
+    cell, gap = max(1, IMAGE_PX // width), ROW_GAP + (LINE_H if scores else 0)
+    side, grid_h = cell * width, len(rows) * (IMAGE_PX + gap)  # side: an image's, in pixels
     size = (2 * MARGIN + LABEL_W + len(prompts) * COL_W, 2 * MARGIN + grid_h + (CAPTION_LINES + len(notes)) * LINE_H)
     picture = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(picture)
     for i, (name, images) in enumerate(rows):
-        label = _wrap(draw, name, font, LABEL_W - 8)
-        _text(draw, MARGIN, _cell_box(i, 0, 0, 0, width, gap)[1] + (IMAGE_PX - len(label) * LINE_H) / 2, label, font)
+        y, label = MARGIN + i * (IMAGE_PX + gap), _wrap(draw, name, font, LABEL_W - 8)
+        _text(draw, MARGIN, y + (IMAGE_PX - len(label) * LINE_H) / 2, label, font)
         for j, codes in enumerate(images):
+            x = MARGIN + LABEL_W + j * COL_W + (COL_W - side) // 2
             # a dark frame behind cells inset by a pixel, so that touching cells of one colour can be counted
-            x0, y0, _, _ = _cell_box(i, j, 0, 0, width, gap)
-            _, _, x1, y1 = _cell_box(i, j, width - 1, width - 1, width, gap)
-            draw.rectangle((x0, y0, x1 + 1, y1 + 1), fill=(20, 20, 20))
+            draw.rectangle((x, y, x + side, y + side), fill=(20, 20, 20))
             if scores:
-                _text(draw, (x0 + x1) / 2, y1 + 3, [f"score {scores[i][j]:.2f}"], font, (60, 60, 60), True)
+                _text(draw, x + (side - 1) / 2, y + side + 2, [f"score {scores[i][j]:.2f}"], font, (60, 60, 60), True)
             for idx, code in enumerate(codes):
-                x0, y0, x1, y1 = _cell_box(i, j, *divmod(idx, width), width, gap)
-                valid = 0 <= code < len(PALETTE)
-                draw.rectangle((x0 + 1, y0 + 1, x1, y1), fill=PALETTE[code] if valid else (150, 150, 150))
-                for line in [] if valid else [(x0 + 1, y0 + 1, x1, y1), (x0 + 1, y1, x1, y0 + 1)]:
+                x0, y0 = x + idx % width * cell + 1, y + idx // width * cell + 1  # the cell inside its frame line
+                box, valid = (x0, y0, x0 + cell - 2, y0 + cell - 2), 0 <= code < len(PALETTE)
+                draw.rectangle(box, fill=PALETTE[code] if valid else (150, 150, 150))
+                for line in [] if valid else [box, (x0, y0 + cell - 2, x0 + cell - 2, y0)]:
                     draw.line(line, fill=(90, 90, 90), width=2)
+
     for j, prompt in enumerate(prompts):
         x = MARGIN + LABEL_W + j * COL_W + COL_W / 2
         _text(draw, x, MARGIN + grid_h, _wrap(draw, prompt, font, COL_W - 10), font, centre=True)

@@ -128,11 +128,15 @@ def test_image_grid_size_and_cell_colours(tmp_path):
         assert im.size == (2 * plots.MARGIN + plots.LABEL_W + 3 * plots.COL_W,
                            2 * plots.MARGIN + 2 * (plots.IMAGE_PX + plots.ROW_GAP)
                            + plots.CAPTION_LINES * (plots.FONT_SIZE + 3))
+        cell = plots.IMAGE_PX // width  # each image centred in its column, rows IMAGE_PX + ROW_GAP apart
         for i in range(2):
             for j in range(3):
                 def centre(r, c):
-                    x0, y0, x1, y1 = plots._cell_box(i, j, r, c, width)
-                    return (x0 + x1) // 2, (y0 + y1) // 2
+                    x = plots.MARGIN + plots.LABEL_W + j * plots.COL_W + (plots.COL_W - cell * width) // 2
+                    y = plots.MARGIN + i * (plots.IMAGE_PX + plots.ROW_GAP)
+                    return x + c * cell + cell // 2, y + r * cell + cell // 2
+
+
                 assert im.getpixel(centre(1, 2)) == plots.PALETTE[1 + (i * 3 + j) % 7]
                 assert im.getpixel(centre(0, 0)) == plots.PALETTE[0]
                 assert im.getpixel(centre(3, 3)) not in plots.PALETTE  # invalid code: not a palette colour
