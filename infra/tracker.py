@@ -26,11 +26,10 @@ def check(cfg) -> None:
         raise ValueError(f"--tracker={cfg.tracker} needs the {cfg.tracker} package, which is not installed: "
                          f"pip install {cfg.tracker} (or pip install -e '.[track]'), or drop --tracker")
     if not cfg.tracker_project.strip():
-        raise ValueError("tracker_project is empty: pass the project the run is filed under, e.g. "
-                         "--tracker_project=maskgrpo")
+        raise ValueError("tracker_project is empty: name the run's project, e.g. --tracker_project=maskgrpo")
 
 
-_OPEN: list = []  # the tracker this process has open: finished at exit if the run ends early
+_OPEN: list = []  # the tracker this process has open: closed when the next one opens
 
 
 class Tracker:
@@ -38,7 +37,8 @@ class Tracker:
     Opening one on rank 0 reopens the run id in out_dir/tracker.json on a resume."""
 
     def __init__(self, cfg):
-        _close_open()  # an earlier main() in this process that ended early (tests; a notebook)
+        while _OPEN:  # an earlier main() in this process that ended early (tests; a notebook)
+            _OPEN.pop().close()
         self.cfg, self.backend, self.state = cfg, None, {"done": {}}
         self.last = max(cfg.rl_steps - 1, 0)  # the step of the held-out rewards after RL and the pictures
         if cfg.tracker == "none" or scale.rank() != 0:
@@ -52,10 +52,11 @@ class Tracker:
         self.state["id"] = self.backend.id
         self._save()
         _OPEN.append(self)
+        atexit.register(self.close)  # a run that ends early (an error, a signal): its tracker writes what it holds
 
     def step(self, step: int, log: dict, times: dict) -> None:
-        """One RL step's log.jsonl line (`step` is the x axis), and its times.jsonl line under time/."""
-        # a value that is no number or text (--change_on_resume's {"lr": [old, new]}) goes as its JSON text
+        """One RL step's log.jsonl line (`step` is the x axis) and times.jsonl line (under time/); a value neither
+        number nor text (--change_on_resume's {"lr": [old, new]}) goes as its JSON text."""
         values = {k: v if isinstance(v, (int, float, str)) else json.dumps(v) for k, v in log.items() if k != "step"}
         values.update({f"time/{k}": v for k, v in times.items() if k != "step"})
         self._send("step", step, values)
@@ -65,6 +66,7 @@ class Tracker:
         step = 0 if when == "before" else self.last
         if rewards:  # none without a held-out set
             self._send(when, step, {f"heldout/{k}/{when}": v for k, v in rewards.items()})
+
 
     def finish(self, out: Path) -> None:
         """A complete run: send the pictures it drew (with the plots extra), close the tracked run."""
@@ -110,12 +112,6 @@ class Tracker:
 
 start = Tracker  # train.py's tracker.start(cfg)
 
-
-@atexit.register
-def _close_open() -> None:
-    """Close a tracked run whose training ended early (an error, a signal), so its tracker writes what it holds."""
-    while _OPEN:
-        _OPEN.pop().close()
 
 
 def read_state(out: Path) -> dict:
