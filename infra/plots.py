@@ -169,7 +169,6 @@ def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, x
     return Path(png_path)
 
 
-
 def _wrap(draw, s: str, font, max_px: float) -> list[str]:
     # greedy word wrap by pixel width; past CAPTION_LINES the last line ends in "..."
     lines = []
@@ -216,7 +215,6 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
                 draw.rectangle(box, fill=PALETTE[code] if valid else (150, 150, 150))
                 for line in [] if valid else [box, (x0, y0 + cell - 2, x0 + cell - 2, y0)]:
                     draw.line(line, fill=(90, 90, 90), width=2)
-
     for j, prompt in enumerate(prompts):
         x = MARGIN + LABEL_W + j * COL_W + COL_W / 2
         _text(draw, x, MARGIN + grid_h, _wrap(draw, prompt, font, COL_W - 10), font, centre=True)
@@ -232,9 +230,8 @@ def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summ
     scores = [[rewards.image_reward(codes, ex) for codes, ex in zip(images, examples)] for _, images in grid]
     notes = ["score: fraction of the prompt's checks the image passes (the RL reward); dark grey: empty cell",
              "same prompts and sampling seeds before and after RL: only the policy differs"]
-    held = dict(held_out_lines({"image": (summary or {}).get("image")}))
-    if "image" in held:
-        notes.append(f"held-out mean image reward (summary.json): {held['image']}")
+    held = held_out_lines({"image": (summary or {}).get("image")})
+    notes += [f"held-out mean image reward (summary.json): {text}" for _, text in held]
     return image_grid(grid, [ex["prompt"] for ex in examples], width, png_path, scores=scores, notes=tuple(notes))
 
 
