@@ -164,7 +164,6 @@ def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, x
                 lines += [(key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black")]
             for k, (text, colour) in enumerate(lines):
                 axes[-1].text(0, 1 - k * 0.08, text, color=colour, va="top", transform=axes[-1].transAxes)
-
         fig.savefig(png_path)
     return Path(png_path)
 

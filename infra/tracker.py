@@ -67,11 +67,9 @@ class Tracker:
         if rewards:  # none without a held-out set
             self._send(when, step, {f"heldout/{k}/{when}": v for k, v in rewards.items()})
 
-
     def finish(self, out: Path) -> None:
         """A complete run: send the pictures it drew (with the plots extra), close the tracked run."""
         pictures = {f"pictures/{n}": out / f"{n}.png" for n in ("curves", "images") if (out / f"{n}.png").is_file()}
-
         if pictures:
             self._send("pictures", self.last, pictures, "images")
         self.close()
@@ -103,7 +101,6 @@ class Tracker:
             self.backend.finish()
         self.backend = None
 
-
     def _save(self) -> None:
         out = Path(self.cfg.out_dir)
         (out / "tracker.tmp").write_text(json.dumps({**read_state(out), self.cfg.tracker: self.state}, indent=1) + "\n")
@@ -111,7 +108,6 @@ class Tracker:
 
 
 start = Tracker  # train.py's tracker.start(cfg)
-
 
 
 def read_state(out: Path) -> dict:

@@ -37,7 +37,6 @@ def saved_figures(monkeypatch) -> list:
 
 
 def test_curves_png_has_expected_size_and_content(tmp_path):
-
     pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
     out = plots.plot_curves(write_log(tmp_path / "log.jsonl"), tmp_path / "curves.png")
@@ -135,8 +134,6 @@ def test_image_grid_size_and_cell_colours(tmp_path):
                     x = plots.MARGIN + plots.LABEL_W + j * plots.COL_W + (plots.COL_W - cell * width) // 2
                     y = plots.MARGIN + i * (plots.IMAGE_PX + plots.ROW_GAP)
                     return x + c * cell + cell // 2, y + r * cell + cell // 2
-
-
                 assert im.getpixel(centre(1, 2)) == plots.PALETTE[1 + (i * 3 + j) % 7]
                 assert im.getpixel(centre(0, 0)) == plots.PALETTE[0]
                 assert im.getpixel(centre(3, 3)) not in plots.PALETTE  # invalid code: not a palette colour
