@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import statistics
@@ -22,8 +23,7 @@ OTHER_COLOURS = [(40, 150, 60), (180, 40, 150), (110, 110, 110), (200, 40, 40), 
 PANELS = [("reward", "reward"), ("solved", "accuracy (reward = 1)"), ("kl", "KL to reference (k3)"),
           ("clipfrac", "clip fraction")]
 PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # curves: pixels per panel; font: the image grid's, in pixels
-# Image grid geometry (pixels): images scaled to about IMAGE_PX and captions cut at CAPTION_LINES, so the
-# picture's size depends only on the counts.
+# Image grid geometry (pixels): captions cut at CAPTION_LINES, so the picture's size depends only on the counts.
 IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES, LINE_H = 96, 90, 150, 14, 12, 3, FONT_SIZE + 3
 X_AXES = {"step": "RL step", "seconds": "cumulative RL seconds (wall)", "cpu_seconds": "cumulative RL CPU seconds"}
 
@@ -58,10 +58,9 @@ def _extra(name: str, module: str):
 
 
 def _pil():
-    if _extra("Pillow", "PIL") is None:
-        return None
-    from PIL import Image, ImageDraw, ImageFont
-    return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
+    if _extra("Pillow", "PIL"):  # else None
+        from PIL import Image, ImageDraw, ImageFont
+        return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
 
 
 def _text(draw, x, y, lines, font, fill=(0, 0, 0), centre=False):
@@ -94,8 +93,7 @@ def _points(records: list[dict], key: str) -> list[tuple]:
 
 
 def plot_curves(log_path, png_path) -> Path | None:
-    """A panel per metric some task logged (PANELS) by RL step, and summary.json's held-out gain; None without
-    matplotlib."""
+    """A panel per logged metric (PANELS) by RL step, and summary.json's held-out gain; None without matplotlib."""
     records = _read_log(log_path)
     tasks = sorted({k.split("/")[0] for r in records for k in r if "/" in k},
                    key=lambda t: ((list(TASK_COLOURS) + [t]).index(t), t))  # text, image, then the rest A-Z
@@ -129,58 +127,45 @@ def held_out_lines(summary: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _figure(panels: list, colours: dict, steps: int, held=None, xlabel: str = "RL step"):
+def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, xlabel: str = "RL step") -> Path | None:
     """(title, series) panels side by side, PANEL_W x PANEL_H pixels each, under one legend, and held_out_lines as
-    a last panel. Raw values are drawn faint under a trailing mean."""
+    a last panel. Raw values are drawn faint under a trailing mean; None without matplotlib."""
+    if (matplotlib := _extra("matplotlib", "matplotlib")) is None:
+        return None
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
     rgb = {k: tuple(c / 255 for c in v) for k, v in colours.items()}
-    fig = Figure(figsize=(PANEL_W * (len(panels) + bool(held)) / 100, PANEL_H / 100), dpi=100, layout="constrained")
-    axes = fig.subplots(1, len(panels) + bool(held), squeeze=False)[0]
-    window = max(1, steps // 10)  # about a tenth of the run: 5 steps for the toy's 50
-    for ax, (title, series) in zip(axes, panels):
-        for name, pts in series.items():
-            xs, ys = [x for x, _ in pts], [y for _, y in pts]
-            avg = [sum(ys[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(ys))]
-            marker = "o" if len(pts) == 1 else None  # a single logged step: a dot
-            ax.plot(xs, ys, color=rgb[name], alpha=0.3, lw=1, marker=marker, ms=3, zorder=1.8)  # under every mean
-            ax.plot(xs, avg, color=rgb[name], lw=2, marker=marker, ms=3, label=name)
-        xs = [x for pts in series.values() for x, _ in pts]
-        ax.set_xlim(min(xs), max(max(xs), min(xs) + 1))  # exactly the logged steps: the curves reach both edges
-        ax.set_title(title, fontsize=9, loc="left")
-        ax.set_xlabel(xlabel)
-        ax.grid(axis="y", color=(0.9, 0.9, 0.9))
-    labels = [name for name in colours if any(name in series for _, series in panels)]
-    handles = [Line2D([], [], color=rgb[name], lw=2) for name in labels]
-    if window > 1:
-        handles.append(Line2D([], [], color="black", lw=2))
-        labels.append(f"bold: {window}-step mean")
-    per_column = 56 + 7 * max(len(label) for label in labels)  # pixels: 7 a character, the swatch, the spacing
-    fig.legend(handles, labels, loc="outside upper center", frameon=False,
-               ncols=max(1, min(len(labels), int(PANEL_W * len(axes) // per_column))))
-    if held:
-        axes[-1].axis("off")
-        lines = [("held-out mean reward", "black"), ("before -> after RL (summary.json)", "grey")] + [
-            line for key, text in held for line in ((key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black"))]
-        for k, (text, colour) in enumerate(lines):
-            axes[-1].text(0, 1 - k * 0.08, text, color=colour, va="top", transform=axes[-1].transAxes)
-    return fig
-
-
-def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, xlabel: str = "RL step") -> Path | None:
-    if (matplotlib := _extra("matplotlib", "matplotlib")) is None:
-        return None
+    window, n = max(1, steps // 10), len(panels) + bool(held)  # window: a tenth of the run, 5 steps of the toy's 50
     with matplotlib.rc_context({"font.size": 8}):
-        _figure(panels, colours, steps, held, xlabel).savefig(png_path)
+        fig = Figure(figsize=(PANEL_W * n / 100, PANEL_H / 100), dpi=100, layout="constrained")
+        axes = fig.subplots(1, n, squeeze=False)[0]
+        for ax, (title, series) in zip(axes, panels):
+            for name, pts in series.items():
+                xs, ys = zip(*pts)
+                avg = [statistics.fmean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
+                marker = "o" if len(pts) == 1 else None  # a single logged step: a dot
+                ax.plot(xs, ys, color=rgb[name], alpha=0.3, lw=1, marker=marker, ms=3, zorder=1.8)  # under every mean
+                ax.plot(xs, avg, color=rgb[name], lw=2, marker=marker, ms=3, label=name)
+            ax.margins(x=0)  # exactly the logged steps: the curves reach both edges
+            ax.set_title(title, fontsize=9, loc="left")
+            ax.set_xlabel(xlabel)
+            ax.grid(axis="y", color=(0.9, 0.9, 0.9))
+        labels = [name for name in colours if any(name in series for _, series in panels)]
+        labels += [f"bold: {window}-step mean"] * (window > 1)
+        handles = [Line2D([], [], color=rgb.get(name, "black"), lw=2) for name in labels]
+        per_column = 56 + 7 * max(len(label) for label in labels)  # pixels: 7 a character, the swatch, the spacing
+        fig.legend(handles, labels, loc="outside upper center", frameon=False,
+                   ncols=max(1, min(len(labels), int(PANEL_W * n // per_column))))
+        if held:
+            axes[-1].axis("off")
+            lines = [("held-out mean reward", "black"), ("before -> after RL (summary.json)", "grey")]
+            for key, text in held:
+                lines += [(key, rgb.get(key.split("_")[0], "black")), ("  " + text, "black")]
+            for k, (text, colour) in enumerate(lines):
+                axes[-1].text(0, 1 - k * 0.08, text, color=colour, va="top", transform=axes[-1].transAxes)
+        fig.savefig(png_path)
     return Path(png_path)
-
-
-def _cell_box(row: int, col: int, r: int, c: int, width: int, gap: int = ROW_GAP) -> tuple[int, int, int, int]:
-    cell = max(1, IMAGE_PX // width)
-    x = MARGIN + LABEL_W + col * COL_W + (COL_W - cell * width) // 2 + c * cell
-    y = MARGIN + row * (IMAGE_PX + gap) + r * cell
-    return x, y, x + cell - 1, y + cell - 1
 
 
 def _wrap(draw, s: str, font, max_px: float) -> list[str]:
@@ -191,13 +176,11 @@ def _wrap(draw, s: str, font, max_px: float) -> list[str]:
             lines[-1] += " " + word
         else:
             lines.append(word)
-    if len(lines) > CAPTION_LINES:
-        lines = lines[:CAPTION_LINES - 1] + [lines[CAPTION_LINES - 1] + " ..."]
-    return lines
+    return lines[:CAPTION_LINES - 1] + [lines[CAPTION_LINES - 1] + " ..."] if len(lines) > CAPTION_LINES else lines
 
 
 def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], width: int, png_path,
-               palette=PALETTE, scores: list[list[float]] | None = None, notes: tuple = ()) -> Path | None:
+               scores: list[list[float]] | None = None, notes: tuple = ()) -> Path | None:
     """Toy images (width*width row-major palette codes) as coloured squares: a grid row per (name, images), a
     column per prompt; a code outside the palette (a leftover mask) is a grey crossed cell. scores: one list per
     row, written under each image; notes: lines under the captions. None without Pillow."""
@@ -211,26 +194,25 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
     if (pil := _pil()) is None:
         return None
     Image, ImageDraw, font = pil
-    gap = ROW_GAP + (LINE_H if scores else 0)
-    grid_h = len(rows) * (IMAGE_PX + gap)
+    cell, gap = max(1, IMAGE_PX // width), ROW_GAP + (LINE_H if scores else 0)
+    side, grid_h = cell * width, len(rows) * (IMAGE_PX + gap)  # side: an image's, in pixels
     size = (2 * MARGIN + LABEL_W + len(prompts) * COL_W, 2 * MARGIN + grid_h + (CAPTION_LINES + len(notes)) * LINE_H)
     picture = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(picture)
     for i, (name, images) in enumerate(rows):
-        label = _wrap(draw, name, font, LABEL_W - 8)
-        _text(draw, MARGIN, _cell_box(i, 0, 0, 0, width, gap)[1] + (IMAGE_PX - len(label) * LINE_H) / 2, label, font)
+        y, label = MARGIN + i * (IMAGE_PX + gap), _wrap(draw, name, font, LABEL_W - 8)
+        _text(draw, MARGIN, y + (IMAGE_PX - len(label) * LINE_H) / 2, label, font)
         for j, codes in enumerate(images):
+            x = MARGIN + LABEL_W + j * COL_W + (COL_W - side) // 2
             # a dark frame behind cells inset by a pixel, so that touching cells of one colour can be counted
-            x0, y0, _, _ = _cell_box(i, j, 0, 0, width, gap)
-            _, _, x1, y1 = _cell_box(i, j, width - 1, width - 1, width, gap)
-            draw.rectangle((x0, y0, x1 + 1, y1 + 1), fill=(20, 20, 20))
+            draw.rectangle((x, y, x + side, y + side), fill=(20, 20, 20))
             if scores:
-                _text(draw, (x0 + x1) / 2, y1 + 3, [f"score {scores[i][j]:.2f}"], font, (60, 60, 60), True)
+                _text(draw, x + (side - 1) / 2, y + side + 2, [f"score {scores[i][j]:.2f}"], font, (60, 60, 60), True)
             for idx, code in enumerate(codes):
-                x0, y0, x1, y1 = _cell_box(i, j, *divmod(idx, width), width, gap)
-                valid = 0 <= code < len(palette)
-                draw.rectangle((x0 + 1, y0 + 1, x1, y1), fill=tuple(palette[code]) if valid else (150, 150, 150))
-                for line in [] if valid else [(x0 + 1, y0 + 1, x1, y1), (x0 + 1, y1, x1, y0 + 1)]:
+                x0, y0 = x + idx % width * cell + 1, y + idx // width * cell + 1  # the cell inside its frame line
+                box, valid = (x0, y0, x0 + cell - 2, y0 + cell - 2), 0 <= code < len(PALETTE)
+                draw.rectangle(box, fill=PALETTE[code] if valid else (150, 150, 150))
+                for line in [] if valid else [box, (x0, y0 + cell - 2, x0 + cell - 2, y0)]:
                     draw.line(line, fill=(90, 90, 90), width=2)
     for j, prompt in enumerate(prompts):
         x = MARGIN + LABEL_W + j * COL_W + COL_W / 2
@@ -247,9 +229,8 @@ def toy_image_panel(grid: list, examples: list[dict], width: int, png_path, summ
     scores = [[rewards.image_reward(codes, ex) for codes, ex in zip(images, examples)] for _, images in grid]
     notes = ["score: fraction of the prompt's checks the image passes (the RL reward); dark grey: empty cell",
              "same prompts and sampling seeds before and after RL: only the policy differs"]
-    held = dict(held_out_lines({"image": (summary or {}).get("image")}))
-    if "image" in held:
-        notes.append(f"held-out mean image reward (summary.json): {held['image']}")
+    held = held_out_lines({"image": (summary or {}).get("image")})
+    notes += [f"held-out mean image reward (summary.json): {text}" for _, text in held]
     return image_grid(grid, [ex["prompt"] for ex in examples], width, png_path, scores=scores, notes=tuple(notes))
 
 
@@ -261,13 +242,11 @@ def group_medians(groups: dict[str, list], key: str, x: str = "step") -> dict[st
     for label, run_dirs in groups.items():
         per_step: dict = {}
         for d in run_dirs:
-            clock, total = {}, 0.0  # {step: seconds of steps 0..step}
-            for i, r in enumerate(_read_log(Path(d) / "times.jsonl") if col else ()):
-                if col not in r:
-                    raise ValueError(f"{d}/times.jsonl has no {col!r} (runs before CPU times were logged): "
-                                     "use --x=seconds")
-                total += r[col]
-                clock[r.get("step", i)] = total
+            times = _read_log(Path(d) / "times.jsonl") if col else []
+            if any(col not in r for r in times):
+                raise ValueError(f"{d}/times.jsonl has no {col!r} (runs before CPU times were logged): use --x=seconds")
+            steps = [r.get("step", i) for i, r in enumerate(times)]
+            clock = dict(zip(steps, itertools.accumulate(r[col] for r in times)))  # {step: seconds of steps 0..step}
             for step, y in _points(_read_log(Path(d) / "log.jsonl"), key):
                 if not col or step in clock:
                     per_step.setdefault(step, []).append((clock[step] if col else step, y))
@@ -292,20 +271,16 @@ def compare_runs(groups: dict[str, list], png_path, task: str = "text", x: str =
 
 
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(description="Redraw RUN_DIR/curves.png from RUN_DIR/log.jsonl, or "
-                                     "compare runs with --compare LABEL=DIR[,DIR...] ... --png FILE.",
-                                     allow_abbrev=False, exit_on_error=False)
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("run_dir", type=Path, nargs="?")
     parser.add_argument("--compare", nargs="+", default=[], metavar="LABEL=DIR[,DIR...]")
-    parser.add_argument("--png", type=Path, help="the picture to write: --compare's (needed), or the redrawn curves "
-                        "(default RUN_DIR/curves.png)")
+    parser.add_argument("--png", type=Path, help="--compare's picture (needed), or the curves' (RUN_DIR/curves.png)")
     parser.add_argument("--task", default=None, help="--compare's task (default text)")
     parser.add_argument("--x", default=None, choices=list(X_AXES), help="--compare's horizontal axis: RL step "
                         "(default), or cumulative RL seconds from each run's times.jsonl (wall, or process CPU time)")
     args = cli.parse_known(parser, argv, "infra.plots")
     if not have_matplotlib():
-        raise ValueError('no picture written: matplotlib is missing; pip install -e ".[plots]" (or pip install '
-                         'matplotlib)')
+        raise ValueError('no picture written: matplotlib is missing; pip install -e ".[plots]" (or matplotlib)')
     png = args.png.expanduser() if args.png else None  # a path given as --png=~/x.png, which no shell expands
     if args.compare:
         bad = [g for g in args.compare if "=" not in g]

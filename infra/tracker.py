@@ -11,13 +11,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from infra import scale
-from infra.scale import print0
 
-# --tracker value -> the package it imports (TensorBoard's writer is torch.utils.tensorboard, which needs it)
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 STATE = "tracker.json"  # {tracker: {"id", "done": {event: last step logged}}}: a resume logs no step twice
 FILES = (STATE, "tracker.tmp", "tensorboard", "wandb")  # what a tracker writes at the top of out_dir
-PICTURES = ("curves", "images")  # out_dir/NAME.png, drawn by Run.finish when the plots extra is installed
 
 
 def check(cfg) -> None:
@@ -26,71 +22,84 @@ def check(cfg) -> None:
         return
     if cfg.tracker not in TRACKERS:
         raise ValueError(f"tracker ({cfg.tracker!r}) must be one of none, {', '.join(TRACKERS)}")
-    package = TRACKERS[cfg.tracker]
-    if importlib.util.find_spec(package) is None:
-        raise ValueError(f"--tracker={cfg.tracker} needs the {package} package, which is not installed: "
-                         f"pip install {package} (or pip install -e '.[track]'), or drop --tracker")
+    if importlib.util.find_spec(cfg.tracker) is None:  # each is its package's name (torch's SummaryWriter included)
+        raise ValueError(f"--tracker={cfg.tracker} needs the {cfg.tracker} package, which is not installed: "
+                         f"pip install {cfg.tracker} (or pip install -e '.[track]'), or drop --tracker")
     if not cfg.tracker_project.strip():
-        raise ValueError("tracker_project is empty: pass the project the run is filed under, e.g. "
-                         "--tracker_project=maskgrpo")
+        raise ValueError("tracker_project is empty: name the run's project, e.g. --tracker_project=maskgrpo")
+
+
+_OPEN: list = []  # the tracker this process has open: closed when the next one opens
 
 
 class Tracker:
-    """The calls train.py makes; each does nothing when tracking is off, on ranks but 0, or once it has failed."""
+    """The calls train.py makes; each does nothing when tracking is off, on ranks but 0, or once it has failed.
+    Opening one on rank 0 reopens the run id in out_dir/tracker.json on a resume."""
 
-    def __init__(self, cfg, backend=None, state: dict | None = None):
-        self.cfg, self.backend, self.state = cfg, backend, state or {}
+    def __init__(self, cfg):
+        while _OPEN:  # an earlier main() in this process that ended early (tests; a notebook)
+            _OPEN.pop().close()
+        self.cfg, self.backend, self.state = cfg, None, {"done": {}}
         self.last = max(cfg.rl_steps - 1, 0)  # the step of the held-out rewards after RL and the pictures
+        if cfg.tracker == "none" or scale.rank() != 0:
+            return
+        saved = read_state(Path(cfg.out_dir)).get(cfg.tracker, {})
+        self.state["done"].update(saved.get("done", {}))
+        try:
+            self.backend = TRACKERS[cfg.tracker](cfg, saved.get("id"))
+        except Exception as e:
+            return self.fail(e)
+        self.state["id"] = self.backend.id
+        self._save()
+        _OPEN.append(self)
+        atexit.register(self.close)  # a run that ends early (an error, a signal): its tracker writes what it holds
 
     def step(self, step: int, log: dict, times: dict) -> None:
-        """One RL step's log.jsonl line (`step` is the x axis), and its times.jsonl line under time/."""
-        # a value that is no number or text (--change_on_resume's {"lr": [old, new]}) goes as its JSON text
+        """One RL step's log.jsonl line (`step` is the x axis) and times.jsonl line (under time/); a value neither
+        number nor text (--change_on_resume's {"lr": [old, new]}) goes as its JSON text."""
         values = {k: v if isinstance(v, (int, float, str)) else json.dumps(v) for k, v in log.items() if k != "step"}
         values.update({f"time/{k}": v for k, v in times.items() if k != "step"})
-        self._send("step", step, lambda b: b.log(values, step))
+        self._send("step", step, values)
 
     def held_out(self, when: str, rewards: dict) -> None:
         """The held-out mean reward per task, when = before (at step 0) or after (at the last step) RL."""
         step = 0 if when == "before" else self.last
         if rewards:  # none without a held-out set
-            self._send(when, step, lambda b: b.log({f"heldout/{k}/{when}": v for k, v in rewards.items()}, step))
+            self._send(when, step, {f"heldout/{k}/{when}": v for k, v in rewards.items()})
 
     def finish(self, out: Path) -> None:
-        """A complete run: send the pictures it drew, close the tracked run."""
-        pictures = {f"pictures/{n}": out / f"{n}.png" for n in PICTURES if (out / f"{n}.png").is_file()}
+        """A complete run: send the pictures it drew (with the plots extra), close the tracked run."""
+        pictures = {f"pictures/{n}": out / f"{n}.png" for n in ("curves", "images") if (out / f"{n}.png").is_file()}
         if pictures:
-            self._send("pictures", self.last, lambda b: b.images(pictures, self.last))
+            self._send("pictures", self.last, pictures, "images")
         self.close()
 
     def close(self) -> None:
         if self.backend is not None:
-            self._call(lambda b: b.finish())
+            self._call("finish")
             self.backend = None
 
-    def _send(self, event: str, step: int, call) -> None:
-        """Call the tracker once per (event, step), skipping a step a resumed run re-takes; record it in STATE."""
-        done = self.state.setdefault("done", {})
-        if self.backend is None or step <= done.get(event, -1):
-            return
-        if self._call(call):
+    def _send(self, event: str, step: int, values: dict, method: str = "log") -> None:
+        """backend.method(values, step) once per (event, step): a resumed run re-takes steps; recorded in STATE."""
+        done = self.state["done"]
+        if self.backend is not None and step > done.get(event, -1) and self._call(method, values, step):
             done[event] = step
             self._save()
 
-    def _call(self, call) -> bool:
+    def _call(self, method: str, *args) -> bool:
         try:
-            call(self.backend)
+            getattr(self.backend, method)(*args)
         except Exception as e:  # whatever the tracker raises: log.jsonl is the record, training goes on
             self.fail(e)
         return self.backend is not None
 
     def fail(self, e: Exception) -> None:
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        print0(f"warning: the {self.cfg.tracker} tracker failed ({type(e).__name__}: {first}); training goes on "
-               "without it, log.jsonl is the record")
-        backend, self.backend = self.backend, None
-        with contextlib.suppress(Exception):
-            if backend is not None:
-                backend.finish()
+        scale.print0(f"warning: the {self.cfg.tracker} tracker failed ({type(e).__name__}: {first}); training goes "
+                     "on without it, log.jsonl is the record")
+        with contextlib.suppress(Exception):  # a tracker that never opened (None) raises too
+            self.backend.finish()
+        self.backend = None
 
     def _save(self) -> None:
         out = Path(self.cfg.out_dir)
@@ -98,32 +107,7 @@ class Tracker:
         os.replace(out / "tracker.tmp", out / STATE)
 
 
-_OPEN: list[Tracker] = []  # the tracker this process has open: finished at exit if the run ends early
-
-
-def start(cfg) -> Tracker:
-    """Open --tracker's run on rank 0, reopening the run id in out_dir/tracker.json on a resume."""
-    _close_open()  # an earlier main() in this process that ended early (tests; a notebook)
-    if cfg.tracker == "none" or scale.rank() != 0:
-        return Tracker(cfg)
-    state = read_state(Path(cfg.out_dir)).get(cfg.tracker, {})
-    tracker = Tracker(cfg, state={"done": dict(state.get("done", {}))})
-    try:
-        tracker.backend = BACKENDS[cfg.tracker](cfg, state.get("id"))
-    except Exception as e:
-        tracker.fail(e)
-        return tracker
-    tracker.state["id"] = tracker.backend.id
-    tracker._save()
-    _OPEN.append(tracker)
-    return tracker
-
-
-@atexit.register
-def _close_open() -> None:
-    """Close a tracked run whose training ended early (an error, a signal), so its tracker writes what it holds."""
-    while _OPEN:
-        _OPEN.pop().close()
+start = Tracker  # train.py's tracker.start(cfg)
 
 
 def read_state(out: Path) -> dict:
@@ -188,7 +172,7 @@ class Wandb:
         self.log({k: self.lib.Image(str(p)) for k, p in paths.items()}, step)
 
     def finish(self) -> None:
-        self.run.finish()
+        self.lib.finish()  # the run's own finish, and trackio's record that no run is open
 
 
 class Trackio(Wandb):
@@ -209,8 +193,5 @@ class Trackio(Wandb):
     def log(self, values: dict, step: int) -> None:
         self.run.log(values, step=step)
 
-    def finish(self) -> None:
-        self.lib.finish()  # the run's own finish, and trackio's record that no run is open
 
-
-BACKENDS = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
+TRACKERS = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}

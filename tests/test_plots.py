@@ -27,6 +27,15 @@ def write_log(path, n=30, tasks=("text", "image")):
     return path
 
 
+def saved_figures(monkeypatch) -> list:
+    """The matplotlib figures plots saves from now on, in order (each still written to its file)."""
+    Figure = pytest.importorskip("matplotlib.figure").Figure
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, _save=Figure.savefig, **k: figures.append(self)
+                        or _save(self, *a, **k))
+    return figures
+
+
 def test_curves_png_has_expected_size_and_content(tmp_path):
     pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
@@ -44,9 +53,7 @@ def test_curves_png_has_expected_size_and_content(tmp_path):
 def test_curves_draw_the_logged_values_and_their_trailing_mean(tmp_path, monkeypatch):
     """Read back from the figure: per panel and task, a faint line of the logged values (the NaN and the
     absent step left out) and a bold one of the trailing mean over window = steps // 10 = 3 values."""
-    pytest.importorskip("matplotlib")
-    figures = []
-    monkeypatch.setattr(plots, "_figure", lambda *a, _f=plots._figure: figures.append(_f(*a)) or figures[-1])
+    figures = saved_figures(monkeypatch)
     log = write_log(tmp_path / "log.jsonl")
     plots.plot_curves(log, tmp_path / "c.png")
     records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -120,11 +127,13 @@ def test_image_grid_size_and_cell_colours(tmp_path):
         assert im.size == (2 * plots.MARGIN + plots.LABEL_W + 3 * plots.COL_W,
                            2 * plots.MARGIN + 2 * (plots.IMAGE_PX + plots.ROW_GAP)
                            + plots.CAPTION_LINES * (plots.FONT_SIZE + 3))
+        cell = plots.IMAGE_PX // width  # each image centred in its column, rows IMAGE_PX + ROW_GAP apart
         for i in range(2):
             for j in range(3):
                 def centre(r, c):
-                    x0, y0, x1, y1 = plots._cell_box(i, j, r, c, width)
-                    return (x0 + x1) // 2, (y0 + y1) // 2
+                    x = plots.MARGIN + plots.LABEL_W + j * plots.COL_W + (plots.COL_W - cell * width) // 2
+                    y = plots.MARGIN + i * (plots.IMAGE_PX + plots.ROW_GAP)
+                    return x + c * cell + cell // 2, y + r * cell + cell // 2
                 assert im.getpixel(centre(1, 2)) == plots.PALETTE[1 + (i * 3 + j) % 7]
                 assert im.getpixel(centre(0, 0)) == plots.PALETTE[0]
                 assert im.getpixel(centre(3, 3)) not in plots.PALETTE  # invalid code: not a palette colour
@@ -184,8 +193,7 @@ def test_compare_seven_labels_wraps_the_legend(tmp_path, monkeypatch):
     instead of running past the picture's edge."""
     pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
-    figures = []
-    monkeypatch.setattr(plots, "_figure", lambda *a, _f=plots._figure: figures.append(_f(*a)) or figures[-1])
+    figures = saved_figures(monkeypatch)
     names = ["d1", "UniGRPO", "random", "MaskGRPO", "official", "trajectory", "gamma0"]
     groups = {n: [_run(tmp_path, n, [0.1 * k, 0.2])] for k, n in enumerate(names)}
     colours = [plots.TASK_COLOURS["text"], plots.TASK_COLOURS["image"]] + plots.OTHER_COLOURS

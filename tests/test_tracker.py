@@ -186,15 +186,15 @@ def test_bad_tracker_settings_are_refused(argv, match):
 
 @pytest.mark.parametrize("name", list(tracker.TRACKERS))
 def test_missing_package_is_refused_in_one_line_before_anything_runs(name, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, tracker.TRACKERS[name], None)  # import fails, find_spec says missing
+    monkeypatch.setitem(sys.modules, name, None)  # import fails, find_spec says missing
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
         with cli.user_errors():
             train.main(["--preset=smoke", f"--out_dir={out}", f"--tracker={name}"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "\n" not in err, err
-    assert err == (f"error: --tracker={name} needs the {tracker.TRACKERS[name]} package, which is not installed: "
-                   f"pip install {tracker.TRACKERS[name]} (or pip install -e '.[track]'), or drop --tracker")
+    assert err == (f"error: --tracker={name} needs the {name} package, which is not installed: "
+                   f"pip install {name} (or pip install -e '.[track]'), or drop --tracker")
     assert not out.exists()
 
 
