@@ -104,12 +104,12 @@ _CD_SYMBOLS = {"\\times": "*", "\\cdot": "*", "×": "*", "·": "*", "\\div": "/"
 
 def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
     """Recursive descent: expr = term (+|- term)*, term = factor (*|/ factor)*, factor = int | (expr) | -factor."""
-    pos = 0
+    rest = tokens[::-1]  # the next token is rest[-1]
 
     def expr(depth: int, ops: str = "+-") -> Fraction:  # ops "*/": a term
         operand = factor if ops == "*/" else lambda d: expr(d, "*/")
         value = operand(depth)
-        while pos < len(tokens) and tokens[pos] in ops:
+        while rest and rest[-1] in ops:
             op, rhs = take(), operand(depth)
             if op == "/" and rhs == 0:
                 raise ValueError("division by zero")
@@ -134,15 +134,13 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
         return Fraction(int(tok))
 
     def take() -> str:
-        nonlocal pos
-        if pos >= len(tokens):
+        if not rest:
             raise ValueError("unexpected end")
-        pos += 1
-        return tokens[pos - 1]
+        return rest.pop()
 
     value = expr(0)
-    if pos != len(tokens):
-        raise ValueError(f"trailing token {tokens[pos]!r}")
+    if rest:
+        raise ValueError(f"trailing token {rest[-1]!r}")
     return value
 
 
@@ -171,7 +169,7 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
 
 
 # -----------------------------------------------------------------------------------------------------
-# sudoku 4x4 (d1), format rewards and code
+# sudoku 4x4 (d1), the reasoning format and code
 
 
 def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
@@ -185,11 +183,6 @@ def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
         return 0.0
     empty = [i for i, c in enumerate(puzzle) if c == "0"] or list(range(16))
     return sum(cells[i] == solution[i] for i in empty) / len(empty)
-
-
-def boxed_format_reward(text: str) -> float:
-    """1.0 if the text holds a closed \\boxed{} (official `boxed_format` scaled to [0, 1]), else 0.0."""
-    return float(extract_boxed(text) is not None)
 
 
 def reasoning_format_reward(text: str) -> float:
@@ -208,30 +201,20 @@ def extract_code(completion: str) -> str:
 # registry: task name -> reward(completion, example) -> float in [0, 1]
 
 
-def _field(example: dict, *names: str):
-    """The first of `names` in a dataset row (ours first, then the data file's), else ValueError."""
-    for name in names:
-        if name in example:
-            return example[name]
-    raise ValueError(f"example needs one of the keys {names}, has {sorted(example)}")
-
-
-def _countdown(completion: str, example: dict) -> float:
-    numbers, target = _field(example, "numbers", "input"), _field(example, "target", "output")
-    try:  # the d1 test file stores "30,100,93" and "23" as strings
-        numbers = [int(n) for n in numbers.split(",")] if isinstance(numbers, str) else numbers
-        target = int(target) if isinstance(target, str) else target
-    except ValueError:
-        raise ValueError(f"countdown example has non-integer numbers/target: {example!r:.120}") from None
-    return countdown_reward(completion, numbers, target)
+def _field(example: dict, name: str):
+    """example[name] of an example as infra/data.py makes it, else a ValueError naming the keys it has."""
+    if name not in example:
+        raise ValueError(f"example needs the key {name!r}, has {sorted(example)}")
+    return example[name]
 
 
 REWARDS = {
     "gsm8k": lambda completion, example: gsm8k_reward(completion, _field(example, "answer")),
-    "math": lambda completion, example: math_reward(completion, _field(example, "answer", "solution")),
-    "countdown": _countdown,
-    "sudoku": lambda completion, example: sudoku_reward(completion, _field(example, "puzzle", "Puzzle"),
-                                                        _field(example, "solution", "Solution")),
+    "math": lambda completion, example: math_reward(completion, _field(example, "answer")),
+    "countdown": lambda completion, example: countdown_reward(completion, _field(example, "numbers"),
+                                                              _field(example, "target")),
+    "sudoku": lambda completion, example: sudoku_reward(completion, _field(example, "puzzle"),
+                                                        _field(example, "solution")),
     "mbpp": lambda completion, example: run_code(  # MBPP's setup code runs after the solution, before the asserts
         extract_code(completion) + "\n" + (example.get("test_setup_code") or ""), _field(example, "test_list")),
 }
@@ -263,7 +246,7 @@ def math_shaped_reward(completion: str, answer: str) -> float:
 
 SHAPED = {
     "gsm8k": lambda completion, example: gsm8k_shaped_reward(completion, _field(example, "answer")),
-    "math": lambda completion, example: math_shaped_reward(completion, _field(example, "answer", "solution")),
+    "math": lambda completion, example: math_shaped_reward(completion, _field(example, "answer")),
 }
 
 
