@@ -44,7 +44,6 @@ def _answer_block(text: str) -> str | None:
 # -----------------------------------------------------------------------------------------------------
 # GSM8K (numeric answers) and MATH (LaTeX answers, compared by infra/latex.py)
 
-_HASH_ANSWER = re.compile(r"####([^\n]*)")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,234,567 -> 1234567 but (2,100) stays a pair
 _PLAIN_NUMBER = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:\s*[a-zA-Z]{2,})*")  # "18 dollars"; not 1e9
 _MAX_NUMBER_CHARS = 100  # longer "numbers" score 0: never int() a 10^6-digit string
@@ -53,7 +52,7 @@ _MAX_NUMBER_CHARS = 100  # longer "numbers" score 0: never int() a 10^6-digit st
 def extract_answer(text: str) -> str | None:
     """Final answer of a GSM8K-style text: the last \\boxed{} content, else what follows the last `####`:
     "... \\boxed{72}" -> "72";  "... #### 1,000" -> "1,000";  "no answer" -> None."""
-    boxed, hashes = extract_boxed(text), _HASH_ANSWER.findall(text)
+    boxed, hashes = extract_boxed(text), re.findall(r"####([^\n]*)", text)
     return boxed.strip() if boxed is not None else hashes[-1].strip() if hashes else None
 
 
@@ -253,13 +252,11 @@ SHAPED = {
 # -----------------------------------------------------------------------------------------------------
 # the toy tasks' verifiers (infra/toy.py makes their examples): a boxed answer, a whole solution, a grid
 
-_BOX = re.compile(r"\\boxed\{([^{}]*)\}")
-
 
 def answer_reward(completion_text: str, example: dict) -> float:
     """1.0 if the completion's last \\boxed{} holds the true answer, else 0.0 (a missing box too: the toy's
     SFT model always writes one): "3 + 4 = 7 . \\\\boxed{7}" scores 1 for answer "7"."""
-    boxes = _BOX.findall(completion_text)
+    boxes = re.findall(r"\\boxed\{([^{}]*)\}", completion_text)
     return float(bool(boxes) and boxes[-1].strip() == example["answer"])
 
 

@@ -102,7 +102,7 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
 def make_image_example(rng: random.Random, split: str = "train", noise: float = 0.0, width: int = 4) -> dict:
     """A caption of one of GenEval's categories (single object, counting, two objects, relative position, placement),
     its checkable spec ({"width", "counts": {colour: n}, "relation", "place"}) and a valid grid (row-major codes, 0 =
-    background, one cell per object); with probability `noise` the grid breaks one check (_corrupt)."""
+    background, one cell per object); with probability `noise` the grid breaks one check (a systematic mistake)."""
     def make():
         kind = rng.choice(["single", "count", "two", "relation", "place"])
         a, b = rng.sample(COLOURS, 2)
@@ -129,15 +129,11 @@ def make_image_example(rng: random.Random, split: str = "train", noise: float = 
             image[cell] = code
         if all(image_checks(image, ex["spec"])):
             break
-    ex["image"] = _corrupt(rng, image, ex["spec"]) if rng.random() < noise else image
-    return ex
-
-
-def _corrupt(rng: random.Random, image: list[int], spec: dict) -> list[int]:
     # The systematic mistake: every cell of the first named colour drawn in its look-alike (the next palette
     # colour), which always breaks that colour's count check. Layout is untouched.
-    c = COLOURS.index(next(iter(spec["counts"]))) + 1
-    return [c % len(COLOURS) + 1 if x == c else x for x in image]
+    c = codes[0]
+    ex["image"] = [c % len(COLOURS) + 1 if x == c else x for x in image] if rng.random() < noise else image
+    return ex
 
 
 def render_image(codes: list[int], width: int) -> str:
