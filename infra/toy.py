@@ -1,13 +1,9 @@
 """The toy world of the laptop preset: one vocabulary, two modalities, their data (tasks.TASKS), in pure Python.
 Text: word problems answered as written-out steps and a `\\boxed{N}` a GSM8K-style reward reads (arXiv:2510.02880
 §4.1); image: a tiny grid of palette-colour tokens scored by a GenEval-style verifier (colour, count, position).
-Layouts of LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809); the text completion is padded with EOS:
-
-    text   <|startoftext|> question | answer <|endoftext|>...
-    image  [iPAD]... <|t2i|> <|startoftext|> caption <|endoftext|> <|soi|> image codes <|eoi|>
-
-`noise` gives a fraction of SFT targets one *systematic* mistake, which RL fixes in minutes (random mistakes were
-measured to leave errors it cannot); held-out evaluation scores the *true* answer/spec.
+tasks.py lays them out: BOS + question with the answer padded with EOS (LLaDA, arXiv:2502.09992); MMaDA's t2i
+layout (arXiv:2505.15809) for an image. `noise` gives a fraction of SFT targets one *systematic* mistake, which RL
+fixes in minutes (random ones were measured to leave errors it cannot); held-out evaluation scores the true target.
 """
 from __future__ import annotations
 
