@@ -110,8 +110,6 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
         value = operand(depth)
         while rest and rest[-1] in ops:
             op, rhs = take(), operand(depth)
-            if op == "/" and rhs == 0:
-                raise ValueError("division by zero")
             value = (value + rhs if op == "+" else value - rhs if op == "-"
                      else value * rhs if op == "*" else value / rhs)
         return value
@@ -162,7 +160,7 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
         return 0.1
     try:
         value = _cd_eval(_CD_TOKEN.findall(equation), used)
-    except ValueError:
+    except (ValueError, ZeroDivisionError):  # a malformed equation, or / 0
         return 0.1
     return 1.0 if sorted(used) == sorted(numbers) and value == target else 0.1
 
