@@ -264,11 +264,10 @@ def solution_reward(completion_text: str, example: dict) -> float:
 
 
 # The toy image world (infra/toy.py draws from it): code 0 background, code c >= 1 COLOURS[c - 1]; a relation
-# puts one colour on a side of another (axis, sign), a place in the first or last row or column (axis, end).
+# puts one colour on a side of another (axis, sign), a place in the first or last row or column (axis, 0 or -1).
 COLOURS = ["red", "green", "blue", "yellow", "purple", "cyan", "white"]
 RELATIONS = {"left of": (1, -1), "right of": (1, 1), "above": (0, -1), "below": (0, 1)}
-PLACES = {"top row": (0, "first"), "bottom row": (0, "last"), "left column": (1, "first"),
-          "right column": (1, "last")}
+PLACES = {"top row": (0, 0), "bottom row": (0, -1), "left column": (1, 0), "right column": (1, -1)}
 
 
 def image_checks(codes: list[int], spec: dict) -> list[bool]:
@@ -286,7 +285,7 @@ def image_checks(codes: list[int], spec: dict) -> list[bool]:
     if spec["place"]:
         a, place = spec["place"]
         axis, end = PLACES[place]
-        checks.append(bool(cells[a]) and all(p[axis] == (0 if end == "first" else w - 1) for p in cells[a]))
+        checks.append(bool(cells[a]) and all(p[axis] == range(w)[end] for p in cells[a]))
     return checks
 
 

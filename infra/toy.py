@@ -34,7 +34,6 @@ WORDS = sorted(set(NAMES) | set(NAMES.values()) | set(OBJECTS) | set(COLOURS) | 
                | {w for v in ADD_VERBS + SUB_VERBS for w in v.split() if w != "{}"}
                | {w for k in list(RELATIONS) + list(PLACES) for w in k.split()}
                | {"has", "and", "how", "many", "does", "have", "block", "blocks", "in", "the"})
-SYMBOLS = [".", ",", "?", "+", "-", "="]
 BOXED = "\\boxed{"
 
 # Metaspace turns each space into "▁" glued to the next word (one is prepended), then the regex isolates `\boxed{`,
@@ -45,7 +44,7 @@ _PIECE = r"▁?(?:\\boxed\{|[a-z]+|[0-9]|[^▁a-z0-9])"
 def build_tokenizer() -> Tokenizer:
     """The toy word-level tokenizer (decode(encode(s)) == s): special tokens, then text pieces. Image codes are ids
     appended after it, not text tokens (MMaDA: code c <-> id len(text_tokenizer) + c)."""
-    pieces = [f"▁{w}" for w in WORDS] + [f"▁{s}" for s in SYMBOLS] + [f"▁{BOXED}", "}"]
+    pieces = [f"▁{w}" for w in WORDS + [".", ",", "?", "+", "-", "="]] + [f"▁{BOXED}", "}"]
     pieces += list("0123456789") + [f"▁{d}" for d in "0123456789"]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL_TOKENS + pieces)}, unk_token=UNK))
     metaspace = dict(replacement="▁", prepend_scheme="always", split=True)
