@@ -141,8 +141,8 @@ class Transformer(nn.Module):
         self._rope_cache: dict = {}
 
     def rope(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (length, Dh) float32, built on the CPU as the reference does (CPU and CUDA sin/cos
-        can differ in the last bit) from a max_sequence_length table or longer (rows are position-wise)."""
+        """(cos, sin), each (n, Dh) float32 for n >= length positions (max_sequence_length at least), built on the
+        CPU as the reference does (CPU and CUDA sin/cos can differ in the last bit); rows are position-wise."""
         n, dh = max(length, self.config.max_sequence_length), self.config.head_dim
         key = (n, str(device))
         if key not in self._rope_cache:
@@ -150,8 +150,7 @@ class Transformer(nn.Module):
             inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
             angles = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq).repeat(1, 2)     # (n, Dh)
             self._rope_cache[key] = (angles.cos().to(device), angles.sin().to(device))
-        cos, sin = self._rope_cache[key]
-        return cos[:length], sin[:length]
+        return self._rope_cache[key]
 
     accepts_cache_kwargs = True  # tells sample.py that forward takes the options below
 

@@ -44,7 +44,6 @@ def _answer_block(text: str) -> str | None:
 # -----------------------------------------------------------------------------------------------------
 # GSM8K (numeric answers) and MATH (LaTeX answers, compared by infra/latex.py)
 
-_HASH_ANSWER = re.compile(r"####([^\n]*)")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,234,567 -> 1234567 but (2,100) stays a pair
 _PLAIN_NUMBER = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:\s*[a-zA-Z]{2,})*")  # "18 dollars"; not 1e9
 _MAX_NUMBER_CHARS = 100  # longer "numbers" score 0: never int() a 10^6-digit string
@@ -53,7 +52,7 @@ _MAX_NUMBER_CHARS = 100  # longer "numbers" score 0: never int() a 10^6-digit st
 def extract_answer(text: str) -> str | None:
     """Final answer of a GSM8K-style text: the last \\boxed{} content, else what follows the last `####`:
     "... \\boxed{72}" -> "72";  "... #### 1,000" -> "1,000";  "no answer" -> None."""
-    boxed, hashes = extract_boxed(text), _HASH_ANSWER.findall(text)
+    boxed, hashes = extract_boxed(text), re.findall(r"####([^\n]*)", text)
     return boxed.strip() if boxed is not None else hashes[-1].strip() if hashes else None
 
 
@@ -104,15 +103,13 @@ _CD_SYMBOLS = {"\\times": "*", "\\cdot": "*", "×": "*", "·": "*", "\\div": "/"
 
 def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
     """Recursive descent: expr = term (+|- term)*, term = factor (*|/ factor)*, factor = int | (expr) | -factor."""
-    pos = 0
+    rest = tokens[::-1]  # the next token is rest[-1]
 
     def expr(depth: int, ops: str = "+-") -> Fraction:  # ops "*/": a term
         operand = factor if ops == "*/" else lambda d: expr(d, "*/")
         value = operand(depth)
-        while pos < len(tokens) and tokens[pos] in ops:
+        while rest and rest[-1] in ops:
             op, rhs = take(), operand(depth)
-            if op == "/" and rhs == 0:
-                raise ValueError("division by zero")
             value = (value + rhs if op == "+" else value - rhs if op == "-"
                      else value * rhs if op == "*" else value / rhs)
         return value
@@ -134,15 +131,13 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
         return Fraction(int(tok))
 
     def take() -> str:
-        nonlocal pos
-        if pos >= len(tokens):
+        if not rest:
             raise ValueError("unexpected end")
-        pos += 1
-        return tokens[pos - 1]
+        return rest.pop()
 
     value = expr(0)
-    if pos != len(tokens):
-        raise ValueError(f"trailing token {tokens[pos]!r}")
+    if rest:
+        raise ValueError(f"trailing token {rest[-1]!r}")
     return value
 
 
@@ -165,13 +160,13 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
         return 0.1
     try:
         value = _cd_eval(_CD_TOKEN.findall(equation), used)
-    except ValueError:
+    except (ValueError, ZeroDivisionError):  # a malformed equation, or / 0
         return 0.1
     return 1.0 if sorted(used) == sorted(numbers) and value == target else 0.1
 
 
 # -----------------------------------------------------------------------------------------------------
-# sudoku 4x4 (d1), format rewards and code
+# sudoku 4x4 (d1), the reasoning format and code
 
 
 def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
@@ -185,11 +180,6 @@ def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
         return 0.0
     empty = [i for i, c in enumerate(puzzle) if c == "0"] or list(range(16))
     return sum(cells[i] == solution[i] for i in empty) / len(empty)
-
-
-def boxed_format_reward(text: str) -> float:
-    """1.0 if the text holds a closed \\boxed{} (official `boxed_format` scaled to [0, 1]), else 0.0."""
-    return float(extract_boxed(text) is not None)
 
 
 def reasoning_format_reward(text: str) -> float:
@@ -208,30 +198,20 @@ def extract_code(completion: str) -> str:
 # registry: task name -> reward(completion, example) -> float in [0, 1]
 
 
-def _field(example: dict, *names: str):
-    """The first of `names` in a dataset row (ours first, then the data file's), else ValueError."""
-    for name in names:
-        if name in example:
-            return example[name]
-    raise ValueError(f"example needs one of the keys {names}, has {sorted(example)}")
-
-
-def _countdown(completion: str, example: dict) -> float:
-    numbers, target = _field(example, "numbers", "input"), _field(example, "target", "output")
-    try:  # the d1 test file stores "30,100,93" and "23" as strings
-        numbers = [int(n) for n in numbers.split(",")] if isinstance(numbers, str) else numbers
-        target = int(target) if isinstance(target, str) else target
-    except ValueError:
-        raise ValueError(f"countdown example has non-integer numbers/target: {example!r:.120}") from None
-    return countdown_reward(completion, numbers, target)
+def _field(example: dict, name: str):
+    """example[name] of an example as infra/data.py makes it, else a ValueError naming the keys it has."""
+    if name not in example:
+        raise ValueError(f"example needs the key {name!r}, has {sorted(example)}")
+    return example[name]
 
 
 REWARDS = {
     "gsm8k": lambda completion, example: gsm8k_reward(completion, _field(example, "answer")),
-    "math": lambda completion, example: math_reward(completion, _field(example, "answer", "solution")),
-    "countdown": _countdown,
-    "sudoku": lambda completion, example: sudoku_reward(completion, _field(example, "puzzle", "Puzzle"),
-                                                        _field(example, "solution", "Solution")),
+    "math": lambda completion, example: math_reward(completion, _field(example, "answer")),
+    "countdown": lambda completion, example: countdown_reward(completion, _field(example, "numbers"),
+                                                              _field(example, "target")),
+    "sudoku": lambda completion, example: sudoku_reward(completion, _field(example, "puzzle"),
+                                                        _field(example, "solution")),
     "mbpp": lambda completion, example: run_code(  # MBPP's setup code runs after the solution, before the asserts
         extract_code(completion) + "\n" + (example.get("test_setup_code") or ""), _field(example, "test_list")),
 }
@@ -263,20 +243,18 @@ def math_shaped_reward(completion: str, answer: str) -> float:
 
 SHAPED = {
     "gsm8k": lambda completion, example: gsm8k_shaped_reward(completion, _field(example, "answer")),
-    "math": lambda completion, example: math_shaped_reward(completion, _field(example, "answer", "solution")),
+    "math": lambda completion, example: math_shaped_reward(completion, _field(example, "answer")),
 }
 
 
 # -----------------------------------------------------------------------------------------------------
 # the toy tasks' verifiers (infra/toy.py makes their examples): a boxed answer, a whole solution, a grid
 
-_BOX = re.compile(r"\\boxed\{([^{}]*)\}")
-
 
 def answer_reward(completion_text: str, example: dict) -> float:
     """1.0 if the completion's last \\boxed{} holds the true answer, else 0.0 (a missing box too: the toy's
     SFT model always writes one): "3 + 4 = 7 . \\\\boxed{7}" scores 1 for answer "7"."""
-    boxes = _BOX.findall(completion_text)
+    boxes = re.findall(r"\\boxed\{([^{}]*)\}", completion_text)
     return float(bool(boxes) and boxes[-1].strip() == example["answer"])
 
 
@@ -286,11 +264,10 @@ def solution_reward(completion_text: str, example: dict) -> float:
 
 
 # The toy image world (infra/toy.py draws from it): code 0 background, code c >= 1 COLOURS[c - 1]; a relation
-# puts one colour on a side of another (axis, sign), a place in the first or last row or column (axis, end).
+# puts one colour on a side of another (axis, sign), a place in the first or last row or column (axis, 0 or -1).
 COLOURS = ["red", "green", "blue", "yellow", "purple", "cyan", "white"]
 RELATIONS = {"left of": (1, -1), "right of": (1, 1), "above": (0, -1), "below": (0, 1)}
-PLACES = {"top row": (0, "first"), "bottom row": (0, "last"), "left column": (1, "first"),
-          "right column": (1, "last")}
+PLACES = {"top row": (0, 0), "bottom row": (0, -1), "left column": (1, 0), "right column": (1, -1)}
 
 
 def image_checks(codes: list[int], spec: dict) -> list[bool]:
@@ -308,7 +285,7 @@ def image_checks(codes: list[int], spec: dict) -> list[bool]:
     if spec["place"]:
         a, place = spec["place"]
         axis, end = PLACES[place]
-        checks.append(bool(cells[a]) and all(p[axis] == (0 if end == "first" else w - 1) for p in cells[a]))
+        checks.append(bool(cells[a]) and all(p[axis] == range(w)[end] for p in cells[a]))
     return checks
 
 

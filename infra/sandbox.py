@@ -80,20 +80,16 @@ def _kill_everything(proc: subprocess.Popen, uid: int | None) -> None:
     proc.wait()
 
 
-def _libc():
-    """The C library through ctypes when it offers the Linux calls we use (unshare, mount, prctl), else None."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc if hasattr(libc, "unshare") and hasattr(libc, "prctl") else None
-    except (ImportError, OSError):
-        return None
-
-
 def _supervise() -> None:
     """Supervisor process: fork, time, kill and reap one sandboxed worker per test (see the module docstring)."""
     job = json.loads(sys.stdin.buffer.read())
-    libc, uid = _libc(), job["uid"]
+    uid = job["uid"]
+    try:  # the C library, where it offers the Linux calls we use (unshare, mount, prctl)
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc = libc if hasattr(libc, "unshare") and hasattr(libc, "prctl") else None
+    except (ImportError, OSError):
+        libc = None
     if libc is not None:
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the worker come back to us to be reaped
     for name in _PRELOAD:  # after the uid switch the stdlib may be unreadable (e.g. under /root): import now
@@ -110,7 +106,16 @@ def _supervise() -> None:
         deadline = time.monotonic() + job["timeout"]
         while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG)[0] == 0:
             time.sleep(0.002)
-        _kill_worker(pid, uid)
+        with contextlib.suppress(OSError):  # all the worker spawned: as root by uid (kill(-1) from it)...
+            if uid is not None and os.fork() == 0:
+                try:
+                    os.setgid(uid)
+                    os.setuid(uid)
+                    os.kill(-1, signal.SIGKILL)
+                finally:
+                    os._exit(0)
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)  # ...else by the process group the worker leads
         reap_until = time.monotonic() + 2.0
         with contextlib.suppress(ChildProcessError):  # raised once the worker, the killer and all they left are gone
             while time.monotonic() < reap_until:
@@ -119,26 +124,9 @@ def _supervise() -> None:
     os._exit(0)
 
 
-def _kill_worker(pid: int, uid: int | None) -> None:
-    """SIGKILL the worker and all it spawned: as root by uid (kill(-1) from it), else its process group."""
-    try:
-        killer = os.fork() if uid is not None else -1
-    except OSError:
-        killer = -1
-    if killer == 0:
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            os.kill(-1, signal.SIGKILL)
-        finally:
-            os._exit(0)
-    with contextlib.suppress(OSError):
-        os.killpg(pid, signal.SIGKILL)  # the worker leads its own process group
-
-
 def _work(job: dict, index: int, workdir: str, libc) -> None:
     """Worker process: isolate, run program + test `index`, report a pass with the nonce. Never returns."""
-    try:
+    try:  # an exception (SystemExit, MemoryError... from untrusted code, or a failed isolation step) fails the test
         os.setpgid(0, 0)
         out = os.dup(1)
         _isolate(workdir, job["uid"], job["timeout"], job["memory_mb"], libc)
@@ -149,9 +137,7 @@ def _work(job: dict, index: int, workdir: str, libc) -> None:
         exec(compile(job["program"], "<program>", "exec"), scope)
         exec(compile(job["tests"][index], "<test>", "exec"), scope)
         os.write(out, f"{index} {job['nonce']}\n".encode())
-    except BaseException:  # SystemExit, MemoryError, KeyboardInterrupt... raised by untrusted code: a failed test
-        pass
-    finally:
+    finally:  # exits with no traceback even while an exception is in flight
         os._exit(0)
 
 
@@ -188,16 +174,11 @@ def _isolate(workdir: str, uid: int | None, timeout: float, memory_mb: int, libc
         os.setuid(uid)
 
 
-# -----------------------------------------------------------------------------------------------------
-# the image scorer's protocol: one POST, JSON both ways; a real server decodes the VQ codes and runs its reward
-# models (CLIP, HPS, UnifiedReward in MMaDA).  {"prompts": [...], "image_codes": [[3, 5, ...], ...]}
-# -> {"scores": [0.75, ...]}, one finite number per image
-
-
 class RemoteScorer:
-    """Scores text-to-image rollouts on a reward server. Connection errors, timeouts, HTTP 429 and 5xx are retried
-    `retries` times (backoff * 2**k s), then ConnectionError; another HTTP error is a RuntimeError, a bad reply
-    a ValueError."""
+    """Scores text-to-image rollouts on a reward server: one POST {"prompts": [...], "image_codes": [[3, 5, ...], ...]}
+    -> {"scores": [0.75, ...]}, one finite number per image (a real server decodes the VQ codes and runs its reward
+    models: CLIP, HPS, UnifiedReward in MMaDA). Connection errors, timeouts, HTTP 429 and 5xx are retried `retries`
+    times (backoff * 2**k s), then ConnectionError; another HTTP error is a RuntimeError, a bad reply a ValueError."""
 
     def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 1.0):
         try:

@@ -1,13 +1,9 @@
 """The toy world of the laptop preset: one vocabulary, two modalities, their data (tasks.TASKS), in pure Python.
 Text: word problems answered as written-out steps and a `\\boxed{N}` a GSM8K-style reward reads (arXiv:2510.02880
 §4.1); image: a tiny grid of palette-colour tokens scored by a GenEval-style verifier (colour, count, position).
-Layouts of LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809); the text completion is padded with EOS:
-
-    text   <|startoftext|> question | answer <|endoftext|>...
-    image  [iPAD]... <|t2i|> <|startoftext|> caption <|endoftext|> <|soi|> image codes <|eoi|>
-
-`noise` gives a fraction of SFT targets one *systematic* mistake, which RL fixes in minutes (random mistakes were
-measured to leave errors it cannot); held-out evaluation scores the *true* answer/spec.
+tasks.py lays them out: BOS + question with the answer padded with EOS (LLaDA, arXiv:2502.09992); MMaDA's t2i
+layout (arXiv:2505.15809) for an image. `noise` gives a fraction of SFT targets one *systematic* mistake, which RL
+fixes in minutes (random ones were measured to leave errors it cannot); held-out evaluation scores the true target.
 """
 from __future__ import annotations
 
@@ -38,7 +34,6 @@ WORDS = sorted(set(NAMES) | set(NAMES.values()) | set(OBJECTS) | set(COLOURS) | 
                | {w for v in ADD_VERBS + SUB_VERBS for w in v.split() if w != "{}"}
                | {w for k in list(RELATIONS) + list(PLACES) for w in k.split()}
                | {"has", "and", "how", "many", "does", "have", "block", "blocks", "in", "the"})
-SYMBOLS = [".", ",", "?", "+", "-", "="]
 BOXED = "\\boxed{"
 
 # Metaspace turns each space into "▁" glued to the next word (one is prepended), then the regex isolates `\boxed{`,
@@ -49,7 +44,7 @@ _PIECE = r"▁?(?:\\boxed\{|[a-z]+|[0-9]|[^▁a-z0-9])"
 def build_tokenizer() -> Tokenizer:
     """The toy word-level tokenizer (decode(encode(s)) == s): special tokens, then text pieces. Image codes are ids
     appended after it, not text tokens (MMaDA: code c <-> id len(text_tokenizer) + c)."""
-    pieces = [f"▁{w}" for w in WORDS] + [f"▁{s}" for s in SYMBOLS] + [f"▁{BOXED}", "}"]
+    pieces = [f"▁{w}" for w in WORDS + [".", ",", "?", "+", "-", "="]] + [f"▁{BOXED}", "}"]
     pieces += list("0123456789") + [f"▁{d}" for d in "0123456789"]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL_TOKENS + pieces)}, unk_token=UNK))
     metaspace = dict(replacement="▁", prepend_scheme="always", split=True)
@@ -102,7 +97,7 @@ def make_text_example(rng: random.Random, split: str = "train", noise: float = 0
 def make_image_example(rng: random.Random, split: str = "train", noise: float = 0.0, width: int = 4) -> dict:
     """A caption of one of GenEval's categories (single object, counting, two objects, relative position, placement),
     its checkable spec ({"width", "counts": {colour: n}, "relation", "place"}) and a valid grid (row-major codes, 0 =
-    background, one cell per object); with probability `noise` the grid breaks one check (_corrupt)."""
+    background, one cell per object); with probability `noise` the grid breaks one check (a systematic mistake)."""
     def make():
         kind = rng.choice(["single", "count", "two", "relation", "place"])
         a, b = rng.sample(COLOURS, 2)
@@ -129,15 +124,11 @@ def make_image_example(rng: random.Random, split: str = "train", noise: float = 
             image[cell] = code
         if all(image_checks(image, ex["spec"])):
             break
-    ex["image"] = _corrupt(rng, image, ex["spec"]) if rng.random() < noise else image
-    return ex
-
-
-def _corrupt(rng: random.Random, image: list[int], spec: dict) -> list[int]:
     # The systematic mistake: every cell of the first named colour drawn in its look-alike (the next palette
     # colour), which always breaks that colour's count check. Layout is untouched.
-    c = COLOURS.index(next(iter(spec["counts"]))) + 1
-    return [c % len(COLOURS) + 1 if x == c else x for x in image]
+    c = codes[0]
+    ex["image"] = [c % len(COLOURS) + 1 if x == c else x for x in image] if rng.random() < noise else image
+    return ex
 
 
 def render_image(codes: list[int], width: int) -> str:

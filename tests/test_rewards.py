@@ -17,7 +17,7 @@ import pytest
 
 from conftest import shared_path
 import tasks
-from rewards import (REWARDS, SHAPED, SHAPED_MAX, boxed_format_reward, countdown_reward, extract_answer,
+from rewards import (REWARDS, SHAPED, SHAPED_MAX, countdown_reward, extract_answer,
                      extract_boxed, extract_code, gsm8k_reward, gsm8k_shaped_reward, math_reward, math_shaped_reward,
                      reasoning_format_reward, sudoku_reward)
 import torch
@@ -180,8 +180,7 @@ def test_countdown_real_rows():
         assert countdown_reward(f"so \\boxed{{{right}}}", numbers, target) == 1.0
         assert countdown_reward(f"<answer>{wrong}</answer>", numbers, target) == 0.1
         assert countdown_reward(f"I think it is {right}", numbers, target) == 0.0
-        assert REWARDS["countdown"](f"<answer>{right}</answer>", {"input": ",".join(map(str, numbers)),
-                                                                  "output": str(target)}) == 1.0
+        assert REWARDS["countdown"](f"<answer>{right}</answer>", {"numbers": numbers, "target": target}) == 1.0
 
 
 @pytest.mark.parametrize("completion, numbers, target, expected", [
@@ -247,7 +246,7 @@ def test_sudoku_real_rows():
         assert sudoku_reward(f"<answer>{''.join(one_wrong)}</answer>", puzzle, solution) == pytest.approx(
             (len(empty) - 1) / len(empty))
         assert sudoku_reward(f"<answer>{solution[:15]}</answer>", puzzle, solution) == 0.0
-        assert REWARDS["sudoku"](f"<answer>{solution}</answer>", row) == 1.0
+        assert REWARDS["sudoku"](f"<answer>{solution}</answer>", {"puzzle": puzzle, "solution": solution}) == 1.0
 
 
 @pytest.mark.parametrize("puzzle, solution", [("0" * 15, "1" * 16), ("0" * 16, "5" * 16), (1234, "1" * 16)])
@@ -257,9 +256,6 @@ def test_sudoku_bad_config_raises(puzzle, solution):
 
 
 @pytest.mark.parametrize("fn, text, expected", [
-    (boxed_format_reward, "so \\boxed{4}", 1.0),
-    (boxed_format_reward, "so 4", 0.0),
-    (boxed_format_reward, "\\boxed{4", 0.0),
     (reasoning_format_reward, "<reasoning>2+2=4</reasoning> \\boxed{4}", 1.0),
     (reasoning_format_reward, "<reasoning>\nmulti\nline\n</reasoning>", 1.0),
     (reasoning_format_reward, "</reasoning><reasoning>", 0.0),
@@ -351,7 +347,6 @@ def test_registry_on_real_examples():
     assert REWARDS["gsm8k"]("\\boxed{72}", {"answer": "#### 72"}) == 1.0
     assert REWARDS["math"](f"\\boxed{{{math_row['answer']}}}", math_row) == 1.0
     assert REWARDS["mbpp"](f"```python\n{mbpp_row['code']}\n```", mbpp_row) == 1.0
-    assert boxed_format_reward("\\boxed{1}") == 1.0
     with pytest.raises(ValueError, match="example needs"):
         REWARDS["gsm8k"]("\\boxed{72}", {"question": "?"})
 

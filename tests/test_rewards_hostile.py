@@ -7,7 +7,6 @@ import pytest
 
 from conftest import cpu_budget
 import tasks
-from rewards import boxed_format_reward
 import rewards
 
 
@@ -20,7 +19,6 @@ EXAMPLES = {
     "countdown": {"numbers": [30, 100, 93], "target": 37},
     "sudoku": {"puzzle": "3102200002100320", "solution": "3142243142131324"},
     "mbpp": {"test_list": ["assert f(1) == 1"], "test_setup_code": ""},
-    "boxed_format": {},
     "text": {"answer": "7", "solution": "3 + 4 = 7 . \\boxed{7}"},
 }
 HOSTILE = {
@@ -41,10 +39,9 @@ HOSTILE = {
 }
 
 
-# Every text task's verifiers, as the RL step reaches them (tasks.TASKS), and the official format term.
+# Every text task's verifiers, as the RL step reaches them (tasks.TASKS).
 ALL_REWARDS = {f"{task}/{name}": fn for task, t in tasks.TASKS.items() if t.modality == "text"
                for name, fn in t.reward.items()}
-ALL_REWARDS["boxed_format"] = lambda completion, example: boxed_format_reward(completion)
 EXAMPLES.update({key: EXAMPLES[key.split("/")[0]] for key in ALL_REWARDS if "/" in key})
 
 

@@ -79,13 +79,13 @@ def test_text_noise_controls_wrong_targets(noise):
 
 
 def test_image_reward_target_and_corruptions():
-    rng = random.Random(0)
-    for _ in range(300):
-        ex = toy.make_image_example(rng)
+    for seed in range(300):  # the same draws with noise 0 and 1: the same spec, a clean and a corrupted grid
+        ex, noisy = (toy.make_image_example(random.Random(seed), noise=noise) for noise in (0.0, 1.0))
         spec, img = ex["spec"], ex["image"]
+        assert noisy["spec"] == spec and noisy["prompt"] == ex["prompt"]
         assert rewards.image_reward(img, {'spec': spec}) == 1.0
         assert rewards.image_reward([0] * len(img), {'spec': spec}) == 0.0
-        assert rewards.image_reward(toy._corrupt(rng, img, spec), {'spec': spec}) < 1.0
+        assert rewards.image_reward(noisy["image"], {'spec': spec}) < 1.0
         assert rewards.image_reward(img[:-1], {'spec': spec}) == 0.0  # wrong size
 
 
