@@ -488,8 +488,6 @@ def held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds: float) -
 
 if __name__ == "__main__":
     # User errors: one line naming the value and the fix, exit 2 (infra/cli.py); bad steps: one line, exit 1.
-    with scale.process_exit(), cli.user_errors():  # process_exit leaves the process group on every path
-        try:
-            main()
-        except (TrainingStopped, RunFailed) as e:  # bad steps, or the machine (memory, disk, a dead rank)
-            raise SystemExit(f"error: {e}") from None
+    # process_exit leaves the process group on every path; bad steps or the machine (memory, disk, a dead rank): exit 1
+    with scale.process_exit(), cli.user_errors(failures=(TrainingStopped, RunFailed)):
+        main()

@@ -405,9 +405,10 @@ def read_generation_settings(path) -> dict:
 
 
 @contextmanager
-def user_errors():
-    """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2; Ctrl-C -> exit 130;
-    no traceback (programming errors keep theirs). Real stdout/stderr (not a test's capture) become Unbroken."""
+def user_errors(failures: tuple = ()):
+    """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2; `failures` -> the same
+    line, exit 1; Ctrl-C -> exit 130; no traceback (programming errors keep theirs). Real stdout/stderr (not a
+    test's capture) become Unbroken."""
     saved = sys.stdout, sys.stderr
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
@@ -417,9 +418,9 @@ def user_errors():
                 setattr(sys, name, checkpoint.Unbroken(stream))
     try:
         yield
-    except (ValueError, OSError) as e:  # one write: print's two would interleave with another rank's line
+    except (ValueError, OSError, *failures) as e:  # one write: print's two would interleave with another rank's
         sys.stderr.write(f"error: {e}\n")
-        sys.exit(USER_ERROR)
+        sys.exit(1 if isinstance(e, failures) else USER_ERROR)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted (Ctrl-C)\n")
         sys.exit(130)

@@ -139,16 +139,27 @@ def test_user_errors_exit_with_one_line(capsys, exc, status, line):
     assert e.value.code == status and capsys.readouterr().err == line + "\n"
 
 
-@pytest.mark.parametrize("exc,line", [(ValueError("bad --n (3)"), "error: bad --n (3)\n"),
-                                      (KeyboardInterrupt(), "interrupted (Ctrl-C)\n")])
-def test_the_line_goes_out_in_one_write(monkeypatch, exc, line):
-    """Two torchrun ranks refusing at once share one stderr, which writes through: a line sent in two writes (text,
-    then newline, as print does) interleaves with the other rank's into one garbled line."""
+class Stopped(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("exc,status,line", [(ValueError("bad --n (3)"), 2, "error: bad --n (3)\n"),
+                                             (Stopped("3 bad steps"), 1, "error: 3 bad steps\n"),
+                                             (KeyboardInterrupt(), 130, "interrupted (Ctrl-C)\n")])
+def test_the_line_goes_out_in_one_write(monkeypatch, exc, status, line):
+    """Two torchrun ranks refusing (or failing: train.py passes TrainingStopped and RunFailed as failures) at once
+    share one stderr, which writes through: a line sent in two writes (text, then newline, as print and
+    SystemExit("...") do) interleaves with the other rank's into one garbled line."""
     writes = []
     monkeypatch.setattr(sys, "stderr", type("Recorder", (), {"write": lambda self, t: writes.append(t)})())
-    with pytest.raises(SystemExit), cli.user_errors():
+    with pytest.raises(SystemExit) as e, cli.user_errors(failures=(Stopped,)):
         raise exc
-    assert writes == [line]
+    assert writes == [line] and e.value.code == status
+
+
+def test_an_error_not_named_a_failure_keeps_its_traceback():
+    with pytest.raises(Stopped), cli.user_errors():
+        raise Stopped("a bug")
 
 
 def test_programming_errors_keep_their_traceback():
