@@ -1,7 +1,6 @@
 """Flags and settings: each field of an entry point's dataclass is a flag (`--field=value`, `--field value`, a
 bare boolean; exact, never a prefix; the last of two wins) valued from the flag, else `--preset`, else the default.
-Every setting is checked here once, naming the value and a fix; a user error is one line.
-"""
+Every setting is checked here once, naming the value and a fix; a user error is one line."""
 from __future__ import annotations
 
 import argparse
@@ -43,21 +42,36 @@ EPILOGS = {"Config": (  # what --help prints after the flags, per dataclass name
 # Flags whose value is a path, or a list of them: a shell expands `~` only at the start of a word, so here.
 PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
 PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
+# Lower bounds of whole-number settings, each refused as "NAME (VALUE) must be >= BOUND".
+AT_LEAST = {1: ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "prompts_per_step", "sft_batch_size"),
+            0: ("beta", "threads", "sample_every", "vocab_size", "weight_decay", "sft_steps", "rl_steps",
+                "eval_prompts", "device_batch_size"),
+            8: ("max_prompt_len",)}
+# What --change_on_resume may name (a run stopped by bad steps continues more carefully; see outdir.RESUMABLE).
+CHANGEABLE = ("lr", "grad_clip")
+# The toy model's shape and SFT flags (init_from=scratch): with --init_from the shape is refused, SFT warned of.
+SCRATCH_SHAPE = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
+SCRATCH_SFT = ("sft_dir", "retrain_sft", "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout",
+               "text_noise", "image_noise", "image_loss_weight")
+# The settings a checkpoint was trained and evaluated to generate with (and their types in train.Config), so that
+# sample.py and evaluate.py decode it as it was trained; each flag still overrides them.
+GENERATION_FILE = "generation.json"
+GENERATION_TYPES = {"tasks": str, "gen_length": int, "block_length": int, "steps": int, "temperature": float,
+                    "image_steps": int, "image_sampler": str, "cfg_scale": float, "image_width": int,
+                    "image_text_len": int, "max_prompt_len": int, "prompt_prefill": str, "system_prompt": str,
+                    "attend_padding": str, "text_max_steps": int, "text_reward": str}
 
 
 def expand_home(flag: str, value: str) -> str:
     """value with a leading ~ or ~user expanded (each item of a PATH_LIST_FLAGS list); an unknown user is refused."""
-    def one(path: str) -> str:
-        task, eq, where = path.rpartition("=") if flag in ("train_data", "eval_data") else ("", "", path)
-        if not where.startswith("~"):
-            return path
+    items = value.split(",") if flag in PATH_LIST_FLAGS else [value] if flag in PATH_FLAGS else []
+    for i, item in enumerate(items):
+        task, eq, where = item.rpartition("=") if flag in ("train_data", "eval_data") else ("", "", item)
         full = os.path.expanduser(where)
         need(not full.startswith("~"), f"--{flag}={value}: {where.split('/')[0]} names no user's home folder "
              "here; write the path out in full")
-        return task + eq + full
-    if flag in PATH_LIST_FLAGS:
-        return ",".join(one(item) for item in value.split(","))
-    return one(value) if flag in PATH_FLAGS else value
+        items[i] = task + eq + full
+    return ",".join(items) if items else value
 
 
 def parse_bool(s: str) -> bool:
@@ -78,8 +92,7 @@ def field_comments(cls):
         current = None
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
             if tok.type == tokenize.NAME and tok.start[1] == 4:  # a field, or a method (whose comment is its own)
-                field = re.match(rf"\s*{tok.string}\s*:", tok.line) and tok.string in klass.__dataclass_fields__
-                current = tok.string if field else None
+                current = tok.string if tok.string in klass.__dataclass_fields__ else None
             elif tok.type == tokenize.COMMENT and current:
                 text, alone = tok.string.lstrip("#").strip(), tok.line.strip().startswith("#")
                 if alone and tok.start[1] <= 4:  # a section heading ("    # model"), not a continuation
@@ -92,8 +105,8 @@ def field_comments(cls):
 def flag_fields(cls, inherited: set | None = None) -> list:
     """The fields of cls that are flags: its own first, then its bases' (only those in `inherited`, when given)."""
     own = set(getattr(cls, "__annotations__", {}))
-    mine = [f for f in fields(cls) if f.name in own]
-    return mine + [f for f in fields(cls) if f.name not in own and (inherited is None or f.name in inherited)]
+    chosen = [f for f in fields(cls) if f.name in own or inherited is None or f.name in inherited]
+    return sorted(chosen, key=lambda f: f.name not in own)  # stable: each part keeps the dataclass order
 
 
 def parser(cls, description: str, presets: dict | None = None, argv=(), defaults: dict | None = None,
@@ -122,9 +135,8 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
         if f.name not in own and own and group is p:  # an entry point's own flags first, then train.py's
             group = p.add_argument_group("settings shared with train.py")
         kind = f.type if isinstance(f.type, str) else f.type.__name__  # with or without postponed annotations
-        default = "required" if f.default is MISSING else f"default {f.default!r}"
-        if f.name in base:
-            default = f"{base[f.name]!r}" + (f" under --preset {name}" if f.name in preset else "")
+        default = f"{base[f.name]!r}" + (f" under --preset {name}" if f.name in preset else "") if f.name in base \
+            else "required" if f.default is MISSING else f"default {f.default!r}"
         text = (f"{comments[f.name]} ({default})" if f.name in comments else default).replace("%", "%%")
         bare = {"nargs": "?", "const": True} if kind == "bool" else {}  # bare --flag means true
         group.add_argument(f"--{f.name}", type=types[kind], default=None, help=text, **bare)
@@ -215,13 +227,6 @@ def validate_generation(o) -> None:
          f"image_sampler ({o.image_sampler!r}) must be {_one_of(sample.IMAGE_SAMPLERS)}")
     need(o.cfg_scale >= 0, f"cfg_scale ({o.cfg_scale}) must be >= 0 (0 = no guidance; MaskGRPO uses 3.0)")
     need(o.image_text_len >= 0, f"image_text_len ({o.image_text_len}) must be >= 0 (0 = the longest toy caption)")
-
-
-# Lower bounds of whole-number settings, each refused as "NAME (VALUE) must be >= BOUND".
-AT_LEAST = {1: ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "prompts_per_step", "sft_batch_size"),
-            0: ("beta", "threads", "sample_every", "vocab_size", "weight_decay", "sft_steps", "rl_steps",
-                "eval_prompts", "device_batch_size"),
-            8: ("max_prompt_len",)}
 
 
 def validate(cfg) -> None:
@@ -346,18 +351,8 @@ def check_threads(n: int, flag: str = "threads") -> None:
     need(n >= 0, f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
 
 
-# What --change_on_resume may name (a run stopped by bad steps continues more carefully; see outdir.RESUMABLE).
-CHANGEABLE = ("lr", "grad_clip")
-
-
 def resume_changes(cfg) -> tuple:
     return tuple(k.strip() for k in cfg.change_on_resume.split(",") if k.strip())
-
-
-# The toy model's shape and SFT flags (init_from=scratch): with --init_from the shape is refused, SFT warned of.
-SCRATCH_SHAPE = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
-SCRATCH_SFT = ("sft_dir", "retrain_sft", "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout",
-               "text_noise", "image_noise", "image_loss_weight")
 
 
 def setup(cfg) -> tuple[torch.device, torch.dtype]:
@@ -374,15 +369,6 @@ def setup(cfg) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
-# The settings a checkpoint was trained and evaluated to generate with (and their types in train.Config), so that
-# sample.py and evaluate.py decode it as it was trained; each flag still overrides them.
-GENERATION_FILE = "generation.json"
-GENERATION_TYPES = {"tasks": str, "gen_length": int, "block_length": int, "steps": int, "temperature": float,
-                    "image_steps": int, "image_sampler": str, "cfg_scale": float, "image_width": int,
-                    "image_text_len": int, "max_prompt_len": int, "prompt_prefill": str, "system_prompt": str,
-                    "attend_padding": str, "text_max_steps": int, "text_reward": str}
-
-
 def generation_settings(cfg) -> dict:
     return {k: getattr(cfg, k) for k in GENERATION_TYPES}
 
@@ -393,8 +379,7 @@ def read_generation_settings(path) -> dict:
     if not f.is_file():
         return {}
     fix = "delete it to use the defaults and flags only"
-    saved = hf.read_json(f, fix)
-    need(isinstance(saved, dict), f"{f} holds {type(saved).__name__}, not an object of settings; {fix}")
+    saved = hf.read_json(f, fix)  # an object, or refused naming the file
     for k, v in saved.items():
         kind = GENERATION_TYPES.get(k, type(v))  # a float takes an int; JSON true is a bool, no int
         if type(v) is not kind and not (kind is float and type(v) is int):

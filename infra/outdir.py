@@ -1,7 +1,6 @@
 """A run's out_dir: the paths refused before anything is written, the pid files that make it one process's, where
 a resume continues, the closing lines, and what a stop signal keeps in each phase (start_up, holding, before_rl,
-rl_steps, final; train.py --help says it to the user: cli.EPILOGS).
-"""
+rl_steps, final; train.py --help says it to the user: cli.EPILOGS)."""
 from __future__ import annotations
 
 import atexit
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, data, plots, scale, tracker
+from infra import checkpoint, data, hf, plots, scale, tracker
 from infra.cli import need
 from infra.scale import duration, print0
 from tasks import IMAGE_TASKS
@@ -69,8 +68,7 @@ def check_paths(cfg) -> None:
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
     model = [n for n in MODEL_FILES if n in names] + sorted(n for n in names if n.endswith(".safetensors"))
     with suppress(OSError, ValueError):  # a config.json that is not train.py's settings is a model's
-        saved = json.loads((out / "config.json").read_bytes())
-        if not (isinstance(saved, dict) and "rl_steps" in saved and "out_dir" in saved):
+        if not hf.is_run_settings(json.loads((out / "config.json").read_bytes())):
             model.insert(0, "config.json (a model's, not a run's)")
     need(not model, f"--out_dir {out} holds a model ({', '.join(model)}), not a run: a run would write its settings "
          "and logs into it; pass a new folder as --out_dir (is it meant as --init_from?)")
@@ -234,9 +232,8 @@ class Stop:
             raise Stopped(s)
         if self.total and self.calls and time.time() - self.shown_at >= self.PROGRESS_EVERY:
             spent = time.time() - self.t0
-            left = spent / self.calls * max(0, self.total - self.calls)
             print0(f"{self.label}: batch {self.calls + 1} of about {self.total}, {duration(spent)} so far, "
-                   f"about {duration(left)} left")
+                   f"about {duration(spent / self.calls * max(0, self.total - self.calls))} left")
             self.shown_at = time.time()
         self.calls += 1
 
@@ -251,10 +248,9 @@ def start_up():
     """Until RL a signal stops the run at once (SFT's handler takes over inside; the SFT model saves in holding())."""
     def handler(signum, frame):
         checkpoint.away_from_gone_output()  # the line below must not fail on a closed terminal
-        if _START_UP["holding"]:
-            _START_UP["pending"] = _START_UP["pending"] or signum
-            return
-        raise Stopped(signum)
+        if not _START_UP["holding"]:
+            raise Stopped(signum)
+        _START_UP["pending"] = _START_UP["pending"] or signum
     previous = {sig: signal.signal(sig, handler) for sig in checkpoint.STOP_SIGNALS}
     try:
         yield
@@ -337,9 +333,8 @@ def final(run):
         return last if step_of(last) == cfg.rl_steps else None
 
     def abort() -> str:
-        kept = last_step()
-        return (f"{kept} is kept and finishes the run" if kept else
-                "no checkpoint of the last RL step exists (checkpoint_every=0), so all RL steps would be lost")
+        return f"{kept} is kept and finishes the run" if (kept := last_step()) else \
+            "no checkpoint of the last RL step exists (checkpoint_every=0), so all RL steps would be lost"
     try:
         with checkpoint.graceful_stop("finishing this evaluation batch, then stopping", abort) as flag:
             try:
@@ -369,19 +364,17 @@ def final(run):
 
 def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
     """The held-out mean reward per task in one line; after RL with the gain and its paired standard error."""
-    if not rewards:
-        if when == "before RL":
-            print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
-                   "(and --eval_prompts > 0)")
-        return
-
-    def gain(k, v) -> str:
+    if not rewards and when == "before RL":
+        print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
+               "(and --eval_prompts > 0)")
+    shown = []
+    for k, v in (rewards or {}).items():
         s = (summary or {}).get(k, {})
         known = None not in (s.get("gain_se"), s.get("before"), s.get("after"))
-        return f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})" if known else ""
-    shown = {k: f"{v:.3f}" if math.isfinite(v) else "not measured" for k, v in rewards.items()}  # NaN: scorer down
-    print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} " +
-           ", ".join(f"{k} {shown[k]}{gain(k, v)}" for k, v in rewards.items()))
+        gain = f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})" if known else ""
+        shown.append(f"{k} {f'{v:.3f}' if math.isfinite(v) else 'not measured'}{gain}")  # NaN: the scorer was down
+    if shown:
+        print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} {', '.join(shown)}")
 
 
 def show(b, rewards, tok, ids, n: int = 1) -> None:
@@ -397,8 +390,7 @@ def show(b, rewards, tok, ids, n: int = 1) -> None:
 
 def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> None:
     """curves.png (reward, KL, clip fraction per step) and images.png (toy images before and after RL)."""
-    log = out / "log.jsonl"
-    if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step that was taken
+    if (log := out / "log.jsonl").is_file() and "/reward" in log.read_text():  # a step that was taken
         plots.plot_curves(log, out / "curves.png")
     if grid_before is not None and grid_after is not None:  # a score not measured (null) is left off the panel
         summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
