@@ -111,8 +111,7 @@ def flag_fields(cls, inherited: set | None = None) -> list:
 
 def parser(cls, description: str, presets: dict | None = None, argv=(), defaults: dict | None = None,
            inherited: set | None = None, prog: str | None = None) -> argparse.ArgumentParser:
-    """One flag per field (and --preset), defaulting to None so that parse() sees what was typed; --help shows
-    each value under the preset argv names and `defaults`."""
+    """One flag per field (and --preset), None unless typed; --help shows the values under argv's preset."""
     usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below; a " \
         "flag given twice takes its last value)"
     # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
@@ -243,8 +242,9 @@ def validate(cfg) -> None:
     need(cfg.clip_eps > 0, f"clip_eps ({cfg.clip_eps}) must be > 0 (paper: 0.2)")
     for k, allowed in (("estimator", importance.ESTIMATORS), ("text_reversing", importance.MODES),
                        ("loss_norm", grpo.NORMS), ("text_reward", tuple(tasks.TEXT_REWARDS)),
-                       ("lora_targets", tuple(hf.TARGET_SETS))):
-        need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be one of {allowed}")
+                       ("lora_targets", tuple(hf.TARGET_SETS)), ("adv_std", ("auto", "on", "off")),
+                       ("reward_shaping", ("none", "official")), ("attend_padding", ("auto", "on", "off"))):
+        need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be {_one_of(allowed)}")
     ignored = importance.ignored_settings(cfg, type(cfg)())
     if ignored:  # a setting the chosen estimator never reads would otherwise be silently without effect
         print0(f"warning: --estimator={cfg.estimator} does not read {', '.join(f'--{k}' for k in ignored)}; "
@@ -256,9 +256,6 @@ def validate(cfg) -> None:
     need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
          f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add --estimator=trajectory "
          "or drop it")
-    for k, allowed in (("adv_std", ("auto", "on", "off")), ("reward_shaping", ("none", "official")),
-                       ("attend_padding", ("auto", "on", "off"))):
-        need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be {_one_of(allowed)}")
     known, chosen = tuple(tasks.TASKS), task_list(cfg)
     need(cfg.tasks and all(t in known for t in chosen),
          f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")

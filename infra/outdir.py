@@ -326,11 +326,9 @@ def rl_steps(run):
 def final(run):
     """`with final(run) as stop:` checkpoints the last RL step first; a signal stops the evaluation after a batch
     (that checkpoint written if missing), and lets the save finish."""
-    cfg = run.cfg
-
     def last_step():  # the checkpoint of the run's last RL step, or None
         last = checkpoint.latest(run.out)
-        return last if step_of(last) == cfg.rl_steps else None
+        return last if step_of(last) == run.cfg.rl_steps else None
 
     def abort() -> str:
         return f"{kept} is kept and finishes the run" if (kept := last_step()) else \
@@ -338,21 +336,21 @@ def final(run):
     try:
         with checkpoint.graceful_stop("finishing this evaluation batch, then stopping", abort) as flag:
             try:
-                if cfg.checkpoint_every and run.start < cfg.rl_steps and last_step() is None:
-                    print0(f"checkpoint {run._save_checkpoint(cfg.rl_steps)} (the last RL step, before the final "
+                if run.cfg.checkpoint_every and run.start < run.cfg.rl_steps and last_step() is None:
+                    print0(f"checkpoint {run._save_checkpoint(run.cfg.rl_steps)} (the last RL step, before the final "
                            "evaluation)")
                 yield Stop(flag, run.device)
             except Stopped as s:
-                kept = last_step() or run._save_checkpoint(cfg.rl_steps)
+                kept = last_step() or run._save_checkpoint(run.cfg.rl_steps)
                 print0(f"stopped by {s} during the final held-out evaluation: {kept} holds the model after all "
-                       f"{cfg.rl_steps} RL steps; finish the run (the final evaluation and save) with: "
+                       f"{run.cfg.rl_steps} RL steps; finish the run (the final evaluation and save) with: "
                        f"{resume_command()}")
                 raise SystemExit(128 + s.signum) from None
     except KeyboardInterrupt as e:  # a second signal (checkpoint.Aborted), also in the stop's save: say what is kept
         kept = last_step()
         name = e if isinstance(e, checkpoint.Aborted) else "SIGINT"  # Aborted's str() is its signal's name
         print0(f"aborted by a second {name} during the final evaluation or save: " + (
-            f"{kept} holds the model after all {cfg.rl_steps} RL steps; finish the run with: "
+            f"{kept} holds the model after all {run.cfg.rl_steps} RL steps; finish the run with: "
             f"{resume_command()}" if kept else "no checkpoint of the last RL step was written "
             f"(checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))
         raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
