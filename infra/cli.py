@@ -220,10 +220,9 @@ def validate_generation(o) -> None:
     need(o.steps % blocks == 0 and o.steps >= blocks, f"steps ({o.steps}) must be a positive multiple of the number "
          f"of blocks ({blocks}); try --steps={blocks * max(1, o.steps // blocks)}")
     need(o.temperature >= 0, f"temperature ({o.temperature}) must be >= 0")
-    need(o.kv_cache in sample.KV_CACHES, f"kv_cache ({o.kv_cache!r}) must be {_one_of(sample.KV_CACHES)}")
+    for k, allowed in (("kv_cache", sample.KV_CACHES), ("image_sampler", sample.IMAGE_SAMPLERS)):
+        need(getattr(o, k) in allowed, f"{k} ({getattr(o, k)!r}) must be {_one_of(allowed)}")
     need(0 <= o.threshold < 1, f"threshold ({o.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
-    need(o.image_sampler in sample.IMAGE_SAMPLERS,
-         f"image_sampler ({o.image_sampler!r}) must be {_one_of(sample.IMAGE_SAMPLERS)}")
     need(o.cfg_scale >= 0, f"cfg_scale ({o.cfg_scale}) must be >= 0 (0 = no guidance; MaskGRPO uses 3.0)")
     need(o.image_text_len >= 0, f"image_text_len ({o.image_text_len}) must be >= 0 (0 = the longest toy caption)")
 

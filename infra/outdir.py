@@ -36,7 +36,7 @@ RESUMABLE = ("resume", "extend", "change_on_resume", "retrain_sft", "rl_steps", 
 PID_FILE = "run.pid"
 _HELD: set[Path] = set()
 _ARGV: list[str] = []
-_START_UP = {"holding": False, "pending": 0}
+_START_UP = {"holding": False}  # and "pending": the signal holding() defers
 
 
 def _inside(a: Path, b: Path) -> bool:  # a is b or lies under it (links resolved)
@@ -250,7 +250,7 @@ def start_up():
         checkpoint.away_from_gone_output()  # the line below must not fail on a closed terminal
         if not _START_UP["holding"]:
             raise Stopped(signum)
-        _START_UP["pending"] = _START_UP["pending"] or signum
+        _START_UP["pending"] = _START_UP.get("pending") or signum
     previous = {sig: signal.signal(sig, handler) for sig in checkpoint.STOP_SIGNALS}
     try:
         yield
@@ -276,8 +276,7 @@ def holding():
     try:
         yield
     finally:
-        _START_UP["holding"], pending = False, _START_UP["pending"]
-        _START_UP["pending"] = 0
+        _START_UP["holding"], pending = False, _START_UP.pop("pending", 0)
     if pending:
         raise Stopped(pending)
 
