@@ -7,7 +7,6 @@ import argparse
 import difflib
 import functools
 import inspect
-import io
 import json
 import math
 import os
@@ -28,7 +27,6 @@ import sample
 import tasks
 from infra import checkpoint, hf, scale, tracker
 from infra.scale import print0
-from tasks import IMAGE_TASKS, TOY_TASKS, task_list
 
 USER_ERROR = 2  # exit status of a user error, as argparse's own
 EPILOGS = {"Config": (  # what --help prints after the flags, per dataclass name (train.py's: infra/outdir.py)
@@ -90,7 +88,7 @@ def field_comments(cls):
         except (OSError, TypeError):  # defined where no source is kept (an interactive session)
             continue
         current = None
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        for tok in tokenize.generate_tokens(iter(source.splitlines(True)).__next__):
             if tok.type == tokenize.NAME and tok.start[1] == 4:  # a field, or a method (whose comment is its own)
                 current = tok.string if tok.string in klass.__dataclass_fields__ else None
             elif tok.type == tokenize.COMMENT and current:
@@ -186,7 +184,7 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
 
 def data_paths(spec: str, name: str) -> dict[str, str]:
     """--train_data / --eval_data "gsm8k=a.jsonl,math=b.jsonl" -> {"gsm8k": "a.jsonl", "math": "b.jsonl"}."""
-    known = [t for t in tasks.TASKS if t not in TOY_TASKS]  # the benchmarks, whose files infra/data.py reads
+    known = [t for t in tasks.TASKS if t not in tasks.TOY_TASKS]  # the benchmarks, whose files infra/data.py reads
     out = {}
     for item in filter(None, spec.split(",")):
         task, eq, path = item.partition("=")
@@ -255,13 +253,13 @@ def validate(cfg) -> None:
     need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
          f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add --estimator=trajectory "
          "or drop it")
-    known, chosen = tuple(tasks.TASKS), task_list(cfg)
+    known, chosen = tuple(tasks.TASKS), tasks.task_list(cfg)
     need(cfg.tasks and all(t in known for t in chosen),
          f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")
     twice = sorted({t for t in chosen if chosen.count(t) > 1})
     need(not twice, f"tasks ({cfg.tasks!r}) names {', '.join(twice)} twice, which would roll out and update it twice "
          f"per step; give each task once (--tasks={','.join(dict.fromkeys(chosen))})")
-    real = [t for t in chosen if t not in TOY_TASKS]
+    real = [t for t in chosen if t not in tasks.TOY_TASKS]
     need(not real or cfg.dry_run or cfg.init_from not in ("", "scratch"),
          f"tasks {real} need a pretrained model: pass --init_from=DIR (a LLaDA/MMaDA checkpoint directory)")
     need(cfg.init_from != "" or cfg.dry_run, "init_from is empty: pass --init_from=DIR, the local checkpoint")
@@ -275,7 +273,7 @@ def validate(cfg) -> None:
         if idle:  # harmless, so a warning: a command line reused from a toy run keeps working
             print0(f"warning: {', '.join('--' + k for k in idle)} only act on the SFT stage of a model trained from "
                    f"scratch; with --init_from={cfg.init_from} there is none, so they do nothing")
-    benchmarks = [t for t in chosen if t not in TOY_TASKS and t not in IMAGE_TASKS]
+    benchmarks = [t for t in chosen if t not in tasks.TOY_TASKS and t not in tasks.IMAGE_TASKS]
     idle = [f"--{k} (it acts on {what})" for keys, what, unread in (
         (("system_prompt", "prompt_prefill", "reward_shaping"), "benchmark prompts: gsm8k, math, mbpp, countdown, "
          "sudoku", not benchmarks), (("text_reward", "text_max_steps"), "the toy text task", "text" not in chosen),
@@ -315,7 +313,7 @@ def validate(cfg) -> None:
     need(cfg.lr > 0, f"lr ({cfg.lr}) must be > 0 (paper: 3e-6 at 8B; the toy uses 1e-4)")
     need(cfg.grad_clip > 0, f"grad_clip ({cfg.grad_clip}) must be > 0: 0 would zero every gradient (paper: 0.2)")
     need(0 <= cfg.p_mask_prompt <= 1, f"p_mask_prompt ({cfg.p_mask_prompt}) must be in [0, 1] (d1 uses 0.15)")
-    need(not (all(t in IMAGE_TASKS for t in chosen) and (cfg.kv_cache != "none" or cfg.threshold)),
+    need(not (all(t in tasks.IMAGE_TASKS for t in chosen) and (cfg.kv_cache != "none" or cfg.threshold)),
          f"kv_cache / threshold apply to text rollouts, but tasks ({cfg.tasks!r}) has no text task; drop them")
     need(not cfg.image_scorer_url or "geneval" in chosen,
          f"image_scorer_url is set but no task uses it (tasks {cfg.tasks!r}); add geneval or drop the flag")

@@ -20,7 +20,6 @@ import tasks
 from infra import checkpoint, data, hf, plots, scale, tracker
 from infra.cli import need
 from infra.scale import duration, print0
-from tasks import IMAGE_TASKS
 
 
 # What a run writes at the top of its out_dir, and the temporary names of those writes (anything else is not ours).
@@ -379,7 +378,7 @@ def show(b, rewards, tok, ids, n: int = 1) -> None:
     outs = tasks.decode_window(b, tok, ids)
     for i in range(n):
         prompt = b.examples[i]["prompt"]
-        said = repr(prompt) if b.task in IMAGE_TASKS else f"{prompt[-200:]!r} -> {outs[i]!r}"
+        said = repr(prompt) if b.task in tasks.IMAGE_TASKS else f"{prompt[-200:]!r} -> {outs[i]!r}"
         print0(f"  [{b.task}] {said}  reward {rewards[i]:.2f}")
         if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
             print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
