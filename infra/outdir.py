@@ -226,8 +226,7 @@ class Stop:
         self.t0 = self.shown_at = time.time()
 
     def __call__(self) -> None:
-        s = int(scale.all_max(torch.tensor([self.flag["signal"]], device=self.device)).item())
-        if s:
+        if s := int(scale.all_max(torch.tensor([self.flag["signal"]], device=self.device)).item()):
             raise Stopped(s)
         if self.total and self.calls and time.time() - self.shown_at >= self.PROGRESS_EVERY:
             spent = time.time() - self.t0
