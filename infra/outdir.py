@@ -39,8 +39,7 @@ _START_UP = {"holding": False}  # and "pending": the signal holding() defers
 
 
 def _inside(a: Path, b: Path) -> bool:  # a is b or lies under it (links resolved)
-    a, b = a.resolve(), b.resolve()
-    return a == b or b in a.parents
+    return a.resolve().is_relative_to(b.resolve())
 
 
 def check_paths(cfg) -> None:
