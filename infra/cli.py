@@ -1,14 +1,12 @@
 """Flags and settings: each field of an entry point's dataclass is a flag (`--field=value`, `--field value`, a
 bare boolean; exact, never a prefix; the last of two wins) valued from the flag, else `--preset`, else the default.
-Every setting is checked here once, naming the value and a fix; a user error is one line.
-"""
+Every setting is checked here once, naming the value and a fix; a user error is one line."""
 from __future__ import annotations
 
 import argparse
 import difflib
 import functools
 import inspect
-import io
 import json
 import math
 import os
@@ -29,7 +27,6 @@ import sample
 import tasks
 from infra import checkpoint, hf, scale, tracker
 from infra.scale import print0
-from tasks import IMAGE_TASKS, TOY_TASKS, task_list
 
 USER_ERROR = 2  # exit status of a user error, as argparse's own
 EPILOGS = {"Config": (  # what --help prints after the flags, per dataclass name (train.py's: infra/outdir.py)
@@ -43,21 +40,36 @@ EPILOGS = {"Config": (  # what --help prints after the flags, per dataclass name
 # Flags whose value is a path, or a list of them: a shell expands `~` only at the start of a word, so here.
 PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
 PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
+# Lower bounds of whole-number settings, each refused as "NAME (VALUE) must be >= BOUND".
+AT_LEAST = {1: ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "prompts_per_step", "sft_batch_size"),
+            0: ("beta", "threads", "sample_every", "vocab_size", "weight_decay", "sft_steps", "rl_steps",
+                "eval_prompts", "device_batch_size"),
+            8: ("max_prompt_len",)}
+# What --change_on_resume may name (a run stopped by bad steps continues more carefully; see outdir.RESUMABLE).
+CHANGEABLE = ("lr", "grad_clip")
+# The toy model's shape and SFT flags (init_from=scratch): with --init_from the shape is refused, SFT warned of.
+SCRATCH_SHAPE = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
+SCRATCH_SFT = ("sft_dir", "retrain_sft", "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout",
+               "text_noise", "image_noise", "image_loss_weight")
+# The settings a checkpoint was trained and evaluated to generate with (and their types in train.Config), so that
+# sample.py and evaluate.py decode it as it was trained; each flag still overrides them.
+GENERATION_FILE = "generation.json"
+GENERATION_TYPES = {"tasks": str, "gen_length": int, "block_length": int, "steps": int, "temperature": float,
+                    "image_steps": int, "image_sampler": str, "cfg_scale": float, "image_width": int,
+                    "image_text_len": int, "max_prompt_len": int, "prompt_prefill": str, "system_prompt": str,
+                    "attend_padding": str, "text_max_steps": int, "text_reward": str}
 
 
 def expand_home(flag: str, value: str) -> str:
     """value with a leading ~ or ~user expanded (each item of a PATH_LIST_FLAGS list); an unknown user is refused."""
-    def one(path: str) -> str:
-        task, eq, where = path.rpartition("=") if flag in ("train_data", "eval_data") else ("", "", path)
-        if not where.startswith("~"):
-            return path
+    items = value.split(",") if flag in PATH_LIST_FLAGS else [value] if flag in PATH_FLAGS else []
+    for i, item in enumerate(items):
+        task, eq, where = item.rpartition("=") if flag in ("train_data", "eval_data") else ("", "", item)
         full = os.path.expanduser(where)
         need(not full.startswith("~"), f"--{flag}={value}: {where.split('/')[0]} names no user's home folder "
              "here; write the path out in full")
-        return task + eq + full
-    if flag in PATH_LIST_FLAGS:
-        return ",".join(one(item) for item in value.split(","))
-    return one(value) if flag in PATH_FLAGS else value
+        items[i] = task + eq + full
+    return ",".join(items) if items else value
 
 
 def parse_bool(s: str) -> bool:
@@ -76,10 +88,9 @@ def field_comments(cls):
         except (OSError, TypeError):  # defined where no source is kept (an interactive session)
             continue
         current = None
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        for tok in tokenize.generate_tokens(iter(source.splitlines(True)).__next__):
             if tok.type == tokenize.NAME and tok.start[1] == 4:  # a field, or a method (whose comment is its own)
-                field = re.match(rf"\s*{tok.string}\s*:", tok.line) and tok.string in klass.__dataclass_fields__
-                current = tok.string if field else None
+                current = tok.string if tok.string in klass.__dataclass_fields__ else None
             elif tok.type == tokenize.COMMENT and current:
                 text, alone = tok.string.lstrip("#").strip(), tok.line.strip().startswith("#")
                 if alone and tok.start[1] <= 4:  # a section heading ("    # model"), not a continuation
@@ -92,14 +103,13 @@ def field_comments(cls):
 def flag_fields(cls, inherited: set | None = None) -> list:
     """The fields of cls that are flags: its own first, then its bases' (only those in `inherited`, when given)."""
     own = set(getattr(cls, "__annotations__", {}))
-    mine = [f for f in fields(cls) if f.name in own]
-    return mine + [f for f in fields(cls) if f.name not in own and (inherited is None or f.name in inherited)]
+    chosen = [f for f in fields(cls) if f.name in own or inherited is None or f.name in inherited]
+    return sorted(chosen, key=lambda f: f.name not in own)  # stable: each part keeps the dataclass order
 
 
 def parser(cls, description: str, presets: dict | None = None, argv=(), defaults: dict | None = None,
            inherited: set | None = None, prog: str | None = None) -> argparse.ArgumentParser:
-    """One flag per field (and --preset), defaulting to None so that parse() sees what was typed; --help shows
-    each value under the preset argv names and `defaults`."""
+    """One flag per field (and --preset), None unless typed; --help shows the values under argv's preset."""
     usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below; a " \
         "flag given twice takes its last value)"
     # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
@@ -122,9 +132,8 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
         if f.name not in own and own and group is p:  # an entry point's own flags first, then train.py's
             group = p.add_argument_group("settings shared with train.py")
         kind = f.type if isinstance(f.type, str) else f.type.__name__  # with or without postponed annotations
-        default = "required" if f.default is MISSING else f"default {f.default!r}"
-        if f.name in base:
-            default = f"{base[f.name]!r}" + (f" under --preset {name}" if f.name in preset else "")
+        default = f"{base[f.name]!r}" + (f" under --preset {name}" if f.name in preset else "") if f.name in base \
+            else "required" if f.default is MISSING else f"default {f.default!r}"
         text = (f"{comments[f.name]} ({default})" if f.name in comments else default).replace("%", "%%")
         bare = {"nargs": "?", "const": True} if kind == "bool" else {}  # bare --flag means true
         group.add_argument(f"--{f.name}", type=types[kind], default=None, help=text, **bare)
@@ -175,7 +184,7 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
 
 def data_paths(spec: str, name: str) -> dict[str, str]:
     """--train_data / --eval_data "gsm8k=a.jsonl,math=b.jsonl" -> {"gsm8k": "a.jsonl", "math": "b.jsonl"}."""
-    known = [t for t in tasks.TASKS if t not in TOY_TASKS]  # the benchmarks, whose files infra/data.py reads
+    known = [t for t in tasks.TASKS if t not in tasks.TOY_TASKS]  # the benchmarks, whose files infra/data.py reads
     out = {}
     for item in filter(None, spec.split(",")):
         task, eq, path = item.partition("=")
@@ -209,19 +218,11 @@ def validate_generation(o) -> None:
     need(o.steps % blocks == 0 and o.steps >= blocks, f"steps ({o.steps}) must be a positive multiple of the number "
          f"of blocks ({blocks}); try --steps={blocks * max(1, o.steps // blocks)}")
     need(o.temperature >= 0, f"temperature ({o.temperature}) must be >= 0")
-    need(o.kv_cache in sample.KV_CACHES, f"kv_cache ({o.kv_cache!r}) must be {_one_of(sample.KV_CACHES)}")
+    for k, allowed in (("kv_cache", sample.KV_CACHES), ("image_sampler", sample.IMAGE_SAMPLERS)):
+        need(getattr(o, k) in allowed, f"{k} ({getattr(o, k)!r}) must be {_one_of(allowed)}")
     need(0 <= o.threshold < 1, f"threshold ({o.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
-    need(o.image_sampler in sample.IMAGE_SAMPLERS,
-         f"image_sampler ({o.image_sampler!r}) must be {_one_of(sample.IMAGE_SAMPLERS)}")
     need(o.cfg_scale >= 0, f"cfg_scale ({o.cfg_scale}) must be >= 0 (0 = no guidance; MaskGRPO uses 3.0)")
     need(o.image_text_len >= 0, f"image_text_len ({o.image_text_len}) must be >= 0 (0 = the longest toy caption)")
-
-
-# Lower bounds of whole-number settings, each refused as "NAME (VALUE) must be >= BOUND".
-AT_LEAST = {1: ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "prompts_per_step", "sft_batch_size"),
-            0: ("beta", "threads", "sample_every", "vocab_size", "weight_decay", "sft_steps", "rl_steps",
-                "eval_prompts", "device_batch_size"),
-            8: ("max_prompt_len",)}
 
 
 def validate(cfg) -> None:
@@ -238,8 +239,9 @@ def validate(cfg) -> None:
     need(cfg.clip_eps > 0, f"clip_eps ({cfg.clip_eps}) must be > 0 (paper: 0.2)")
     for k, allowed in (("estimator", importance.ESTIMATORS), ("text_reversing", importance.MODES),
                        ("loss_norm", grpo.NORMS), ("text_reward", tuple(tasks.TEXT_REWARDS)),
-                       ("lora_targets", tuple(hf.TARGET_SETS))):
-        need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be one of {allowed}")
+                       ("lora_targets", tuple(hf.TARGET_SETS)), ("adv_std", ("auto", "on", "off")),
+                       ("reward_shaping", ("none", "official")), ("attend_padding", ("auto", "on", "off"))):
+        need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be {_one_of(allowed)}")
     ignored = importance.ignored_settings(cfg, type(cfg)())
     if ignored:  # a setting the chosen estimator never reads would otherwise be silently without effect
         print0(f"warning: --estimator={cfg.estimator} does not read {', '.join(f'--{k}' for k in ignored)}; "
@@ -251,16 +253,13 @@ def validate(cfg) -> None:
     need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
          f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add --estimator=trajectory "
          "or drop it")
-    for k, allowed in (("adv_std", ("auto", "on", "off")), ("reward_shaping", ("none", "official")),
-                       ("attend_padding", ("auto", "on", "off"))):
-        need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be {_one_of(allowed)}")
-    known, chosen = tuple(tasks.TASKS), task_list(cfg)
+    known, chosen = tuple(tasks.TASKS), tasks.task_list(cfg)
     need(cfg.tasks and all(t in known for t in chosen),
          f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")
     twice = sorted({t for t in chosen if chosen.count(t) > 1})
     need(not twice, f"tasks ({cfg.tasks!r}) names {', '.join(twice)} twice, which would roll out and update it twice "
          f"per step; give each task once (--tasks={','.join(dict.fromkeys(chosen))})")
-    real = [t for t in chosen if t not in TOY_TASKS]
+    real = [t for t in chosen if t not in tasks.TOY_TASKS]
     need(not real or cfg.dry_run or cfg.init_from not in ("", "scratch"),
          f"tasks {real} need a pretrained model: pass --init_from=DIR (a LLaDA/MMaDA checkpoint directory)")
     need(cfg.init_from != "" or cfg.dry_run, "init_from is empty: pass --init_from=DIR, the local checkpoint")
@@ -274,7 +273,7 @@ def validate(cfg) -> None:
         if idle:  # harmless, so a warning: a command line reused from a toy run keeps working
             print0(f"warning: {', '.join('--' + k for k in idle)} only act on the SFT stage of a model trained from "
                    f"scratch; with --init_from={cfg.init_from} there is none, so they do nothing")
-    benchmarks = [t for t in chosen if t not in TOY_TASKS and t not in IMAGE_TASKS]
+    benchmarks = [t for t in chosen if t not in tasks.TOY_TASKS and t not in tasks.IMAGE_TASKS]
     idle = [f"--{k} (it acts on {what})" for keys, what, unread in (
         (("system_prompt", "prompt_prefill", "reward_shaping"), "benchmark prompts: gsm8k, math, mbpp, countdown, "
          "sudoku", not benchmarks), (("text_reward", "text_max_steps"), "the toy text task", "text" not in chosen),
@@ -314,7 +313,7 @@ def validate(cfg) -> None:
     need(cfg.lr > 0, f"lr ({cfg.lr}) must be > 0 (paper: 3e-6 at 8B; the toy uses 1e-4)")
     need(cfg.grad_clip > 0, f"grad_clip ({cfg.grad_clip}) must be > 0: 0 would zero every gradient (paper: 0.2)")
     need(0 <= cfg.p_mask_prompt <= 1, f"p_mask_prompt ({cfg.p_mask_prompt}) must be in [0, 1] (d1 uses 0.15)")
-    need(not (all(t in IMAGE_TASKS for t in chosen) and (cfg.kv_cache != "none" or cfg.threshold)),
+    need(not (all(t in tasks.IMAGE_TASKS for t in chosen) and (cfg.kv_cache != "none" or cfg.threshold)),
          f"kv_cache / threshold apply to text rollouts, but tasks ({cfg.tasks!r}) has no text task; drop them")
     need(not cfg.image_scorer_url or "geneval" in chosen,
          f"image_scorer_url is set but no task uses it (tasks {cfg.tasks!r}); add geneval or drop the flag")
@@ -346,18 +345,8 @@ def check_threads(n: int, flag: str = "threads") -> None:
     need(n >= 0, f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
 
 
-# What --change_on_resume may name (a run stopped by bad steps continues more carefully; see outdir.RESUMABLE).
-CHANGEABLE = ("lr", "grad_clip")
-
-
 def resume_changes(cfg) -> tuple:
     return tuple(k.strip() for k in cfg.change_on_resume.split(",") if k.strip())
-
-
-# The toy model's shape and SFT flags (init_from=scratch): with --init_from the shape is refused, SFT warned of.
-SCRATCH_SHAPE = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
-SCRATCH_SFT = ("sft_dir", "retrain_sft", "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout",
-               "text_noise", "image_noise", "image_loss_weight")
 
 
 def setup(cfg) -> tuple[torch.device, torch.dtype]:
@@ -374,15 +363,6 @@ def setup(cfg) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
-# The settings a checkpoint was trained and evaluated to generate with (and their types in train.Config), so that
-# sample.py and evaluate.py decode it as it was trained; each flag still overrides them.
-GENERATION_FILE = "generation.json"
-GENERATION_TYPES = {"tasks": str, "gen_length": int, "block_length": int, "steps": int, "temperature": float,
-                    "image_steps": int, "image_sampler": str, "cfg_scale": float, "image_width": int,
-                    "image_text_len": int, "max_prompt_len": int, "prompt_prefill": str, "system_prompt": str,
-                    "attend_padding": str, "text_max_steps": int, "text_reward": str}
-
-
 def generation_settings(cfg) -> dict:
     return {k: getattr(cfg, k) for k in GENERATION_TYPES}
 
@@ -393,8 +373,7 @@ def read_generation_settings(path) -> dict:
     if not f.is_file():
         return {}
     fix = "delete it to use the defaults and flags only"
-    saved = hf.read_json(f, fix)
-    need(isinstance(saved, dict), f"{f} holds {type(saved).__name__}, not an object of settings; {fix}")
+    saved = hf.read_json(f, fix)  # an object, or refused naming the file
     for k, v in saved.items():
         kind = GENERATION_TYPES.get(k, type(v))  # a float takes an int; JSON true is a bool, no int
         if type(v) is not kind and not (kind is float and type(v) is int):

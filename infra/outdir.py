@@ -1,7 +1,6 @@
 """A run's out_dir: the paths refused before anything is written, the pid files that make it one process's, where
 a resume continues, the closing lines, and what a stop signal keeps in each phase (start_up, holding, before_rl,
-rl_steps, final; train.py --help says it to the user: cli.EPILOGS).
-"""
+rl_steps, final; train.py --help says it to the user: cli.EPILOGS)."""
 from __future__ import annotations
 
 import atexit
@@ -18,10 +17,9 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import checkpoint, data, plots, scale, tracker
+from infra import checkpoint, data, hf, plots, scale, tracker
 from infra.cli import need
 from infra.scale import duration, print0
-from tasks import IMAGE_TASKS
 
 
 # What a run writes at the top of its out_dir, and the temporary names of those writes (anything else is not ours).
@@ -37,12 +35,11 @@ RESUMABLE = ("resume", "extend", "change_on_resume", "retrain_sft", "rl_steps", 
 PID_FILE = "run.pid"
 _HELD: set[Path] = set()
 _ARGV: list[str] = []
-_START_UP = {"holding": False, "pending": 0}
+_START_UP = {"holding": False}  # and "pending": the signal holding() defers
 
 
 def _inside(a: Path, b: Path) -> bool:  # a is b or lies under it (links resolved)
-    a, b = a.resolve(), b.resolve()
-    return a == b or b in a.parents
+    return a.resolve().is_relative_to(b.resolve())
 
 
 def check_paths(cfg) -> None:
@@ -69,8 +66,7 @@ def check_paths(cfg) -> None:
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
     model = [n for n in MODEL_FILES if n in names] + sorted(n for n in names if n.endswith(".safetensors"))
     with suppress(OSError, ValueError):  # a config.json that is not train.py's settings is a model's
-        saved = json.loads((out / "config.json").read_bytes())
-        if not (isinstance(saved, dict) and "rl_steps" in saved and "out_dir" in saved):
+        if not hf.is_run_settings(json.loads((out / "config.json").read_bytes())):
             model.insert(0, "config.json (a model's, not a run's)")
     need(not model, f"--out_dir {out} holds a model ({', '.join(model)}), not a run: a run would write its settings "
          "and logs into it; pass a new folder as --out_dir (is it meant as --init_from?)")
@@ -229,14 +225,12 @@ class Stop:
         self.t0 = self.shown_at = time.time()
 
     def __call__(self) -> None:
-        s = int(scale.all_max(torch.tensor([self.flag["signal"]], device=self.device)).item())
-        if s:
+        if s := int(scale.all_max(torch.tensor([self.flag["signal"]], device=self.device)).item()):
             raise Stopped(s)
         if self.total and self.calls and time.time() - self.shown_at >= self.PROGRESS_EVERY:
             spent = time.time() - self.t0
-            left = spent / self.calls * max(0, self.total - self.calls)
             print0(f"{self.label}: batch {self.calls + 1} of about {self.total}, {duration(spent)} so far, "
-                   f"about {duration(left)} left")
+                   f"about {duration(spent / self.calls * max(0, self.total - self.calls))} left")
             self.shown_at = time.time()
         self.calls += 1
 
@@ -251,10 +245,9 @@ def start_up():
     """Until RL a signal stops the run at once (SFT's handler takes over inside; the SFT model saves in holding())."""
     def handler(signum, frame):
         checkpoint.away_from_gone_output()  # the line below must not fail on a closed terminal
-        if _START_UP["holding"]:
-            _START_UP["pending"] = _START_UP["pending"] or signum
-            return
-        raise Stopped(signum)
+        if not _START_UP["holding"]:
+            raise Stopped(signum)
+        _START_UP["pending"] = _START_UP.get("pending") or signum
     previous = {sig: signal.signal(sig, handler) for sig in checkpoint.STOP_SIGNALS}
     try:
         yield
@@ -280,8 +273,7 @@ def holding():
     try:
         yield
     finally:
-        _START_UP["holding"], pending = False, _START_UP["pending"]
-        _START_UP["pending"] = 0
+        _START_UP["holding"], pending = False, _START_UP.pop("pending", 0)
     if pending:
         raise Stopped(pending)
 
@@ -330,34 +322,31 @@ def rl_steps(run):
 def final(run):
     """`with final(run) as stop:` checkpoints the last RL step first; a signal stops the evaluation after a batch
     (that checkpoint written if missing), and lets the save finish."""
-    cfg = run.cfg
-
     def last_step():  # the checkpoint of the run's last RL step, or None
         last = checkpoint.latest(run.out)
-        return last if step_of(last) == cfg.rl_steps else None
+        return last if step_of(last) == run.cfg.rl_steps else None
 
     def abort() -> str:
-        kept = last_step()
-        return (f"{kept} is kept and finishes the run" if kept else
-                "no checkpoint of the last RL step exists (checkpoint_every=0), so all RL steps would be lost")
+        return f"{kept} is kept and finishes the run" if (kept := last_step()) else \
+            "no checkpoint of the last RL step exists (checkpoint_every=0), so all RL steps would be lost"
     try:
         with checkpoint.graceful_stop("finishing this evaluation batch, then stopping", abort) as flag:
             try:
-                if cfg.checkpoint_every and run.start < cfg.rl_steps and last_step() is None:
-                    print0(f"checkpoint {run._save_checkpoint(cfg.rl_steps)} (the last RL step, before the final "
+                if run.cfg.checkpoint_every and run.start < run.cfg.rl_steps and last_step() is None:
+                    print0(f"checkpoint {run._save_checkpoint(run.cfg.rl_steps)} (the last RL step, before the final "
                            "evaluation)")
                 yield Stop(flag, run.device)
             except Stopped as s:
-                kept = last_step() or run._save_checkpoint(cfg.rl_steps)
+                kept = last_step() or run._save_checkpoint(run.cfg.rl_steps)
                 print0(f"stopped by {s} during the final held-out evaluation: {kept} holds the model after all "
-                       f"{cfg.rl_steps} RL steps; finish the run (the final evaluation and save) with: "
+                       f"{run.cfg.rl_steps} RL steps; finish the run (the final evaluation and save) with: "
                        f"{resume_command()}")
                 raise SystemExit(128 + s.signum) from None
     except KeyboardInterrupt as e:  # a second signal (checkpoint.Aborted), also in the stop's save: say what is kept
         kept = last_step()
         name = e if isinstance(e, checkpoint.Aborted) else "SIGINT"  # Aborted's str() is its signal's name
         print0(f"aborted by a second {name} during the final evaluation or save: " + (
-            f"{kept} holds the model after all {cfg.rl_steps} RL steps; finish the run with: "
+            f"{kept} holds the model after all {run.cfg.rl_steps} RL steps; finish the run with: "
             f"{resume_command()}" if kept else "no checkpoint of the last RL step was written "
             f"(checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))
         raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
@@ -369,19 +358,17 @@ def final(run):
 
 def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
     """The held-out mean reward per task in one line; after RL with the gain and its paired standard error."""
-    if not rewards:
-        if when == "before RL":
-            print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
-                   "(and --eval_prompts > 0)")
-        return
-
-    def gain(k, v) -> str:
+    if not rewards and when == "before RL":
+        print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
+               "(and --eval_prompts > 0)")
+    shown = []
+    for k, v in (rewards or {}).items():
         s = (summary or {}).get(k, {})
         known = None not in (s.get("gain_se"), s.get("before"), s.get("after"))
-        return f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})" if known else ""
-    shown = {k: f"{v:.3f}" if math.isfinite(v) else "not measured" for k, v in rewards.items()}  # NaN: scorer down
-    print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} " +
-           ", ".join(f"{k} {shown[k]}{gain(k, v)}" for k, v in rewards.items()))
+        gain = f" ({v - s['before']:+.3f} ± {s['gain_se']:.3f})" if known else ""
+        shown.append(f"{k} {f'{v:.3f}' if math.isfinite(v) else 'not measured'}{gain}")  # NaN: the scorer was down
+    if shown:
+        print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} {', '.join(shown)}")
 
 
 def show(b, rewards, tok, ids, n: int = 1) -> None:
@@ -389,7 +376,7 @@ def show(b, rewards, tok, ids, n: int = 1) -> None:
     outs = tasks.decode_window(b, tok, ids)
     for i in range(n):
         prompt = b.examples[i]["prompt"]
-        said = repr(prompt) if b.task in IMAGE_TASKS else f"{prompt[-200:]!r} -> {outs[i]!r}"
+        said = repr(prompt) if b.task in tasks.IMAGE_TASKS else f"{prompt[-200:]!r} -> {outs[i]!r}"
         print0(f"  [{b.task}] {said}  reward {rewards[i]:.2f}")
         if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
             print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
@@ -397,8 +384,7 @@ def show(b, rewards, tok, ids, n: int = 1) -> None:
 
 def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> None:
     """curves.png (reward, KL, clip fraction per step) and images.png (toy images before and after RL)."""
-    log = out / "log.jsonl"
-    if log.is_file() and any("/reward" in line for line in log.read_text().splitlines()):  # a step that was taken
+    if (log := out / "log.jsonl").is_file() and "/reward" in log.read_text():  # a step that was taken
         plots.plot_curves(log, out / "curves.png")
     if grid_before is not None and grid_after is not None:  # a score not measured (null) is left off the panel
         summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}

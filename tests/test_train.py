@@ -27,7 +27,7 @@ from model import Transformer
     (["--gamma_text=1.0"], r"gamma_text \(1.0\) must be in \[0, 1\)"),
     (["--clip_eps=0"], r"clip_eps \(0.0\) must be > 0"),
     (["--mu=0"], r"mu \(0\) must be >= 1"),
-    (["--estimator=ppo"], r"estimator \('ppo'\) must be one of"),
+    (["--estimator=ppo"], r"estimator \('ppo'\) must be maskgrpo, d1, unigrpo or trajectory$"),
     (["--tasks=audio"], r"tasks \('audio'\) must be"),
     (["--dtype=float16"], r"float16 needs a grad scaler"),
     (["--preset", "huge"], r"unknown preset 'huge'"),
