@@ -17,7 +17,6 @@ import torch
 
 import tasks
 from infra import budget, checkpoint, data, hf, scale
-from infra.data import load_data
 from sample import FastSampler
 from infra.load import (WriteFailed, check_sft_cache, load_policy, reference_identity, refuse_training_checkpoint,
                         report_truncation, save_model, sft_dir_of, writer_error)
@@ -26,7 +25,7 @@ from infra.outdir import (PID_FILE, RESUMABLE, check_paths, check_shared, claim,
                           root_causes, show, start_up, step_lines, step_of, write_pictures)
 from infra.scale import duration, print0
 from infra.sandbox import RemoteScorer
-from infra.cli import resume_changes, setup
+from infra.cli import SCRATCH_SHAPE, resume_changes, setup
 from tasks import IMAGE_TASKS, task_list
 
 
@@ -45,9 +44,8 @@ def start(cfg, argv, sft):
         if finished is not None:
             return finished
         device, dtype = setup(cfg)
-        datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
-        with sft_dir_claimed(cfg, device):
-            startup_checks(cfg, device)
+        datasets = data.load_data(cfg)       # malformed data fails here, before any model is loaded
+        with startup_checks(cfg, device):
             scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
             model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
         fast = FastSampler(cfg.kv_cache, cfg.threshold) if cfg.kv_cache != "none" or cfg.threshold > 0 else None
@@ -61,34 +59,24 @@ def start(cfg, argv, sft):
     return model, ref, opt, ctx, dtype, sft_seconds
 
 
-def _resumable(cfg, out: Path) -> tuple[Path, dict]:
-    """The intact checkpoint a resume continues from, and its state; refused when the settings would change it."""
-    last = resume_point(out)
-    state = hf.read_json(last / "state.json", "remove that checkpoint directory")
-    checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), RESUMABLE + resume_changes(cfg))
-    return last, state
-
-
 def check_resume(cfg) -> dict | None:
     """--resume: refuse an out_dir with no run or other settings; a finished run's summary unless --extend."""
     if cfg.extend and not cfg.resume:
         raise ValueError("--extend=true continues a finished run: pass --resume=true with it (and a larger --rl_steps)")
     if not cfg.resume:
         return None
-    out = Path(cfg.out_dir)
+    out, may_change = Path(cfg.out_dir), RESUMABLE + resume_changes(cfg)
     last, config, summary = checkpoint.latest(out), out / "config.json", out / "summary.json"
     if last is None and not config.is_file():
         raise ValueError(f"--resume: out_dir {out} holds no run (no config.json, no {checkpoint.DIRNAME}/); check "
                          "the path, or drop --resume to start a new run there")
     if last is not None:  # the real conflicts first: the SFT cache check would name only the SFT settings
-        last, state = _resumable(cfg, out)
-    else:
-        saved, here = hf.read_json(config, f"delete {config} to start a new run there"), asdict(cfg)
-        changed = sorted(k for k, v in here.items() if k not in RESUMABLE + resume_changes(cfg) and saved.get(k) != v)
-        if changed:
-            raise ValueError(f"cannot resume {out}: these settings differ from the saved run ({config}): "
-                             + ", ".join(f"{k} {saved.get(k)!r} -> {here[k]!r}" for k in changed)
-                             + checkpoint.changeable_hint(changed))
+        last = resume_point(out)
+        state = hf.read_json(last / "state.json", "remove that checkpoint directory")
+        checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), may_change)
+    else:  # no checkpoint yet: config.json holds the run's settings, and no reference policy to compare
+        saved = hf.read_json(config, f"delete {config} to start a new run there")
+        checkpoint.check_resumable(config, {"config": saved, "reference": None}, asdict(cfg), None, may_change)
     # An extension stopped before it finished: config.json holds its larger --rl_steps (written at start-up),
     # summary.json the earlier finish's, its checkpoint is behind both. It continues as an unfinished run.
     saved = hf.read_json(config, f"re-create {config}") if summary.is_file() and config.is_file() else None
@@ -124,15 +112,21 @@ def check_resume(cfg) -> dict | None:
 
 
 @contextmanager
-def sft_dir_claimed(cfg, device):
-    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model there; every rank checks it (agreed)."""
-    pid_file, error = None, None
+def startup_checks(cfg, device):
+    """sft_dir, then out_dir, each agreed by every rank (one failing, on a node-local disk say, stops all); rank 0
+    writes config.json, and holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model there."""
+    out, pid_file = Path(cfg.out_dir), None
     try:
-        pid_file = _claim_sft_dir(cfg, sft_dir_of(cfg)) if cfg.init_from == "scratch" else None
-    except (ValueError, OSError) as e:
-        error = e
-    try:
-        agreed(error, device)
+        with agreed(device):
+            pid_file = _claim_sft_dir(cfg, sft_dir_of(cfg)) if cfg.init_from == "scratch" else None
+        with agreed(device):
+            _check_out_dir(cfg, out)
+        if scale.rank() == 0:
+            (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        scale.barrier()
+        check_shared(out, device)
+        print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
+        budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
         yield
     finally:
         if pid_file is not None:
@@ -160,26 +154,16 @@ def _claim_sft_dir(cfg, sft_dir: Path) -> Path | None:
     return pid_file
 
 
-def agreed(error: Exception | None, device) -> None:
-    """Raise error on every rank when any rank has one: a rank refusing alone would leave the others waiting."""
-    if scale.all_max(torch.tensor([int(error is not None)], device=device)).item():
-        raise error or ValueError("another rank failed its start-up checks (its message is above)")
-
-
-def startup_checks(cfg, device) -> None:
-    """On every rank, agreed (one rank failing, on a node-local disk say, stops all); then rank 0 writes config.json."""
-    out, error = Path(cfg.out_dir), None
+@contextmanager
+def agreed(device):
+    """The block's ValueError / OSError, raised on every rank when any rank has one (a lone refusal hangs the rest)."""
+    error = None
     try:
-        _check_out_dir(cfg, out)
+        yield
     except (ValueError, OSError) as e:
         error = e
-    agreed(error, device)
-    if scale.rank() == 0:
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-    scale.barrier()
-    check_shared(out, device)
-    print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
-    budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
+    if scale.all_max(torch.tensor([int(error is not None)], device=device)).item():
+        raise error or ValueError("another rank failed its start-up checks (its message is above)")
 
 
 def _check_out_dir(cfg, out: Path) -> None:
@@ -199,8 +183,7 @@ def _check_out_dir(cfg, out: Path) -> None:
                                     "LLaDA/MMaDA checkpoint directory")
         mc = hf.read_config(cfg.init_from)
         preset = getattr(cfg, "_preset_values", {})
-        other = [k for k in ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
-                 if k in preset and getattr(mc, k) != preset[k]]
+        other = [k for k in SCRATCH_SHAPE if k in preset and getattr(mc, k) != preset[k]]
         if other:  # the preset's lr, lengths and batch sizes were chosen for a model of its shape
             print0(f"warning: --preset {getattr(cfg, '_preset', None)} is set for a model with "
                    + ", ".join(f"{k}={preset[k]}" for k in other) + f", but {cfg.init_from} has "
@@ -211,8 +194,6 @@ def _check_out_dir(cfg, out: Path) -> None:
         if need > mc.max_sequence_length:
             raise ValueError(f"sequences of up to {need} tokens exceed the model's max_sequence_length "
                              f"({mc.max_sequence_length}); lower --max_prompt_len / --gen_length (or image sizes)")
-    else:
-        check_sft_cache(cfg)
     if cfg.checkpoint_every:
         present = len(checkpoint.complete(out)) if cfg.resume else 0  # already on the disk
         budget.check_disk(cfg, out, mc or budget.scratch_config(cfg, vocab_size=128), present)
@@ -231,8 +212,6 @@ def _check_out_dir(cfg, out: Path) -> None:
                          "rewritten), or choose another --out_dir")
     if not logged and (out / "log.jsonl").exists() and last is None:
         print0(f"out_dir {out} holds a run that took no RL step (its log.jsonl is empty): starting it again")
-    if last is not None:  # before anything is loaded or config.json is overwritten
-        _resumable(cfg, out)
     if scale.rank() == 0:
         claim_out_dir(out)
 
@@ -296,8 +275,7 @@ def explain_failure(e: BaseException, cfg) -> str | None:
                 "out of memory" in text.lower() or "can't allocate memory" in text.lower())):
             # the state's size: when it alone is over the GPU, no batch size helps
             total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-            too_big = total and budget.state_over_memory(cfg, scale.world(), total)
-            if too_big:
+            if too_big := total and budget.state_over_memory(cfg, scale.world(), total):
                 return f"out of memory ({text[:160]}): {too_big}; {kept_line(out)}"
             fewer = max(1, (cfg.device_batch_size or cfg.group_size * cfg.prompts_per_step) // 2)
             return (f"out of memory ({text[:160]}) with group_size={cfg.group_size}, prompts_per_step="
