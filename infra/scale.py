@@ -145,14 +145,11 @@ def _together(exc: BaseException | None) -> bool:
     return exc is None or (isinstance(exc, SystemExit) and (exc.code is None or isinstance(exc.code, int)))
 
 
-def close(ok: bool | None = None) -> None:
-    """Leave the process group (a no-op without one). ok (default: _together(the exception being handled)): a barrier
-    first, so no rank shuts down while gloo holds its tensors (SIGABRT); not ok, with peers: nothing, as a peer stuck
-    in a collective would make the barrier or NCCL's destroy_process_group wait."""
-    if not dist.is_initialized():
-        return
-    ok = _together(sys.exc_info()[1]) if ok is None else ok
-    if not ok and world() > 1:
+def close() -> None:
+    """Leave the process group (a no-op without one): on an exit every rank takes, a barrier first, so no rank shuts
+    down while gloo holds its tensors (SIGABRT); after an error, with peers, nothing, as a peer stuck in a collective
+    would make the barrier or NCCL's destroy_process_group wait."""
+    if not dist.is_initialized() or (world() > 1 and not _together(sys.exc_info()[1])):
         return
     try:
         barrier()
@@ -161,8 +158,7 @@ def close(ok: bool | None = None) -> None:
 
 
 def exit_status(exc: BaseException | None) -> int:
-    """The exit status Python gives a script that ends with exc (None: it returned), printing what Python would
-    print: SystemExit's message, KeyboardInterrupt's 128 + SIGINT, a traceback otherwise."""
+    """The status (and stderr) Python gives a script ending with exc (None: returned; Ctrl-C: 128 + SIGINT)."""
     if _together(exc):
         return 0 if exc is None else exc.code or 0
     if isinstance(exc, KeyboardInterrupt):
