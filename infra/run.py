@@ -273,9 +273,8 @@ def explain_failure(e: BaseException, cfg) -> str | None:
         text = str(x).splitlines()[0] if str(x) else type(x).__name__
         if isinstance(x, torch.OutOfMemoryError) or (isinstance(x, RuntimeError) and (
                 "out of memory" in text.lower() or "can't allocate memory" in text.lower())):
-            # the state's size: when it alone is over the GPU, no batch size helps
             total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-            if too_big := total and budget.state_over_memory(cfg, scale.world(), total):
+            if too_big := total and budget.state_over_memory(cfg, scale.world(), total):  # no batch size helps
                 return f"out of memory ({text[:160]}): {too_big}; {kept_line(out)}"
             fewer = max(1, (cfg.device_batch_size or cfg.group_size * cfg.prompts_per_step) // 2)
             return (f"out of memory ({text[:160]}) with group_size={cfg.group_size}, prompts_per_step="
@@ -430,8 +429,7 @@ class Run:
         except BaseException as e:  # DCP wraps a writer's OSError in CheckpointException, a BaseException
             if isinstance(e, KeyboardInterrupt) or not isinstance(e, Exception) and not hasattr(e, "failures"):
                 raise
-            # whatever the writer raised: the machine's reason when it is one, else the writer's own words
-            cause = ([x for x in root_causes(e) if isinstance(x, Exception)] or [e])[-1]
+            cause = ([x for x in root_causes(e) if isinstance(x, Exception)] or [e])[-1]  # the writer's own words
             message = explain_failure(e, self.cfg) or (f"{writer_error(cause)}; {kept_line(self.out)}; fix the "
                                                        f"cause, then continue with: {continue_command(self.out)}")
             if scale.rank() == 0:  # the half-written directory, never loaded, would only take the room
@@ -445,7 +443,6 @@ class Run:
         """Write final/ (policy, tokenizer, generation.json), summary.json (held-out rewards) and the pictures."""
         before, before_by_prompt = self.state["before"], self.state.get("before_by_prompt") or {}
         save_model(self.model, self.cfg, self.out / "final", tok, dtype)
-        # A reward that could not be measured (a scorer down: NaN) is null in summary.json, never a number.
         summary = {k: {"before": measured(before[k]), "after": measured(after[k])} for k in before}
         for k in summary:
             if len(before_by_prompt.get(k, ())) == len(after_by_prompt.get(k, ())) > 1:
@@ -460,7 +457,7 @@ class Run:
         return summary
 
 
-def measured(x):  # a finite number, else None (not measured)
+def measured(x):  # a finite number, else None: a reward not measured (a scorer down: NaN) is null in summary.json
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
