@@ -26,7 +26,6 @@ from infra.outdir import (PID_FILE, RESUMABLE, check_paths, check_shared, claim,
 from infra.scale import duration, print0
 from infra.sandbox import RemoteScorer
 from infra.cli import SCRATCH_SHAPE, resume_changes, setup
-from tasks import IMAGE_TASKS, task_list
 
 
 EVAL_BATCH = 64  # rows per data.evaluate batch
@@ -54,7 +53,7 @@ def start(cfg, argv, sft):
         opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                                 weight_decay=cfg.weight_decay)
     print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.mu} optimizer steps, {cfg.prompts_per_step} "
-           f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "
+           f"prompts x G={cfg.group_size} per task ({', '.join(tasks.task_list(cfg))}), {scale.world()} process(es); "
            f"steps count from 0, as in log.jsonl")
     return model, ref, opt, ctx, dtype, sft_seconds
 
@@ -149,8 +148,7 @@ def _claim_sft_dir(cfg, sft_dir: Path) -> Path | None:
         claim(pid_file, f"sft_dir {sft_dir}", "is being trained", "pass another --sft_dir",
               " (a run with the same settings then reuses its model)")
     except OSError as e:
-        raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass --sft_dir=a writable folder") \
-            from None
+        raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass a writable --sft_dir") from None
     return pid_file
 
 
@@ -189,7 +187,7 @@ def _check_out_dir(cfg, out: Path) -> None:
                    + ", ".join(f"{k}={preset[k]}" for k in other) + f", but {cfg.init_from} has "
                    + ", ".join(f"{k}={getattr(mc, k)}" for k in other)
                    + "; its config.json is used, and the preset's other settings may not suit it")
-        image = any(t in IMAGE_TASKS for t in task_list(cfg))
+        image = any(t in tasks.IMAGE_TASKS for t in tasks.task_list(cfg))
         need = (cfg.image_text_len or 64) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
         if need > mc.max_sequence_length:
             raise ValueError(f"sequences of up to {need} tokens exceed the model's max_sequence_length "
@@ -235,8 +233,8 @@ def dry_run(cfg, report):
 def eval_batches(ctx) -> int:
     """How many batches data.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
     cfg = ctx.cfg
-    return sum(-(-len(data.eval_examples(t, cfg, ctx.datasets)) * k // EVAL_BATCH) for t in task_list(cfg)
-               for k in ((cfg.eval_samples,) if t in IMAGE_TASKS else (cfg.eval_samples, 1)))
+    return sum(-(-len(data.eval_examples(t, cfg, ctx.datasets)) * k // EVAL_BATCH) for t in tasks.task_list(cfg)
+               for k in ((cfg.eval_samples,) if t in tasks.IMAGE_TASKS else (cfg.eval_samples, 1)))
 
 
 def paired_se(d: list) -> float:

@@ -276,10 +276,9 @@ def fill_shard(target: torch.Tensor, full: torch.Tensor) -> None:
     if isinstance(target, DTensor):
         if tuple(target.placements) != (Shard(0),):
             raise ValueError(f"fill_shard expects shard()'s dim-0 sharding, got {target.placements}")
-        mesh = target.device_mesh
-        parts = full.chunk(mesh.size())
-        full = parts[mesh.get_local_rank()] if mesh.get_local_rank() < len(parts) else full[:0]
+        parts, i = full.chunk(target.device_mesh.size()), target.device_mesh.get_local_rank()
+        full = parts[i] if i < len(parts) else full[:0]
         target = target.to_local()
     if target.shape != full.shape:  # a different split rule would otherwise copy the wrong rows
-        raise ValueError(f"local shard {tuple(target.shape)} does not match rows {tuple(full.shape)} of the full tensor")
+        raise ValueError(f"local shard {tuple(target.shape)} does not match rows {tuple(full.shape)} of the source")
     target.copy_(full)
