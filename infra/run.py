@@ -17,7 +17,6 @@ import torch
 
 import tasks
 from infra import budget, checkpoint, data, hf, scale
-from infra.data import load_data
 from sample import FastSampler
 from infra.load import (WriteFailed, check_sft_cache, load_policy, reference_identity, refuse_training_checkpoint,
                         report_truncation, save_model, sft_dir_of, writer_error)
@@ -26,8 +25,7 @@ from infra.outdir import (PID_FILE, RESUMABLE, check_paths, check_shared, claim,
                           root_causes, show, start_up, step_lines, step_of, write_pictures)
 from infra.scale import duration, print0
 from infra.sandbox import RemoteScorer
-from infra.cli import resume_changes, setup
-from tasks import IMAGE_TASKS, task_list
+from infra.cli import SCRATCH_SHAPE, resume_changes, setup
 
 
 EVAL_BATCH = 64  # rows per data.evaluate batch
@@ -45,9 +43,8 @@ def start(cfg, argv, sft):
         if finished is not None:
             return finished
         device, dtype = setup(cfg)
-        datasets = load_data(cfg)       # malformed data fails here, before any model is loaded
-        with sft_dir_claimed(cfg, device):
-            startup_checks(cfg, device)
+        datasets = data.load_data(cfg)       # malformed data fails here, before any model is loaded
+        with startup_checks(cfg, device):
             scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
             model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
         fast = FastSampler(cfg.kv_cache, cfg.threshold) if cfg.kv_cache != "none" or cfg.threshold > 0 else None
@@ -56,17 +53,9 @@ def start(cfg, argv, sft):
         opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                                 weight_decay=cfg.weight_decay)
     print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.mu} optimizer steps, {cfg.prompts_per_step} "
-           f"prompts x G={cfg.group_size} per task ({', '.join(task_list(cfg))}), {scale.world()} process(es); "
+           f"prompts x G={cfg.group_size} per task ({', '.join(tasks.task_list(cfg))}), {scale.world()} process(es); "
            f"steps count from 0, as in log.jsonl")
     return model, ref, opt, ctx, dtype, sft_seconds
-
-
-def _resumable(cfg, out: Path) -> tuple[Path, dict]:
-    """The intact checkpoint a resume continues from, and its state; refused when the settings would change it."""
-    last = resume_point(out)
-    state = hf.read_json(last / "state.json", "remove that checkpoint directory")
-    checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), RESUMABLE + resume_changes(cfg))
-    return last, state
 
 
 def check_resume(cfg) -> dict | None:
@@ -75,20 +64,18 @@ def check_resume(cfg) -> dict | None:
         raise ValueError("--extend=true continues a finished run: pass --resume=true with it (and a larger --rl_steps)")
     if not cfg.resume:
         return None
-    out = Path(cfg.out_dir)
+    out, may_change = Path(cfg.out_dir), RESUMABLE + resume_changes(cfg)
     last, config, summary = checkpoint.latest(out), out / "config.json", out / "summary.json"
     if last is None and not config.is_file():
         raise ValueError(f"--resume: out_dir {out} holds no run (no config.json, no {checkpoint.DIRNAME}/); check "
                          "the path, or drop --resume to start a new run there")
     if last is not None:  # the real conflicts first: the SFT cache check would name only the SFT settings
-        last, state = _resumable(cfg, out)
-    else:
-        saved, here = hf.read_json(config, f"delete {config} to start a new run there"), asdict(cfg)
-        changed = sorted(k for k, v in here.items() if k not in RESUMABLE + resume_changes(cfg) and saved.get(k) != v)
-        if changed:
-            raise ValueError(f"cannot resume {out}: these settings differ from the saved run ({config}): "
-                             + ", ".join(f"{k} {saved.get(k)!r} -> {here[k]!r}" for k in changed)
-                             + checkpoint.changeable_hint(changed))
+        last = resume_point(out)
+        state = hf.read_json(last / "state.json", "remove that checkpoint directory")
+        checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), may_change)
+    else:  # no checkpoint yet: config.json holds the run's settings, and no reference policy to compare
+        saved = hf.read_json(config, f"delete {config} to start a new run there")
+        checkpoint.check_resumable(config, {"config": saved, "reference": None}, asdict(cfg), None, may_change)
     # An extension stopped before it finished: config.json holds its larger --rl_steps (written at start-up),
     # summary.json the earlier finish's, its checkpoint is behind both. It continues as an unfinished run.
     saved = hf.read_json(config, f"re-create {config}") if summary.is_file() and config.is_file() else None
@@ -124,15 +111,21 @@ def check_resume(cfg) -> dict | None:
 
 
 @contextmanager
-def sft_dir_claimed(cfg, device):
-    """Rank 0 holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model there; every rank checks it (agreed)."""
-    pid_file, error = None, None
+def startup_checks(cfg, device):
+    """sft_dir, then out_dir, each agreed by every rank (one failing, on a node-local disk say, stops all); rank 0
+    writes config.json, and holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model there."""
+    out, pid_file = Path(cfg.out_dir), None
     try:
-        pid_file = _claim_sft_dir(cfg, sft_dir_of(cfg)) if cfg.init_from == "scratch" else None
-    except (ValueError, OSError) as e:
-        error = e
-    try:
-        agreed(error, device)
+        with agreed(device):
+            pid_file = _claim_sft_dir(cfg, sft_dir_of(cfg)) if cfg.init_from == "scratch" else None
+        with agreed(device):
+            _check_out_dir(cfg, out)
+        if scale.rank() == 0:
+            (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        scale.barrier()
+        check_shared(out, device)
+        print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
+        budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
         yield
     finally:
         if pid_file is not None:
@@ -155,31 +148,20 @@ def _claim_sft_dir(cfg, sft_dir: Path) -> Path | None:
         claim(pid_file, f"sft_dir {sft_dir}", "is being trained", "pass another --sft_dir",
               " (a run with the same settings then reuses its model)")
     except OSError as e:
-        raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass --sft_dir=a writable folder") \
-            from None
+        raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass a writable --sft_dir") from None
     return pid_file
 
 
-def agreed(error: Exception | None, device) -> None:
-    """Raise error on every rank when any rank has one: a rank refusing alone would leave the others waiting."""
-    if scale.all_max(torch.tensor([int(error is not None)], device=device)).item():
-        raise error or ValueError("another rank failed its start-up checks (its message is above)")
-
-
-def startup_checks(cfg, device) -> None:
-    """On every rank, agreed (one rank failing, on a node-local disk say, stops all); then rank 0 writes config.json."""
-    out, error = Path(cfg.out_dir), None
+@contextmanager
+def agreed(device):
+    """The block's ValueError / OSError, raised on every rank when any rank has one (a lone refusal hangs the rest)."""
+    error = None
     try:
-        _check_out_dir(cfg, out)
+        yield
     except (ValueError, OSError) as e:
         error = e
-    agreed(error, device)
-    if scale.rank() == 0:
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-    scale.barrier()
-    check_shared(out, device)
-    print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
-    budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
+    if scale.all_max(torch.tensor([int(error is not None)], device=device)).item():
+        raise error or ValueError("another rank failed its start-up checks (its message is above)")
 
 
 def _check_out_dir(cfg, out: Path) -> None:
@@ -199,20 +181,17 @@ def _check_out_dir(cfg, out: Path) -> None:
                                     "LLaDA/MMaDA checkpoint directory")
         mc = hf.read_config(cfg.init_from)
         preset = getattr(cfg, "_preset_values", {})
-        other = [k for k in ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
-                 if k in preset and getattr(mc, k) != preset[k]]
+        other = [k for k in SCRATCH_SHAPE if k in preset and getattr(mc, k) != preset[k]]
         if other:  # the preset's lr, lengths and batch sizes were chosen for a model of its shape
             print0(f"warning: --preset {getattr(cfg, '_preset', None)} is set for a model with "
                    + ", ".join(f"{k}={preset[k]}" for k in other) + f", but {cfg.init_from} has "
                    + ", ".join(f"{k}={getattr(mc, k)}" for k in other)
                    + "; its config.json is used, and the preset's other settings may not suit it")
-        image = any(t in IMAGE_TASKS for t in task_list(cfg))
+        image = any(t in tasks.IMAGE_TASKS for t in tasks.task_list(cfg))
         need = (cfg.image_text_len or 64) + cfg.image_width ** 2 + 2 if image else cfg.max_prompt_len + cfg.gen_length
         if need > mc.max_sequence_length:
             raise ValueError(f"sequences of up to {need} tokens exceed the model's max_sequence_length "
                              f"({mc.max_sequence_length}); lower --max_prompt_len / --gen_length (or image sizes)")
-    else:
-        check_sft_cache(cfg)
     if cfg.checkpoint_every:
         present = len(checkpoint.complete(out)) if cfg.resume else 0  # already on the disk
         budget.check_disk(cfg, out, mc or budget.scratch_config(cfg, vocab_size=128), present)
@@ -231,8 +210,6 @@ def _check_out_dir(cfg, out: Path) -> None:
                          "rewritten), or choose another --out_dir")
     if not logged and (out / "log.jsonl").exists() and last is None:
         print0(f"out_dir {out} holds a run that took no RL step (its log.jsonl is empty): starting it again")
-    if last is not None:  # before anything is loaded or config.json is overwritten
-        _resumable(cfg, out)
     if scale.rank() == 0:
         claim_out_dir(out)
 
@@ -256,8 +233,8 @@ def dry_run(cfg, report):
 def eval_batches(ctx) -> int:
     """How many batches data.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
     cfg = ctx.cfg
-    return sum(-(-len(data.eval_examples(t, cfg, ctx.datasets)) * k // EVAL_BATCH) for t in task_list(cfg)
-               for k in ((cfg.eval_samples,) if t in IMAGE_TASKS else (cfg.eval_samples, 1)))
+    return sum(-(-len(data.eval_examples(t, cfg, ctx.datasets)) * k // EVAL_BATCH) for t in tasks.task_list(cfg)
+               for k in ((cfg.eval_samples,) if t in tasks.IMAGE_TASKS else (cfg.eval_samples, 1)))
 
 
 def paired_se(d: list) -> float:
@@ -294,10 +271,8 @@ def explain_failure(e: BaseException, cfg) -> str | None:
         text = str(x).splitlines()[0] if str(x) else type(x).__name__
         if isinstance(x, torch.OutOfMemoryError) or (isinstance(x, RuntimeError) and (
                 "out of memory" in text.lower() or "can't allocate memory" in text.lower())):
-            # the state's size: when it alone is over the GPU, no batch size helps
             total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-            too_big = total and budget.state_over_memory(cfg, scale.world(), total)
-            if too_big:
+            if too_big := total and budget.state_over_memory(cfg, scale.world(), total):  # no batch size helps
                 return f"out of memory ({text[:160]}): {too_big}; {kept_line(out)}"
             fewer = max(1, (cfg.device_batch_size or cfg.group_size * cfg.prompts_per_step) // 2)
             return (f"out of memory ({text[:160]}) with group_size={cfg.group_size}, prompts_per_step="
@@ -452,8 +427,7 @@ class Run:
         except BaseException as e:  # DCP wraps a writer's OSError in CheckpointException, a BaseException
             if isinstance(e, KeyboardInterrupt) or not isinstance(e, Exception) and not hasattr(e, "failures"):
                 raise
-            # whatever the writer raised: the machine's reason when it is one, else the writer's own words
-            cause = ([x for x in root_causes(e) if isinstance(x, Exception)] or [e])[-1]
+            cause = ([x for x in root_causes(e) if isinstance(x, Exception)] or [e])[-1]  # the writer's own words
             message = explain_failure(e, self.cfg) or (f"{writer_error(cause)}; {kept_line(self.out)}; fix the "
                                                        f"cause, then continue with: {continue_command(self.out)}")
             if scale.rank() == 0:  # the half-written directory, never loaded, would only take the room
@@ -467,7 +441,6 @@ class Run:
         """Write final/ (policy, tokenizer, generation.json), summary.json (held-out rewards) and the pictures."""
         before, before_by_prompt = self.state["before"], self.state.get("before_by_prompt") or {}
         save_model(self.model, self.cfg, self.out / "final", tok, dtype)
-        # A reward that could not be measured (a scorer down: NaN) is null in summary.json, never a number.
         summary = {k: {"before": measured(before[k]), "after": measured(after[k])} for k in before}
         for k in summary:
             if len(before_by_prompt.get(k, ())) == len(after_by_prompt.get(k, ())) > 1:
@@ -482,7 +455,7 @@ class Run:
         return summary
 
 
-def measured(x):  # a finite number, else None (not measured)
+def measured(x):  # a finite number, else None: a reward not measured (a scorer down: NaN) is null in summary.json
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 

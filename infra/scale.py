@@ -1,9 +1,8 @@
 """Running at scale (`torchrun --nproc_per_node=8 train.py ...`): process groups, FSDP2 sharding, reductions.
 
-In one process every function here is a no-op or the identity, so train.py has one code path. With WORLD_SIZE > 1
-the model is sharded with FSDP2 (NCCL on CUDA, gloo on CPU as the tests run). The world size changes no result:
-random numbers come from generators seeded by (seed, step, global prompt index), every rank builds the global batch
-and keeps its own rows, and the collectives only move rewards, token counts and statistics.
+In one process every function here is a no-op or the identity, so train.py has one code path. The world size changes
+no result: random numbers come from generators seeded by (seed, step, global prompt index), every rank builds the
+global batch and keeps its own rows, and the collectives move only rewards, token counts and statistics.
 """
 from __future__ import annotations
 
@@ -51,15 +50,12 @@ def init(device_name: str) -> torch.device:
     want_cuda = device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available())
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return torch.device(("cuda" if want_cuda else "cpu") if device_name == "auto" else device_name)
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # NCCL on CUDA, gloo on the CPU (as the tests run)
         check_torch()
-        timeout = collective_timeout()
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if want_cuda else None
         if want_cuda:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
-            dist.init_process_group("nccl", timeout=timeout, device_id=device)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("nccl" if want_cuda else "gloo", timeout=collective_timeout(), device_id=device)
         _watch_peers()
     return torch.device("cuda", torch.cuda.current_device()) if want_cuda else torch.device("cpu")
 
@@ -145,20 +141,15 @@ def barrier() -> None:
 
 
 def _together(exc: BaseException | None) -> bool:
-    """Whether ending with exc is an exit every rank takes together: none (returned), or SystemExit with an integer
-    status (train.py's stop on a signal, agreed over ranks). Errors and KeyboardInterrupt may be one rank's alone."""
+    """Whether every rank ends with exc together: None (returned) or an integer SystemExit (a stop agreed by ranks)."""
     return exc is None or (isinstance(exc, SystemExit) and (exc.code is None or isinstance(exc.code, int)))
 
 
-def close(ok: bool | None = None) -> None:
-    """Leave the process group once per process (process_exit does); a no-op without a group. ok: every rank leaves
-    together (None: _together(the exception being handled)). If so, the barrier first lets every last collective
-    complete, so no rank shuts down while gloo still holds its tensors (SIGABRT); if not, with other ranks, nothing
-    is done: a peer may be stuck in a collective that a barrier or NCCL's destroy_process_group would wait for."""
-    if not dist.is_initialized():
-        return
-    ok = _together(sys.exc_info()[1]) if ok is None else ok
-    if not ok and world() > 1:
+def close() -> None:
+    """Leave the process group (a no-op without one): on an exit every rank takes, a barrier first, so no rank shuts
+    down while gloo holds its tensors (SIGABRT); after an error, with peers, nothing, as a peer stuck in a collective
+    would make the barrier or NCCL's destroy_process_group wait."""
+    if not dist.is_initialized() or (world() > 1 and not _together(sys.exc_info()[1])):
         return
     try:
         barrier()
@@ -167,8 +158,7 @@ def close(ok: bool | None = None) -> None:
 
 
 def exit_status(exc: BaseException | None) -> int:
-    """The exit status Python gives a script that ends with exc (None: it returned), printing what Python would
-    print: SystemExit's message, KeyboardInterrupt's 128 + SIGINT, a traceback otherwise."""
+    """The status (and stderr) Python gives a script ending with exc (None: returned; Ctrl-C: 128 + SIGINT)."""
     if _together(exc):
         return 0 if exc is None else exc.code or 0
     if isinstance(exc, KeyboardInterrupt):
@@ -182,10 +172,9 @@ def exit_status(exc: BaseException | None) -> int:
 
 @contextlib.contextmanager
 def process_exit():
-    """Wrap an entry point's body (`with scale.process_exit(): main()`): on every way out it closes the group, and a
-    torchrun rank then ends at once (os._exit) with the status Python would give it; one process is left alone. Why:
-    gloo's threads still run after destroy_process_group once FSDP2 has run (torch 2.13, CPU), and interpreter
-    teardown freeing what they hold ends in SIGABRT. Every file of the run is closed (fsynced) by then."""
+    """`with scale.process_exit(): main()` closes the group on every way out; a torchrun rank then ends at once
+    (os._exit) with Python's status, as gloo's threads outlive destroy_process_group once FSDP2 has run (torch 2.13,
+    CPU) and interpreter teardown would end in SIGABRT. One process is left alone; every file is closed by then."""
     launched, status = int(os.environ.get("WORLD_SIZE", "1")) > 1, 0
     try:
         try:
@@ -287,10 +276,9 @@ def fill_shard(target: torch.Tensor, full: torch.Tensor) -> None:
     if isinstance(target, DTensor):
         if tuple(target.placements) != (Shard(0),):
             raise ValueError(f"fill_shard expects shard()'s dim-0 sharding, got {target.placements}")
-        mesh = target.device_mesh
-        parts = full.chunk(mesh.size())
-        full = parts[mesh.get_local_rank()] if mesh.get_local_rank() < len(parts) else full[:0]
+        parts, i = full.chunk(target.device_mesh.size()), target.device_mesh.get_local_rank()
+        full = parts[i] if i < len(parts) else full[:0]
         target = target.to_local()
     if target.shape != full.shape:  # a different split rule would otherwise copy the wrong rows
-        raise ValueError(f"local shard {tuple(target.shape)} does not match rows {tuple(full.shape)} of the full tensor")
+        raise ValueError(f"local shard {tuple(target.shape)} does not match rows {tuple(full.shape)} of the source")
     target.copy_(full)

@@ -24,7 +24,7 @@ import train
 from infra import checkpoint, scale
 from infra.load import check_sft_cache
 from infra.outdir import PID_FILE, RESUMABLE, release
-from infra.run import Run, TrainingStopped, startup_checks
+from infra.run import Run, TrainingStopped, check_resume, startup_checks
 
 CPU = torch.device("cpu")
 
@@ -132,7 +132,8 @@ def test_a_leftover_tmp_directory_neither_blocks_a_fresh_start_nor_a_resume(tmp_
     fresh = tmp_path / "fresh"
     _fake_checkpoint(fresh / "checkpoints" / "step-00000004.tmp", 4)
     try:
-        startup_checks(config(fresh, "--checkpoint_every=0"), CPU)  # no ValueError
+        with startup_checks(config(fresh, "--checkpoint_every=0"), CPU):  # no ValueError
+            pass
     finally:
         release(fresh / PID_FILE)
 
@@ -140,8 +141,10 @@ def test_a_leftover_tmp_directory_neither_blocks_a_fresh_start_nor_a_resume(tmp_
     run_steps(config(out, "--checkpoint_every=1", "--rl_steps=1"), [GOOD(0)])
     shutil.copytree(out / "checkpoints" / "step-00000001", out / "checkpoints" / "step-00000002.tmp")
     cfg = config(out, "--checkpoint_every=1", "--rl_steps=3", "--resume=true")
+    assert check_resume(cfg) is None
     try:
-        startup_checks(cfg, CPU)
+        with startup_checks(cfg, CPU):
+            pass
     finally:
         release(out / PID_FILE)
     run = run_steps(cfg, [])
@@ -213,21 +216,18 @@ def test_resume_refuses_every_setting_but_the_listed_ones():
     ("--grad_clip=0.05", "grad_clip 1.0 -> 0.05 (to change grad_clip from here on, which log.jsonl then records, add "
                          "--change_on_resume=grad_clip)"),
     ("--lr=0.5 --change_on_resume=lr", None), ("--grad_clip=0.05 --change_on_resume=grad_clip", None)])
-def test_startup_checks_apply_the_list(tmp_path, flag, refused):
+def test_check_resume_applies_the_list(tmp_path, flag, refused):
     """The check train.main runs before loading anything, on a real checkpoint: a seed-0 run resumed with
     --seed=1 is refused (every random draw derives from it); --lr and --grad_clip change only when
     --change_on_resume names them."""
     out = tmp_path / "run"
     run_steps(config(out, "--checkpoint_every=1", "--rl_steps=1"), [GOOD(0)])
     cfg = config(out, "--checkpoint_every=1", "--rl_steps=2", "--resume=true", *flag.split())
-    try:
-        if refused:
-            with pytest.raises(ValueError, match=rf"these settings differ from the saved run: {re.escape(refused)}$"):
-                startup_checks(cfg, CPU)
-        else:
-            startup_checks(cfg, CPU)
-    finally:
-        release(out / PID_FILE)
+    if refused:
+        with pytest.raises(ValueError, match=rf"these settings differ from the saved run: {re.escape(refused)}$"):
+            check_resume(cfg)
+    else:
+        assert check_resume(cfg) is None
 
 
 def test_resume_restores_the_run_and_takes_the_new_lr(tmp_path):

@@ -72,7 +72,7 @@ def test_signal_during_model_loading_stops_at_once(sft_dir, tmp_path, monkeypatc
 
 def test_signal_while_loading_data_stops_at_once(tmp_path, monkeypatch, capsys):
     from infra import run  # train.main's start-up (infra/run.start) loads the data
-    calls = signal_on_call(monkeypatch, run, "load_data", 1, signal.SIGTERM)
+    calls = signal_on_call(monkeypatch, run.data, "load_data", 1, signal.SIGTERM)
     with pytest.raises(SystemExit) as e:
         train.main([*TINY, f"--out_dir={tmp_path / 'run'}"])
     assert e.value.code == 128 + signal.SIGTERM and calls["n"] == 1
@@ -274,7 +274,7 @@ def test_resume_names_the_real_conflicts(sft_dir, finished_with_checkpoint, tmp_
         train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1", "--checkpoint_every=1",
                     "--resume=true", "--seed=1", "--group_size=3"])
     msg = str(e.value)
-    assert f"cannot resume {out}: these settings differ from the saved run ({out / 'config.json'}): " in msg, msg
+    assert f"cannot resume {out / 'config.json'}: these settings differ from the saved run: " in msg, msg
     assert "seed 0 -> 1" in msg and "group_size 4 -> 3" in msg and "retrain_sft" not in msg, msg
 
 

@@ -135,15 +135,19 @@ def test_close_after_an_error_neither_waits_nor_destroys(monkeypatch):
     monkeypatch.setattr(scale.dist, "get_backend", lambda: "gloo")
     monkeypatch.setattr(scale.dist, "barrier", lambda **k: calls.append("barrier"))
     monkeypatch.setattr(scale.dist, "destroy_process_group", lambda: calls.append("destroy"))
-    scale.close(ok=False)
+    for error in (RuntimeError("a rank's own error"), KeyboardInterrupt(), SystemExit("error: bad flag")):
+        try:
+            raise error
+        except BaseException:
+            scale.close()
     assert calls == []
     try:
-        raise RuntimeError("a rank's own error")
-    except RuntimeError:
+        raise SystemExit(143)  # a stop every rank agreed on
+    except SystemExit:
         scale.close()
-    assert calls == []
-    scale.close(ok=True)
     assert calls == ["barrier", "destroy"]
+    scale.close()  # a clean exit
+    assert calls == ["barrier", "destroy"] * 2
 
 
 def test_exit_status_is_pythons(capsys):
@@ -175,7 +179,10 @@ def test_close_is_safe_without_a_group():
     """scale.close is a no-op in one process and after --dry_run (no group), and may be called twice."""
     from infra import scale
     scale.close()
-    scale.close(ok=False)
+    try:
+        raise RuntimeError("a rank's own error")
+    except RuntimeError:
+        scale.close()
 
 
 def test_torch_older_than_the_floor_is_refused_in_one_line():

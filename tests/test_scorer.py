@@ -6,6 +6,7 @@ each test well under a second.
 
 Run: python -m pytest tests/test_scorer.py -q
 """
+import contextlib
 import json
 import socket
 import time
@@ -193,8 +194,8 @@ def test_the_timeout_is_a_flag(monkeypatch, tmp_path):
             raise SystemExit("stop after the scorer is built")
 
     monkeypatch.setattr(run, "RemoteScorer", Spy)
-    monkeypatch.setattr(run, "load_data", lambda cfg: {})
-    monkeypatch.setattr(run, "startup_checks", lambda cfg, device: None)
+    monkeypatch.setattr(run.data, "load_data", lambda cfg: {})
+    monkeypatch.setattr(run, "startup_checks", lambda cfg, device: contextlib.nullcontext())
     monkeypatch.setattr(run, "check_resume", lambda cfg: None)
     with pytest.raises(SystemExit, match="stop after the scorer"):
         train.main(["--preset=mmada8b", f"--train_data=geneval={tmp_path / 'unread.jsonl'}", "--threads=1",
