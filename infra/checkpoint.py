@@ -242,8 +242,8 @@ def graceful_stop(doing: str = "finishing this step, then writing a checkpoint",
             raise Aborted(signum)
         if not flag["signal"]:
             flag["signal"], flag["at"] = signum, time.monotonic()
-            again = f"; a second signal (Ctrl-C again, after {REPEAT_WINDOW:.0f} s) stops at once: {abort()}" \
-                if abort else ""
+            how = "Ctrl-C again" if signum == signal.SIGINT else f"another {signal.Signals(signum).name} or Ctrl-C"
+            again = f"; a second signal ({how}, after {REPEAT_WINDOW:.0f} s) stops at once: {abort()}" if abort else ""
             away_from_gone_output()
             _say_in_handler(f"caught {signal.Signals(signum).name}: {flag['doing']}{again}")
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}

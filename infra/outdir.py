@@ -280,18 +280,24 @@ def holding():
 
 @contextmanager
 def before_rl(run):
-    """A signal stops the evaluation before RL after a batch; the empty logs are removed (no step was taken)."""
+    """A signal stops the evaluation before RL after a batch, a second one at once; the empty logs are removed (no
+    step was taken)."""
+    doing, run.signal["doing"] = run.signal["doing"], "finishing this evaluation batch, then stopping"
     try:
         yield
-    except Stopped as s:
+    except (Stopped, KeyboardInterrupt) as s:
         for p in (run.out / "log.jsonl", run.out / "times.jsonl") if scale.rank() == 0 else ():
             if p.is_file() and p.stat().st_size == 0:
                 p.unlink()
         sft_dir = run.cfg.sft_dir or run.out / "sft"
         kept = f"the SFT model in {sft_dir} is kept; " if run.cfg.init_from == "scratch" else ""
-        print0(f"stopped by {s} during the held-out evaluation before RL: no RL step was taken, so no checkpoint "
+        how = f"stopped by {s}" if isinstance(s, Stopped) else f"aborted by a second {s}" \
+            if isinstance(s, checkpoint.Aborted) else "aborted by Ctrl-C"
+        print0(f"{how} during the held-out evaluation before RL: no RL step was taken, so no checkpoint "
                f"was written ({kept}the evaluation starts again); continue with: {resume_command()}")
-        raise SystemExit(128 + s.signum) from None
+        raise SystemExit(128 + getattr(s, "signum", signal.SIGINT)) from None
+    finally:
+        run.signal["doing"] = doing
 
 
 @contextmanager
@@ -303,6 +309,8 @@ def rl_steps(run):
         return last, f"steps {step_of(last)} to {run.done}" if many else f"step {run.done}", many
 
     def abort() -> str:
+        if run.state["before"] is None:  # in the evaluation before RL (before_rl)
+            return "no RL step was taken, so nothing more is lost (the evaluation before RL starts again)"
         last, steps, _ = lost()
         return (f"{steps} would be lost and the run would continue from {last}" if last else
                 f"no checkpoint exists yet, so {steps} would be lost and the run would restart from step 0")

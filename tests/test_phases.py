@@ -127,6 +127,7 @@ def test_signal_during_final_evaluation_keeps_the_last_step(sft_dir, tmp_path, m
 @pytest.mark.parametrize("module,name,n,sig,where", [
     (train, "rl_step", 1, signal.SIGHUP, "RL step 0: step 0 is lost"),
     (data, "evaluate", 4, signal.SIGTERM, "the final evaluation or save: {last} holds the model after all 1 RL"),
+    (data, "evaluate", 1, signal.SIGTERM, "the held-out evaluation before RL: no RL step was taken"),
 ])
 def test_a_second_signal_is_named_as_sent(sft_dir, tmp_path, monkeypatch, capsys, module, name, n, sig, where):
     """A second SIGTERM or SIGHUP (a scheduler's or a closed terminal's, not Ctrl-C) drops the work at once: its
@@ -140,8 +141,12 @@ def test_a_second_signal_is_named_as_sent(sft_dir, tmp_path, monkeypatch, capsys
     assert e.value.code == 128 + sig and calls["n"] == n
     text = capsys.readouterr().out
     last = out / "checkpoints" / "step-00000001"
-    assert f"caught {sig.name}: " in text and "SIGINT" not in text, text
+    assert f"caught {sig.name}: " in text and "SIGINT" not in text and "Ctrl-C again" not in text, text
+    assert f"a second signal (another {sig.name} or Ctrl-C, after" in text, text
     assert f"aborted by a second {sig.name} during {where.format(last=last)}" in text, text
+    if "before RL" in where:  # the caught line says what the evaluation's stop does and loses, not an RL step's
+        assert "finishing this evaluation batch, then stopping" in text and "RL step 0" not in text, text
+        assert "stops at once: no RL step was taken, so nothing more is lost" in text, text
 
 
 def test_a_second_signal_while_the_stop_writes_the_checkpoint(sft_dir, tmp_path, monkeypatch, capsys):
