@@ -7,6 +7,7 @@ a wrong answer is never accepted, a right one in an unknown form may be ("1.414"
 """
 from __future__ import annotations
 
+import cmath
 import math
 import re
 from fractions import Fraction
@@ -15,9 +16,7 @@ from functools import lru_cache
 MAX_ANSWER_CHARS = 1000  # beyond this an answer is compared verbatim: normalising it buys nothing
 _MAX_BITS, _MAX_FACTORIAL, _MAX_DEPTH, _MAX_ROOT = 4096, 200, 40, 12  # refused: larger Fractions, n!, nesting, roots
 
-# -----------------------------------------------------------------------------------------------------
 # stage 1: a canonical string
-
 _UNIT_SUFFIX = re.compile(r"(.+?)\\(?:text|mbox|mathrm)\{\s*[a-zA-Z][a-zA-Z ]*\}(?:\^\{?\d\}?)?", re.S)
 _UNIT_WORDS = (r"units?|cm|mm|km|meters?|metres?|centimeters?|inch(?:es)?|feet|foot|ft|yards?|miles?|mph|"
                r"degrees?|dollars?|cents?|seconds?|minutes?|hours?|days?|weeks?|years?|pounds?|ounces?|"
@@ -39,8 +38,7 @@ def normalize_math(s: str) -> str:
     s = re.sub(r",\s*\\!\s*", ",", s)  # 11,\! 111: a thousands comma, whatever the spaces around it
     s = re.sub(r"(\\\\)|\\[!,;: ]|~", lambda m: m.group(1) or "", s)  # spacing, but keep \\ row breaks
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|°", "", s)
-    for junk in ("\\%", "%", "\\$", "$"):
-        s = s.replace(junk, "")
+    s = re.sub(r"\\?\$", "", re.sub(r"\\?%", "", s))  # \% and % first, then \$ and $
     s = s.strip().rstrip(".").strip()
     unit = _UNIT_SUFFIX.fullmatch(s) or _PLAIN_UNIT.fullmatch(s)  # "15\mbox{ cm}^2", "12 cm" -> the number
     s = unit.group(1).strip() if unit else s  # a lone \text{Evelyn} is the answer: a unit needs a number first
@@ -56,11 +54,8 @@ def normalize_math(s: str) -> str:
     return s.lower() if s.isalpha() and len(s) > 2 else s  # text answers: "East" == "east"
 
 
-# -----------------------------------------------------------------------------------------------------
 # stage 2: a value is (re, im) Fractions while exact, else a complex float; every operation raises _Refuse
 # rather than build a huge or undefined number.
-
-
 class _Refuse(Exception):
     """Not a constant we evaluate (a variable, an unknown command), or too large: compare as strings."""
 
@@ -71,11 +66,9 @@ _ONE, _MINUS_ONE = (Fraction(1), Fraction(0)), (Fraction(-1), Fraction(0))
 
 
 def _check(v):
-    if isinstance(v, tuple):
-        if max(max(q.numerator.bit_length(), q.denominator.bit_length()) for q in v) > _MAX_BITS:
-            raise _Refuse("too large")
-    elif not (math.isfinite(v.real) and math.isfinite(v.imag)):
-        raise _Refuse("not finite")
+    if not (max(max(q.numerator.bit_length(), q.denominator.bit_length()) for q in v) <= _MAX_BITS
+            if isinstance(v, tuple) else cmath.isfinite(v)):
+        raise _Refuse("too large or not finite")
     return v
 
 
@@ -112,10 +105,8 @@ def _root(a, n: int):
     num, den = (round(x ** (1 / n)) if x < 2 ** 1000 else -1 for x in (q.numerator, q.denominator))
     exact = num >= 0 and den > 0 and num ** n == q.numerator and den ** n == q.denominator
     r = Fraction(num, den) if exact else float(q) ** (1 / n)
-    if a[0] < 0 and n == 2:  # \sqrt{-9} = 3i
-        return (Fraction(0), r) if isinstance(r, Fraction) else complex(0, r)
-    sign = -1 if a[0] < 0 else 1  # an odd root: even ones of negatives were refused or made imaginary above
-    return (sign * r, Fraction(0)) if isinstance(r, Fraction) else complex(sign * r)
+    x, y = (0, r) if a[0] < 0 and n == 2 else (-r if a[0] < 0 else r, 0)  # \sqrt{-9} = 3i; an odd root keeps the sign
+    return (Fraction(x), Fraction(y)) if exact else complex(x, y)
 
 
 def _pow(a, b):
@@ -266,10 +257,7 @@ def value(s: str):
     return result if parser.peek() is None else None  # trailing tokens: not one expression
 
 
-# -----------------------------------------------------------------------------------------------------
 # stage 3: structure
-
-
 def _split_top(s: str, sep: str) -> list[str]:
     """Split at `sep` outside any (), [] or {} (an interval like (3,4] closes with a different bracket)."""
     parts, depth, start = [], 0, 0
