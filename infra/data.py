@@ -279,8 +279,7 @@ def evaluate_all(model, ctx: tasks.Ctx, prompt_means: dict | None = None, stop=N
 def image_snapshot(model, ctx: tasks.Ctx) -> list | None:
     """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the before and
     after pictures differ only by the policy. None without the toy image task."""
-    exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS] if "image" in tasks.task_list(ctx.cfg) else []
-    if not exs:
+    if "image" not in tasks.task_list(ctx.cfg) or not (exs := eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS]):
         return None
     b = tasks.make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)
     gens = [generator(ctx.device, ctx.cfg.seed, "grid", i) for i in range(len(exs))]
