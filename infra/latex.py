@@ -22,10 +22,6 @@ _UNIT_WORDS = (r"units?|cm|mm|km|meters?|metres?|centimeters?|inch(?:es)?|feet|f
                r"degrees?|dollars?|cents?|seconds?|minutes?|hours?|days?|weeks?|years?|pounds?|ounces?|"
                r"gallons?|liters?|litres?|grams?|kg")
 _PLAIN_UNIT = re.compile(rf"(.*?[0-9}}])\s*(?:(?:square|sq|cubic)\s+)?(?:{_UNIT_WORDS})(?:\^\{{?[23]\}}?)?\.?", re.S)
-_TEXT_WRAP = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
-_ONE_TOKEN_ARG = re.compile(r"\\(frac|sqrt)\s*([0-9a-zA-Z]|\\[a-zA-Z]+)")  # \frac12, \sqrt2, \frac\pi4
-_SECOND_ARG = re.compile(r"\\frac\{([^{}]*)\}\s*([0-9a-zA-Z]|\\[a-zA-Z]+)")  # \frac{270}7
-_THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")  # 10,080 but not "3, 500" (a list of two numbers)
 
 
 def normalize_math(s: str) -> str:
@@ -42,12 +38,12 @@ def normalize_math(s: str) -> str:
     s = s.strip().rstrip(".").strip()
     unit = _UNIT_SUFFIX.fullmatch(s) or _PLAIN_UNIT.fullmatch(s)  # "15\mbox{ cm}^2", "12 cm" -> the number
     s = unit.group(1).strip() if unit else s  # a lone \text{Evelyn} is the answer: a unit needs a number first
-    s = _TEXT_WRAP.sub(r"\1", s)
-    s = _ONE_TOKEN_ARG.sub(r"\\\1{\2}", s)  # \frac12 -> \frac{1}2, \sqrt2 -> \sqrt{2}
-    s = _SECOND_ARG.sub(r"\\frac{\1}{\2}", s)  # \frac{1}2 -> \frac{1}{2}
+    s = re.sub(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\(frac|sqrt)\s*([0-9a-zA-Z]|\\[a-zA-Z]+)", r"\\\1{\2}", s)  # \frac12 -> \frac{1}2, \frac\pi4, \sqrt2
+    s = re.sub(r"\\frac\{([^{}]*)\}\s*([0-9a-zA-Z]|\\[a-zA-Z]+)", r"\\frac{\1}{\2}", s)  # \frac{270}7 -> \frac{270}{7}
     s = re.sub(r"^[a-zA-Z]\s*(?:=|\\in)\s*(?=\S)", "", s)  # "x = 5", "x \in [-2,7]": keep the value
     # commas go only when the whole answer is one number, checked before spaces go, so "3, 500" stays a list
-    s = s.replace(",", "") if _THOUSANDS.fullmatch(s.strip()) else s
+    s = s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s.strip()) else s  # 10,080
     s = re.sub(r"\s+", "", s).rstrip(".")
     s = re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)  # x^{2} -> x^2, 4210_{5} -> 4210_5
     s = re.sub(r"^\(([A-E])\)$", r"\1", s)  # multiple choice "(B)" -> "B"
@@ -61,7 +57,6 @@ class _Refuse(Exception):
 
 
 _TOKEN = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+|\\[a-zA-Z]+|[a-zA-Z]|[-+*/^!(){}\[\]]")
-_MIXED = re.compile(r"(-?)([0-9]{1,40})\\frac\{([0-9]{1,40})\}\{([0-9]{1,40})\}")  # 137\frac{1}{2} = 137.5
 _ONE, _MINUS_ONE = (Fraction(1), Fraction(0)), (Fraction(-1), Fraction(0))
 
 
@@ -233,7 +228,7 @@ def value(s: str):
     "7!\\times2!" -> (10080, 0);  "7i-2" -> (-2, 7);  "\\sqrt{3}/3" -> 0.577...+0j;  "2x" -> None."""
     if len(s) > MAX_ANSWER_CHARS or not s:
         return None
-    m = _MIXED.fullmatch(s)
+    m = re.fullmatch(r"(-?)([0-9]{1,40})\\frac\{([0-9]{1,40})\}\{([0-9]{1,40})\}", s)
     if m and int(m.group(4)) != 0:  # MATH writes mixed numbers as 137\frac{1}{2}
         return ((int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))) * (-1 if m.group(1) else 1), Fraction(0))
     tokens = _TOKEN.findall(s)
