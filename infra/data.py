@@ -84,8 +84,7 @@ def _get(row: dict, name: str, types):
     """row[name], or ValueError saying which field is missing or has the wrong type."""
     if name not in row:
         raise ValueError(f"missing field {name!r} (the row has: {', '.join(sorted(row)) or 'nothing'})")
-    value = row[name]
-    if not isinstance(value, types) or isinstance(value, bool):
+    if not isinstance(value := row[name], types) or isinstance(value, bool):
         wanted = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
         raise ValueError(f"field {name!r} should be {wanted}, got {type(value).__name__} {value!r:.60}")
     return value
