@@ -232,7 +232,7 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
     k = cfg.eval_samples if temperature > 0 else 1
     per_prompt = torch.zeros(len(exs), dtype=torch.float64, device=device)  # summed reward of each prompt
     exs = [ex for ex in exs for _ in range(k)]
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
+    total = torch.zeros(1, dtype=torch.float64, device=device)  # the sum of the rewards (every row is one rank's)
     with scale.full_weights(model):  # on every rank, also one without rows in a batch (sample.rollout's is a no-op)
         for i in range(0, len(exs), 64):
             if stop is not None:
@@ -245,7 +245,7 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
             gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
             b, _ = rollout(model, b, ctx, gens, temperature)
             r = tasks.score(b, tasks.verifier(task, cfg.text_reward), ctx.tok, ctx.ids, ctx.scorer)
-            total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
+            total += r.sum().item()
             per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
             if progress is not None:
                 progress(len(idx))
@@ -253,10 +253,9 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
                 outs = tasks.decode_window(b, ctx.tok, ctx.ids)
                 records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
                                for j, ex, o, v in zip(idx, b.examples, outs, r.tolist()))
-    total = scale.all_sum(total)
     if prompt_means is not None:
         prompt_means.extend((scale.all_sum(per_prompt) / k).tolist())
-    return (total[0] / total[1]).item()
+    return (scale.all_sum(total) / len(exs)).item()
 
 
 def evaluate_all(model, ctx: tasks.Ctx, prompt_means: dict | None = None, stop=None) -> dict:
