@@ -115,11 +115,10 @@ def build_config(o: Options) -> tuple[train.Config, int]:
              f"tasks ({o.task}) have none (the image samplers always draw): pass --samples >= 1")
     cli.need(not samples or o.temperature > 0,  # data.evaluate would draw one completion per prompt: no pass@k
              f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
-    implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1)}
+    implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1),
+               "eval_prompts": o.limit or o.eval_prompts}
     if not toy:  # load_data keys on train_data, so the evaluation file is given as both (only "test" is scored)
         implied.update(train_data=f"{o.task}={o.data}", eval_data=f"{o.task}={o.data}")
-    if o.limit:
-        implied["eval_prompts"] = o.limit
     cfg = replace(train.Config(**{f.name: getattr(o, f.name) for f in fields(train.Config)}), **implied)
     train.validate(cfg)
     return cfg, samples
