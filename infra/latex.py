@@ -183,12 +183,10 @@ class _Parser:
     def arg(self):  # of ^, \\frac, \\sqrt: a braced group, or one token (\\frac12, x^2)
         if self.peek() == "{":
             return self.group("{", "}")
-        tok = self.take()
-        if re.fullmatch(r"[0-9]+", tok):  # x^2; but x^10 reads as x^1 then 0 in LaTeX: ambiguous, refuse
-            if len(tok) > 1:
+        if re.fullmatch(r"[0-9]+", self.peek() or ""):  # x^2; but x^10 reads as x^1 then 0 in LaTeX: ambiguous
+            if len(tok := self.take()) > 1:
                 raise _Refuse(f"multi-digit argument {tok!r} without braces")
             return (Fraction(int(tok)), Fraction(0))
-        self.pos -= 1
         return self.nested(self.atom)
 
     def group(self, open_: str, close: str):
