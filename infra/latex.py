@@ -123,7 +123,7 @@ def _pow(a, b):
 def _factorial(a, k: int = 0):
     if not (isinstance(a, tuple) and a[1] == 0 and a[0].denominator == 1 and 0 <= a[0] <= _MAX_FACTORIAL):
         raise _Refuse("factorial of a large or non-natural number")
-    return (Fraction(math.factorial(int(a[0])) // (math.factorial(k) if k else 1)), Fraction(0))
+    return (Fraction(math.factorial(int(a[0])) // math.factorial(k)), Fraction(0))  # n! / k!, k = 0 for n!
 
 
 class _Parser:
