@@ -23,7 +23,6 @@ from pathlib import Path
 import tasks
 import train
 from infra import cli, data, hf, load, run, scale
-from infra.data import load_data
 from infra.sandbox import RemoteScorer
 
 CORRECT_TOL = 1e-6  # reward >= 1 - CORRECT_TOL is a solved prompt (float32 rewards of exactly 1 pass)
@@ -116,19 +115,17 @@ def build_config(o: Options) -> tuple[train.Config, int]:
              f"tasks ({o.task}) have none (the image samplers always draw): pass --samples >= 1")
     cli.need(not samples or o.temperature > 0,  # data.evaluate would draw one completion per prompt: no pass@k
              f"temperature ({o.temperature}) must be > 0 for sampled pass@k; e.g. --temperature=1")
-    implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1)}
+    implied = {"init_from": o.ckpt, "tasks": o.task, "eval_samples": max(samples, 1),
+               "eval_prompts": o.limit or o.eval_prompts}
     if not toy:  # load_data keys on train_data, so the evaluation file is given as both (only "test" is scored)
         implied.update(train_data=f"{o.task}={o.data}", eval_data=f"{o.task}={o.data}")
-    if o.limit:
-        implied["eval_prompts"] = o.limit
     cfg = replace(train.Config(**{f.name: getattr(o, f.name) for f in fields(train.Config)}), **implied)
     train.validate(cfg)
     return cfg, samples
 
 
 def open_out(out: str):
-    """The --out file, opened and locked before anything is evaluated: a bad or busy path is refused now, not
-    after hours of scoring."""
+    """The --out file, opened and locked now: a bad or busy path is refused before, not after, hours of scoring."""
     path = Path(out)
     cli.need(not path.is_dir(), f"--out {out} is a directory; give a file in it, e.g. --out {path / 'eval.jsonl'}")
     try:
@@ -171,7 +168,7 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
     task, sink = cfg.tasks, open_out(out) if out else None
     try:
         device, dtype = cli.setup(cfg)
-        datasets = load_data(cfg)  # a missing or malformed file fails here, before the model loads
+        datasets = data.load_data(cfg)  # a missing or malformed file fails here, before the model loads
         if task in datasets and not limit:  # benchmarks: every row of the file unless --limit
             cfg = replace(cfg, eval_prompts=len(datasets[task]["test"]))
         scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
@@ -251,7 +248,7 @@ def check_run(run_dir: str, **overrides) -> bool | None:
              f"{cfg.eval_prompts}, eval_data={cfg.eval_data!r}), so --run has nothing to compare; score its model "
              f"with: python evaluate.py --ckpt={out_dir / 'final'} --task=TASK")
     device, dtype = cli.setup(cfg)
-    datasets = load_data(cfg)
+    datasets = data.load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
     # As train.main: RL starts from the SFT model for scratch runs, else init_from. LoRA runs end as
     # init_from + final/adapters.*, the exact trained policy (final/'s merged weights differ by rounding).

@@ -31,8 +31,11 @@ from infra.cli import data_paths
 
 TASKS = ("gsm8k", "math", "mbpp", "countdown", "sudoku", "geneval")
 MAX_REPORTED = 5  # problems listed per error; the rest are only counted
-
-# readers: every problem carries its file and 1-based line number -----------------------------------------
+# the user turn, paraphrasing the official instructions (d1, arXiv:2504.12216, for countdown and sudoku)
+REPLY_FORMAT = "Reply in this format:\n<reasoning>\nyour step-by-step reasoning\n</reasoning>\n{}"
+MATH_INSTRUCTION = ("You are good at mathematics. Work through the question below step by step and put the final "
+                    "answer inside \\boxed{}. " + REPLY_FORMAT.format("\\boxed{final answer}"))
+CODER = "You are an expert Python programmer."
 
 
 def _collect(path: Path, numbered, parse) -> list:
@@ -81,8 +84,7 @@ def _get(row: dict, name: str, types):
     """row[name], or ValueError saying which field is missing or has the wrong type."""
     if name not in row:
         raise ValueError(f"missing field {name!r} (the row has: {', '.join(sorted(row)) or 'nothing'})")
-    value = row[name]
-    if not isinstance(value, types) or isinstance(value, bool):
+    if not isinstance(value := row[name], types) or isinstance(value, bool):
         wanted = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
         raise ValueError(f"field {name!r} should be {wanted}, got {type(value).__name__} {value!r:.60}")
     return value
@@ -94,15 +96,15 @@ def _int(value, name: str) -> int:
     raise ValueError(f"{name} should be an integer, got {value!r:.60}")
 
 
-# one parser per public format: raw row -> example (without "prompt"), ValueError on a bad row ------------
-
+# one parser per public format: raw row -> example with its "prompt" (the user turn), ValueError on a bad row
 def _gsm8k(row: dict) -> dict:
     # openai/gsm8k: the worked solution ends in "#### 1,200"; a bare number is accepted too.
     question, solution = _get(row, "question", str), _get(row, "answer", str)
     final = solution.rsplit("####", 1)[-1].strip().replace(",", "")
     if not re.fullmatch(r"-?[0-9]+(?:\.[0-9]+)?", final):
         raise ValueError(f"field 'answer' should end in '#### <number>', got ...{solution[-60:]!r}")
-    return {"task": "gsm8k", "question": question, "answer": final}
+    return {"task": "gsm8k", "question": question, "answer": final,
+            "prompt": f"{MATH_INSTRUCTION}\n\nQuestion: {question}"}
 
 
 def _math(row: dict) -> dict:
@@ -115,19 +117,25 @@ def _math(row: dict) -> dict:
         raise ValueError("field 'solution' has no closed \\boxed{...} final answer")
     if not answer.strip():
         raise ValueError("the answer is empty")
-    return {"task": "math", "question": question, "answer": answer.strip()}
+    return {"task": "math", "question": question, "answer": answer.strip(),
+            "prompt": f"{MATH_INSTRUCTION}\n\nQuestion: {question}"}
 
 
 def _mbpp(row: dict) -> dict:
     if "entry_point" in row:  # HumanEval-style: `test` defines check(candidate); calling it is the one test
-        entry = _get(row, "entry_point", str)
-        return {"task": "mbpp", "question": _get(row, "prompt", str), "entry_point": entry,
-                "test_list": [f"{_get(row, 'test', str)}\n\ncheck({entry})\n"], "test_setup_code": ""}
+        entry, question = _get(row, "entry_point", str), _get(row, "prompt", str)
+        return {"task": "mbpp", "question": question, "entry_point": entry,
+                "test_list": [f"{_get(row, 'test', str)}\n\ncheck({entry})\n"], "test_setup_code": "",
+                "prompt": f"{CODER} Complete the function below; keep its name `{entry}` and its signature, and reply "
+                f"with the whole function in one ```python code block.\n\n{question}"}
     tests = _get(row, "test_list", list)
     if not tests or not all(isinstance(t, str) for t in tests):
         raise ValueError(f"field 'test_list' should be a non-empty list of str, got {tests!r:.60}")
     setup = _get(row, "test_setup_code", str) if "test_setup_code" in row else ""
-    return {"task": "mbpp", "question": _get(row, "text", str), "test_list": tests, "test_setup_code": setup}
+    question, listed = _get(row, "text", str), "\n".join(tests)
+    return {"task": "mbpp", "question": question, "test_list": tests, "test_setup_code": setup,
+            "prompt": f"{CODER} Your task: {question}\nYour code should pass these tests:\n\n{listed}\n\n"
+            "Reply with the solution in one ```python code block."}
 
 
 def _countdown(row: dict) -> dict:
@@ -137,8 +145,11 @@ def _countdown(row: dict) -> dict:
     target = _get(row, "output" if "output" in row or "target" not in row else "target", (str, int))
     if not numbers:
         raise ValueError("the list of numbers is empty")
-    return {"task": "countdown", "numbers": [_int(n, "each number") for n in numbers],
-            "target": _int(target, "the target")}
+    numbers, target = [_int(n, "each number") for n in numbers], _int(target, "the target")
+    return {"task": "countdown", "numbers": numbers, "target": target,
+            "prompt": f"Using the numbers {numbers}, each exactly once, and the operations +, -, * and / (parentheses "
+            f"allowed), write an expression equal to {target}. "
+            + REPLY_FORMAT.format("<answer>\nthe expression\n</answer>")}
 
 
 # rows, columns and 2x2 boxes of a 4x4 grid stored row by row
@@ -156,7 +167,11 @@ def _sudoku(row: dict) -> dict:
         raise ValueError("the solution contradicts a given digit of the puzzle")
     if any(sorted(solution[i] for i in unit) != list("1234") for unit in _UNITS):
         raise ValueError("the solution repeats a digit in a row, column or 2x2 box")
-    return {"task": "sudoku", "puzzle": puzzle, "solution": solution}
+    rows = "\n".join(puzzle[i:i + 4] for i in range(0, 16, 4))
+    return {"task": "sudoku", "puzzle": puzzle, "solution": solution,
+            "prompt": "Solve this 4x4 Sudoku: every row, every column and every 2x2 box must hold the digits 1-4 "
+            f"exactly once. The grid, row by row, with 0 for an empty cell:\n{rows}\n"
+            + REPLY_FORMAT.format("<answer>\nthe 16 digits of the solved grid, row by row\n</answer>")}
 
 
 def _geneval(row: dict) -> dict:
@@ -180,46 +195,10 @@ def load_dataset(task: str, path) -> list[dict]:
         raise FileNotFoundError(f"dataset file not found: {path} (this project never downloads data; "
                                 f"give the path of a local copy in the public format, see data.py)")
     if task == "sudoku":
-        examples = _collect(path, _csv_rows(path), _sudoku)
-    else:
-        with open(path, "rb") as f:  # bytes: a non-UTF-8 line is then one reported problem, not a crash
-            lines = [(lineno, line) for lineno, line in enumerate(f, 1) if line.strip()]
-        examples = _collect(path, lines, lambda line: _PARSERS[task](_json_object(line)))
-    return [{**ex, "prompt": make_prompt(ex)} for ex in examples]
-
-
-# the user turn, paraphrasing the official instructions (d1, arXiv:2504.12216, for countdown and sudoku) ---
-
-REPLY_FORMAT = "Reply in this format:\n<reasoning>\nyour step-by-step reasoning\n</reasoning>\n{}"
-MATH_INSTRUCTION = ("You are good at mathematics. Work through the question below step by step and put the final "
-                    "answer inside \\boxed{}. " + REPLY_FORMAT.format("\\boxed{final answer}"))
-
-
-def make_prompt(example: dict) -> str:
-    """The user-turn instruction for one example (before the chat template)."""
-    task = example["task"]
-    if task in ("gsm8k", "math"):
-        return f"{MATH_INSTRUCTION}\n\nQuestion: {example['question']}"
-    if task == "mbpp" and "entry_point" in example:
-        return ("You are an expert Python programmer. Complete the function below; keep its name "
-                f"`{example['entry_point']}` and its signature, and reply with the whole function in one "
-                f"```python code block.\n\n{example['question']}")
-    if task == "mbpp":
-        tests = "\n".join(example["test_list"])
-        return (f"You are an expert Python programmer. Your task: {example['question']}\n"
-                f"Your code should pass these tests:\n\n{tests}\n\nReply with the solution in one ```python code block.")
-    if task == "countdown":
-        return (f"Using the numbers {example['numbers']}, each exactly once, and the operations +, -, * and / "
-                f"(parentheses allowed), write an expression equal to {example['target']}. "
-                + REPLY_FORMAT.format("<answer>\nthe expression\n</answer>"))
-    if task == "sudoku":
-        rows = "\n".join(example["puzzle"][i:i + 4] for i in range(0, 16, 4))
-        return ("Solve this 4x4 Sudoku: every row, every column and every 2x2 box must hold the digits 1-4 "
-                f"exactly once. The grid, row by row, with 0 for an empty cell:\n{rows}\n"
-                + REPLY_FORMAT.format("<answer>\nthe 16 digits of the solved grid, row by row\n</answer>"))
-    if task == "geneval":
-        return example["prompt"]  # a text-to-image caption is its own prompt
-    raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+        return _collect(path, _csv_rows(path), _sudoku)
+    with open(path, "rb") as f:  # bytes: a non-UTF-8 line is then one reported problem, not a crash
+        lines = [(lineno, line) for lineno, line in enumerate(f, 1) if line.strip()]
+    return _collect(path, lines, lambda line: _PARSERS[task](_json_object(line)))
 
 
 def load_data(cfg) -> dict:
@@ -230,7 +209,6 @@ def load_data(cfg) -> dict:
 
 
 # held-out evaluation: the mean reward on held-out prompts before and after RL, and of checkpoints (evaluate.py)
-
 GRID_PROMPTS = 6  # toy image prompts drawn before and after RL for out_dir/images.png
 
 
@@ -254,7 +232,7 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
     k = cfg.eval_samples if temperature > 0 else 1
     per_prompt = torch.zeros(len(exs), dtype=torch.float64, device=device)  # summed reward of each prompt
     exs = [ex for ex in exs for _ in range(k)]
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of rewards, count)
+    total = torch.zeros(1, dtype=torch.float64, device=device)  # the sum of the rewards (every row is one rank's)
     with scale.full_weights(model):  # on every rank, also one without rows in a batch (sample.rollout's is a no-op)
         for i in range(0, len(exs), 64):
             if stop is not None:
@@ -267,7 +245,7 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
             gens = [generator(device, cfg.seed, "eval-sampling", task, temperature, j) for j in idx]
             b, _ = rollout(model, b, ctx, gens, temperature)
             r = tasks.score(b, tasks.verifier(task, cfg.text_reward), ctx.tok, ctx.ids, ctx.scorer)
-            total += torch.tensor([r.sum().item(), len(r)], dtype=torch.float64, device=device)
+            total += r.sum().item()
             per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
             if progress is not None:
                 progress(len(idx))
@@ -275,10 +253,9 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
                 outs = tasks.decode_window(b, ctx.tok, ctx.ids)
                 records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
                                for j, ex, o, v in zip(idx, b.examples, outs, r.tolist()))
-    total = scale.all_sum(total)
     if prompt_means is not None:
         prompt_means.extend((scale.all_sum(per_prompt) / k).tolist())
-    return (total[0] / total[1]).item()
+    return (scale.all_sum(total) / len(exs)).item()
 
 
 def evaluate_all(model, ctx: tasks.Ctx, prompt_means: dict | None = None, stop=None) -> dict:
@@ -289,8 +266,7 @@ def evaluate_all(model, ctx: tasks.Ctx, prompt_means: dict | None = None, stop=N
         greedy = () if task in tasks.IMAGE_TASKS else ((f"{task}_greedy", 0.0),)  # images have no greedy decoding
         for key, temperature in ((task, ctx.cfg.temperature), *greedy):
             means = []
-            r = evaluate(model, ctx, task, temperature, prompt_means=means, stop=stop)
-            if r is None:
+            if (r := evaluate(model, ctx, task, temperature, prompt_means=means, stop=stop)) is None:
                 break
             res[key] = r
             if prompt_means is not None:
@@ -301,8 +277,7 @@ def evaluate_all(model, ctx: tasks.Ctx, prompt_means: dict | None = None, stop=N
 def image_snapshot(model, ctx: tasks.Ctx) -> list | None:
     """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the before and
     after pictures differ only by the policy. None without the toy image task."""
-    exs = eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS] if "image" in tasks.task_list(ctx.cfg) else []
-    if not exs:
+    if "image" not in tasks.task_list(ctx.cfg) or not (exs := eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS]):
         return None
     b = tasks.make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)
     gens = [generator(ctx.device, ctx.cfg.seed, "grid", i) for i in range(len(exs))]

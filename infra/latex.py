@@ -7,6 +7,7 @@ a wrong answer is never accepted, a right one in an unknown form may be ("1.414"
 """
 from __future__ import annotations
 
+import cmath
 import math
 import re
 from fractions import Fraction
@@ -15,18 +16,12 @@ from functools import lru_cache
 MAX_ANSWER_CHARS = 1000  # beyond this an answer is compared verbatim: normalising it buys nothing
 _MAX_BITS, _MAX_FACTORIAL, _MAX_DEPTH, _MAX_ROOT = 4096, 200, 40, 12  # refused: larger Fractions, n!, nesting, roots
 
-# -----------------------------------------------------------------------------------------------------
 # stage 1: a canonical string
-
 _UNIT_SUFFIX = re.compile(r"(.+?)\\(?:text|mbox|mathrm)\{\s*[a-zA-Z][a-zA-Z ]*\}(?:\^\{?\d\}?)?", re.S)
 _UNIT_WORDS = (r"units?|cm|mm|km|meters?|metres?|centimeters?|inch(?:es)?|feet|foot|ft|yards?|miles?|mph|"
                r"degrees?|dollars?|cents?|seconds?|minutes?|hours?|days?|weeks?|years?|pounds?|ounces?|"
                r"gallons?|liters?|litres?|grams?|kg")
 _PLAIN_UNIT = re.compile(rf"(.*?[0-9}}])\s*(?:(?:square|sq|cubic)\s+)?(?:{_UNIT_WORDS})(?:\^\{{?[23]\}}?)?\.?", re.S)
-_TEXT_WRAP = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
-_ONE_TOKEN_ARG = re.compile(r"\\(frac|sqrt)\s*([0-9a-zA-Z]|\\[a-zA-Z]+)")  # \frac12, \sqrt2, \frac\pi4
-_SECOND_ARG = re.compile(r"\\frac\{([^{}]*)\}\s*([0-9a-zA-Z]|\\[a-zA-Z]+)")  # \frac{270}7
-_THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")  # 10,080 but not "3, 500" (a list of two numbers)
 
 
 def normalize_math(s: str) -> str:
@@ -39,57 +34,45 @@ def normalize_math(s: str) -> str:
     s = re.sub(r",\s*\\!\s*", ",", s)  # 11,\! 111: a thousands comma, whatever the spaces around it
     s = re.sub(r"(\\\\)|\\[!,;: ]|~", lambda m: m.group(1) or "", s)  # spacing, but keep \\ row breaks
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|°", "", s)
-    for junk in ("\\%", "%", "\\$", "$"):
-        s = s.replace(junk, "")
+    s = re.sub(r"\\?\$", "", re.sub(r"\\?%", "", s))  # \% and % first, then \$ and $
     s = s.strip().rstrip(".").strip()
     unit = _UNIT_SUFFIX.fullmatch(s) or _PLAIN_UNIT.fullmatch(s)  # "15\mbox{ cm}^2", "12 cm" -> the number
     s = unit.group(1).strip() if unit else s  # a lone \text{Evelyn} is the answer: a unit needs a number first
-    s = _TEXT_WRAP.sub(r"\1", s)
-    s = _ONE_TOKEN_ARG.sub(r"\\\1{\2}", s)  # \frac12 -> \frac{1}2, \sqrt2 -> \sqrt{2}
-    s = _SECOND_ARG.sub(r"\\frac{\1}{\2}", s)  # \frac{1}2 -> \frac{1}{2}
+    s = re.sub(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\(frac|sqrt)\s*([0-9a-zA-Z]|\\[a-zA-Z]+)", r"\\\1{\2}", s)  # \frac12 -> \frac{1}2, \frac\pi4, \sqrt2
+    s = re.sub(r"\\frac\{([^{}]*)\}\s*([0-9a-zA-Z]|\\[a-zA-Z]+)", r"\\frac{\1}{\2}", s)  # \frac{270}7 -> \frac{270}{7}
     s = re.sub(r"^[a-zA-Z]\s*(?:=|\\in)\s*(?=\S)", "", s)  # "x = 5", "x \in [-2,7]": keep the value
     # commas go only when the whole answer is one number, checked before spaces go, so "3, 500" stays a list
-    s = s.replace(",", "") if _THOUSANDS.fullmatch(s.strip()) else s
+    s = s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s.strip()) else s  # 10,080
     s = re.sub(r"\s+", "", s).rstrip(".")
     s = re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)  # x^{2} -> x^2, 4210_{5} -> 4210_5
     s = re.sub(r"^\(([A-E])\)$", r"\1", s)  # multiple choice "(B)" -> "B"
     return s.lower() if s.isalpha() and len(s) > 2 else s  # text answers: "East" == "east"
 
 
-# -----------------------------------------------------------------------------------------------------
 # stage 2: a value is (re, im) Fractions while exact, else a complex float; every operation raises _Refuse
-# rather than build a huge or undefined number.
-
-
+# rather than build a huge number, and value() takes a division by zero or a float overflow as a refusal too.
 class _Refuse(Exception):
     """Not a constant we evaluate (a variable, an unknown command), or too large: compare as strings."""
 
 
 _TOKEN = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+|\\[a-zA-Z]+|[a-zA-Z]|[-+*/^!(){}\[\]]")
-_MIXED = re.compile(r"(-?)([0-9]{1,40})\\frac\{([0-9]{1,40})\}\{([0-9]{1,40})\}")  # 137\frac{1}{2} = 137.5
 _ONE, _MINUS_ONE = (Fraction(1), Fraction(0)), (Fraction(-1), Fraction(0))
 
 
 def _check(v):
-    if isinstance(v, tuple):
-        if max(max(q.numerator.bit_length(), q.denominator.bit_length()) for q in v) > _MAX_BITS:
-            raise _Refuse("too large")
-    elif not (math.isfinite(v.real) and math.isfinite(v.imag)):
-        raise _Refuse("not finite")
+    if not (max(max(q.numerator.bit_length(), q.denominator.bit_length()) for q in v) <= _MAX_BITS
+            if isinstance(v, tuple) else cmath.isfinite(v)):
+        raise _Refuse("too large or not finite")
     return v
 
 
 def _approx(v) -> complex:
-    try:
-        return complex(float(v[0]), float(v[1])) if isinstance(v, tuple) else v
-    except OverflowError:
-        raise _Refuse("too large for a float") from None
+    return complex(float(v[0]), float(v[1])) if isinstance(v, tuple) else v
 
 
 def _arith(a, op: str, b):
     """a op b for op in "+-*/": exact while both values are, else a complex float."""
-    if op == "/" and (b == (0, 0) or b == 0):
-        raise _Refuse("division by zero")
     if not (isinstance(a, tuple) and isinstance(b, tuple)):
         x, y = _approx(a), _approx(b)
         return _check(x + y if op == "+" else x - y if op == "-" else x * y if op == "*" else x / y)
@@ -112,10 +95,8 @@ def _root(a, n: int):
     num, den = (round(x ** (1 / n)) if x < 2 ** 1000 else -1 for x in (q.numerator, q.denominator))
     exact = num >= 0 and den > 0 and num ** n == q.numerator and den ** n == q.denominator
     r = Fraction(num, den) if exact else float(q) ** (1 / n)
-    if a[0] < 0 and n == 2:  # \sqrt{-9} = 3i
-        return (Fraction(0), r) if isinstance(r, Fraction) else complex(0, r)
-    sign = -1 if a[0] < 0 else 1  # an odd root: even ones of negatives were refused or made imaginary above
-    return (sign * r, Fraction(0)) if isinstance(r, Fraction) else complex(sign * r)
+    x, y = (0, r) if a[0] < 0 and n == 2 else (-r if a[0] < 0 else r, 0)  # \sqrt{-9} = 3i; an odd root keeps the sign
+    return (Fraction(x), Fraction(y)) if exact else complex(x, y)
 
 
 def _pow(a, b):
@@ -136,16 +117,13 @@ def _pow(a, b):
     base, exp = _approx(a), (_approx(b) if n is None else n)
     if n is None and (base.imag or base.real <= 0):
         raise _Refuse("non-integer power of a non-positive or complex base")
-    try:
-        return _check(base ** exp)
-    except (OverflowError, ZeroDivisionError):
-        raise _Refuse("power overflows") from None
+    return _check(base ** exp)
 
 
 def _factorial(a, k: int = 0):
     if not (isinstance(a, tuple) and a[1] == 0 and a[0].denominator == 1 and 0 <= a[0] <= _MAX_FACTORIAL):
         raise _Refuse("factorial of a large or non-natural number")
-    return (Fraction(math.factorial(int(a[0])) // (math.factorial(k) if k else 1)), Fraction(0))
+    return (Fraction(math.factorial(int(a[0])) // math.factorial(k)), Fraction(0))  # n! / k!, k = 0 for n!
 
 
 class _Parser:
@@ -181,8 +159,7 @@ class _Parser:
 
     def term(self):
         value = self.unary()
-        while self.peek() is not None and self.peek() not in ("+", "-", ")", "}", "]"):
-            op = self.peek()
+        while (op := self.peek()) not in (None, "+", "-", ")", "}", "]"):
             if op in ("*", "/", "\\times", "\\cdot", "\\div"):
                 self.take()
             elif op == "\\frac" and re.fullmatch(r"[0-9.]+", self.tokens[self.pos - 1]):
@@ -192,8 +169,7 @@ class _Parser:
 
     def unary(self):
         if self.peek() in ("+", "-"):
-            sign = self.take()
-            value = self.nested(self.unary)
+            sign, value = self.take(), self.nested(self.unary)
             return value if sign == "+" else _arith(_MINUS_ONE, "*", value)
         value = self.atom()
         while self.peek() == "!":
@@ -207,12 +183,10 @@ class _Parser:
     def arg(self):  # of ^, \\frac, \\sqrt: a braced group, or one token (\\frac12, x^2)
         if self.peek() == "{":
             return self.group("{", "}")
-        tok = self.take()
-        if re.fullmatch(r"[0-9]+", tok):  # x^2; but x^10 reads as x^1 then 0 in LaTeX: ambiguous, refuse
-            if len(tok) > 1:
+        if re.fullmatch(r"[0-9]+", self.peek() or ""):  # x^2; but x^10 reads as x^1 then 0 in LaTeX: ambiguous
+            if len(tok := self.take()) > 1:
                 raise _Refuse(f"multi-digit argument {tok!r} without braces")
             return (Fraction(int(tok)), Fraction(0))
-        self.pos -= 1
         return self.nested(self.atom)
 
     def group(self, open_: str, close: str):
@@ -252,7 +226,7 @@ def value(s: str):
     "7!\\times2!" -> (10080, 0);  "7i-2" -> (-2, 7);  "\\sqrt{3}/3" -> 0.577...+0j;  "2x" -> None."""
     if len(s) > MAX_ANSWER_CHARS or not s:
         return None
-    m = _MIXED.fullmatch(s)
+    m = re.fullmatch(r"(-?)([0-9]{1,40})\\frac\{([0-9]{1,40})\}\{([0-9]{1,40})\}", s)
     if m and int(m.group(4)) != 0:  # MATH writes mixed numbers as 137\frac{1}{2}
         return ((int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))) * (-1 if m.group(1) else 1), Fraction(0))
     tokens = _TOKEN.findall(s)
@@ -266,10 +240,7 @@ def value(s: str):
     return result if parser.peek() is None else None  # trailing tokens: not one expression
 
 
-# -----------------------------------------------------------------------------------------------------
 # stage 3: structure
-
-
 def _split_top(s: str, sep: str) -> list[str]:
     """Split at `sep` outside any (), [] or {} (an interval like (3,4] closes with a different bracket)."""
     parts, depth, start = [], 0, 0

@@ -208,9 +208,10 @@ def test_prompt_contracts():
     assert "<answer>" in cd["prompt"] and "[30, 100, 93]" in cd["prompt"] and "23" in cd["prompt"]
     sd = data.load_dataset("sudoku", FIX / "sudoku.csv")[0]
     assert "<answer>" in sd["prompt"] and "3102\n2000\n0210\n0320" in sd["prompt"]
-    assert data.make_prompt({"task": "geneval", "prompt": "a photo of a cow", "spec": {}}) == "a photo of a cow"
+    ge = data.load_dataset("geneval", FIX / "geneval.jsonl")[0]  # a text-to-image caption is its own prompt
+    assert ge["prompt"] == "a photo of a cow"
     with pytest.raises(ValueError, match="valid tasks"):
-        data.make_prompt({"task": "chess"})
+        data.load_dataset("chess", FIX / "gsm8k.jsonl")
 
 
 # -----------------------------------------------------------------------------------------------------
