@@ -1,12 +1,15 @@
 """How a torchrun rank ends: scale.process_exit gives each rank Python's status and output, a rank that raises
 or refuses a stale sft_dir ends every rank at once, scale.close never waits after an error; a torch older
 than the floor is refused at start-up in one line (the torchrun tests are slow; each has a fast sibling)."""
+import errno
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import train
 from test_distributed import ROOT, launch
@@ -122,6 +125,39 @@ def test_a_stale_sft_dir_is_refused_after_the_same_collectives_on_every_rank(tmp
             run.start(train.parse_args(args), args, train.sft)
         seen.append((calls, f"error: {refused.value}"))
     assert seen[0] == seen[1] == ([("all_max", [1])], line)
+
+
+def test_a_failed_sft_save_ends_every_rank_with_rank_0s_line(tmp_path, monkeypatch):
+    """Rank 0's save of the toy SFT model fails (a full disk): train.main as rank 0, then as rank 1 (out_dir as
+    rank 1 finds it, each collective giving back the maximum of both ranks' values). Both end with rank 0's line
+    after the same collectives; a rank reading the unsaved model would end with another, or wait for rank 0."""
+    from infra import hf, scale
+    out = tmp_path / "out"
+    args = ["--preset=smoke", "--threads=1", "--sft_steps=2", "--rl_steps=0", f"--out_dir={out}"]
+
+    def full_disk(model, path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
+    monkeypatch.setattr(hf, "save_pretrained", full_disk)
+    seen, rank0 = [], []
+    for rank in (0, 1):
+        calls, sent = [], []
+
+        def all_max(t, calls=calls, sent=sent):
+            calls.append(("all_max", tuple(t.shape)))
+            sent.append(t)
+            return torch.maximum(t, rank0[len(sent) - 1]) if rank0 else t
+        monkeypatch.setattr(scale, "rank", lambda rank=rank: rank)
+        monkeypatch.setattr(scale, "all_max", all_max)
+        monkeypatch.setattr(scale, "barrier", lambda calls=calls: calls.append("barrier"))
+        with pytest.raises(Exception) as failed:
+            train.main(args)
+        seen.append((calls, f"error: {failed.value}"))
+        rank0 = sent
+        shutil.rmtree(out)  # rank 1 checks out_dir while rank 0 does, before rank 0 writes to it
+    assert seen[0] == seen[1], seen
+    line = seen[0][1]
+    assert line.startswith(f"error: the disk is full (No space left on device: {out}/.sft.tmp-"), line
+    assert "no checkpoint of this run exists" in line and f"--out_dir={out}" in line, line
 
 
 def test_close_after_an_error_neither_waits_nor_destroys(monkeypatch):
