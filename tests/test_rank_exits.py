@@ -1,11 +1,15 @@
-"""How a torchrun rank ends: scale.process_exit gives each rank Python's status and output, a rank that raises
-or refuses a stale sft_dir ends every rank at once, scale.close never waits after an error; a torch older
-than the floor is refused at start-up in one line (the torchrun tests are slow; each has a fast sibling)."""
+"""How a torchrun rank ends: scale.process_exit gives each rank Python's status and output, a rank that raises,
+refuses a stale sft_dir or fails to save the SFT model ends every rank at once, scale.close never waits after an
+error; a torch older than the floor is refused at start-up in one line (the torchrun tests are slow; each has a
+fast sibling)."""
 import errno
 import json
 import os
 import re
+import resource
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,6 +129,23 @@ def test_a_stale_sft_dir_is_refused_after_the_same_collectives_on_every_rank(tmp
             run.start(train.parse_args(args), args, train.sft)
         seen.append((calls, f"error: {refused.value}"))
     assert seen[0] == seen[1] == ([("all_max", [1])], line)
+
+
+@pytest.mark.slow
+def test_a_failed_sft_save_ends_both_torchrun_ranks_with_rank_0s_line(tmp_path):
+    """Rank 0's save of the SFT model fails over a 32 KiB file-size limit (a SafetensorError, no OSError): both
+    ranks exit 1 with rank 0's one line, none with a line of its own (a dead peer) or a wait in a collective."""
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, 32 << 10))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--preset=smoke", "--threads=1", "--sft_steps=2", "--rl_steps=0", f"--out_dir={out}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASKGRPO_COLLECTIVE_TIMEOUT_MIN="2")
+    res = subprocess.run(cmd, cwd=ROOT, env=env, preexec_fn=small_files, capture_output=True, text=True, timeout=300)
+    lines = [s for s in res.stderr.splitlines() if s.startswith("error:")]
+    assert res.returncode == 1 and len(lines) == 2 and lines[0] == lines[1], res.stderr[-3000:]
+    assert lines[0].startswith(f"error: saving the SFT model to {out / 'sft'} failed (SafetensorError"), lines[0]
+    assert res.stderr.count("exitcode  : 1") == 2, res.stderr[-3000:]
 
 
 def test_a_failed_sft_save_ends_every_rank_with_rank_0s_line(tmp_path, monkeypatch):
