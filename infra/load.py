@@ -135,8 +135,7 @@ def load_or_train_sft(cfg, device, dtype, sft) -> tuple[Path, object, dict, floa
         except WriteFailed as e:  # every rank raises it below, with the writer's errno (run.explain_failure reads it)
             cause = next((x for x in outdir.root_causes(e.__cause__) if isinstance(x, OSError) and x.errno), None)
             failed = [str(e), *((cause.errno, cause.strerror, cause.filename) if cause else ())]
-    # Before any rank reads sft_dir: rank 0's failure as bytes, the maximum over the other ranks' zeros, so that
-    # every rank ends with rank 0's line.
+    # Before any rank reads sft_dir, rank 0's failure (as bytes maxed over the others' zeros) ends every rank alike.
     sent = json.dumps(failed, default=str).encode() if failed else b""
     if n := int(scale.all_max(torch.tensor([len(sent)], device=device)).item()):
         got = scale.all_max(torch.tensor(list(sent.ljust(n, b"\0")), device=device))

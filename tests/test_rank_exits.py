@@ -148,17 +148,22 @@ def test_a_failed_sft_save_ends_both_torchrun_ranks_with_rank_0s_line(tmp_path):
     assert res.stderr.count("exitcode  : 1") == 2, res.stderr[-3000:]
 
 
-def test_a_failed_sft_save_ends_every_rank_with_rank_0s_line(tmp_path, monkeypatch):
-    """Rank 0's save of the toy SFT model fails (a full disk): train.main as rank 0, then as rank 1 (out_dir as
-    rank 1 finds it, each collective giving back the maximum of both ranks' values). Both end with rank 0's line
-    after the same collectives; a rank reading the unsaved model would end with another, or wait for rank 0."""
-    from infra import hf, scale
+@pytest.mark.parametrize("writer_error", ["full disk", "safetensors"])
+def test_a_failed_sft_save_ends_every_rank_with_rank_0s_line(tmp_path, monkeypatch, writer_error):
+    """Rank 0's save of the toy SFT model fails (a full disk; a SafetensorError, no OSError): run.start as rank 0,
+    then as rank 1 (out_dir as rank 1 finds it, each collective giving back the maximum of both ranks' values).
+    Both end with rank 0's line after the same collectives; a rank reading the unsaved model would end with
+    another, or wait for rank 0."""
+    from safetensors import SafetensorError
+    from infra import hf, run, scale
     out = tmp_path / "out"
-    args = ["--preset=smoke", "--threads=1", "--sft_steps=2", "--rl_steps=0", f"--out_dir={out}"]
+    args = ["--preset=smoke", "--threads=1", f"--out_dir={out}"]
 
-    def full_disk(model, path, *a, **k):
+    def failing(model, path, *a, **k):
+        if writer_error == "safetensors":
+            raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
         raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
-    monkeypatch.setattr(hf, "save_pretrained", full_disk)
+    monkeypatch.setattr(hf, "save_pretrained", failing)
     seen, rank0 = [], []
     for rank in (0, 1):
         calls, sent = [], []
@@ -170,14 +175,16 @@ def test_a_failed_sft_save_ends_every_rank_with_rank_0s_line(tmp_path, monkeypat
         monkeypatch.setattr(scale, "rank", lambda rank=rank: rank)
         monkeypatch.setattr(scale, "all_max", all_max)
         monkeypatch.setattr(scale, "barrier", lambda calls=calls: calls.append("barrier"))
-        with pytest.raises(Exception) as failed:
-            train.main(args)
+        with pytest.raises(Exception) as failed, run.failures_in_one_line(train.parse_args(args)):  # as train.main
+            run.start(train.parse_args(args), args, lambda *a: 0.0)  # no SFT steps: the save is what matters
         seen.append((calls, f"error: {failed.value}"))
         rank0 = sent
         shutil.rmtree(out)  # rank 1 checks out_dir while rank 0 does, before rank 0 writes to it
     assert seen[0] == seen[1], seen
     line = seen[0][1]
-    assert line.startswith(f"error: the disk is full (No space left on device: {out}/.sft.tmp-"), line
+    assert line.startswith(f"error: the disk is full (No space left on device: {out}/.sft.tmp-" if writer_error ==
+                           "full disk" else f"error: saving the SFT model to {out / 'sft'} failed (SafetensorError: "
+                           "Error while serializing: I/O error: File too large (os error 27)): SFT keeps no"), line
     assert "no checkpoint of this run exists" in line and f"--out_dir={out}" in line, line
 
 
