@@ -100,7 +100,7 @@ def load_or_train_sft(cfg, device, dtype, sft) -> tuple[Path, object, dict, floa
     onto sft_dir once complete (a crash leaves the old model or none, never a mix)."""
     sft_dir, tok = sft_dir_of(cfg), toy.build_tokenizer()
     ids = tasks.token_ids(tok)
-    cached = check_sft_cache(cfg)
+    cached, failed = check_sft_cache(cfg), []
     if not cached and scale.rank() == 0:
         mc = scratch_config(cfg, **tasks.model_config_overrides(tok))
         model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
@@ -108,30 +108,39 @@ def load_or_train_sft(cfg, device, dtype, sft) -> tuple[Path, object, dict, floa
         seconds = sft(model, tok, ids, cfg, device)
         sft_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp, old = (sft_dir.with_name(f".{sft_dir.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
-        with outdir.holding():  # a signal waits until the model is saved and renamed
-            try:
-                hf.save_pretrained(model, tmp)
-                tok.save(str(tmp / "tokenizer.json"))
-                (tmp / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
-                (tmp / "sft_meta.json").write_text(json.dumps(sft_key(cfg), indent=2))
-                checkpoint.fsync_tree(tmp)
-                if sft_dir.exists():  # the model being replaced stays whole until the new one is in
-                    os.rename(sft_dir, old)
+        try:
+            with outdir.holding():  # a signal waits until the model is saved and renamed
                 try:
-                    os.rename(tmp, sft_dir)
-                except OSError:
-                    if old.exists():
-                        os.rename(old, sft_dir)
-                    raise
-            except Exception as e:  # whatever the writer raised: one line (train.py adds the command)
-                raise WriteFailed(f"saving the SFT model to {sft_dir} failed ({writer_error(e)}): SFT keeps no "
-                                  f"checkpoint, so the trained SFT model is lost, and {sft_dir} is left as it "
-                                  "was") from e
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(old, ignore_errors=True)
-            print(f"saved the SFT model to {sft_dir} (later runs with the same settings reuse it)")
-    scale.barrier()
+                    hf.save_pretrained(model, tmp)
+                    tok.save(str(tmp / "tokenizer.json"))
+                    (tmp / "sft_seconds.json").write_text(json.dumps({"seconds": seconds}))
+                    (tmp / "sft_meta.json").write_text(json.dumps(sft_key(cfg), indent=2))
+                    checkpoint.fsync_tree(tmp)
+                    if sft_dir.exists():  # the model being replaced stays whole until the new one is in
+                        os.rename(sft_dir, old)
+                    try:
+                        os.rename(tmp, sft_dir)
+                    except OSError:
+                        if old.exists():
+                            os.rename(old, sft_dir)
+                        raise
+                except Exception as e:  # whatever the writer raised: one line (train.py adds the command)
+                    raise WriteFailed(f"saving the SFT model to {sft_dir} failed ({writer_error(e)}): SFT keeps no "
+                                      f"checkpoint, so the trained SFT model is lost, and {sft_dir} is left as it "
+                                      "was") from e
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(old, ignore_errors=True)
+                print(f"saved the SFT model to {sft_dir} (later runs with the same settings reuse it)")
+        except WriteFailed as e:  # every rank raises it below, with the writer's errno (run.explain_failure reads it)
+            cause = next((x for x in outdir.root_causes(e.__cause__) if isinstance(x, OSError) and x.errno), None)
+            failed = [str(e), *((cause.errno, cause.strerror, cause.filename) if cause else ())]
+    # Before any rank reads sft_dir, rank 0's failure (as bytes maxed over the others' zeros) ends every rank alike.
+    sent = json.dumps(failed, default=str).encode() if failed else b""
+    if n := int(scale.all_max(torch.tensor([len(sent)], device=device)).item()):
+        got = scale.all_max(torch.tensor(list(sent.ljust(n, b"\0")), device=device))
+        message, *cause = json.loads(bytes(got.tolist()))
+        raise WriteFailed(message) from OSError(*cause) if cause else None
     if cached:
         print0(f"loading the SFT model from {sft_dir} (trained with these settings; --retrain_sft=true retrains it)")
     seconds = hf.read_json(sft_dir / "sft_seconds.json", "pass --retrain_sft=true to train it again")["seconds"]

@@ -1,12 +1,19 @@
-"""How a torchrun rank ends: scale.process_exit gives each rank Python's status and output, a rank that raises
-or refuses a stale sft_dir ends every rank at once, scale.close never waits after an error; a torch older
-than the floor is refused at start-up in one line (the torchrun tests are slow; each has a fast sibling)."""
+"""How a torchrun rank ends: scale.process_exit gives each rank Python's status and output, a rank that raises,
+refuses a stale sft_dir or fails to save the SFT model ends every rank at once, scale.close never waits after an
+error; a torch older than the floor is refused at start-up in one line (the torchrun tests are slow; each has a
+fast sibling)."""
+import errno
 import json
 import os
 import re
+import resource
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import train
 from test_distributed import ROOT, launch
@@ -122,6 +129,63 @@ def test_a_stale_sft_dir_is_refused_after_the_same_collectives_on_every_rank(tmp
             run.start(train.parse_args(args), args, train.sft)
         seen.append((calls, f"error: {refused.value}"))
     assert seen[0] == seen[1] == ([("all_max", [1])], line)
+
+
+@pytest.mark.slow
+def test_a_failed_sft_save_ends_both_torchrun_ranks_with_rank_0s_line(tmp_path):
+    """Rank 0's save of the SFT model fails over a 32 KiB file-size limit (a SafetensorError, no OSError): both
+    ranks exit 1 with rank 0's one line, none with a line of its own (a dead peer) or a wait in a collective."""
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, 32 << 10))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--preset=smoke", "--threads=1", "--sft_steps=2", "--rl_steps=0", f"--out_dir={out}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASKGRPO_COLLECTIVE_TIMEOUT_MIN="2")
+    res = subprocess.run(cmd, cwd=ROOT, env=env, preexec_fn=small_files, capture_output=True, text=True, timeout=300)
+    lines = [s for s in res.stderr.splitlines() if s.startswith("error:")]
+    assert res.returncode == 1 and len(lines) == 2 and lines[0] == lines[1], res.stderr[-3000:]
+    assert lines[0].startswith(f"error: saving the SFT model to {out / 'sft'} failed (SafetensorError"), lines[0]
+    assert res.stderr.count("exitcode  : 1") == 2, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("writer_error", ["full disk", "safetensors"])
+def test_a_failed_sft_save_ends_every_rank_with_rank_0s_line(tmp_path, monkeypatch, writer_error):
+    """Rank 0's save of the toy SFT model fails (a full disk; a SafetensorError, no OSError): run.start as rank 0,
+    then as rank 1 (out_dir as rank 1 finds it, each collective giving back the maximum of both ranks' values).
+    Both end with rank 0's line after the same collectives; a rank reading the unsaved model would end with
+    another, or wait for rank 0."""
+    from safetensors import SafetensorError
+    from infra import hf, run, scale
+    out = tmp_path / "out"
+    args = ["--preset=smoke", "--threads=1", f"--out_dir={out}"]
+
+    def failing(model, path, *a, **k):
+        if writer_error == "safetensors":
+            raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
+    monkeypatch.setattr(hf, "save_pretrained", failing)
+    seen, rank0 = [], []
+    for rank in (0, 1):
+        calls, sent = [], []
+
+        def all_max(t, calls=calls, sent=sent):
+            calls.append(("all_max", tuple(t.shape)))
+            sent.append(t)
+            return torch.maximum(t, rank0[len(sent) - 1]) if rank0 else t
+        monkeypatch.setattr(scale, "rank", lambda rank=rank: rank)
+        monkeypatch.setattr(scale, "all_max", all_max)
+        monkeypatch.setattr(scale, "barrier", lambda calls=calls: calls.append("barrier"))
+        with pytest.raises(Exception) as failed, run.failures_in_one_line(train.parse_args(args)):  # as train.main
+            run.start(train.parse_args(args), args, lambda *a: 0.0)  # no SFT steps: the save is what matters
+        seen.append((calls, f"error: {failed.value}"))
+        rank0 = sent
+        shutil.rmtree(out)  # rank 1 checks out_dir while rank 0 does, before rank 0 writes to it
+    assert seen[0] == seen[1], seen
+    line = seen[0][1]
+    assert line.startswith(f"error: the disk is full (No space left on device: {out}/.sft.tmp-" if writer_error ==
+                           "full disk" else f"error: saving the SFT model to {out / 'sft'} failed (SafetensorError: "
+                           "Error while serializing: I/O error: File too large (os error 27)): SFT keeps no"), line
+    assert "no checkpoint of this run exists" in line and f"--out_dir={out}" in line, line
 
 
 def test_close_after_an_error_neither_waits_nor_destroys(monkeypatch):
