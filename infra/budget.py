@@ -84,8 +84,7 @@ def flops(cfg, mc: ModelConfig, s: dict) -> dict:
         roll = p["seqs"] * cfg_rows * per_seq
         per_update = min(cfg.trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
         views = min(cfg.mu * per_update, steps) if trajectory else cfg.mu  # scored, old and ref
-        # Head positions of a scored input: the window. A trajectory state of a text rollout scores only the
-        # tokens one step revealed, within its block, so the head runs over fewer columns: an upper bound there.
+        # the head over the window; a text trajectory state scores only its step's tokens: an upper bound there
         score = p["seqs"] * views * (1 + (cfg.beta > 0)) * fwd(seq_len, seq_len, window)
         attn = 4 * seq_len * d * nl
         if adapters:  # LoRA: input gradients through frozen matrices (2 per weight), adapters' input + weight ones
@@ -116,8 +115,7 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     cols = codebook if image else c.vocab_size  # images score the codebook's columns only (vocab_slice)
     head_f32 = cols * c.d_model * 4 * (compute_bytes != 4)  # the float32 copy of the head's rows
     cfg_rows = 2 if cfg_scale > 0 else 1
-    # The text sampler computes the head only over the current block (sample.py, at least MIN_HEAD_ROWS
-    # rows per chunk); the image samplers over the image slots and the codebook's columns only.
+    # the sampler's head: text over the current block (at least MIN_HEAD_ROWS rows per chunk), images their slots
     head_rows = chunk * (sampled if image else max(sampled, -(-MIN_HEAD_ROWS // chunk)))
     # images: float64 probabilities and their cumulative sum; text: float64 Gumbel noise (24 B) and a softmax
     sampler = chunk * sampled * codebook * 8 * 2 if image else chunk * sampled * c.vocab_size * (24 + 2)
@@ -140,9 +138,7 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
         rows[f"{kind}_rollout"] = rows[f"{kind}_state"] + rollout_common
         rows[f"{kind}_scoring"] = rows[f"{kind}_state"] + scoring_common
         rows[f"{kind}_peak"] = max(rows[f"{kind}_update"], rows[f"{kind}_rollout"], rows[f"{kind}_scoring"])
-    out = {k: v / GB for k, v in rows.items()}  # and the short names that the README and tests read:
-    return {**out, "weights_gb": n * compute_bytes / w / GB, "full_ft_gb": out["full_peak"],
-            "lora_gb": out["lora_peak"]}
+    return {**{k: v / GB for k, v in rows.items()}, "weights_gb": n * compute_bytes / w / GB}
 
 
 MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state", "LoRA state, sharded"),
@@ -272,7 +268,7 @@ def report(cfg) -> dict:
         rate = {k: seqs * cfg.gen_length / (roll / (GPU_PEAKS[k] * ASSUMED_MFU)) for k in ("A100", "H100")}
         print(f"rollouts at a padded prompt length of {padded} tokens ({source}): about {rate['A100']:.0f} "
               f"generated tokens/s per A100 and {rate['H100']:.0f} per H100 at {ASSUMED_MFU:.0%} MFU")
-    need = step_s + checkpoint_seconds(cfg, mc)
+    need = step_s + checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED
     wait = 2 * math.ceil(need)  # twice the estimate; below torchrun's default of 30 s the default is the advice
     print(f"SIGTERM: one RL step plus a checkpoint takes about {need:.0f} s here; under torchrun "
           + (f"the default TORCH_ELASTIC_SHUTDOWN_TIMEOUT of {DEFAULT_KILL_DELAY} s leaves room for it (do not set "
@@ -290,14 +286,8 @@ def report(cfg) -> dict:
 
 # Start-up checks: the launcher's kill delay, the training state over the GPU's memory, the disk
 
-def checkpoint_seconds(cfg, mc: ModelConfig) -> float:
-    """Estimated seconds to write one checkpoint."""
-    return checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED
-
-
 def torchrun_reads_shutdown_timeout() -> bool:
-    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT (check 9 of tests/test_cuda_torchrun.py
-    measures it on a worker ignoring SIGTERM)."""
+    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT (measured: tests/test_cuda_torchrun.py)."""
     try:
         from torch.distributed.launcher.api import LaunchConfig
     except ImportError:
@@ -340,7 +330,7 @@ def warn_kill_delay(cfg, world: int, env=os.environ) -> None:
     mc = model_config(cfg)
     flop = flops(cfg, mc, shape(mc, cfg.lora_rank, cfg.lora_targets))["step"]
     step_s = flop / (world * GPU_PEAK_FLOPS * ASSUMED_MFU)
-    if text := kill_delay_warning(env, step_s, checkpoint_seconds(cfg, mc)):
+    if text := kill_delay_warning(env, step_s, checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED):
         print0(text)
 
 
@@ -348,8 +338,7 @@ def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
     """The out-of-memory advice when the sharded training state alone (memory's full_state or lora_state) is
     over the GPU's memory, so that no --device_batch_size helps; None when it fits."""
     s = shape(model_config(cfg), cfg.lora_rank, cfg.lora_targets)
-    compute = 2 if cfg.dtype != "float32" else 4
-    state = (s["params"] * compute + s["lora_params"] * 16 if cfg.lora_rank > 0 else
+    state = (s["params"] * (4 if cfg.dtype == "float32" else 2) + s["lora_params"] * 16 if cfg.lora_rank > 0 else
              s["params"] * (16 + 4 * (cfg.beta > 0))) / world
     if state < device_bytes:
         return None

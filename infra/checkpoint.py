@@ -19,7 +19,6 @@ from pathlib import Path
 from infra import scale
 
 DIRNAME, PREFIX, TMP = "checkpoints", "step-", ".tmp"
-KILL_ENV = "MASKGRPO_KILL_DURING_CHECKPOINT"  # tests/test_resume.py: SIGKILL while writing this step's checkpoint
 # A scheduler's SIGTERM, Ctrl-C's SIGINT, and the SIGHUP of a closed terminal or a dropped ssh session.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 REPEAT_WINDOW = 5.0  # seconds in which a second signal is torchrun's copy of the first, not a new one
@@ -45,10 +44,9 @@ def _step_dir(out_dir, step: int, tmp: bool = False) -> Path:
     return Path(out_dir) / DIRNAME / f"{PREFIX}{step:08d}{TMP if tmp else ''}"
 
 
-def complete(out_dir) -> list[Path]:  # oldest first
-    found = [p for p in (Path(out_dir) / DIRNAME).glob(f"{PREFIX}*")
-             if not p.name.endswith(TMP) and (p / "state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+def complete(out_dir) -> list[Path]:  # oldest first (the step is zero-padded)
+    return sorted(p for p in (Path(out_dir) / DIRNAME).glob(f"{PREFIX}*")
+                  if not p.name.endswith(TMP) and (p / "state.json").is_file())
 
 
 def latest(out_dir) -> Path | None:
@@ -100,8 +98,6 @@ def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainab
     scale.barrier()
     if scale.rank() == 0:
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-        if os.environ.get(KILL_ENV) == str(step):
-            os.kill(os.getpid(), signal.SIGKILL)
         fsync_tree(tmp)
         os.rename(tmp, final)
         fsync_tree(final.parent, entries_only=True)
