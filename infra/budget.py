@@ -129,15 +129,13 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
             "logits": chunk * head_len * cols * 8 + head_f32,
             "sampling": cfg_rows * head_rows * cols * compute_bytes + sampler,
             "no_grad_block": tokens * per_tok_block * compute_bytes}
-    update_common = rows["root_gathered"] + rows["blocks_gathered"] + rows["allgather_buffer"] + acts + rows["logits"]
-    rollout_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["sampling"]
-    scoring_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["no_grad_block"] + rows["logits"]
-    for kind in ("full", "lora"):
-        # full fine-tuning: the float32 head copy's gradient, before it is cast into the weight's gradient
-        rows[f"{kind}_update"] = rows[f"{kind}_state"] + update_common + head_f32 * (kind == "full")
-        rows[f"{kind}_rollout"] = rows[f"{kind}_state"] + rollout_common
-        rows[f"{kind}_scoring"] = rows[f"{kind}_state"] + scoring_common
-        rows[f"{kind}_peak"] = max(rows[f"{kind}_update"], rows[f"{kind}_rollout"], rows[f"{kind}_scoring"])
+    phases = {"update": rows["root_gathered"] + rows["blocks_gathered"] + rows["allgather_buffer"] + acts
+              + rows["logits"], "rollout": rows["model_gathered"] + rows["allgather_buffer"] + rows["sampling"],
+              "scoring": rows["model_gathered"] + rows["allgather_buffer"] + rows["no_grad_block"] + rows["logits"]}
+    for kind in ("full", "lora"):  # full fine-tuning's update: also the float32 head copy's gradient, before the cast
+        rows.update({f"{kind}_{ph}": rows[f"{kind}_state"] + held + head_f32 * (kind == "full" and ph == "update")
+                     for ph, held in phases.items()})
+        rows[f"{kind}_peak"] = max(rows[f"{kind}_{ph}"] for ph in phases)
     return {**{k: v / GB for k, v in rows.items()}, "weights_gb": n * compute_bytes / w / GB}
 
 

@@ -25,9 +25,8 @@ REPEAT_WINDOW = 5.0  # seconds in which a second signal is torchrun's copy of th
 
 
 def _dcp():  # imported on first use (about a second; sampling and evaluation never need it)
-    import torch.distributed.checkpoint as dcp
-    import torch.distributed.checkpoint.state_dict  # noqa: F401  (get_state_dict, StateDictOptions)
-    return dcp
+    import torch.distributed.checkpoint.state_dict
+    return torch.distributed.checkpoint
 
 
 def _transfer(how: str, path, model, opt, trainable_only: bool) -> tuple:
@@ -104,11 +103,8 @@ def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainab
         if keep_last:
             keep = Path(protect).resolve() if protect else None
             for old in [p for p in complete(out_dir)[:-keep_last] if p.resolve() != keep]:
-                # Renamed first: a kill during the delete leaves a .tmp directory, never a damaged checkpoint.
-                doomed = old.with_name(old.name + TMP)
-                os.rename(old, doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
-        for p in final.parent.glob(f"{PREFIX}*{TMP}"):  # older crash leftovers
+                os.rename(old, old.with_name(old.name + TMP))  # so that a kill while deleting it damages no checkpoint
+        for p in final.parent.glob(f"{PREFIX}*{TMP}"):  # those, and a crash's leftovers
             shutil.rmtree(p, ignore_errors=True)
     scale.barrier()
     return final
@@ -156,8 +152,6 @@ class Unbroken:
     """A real stdout/stderr nobody reads (EIO, EPIPE, EBADF) is silenced, a full non-blocking pipe (EAGAIN) drops
     the line: losing a message must not lose the run or its checkpoint."""
 
-    GONE = (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO)
-
     def __init__(self, stream):
         self._stream = stream
 
@@ -166,7 +160,7 @@ class Unbroken:
             return call(*text)
         except OSError as e:
             if not isinstance(e, BlockingIOError):
-                if e.errno not in self.GONE:
+                if e.errno not in (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO):
                     raise
                 silence(self._stream.fileno())
                 with suppress(OSError, ValueError):
