@@ -129,12 +129,13 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
             "logits": chunk * head_len * cols * 8 + head_f32,
             "sampling": cfg_rows * head_rows * cols * compute_bytes + sampler,
             "no_grad_block": tokens * per_tok_block * compute_bytes}
-    phases = {"update": rows["root_gathered"] + rows["blocks_gathered"] + rows["allgather_buffer"] + acts
-              + rows["logits"], "rollout": rows["model_gathered"] + rows["allgather_buffer"] + rows["sampling"],
-              "scoring": rows["model_gathered"] + rows["allgather_buffer"] + rows["no_grad_block"] + rows["logits"]}
-    for kind in ("full", "lora"):  # full fine-tuning's update: also the float32 head copy's gradient, before the cast
-        rows.update({f"{kind}_{ph}": rows[f"{kind}_state"] + held + head_f32 * (kind == "full" and ph == "update")
-                     for ph, held in phases.items()})
+    phases = {"update": ("root_gathered", "blocks_gathered", "allgather_buffer", "activations", "logits"),
+              "rollout": ("model_gathered", "allgather_buffer", "sampling"),
+              "scoring": ("model_gathered", "allgather_buffer", "no_grad_block", "logits")}  # held beside the state
+    for kind in ("full", "lora"):
+        for ph, held in phases.items():  # full fine-tuning's update: also the float32 head copy's gradient
+            grad = head_f32 * (kind == "full" and ph == "update")
+            rows[f"{kind}_{ph}"] = rows[f"{kind}_state"] + sum(rows[k] for k in held) + grad
         rows[f"{kind}_peak"] = max(rows[f"{kind}_{ph}"] for ph in phases)
     return {**{k: v / GB for k, v in rows.items()}, "weights_gb": n * compute_bytes / w / GB}
 
