@@ -295,9 +295,8 @@ def torchrun_reads_shutdown_timeout() -> bool:
 
 
 def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float) -> str | None:
-    """The start-up warning when a SIGTERM (the run finishes its step and writes a checkpoint) would get SIGKILL
-    first, else None. The delay: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT if that torchrun reads it, else 30 s;
-    under Slurm (SLURM_JOB_ID) KillWait's default, 30 s."""
+    """The start-up warning when a SIGTERM (the step finishes, a checkpoint is written) would get SIGKILL first, else
+    None: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT if it reads it, else 30 s; under Slurm, KillWait's default 30 s."""
     torchrun, slurm = "TORCHELASTIC_RUN_ID" in env, "SLURM_JOB_ID" in env
     ignored = torchrun and not torchrun_reads_shutdown_timeout()
     delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun and not ignored \
