@@ -4,7 +4,6 @@ kill delay, the out-of-memory advice, the disk). tests/test_budget.py derives th
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -25,13 +24,10 @@ GB = 1024 ** 3
 GPU_PEAKS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 GPU_NAME, GPU_PEAK_FLOPS = "A100-80GB SXM", GPU_PEAKS["A100"]
 ASSUMED_MFU = 0.35
-# GiB (every memory figure's unit) of an H100 SXM and an H200 by nvidia-smi, before the CUDA context
-GPU_MEMORY_GB = {"H100": 79.6, "H200": 140.4}
-# Seconds from SIGTERM to SIGKILL by default: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT and Slurm's KillWait.
-DEFAULT_KILL_DELAY = 30
+GPU_MEMORY_GB = {"H100": 79.6, "H200": 140.4}  # GiB of an H100 SXM and an H200 by nvidia-smi, before the CUDA context
+DEFAULT_KILL_DELAY = 30  # s from SIGTERM to SIGKILL: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT and Slurm's KillWait
 CHECKPOINT_WRITE_SPEED = 0.5 * GB  # bytes/s, assumed: torch.distributed.checkpoint to a network file system
-# The first torch whose torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT; earlier ones kill 30 s after SIGTERM.
-SHUTDOWN_TIMEOUT_TORCH = "2.12"
+SHUTDOWN_TIMEOUT_TORCH = "2.12"  # the first torch whose torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 
 
 def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
@@ -46,49 +42,66 @@ def shape(mc: ModelConfig, lora_rank: int, lora_targets: str = "all") -> dict:
             "lora_params": lora_rank * mc.n_layers * sum(m.in_features + m.out_features for m in adapted)}
 
 
-def flops(cfg, mc: ModelConfig, s: dict, p: dict) -> dict:
-    """Global FLOPs of one RL step of task shape p (task_shapes), all ranks, by phase, and of one rollout sequence
+def task_shapes(cfg) -> list[dict]:
+    """Per task, what one RL step processes; window: the completion or the image slots."""
+    out = []
+    for task in task_list(cfg):
+        image = task in IMAGE_TASKS
+        prompt_len = (cfg.image_text_len or 32) + 2 if image else cfg.max_prompt_len
+        window = cfg.image_width ** 2 if image else cfg.gen_length
+        out.append(dict(task=task, image=image, prompt_len=prompt_len, seq_len=prompt_len + window,
+                        rollout="image" if image else "exact" if cfg.kv_cache == "none" else cfg.kv_cache,
+                        steps=cfg.image_steps if image else cfg.steps, seqs=cfg.prompts_per_step * cfg.group_size,
+                        window=window))
+    return out
+
+
+def flops(cfg, mc: ModelConfig, s: dict) -> dict:
+    """Global FLOPs of one RL step over task_shapes, all ranks, by phase, and of one rollout sequence by task
     (per_rollout_seq). A forward costs per token 2 FLOPs per weight of the block matrices (and adapters) and
     4 * keys * d_model per layer of attention; the head (2 per weight) runs only where the code computes it."""
-    d, nl = mc.d_model, mc.n_layers
+    d, nl, block_length = mc.d_model, mc.n_layers, cfg.block_length
     body, head = nl * s["block_matmul"], s["head"]
     adapters = s["lora_params"] if cfg.lora_rank > 0 else 0
-    seq_len, steps, window, block_length = p["seq_len"], p["steps"], p["window"], cfg.block_length
+    trajectory = cfg.estimator == "trajectory"
 
     def fwd(tokens, keys, head_tokens):  # FLOPs of a forward over `tokens` query positions
         return tokens * (2 * (body + adapters) + 4 * keys * d * nl) + head_tokens * 2 * head
 
-    cfg_rows = 2 if p["image"] and cfg.cfg_scale > 0 else 1
-    if p["rollout"] in ("exact", "image"):
-        per_seq = steps * fwd(seq_len, seq_len, window if p["image"] else block_length)
-    else:  # Fast-dLLM: a full pass per block, then the tokens from the block on (prefix) or the block (dual);
-        # upper bounds, as threshold decoding can end a block early
-        blocks = (seq_len - p["prompt_len"]) // block_length
-        queries = [seq_len - p["prompt_len"] - b * block_length if p["rollout"] == "prefix" else block_length
-                   for b in range(blocks)]
-        per_seq = sum(fwd(seq_len, seq_len, block_length) + (steps // blocks - 1) * fwd(q, seq_len, block_length)
-                      for q in queries)
-    roll = p["seqs"] * cfg_rows * per_seq
-    trajectory = cfg.estimator == "trajectory"
-    per_update = min(cfg.trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
-    views = min(cfg.mu * per_update, steps) if trajectory else cfg.mu  # scored, old and ref
-    # Head positions of a scored input: the window. A trajectory state of a text rollout scores only the
-    # tokens one step revealed, within its block, so the head runs over fewer columns: an upper bound there.
-    score = p["seqs"] * views * (1 + (cfg.beta > 0)) * fwd(seq_len, seq_len, window)
-    attn = 4 * seq_len * d * nl
-    if adapters:  # LoRA: input gradients through frozen matrices (2 per weight), adapters' input and weight gradients
-        bwd = seq_len * (2 * body + 4 * adapters + 2 * attn) + window * 2 * head
-    else:  # full fine-tuning: input and weight gradients, twice the forward
-        bwd = seq_len * (4 * body + 2 * attn) + window * 4 * head
-    recompute = seq_len * (2 * (body + adapters) + attn) if cfg.activation_checkpointing else 0
-    update = p["seqs"] * cfg.mu * per_update * (fwd(seq_len, seq_len, window) + bwd + recompute)
-    return {"rollout": roll, "scoring": score, "update": update, "step": roll + score + update,
-            "per_rollout_seq": cfg_rows * per_seq}
+    total = {"rollout": 0, "scoring": 0, "update": 0, "step": 0, "per_rollout_seq": {}}
+    for p in task_shapes(cfg):
+        seq_len, steps, window = p["seq_len"], p["steps"], p["window"]
+        cfg_rows = 2 if p["image"] and cfg.cfg_scale > 0 else 1
+        if p["rollout"] in ("exact", "image"):
+            per_seq = steps * fwd(seq_len, seq_len, window if p["image"] else block_length)
+        else:  # Fast-dLLM: a full pass per block, then the tokens from the block on (prefix) or the block (dual);
+            # upper bounds, as threshold decoding can end a block early
+            blocks = (seq_len - p["prompt_len"]) // block_length
+            queries = [seq_len - p["prompt_len"] - b * block_length if p["rollout"] == "prefix" else block_length
+                       for b in range(blocks)]
+            per_seq = sum(fwd(seq_len, seq_len, block_length) + (steps // blocks - 1) * fwd(q, seq_len, block_length)
+                          for q in queries)
+        roll = p["seqs"] * cfg_rows * per_seq
+        per_update = min(cfg.trajectory_states or steps, steps) if trajectory else 1  # inputs of one update
+        views = min(cfg.mu * per_update, steps) if trajectory else cfg.mu  # scored, old and ref
+        # the head over the window; a text trajectory state scores only its step's tokens: an upper bound there
+        score = p["seqs"] * views * (1 + (cfg.beta > 0)) * fwd(seq_len, seq_len, window)
+        attn = 4 * seq_len * d * nl
+        if adapters:  # LoRA: input gradients through frozen matrices (2 per weight), adapters' input + weight ones
+            bwd = seq_len * (2 * body + 4 * adapters + 2 * attn) + window * 2 * head
+        else:  # full fine-tuning: input and weight gradients, twice the forward
+            bwd = seq_len * (4 * body + 2 * attn) + window * 4 * head
+        recompute = seq_len * (2 * (body + adapters) + attn) if cfg.activation_checkpointing else 0
+        update = p["seqs"] * cfg.mu * per_update * (fwd(seq_len, seq_len, window) + bwd + recompute)
+        total["per_rollout_seq"][p["task"]] = cfg_rows * per_seq
+        for k, v in (("rollout", roll), ("scoring", score), ("update", update), ("step", roll + score + update)):
+            total[k] += v
+    return total
 
 
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
-           cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
-           codebook: int = 8192, head_len: int | None = None) -> dict:
+           head_len: int, cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
+           codebook: int = 8192) -> dict:
     """Memory per GPU in GiB by component and phase (the CUDA context, fragmentation and NCCL buffers left out): the
     sharded state, the groups FSDP2 gathers, and per chunk activations, float32 logits and sampler transients."""
     c, w, n = mc, world_size, s["params"]
@@ -99,12 +112,10 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     tokens = chunk * seq_len
     acts = tokens * c.n_layers * (c.d_model if activation_checkpointing else per_tok_block) * compute_bytes
     acts += tokens * per_tok_block * compute_bytes * activation_checkpointing  # the block being recomputed
-    head_len = seq_len if head_len is None else head_len
     cols = codebook if image else c.vocab_size  # images score the codebook's columns only (vocab_slice)
     head_f32 = cols * c.d_model * 4 * (compute_bytes != 4)  # the float32 copy of the head's rows
     cfg_rows = 2 if cfg_scale > 0 else 1
-    # The text sampler computes the head only over the current block (sample.py, at least MIN_HEAD_ROWS
-    # rows per chunk); the image samplers over the image slots and the codebook's columns only.
+    # the sampler's head: text over the current block (at least MIN_HEAD_ROWS rows per chunk), images their slots
     head_rows = chunk * (sampled if image else max(sampled, -(-MIN_HEAD_ROWS // chunk)))
     # images: float64 probabilities and their cumulative sum; text: float64 Gumbel noise (24 B) and a softmax
     sampler = chunk * sampled * codebook * 8 * 2 if image else chunk * sampled * c.vocab_size * (24 + 2)
@@ -118,18 +129,15 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
             "logits": chunk * head_len * cols * 8 + head_f32,
             "sampling": cfg_rows * head_rows * cols * compute_bytes + sampler,
             "no_grad_block": tokens * per_tok_block * compute_bytes}
-    update_common = rows["root_gathered"] + rows["blocks_gathered"] + rows["allgather_buffer"] + acts + rows["logits"]
-    rollout_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["sampling"]
-    scoring_common = rows["model_gathered"] + rows["allgather_buffer"] + rows["no_grad_block"] + rows["logits"]
+    phases = {"update": ("root_gathered", "blocks_gathered", "allgather_buffer", "activations", "logits"),
+              "rollout": ("model_gathered", "allgather_buffer", "sampling"),
+              "scoring": ("model_gathered", "allgather_buffer", "no_grad_block", "logits")}  # held beside the state
     for kind in ("full", "lora"):
-        # full fine-tuning: the float32 head copy's gradient, before it is cast into the weight's gradient
-        rows[f"{kind}_update"] = rows[f"{kind}_state"] + update_common + head_f32 * (kind == "full")
-        rows[f"{kind}_rollout"] = rows[f"{kind}_state"] + rollout_common
-        rows[f"{kind}_scoring"] = rows[f"{kind}_state"] + scoring_common
-        rows[f"{kind}_peak"] = max(rows[f"{kind}_update"], rows[f"{kind}_rollout"], rows[f"{kind}_scoring"])
-    out = {k: v / GB for k, v in rows.items()}  # and the short names that the README and tests read:
-    return {**out, "weights_gb": n * compute_bytes / w / GB, "full_ft_gb": out["full_peak"],
-            "lora_gb": out["lora_peak"]}
+        for ph, held in phases.items():  # full fine-tuning's update: also the float32 head copy's gradient
+            grad = head_f32 * (kind == "full" and ph == "update")
+            rows[f"{kind}_{ph}"] = rows[f"{kind}_state"] + sum(rows[k] for k in held) + grad
+        rows[f"{kind}_peak"] = max(rows[f"{kind}_{ph}"] for ph in phases)
+    return {**{k: v / GB for k, v in rows.items()}, "weights_gb": n * compute_bytes / w / GB}
 
 
 MEMORY_ROWS = (("full_state", "full fine-tuning state, sharded"), ("lora_state", "LoRA state, sharded"),
@@ -150,35 +158,10 @@ def scratch_config(cfg, **vocab) -> ModelConfig:
 
 def model_config(cfg) -> ModelConfig:
     """The model shape of a train.Config: --init_from's config.json, else the scratch shape."""
-    cfg_file = Path(cfg.init_from) / "config.json" if cfg.init_from not in ("", "scratch") else None
-    if cfg_file is not None and cfg_file.is_file():
-        return hf.config_from_hf(json.loads(cfg_file.read_text()))
+    if cfg.init_from not in ("", "scratch") and (Path(cfg.init_from) / "config.json").is_file():
+        return hf.read_config(cfg.init_from)
     vocab = cfg.vocab_size or tasks.model_config_overrides(toy.build_tokenizer())["vocab_size"]
     return scratch_config(cfg, vocab_size=vocab, mask_token_id=vocab - 1)
-
-
-def task_shapes(cfg) -> list[dict]:
-    """Per task, what one RL step processes; window: the completion or the image slots."""
-    out = []
-    for task in task_list(cfg):
-        image = task in IMAGE_TASKS
-        prompt_len = (cfg.image_text_len or 32) + 2 if image else cfg.max_prompt_len
-        window = cfg.image_width ** 2 if image else cfg.gen_length
-        out.append(dict(task=task, image=image, prompt_len=prompt_len, seq_len=prompt_len + window,
-                        rollout="image" if image else "exact" if cfg.kv_cache == "none" else cfg.kv_cache,
-                        steps=cfg.image_steps if image else cfg.steps, seqs=cfg.prompts_per_step * cfg.group_size,
-                        window=window))
-    return out
-
-
-def step_flops(cfg, mc: ModelConfig, s: dict) -> dict:
-    """flops() of one RL step summed over the tasks, with per_rollout_seq by task."""
-    total = {"rollout": 0, "scoring": 0, "update": 0, "step": 0, "per_rollout_seq": {}}
-    for p in task_shapes(cfg):
-        f = flops(cfg, mc, s, p)
-        total["per_rollout_seq"][p["task"]] = f.pop("per_rollout_seq")
-        total.update({k: total[k] + v for k, v in f.items()})
-    return total
 
 
 def padded_prompt_len(cfg) -> tuple[int, str]:
@@ -205,10 +188,10 @@ def report(cfg) -> dict:
     names, image = [p["task"] for p in shapes], any(p["image"] for p in shapes)
     seq_len, seqs = max(p["seq_len"] for p in shapes), sum(p["seqs"] for p in shapes)
     s = shape(mc, cfg.lora_rank, cfg.lora_targets)
-    f = step_flops(cfg, mc, s)
-    maskgrpo = step_flops(dataclasses.replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # to compare with
+    f = flops(cfg, mc, s)
+    maskgrpo = flops(dataclasses.replace(cfg, estimator="maskgrpo"), mc, s)["step"]  # to compare with
     # one held-out evaluation (data.evaluate_all): eval_samples per prompt, 1 greedy per text prompt, exact sampler
-    exact = step_flops(dataclasses.replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
+    exact = flops(dataclasses.replace(cfg, kv_cache="none", threshold=0.0), mc, s)["per_rollout_seq"]
     eval_n = {t: cfg.eval_prompts * (cfg.eval_samples + (t not in IMAGE_TASKS)) for t in exact}
     one_eval, eval_seqs = sum(eval_n[t] * exact[t] for t in exact), sum(eval_n.values())
     run = f["step"] * cfg.rl_steps + 2 * one_eval
@@ -280,11 +263,11 @@ def report(cfg) -> dict:
     rate = {}
     if not image:  # generated tokens/s per GPU of the rollout phase at the padded prompt length
         padded, source = padded_prompt_len(cfg)
-        roll = step_flops(dataclasses.replace(cfg, max_prompt_len=padded), mc, s)["rollout"]
+        roll = flops(dataclasses.replace(cfg, max_prompt_len=padded), mc, s)["rollout"]
         rate = {k: seqs * cfg.gen_length / (roll / (GPU_PEAKS[k] * ASSUMED_MFU)) for k in ("A100", "H100")}
         print(f"rollouts at a padded prompt length of {padded} tokens ({source}): about {rate['A100']:.0f} "
               f"generated tokens/s per A100 and {rate['H100']:.0f} per H100 at {ASSUMED_MFU:.0%} MFU")
-    need = step_s + checkpoint_seconds(cfg, mc)
+    need = step_s + checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED
     wait = 2 * math.ceil(need)  # twice the estimate; below torchrun's default of 30 s the default is the advice
     print(f"SIGTERM: one RL step plus a checkpoint takes about {need:.0f} s here; under torchrun "
           + (f"the default TORCH_ELASTIC_SHUTDOWN_TIMEOUT of {DEFAULT_KILL_DELAY} s leaves room for it (do not set "
@@ -294,23 +277,16 @@ def report(cfg) -> dict:
              + ")") + f", under Slurm sbatch --signal=TERM@{wait} and check KillWait")
     return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs,
             "seq_len": seq_len, "flops": {**f, "evaluation": 2 * one_eval, "eval_once": one_eval, "run": run},
-            "eval_sequences": eval_seqs, "eval_minutes": eval_min, "chunk": chunk,
-            "rollout_batches": cfg.rl_steps, "optimizer_steps": opt_steps,
-            "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.mu,
+            "eval_sequences": eval_seqs, "eval_minutes": eval_min, "chunk": chunk, "rollout_batches": cfg.rl_steps,
+            "optimizer_steps": opt_steps, "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.mu,
             "gpu": GPU_NAME, "gpus": gpus, "mfu": ASSUMED_MFU, "seconds_per_step": step_s, "run_hours": run_h,
             "gpu_hours": run_h * gpus, "budget": mem, "tokens_per_s_per_gpu": rate}
 
 
 # Start-up checks: the launcher's kill delay, the training state over the GPU's memory, the disk
 
-def checkpoint_seconds(cfg, mc: ModelConfig) -> float:
-    """Estimated seconds to write one checkpoint."""
-    return checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED
-
-
 def torchrun_reads_shutdown_timeout() -> bool:
-    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT (check 9 of tests/test_cuda_torchrun.py
-    measures it on a worker ignoring SIGTERM)."""
+    """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT (measured: tests/test_cuda_torchrun.py)."""
     try:
         from torch.distributed.launcher.api import LaunchConfig
     except ImportError:
@@ -318,17 +294,14 @@ def torchrun_reads_shutdown_timeout() -> bool:
     return "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
 
 
-def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float,
-                       reads_variable: bool | None = None) -> str | None:
-    """The start-up warning when a SIGTERM (the run finishes its step and writes a checkpoint) would get SIGKILL
-    first, else None. The delay: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT if that torchrun reads it
-    (reads_variable), else 30 s; under Slurm (SLURM_JOB_ID) KillWait's default, 30 s."""
+def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float) -> str | None:
+    """The start-up warning when a SIGTERM (the step finishes, a checkpoint is written) would get SIGKILL first, else
+    None: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT if it reads it, else 30 s; under Slurm, KillWait's default 30 s."""
     torchrun, slurm = "TORCHELASTIC_RUN_ID" in env, "SLURM_JOB_ID" in env
-    ignored = torchrun and not (torchrun_reads_shutdown_timeout() if reads_variable is None else reads_variable)
+    ignored = torchrun and not torchrun_reads_shutdown_timeout()
     delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun and not ignored \
         else DEFAULT_KILL_DELAY
-    if slurm:
-        delay = min(delay, DEFAULT_KILL_DELAY)
+    delay = min(delay, DEFAULT_KILL_DELAY) if slurm else delay
     need = step_seconds + checkpoint_seconds
     if not (torchrun or slurm) or delay >= need:
         return None
@@ -348,15 +321,14 @@ def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float
             f"write no checkpoint; {'; '.join(fix)} (README: resuming)")
 
 
-def warn_kill_delay(cfg, world: int, env=None) -> None:
+def warn_kill_delay(cfg, world: int, env=os.environ) -> None:
     """Print kill_delay_warning's warning (rank 0) for cfg's run on `world` GPUs."""
-    env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" not in env and "SLURM_JOB_ID" not in env:
         return
     mc = model_config(cfg)
-    flop = step_flops(cfg, mc, shape(mc, cfg.lora_rank, cfg.lora_targets))["step"]
+    flop = flops(cfg, mc, shape(mc, cfg.lora_rank, cfg.lora_targets))["step"]
     step_s = flop / (world * GPU_PEAK_FLOPS * ASSUMED_MFU)
-    if text := kill_delay_warning(env, step_s, checkpoint_seconds(cfg, mc)):
+    if text := kill_delay_warning(env, step_s, checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED):
         print0(text)
 
 
@@ -364,8 +336,7 @@ def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
     """The out-of-memory advice when the sharded training state alone (memory's full_state or lora_state) is
     over the GPU's memory, so that no --device_batch_size helps; None when it fits."""
     s = shape(model_config(cfg), cfg.lora_rank, cfg.lora_targets)
-    compute = 2 if cfg.dtype != "float32" else 4
-    state = (s["params"] * compute + s["lora_params"] * 16 if cfg.lora_rank > 0 else
+    state = (s["params"] * (4 if cfg.dtype == "float32" else 2) + s["lora_params"] * 16 if cfg.lora_rank > 0 else
              s["params"] * (16 + 4 * (cfg.beta > 0))) / world
     if state < device_bytes:
         return None
@@ -381,22 +352,6 @@ def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
     return (s["lora_params"] if cfg.lora_rank > 0 else s["params"]) * 4 * 3 + 2 ** 20
 
 
-def final_bytes(cfg, mc: ModelConfig) -> int:
-    """Bytes of final/: every parameter in the run's dtype (bf16 on a GPU with --dtype=auto, float32 on the CPU)
-    and, with LoRA, the float32 adapters beside the merged model."""
-    s = shape(mc, cfg.lora_rank, cfg.lora_targets)
-    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and torch.cuda.is_available())
-    return s["params"] * (2 if bf16 else 4) + (s["lora_params"] * 4 if cfg.lora_rank > 0 else 0)
-
-
-def checkpoints_on_disk(cfg, present: int = 0) -> int:
-    """New checkpoints on disk at once: keep_last plus the one being written (keep_last 0: every one), never
-    more than the run writes (one per checkpoint_every steps and the last), less a resumed run's `present`."""
-    writes = cfg.rl_steps // max(cfg.checkpoint_every, 1) + 1 if cfg.rl_steps else 0
-    at_once = min(cfg.keep_last + 1, writes) if cfg.keep_last else writes
-    return max(0, at_once - present)
-
-
 def _bytes(n: float) -> str:
     # a size in the largest unit that leaves it at least 1 (1.5 MB, not 0.0 GB)
     for unit, size in (("GB", GB), ("MB", 2 ** 20), ("KB", 2 ** 10)):
@@ -408,9 +363,14 @@ def _bytes(n: float) -> str:
 def check_disk(cfg, out: Path, mc, present: int = 0) -> None:
     """Refuse to start when out_dir cannot hold the checkpoints the run keeps during rotation (beside a resumed
     run's `present` ones) and final/ (written while the last checkpoint is still there)."""
-    one, k, final = checkpoint_bytes(cfg, mc), checkpoints_on_disk(cfg, present), final_bytes(cfg, mc)
-    size = one * k + final
-    free = shutil.disk_usage(out).free
+    s, one = shape(mc, cfg.lora_rank, cfg.lora_targets), checkpoint_bytes(cfg, mc)
+    # at once: keep_last and the one being written (0: every one), at most what the run writes (and its last step)
+    writes = cfg.rl_steps // max(cfg.checkpoint_every, 1) + 1 if cfg.rl_steps else 0
+    k = max(0, (min(cfg.keep_last + 1, writes) if cfg.keep_last else writes) - present)
+    # final/: every parameter in the run's dtype (bf16 on a GPU with --dtype=auto), and LoRA's float32 adapters
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and torch.cuda.is_available())
+    final = s["params"] * (2 if bf16 else 4) + (s["lora_params"] * 4 if cfg.lora_rank > 0 else 0)
+    size, free = one * k + final, shutil.disk_usage(out).free
     if free < size:
         what = "LoRA adapters and their AdamW moments" if cfg.lora_rank > 0 else \
             "float32 weights and AdamW moments (full fine-tuning)"

@@ -1,7 +1,6 @@
 """Atomic, sharded, rotated checkpoints (out_dir/checkpoints/step-N/: DCP shards of model and AdamW, and
 state.json; step-N.tmp/ is one being written or a crash's, never loaded); stopping on a signal with one; output
-that survives its reader going away. DCP reshards on load (8 GPUs resume on 4). No RNG state: draws are seeded.
-"""
+that survives its reader going away. DCP reshards on load (8 GPUs resume on 4). No RNG state: draws are seeded."""
 from __future__ import annotations
 
 import errno
@@ -20,19 +19,18 @@ from pathlib import Path
 from infra import scale
 
 DIRNAME, PREFIX, TMP = "checkpoints", "step-", ".tmp"
-KILL_ENV = "MASKGRPO_KILL_DURING_CHECKPOINT"  # tests/test_resume.py: SIGKILL while writing this step's checkpoint
+# A scheduler's SIGTERM, Ctrl-C's SIGINT, and the SIGHUP of a closed terminal or a dropped ssh session.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 REPEAT_WINDOW = 5.0  # seconds in which a second signal is torchrun's copy of the first, not a new one
 
 
 def _dcp():  # imported on first use (about a second; sampling and evaluation never need it)
-    import torch.distributed.checkpoint as dcp
-    import torch.distributed.checkpoint.state_dict  # noqa: F401  (get_state_dict, StateDictOptions)
-    return dcp
+    import torch.distributed.checkpoint.state_dict
+    return torch.distributed.checkpoint
 
 
 def _transfer(how: str, path, model, opt, trainable_only: bool) -> tuple:
-    """DCP save or load of the model's and AdamW's state dicts (with LoRA only the adapters), and their options:
-    loading adapters only leaves the frozen base (from --init_from) as it is, so not strict then."""
+    """DCP save or load of the model's and AdamW's state (LoRA: the adapters only, the frozen base left as it is)."""
     options = _dcp().state_dict.StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
     model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, opt, options=options)
     with warnings.catch_warnings():  # DCP's "assumes a single process" without a process group: intended
@@ -45,10 +43,9 @@ def _step_dir(out_dir, step: int, tmp: bool = False) -> Path:
     return Path(out_dir) / DIRNAME / f"{PREFIX}{step:08d}{TMP if tmp else ''}"
 
 
-def complete(out_dir) -> list[Path]:  # oldest first
-    found = [p for p in (Path(out_dir) / DIRNAME).glob(f"{PREFIX}*")
-             if not p.name.endswith(TMP) and (p / "state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+def complete(out_dir) -> list[Path]:  # oldest first (the step is zero-padded)
+    return sorted(p for p in (Path(out_dir) / DIRNAME).glob(f"{PREFIX}*")
+                  if not p.name.endswith(TMP) and (p / "state.json").is_file())
 
 
 def latest(out_dir) -> Path | None:
@@ -68,11 +65,8 @@ def damage(path) -> str | None:
         storage = _dcp().FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as e:  # DCP raises whatever its unpickler met: a missing or truncated .metadata
         return f"{path / '.metadata'} is unreadable ({type(e).__name__}: {e})"
-    need: dict[str, int] = {}
-    for info in storage.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(need.items()):
-        f = path / name
+    for name in sorted({info.relative_path for info in storage.values()}):
+        f, size = path / name, max(i.offset + i.length for i in storage.values() if i.relative_path == name)
         if not f.is_file():
             return f"its shard {f} is missing"
         if f.stat().st_size < size:
@@ -103,19 +97,14 @@ def save(out_dir, step: int, model, opt, state: dict, *, keep_last: int, trainab
     scale.barrier()
     if scale.rank() == 0:
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-        if os.environ.get(KILL_ENV) == str(step):
-            os.kill(os.getpid(), signal.SIGKILL)
         fsync_tree(tmp)
         os.rename(tmp, final)
         fsync_tree(final.parent, entries_only=True)
         if keep_last:
             keep = Path(protect).resolve() if protect else None
             for old in [p for p in complete(out_dir)[:-keep_last] if p.resolve() != keep]:
-                # Renamed first: a kill during the delete leaves a .tmp directory, never a damaged checkpoint.
-                doomed = old.with_name(old.name + TMP)
-                os.rename(old, doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
-        for p in final.parent.glob(f"{PREFIX}*{TMP}"):  # older crash leftovers
+                os.rename(old, old.with_name(old.name + TMP))  # so that a kill while deleting it damages no checkpoint
+        for p in final.parent.glob(f"{PREFIX}*{TMP}"):  # those, and a crash's leftovers
             shutil.rmtree(p, ignore_errors=True)
     scale.barrier()
     return final
@@ -141,24 +130,14 @@ def check_resumable(path, state: dict, config: dict, reference: dict, may_change
                          + ", ".join(f"{k} {state['config'].get(k)!r} -> {config[k]!r}" for k in changed)
                          + changeable_hint(changed))
     if state["reference"] != reference:
-        raise ValueError(f"cannot resume {path}: the reference policy changed (saved {state['reference']}, "
-                         f"now {reference}); resume with the same --init_from / SFT model (its content, "
-                         "wherever it is)")
+        raise ValueError(f"cannot resume {path}: the reference policy changed (saved {state['reference']}, now "
+                         f"{reference}); resume with the same --init_from / SFT model (its content, wherever it is)")
 
 
 def changeable_hint(changed) -> str:
     names = [k for k in changed if k in ("lr", "grad_clip")]
     return (f" (to change {' and '.join(names)} from here on, which log.jsonl then records, add "
             f"--change_on_resume={','.join(names)})") if names else ""
-
-
-def output_gone(fd: int) -> bool:
-    """Whether nobody reads fd any more: a terminal hung up (POLLHUP), a pipe's reader left (POLLERR)."""
-    with suppress(OSError, ValueError):
-        poller = select.poll()
-        poller.register(fd, select.POLLOUT)
-        return any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0))
-    return False
 
 
 def silence(fd: int) -> None:
@@ -173,8 +152,6 @@ class Unbroken:
     """A real stdout/stderr nobody reads (EIO, EPIPE, EBADF) is silenced, a full non-blocking pipe (EAGAIN) drops
     the line: losing a message must not lose the run or its checkpoint."""
 
-    GONE = (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO)
-
     def __init__(self, stream):
         self._stream = stream
 
@@ -183,7 +160,7 @@ class Unbroken:
             return call(*text)
         except OSError as e:
             if not isinstance(e, BlockingIOError):
-                if e.errno not in self.GONE:
+                if e.errno not in (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO):
                     raise
                 silence(self._stream.fileno())
                 with suppress(OSError, ValueError):
@@ -200,11 +177,15 @@ class Unbroken:
         return getattr(self._stream, name)
 
 
-def away_from_gone_output() -> None:
-    """stdout and stderr nobody reads (SIGHUP) go to /dev/null: the run checkpoints instead of dying at a print."""
-    for fd in (1, 2):
-        if output_gone(fd):
-            silence(fd)
+def away_from_gone_output(fds=(1, 2)) -> None:
+    """Output nobody reads any more (a terminal hung up: POLLHUP; a pipe's reader left: POLLERR) goes to /dev/null:
+    after a SIGHUP the run checkpoints instead of dying at a print."""
+    for fd in fds:
+        with suppress(OSError, ValueError):
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            if any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0)):
+                silence(fd)
 
 
 def _say_in_handler(text: str) -> None:
@@ -215,10 +196,6 @@ def _say_in_handler(text: str) -> None:
                 os.write(sys.stdout.fileno(), (text + "\n").encode())
             except (AttributeError, io.UnsupportedOperation):
                 print(text, flush=True)
-
-
-# A scheduler's SIGTERM, Ctrl-C's SIGINT, and the SIGHUP of a closed terminal or a dropped ssh session.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Aborted(KeyboardInterrupt):
@@ -232,8 +209,7 @@ class Aborted(KeyboardInterrupt):
 @contextmanager
 def graceful_stop(doing: str = "finishing this step, then writing a checkpoint", abort=None):
     """A stop signal sets flag["signal"] (its line says flag["doing"] happens next); a second one REPEAT_WINDOW
-    seconds later raises Aborted, and abort() says in the first line what that would lose. torchrun SIGKILLs
-    workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s after forwarding a signal: set it above a step (README)."""
+    seconds later raises Aborted, and abort() says in the first line what that would lose."""
     flag = {"signal": 0, "at": 0.0, "doing": doing}
 
     def handler(signum, frame):

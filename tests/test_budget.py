@@ -116,8 +116,14 @@ def test_disk_check_lora_passes_full_is_refused(tmp_path, monkeypatch):
     Full fine-tuning saves float32 weights and moments of all 8.0B parameters (89.6 GiB each) and is refused."""
     lora = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_targets=all", "--dtype=bfloat16"])
     mc = budget.model_config(lora)
-    assert budget.checkpoint_bytes(lora, mc) == pytest.approx(335_544_320 * 12, rel=1e-3)
-    assert budget.final_bytes(lora, mc) == 8_015_581_184 * 2 + 335_544_320 * 4
+    one = 335_544_320 * 12 + 2 ** 20  # and 1 MB of metadata
+    assert budget.checkpoint_bytes(lora, mc) == one
+    need = 3 * one + 8_015_581_184 * 2 + 335_544_320 * 4  # to the byte: room for exactly that passes, a byte less not
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 ** 13, 10 ** 13 - need, need))
+    budget.check_disk(lora, tmp_path, mc)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 ** 13, 10 ** 13, need - 1))
+    with pytest.raises(ValueError, match="rotation keeps 3 at once"):
+        budget.check_disk(lora, tmp_path, mc)
     _free(monkeypatch, 28)
     budget.check_disk(lora, tmp_path, mc)
     full = train.parse_args(["--preset=llada8b", "--dry_run=true", "--lora_rank=0", "--dtype=bfloat16"])
@@ -130,9 +136,11 @@ def test_disk_check_lora_passes_full_is_refused(tmp_path, monkeypatch):
         budget.check_disk(lora, tmp_path, mc)
 
 
-def test_keep_all_counts_every_checkpoint():
+def test_keep_all_counts_every_checkpoint(tmp_path, monkeypatch):
     cfg = train.parse_args(["--preset=smoke", "--rl_steps=10", "--checkpoint_every=3", "--keep_last=0"])
-    assert budget.checkpoints_on_disk(cfg) == 4  # steps 3, 6, 9 and one written on a stop signal
+    _free(monkeypatch, 0)
+    with pytest.raises(ValueError, match=r"rotation keeps 4 at once \(--keep_last=0\)"):  # steps 3, 6, 9 and
+        budget.check_disk(cfg, tmp_path, budget.scratch_config(cfg, vocab_size=128))  # one written on a stop signal
 
 
 @pytest.mark.parametrize("env, step, ckpt, fires", [
@@ -163,12 +171,15 @@ def test_kill_delay_warning_when_torchrun_ignores_the_variable(monkeypatch):
     in its LaunchConfig) kills 30 s after SIGTERM whatever the variable says: the warning fires at 400 s
     set for a 173 s need, and says to upgrade torch; the detection reads the installed LaunchConfig."""
     env = {"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "400"}
-    assert budget.kill_delay_warning(env, 165.0, 8.0, reads_variable=True) is None
-    text = budget.kill_delay_warning(env, 165.0, 8.0, reads_variable=False)
-    assert "SIGKILL 30 s later (torchrun's fixed 30 s)" in text and "upgrade torch to 2.12 or later" in text
     import dataclasses as dc
     from torch.distributed.launcher import api
     assert budget.torchrun_reads_shutdown_timeout() == ("shutdown_timeout" in {f.name for f in dc.fields(api.LaunchConfig)})
+    with monkeypatch.context() as m:
+        m.setattr(budget, "torchrun_reads_shutdown_timeout", lambda: True)
+        assert budget.kill_delay_warning(env, 165.0, 8.0) is None
+        m.setattr(budget, "torchrun_reads_shutdown_timeout", lambda: False)
+        text = budget.kill_delay_warning(env, 165.0, 8.0)
+    assert "SIGKILL 30 s later (torchrun's fixed 30 s)" in text and "upgrade torch to 2.12 or later" in text
 
     @dc.dataclass
     class OldLaunchConfig:  # an older torch's launch configuration, without shutdown_timeout

@@ -93,11 +93,12 @@ def test_kill_delay_against_one_step(tmp_path):
     assert expected - 0.5 <= measured <= expected + 10, (measured, expected)
     res = quiet(budget.report, PRESET)
     mc = budget.model_config(PRESET)
-    need = res["seconds_per_step"] + budget.checkpoint_seconds(PRESET, mc)
+    ckpt_s = budget.checkpoint_bytes(PRESET, mc) / budget.CHECKPOINT_WRITE_SPEED
+    need = res["seconds_per_step"] + ckpt_s
     env = {**os.environ, "TORCHELASTIC_RUN_ID": os.environ.get("TORCHELASTIC_RUN_ID", "check")}
     delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", budget.DEFAULT_KILL_DELAY)) if reads \
         else budget.DEFAULT_KILL_DELAY
-    warning = budget.kill_delay_warning(env, res["seconds_per_step"], budget.checkpoint_seconds(PRESET, mc))
+    warning = budget.kill_delay_warning(env, res["seconds_per_step"], ckpt_s)
     record("9. TORCH_ELASTIC_SHUTDOWN_TIMEOUT in effect (s)", delay, f">= llada8b step + checkpoint ~ {need:.0f} s")
     record("9. start-up warning under torchrun", "fires" if warning else "silent",
            "fires iff the delay is shorter")

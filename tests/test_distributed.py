@@ -355,7 +355,7 @@ def test_dry_run_llada8b(capsys):
     b8 = res["budget"][8]
     # 8B bf16 weights over 8 GPUs = 1.87 GB; full fine-tuning adds 2 + 8 B/param sharded: ~7.5 GB more.
     assert b8["weights_gb"] == pytest.approx(8_015_581_184 * 2 / 8 / 2**30)
-    assert b8["full_ft_gb"] > b8["lora_gb"] > b8["weights_gb"]
+    assert b8["full_peak"] > b8["lora_peak"] > b8["weights_gb"]
 
 
 def test_dry_run_mmada8b():

@@ -35,9 +35,24 @@ def sft_dir(smoke_sft_run):
     return smoke_sft_run / "sft"
 
 
-def spawn(args, env_extra=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+# train.py as its own __main__, SIGKILLed once checkpoint 3's tensors and state.json are written, before the rename
+KILL_IN_CHECKPOINT_3 = """
+import os, runpy, signal, sys
+from infra import checkpoint
+fsync_tree = checkpoint.fsync_tree
+def dying(path, entries_only=False):
+    if path.name == "step-00000003.tmp":
+        os.kill(os.getpid(), signal.SIGKILL)
+    fsync_tree(path, entries_only)
+checkpoint.fsync_tree = dying
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def spawn(args, script=("train.py",)):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, *script, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -57,7 +72,7 @@ def test_killed_anywhere_resumes_bit_identical(sft_dir, tmp_path):
     out = tmp_path / "killed"
     args = base + [f"--out_dir={out}"]
     # (1) the process kills itself after the tensors of checkpoint 3 are written, before the rename
-    p = spawn(args, {checkpoint.KILL_ENV: "3"})
+    p = spawn(args, ("-c", KILL_IN_CHECKPOINT_3))
     p.communicate(timeout=600)
     assert p.returncode == -signal.SIGKILL
     assert (out / "checkpoints" / "step-00000003.tmp").is_dir()
