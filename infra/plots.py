@@ -154,12 +154,12 @@ def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, x
 
 def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], width: int, png_path,
                scores: list[list[float]] | None = None, notes: tuple = ()) -> Path | None:
-    """Toy images (width*width row-major palette codes) as coloured cells: a grid row per (name, images), a column
-    per prompt under its caption; a code outside the palette (a leftover mask) is a grey crossed cell. scores: one
-    list per row, written under each image; notes: lines under the grid. None without matplotlib."""
+    """Toy images (width*width row-major PALETTE codes, others crossed): a row per (name, images), a column per
+    prompt under its caption, scores (a list per row) under the images, notes under all. None without matplotlib."""
     for name, images in rows:
         if len(images) != len(prompts):
-            raise ValueError(f"row {name!r} has {len(images)} images for {len(prompts)} prompts; give one image per prompt")
+            raise ValueError(f"row {name!r} has {len(images)} images for {len(prompts)} prompts; "
+                             "give one image per prompt")
         if bad := [j for j, codes in enumerate(images) if len(codes) != width * width]:
             raise ValueError(f"row {name!r} image {bad[0]} has {len(images[bad[0]])} codes, expected width*width = "
                              f"{width * width}")
