@@ -1,5 +1,5 @@
-"""The run's pictures: curves.png (matplotlib) and the toy's image grid, images.png (Pillow), both optional extras
-(`pip install -e '.[plots]'`). `python -m infra.plots RUN_DIR` redraws curves.png; `--compare LABEL=DIR[,DIR...]
+"""The run's pictures, drawn with matplotlib (an optional extra, `pip install -e '.[plots]'`): curves.png and the
+toy's image grid, images.png. `python -m infra.plots RUN_DIR` redraws curves.png; `--compare LABEL=DIR[,DIR...]
 --png FILE [--x=cpu_seconds]` draws several runs' KL and rollout reward on one axis (docs/usage.md)."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import math
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 from infra import cli
@@ -22,14 +23,9 @@ TASK_COLOURS = {"text": (30, 110, 190), "image": (230, 110, 20)}
 OTHER_COLOURS = [(40, 150, 60), (180, 40, 150), (110, 110, 110), (200, 40, 40), (150, 120, 30)]
 PANELS = [("reward", "reward"), ("solved", "accuracy (reward = 1)"), ("kl", "KL to reference (k3)"),
           ("clipfrac", "clip fraction")]
-PANEL_W, PANEL_H, FONT_SIZE = 300, 300, 13  # curves: pixels per panel; font: the image grid's, in pixels
-# Image grid geometry (pixels): captions cut at CAPTION_LINES, so the picture's size depends only on the counts.
-IMAGE_PX, LABEL_W, COL_W, ROW_GAP, MARGIN, CAPTION_LINES, LINE_H = 96, 90, 150, 14, 12, 3, FONT_SIZE + 3
+INVALID = (150, 150, 150)  # the image grid's cell of a code outside PALETTE (a leftover mask), crossed
+PANEL_W, PANEL_H = 300, 300  # curves: pixels per panel
 X_AXES = {"step": "RL step", "seconds": "cumulative RL seconds (wall)", "cpu_seconds": "cumulative RL CPU seconds"}
-
-
-def have_pillow() -> bool:
-    return importlib.util.find_spec("PIL") is not None
 
 
 def have_matplotlib() -> bool:
@@ -55,18 +51,6 @@ def _extra(name: str, module: str):
     except ImportError:
         print(f'plots.py: no picture written, {name} is missing; pip install -e ".[plots]" gives the pictures')
         return None
-
-
-def _pil():
-    if _extra("Pillow", "PIL"):  # else None
-        from PIL import Image, ImageDraw, ImageFont
-        return Image, ImageDraw, ImageFont.load_default(size=FONT_SIZE)
-
-
-def _text(draw, x, y, lines, font, fill=(0, 0, 0), centre=False):
-    # Lines LINE_H apart, placed by textlength rather than Pillow's anchors, which the bitmap fallback font rejects.
-    for k, s in enumerate(lines):
-        draw.text((x - (draw.textlength(s, font=font) / 2 if centre else 0), y + k * LINE_H), s, font=font, fill=fill)
 
 
 def _read_log(log_path) -> list[dict]:
@@ -168,22 +152,10 @@ def _save_panels(panels: list, colours: dict, steps: int, png_path, held=None, x
     return Path(png_path)
 
 
-def _wrap(draw, s: str, font, max_px: float) -> list[str]:
-    # greedy word wrap by pixel width; past CAPTION_LINES the last line ends in "..."
-    lines = []
-    for word in s.split():
-        if lines and draw.textlength(lines[-1] + " " + word, font=font) <= max_px:
-            lines[-1] += " " + word
-        else:
-            lines.append(word)
-    return lines[:CAPTION_LINES - 1] + [lines[CAPTION_LINES - 1] + " ..."] if len(lines) > CAPTION_LINES else lines
-
-
 def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], width: int, png_path,
                scores: list[list[float]] | None = None, notes: tuple = ()) -> Path | None:
-    """Toy images (width*width row-major palette codes) as coloured squares: a grid row per (name, images), a
-    column per prompt; a code outside the palette (a leftover mask) is a grey crossed cell. scores: one list per
-    row, written under each image; notes: lines under the captions. None without Pillow."""
+    """Toy images (width*width row-major PALETTE codes, others crossed): a row per (name, images), a column per
+    prompt under its caption, scores (a list per row) under the images, notes under all. None without matplotlib."""
     for name, images in rows:
         if len(images) != len(prompts):
             raise ValueError(f"row {name!r} has {len(images)} images for {len(prompts)} prompts; "
@@ -191,34 +163,27 @@ def image_grid(rows: list[tuple[str, list[list[int]]]], prompts: list[str], widt
         if bad := [j for j, codes in enumerate(images) if len(codes) != width * width]:
             raise ValueError(f"row {name!r} image {bad[0]} has {len(images[bad[0]])} codes, expected width*width = "
                              f"{width * width}")
-    if (pil := _pil()) is None:
+    if (matplotlib := _extra("matplotlib", "matplotlib")) is None:
         return None
-    Image, ImageDraw, font = pil
-    cell, gap = max(1, IMAGE_PX // width), ROW_GAP + (LINE_H if scores else 0)
-    side, grid_h = cell * width, len(rows) * (IMAGE_PX + gap)  # side: an image's, in pixels
-    size = (2 * MARGIN + LABEL_W + len(prompts) * COL_W, 2 * MARGIN + grid_h + (CAPTION_LINES + len(notes)) * LINE_H)
-    picture = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(picture)
-    for i, (name, images) in enumerate(rows):
-        y, label = MARGIN + i * (IMAGE_PX + gap), _wrap(draw, name, font, LABEL_W - 8)
-        _text(draw, MARGIN, y + (IMAGE_PX - len(label) * LINE_H) / 2, label, font)
-        for j, codes in enumerate(images):
-            x = MARGIN + LABEL_W + j * COL_W + (COL_W - side) // 2
-            # a dark frame behind cells inset by a pixel, so that touching cells of one colour can be counted
-            draw.rectangle((x, y, x + side, y + side), fill=(20, 20, 20))
-            if scores:
-                _text(draw, x + (side - 1) / 2, y + side + 2, [f"score {scores[i][j]:.2f}"], font, (60, 60, 60), True)
-            for idx, code in enumerate(codes):
-                x0, y0 = x + idx % width * cell + 1, y + idx // width * cell + 1  # the cell inside its frame line
-                box, valid = (x0, y0, x0 + cell - 2, y0 + cell - 2), 0 <= code < len(PALETTE)
-                draw.rectangle(box, fill=PALETTE[code] if valid else (150, 150, 150))
-                for line in [] if valid else [box, (x0, y0 + cell - 2, x0 + cell - 2, y0)]:
-                    draw.line(line, fill=(90, 90, 90), width=2)
-    for j, prompt in enumerate(prompts):
-        x = MARGIN + LABEL_W + j * COL_W + COL_W / 2
-        _text(draw, x, MARGIN + grid_h, _wrap(draw, prompt, font, COL_W - 10), font, centre=True)
-    _text(draw, MARGIN, MARGIN + grid_h + CAPTION_LINES * LINE_H, notes, font, (60, 60, 60))
-    picture.save(png_path)
+    from matplotlib.figure import Figure
+
+    edges = [k - 0.5 for k in range(width + 1)]  # dark lines between the cells: touching cells of one colour count
+    with matplotlib.rc_context({"font.size": 8, "figure.dpi": 100}):
+        fig = Figure(figsize=(1 + 1.5 * len(prompts), 0.4 + 1.6 * len(rows) + len(notes) / 7), layout="constrained")
+        axes = fig.subplots(len(rows), len(prompts), squeeze=False)
+        for i, (name, images) in enumerate(rows):
+            axes[i][0].set_ylabel(name, rotation=0, ha="right", va="center")
+            for j, (ax, codes) in enumerate(zip(axes[i], images)):
+                rgb = [PALETTE[c] if 0 <= c < len(PALETTE) else INVALID for c in codes]
+                ax.imshow([rgb[r:r + width] for r in range(0, len(rgb), width)], interpolation="nearest")
+                ax.set(xticks=edges, yticks=edges, title=textwrap.fill(prompts[j], 20) if i == 0 else "",
+                       xlabel=f"score {scores[i][j]:.2f}" if scores else "")
+                ax.tick_params(length=0, labelbottom=False, labelleft=False)
+                ax.grid(color="0.08", lw=4 / width)
+                for k in (k for k, c in enumerate(codes) if not 0 <= c < len(PALETTE)):
+                    ax.text(k % width, k // width, "X", color="0.35", ha="center", va="center", fontsize=48 / width)
+        fig.supxlabel("\n".join(notes), x=0.01, ha="left", color="0.35", fontsize=8)
+        fig.savefig(png_path)
     return Path(png_path)
 
 

@@ -291,7 +291,12 @@ def test_resume_over_a_deleted_shard_end_to_end(toy, tmp_path, capsys):
 # pictures, progress bars, permissions
 
 
-def test_image_png_and_plain_text_off_a_terminal(toy, tmp_path, capsys):
+def test_image_png_and_plain_text_off_a_terminal(toy, tmp_path, capsys, monkeypatch):
+    from matplotlib.figure import Figure
+
+    figures = []  # the figure image_grid saves, for its axes' transform
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, _save=Figure.savefig, **k: figures.append(self)
+                        or _save(self, *a, **k))
     png = tmp_path / "sample.png"
     codes = sample_cli.main(["--ckpt", str(toy / "final"), "--prompt", "two red blocks", "--image",
                              "--image_steps=4", "--png", str(png)])
@@ -302,10 +307,10 @@ def test_image_png_and_plain_text_off_a_terminal(toy, tmp_path, capsys):
     from PIL import Image
 
     picture = Image.open(png).convert("RGB")
-    # image_grid's geometry (infra/plots.py): one row of one image; its first cell sits below and right of
-    # the margin and the label column; its colour is PALETTE[code].
-    x, y = plots.MARGIN + plots.LABEL_W + (plots.COL_W - plots.IMAGE_PX) // 2 + 5, plots.MARGIN + 5
-    assert picture.getpixel((x, y)) == plots.PALETTE[codes[0]]
+    # one row of one image (infra/plots.image_grid): the centre of its first cell, from the axes' data
+    # coordinates (the cell indices; display y runs up, the picture's rows down), has colour PALETTE[code].
+    x, y = figures[0].axes[0].transData.transform((0, 0))
+    assert picture.getpixel((int(x), picture.height - 1 - int(y))) == plots.PALETTE[codes[0]]
 
 
 class FakeTerminal(io.StringIO):

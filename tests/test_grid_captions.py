@@ -1,6 +1,6 @@
-"""Image-grid captions sit under their own column (infra/plots.image_grid): the column geometry is measured
-from the picture itself (the dark frame of each image of the last row), not from plots' constants, and the
-ink of each caption must be centred under its column's images.
+"""Image-grid captions sit over their own column (infra/plots.image_grid): the column geometry is measured
+from the picture itself (the dark cells and lines of each image of the first row), not from the figure's
+layout, and the ink of each caption must be centred over its column's images.
 
     python -m pytest tests/test_grid_captions.py -q
 """
@@ -22,7 +22,8 @@ def runs(flags):
 
 
 @pytest.mark.parametrize("n_prompts", [1, 3, 4])
-def test_each_caption_is_centred_under_its_column(tmp_path, n_prompts):
+def test_each_caption_is_centred_over_its_column(tmp_path, n_prompts):
+    pytest.importorskip("matplotlib")
     Image = pytest.importorskip("PIL.Image")
     width = 4
     prompts = ["red", "yellowish", "mm", "cyan block"][:n_prompts]
@@ -30,14 +31,15 @@ def test_each_caption_is_centred_under_its_column(tmp_path, n_prompts):
     with Image.open(plots.image_grid(rows, prompts, width, tmp_path / "grid.png")) as im:
         im = im.convert("RGB")
         W, H = im.size
-        # The last row's images: the dark frame and the background cells, scanned from the bottom up.
-        dark = lambda p: p == (20, 20, 20) or p == tuple(plots.PALETTE[0])
-        y_img = max(y for y in range(H) if sum(dark(im.getpixel((x, y))) for x in range(W)) > 20)
-        mid = y_img - 10
-        columns = [(a, b) for a, b in runs(dark(im.getpixel((x, mid))) for x in range(W)) if b - a > 20]
+        # The first row's images: background cells (PALETTE[0]) and the dark lines, scanned from the top down
+        # for a run of dark pixels longer than any letter.
+        dark = lambda p: max(p) <= max(plots.PALETTE[0])
+        wide = lambda y: [(a, b) for a, b in runs(dark(im.getpixel((x, y))) for x in range(W)) if b - a > 20]
+        y_img = min(y for y in range(H) if wide(y))
+        columns = wide(y_img + 10)
         assert len(columns) == n_prompts
-        # The captions: every non-white pixel below the images, grouped by x (words are single runs).
-        ink = [any(im.getpixel((x, y)) != (255, 255, 255) for y in range(y_img + 2, H)) for x in range(W)]
+        # The captions: every non-white pixel above the images, grouped by x (words are single runs).
+        ink = [any(im.getpixel((x, y)) != (255, 255, 255) for y in range(0, y_img - 2)) for x in range(W)]
         groups = []
         for a, b in runs(ink):
             if groups and a - groups[-1][1] <= 8:  # letters of one word

@@ -28,16 +28,24 @@ def test_image_panel_scores_every_image_and_explains_itself(tmp_path, monkeypatc
     assert "held-out mean image reward (summary.json): 0.250 -> 0.500 (+0.250 ± 0.050)" in notes
 
 
-def test_image_grid_draws_scores_and_notes(tmp_path):
-    pytest.importorskip("PIL")  # Pillow is a declared extra; tests/test_plots.py requires it the same way
-    from PIL import Image
-
-    plain = plots.image_grid([("a", [[1, 0, 0, 0]])], ["p"], 2, tmp_path / "plain.png")
-    scored = plots.image_grid([("a", [[1, 0, 0, 0]])], ["p"], 2, tmp_path / "scored.png", scores=[[1.0]],
-                              notes=("legend",))
-    w0, h0 = Image.open(plain).size
-    w1, h1 = Image.open(scored).size
-    assert w1 == w0 and h1 == h0 + 2 * (plots.FONT_SIZE + 3)  # one score line for the row, one note line
+def test_image_grid_draws_scores_and_notes(tmp_path, monkeypatch):
+    """A score under each image and the notes under the whole grid, read back from the saved figure."""
+    Figure = pytest.importorskip("matplotlib.figure").Figure
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, _save=Figure.savefig, **k: figures.append(self)
+                        or _save(self, *a, **k))
+    plots.image_grid([("a", [[1, 0, 0, 0]])], ["p"], 2, tmp_path / "plain.png")
+    plots.image_grid([("a", [[1, 0, 0, 0], [0] * 4])], ["p", "q"], 2, tmp_path / "scored.png", scores=[[1.0, 0.25]],
+                     notes=("legend", "second line"))
+    (plain,), scored = figures[0].axes, figures[1].axes
+    assert plain.get_xlabel() == "" and [t.get_text() for t in figures[0].texts] == [""]
+    assert [ax.get_xlabel() for ax in scored] == ["score 1.00", "score 0.25"]
+    notes = figures[1].texts[0]
+    assert notes.get_text() == "legend\nsecond line"
+    for ax in scored:  # the score under its image, the notes under the scores
+        image, score = ax.get_window_extent(), ax.xaxis.label.get_window_extent()
+        assert score.y1 <= image.y0 and image.x0 <= (score.x0 + score.x1) / 2 <= image.x1
+        assert notes.get_window_extent().y1 <= score.y0
 
 
 def write_log(path, kl):

@@ -1,7 +1,8 @@
 """Pictures of a run. Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_plots.py
 
-The drawing tests need the optional plots extra (matplotlib for the curves, Pillow for the image grid; in the
-dev extra, so CI runs them) and skip without it; the missing-package path is tested by hiding the modules."""
+The drawing tests need the optional plots extra (matplotlib, in the dev extra so that CI runs them; the tests
+read its pictures with Pillow, which matplotlib installs) and skip without it; the missing-package path is
+tested by hiding the module."""
 import json
 import math
 import sys
@@ -108,8 +109,19 @@ def test_log_without_known_metrics_raises(tmp_path):
         plots.plot_curves(log, tmp_path / "c.png")
 
 
-def test_image_grid_size_and_cell_colours(tmp_path):
+def cell_pixel(im, ax, r: int, c: int) -> tuple:
+    """The saved picture's pixel at the centre of cell (row r, column c) of ax's image: the axes' data
+    coordinates are the cell indices, their display y runs up and the picture's rows down."""
+    x, y = ax.transData.transform((c, r))
+    return im.getpixel((int(x), im.height - 1 - int(y)))
+
+
+def test_image_grid_cell_colours_and_captions(tmp_path, monkeypatch):
+    """An axes per image in (row, prompt) order, the prompt over its column and the row's name beside it; the
+    colour array handed to imshow and the saved pixel at each cell's centre are PALETTE[code], and a code outside
+    the palette is drawn in no palette colour."""
     Image = pytest.importorskip("PIL.Image")
+    figures = saved_figures(monkeypatch)
     width, prompts = 4, ["a red block", "two blue blocks", "a cyan block in the top row"]
     # Image (row i, column j) has code 1 + (i * 3 + j) % 7 at cell (1, 2), an invalid -1 at (3, 3), else 0.
     rows = []
@@ -122,21 +134,23 @@ def test_image_grid_size_and_cell_colours(tmp_path):
             images.append(codes)
         rows.append((name, images))
     out = plots.image_grid(rows, prompts, width, tmp_path / "grid.png")
+    axes = figures[0].axes
+    assert len(axes) == 6 and [ax.get_subplotspec().get_geometry() for ax in axes] == [(2, 3, k, k) for k in range(6)]
+    assert [ax.get_title().replace("\n", " ") for ax in axes] == prompts + ["", "", ""]
+    assert [axes[0].get_ylabel(), axes[3].get_ylabel()] == ["before RL", "after RL"]
     with Image.open(out) as im:
         im = im.convert("RGB")
-        assert im.size == (2 * plots.MARGIN + plots.LABEL_W + 3 * plots.COL_W,
-                           2 * plots.MARGIN + 2 * (plots.IMAGE_PX + plots.ROW_GAP)
-                           + plots.CAPTION_LINES * (plots.FONT_SIZE + 3))
-        cell = plots.IMAGE_PX // width  # each image centred in its column, rows IMAGE_PX + ROW_GAP apart
         for i in range(2):
             for j in range(3):
-                def centre(r, c):
-                    x = plots.MARGIN + plots.LABEL_W + j * plots.COL_W + (plots.COL_W - cell * width) // 2
-                    y = plots.MARGIN + i * (plots.IMAGE_PX + plots.ROW_GAP)
-                    return x + c * cell + cell // 2, y + r * cell + cell // 2
-                assert im.getpixel(centre(1, 2)) == plots.PALETTE[1 + (i * 3 + j) % 7]
-                assert im.getpixel(centre(0, 0)) == plots.PALETTE[0]
-                assert im.getpixel(centre(3, 3)) not in plots.PALETTE  # invalid code: not a palette colour
+                ax, colour = axes[3 * i + j], plots.PALETTE[1 + (i * 3 + j) % 7]
+                shown = ax.images[0].get_array()
+                assert shown.shape == (width, width, 3)
+                assert tuple(shown[1][2]) == colour and tuple(shown[0][0]) == plots.PALETTE[0]
+                assert tuple(shown[3][3]) not in plots.PALETTE
+                assert cell_pixel(im, ax, 1, 2) == colour and cell_pixel(im, ax, 0, 0) == plots.PALETTE[0]
+                assert cell_pixel(im, ax, 3, 3) not in plots.PALETTE  # invalid code: not a palette colour
+                (x0, y0), (x1, y1) = ax.transData.transform([(0, 0), (width - 1, width - 1)])
+                assert x0 < x1 and y0 > y1  # row-major: code 0 at the top left, as text_image prints it
 
 
 def test_image_grid_rejects_bad_shapes(tmp_path):
@@ -147,15 +161,14 @@ def test_image_grid_rejects_bad_shapes(tmp_path):
 
 
 def test_without_the_extra_returns_none_and_prints_hint(tmp_path, monkeypatch, capsys):
-    # None in sys.modules makes `import matplotlib` (and `from PIL import ...`) raise ImportError, as if the
-    # package were not installed: the curves need matplotlib, the image grid Pillow.
+    # None in sys.modules makes `import matplotlib` raise ImportError, as if the package were not installed:
+    # the curves and the image grid both need it.
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setitem(sys.modules, "PIL", None)
     assert plots.plot_curves(write_log(tmp_path / "log.jsonl"), tmp_path / "c.png") is None
     assert plots.image_grid([("a", [[0] * 16])], ["p"], 4, tmp_path / "g.png") is None
     out = capsys.readouterr().out
     assert out.count('pip install -e ".[plots]"') == 2 and len(out.splitlines()) == 2
-    assert "matplotlib is missing" in out and "Pillow is missing" in out
+    assert out.count("matplotlib is missing") == 2
     assert not (tmp_path / "c.png").exists() and not (tmp_path / "g.png").exists()
 
 

@@ -204,7 +204,7 @@ def test_bench_on_a_checkpoint(toy_ckpt, capsys):
             assert r[7].strip() == "100.0%"
 
 
-def test_image_needs_image_tokens_pillow_and_warns_of_a_cut_caption(toy_ckpt, spy, tmp_path, monkeypatch, capsys):
+def test_image_needs_image_tokens_matplotlib_warns_of_a_cut_caption(toy_ckpt, spy, tmp_path, monkeypatch, capsys):
     path, tok = toy_ckpt
     text_only = tmp_path / "text"
     hf.save_pretrained(Transformer(ModelConfig(d_model=32, n_layers=1, n_heads=4, n_kv_heads=4, mlp_hidden_size=32,
@@ -212,8 +212,8 @@ def test_image_needs_image_tokens_pillow_and_warns_of_a_cut_caption(toy_ckpt, sp
     tok.save(str(text_only / "tokenizer.json"))
     with pytest.raises(ValueError, match="has no image tokens"):
         sample_cli.main(["--ckpt", str(text_only), "--image", "--prompt", "a red block"])
-    monkeypatch.setattr(sample_cli.plots, "have_pillow", lambda: False)
-    with pytest.raises(ValueError, match="needs Pillow, which is not installed"):
+    monkeypatch.setattr(sample_cli.plots, "have_matplotlib", lambda: False)
+    with pytest.raises(ValueError, match="needs matplotlib, which is not installed"):
         sample_cli.main(["--ckpt", str(path), "--image", "--prompt", "a red block", "--png", str(tmp_path / "x.png")])
     assert not spy
     sample_cli.main(["--ckpt", str(path), "--image", "--prompt", "a red block and a green block", "--image_text_len", "6"])

@@ -237,10 +237,10 @@ def print_table(task: str, rows: dict) -> None:
 
 def draw(results: dict, path: str) -> None:
     """One row of panels per task: a scatter per estimator, then the Fig. 2 panel."""
-    pil = plots._pil()
-    if pil is None:
+    if plots._extra("Pillow", "PIL") is None:
         return
-    Image, ImageDraw, font = pil
+    from PIL import Image, ImageDraw, ImageFont
+    font = ImageFont.load_default(size=13)
     S, M = 170, 24
     ncol = max(len(r) for r in results.values())
     img = Image.new("RGB", (ncol * (S + M) + M, len(results) * (S + 2 * M) + 2 * M), "white")

@@ -47,7 +47,7 @@ class Options:
     ckpt: str = ""              # directory with config.json, *.safetensors, tokenizer.json
     prompt: str = ""              # the text to complete, or the caption to draw (--image)
     image: bool = False         # text-to-image (toy checkpoints of train.py): fill the image slots
-    png: str = ""                 # with --image: also write the picture to this PNG file (needs Pillow)
+    png: str = ""                 # with --image: also write the picture to this PNG file (needs matplotlib)
     gen_length: int = 64          # completion tokens
     block_length: int = 16        # semi-autoregressive block size; divides gen_length
     steps: int = 64               # denoising steps, a multiple of the number of blocks, <= gen_length
@@ -123,12 +123,12 @@ def check_options(o: Options) -> None:
         raise ValueError(f"prompt_format ({o.prompt_format!r}) must be one of {', '.join(FORMATS)}")
     if o.png and not o.image:
         raise ValueError(f"--png {o.png} draws an image sample: add --image, or drop --png")
-    if o.png and not plots.have_pillow():
-        raise ValueError(f"--png {o.png} needs Pillow, which is not installed: pip install pillow")
+    if o.png and not plots.have_matplotlib():
+        raise ValueError(f"--png {o.png} needs matplotlib, which is not installed: pip install matplotlib")
     if o.png and not Path(o.png).parent.is_dir():
         raise ValueError(f"--png {o.png}: the directory {Path(o.png).parent} does not exist")
     png = Path(o.png)
-    if o.png and (png.is_dir() or png.suffix.lower() != ".png"):  # PIL would fail after the sampling
+    if o.png and (png.is_dir() or png.suffix.lower() != ".png"):  # savefig would fail after the sampling
         problem, example = ("is a folder", png / "sample.png") if png.is_dir() else \
             ("does not end in .png", png.with_suffix(".png"))
         raise ValueError(f"--png {o.png} {problem}: pass the picture's file name, e.g. --png {example}")
