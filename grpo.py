@@ -1,9 +1,6 @@
-"""GRPO objective (DeepSeekMath, arXiv:2402.03300 §4.1) as MaskGRPO uses it (arXiv:2510.02880 Eq. 11).
-
-group_advantages: rewards -> advantages per group. policy_loss: clipped per-token surrogate + k3 KL on the
-log-probs of importance.token_logprobs under one inner iteration's mask, as one mean over the whole batch
-however it is chunked. Departures from the paper and the official code: docs/differences.md.
-Shapes: B sequences (num_groups x G), G group size, N columns.
+"""GRPO objective (DeepSeekMath, arXiv:2402.03300 §4.1) as MaskGRPO uses it (arXiv:2510.02880 Eq. 11): group
+advantages, and the clipped surrogate + k3 KL as one mean over the batch however it is chunked.
+Departures: docs/differences.md. Shapes: B sequences (num_groups x G), G group size, N columns.
 """
 import math
 
@@ -11,9 +8,6 @@ import torch
 
 NORMS = ("token", "sequence")
 
-
-# -----------------------------------------------------------------------------
-# advantages
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale_by_std: bool = True):
     """(R - mean_g) / (std_g + eps) per group of group_size (§4.1), std unbiased (official); or R - mean_g (d1)."""
@@ -27,9 +21,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, 
     adv = torch.where((R == R[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv)
     return adv.reshape(-1)
 
-
-# -----------------------------------------------------------------------------
-# policy loss
 
 def num_terms(mask: torch.Tensor, norm: str) -> torch.Tensor:
     """policy_loss's terms in a bool mask (B, N), an int64 scalar: scored tokens ("token") or sequences with one."""

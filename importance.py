@@ -2,11 +2,9 @@
 
 A masked diffusion model's sequence likelihood is intractable, so GRPO's pi_theta(o) / pi_old(o) is estimated:
 inner iteration j re-masks the completion with a seeded reversing operator o^t ~ Rev(o, t_j, S_j) and scores
-pi_theta, pi_old and pi_ref on that same input. VIEWS[cfg.estimator] builds one task's views (K inputs and the
-positions each scores), token_logprobs scores them. The "trajectory" estimator, and decoding_logprob, score every
-token under the sampler state that revealed it: the exact l_pi(o) the others approximate. Shapes: B sequences,
-P prompt, N window, S suffix (<|eoi|> for images), L = P + N + S. Departures from the official code:
-docs/differences.md.
+pi_theta, pi_old and pi_ref on that same input. VIEWS[cfg.estimator] builds one task's views (the inputs and
+the positions each scores), token_logprobs scores them; "trajectory" and decoding_logprob score the exact l_pi(o).
+Shapes: B sequences, P prompt, N window, S suffix (<|eoi|> for images), L = P + N + S. See docs/differences.md.
 """
 import hashlib
 import math
@@ -19,8 +17,8 @@ import torch.nn.functional as F
 from sample import chunks, derive_seed
 
 MASK_ESTIMATORS = ("maskgrpo", "d1", "unigrpo")  # the ones that draw masks (build_masks)
-ESTIMATORS = MASK_ESTIMATORS + ("trajectory",)   # trajectory: the sampler's own states (trajectory_masks)
-UNIGRPO_T = 1000   # UniGRPO's number of discrete timesteps; MMaDA (arXiv:2505.15809) does not state it
+ESTIMATORS = MASK_ESTIMATORS + ("trajectory",)  # trajectory: the sampler's own states (trajectory_masks)
+UNIGRPO_T = 1000  # UniGRPO's number of discrete timesteps; MMaDA (arXiv:2505.15809) does not state it
 
 
 class Views(NamedTuple):
@@ -67,23 +65,23 @@ def reverse_mask(completion_mask: torch.Tensor, ratios, seeds, mode: str = "arli
     prompt length, for "arlike_official") per row, whose own CPU generator makes it depend on them and N alone."""
     assert mode in REVERSING and completion_mask.dtype == torch.bool and completion_mask.dim() == 2, f"{mode=}"
     assert len(ratios) == len(seeds) == len(completion_mask) and all(0 <= t <= 1 for t in ratios), f"{ratios=} {seeds=}"
-    mask = torch.zeros(completion_mask.shape, dtype=torch.bool)                                   # (B, N)
+    mask = torch.zeros(completion_mask.shape, dtype=torch.bool)  # (B, N)
     for b, (t, s) in enumerate(zip(ratios, seeds)):
         u = torch.rand(mask.shape[1], generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)  # (N,)
         mask[b] = REVERSING[mode](u, float(t), None if prompt_len is None else int(prompt_len[b]))
-    return mask.to(completion_mask.device) & completion_mask                                       # (B, N)
+    return mask.to(completion_mask.device) & completion_mask  # (B, N)
 
 
 # Reversing operators Rev(o, t, S): the window tokens masked, given one seeded uniform u_n per token (u: (N,)).
-REVERSING = {"arlike": lambda u, t, P: u >= _arlike_keep(len(u), t),            # Alg. 1: late tokens first
-             "random": lambda u, t, P: u < t,                                     # Alg. 2: each with probability t
+REVERSING = {"arlike": lambda u, t, P: u >= _arlike_keep(len(u), t),  # Alg. 1: late tokens first
+             "random": lambda u, t, P: u < t,  # Alg. 2: each with probability t
              "arlike_official": lambda u, t, P: u >= _arlike_official_keep(P, len(u), t)}  # as the official code runs
 MODES = tuple(REVERSING)  # --text_reversing
 
 
 def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
-    # Alg. 1 (AR-like reversing): token n stays visible with prob min(1, d_n (1-r) N / sum(d)), d_n = 1 - n/(N-1),
-    # so late tokens, where semi-AR rollouts differ, are masked most (Fig. 2). Masked fraction r if r >= 0.5, else more.
+    # Alg. 1: token n stays visible with prob min(1, d_n (1-r) N / sum(d)), d_n = 1 - n/(N-1): late tokens,
+    # where semi-AR rollouts differ, are masked most (Fig. 2). Masked fraction r if r >= 0.5, else more.
     d = torch.ones(1, dtype=torch.float64) if N == 1 else 1.0 - torch.arange(N, dtype=torch.float64) / (N - 1)
     return (d * (1.0 - ratio) * N / d.sum()).clamp(max=1.0)  # (N,); N = 1 keeps with prob 1 - r
 
@@ -92,17 +90,15 @@ def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
 # the other estimators (default off): the official AR-like masks, UniGRPO, d1, the exact trajectory
 
 def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
-    # The official trainer's AR-like masks take the prompt length to be 1 (docs/differences.md), so the paper's
-    # ramp spans positions 1..L-1 of [prompt | window] and the never-masked prompt uses up its high-keep start:
-    # the window's masked share grows with P, the row's own prompt length (one unpadded group per GPU there).
+    # The official trainer takes the prompt length to be 1 (docs/differences.md): the ramp spans [prompt | window]
+    # and the never-masked prompt uses up its high-keep start, so the window's masked share grows with P.
     assert P is not None and P >= 0, f"arlike_official masks need prompt_len, each row's prompt length >= 0: got {P}"
     head = min(P, 1)  # the official prompt length: 1 (0 only if there were no prompt at all)
     return _arlike_keep(P + N - head, ratio)[P - head:]  # (N,)
 
 
 def official_completion_ratio(P: int, N: int, ratio: float) -> float:
-    """Expected masked fraction of an N-token window behind a P-token prompt under "arlike_official" at nominal
-    `ratio` (docs/differences.md tabulates it)."""
+    """Expected masked fraction of an N-token window behind a P-token prompt under "arlike_official" at `ratio`."""
     return float((1.0 - _arlike_official_keep(P, N, ratio)).mean())
 
 
@@ -110,18 +106,6 @@ def completion_mask_until_eos(window_tokens: torch.Tensor, eos_id: int) -> torch
     """bool (B, N): True up to and including each row's first EOS, all True without one (d1's loss mask)."""
     is_eos = window_tokens == eos_id  # (B, N)
     return (is_eos.long().cumsum(1) - is_eos.long()) == 0  # no EOS strictly before this position
-
-
-def _d1_prompt_mask(prompt_mask: torch.Tensor, p_mask_prompt: float, seeds: list[int]) -> torch.Tensor:
-    # d1 (arXiv:2504.12216) masks each prompt token with prob p_mask_prompt; the k-th uniform goes to the k-th
-    # REAL token, so a row's draw does not depend on its batch's padding.
-    pm = prompt_mask.cpu()  # (B, P)
-    out = torch.zeros_like(pm)  # (B, P)
-    for b in range(pm.shape[0]):
-        real = pm[b].nonzero().squeeze(1)  # (num_real,)
-        u = torch.rand(real.numel(), generator=torch.Generator().manual_seed(seeds[b]), dtype=torch.float64)
-        out[b, real[u < p_mask_prompt]] = True
-    return out.to(prompt_mask.device)  # (B, P)
 
 
 def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float]:
@@ -142,35 +126,33 @@ def unigrpo_views(batch, order, cfg, *, step, seq_index, mask_id, **_) -> Views:
 
 
 def d1_views(batch, order, cfg, *, image, step, seq_index, eos_id, mask_id, **_) -> Views:
-    """d1 (arXiv:2504.12216): K = mu one-step views (d1_masks), the text completion scored up to and including
-    its first EOS, every image slot scored. Update j scores view j."""
+    """d1 (arXiv:2504.12216): view j = d1_masks' j, scoring text up to its first EOS, every image slot."""
     x, P, N = batch.x, batch.prompt_len, batch.window
-    scored = torch.ones(x.shape[0], N, dtype=torch.bool, device=x.device)                # (B, N)
+    scored = torch.ones(x.shape[0], N, dtype=torch.bool, device=x.device)  # (B, N)
     if not image:
         scored = completion_mask_until_eos(x[:, P:P + N], eos_id)
     ins, loss_masks = d1_masks(batch.prompt_mask, scored, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
                                seq_index=seq_index, mu=cfg.mu, p_mask_prompt=cfg.p_mask_prompt,
-                               suffix_len=x.shape[1] - P - N)                             # (mu, B, L) each
+                               suffix_len=x.shape[1] - P - N)  # (mu, B, L) each
     return Views([x.masked_fill(m, mask_id) for m in ins], loss_masks, [[j] for j in range(cfg.mu)])
 
 
 def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_max, **_) -> Views:
-    """The exact decoding path: K = T views, the sampler's states (trajectory_masks) in which any rank revealed a
-    token, each scoring what it revealed; every update scores all. --trajectory_states=K: update j scores K of
-    them (draw_states), each weighing T / K."""
+    """The exact decoding path: the T sampler states (trajectory_masks) where any rank revealed a token, each
+    scoring what it revealed, all in every update; --trajectory_states=K: K per update (draw_states)."""
     x, B = batch.x, batch.x.shape[0]
     in_masks, loss_masks = trajectory_masks(order, cfg.image_steps if image else cfg.steps)
     keep = all_max(loss_masks.flatten(1).any(1).to(x.device, torch.float32)).bool().cpu()
-    in_masks, loss_masks = in_masks[keep], loss_masks[keep]                        # (T, B, L) each
+    in_masks, loss_masks = in_masks[keep], loss_masks[keep]  # (T, B, L) each
     T = len(in_masks)
     if not cfg.trajectory_states:
         return Views([x.masked_fill(m, mask_id) for m in in_masks], loss_masks, [range(T)] * cfg.mu)
     K = min(cfg.trajectory_states, T)
     states, updates = draw_states(T, K, cfg.mu, step=step, seq_index=seq_index,
                                   seed=derive_seed(cfg.seed, "trajectory-states", batch.task))  # (U, B)
-    pick = states.to(x.device), torch.arange(B, device=x.device)           # view u of row b: state u of b
-    norm = loss_masks.sum().float() * (K / T)                              # K = T: exactly the full count
-    in_masks, loss_masks = in_masks[pick], loss_masks[pick]                # (U, B, L) each
+    pick = states.to(x.device), torch.arange(B, device=x.device)  # view u of row b: state u of b
+    norm = loss_masks.sum().float() * (K / T)  # K = T: exactly the full count
+    in_masks, loss_masks = in_masks[pick], loss_masks[pick]  # (U, B, L) each
     return Views([x.masked_fill(m, mask_id) for m in in_masks], loss_masks, updates, norm)
 
 
@@ -193,15 +175,18 @@ def reversed_masks(prompt_mask: torch.Tensor, scored: torch.Tensor, ratios, mode
 
 def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int, seq_index,
              mu: int, p_mask_prompt: float, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """d1's mu (input mask, loss mask) pairs, bool (mu, B, L) each: the whole window masked (a visible trailing EOS
-    would give the answer's length away), each real prompt token with prob p_mask_prompt; completion_mask scored."""
+    """d1's (arXiv:2504.12216) mu (input mask, loss mask) pairs, bool (mu, B, L) each: the whole window masked (a
+    visible trailing EOS gives the length away), each real prompt token with prob p_mask_prompt."""
     assert 0.0 <= p_mask_prompt <= 1.0, f"{p_mask_prompt=} in [0, 1]"
     (B, P), N = prompt_mask.shape, completion_mask.shape[1]
     in_masks = torch.zeros(mu, B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)
     loss_masks = torch.zeros_like(in_masks)  # (mu, B, L)
+    real = [m.nonzero().squeeze(1) for m in prompt_mask.cpu()]  # each row's real prompt positions
     for j in range(mu):
-        seeds = [mask_seed(seed, step, int(i), j) for i in seq_index]
-        in_masks[j, :, :P] = _d1_prompt_mask(prompt_mask, p_mask_prompt, seeds)  # (B, P)
+        for b, i in enumerate(seq_index):  # the k-th uniform masks the k-th REAL token: padding changes nothing
+            g = torch.Generator().manual_seed(mask_seed(seed, step, int(i), j))
+            u = torch.rand(real[b].numel(), generator=g, dtype=torch.float64)
+            in_masks[j, b, real[b][u < p_mask_prompt].to(in_masks.device)] = True
         in_masks[j, :, P:P + N] = True
         loss_masks[j, :, P:P + N] = completion_mask
     return in_masks, loss_masks
@@ -210,8 +195,7 @@ def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: 
 def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int,
                 seq_index, mu: int, gamma: float = 0.6, estimator: str = "maskgrpo", mode: str = "arlike",
                 p_mask_prompt: float = 0.15, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A mask estimator's mu (input mask, loss mask) pairs, bool (mu, B, L) each, from explicit settings (the
-    views' masks, for tools/diagnose.py)."""
+    """A mask estimator's mu (input mask, loss mask) pairs, bool (mu, B, L) each, from explicit settings."""
     assert estimator in MASK_ESTIMATORS and mode in MODES, f"{estimator=} in {MASK_ESTIMATORS}, {mode=} in {MODES}"
     assert mu >= 1 and prompt_mask.dtype == completion_mask.dtype == torch.bool, f"{mu=} >= 1; bool (B, P), (B, N)"
     idx = [int(i) for i in seq_index]
@@ -276,35 +260,32 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
 
 
 def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoding path as (input mask, loss mask) pairs, bool (T, B, L) each, per sampler step s < T: the input
-    masks what was revealed at s or later (x^(s)), the loss mask what was revealed at s. order: (B, L), the step
-    that revealed each position, -1 for the prompt; num_steps: T (default: the last step + 1)."""
+    """(input mask x^(s): revealed at s or later, loss mask: revealed at s), bool (T, B, L) each, per sampler
+    step s < T (num_steps; default: the last + 1). order: (B, L), the step that revealed each, -1 the prompt."""
     assert not order.is_floating_point() and bool((order >= -1).all()), "order: integer (B, L), -1 = never masked"
     steps = torch.arange(int(order.max()) + 1 if num_steps is None else num_steps, device=order.device)
-    return order >= steps[:, None, None], order == steps[:, None, None]     # (T, B, L) each
+    return order >= steps[:, None, None], order == steps[:, None, None]  # (T, B, L) each
 
 
 def draw_states(num_states: int, k: int, mu: int, *, seed: int, step: int,
                 seq_index) -> tuple[torch.Tensor, list[list[int]]]:
-    """--trajectory_states=K: (states long (U, B), the state of view u per row, U = min(mu K, T); updates, mu
-    lists of K view indices). Each row draws one permutation of its T states, seeded by (seed, step, global
-    seq_index); update j takes positions jK .. jK+K-1 cyclically: each update alone is a uniform K-subset
-    (unbiased, without replacement), and together they cover mu K distinct states. K >= T: all, in order."""
+    """(states (U, B): view u's state per row, U = min(mu K, T); updates: mu lists of K views). Update j takes
+    positions jK .. jK+K-1 of each row's seeded permutation of its T states, cyclically: each update a uniform
+    K-subset (unbiased), together mu K distinct states. K >= T: all, in order."""
     assert k >= 1 and mu >= 1 and num_states >= 1, f"{k=}, {mu=}, {num_states=} must be >= 1"
     T, K = num_states, min(k, num_states)
     perms = [torch.arange(T) if K == T else torch.randperm(T, generator=torch.Generator().manual_seed(
         packed_seed(b"maskgrpo/trajectory-states", seed, step, int(i)))) for i in seq_index]
     # View u holds permutation position u; positions past T wrap to u mod T (U = T then).
     updates = [[(j * K + s) % T for s in range(K)] for j in range(mu)]
-    return torch.stack(perms, 1)[: min(mu * K, T)], updates                     # (U, B)
+    return torch.stack(perms, 1)[: min(mu * K, T)], updates  # (U, B)
 
 
 @torch.no_grad()  # a measurement: a graph kept across all the steps would hold every step's activations
 def decoding_logprob(model, x: torch.Tensor, order: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                      vocab_slice: tuple[int, int] | None = None, mask_id: int) -> torch.Tensor:
-    """Exact decoding log-likelihood l_pi(o) = sum_s sum_{k revealed at step s} log pi(o_k | c, x^(s)), (B,) fp32
-    (arXiv:2510.02880 §3): x^(s) masks every position of order >= s (order: (B, L), the step that revealed each
-    position, -1 for the prompt), the state the sampler saw at step s. One batched forward per step."""
+    """Exact decoding log-likelihood l_pi(o) = sum_s sum_{k revealed at s} log pi(o_k | c, x^(s)), (B,) fp32 (§3),
+    x^(s) the state the sampler saw at step s (trajectory_masks). One batched forward per step."""
     assert order.shape == x.shape, "order: (B, L), the step each position was revealed at"
     total = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)  # (B,)
     for state, revealed in zip(*trajectory_masks(order)):

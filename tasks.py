@@ -1,7 +1,6 @@
-"""The tasks (TASKS: modality, prompts, verifiers), the batches they become, and the RL step's prompts,
-rollouts and rewards on them. A batch lays out [prompt | window | suffix] in the LLaDA (arXiv:2502.09992) and
-MMaDA (arXiv:2505.15809) formats; the window is what the model generates (text, or the image slots). The toy
-data is infra/toy.py, the verifiers rewards.py, benchmark files infra/data.py.
+"""The tasks (TASKS: modality, prompts, verifiers), the batches they become ([prompt | window | suffix] in the
+LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809) formats, the window generated), and the RL step's prompts
+and rewards. The toy data is infra/toy.py, the verifiers rewards.py, benchmark files infra/data.py.
 """
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class TokenIds:
 
 
 def chat_prompt(messages: list[dict], bos: str = "<|startoftext|>") -> str:
-    """LLaDA-Instruct's chat template, ending with the assistant turn opened; encode it with
-    add_special_tokens=False (the special-token strings inside map to their ids)."""
+    """LLaDA-Instruct's chat template, the assistant turn opened; encode it with add_special_tokens=False."""
     turns = [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
              for m in messages]
     return bos + "".join(turns) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -77,7 +75,6 @@ def model_config_overrides(tok: Tokenizer) -> dict:
 # -----------------------------------------------------------------------------------------------------
 # encoding: examples -> token ids
 
-
 def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
     """(BOS + question, answer + EOS padding to gen_length): LLaDA's SFT pads with EOS, teaching where to stop."""
     prompt = [ids.bos] + tok.encode(example["prompt"], add_special_tokens=False).ids
@@ -89,8 +86,7 @@ def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -
 
 
 def encode_chat(tok: Tokenizer, example: dict, cfg) -> list[int]:
-    """A benchmark prompt in LLaDA's chat template (with --system_prompt and --prompt_prefill), cut from the left
-    to --max_prompt_len tokens like the official code."""
+    """A benchmark prompt in LLaDA's chat template, cut from the left to --max_prompt_len as the official code."""
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     text = chat_prompt(system + [{"role": "user", "content": example["prompt"]}]) + cfg.prompt_prefill
     return tok.encode(text, add_special_tokens=False).ids[-cfg.max_prompt_len:]
@@ -109,22 +105,14 @@ def encode_image_prompt(tok: Tokenizer, ids: TokenIds, prompt_text: str, text_le
 
 
 def image_text_len(tok: Tokenizer, n: int = 2000) -> int:
-    """Longest t2i text part (<|t2i|> BOS caption EOS) over n random toy captions: the text_len to pad to
-    (TOY_CAPTION_LEN for the toy tokenizer; tools/sample.py measures another tokenizer's)."""
+    """The text_len to pad to: the longest <|t2i|> BOS caption EOS over n random toy captions (TOY_CAPTION_LEN)."""
     rng = random.Random(0)
     return 3 + max(len(tok.encode(make_image_example(rng, "any")["prompt"], add_special_tokens=False).ids)
                    for _ in range(n))
 
 
-def ids_to_codes(tok: Tokenizer, ids: list[int]) -> list[int]:
-    """Image codes of token ids (code c is id image_token_offset + c); -1 outside the image range (a mask)."""
-    s = token_ids(tok)
-    return [i - s.image_token_offset if 0 <= i - s.image_token_offset < s.codebook_size else -1 for i in ids]
-
-
 # -----------------------------------------------------------------------------------------------------
 # the tasks: one registry entry each
-
 
 @dataclass(frozen=True)
 class Task:
@@ -178,7 +166,6 @@ def score(b, verify, tok, ids, scorer=None) -> torch.Tensor:
 
 # -----------------------------------------------------------------------------------------------------
 # batches: examples of any task -> token tensors [prompt | window | suffix]
-
 
 @dataclass
 class Batch:
@@ -277,7 +264,6 @@ def dataset_prompts(task: str, cfg, step: int, rows: list) -> list:
 
 # -----------------------------------------------------------------------------------------------------
 # the RL step's prompts (its rollouts: sample.rollout; its rewards: score above)
-
 
 @dataclass
 class Ctx:
