@@ -22,20 +22,15 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, 
     return adv.reshape(-1)
 
 
-def num_terms(mask: torch.Tensor, norm: str) -> torch.Tensor:
-    """policy_loss's terms in a bool mask (B, N), an int64 scalar: scored tokens ("token") or sequences with one."""
-    return mask.sum() if norm == "token" else mask.any(-1).sum()
-
-
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *, clip_eps: float,
                 beta: float = 0.0, logp_ref=None, norm: str = "token", total=None) -> tuple[torch.Tensor, dict]:
     """Clipped GRPO surrogate + beta * k3 KL (Eqs. 9-11) on one chunk: (its share S_c / total of the batch mean, its
-    sums). total: the terms (num_terms) of every chunk, view and rank (default: this chunk's). mask: the tokens THIS
-    update scores; logp (with grad), logp_old, logp_ref, mask: (B, N); adv: (B,)."""
+    sums). total: the terms (tokens, or sequences with one) of every chunk, view and rank (default: this chunk's).
+    mask: the tokens THIS update scores; logp (with grad), logp_old, logp_ref, mask: (B, N); adv: (B,)."""
     assert clip_eps > 0 and beta >= 0 and norm in NORMS, f"{clip_eps=} > 0, {beta=} >= 0, {norm=} in {NORMS}"
     assert mask.dtype == torch.bool and (beta == 0 or logp_ref is not None), "a bool mask; beta > 0 needs logp_ref"
     assert {t.shape for t in (logp, logp_old, mask, logp_ref) if t is not None} == {adv.shape + mask.shape[1:]}, "(B,N)"
-    total = num_terms(mask, norm).float().clamp(min=1) if total is None else total
+    total = (mask.sum() if norm == "token" else mask.any(-1).sum()).float().clamp(min=1) if total is None else total
     m, A, zero = mask.float(), adv.to(logp.dtype).unsqueeze(1), torch.zeros_like(logp)  # (B, N), (B, 1), (B, N)
     # The importance ratio of Eqs. 9-10, per token; log-ratio 0 where unscored (exp(huge) * 0 would be NaN).
     ratio = torch.exp(torch.where(mask, logp - logp_old.detach(), zero))  # (B, N)

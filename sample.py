@@ -138,7 +138,7 @@ def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, tempera
                   threshold=0.0, return_order=False, progress=False, stats=None):
     """generate under Fast-dLLM (arXiv:2505.22618): kv_cache caches keys and values at a block start, then
     recomputes the block and what follows it ("prefix") or the block alone ("dual"); threshold tau > 0 also
-    reveals every masked position above tau. MaskGRPO rescores every rollout. stats: a dict for fast_summary."""
+    reveals every masked position above tau. MaskGRPO rescores every rollout. stats: FastSampler's dict."""
     if kv_cache == "none" and threshold <= 0:
         return generate(model, prompt_ids, gen_length=gen_length, block_length=block_length, steps=steps,
                         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, mask_id=mask_id,
@@ -270,27 +270,20 @@ class FastSampler:
                              **kw)
 
     def take_log(self, device) -> dict:
-        """fast_summary of the statistics since the last call, over all ranks (task "text"); then reset."""
-        log, self.stats = fast_summary("text", self.stats, device), {}
-        return log
-
-
-def fast_summary(task: str, stats: dict | None, device) -> dict:
-    """Log entries of one RL step's fast rollouts, over all ranks: tokens revealed per step and row (mean, max)
-    and their mean probability under the sampling distribution (what Fast-dLLM thresholds). {} without stats."""
-    if stats is None:
-        return {}
-    for revealed, conf, active in stats.pop("steps", []):  # each fast step's (B, K) tensors, read here
-        committed = revealed[torch.tensor(active, device=revealed.device)].sum(1)  # per active row
-        for k, v in (("row_steps", committed.numel()), ("tokens", int(committed.sum())),
-                     ("conf_sum", float(conf[revealed].double().sum()))):
-            stats[k] = stats.get(k, 0) + v
-        stats["max"] = max(stats.get("max", 0), int(committed.max()) if committed.numel() else 0)
-    sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
-                                      dtype=torch.float64, device=device)).tolist()
-    top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()
-    return {f"{task}/committed_per_step": sums[1] / max(sums[0], 1), f"{task}/committed_per_step_max": top,
-            f"{task}/committed_conf": sums[2] / max(sums[1], 1)}
+        """Since the last call, over all ranks: tokens revealed per step and row (mean, max) and their mean
+        probability under the sampling distribution (what Fast-dLLM thresholds); then reset."""
+        stats, self.stats = self.stats, {}
+        for revealed, conf, active in stats.pop("steps", []):  # each fast step's (B, K) tensors, read here
+            committed = revealed[torch.tensor(active, device=revealed.device)].sum(1)  # per active row
+            for k, v in (("row_steps", committed.numel()), ("tokens", int(committed.sum())),
+                         ("conf_sum", float(conf[revealed].double().sum()))):
+                stats[k] = stats.get(k, 0) + v
+            stats["max"] = max(stats.get("max", 0), int(committed.max()) if committed.numel() else 0)
+        sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
+                                          dtype=torch.float64, device=device)).tolist()
+        top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()
+        return {"text/committed_per_step": sums[1] / max(sums[0], 1), "text/committed_per_step_max": top,
+                "text/committed_conf": sums[2] / max(sums[1], 1)}
 
 
 # -----------------------------------------------------------------------------------------------------

@@ -122,10 +122,6 @@ class Task:
     picked_by: str = ""             # the setting naming the verifier (text_reward, reward_shaping); "": the only one
     example: object = None          # toy: example(rng, cfg, split, noise) -> a fresh example; None: read --train_data
 
-    @property
-    def toy(self) -> bool:
-        return self.example is not None
-
 
 TASKS = {
     "text": Task("text", {"answer": rewards.answer_reward, "solution": rewards.solution_reward}, "text_reward",
@@ -138,7 +134,7 @@ TASKS = {
        for name in ("gsm8k", "math", "mbpp", "countdown", "sudoku")},
     "geneval": Task("image", {}),
 }
-TOY_TASKS = tuple(t for t, k in TASKS.items() if k.toy)
+TOY_TASKS = tuple(t for t, k in TASKS.items() if k.example is not None)
 IMAGE_TASKS = tuple(t for t, k in TASKS.items() if k.modality == "image")  # generated as image tokens
 TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
@@ -201,7 +197,7 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
     """Token tensors for `examples`, the window holding the targets (SFT) or mask ids; text prompts left-padded."""
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
-    toy = TASKS[task].toy  # toy: BOS + question, the answer padded with EOS; benchmarks: the chat template
+    toy = task in TOY_TASKS  # toy: BOS + question, the answer padded with EOS; benchmarks: the chat template
     pairs = [encode_text(tok, ids, ex, cfg.gen_length) if toy else (encode_chat(tok, ex, cfg), None) for ex in examples]
     P, N = max(len(p) for p, _ in pairs), cfg.gen_length
     pad = torch.tensor([P - len(p) for p, _ in pairs], device=device)  # LLaDA left-pads prompts with EOS
@@ -246,7 +242,7 @@ def decode_window(b: Batch, tok, ids) -> list:
 
 def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
     """The global prompts of one RL step, the same on every rank: fresh toy examples seeded by the step."""
-    if not TASKS[task].toy:
+    if task not in TOY_TASKS:
         return dataset_prompts(task, cfg, step, datasets[task]["train"])
     rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
     return [TASKS[task].example(rng, cfg, "train", 0.0) for _ in range(cfg.prompts_per_step)]
