@@ -86,8 +86,7 @@ def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
     return (d * (1.0 - ratio) * N / d.sum()).clamp(max=1.0)  # (N,); N = 1 keeps with prob 1 - r
 
 
-# -----------------------------------------------------------------------------
-# the other estimators (default off): the official AR-like masks, UniGRPO, d1, the exact trajectory
+# --- the other estimators (default off): the official AR-like masks, UniGRPO, d1, the exact trajectory
 
 def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
     # The official trainer takes the prompt length to be 1 (docs/differences.md): the ramp spans [prompt | window]
@@ -160,19 +159,6 @@ def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_
 VIEWS = {"maskgrpo": maskgrpo_views, "d1": d1_views, "unigrpo": unigrpo_views, "trajectory": trajectory_views}
 
 
-def reversed_masks(prompt_mask: torch.Tensor, scored: torch.Tensor, ratios, mode: str, *, seed: int, step: int,
-                   seq_index, length: int) -> torch.Tensor:
-    """bool (mu, B, length), input and loss mask: mask j holds o^t_j ~ Rev(o, ratios[j], S_j) inside scored (bool
-    (B, N)), one seed S_j per sequence (mask_seed); never the prompt (paper §3). ratios: [mu][B]."""
-    (B, P), N = prompt_mask.shape, scored.shape[1]
-    prompt_len = prompt_mask.sum(1).tolist()  # [B] each row's real prompt length (arlike_official's P)
-    masks = torch.zeros(len(ratios), B, length, dtype=torch.bool, device=scored.device)  # (mu, B, L)
-    for j, r in enumerate(ratios):
-        seeds = [mask_seed(seed, step, int(i), j) for i in seq_index]
-        masks[j, :, P:P + N] = reverse_mask(scored, r, seeds, mode, prompt_len=prompt_len)  # (B, N)
-    return masks
-
-
 def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int, seq_index,
              mu: int, p_mask_prompt: float, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """d1's (arXiv:2504.12216) mu (input mask, loss mask) pairs, bool (mu, B, L) each: the whole window masked (a
@@ -207,8 +193,12 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
         ratios = [[r] * len(idx) for r in mask_ratios(mu, gamma)]  # [mu][B]
     else:
         ratios, mode = list(zip(*[_unigrpo_ratios(seed, step, i, mu) for i in idx])), "random"
-    masks = reversed_masks(prompt_mask, completion_mask, ratios, mode, seed=seed, step=step, seq_index=idx,
-                           length=prompt_mask.shape[1] + completion_mask.shape[1] + suffix_len)
+    (B, P), N = prompt_mask.shape, completion_mask.shape[1]
+    prompt_len = prompt_mask.sum(1).tolist()  # [B] each row's real prompt length (arlike_official's P)
+    masks = torch.zeros(mu, B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)  # (mu, B, L)
+    for j, r in enumerate(ratios):  # o^t_j ~ Rev(o, r, S_j) within completion_mask, never the prompt (paper §3)
+        seeds = [mask_seed(seed, step, i, j) for i in idx]
+        masks[j, :, P:P + N] = reverse_mask(completion_mask, r, seeds, mode, prompt_len=prompt_len)  # (B, N)
     return masks, masks.clone()
 
 
@@ -222,8 +212,7 @@ def ignored_settings(cfg, defaults) -> list[str]:
     return [k for k, users in READ_BY if cfg.estimator not in users and getattr(cfg, k) != getattr(defaults, k)]
 
 
-# -----------------------------------------------------------------------------
-# log-probs: the estimator's terms, and the exact decoding log-likelihood they approximate
+# --- log-probs: the estimator's terms, and the exact decoding log-likelihood they approximate
 
 def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, *,
                    attention_mask=None, vocab_slice: tuple[int, int] | None = None, device_batch_size: int = 0):

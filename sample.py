@@ -25,8 +25,7 @@ MIN_HEAD_ROWS = 32  # the head's least number of rows (FullRows.head)
 CHUNK = 1 << 24  # elements per draw when uniform walks a row's stream: 128 MB in float64 at most
 
 
-# -----------------------------------------------------------------------------------------------------
-# random numbers: a seed per purpose and global index, the same in any batch, process or world size
+# --- random numbers: a seed per purpose and global index, the same in any batch, process or world size
 
 def derive_seed(*parts) -> int:
     """A 63-bit seed from (run seed, purpose, step, ...): blake2b of repr(parts), the same in every process."""
@@ -95,8 +94,7 @@ def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=Non
     return out
 
 
-# -----------------------------------------------------------------------------------------------------
-# text: LLaDA's semi-autoregressive sampler, exact and under Fast-dLLM's approximations
+# --- text: LLaDA's semi-autoregressive sampler, exact and under Fast-dLLM's approximations
 
 @torch.no_grad()
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
@@ -231,7 +229,6 @@ def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_or
 def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
     """Tokens to reveal at each step: num_masked (B,) -> (B, steps), rows summing to num_masked. LLaDA Eq. (8):
     c tokens over s steps get c // s each, the remainder one apiece to the earliest steps."""
-    assert steps >= 1, f"steps ({steps}) must be >= 1"
     i = torch.arange(steps, device=num_masked.device)  # (S,)
     c = num_masked.long()[:, None]  # (B, 1)
     return c // steps + (i[None, :] < c % steps).long()  # (B, S)
@@ -286,8 +283,7 @@ class FastSampler:
                 "text/committed_conf": sums[2] / max(sums[1], 1)}
 
 
-# -----------------------------------------------------------------------------------------------------
-# LLaDA bit parity
+# --- LLaDA bit parity
 
 class FullRows:
     """LLaDA bit parity; a first reading may skip it. LLaDA scores whole rows (B, L), the samplers a step's
@@ -331,8 +327,7 @@ def select_top_k(confidence: torch.Tensor, counts: torch.Tensor, distinct=None) 
     return select
 
 
-# -----------------------------------------------------------------------------------------------------
-# images: emerge (MaskGRPO Alg. 4) and MaskGIT (MMaDA t2i_generate)
+# --- images: emerge (MaskGRPO Alg. 4) and MaskGIT (MMaDA t2i_generate)
 
 @torch.no_grad()
 def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler="emerge", cfg_scale=0.0,

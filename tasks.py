@@ -26,8 +26,7 @@ def sft_tasks(cfg) -> tuple[str, ...]:
     """The toy tasks the SFT stage trains: those the run asks for (a text-only run spends no SFT on images)."""
     return tuple(t for t in TOY_TASKS if t in task_list(cfg))
 
-# -----------------------------------------------------------------------------------------------------
-# vocabulary
+# --- vocabulary
 
 @dataclass(frozen=True)
 class TokenIds:
@@ -72,8 +71,7 @@ def model_config_overrides(tok: Tokenizer) -> dict:
                 bos_token_id=s.bos, image_token_offset=s.image_token_offset, codebook_size=s.codebook_size)
 
 
-# -----------------------------------------------------------------------------------------------------
-# encoding: examples -> token ids
+# --- encoding: examples -> token ids
 
 def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
     """(BOS + question, answer + EOS padding to gen_length): LLaDA's SFT pads with EOS, teaching where to stop."""
@@ -111,8 +109,7 @@ def image_text_len(tok: Tokenizer, n: int = 2000) -> int:
                    for _ in range(n))
 
 
-# -----------------------------------------------------------------------------------------------------
-# the tasks: one registry entry each
+# --- the tasks: one registry entry each
 
 @dataclass(frozen=True)
 class Task:
@@ -160,8 +157,7 @@ def score(b, verify, tok, ids, scorer=None) -> torch.Tensor:
     return torch.tensor([verify(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
 
 
-# -----------------------------------------------------------------------------------------------------
-# batches: examples of any task -> token tensors [prompt | window | suffix]
+# --- batches: examples of any task -> token tensors [prompt | window | suffix]
 
 @dataclass
 class Batch:
@@ -258,8 +254,7 @@ def dataset_prompts(task: str, cfg, step: int, rows: list) -> list:
         out.append(rows[order[i % len(rows)]])
     return out
 
-# -----------------------------------------------------------------------------------------------------
-# the RL step's prompts (its rollouts: sample.rollout; its rewards: score above)
+# --- the RL step's prompts (its rollouts: sample.rollout; its rewards: score above)
 
 @dataclass
 class Ctx:
