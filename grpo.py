@@ -17,7 +17,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, 
     adv = R - R.mean(dim=1, keepdim=True)  # (num_groups, G)
     if scale_by_std:
         adv = adv / (R.std(dim=1, keepdim=True) + eps)
-    # An equal-reward group carries no signal: exactly 0 (R - mean is not, in floating point), never NaN.
+    # An equal-reward group carries no signal: exactly 0, never NaN.
     adv = torch.where((R == R[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv)
     return adv.reshape(-1)
 
@@ -44,7 +44,7 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     # "sequence": Eq. 11's A_i / |o_i|, |o_i| the tokens scored in this update; a sequence without any adds 0.
     S = (per_token * m).sum() if norm == "token" else ((per_token * m).sum(1) / m.sum(1).clamp(min=1.0)).sum()
     loss = S / total
-    with torch.no_grad():  # 0-d float64 tensors on the device: no host sync per chunk (train.reduce_sums reads them)
+    with torch.no_grad():  # 0-d float64 tensors on the device: no host sync per chunk
         clipped = ((A > 0) & (ratio > 1.0 + clip_eps)) | ((A < 0) & (ratio < 1.0 - clip_eps))  # (B, N)
         top = torch.where(mask.any(), ratio.masked_fill(~mask, -math.inf).max(), 1.0)  # 1.0: neutral if none scored
         sums = {k: v.double() for k, v in (("loss", loss.detach()), ("tokens", m.sum()),

@@ -17,16 +17,16 @@ import torch.nn.functional as F
 from sample import chunks, derive_seed
 
 MASK_ESTIMATORS = ("maskgrpo", "d1", "unigrpo")  # the ones that draw masks (build_masks)
-ESTIMATORS = MASK_ESTIMATORS + ("trajectory",)  # trajectory: the sampler's own states (trajectory_masks)
+ESTIMATORS = MASK_ESTIMATORS + ("trajectory",)  # the sampler's own states
 UNIGRPO_T = 1000  # UniGRPO's number of discrete timesteps; MMaDA (arXiv:2505.15809) does not state it
 
 
 class Views(NamedTuple):
-    """One task's views: K masked inputs (B, L), the positions each scores (bool (K, B, L)), update j's views."""
+    """One task's views: K inputs (B, L), the positions each scores (K, B, L), update j's views."""
     inputs: list
     loss_masks: torch.Tensor
     updates: list
-    norm: torch.Tensor | None = None  # --trajectory_states: this rank's part of the loss normaliser (None: the terms)
+    norm: torch.Tensor | None = None  # --trajectory_states: this rank's loss normaliser
 
 
 def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -> Views:
@@ -34,8 +34,8 @@ def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -
     by update j. seq_index: each row's GLOBAL index. Every VIEWS function also takes eos_id and all_max."""
     mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
     (B, L), P, N, seed = batch.x.shape, batch.prompt_len, batch.window, derive_seed(cfg.seed, "masks", batch.task)
-    prompt_len, window = batch.attention_mask[:, :P].bool().sum(1).tolist(), torch.ones(B, N, dtype=torch.bool)
-    masks = torch.zeros(cfg.mu, B, L, dtype=torch.bool, device=batch.x.device)  # (mu, B, L); never the prompt (§3)
+    prompt_len, window = batch.prompt_mask.sum(1).tolist(), torch.ones(B, N, dtype=torch.bool)
+    masks = torch.zeros(cfg.mu, B, L, dtype=torch.bool, device=batch.x.device)  # never the prompt (§3)
     for j, t in enumerate(mask_ratios(cfg.mu, gamma)):
         seeds = [mask_seed(seed, step, int(i), j) for i in seq_index]
         masks[j, :, P:P + N] = reverse_mask(window, [t] * B, seeds, mode, prompt_len=prompt_len)
@@ -49,20 +49,20 @@ def mask_ratios(mu: int, gamma: float) -> list[float]:
 
 
 def packed_seed(tag: bytes, *ints: int) -> int:
-    """The estimator's seeds: the top 63 bits of blake2b over a tag and int64-packed ints (mask_seed checks them)."""
-    data = tag + struct.pack(f"<{len(ints)}q", *ints)  # a fixed byte layout, the same in every process and version
+    """The estimator's seeds: the top 63 bits of blake2b over a tag and int64-packed ints."""
+    data = tag + struct.pack(f"<{len(ints)}q", *ints)  # the same bytes in every process
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
 def mask_seed(seed: int, step: int, seq_index: int, j: int) -> int:
-    """Seed S_j of a sequence's mask in iteration j of `step` from its GLOBAL index (the paper's controlled seed)."""
+    """Seed S_j of a sequence's mask in iteration j of `step` from its GLOBAL index (the controlled seed)."""
     assert all(type(v) is int and 0 <= v < 2**63 for v in (seed, step, seq_index, j)), f"{seed, step, seq_index, j = }"
     return packed_seed(b"maskgrpo/mask", seed, step, seq_index, j)
 
 
 def reverse_mask(completion_mask: torch.Tensor, ratios, seeds, mode: str = "arlike", prompt_len=None) -> torch.Tensor:
     """Rev(o, t, S) (REVERSING[mode]): bool (B, N), True = masked, within completion_mask; one ratio, seed (and
-    prompt length, for "arlike_official") per row, whose own CPU generator makes it depend on them and N alone."""
+    prompt length) per row: its own CPU generator makes it depend on them and N alone."""
     assert mode in REVERSING and completion_mask.dtype == torch.bool and completion_mask.dim() == 2, f"{mode=}"
     assert len(ratios) == len(seeds) == len(completion_mask) and all(0 <= t <= 1 for t in ratios), f"{ratios=} {seeds=}"
     mask = torch.zeros(completion_mask.shape, dtype=torch.bool)  # (B, N)
@@ -72,10 +72,10 @@ def reverse_mask(completion_mask: torch.Tensor, ratios, seeds, mode: str = "arli
     return mask.to(completion_mask.device) & completion_mask  # (B, N)
 
 
-# Reversing operators Rev(o, t, S): the window tokens masked, given one seeded uniform u_n per token (u: (N,)).
+# Reversing operators Rev(o, t, S): the tokens masked, given a seeded uniform per token (u: (N,)).
 REVERSING = {"arlike": lambda u, t, P: u >= _arlike_keep(len(u), t),  # Alg. 1: late tokens first
              "random": lambda u, t, P: u < t,  # Alg. 2: each with probability t
-             "arlike_official": lambda u, t, P: u >= _arlike_official_keep(P, len(u), t)}  # as the official code runs
+             "arlike_official": lambda u, t, P: u >= _arlike_official_keep(P, len(u), t)}  # the official code
 MODES = tuple(REVERSING)  # --text_reversing
 
 
@@ -86,7 +86,7 @@ def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
     return (d * (1.0 - ratio) * N / d.sum()).clamp(max=1.0)  # (N,); N = 1 keeps with prob 1 - r
 
 
-# --- the other estimators (default off): the official AR-like masks, UniGRPO, d1, the exact trajectory
+# --- the other estimators: the official AR-like masks, UniGRPO, d1, the exact trajectory
 
 def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
     # The official trainer takes the prompt length to be 1 (docs/differences.md): the ramp spans [prompt | window]
@@ -97,12 +97,12 @@ def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
 
 
 def official_completion_ratio(P: int, N: int, ratio: float) -> float:
-    """Expected masked fraction of an N-token window behind a P-token prompt under "arlike_official" at `ratio`."""
+    """Expected masked fraction of an N-token window behind a P-token prompt under "arlike_official"."""
     return float((1.0 - _arlike_official_keep(P, N, ratio)).mean())
 
 
 def completion_mask_until_eos(window_tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """bool (B, N): True up to and including each row's first EOS, all True without one (d1's loss mask)."""
+    """bool (B, N): True up to and including each row's first EOS (d1's loss mask)."""
     is_eos = window_tokens == eos_id  # (B, N)
     return (is_eos.long().cumsum(1) - is_eos.long()) == 0  # no EOS strictly before this position
 
@@ -116,7 +116,7 @@ def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float
 
 
 def unigrpo_views(batch, order, cfg, *, step, seq_index, mask_id, **_) -> Views:
-    """UniGRPO (MMaDA, arXiv:2505.15809): K = mu random-reversing views at UniGRPO's ratios, one per update."""
+    """UniGRPO (arXiv:2505.15809): mu random-reversing views at its ratios, one per update."""
     window = torch.ones(batch.x.shape[0], batch.window, dtype=torch.bool, device=batch.x.device)  # (B, N)
     masks, _ = build_masks(batch.prompt_mask, window, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
                            seq_index=seq_index, mu=cfg.mu, estimator="unigrpo",
@@ -127,9 +127,8 @@ def unigrpo_views(batch, order, cfg, *, step, seq_index, mask_id, **_) -> Views:
 def d1_views(batch, order, cfg, *, image, step, seq_index, eos_id, mask_id, **_) -> Views:
     """d1 (arXiv:2504.12216): view j = d1_masks' j, scoring text up to its first EOS, every image slot."""
     x, P, N = batch.x, batch.prompt_len, batch.window
-    scored = torch.ones(x.shape[0], N, dtype=torch.bool, device=x.device)  # (B, N)
-    if not image:
-        scored = completion_mask_until_eos(x[:, P:P + N], eos_id)
+    window = x[:, P:P + N]  # (B, N)
+    scored = torch.ones_like(window, dtype=torch.bool) if image else completion_mask_until_eos(window, eos_id)
     ins, loss_masks = d1_masks(batch.prompt_mask, scored, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
                                seq_index=seq_index, mu=cfg.mu, p_mask_prompt=cfg.p_mask_prompt,
                                suffix_len=x.shape[1] - P - N)  # (mu, B, L) each
@@ -181,7 +180,7 @@ def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: 
 def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int,
                 seq_index, mu: int, gamma: float = 0.6, estimator: str = "maskgrpo", mode: str = "arlike",
                 p_mask_prompt: float = 0.15, suffix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A mask estimator's mu (input mask, loss mask) pairs, bool (mu, B, L) each, from explicit settings."""
+    """A mask estimator's mu (input mask, loss mask) pairs, bool (mu, B, L) each."""
     assert estimator in MASK_ESTIMATORS and mode in MODES, f"{estimator=} in {MASK_ESTIMATORS}, {mode=} in {MODES}"
     assert mu >= 1 and prompt_mask.dtype == completion_mask.dtype == torch.bool, f"{mu=} >= 1; bool (B, P), (B, N)"
     idx = [int(i) for i in seq_index]
@@ -196,7 +195,7 @@ def build_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, see
     (B, P), N = prompt_mask.shape, completion_mask.shape[1]
     prompt_len = prompt_mask.sum(1).tolist()  # [B] each row's real prompt length (arlike_official's P)
     masks = torch.zeros(mu, B, P + N + suffix_len, dtype=torch.bool, device=completion_mask.device)  # (mu, B, L)
-    for j, r in enumerate(ratios):  # o^t_j ~ Rev(o, r, S_j) within completion_mask, never the prompt (paper §3)
+    for j, r in enumerate(ratios):  # o^t_j ~ Rev(o, r, S_j), never the prompt (§3)
         seeds = [mask_seed(seed, step, i, j) for i in idx]
         masks[j, :, P:P + N] = reverse_mask(completion_mask, r, seeds, mode, prompt_len=prompt_len)  # (B, N)
     return masks, masks.clone()
@@ -208,11 +207,11 @@ READ_BY = (("gamma_text", ("maskgrpo",)), ("gamma_image", ("maskgrpo",)), ("text
 
 
 def ignored_settings(cfg, defaults) -> list[str]:
-    """The flags set away from their default that cfg.estimator does not read (validation warns about them)."""
+    """The flags set away from their default that cfg.estimator does not read."""
     return [k for k, users in READ_BY if cfg.estimator not in users and getattr(cfg, k) != getattr(defaults, k)]
 
 
-# --- log-probs: the estimator's terms, and the exact decoding log-likelihood they approximate
+# --- log-probs: the estimator's terms and the exact decoding log-likelihood
 
 def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, *,
                    attention_mask=None, vocab_slice: tuple[int, int] | None = None, device_batch_size: int = 0):
@@ -221,7 +220,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     assert input_ids.shape == targets.shape == positions.shape and positions.dtype == torch.bool, "(B, L), bool"
     assert device_batch_size >= 0, f"{device_batch_size=} >= 0"
     (B, L), (lo, hi) = input_ids.shape, vocab_slice or (0, None)
-    out = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # unscored positions stay exactly 0
+    out = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # unscored: exactly 0
     # one host read per call: each row's first and last scored column, and whether it is padded
     cols = torch.arange(L, device=positions.device)
     first, last = torch.where(positions, cols, L).min(1).values, torch.where(positions, cols, -1).max(1).values
@@ -229,9 +228,9 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     first, last, padded = torch.stack([first, last, pad.long()]).tolist()
     outside = torch.zeros((), dtype=torch.bool, device=input_ids.device)  # a scored target outside [lo, hi)
     for rows in chunks(B, device_batch_size):
-        # The head over the scored columns only (all without logits_at): (b, L, V) logits would fill memory at 8B.
-        win = slice(min(first[rows], default=L), max(last[rows], default=-1) + 1)  # empty when none is scored
-        am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name for it
+        # the head over the scored columns only: (b, L, V) logits would fill memory at 8B
+        win = slice(min(first[rows], default=L), max(last[rows], default=-1) + 1)  # empty if none
+        am = () if attention_mask is None else (attention_mask[rows],)  # positional: any model's name
         if getattr(model, "accepts_cache_kwargs", False):
             # float32 head: bf16 rounds a logit by up to 0.06; an update moves log pi by ~1e-3 (Eq. 9)
             logits = model(input_ids[rows], *am, logits_at=win, vocab_slice=vocab_slice, float32_head=True,
@@ -258,9 +257,8 @@ def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple
 
 def draw_states(num_states: int, k: int, mu: int, *, seed: int, step: int,
                 seq_index) -> tuple[torch.Tensor, list[list[int]]]:
-    """(states (U, B): view u's state per row, U = min(mu K, T); updates: mu lists of K views). Update j takes
-    positions jK .. jK+K-1 of each row's seeded permutation of its T states, cyclically: each update a uniform
-    K-subset (unbiased), together mu K distinct states. K >= T: all, in order."""
+    """(states (U, B), U = min(mu K, T); updates: mu lists of K views): update j takes positions jK .. jK+K-1 of
+    each row's seeded permutation of its T states, cyclically, a uniform K-subset (unbiased). K >= T: all."""
     assert k >= 1 and mu >= 1 and num_states >= 1, f"{k=}, {mu=}, {num_states=} must be >= 1"
     T, K = num_states, min(k, num_states)
     perms = [torch.arange(T) if K == T else torch.randperm(T, generator=torch.Generator().manual_seed(

@@ -20,15 +20,15 @@ from infra import scale
 
 REMASKING = ("low_confidence", "random")
 IMAGE_SAMPLERS = ("emerge", "maskgit")
-KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a cached step recomputes
+KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a step recomputes
 MIN_HEAD_ROWS = 32  # the head's least number of rows (FullRows.head)
 CHUNK = 1 << 24  # elements per draw when uniform walks a row's stream: 128 MB in float64 at most
 
 
-# --- random numbers: a seed per purpose and global index, the same in any batch, process or world size
+# --- random numbers: a seed per purpose and global index
 
 def derive_seed(*parts) -> int:
-    """A 63-bit seed from (run seed, purpose, step, ...): blake2b of repr(parts), the same in every process."""
+    """A 63-bit seed from (run seed, purpose, step, ...): blake2b of repr(parts)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
@@ -39,7 +39,7 @@ def generator(device, *parts) -> torch.Generator:
 
 
 def chunks(n: int, size: int) -> list[slice]:
-    """Slices of `size` rows (device_batch_size; 0: all n rows) for the forward passes over n rows."""
+    """Slices of `size` rows (device_batch_size; 0: all n) for the forward passes over n rows."""
     size = size or n
     return [slice(s, s + size) for s in range(0, n, size)]
 
@@ -68,9 +68,8 @@ def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=No
 
 
 def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=None) -> torch.Tensor:
-    """U[0, 1) draws of `shape` on the generator's device, moved to `device`. generator: one, or one per row.
-    active: with per-row generators, the rows that draw (the others get 0.5). cols: a slice of dim 1, the
-    columns returned; the others are drawn too, in chunks from column 0, as the full draw (FullRows.noise)."""
+    """U[0, 1) draws of `shape` on the generator's device (one, or one per row), moved to `device`. active: the
+    rows that draw (others get 0.5). cols: the columns of dim 1 returned, all drawn as the full draw would."""
     if generator is None:
         raise ValueError("this call samples at random but generator is None; pass e.g. generator="
                          "torch.Generator().manual_seed(0) (a CPU generator gives the same samples on every device)")
@@ -100,9 +99,9 @@ def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=Non
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
              remasking="low_confidence", mask_id, generator=None, attention_mask=None, return_order=False,
              progress=False):
-    """LLaDA's sampler (arXiv:2502.09992 §2.4): prompt_ids (B, P) left-padded -> x (B, P + N) [, order (B, P + N):
-    the step that revealed each position, -1 the prompt]. Blocks left to right, steps // blocks steps each,
-    each revealing transfer_schedule's count. cfg_scale w: CFG (arXiv:2410.18514) against the prompt masked."""
+    """LLaDA's sampler (arXiv:2502.09992 §2.4): prompt_ids (B, P) left-padded -> x (B, P + N) [, order: the step
+    that revealed each position, -1 the prompt]. Blocks left to right, steps // blocks steps each revealing
+    transfer_schedule's count. cfg_scale w: CFG (arXiv:2410.18514) against the prompt masked."""
     num_blocks, spb = blocks(gen_length, block_length, steps, remasking)
     x, order, attention_mask, prompt_index, fwd = canvas(prompt_ids, gen_length, mask_id, attention_mask,
                                                          cfg_scale, return_order)
@@ -158,7 +157,7 @@ def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, tempera
             if not any(left):  # the threshold finished this block early
                 break
             xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
-            if kv is None:  # a full forward (at a block start, it stores every layer's keys and values)
+            if kv is None:  # a full forward (at a block start it stores the keys and values)
                 logits, kv = _forward(model, xx, attention_mask, start, end, return_kv=True, **fwd) \
                     if kv_cache != "none" else (_forward(model, xx, attention_mask, start, end, **fwd), None)
             else:
@@ -169,7 +168,7 @@ def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, tempera
                 cond, uncond = logits.chunk(2)
                 logits = uncond + (cfg_scale + 1) * (cond - uncond)  # (B, K, V)
             logits[..., mask_id] = -math.inf
-            k = [(n + spb - i - 1) // (spb - i) for n in left]  # the fixed schedule when nothing extra was revealed
+            k = [(n + spb - i - 1) // (spb - i) for n in left]  # the fixed schedule if nothing extra
             active = [n > 0 for n in left]
             revealed, conf = denoise_step(x, order, blk * spb + i, logits, start, end, torch.tensor(k, device=x.device),
                                           sorted(set(k)), temperature=temperature, remasking=remasking,
@@ -213,8 +212,7 @@ def blocks(gen_length, block_length, steps, remasking):
 
 
 def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_order):
-    """The text sampler's start: x (B, P + N) = prompt then N mask ids, order all -1 (or None), the attention
-    mask over x (doubled for CFG), the prompt positions (CFG masks them), and whether the mask pads (read once)."""
+    """The text sampler's start: x = prompt + N mask ids, order, the mask over x (2B for CFG), prompt, padded."""
     B = prompt_ids.shape[0]
     x = torch.cat([prompt_ids.long(), prompt_ids.new_full((B, gen_length), mask_id).long()], 1)  # (B, L)
     order = torch.full_like(x, -1) if return_order else None  # (B, L)
@@ -243,8 +241,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, u=None) -> torch.Ten
 
 
 def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
-    """Logits (B, end - lo, V) at positions [lo, end), the head on those rows only (FullRows.head) if the
-    model takes logits_at; vocab_slice (a, b): those vocabulary columns only. return_kv=True adds the cache."""
+    """Logits (B, end - lo, V) at [lo, end), the head on those rows only (FullRows.head) if the model takes
+    logits_at; vocab_slice (a, b): those columns only. return_kv=True adds the cache."""
     if not getattr(model, "accepts_cache_kwargs", False):
         logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
         assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
@@ -257,7 +255,7 @@ def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
 
 
 class FastSampler:
-    """RL rollouts' text sampler under --kv_cache / --threshold: fast_generate, its statistics kept for take_log."""
+    """RL rollouts' text sampler under --kv_cache / --threshold: fast_generate, keeping statistics."""
 
     def __init__(self, kv_cache: str, threshold: float):
         self.kv_cache, self.threshold, self.stats = kv_cache, threshold, {}
@@ -267,10 +265,9 @@ class FastSampler:
                              **kw)
 
     def take_log(self, device) -> dict:
-        """Since the last call, over all ranks: tokens revealed per step and row (mean, max) and their mean
-        probability under the sampling distribution (what Fast-dLLM thresholds); then reset."""
+        """Tokens revealed per step and row (mean, max), and their mean probability, since the last call."""
         stats, self.stats = self.stats, {}
-        for revealed, conf, active in stats.pop("steps", []):  # each fast step's (B, K) tensors, read here
+        for revealed, conf, active in stats.pop("steps", []):  # each step's (B, K) tensors
             committed = revealed[torch.tensor(active, device=revealed.device)].sum(1)  # per active row
             for k, v in (("row_steps", committed.numel()), ("tokens", int(committed.sum())),
                          ("conf_sum", float(conf[revealed].double().sum()))):
@@ -306,8 +303,7 @@ class FullRows:
         (B, L), device = self.x.shape, self.x.device
         if self.active is None:
             return uniform((B, L, *tail), self.generator, device, dtype, cols=self.cols)
-        return uniform((B, self.cols.stop - self.cols.start, *tail), self.generator, device, dtype,
-                       active=self.active)
+        return uniform((B, self.cols.stop - self.cols.start, *tail), self.generator, device, dtype, active=self.active)
 
     def top_k(self, conf: torch.Tensor, k: torch.Tensor, distinct=None) -> torch.Tensor:
         """bool (B, end - lo): select_top_k of conf (B, end - lo) as a whole row of -inf outside."""
@@ -317,9 +313,8 @@ class FullRows:
 
 
 def select_top_k(confidence: torch.Tensor, counts: torch.Tensor, distinct=None) -> torch.Tensor:
-    """bool (B, L): row j marks what torch.topk(confidence[j], counts[j]) returns, as LLaDA's per-row loop,
-    ties included (CPU topk breaks them in no fixed order; bf16 confidences near 1 tie often), with one
-    batched topk per distinct count (given by the caller, else read: a host sync)."""
+    """bool (B, L): row j marks torch.topk(confidence[j], counts[j]) as LLaDA's per-row loop, ties included
+    (bf16 confidences near 1 tie often), with one batched topk per distinct count (None: read, a host sync)."""
     select = torch.zeros_like(confidence, dtype=torch.bool)  # (B, L)
     for k in (counts.unique().tolist() if distinct is None else distinct):
         top = torch.zeros_like(select).scatter_(1, torch.topk(confidence, k, dim=-1).indices, True)  # (B, L)
@@ -350,7 +345,7 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
     assert cfg_scale == 0 or (uncond_input_ids is not None and uncond_input_ids.shape == input_ids.shape), \
         "cfg_scale > 0 needs uncond_input_ids in the layout of input_ids"
     codes = (code_offset, code_offset + codebook_size)  # the head's rows of the image codes
-    # whether any mask the model sees holds padding: read once, not at every step (a host sync each)
+    # whether any mask the model sees pads: read once, not at every step
     masks = [m for m in (attention_mask, uncond_attention_mask if cfg_scale else None) if m is not None]
     padded = any(not bool(m.all()) for m in masks) if masks else None
     x = input_ids.clone()  # (B, L)
@@ -370,23 +365,21 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
 
 
 def emerge_step(probs, slots, s, steps, generator, code_offset, mask_id):
-    """Step s of T of MaskGRPO's emerge sampler (Alg. 4), MDLM ancestral sampling with kappa(u) = cos(pi u / 2):
-    probs (B, n, C) float64, slots (B, n) -> the new slots. A masked slot is revealed with probability
-    (kappa_t - kappa_s) / kappa_t, taking a code drawn from p, then frozen; the last step reveals every slot."""
+    """Step s of T of MaskGRPO's emerge sampler (Alg. 4): probs (B, n, C), slots (B, n) -> new slots. A masked
+    slot is revealed with probability (kappa_t - kappa_s) / kappa_t, a code drawn from p; the last step reveals all."""
     masked = slots == mask_id  # (B, n)
     code = torch.where(masked, _sample_categorical(probs, generator), slots - code_offset)  # (B, n)
     if s == steps - 1:
         return code + code_offset
-    # Alg. 4's (C+1)-way categorical, drawn as "reveal?" and the code apart (the same distribution).
+    # Alg. 4's (C+1)-way categorical, drawn as "reveal?" and the code apart.
     k_t, k_s = _cosine(s / steps), _cosine((s + 1) / steps)
     stay = masked & (uniform(masked.shape, generator, slots.device) >= (k_t - k_s) / k_t)  # (B, n)
     return torch.where(stay, mask_id, code + code_offset)
 
 
 def maskgit_step(probs, slots, s, steps, temperature, generator, code_offset, mask_id):
-    """Step s of T of MaskGIT as MMaDA's t2i_generate runs it: probs (B, n, C) float64, slots (B, n) -> the
-    new slots. Every unknown slot is sampled from p, then the floor(n cos(pi/2 (s+1)/T)) least confident
-    (log p(code) plus Gumbel noise at the choice temperature) are masked again; the last step keeps all."""
+    """Step s of T of MaskGIT as MMaDA's t2i_generate runs it: probs (B, n, C), slots (B, n) -> new slots. Every
+    unknown slot is drawn from p, then the floor(n kappa_s) least confident (log p + Gumbel) are masked again."""
     masked = slots == mask_id  # (B, n)
     code = torch.where(masked, _sample_categorical(probs, generator), slots - code_offset)  # (B, n)
     if s == steps - 1:
@@ -397,7 +390,7 @@ def maskgit_step(probs, slots, s, steps, temperature, generator, code_offset, ma
     if tau > 0:
         logp = logp + tau * -torch.log(-torch.log(uniform(masked.shape, generator, slots.device)))
     conf = torch.where(masked, logp, math.inf)  # known slots are never re-masked
-    # clamped to [1, unknown - 1] as MMaDA, exactly that many by stable rank (its "< cutoff" re-masks fewer on ties)
+    # clamped to [1, unknown - 1] as MMaDA; exactly that many by stable rank (MMaDA's re-masks fewer on ties)
     n = slots.shape[1]
     num_remask = (masked.sum(1) - 1).clamp(max=math.floor(n * _cosine((s + 1) / steps))).clamp(min=1)
     stay = conf.argsort(dim=-1, stable=True).argsort(dim=-1) < num_remask[:, None]  # (B, n)
@@ -409,15 +402,15 @@ def _cosine(u: float) -> float:  # masked fraction at time u in [0, 1]: kappa(u)
 
 
 def _sample_categorical(probs, generator):
-    """One draw per row of probs (..., C) float64 by inverse CDF: (...,) int64. One uniform per draw (Gumbel
-    would need C); float64 sums keep the bins exact to ~1e-16, and scaling u by the total keeps it inside."""
+    """One draw per row of probs (..., C) float64 by inverse CDF: (...,) int64, one uniform per draw (Gumbel
+    needs C); float64 sums keep the bins exact to ~1e-16, and u scaled by the total stays inside."""
     cdf = probs.cumsum(-1)  # (..., C)
     u = uniform(probs.shape[:-1], generator, probs.device) * cdf[..., -1]  # (...,)
     return torch.searchsorted(cdf, u[..., None], right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask, cfg_scale, padded=None):
-    """float64 p (B, n, C) over the codebook at the slots, CFG'd if cfg_scale > 0. padded: None = the model looks."""
+    """float64 p (B, n, C) over the codebook at the slots, with CFG if cfg_scale > 0."""
     kw = {} if padded is None else {"padded": padded}
     if cfg_scale == 0:
         logits = _forward(model, x, attention_mask, span.start, span.stop, vocab_slice=codes, **kw)  # (B, n, C)
@@ -436,6 +429,5 @@ def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask,
 if __name__ == "__main__":  # the sampling library; the command line is tools/sample.py
     import shlex
     import sys
-
     sys.exit("sample.py is the sampling library, not a command; to sample from a checkpoint run: "
              + shlex.join(["python", "-m", "tools.sample", *sys.argv[1:]]))
