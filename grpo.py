@@ -32,21 +32,21 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, m
     assert {t.shape for t in (logp, logp_old, mask, logp_ref) if t is not None} == {adv.shape + mask.shape[1:]}, "(B,N)"
     total = (mask.sum() if norm == "token" else mask.any(-1).sum()).float().clamp(min=1) if total is None else total
     m, A, zero = mask.float(), adv.to(logp.dtype).unsqueeze(1), torch.zeros_like(logp)  # (B, N), (B, 1), (B, N)
-    # The importance ratio of Eqs. 9-10, per token; log-ratio 0 where unscored (exp(huge) * 0 would be NaN).
+    # Eqs. 9-10's ratio per token; log-ratio 0 where unscored (exp(huge) * 0 would be NaN).
     ratio = torch.exp(torch.where(mask, logp - logp_old.detach(), zero))  # (B, N)
-    # Clipped surrogate -min(r A, clip(r, 1-eps, 1+eps) A): a token on the clipped branch gets zero gradient.
+    # Clipped surrogate -min(r A, clip(r, 1-eps, 1+eps) A): the clipped branch gets zero gradient.
     per_token = -torch.minimum(ratio * A, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * A)  # (B, N)
-    # k3 estimator of KL(pi_theta || pi_ref) (Schulman): exp(d) - d - 1, d = logp_ref - logp, >= 0, 0 at d = 0.
+    # k3 estimate of KL(pi_theta || pi_ref) (Schulman): exp(d) - d - 1 >= 0, d = logp_ref - logp.
     d = zero if logp_ref is None else torch.where(mask, logp_ref.detach() - logp, zero)  # (B, N)
     kl = torch.exp(d) - d - 1.0  # (B, N)
     per_token = per_token + beta * kl if beta > 0 else per_token
     # "token": every scored token of the batch weighs the same (the official code; DAPO, arXiv:2503.14476);
-    # "sequence": Eq. 11's A_i / |o_i|, |o_i| the tokens scored in this update; a sequence without any adds 0.
+    # "sequence": Eq. 11's A_i / |o_i|, |o_i| the tokens this update scores; a sequence without any adds 0.
     S = (per_token * m).sum() if norm == "token" else ((per_token * m).sum(1) / m.sum(1).clamp(min=1.0)).sum()
     loss = S / total
     with torch.no_grad():  # 0-d float64 tensors on the device: no host sync per chunk
         clipped = ((A > 0) & (ratio > 1.0 + clip_eps)) | ((A < 0) & (ratio < 1.0 - clip_eps))  # (B, N)
-        top = torch.where(mask.any(), ratio.masked_fill(~mask, -math.inf).max(), 1.0)  # 1.0: neutral if none scored
+        top = torch.where(mask.any(), ratio.masked_fill(~mask, -math.inf).max(), 1.0)  # neutral if none scored
         sums = {k: v.double() for k, v in (("loss", loss.detach()), ("tokens", m.sum()),
                                            ("clipped", (clipped.float() * m).sum()), ("kl", (kl * m).sum()),
                                            ("ratio", (ratio * m).sum()), ("ratio_max", top))}

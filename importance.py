@@ -2,9 +2,9 @@
 
 A masked diffusion model's sequence likelihood is intractable, so GRPO's pi_theta(o) / pi_old(o) is estimated:
 inner iteration j re-masks the completion with a seeded reversing operator o^t ~ Rev(o, t_j, S_j) and scores
-pi_theta, pi_old and pi_ref on that same input. VIEWS[cfg.estimator] builds one task's views (the inputs and
-the positions each scores), token_logprobs scores them; "trajectory" and decoding_logprob score the exact l_pi(o).
-Shapes: B sequences, P prompt, N window, S suffix (<|eoi|> for images), L = P + N + S. See docs/differences.md.
+pi_theta, pi_old and pi_ref on that same input. VIEWS[cfg.estimator] builds one task's views (inputs, the
+positions each scores), token_logprobs scores them; "trajectory" and decoding_logprob score the exact l_pi(o).
+Shapes: B sequences, P prompt, N window, S suffix (<|eoi|>), L = P + N + S. See docs/differences.md.
 """
 import hashlib
 import math
@@ -30,8 +30,8 @@ class Views(NamedTuple):
 
 
 def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -> Views:
-    """Step 4 (Alg. 5): view j = o^t_j ~ Rev(o, t_j, S_j) (text: Alg. 1 or --text_reversing; images: Alg. 2) scored
-    by update j. seq_index: each row's GLOBAL index. Every VIEWS function also takes eos_id and all_max."""
+    """Step 4 (Alg. 5): view j = o^t_j ~ Rev(o, t_j, S_j) (text: Alg. 1 or --text_reversing; images: Alg. 2) for
+    update j. seq_index: each row's GLOBAL index. Every VIEWS function also takes eos_id and all_max."""
     mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
     (B, L), P, N, seed = batch.x.shape, batch.prompt_len, batch.window, derive_seed(cfg.seed, "masks", batch.task)
     prompt_len, window = batch.prompt_mask.sum(1).tolist(), torch.ones(B, N, dtype=torch.bool)
@@ -89,8 +89,8 @@ def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
 # --- the other estimators: the official AR-like masks, UniGRPO, d1, the exact trajectory
 
 def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
-    # The official trainer takes the prompt length to be 1 (docs/differences.md): the ramp spans [prompt | window]
-    # and the never-masked prompt uses up its high-keep start, so the window's masked share grows with P.
+    # The official trainer takes the prompt length to be 1 (docs/differences.md): the ramp spans the prompt too,
+    # which uses up its high-keep start, so the window's masked share grows with P.
     assert P is not None and P >= 0, f"arlike_official masks need prompt_len, each row's prompt length >= 0: got {P}"
     head = min(P, 1)  # the official prompt length: 1 (0 only if there were no prompt at all)
     return _arlike_keep(P + N - head, ratio)[P - head:]  # (N,)
@@ -108,7 +108,7 @@ def completion_mask_until_eos(window_tokens: torch.Tensor, eos_id: int) -> torch
 
 
 def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float]:
-    # UniGRPO (MMaDA, arXiv:2505.15809): t_1 = floor(r_1 T), r_1 ~ U(0,1) per sequence, then mu timesteps
+    # UniGRPO (arXiv:2505.15809): t_1 = floor(r_1 T), r_1 ~ U(0,1) per sequence, then mu timesteps
     # evenly spaced from t_1 to T.
     g = torch.Generator().manual_seed(packed_seed(b"maskgrpo/unigrpo-t1", seed, step, seq_index))
     t1 = math.floor(torch.rand((), generator=g, dtype=torch.float64).item() * UNIGRPO_T)
@@ -137,7 +137,7 @@ def d1_views(batch, order, cfg, *, image, step, seq_index, eos_id, mask_id, **_)
 
 def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_max, **_) -> Views:
     """The exact decoding path: the T sampler states (trajectory_masks) where any rank revealed a token, each
-    scoring what it revealed, all in every update; --trajectory_states=K: K per update (draw_states)."""
+    scoring what it revealed, all in every update; --trajectory_states=K: K per update."""
     x, B = batch.x, batch.x.shape[0]
     in_masks, loss_masks = trajectory_masks(order, cfg.image_steps if image else cfg.steps)
     keep = all_max(loss_masks.flatten(1).any(1).to(x.device, torch.float32)).bool().cpu()
@@ -215,8 +215,8 @@ def ignored_settings(cfg, defaults) -> list[str]:
 
 def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, *,
                    attention_mask=None, vocab_slice: tuple[int, int] | None = None, device_batch_size: int = 0):
-    """float32 (B, L): log pi(targets | input_ids) at `positions`, exactly 0 elsewhere; vocab_slice=(lo, hi): targets
-    - lo over the columns [lo, hi) only (image codes). No 1/t ELBO weight (official code)."""
+    """float32 (B, L): log pi(targets | input_ids) at `positions`, 0 elsewhere; vocab_slice=(lo, hi): targets - lo
+    over the columns [lo, hi) only (image codes). No 1/t ELBO weight (official code)."""
     assert input_ids.shape == targets.shape == positions.shape and positions.dtype == torch.bool, "(B, L), bool"
     assert device_batch_size >= 0, f"{device_batch_size=} >= 0"
     (B, L), (lo, hi) = input_ids.shape, vocab_slice or (0, None)
@@ -240,7 +240,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
             logits = model(input_ids[rows], *am)[..., lo:hi].float()
         pos, t, width = positions[rows, win], targets[rows, win] - lo, logits.shape[-1]  # (b, l) each
         outside = outside | (((t < 0) | (t >= width)) & pos).any()
-        # unscored targets outside [lo, hi) (a prompt token): clamped, then dropped with zero gradient
+        # unscored targets outside [lo, hi) (prompt tokens): clamped, then dropped (zero gradient)
         lp = F.log_softmax(logits, dim=-1).gather(-1, t.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)  # (b, l)
         out[rows, win] = lp.masked_fill(~pos, 0.0)
     assert not bool(outside), f"targets outside the vocabulary [{lo}, {hi if hi is not None else 'V'})"
@@ -248,8 +248,8 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
 
 
 def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input mask x^(s): revealed at s or later, loss mask: revealed at s), bool (T, B, L) each, per sampler
-    step s < T (num_steps; default: the last + 1). order: (B, L), the step that revealed each, -1 the prompt."""
+    """(input mask x^(s): revealed at s or later, loss mask: revealed at s), bool (T, B, L) each, per step
+    s < T (num_steps; default: the last + 1). order: (B, L), the step that revealed each, -1 the prompt."""
     assert not order.is_floating_point() and bool((order >= -1).all()), "order: integer (B, L), -1 = never masked"
     steps = torch.arange(int(order.max()) + 1 if num_steps is None else num_steps, device=order.device)
     return order >= steps[:, None, None], order == steps[:, None, None]  # (T, B, L) each

@@ -22,7 +22,7 @@ REMASKING = ("low_confidence", "random")
 IMAGE_SAMPLERS = ("emerge", "maskgit")
 KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a step recomputes
 MIN_HEAD_ROWS = 32  # the head's least number of rows (FullRows.head)
-CHUNK = 1 << 24  # elements per draw when uniform walks a row's stream: 128 MB in float64 at most
+CHUNK = 1 << 24  # elements per draw as uniform walks a row's stream (128 MB in float64)
 
 
 # --- random numbers: a seed per purpose and global index
@@ -46,7 +46,7 @@ def chunks(n: int, size: int) -> list[slice]:
 
 @torch.no_grad()
 def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=None):
-    """Step 1: (prompts with samples in their windows, the step that revealed each position (B, L), -1 the prompt)."""
+    """Step 1: (prompts with samples in their windows, order (B, L): the step that revealed each, -1 the prompt)."""
     cfg, ids, out = ctx.cfg, ctx.ids, []
     with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout
         for rows in chunks(len(gens), cfg.device_batch_size):
@@ -93,7 +93,7 @@ def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=Non
     return out
 
 
-# --- text: LLaDA's semi-autoregressive sampler, exact and under Fast-dLLM's approximations
+# --- text: LLaDA's semi-autoregressive sampler, exact and under Fast-dLLM
 
 @torch.no_grad()
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
@@ -109,12 +109,12 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     bar = tqdm(total=spb * num_blocks, desc="denoising", disable=not progress, leave=False)
     for blk in range(num_blocks):
         end = P + (blk + 1) * block_length
-        # Host reads once per block rather than per step (each waits for the device): the counts.
+        # the counts: host reads once per block, not per step (each waits for the device)
         counts = transfer_schedule((x[:, end - block_length:end] == mask_id).sum(1), spb)  # (B, spb)
         distinct = [sorted(set(c)) for c in counts.T.tolist()]  # [spb] each step's counts
         for i in range(spb):
-            # A predicted mask id stays masked and competes again, even past its block (as LLaDA), so the
-            # step chooses among the positions from the first masked one up to the block end.
+            # A predicted mask id stays masked and competes again, even past its block (as LLaDA): the step
+            # chooses among the positions from the first masked one to the block end.
             any_masked = (x[:, :end] == mask_id).any(0)  # (end,)
             lo = int(torch.where(any_masked, torch.arange(end, device=x.device), end).min())  # the step's one read
             xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
@@ -184,7 +184,7 @@ def denoise_step(x, order, s, logits, lo, end, k, distinct=None, *, temperature,
                  active=None, threshold=0.0):
     """Step s on x's columns [lo, end), in place, from their logits (B, l, V): row j reveals the k[j] masked
     positions most confident in their Gumbel-max prediction (p(x0), or uniform for "random"), and any above
-    threshold > 0. active: the fast step's rows still decoding. Returns (revealed, confidences) (B, l)."""
+    threshold > 0. active: the fast step's rows still decoding. Returns (revealed, conf) (B, l)."""
     m = x[:, lo:end] == mask_id  # (B, l)
     rows = FullRows(x, lo, end, generator, active)  # LLaDA bit parity
     x0 = gumbel_argmax(logits, temperature, rows.noise(logits.shape[-1]) if temperature > 0 else None)  # (B, l)
@@ -225,8 +225,8 @@ def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_or
 
 
 def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
-    """Tokens to reveal at each step: num_masked (B,) -> (B, steps), rows summing to num_masked. LLaDA Eq. (8):
-    c tokens over s steps get c // s each, the remainder one apiece to the earliest steps."""
+    """Tokens to reveal at each step: num_masked (B,) -> (B, steps). LLaDA Eq. (8): c tokens over s steps get
+    c // s each, the remainder one apiece to the earliest steps."""
     i = torch.arange(steps, device=num_masked.device)  # (S,)
     c = num_masked.long()[:, None]  # (B, 1)
     return c // steps + (i[None, :] < c % steps).long()  # (B, S)
@@ -286,8 +286,8 @@ class FullRows:
     """LLaDA bit parity; a first reading may skip it. LLaDA scores whole rows (B, L), the samplers a step's
     columns [lo, end); this gives each number its whole-row value. head: [lo, end) widened to MIN_HEAD_ROWS
     rows over the batch (a GEMM of few rows may take another BLAS kernel and flip a near-tie). noise: each
-    row's uniforms drawn over its whole row, independent of lo and the batch mates (the fast step's active
-    rows draw [lo, end) alone). top_k: over whole rows, -inf outside, as CPU topk's tie order depends on it."""
+    row's uniforms drawn over its whole row, independent of lo and the batch (the fast step's active rows
+    draw [lo, end) alone). top_k: over whole rows, -inf outside (CPU topk's tie order depends on the row)."""
 
     def __init__(self, x, lo, end, generator=None, active=None):
         self.x, self.cols, self.generator, self.active = x, slice(lo, end), generator, active
@@ -322,7 +322,7 @@ def select_top_k(confidence: torch.Tensor, counts: torch.Tensor, distinct=None) 
     return select
 
 
-# --- images: emerge (MaskGRPO Alg. 4) and MaskGIT (MMaDA t2i_generate)
+# --- images: emerge (MaskGRPO Alg. 4) and MaskGIT (MMaDA)
 
 @torch.no_grad()
 def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler="emerge", cfg_scale=0.0,

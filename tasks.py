@@ -65,7 +65,7 @@ def token_ids(tok: Tokenizer) -> TokenIds:
 
 
 def model_config_overrides(tok: Tokenizer) -> dict:
-    """The vocabulary fields of model.ModelConfig: `ModelConfig(d_model=..., **model_config_overrides(tok))`."""
+    """The vocabulary fields of model.ModelConfig: `ModelConfig(..., **model_config_overrides(tok))`."""
     s = token_ids(tok)
     return dict(vocab_size=s.vocab_size, mask_token_id=s.mask, eos_token_id=s.eos, pad_token_id=s.pad,
                 bos_token_id=s.bos, image_token_offset=s.image_token_offset, codebook_size=s.codebook_size)
@@ -84,7 +84,7 @@ def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -
 
 
 def encode_chat(tok: Tokenizer, example: dict, cfg) -> list[int]:
-    """A benchmark prompt in LLaDA's chat template, cut from the left to --max_prompt_len as the official code."""
+    """A benchmark prompt in LLaDA's chat template, left-cut to --max_prompt_len as the official code."""
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     text = chat_prompt(system + [{"role": "user", "content": example["prompt"]}]) + cfg.prompt_prefill
     return tok.encode(text, add_special_tokens=False).ids[-cfg.max_prompt_len:]
@@ -117,7 +117,7 @@ class Task:
     modality: str  # "text" or "image": the sampler, the reversing operator, the scored vocabulary
     reward: dict  # {name: verifier(completion, example) -> [0, 1]}; {}: the remote image scorer
     picked_by: str = ""  # the setting naming the verifier; "": the only one
-    example: object = None  # toy: example(rng, cfg, split, noise) -> a fresh example; None: read --train_data
+    example: object = None  # toy: example(rng, cfg, split, noise) -> an example; None: read --train_data
 
 
 TASKS = {
@@ -125,7 +125,7 @@ TASKS = {
                  example=lambda rng, cfg, split, noise: make_text_example(rng, split, noise, max_steps=cfg.text_max_steps)),
     "image": Task("image", {"grid": rewards.image_reward},
                   example=lambda rng, cfg, split, noise: make_image_example(rng, split, noise, width=cfg.image_width)),
-    # benchmarks: correctness ("none"), and the official runs' shaped reward where they had one ("official")
+    # benchmarks: correctness ("none"), and the official runs' shaped reward if any ("official")
     **{name: Task("text", {"none": rewards.REWARDS[name], **({"official": rewards.SHAPED[name]}
                                                             if name in rewards.SHAPED else {})}, "reward_shaping")
        for name in ("gsm8k", "math", "mbpp", "countdown", "sudoku")},
@@ -170,8 +170,8 @@ class Batch:
     uncond: torch.Tensor | None = None  # (B, L) unconditional prompt for CFG (image)
     uncond_mask: torch.Tensor | None = None  # (B, L)
     examples: list | None = None
-    index: list | None = None  # each row's index in the global batch (seeds its randomness); None = 0..B-1
-    vocab_slice: tuple | None = None  # (lo, hi): image positions are scored over the code columns only (MMaDA)
+    index: list | None = None  # each row's global index (seeds its randomness); None = 0..B-1
+    vocab_slice: tuple | None = None  # (lo, hi): image positions scored over the code columns only (MMaDA)
 
     @property
     def prompt_mask(self):  # (B, P) real prompt tokens (never masked by the MaskGRPO estimator)
@@ -204,7 +204,7 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
 
 
 def attends_padding(cfg, task: str) -> bool:
-    """--attend_padding for a task: "auto" is on for geneval only, as MMaDA's checkpoints saw their [iPAD] padding."""
+    """--attend_padding for a task: "auto" is on for geneval only (MMaDA's checkpoints saw [iPAD] padding)."""
     return cfg.attend_padding == "on" or (cfg.attend_padding == "auto" and task == "geneval")
 
 
@@ -228,7 +228,7 @@ def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 
 
 
 def decode_window(b: Batch, tok, ids) -> list:
-    """Completion text (text tasks) or image codes (image tasks) per row."""
+    """Completion text or image codes per row."""
     w = b.x[:, b.window_slice].tolist()
     if b.task not in IMAGE_TASKS:
         return [tok.decode(row, skip_special_tokens=True) for row in w]
@@ -268,7 +268,7 @@ class Ctx:
 
 
 def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
-    """Step `step`'s prompts, one Batch per task, each G times: this rank's rows, with their global index (seeds)."""
+    """Step `step`'s prompts, one Batch per task, each G times: this rank's rows with their global index."""
     cfg, out = ctx.cfg, []
     for task in task_list(cfg):
         exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]
