@@ -102,7 +102,7 @@ def official_completion_ratio(P: int, N: int, ratio: float) -> float:
 
 
 def completion_mask_until_eos(window_tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """bool (B, N): True up to and including each row's first EOS (d1's loss mask)."""
+    """bool (B, N): True up to and including each row's first EOS, all True without one."""
     is_eos = window_tokens == eos_id  # (B, N)
     return (is_eos.long().cumsum(1) - is_eos.long()) == 0  # no EOS strictly before this position
 
