@@ -1,15 +1,10 @@
 """Reverse-process samplers for masked diffusion models: text (LLaDA) and images (MMaDA / MaskGRPO).
 
-MaskGRPO (arXiv:2510.02880) rolls out with these samplers:
-  generate        LLaDA's block sampler (arXiv:2502.09992 and its public generate.py, token for token at
-                  temperature 0); fast_generate runs its denoise_step under Fast-dLLM's approximations.
-  generate_image  the image slots of an MMaDA sequence `... <|soi|> n slots <|eoi|>`, with optional CFG:
-                  MaskGRPO's emerge sampler (paper Alg. 4, emerge_step) or MMaDA's MaskGIT (maskgit_step).
-Both can return the decoding order, from which importance.py rebuilds every state. Every random number
-comes from the `generator` argument (one, or one per row) on its own device, so a CPU generator gives the
-same samples on every device. The callers validate the settings; the samplers assert their preconditions.
-
-    python -m tools.sample --ckpt /path/to/LLaDA-8B-Instruct --prompt "What is 7 * 8?" --prompt_format=chat
+generate is LLaDA's block sampler (arXiv:2502.09992, token for token at temperature 0); fast_generate runs
+its denoise_step under Fast-dLLM's approximations. generate_image fills MMaDA's image slots with MaskGRPO's
+emerge sampler (Alg. 4) or MMaDA's MaskGIT, with optional CFG. Both can return the decoding order, from
+which importance.py rebuilds every state. Every random number comes from the `generator` argument (one, or
+one per row) on its own device. The callers validate the settings; the samplers assert their preconditions.
 
 Shapes: B batch, P prompt, N gen_length, L sequence (P + N for text), V vocabulary, n image slots, C codes.
 """
@@ -25,17 +20,15 @@ from infra import scale
 
 REMASKING = ("low_confidence", "random")
 IMAGE_SAMPLERS = ("emerge", "maskgit")
-KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a cached step recomputes
+KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a step recomputes
 MIN_HEAD_ROWS = 32  # the head's least number of rows (FullRows.head)
-CHUNK = 1 << 24  # elements per draw when uniform walks a row's stream: 128 MB in float64 at most
+CHUNK = 1 << 24  # elements per draw as uniform walks a row's stream (128 MB in float64)
 
 
-# -----------------------------------------------------------------------------------------------------
-# random numbers: a seed per purpose and global index, the same in any batch, process or world size
-
+# --- random numbers: a seed per purpose and global index
 
 def derive_seed(*parts) -> int:
-    """A 63-bit seed from (run seed, purpose, step, ...): blake2b of repr(parts), the same in every process."""
+    """A 63-bit seed from (run seed, purpose, step, ...): blake2b of repr(parts)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
@@ -46,14 +39,14 @@ def generator(device, *parts) -> torch.Generator:
 
 
 def chunks(n: int, size: int) -> list[slice]:
-    """Slices of `size` rows (device_batch_size; 0: all n rows) for the forward passes over n rows."""
+    """Slices of `size` rows (device_batch_size; 0: all n) for the forward passes over n rows."""
     size = size or n
     return [slice(s, s + size) for s in range(0, n, size)]
 
 
 @torch.no_grad()
 def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=None):
-    """Step 1: (prompts with samples in their windows, the step that revealed each position (B, L), -1 the prompt)."""
+    """Step 1: (prompts with samples in their windows, order (B, L): the step that revealed each, -1 the prompt)."""
     cfg, ids, out = ctx.cfg, ctx.ids, []
     with scale.full_weights(model):  # FSDP2 gathers the weights once for the whole rollout
         for rows in chunks(len(gens), cfg.device_batch_size):
@@ -73,10 +66,10 @@ def rollout(model, prompts, ctx, gens: list, temperature: float, text_sampler=No
             out.append((x, order))
     return dataclasses.replace(prompts, x=torch.cat([x for x, _ in out])), torch.cat([o for _, o in out])
 
+
 def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=None) -> torch.Tensor:
-    """U[0, 1) draws of `shape` on the generator's device, moved to `device`. generator: one, or one per row.
-    active: with per-row generators, the rows that draw (the others get 0.5). cols: a slice of dim 1, the
-    columns returned; the others are drawn too, in chunks from column 0, as the full draw (FullRows.noise)."""
+    """U[0, 1) draws of `shape` on the generator's device (one, or one per row), moved to `device`. active: the
+    rows that draw (others get 0.5). cols: the columns of dim 1 returned, all drawn as the full draw would."""
     if generator is None:
         raise ValueError("this call samples at random but generator is None; pass e.g. generator="
                          "torch.Generator().manual_seed(0) (a CPU generator gives the same samples on every device)")
@@ -87,31 +80,28 @@ def uniform(shape, generator, device, dtype=torch.float64, active=None, cols=Non
         return torch.rand(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
     lo, hi = (0, shape[1]) if cols is None else (cols.start, cols.stop)
     out = torch.empty((shape[0], hi - lo, *shape[2:]), dtype=dtype, device=device)
-    step = max(1, CHUNK // max(1, math.prod(shape[2:])))                         # columns per draw
+    step = max(1, CHUNK // max(1, math.prod(shape[2:])))  # columns per draw
     for i, g in enumerate(rows or [generator] * shape[0]):
         if rows is not None and active is not None and not active[i]:
             out[i] = 0.5
             continue
         for c in range(0, shape[1], step):
             draw = torch.rand((min(step, shape[1] - c), *shape[2:]), generator=g, device=g.device, dtype=dtype)
-            a, b = max(lo, c), min(hi, c + step)                                 # the kept columns of this draw
+            a, b = max(lo, c), min(hi, c + step)  # the kept columns of this draw
             if a < b:
                 out[i, a - lo:b - lo] = draw[a - c:b - c]
     return out
 
 
-# -----------------------------------------------------------------------------------------------------
-# text: LLaDA's semi-autoregressive sampler, exact and under Fast-dLLM's approximations
-
+# --- text: LLaDA's semi-autoregressive sampler, exact and under Fast-dLLM
 
 @torch.no_grad()
 def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
              remasking="low_confidence", mask_id, generator=None, attention_mask=None, return_order=False,
              progress=False):
-    """LLaDA's sampler (arXiv:2502.09992 §2.4): prompt_ids (B, P), left-padded, attention_mask (B, P) 1 = real
-    token (optional) -> x (B, P + N) [, order (B, P + N): the step that revealed each position, -1 for the
-    prompt; the state before step s masks order >= s]. Blocks left to right, steps // blocks steps each, each
-    revealing the transfer_schedule count. cfg_scale w: CFG (arXiv:2410.18514) against the prompt masked. Eval mode."""
+    """LLaDA's sampler (arXiv:2502.09992 §2.4): prompt_ids (B, P) left-padded -> x (B, P + N) [, order: the step
+    that revealed each position, -1 the prompt]. Blocks left to right, steps // blocks steps each revealing
+    transfer_schedule's count. cfg_scale w: CFG (arXiv:2410.18514) against the prompt masked."""
     num_blocks, spb = blocks(gen_length, block_length, steps, remasking)
     x, order, attention_mask, prompt_index, fwd = canvas(prompt_ids, gen_length, mask_id, attention_mask,
                                                          cfg_scale, return_order)
@@ -119,19 +109,19 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     bar = tqdm(total=spb * num_blocks, desc="denoising", disable=not progress, leave=False)
     for blk in range(num_blocks):
         end = P + (blk + 1) * block_length
-        # Host reads once per block rather than per step (each waits for the device): the counts.
+        # the counts: host reads once per block, not per step (each waits for the device)
         counts = transfer_schedule((x[:, end - block_length:end] == mask_id).sum(1), spb)  # (B, spb)
-        distinct = [sorted(set(c)) for c in counts.T.tolist()]                     # [spb] each step's counts
+        distinct = [sorted(set(c)) for c in counts.T.tolist()]  # [spb] each step's counts
         for i in range(spb):
-            # A predicted mask id stays masked and competes again, even past its block (as LLaDA), so the
-            # step chooses among the positions from the first masked one up to the block end.
-            any_masked = (x[:, :end] == mask_id).any(0)                            # (end,)
+            # A predicted mask id stays masked and competes again, even past its block (as LLaDA): the step
+            # chooses among the positions from the first masked one to the block end.
+            any_masked = (x[:, :end] == mask_id).any(0)  # (end,)
             lo = int(torch.where(any_masked, torch.arange(end, device=x.device), end).min())  # the step's one read
             xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
-            logits = _forward(model, xx, attention_mask, lo, end, **fwd)          # (B or 2B, l, V)
+            logits = _forward(model, xx, attention_mask, lo, end, **fwd)  # (B or 2B, l, V)
             if cfg_scale:  # l_u + (w + 1)(l_c - l_u), in this order so that bf16 rounds as LLaDA
                 cond, uncond = logits.chunk(2)
-                logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, l, V)
+                logits = uncond + (cfg_scale + 1) * (cond - uncond)  # (B, l, V)
             denoise_step(x, order, blk * spb + i, logits, lo, end, counts[:, i], distinct[i],
                          temperature=temperature, remasking=remasking, mask_id=mask_id, generator=generator)
             bar.update()
@@ -143,12 +133,9 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
 def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
                   remasking="low_confidence", mask_id, generator=None, attention_mask=None, kv_cache="none",
                   threshold=0.0, return_order=False, progress=False, stats=None):
-    """generate under Fast-dLLM (arXiv:2505.22618), or generate itself with neither approximation. kv_cache
-    "prefix"/"dual" caches every layer's keys and values at a block start; later steps recompute the block and
-    what follows it (prefix) or the block alone (dual). threshold tau > 0 also reveals every masked position
-    above tau, at least ceil(masked left / steps left), so a block may end early. Only the block is scored,
-    the mask id is never revealed, and a done row draws no noise. MaskGRPO rescores every rollout, so only
-    the behaviour policy is approximate. stats: a dict for fast_summary."""
+    """generate under Fast-dLLM (arXiv:2505.22618): kv_cache caches keys and values at a block start, then
+    recomputes the block and what follows it ("prefix") or the block alone ("dual"); threshold tau > 0 also
+    reveals every masked position above tau. MaskGRPO rescores every rollout. stats: FastSampler's dict."""
     if kv_cache == "none" and threshold <= 0:
         return generate(model, prompt_ids, gen_length=gen_length, block_length=block_length, steps=steps,
                         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, mask_id=mask_id,
@@ -166,11 +153,11 @@ def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, tempera
         start, end = P + blk * block_length, P + (blk + 1) * block_length
         kv = None
         for i in range(spb):
-            left = (x[:, start:end] == mask_id).sum(1).tolist()                   # the step's one host read
+            left = (x[:, start:end] == mask_id).sum(1).tolist()  # the step's one host read
             if not any(left):  # the threshold finished this block early
                 break
             xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
-            if kv is None:  # a full forward (at a block start, it stores every layer's keys and values)
+            if kv is None:  # a full forward (at a block start it stores the keys and values)
                 logits, kv = _forward(model, xx, attention_mask, start, end, return_kv=True, **fwd) \
                     if kv_cache != "none" else (_forward(model, xx, attention_mask, start, end, **fwd), None)
             else:
@@ -179,9 +166,9 @@ def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, tempera
                                **fwd)
             if cfg_scale:  # as generate
                 cond, uncond = logits.chunk(2)
-                logits = uncond + (cfg_scale + 1) * (cond - uncond)               # (B, K, V)
+                logits = uncond + (cfg_scale + 1) * (cond - uncond)  # (B, K, V)
             logits[..., mask_id] = -math.inf
-            k = [(n + spb - i - 1) // (spb - i) for n in left]  # the fixed schedule when nothing extra was revealed
+            k = [(n + spb - i - 1) // (spb - i) for n in left]  # the fixed schedule if nothing extra
             active = [n > 0 for n in left]
             revealed, conf = denoise_step(x, order, blk * spb + i, logits, start, end, torch.tensor(k, device=x.device),
                                           sorted(set(k)), temperature=temperature, remasking=remasking,
@@ -195,21 +182,20 @@ def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, tempera
 
 def denoise_step(x, order, s, logits, lo, end, k, distinct=None, *, temperature, remasking, mask_id, generator,
                  active=None, threshold=0.0):
-    """Step s on the columns [lo, end) of x (B, L), in place, given the logits (B, l, V) there: each masked
-    position gets a prediction x0 (Gumbel-max) and a confidence, p(x0) or a uniform draw ("random"); row j
-    reveals its k[j] most confident (distinct: k's values), and every one above threshold > 0; order records
-    s. active: the fast step's rows still decoding. Returns the revealed positions and confidences (B, l)."""
-    m = x[:, lo:end] == mask_id                                                    # (B, l)
-    rows = FullRows(x, lo, end, generator, active)                                 # LLaDA bit parity
+    """Step s on x's columns [lo, end), in place, from their logits (B, l, V): row j reveals the k[j] masked
+    positions most confident in their Gumbel-max prediction (p(x0), or uniform for "random"), and any above
+    threshold > 0. active: the fast step's rows still decoding. Returns (revealed, conf) (B, l)."""
+    m = x[:, lo:end] == mask_id  # (B, l)
+    rows = FullRows(x, lo, end, generator, active)  # LLaDA bit parity
     x0 = gumbel_argmax(logits, temperature, rows.noise(logits.shape[-1]) if temperature > 0 else None)  # (B, l)
     if remasking == "low_confidence":  # in the logits' dtype, as LLaDA (float32 breaks bf16 ties)
-        conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)   # (B, l)
+        conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # (B, l)
     else:
-        conf = rows.noise(dtype=torch.float32)                                     # (B, l)
-    revealed = rows.top_k(torch.where(m, conf, -math.inf), k, distinct) & m        # (B, l)
+        conf = rows.noise(dtype=torch.float32)  # (B, l)
+    revealed = rows.top_k(torch.where(m, conf, -math.inf), k, distinct) & m  # (B, l)
     if threshold > 0:
         revealed |= m & (conf > threshold)
-    new = torch.where(revealed, x0, x[:, lo:end])                                  # (B, l)
+    new = torch.where(revealed, x0, x[:, lo:end])  # (B, l)
     if order is not None:
         order[:, lo:end] = torch.where(m & (new != mask_id), s, order[:, lo:end])
     x[:, lo:end] = new
@@ -226,45 +212,42 @@ def blocks(gen_length, block_length, steps, remasking):
 
 
 def canvas(prompt_ids, gen_length, mask_id, attention_mask, cfg_scale, return_order):
-    """The text sampler's start: x (B, P + N) = prompt then N mask ids, order all -1 (or None), the attention
-    mask over x (doubled for CFG), the prompt positions (CFG masks them), and whether the mask pads (read once)."""
+    """The text sampler's start: x = prompt + N mask ids, order, the mask over x (2B for CFG), prompt, padded."""
     B = prompt_ids.shape[0]
     x = torch.cat([prompt_ids.long(), prompt_ids.new_full((B, gen_length), mask_id).long()], 1)  # (B, L)
-    order = torch.full_like(x, -1) if return_order else None                      # (B, L)
+    order = torch.full_like(x, -1) if return_order else None  # (B, L)
     if attention_mask is not None:
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, gen_length)], 1)  # (B, L)
         if cfg_scale:
-            attention_mask = attention_mask.repeat(2, 1)                           # (2B, L)
+            attention_mask = attention_mask.repeat(2, 1)  # (2B, L)
     fwd = {} if attention_mask is None else {"padded": not bool(attention_mask.all())}
     return x, order, attention_mask, x != mask_id, fwd
 
 
 def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
-    """Tokens to reveal at each step: num_masked (B,) -> (B, steps), rows summing to num_masked. LLaDA Eq. (8):
-    c tokens over s steps get c // s each, the remainder one apiece to the earliest steps."""
-    assert steps >= 1, f"steps ({steps}) must be >= 1"
-    i = torch.arange(steps, device=num_masked.device)                              # (S,)
-    c = num_masked.long()[:, None]                                                 # (B, 1)
-    return c // steps + (i[None, :] < c % steps).long()                            # (B, S)
+    """Tokens to reveal at each step: num_masked (B,) -> (B, steps). LLaDA Eq. (8): c tokens over s steps get
+    c // s each, the remainder one apiece to the earliest steps."""
+    i = torch.arange(steps, device=num_masked.device)  # (S,)
+    c = num_masked.long()[:, None]  # (B, 1)
+    return c // steps + (i[None, :] < c % steps).long()  # (B, S)
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float, u=None) -> torch.Tensor:
-    """A sample of softmax(logits / temperature), (..., V) -> (...), from float64 uniforms u of the logits'
-    shape; argmax at temperature 0. LLaDA's form exp(l) / (-log u)^tau, so the same uniforms pick the same
-    tokens; float64, as float32 truncates the Gumbel tail and lowers the temperature (arXiv:2409.02908)."""
+    """A sample of softmax(logits / temperature) (..., V) -> (...) from uniforms u, LLaDA's exp(l) / (-log u)^tau;
+    float64, as float32 truncates the Gumbel tail and lowers the temperature (arXiv:2409.02908)."""
     if temperature == 0:
         return logits.argmax(-1)
     return (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
 
 
 def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
-    """Logits (B, end - lo, V) at positions [lo, end), the head on those rows only (FullRows.head) if the
-    model takes logits_at; vocab_slice (a, b): those vocabulary columns only. return_kv=True adds the cache."""
+    """Logits (B, end - lo, V) at [lo, end), the head on those rows only (FullRows.head) if the model takes
+    logits_at; vocab_slice (a, b): those columns only. return_kv=True adds the cache."""
     if not getattr(model, "accepts_cache_kwargs", False):
         logits = model(x) if attention_mask is None else model(x, attention_mask=attention_mask)
         assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
         return logits[:, lo:end] if vocab_slice is None else logits[:, lo:end, vocab_slice[0]:vocab_slice[1]]
-    head = FullRows(x, lo, end).head()                                             # [a, b) holds [lo, end)
+    head = FullRows(x, lo, end).head()  # [a, b) holds [lo, end)
     kw = kw if vocab_slice is None else {**kw, "vocab_slice": vocab_slice}
     out = model(x, attention_mask, logits_at=head, **kw)
     a = head.start
@@ -272,7 +255,7 @@ def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
 
 
 class FastSampler:
-    """RL rollouts' text sampler under --kv_cache / --threshold: fast_generate, its statistics kept for take_log."""
+    """RL rollouts' text sampler under --kv_cache / --threshold: fast_generate, keeping statistics."""
 
     def __init__(self, kv_cache: str, threshold: float):
         self.kv_cache, self.threshold, self.stats = kv_cache, threshold, {}
@@ -282,42 +265,29 @@ class FastSampler:
                              **kw)
 
     def take_log(self, device) -> dict:
-        """fast_summary of the statistics since the last call, over all ranks (task "text"); then reset."""
-        log, self.stats = fast_summary("text", self.stats, device), {}
-        return log
+        """Tokens revealed per step and row (mean, max), and their mean probability, since the last call."""
+        stats, self.stats = self.stats, {}
+        for revealed, conf, active in stats.pop("steps", []):  # each step's (B, K) tensors
+            committed = revealed[torch.tensor(active, device=revealed.device)].sum(1)  # per active row
+            for k, v in (("row_steps", committed.numel()), ("tokens", int(committed.sum())),
+                         ("conf_sum", float(conf[revealed].double().sum()))):
+                stats[k] = stats.get(k, 0) + v
+            stats["max"] = max(stats.get("max", 0), int(committed.max()) if committed.numel() else 0)
+        sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
+                                          dtype=torch.float64, device=device)).tolist()
+        top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()
+        return {"text/committed_per_step": sums[1] / max(sums[0], 1), "text/committed_per_step_max": top,
+                "text/committed_conf": sums[2] / max(sums[1], 1)}
 
 
-def fast_summary(task: str, stats: dict | None, device) -> dict:
-    """Log entries of one RL step's fast rollouts, over all ranks: tokens revealed per step and row (mean, max)
-    and their mean probability under the sampling distribution (what Fast-dLLM thresholds). {} without stats."""
-    if stats is None:
-        return {}
-    for revealed, conf, active in stats.pop("steps", []):  # each fast step's (B, K) tensors, read here
-        committed = revealed[torch.tensor(active, device=revealed.device)].sum(1)  # per active row
-        for k, v in (("row_steps", committed.numel()), ("tokens", int(committed.sum())),
-                     ("conf_sum", float(conf[revealed].double().sum()))):
-            stats[k] = stats.get(k, 0) + v
-        stats["max"] = max(stats.get("max", 0), int(committed.max()) if committed.numel() else 0)
-    sums = scale.all_sum(torch.tensor([stats.get(k, 0) for k in ("row_steps", "tokens", "conf_sum")],
-                                      dtype=torch.float64, device=device)).tolist()
-    top = scale.all_max(torch.tensor([float(stats.get("max", 0))], dtype=torch.float64, device=device)).item()
-    return {f"{task}/committed_per_step": sums[1] / max(sums[0], 1), f"{task}/committed_per_step_max": top,
-            f"{task}/committed_conf": sums[2] / max(sums[1], 1)}
-
-
-# -----------------------------------------------------------------------------------------------------
-# LLaDA bit parity
-
+# --- LLaDA bit parity
 
 class FullRows:
-    """LLaDA bit parity; a first reading may skip it. LLaDA computes each step over whole rows (B, L); the
-    samplers compute only the columns [lo, end) a step chooses among, and this gives each number its
-    whole-row value:
-      head   [lo, end) widened to MIN_HEAD_ROWS head rows over the batch: a GEMM of a few rows may take
-             another BLAS kernel (other rounding), which can flip a near-tie;
-      noise  each row's uniforms drawn over its whole row and kept on [lo, end), independent of lo and of
-             the batch mates; the fast step (active: its rows still decoding) draws [lo, end) alone;
-      top_k  topk over whole rows, -inf outside [lo, end): CPU topk's tie order depends on the row."""
+    """LLaDA bit parity; a first reading may skip it. LLaDA scores whole rows (B, L), the samplers a step's
+    columns [lo, end); this gives each number its whole-row value. head: [lo, end) widened to MIN_HEAD_ROWS
+    rows over the batch (a GEMM of few rows may take another BLAS kernel and flip a near-tie). noise: each
+    row's uniforms drawn over its whole row, independent of lo and the batch (the fast step's active rows
+    draw [lo, end) alone). top_k: over whole rows, -inf outside (CPU topk's tie order depends on the row)."""
 
     def __init__(self, x, lo, end, generator=None, active=None):
         self.x, self.cols, self.generator, self.active = x, slice(lo, end), generator, active
@@ -333,41 +303,35 @@ class FullRows:
         (B, L), device = self.x.shape, self.x.device
         if self.active is None:
             return uniform((B, L, *tail), self.generator, device, dtype, cols=self.cols)
-        return uniform((B, self.cols.stop - self.cols.start, *tail), self.generator, device, dtype,
-                       active=self.active)
+        return uniform((B, self.cols.stop - self.cols.start, *tail), self.generator, device, dtype, active=self.active)
 
     def top_k(self, conf: torch.Tensor, k: torch.Tensor, distinct=None) -> torch.Tensor:
         """bool (B, end - lo): select_top_k of conf (B, end - lo) as a whole row of -inf outside."""
-        full = conf.new_full(self.x.shape, -math.inf)                              # (B, L)
+        full = conf.new_full(self.x.shape, -math.inf)  # (B, L)
         full[:, self.cols] = conf
         return select_top_k(full, k, distinct)[:, self.cols]
 
 
 def select_top_k(confidence: torch.Tensor, counts: torch.Tensor, distinct=None) -> torch.Tensor:
-    """bool (B, L): row j marks what torch.topk(confidence[j], counts[j]) returns, as LLaDA's per-row loop,
-    ties included (CPU topk breaks them in no fixed order; bf16 confidences near 1 tie often), with one
-    batched topk per distinct count (given by the caller, else read: a host sync)."""
-    select = torch.zeros_like(confidence, dtype=torch.bool)                        # (B, L)
+    """bool (B, L): row j marks torch.topk(confidence[j], counts[j]) as LLaDA's per-row loop, ties included
+    (bf16 confidences near 1 tie often), with one batched topk per distinct count (None: read, a host sync)."""
+    select = torch.zeros_like(confidence, dtype=torch.bool)  # (B, L)
     for k in (counts.unique().tolist() if distinct is None else distinct):
         top = torch.zeros_like(select).scatter_(1, torch.topk(confidence, k, dim=-1).indices, True)  # (B, L)
         select |= top & (counts == k)[:, None]
     return select
 
 
-# -----------------------------------------------------------------------------------------------------
-# images: emerge (MaskGRPO Alg. 4) and MaskGIT (MMaDA t2i_generate)
-
+# --- images: emerge (MaskGRPO Alg. 4) and MaskGIT (MMaDA)
 
 @torch.no_grad()
 def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler="emerge", cfg_scale=0.0,
                    uncond_input_ids=None, generator=None, attention_mask=None, uncond_attention_mask=None,
                    temperature=1.0, code_offset=None, codebook_size=None, mask_id=None, return_order=False,
                    progress=False):
-    """Fill the image slots input_ids[:, image_start : image_start + num_tokens] (all mask ids) with image
-    tokens (code + code_offset) [, order as generate's]: each step predicts p over the codebook at the slots
-    for emerge_step or maskgit_step. uncond_*: CFG's unconditional prompt, around the current image.
-    temperature: MaskGIT's; emerge samples from p itself (docs/differences.md). code_offset, codebook_size,
-    mask_id default to model.config's."""
+    """Fill the image slots input_ids[:, image_start:][:, :num_tokens] with image tokens [, order as generate's]
+    by emerge_step or maskgit_step. uncond_*: CFG's unconditional prompt. temperature: MaskGIT's (emerge samples
+    from p itself: docs/differences.md). code_offset, codebook_size, mask_id default to model.config's."""
     config = getattr(model, "config", None)
     code_offset = getattr(config, "image_token_offset", None) if code_offset is None else code_offset
     codebook_size = getattr(config, "codebook_size", None) if codebook_size is None else codebook_size
@@ -381,15 +345,15 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
     assert cfg_scale == 0 or (uncond_input_ids is not None and uncond_input_ids.shape == input_ids.shape), \
         "cfg_scale > 0 needs uncond_input_ids in the layout of input_ids"
     codes = (code_offset, code_offset + codebook_size)  # the head's rows of the image codes
-    # whether any mask the model sees holds padding: read once, not at every step (a host sync each)
+    # whether any mask the model sees pads: read once, not at every step
     masks = [m for m in (attention_mask, uncond_attention_mask if cfg_scale else None) if m is not None]
     padded = any(not bool(m.all()) for m in masks) if masks else None
-    x = input_ids.clone()                                                          # (B, L)
-    order = torch.full_like(x, -1) if return_order else None                      # (B, L)
+    x = input_ids.clone()  # (B, L)
+    order = torch.full_like(x, -1) if return_order else None  # (B, L)
     for s in tqdm(range(steps), desc="image steps", disable=not progress, leave=False):
         probs = _image_probs(model, x, span, codes, attention_mask, uncond_input_ids, uncond_attention_mask,
-                             cfg_scale, padded)                                    # (B, n, C)
-        slots = x[:, span]                                                         # (B, n)
+                             cfg_scale, padded)  # (B, n, C)
+        slots = x[:, span]  # (B, n)
         if sampler == "emerge":
             new = emerge_step(probs, slots, s, steps, generator, code_offset, mask_id)  # (B, n)
         else:
@@ -401,36 +365,32 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
 
 
 def emerge_step(probs, slots, s, steps, generator, code_offset, mask_id):
-    """Step s of T of MaskGRPO's emerge sampler (Alg. 4), MDLM ancestral sampling with kappa(u) = cos(pi u / 2):
-    probs (B, n, C) float64, slots (B, n) -> the new slots. A masked slot is revealed with probability
-    (kappa_t - kappa_s) / kappa_t, taking a code drawn from p, then frozen; the last step reveals every slot."""
-    masked = slots == mask_id                                                      # (B, n)
+    """Step s of T of MaskGRPO's emerge sampler (Alg. 4): probs (B, n, C), slots (B, n) -> new slots. A masked
+    slot is revealed with probability (kappa_t - kappa_s) / kappa_t, a code drawn from p; the last step reveals all."""
+    masked = slots == mask_id  # (B, n)
     code = torch.where(masked, _sample_categorical(probs, generator), slots - code_offset)  # (B, n)
     if s == steps - 1:
         return code + code_offset
-    # Alg. 4's (C+1)-way categorical, drawn as "reveal?" and the code apart (the same distribution).
+    # Alg. 4's (C+1)-way categorical, drawn as "reveal?" and the code apart.
     k_t, k_s = _cosine(s / steps), _cosine((s + 1) / steps)
     stay = masked & (uniform(masked.shape, generator, slots.device) >= (k_t - k_s) / k_t)  # (B, n)
     return torch.where(stay, mask_id, code + code_offset)
 
 
 def maskgit_step(probs, slots, s, steps, temperature, generator, code_offset, mask_id):
-    """Step s of T of MaskGIT as MMaDA's t2i_generate runs it: probs (B, n, C) float64, slots (B, n) -> the
-    new slots. Every unknown slot is sampled from p, then the floor(n cos(pi/2 (s+1)/T)) least confident
-    (log p(code) plus Gumbel noise at the choice temperature) are masked again; the last step keeps all."""
-    masked = slots == mask_id                                                      # (B, n)
+    """Step s of T of MaskGIT as MMaDA's t2i_generate runs it: probs (B, n, C), slots (B, n) -> new slots. Every
+    unknown slot is drawn from p, then the floor(n kappa_s) least confident (log p + Gumbel) are masked again."""
+    masked = slots == mask_id  # (B, n)
     code = torch.where(masked, _sample_categorical(probs, generator), slots - code_offset)  # (B, n)
     if s == steps - 1:
         return code + code_offset
-    logp = probs.gather(-1, code[..., None]).squeeze(-1).log()                     # (B, n); p > 0
-    # Annealed choice temperature tau (1 - (s+1)/T), canonical MaskGIT; MMaDA's compounds across
-    # steps (docs/differences.md). float64 Gumbel (arXiv:2409.02908).
+    logp = probs.gather(-1, code[..., None]).squeeze(-1).log()  # (B, n); p > 0
+    # canonical MaskGIT's annealed choice temperature (MMaDA's compounds: docs/differences.md); float64 Gumbel
     tau = temperature * (1 - (s + 1) / steps)
     if tau > 0:
         logp = logp + tau * -torch.log(-torch.log(uniform(masked.shape, generator, slots.device)))
     conf = torch.where(masked, logp, math.inf)  # known slots are never re-masked
-    # Clamped to [1, unknown - 1] (MMaDA's clamp); exactly that many by stable rank (MMaDA's "< cutoff"
-    # re-masks fewer on exact ties).
+    # clamped to [1, unknown - 1] as MMaDA; exactly that many by stable rank (MMaDA's re-masks fewer on ties)
     n = slots.shape[1]
     num_remask = (masked.sum(1) - 1).clamp(max=math.floor(n * _cosine((s + 1) / steps))).clamp(min=1)
     stay = conf.argsort(dim=-1, stable=True).argsort(dim=-1) < num_remask[:, None]  # (B, n)
@@ -442,16 +402,15 @@ def _cosine(u: float) -> float:  # masked fraction at time u in [0, 1]: kappa(u)
 
 
 def _sample_categorical(probs, generator):
-    """One draw per row of probs (..., C) float64 by inverse CDF: (...,) int64. One uniform per draw (Gumbel
-    would need C); float64 sums keep the bins exact to ~1e-16, and scaling u by the total keeps it inside."""
-    cdf = probs.cumsum(-1)                                                         # (..., C)
-    u = uniform(probs.shape[:-1], generator, probs.device) * cdf[..., -1]         # (...,)
+    """One draw per row of probs (..., C) float64 by inverse CDF: (...,) int64, one uniform per draw (Gumbel
+    needs C); float64 sums keep the bins exact to ~1e-16, and u scaled by the total stays inside."""
+    cdf = probs.cumsum(-1)  # (..., C)
+    u = uniform(probs.shape[:-1], generator, probs.device) * cdf[..., -1]  # (...,)
     return torch.searchsorted(cdf, u[..., None], right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask, cfg_scale, padded=None):
-    """float64 probabilities (B, n, C) over the codebook at the image slots, with CFG when cfg_scale > 0.
-    padded: whether the masks hold a 0 (None: the model looks)."""
+    """float64 p (B, n, C) over the codebook at the slots, with CFG if cfg_scale > 0."""
     kw = {} if padded is None else {"padded": padded}
     if cfg_scale == 0:
         logits = _forward(model, x, attention_mask, span.start, span.stop, vocab_slice=codes, **kw)  # (B, n, C)
@@ -470,6 +429,5 @@ def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask,
 if __name__ == "__main__":  # the sampling library; the command line is tools/sample.py
     import shlex
     import sys
-
     sys.exit("sample.py is the sampling library, not a command; to sample from a checkpoint run: "
              + shlex.join(["python", "-m", "tools.sample", *sys.argv[1:]]))

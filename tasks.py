@@ -1,7 +1,6 @@
-"""The tasks (TASKS: modality, prompts, verifiers), the batches they become, and the RL step's prompts,
-rollouts and rewards on them. A batch lays out [prompt | window | suffix] in the LLaDA (arXiv:2502.09992) and
-MMaDA (arXiv:2505.15809) formats; the window is what the model generates (text, or the image slots). The toy
-data is infra/toy.py, the verifiers rewards.py, benchmark files infra/data.py.
+"""The tasks (TASKS: modality, prompts, verifiers), the batches they become ([prompt | window | suffix] in the
+LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809) formats, the window generated), and the RL step's prompts
+and rewards. The toy data is infra/toy.py, the verifiers rewards.py, benchmark files infra/data.py.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from infra import scale
 from sample import derive_seed
 from infra.toy import BOS, CODEBOOK_SIZE, EOI, EOS, IPAD, MASK, SOI, T2I, make_image_example, make_text_example
 
-TOY_CAPTION_LEN = 11  # --image_text_len=0: the toy's longest t2i text part, <|t2i|> BOS caption EOS (image_text_len)
+TOY_CAPTION_LEN = 11  # --image_text_len=0: the toy's longest <|t2i|> BOS caption EOS (image_text_len)
 
 
 def task_list(cfg) -> list[str]:
@@ -24,31 +23,29 @@ def task_list(cfg) -> list[str]:
 
 
 def sft_tasks(cfg) -> tuple[str, ...]:
-    """The toy tasks the SFT stage trains: those the run asks for (a text-only run spends no SFT on images)."""
+    """The toy tasks the SFT stage trains: those the run asks for."""
     return tuple(t for t in TOY_TASKS if t in task_list(cfg))
 
-# -----------------------------------------------------------------------------------------------------
-# vocabulary
+# --- vocabulary
 
 @dataclass(frozen=True)
 class TokenIds:
-    """Special-token ids, looked up by name once (token_ids; infra/hf.token_ids): no id literal anywhere else."""
+    """Special-token ids, looked up by name once (token_ids; infra/hf.token_ids): no id literals."""
     bos: int | None
     eos: int
-    pad: int                      # LLaDA left-pads with the EOS id
-    mask: int                     # the absorbing state m of the diffusion process
-    vocab_size: int               # embedding rows: text tokenizer + image codebook
-    t2i: int | None = None        # MMaDA text-to-image task marker (the image fields: None for a text-only LLaDA)
-    soi: int | None = None        # start / end of the image slots
+    pad: int  # LLaDA left-pads with the EOS id
+    mask: int  # the absorbing state m of the diffusion process
+    vocab_size: int  # embedding rows: text tokenizer + image codebook
+    t2i: int | None = None  # MMaDA text-to-image marker (image fields: None for LLaDA)
+    soi: int | None = None  # start / end of the image slots
     eoi: int | None = None
-    ipad: int | None = None       # MMaDA's caption padding
+    ipad: int | None = None  # MMaDA's caption padding
     image_token_offset: int | None = None  # image code c is token id image_token_offset + c
     codebook_size: int | None = None
 
 
 def chat_prompt(messages: list[dict], bos: str = "<|startoftext|>") -> str:
-    """LLaDA-Instruct's chat template, ending with the assistant turn opened; encode it with
-    add_special_tokens=False (the special-token strings inside map to their ids)."""
+    """LLaDA-Instruct's chat template, the assistant turn opened; encode it with add_special_tokens=False."""
     turns = [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
              for m in messages]
     return bos + "".join(turns) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -68,18 +65,16 @@ def token_ids(tok: Tokenizer) -> TokenIds:
 
 
 def model_config_overrides(tok: Tokenizer) -> dict:
-    """The vocabulary fields of model.ModelConfig: `ModelConfig(d_model=..., **model_config_overrides(tok))`."""
+    """The vocabulary fields of model.ModelConfig: `ModelConfig(..., **model_config_overrides(tok))`."""
     s = token_ids(tok)
     return dict(vocab_size=s.vocab_size, mask_token_id=s.mask, eos_token_id=s.eos, pad_token_id=s.pad,
                 bos_token_id=s.bos, image_token_offset=s.image_token_offset, codebook_size=s.codebook_size)
 
 
-# -----------------------------------------------------------------------------------------------------
-# encoding: examples -> token ids
-
+# --- encoding: examples -> token ids
 
 def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -> tuple[list[int], list[int]]:
-    """(BOS + question, answer + EOS padding to gen_length): LLaDA's SFT pads with EOS, teaching where to stop."""
+    """(BOS + question, answer + EOS padding to gen_length): LLaDA's SFT pads with EOS."""
     prompt = [ids.bos] + tok.encode(example["prompt"], add_special_tokens=False).ids
     answer = tok.encode(example["completion"], add_special_tokens=False).ids
     if len(answer) >= gen_length:
@@ -89,8 +84,7 @@ def encode_text(tok: Tokenizer, ids: TokenIds, example: dict, gen_length: int) -
 
 
 def encode_chat(tok: Tokenizer, example: dict, cfg) -> list[int]:
-    """A benchmark prompt in LLaDA's chat template (with --system_prompt and --prompt_prefill), cut from the left
-    to --max_prompt_len tokens like the official code."""
+    """A benchmark prompt in LLaDA's chat template, left-cut to --max_prompt_len as the official code."""
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     text = chat_prompt(system + [{"role": "user", "content": example["prompt"]}]) + cfg.prompt_prefill
     return tok.encode(text, add_special_tokens=False).ids[-cfg.max_prompt_len:]
@@ -109,34 +103,21 @@ def encode_image_prompt(tok: Tokenizer, ids: TokenIds, prompt_text: str, text_le
 
 
 def image_text_len(tok: Tokenizer, n: int = 2000) -> int:
-    """Longest t2i text part (<|t2i|> BOS caption EOS) over n random toy captions: the text_len to pad to
-    (TOY_CAPTION_LEN for the toy tokenizer; tools/sample.py measures another tokenizer's)."""
+    """The text_len to pad to: the longest <|t2i|> BOS caption EOS over n random toy captions."""
     rng = random.Random(0)
     return 3 + max(len(tok.encode(make_image_example(rng, "any")["prompt"], add_special_tokens=False).ids)
                    for _ in range(n))
 
 
-def ids_to_codes(tok: Tokenizer, ids: list[int]) -> list[int]:
-    """Image codes of token ids (code c is id image_token_offset + c); -1 outside the image range (a mask)."""
-    s = token_ids(tok)
-    return [i - s.image_token_offset if 0 <= i - s.image_token_offset < s.codebook_size else -1 for i in ids]
-
-
-# -----------------------------------------------------------------------------------------------------
-# the tasks: one registry entry each
-
+# --- the tasks: one registry entry each
 
 @dataclass(frozen=True)
 class Task:
     """One RL task: its modality, where its prompts come from, and its verifiers."""
-    modality: str                   # "text" or "image": the sampler, the reversing operator, the scored vocabulary
-    reward: dict                    # {name: verifier(completion, example) -> [0, 1]}; {}: the remote image scorer
-    picked_by: str = ""             # the setting naming the verifier (text_reward, reward_shaping); "": the only one
-    example: object = None          # toy: example(rng, cfg, split, noise) -> a fresh example; None: read --train_data
-
-    @property
-    def toy(self) -> bool:
-        return self.example is not None
+    modality: str  # "text" or "image": the sampler, the reversing operator, the scored vocabulary
+    reward: dict  # {name: verifier(completion, example) -> [0, 1]}; {}: the remote image scorer
+    picked_by: str = ""  # the setting naming the verifier; "": the only one
+    example: object = None  # toy: example(rng, cfg, split, noise) -> an example; None: read --train_data
 
 
 TASKS = {
@@ -144,21 +125,21 @@ TASKS = {
                  example=lambda rng, cfg, split, noise: make_text_example(rng, split, noise, max_steps=cfg.text_max_steps)),
     "image": Task("image", {"grid": rewards.image_reward},
                   example=lambda rng, cfg, split, noise: make_image_example(rng, split, noise, width=cfg.image_width)),
-    # benchmarks: correctness ("none"), and the official runs' shaped reward where they had one ("official")
+    # benchmarks: correctness ("none"), and the official runs' shaped reward if any ("official")
     **{name: Task("text", {"none": rewards.REWARDS[name], **({"official": rewards.SHAPED[name]}
                                                             if name in rewards.SHAPED else {})}, "reward_shaping")
        for name in ("gsm8k", "math", "mbpp", "countdown", "sudoku")},
     "geneval": Task("image", {}),
 }
-TOY_TASKS = tuple(t for t, k in TASKS.items() if k.toy)
+TOY_TASKS = tuple(t for t, k in TASKS.items() if k.example is not None)
 IMAGE_TASKS = tuple(t for t, k in TASKS.items() if k.modality == "image")  # generated as image tokens
 TEXT_REWARDS = tuple(TASKS["text"].reward)  # --text_reward's values
 
 
 def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none"):
-    """The rewards.py function scoring `task` that its TASKS entry's setting names (geneval: None), else an error."""
+    """The rewards.py function scoring `task` that its setting names (geneval: None)."""
     t = TASKS[task]
-    if not t.picked_by:  # the toy image task's one verifier (more is an error, never a pick); geneval: None
+    if not t.picked_by:  # the one verifier (more is an error, never a pick)
         (verify,) = t.reward.values() if t.reward else [None]
         return verify
     name = {"text_reward": text_reward, "reward_shaping": reward_shaping}[t.picked_by]
@@ -169,33 +150,31 @@ def verifier(task: str, text_reward: str = "answer", reward_shaping: str = "none
 
 
 def score(b, verify, tok, ids, scorer=None) -> torch.Tensor:
-    """Step 2: a reward in [0, 1] per row of b: verify(completion, example), or with verify None the scorer's."""
+    """Step 2: a reward in [0, 1] per row of b: verify(completion, example), or the scorer's."""
     outs = decode_window(b, tok, ids)
     if verify is None:  # geneval: NaN rewards if the scorer fails, which skip the step on every rank
         return scorer.rewards([ex["prompt"] for ex in b.examples], outs)
     return torch.tensor([verify(o, ex) for o, ex in zip(outs, b.examples)], dtype=torch.float32)
 
 
-# -----------------------------------------------------------------------------------------------------
-# batches: examples of any task -> token tensors [prompt | window | suffix]
-
+# --- batches: examples -> token tensors
 
 @dataclass
 class Batch:
-    """Sequences laid out as [prompt (P) | window (N) | suffix (S)]; the window is what the model generates."""
+    """Sequences laid out as [prompt (P) | window (N) | suffix (S)]; the model generates the window."""
     task: str
-    x: torch.Tensor                 # (B, L) token ids; the window holds targets (SFT) or rollouts (RL)
-    attention_mask: torch.Tensor    # (B, L) 1 = real token, 0 = left padding
-    prompt_len: int                 # P
-    window: int                     # N
-    uncond: torch.Tensor | None = None       # (B, L) unconditional prompt for CFG (image)
+    x: torch.Tensor  # (B, L) token ids; the window holds targets (SFT) or rollouts (RL)
+    attention_mask: torch.Tensor  # (B, L) 1 = real token, 0 = left padding
+    prompt_len: int  # P
+    window: int  # N
+    uncond: torch.Tensor | None = None  # (B, L) unconditional prompt for CFG (image)
     uncond_mask: torch.Tensor | None = None  # (B, L)
     examples: list | None = None
-    index: list | None = None       # each row's index in the global batch (seeds its randomness); None = 0..B-1
-    vocab_slice: tuple | None = None  # (lo, hi): image positions are scored over the code columns only (MMaDA)
+    index: list | None = None  # each row's global index (seeds its randomness); None = 0..B-1
+    vocab_slice: tuple | None = None  # (lo, hi): image positions scored over the code columns only (MMaDA)
 
     @property
-    def prompt_mask(self):          # (B, P) real prompt tokens (never masked by the MaskGRPO estimator)
+    def prompt_mask(self):  # (B, P) real prompt tokens (never masked by the MaskGRPO estimator)
         return self.attention_mask[:, : self.prompt_len].bool()
 
     @property
@@ -214,7 +193,7 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
     """Token tensors for `examples`, the window holding the targets (SFT) or mask ids; text prompts left-padded."""
     if task in IMAGE_TASKS:
         return _image_batch(task, examples, tok, ids, cfg, device, with_targets)
-    toy = TASKS[task].toy  # toy: BOS + question, the answer padded with EOS; benchmarks: the chat template
+    toy = task in TOY_TASKS  # toy: BOS + question, the answer padded with EOS; benchmarks: the chat template
     pairs = [encode_text(tok, ids, ex, cfg.gen_length) if toy else (encode_chat(tok, ex, cfg), None) for ex in examples]
     P, N = max(len(p) for p, _ in pairs), cfg.gen_length
     pad = torch.tensor([P - len(p) for p, _ in pairs], device=device)  # LLaDA left-pads prompts with EOS
@@ -225,7 +204,7 @@ def make_batch(task: str, examples: list, tok, ids, cfg, device, with_targets: b
 
 
 def attends_padding(cfg, task: str) -> bool:
-    """--attend_padding for a task: "auto" is on for geneval only, as MMaDA's checkpoints saw their [iPAD] padding."""
+    """--attend_padding for a task: "auto" is on for geneval only (MMaDA's checkpoints saw [iPAD] padding)."""
     return cfg.attend_padding == "on" or (cfg.attend_padding == "auto" and task == "geneval")
 
 
@@ -233,15 +212,14 @@ def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> B
     """MMaDA's t2i layout (encode_image_prompt), with the empty-caption prompt for CFG."""
     n, text_len, B = cfg.image_width ** 2, cfg.image_text_len or TOY_CAPTION_LEN, len(examples)
     enc = [encode_image_prompt(tok, ids, ex["prompt"], text_len, n) for ex in examples + [{"prompt": ""}]]
-    x = torch.tensor([e[0] for e in enc], device=device)                 # (B + 1, L): the last row is CFG's
-    att = torch.tensor([e[2] for e in enc], device=device)               # (B + 1, L)
-    att = att.fill_(1) if attends_padding(cfg, task) else att            # all ones: no mask (model.forward), both
+    x = torch.tensor([e[0] for e in enc], device=device)  # (B + 1, L): the last row is CFG's
+    att = torch.tensor([e[2] for e in enc], device=device)  # (B + 1, L)
+    att = att.fill_(1) if attends_padding(cfg, task) else att  # all ones: no mask (model.forward), both
     start = enc[0][1]
     if with_targets:
         x[:B, start:start + n] = torch.tensor([ex["image"] for ex in examples], device=device) + ids.image_token_offset
-    codes = (ids.image_token_offset, ids.image_token_offset + ids.codebook_size)  # MMaDA's head predicts codes
     return Batch(task, x[:B], att[:B], start, n, x[B:].expand(B, -1).clone(), att[B:].expand(B, -1).clone(), examples,
-                 vocab_slice=codes)
+                 vocab_slice=(ids.image_token_offset, ids.image_token_offset + ids.codebook_size))  # the code columns
 
 
 def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 0.0) -> dict:
@@ -250,7 +228,7 @@ def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 
 
 
 def decode_window(b: Batch, tok, ids) -> list:
-    """Completion text (text tasks) or image codes (image tasks) per row."""
+    """Completion text or image codes per row."""
     w = b.x[:, b.window_slice].tolist()
     if b.task not in IMAGE_TASKS:
         return [tok.decode(row, skip_special_tokens=True) for row in w]
@@ -259,7 +237,7 @@ def decode_window(b: Batch, tok, ids) -> list:
 
 def draw_prompts(task: str, cfg, step: int, datasets: dict) -> list:
     """The global prompts of one RL step, the same on every rank: fresh toy examples seeded by the step."""
-    if not TASKS[task].toy:
+    if task not in TOY_TASKS:
         return dataset_prompts(task, cfg, step, datasets[task]["train"])
     rng = random.Random(derive_seed(cfg.seed, "rl-prompts", task, step))
     return [TASKS[task].example(rng, cfg, "train", 0.0) for _ in range(cfg.prompts_per_step)]
@@ -269,30 +247,28 @@ def dataset_prompts(task: str, cfg, step: int, rows: list) -> list:
     """Step `step`'s rows of a dataset, in a fresh seeded permutation per epoch: a resumed run sees the same ones."""
     out, first = [], step * cfg.prompts_per_step
     for i in range(first, first + cfg.prompts_per_step):
-        if i == first or i % len(rows) == 0:  # one shuffle per epoch this step touches (at most two)
+        if i == first or i % len(rows) == 0:  # one shuffle per epoch
             order = list(range(len(rows)))
             random.Random(derive_seed(cfg.seed, "epoch", task, i // len(rows))).shuffle(order)
         out.append(rows[order[i % len(rows)]])
     return out
 
-# -----------------------------------------------------------------------------------------------------
-# the RL step's prompts (its rollouts: sample.rollout; its rewards: score above)
-
+# --- the RL step's prompts
 
 @dataclass
 class Ctx:
-    """What every function of the loop needs besides the model and the optimizer."""
-    cfg: object                       # the run's train.Config; a step reads only its StepConfig fields
-    tok: object                       # tokenizers.Tokenizer
+    """What the loop needs besides the model and the optimizer."""
+    cfg: object  # the run's train.Config; a step reads only its StepConfig fields
+    tok: object  # tokenizers.Tokenizer
     ids: TokenIds
     device: torch.device
-    datasets: dict                    # {task: {"train": rows, "test": rows}} (infra/data.load_data)
-    scorer: object = None             # infra/sandbox.RemoteScorer for geneval rewards
-    text_sampler: object = None       # RL text rollouts: None = sample.generate (or sample.FastSampler)
+    datasets: dict  # {task: {"train": rows, "test": rows}} (infra/data.load_data)
+    scorer: object = None  # infra/sandbox.RemoteScorer for geneval rewards
+    text_sampler: object = None  # RL text rollouts: None = sample.generate (or sample.FastSampler)
 
 
 def step_prompts(ctx: Ctx, step: int) -> list[Batch]:
-    """Step `step`'s prompts, one Batch per task, each G times: this rank's rows, with their global index (seeds)."""
+    """Step `step`'s prompts, one Batch per task, each G times: this rank's rows with their global index."""
     cfg, out = ctx.cfg, []
     for task in task_list(cfg):
         exs = [ex for ex in draw_prompts(task, cfg, step, ctx.datasets) for _ in range(cfg.group_size)]

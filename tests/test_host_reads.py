@@ -53,7 +53,7 @@ def test_the_fast_sampler_reads_once_per_step(monkeypatch, kv_cache, threshold):
     """Fast-dLLM on padded prompts, 8 steps in 2 blocks, with the decoding order and statistics: one read per
     step (each row's masks left in the block: the step's counts and active rows), and one more where the
     threshold finished a block early (the read that finds it done), one per call (padding). The statistics
-    wait on the device for fast_summary."""
+    wait on the device for FastSampler.take_log."""
     p, model = prompts(B=3, P=5), tiny_model().eval()
     am = torch.ones_like(p)
     am[1, :2] = 0
@@ -67,7 +67,9 @@ def test_the_fast_sampler_reads_once_per_step(monkeypatch, kv_cache, threshold):
     assert len(forwards) == sum(used) and (threshold == 0) == (sum(used) == 8), used
     assert reads.count == {"_local_scalar_dense": 1, "tolist": sum(used) + sum(u < 4 for u in used)}, reads.count
     assert len(stats["steps"]) == sum(used)
-    sample.fast_summary("text", stats, "cpu")
+    sampler = sample.FastSampler(kv_cache, threshold)
+    sampler.stats = stats
+    sampler.take_log("cpu")
     assert stats["tokens"] == 3 * 16 and "steps" not in stats  # each completion position committed once
 
 

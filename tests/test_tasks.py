@@ -102,11 +102,11 @@ def test_image_reward_examples():
 
 
 def test_image_ids_map_to_codes(tok):
+    """decode_window reads an image window's token ids as codes: code c is token id offset + c."""
     s = tasks.token_ids(tok)
     codes = list(range(s.codebook_size))
-    ids = [s.image_token_offset + c for c in codes]  # code c is token id offset + c
-    assert tasks.ids_to_codes(tok, ids) == codes
-    assert tasks.ids_to_codes(tok, [s.mask]) == [-1]
+    x = torch.tensor([[s.soi] + [s.image_token_offset + c for c in codes] + [s.eoi]])
+    assert tasks.decode_window(tasks.Batch("image", x, torch.ones_like(x), 1, len(codes)), tok, s) == [codes]
 
 
 def test_encode_image_prompt_layout(tok):
@@ -320,9 +320,6 @@ def test_image_prompt_truncation_and_missing_markers(tok):
 
 
 def test_codes_outside_the_codebook_and_render(tok):
-    off = tasks.token_ids(tok).image_token_offset
-    assert tasks.ids_to_codes(tok, [off - 1, off, off + toy.CODEBOOK_SIZE - 1, off + toy.CODEBOOK_SIZE]) == \
-        [-1, 0, toy.CODEBOOK_SIZE - 1, -1]
     assert toy.render_image([0, 99, -1, 1], 2).splitlines()[1] == "??\x1b[48;5;196m  \x1b[0m"
 
 

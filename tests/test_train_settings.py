@@ -261,8 +261,7 @@ def test_evaluate_cli_greedy_and_sampled_modes(toy_model, tmp_path, monkeypatch,
 def rl_step(toy_model, monkeypatch, *flags, calls):
     tok, ids, model = toy_model
     for module, name in ((sample, "generate"), (sample, "fast_generate"), (sample, "generate_image"),
-                         (importance, "reverse_mask"),
-                         (importance, "reversed_masks"), (importance, "d1_masks"), (grpo, "policy_loss")):
+                         (importance, "reverse_mask"), (importance, "d1_masks"), (grpo, "policy_loss")):
         spy(monkeypatch, module, name, calls)
     scored = []
 
@@ -330,8 +329,8 @@ def test_fast_sampler_and_estimator_settings(toy_model, monkeypatch, estimator):
         (kw,) = [kw for name, _, kw in calls if name == "d1_masks"]
         assert (kw["p_mask_prompt"], kw["mu"]) == (0.3, 2)
     else:  # UniGRPO: random reversing at mu ratios of its own
-        (args,) = [args for name, args, _ in calls if name == "reversed_masks"]
-        assert (args[3], len(args[2])) == ("random", 2)
+        masks = [args for name, args, _ in calls if name == "reverse_mask"]
+        assert [args[3] for args in masks] == ["random"] * 2  # one call per ratio j < mu
     g = r.rewards.view(-1, cfg.group_size)
     centred = (g - g.mean(1, keepdim=True)).flatten()
     if estimator == "d1":

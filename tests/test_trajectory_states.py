@@ -203,7 +203,6 @@ def test_fast_rollout_statistics_match_the_decoding_order(base, kv_cache, thresh
     else:
         assert max(per_step) > 1
     assert 0 < log["text/committed_conf"] <= 1
-    assert sample.fast_summary("text", None, ctx.device) == {}  # no statistics, no entries
 
 
 # -----------------------------------------------------------------------------

@@ -107,11 +107,16 @@ def test_step_log_at_two_ranks_by_hand(monkeypatch):
 
 
 def test_committed_per_step_max_is_a_max_over_ranks(monkeypatch):
-    """Fast-dLLM statistics (sample.fast_summary): rank 0 committed 12 tokens in 10 row-steps, at
+    """Fast-dLLM statistics (sample.FastSampler.take_log): rank 0 committed 12 tokens in 10 row-steps, at
     most 3 at once; rank 1 6 tokens in 6 row-steps, 1 at a time."""
     stats = {0: {"row_steps": 10, "tokens": 12, "conf_sum": 6.0, "max": 3},
              1: {"row_steps": 6, "tokens": 6, "conf_sum": 4.5, "max": 1}}
-    logs = at_two_ranks(monkeypatch, lambda r: sample.fast_summary("text", stats[r], torch.device("cpu")))
+
+    def take_log(r):
+        sampler = sample.FastSampler("prefix", 0.0)
+        sampler.stats = dict(stats[r])
+        return sampler.take_log(torch.device("cpu"))
+    logs = at_two_ranks(monkeypatch, take_log)
     assert logs[0] == logs[1] == pytest.approx({"text/committed_per_step": 18 / 16, "text/committed_per_step_max": 3.0,
                                                 "text/committed_conf": 10.5 / 18})
 
