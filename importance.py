@@ -34,7 +34,7 @@ def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -
     update j. seq_index: each row's GLOBAL index. Every VIEWS function also takes eos_id and all_max."""
     mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
     (B, L), P, N, seed = batch.x.shape, batch.prompt_len, batch.window, derive_seed(cfg.seed, "masks", batch.task)
-    prompt_len, window = batch.prompt_mask.sum(1).tolist(), torch.ones(B, N, dtype=torch.bool)
+    prompt_len, window = batch.attention_mask[:, :P].bool().sum(1).tolist(), torch.ones(B, N, dtype=torch.bool)
     masks = torch.zeros(cfg.mu, B, L, dtype=torch.bool, device=batch.x.device)  # never the prompt (§3)
     for j, t in enumerate(mask_ratios(cfg.mu, gamma)):
         seeds = [mask_seed(seed, step, int(i), j) for i in seq_index]
