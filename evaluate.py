@@ -230,8 +230,8 @@ def compare(before: str, after: str) -> list[list]:
 
 
 def check_run(run_dir: str, **overrides) -> bool | None:
-    """Re-score a run's model before RL and final/ with its config.json: True if all agree with summary.json,
-    None when a number could not be measured (a scorer down)."""
+    """Re-score a run's model before RL and final/ with its config.json: True if all agree with summary.json, None
+    when a number could not be measured (a scorer down)."""
     out_dir = Path(run_dir)
     for f in ("config.json", "summary.json"):
         if not (out_dir / f).is_file():
@@ -268,15 +268,15 @@ def check_run(run_dir: str, **overrides) -> bool | None:
     print(table(["key", "summary before", "eval before", "summary after", "eval after"], rows))
     unmeasured = [f"{k} {s}" for s in evals for k, v in evals[s].items() if not math.isfinite(v)]
     if unmeasured:
-        print(f"error: not measured: {', '.join(unmeasured)} ({scorer_named(cfg)}, see the warnings above); fix "
-              "that and evaluate again", file=sys.stderr)
+        say_unmeasured(f"not measured: {', '.join(unmeasured)}", cfg)
         return None
     print(f"{'all' if ok else 'NOT all'} {2 * len(keys)} numbers match {out_dir / 'summary.json'} to 1e-6")
     return ok
 
 
-def scorer_named(cfg) -> str:
-    return f"the image scorer at {cfg.image_scorer_url} failed" if cfg.image_scorer_url else "a reward was not finite"
+def say_unmeasured(what: str, cfg) -> None:
+    why = f"the image scorer at {cfg.image_scorer_url} failed" if cfg.image_scorer_url else "a reward was not finite"
+    print(f"error: {what} ({why}, see the warnings above); fix that and evaluate again", file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -305,8 +305,7 @@ def main(argv=None) -> int:
         cfg, samples = build_config(o)
         row = score_checkpoint(cfg, o.out, o.limit, samples)
         if row["unscored"]:
-            print(f"error: {row['unscored']} completion(s) got no reward ({scorer_named(cfg)}, see the warnings "
-                  "above): the metrics over them are not measured; fix that and evaluate again", file=sys.stderr)
+            say_unmeasured(f"{row['unscored']} completion(s) got no reward: their metrics are not measured", cfg)
             return NOT_MEASURED_EXIT
         return 0
     except (ValueError, OSError) as e:  # user errors (bad flag, missing file, scorer down): one line

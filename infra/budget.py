@@ -1,6 +1,5 @@
-"""The dry run (`python train.py --preset llada8b --dry_run`): parameters, FLOPs, time and memory per GPU by phase
-from the model shape and the config, loading no weights; and the start-up checks on the same figures (the launcher's
-kill delay, the out-of-memory advice, the disk). tests/test_budget.py derives them by hand for LLaDA-8B."""
+"""The dry run (`python train.py --preset llada8b --dry_run`): parameters, FLOPs, time and memory per GPU by phase,
+loading no weights (tests/test_budget.py derives them by hand); start-up checks on them: kill delay, memory, disk."""
 from __future__ import annotations
 
 import dataclasses
@@ -57,9 +56,9 @@ def task_shapes(cfg) -> list[dict]:
 
 
 def flops(cfg, mc: ModelConfig, s: dict) -> dict:
-    """Global FLOPs of one RL step over task_shapes, all ranks, by phase, and of one rollout sequence by task
-    (per_rollout_seq). A forward costs per token 2 FLOPs per weight of the block matrices (and adapters) and
-    4 * keys * d_model per layer of attention; the head (2 per weight) runs only where the code computes it."""
+    """Global FLOPs of one RL step by phase, and of one rollout sequence by task (per_rollout_seq). A forward costs
+    per token 2 per weight of the block matrices and adapters, 4 * keys * d_model per layer of attention, 2 per
+    weight of the head where the code runs it."""
     d, nl, block_length = mc.d_model, mc.n_layers, cfg.block_length
     body, head = nl * s["block_matmul"], s["head"]
     adapters = s["lora_params"] if cfg.lora_rank > 0 else 0
@@ -102,8 +101,8 @@ def flops(cfg, mc: ModelConfig, s: dict) -> dict:
 def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: int, sampled: int, image: bool,
            head_len: int, cfg_scale: float, beta: float, activation_checkpointing: bool, compute_bytes: int = 2,
            codebook: int = 8192) -> dict:
-    """Memory per GPU in GiB by component and phase (the CUDA context, fragmentation and NCCL buffers left out): the
-    sharded state, the groups FSDP2 gathers, and per chunk activations, float32 logits and sampler transients."""
+    """GiB per GPU by component and phase, without the CUDA context, fragmentation and NCCL buffers: the sharded
+    state, FSDP2's gathered groups, and per chunk activations, float32 logits and sampler transients."""
     c, w, n = mc, world_size, s["params"]
     per_tok_block = 16 * c.d_model + 3 * c.mlp_hidden_size
     gathered = w > 1
@@ -165,8 +164,8 @@ def model_config(cfg) -> ModelConfig:
 
 
 def padded_prompt_len(cfg) -> tuple[int, str]:
-    """The prompt length a text rollout batch is padded to (its longest prompt), and where the figure comes
-    from: with --init_from's tokenizer and --train_data, the mean over the data's batches; else --max_prompt_len."""
+    """The padded prompt length of a text rollout batch and its source: the mean over --train_data's batches with
+    --init_from's tokenizer, else --max_prompt_len."""
     paths = data.data_paths(cfg.train_data, "train_data")
     text = [t for t in task_list(cfg) if t not in IMAGE_TASKS and t in paths]
     folder = Path(cfg.init_from) if cfg.init_from not in ("", "scratch") else None
@@ -233,11 +232,10 @@ def report(cfg) -> dict:
                   else "every decoding state")
         print(f"trajectory estimator, {states}: {f['step']:.2e} FLOPs per RL step against {maskgrpo:.2e} for "
               f"MaskGRPO's mu = {cfg.mu} masks, {f['step'] / maskgrpo:.2f} x")
-    print(f"held-out evaluation: {eval_seqs:,} sequences ({cfg.eval_prompts} prompts x {cfg.eval_samples} sampled "
-          f"per task{', + 1 greedy per text prompt' if not all(p['image'] for p in shapes) else ''}; exact "
-          f"sampler), {one_eval:.2e} FLOPs each, run before and after RL")
     print(f"global FLOPs per run: {run:.2e} ({cfg.rl_steps:,} RL steps, and 2 x {one_eval:.2e} for the held-out "
-          f"evaluations)")
+          f"evaluation before and after RL: {eval_seqs:,} sequences of {cfg.eval_prompts} prompts x "
+          f"{cfg.eval_samples} sampled per task{', + 1 greedy per text prompt' * (not all(p['image'] for p in shapes))}"
+          ", exact sampler)")
     print(f"time on {gpus} x {GPU_NAME} (bf16 dense peak {GPU_PEAK_FLOPS / 1e12:.0f} TFLOP/s, assumed MFU "
           f"{ASSUMED_MFU:.0%}): {step_s:.0f} s per RL step, {eval_min:.0f} min per held-out evaluation, "
           f"{run_h:.1f} h per run = {run_h * gpus:,.0f} GPU-hours")
@@ -295,8 +293,8 @@ def torchrun_reads_shutdown_timeout() -> bool:
 
 
 def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float) -> str | None:
-    """The start-up warning when a SIGTERM (the step finishes, a checkpoint is written) would get SIGKILL first, else
-    None: torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT if it reads it, else 30 s; under Slurm, KillWait's default 30 s."""
+    """The warning when SIGKILL (torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, or 30 s; Slurm's KillWait, 30 s) would
+    follow a SIGTERM before the step ends and a checkpoint is written; else None."""
     torchrun, slurm = "TORCHELASTIC_RUN_ID" in env, "SLURM_JOB_ID" in env
     ignored = torchrun and not torchrun_reads_shutdown_timeout()
     delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun and not ignored \
@@ -333,8 +331,7 @@ def warn_kill_delay(cfg, world: int, env=os.environ) -> None:
 
 
 def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
-    """The out-of-memory advice when the sharded training state alone (memory's full_state or lora_state) is
-    over the GPU's memory, so that no --device_batch_size helps; None when it fits."""
+    """The advice when the sharded training state alone is over the GPU's memory (no --device_batch_size helps)."""
     s = shape(model_config(cfg), cfg.lora_rank, cfg.lora_targets)
     state = (s["params"] * (4 if cfg.dtype == "float32" else 2) + s["lora_params"] * 16 if cfg.lora_rank > 0 else
              s["params"] * (16 + 4 * (cfg.beta > 0))) / world
@@ -361,8 +358,8 @@ def _bytes(n: float) -> str:
 
 
 def check_disk(cfg, out: Path, mc, present: int = 0) -> None:
-    """Refuse to start when out_dir cannot hold the checkpoints the run keeps during rotation (beside a resumed
-    run's `present` ones) and final/ (written while the last checkpoint is still there)."""
+    """Refuse to start when out_dir cannot hold the checkpoints kept during rotation (beside a resumed run's
+    `present` ones) and final/, written while the last checkpoint is still there."""
     s, one = shape(mc, cfg.lora_rank, cfg.lora_targets), checkpoint_bytes(cfg, mc)
     # at once: keep_last and the one being written (0: every one), at most what the run writes (and its last step)
     writes = cfg.rl_steps // max(cfg.checkpoint_every, 1) + 1 if cfg.rl_steps else 0

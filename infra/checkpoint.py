@@ -125,19 +125,15 @@ def load(path, model, opt, *, trainable_only: bool = False) -> dict:
 def check_resumable(path, state: dict, config: dict, reference: dict, may_change) -> None:
     """Refuse to continue under other settings (but may_change) or another reference policy, listing what differs."""
     changed = sorted(k for k, v in config.items() if k not in may_change and state["config"].get(k) != v)
+    names = [k for k in changed if k in ("lr", "grad_clip")]
     if changed:
         raise ValueError(f"cannot resume {path}: these settings differ from the saved run: "
                          + ", ".join(f"{k} {state['config'].get(k)!r} -> {config[k]!r}" for k in changed)
-                         + changeable_hint(changed))
+                         + (f" (to change {' and '.join(names)} from here on, which log.jsonl then records, add "
+                            f"--change_on_resume={','.join(names)})" if names else ""))
     if state["reference"] != reference:
         raise ValueError(f"cannot resume {path}: the reference policy changed (saved {state['reference']}, now "
                          f"{reference}); resume with the same --init_from / SFT model (its content, wherever it is)")
-
-
-def changeable_hint(changed) -> str:
-    names = [k for k in changed if k in ("lr", "grad_clip")]
-    return (f" (to change {' and '.join(names)} from here on, which log.jsonl then records, add "
-            f"--change_on_resume={','.join(names)})") if names else ""
 
 
 def silence(fd: int) -> None:
