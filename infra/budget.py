@@ -212,9 +212,8 @@ def report(cfg) -> dict:
              if lora else "full fine-tuning (--lora_rank=0): every parameter trained"))
     print(f"RL step: {seqs} sequences ({cfg.prompts_per_step} prompts x G={cfg.group_size} x {len(names)} task(s)) "
           f"of {seq_len} tokens, {'/'.join(str(p['steps']) for p in shapes)} denoising steps "
-          f"({'/'.join(dict.fromkeys(p['rollout'] for p in shapes))}), mu={cfg.mu}, {mode}, activation "
-          f"checkpointing {'on' if cfg.activation_checkpointing else 'off'}, device_batch_size "
-          f"{cfg.device_batch_size or 'all'}")
+          f"({'/'.join(dict.fromkeys(p['rollout'] for p in shapes))}), mu={cfg.mu}, {mode}, activation checkpointing "
+          f"{'on' if cfg.activation_checkpointing else 'off'}, device_batch_size {cfg.device_batch_size or 'all'}")
     ckpt = (f"a checkpoint every {cfg.checkpoint_every} rollout batches = "
             f"{cfg.checkpoint_every * cfg.mu:,} optimizer steps" if cfg.checkpoint_every else "no checkpoints")
     print(f"schedule: {cfg.rl_steps:,} rollout batches x mu {cfg.mu} = {opt_steps:,} optimizer steps; {ckpt}")
@@ -273,12 +272,11 @@ def report(cfg) -> dict:
              f"{DEFAULT_KILL_DELAY}" + ("" if torchrun_reads_shutdown_timeout() else f"; read by torch >= "
                                        f"{SHUTDOWN_TIMEOUT_TORCH} only, and this torch {torch.__version__} ignores it")
              + ")") + f", under Slurm sbatch --signal=TERM@{wait} and check KillWait")
-    return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs,
+    return {"params": s["params"], "lora_params": s["lora_params"], "shape": s, "seqs_per_step": seqs, "chunk": chunk,
             "seq_len": seq_len, "flops": {**f, "evaluation": 2 * one_eval, "eval_once": one_eval, "run": run},
-            "eval_sequences": eval_seqs, "eval_minutes": eval_min, "chunk": chunk, "rollout_batches": cfg.rl_steps,
             "optimizer_steps": opt_steps, "checkpoint_every_optimizer_steps": cfg.checkpoint_every * cfg.mu,
-            "gpu": GPU_NAME, "gpus": gpus, "mfu": ASSUMED_MFU, "seconds_per_step": step_s, "run_hours": run_h,
-            "gpu_hours": run_h * gpus, "budget": mem, "tokens_per_s_per_gpu": rate}
+            "gpus": gpus, "mfu": ASSUMED_MFU, "seconds_per_step": step_s, "run_hours": run_h, "gpu_hours": run_h * gpus,
+            "budget": mem, "tokens_per_s_per_gpu": rate}
 
 
 # Start-up checks: the launcher's kill delay, the training state over the GPU's memory, the disk
@@ -305,18 +303,15 @@ def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float
         return None
     wait, fix, who = 2 * math.ceil(need), [], []
     if torchrun:
-        fix.append((f"upgrade torch to {SHUTDOWN_TIMEOUT_TORCH} or later (this torchrun, torch {torch.__version__}, "
-                    "ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then " if ignored else "")
-                   + f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={wait}")
-        who.append(f"torchrun's fixed {DEFAULT_KILL_DELAY} s" if ignored else
-                   "torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+        upgrade = f"upgrade torch to {SHUTDOWN_TIMEOUT_TORCH} or later (torch {torch.__version__} ignores it), then "
+        fix.append(f"{upgrade * ignored}export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={wait}")
+        who.append(f"torchrun's fixed {DEFAULT_KILL_DELAY} s" if ignored else "torchrun's shutdown timeout")
     if slurm:
-        fix.append(f"ask Slurm for the signal early (sbatch --signal=TERM@{wait}) and check KillWait (scontrol "
-                   "show config)")
+        fix.append(f"sbatch --signal=TERM@{wait} (the signal early) and check KillWait (scontrol show config)")
         who.append("Slurm's KillWait (default assumed)")
     return (f"warning: a SIGTERM gets SIGKILL {delay:.0f} s later ({' and '.join(who)}), but one RL step plus a "
-            f"checkpoint takes about {need:.0f} s here (dry-run estimate), so a pre-emption would lose the step and "
-            f"write no checkpoint; {'; '.join(fix)} (README: resuming)")
+            f"checkpoint takes about {need:.0f} s (dry-run estimate): a pre-emption would lose the step and write no "
+            f"checkpoint; {'; '.join(fix)} (README: resuming)")
 
 
 def warn_kill_delay(cfg, world: int, env=os.environ) -> None:
@@ -339,8 +334,8 @@ def state_over_memory(cfg, world: int, device_bytes: int) -> str | None:
         return None
     mode, lora_too = ("LoRA", "") if cfg.lora_rank > 0 else ("full fine-tuning", " or LoRA (--lora_rank)")
     return (f"the training state alone is {state / GB:.1f} GiB per GPU ({mode} on {world} GPU(s)), over this GPU's "
-            f"{device_bytes / GB:.1f} GiB, so fewer sequences per forward pass cannot help: use more GPUs (torchrun "
-            f"--nproc_per_node){lora_too}; python train.py --dry_run --dry_run_gpus=N prints the memory per GPU")
+            f"{device_bytes / GB:.1f} GiB: use more GPUs (torchrun --nproc_per_node){lora_too}; python train.py "
+            "--dry_run --dry_run_gpus=N prints the memory per GPU")
 
 
 def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
