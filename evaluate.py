@@ -297,8 +297,7 @@ def main(argv=None) -> int:
             given = [a.split("=")[0] for a in argv if a.startswith("--") and not a.startswith("--run")]
             extra = [g for g in given if g[2:] not in RUN_OVERRIDES]
             cli.need(not extra, f"--run re-scores with the run's own config.json, which {', '.join(extra)} would "
-                     f"change; drop {'it' if len(extra) == 1 else 'them'} (only "
-                     f"{', '.join('--' + k for k in RUN_OVERRIDES)} may be given with --run)")
+                     f"change; drop {'it' if len(extra) == 1 else 'them'} (it takes --{' and --'.join(RUN_OVERRIDES)})")
             ok = check_run(o.run, **{k: getattr(o, k) for k in RUN_OVERRIDES if f"--{k}" in given})
             return NOT_MEASURED_EXIT if ok is None else 0 if ok else 1
         cli.need(o.ckpt and o.task, "pass --ckpt DIR --task TASK [--data PATH], or --run OUT_DIR")

@@ -279,8 +279,6 @@ def report(cfg) -> dict:
             "budget": mem, "tokens_per_s_per_gpu": rate}
 
 
-# Start-up checks: the launcher's kill delay, the training state over the GPU's memory, the disk
-
 def torchrun_reads_shutdown_timeout() -> bool:
     """Whether the installed torchrun honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT (measured: tests/test_cuda_torchrun.py)."""
     try:

@@ -157,7 +157,7 @@ def test_evaluate_run_takes_threads_and_device_only(tmp_path, monkeypatch, capsy
     assert evaluate.main(["--run", str(tmp_path), "--seed=3"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("error: --run re-scores with the run's own config.json, which --seed would change; drop it "
-                   "(only --threads, --device may be given with --run)"), err
+                   "(it takes --threads and --device)"), err
 
 
 def test_diagnosis_refuses_whole_run_flags(capsys):
