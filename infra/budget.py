@@ -317,8 +317,7 @@ def warn_kill_delay(cfg, world: int, env=os.environ) -> None:
     if "TORCHELASTIC_RUN_ID" not in env and "SLURM_JOB_ID" not in env:
         return
     mc = model_config(cfg)
-    flop = flops(cfg, mc, shape(mc, cfg.lora_rank, cfg.lora_targets))["step"]
-    step_s = flop / (world * GPU_PEAK_FLOPS * ASSUMED_MFU)
+    step_s = flops(cfg, mc, shape(mc, cfg.lora_rank, cfg.lora_targets))["step"] / (world * GPU_PEAK_FLOPS * ASSUMED_MFU)
     if text := kill_delay_warning(env, step_s, checkpoint_bytes(cfg, mc) / CHECKPOINT_WRITE_SPEED):
         print0(text)
 
