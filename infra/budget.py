@@ -305,7 +305,7 @@ def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float
         fix.append(f"{upgrade * ignored}export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={wait}")
         who.append(f"torchrun's fixed {DEFAULT_KILL_DELAY} s" if ignored else "torchrun's shutdown timeout")
     if slurm:
-        fix.append(f"sbatch --signal=TERM@{wait} (the signal early) and check KillWait (scontrol show config)")
+        fix.append(f"sbatch --signal=TERM@{wait} to be signalled early, and check KillWait (scontrol show config)")
         who.append("Slurm's KillWait (default assumed)")
     return (f"warning: a SIGTERM gets SIGKILL {delay:.0f} s later ({' and '.join(who)}), but one RL step plus a "
             f"checkpoint takes about {need:.0f} s (dry-run estimate): a pre-emption would lose the step and write no "
