@@ -62,8 +62,7 @@ def _safetensors_file(file: Path, device="cpu"):
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             yield f
     except SafetensorError as e:
-        raise ValueError(f"{file} is not a complete safetensors file ({e}); it was cut short or damaged: "
-                         "re-download or re-copy the checkpoint") from None
+        raise ValueError(f"{file} is not a complete safetensors file ({e}); re-download the checkpoint") from None
 
 
 def read_config(path) -> ModelConfig:
@@ -96,8 +95,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     missing = [k for k in need if k not in hf]
     if missing and not any(k in hf for k in need[:3]):  # another architecture's names (n_layer, hidden_size...)
         kind = hf.get("model_type") or ", ".join(hf.get("architectures") or []) or "no model_type"
-        raise ValueError(f"not a LLaDA/MMaDA checkpoint (model_type {kind!r}): this implementation loads the "
-                         "LLaDA and MMaDA architectures only; pass a LLaDA/MMaDA checkpoint directory")
+        raise ValueError(f"not a LLaDA/MMaDA checkpoint (model_type {kind!r}); pass a LLaDA/MMaDA checkpoint folder")
     if missing:
         raise ValueError(f"config.json lacks required fields {missing}")
     small = {k: hf[k] for k in ("d_model", "n_layers", "n_heads") if not (isinstance(hf[k], int) and hf[k] >= 1)}
@@ -191,21 +189,18 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
             raise ValueError(f"{index} has no 'weight_map' dict")
         absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if absent:
-            raise FileNotFoundError(f"{index} names shard files that are missing: {absent}; "
-                                    "re-download or re-copy the checkpoint")
+            raise FileNotFoundError(f"{index} names missing shard files {absent}; re-download the checkpoint")
     elif (path / "model.safetensors").is_file():
         with _safetensors_file(path / "model.safetensors") as f:
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     else:
-        raise FileNotFoundError(f"no {INDEX_NAME} or model.safetensors in {path}; a LLaDA checkpoint stores its "
-                                "weights as safetensors")
+        raise FileNotFoundError(f"no {INDEX_NAME} or model.safetensors in {path}; pass a LLaDA checkpoint folder")
     with torch.device("meta"):
         expected = {HF_PREFIX + k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     missing, unexpected = sorted(set(expected) - set(weight_map)), sorted(set(weight_map) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the LLaDA architecture of its config: "
-                         f"{len(missing)} missing tensors {missing[:8]}, {len(unexpected)} unexpected "
-                         f"tensors {unexpected[:8]}")
+        raise ValueError(f"checkpoint {path} does not fit its config.json: {len(missing)} missing tensors "
+                         f"{missing[:8]}, {len(unexpected)} unexpected tensors {unexpected[:8]}")
 
     def tensors():
         for fname in sorted(set(weight_map.values())):
@@ -232,8 +227,7 @@ def load_tokenizer(path, model_config: ModelConfig | None = None):
     try:
         tok = Tokenizer.from_file(str(file))
     except Exception as e:  # the tokenizers library raises a bare Exception ("expected ident at line 1 ...")
-        raise ValueError(f"{file} is not a valid tokenizer.json ({e}); re-copy it from the checkpoint's "
-                         "source") from None
+        raise ValueError(f"{file} is not a valid tokenizer.json ({e}); re-copy the checkpoint's") from None
     n = tok.get_vocab_size(with_added_tokens=True)
     if model_config is not None and n > model_config.vocab_size:
         raise ValueError(f"tokenizer {file} has {n} tokens but the model has only {model_config.vocab_size} "
@@ -296,13 +290,12 @@ def _adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS,
              generator: torch.Generator | None = None) -> nn.Module:
     """Wrap each block's nn.Linear named in `targets` in LoRALinear and freeze the rest, before any FSDP wrap."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"LoRA rank ({rank!r}) must be an integer >= 1; the official recipe uses rank=128")
-    if not alpha > 0:
-        raise ValueError(f"LoRA alpha ({alpha!r}) must be > 0: it sets the update scale alpha / rank; "
-                         "the official recipe uses alpha=64")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"LoRA dropout ({dropout!r}) must be in [0, 1); use 0.0 to switch it off")
+    bad = [f"{name} ({v!r}) must be {rule}" for name, v, ok, rule in (
+        ("rank", rank, isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1, "an integer >= 1"),
+        ("alpha", alpha, alpha > 0, "> 0 (the update scale is alpha / rank)"),
+        ("dropout", dropout, 0.0 <= dropout < 1.0, "in [0, 1) (0.0 switches it off)")) if not ok]
+    if bad:
+        raise ValueError(f"LoRA {'; '.join(bad)}; the official recipe uses rank=128, alpha=64, dropout=0.05")
     # A lone string is one name, not a list of characters; duplicates would wrap a layer twice.
     targets = tuple(dict.fromkeys((targets,) if isinstance(targets, str) else targets))
     if _adapted(model):
