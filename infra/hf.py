@@ -265,9 +265,8 @@ class LoRALinear(nn.Linear):
         # A ~ U(+-1/sqrt(in)), peft's kaiming-uniform(a=sqrt(5)) that the official run used, drawn on the CPU (a
         # CPU and a CUDA run get the same A); B = 0, so the adapted model starts at the base (LoRA §4.1).
         a = torch.rand(rank, base.in_features, generator=generator, dtype=torch.float32) * 2 - 1  # (r, in)
-        dev = base.weight.device
-        self.lora_A = nn.Parameter((a * (1.0 / math.sqrt(base.in_features))).to(dev))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=torch.float32, device=dev))
+        self.lora_A = nn.Parameter((a * (1.0 / math.sqrt(base.in_features))).to(base.weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=torch.float32, device=base.weight.device))
 
     def forward(self, x):
         y = F.linear(x, self.weight, self.bias)                                  # (..., out)
@@ -389,9 +388,8 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
     saved, ours = load_file(str(path / ADAPTER_WEIGHTS)), lora_state_dict(model)
     missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
     if missing or unexpected:
-        raise ValueError(f"adapters in {path} do not fit this model: {len(missing)} missing {missing[:6]}, "
-                         f"{len(unexpected)} unexpected {unexpected[:6]}; were they trained with other targets "
-                         "or another n_layers?")
+        raise ValueError(f"adapters in {path} do not fit this model ({len(missing)} missing {missing[:6]}, "
+                         f"{len(unexpected)} unexpected {unexpected[:6]}); pass adapters of its targets and n_layers")
     bad = [f"{k}: saved {tuple(saved[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
            if saved[k].shape != v.shape]
     if bad:
