@@ -324,19 +324,6 @@ def lora_stats(model: nn.Module) -> dict:
             "total_params": sum(p.numel() for p in model.parameters())}
 
 
-@contextmanager
-def adapters_disabled(model: nn.Module):
-    """The base model (the GRPO reference policy) inside the block; each adapter's state comes back after it."""
-    before = {m: m.disabled for _, m in _adapted(model)}
-    for m in before:
-        m.disabled = True
-    try:
-        yield model
-    finally:
-        for m, state in before.items():
-            m.disabled = state
-
-
 class AdaptersOff(nn.Module):
     """A LoRA run's reference policy: the policy with its adapters off (no second copy of the base model)."""
 
@@ -344,9 +331,15 @@ class AdaptersOff(nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, *args, **kwargs):
-        with adapters_disabled(self.policy):
+    def forward(self, *args, **kwargs):  # each adapter's own state (one may be off by hand) comes back after
+        before = {m: m.disabled for _, m in _adapted(self.policy)}
+        for m in before:
+            m.disabled = True
+        try:
             return self.policy(*args, **kwargs)
+        finally:
+            for m, state in before.items():
+                m.disabled = state
 
     def __getattr__(self, name):
         try:
