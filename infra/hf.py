@@ -170,8 +170,7 @@ def save_pretrained(model: Transformer, path, max_shard_bytes: int = 4 << 30, st
         save_file(shard, str(path / fname), metadata={"format": "pt"})
         os.chmod(path / fname, mode)
         weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.nbytes for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}  # sorted
     (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -403,8 +402,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
         parent, _, child = name.rpartition(".")
         delta = m.scaling * (m.lora_B.float() @ m.lora_A.float())                 # (out, in)
         m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
-        with torch.device("meta"):  # adopt the Parameters, allocate nothing
-            plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")  # adopts, no copy
         plain.weight, plain.bias = m.weight, m.bias
         plain.train(m.training)
         setattr(model.get_submodule(parent), child, plain)
