@@ -62,8 +62,7 @@ def _safetensors_file(file: Path, device="cpu"):
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             yield f
     except SafetensorError as e:
-        raise ValueError(f"{file} is not a complete safetensors file ({e}); it was cut short or damaged: "
-                         "re-download or re-copy the checkpoint") from None
+        raise ValueError(f"{file} is not a complete safetensors file ({e}); re-download the checkpoint") from None
 
 
 def read_config(path) -> ModelConfig:
@@ -96,8 +95,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     missing = [k for k in need if k not in hf]
     if missing and not any(k in hf for k in need[:3]):  # another architecture's names (n_layer, hidden_size...)
         kind = hf.get("model_type") or ", ".join(hf.get("architectures") or []) or "no model_type"
-        raise ValueError(f"not a LLaDA/MMaDA checkpoint (model_type {kind!r}): this implementation loads the "
-                         "LLaDA and MMaDA architectures only; pass a LLaDA/MMaDA checkpoint directory")
+        raise ValueError(f"not a LLaDA/MMaDA checkpoint (model_type {kind!r}); pass a LLaDA/MMaDA checkpoint folder")
     if missing:
         raise ValueError(f"config.json lacks required fields {missing}")
     small = {k: hf[k] for k in ("d_model", "n_layers", "n_heads") if not (isinstance(hf[k], int) and hf[k] >= 1)}
@@ -172,8 +170,7 @@ def save_pretrained(model: Transformer, path, max_shard_bytes: int = 4 << 30, st
         save_file(shard, str(path / fname), metadata={"format": "pt"})
         os.chmod(path / fname, mode)
         weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.nbytes for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}  # sorted
     (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -191,21 +188,18 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
             raise ValueError(f"{index} has no 'weight_map' dict")
         absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if absent:
-            raise FileNotFoundError(f"{index} names shard files that are missing: {absent}; "
-                                    "re-download or re-copy the checkpoint")
+            raise FileNotFoundError(f"{index} names missing shard files {absent}; re-download the checkpoint")
     elif (path / "model.safetensors").is_file():
         with _safetensors_file(path / "model.safetensors") as f:
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     else:
-        raise FileNotFoundError(f"no {INDEX_NAME} or model.safetensors in {path}; a LLaDA checkpoint stores its "
-                                "weights as safetensors")
+        raise FileNotFoundError(f"no {INDEX_NAME} or model.safetensors in {path}; pass a LLaDA checkpoint folder")
     with torch.device("meta"):
         expected = {HF_PREFIX + k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     missing, unexpected = sorted(set(expected) - set(weight_map)), sorted(set(weight_map) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the LLaDA architecture of its config: "
-                         f"{len(missing)} missing tensors {missing[:8]}, {len(unexpected)} unexpected "
-                         f"tensors {unexpected[:8]}")
+        raise ValueError(f"checkpoint {path} does not fit its config.json: {len(missing)} missing tensors "
+                         f"{missing[:8]}, {len(unexpected)} unexpected tensors {unexpected[:8]}")
 
     def tensors():
         for fname in sorted(set(weight_map.values())):
@@ -232,8 +226,7 @@ def load_tokenizer(path, model_config: ModelConfig | None = None):
     try:
         tok = Tokenizer.from_file(str(file))
     except Exception as e:  # the tokenizers library raises a bare Exception ("expected ident at line 1 ...")
-        raise ValueError(f"{file} is not a valid tokenizer.json ({e}); re-copy it from the checkpoint's "
-                         "source") from None
+        raise ValueError(f"{file} is not a valid tokenizer.json ({e}); re-copy the checkpoint's") from None
     n = tok.get_vocab_size(with_added_tokens=True)
     if model_config is not None and n > model_config.vocab_size:
         raise ValueError(f"tokenizer {file} has {n} tokens but the model has only {model_config.vocab_size} "
@@ -271,9 +264,8 @@ class LoRALinear(nn.Linear):
         # A ~ U(+-1/sqrt(in)), peft's kaiming-uniform(a=sqrt(5)) that the official run used, drawn on the CPU (a
         # CPU and a CUDA run get the same A); B = 0, so the adapted model starts at the base (LoRA §4.1).
         a = torch.rand(rank, base.in_features, generator=generator, dtype=torch.float32) * 2 - 1  # (r, in)
-        dev = base.weight.device
-        self.lora_A = nn.Parameter((a * (1.0 / math.sqrt(base.in_features))).to(dev))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=torch.float32, device=dev))
+        self.lora_A = nn.Parameter((a * (1.0 / math.sqrt(base.in_features))).to(base.weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=torch.float32, device=base.weight.device))
 
     def forward(self, x):
         y = F.linear(x, self.weight, self.bias)                                  # (..., out)
@@ -296,13 +288,12 @@ def _adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS,
              generator: torch.Generator | None = None) -> nn.Module:
     """Wrap each block's nn.Linear named in `targets` in LoRALinear and freeze the rest, before any FSDP wrap."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"LoRA rank ({rank!r}) must be an integer >= 1; the official recipe uses rank=128")
-    if not alpha > 0:
-        raise ValueError(f"LoRA alpha ({alpha!r}) must be > 0: it sets the update scale alpha / rank; "
-                         "the official recipe uses alpha=64")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"LoRA dropout ({dropout!r}) must be in [0, 1); use 0.0 to switch it off")
+    bad = [f"{name} ({v!r}) must be {rule}" for name, v, ok, rule in (
+        ("rank", rank, isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1, "an integer >= 1"),
+        ("alpha", alpha, alpha > 0, "> 0 (the update scale is alpha / rank)"),
+        ("dropout", dropout, 0.0 <= dropout < 1.0, "in [0, 1) (0.0 switches it off)")) if not ok]
+    if bad:
+        raise ValueError(f"LoRA {'; '.join(bad)}; the official recipe uses rank=128, alpha=64, dropout=0.05")
     # A lone string is one name, not a list of characters; duplicates would wrap a layer twice.
     targets = tuple(dict.fromkeys((targets,) if isinstance(targets, str) else targets))
     if _adapted(model):
@@ -332,19 +323,6 @@ def lora_stats(model: nn.Module) -> dict:
             "total_params": sum(p.numel() for p in model.parameters())}
 
 
-@contextmanager
-def adapters_disabled(model: nn.Module):
-    """The base model (the GRPO reference policy) inside the block; each adapter's state comes back after it."""
-    before = {m: m.disabled for _, m in _adapted(model)}
-    for m in before:
-        m.disabled = True
-    try:
-        yield model
-    finally:
-        for m, state in before.items():
-            m.disabled = state
-
-
 class AdaptersOff(nn.Module):
     """A LoRA run's reference policy: the policy with its adapters off (no second copy of the base model)."""
 
@@ -352,9 +330,15 @@ class AdaptersOff(nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, *args, **kwargs):
-        with adapters_disabled(self.policy):
+    def forward(self, *args, **kwargs):  # each adapter's own state (one may be off by hand) comes back after
+        before = {m: m.disabled for _, m in _adapted(self.policy)}
+        for m in before:
+            m.disabled = True
+        try:
             return self.policy(*args, **kwargs)
+        finally:
+            for m, state in before.items():
+                m.disabled = state
 
     def __getattr__(self, name):
         try:
@@ -396,9 +380,8 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
     saved, ours = load_file(str(path / ADAPTER_WEIGHTS)), lora_state_dict(model)
     missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
     if missing or unexpected:
-        raise ValueError(f"adapters in {path} do not fit this model: {len(missing)} missing {missing[:6]}, "
-                         f"{len(unexpected)} unexpected {unexpected[:6]}; were they trained with other targets "
-                         "or another n_layers?")
+        raise ValueError(f"adapters in {path} do not fit this model ({len(missing)} missing {missing[:6]}, "
+                         f"{len(unexpected)} unexpected {unexpected[:6]}); pass adapters of its targets and n_layers")
     bad = [f"{k}: saved {tuple(saved[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
            if saved[k].shape != v.shape]
     if bad:
@@ -419,8 +402,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
         parent, _, child = name.rpartition(".")
         delta = m.scaling * (m.lora_B.float() @ m.lora_A.float())                 # (out, in)
         m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
-        with torch.device("meta"):  # adopt the Parameters, allocate nothing
-            plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")  # adopts, no copy
         plain.weight, plain.bias = m.weight, m.bias
         plain.train(m.training)
         setattr(model.get_submodule(parent), child, plain)

@@ -56,8 +56,7 @@ def sft_dir_of(cfg) -> Path:
 
 
 def check_sft_cache(cfg) -> bool:
-    """Whether sft_dir holds an SFT model trained with cfg's settings (runs share one: SFT can take an hour); one
-    trained otherwise is refused, naming what differs, unless --retrain_sft=true."""
+    """Whether sft_dir holds an SFT model of cfg's settings (runs share one); others are refused, naming the change."""
     sft_dir = sft_dir_of(cfg)
     meta_file = sft_dir / "sft_meta.json"
     if meta_file.is_file():
@@ -86,9 +85,8 @@ def check_sft_cache(cfg) -> bool:
         saved = None
     if (hf.is_run_settings(saved) and owner.resolve() != Path(cfg.out_dir).resolve()
             and Path(saved.get("sft_dir") or owner / "sft").resolve() == sft_dir.resolve()):
-        raise ValueError(f"sft_dir {sft_dir} is the SFT model of the run in {owner} and {problem}; a run never "
-                         f"replaces another run's files, so --retrain_sft does not apply: give this run its own "
-                         f"--sft_dir (e.g. --sft_dir={Path(cfg.out_dir) / 'sft'}), or drop --sft_dir")
+        raise ValueError(f"sft_dir {sft_dir} is the SFT model of the run in {owner} and {problem}; --retrain_sft never "
+                         f"replaces another run's files: pass --sft_dir={Path(cfg.out_dir) / 'sft'} or drop --sft_dir")
     if not cfg.retrain_sft:
         raise ValueError(f"sft_dir {sft_dir} {problem}; pass --retrain_sft=true to replace it, or give this "
                          "run its own --sft_dir")
@@ -96,8 +94,7 @@ def check_sft_cache(cfg) -> bool:
 
 
 def load_or_train_sft(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
-    """find_model's toy SFT model: sft_dir when it matches cfg, else trained now by `sft` on rank 0 and renamed
-    onto sft_dir once complete (a crash leaves the old model or none, never a mix)."""
+    """The toy SFT model: sft_dir when it matches cfg, else trained by `sft` on rank 0 and renamed onto sft_dir."""
     sft_dir, tok = sft_dir_of(cfg), toy.build_tokenizer()
     ids = tasks.token_ids(tok)
     cached, failed = check_sft_cache(cfg), []
@@ -126,8 +123,7 @@ def load_or_train_sft(cfg, device, dtype, sft) -> tuple[Path, object, dict, floa
                         raise
                 except Exception as e:  # whatever the writer raised: one line (train.py adds the command)
                     raise WriteFailed(f"saving the SFT model to {sft_dir} failed ({writer_error(e)}): SFT keeps no "
-                                      f"checkpoint, so the trained SFT model is lost, and {sft_dir} is left as it "
-                                      "was") from e
+                                      f"checkpoint, so the trained SFT model is lost; {sft_dir} is unchanged") from e
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
                 shutil.rmtree(old, ignore_errors=True)

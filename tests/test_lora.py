@@ -12,13 +12,13 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from infra.hf import (LORA_TARGETS, LoRALinear, adapters_disabled, add_lora, load_adapters, lora_state_dict,
+from infra.hf import (LORA_TARGETS, AdaptersOff, LoRALinear, add_lora, load_adapters, lora_state_dict,
                   lora_stats, merge_lora, save_adapters, trainable_parameters)
 from model import ModelConfig, Transformer
 from infra.hf import INDEX_NAME
 from infra import hf
 import math
-from infra.hf import (OFFICIAL_TARGETS, TARGET_SETS, LoRALinear, adapters_disabled, add_lora, load_adapters,
+from infra.hf import (OFFICIAL_TARGETS, TARGET_SETS, LoRALinear, add_lora, load_adapters,
                         lora_stats, merge_lora, save_adapters)
 
 
@@ -84,12 +84,10 @@ def test_training_moves_and_disable_restores_base():
         assert torch.equal(model.state_dict()[k], v), k
     adapted = logits(model)
     assert (adapted - base).abs().max() > 1e-3
-    with adapters_disabled(model):
-        assert torch.equal(logits(model), base)  # the reference policy is the base model, bit for bit
+    assert torch.equal(logits(AdaptersOff(model)), base)  # the reference policy is the base model, bit for bit
     assert torch.equal(logits(model), adapted)
-    with pytest.raises(RuntimeError, match="inside"):
-        with adapters_disabled(model):
-            raise RuntimeError("inside")
+    with pytest.raises(IndexError, match="out of range"):  # an error inside the reference pass
+        AdaptersOff(model)(torch.full_like(X, 64))  # a token id past the 64 embedding rows
     assert torch.equal(logits(model), adapted)  # restored after the exception too
 
 
@@ -277,8 +275,8 @@ def test_whole_model_equals_hand_merged_weights():
     assert set(TARGET_SETS) == {"all", "official"}
 
 
-def test_nested_contexts_restore_each_adapter_state():
-    """adapters_disabled nests: an inner context leaves everything off, the outer exit gives back each
+def test_nested_adapters_off_restore_each_adapter_state():
+    """AdaptersOff nests: the inner pass's exit leaves everything off, the outer exit gives back each
     adapter's own earlier state, including adapters that were already off before (not "all on")."""
     model = fill_adapters(add_lora(tiny_gqa(), rank=2, alpha=4.0, targets=("q_proj", "up_proj")))
     base = tiny_gqa()
@@ -290,12 +288,13 @@ def test_nested_contexts_restore_each_adapter_state():
     states = lambda: [m.disabled for m in model.modules() if isinstance(m, LoRALinear)]
     before = states()
     assert before == [False, False, False, True]
-    with adapters_disabled(model):
-        with adapters_disabled(model):
-            assert all(states())
-        assert all(states())  # the inner exit must not switch adapters back on inside the outer block
-        with torch.no_grad():
-            assert torch.equal(model(X_GQA), base_logits)
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(states()))  # inside the inner pass
+    inner = AdaptersOff(model)
+    inner.register_forward_hook(lambda m, args, out: seen.append(states()))  # after the inner exit, inside the outer
+    with torch.no_grad():
+        assert torch.equal(AdaptersOff(inner)(X_GQA), base_logits)
+    assert len(seen) == 2 and all(seen[0]) and all(seen[1]), seen  # the inner exit must not switch adapters back on
     assert states() == before
     with torch.no_grad():
         assert torch.equal(model(X_GQA), partial)
