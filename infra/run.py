@@ -29,9 +29,8 @@ from infra.cli import SCRATCH_SHAPE, resume_changes, setup
 
 
 EVAL_BATCH = 64  # rows per data.evaluate batch
-DISK_ERRORS = {errno.EFBIG: ("a file outgrew the file-size limit", "raise the limit (ulimit -f)"),
-               errno.ENOSPC: ("the disk is full", "free space there (or lower --keep_last)"),
-               errno.EDQUOT: ("the disk is full", "free space there (or lower --keep_last)")}
+DISK_ERRORS = {errno.EFBIG: ("a file outgrew the file-size limit", "raise the limit (ulimit -f)"), **dict.fromkeys(
+    (errno.ENOSPC, errno.EDQUOT), ("the disk is full", "free space there (or lower --keep_last)"))}
 
 
 def start(cfg, argv, sft):
@@ -69,13 +68,12 @@ def check_resume(cfg) -> dict | None:
     if last is None and not config.is_file():
         raise ValueError(f"--resume: out_dir {out} holds no run (no config.json, no {checkpoint.DIRNAME}/); check "
                          "the path, or drop --resume to start a new run there")
-    if last is not None:  # the real conflicts first: the SFT cache check would name only the SFT settings
-        last = resume_point(out)
-        state = hf.read_json(last / "state.json", "remove that checkpoint directory")
-        checkpoint.check_resumable(last, state, asdict(cfg), reference_identity(cfg), may_change)
-    else:  # no checkpoint yet: config.json holds the run's settings, and no reference policy to compare
-        saved = hf.read_json(config, f"delete {config} to start a new run there")
-        checkpoint.check_resumable(config, {"config": saved, "reference": None}, asdict(cfg), None, may_change)
+    # The real conflicts first (the SFT cache check would name only the SFT settings). No checkpoint yet: config.json
+    # holds the run's settings, and there is no reference policy to compare.
+    last = resume_point(out) if last is not None else None
+    state = hf.read_json(last / "state.json", "remove that checkpoint directory") if last else {
+        "config": hf.read_json(config, f"delete {config} to start a new run there"), "reference": None}
+    checkpoint.check_resumable(last or config, state, asdict(cfg), last and reference_identity(cfg), may_change)
     # An extension stopped before it finished: config.json holds its larger --rl_steps (written at start-up),
     # summary.json the earlier finish's, its checkpoint is behind both. It continues as an unfinished run.
     saved = hf.read_json(config, f"re-create {config}") if summary.is_file() and config.is_file() else None
@@ -85,9 +83,8 @@ def check_resume(cfg) -> dict | None:
                          "pass --extend=true, as it was started, to continue it")
     if last is not None and (extending or not summary.is_file()) and cfg.rl_steps < state["step"]:
         raise ValueError(f"cannot resume {out} at --rl_steps={cfg.rl_steps}: its checkpoint {last.name} has taken "
-                         f"{state['step']} RL steps already, and a resumed run continues from there; pass --rl_steps="
-                         f"{state['config']['rl_steps']} (the run's own) or more, or start a new run with another "
-                         "--out_dir")
+                         f"{state['step']} RL steps already; pass --rl_steps={state['config']['rl_steps']} (the run's "
+                         "own) or more, or start a new run with another --out_dir")
     if not summary.is_file() or extending:
         return None
     done = (state["config"] if saved is None else saved).get("rl_steps")
@@ -107,13 +104,12 @@ def check_resume(cfg) -> dict | None:
     if last is None or step_of(last) != done:
         raise ValueError(f"--extend: out_dir {out} has no checkpoint of its last step ({done}) to continue from "
                          f"(latest: {last.name if last else 'none'}); start a new run with another --out_dir")
-    return None
 
 
 @contextmanager
 def startup_checks(cfg, device):
-    """sft_dir, then out_dir, each agreed by every rank (one failing, on a node-local disk say, stops all); rank 0
-    writes config.json, and holds sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model there."""
+    """sft_dir, then out_dir, each agreed by every rank (one failing stops all); rank 0 writes config.json, and holds
+    sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model there."""
     out, pid_file = Path(cfg.out_dir), None
     try:
         with agreed(device):
@@ -176,10 +172,7 @@ def _check_out_dir(cfg, out: Path) -> None:
     mc = None
     if cfg.init_from != "scratch":
         refuse_training_checkpoint(cfg.init_from, "--init_from")
-        if not (Path(cfg.init_from) / "config.json").is_file():
-            raise FileNotFoundError(f"{Path(cfg.init_from) / 'config.json'} not found: --init_from must be a "
-                                    "LLaDA/MMaDA checkpoint directory")
-        mc = hf.read_config(cfg.init_from)
+        mc = hf.read_config(cfg.init_from)  # a missing config.json is refused there
         preset = getattr(cfg, "_preset_values", {})
         other = [k for k in SCRATCH_SHAPE if k in preset and getattr(mc, k) != preset[k]]
         if other:  # the preset's lr, lengths and batch sizes were chosen for a model of its shape
@@ -205,9 +198,8 @@ def _check_out_dir(cfg, out: Path) -> None:
                          "continue from; choose another --out_dir")
     logged = len(step_lines(out / "log.jsonl"))
     if logged and last is None and not cfg.resume:  # a crash before the first checkpoint: only step 0 is left
-        raise ValueError(f"out_dir {out} holds an unfinished run ({logged} RL step(s) in log.jsonl) with no "
-                         "checkpoint to continue from; --resume=true restarts it from step 0 (its log is "
-                         "rewritten), or choose another --out_dir")
+        raise ValueError(f"out_dir {out} holds an unfinished run ({logged} RL step(s) in log.jsonl) and no checkpoint: "
+                         "--resume=true restarts it from step 0 (rewriting its log), or choose another --out_dir")
     if not logged and (out / "log.jsonl").exists() and last is None:
         print0(f"out_dir {out} holds a run that took no RL step (its log.jsonl is empty): starting it again")
     if scale.rank() == 0:
@@ -218,11 +210,7 @@ def dry_run(cfg, report):
     """--dry_run: report(cfg) on RANK 0 (no process group) once the --init_from folder and data files are there."""
     if cfg.init_from not in ("", "scratch"):
         refuse_training_checkpoint(cfg.init_from, "--init_from")
-        where = Path(cfg.init_from)
-        if not (where / "config.json").is_file():
-            raise ValueError(f"--init_from {where} {'has no config.json' if where.is_dir() else 'does not exist'}: "
-                             "the run would stop there; pass the LLaDA/MMaDA checkpoint folder (or no --init_from "
-                             "for the preset's model shape)")
+        hf.read_config(cfg.init_from)  # no config.json (or not a model's) would stop the run there
     for flag in ("train_data", "eval_data"):
         for task, path in data.data_paths(getattr(cfg, flag), flag).items():
             if not Path(path).is_file():
@@ -467,5 +455,4 @@ def all_skipped(run) -> str | None:
     scorer = f"; is the image scorer at {cfg.image_scorer_url} up? (`python -m tools.stub_scorer` serves a " \
         "stand-in)" if cfg.image_scorer_url else ""
     return (f"every one of the {cfg.rl_steps} RL steps was skipped (the last: {run.last_bad}){scorer}; nothing was "
-            "trained, so no final/ or summary.json is written and no reward after RL is reported; fix the cause and "
-            "start again with another --out_dir")
+            "trained: no final/, summary.json or reward after RL; fix the cause and start again in another --out_dir")

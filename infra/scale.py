@@ -1,9 +1,6 @@
-"""Running at scale (`torchrun --nproc_per_node=8 train.py ...`): process groups, FSDP2 sharding, reductions.
-
-In one process every function here is a no-op or the identity, so train.py has one code path. The world size changes
-no result: random numbers come from generators seeded by (seed, step, global prompt index), every rank builds the
-global batch and keeps its own rows, and the collectives move only rewards, token counts and statistics.
-"""
+"""Running at scale (`torchrun --nproc_per_node=8 train.py ...`): process groups, FSDP2 sharding, reductions; in one
+process each is a no-op or the identity. The world size changes no result: every rank builds the global batch from
+generators seeded by (seed, step, global prompt index) and keeps its rows; collectives move only statistics."""
 from __future__ import annotations
 
 import contextlib
@@ -146,9 +143,8 @@ def _together(exc: BaseException | None) -> bool:
 
 
 def close() -> None:
-    """Leave the process group (a no-op without one): on an exit every rank takes, a barrier first, so no rank shuts
-    down while gloo holds its tensors (SIGABRT); after an error, with peers, nothing, as a peer stuck in a collective
-    would make the barrier or NCCL's destroy_process_group wait."""
+    """Leave the process group (a no-op without one). On an exit every rank takes, a barrier first (a rank ending
+    while gloo holds its tensors aborts); after an error with peers, none (a peer stuck in a collective hangs it)."""
     if not dist.is_initialized() or (world() > 1 and not _together(sys.exc_info()[1])):
         return
     try:
@@ -173,8 +169,8 @@ def exit_status(exc: BaseException | None) -> int:
 @contextlib.contextmanager
 def process_exit():
     """`with scale.process_exit(): main()` closes the group on every way out; a torchrun rank then ends at once
-    (os._exit) with Python's status, as gloo's threads outlive destroy_process_group once FSDP2 has run (torch 2.13,
-    CPU) and interpreter teardown would end in SIGABRT. One process is left alone; every file is closed by then."""
+    (os._exit) with Python's status: once FSDP2 has run, gloo's threads outlive destroy_process_group (torch 2.13,
+    CPU) and interpreter teardown would end in SIGABRT. One process is left alone."""
     launched, status = int(os.environ.get("WORLD_SIZE", "1")) > 1, 0
     try:
         try:
