@@ -13,7 +13,6 @@ from fractions import Fraction
 from infra.latex import math_equiv, normalize_math  # noqa: F401 (re-exported: callers import them from here)
 from infra.sandbox import run_code  # the public API is rewards.run_code(program, tests, timeout) -> float
 
-# -----------------------------------------------------------------------------------------------------
 # answer extraction
 
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -41,7 +40,6 @@ def _answer_block(text: str) -> str | None:
     return text[start + len("<answer>"):close] if start >= 0 else extract_boxed(text)
 
 
-# -----------------------------------------------------------------------------------------------------
 # GSM8K (numeric answers) and MATH (LaTeX answers, compared by infra/latex.py)
 
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,234,567 -> 1234567 but (2,100) stays a pair
@@ -91,7 +89,6 @@ def math_reward(completion: str, answer: str) -> float:
     return float(pred is not None and math_equiv(pred, answer if gold is None else gold))
 
 
-# -----------------------------------------------------------------------------------------------------
 # countdown (d1): an arithmetic equation over given numbers, evaluated by our own parser, never eval
 
 _CD_MAX_CHARS, _CD_MAX_DEPTH, _CD_MAX_DIGITS = 200, 20, 6
@@ -165,7 +162,6 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
     return 1.0 if sorted(used) == sorted(numbers) and value == target else 0.1
 
 
-# -----------------------------------------------------------------------------------------------------
 # sudoku 4x4 (d1), the reasoning format and code
 
 
@@ -194,7 +190,6 @@ def extract_code(completion: str) -> str:
     return completion if m is None else m.group(1).lstrip("\n")
 
 
-# -----------------------------------------------------------------------------------------------------
 # registry: task name -> reward(completion, example) -> float in [0, 1]
 
 
@@ -205,22 +200,23 @@ def _field(example: dict, name: str):
     return example[name]
 
 
+def _on(reward, *names):
+    """reward(completion, *example's fields `names`) as a registry entry reward(completion, example)."""
+    return lambda completion, example: reward(completion, *(_field(example, name) for name in names))
+
+
 REWARDS = {
-    "gsm8k": lambda completion, example: gsm8k_reward(completion, _field(example, "answer")),
-    "math": lambda completion, example: math_reward(completion, _field(example, "answer")),
-    "countdown": lambda completion, example: countdown_reward(completion, _field(example, "numbers"),
-                                                              _field(example, "target")),
-    "sudoku": lambda completion, example: sudoku_reward(completion, _field(example, "puzzle"),
-                                                        _field(example, "solution")),
+    "gsm8k": _on(gsm8k_reward, "answer"),
+    "math": _on(math_reward, "answer"),
+    "countdown": _on(countdown_reward, "numbers", "target"),
+    "sudoku": _on(sudoku_reward, "puzzle", "solution"),
     "mbpp": lambda completion, example: run_code(  # MBPP's setup code runs after the solution, before the asserts
         extract_code(completion) + "\n" + (example.get("test_setup_code") or ""), _field(example, "test_list")),
 }
 
 
-# -----------------------------------------------------------------------------------------------------
 # the official MaskGRPO runs' shaped rewards, divided by their maximum: (r - mean) / std advantages ignore the
 # scale; under r - mean alone (d1's) it scales every step by 1 / SHAPED_MAX[task], like a learning rate.
-
 SHAPED_MAX = {"gsm8k": 3.0, "math": 2.5}
 
 
@@ -241,13 +237,9 @@ def math_shaped_reward(completion: str, answer: str) -> float:
     return total / SHAPED_MAX["math"]
 
 
-SHAPED = {
-    "gsm8k": lambda completion, example: gsm8k_shaped_reward(completion, _field(example, "answer")),
-    "math": lambda completion, example: math_shaped_reward(completion, _field(example, "answer")),
-}
+SHAPED = {"gsm8k": _on(gsm8k_shaped_reward, "answer"), "math": _on(math_shaped_reward, "answer")}
 
 
-# -----------------------------------------------------------------------------------------------------
 # the toy tasks' verifiers (infra/toy.py makes their examples): a boxed answer, a whole solution, a grid
 
 
