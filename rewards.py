@@ -106,7 +106,7 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
         operand = factor if ops == "*/" else lambda d: expr(d, "*/")
         value = operand(depth)
         while rest and rest[-1] in ops:
-            op, rhs = take(), operand(depth)
+            op, rhs = rest.pop(), operand(depth)
             value = (value + rhs if op == "+" else value - rhs if op == "-"
                      else value * rhs if op == "*" else value / rhs)
         return value
@@ -114,10 +114,10 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
     def factor(depth: int) -> Fraction:
         if depth > _CD_MAX_DEPTH:
             raise ValueError("nested too deeply")
-        tok = take()
+        tok = rest.pop()
         if tok == "(":
             value = expr(depth + 1)
-            if take() != ")":
+            if rest.pop() != ")":
                 raise ValueError("unbalanced parenthesis")
             return value
         if tok == "-":
@@ -126,11 +126,6 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
             raise ValueError(f"bad operand {tok!r}")
         used.append(int(tok))
         return Fraction(int(tok))
-
-    def take() -> str:
-        if not rest:
-            raise ValueError("unexpected end")
-        return rest.pop()
 
     value = expr(0)
     if rest:
@@ -157,7 +152,7 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
         return 0.1
     try:
         value = _cd_eval(_CD_TOKEN.findall(equation), used)
-    except (ValueError, ZeroDivisionError):  # a malformed equation, or / 0
+    except (ValueError, IndexError, ZeroDivisionError):  # a malformed or cut-short equation, or / 0
         return 0.1
     return 1.0 if sorted(used) == sorted(numbers) and value == target else 0.1
 
