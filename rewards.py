@@ -14,7 +14,6 @@ from infra.latex import math_equiv, normalize_math  # noqa: F401 (re-exported: c
 from infra.sandbox import run_code  # the public API is rewards.run_code(program, tests, timeout) -> float
 
 # answer extraction
-
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"\\.|[{}]", re.S)  # an escaped character (\{, \}, \\) never counts as a brace
 
@@ -41,7 +40,6 @@ def _answer_block(text: str) -> str | None:
 
 
 # GSM8K (numeric answers) and MATH (LaTeX answers, compared by infra/latex.py)
-
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,234,567 -> 1234567 but (2,100) stays a pair
 _PLAIN_NUMBER = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:\s*[a-zA-Z]{2,})*")  # "18 dollars"; not 1e9
 _MAX_NUMBER_CHARS = 100  # longer "numbers" score 0: never int() a 10^6-digit string
@@ -90,7 +88,6 @@ def math_reward(completion: str, answer: str) -> float:
 
 
 # countdown (d1): an arithmetic equation over given numbers, evaluated by our own parser, never eval
-
 _CD_MAX_CHARS, _CD_MAX_DEPTH, _CD_MAX_DIGITS = 200, 20, 6
 _CD_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
 _CD_OTHER = re.compile(r"[^0-9\s()*/+-]")
@@ -158,8 +155,6 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
 
 
 # sudoku 4x4 (d1), the reasoning format and code
-
-
 def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
     """Fraction of the puzzle's empty cells (0s) filled correctly, from the 16 digits of the last <answer> block
     (or last \\boxed{}); separators are ignored and any other digit count scores 0 (d1 sudoku reward)."""
@@ -186,8 +181,6 @@ def extract_code(completion: str) -> str:
 
 
 # registry: task name -> reward(completion, example) -> float in [0, 1]
-
-
 def _field(example: dict, name: str):
     """example[name] of an example as infra/data.py makes it, else a ValueError naming the keys it has."""
     if name not in example:
@@ -236,8 +229,6 @@ SHAPED = {"gsm8k": _on(gsm8k_shaped_reward, "answer"), "math": _on(math_shaped_r
 
 
 # the toy tasks' verifiers (infra/toy.py makes their examples): a boxed answer, a whole solution, a grid
-
-
 def answer_reward(completion_text: str, example: dict) -> float:
     """1.0 if the completion's last \\boxed{} holds the true answer, else 0.0 (a missing box too: the toy's
     SFT model always writes one): "3 + 4 = 7 . \\\\boxed{7}" scores 1 for answer "7"."""
