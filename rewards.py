@@ -230,8 +230,7 @@ SHAPED = {"gsm8k": _on(gsm8k_shaped_reward, "answer"), "math": _on(math_shaped_r
 
 # the toy tasks' verifiers (infra/toy.py makes their examples): a boxed answer, a whole solution, a grid
 def answer_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the completion's last \\boxed{} holds the true answer, else 0.0 (a missing box too: the toy's
-    SFT model always writes one): "3 + 4 = 7 . \\\\boxed{7}" scores 1 for answer "7"."""
+    """1.0 if the completion's last \\boxed{} holds the true answer, else 0.0 (also with no box at all)."""
     boxes = re.findall(r"\\boxed\{([^{}]*)\}", completion_text)
     return float(bool(boxes) and boxes[-1].strip() == example["answer"])
 
@@ -249,8 +248,7 @@ PLACES = {"top row": (0, 0), "bottom row": (0, -1), "left column": (1, 0), "righ
 
 
 def image_checks(codes: list[int], spec: dict) -> list[bool]:
-    """Each named colour's exact cell count; no stray colours; the relation (every cell of a strictly on the
-    named side of every cell of b) or the placement (every cell of a in the named row or column), if any."""
+    """Each named colour's cell count, no stray colour, the relation (all of a strictly beside all of b) or place."""
     w = spec["width"]
     cells = {c: [divmod(i, w) for i, x in enumerate(codes) if x == COLOURS.index(c) + 1] for c in COLOURS}
     checks = [len(cells[c]) == n for c, n in spec["counts"].items()]
@@ -268,7 +266,6 @@ def image_checks(codes: list[int], spec: dict) -> list[bool]:
 
 
 def image_reward(codes: list[int], example: dict) -> float:
-    """The fraction of image_checks that hold (GenEval's all-or-nothing is a sparser signal), 0 for a wrong number
-    of codes: "one red" on a 2 x 2 grid, [1, 0, 0, 0] -> 1.0 and [1, 1, 0, 0] -> 0.5."""
+    """The fraction of image_checks that hold (denser than GenEval's all-or-nothing); 0 for a wrong number of codes."""
     checks = image_checks(codes, example["spec"]) if len(codes) == example["spec"]["width"] ** 2 else [False]
     return sum(checks) / len(checks)

@@ -142,8 +142,7 @@ def _work(job: dict, index: int, workdir: str, libc) -> None:
 
 
 def _isolate(workdir: str, uid: int | None, timeout: float, memory_mb: int, libc) -> None:
-    """Apply the sandbox to the worker (in the fork: preexec_fn is unsafe in a caller with threads); raises if a
-    required step fails, so nothing runs."""
+    """Sandbox the worker, in the fork (preexec_fn is unsafe with threads); a failed required step raises."""
     import resource
     os.chdir(workdir)
     if libc is not None and uid is None:

@@ -176,8 +176,7 @@ class Wandb:
 
 
 class Trackio(Wandb):
-    """trackio (wandb's API, a local SQLite store under TRACKIO_DIR). It reopens a run by name, so the name must
-    lead back to the saved id."""
+    """trackio: wandb's API, a local SQLite store under TRACKIO_DIR; it reopens a run by name, not by saved id."""
 
     def __init__(self, cfg, run_id: str | None):
         import trackio
