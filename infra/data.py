@@ -159,10 +159,9 @@ _UNITS = ([[4 * r + c for c in range(4)] for r in range(4)] + [[4 * r + c for r 
 
 def _sudoku(row: dict) -> dict:
     puzzle, solution = (str(row.get(k) or "").strip() for k in ("puzzle", "solution"))
-    if not re.fullmatch(r"[0-4]{16}", puzzle):
-        raise ValueError(f"puzzle {puzzle!r:.40} should be 16 digits 0-4 (0 = empty cell)")
-    if not re.fullmatch(r"[1-4]{16}", solution):
-        raise ValueError(f"solution {solution!r:.40} should be 16 digits 1-4")
+    for name, grid, digits, note in (("puzzle", puzzle, "0-4", " (0 = empty cell)"), ("solution", solution, "1-4", "")):
+        if not re.fullmatch(f"[{digits}]{{16}}", grid):
+            raise ValueError(f"{name} {grid!r:.40} should be 16 digits {digits}{note}")
     if any(p not in ("0", s) for p, s in zip(puzzle, solution)):
         raise ValueError("the solution contradicts a given digit of the puzzle")
     if any(sorted(solution[i] for i in unit) != list("1234") for unit in _UNITS):
