@@ -193,14 +193,10 @@ def _on(reward, *names):
     return lambda completion, example: reward(completion, *(_field(example, name) for name in names))
 
 
-REWARDS = {
-    "gsm8k": _on(gsm8k_reward, "answer"),
-    "math": _on(math_reward, "answer"),
-    "countdown": _on(countdown_reward, "numbers", "target"),
-    "sudoku": _on(sudoku_reward, "puzzle", "solution"),
-    "mbpp": lambda completion, example: run_code(  # MBPP's setup code runs after the solution, before the asserts
-        extract_code(completion) + "\n" + (example.get("test_setup_code") or ""), _field(example, "test_list")),
-}
+REWARDS = {"gsm8k": _on(gsm8k_reward, "answer"), "math": _on(math_reward, "answer"),
+           "countdown": _on(countdown_reward, "numbers", "target"), "sudoku": _on(sudoku_reward, "puzzle", "solution"),
+           "mbpp": lambda completion, example: run_code(  # MBPP's setup runs after the solution, before the asserts
+               extract_code(completion) + "\n" + (example.get("test_setup_code") or ""), _field(example, "test_list"))}
 
 
 # the official MaskGRPO runs' shaped rewards, divided by their maximum: (r - mean) / std advantages ignore the

@@ -256,8 +256,7 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
 
 
 def evaluate_all(model, ctx: tasks.Ctx, prompt_means: dict | None = None, stop=lambda: None) -> dict:
-    """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data are left
-    out. prompt_means receives each one's per-prompt means under the same keys; stop: as evaluate's."""
+    """Held-out mean reward per task, sampled and (text) greedy, if it has held-out data; prompt_means: per key."""
     res = {}
     for task in tasks.task_list(ctx.cfg):
         greedy = () if task in tasks.IMAGE_TASKS else ((f"{task}_greedy", 0.0),)  # images have no greedy decoding
