@@ -13,9 +13,7 @@ from fractions import Fraction
 from infra.latex import math_equiv, normalize_math  # noqa: F401 (re-exported: callers import them from here)
 from infra.sandbox import run_code  # the public API is rewards.run_code(program, tests, timeout) -> float
 
-# -----------------------------------------------------------------------------------------------------
 # answer extraction
-
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"\\.|[{}]", re.S)  # an escaped character (\{, \}, \\) never counts as a brace
 
@@ -41,9 +39,7 @@ def _answer_block(text: str) -> str | None:
     return text[start + len("<answer>"):close] if start >= 0 else extract_boxed(text)
 
 
-# -----------------------------------------------------------------------------------------------------
 # GSM8K (numeric answers) and MATH (LaTeX answers, compared by infra/latex.py)
-
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,234,567 -> 1234567 but (2,100) stays a pair
 _PLAIN_NUMBER = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:\s*[a-zA-Z]{2,})*")  # "18 dollars"; not 1e9
 _MAX_NUMBER_CHARS = 100  # longer "numbers" score 0: never int() a 10^6-digit string
@@ -91,9 +87,7 @@ def math_reward(completion: str, answer: str) -> float:
     return float(pred is not None and math_equiv(pred, answer if gold is None else gold))
 
 
-# -----------------------------------------------------------------------------------------------------
 # countdown (d1): an arithmetic equation over given numbers, evaluated by our own parser, never eval
-
 _CD_MAX_CHARS, _CD_MAX_DEPTH, _CD_MAX_DIGITS = 200, 20, 6
 _CD_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
 _CD_OTHER = re.compile(r"[^0-9\s()*/+-]")
@@ -109,7 +103,7 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
         operand = factor if ops == "*/" else lambda d: expr(d, "*/")
         value = operand(depth)
         while rest and rest[-1] in ops:
-            op, rhs = take(), operand(depth)
+            op, rhs = rest.pop(), operand(depth)
             value = (value + rhs if op == "+" else value - rhs if op == "-"
                      else value * rhs if op == "*" else value / rhs)
         return value
@@ -117,10 +111,10 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
     def factor(depth: int) -> Fraction:
         if depth > _CD_MAX_DEPTH:
             raise ValueError("nested too deeply")
-        tok = take()
+        tok = rest.pop()
         if tok == "(":
             value = expr(depth + 1)
-            if take() != ")":
+            if rest.pop() != ")":
                 raise ValueError("unbalanced parenthesis")
             return value
         if tok == "-":
@@ -129,11 +123,6 @@ def _cd_eval(tokens: list[str], used: list[int]) -> Fraction:
             raise ValueError(f"bad operand {tok!r}")
         used.append(int(tok))
         return Fraction(int(tok))
-
-    def take() -> str:
-        if not rest:
-            raise ValueError("unexpected end")
-        return rest.pop()
 
     value = expr(0)
     if rest:
@@ -160,15 +149,12 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
         return 0.1
     try:
         value = _cd_eval(_CD_TOKEN.findall(equation), used)
-    except (ValueError, ZeroDivisionError):  # a malformed equation, or / 0
+    except (ValueError, IndexError, ZeroDivisionError):  # a malformed or cut-short equation, or / 0
         return 0.1
     return 1.0 if sorted(used) == sorted(numbers) and value == target else 0.1
 
 
-# -----------------------------------------------------------------------------------------------------
 # sudoku 4x4 (d1), the reasoning format and code
-
-
 def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
     """Fraction of the puzzle's empty cells (0s) filled correctly, from the 16 digits of the last <answer> block
     (or last \\boxed{}); separators are ignored and any other digit count scores 0 (d1 sudoku reward)."""
@@ -194,10 +180,7 @@ def extract_code(completion: str) -> str:
     return completion if m is None else m.group(1).lstrip("\n")
 
 
-# -----------------------------------------------------------------------------------------------------
 # registry: task name -> reward(completion, example) -> float in [0, 1]
-
-
 def _field(example: dict, name: str):
     """example[name] of an example as infra/data.py makes it, else a ValueError naming the keys it has."""
     if name not in example:
@@ -205,22 +188,19 @@ def _field(example: dict, name: str):
     return example[name]
 
 
-REWARDS = {
-    "gsm8k": lambda completion, example: gsm8k_reward(completion, _field(example, "answer")),
-    "math": lambda completion, example: math_reward(completion, _field(example, "answer")),
-    "countdown": lambda completion, example: countdown_reward(completion, _field(example, "numbers"),
-                                                              _field(example, "target")),
-    "sudoku": lambda completion, example: sudoku_reward(completion, _field(example, "puzzle"),
-                                                        _field(example, "solution")),
-    "mbpp": lambda completion, example: run_code(  # MBPP's setup code runs after the solution, before the asserts
-        extract_code(completion) + "\n" + (example.get("test_setup_code") or ""), _field(example, "test_list")),
-}
+def _on(reward, *names):
+    """reward(completion, *example's fields `names`) as a registry entry reward(completion, example)."""
+    return lambda completion, example: reward(completion, *(_field(example, name) for name in names))
 
 
-# -----------------------------------------------------------------------------------------------------
+REWARDS = {"gsm8k": _on(gsm8k_reward, "answer"), "math": _on(math_reward, "answer"),
+           "countdown": _on(countdown_reward, "numbers", "target"), "sudoku": _on(sudoku_reward, "puzzle", "solution"),
+           "mbpp": lambda completion, example: run_code(  # MBPP's setup runs after the solution, before the asserts
+               extract_code(completion) + "\n" + (example.get("test_setup_code") or ""), _field(example, "test_list"))}
+
+
 # the official MaskGRPO runs' shaped rewards, divided by their maximum: (r - mean) / std advantages ignore the
 # scale; under r - mean alone (d1's) it scales every step by 1 / SHAPED_MAX[task], like a learning rate.
-
 SHAPED_MAX = {"gsm8k": 3.0, "math": 2.5}
 
 
@@ -241,19 +221,12 @@ def math_shaped_reward(completion: str, answer: str) -> float:
     return total / SHAPED_MAX["math"]
 
 
-SHAPED = {
-    "gsm8k": lambda completion, example: gsm8k_shaped_reward(completion, _field(example, "answer")),
-    "math": lambda completion, example: math_shaped_reward(completion, _field(example, "answer")),
-}
+SHAPED = {"gsm8k": _on(gsm8k_shaped_reward, "answer"), "math": _on(math_shaped_reward, "answer")}
 
 
-# -----------------------------------------------------------------------------------------------------
 # the toy tasks' verifiers (infra/toy.py makes their examples): a boxed answer, a whole solution, a grid
-
-
 def answer_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the completion's last \\boxed{} holds the true answer, else 0.0 (a missing box too: the toy's
-    SFT model always writes one): "3 + 4 = 7 . \\\\boxed{7}" scores 1 for answer "7"."""
+    """1.0 if the completion's last \\boxed{} holds the true answer, else 0.0 (also with no box at all)."""
     boxes = re.findall(r"\\boxed\{([^{}]*)\}", completion_text)
     return float(bool(boxes) and boxes[-1].strip() == example["answer"])
 
@@ -271,8 +244,7 @@ PLACES = {"top row": (0, 0), "bottom row": (0, -1), "left column": (1, 0), "righ
 
 
 def image_checks(codes: list[int], spec: dict) -> list[bool]:
-    """Each named colour's exact cell count; no stray colours; the relation (every cell of a strictly on the
-    named side of every cell of b) or the placement (every cell of a in the named row or column), if any."""
+    """Each named colour's cell count, no stray colour, the relation (all of a strictly beside all of b) or place."""
     w = spec["width"]
     cells = {c: [divmod(i, w) for i, x in enumerate(codes) if x == COLOURS.index(c) + 1] for c in COLOURS}
     checks = [len(cells[c]) == n for c, n in spec["counts"].items()]
@@ -290,7 +262,6 @@ def image_checks(codes: list[int], spec: dict) -> list[bool]:
 
 
 def image_reward(codes: list[int], example: dict) -> float:
-    """The fraction of image_checks that hold (GenEval's all-or-nothing is a sparser signal), 0 for a wrong number
-    of codes: "one red" on a 2 x 2 grid, [1, 0, 0, 0] -> 1.0 and [1, 1, 0, 0] -> 0.5."""
+    """The fraction of image_checks that hold (denser than GenEval's all-or-nothing); 0 for a wrong number of codes."""
     checks = image_checks(codes, example["spec"]) if len(codes) == example["spec"]["width"] ** 2 else [False]
     return sum(checks) / len(checks)

@@ -159,10 +159,9 @@ _UNITS = ([[4 * r + c for c in range(4)] for r in range(4)] + [[4 * r + c for r 
 
 def _sudoku(row: dict) -> dict:
     puzzle, solution = (str(row.get(k) or "").strip() for k in ("puzzle", "solution"))
-    if not re.fullmatch(r"[0-4]{16}", puzzle):
-        raise ValueError(f"puzzle {puzzle!r:.40} should be 16 digits 0-4 (0 = empty cell)")
-    if not re.fullmatch(r"[1-4]{16}", solution):
-        raise ValueError(f"solution {solution!r:.40} should be 16 digits 1-4")
+    for name, grid, digits, note in (("puzzle", puzzle, "0-4", " (0 = empty cell)"), ("solution", solution, "1-4", "")):
+        if not re.fullmatch(f"[{digits}]{{16}}", grid):
+            raise ValueError(f"{name} {grid!r:.40} should be 16 digits {digits}{note}")
     if any(p not in ("0", s) for p, s in zip(puzzle, solution)):
         raise ValueError("the solution contradicts a given digit of the puzzle")
     if any(sorted(solution[i] for i in unit) != list("1234") for unit in _UNITS):
@@ -220,8 +219,8 @@ def eval_examples(task: str, cfg, datasets: dict) -> list:
     return datasets.get(task, {}).get("test", [])[: cfg.eval_prompts]
 
 
-def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list | None = None, progress=None,
-             prompt_means: list | None = None, stop=None) -> float | None:
+def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list | None = None,
+             progress=lambda n: None, prompt_means: list | None = None, stop=lambda: None) -> float | None:
     """Held-out mean reward (None without a held-out set) of eval_samples completions per prompt (1 greedy), each
     seeded by its index, ranks interleaving each 64-row batch. records gets this rank's rows; prompt_means each
     prompt's mean (for a paired standard error); progress(n) follows each batch of n rows, stop() precedes it."""
@@ -235,8 +234,7 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
     total = torch.zeros(1, dtype=torch.float64, device=device)  # the sum of the rewards (every row is one rank's)
     with scale.full_weights(model):  # on every rank, also one without rows in a batch (sample.rollout's is a no-op)
         for i in range(0, len(exs), 64):
-            if stop is not None:
-                stop()
+            stop()
             mine = slice(scale.rank(), None, scale.world())
             b = tasks.make_batch(task, exs[i:i + 64], ctx.tok, ctx.ids, cfg, device, with_targets=False).rows(mine)
             idx = list(range(i, min(i + 64, len(exs))))[mine]
@@ -247,8 +245,7 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
             r = tasks.score(b, tasks.verifier(task, cfg.text_reward), ctx.tok, ctx.ids, ctx.scorer)
             total += r.sum().item()
             per_prompt.index_add_(0, torch.tensor([j // k for j in idx], device=device), r.to(device, torch.float64))
-            if progress is not None:
-                progress(len(idx))
+            progress(len(idx))
             if records is not None:
                 outs = tasks.decode_window(b, ctx.tok, ctx.ids)
                 records.extend({"index": j, "prompt": ex["prompt"], "output": o, "reward": float(v)}
@@ -258,9 +255,8 @@ def evaluate(model, ctx: tasks.Ctx, task: str, temperature: float, records: list
     return (scale.all_sum(total) / len(exs)).item()
 
 
-def evaluate_all(model, ctx: tasks.Ctx, prompt_means: dict | None = None, stop=None) -> dict:
-    """Held-out mean reward per task (sampled), and greedy for text tasks; tasks without held-out data are left
-    out. prompt_means receives each one's per-prompt means under the same keys; stop: as evaluate's."""
+def evaluate_all(model, ctx: tasks.Ctx, prompt_means: dict | None = None, stop=lambda: None) -> dict:
+    """Held-out mean reward per task, sampled and (text) greedy, if it has held-out data; prompt_means: per key."""
     res = {}
     for task in tasks.task_list(ctx.cfg):
         greedy = () if task in tasks.IMAGE_TASKS else ((f"{task}_greedy", 0.0),)  # images have no greedy decoding

@@ -142,8 +142,7 @@ def _work(job: dict, index: int, workdir: str, libc) -> None:
 
 
 def _isolate(workdir: str, uid: int | None, timeout: float, memory_mb: int, libc) -> None:
-    """Apply the sandbox to the worker (in the fork: preexec_fn is unsafe in a caller with threads); raises if a
-    required step fails, so nothing runs."""
+    """Sandbox the worker, in the fork (preexec_fn is unsafe with threads); a failed required step raises."""
     import resource
     os.chdir(workdir)
     if libc is not None and uid is None:
@@ -189,13 +188,11 @@ class RemoteScorer:
         if not ok:
             raise ValueError(f"image scorer url must look like http(s)://host[:port][/path], got {url!r}; "
                              f"to try the pipeline without models: {_STUB_HINT}")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"image scorer timeout must be > 0 seconds, got {timeout!r}; set "
-                             "--image_scorer_timeout (default 30)")
-        if not (isinstance(retries, int) and retries >= 0):
-            raise ValueError(f"image scorer retries must be an int >= 0 (0 = one attempt), got {retries!r}")
-        if not (isinstance(backoff, (int, float)) and backoff >= 0):
-            raise ValueError(f"image scorer backoff must be >= 0 seconds, got {backoff!r}")
+        for name, (v, types, want) in {"timeout": (timeout, (int, float), "> 0 seconds (--image_scorer_timeout)"),
+                                       "retries": (retries, int, "an int >= 0 (0 = one attempt)"),
+                                       "backoff": (backoff, (int, float), ">= 0 seconds")}.items():
+            if not (isinstance(v, types) and (v > 0 if name == "timeout" else v >= 0)):
+                raise ValueError(f"image scorer {name} must be {want}, got {v!r}")
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
 
     def __call__(self, prompts: list[str], image_codes: list[list[int]]) -> list[float]:

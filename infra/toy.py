@@ -119,9 +119,8 @@ def make_image_example(rng: random.Random, split: str = "train", noise: float = 
     ex = _draw(make, split)
     codes = [COLOURS.index(c) + 1 for c, n in ex["spec"]["counts"].items() for _ in range(n)]
     while True:  # rejection-sample a grid that satisfies every check (a handful of tries at most)
-        image = [0] * width * width
-        for cell, code in zip(rng.sample(range(width * width), len(codes)), codes):
-            image[cell] = code
+        cells = dict(zip(rng.sample(range(width * width), len(codes)), codes))
+        image = [cells.get(i, 0) for i in range(width * width)]
         if all(image_checks(image, ex["spec"])):
             break
     # The systematic mistake: every cell of the first named colour drawn in its look-alike (the next palette

@@ -55,8 +55,7 @@ class Tracker:
         atexit.register(self.close)  # a run that ends early (an error, a signal): its tracker writes what it holds
 
     def step(self, step: int, log: dict, times: dict) -> None:
-        """One RL step's log.jsonl line (`step` is the x axis) and times.jsonl line (under time/); a value neither
-        number nor text (--change_on_resume's {"lr": [old, new]}) goes as its JSON text."""
+        """One step's log.jsonl and times.jsonl (as time/) lines; a value neither number nor text goes as JSON text."""
         values = {k: v if isinstance(v, (int, float, str)) else json.dumps(v) for k, v in log.items() if k != "step"}
         values.update({f"time/{k}": v for k, v in times.items() if k != "step"})
         self._send("step", step, values)
@@ -176,8 +175,7 @@ class Wandb:
 
 
 class Trackio(Wandb):
-    """trackio (wandb's API, a local SQLite store under TRACKIO_DIR). It reopens a run by name, so the name must
-    lead back to the saved id."""
+    """trackio: wandb's API, a local SQLite store under TRACKIO_DIR; it reopens a run by name, not by saved id."""
 
     def __init__(self, cfg, run_id: str | None):
         import trackio
