@@ -40,11 +40,21 @@ EPILOGS = {"Config": (  # what --help prints after the flags, per dataclass name
 # Flags whose value is a path, or a list of them: a shell expands `~` only at the start of a word, so here.
 PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
 PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
-# Lower bounds of whole-number settings, each refused as "NAME (VALUE) must be >= BOUND".
-AT_LEAST = {1: ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "prompts_per_step", "sft_batch_size"),
-            0: ("beta", "threads", "sample_every", "vocab_size", "weight_decay", "sft_steps", "rl_steps",
-                "eval_prompts", "device_batch_size"),
-            8: ("max_prompt_len",)}
+# Bounds of numeric settings (of any entry point that has them), each refused as "NAME (VALUE) must be OP BOUND"
+# and the hint in HINTS.
+BOUNDS = {(">=", 1): ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "prompts_per_step", "sft_batch_size",
+                      "gen_length", "block_length", "steps", "image_steps", "image_width"),
+          (">=", 0): ("beta", "threads", "sample_every", "vocab_size", "weight_decay", "sft_steps", "rl_steps",
+                      "eval_prompts", "device_batch_size", "temperature", "cfg_scale", "image_text_len", "lora_rank",
+                      "trajectory_states", "checkpoint_every", "keep_last"),
+          (">", 0): ("clip_eps", "lr", "grad_clip", "image_scorer_timeout"), (">=", 2): ("group_size",),
+          (">=", 8): ("max_prompt_len",)}
+HINTS = {"group_size": ": GRPO compares completions of a group", "clip_eps": " (paper: 0.2)",
+         "lr": " (paper: 3e-6 at 8B; the toy uses 1e-4)", "grad_clip": ": 0 would zero every gradient (paper: 0.2)",
+         "image_scorer_timeout": " seconds (default 30; a scorer serving every rank at once may need more)",
+         "trajectory_states": " (0 = every decoding state; K > 0 scores K of them per update)",
+         "lora_rank": " (0 = full fine-tuning)", "checkpoint_every": " (0 = never)", "keep_last": " (0 = keep all)",
+         "cfg_scale": " (0 = no guidance; MaskGRPO uses 3.0)", "image_text_len": " (0 = the longest toy caption)"}
 # What --change_on_resume may name (a run stopped by bad steps continues more carefully; see outdir.RESUMABLE).
 CHANGEABLE = ("lr", "grad_clip")
 # The toy model's shape and SFT flags (init_from=scratch): with --init_from the shape is refused, SFT warned of.
@@ -208,8 +218,10 @@ def validate_generation(o) -> None:
     """The sampler settings train.Config and sample.py's options share (same names, same rules)."""
     for k, v in vars(o).items():  # inf or nan would pass the range checks below (inf > 0) and fail mid-run
         need(not isinstance(v, float) or math.isfinite(v), f"{k} ({v}) must be a finite number")
-    for k in ("gen_length", "block_length", "steps", "image_steps", "image_width"):
-        need(getattr(o, k) >= 1, f"{k} ({getattr(o, k)}) must be >= 1")
+    for (op, bound), names in BOUNDS.items():  # train.Config: all; sample.py's options: the sampler's
+        for k in filter(functools.partial(hasattr, o), names):
+            v = getattr(o, k)
+            need(v > bound if op == ">" else v >= bound, f"{k} ({v}) must be {op} {bound}{HINTS.get(k, '')}")
     need(o.steps <= o.gen_length, f"steps ({o.steps}) must be <= gen_length ({o.gen_length}): each step commits at "
          f"least one token, so steps beyond gen_length do nothing; try --steps={o.gen_length}")
     need(o.gen_length % o.block_length == 0, f"gen_length ({o.gen_length}) must be divisible by block_length "
@@ -217,12 +229,9 @@ def validate_generation(o) -> None:
     blocks = o.gen_length // o.block_length
     need(o.steps % blocks == 0 and o.steps >= blocks, f"steps ({o.steps}) must be a positive multiple of the number "
          f"of blocks ({blocks}); try --steps={blocks * max(1, o.steps // blocks)}")
-    need(o.temperature >= 0, f"temperature ({o.temperature}) must be >= 0")
     for k, allowed in (("kv_cache", sample.KV_CACHES), ("image_sampler", sample.IMAGE_SAMPLERS)):
         need(getattr(o, k) in allowed, f"{k} ({getattr(o, k)!r}) must be {_one_of(allowed)}")
     need(0 <= o.threshold < 1, f"threshold ({o.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
-    need(o.cfg_scale >= 0, f"cfg_scale ({o.cfg_scale}) must be >= 0 (0 = no guidance; MaskGRPO uses 3.0)")
-    need(o.image_text_len >= 0, f"image_text_len ({o.image_text_len}) must be >= 0 (0 = the longest toy caption)")
 
 
 def validate(cfg) -> None:
@@ -233,23 +242,15 @@ def validate(cfg) -> None:
             need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1: a model needs at least one of each")
         need(cfg.d_model % cfg.n_heads == 0 and (cfg.d_model // cfg.n_heads) % 2 == 0,
              f"d_model ({cfg.d_model}) must be n_heads ({cfg.n_heads}) times an even head size (rotary embeddings)")
-    need(cfg.group_size >= 2, f"group_size ({cfg.group_size}) must be >= 2: GRPO compares completions of a group")
     for g in ("gamma_text", "gamma_image"):
         need(0 <= getattr(cfg, g) < 1, f"{g} ({getattr(cfg, g)}) must be in [0, 1)")
-    need(cfg.clip_eps > 0, f"clip_eps ({cfg.clip_eps}) must be > 0 (paper: 0.2)")
     for k, allowed in (("estimator", importance.ESTIMATORS), ("text_reversing", importance.MODES),
                        ("loss_norm", grpo.NORMS), ("text_reward", tuple(tasks.TEXT_REWARDS)),
                        ("lora_targets", tuple(hf.TARGET_SETS)), ("adv_std", ("auto", "on", "off")),
                        ("reward_shaping", ("none", "official")), ("attend_padding", ("auto", "on", "off"))):
         need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be {_one_of(allowed)}")
-    ignored = importance.ignored_settings(cfg, type(cfg)())
-    if ignored:  # a setting the chosen estimator never reads would otherwise be silently without effect
-        print0(f"warning: --estimator={cfg.estimator} does not read {', '.join(f'--{k}' for k in ignored)}; "
-               "drop the flag, or choose an estimator that uses it (importance.READ_BY)")
     need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
          "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
-    need(cfg.trajectory_states >= 0, f"trajectory_states ({cfg.trajectory_states}) must be >= 0 (0 = every "
-         "decoding state; K > 0 scores K of them per update)")
     need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
          f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add --estimator=trajectory "
          "or drop it")
@@ -269,20 +270,18 @@ def validate(cfg) -> None:
         need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the shape of the "
              f"toy model trained from scratch, but --init_from={cfg.init_from} is given (its config.json sets the "
              "shape): drop " + ("it" if len(idle) == 1 else "them"))
-        idle = sorted(given & set(SCRATCH_SFT))
-        if idle:  # harmless, so a warning: a command line reused from a toy run keeps working
-            print0(f"warning: {', '.join('--' + k for k in idle)} only act on the SFT stage of a model trained from "
-                   f"scratch; with --init_from={cfg.init_from} there is none, so they do nothing")
     benchmarks = [t for t in chosen if t not in tasks.TOY_TASKS and t not in tasks.IMAGE_TASKS]
     idle = [f"--{k} (it acts on {what})" for keys, what, unread in (
-        (("system_prompt", "prompt_prefill", "reward_shaping"), "benchmark prompts: gsm8k, math, mbpp, countdown, "
-         "sudoku", not benchmarks), (("text_reward", "text_max_steps"), "the toy text task", "text" not in chosen),
-        (("image_scorer_timeout",), "the image scorer of --image_scorer_url, for geneval", not cfg.image_scorer_url))
-        if unread for k in keys if k in given]
-    if idle:  # recorded in config.json, so a silent no-op would read as a setting of the run
-        one = len(idle) == 1
-        print0(f"warning: with --tasks={cfg.tasks}, {'; '.join(idle)} {'does' if one else 'do'} nothing: drop "
-               f"{'it' if one else 'them'}, or add a task {'it acts' if one else 'they act'} on")
+        (SCRATCH_SFT, "the SFT stage of a model trained from scratch, not of --init_from", cfg.init_from != "scratch"
+         and not cfg.dry_run), (("system_prompt", "prompt_prefill", "reward_shaping"), "benchmark prompts: gsm8k, "
+         "math, mbpp, countdown, sudoku", not benchmarks), (("text_reward", "text_max_steps"), "the toy text task",
+         "text" not in chosen), (("image_scorer_timeout",), "the image scorer of --image_scorer_url, for geneval",
+         not cfg.image_scorer_url)) if unread for k in keys if k in given]
+    idle += [f"--{k} (--estimator={cfg.estimator} does not read it: importance.READ_BY)"
+             for k in importance.ignored_settings(cfg, type(cfg)())]
+    if idle:  # recorded in config.json, so a silent no-op would read as a setting; a warning keeps old commands working
+        print0(f"warning: with --tasks={cfg.tasks}, {'; '.join(idle)} {'does' if len(idle) == 1 else 'do'} nothing: "
+               "drop it, or add what it acts on")
     if "eval_data" in given:
         need(cfg.eval_prompts > 0, "--eval_data is given but --eval_prompts=0 scores none of it: drop one of them")
     train_files = data_paths(cfg.train_data, "train_data")
@@ -293,9 +292,6 @@ def validate(cfg) -> None:
         need(not extra, f"{field_name} names {extra}, which are not among the RL tasks {chosen}")
     need("geneval" not in real or cfg.image_scorer_url or cfg.dry_run, "task geneval needs a reward model: "
          "--image_scorer_url=http://HOST:PORT (scorer.RemoteScorer; `python -m infra.scorer --stub` serves a stand-in)")
-    need(cfg.image_scorer_timeout > 0, f"image_scorer_timeout ({cfg.image_scorer_timeout}) must be > 0 seconds "
-         "(default 30; a scorer serving every rank at once may need more)")
-    need(cfg.lora_rank >= 0, f"lora_rank ({cfg.lora_rank}) must be >= 0 (0 = full fine-tuning)")
     need(cfg.lora_rank == 0 or (cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1),
          f"lora_alpha ({cfg.lora_alpha}) must be > 0 and lora_dropout ({cfg.lora_dropout}) in [0, 1)")
     need(cfg.lora_rank == 0 or cfg.init_from != "scratch",
@@ -307,18 +303,11 @@ def validate(cfg) -> None:
          f"never split across ranks; try --prompts_per_step={world * max(1, cfg.prompts_per_step // world)}")
     if not cfg.dry_run:  # a dry run plans for GPUs it need not see
         check_device(cfg.device)
-    for bound, names in AT_LEAST.items():
-        for k in names:
-            need(getattr(cfg, k) >= bound, f"{k} ({getattr(cfg, k)}) must be >= {bound}")
-    need(cfg.lr > 0, f"lr ({cfg.lr}) must be > 0 (paper: 3e-6 at 8B; the toy uses 1e-4)")
-    need(cfg.grad_clip > 0, f"grad_clip ({cfg.grad_clip}) must be > 0: 0 would zero every gradient (paper: 0.2)")
     need(0 <= cfg.p_mask_prompt <= 1, f"p_mask_prompt ({cfg.p_mask_prompt}) must be in [0, 1] (d1 uses 0.15)")
     need(not (all(t in tasks.IMAGE_TASKS for t in chosen) and (cfg.kv_cache != "none" or cfg.threshold)),
          f"kv_cache / threshold apply to text rollouts, but tasks ({cfg.tasks!r}) has no text task; drop them")
     need(not cfg.image_scorer_url or "geneval" in chosen,
          f"image_scorer_url is set but no task uses it (tasks {cfg.tasks!r}); add geneval or drop the flag")
-    for k, zero in (("checkpoint_every", "never"), ("keep_last", "keep all")):
-        need(getattr(cfg, k) >= 0, f"{k} ({getattr(cfg, k)}) must be >= 0 (0 = {zero})")
     tracker.check(cfg)  # an unknown tracker, or its package missing: one line with the install command
     need(cfg.dtype in ("auto", "float32", "bfloat16"), f"dtype ({cfg.dtype!r}) must be auto, float32 or bfloat16 "
          "(float16 needs a grad scaler, which this code omits)")

@@ -48,19 +48,16 @@ def check_paths(cfg) -> None:
     need(cfg.out_dir.strip(), "--out_dir is empty: pass the folder this run writes into, e.g. --out_dir=out/run1")
     out, here, init = Path(cfg.out_dir), Path(cfg.out_dir).resolve(), Path(cfg.init_from).resolve()
     clash = cfg.init_from not in ("", "scratch") and (init == here or any(_inside(init, out / n) for n in RUN_NAMES))
-    need(not clash, f"--init_from {cfg.init_from} {'is' if init == here else 'lies inside'} --out_dir {out}: the run "
-         "would write its config.json, logs and final/ over the model it starts from; pass a new folder as --out_dir "
-         f"(e.g. --out_dir={here.parent / (here.name + '-rl')})")
+    need(not clash, f"--init_from {cfg.init_from} {'is' if init == here else 'lies inside'} --out_dir {out}, whose "
+         f"files would replace it; pass a new folder as --out_dir (e.g. --out_dir={here.parent / (here.name + '-rl')})")
     if cfg.init_from == "scratch" and cfg.sft_dir:
         sft = Path(cfg.sft_dir).resolve()
-        need(not _inside(out, sft), f"--sft_dir {cfg.sft_dir} {'is' if sft == here else 'holds'} --out_dir {out}: the "
-             "SFT model and the run would share files; give the SFT model its own folder (e.g. "
-             f"--sft_dir={here.parent / 'sft'}) or drop --sft_dir (out_dir/sft)")
+        need(not _inside(out, sft), f"--sft_dir {cfg.sft_dir} {'is' if sft == here else 'holds'} --out_dir {out}: "
+             f"they would share files; pass --sft_dir={here.parent / 'sft'}, or drop it (out_dir/sft)")
         for n in sorted(RUN_NAMES - {"sft"}):  # final/ is replaced, checkpoints/ rotated; sft/ is the SFT model's
             where = "is" if sft == (out / n).resolve() else "lies inside"
-            need(not _inside(sft, out / n), f"--sft_dir {cfg.sft_dir} {where} {out / n}, which the run writes: the SFT "
-                 f"model would be overwritten; give it its own folder (e.g. --sft_dir={out / 'sft'}) or drop --sft_dir "
-                 "(out_dir/sft)")
+            need(not _inside(sft, out / n), f"--sft_dir {cfg.sft_dir} {where} {out / n}, which the run writes over; "
+                 f"pass --sft_dir={out / 'sft'}, or drop it")
     need(not out.exists() or out.is_dir(), f"--out_dir {out} is a file, not a folder (it is left as it is); pass a "
          "new folder")
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
@@ -68,12 +65,11 @@ def check_paths(cfg) -> None:
     with suppress(OSError, ValueError):  # a config.json that is not train.py's settings is a model's
         if not hf.is_run_settings(json.loads((out / "config.json").read_bytes())):
             model.insert(0, "config.json (a model's, not a run's)")
-    need(not model, f"--out_dir {out} holds a model ({', '.join(model)}), not a run: a run would write its settings "
-         "and logs into it; pass a new folder as --out_dir (is it meant as --init_from?)")
-    if names and not any(n in RUN_NAMES or n.startswith(RUN_TEMPORARY) for n in names):
-        listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
-        raise ValueError(f"--out_dir {out} is not empty and holds no run of train.py ({listed}): a run writes only "
-                         "into a new, empty or its own folder; pass a new folder as --out_dir")
+    need(not model, f"--out_dir {out} holds a model ({', '.join(model)}), not a run; pass a new folder as --out_dir "
+         "(is it meant as --init_from?)")
+    listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+    need(not names or any(n in RUN_NAMES or n.startswith(RUN_TEMPORARY) for n in names), f"--out_dir {out} holds "
+         f"no run of train.py ({listed}); pass a new or empty folder as --out_dir")
 
 
 def check_shared(out: Path, device) -> None:
@@ -90,8 +86,8 @@ def check_shared(out: Path, device) -> None:
     scale.barrier()
     if scale.rank() == 0:
         probe.unlink()
-    need(not unseen, f"--out_dir {out}: a rank on another node cannot see the files rank 0 writes there; a multi-node "
-         "run needs out_dir on a file system every node shares (a network file system)")
+    need(not unseen, f"--out_dir {out}: a rank on another node cannot see rank 0's files there; pass a folder on a "
+         "file system every node shares")
 
 
 def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> None:
@@ -240,6 +236,14 @@ class Stop:
         self.flag["doing"] = "finishing the final save first (the run is then complete)"
 
 
+def _exit(e: BaseException, during: str, what: str):
+    """Say what a stop kept ("stopped by SIG", a second signal "aborted by") and exit 128 + the signal."""
+    how = f"stopped by {e}" if isinstance(e, Stopped) else f"aborted by a second {e}" \
+        if isinstance(e, checkpoint.Aborted) else "aborted by Ctrl-C"
+    print0(f"{how} during {during}: {what}")
+    raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
+
+
 @contextmanager
 def start_up():
     """Until RL a signal stops the run at once (SFT's handler takes over inside; the SFT model saves in holding())."""
@@ -252,15 +256,11 @@ def start_up():
     try:
         yield
     except Stopped as e:
-        print0(f"stopped by {e} during start-up (loading data or the model, before any RL step): nothing was "
-               "written but config.json and a finished SFT model, and no checkpoint was touched; start it again "
-               f"with: {start_command()}")
-        raise SystemExit(128 + e.signum) from None
+        _exit(e, "start-up (loading data or the model, before any RL step)", "nothing was written but config.json "
+              f"and a finished SFT model, and no checkpoint was touched; start it again with: {start_command()}")
     except KeyboardInterrupt as e:  # a second signal during SFT (its step-finishing handler raises it)
-        print0(f"aborted by a second {e if isinstance(e, checkpoint.Aborted) else 'SIGINT'} during start-up or "
-               f"SFT: SFT keeps no checkpoint and nothing was written to the sft_dir; start it again with: "
-               f"{start_command()}")
-        raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
+        _exit(e, "start-up or SFT", "SFT keeps no checkpoint and nothing was written to the sft_dir; start it "
+              f"again with: {start_command()}")
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
@@ -291,11 +291,8 @@ def before_rl(run):
                 p.unlink()
         sft_dir = run.cfg.sft_dir or run.out / "sft"
         kept = f"the SFT model in {sft_dir} is kept; " if run.cfg.init_from == "scratch" else ""
-        how = f"stopped by {s}" if isinstance(s, Stopped) else f"aborted by a second {s}" \
-            if isinstance(s, checkpoint.Aborted) else "aborted by Ctrl-C"
-        print0(f"{how} during the held-out evaluation before RL: no RL step was taken, so no checkpoint "
-               f"was written ({kept}the evaluation starts again); continue with: {resume_command()}")
-        raise SystemExit(128 + getattr(s, "signum", signal.SIGINT)) from None
+        _exit(s, "the held-out evaluation before RL", "no RL step was taken, so no checkpoint was written "
+              f"({kept}the evaluation starts again); continue with: {resume_command()}")
     finally:
         run.signal["doing"] = doing
 
@@ -319,11 +316,9 @@ def rl_steps(run):
             yield
     except KeyboardInterrupt as e:
         last, steps, many = lost()
-        name = f"a second {e}" if isinstance(e, checkpoint.Aborted) else "Ctrl-C"
-        print0(f"aborted by {name} during RL step {run.done}: {steps} {'are' if many else 'is'} lost; " +
-               (f"{last} is kept; continue with: " if last else "no checkpoint was written, so the run "
-                "restarts from step 0 with: ") + resume_command())
-        raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
+        _exit(e, f"RL step {run.done}", f"{steps} {'are' if many else 'is'} lost; " + (f"{last} is kept; continue "
+              "with: " if last else "no checkpoint was written, so the run restarts from step 0 with: ")
+              + resume_command())
 
 
 @contextmanager
@@ -346,18 +341,13 @@ def final(run):
                 yield Stop(flag, run.device)
             except Stopped as s:
                 kept = last_step() or run._save_checkpoint(run.cfg.rl_steps)
-                print0(f"stopped by {s} during the final held-out evaluation: {kept} holds the model after all "
-                       f"{run.cfg.rl_steps} RL steps; finish the run (the final evaluation and save) with: "
-                       f"{resume_command()}")
-                raise SystemExit(128 + s.signum) from None
+                _exit(s, "the final held-out evaluation", f"{kept} holds the model after all {run.cfg.rl_steps} RL "
+                      f"steps; finish the run (the final evaluation and save) with: {resume_command()}")
     except KeyboardInterrupt as e:  # a second signal (checkpoint.Aborted), also in the stop's save: say what is kept
         kept = last_step()
-        name = e if isinstance(e, checkpoint.Aborted) else "SIGINT"  # Aborted's str() is its signal's name
-        print0(f"aborted by a second {name} during the final evaluation or save: " + (
-            f"{kept} holds the model after all {run.cfg.rl_steps} RL steps; finish the run with: "
-            f"{resume_command()}" if kept else "no checkpoint of the last RL step was written "
-            f"(checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))
-        raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
+        _exit(e, "the final evaluation or save", f"{kept} holds the model after all {run.cfg.rl_steps} RL steps; "
+              f"finish the run with: {resume_command()}" if kept else "no checkpoint of the last RL step was "
+              f"written (checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}")
     if flag["signal"]:
         print0(f"stopped by {signal.Signals(flag['signal']).name} after the final save: the run is complete "
                f"({run.out / 'final'}, {run.out / 'summary.json'})")
@@ -406,8 +396,7 @@ def closing_summary(run, seconds: float) -> None:
     out = run.out
     pictures = [str(out / n) for n in ("curves.png", "images.png") if (out / n).is_file()]
     print0(f"done in {duration(seconds)} (RL {duration(run.rl_end)}{' over every resumed segment' if run.start else ''}"
-           f"): model {out / 'final'}, summary {out / 'summary.json'}, log {out / 'log.jsonl'}"
-           + (f", pictures {', '.join(pictures)}" if pictures
-              else ", no pictures (the plots extra is not installed: pip install -e '.[plots]')"))
+           f"): model {out / 'final'}, summary {out / 'summary.json'}, log {out / 'log.jsonl'}, " + (f"pictures "
+           f"{', '.join(pictures)}" if pictures else "no pictures (no plots extra: pip install -e '.[plots]')"))
     print0(f"next: python -m tools.sample --ckpt={out / 'final'} --prompt=\"...\" (add --image for a picture); "
            f"python evaluate.py --run={out} re-scores it")

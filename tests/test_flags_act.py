@@ -66,4 +66,6 @@ def test_bench_refuses_device_and_threads_in_one_line(argv, message):
 
 def test_sft_flags_with_init_from_are_warned_about(capsys):
     train.parse_args([*GSM, "--sft_steps=10", "--sft_dir=x"])
-    assert "warning: --sft_dir, --sft_steps only act on the SFT stage" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "warning: with --tasks=" in out and "--sft_dir (it acts on the SFT stage" in out, out
+    assert "--sft_steps (it acts on the SFT stage" in out and "do nothing: drop it" in out, out
