@@ -61,8 +61,7 @@ CHANGEABLE = ("lr", "grad_clip")
 SCRATCH_SHAPE = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
 SCRATCH_SFT = ("sft_dir", "retrain_sft", "sft_steps", "sft_batch_size", "sft_lr", "sft_warmup", "cond_dropout",
                "text_noise", "image_noise", "image_loss_weight")
-# The settings a checkpoint was trained and evaluated to generate with (and their types in train.Config), so that
-# sample.py and evaluate.py decode it as it was trained; each flag still overrides them.
+# Saved beside a checkpoint (with their types) so that sample.py and evaluate.py decode it as trained; flags override.
 GENERATION_FILE = "generation.json"
 GENERATION_TYPES = {"tasks": str, "gen_length": int, "block_length": int, "steps": int, "temperature": float,
                     "image_steps": int, "image_sampler": str, "cfg_scale": float, "image_width": int,
@@ -250,10 +249,9 @@ def validate(cfg) -> None:
                        ("reward_shaping", ("none", "official")), ("attend_padding", ("auto", "on", "off"))):
         need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be {_one_of(allowed)}")
     need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
-         "its own decoding step, which only the token mean adds up across steps: use --loss_norm=token")
+         "its own decoding step, which only the token mean adds up: use --loss_norm=token")
     need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
-         f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add --estimator=trajectory "
-         "or drop it")
+         f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add it or drop this flag")
     known, chosen = tuple(tasks.TASKS), tasks.task_list(cfg)
     need(cfg.tasks and all(t in known for t in chosen),
          f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")
@@ -268,8 +266,8 @@ def validate(cfg) -> None:
     if cfg.init_from != "scratch" and not cfg.dry_run:
         idle = sorted(given & set(SCRATCH_SHAPE))
         need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the shape of the "
-             f"toy model trained from scratch, but --init_from={cfg.init_from} is given (its config.json sets the "
-             "shape): drop " + ("it" if len(idle) == 1 else "them"))
+             f"toy model trained from scratch, but --init_from={cfg.init_from} has its own: drop "
+             + ("it" if len(idle) == 1 else "them"))
     benchmarks = [t for t in chosen if t not in tasks.TOY_TASKS and t not in tasks.IMAGE_TASKS]
     idle = [f"--{k} (it acts on {what})" for keys, what, unread in (
         (SCRATCH_SFT, "the SFT stage of a model trained from scratch, not of --init_from", cfg.init_from != "scratch"
@@ -294,13 +292,11 @@ def validate(cfg) -> None:
          "--image_scorer_url=http://HOST:PORT (scorer.RemoteScorer; `python -m infra.scorer --stub` serves a stand-in)")
     need(cfg.lora_rank == 0 or (cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1),
          f"lora_alpha ({cfg.lora_alpha}) must be > 0 and lora_dropout ({cfg.lora_dropout}) in [0, 1)")
-    need(cfg.lora_rank == 0 or cfg.init_from != "scratch",
-         "lora_rank > 0 with init_from=scratch: the toy model is trained from scratch by SFT, so there is no "
-         "pretrained base to adapt; pass --init_from=DIR (for instance a toy run's out_dir/final)")
+    need(cfg.lora_rank == 0 or cfg.init_from != "scratch", "lora_rank > 0 with init_from=scratch: no pretrained "
+         "model to adapt; pass --init_from=DIR (for instance a toy run's out_dir/final)")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # validated before the process group exists
-    need(cfg.prompts_per_step % world == 0,
-         f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by the world size ({world}): groups are "
-         f"never split across ranks; try --prompts_per_step={world * max(1, cfg.prompts_per_step // world)}")
+    need(cfg.prompts_per_step % world == 0, f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by the "
+         f"world size ({world}); try --prompts_per_step={world * max(1, cfg.prompts_per_step // world)}")
     if not cfg.dry_run:  # a dry run plans for GPUs it need not see
         check_device(cfg.device)
     need(0 <= cfg.p_mask_prompt <= 1, f"p_mask_prompt ({cfg.p_mask_prompt}) must be in [0, 1] (d1 uses 0.15)")
@@ -310,11 +306,10 @@ def validate(cfg) -> None:
          f"image_scorer_url is set but no task uses it (tasks {cfg.tasks!r}); add geneval or drop the flag")
     tracker.check(cfg)  # an unknown tracker, or its package missing: one line with the install command
     need(cfg.dtype in ("auto", "float32", "bfloat16"), f"dtype ({cfg.dtype!r}) must be auto, float32 or bfloat16 "
-         "(float16 needs a grad scaler, which this code omits)")
+         "(float16 needs a grad scaler)")
     other = [k for k in resume_changes(cfg) if k not in CHANGEABLE]
     need(not other, f"change_on_resume ({cfg.change_on_resume!r}) names {', '.join(other)}: only "
-         f"{_one_of(CHANGEABLE)} may change when a run resumes (any other change makes another run: start it "
-         "with another --out_dir)")
+         f"{_one_of(CHANGEABLE)} may change on resume; for other changes start a run with another --out_dir")
     need(cfg.resume or not cfg.change_on_resume, "--change_on_resume changes settings of a run being continued: "
          "pass --resume=true with it, or drop it")
 

@@ -58,8 +58,7 @@ def check_paths(cfg) -> None:
             where = "is" if sft == (out / n).resolve() else "lies inside"
             need(not _inside(sft, out / n), f"--sft_dir {cfg.sft_dir} {where} {out / n}, which the run writes over; "
                  f"pass --sft_dir={out / 'sft'}, or drop it")
-    need(not out.exists() or out.is_dir(), f"--out_dir {out} is a file, not a folder (it is left as it is); pass a "
-         "new folder")
+    need(not out.exists() or out.is_dir(), f"--out_dir {out} is a file, not a folder; pass a new folder")
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
     model = [n for n in MODEL_FILES if n in names] + sorted(n for n in names if n.endswith(".safetensors"))
     with suppress(OSError, ValueError):  # a config.json that is not train.py's settings is a model's
@@ -141,8 +140,7 @@ def resume_point(out: Path, quiet: bool = True) -> Path:
         raise ValueError(f"--resume: no intact checkpoint in {out / checkpoint.DIRNAME}: " + "; ".join(skipped)
                          + "; remove the damaged directories, or choose another --out_dir")
     for line in () if quiet else skipped:
-        print0(f"warning: {line}; resuming from the newest intact checkpoint, {last.name} (remove the "
-               "damaged one to silence this)")
+        print0(f"warning: {line}; resuming from the newest intact checkpoint, {last.name}; remove the damaged one")
     return last
 
 
@@ -236,11 +234,11 @@ class Stop:
         self.flag["doing"] = "finishing the final save first (the run is then complete)"
 
 
-def _exit(e: BaseException, during: str, what: str):
-    """Say what a stop kept ("stopped by SIG", a second signal "aborted by") and exit 128 + the signal."""
+def _exit(e: BaseException, what: str):
+    """Say what a stop kept ("stopped by SIG during ...", a second signal "aborted by") and exit 128 + the signal."""
     how = f"stopped by {e}" if isinstance(e, Stopped) else f"aborted by a second {e}" \
         if isinstance(e, checkpoint.Aborted) else "aborted by Ctrl-C"
-    print0(f"{how} during {during}: {what}")
+    print0(f"{how} {what}")
     raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
 
 
@@ -256,10 +254,10 @@ def start_up():
     try:
         yield
     except Stopped as e:
-        _exit(e, "start-up (loading data or the model, before any RL step)", "nothing was written but config.json "
-              f"and a finished SFT model, and no checkpoint was touched; start it again with: {start_command()}")
+        _exit(e, "during start-up (loading data or the model, before any RL step): no checkpoint was touched; "
+              f"start it again with: {start_command()}")
     except KeyboardInterrupt as e:  # a second signal during SFT (its step-finishing handler raises it)
-        _exit(e, "start-up or SFT", "SFT keeps no checkpoint and nothing was written to the sft_dir; start it "
+        _exit(e, "during start-up or SFT: SFT keeps no checkpoint and nothing was written to the sft_dir; start it "
               f"again with: {start_command()}")
     finally:
         for sig, h in previous.items():
@@ -291,7 +289,7 @@ def before_rl(run):
                 p.unlink()
         sft_dir = run.cfg.sft_dir or run.out / "sft"
         kept = f"the SFT model in {sft_dir} is kept; " if run.cfg.init_from == "scratch" else ""
-        _exit(s, "the held-out evaluation before RL", "no RL step was taken, so no checkpoint was written "
+        _exit(s, "during the held-out evaluation before RL: no RL step was taken, so no checkpoint was written "
               f"({kept}the evaluation starts again); continue with: {resume_command()}")
     finally:
         run.signal["doing"] = doing
@@ -316,8 +314,8 @@ def rl_steps(run):
             yield
     except KeyboardInterrupt as e:
         last, steps, many = lost()
-        _exit(e, f"RL step {run.done}", f"{steps} {'are' if many else 'is'} lost; " + (f"{last} is kept; continue "
-              "with: " if last else "no checkpoint was written, so the run restarts from step 0 with: ")
+        _exit(e, f"during RL step {run.done}: {steps} {'are' if many else 'is'} lost; " + (f"{last} is kept; "
+              "continue with: " if last else "no checkpoint was written, so the run restarts from step 0 with: ")
               + resume_command())
 
 
@@ -341,24 +339,22 @@ def final(run):
                 yield Stop(flag, run.device)
             except Stopped as s:
                 kept = last_step() or run._save_checkpoint(run.cfg.rl_steps)
-                _exit(s, "the final held-out evaluation", f"{kept} holds the model after all {run.cfg.rl_steps} RL "
-                      f"steps; finish the run (the final evaluation and save) with: {resume_command()}")
+                _exit(s, f"during the final held-out evaluation: {kept} holds the model after all "
+                      f"{run.cfg.rl_steps} RL steps; finish the run with: {resume_command()}")
     except KeyboardInterrupt as e:  # a second signal (checkpoint.Aborted), also in the stop's save: say what is kept
         kept = last_step()
-        _exit(e, "the final evaluation or save", f"{kept} holds the model after all {run.cfg.rl_steps} RL steps; "
-              f"finish the run with: {resume_command()}" if kept else "no checkpoint of the last RL step was "
-              f"written (checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}")
+        _exit(e, "during the final evaluation or save: " + (f"{kept} holds the model after all {run.cfg.rl_steps} "
+              f"RL steps; finish the run with: {resume_command()}" if kept else "no checkpoint of the last RL step "
+              f"was written (checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))
     if flag["signal"]:
-        print0(f"stopped by {signal.Signals(flag['signal']).name} after the final save: the run is complete "
-               f"({run.out / 'final'}, {run.out / 'summary.json'})")
-        raise SystemExit(128 + flag["signal"])
+        _exit(Stopped(flag["signal"]), f"after the final save: the run is complete ({run.out / 'final'}, "
+              f"{run.out / 'summary.json'})")
 
 
 def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
     """The held-out mean reward per task in one line; after RL with the gain and its paired standard error."""
     if not rewards and when == "before RL":
-        print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
-               "(and --eval_prompts > 0)")
+        print0("no held-out set, so no held-out reward: pass --eval_data=TASK=PATH (and --eval_prompts > 0)")
     shown = []
     for k, v in (rewards or {}).items():
         s = (summary or {}).get(k, {})
