@@ -30,13 +30,11 @@ from infra.scale import print0
 
 USER_ERROR = 2  # exit status of a user error, as argparse's own
 EPILOGS = {"Config": (  # what --help prints after the flags, per dataclass name (train.py's: infra/outdir.py)
-    "Stopping and continuing: Ctrl-C, SIGTERM or SIGHUP (a closed terminal) lets the current SFT step, RL step "
-    "or evaluation batch finish, writes a checkpoint during RL, and prints what was kept and the command that "
-    "continues (the same command with --resume=true); the exit status is 128 + the signal. A second signal, 5 s "
-    "or more after the first, stops at once; the first signal's line says what that loses. Out of memory, a full "
-    "disk or a dead torchrun rank ends with one line naming what was kept and that command. "
-    "`python -m infra.load OUT_DIR/checkpoints/step-N DEST` turns a checkpoint into a model folder for sample.py "
-    "and evaluate.py.")}
+    "Stopping and continuing: Ctrl-C, SIGTERM or SIGHUP (a closed terminal) lets the current SFT step, RL step or "
+    "evaluation batch finish (in RL, then a checkpoint), and prints what was kept and the command that continues "
+    "(--resume=true); the exit status is 128 + the signal. A second signal, 5 s or more later, stops at once. Out "
+    "of memory, a full disk or a dead torchrun rank also ends with one such line. `python -m infra.load "
+    "OUT_DIR/checkpoints/step-N DEST` turns a checkpoint into a model folder for sample.py and evaluate.py.")}
 # Flags whose value is a path, or a list of them: a shell expands `~` only at the start of a word, so here.
 PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
 PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
@@ -161,8 +159,7 @@ def parse_known(p: argparse.ArgumentParser, argv, module: str) -> argparse.Names
 
 def parse(cls, argv=None, *, description: str = "", presets: dict | None = None, defaults: dict | None = None,
           inherited: set | None = None, refused: str = "", prog: str | None = None):
-    """Build `cls` from the command line: flags over the preset over `defaults` (a checkpoint's generation settings)
-    over the dataclass's; a base-class flag outside `inherited` is refused with `refused`."""
+    """`cls` from the flags, over the preset, over `defaults` (a checkpoint's), over the dataclass's defaults."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, unknown = parser(cls, description, presets, argv, defaults, inherited, prog).parse_known_args(argv)
@@ -369,9 +366,8 @@ def read_generation_settings(path) -> dict:
 
 @contextmanager
 def user_errors(failures: tuple = ()):
-    """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2; `failures` -> the same
-    line, exit 1; Ctrl-C -> exit 130; no traceback (programming errors keep theirs). Real stdout/stderr (not a
-    test's capture) become Unbroken."""
+    """An entry point's body: ValueError / OSError -> `error: message` on stderr, exit 2 (`failures`: exit 1); Ctrl-C
+    -> exit 130; no traceback (programming errors keep theirs). Real stdout/stderr become checkpoint.Unbroken."""
     saved = sys.stdout, sys.stderr
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)

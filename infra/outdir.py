@@ -199,8 +199,7 @@ def kept_line(out: Path) -> str:
 
 
 class Stopped(BaseException):
-    """A caught signal, raised in start-up or between evaluation batches (on every rank at once); a BaseException,
-    so that no `except Exception` on the way swallows it."""
+    """A caught signal, raised on every rank at once; a BaseException, so that no `except Exception` swallows it."""
 
     __init__ = checkpoint.Aborted.__init__  # str() is the signal's name; .signum its number
 
@@ -278,8 +277,7 @@ def holding():
 
 @contextmanager
 def before_rl(run):
-    """A signal stops the evaluation before RL after a batch, a second one at once; the empty logs are removed (no
-    step was taken)."""
+    """A signal stops the evaluation before RL after a batch, a second one at once; the empty logs are removed."""
     doing, run.signal["doing"] = run.signal["doing"], "finishing this evaluation batch, then stopping"
     try:
         yield
@@ -321,8 +319,7 @@ def rl_steps(run):
 
 @contextmanager
 def final(run):
-    """`with final(run) as stop:` checkpoints the last RL step first; a signal stops the evaluation after a batch
-    (that checkpoint written if missing), and lets the save finish."""
+    """`with final(run) as stop:` checkpoints the last RL step first; a signal stops the evaluation after a batch."""
     def last_step():  # the checkpoint of the run's last RL step, or None
         last = checkpoint.latest(run.out)
         return last if step_of(last) == run.cfg.rl_steps else None
