@@ -38,8 +38,8 @@ EPILOGS = {"Config": (  # what --help prints after the flags, per dataclass name
 # Flags whose value is a path, or a list of them: a shell expands `~` only at the start of a word, so here.
 PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
 PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
-# Bounds of numeric settings (of any entry point that has them), each refused as "NAME (VALUE) must be OP BOUND"
-# and the hint in HINTS.
+# Bounds and choices of settings (of any entry point that has them), refused as "NAME (VALUE) must be OP BOUND" or
+# "must be A, B or C", and the hint in HINTS.
 BOUNDS = {(">=", 1): ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "prompts_per_step", "sft_batch_size",
                       "gen_length", "block_length", "steps", "image_steps", "image_width"),
           (">=", 0): ("beta", "threads", "sample_every", "vocab_size", "weight_decay", "sft_steps", "rl_steps",
@@ -47,12 +47,17 @@ BOUNDS = {(">=", 1): ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "pr
                       "trajectory_states", "checkpoint_every", "keep_last"),
           (">", 0): ("clip_eps", "lr", "grad_clip", "image_scorer_timeout"), (">=", 2): ("group_size",),
           (">=", 8): ("max_prompt_len",)}
+CHOICES = {"kv_cache": sample.KV_CACHES, "image_sampler": sample.IMAGE_SAMPLERS, "estimator": importance.ESTIMATORS,
+           "text_reversing": importance.MODES, "loss_norm": grpo.NORMS, "text_reward": tuple(tasks.TEXT_REWARDS),
+           "lora_targets": tuple(hf.TARGET_SETS), "adv_std": ("auto", "on", "off"), "attend_padding": ("auto", "on",
+           "off"), "reward_shaping": ("none", "official"), "dtype": ("auto", "float32", "bfloat16")}
 HINTS = {"group_size": ": GRPO compares completions of a group", "clip_eps": " (paper: 0.2)",
          "lr": " (paper: 3e-6 at 8B; the toy uses 1e-4)", "grad_clip": ": 0 would zero every gradient (paper: 0.2)",
          "image_scorer_timeout": " seconds (default 30; a scorer serving every rank at once may need more)",
          "trajectory_states": " (0 = every decoding state; K > 0 scores K of them per update)",
          "lora_rank": " (0 = full fine-tuning)", "checkpoint_every": " (0 = never)", "keep_last": " (0 = keep all)",
-         "cfg_scale": " (0 = no guidance; MaskGRPO uses 3.0)", "image_text_len": " (0 = the longest toy caption)"}
+         "cfg_scale": " (0 = no guidance; MaskGRPO uses 3.0)", "image_text_len": " (0 = the longest toy caption)",
+         "dtype": " (float16 needs a grad scaler)"}
 # What --change_on_resume may name (a run stopped by bad steps continues more carefully; see outdir.RESUMABLE).
 CHANGEABLE = ("lr", "grad_clip")
 # The toy model's shape and SFT flags (init_from=scratch): with --init_from the shape is refused, SFT warned of.
@@ -225,8 +230,8 @@ def validate_generation(o) -> None:
     blocks = o.gen_length // o.block_length
     need(o.steps % blocks == 0 and o.steps >= blocks, f"steps ({o.steps}) must be a positive multiple of the number "
          f"of blocks ({blocks}); try --steps={blocks * max(1, o.steps // blocks)}")
-    for k, allowed in (("kv_cache", sample.KV_CACHES), ("image_sampler", sample.IMAGE_SAMPLERS)):
-        need(getattr(o, k) in allowed, f"{k} ({getattr(o, k)!r}) must be {_one_of(allowed)}")
+    for k in filter(functools.partial(hasattr, o), CHOICES):
+        need(getattr(o, k) in CHOICES[k], f"{k} ({getattr(o, k)!r}) must be {_one_of(CHOICES[k])}{HINTS.get(k, '')}")
     need(0 <= o.threshold < 1, f"threshold ({o.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
 
 
@@ -240,11 +245,6 @@ def validate(cfg) -> None:
              f"d_model ({cfg.d_model}) must be n_heads ({cfg.n_heads}) times an even head size (rotary embeddings)")
     for g in ("gamma_text", "gamma_image"):
         need(0 <= getattr(cfg, g) < 1, f"{g} ({getattr(cfg, g)}) must be in [0, 1)")
-    for k, allowed in (("estimator", importance.ESTIMATORS), ("text_reversing", importance.MODES),
-                       ("loss_norm", grpo.NORMS), ("text_reward", tuple(tasks.TEXT_REWARDS)),
-                       ("lora_targets", tuple(hf.TARGET_SETS)), ("adv_std", ("auto", "on", "off")),
-                       ("reward_shaping", ("none", "official")), ("attend_padding", ("auto", "on", "off"))):
-        need(getattr(cfg, k) in allowed, f"{k} ({getattr(cfg, k)!r}) must be {_one_of(allowed)}")
     need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
          "its own decoding step, which only the token mean adds up: use --loss_norm=token")
     need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
@@ -302,8 +302,6 @@ def validate(cfg) -> None:
     need(not cfg.image_scorer_url or "geneval" in chosen,
          f"image_scorer_url is set but no task uses it (tasks {cfg.tasks!r}); add geneval or drop the flag")
     tracker.check(cfg)  # an unknown tracker, or its package missing: one line with the install command
-    need(cfg.dtype in ("auto", "float32", "bfloat16"), f"dtype ({cfg.dtype!r}) must be auto, float32 or bfloat16 "
-         "(float16 needs a grad scaler)")
     other = [k for k in resume_changes(cfg) if k not in CHANGEABLE]
     need(not other, f"change_on_resume ({cfg.change_on_resume!r}) names {', '.join(other)}: only "
          f"{_one_of(CHANGEABLE)} may change on resume; for other changes start a run with another --out_dir")
