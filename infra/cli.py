@@ -78,8 +78,7 @@ def expand_home(flag: str, value: str) -> str:
     for i, item in enumerate(items):
         task, eq, where = item.rpartition("=") if flag in ("train_data", "eval_data") else ("", "", item)
         full = os.path.expanduser(where)
-        need(not full.startswith("~"), f"--{flag}={value}: {where.split('/')[0]} names no user's home folder "
-             "here; write the path out in full")
+        need(not full.startswith("~"), f"--{flag}={value}: {where.split('/')[0]} is no user's home; write it in full")
         items[i] = task + eq + full
     return ",".join(items) if items else value
 
@@ -199,8 +198,7 @@ def data_paths(spec: str, name: str) -> dict[str, str]:
     out = {}
     for item in filter(None, spec.split(",")):
         task, eq, path = item.partition("=")
-        need(eq and path and task in known,
-             f"{name} entry {item!r} must be TASK=PATH with TASK one of {', '.join(known)}")
+        need(eq and path and task in known, f"{name} entry {item!r} must be TASK=PATH, TASK one of {','.join(known)}")
         need(task not in out, f"{name} names task {task} twice ({out.get(task)} and {path}); give one file per task")
         out[task] = path
     return out
@@ -250,8 +248,7 @@ def validate(cfg) -> None:
     need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
          f"draws decoding states of --estimator=trajectory, not of {cfg.estimator!r}: add it or drop this flag")
     known, chosen = tuple(tasks.TASKS), tasks.task_list(cfg)
-    need(cfg.tasks and all(t in known for t in chosen),
-         f"tasks ({cfg.tasks!r}) must be a comma-separated subset of {','.join(known)}")
+    need(cfg.tasks and all(t in known for t in chosen), f"tasks ({cfg.tasks!r}) must be from {','.join(known)}")
     twice = sorted({t for t in chosen if chosen.count(t) > 1})
     need(not twice, f"tasks ({cfg.tasks!r}) names {', '.join(twice)} twice, which would roll out and update it twice "
          f"per step; give each task once (--tasks={','.join(dict.fromkeys(chosen))})")
@@ -277,8 +274,7 @@ def validate(cfg) -> None:
     if idle:  # recorded in config.json, so a silent no-op would read as a setting; a warning keeps old commands working
         print0(f"warning: with --tasks={cfg.tasks}, {'; '.join(idle)} {'does' if len(idle) == 1 else 'do'} nothing: "
                "drop it, or add what it acts on")
-    if "eval_data" in given:
-        need(cfg.eval_prompts > 0, "--eval_data is given but --eval_prompts=0 scores none of it: drop one of them")
+    need("eval_data" not in given or cfg.eval_prompts > 0, "--eval_prompts=0 scores no --eval_data: drop one of them")
     train_files = data_paths(cfg.train_data, "train_data")
     for t in real:
         need(t in train_files or cfg.dry_run, f"task {t!r} needs its training file: --train_data={t}=PATH")
@@ -299,8 +295,8 @@ def validate(cfg) -> None:
     need(0 <= cfg.p_mask_prompt <= 1, f"p_mask_prompt ({cfg.p_mask_prompt}) must be in [0, 1] (d1 uses 0.15)")
     need(not (all(t in tasks.IMAGE_TASKS for t in chosen) and (cfg.kv_cache != "none" or cfg.threshold)),
          f"kv_cache / threshold apply to text rollouts, but tasks ({cfg.tasks!r}) has no text task; drop them")
-    need(not cfg.image_scorer_url or "geneval" in chosen,
-         f"image_scorer_url is set but no task uses it (tasks {cfg.tasks!r}); add geneval or drop the flag")
+    need(not cfg.image_scorer_url or "geneval" in chosen, "image_scorer_url is set but no task uses it: add "
+         f"geneval to --tasks={cfg.tasks} or drop the flag")
     tracker.check(cfg)  # an unknown tracker, or its package missing: one line with the install command
     other = [k for k in resume_changes(cfg) if k not in CHANGEABLE]
     need(not other, f"change_on_resume ({cfg.change_on_resume!r}) names {', '.join(other)}: only "
@@ -357,8 +353,7 @@ def read_generation_settings(path) -> dict:
         kind = GENERATION_TYPES.get(k, type(v))  # a float takes an int; JSON true is a bool, no int
         if type(v) is not kind and not (kind is float and type(v) is int):
             what, like = {int: ("a whole number", 12), float: ("a number", 1.0), str: ("a string", "text")}[kind]
-            raise ValueError(f"{f}: {k} is {json.dumps(v)}, not {what}; correct it (e.g. \"{k}\": "
-                             f"{json.dumps(like)}), or {fix}")
+            raise ValueError(f"{f}: {k} is {json.dumps(v)}, not {what}; e.g. \"{k}\": {json.dumps(like)}, or {fix}")
     return saved
 
 

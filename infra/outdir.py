@@ -85,8 +85,7 @@ def check_shared(out: Path, device) -> None:
     scale.barrier()
     if scale.rank() == 0:
         probe.unlink()
-    need(not unseen, f"--out_dir {out}: a rank on another node cannot see rank 0's files there; pass a folder on a "
-         "file system every node shares")
+    need(not unseen, f"--out_dir {out}: a rank on another node cannot see rank 0's files; pass a folder all share")
 
 
 def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> None:
@@ -331,8 +330,7 @@ def final(run):
         with checkpoint.graceful_stop("finishing this evaluation batch, then stopping", abort) as flag:
             try:
                 if run.cfg.checkpoint_every and run.start < run.cfg.rl_steps and last_step() is None:
-                    print0(f"checkpoint {run._save_checkpoint(run.cfg.rl_steps)} (the last RL step, before the final "
-                           "evaluation)")
+                    print0(f"checkpoint {run._save_checkpoint(run.cfg.rl_steps)} (the last RL step, before evaluation)")
                 yield Stop(flag, run.device)
             except Stopped as s:
                 kept = last_step() or run._save_checkpoint(run.cfg.rl_steps)
@@ -344,8 +342,7 @@ def final(run):
               f"RL steps; finish the run with: {resume_command()}" if kept else "no checkpoint of the last RL step "
               f"was written (checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))
     if flag["signal"]:
-        _exit(Stopped(flag["signal"]), f"after the final save: the run is complete ({run.out / 'final'}, "
-              f"{run.out / 'summary.json'})")
+        _exit(Stopped(flag["signal"]), f"after the final save: the run is complete ({run.out / 'final'})")
 
 
 def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
