@@ -175,9 +175,8 @@ def parse(cls, argv=None, *, description: str = "", presets: dict | None = None,
     if unknown:
         names = [f"--{f.name}" for f in flag_fields(cls, inherited)] + (["--preset"] if presets is not None else [])
         close = {u: difflib.get_close_matches(u.split("=")[0], names, n=1) for u in unknown if u.startswith("--")}
-        hint = "; ".join(f"did you mean {m[0]} (not {u.split('=')[0]})?" for u, m in close.items() if m)
-        raise ValueError(f"unknown argument(s) {unknown}; the flags are the fields of {cls.__name__} (--help)"
-                         + (f"; {hint}" if hint else ""))
+        hint = "".join(f"; did you mean {m[0]} (not {u.split('=')[0]})?" for u, m in close.items() if m)
+        raise ValueError(f"unknown argument(s) {unknown}; the flags are the fields of {cls.__name__} (--help){hint}")
     given = {k: expand_home(k, v) if isinstance(v, str) else v for k, v in vars(args).items()
              if v is not None and k != "preset"}
     if presets is not None and args.preset not in presets:
@@ -259,9 +258,8 @@ def validate(cfg) -> None:
     given = getattr(cfg, "_given", frozenset())  # the flags typed (parse); empty when built in code
     if cfg.init_from != "scratch" and not cfg.dry_run:
         idle = sorted(given & set(SCRATCH_SHAPE))
-        need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the shape of the "
-             f"toy model trained from scratch, but --init_from={cfg.init_from} has its own: drop "
-             + ("it" if len(idle) == 1 else "them"))
+        need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the toy model's "
+             f"shape, but --init_from={cfg.init_from} has its own: drop {'it' if len(idle) == 1 else 'them'}")
     benchmarks = [t for t in chosen if t not in tasks.TOY_TASKS and t not in tasks.IMAGE_TASKS]
     idle = [f"--{k} (it acts on {what})" for keys, what, unread in (
         (SCRATCH_SFT, "the SFT stage of a model trained from scratch, not of --init_from", cfg.init_from != "scratch"

@@ -1,6 +1,5 @@
 """A run's out_dir: the paths refused before anything is written, the pid files that make it one process's, where
-a resume continues, the closing lines, and what a stop signal keeps in each phase (start_up, holding, before_rl,
-rl_steps, final; train.py --help says it to the user: cli.EPILOGS)."""
+a resume continues, the closing lines, and what a stop signal keeps in each phase (start_up to final; cli.EPILOGS)."""
 from __future__ import annotations
 
 import atexit
@@ -43,8 +42,7 @@ def _inside(a: Path, b: Path) -> bool:  # a is b or lies under it (links resolve
 
 
 def check_paths(cfg) -> None:
-    """Refuse an out_dir this run would damage: a model folder, the --init_from model or a folder holding it, the
-    --sft_dir, or a non-empty folder holding no run. Read-only, on every rank, before anything is written."""
+    """Refuse an out_dir this run would damage (a model, --init_from's, --sft_dir's, others' files); read-only."""
     need(cfg.out_dir.strip(), "--out_dir is empty: pass the folder this run writes into, e.g. --out_dir=out/run1")
     out, here, init = Path(cfg.out_dir), Path(cfg.out_dir).resolve(), Path(cfg.init_from).resolve()
     clash = cfg.init_from not in ("", "scratch") and (init == here or any(_inside(init, out / n) for n in RUN_NAMES))
@@ -99,19 +97,15 @@ def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> Non
             holder = 0
             with suppress(OSError, ValueError):
                 holder = int(pid_file.read_text().strip() or 0)
-            if holder and holder != os.getpid() and pid_alive(holder):
+            try:  # signal 0 only asks whether the process exists
+                alive = holder and holder != os.getpid() and os.kill(holder, 0) is None
+            except OSError as e:
+                alive = isinstance(e, PermissionError)  # another user's live process
+            if alive:
                 raise ValueError(f"{what} {busy} by the running process {holder} ({pid_file}); wait for it to "
                                  f"end{note}, {fix}, or delete that file if no run holds it") from None
             pid_file.unlink(missing_ok=True)
     raise ValueError(f"{what}: could not create {pid_file}; {fix}")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return isinstance(e, PermissionError)  # another user's live process
-    return True
 
 
 def claim_out_dir(out: Path) -> None:
@@ -359,15 +353,13 @@ def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> Non
         print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} {', '.join(shown)}")
 
 
-def show(b, rewards, tok, ids, n: int = 1) -> None:
-    """Print n decoded rollouts with their rewards (a toy image in ANSI colours)."""
-    outs = tasks.decode_window(b, tok, ids)
-    for i in range(n):
-        prompt = b.examples[i]["prompt"]
-        said = repr(prompt) if b.task in tasks.IMAGE_TASKS else f"{prompt[-200:]!r} -> {outs[i]!r}"
-        print0(f"  [{b.task}] {said}  reward {rewards[i]:.2f}")
-        if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
-            print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
+def show(b, rewards, tok, ids) -> None:
+    """Print the first decoded rollout with its reward (a toy image in ANSI colours)."""
+    out, prompt = tasks.decode_window(b, tok, ids)[0], b.examples[0]["prompt"]
+    said = repr(prompt) if b.task in tasks.IMAGE_TASKS else f"{prompt[-200:]!r} -> {out!r}"
+    print0(f"  [{b.task}] {said}  reward {rewards[0]:.2f}")
+    if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
+        print0(plots.text_image(out, int(math.isqrt(len(out)))))
 
 
 def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> None:
@@ -383,8 +375,7 @@ def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> No
 
 def closing_summary(run, seconds: float) -> None:
     """The run's last lines: the time, where the model and pictures are, the next commands."""
-    out = run.out
-    pictures = [str(out / n) for n in ("curves.png", "images.png") if (out / n).is_file()]
+    out, pictures = run.out, [str(run.out / n) for n in ("curves.png", "images.png") if (run.out / n).is_file()]
     print0(f"done in {duration(seconds)} (RL {duration(run.rl_end)}{' over every resumed segment' if run.start else ''}"
            f"): model {out / 'final'}, summary {out / 'summary.json'}, log {out / 'log.jsonl'}, " + (f"pictures "
            f"{', '.join(pictures)}" if pictures else "no pictures (no plots extra: pip install -e '.[plots]')"))
