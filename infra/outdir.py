@@ -368,9 +368,8 @@ def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> No
         plots.plot_curves(log, out / "curves.png")
     if grid_before is not None and grid_after is not None:  # a score not measured (null) is left off the panel
         summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
-        grid = [("before RL", grid_before), ("after RL", grid_after)]
-        plots.toy_image_panel(grid, data.eval_examples("image", cfg, {})[:data.GRID_PROMPTS], cfg.image_width,
-                              out / "images.png", summary)
+        plots.toy_image_panel([("before RL", grid_before), ("after RL", grid_after)], data.eval_examples(
+            "image", cfg, {})[:data.GRID_PROMPTS], cfg.image_width, out / "images.png", summary)
 
 
 def closing_summary(run, seconds: float) -> None:
