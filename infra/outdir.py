@@ -1,6 +1,5 @@
 """A run's out_dir: the paths refused before anything is written, the pid files that make it one process's, where
-a resume continues, the closing lines, and what a stop signal keeps in each phase (start_up, holding, before_rl,
-rl_steps, final; train.py --help says it to the user: cli.EPILOGS)."""
+a resume continues, the closing lines, and what a stop signal keeps in each phase (start_up to final; cli.EPILOGS)."""
 from __future__ import annotations
 
 import atexit
@@ -43,37 +42,31 @@ def _inside(a: Path, b: Path) -> bool:  # a is b or lies under it (links resolve
 
 
 def check_paths(cfg) -> None:
-    """Refuse an out_dir this run would damage: a model folder, the --init_from model or a folder holding it, the
-    --sft_dir, or a non-empty folder holding no run. Read-only, on every rank, before anything is written."""
+    """Refuse an out_dir this run would damage (a model, --init_from's, --sft_dir's, others' files); read-only."""
     need(cfg.out_dir.strip(), "--out_dir is empty: pass the folder this run writes into, e.g. --out_dir=out/run1")
     out, here, init = Path(cfg.out_dir), Path(cfg.out_dir).resolve(), Path(cfg.init_from).resolve()
     clash = cfg.init_from not in ("", "scratch") and (init == here or any(_inside(init, out / n) for n in RUN_NAMES))
-    need(not clash, f"--init_from {cfg.init_from} {'is' if init == here else 'lies inside'} --out_dir {out}: the run "
-         "would write its config.json, logs and final/ over the model it starts from; pass a new folder as --out_dir "
-         f"(e.g. --out_dir={here.parent / (here.name + '-rl')})")
+    need(not clash, f"--init_from {cfg.init_from} {'is' if init == here else 'lies inside'} --out_dir {out}, whose "
+         f"files would replace it; pass a new folder as --out_dir (e.g. --out_dir={here.parent / (here.name + '-rl')})")
     if cfg.init_from == "scratch" and cfg.sft_dir:
         sft = Path(cfg.sft_dir).resolve()
-        need(not _inside(out, sft), f"--sft_dir {cfg.sft_dir} {'is' if sft == here else 'holds'} --out_dir {out}: the "
-             "SFT model and the run would share files; give the SFT model its own folder (e.g. "
-             f"--sft_dir={here.parent / 'sft'}) or drop --sft_dir (out_dir/sft)")
+        need(not _inside(out, sft), f"--sft_dir {cfg.sft_dir} {'is' if sft == here else 'holds'} --out_dir {out}: "
+             f"they would share files; pass --sft_dir={here.parent / 'sft'}, or drop it (out_dir/sft)")
         for n in sorted(RUN_NAMES - {"sft"}):  # final/ is replaced, checkpoints/ rotated; sft/ is the SFT model's
             where = "is" if sft == (out / n).resolve() else "lies inside"
-            need(not _inside(sft, out / n), f"--sft_dir {cfg.sft_dir} {where} {out / n}, which the run writes: the SFT "
-                 f"model would be overwritten; give it its own folder (e.g. --sft_dir={out / 'sft'}) or drop --sft_dir "
-                 "(out_dir/sft)")
-    need(not out.exists() or out.is_dir(), f"--out_dir {out} is a file, not a folder (it is left as it is); pass a "
-         "new folder")
+            need(not _inside(sft, out / n), f"--sft_dir {cfg.sft_dir} {where} {out / n}, which the run writes over; "
+                 f"pass --sft_dir={out / 'sft'}, or drop it")
+    need(not out.exists() or out.is_dir(), f"--out_dir {out} is a file, not a folder; pass a new folder")
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
     model = [n for n in MODEL_FILES if n in names] + sorted(n for n in names if n.endswith(".safetensors"))
     with suppress(OSError, ValueError):  # a config.json that is not train.py's settings is a model's
         if not hf.is_run_settings(json.loads((out / "config.json").read_bytes())):
             model.insert(0, "config.json (a model's, not a run's)")
-    need(not model, f"--out_dir {out} holds a model ({', '.join(model)}), not a run: a run would write its settings "
-         "and logs into it; pass a new folder as --out_dir (is it meant as --init_from?)")
-    if names and not any(n in RUN_NAMES or n.startswith(RUN_TEMPORARY) for n in names):
-        listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
-        raise ValueError(f"--out_dir {out} is not empty and holds no run of train.py ({listed}): a run writes only "
-                         "into a new, empty or its own folder; pass a new folder as --out_dir")
+    need(not model, f"--out_dir {out} holds a model ({', '.join(model)}), not a run; pass a new folder as --out_dir "
+         "(is it meant as --init_from?)")
+    listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+    need(not names or any(n in RUN_NAMES or n.startswith(RUN_TEMPORARY) for n in names), f"--out_dir {out} holds "
+         f"no run of train.py ({listed}); pass a new or empty folder as --out_dir")
 
 
 def check_shared(out: Path, device) -> None:
@@ -90,8 +83,7 @@ def check_shared(out: Path, device) -> None:
     scale.barrier()
     if scale.rank() == 0:
         probe.unlink()
-    need(not unseen, f"--out_dir {out}: a rank on another node cannot see the files rank 0 writes there; a multi-node "
-         "run needs out_dir on a file system every node shares (a network file system)")
+    need(not unseen, f"--out_dir {out}: a rank on another node cannot see rank 0's files; pass a folder all share")
 
 
 def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> None:
@@ -105,19 +97,15 @@ def claim(pid_file: Path, what: str, busy: str, fix: str, note: str = "") -> Non
             holder = 0
             with suppress(OSError, ValueError):
                 holder = int(pid_file.read_text().strip() or 0)
-            if holder and holder != os.getpid() and pid_alive(holder):
+            try:  # signal 0 only asks whether the process exists
+                alive = holder and holder != os.getpid() and os.kill(holder, 0) is None
+            except OSError as e:
+                alive = isinstance(e, PermissionError)  # another user's live process
+            if alive:
                 raise ValueError(f"{what} {busy} by the running process {holder} ({pid_file}); wait for it to "
                                  f"end{note}, {fix}, or delete that file if no run holds it") from None
             pid_file.unlink(missing_ok=True)
     raise ValueError(f"{what}: could not create {pid_file}; {fix}")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return isinstance(e, PermissionError)  # another user's live process
-    return True
 
 
 def claim_out_dir(out: Path) -> None:
@@ -145,8 +133,7 @@ def resume_point(out: Path, quiet: bool = True) -> Path:
         raise ValueError(f"--resume: no intact checkpoint in {out / checkpoint.DIRNAME}: " + "; ".join(skipped)
                          + "; remove the damaged directories, or choose another --out_dir")
     for line in () if quiet else skipped:
-        print0(f"warning: {line}; resuming from the newest intact checkpoint, {last.name} (remove the "
-               "damaged one to silence this)")
+        print0(f"warning: {line}; resuming from the newest intact checkpoint, {last.name}; remove the damaged one")
     return last
 
 
@@ -205,8 +192,7 @@ def kept_line(out: Path) -> str:
 
 
 class Stopped(BaseException):
-    """A caught signal, raised in start-up or between evaluation batches (on every rank at once); a BaseException,
-    so that no `except Exception` on the way swallows it."""
+    """A caught signal, raised on every rank at once; a BaseException, so that no `except Exception` swallows it."""
 
     __init__ = checkpoint.Aborted.__init__  # str() is the signal's name; .signum its number
 
@@ -240,6 +226,14 @@ class Stop:
         self.flag["doing"] = "finishing the final save first (the run is then complete)"
 
 
+def _exit(e: BaseException, what: str):
+    """Say what a stop kept ("stopped by SIG during ...", a second signal "aborted by") and exit 128 + the signal."""
+    how = f"stopped by {e}" if isinstance(e, Stopped) else f"aborted by a second {e}" \
+        if isinstance(e, checkpoint.Aborted) else "aborted by Ctrl-C"
+    print0(f"{how} {what}")
+    raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
+
+
 @contextmanager
 def start_up():
     """Until RL a signal stops the run at once (SFT's handler takes over inside; the SFT model saves in holding())."""
@@ -252,15 +246,11 @@ def start_up():
     try:
         yield
     except Stopped as e:
-        print0(f"stopped by {e} during start-up (loading data or the model, before any RL step): nothing was "
-               "written but config.json and a finished SFT model, and no checkpoint was touched; start it again "
-               f"with: {start_command()}")
-        raise SystemExit(128 + e.signum) from None
+        _exit(e, "during start-up (loading data or the model, before any RL step): no checkpoint was touched; "
+              f"start it again with: {start_command()}")
     except KeyboardInterrupt as e:  # a second signal during SFT (its step-finishing handler raises it)
-        print0(f"aborted by a second {e if isinstance(e, checkpoint.Aborted) else 'SIGINT'} during start-up or "
-               f"SFT: SFT keeps no checkpoint and nothing was written to the sft_dir; start it again with: "
-               f"{start_command()}")
-        raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
+        _exit(e, "during start-up or SFT: SFT keeps no checkpoint and nothing was written to the sft_dir; start it "
+              f"again with: {start_command()}")
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
@@ -280,8 +270,7 @@ def holding():
 
 @contextmanager
 def before_rl(run):
-    """A signal stops the evaluation before RL after a batch, a second one at once; the empty logs are removed (no
-    step was taken)."""
+    """A signal stops the evaluation before RL after a batch, a second one at once; the empty logs are removed."""
     doing, run.signal["doing"] = run.signal["doing"], "finishing this evaluation batch, then stopping"
     try:
         yield
@@ -291,11 +280,8 @@ def before_rl(run):
                 p.unlink()
         sft_dir = run.cfg.sft_dir or run.out / "sft"
         kept = f"the SFT model in {sft_dir} is kept; " if run.cfg.init_from == "scratch" else ""
-        how = f"stopped by {s}" if isinstance(s, Stopped) else f"aborted by a second {s}" \
-            if isinstance(s, checkpoint.Aborted) else "aborted by Ctrl-C"
-        print0(f"{how} during the held-out evaluation before RL: no RL step was taken, so no checkpoint "
-               f"was written ({kept}the evaluation starts again); continue with: {resume_command()}")
-        raise SystemExit(128 + getattr(s, "signum", signal.SIGINT)) from None
+        _exit(s, "during the held-out evaluation before RL: no RL step was taken, so no checkpoint was written "
+              f"({kept}the evaluation starts again); continue with: {resume_command()}")
     finally:
         run.signal["doing"] = doing
 
@@ -319,17 +305,14 @@ def rl_steps(run):
             yield
     except KeyboardInterrupt as e:
         last, steps, many = lost()
-        name = f"a second {e}" if isinstance(e, checkpoint.Aborted) else "Ctrl-C"
-        print0(f"aborted by {name} during RL step {run.done}: {steps} {'are' if many else 'is'} lost; " +
-               (f"{last} is kept; continue with: " if last else "no checkpoint was written, so the run "
-                "restarts from step 0 with: ") + resume_command())
-        raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
+        _exit(e, f"during RL step {run.done}: {steps} {'are' if many else 'is'} lost; " + (f"{last} is kept; "
+              "continue with: " if last else "no checkpoint was written, so the run restarts from step 0 with: ")
+              + resume_command())
 
 
 @contextmanager
 def final(run):
-    """`with final(run) as stop:` checkpoints the last RL step first; a signal stops the evaluation after a batch
-    (that checkpoint written if missing), and lets the save finish."""
+    """`with final(run) as stop:` checkpoints the last RL step first; a signal stops the evaluation after a batch."""
     def last_step():  # the checkpoint of the run's last RL step, or None
         last = checkpoint.latest(run.out)
         return last if step_of(last) == run.cfg.rl_steps else None
@@ -341,34 +324,25 @@ def final(run):
         with checkpoint.graceful_stop("finishing this evaluation batch, then stopping", abort) as flag:
             try:
                 if run.cfg.checkpoint_every and run.start < run.cfg.rl_steps and last_step() is None:
-                    print0(f"checkpoint {run._save_checkpoint(run.cfg.rl_steps)} (the last RL step, before the final "
-                           "evaluation)")
+                    print0(f"checkpoint {run._save_checkpoint(run.cfg.rl_steps)} (the last RL step, before evaluation)")
                 yield Stop(flag, run.device)
             except Stopped as s:
                 kept = last_step() or run._save_checkpoint(run.cfg.rl_steps)
-                print0(f"stopped by {s} during the final held-out evaluation: {kept} holds the model after all "
-                       f"{run.cfg.rl_steps} RL steps; finish the run (the final evaluation and save) with: "
-                       f"{resume_command()}")
-                raise SystemExit(128 + s.signum) from None
+                _exit(s, f"during the final held-out evaluation: {kept} holds the model after all "
+                      f"{run.cfg.rl_steps} RL steps; finish the run with: {resume_command()}")
     except KeyboardInterrupt as e:  # a second signal (checkpoint.Aborted), also in the stop's save: say what is kept
         kept = last_step()
-        name = e if isinstance(e, checkpoint.Aborted) else "SIGINT"  # Aborted's str() is its signal's name
-        print0(f"aborted by a second {name} during the final evaluation or save: " + (
-            f"{kept} holds the model after all {run.cfg.rl_steps} RL steps; finish the run with: "
-            f"{resume_command()}" if kept else "no checkpoint of the last RL step was written "
-            f"(checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))
-        raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
+        _exit(e, "during the final evaluation or save: " + (f"{kept} holds the model after all {run.cfg.rl_steps} "
+              f"RL steps; finish the run with: {resume_command()}" if kept else "no checkpoint of the last RL step "
+              f"was written (checkpoint_every=0), so the RL steps are lost; restart the run with: {resume_command()}"))
     if flag["signal"]:
-        print0(f"stopped by {signal.Signals(flag['signal']).name} after the final save: the run is complete "
-               f"({run.out / 'final'}, {run.out / 'summary.json'})")
-        raise SystemExit(128 + flag["signal"])
+        _exit(Stopped(flag["signal"]), f"after the final save: the run is complete ({run.out / 'final'})")
 
 
 def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> None:
     """The held-out mean reward per task in one line; after RL with the gain and its paired standard error."""
     if not rewards and when == "before RL":
-        print0("no held-out set, so no mean reward before and after RL: pass --eval_data=TASK=PATH "
-               "(and --eval_prompts > 0)")
+        print0("no held-out set, so no held-out reward: pass --eval_data=TASK=PATH (and --eval_prompts > 0)")
     shown = []
     for k, v in (rewards or {}).items():
         s = (summary or {}).get(k, {})
@@ -379,15 +353,13 @@ def print_held_out(when: str, rewards: dict, summary: dict | None = None) -> Non
         print0(f"held-out mean reward {when}:{' ' * (when == 'after RL')} {', '.join(shown)}")
 
 
-def show(b, rewards, tok, ids, n: int = 1) -> None:
-    """Print n decoded rollouts with their rewards (a toy image in ANSI colours)."""
-    outs = tasks.decode_window(b, tok, ids)
-    for i in range(n):
-        prompt = b.examples[i]["prompt"]
-        said = repr(prompt) if b.task in tasks.IMAGE_TASKS else f"{prompt[-200:]!r} -> {outs[i]!r}"
-        print0(f"  [{b.task}] {said}  reward {rewards[i]:.2f}")
-        if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
-            print0(plots.text_image(outs[i], int(math.isqrt(len(outs[i])))))
+def show(b, rewards, tok, ids) -> None:
+    """Print the first decoded rollout with its reward (a toy image in ANSI colours)."""
+    out, prompt = tasks.decode_window(b, tok, ids)[0], b.examples[0]["prompt"]
+    said = repr(prompt) if b.task in tasks.IMAGE_TASKS else f"{prompt[-200:]!r} -> {out!r}"
+    print0(f"  [{b.task}] {said}  reward {rewards[0]:.2f}")
+    if b.task == "image":  # toy palette codes; real VQ codes need the image decoder
+        print0(plots.text_image(out, int(math.isqrt(len(out)))))
 
 
 def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> None:
@@ -396,18 +368,15 @@ def write_pictures(cfg, out: Path, grid_before, grid_after, summary: dict) -> No
         plots.plot_curves(log, out / "curves.png")
     if grid_before is not None and grid_after is not None:  # a score not measured (null) is left off the panel
         summary = {k: v for k, v in summary.items() if not isinstance(v, dict) or None not in v.values()}
-        grid = [("before RL", grid_before), ("after RL", grid_after)]
-        plots.toy_image_panel(grid, data.eval_examples("image", cfg, {})[:data.GRID_PROMPTS], cfg.image_width,
-                              out / "images.png", summary)
+        plots.toy_image_panel([("before RL", grid_before), ("after RL", grid_after)], data.eval_examples(
+            "image", cfg, {})[:data.GRID_PROMPTS], cfg.image_width, out / "images.png", summary)
 
 
 def closing_summary(run, seconds: float) -> None:
     """The run's last lines: the time, where the model and pictures are, the next commands."""
-    out = run.out
-    pictures = [str(out / n) for n in ("curves.png", "images.png") if (out / n).is_file()]
+    out, pictures = run.out, [str(run.out / n) for n in ("curves.png", "images.png") if (run.out / n).is_file()]
     print0(f"done in {duration(seconds)} (RL {duration(run.rl_end)}{' over every resumed segment' if run.start else ''}"
-           f"): model {out / 'final'}, summary {out / 'summary.json'}, log {out / 'log.jsonl'}"
-           + (f", pictures {', '.join(pictures)}" if pictures
-              else ", no pictures (the plots extra is not installed: pip install -e '.[plots]')"))
+           f"): model {out / 'final'}, summary {out / 'summary.json'}, log {out / 'log.jsonl'}, " + (f"pictures "
+           f"{', '.join(pictures)}" if pictures else "no pictures (no plots extra: pip install -e '.[plots]')"))
     print0(f"next: python -m tools.sample --ckpt={out / 'final'} --prompt=\"...\" (add --image for a picture); "
            f"python evaluate.py --run={out} re-scores it")

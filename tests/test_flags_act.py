@@ -25,9 +25,9 @@ GSM = [f"--init_from={MODEL}", "--tasks=gsm8k", f"--train_data=gsm8k={DATA}"]
     (["--gen_length=12", "--block_length=12", "--steps=24"], r"steps \(24\) must be <= gen_length \(12\)"),
     (["--device=gpu"], r"device \('gpu'\) must be auto, cpu, cuda or cuda:N \(for a GPU: --device=cuda\)"),
     (["--device=mps"], r"device \('mps'\) must be .*Apple GPUs are not supported"),
-    ([*GSM, "--d_model=64"], r"--d_model sets the shape of the toy model trained from scratch, but --init_from=.* drop it"),
-    ([*GSM, "--n_layers=1", "--n_heads=2"], r"--n_heads, --n_layers set the shape .* drop them"),
-    ([*GSM, f"--eval_data=gsm8k={DATA}", "--eval_prompts=0"], r"--eval_data is given but --eval_prompts=0"),
+    ([*GSM, "--d_model=64"], r"--d_model sets the toy model's shape, but --init_from=.* drop it"),
+    ([*GSM, "--n_layers=1", "--n_heads=2"], r"--n_heads, --n_layers set the toy model.s shape.* drop them"),
+    ([*GSM, f"--eval_data=gsm8k={DATA}", "--eval_prompts=0"], r"--eval_prompts=0 scores no --eval_data: drop one"),
 ])
 def test_meaningless_flags_are_refused(argv, match):
     with pytest.raises(ValueError, match=match):
@@ -66,4 +66,6 @@ def test_bench_refuses_device_and_threads_in_one_line(argv, message):
 
 def test_sft_flags_with_init_from_are_warned_about(capsys):
     train.parse_args([*GSM, "--sft_steps=10", "--sft_dir=x"])
-    assert "warning: --sft_dir, --sft_steps only act on the SFT stage" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "warning: with --tasks=" in out and "--sft_dir (it acts on the SFT stage" in out, out
+    assert "--sft_steps (it acts on the SFT stage" in out and "do nothing: drop it" in out, out

@@ -32,7 +32,7 @@ def test_every_rank_sees_the_probe(tmp_path, monkeypatch):
 
 
 def test_a_node_local_out_dir_is_refused(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="multi-node run needs out_dir on a file system every node shares"):
+    with pytest.raises(ValueError, match="cannot see rank 0.s files; pass a folder all share"):
         play(monkeypatch, tmp_path, rank1_sees=False)
     assert list(tmp_path.iterdir()) == []
 

@@ -34,8 +34,8 @@ def test_path_flags_expand_the_home_folder(home):
 
 
 def test_unknown_user_is_refused(home):
-    with pytest.raises(ValueError, match=r"--out_dir=~nobody-here-at-all/run: ~nobody-here-at-all names no user's "
-                                         "home folder here; write the path out in full"):
+    with pytest.raises(ValueError, match=r"--out_dir=~nobody-here-at-all/run: ~nobody-here-at-all is no user's "
+                                         "home; write it in full"):
         train.parse_args(["--out_dir=~nobody-here-at-all/run"])
 
 
