@@ -65,3 +65,36 @@ def smoke_sft_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke-sft")
     train.main(["--preset=smoke", f"--out_dir={out}", "--threads=1", "--rl_steps=0", "--eval_prompts=1"])
     return out
+
+
+@pytest.fixture
+def undrawn_figures(monkeypatch):
+    """matplotlib figures built but saved as a 1-pixel PNG, for modules whose runs finish but which test something
+    else: laying out and rendering curves.png costs 0.3-0.5 s of CPU a run. The figure is still built by
+    infra/plots.py (every call it makes but the drawing); tests/test_plots.py and test_report.py draw real ones."""
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    monkeypatch.setattr(Figure, "savefig", lambda self, fname, **kw: Image.new("RGB", (1, 1)).save(fname))
+
+
+def run_main(args: list[str], monkeypatch) -> int:
+    """`python ARGS` (a file of the project, or -m and a module, then its arguments) run in this process: the
+    entry point's __main__ block without an interpreter's start (1-2 s of CPU, importing torch). Its exit
+    status, as the interpreter gives it (a message passed to sys.exit goes to stderr, status 1); a block that
+    does not exit fails the test."""
+    import runpy
+    import warnings
+
+    module = args[1] if args[0] == "-m" else None
+    monkeypatch.setattr(sys, "argv", [module or args[0], *args[2 if module else 1:]])
+    with pytest.raises(SystemExit) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module was imported before it ran as __main__
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(ROOT / args[0]), run_name="__main__")
+    if e.value.code is None or isinstance(e.value.code, int):
+        return e.value.code or 0
+    print(e.value.code, file=sys.stderr)
+    return 1

@@ -1,7 +1,11 @@
 """train.timed: each phase's seconds reach times.jsonl, and the loop starts them from zero every step."""
 import time
 
+import pytest
+
 import train
+
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here looks at a picture
 
 
 def test_timed_adds_every_block():
