@@ -67,15 +67,18 @@ def smoke_sft_run(tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def undrawn_figures(monkeypatch):
+@pytest.fixture(scope="module")
+def undrawn_figures():
     """matplotlib figures built but saved as a 1-pixel PNG, for modules whose runs finish but which test something
     else: laying out and rendering curves.png costs 0.3-0.5 s of CPU a run. The figure is still built by
-    infra/plots.py (every call it makes but the drawing); tests/test_plots.py and test_report.py draw real ones."""
+    infra/plots.py (every call it makes but the drawing); tests/test_plots.py and test_report.py draw real ones.
+    Module-scoped, so that it covers the module's own fixtures (use it as the module's pytestmark)."""
     from matplotlib.figure import Figure
     from PIL import Image
 
-    monkeypatch.setattr(Figure, "savefig", lambda self, fname, **kw: Image.new("RGB", (1, 1)).save(fname))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Figure, "savefig", lambda self, fname, **kw: Image.new("RGB", (1, 1)).save(fname))
+        yield
 
 
 def run_main(args: list[str], monkeypatch) -> int:
