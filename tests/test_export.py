@@ -16,7 +16,7 @@ import train
 from infra import hf, load
 from conftest import run_main
 
-pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here looks at a picture
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1", "--tasks=image", "--rl_steps=2",

@@ -21,7 +21,7 @@ import pytest
 
 from infra import checkpoint, cli
 
-pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here looks at a picture
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1", "--rl_steps=2",

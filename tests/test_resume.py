@@ -24,7 +24,7 @@ import train
 from model import Transformer
 from infra import hf
 
-pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here looks at a picture
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import pytest
 import train
 from infra import checkpoint
 
-pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here looks at a picture
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
 
 TINY = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1", "--checkpoint_every=1"]
 

@@ -5,7 +5,7 @@ import pytest
 
 import train
 
-pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here looks at a picture
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
 
 
 def test_timed_adds_every_block():

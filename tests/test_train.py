@@ -19,7 +19,7 @@ from infra.load import load_policy
 from infra.cli import setup
 from model import Transformer
 
-pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here looks at a picture
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
 
 
 @pytest.mark.parametrize("argv,match", [
