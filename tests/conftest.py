@@ -82,13 +82,15 @@ def undrawn_figures():
 
 
 def run_main(args: list[str], monkeypatch) -> int:
-    """`python ARGS` (a file of the project, or -m and a module, then its arguments) run in this process: the
-    entry point's __main__ block without an interpreter's start (1-2 s of CPU, importing torch). Its exit
-    status as the interpreter gives it: 0 at the block's end; a message passed to sys.exit goes to stderr, 1."""
+    """`python ARGS` in the project's root (a file of the project, or -m and a module, then its arguments) run in
+    this process: the entry point's __main__ block without an interpreter's start (1-2 s of CPU, importing torch).
+    Its exit status as the interpreter gives it: 0 at the block's end; a message passed to sys.exit goes to
+    stderr, 1."""
     import runpy
     import warnings
 
     module = args[1] if args[0] == "-m" else None
+    monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", [module or args[0], *args[2 if module else 1:]])
     try:
         with warnings.catch_warnings():
@@ -96,7 +98,7 @@ def run_main(args: list[str], monkeypatch) -> int:
             if module:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
             else:
-                runpy.run_path(str(ROOT / args[0]), run_name="__main__")
+                runpy.run_path(args[0], run_name="__main__")  # sys.argv[0] is args[0], as for the command
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
