@@ -65,3 +65,43 @@ def smoke_sft_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke-sft")
     train.main(["--preset=smoke", f"--out_dir={out}", "--threads=1", "--rl_steps=0", "--eval_prompts=1"])
     return out
+
+
+@pytest.fixture(scope="module")
+def undrawn_figures():
+    """matplotlib figures built but saved as a 1-pixel PNG, for modules whose runs finish but which test something
+    else: laying out and rendering curves.png costs 0.3-0.5 s of CPU a run. The figure is still built by
+    infra/plots.py (every call it makes but the drawing); tests/test_plots.py and test_report.py draw real ones.
+    Module-scoped, so that it covers the module's own fixtures (use it as the module's pytestmark)."""
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Figure, "savefig", lambda self, fname, **kw: Image.new("RGB", (1, 1)).save(fname))
+        yield
+
+
+def run_main(args: list[str], monkeypatch) -> int:
+    """`python ARGS` in the project's root (a file of the project, or -m and a module, then its arguments) run in
+    this process: the entry point's __main__ block without an interpreter's start (1-2 s of CPU, importing torch).
+    Its exit status as the interpreter gives it: 0 at the block's end; a message passed to sys.exit goes to
+    stderr, 1."""
+    import runpy
+    import warnings
+
+    module = args[1] if args[0] == "-m" else None
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", [module or args[0], *args[2 if module else 1:]])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module was imported before it ran as __main__
+            if module:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(args[0], run_name="__main__")  # sys.argv[0] is args[0], as for the command
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    return 0

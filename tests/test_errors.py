@@ -22,6 +22,7 @@ import train
 from infra import checkpoint, cli, hf, load, outdir, plots
 from tools import sample as sample_cli
 from model import ModelConfig, Transformer
+from conftest import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "data"
@@ -350,20 +351,14 @@ def command(args, **kw):
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, **kw)
 
 
-# The commands that import torch take seconds each to start on a shared CPU: slow. The in-process tests
-# above run the same cli.user_errors wrapper their __main__ blocks use.
-SLOW = pytest.mark.slow
 ENTRY_POINTS = [
-    pytest.param(["train.py", "--block_length=0"], "error: block_length (0) must be >= 1", marks=SLOW),
-    pytest.param(["train.py", "--sft_step=1"], "error: unknown argument(s) ['--sft_step=1']", marks=SLOW),
-    pytest.param(["-m", "tools.sample", "--ckpt", "/no/such/dir", "--prompt", "hi"], "error: /no/such/dir/config.json not found",
-                 marks=SLOW),
-    pytest.param(["evaluate.py", "--ckpt", "/no/such/dir", "--task", "text"], "error: checkpoint directory not found",
-                 marks=SLOW),
-    pytest.param(["-m", "tools.diagnose"], "error: usage: python -m tools.diagnose --ckpt DIR",
-                 marks=SLOW),
-    pytest.param(["-m", "tools.bench", "--reps=0"], "error: --reps must be >= 1, got 0", marks=SLOW),
-    pytest.param(["-m", "tools.bench", "--rep=2"], "error: unknown argument(s) ['--rep=2']", marks=SLOW),
+    (["train.py", "--block_length=0"], "error: block_length (0) must be >= 1"),
+    (["train.py", "--sft_step=1"], "error: unknown argument(s) ['--sft_step=1']"),
+    (["-m", "tools.sample", "--ckpt", "/no/such/dir", "--prompt", "hi"], "error: /no/such/dir/config.json not found"),
+    (["evaluate.py", "--ckpt", "/no/such/dir", "--task", "text"], "error: checkpoint directory not found"),
+    (["-m", "tools.diagnose"], "error: usage: python -m tools.diagnose --ckpt DIR"),
+    (["-m", "tools.bench", "--reps=0"], "error: --reps must be >= 1, got 0"),
+    (["-m", "tools.bench", "--rep=2"], "error: unknown argument(s) ['--rep=2']"),
     (["-m", "infra.data", "gsm8k", "/no/such.jsonl"], "error: dataset file not found: /no/such.jsonl"),
     (["-m", "infra.data"], "error: usage: python -m infra.data TASK PATH"),
     (["-m", "infra.plots", "/no/such/run"], "error: /no/such/run/log.jsonl not found"),
@@ -372,7 +367,18 @@ ENTRY_POINTS = [
 
 
 @pytest.mark.parametrize("args,message", ENTRY_POINTS)
-def test_every_entry_point_exits_2_with_one_line(args, message):
+def test_every_entry_point_exits_2_with_one_line(args, message, monkeypatch, capsys):
+    """Each __main__ block, run in this process (conftest.run_main)."""
+    code = run_main(args, monkeypatch)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, (code, err)
+    assert err.startswith(message) and "\n" not in err, err
+
+
+@pytest.mark.slow  # a process that imports torch takes seconds to start on a shared CPU
+@pytest.mark.parametrize("args,message", ENTRY_POINTS)
+def test_every_command_exits_2_with_one_line(args, message):
+    """The same as commands; the fast test_every_entry_point_exits_2_with_one_line runs their __main__ blocks."""
     p = command(args)
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert p.stderr.strip().startswith(message) and "\n" not in p.stderr.strip(), p.stderr

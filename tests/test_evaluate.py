@@ -17,6 +17,8 @@ from infra import data
 import evaluate
 import train
 
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
+
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"task", "mode", "prompt_index", "sample", "prompt", "output", "reward"}

@@ -14,6 +14,9 @@ import torch
 import evaluate
 import train
 from infra import hf, load
+from conftest import run_main
+
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1", "--tasks=image", "--rl_steps=2",
@@ -39,29 +42,37 @@ def test_the_last_checkpoint_exported_is_the_final_model(smoke_sft_run, tmp_path
     assert evaluate.main(["--ckpt", str(first), "--task", "image", "--limit=2", "--samples=1"]) == 0
 
 
-def test_export_refuses_in_one_line(smoke_sft_run, tmp_path):
+def test_export_refuses_in_one_line(smoke_sft_run, tmp_path, monkeypatch, capsys):
     run = smoke_sft_run
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "mine.txt").write_text("x")
     cases = [([str(run / "final"), str(tmp_path / "x")], "is not a complete checkpoint"),
              ([str(tmp_path / "nothing")], "pass a checkpoint and a new folder")]
     for argv, message in cases:
-        p = subprocess.run([sys.executable, "-m", "infra.load", *argv], cwd=ROOT, capture_output=True, text=True)
-        assert p.returncode == 2 and message in p.stderr and p.stderr.count("\n") == 1, p.stderr
+        code = run_main(["-m", "infra.load", *argv], monkeypatch)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("entry", ["evaluate.py", "tools.sample", "train.py"])
-def test_a_training_checkpoint_given_as_a_model_names_the_export(tmp_path, entry):
-    """checkpoints/step-N where a model folder is needed: one line with the command that converts it."""
+@pytest.mark.parametrize("how", ["in process", pytest.param("command", marks=pytest.mark.slow)])
+def test_a_training_checkpoint_given_as_a_model_names_the_export(tmp_path, entry, how, monkeypatch, capsys):
+    """checkpoints/step-N where a model folder is needed: one line with the command that converts it. The
+    entry point's __main__ block in this process (conftest.run_main), and as a command (slow: a second each)."""
     step = tmp_path / "run" / "checkpoints" / "step-00000004"
     step.mkdir(parents=True)
     (step / "state.json").write_text("{}")
     flag = "--init_from" if entry == "train.py" else "--ckpt"
     extra = {"evaluate.py": ["--task=text"], "tools.sample": ["--prompt=a"], "train.py": ["--tasks=text",
              f"--out_dir={tmp_path / 'new'}"]}[entry]
-    p = subprocess.run([sys.executable, *(["-m", entry] if entry.startswith("tools.") else [entry]), f"{flag}={step}", *extra], cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
-    assert f"python -m infra.load {step} {tmp_path / 'run-step-00000004'}" in p.stderr, p.stderr
+    args = [*(["-m", entry] if entry.startswith("tools.") else [entry]), f"{flag}={step}", *extra]
+    if how == "command":
+        p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+        code, err = p.returncode, p.stderr
+    else:
+        code, err = run_main(args, monkeypatch), capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"python -m infra.load {step} {tmp_path / 'run-step-00000004'}" in err, err
 
 
 def test_export_after_a_code_change_reads_the_sft_model_by_content(smoke_sft_run, tmp_path, monkeypatch):

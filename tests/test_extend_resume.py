@@ -11,6 +11,8 @@ import pytest
 import train
 from infra.run import Run
 
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
+
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--checkpoint_every=1", "--eval_prompts=2",
        "--prompts_per_step=1", "--group_size=4"]
 

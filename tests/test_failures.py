@@ -19,6 +19,8 @@ import train
 from infra import checkpoint, sandbox
 from infra.run import RunFailed, TrainingStopped
 
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
+
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1"]
 
 

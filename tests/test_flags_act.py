@@ -3,14 +3,13 @@ line naming the flag and the fix (train.py's settings, tools.bench's own flags).
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_flags_act.py -q -p no:xdist
 """
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import train
+from conftest import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "tests" / "fixtures" / "tiny-llada"
@@ -57,11 +56,10 @@ def test_a_preset_for_another_model_shape_is_warned_about(tmp_path, capsys):
     pytest.param(["--device", "cuda"], "asks for CUDA, but torch sees no GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
 ])
-def test_bench_refuses_device_and_threads_in_one_line(argv, message):
-    p = subprocess.run([sys.executable, "-m", "tools.bench", *argv], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 2 and p.stderr == f"error: {p.stderr[7:]}" and message in p.stderr, p.stderr
-    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+def test_bench_refuses_device_and_threads_in_one_line(argv, message, monkeypatch, capsys):
+    code, err = run_main(["-m", "tools.bench", *argv], monkeypatch), capsys.readouterr().err  # its __main__ block
+    assert code == 2 and err == f"error: {err[7:]}" and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
 
 
 def test_sft_flags_with_init_from_are_warned_about(capsys):

@@ -16,6 +16,7 @@ import pytest
 import train
 from infra import budget, cli
 from tools import sample as sample_cli
+from conftest import run_main
 from test_errors import TINY, exit_code, one_line_error, toy  # noqa: F401 (toy: a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,9 +85,9 @@ def test_a_flag_given_twice_takes_the_last_as_help_says():
     assert "a flag given twice takes its last value" in text
 
 
-def test_infra_data_help_works():
-    p = subprocess.run([sys.executable, "-m", "infra.data", "--help"], cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode == 0 and p.stdout.startswith("usage: python -m infra.data TASK PATH"), p.stdout + p.stderr
+def test_infra_data_help_works(monkeypatch, capsys):
+    code, out = run_main(["-m", "infra.data", "--help"], monkeypatch), capsys.readouterr()  # its __main__ block
+    assert code == 0 and out.out.startswith("usage: python -m infra.data TASK PATH"), out
 
 
 def test_scorer_on_a_busy_port_is_one_line():

@@ -19,6 +19,8 @@ import train
 from infra import data, hf
 from infra.run import RunFailed
 
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
+
 # A two-step SFT and no RL: enough to leave a complete run (sft/, final/, summary.json, log.jsonl).
 TINY = ["--preset=smoke", "--threads=1", "--sample_every=0", "--sft_steps=2", "--rl_steps=0", "--eval_prompts=1"]
 

@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 
 from infra import checkpoint, cli
+from conftest import run_main
+
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1", "--rl_steps=2",
@@ -135,20 +138,31 @@ def test_sighup_with_the_output_gone_still_writes_the_checkpoint(sft_dir, tmp_pa
 TINY = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1"]
 
 
-def test_sft_save_over_a_file_size_limit_is_one_line(tmp_path):
+@pytest.mark.parametrize("how", ["in process", pytest.param("command", marks=pytest.mark.slow)])
+def test_sft_save_over_a_file_size_limit_is_one_line(tmp_path, how, monkeypatch, capsys):
     """RLIMIT_FSIZE below the SFT model's size: safetensors raises SafetensorError ("File too large"), not an
     OSError. One line says the SFT model was lost, the sft_dir is as it was, and the command to run again;
-    no traceback, no temporary folder left."""
+    no traceback, no temporary folder left. train.py's __main__ block in this process (conftest.run_main) under
+    a lowered soft limit, and as a command (slow: seconds to start)."""
     out = tmp_path / "run"
     limit = 32 << 10  # the smoke model's weights are larger; config.json and the logs are smaller
-
-    def small_files():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    p = subprocess.run([sys.executable, "train.py", *TINY, "--sft_steps=2", "--rl_steps=0", f"--out_dir={out}"],
-                       cwd=ROOT, env=child_env(), preexec_fn=small_files, capture_output=True, text=True,
-                       timeout=300)
-    err = p.stderr.strip()
-    assert p.returncode == 1 and "Traceback" not in p.stderr and len(err.splitlines()) == 1, p.stdout + p.stderr
+    args = ["train.py", *TINY, "--sft_steps=2", "--rl_steps=0", f"--out_dir={out}"]
+    if how == "command":
+        def small_files():
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        p = subprocess.run([sys.executable, *args], cwd=ROOT, env=child_env(), preexec_fn=small_files,
+                           capture_output=True, text=True, timeout=300)
+        code, said = p.returncode, (p.stdout, p.stderr)
+    else:
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # Python ignores SIGXFSZ: such a write fails
+        try:
+            code = run_main(args, monkeypatch)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        said = capsys.readouterr()
+    err = said[1].strip()
+    assert code == 1 and "Traceback" not in said[1] and len(err.splitlines()) == 1, said
     assert err.startswith("error: saving the SFT model to") and "File too large" in err, err
     assert "the trained SFT model is lost" in err and "no checkpoint of this run exists" in err, err
     assert "continue with: python train.py" in err and f"--out_dir={out}" in err, err

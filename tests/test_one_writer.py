@@ -18,6 +18,8 @@ import pytest
 import evaluate
 import train
 
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
+
 ROOT = Path(__file__).resolve().parents[1]
 # evaluate.py as the command line runs it, its first batch held until the file GO exists.
 HELD = """

@@ -18,6 +18,8 @@ import train
 from infra import checkpoint, data, run as run_mod
 from test_nothing_lost import TINY, tree_digest
 
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
+
 
 @pytest.fixture(scope="module")
 def sft_dir(tmp_path_factory):

@@ -25,6 +25,8 @@ from tools.stub_scorer import _StubHandler
 from test_rl_step import save_tiny_checkpoint
 from test_scorer import no_proxy, serve  # noqa: F401 (fixtures: requests stay on 127.0.0.1; a stub server per test)
 
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
+
 # -----------------------------------------------------------------------------
 # python -m infra.load
 

@@ -23,16 +23,22 @@ def test_committed_tables_are_what_the_report_prints(capsys):
         assert committed[name] == printed[name], f"docs/results.md table {name!r} differs: run python -m tools.report"
 
 
-def test_rewriting_the_results_changes_nothing(tmp_path):
-    copy = tmp_path / "results.md"
-    copy.write_text(RESULTS.read_text())
-    report.main(["--results", str(copy), "--figures", str(tmp_path / "fig")])
-    assert copy.read_text() == RESULTS.read_text()
-
-
-def test_figures_have_the_committed_pixels(tmp_path):
+@pytest.fixture(scope="module")
+def rewritten(tmp_path_factory):
+    """`python -m tools.report` run once on a copy of results.md: (the copy, the folder of its figures)."""
     pytest.importorskip("matplotlib")  # the plots extra, in the dev extra, as tests/test_plots.py requires it
-    written = report.figures(tmp_path)
+    d = tmp_path_factory.mktemp("report")
+    (d / "results.md").write_text(RESULTS.read_text())
+    report.main(["--results", str(d / "results.md"), "--figures", str(d / "fig")])
+    return d / "results.md", d / "fig"
+
+
+def test_rewriting_the_results_changes_nothing(rewritten):
+    assert rewritten[0].read_text() == RESULTS.read_text()
+
+
+def test_figures_have_the_committed_pixels(rewritten):
+    written = list(rewritten[1].iterdir())
     names = {p.name for p in written}
     text = RESULTS.read_text()
     # every picture results.md shows is one the report draws, and every committed docs/*.png is shown somewhere

@@ -24,6 +24,8 @@ import train
 from model import Transformer
 from infra import hf
 
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
+
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--rl_steps=6", "--checkpoint_every=1", "--keep_last=2"]

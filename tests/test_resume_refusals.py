@@ -5,31 +5,40 @@ checkpoint's is refused, and the run stays resumable and extendable.
     OMP_NUM_THREADS=1 python -m pytest tests/test_resume_refusals.py -q
 """
 import json
+import shutil
 
 import pytest
 
 import train
 from infra import checkpoint
 
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
+
 TINY = ["--preset=smoke", "--threads=1", "--sample_every=0", "--eval_prompts=1", "--checkpoint_every=1"]
 
 
-@pytest.fixture
-def cut(smoke_sft_run, tmp_path):
+@pytest.fixture(scope="module")
+def cut_once(smoke_sft_run, tmp_path_factory):
     """A run of rl_steps=4 stopped after its step-2 checkpoint (as a kill would leave it: no final/)."""
-    out = tmp_path / "run"
-    args = [*TINY, f"--sft_dir={smoke_sft_run / 'sft'}", f"--out_dir={out}"]
-    train.main([*args, "--rl_steps=2"])
+    out = tmp_path_factory.mktemp("cut") / "run"
+    train.main([*TINY, f"--sft_dir={smoke_sft_run / 'sft'}", f"--out_dir={out}", "--rl_steps=2"])
     for name in ("summary.json", "curves.png", "images.png"):
         (out / name).unlink(missing_ok=True)
-    import shutil
     shutil.rmtree(out / "final")
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "rl_steps": 4}))
     state = json.loads((checkpoint.latest(out) / "state.json").read_text())
     state["config"]["rl_steps"] = 4
     (checkpoint.latest(out) / "state.json").write_text(json.dumps(state))
-    return out, [*args, "--rl_steps=4"]
+    return out
+
+
+@pytest.fixture
+def cut(cut_once, smoke_sft_run, tmp_path):
+    """A copy of cut_once for the test to resume (out_dir may change on resume), and its arguments."""
+    out = tmp_path / "run"
+    shutil.copytree(cut_once, out)
+    return out, [*TINY, f"--sft_dir={smoke_sft_run / 'sft'}", f"--out_dir={out}", "--rl_steps=4"]
 
 
 @pytest.mark.parametrize("flag,value,saved", [("lr", "0.05", 1e-4), ("grad_clip", "0.5", 1.0)])

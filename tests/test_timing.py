@@ -1,7 +1,11 @@
 """train.timed: each phase's seconds reach times.jsonl, and the loop starts them from zero every step."""
 import time
 
+import pytest
+
 import train
+
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
 
 
 def test_timed_adds_every_block():
@@ -34,7 +38,7 @@ def test_the_step_writes_each_phase(tmp_path):
     """A smoke run's times.jsonl: the four phases of every step, each within the step's wall time."""
     import json
 
-    train.main(["--preset=smoke", "--tasks=text", "--rl_steps=2", "--eval_prompts=0", "--threads=1",
+    train.main(["--preset=smoke", "--tasks=text", "--sft_steps=2", "--rl_steps=2", "--eval_prompts=0", "--threads=1",
                 f"--out_dir={tmp_path / 'run'}"])
     rows = [json.loads(line) for line in (tmp_path / "run" / "times.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]

@@ -7,8 +7,9 @@ training and log.jsonl as they are without it.
     OMP_NUM_THREADS=1 python -m pytest tests/test_tracker.py -q      # ~18 s on a shared 2-core machine
 """
 import json
-import subprocess
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ import pytest
 import train
 from infra import cli, tracker
 from infra.run import Run
+
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
 
 RUN = ["--preset=smoke", "--threads=1", "--sample_every=0", "--checkpoint_every=1", "--eval_prompts=2",
        "--prompts_per_step=1", "--group_size=4"]
@@ -114,14 +117,32 @@ def float32(want: dict) -> dict:
             for s, row in want.items()}
 
 
+def leet_inspect(run_dir: Path) -> list[str]:
+    """The lines of `wandb leet inspect --json RUN_DIR`: the command's function, called in this process (starting
+    `python -m wandb` costs 0.8 s of CPU), runs wandb's reader binary, whose stdout goes to a file here."""
+    from wandb.cli.leet import launch_inspect
+
+    sys.stdout.flush()
+    with tempfile.TemporaryFile() as f:
+        saved = os.dup(1)
+        os.dup2(f.fileno(), 1)
+        try:
+            with pytest.raises(SystemExit) as e:
+                launch_inspect(str(run_dir), json_output=True)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        assert e.value.code == 0, f"wandb leet inspect {run_dir}: exit status {e.value.code}"
+        f.seek(0)
+        return f.read().decode().splitlines()
+
+
 def wandb_values(out: Path) -> tuple[dict, dict, str]:
     """The rows of every offline run file (one per segment: wandb keeps a resumed offline run apart), read by
     wandb's own reader; log.jsonl's step is the row's `step` (wandb's own, `_step`, counts rows)."""
     got, pictures, config, ids = {}, {}, None, set()
     for run_dir in sorted((out / "wandb").glob("offline-run-*")):
-        lines = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
-                               capture_output=True, text=True, check=True).stdout.splitlines()
-        for rec in map(json.loads, lines):
+        for rec in map(json.loads, leet_inspect(run_dir)):
             if rec["type"] == "run":
                 ids.add(rec["run"]["run_id"])
                 config = rec["run"]["config"]["update"]

@@ -19,6 +19,8 @@ from infra.load import load_policy
 from infra.cli import setup
 from model import Transformer
 
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
+
 
 @pytest.mark.parametrize("argv,match", [
     (["--gen_length=20", "--block_length=8"], r"gen_length \(20\) must be divisible by block_length \(8\)"),

@@ -22,6 +22,8 @@ from infra import data, hf
 from model import Transformer
 from test_train import CPU, parse, toy_model  # noqa: F401 (toy_model: a fixture)
 
+pytestmark = pytest.mark.usefixtures("undrawn_figures")  # no test here checks a picture's pixels
+
 
 # -----------------------------------------------------------------------------
 # Every training setting at a non-default value, against an expectation written here: where prompts come
