@@ -6,10 +6,9 @@
     python train.py --preset llada8b --dry_run         # parameters, memory per GPU, FLOPs, schedule
 
 Stage 1 (`sft`) trains the toy model with the masked-diffusion loss (LLaDA arXiv:2502.09992), cached in
-out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880, Alg. 5; docs/method.md §9): rollouts, rewards,
-group advantages, the estimator's views, old/ref log-probs, mu updates. A run writes log.jsonl, times.jsonl,
-summary.json, final/, checkpoints/ and pictures to out_dir. Every random draw is seeded by (seed, purpose, step,
-global sequence index) (sample.derive_seed), so the world size changes nothing.
+out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880, Alg. 5; docs/method.md §9). A run writes
+log.jsonl, times.jsonl, summary.json, final/, checkpoints/ and pictures to out_dir. Every random draw is seeded by
+(seed, purpose, step, global sequence index) (sample.derive_seed), so the world size changes nothing.
 """
 from __future__ import annotations
 
@@ -28,20 +27,16 @@ import grpo
 import importance
 import tasks
 from infra import budget, checkpoint, cli, outdir, scale, tracker
-from infra.outdir import closing_summary, print_held_out
 from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, dry_run, eval_batches,
                        failures_in_one_line, start)
-from infra.scale import print0
 from infra.cli import validate
 from infra.data import evaluate_all, image_snapshot
 from sample import chunks, derive_seed, generator, rollout
-from tasks import (IMAGE_TASKS, Batch, Ctx, make_batch, make_example, sft_tasks, step_prompts,
-                   task_list)
+from tasks import IMAGE_TASKS, Batch, Ctx, make_batch, make_example, sft_tasks, step_prompts
 
 
 # -----------------------------------------------------------------------------------------------------
 # settings: one flag per field (`python train.py --help` prints each comment), and the presets
-
 
 @dataclass
 class StepConfig:
@@ -185,7 +180,7 @@ def parse_args(argv=None) -> Config:
         raise ValueError("unknown flag --num_iterations: the inner updates per rollout batch are --mu (the paper's mu)")
     cfg = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
     validate(cfg)
-    for task in task_list(cfg):  # a verifier the settings name that a task lacks: refused here, not at step 0
+    for task in tasks.task_list(cfg):  # a verifier the settings name that a task lacks: refused here, not at step 0
         tasks.verifier(task, cfg.text_reward, cfg.reward_shaping)
     return cfg
 
@@ -193,15 +188,13 @@ def parse_args(argv=None) -> Config:
 # -----------------------------------------------------------------------------------------------------
 # stage 1: masked-diffusion SFT
 
-
 def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
     """The masked-diffusion negative ELBO (LLaDA's SFT loss; docs/method.md §1): t ~ U(eps, 1) per sequence, each
     completion token masked with prob t, cross-entropy on them weighted by 1/t, over the completion length."""
     B, L = b.x.shape
     t = torch.rand(B, 1, generator=gen) * (1 - eps) + eps                              # (B, 1)
-    region = torch.zeros(B, L, dtype=torch.bool)
-    region[:, b.window_slice] = True
-    masked = (torch.rand(B, L, generator=gen) < t) & region                            # (B, L)
+    masked = torch.zeros(B, L, dtype=torch.bool)                                       # (B, L)
+    masked[:, b.window_slice] = (torch.rand(B, L, generator=gen) < t)[:, b.window_slice]
     masked, t = masked.to(b.x.device), t.to(b.x.device)
     logits = model(b.x.masked_fill(masked, ids.mask), b.attention_mask)                # (B, L, V)
     # Image positions predict image codes only, so the softmax runs over the codebook columns.
@@ -227,9 +220,9 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
         bar = cli.progress_bar(range(cfg.sft_steps), desc="sft", dynamic_ncols=True)
         for step in bar:
             if stop["signal"]:
-                print0(f"SFT stopped by {signal.Signals(stop['signal']).name} after {step} of {cfg.sft_steps} "
-                       "steps; SFT keeps no checkpoint, so the next run restarts SFT from step 0 (nothing was "
-                       f"written to the sft_dir); start it again with: {outdir.resume_command()}")
+                scale.print0(f"SFT stopped by {signal.Signals(stop['signal']).name} after {step} of {cfg.sft_steps} "
+                             "steps; SFT keeps no checkpoint, so the next run restarts SFT from step 0 (nothing was "
+                             f"written to the sft_dir); start it again with: {outdir.resume_command()}")
                 raise SystemExit(128 + stop["signal"])
             loss_sum = 0.0
             for task in sft_tasks(cfg):
@@ -250,16 +243,15 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
             opt.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss_sum:.3f}")
             if bar.disable and (step + 1) % max(1, cfg.sft_steps // 10) == 0 and step + 1 < cfg.sft_steps:
-                print0(f"sft step {step + 1}/{cfg.sft_steps}: loss {loss_sum:.3f}, {time.time() - t0:.0f}s")
+                scale.print0(f"sft step {step + 1}/{cfg.sft_steps}: loss {loss_sum:.3f}, {time.time() - t0:.0f}s")
     # The bar is silent in a log file: a line every tenth of the steps above, and one for the end.
-    print0(f"SFT: {cfg.sft_steps} steps in {time.time() - t0:.0f}s, last loss {loss_sum:.3f}")
+    scale.print0(f"SFT: {cfg.sft_steps} steps in {time.time() - t0:.0f}s, last loss {loss_sum:.3f}")
     model.eval()
     return time.time() - t0
 
 
 # -----------------------------------------------------------------------------------------------------
 # stage 2: MaskGRPO
-
 
 @dataclass
 class Experience:
@@ -454,7 +446,7 @@ def _run(cfg: Config, argv) -> dict:
         if nothing_trained := all_skipped(run):  # every step skipped (a scorer down): no model, no "after"
             raise TrainingStopped(nothing_trained)
     summary, after = held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds)
-    closing_summary(run, time.time() - t_start)
+    outdir.closing_summary(run, time.time() - t_start)
     check_measured(run, after)  # a number the run should report is missing: the exit status says so
     return summary
 
@@ -467,7 +459,7 @@ def held_out_before(run, model, ctx, track) -> None:
             run.state["before_by_prompt"] = {}
             run.state["before"] = evaluate_all(model, ctx, run.state["before_by_prompt"], stop)
             run.state["grid_before"] = image_snapshot(model, ctx)
-    print_held_out("before RL", run.state["before"])
+    outdir.print_held_out("before RL", run.state["before"])
     track.held_out("before", run.state["before"])
 
 
@@ -480,14 +472,13 @@ def held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds: float) -
         grid_after = image_snapshot(model, ctx)
         stop.saving()
         summary = run.finish(after, after_by_prompt, grid_after, ctx.tok, dtype, sft_seconds)
-    print_held_out("after RL", after, summary)
+    outdir.print_held_out("after RL", after, summary)
     track.held_out("after", after)
     track.finish(run.out)  # the pictures, then the tracked run is closed
     return summary, after
 
 
 if __name__ == "__main__":
-    # User errors: one line naming the value and the fix, exit 2 (infra/cli.py); bad steps: one line, exit 1.
-    # process_exit leaves the process group on every path; bad steps or the machine (memory, disk, a dead rank): exit 1
+    # User errors: one line naming the value and the fix, exit 2 (infra/cli.py); bad steps or the machine: exit 1
     with scale.process_exit(), cli.user_errors(failures=(TrainingStopped, RunFailed)):
         main()
