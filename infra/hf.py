@@ -102,16 +102,15 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if small:
         raise ValueError(f"config.json sizes {small} must be positive integers")
     n_kv = hf.get("n_kv_heads")
-    if n_kv is None:
-        n_kv = 1 if hf.get("multi_query_attention") else hf["n_heads"]
+    n_kv = n_kv if n_kv is not None else 1 if hf.get("multi_query_attention") else hf["n_heads"]
     eos = hf.get("eos_token_id", hf["mask_token_id"] - 1)
     offset = hf.get("image_token_offset")
     if offset is None and hf.get("codebook_size") and hf.get("llm_vocab_size"):
         # MMaDA: codes start at len(text tokenizer), which its config does not store; 126349 is the released value.
         offset = hf.get("text_tokenizer_size", 126349)
     # The HF `vocab_size` may be smaller than the row count (MMaDA); it stays in `extra` for saving.
-    known = {f.name for f in fields(ModelConfig)} - {"vocab_size"} | {"embedding_size", "mlp_ratio",
-                                                              "multi_query_attention"}
+    known = {f.name for f in fields(ModelConfig)} - {"vocab_size"}
+    known |= {"embedding_size", "mlp_ratio", "multi_query_attention"}
     return ModelConfig(
         d_model=hf["d_model"], n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=n_kv,
         mlp_hidden_size=hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"],

@@ -171,10 +171,8 @@ def load_policy(cfg, device, dtype, sft):
     if cfg.lora_rank:
         print0("LoRA: {modules} modules, {lora_params:,} trainable of {total_params:,} parameters".format(
             **hf.lora_stats(model)))
-    ref = None
-    if cfg.beta > 0:
-        ref = hf.AdaptersOff(model) if cfg.lora_rank else \
-            load_sharded(path, device, master, dtype, lambda m: m.requires_grad_(False))
+    ref = None if not cfg.beta > 0 else hf.AdaptersOff(model) if cfg.lora_rank else \
+        load_sharded(path, device, master, dtype, lambda m: m.requires_grad_(False))
     model.set_activation_checkpointing(cfg.activation_checkpointing)
     return model, ref, tok, ids, sft_seconds
 
