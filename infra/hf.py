@@ -177,8 +177,7 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
     """(config, tensors yielding (state-dict key, tensor on `device`) one at a time); keys checked up front."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass the folder that "
-                                "holds config.json and the *.safetensors files")
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist; pass one with config.json and *.safetensors")
     config = read_config(path)
     index = path / INDEX_NAME  # tensor key -> shard file name, else every key in model.safetensors
     if index.is_file():
@@ -387,8 +386,7 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
         raise ValueError(f"adapter shapes in {path} differ (another rank?): {bad[:4]}")
     alphas = {m.alpha for _, m in _adapted(model)}
     if alphas != {config["alpha"]}:
-        raise ValueError(f"saved alpha {config['alpha']} differs from the model's {sorted(alphas)}; the "
-                         "update would be rescaled, so rebuild the adapters with the saved alpha")
+        raise ValueError(f"saved alpha {config['alpha']} is not the model's {sorted(alphas)}; rebuild adapters with it")
     model.load_state_dict(saved, strict=False)  # copies: each parameter keeps its dtype (float32) and device
     return model
 

@@ -236,8 +236,7 @@ def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
     except Exception as e:  # whatever the writer raised (SafetensorError is no OSError): one line, no half model
         for p in (path.iterdir() if existed and path.is_dir() else [path]):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        raise WriteFailed(f"writing the model to {path} failed ({writer_error(e)}); what it had written is "
-                          "removed") from e
+        raise WriteFailed(f"writing the model to {path} failed ({writer_error(e)}); what it wrote is removed") from e
 
 
 def file_fingerprint(f: Path, digest, blocks: int = 256, block_bytes: int = 1 << 16) -> None:
@@ -313,8 +312,7 @@ def export_checkpoint(ckpt, dest) -> Path:
     cfg.out_dir = str(ckpt.parent.parent)  # the run's folder wherever it now is (its sft/ by default)
     start = sft_dir_of(cfg) if cfg.init_from == "scratch" else cfg.init_from
     if cfg.init_from == "scratch" and not (start / "config.json").is_file():
-        raise ValueError(f"the SFT model this run started from ({start}) is missing; the checkpoint "
-                         "holds the trained weights but tokenizer and shape come from it")
+        raise ValueError(f"the SFT model this run started from ({start}) is missing; restore it (tokenizer and shapes)")
     if reference_identity(cfg) != state["reference"]:
         raise ValueError(f"the starting model of this run ({start}) is not the one the checkpoint was trained from "
                          "(its content changed); restore it to export")
