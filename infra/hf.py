@@ -28,11 +28,9 @@ from tasks import TokenIds
 HF_PREFIX = "model.transformer."
 INDEX_NAME = "model.safetensors.index.json"
 # config.json values that would change the architecture: only the released LLaDA/MMaDA one is implemented.
-_REQUIRED_VALUES = {
-    "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
-    "alibi": False, "weight_tying": False, "include_bias": False, "attention_layer_norm": False,
-    "input_emb_norm": False, "scale_logits": False, "block_group_size": 1,
-}
+_REQUIRED_VALUES = {"block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
+                    "alibi": False, "weight_tying": False, "include_bias": False, "attention_layer_norm": False,
+                    "input_emb_norm": False, "scale_logits": False, "block_group_size": 1}
 _ZERO_FIELDS = ("attention_dropout", "residual_dropout", "embedding_dropout")
 
 
@@ -120,8 +118,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         mask_token_id=hf["mask_token_id"], eos_token_id=eos,
         pad_token_id=hf.get("pad_token_id", eos),  # LLaDA pads with the EOS id, given or defaulted
         bos_token_id=hf.get("bos_token_id"), image_token_offset=offset, codebook_size=hf.get("codebook_size"),
-        extra={k: v for k, v in hf.items() if k not in known},
-    )
+        extra={k: v for k, v in hf.items() if k not in known})
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
@@ -184,8 +181,7 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
         weight_map = read_json(index, "re-download or re-copy the checkpoint").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no 'weight_map' dict")
-        absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
-        if absent:
+        if absent := sorted({f for f in weight_map.values() if not (path / f).is_file()}):
             raise FileNotFoundError(f"{index} names missing shard files {absent}; re-download the checkpoint")
     elif (path / "model.safetensors").is_file():
         with _safetensors_file(path / "model.safetensors") as f:
@@ -352,8 +348,7 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_adapters(model: nn.Module, path) -> None:
     """Write `path/adapters.safetensors` (the lora tensors) and `path/adapters.json` (rank, alpha, ...)."""
-    mods = _adapted(model)
-    if not mods:
+    if not (mods := _adapted(model)):
         raise ValueError("model has no LoRA adapters to save; call add_lora(model, ...) first")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

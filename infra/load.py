@@ -95,9 +95,8 @@ def check_sft_cache(cfg) -> bool:
 
 def load_or_train_sft(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
     """The toy SFT model: sft_dir when it matches cfg, else trained by `sft` on rank 0 and renamed onto sft_dir."""
-    sft_dir, tok = sft_dir_of(cfg), toy.build_tokenizer()
+    sft_dir, tok, cached, failed = sft_dir_of(cfg), toy.build_tokenizer(), check_sft_cache(cfg), []
     ids = tasks.token_ids(tok)
-    cached, failed = check_sft_cache(cfg), []
     if not cached and scale.rank() == 0:
         mc = scratch_config(cfg, **tasks.model_config_overrides(tok))
         model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
@@ -258,8 +257,7 @@ def reference_identity(cfg) -> dict:
     if cfg.init_from == "scratch":
         meta = sft_dir_of(cfg) / "sft_meta.json"
         return {"sft_meta": hf.read_json(meta) if meta.is_file() else None}
-    root = Path(cfg.init_from)
-    digest = hashlib.sha1()
+    root, digest = Path(cfg.init_from), hashlib.sha1()
     for name in ("config.json", "model.safetensors.index.json"):
         if (root / name).is_file():
             digest.update((root / name).read_bytes())
@@ -302,8 +300,7 @@ def export_checkpoint(ckpt, dest) -> Path:
     if not (ckpt / "state.json").is_file():
         raise ValueError(f"{ckpt} is not a complete checkpoint (no state.json); pass a folder "
                          f"OUT_DIR/{checkpoint.DIRNAME}/{checkpoint.PREFIX}N")
-    problem = checkpoint.damage(ckpt)
-    if problem:
+    if problem := checkpoint.damage(ckpt):
         raise ValueError(f"checkpoint {ckpt} is damaged: {problem}; export an older one")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"{dest} already exists and is not an empty folder (it is left as it is); pass a new folder")
