@@ -176,8 +176,7 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist; pass one with config.json and *.safetensors")
     config = read_config(path)
-    index = path / INDEX_NAME  # tensor key -> shard file name, else every key in model.safetensors
-    if index.is_file():
+    if (index := path / INDEX_NAME).is_file():  # tensor key -> shard file name, else every key in model.safetensors
         weight_map = read_json(index, "re-download or re-copy the checkpoint").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no 'weight_map' dict")

@@ -58,8 +58,7 @@ def sft_dir_of(cfg) -> Path:
 def check_sft_cache(cfg) -> bool:
     """Whether sft_dir holds an SFT model of cfg's settings (runs share one); others are refused, naming the change."""
     sft_dir = sft_dir_of(cfg)
-    meta_file = sft_dir / "sft_meta.json"
-    if meta_file.is_file():
+    if (meta_file := sft_dir / "sft_meta.json").is_file():
         saved, meta = hf.read_json(meta_file, "pass --retrain_sft=true to train the SFT model again"), sft_key(cfg)
         # A model trained on more toy tasks serves a run on fewer; one without sft_tasks was trained on both.
         trained, wanted = saved.pop("sft_tasks", list(tasks.TOY_TASKS)), meta.pop("sft_tasks")
