@@ -28,11 +28,9 @@ from tasks import TokenIds
 HF_PREFIX = "model.transformer."
 INDEX_NAME = "model.safetensors.index.json"
 # config.json values that would change the architecture: only the released LLaDA/MMaDA one is implemented.
-_REQUIRED_VALUES = {
-    "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
-    "alibi": False, "weight_tying": False, "include_bias": False, "attention_layer_norm": False,
-    "input_emb_norm": False, "scale_logits": False, "block_group_size": 1,
-}
+_REQUIRED_VALUES = {"block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
+                    "alibi": False, "weight_tying": False, "include_bias": False, "attention_layer_norm": False,
+                    "input_emb_norm": False, "scale_logits": False, "block_group_size": 1}
 _ZERO_FIELDS = ("attention_dropout", "residual_dropout", "embedding_dropout")
 
 
@@ -102,16 +100,15 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if small:
         raise ValueError(f"config.json sizes {small} must be positive integers")
     n_kv = hf.get("n_kv_heads")
-    if n_kv is None:
-        n_kv = 1 if hf.get("multi_query_attention") else hf["n_heads"]
+    n_kv = n_kv if n_kv is not None else 1 if hf.get("multi_query_attention") else hf["n_heads"]
     eos = hf.get("eos_token_id", hf["mask_token_id"] - 1)
     offset = hf.get("image_token_offset")
     if offset is None and hf.get("codebook_size") and hf.get("llm_vocab_size"):
         # MMaDA: codes start at len(text tokenizer), which its config does not store; 126349 is the released value.
         offset = hf.get("text_tokenizer_size", 126349)
     # The HF `vocab_size` may be smaller than the row count (MMaDA); it stays in `extra` for saving.
-    known = {f.name for f in fields(ModelConfig)} - {"vocab_size"} | {"embedding_size", "mlp_ratio",
-                                                              "multi_query_attention"}
+    known = {f.name for f in fields(ModelConfig)} - {"vocab_size"}
+    known |= {"embedding_size", "mlp_ratio", "multi_query_attention"}
     return ModelConfig(
         d_model=hf["d_model"], n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=n_kv,
         mlp_hidden_size=hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"],
@@ -121,8 +118,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         mask_token_id=hf["mask_token_id"], eos_token_id=eos,
         pad_token_id=hf.get("pad_token_id", eos),  # LLaDA pads with the EOS id, given or defaulted
         bos_token_id=hf.get("bos_token_id"), image_token_offset=offset, codebook_size=hf.get("codebook_size"),
-        extra={k: v for k, v in hf.items() if k not in known},
-    )
+        extra={k: v for k, v in hf.items() if k not in known})
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
@@ -178,16 +174,13 @@ def read_checkpoint(path, device="cpu") -> tuple[ModelConfig, Iterator[tuple[str
     """(config, tensors yielding (state-dict key, tensor on `device`) one at a time); keys checked up front."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass the folder that "
-                                "holds config.json and the *.safetensors files")
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist; pass one with config.json and *.safetensors")
     config = read_config(path)
-    index = path / INDEX_NAME  # tensor key -> shard file name, else every key in model.safetensors
-    if index.is_file():
+    if (index := path / INDEX_NAME).is_file():  # tensor key -> shard file name, else every key in model.safetensors
         weight_map = read_json(index, "re-download or re-copy the checkpoint").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no 'weight_map' dict")
-        absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
-        if absent:
+        if absent := sorted({f for f in weight_map.values() if not (path / f).is_file()}):
             raise FileNotFoundError(f"{index} names missing shard files {absent}; re-download the checkpoint")
     elif (path / "model.safetensors").is_file():
         with _safetensors_file(path / "model.safetensors") as f:
@@ -354,8 +347,7 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_adapters(model: nn.Module, path) -> None:
     """Write `path/adapters.safetensors` (the lora tensors) and `path/adapters.json` (rank, alpha, ...)."""
-    mods = _adapted(model)
-    if not mods:
+    if not (mods := _adapted(model)):
         raise ValueError("model has no LoRA adapters to save; call add_lora(model, ...) first")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -388,8 +380,7 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
         raise ValueError(f"adapter shapes in {path} differ (another rank?): {bad[:4]}")
     alphas = {m.alpha for _, m in _adapted(model)}
     if alphas != {config["alpha"]}:
-        raise ValueError(f"saved alpha {config['alpha']} differs from the model's {sorted(alphas)}; the "
-                         "update would be rescaled, so rebuild the adapters with the saved alpha")
+        raise ValueError(f"saved alpha {config['alpha']} is not the model's {sorted(alphas)}; rebuild adapters with it")
     model.load_state_dict(saved, strict=False)  # copies: each parameter keeps its dtype (float32) and device
     return model
 

@@ -58,8 +58,7 @@ def sft_dir_of(cfg) -> Path:
 def check_sft_cache(cfg) -> bool:
     """Whether sft_dir holds an SFT model of cfg's settings (runs share one); others are refused, naming the change."""
     sft_dir = sft_dir_of(cfg)
-    meta_file = sft_dir / "sft_meta.json"
-    if meta_file.is_file():
+    if (meta_file := sft_dir / "sft_meta.json").is_file():
         saved, meta = hf.read_json(meta_file, "pass --retrain_sft=true to train the SFT model again"), sft_key(cfg)
         # A model trained on more toy tasks serves a run on fewer; one without sft_tasks was trained on both.
         trained, wanted = saved.pop("sft_tasks", list(tasks.TOY_TASKS)), meta.pop("sft_tasks")
@@ -95,9 +94,8 @@ def check_sft_cache(cfg) -> bool:
 
 def load_or_train_sft(cfg, device, dtype, sft) -> tuple[Path, object, dict, float]:
     """The toy SFT model: sft_dir when it matches cfg, else trained by `sft` on rank 0 and renamed onto sft_dir."""
-    sft_dir, tok = sft_dir_of(cfg), toy.build_tokenizer()
+    sft_dir, tok, cached, failed = sft_dir_of(cfg), toy.build_tokenizer(), check_sft_cache(cfg), []
     ids = tasks.token_ids(tok)
-    cached, failed = check_sft_cache(cfg), []
     if not cached and scale.rank() == 0:
         mc = scratch_config(cfg, **tasks.model_config_overrides(tok))
         model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
@@ -171,10 +169,8 @@ def load_policy(cfg, device, dtype, sft):
     if cfg.lora_rank:
         print0("LoRA: {modules} modules, {lora_params:,} trainable of {total_params:,} parameters".format(
             **hf.lora_stats(model)))
-    ref = None
-    if cfg.beta > 0:
-        ref = hf.AdaptersOff(model) if cfg.lora_rank else \
-            load_sharded(path, device, master, dtype, lambda m: m.requires_grad_(False))
+    ref = None if not cfg.beta > 0 else hf.AdaptersOff(model) if cfg.lora_rank else \
+        load_sharded(path, device, master, dtype, lambda m: m.requires_grad_(False))
     model.set_activation_checkpointing(cfg.activation_checkpointing)
     return model, ref, tok, ids, sft_seconds
 
@@ -238,8 +234,7 @@ def save_model(model, cfg, path: Path, tok, dtype: torch.dtype) -> None:
     except Exception as e:  # whatever the writer raised (SafetensorError is no OSError): one line, no half model
         for p in (path.iterdir() if existed and path.is_dir() else [path]):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        raise WriteFailed(f"writing the model to {path} failed ({writer_error(e)}); what it had written is "
-                          "removed") from e
+        raise WriteFailed(f"writing the model to {path} failed ({writer_error(e)}); what it wrote is removed") from e
 
 
 def file_fingerprint(f: Path, digest, blocks: int = 256, block_bytes: int = 1 << 16) -> None:
@@ -261,8 +256,7 @@ def reference_identity(cfg) -> dict:
     if cfg.init_from == "scratch":
         meta = sft_dir_of(cfg) / "sft_meta.json"
         return {"sft_meta": hf.read_json(meta) if meta.is_file() else None}
-    root = Path(cfg.init_from)
-    digest = hashlib.sha1()
+    root, digest = Path(cfg.init_from), hashlib.sha1()
     for name in ("config.json", "model.safetensors.index.json"):
         if (root / name).is_file():
             digest.update((root / name).read_bytes())
@@ -305,8 +299,7 @@ def export_checkpoint(ckpt, dest) -> Path:
     if not (ckpt / "state.json").is_file():
         raise ValueError(f"{ckpt} is not a complete checkpoint (no state.json); pass a folder "
                          f"OUT_DIR/{checkpoint.DIRNAME}/{checkpoint.PREFIX}N")
-    problem = checkpoint.damage(ckpt)
-    if problem:
+    if problem := checkpoint.damage(ckpt):
         raise ValueError(f"checkpoint {ckpt} is damaged: {problem}; export an older one")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"{dest} already exists and is not an empty folder (it is left as it is); pass a new folder")
@@ -315,8 +308,7 @@ def export_checkpoint(ckpt, dest) -> Path:
     cfg.out_dir = str(ckpt.parent.parent)  # the run's folder wherever it now is (its sft/ by default)
     start = sft_dir_of(cfg) if cfg.init_from == "scratch" else cfg.init_from
     if cfg.init_from == "scratch" and not (start / "config.json").is_file():
-        raise ValueError(f"the SFT model this run started from ({start}) is missing; the checkpoint "
-                         "holds the trained weights but tokenizer and shape come from it")
+        raise ValueError(f"the SFT model this run started from ({start}) is missing; restore it (tokenizer and shapes)")
     if reference_identity(cfg) != state["reference"]:
         raise ValueError(f"the starting model of this run ({start}) is not the one the checkpoint was trained from "
                          "(its content changed); restore it to export")
