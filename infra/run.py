@@ -68,14 +68,12 @@ def check_resume(cfg) -> dict | None:
     if last is None and not config.is_file():
         raise ValueError(f"--resume: out_dir {out} holds no run (no config.json, no {checkpoint.DIRNAME}/); check "
                          "the path, or drop --resume to start a new run there")
-    # The real conflicts first (the SFT cache check would name only the SFT settings). No checkpoint yet: config.json
-    # holds the run's settings, and there is no reference policy to compare.
+    # The real conflicts first (the SFT cache check names only SFT settings); no checkpoint yet: config.json's settings
     last = resume_point(out) if last is not None else None
     state = hf.read_json(last / "state.json", "remove that checkpoint directory") if last else {
         "config": hf.read_json(config, f"delete {config} to start a new run there"), "reference": None}
     checkpoint.check_resumable(last or config, state, asdict(cfg), last and reference_identity(cfg), may_change)
-    # An extension stopped before it finished: config.json holds its larger --rl_steps (written at start-up),
-    # summary.json the earlier finish's, its checkpoint is behind both. It continues as an unfinished run.
+    # An unfinished extension (config.json: its larger --rl_steps; summary.json: the earlier finish's) continues.
     saved = hf.read_json(config, f"re-create {config}") if summary.is_file() and config.is_file() else None
     extending = last is not None and saved is not None and state["step"] < saved.get("rl_steps", 0)
     if extending and not cfg.extend:
@@ -383,7 +381,12 @@ class Run:
         """Stop after max_bad_steps bad steps in a row; show a sample; checkpoint on cadence or on a signal."""
         cfg = self.cfg
         if self.state["bad_run"] >= cfg.max_bad_steps:
-            self._stop_bad(step)
+            raise TrainingStopped(
+                f"{self.state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
+                f"above), stopping at step {step}. Last good checkpoint: "
+                f"{self.state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or "
+                "--grad_clip with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from it "
+                "with --resume=true (delete the newer checkpoints first)")
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
                 show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
@@ -395,14 +398,6 @@ class Run:
             print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with: "
                    f"{resume_command()}")
             raise SystemExit(128 + int(stopping))
-
-    def _stop_bad(self, step: int) -> None:
-        raise TrainingStopped(
-            f"{self.state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
-            f"above), stopping at step {step}. Last good checkpoint: "
-            f"{self.state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or --grad_clip "
-            "with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from it with "
-            "--resume=true (delete the newer checkpoints first)")
 
     def _save_checkpoint(self, step: int) -> Path:
         saved = {**self.state, "step": step, "config": asdict(self.cfg), "reference": self.identity,

@@ -59,7 +59,6 @@ def init(device_name: str) -> torch.device:
 
 # A failing rank writes its rank into torchrun's store; every rank's watcher thread ends its process on reading it,
 # since a peer blocked in an NCCL collective (the GIL released) would otherwise wait for the collective timeout.
-FAILED_POLL_S = 1.0  # how often a watcher reads the store: a peer's failure ends this rank within about this
 _watcher: dict = {}
 
 
@@ -74,7 +73,7 @@ def _watch_peers() -> None:
     me, stop = dist.get_rank(), threading.Event()
 
     def watch():
-        while not stop.wait(FAILED_POLL_S):
+        while not stop.wait(1.0):  # a peer's failure ends this rank within about a second
             try:
                 failed = store.get(key).decode() if store.check([key]) else None
             except Exception:  # the store is gone: the launcher is ending the run anyway
@@ -168,9 +167,9 @@ def exit_status(exc: BaseException | None) -> int:
 
 @contextlib.contextmanager
 def process_exit():
-    """`with scale.process_exit(): main()` closes the group on every way out; a torchrun rank then ends at once
-    (os._exit) with Python's status: once FSDP2 has run, gloo's threads outlive destroy_process_group (torch 2.13,
-    CPU) and interpreter teardown would end in SIGABRT. One process is left alone."""
+    """`with scale.process_exit(): main()` closes the group on every way out; a torchrun rank then ends at once with
+    Python's status (os._exit): gloo's threads outlive destroy_process_group after FSDP2 (torch 2.13, CPU), and
+    interpreter teardown would end in SIGABRT. One process is left alone."""
     launched, status = int(os.environ.get("WORLD_SIZE", "1")) > 1, 0
     try:
         try:
@@ -228,16 +227,13 @@ def _fsdp_modules(model):
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+@contextlib.contextmanager
 def full_weights(model):
     """Hold the unsharded weights (one all-gather) for no-grad forwards whose number may differ by rank. Re-entrant."""
     mods = _fsdp_modules(model) if world() > 1 else []
     if not mods or getattr(mods[0], "_full_weights", False):
-        return contextlib.nullcontext(model)
-    return _unsharded(model, mods)
-
-
-@contextlib.contextmanager
-def _unsharded(model, mods):
+        yield model
+        return
     for m in mods:  # blocks reshard after each forward unless told not to; the root (mods[0]) never does
         if m is not mods[0]:
             m.set_reshard_after_forward(False, recurse=False)
