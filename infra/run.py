@@ -92,13 +92,11 @@ def check_resume(cfg) -> dict | None:
                   f"to do, nothing rewritten. `python evaluate.py --run={out}` scores it again; --extend=true "
                   "with a larger --rl_steps trains it further", flush=True)
         return hf.read_json(summary, f"delete {summary} and resume to redo the final evaluation")
-    if cfg.rl_steps < done:
-        raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} asks "
-                         f"for fewer, and a finished run is final: drop --rl_steps, or choose another --out_dir")
-    if not cfg.extend:
-        raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} would "
-                         "train it further and replace its final/ and summary.json: pass --extend=true to do that, or "
-                         "start a new run with another --out_dir")
+    if cfg.rl_steps < done or not cfg.extend:
+        raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} " + (
+            "asks for fewer, and a finished run is final: drop --rl_steps, or choose another --out_dir"
+            if cfg.rl_steps < done else "would train it further and replace its final/ and summary.json: pass "
+            "--extend=true to do that, or start a new run with another --out_dir"))
     if last is None or step_of(last) != done:
         raise ValueError(f"--extend: out_dir {out} has no checkpoint of its last step ({done}) to continue from "
                          f"(latest: {last.name if last else 'none'}); start a new run with another --out_dir")
@@ -382,11 +380,10 @@ class Run:
         cfg = self.cfg
         if self.state["bad_run"] >= cfg.max_bad_steps:
             raise TrainingStopped(
-                f"{self.state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
-                f"above), stopping at step {step}. Last good checkpoint: "
-                f"{self.state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or "
-                "--grad_clip with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from it "
-                "with --resume=true (delete the newer checkpoints first)")
+                f"{self.state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward), stopping "
+                f"at step {step}. Last good checkpoint: {self.state['last_good'] or 'none (set --checkpoint_every)'}; "
+                "fix the cause (a lower --lr or --grad_clip with --change_on_resume=lr,grad_clip, the reward or the "
+                "scorer), delete the newer checkpoints and continue with --resume=true")
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
                 show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
