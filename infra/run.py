@@ -280,10 +280,9 @@ def check_measured(run, after: dict) -> None:
     """A held-out reward not measured (a scorer down) ends the saved run in RunFailed: the exit status says so."""
     unmeasured = [k for k, v in {**run.state["before"], **after}.items() if not math.isfinite(v)]
     if unmeasured:
-        url = run.cfg.image_scorer_url
-        raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} (see the warnings "
-                        "above: " + (f"the image scorer at {url} failed" if url else "a reward was not finite")
-                        + f"); the model is saved in {run.out / 'final'}; score it again with: python evaluate.py "
+        why = f"the image scorer at {run.cfg.image_scorer_url} failed" if run.cfg.image_scorer_url else "not finite"
+        raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} ({why}; see the "
+                        f"warnings above); the model is saved in {run.out / 'final'}; score it: python evaluate.py "
                         f"--run={run.out}")
 
 

@@ -167,9 +167,8 @@ def exit_status(exc: BaseException | None) -> int:
 
 @contextlib.contextmanager
 def process_exit():
-    """`with scale.process_exit(): main()` closes the group on every way out; a torchrun rank then ends at once with
-    Python's status (os._exit): gloo's threads outlive destroy_process_group after FSDP2 (torch 2.13, CPU), and
-    interpreter teardown would end in SIGABRT. One process is left alone."""
+    """`with scale.process_exit(): main()` closes the group on every way out; a torchrun rank then os._exits with
+    Python's status (gloo's threads outlive the group after FSDP2: teardown would SIGABRT, torch 2.13 CPU)."""
     launched, status = int(os.environ.get("WORLD_SIZE", "1")) > 1, 0
     try:
         try:
@@ -194,9 +193,8 @@ def process_exit():
 
 
 def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """FSDP2 (as torchtitan: each block, then the root) after add_lora and before the optimizer; the identity in one
-    process. Shards keep their loaded dtype (float32 master weights, a bf16 LoRA base), compute in compute_dtype and
-    reduce gradients in float32, so summing 8+ ranks keeps the small ones."""
+    """FSDP2 on each block, then the root (after add_lora, before the optimizer); the identity in one process. Shards
+    keep their loaded dtype, compute in compute_dtype and reduce gradients in float32 (8+ ranks keep small ones)."""
     if world() == 1:
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
