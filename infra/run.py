@@ -68,14 +68,12 @@ def check_resume(cfg) -> dict | None:
     if last is None and not config.is_file():
         raise ValueError(f"--resume: out_dir {out} holds no run (no config.json, no {checkpoint.DIRNAME}/); check "
                          "the path, or drop --resume to start a new run there")
-    # The real conflicts first (the SFT cache check would name only the SFT settings). No checkpoint yet: config.json
-    # holds the run's settings, and there is no reference policy to compare.
+    # The real conflicts first (the SFT cache check names only SFT settings); no checkpoint yet: config.json's settings
     last = resume_point(out) if last is not None else None
     state = hf.read_json(last / "state.json", "remove that checkpoint directory") if last else {
         "config": hf.read_json(config, f"delete {config} to start a new run there"), "reference": None}
     checkpoint.check_resumable(last or config, state, asdict(cfg), last and reference_identity(cfg), may_change)
-    # An extension stopped before it finished: config.json holds its larger --rl_steps (written at start-up),
-    # summary.json the earlier finish's, its checkpoint is behind both. It continues as an unfinished run.
+    # An unfinished extension (config.json: its larger --rl_steps; summary.json: the earlier finish's) continues.
     saved = hf.read_json(config, f"re-create {config}") if summary.is_file() and config.is_file() else None
     extending = last is not None and saved is not None and state["step"] < saved.get("rl_steps", 0)
     if extending and not cfg.extend:
@@ -94,13 +92,11 @@ def check_resume(cfg) -> dict | None:
                   f"to do, nothing rewritten. `python evaluate.py --run={out}` scores it again; --extend=true "
                   "with a larger --rl_steps trains it further", flush=True)
         return hf.read_json(summary, f"delete {summary} and resume to redo the final evaluation")
-    if cfg.rl_steps < done:
-        raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} asks "
-                         f"for fewer, and a finished run is final: drop --rl_steps, or choose another --out_dir")
-    if not cfg.extend:
-        raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} would "
-                         "train it further and replace its final/ and summary.json: pass --extend=true to do that, or "
-                         "start a new run with another --out_dir")
+    if cfg.rl_steps < done or not cfg.extend:
+        raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} " + (
+            "asks for fewer, and a finished run is final: drop --rl_steps, or choose another --out_dir"
+            if cfg.rl_steps < done else "would train it further and replace its final/ and summary.json: pass "
+            "--extend=true to do that, or start a new run with another --out_dir"))
     if last is None or step_of(last) != done:
         raise ValueError(f"--extend: out_dir {out} has no checkpoint of its last step ({done}) to continue from "
                          f"(latest: {last.name if last else 'none'}); start a new run with another --out_dir")
@@ -284,10 +280,9 @@ def check_measured(run, after: dict) -> None:
     """A held-out reward not measured (a scorer down) ends the saved run in RunFailed: the exit status says so."""
     unmeasured = [k for k, v in {**run.state["before"], **after}.items() if not math.isfinite(v)]
     if unmeasured:
-        url = run.cfg.image_scorer_url
-        raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} (see the warnings "
-                        "above: " + (f"the image scorer at {url} failed" if url else "a reward was not finite")
-                        + f"); the model is saved in {run.out / 'final'}; score it again with: python evaluate.py "
+        why = f"the image scorer at {run.cfg.image_scorer_url} failed" if run.cfg.image_scorer_url else "not finite"
+        raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} ({why}; see the "
+                        f"warnings above); the model is saved in {run.out / 'final'}; score it: python evaluate.py "
                         f"--run={run.out}")
 
 
@@ -383,7 +378,11 @@ class Run:
         """Stop after max_bad_steps bad steps in a row; show a sample; checkpoint on cadence or on a signal."""
         cfg = self.cfg
         if self.state["bad_run"] >= cfg.max_bad_steps:
-            self._stop_bad(step)
+            raise TrainingStopped(
+                f"{self.state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward), stopping "
+                f"at step {step}. Last good checkpoint: {self.state['last_good'] or 'none (set --checkpoint_every)'}; "
+                "fix the cause (a lower --lr or --grad_clip with --change_on_resume=lr,grad_clip, the reward or the "
+                "scorer), delete the newer checkpoints and continue with --resume=true")
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
                 show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
@@ -395,14 +394,6 @@ class Run:
             print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with: "
                    f"{resume_command()}")
             raise SystemExit(128 + int(stopping))
-
-    def _stop_bad(self, step: int) -> None:
-        raise TrainingStopped(
-            f"{self.state['bad_run']} consecutive bad steps (non-finite loss, gradient or reward; see the warnings "
-            f"above), stopping at step {step}. Last good checkpoint: "
-            f"{self.state['last_good'] or 'none (set --checkpoint_every)'}; fix the cause (a lower --lr or --grad_clip "
-            "with --change_on_resume=lr,grad_clip, the reward function or scorer) and continue from it with "
-            "--resume=true (delete the newer checkpoints first)")
 
     def _save_checkpoint(self, step: int) -> Path:
         saved = {**self.state, "step": step, "config": asdict(self.cfg), "reference": self.identity,

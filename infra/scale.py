@@ -59,7 +59,6 @@ def init(device_name: str) -> torch.device:
 
 # A failing rank writes its rank into torchrun's store; every rank's watcher thread ends its process on reading it,
 # since a peer blocked in an NCCL collective (the GIL released) would otherwise wait for the collective timeout.
-FAILED_POLL_S = 1.0  # how often a watcher reads the store: a peer's failure ends this rank within about this
 _watcher: dict = {}
 
 
@@ -74,7 +73,7 @@ def _watch_peers() -> None:
     me, stop = dist.get_rank(), threading.Event()
 
     def watch():
-        while not stop.wait(FAILED_POLL_S):
+        while not stop.wait(1.0):  # a peer's failure ends this rank within about a second
             try:
                 failed = store.get(key).decode() if store.check([key]) else None
             except Exception:  # the store is gone: the launcher is ending the run anyway
@@ -168,9 +167,8 @@ def exit_status(exc: BaseException | None) -> int:
 
 @contextlib.contextmanager
 def process_exit():
-    """`with scale.process_exit(): main()` closes the group on every way out; a torchrun rank then ends at once
-    (os._exit) with Python's status: once FSDP2 has run, gloo's threads outlive destroy_process_group (torch 2.13,
-    CPU) and interpreter teardown would end in SIGABRT. One process is left alone."""
+    """`with scale.process_exit(): main()` closes the group on every way out; a torchrun rank then os._exits with
+    Python's status (gloo's threads outlive the group after FSDP2: teardown would SIGABRT, torch 2.13 CPU)."""
     launched, status = int(os.environ.get("WORLD_SIZE", "1")) > 1, 0
     try:
         try:
@@ -195,13 +193,11 @@ def process_exit():
 
 
 def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """FSDP2 (as torchtitan: each block, then the root) after add_lora and before the optimizer; the identity in one
-    process. Shards keep their loaded dtype (float32 master weights, a bf16 LoRA base), compute in compute_dtype and
-    reduce gradients in float32, so summing 8+ ranks keeps the small ones."""
+    """FSDP2 on each block, then the root (after add_lora, before the optimizer); the identity in one process. Shards
+    keep their loaded dtype, compute in compute_dtype and reduce gradients in float32 (8+ ranks keep small ones)."""
     if world() == 1:
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     # cast_forward_inputs=False: RoPE tables cast to bf16 would make the logits depend on the world size (model.py)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.blocks:
@@ -228,16 +224,13 @@ def _fsdp_modules(model):
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+@contextlib.contextmanager
 def full_weights(model):
     """Hold the unsharded weights (one all-gather) for no-grad forwards whose number may differ by rank. Re-entrant."""
     mods = _fsdp_modules(model) if world() > 1 else []
     if not mods or getattr(mods[0], "_full_weights", False):
-        return contextlib.nullcontext(model)
-    return _unsharded(model, mods)
-
-
-@contextlib.contextmanager
-def _unsharded(model, mods):
+        yield model
+        return
     for m in mods:  # blocks reshard after each forward unless told not to; the root (mods[0]) never does
         if m is not mods[0]:
             m.set_reshard_after_forward(False, recurse=False)
@@ -258,7 +251,6 @@ def full_state_dict(model) -> dict:
     if world() == 1:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return sd if rank() == 0 else {}
 
@@ -268,7 +260,6 @@ def fill_shard(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy into target (a parameter or buffer of a shard() model) this rank's part of full, the whole CPU tensor;
     only that part travels. FSDP2 splits dim 0 as torch.chunk does (the last ranks may hold fewer rows or none)."""
     from torch.distributed.tensor import DTensor, Shard
-
     if isinstance(target, DTensor):
         if tuple(target.placements) != (Shard(0),):
             raise ValueError(f"fill_shard expects shard()'s dim-0 sharding, got {target.placements}")
