@@ -190,8 +190,7 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
     except KeyboardInterrupt:
         if sink is not None:
             sink.flush()
-            n = sum(1 for _ in open(out))
-            print(f"interrupted (Ctrl-C): {n} scored completions kept in {out}", file=sys.stderr)
+            print(f"interrupted (Ctrl-C): {sum(1 for _ in open(out))} scored completions in {out}", file=sys.stderr)
         raise
     finally:
         if sink is not None:
@@ -242,9 +241,8 @@ def check_run(run_dir: str, **overrides) -> bool | None:
     train.validate(cfg)
     summary = json.loads((out_dir / "summary.json").read_text())
     cli.need([k for k in summary if k != "seconds"],  # "all 0 numbers match" would pass on nothing
-             f"{out_dir / 'summary.json'} holds no held-out reward (the run had no held-out set: eval_prompts="
-             f"{cfg.eval_prompts}, eval_data={cfg.eval_data!r}), so --run has nothing to compare; score its model "
-             f"with: python evaluate.py --ckpt={out_dir / 'final'} --task=TASK")
+             f"{out_dir / 'summary.json'} holds no held-out reward (eval_prompts={cfg.eval_prompts}, eval_data="
+             f"{cfg.eval_data!r}): nothing for --run to compare; score it with --ckpt={out_dir / 'final'} --task=TASK")
     device, dtype = cli.setup(cfg)
     datasets = data.load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None

@@ -48,8 +48,7 @@ def normalize_math(s: str) -> str:
     return s.lower() if s.isalpha() and len(s) > 2 else s  # text answers: "East" == "east"
 
 
-# stage 2: a value is (re, im) Fractions while exact, else a complex float; every operation raises _Refuse
-# rather than build a huge number, and value() takes a division by zero or a float overflow as a refusal too.
+# stage 2: operations raise _Refuse rather than build a huge number; value() also refuses x/0 and float overflow
 class _Refuse(Exception):
     """Not a constant we evaluate (a variable, an unknown command), or too large: compare as strings."""
 
