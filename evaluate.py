@@ -8,8 +8,7 @@
 
 Completions come from data.evaluate, as in train.py, so under one Config the numbers are the run's own (`--run`
 checks it). pass@k: arXiv:2107.03374 §2.1 with n = k. A training checkpoint becomes a --ckpt folder with
-`python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
-"""
+`python -m infra.load OUT_DIR/checkpoints/step-N DEST`."""
 from __future__ import annotations
 
 import fcntl
@@ -148,7 +147,6 @@ class Scored(list):
     """The records data.evaluate extends per scored batch, each flushed to --out at once (Ctrl-C keeps them)."""
 
     def __init__(self, task: str, mode: str, k: int, file=None):
-        super().__init__()
         self.task, self.mode, self.k, self.file = task, mode, k, file
 
     def extend(self, rows):
