@@ -8,8 +8,7 @@
 
 Completions come from data.evaluate, as in train.py, so under one Config the numbers are the run's own (`--run`
 checks it). pass@k: arXiv:2107.03374 §2.1 with n = k. A training checkpoint becomes a --ckpt folder with
-`python -m infra.load OUT_DIR/checkpoints/step-N DEST`.
-"""
+`python -m infra.load OUT_DIR/checkpoints/step-N DEST`."""
 from __future__ import annotations
 
 import fcntl
@@ -103,9 +102,8 @@ def parse_options(argv=None) -> Options:
 def build_config(o: Options) -> tuple[train.Config, int]:
     """The train.Config that evaluates o.ckpt on o.task, checked as a run's, and the samples per prompt."""
     cli.need(o.task in TASKS, f"unknown task {o.task!r}; choose one of {', '.join(TASKS)}")
-    if not Path(o.ckpt).is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {o.ckpt} (pass a folder with config.json, "
-                                f"*.safetensors and tokenizer.json, e.g. out/toy/final)")
+    cli.need(Path(o.ckpt).is_dir(), f"checkpoint directory not found: {o.ckpt} (pass a folder with config.json, "
+             "*.safetensors and tokenizer.json, e.g. out/toy/final)")
     toy = o.task in tasks.TOY_TASKS
     cli.need(toy != bool(o.data), f"task {o.task!r} " + ("draws its held-out prompts from --seed: drop --data" if toy
                                                          else "reads its prompts from a local file: pass --data PATH"))
@@ -149,7 +147,6 @@ class Scored(list):
     """The records data.evaluate extends per scored batch, each flushed to --out at once (Ctrl-C keeps them)."""
 
     def __init__(self, task: str, mode: str, k: int, file=None):
-        super().__init__()
         self.task, self.mode, self.k, self.file = task, mode, k, file
 
     def extend(self, rows):
@@ -191,8 +188,7 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
     except KeyboardInterrupt:
         if sink is not None:
             sink.flush()
-            n = sum(1 for _ in open(out))
-            print(f"interrupted (Ctrl-C): {n} scored completions kept in {out}", file=sys.stderr)
+            print(f"interrupted (Ctrl-C): {sum(1 for _ in open(out))} scored completions in {out}", file=sys.stderr)
         raise
     finally:
         if sink is not None:
@@ -204,8 +200,8 @@ def score_checkpoint(cfg: train.Config, out: str = "", limit: int = 0, samples: 
 
 
 def compare(before: str, after: str) -> list[list]:
-    """Rows [mode, prompts, before, after, gain, paired SE, gain / SE] of two --out files of the same prompts;
-    the SE is sd(per-prompt difference) / sqrt(prompts): the spread both files share cancels."""
+    """Rows [mode, prompts, before, after, gain, paired SE, gain / SE] of two --out files of the same prompts; the
+    SE is sd(per-prompt difference) / sqrt(prompts): the spread both files share cancels."""
     def read(path):
         per: dict = {}
         for i, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -231,11 +227,10 @@ def compare(before: str, after: str) -> list[list]:
 
 def check_run(run_dir: str, **overrides) -> bool | None:
     """Re-score a run's model before RL and final/ with its config.json: True if all agree with summary.json, None
-    when a number could not be measured (a scorer down)."""
+    if a number was not measured."""
     out_dir = Path(run_dir)
     for f in ("config.json", "summary.json"):
-        if not (out_dir / f).is_file():
-            raise FileNotFoundError(f"{out_dir / f} not found; --run takes the out_dir of a finished train.py run")
+        cli.need((out_dir / f).is_file(), f"{out_dir / f} not found; --run takes a finished train.py run's out_dir")
     raw = json.loads((out_dir / "config.json").read_text())
     unknown = sorted(set(raw) - {f.name for f in fields(train.Config)})
     cli.need(not unknown, f"{out_dir / 'config.json'} has fields unknown to train.Config: {unknown}; it was written "
@@ -244,20 +239,17 @@ def check_run(run_dir: str, **overrides) -> bool | None:
     train.validate(cfg)
     summary = json.loads((out_dir / "summary.json").read_text())
     cli.need([k for k in summary if k != "seconds"],  # "all 0 numbers match" would pass on nothing
-             f"{out_dir / 'summary.json'} holds no held-out reward (the run had no held-out set: eval_prompts="
-             f"{cfg.eval_prompts}, eval_data={cfg.eval_data!r}), so --run has nothing to compare; score its model "
-             f"with: python evaluate.py --ckpt={out_dir / 'final'} --task=TASK")
+             f"{out_dir / 'summary.json'} holds no held-out reward (eval_prompts={cfg.eval_prompts}, eval_data="
+             f"{cfg.eval_data!r}): nothing for --run to compare; score it with --ckpt={out_dir / 'final'} --task=TASK")
     device, dtype = cli.setup(cfg)
     datasets = data.load_data(cfg)
     scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
-    # As train.main: RL starts from the SFT model for scratch runs, else init_from. LoRA runs end as
-    # init_from + final/adapters.*, the exact trained policy (final/'s merged weights differ by rounding).
+    # as train.main; LoRA: init_from + final/adapters.* is the trained policy (final/'s merged weights are rounded)
     start = cfg.init_from if cfg.init_from != "scratch" else cfg.sft_dir or str(out_dir / "sft")
     evals = {}
     for label in cli.progress_bar(("before", "after"), desc="checkpoints", leave=False):
         ckpt = start if label == "before" or cfg.lora_rank else str(out_dir / "final")
-        if not Path(ckpt).is_dir():
-            raise FileNotFoundError(f"checkpoint directory not found: {ckpt} (the run's {label}-RL model)")
+        cli.need(Path(ckpt).is_dir(), f"checkpoint directory not found: {ckpt} (the run's {label}-RL model)")
         model, tok, ids, _ = load.load_model(replace(cfg, init_from=ckpt), device, dtype, train.sft)
         if label == "after" and cfg.lora_rank:
             hf.load_adapters(model, out_dir / "final")
@@ -280,8 +272,7 @@ def say_unmeasured(what: str, cfg) -> None:
 
 
 def main(argv=None) -> int:
-    """Exit code: 0 done (with --run, every number matches), 1 a --run mismatch, 2 a user error, 3 a metric
-    not measured (a scorer down), 130 Ctrl-C (what was scored is in --out)."""
+    """Exit code: 0 done (--run: all match), 1 a --run mismatch, 2 a user error, 3 a metric not measured, 130 Ctrl-C."""
     try:
         o = parse_options(argv)
         argv = argv if argv is not None else sys.argv[1:]

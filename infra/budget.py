@@ -342,7 +342,6 @@ def checkpoint_bytes(cfg, mc: ModelConfig) -> int:
 
 
 def _bytes(n: float) -> str:
-    # a size in the largest unit that leaves it at least 1 (1.5 MB, not 0.0 GB)
     for unit, size in (("GB", GB), ("MB", 2 ** 20), ("KB", 2 ** 10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"

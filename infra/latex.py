@@ -1,10 +1,8 @@
-"""LaTeX answer equivalence for the MATH reward (arXiv:2510.02880 §6): `math_equiv(a, b) -> bool`.
-
-Three stages, no CAS: `normalize_math`, a canonical string; `value`, a constant's value from a bounded parser
-(never eval), Gaussian-rational Fractions while exact, else a complex float; `_equiv`, the structure. One-sided:
-a wrong answer is never accepted, a right one in an unknown form may be ("1.414" != \\sqrt2, "0.33" != \\frac13,
-"2x = 6" is not 6). Sizes are bounded, so a hostile completion cannot hang the trainer or eat its memory.
-"""
+"""LaTeX answer equivalence for the MATH reward (arXiv:2510.02880 §6): `math_equiv(a, b) -> bool`, with no CAS:
+`normalize_math`, a canonical string; `value`, a constant's value from a bounded parser (never eval), Gaussian-rational
+Fractions while exact, else a complex float; `_equiv`, the structure. One-sided: a wrong answer is never accepted, a
+right one in an unknown form may be ("1.414" != \\sqrt2, "0.33" != \\frac13, "2x = 6" is not 6). Sizes are bounded,
+so a hostile completion cannot hang the trainer or eat its memory."""
 from __future__ import annotations
 
 import cmath
@@ -50,8 +48,7 @@ def normalize_math(s: str) -> str:
     return s.lower() if s.isalpha() and len(s) > 2 else s  # text answers: "East" == "east"
 
 
-# stage 2: a value is (re, im) Fractions while exact, else a complex float; every operation raises _Refuse
-# rather than build a huge number, and value() takes a division by zero or a float overflow as a refusal too.
+# stage 2: operations raise _Refuse rather than build a huge number; value() also refuses x/0 and float overflow
 class _Refuse(Exception):
     """Not a constant we evaluate (a variable, an unknown command), or too large: compare as strings."""
 
@@ -137,8 +134,7 @@ class _Parser:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
 
     def take(self, expected: str | None = None) -> str:
-        tok = self.peek()
-        if tok is None or (expected is not None and tok != expected):
+        if (tok := self.peek()) is None or expected not in (None, tok):
             raise _Refuse(f"expected {expected!r}, got {tok!r}")
         self.pos += 1
         return tok

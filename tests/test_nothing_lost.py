@@ -226,7 +226,7 @@ def test_interrupted_evaluation_keeps_what_it_scored(finished, tmp_path, monkeyp
     assert code == 130
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt_index"] for r in lines] == list(range(128))
-    assert f"128 scored completions kept in {out}" in capsys.readouterr().err
+    assert f"128 scored completions in {out}" in capsys.readouterr().err
 
 
 # -----------------------------------------------------------------------------------------------------
