@@ -211,7 +211,7 @@ def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positi
     assert device_batch_size >= 0, f"{device_batch_size=} >= 0"
     (B, L), (lo, hi) = input_ids.shape, vocab_slice or (0, None)
     out = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # unscored: exactly 0
-    # one host read per call: each row's first and last scored column, and whether it is padded
+    # one host read per call: each row's first and last scored column, and its padding
     cols = torch.arange(L, device=positions.device)
     first, last = torch.where(positions, cols, L).min(1).values, torch.where(positions, cols, -1).max(1).values
     pad = torch.zeros_like(first, dtype=torch.bool) if attention_mask is None else (attention_mask == 0).any(1)

@@ -17,7 +17,7 @@ from infra import scale
 REMASKING = ("low_confidence", "random")
 IMAGE_SAMPLERS = ("emerge", "maskgit")
 KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a step recomputes
-MIN_HEAD_ROWS = 32  # the head's least number of rows (FullRows.head)
+MIN_HEAD_ROWS = 32  # the head's least rows (FullRows.head)
 CHUNK = 1 << 24  # elements per draw as uniform walks a row's stream (128 MB in float64)
 
 
@@ -33,7 +33,7 @@ def generator(device, *parts) -> torch.Generator:
 
 
 def chunks(n: int, size: int) -> list[slice]:
-    """Slices of `size` rows (device_batch_size; 0: all n) for the forward passes over n rows."""
+    """Slices of `size` rows (device_batch_size; 0: all n) for the forward passes."""
     size = size or n
     return [slice(s, s + size) for s in range(0, n, size)]
 
@@ -103,14 +103,14 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     bar = tqdm(total=spb * num_blocks, desc="denoising", disable=not progress, leave=False)
     for blk in range(num_blocks):
         end = P + (blk + 1) * block_length
-        # the counts: host reads once per block, not per step (each waits for the device)
+        # one host read per block, not per step (each waits for the device)
         counts = transfer_schedule((x[:, end - block_length:end] == mask_id).sum(1), spb)  # (B, spb)
         distinct = [sorted(set(c)) for c in counts.T.tolist()]  # [spb] each step's counts
         for i in range(spb):
             # A predicted mask id stays masked and competes again, even past its block (as LLaDA): the step
             # chooses among the positions from the first masked one to the block end.
             any_masked = (x[:, :end] == mask_id).any(0)  # (end,)
-            lo = int(torch.where(any_masked, torch.arange(end, device=x.device), end).min())  # the step's one read
+            lo = int(torch.where(any_masked, torch.arange(end, device=x.device), end).min())  # one host read
             xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
             logits = _forward(model, xx, attention_mask, lo, end, **fwd)  # (B or 2B, l, V)
             if cfg_scale:  # l_u + (w + 1)(l_c - l_u), in this order so that bf16 rounds as LLaDA
