@@ -273,11 +273,10 @@ class FastSampler:
 
 
 class FullRows:
-    """LLaDA bit parity; a first reading may skip it. LLaDA scores whole rows (B, L), the samplers a step's
-    columns [lo, end); this gives each number its whole-row value. head: [lo, end) widened to MIN_HEAD_ROWS
-    rows over the batch (a GEMM of few rows may take another BLAS kernel and flip a near-tie). noise: each
-    row's uniforms drawn over its whole row, independent of lo and the batch (the fast step's active rows
-    draw [lo, end) alone). top_k: over whole rows, -inf outside (CPU topk's tie order depends on the row)."""
+    """LLaDA bit parity; a first reading may skip it. LLaDA scores whole rows (B, L), the samplers columns [lo, end);
+    this gives each number its whole-row value. head: [lo, end) widened to MIN_HEAD_ROWS rows over the batch (a
+    GEMM of few rows may take another BLAS kernel, flipping near-ties). noise: each row's uniforms over its whole
+    row (the fast step's active rows: [lo, end) alone). top_k: whole rows, -inf outside (CPU topk's ties vary)."""
 
     def __init__(self, x, lo, end, generator=None, active=None):
         self.x, self.cols, self.generator, self.active = x, slice(lo, end), generator, active
