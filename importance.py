@@ -1,10 +1,8 @@
-"""MaskGRPO's importance estimator (arXiv:2510.02880 §3, Eqs. 9-10): re-mask the finished completion, score it.
-
-A masked diffusion model's sequence likelihood is intractable, so GRPO's pi_theta(o) / pi_old(o) is estimated:
-inner iteration j re-masks the completion with a seeded reversing operator o^t ~ Rev(o, t_j, S_j) and scores
-pi_theta, pi_old and pi_ref on that same input. VIEWS[cfg.estimator] builds one task's views (inputs, the
-positions each scores), token_logprobs scores them; "trajectory" and decoding_logprob score the exact l_pi(o).
-Shapes: B sequences, P prompt, N window, S suffix (<|eoi|>), L = P + N + S. See docs/differences.md.
+"""MaskGRPO's importance estimator (arXiv:2510.02880 §3, Eqs. 9-10): the sequence likelihood being intractable,
+inner iteration j re-masks the finished completion, o^t ~ Rev(o, t_j, S_j) seeded, and scores pi_theta, pi_old,
+pi_ref on that input. VIEWS[cfg.estimator] builds one task's views (inputs, the positions each scores),
+token_logprobs scores them; "trajectory" scores the exact l_pi(o). See docs/differences.md.
+Shapes: B sequences, P prompt, N window, S suffix (<|eoi|>), L = P + N + S.
 """
 import hashlib
 import math
@@ -86,19 +84,12 @@ def _arlike_keep(N: int, ratio: float) -> torch.Tensor:
     return (d * (1.0 - ratio) * N / d.sum()).clamp(max=1.0)  # (N,); N = 1 keeps with prob 1 - r
 
 
-# --- the other estimators: the official AR-like masks, UniGRPO, d1, the exact trajectory
-
 def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
     # The official trainer takes the prompt length to be 1 (docs/differences.md): the ramp spans the prompt too,
     # which uses up its high-keep start, so the window's masked share grows with P.
     assert P is not None and P >= 0, f"arlike_official masks need prompt_len, each row's prompt length >= 0: got {P}"
     head = min(P, 1)  # the official prompt length: 1 (0 only if there were no prompt at all)
     return _arlike_keep(P + N - head, ratio)[P - head:]  # (N,)
-
-
-def official_completion_ratio(P: int, N: int, ratio: float) -> float:
-    """Expected masked fraction of an N-token window behind a P-token prompt under "arlike_official"."""
-    return float((1.0 - _arlike_official_keep(P, N, ratio)).mean())
 
 
 def completion_mask_until_eos(window_tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -108,8 +99,7 @@ def completion_mask_until_eos(window_tokens: torch.Tensor, eos_id: int) -> torch
 
 
 def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float]:
-    # UniGRPO (arXiv:2505.15809): t_1 = floor(r_1 T), r_1 ~ U(0,1) per sequence, then mu timesteps
-    # evenly spaced from t_1 to T.
+    # UniGRPO (arXiv:2505.15809): t_1 = floor(r_1 T), r_1 ~ U(0,1) per sequence, then mu steps evenly to T.
     g = torch.Generator().manual_seed(packed_seed(b"maskgrpo/unigrpo-t1", seed, step, seq_index))
     t1 = math.floor(torch.rand((), generator=g, dtype=torch.float64).item() * UNIGRPO_T)
     return [math.floor((n - 1) / max(mu - 1, 1) * (UNIGRPO_T - t1) + t1) / UNIGRPO_T for n in range(1, mu + 1)]
@@ -136,8 +126,8 @@ def d1_views(batch, order, cfg, *, image, step, seq_index, eos_id, mask_id, **_)
 
 
 def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_max, **_) -> Views:
-    """The exact decoding path: the T sampler states (trajectory_masks) where any rank revealed a token, each
-    scoring what it revealed, all in every update; --trajectory_states=K: K per update."""
+    """The exact decoding path: the T sampler states where any rank revealed a token, each scoring what it
+    revealed, all in every update (--trajectory_states=K: K)."""
     x, B = batch.x, batch.x.shape[0]
     in_masks, loss_masks = trajectory_masks(order, cfg.image_steps if image else cfg.steps)
     keep = all_max(loss_masks.flatten(1).any(1).to(x.device, torch.float32)).bool().cpu()
@@ -216,12 +206,12 @@ def ignored_settings(cfg, defaults) -> list[str]:
 def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, *,
                    attention_mask=None, vocab_slice: tuple[int, int] | None = None, device_batch_size: int = 0):
     """float32 (B, L): log pi(targets | input_ids) at `positions`, 0 elsewhere; vocab_slice=(lo, hi): targets - lo
-    over the columns [lo, hi) only (image codes). No 1/t ELBO weight (official code)."""
+    over the columns [lo, hi) (image codes). No 1/t ELBO weight (official code)."""
     assert input_ids.shape == targets.shape == positions.shape and positions.dtype == torch.bool, "(B, L), bool"
     assert device_batch_size >= 0, f"{device_batch_size=} >= 0"
     (B, L), (lo, hi) = input_ids.shape, vocab_slice or (0, None)
     out = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # unscored: exactly 0
-    # one host read per call: each row's first and last scored column, and whether it is padded
+    # one host read per call: each row's first and last scored column, and its padding
     cols = torch.arange(L, device=positions.device)
     first, last = torch.where(positions, cols, L).min(1).values, torch.where(positions, cols, -1).max(1).values
     pad = torch.zeros_like(first, dtype=torch.bool) if attention_mask is None else (attention_mask == 0).any(1)
@@ -258,7 +248,7 @@ def trajectory_masks(order: torch.Tensor, num_steps: int | None = None) -> tuple
 def draw_states(num_states: int, k: int, mu: int, *, seed: int, step: int,
                 seq_index) -> tuple[torch.Tensor, list[list[int]]]:
     """(states (U, B), U = min(mu K, T); updates: mu lists of K views): update j takes positions jK .. jK+K-1 of
-    each row's seeded permutation of its T states, cyclically, a uniform K-subset (unbiased). K >= T: all."""
+    each row's seeded permutation of its T states, cyclically: a uniform K-subset (unbiased)."""
     assert k >= 1 and mu >= 1 and num_states >= 1, f"{k=}, {mu=}, {num_states=} must be >= 1"
     T, K = num_states, min(k, num_states)
     perms = [torch.arange(T) if K == T else torch.randperm(T, generator=torch.Generator().manual_seed(
@@ -266,17 +256,3 @@ def draw_states(num_states: int, k: int, mu: int, *, seed: int, step: int,
     # View u holds permutation position u; positions past T wrap to u mod T (U = T then).
     updates = [[(j * K + s) % T for s in range(K)] for j in range(mu)]
     return torch.stack(perms, 1)[: min(mu * K, T)], updates  # (U, B)
-
-
-@torch.no_grad()  # a measurement: a graph kept across all the steps would hold every step's activations
-def decoding_logprob(model, x: torch.Tensor, order: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-                     vocab_slice: tuple[int, int] | None = None, mask_id: int) -> torch.Tensor:
-    """Exact decoding log-likelihood l_pi(o) = sum_s sum_{k revealed at s} log pi(o_k | c, x^(s)), (B,) fp32 (§3),
-    x^(s) the state the sampler saw at step s (trajectory_masks). One batched forward per step."""
-    assert order.shape == x.shape, "order: (B, L), the step each position was revealed at"
-    total = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)  # (B,)
-    for state, revealed in zip(*trajectory_masks(order)):
-        if revealed.any():
-            total = total + token_logprobs(model, x.masked_fill(state, mask_id), x, revealed,
-                                           attention_mask=attention_mask, vocab_slice=vocab_slice).sum(-1)
-    return total

@@ -1,11 +1,7 @@
-"""Reverse-process samplers for masked diffusion models: text (LLaDA) and images (MMaDA / MaskGRPO).
-
-generate is LLaDA's block sampler (arXiv:2502.09992, token for token at temperature 0); fast_generate runs
-its denoise_step under Fast-dLLM's approximations. generate_image fills MMaDA's image slots with MaskGRPO's
-emerge sampler (Alg. 4) or MMaDA's MaskGIT, with optional CFG. Both can return the decoding order, from
-which importance.py rebuilds every state. Every random number comes from the `generator` argument (one, or
-one per row) on its own device. The callers validate the settings; the samplers assert their preconditions.
-
+"""Reverse-process samplers: generate is LLaDA's (arXiv:2502.09992, token for token at temperature 0),
+fast_generate runs its denoise_step under Fast-dLLM; generate_image is MaskGRPO's emerge (Alg. 4) or MMaDA's
+MaskGIT, with optional CFG. Both return the decoding order importance.py rebuilds states from. Random numbers
+come from `generator` (one, or one per row); callers validate settings, the samplers assert preconditions.
 Shapes: B batch, P prompt, N gen_length, L sequence (P + N for text), V vocabulary, n image slots, C codes.
 """
 import dataclasses
@@ -21,11 +17,9 @@ from infra import scale
 REMASKING = ("low_confidence", "random")
 IMAGE_SAMPLERS = ("emerge", "maskgit")
 KV_CACHES = ("none", "prefix", "dual")  # Fast-dLLM block KV cache: off, or what a step recomputes
-MIN_HEAD_ROWS = 32  # the head's least number of rows (FullRows.head)
+MIN_HEAD_ROWS = 32  # the head's least rows (FullRows.head)
 CHUNK = 1 << 24  # elements per draw as uniform walks a row's stream (128 MB in float64)
 
-
-# --- random numbers: a seed per purpose and global index
 
 def derive_seed(*parts) -> int:
     """A 63-bit seed from (run seed, purpose, step, ...): blake2b of repr(parts)."""
@@ -39,7 +33,7 @@ def generator(device, *parts) -> torch.Generator:
 
 
 def chunks(n: int, size: int) -> list[slice]:
-    """Slices of `size` rows (device_batch_size; 0: all n) for the forward passes over n rows."""
+    """Slices of `size` rows (device_batch_size; 0: all n) for the forward passes."""
     size = size or n
     return [slice(s, s + size) for s in range(0, n, size)]
 
@@ -109,14 +103,14 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
     bar = tqdm(total=spb * num_blocks, desc="denoising", disable=not progress, leave=False)
     for blk in range(num_blocks):
         end = P + (blk + 1) * block_length
-        # the counts: host reads once per block, not per step (each waits for the device)
+        # one host read per block, not per step (each waits for the device)
         counts = transfer_schedule((x[:, end - block_length:end] == mask_id).sum(1), spb)  # (B, spb)
         distinct = [sorted(set(c)) for c in counts.T.tolist()]  # [spb] each step's counts
         for i in range(spb):
             # A predicted mask id stays masked and competes again, even past its block (as LLaDA): the step
             # chooses among the positions from the first masked one to the block end.
             any_masked = (x[:, :end] == mask_id).any(0)  # (end,)
-            lo = int(torch.where(any_masked, torch.arange(end, device=x.device), end).min())  # the step's one read
+            lo = int(torch.where(any_masked, torch.arange(end, device=x.device), end).min())  # one host read
             xx = x if cfg_scale == 0 else torch.cat([x, x.masked_fill(prompt_index, mask_id)])  # (B or 2B, L)
             logits = _forward(model, xx, attention_mask, lo, end, **fwd)  # (B or 2B, l, V)
             if cfg_scale:  # l_u + (w + 1)(l_c - l_u), in this order so that bf16 rounds as LLaDA
@@ -133,9 +127,8 @@ def generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=
 def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, temperature=0.0, cfg_scale=0.0,
                   remasking="low_confidence", mask_id, generator=None, attention_mask=None, kv_cache="none",
                   threshold=0.0, return_order=False, progress=False, stats=None):
-    """generate under Fast-dLLM (arXiv:2505.22618): kv_cache caches keys and values at a block start, then
-    recomputes the block and what follows it ("prefix") or the block alone ("dual"); threshold tau > 0 also
-    reveals every masked position above tau. MaskGRPO rescores every rollout. stats: FastSampler's dict."""
+    """generate under Fast-dLLM (arXiv:2505.22618): kv_cache caches at a block start, then recomputes the block and
+    after ("prefix") or the block ("dual"); threshold tau > 0 also reveals all above tau. stats: FastSampler's."""
     if kv_cache == "none" and threshold <= 0:
         return generate(model, prompt_ids, gen_length=gen_length, block_length=block_length, steps=steps,
                         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, mask_id=mask_id,
@@ -182,9 +175,8 @@ def fast_generate(model, prompt_ids, *, gen_length, block_length, steps, tempera
 
 def denoise_step(x, order, s, logits, lo, end, k, distinct=None, *, temperature, remasking, mask_id, generator,
                  active=None, threshold=0.0):
-    """Step s on x's columns [lo, end), in place, from their logits (B, l, V): row j reveals the k[j] masked
-    positions most confident in their Gumbel-max prediction (p(x0), or uniform for "random"), and any above
-    threshold > 0. active: the fast step's rows still decoding. Returns (revealed, conf) (B, l)."""
+    """Step s on x[:, lo:end] in place from logits (B, l, V): row j reveals its k[j] masked positions most confident
+    in their Gumbel-max x0 (p(x0); "random": uniform), and any above threshold > 0 -> (revealed, conf) (B, l)."""
     m = x[:, lo:end] == mask_id  # (B, l)
     rows = FullRows(x, lo, end, generator, active)  # LLaDA bit parity
     x0 = gumbel_argmax(logits, temperature, rows.noise(logits.shape[-1]) if temperature > 0 else None)  # (B, l)
@@ -280,14 +272,11 @@ class FastSampler:
                 "text/committed_conf": sums[2] / max(sums[1], 1)}
 
 
-# --- LLaDA bit parity
-
 class FullRows:
-    """LLaDA bit parity; a first reading may skip it. LLaDA scores whole rows (B, L), the samplers a step's
-    columns [lo, end); this gives each number its whole-row value. head: [lo, end) widened to MIN_HEAD_ROWS
-    rows over the batch (a GEMM of few rows may take another BLAS kernel and flip a near-tie). noise: each
-    row's uniforms drawn over its whole row, independent of lo and the batch (the fast step's active rows
-    draw [lo, end) alone). top_k: over whole rows, -inf outside (CPU topk's tie order depends on the row)."""
+    """LLaDA bit parity; a first reading may skip it. LLaDA scores whole rows (B, L), the samplers columns [lo, end);
+    this gives each number its whole-row value. head: [lo, end) widened to MIN_HEAD_ROWS rows over the batch (a
+    GEMM of few rows may take another BLAS kernel, flipping near-ties). noise: each row's uniforms over its whole
+    row (the fast step's active rows: [lo, end) alone). top_k: whole rows, -inf outside (CPU topk's ties vary)."""
 
     def __init__(self, x, lo, end, generator=None, active=None):
         self.x, self.cols, self.generator, self.active = x, slice(lo, end), generator, active
@@ -329,15 +318,13 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
                    uncond_input_ids=None, generator=None, attention_mask=None, uncond_attention_mask=None,
                    temperature=1.0, code_offset=None, codebook_size=None, mask_id=None, return_order=False,
                    progress=False):
-    """Fill the image slots input_ids[:, image_start:][:, :num_tokens] with image tokens [, order as generate's]
-    by emerge_step or maskgit_step. uncond_*: CFG's unconditional prompt. temperature: MaskGIT's (emerge samples
-    from p itself: docs/differences.md). code_offset, codebook_size, mask_id default to model.config's."""
+    """Fill input_ids[:, image_start:][:, :num_tokens] with image tokens [, order] by emerge_step or maskgit_step;
+    uncond_*: CFG's prompt; temperature: MaskGIT's (docs/differences.md). Ids default to model.config's."""
     config = getattr(model, "config", None)
     code_offset = getattr(config, "image_token_offset", None) if code_offset is None else code_offset
     codebook_size = getattr(config, "codebook_size", None) if codebook_size is None else codebook_size
     mask_id = getattr(config, "mask_token_id", None) if mask_id is None else mask_id
-    B, L = input_ids.shape
-    n, span = num_tokens, slice(image_start, image_start + num_tokens)
+    B, n, span = input_ids.shape[0], num_tokens, slice(image_start, image_start + num_tokens)
     assert sampler in IMAGE_SAMPLERS and steps >= 1 and (sampler == "maskgit" or temperature == 1.0), \
         f"sampler {sampler!r}, steps {steps}, temperature {temperature}: emerge samples from p itself (tau = 1)"
     assert (input_ids[:, span] == mask_id).all() and (input_ids == mask_id).sum() == B * n, \
@@ -365,8 +352,8 @@ def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler=
 
 
 def emerge_step(probs, slots, s, steps, generator, code_offset, mask_id):
-    """Step s of T of MaskGRPO's emerge sampler (Alg. 4): probs (B, n, C), slots (B, n) -> new slots. A masked
-    slot is revealed with probability (kappa_t - kappa_s) / kappa_t, a code drawn from p; the last step reveals all."""
+    """Step s of T of emerge (Alg. 4): probs (B, n, C), slots (B, n) -> new slots, a masked one revealed with
+    probability (kappa_t - kappa_s) / kappa_t as a code drawn from p; the last step reveals all."""
     masked = slots == mask_id  # (B, n)
     code = torch.where(masked, _sample_categorical(probs, generator), slots - code_offset)  # (B, n)
     if s == steps - 1:

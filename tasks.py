@@ -122,7 +122,7 @@ class Task:
 
 TASKS = {
     "text": Task("text", {"answer": rewards.answer_reward, "solution": rewards.solution_reward}, "text_reward",
-                 example=lambda rng, cfg, split, noise: make_text_example(rng, split, noise, max_steps=cfg.text_max_steps)),
+                 lambda rng, cfg, split, noise: make_text_example(rng, split, noise, max_steps=cfg.text_max_steps)),
     "image": Task("image", {"grid": rewards.image_reward},
                   example=lambda rng, cfg, split, noise: make_image_example(rng, split, noise, width=cfg.image_width)),
     # benchmarks: correctness ("none"), and the official runs' shaped reward if any ("official")
@@ -219,7 +219,7 @@ def _image_batch(task, examples, tok, ids, cfg, device, with_targets: bool) -> B
     if with_targets:
         x[:B, start:start + n] = torch.tensor([ex["image"] for ex in examples], device=device) + ids.image_token_offset
     return Batch(task, x[:B], att[:B], start, n, x[B:].expand(B, -1).clone(), att[B:].expand(B, -1).clone(), examples,
-                 vocab_slice=(ids.image_token_offset, ids.image_token_offset + ids.codebook_size))  # the code columns
+                 vocab_slice=(ids.image_token_offset, ids.image_token_offset + ids.codebook_size))
 
 
 def make_example(task: str, rng: random.Random, cfg, split: str, noise: float = 0.0) -> dict:
