@@ -1,7 +1,7 @@
 """MaskGRPO's importance estimator (arXiv:2510.02880 §3, Eqs. 9-10): the sequence likelihood being intractable,
 inner iteration j re-masks the finished completion, o^t ~ Rev(o, t_j, S_j) seeded, and scores pi_theta, pi_old,
 pi_ref on that input. VIEWS[cfg.estimator] builds one task's views (inputs, the positions each scores),
-token_logprobs scores them; "trajectory" scores the exact l_pi(o). See docs/differences.md.
+token_logprobs scores them; "trajectory" and decoding_logprob score the exact l_pi(o). See docs/differences.md.
 Shapes: B sequences, P prompt, N window, S suffix (<|eoi|>), L = P + N + S.
 """
 import hashlib
@@ -90,6 +90,11 @@ def _arlike_official_keep(P: int, N: int, ratio: float) -> torch.Tensor:
     assert P is not None and P >= 0, f"arlike_official masks need prompt_len, each row's prompt length >= 0: got {P}"
     head = min(P, 1)  # the official prompt length: 1 (0 only if there were no prompt at all)
     return _arlike_keep(P + N - head, ratio)[P - head:]  # (N,)
+
+
+def official_completion_ratio(P: int, N: int, ratio: float) -> float:
+    """Expected masked fraction of an N-token window behind a P-token prompt under "arlike_official"."""
+    return float((1.0 - _arlike_official_keep(P, N, ratio)).mean())
 
 
 def completion_mask_until_eos(window_tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -256,3 +261,17 @@ def draw_states(num_states: int, k: int, mu: int, *, seed: int, step: int,
     # View u holds permutation position u; positions past T wrap to u mod T (U = T then).
     updates = [[(j * K + s) % T for s in range(K)] for j in range(mu)]
     return torch.stack(perms, 1)[: min(mu * K, T)], updates  # (U, B)
+
+
+@torch.no_grad()  # a measurement: a graph kept across all the steps would hold every step's activations
+def decoding_logprob(model, x: torch.Tensor, order: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                     vocab_slice: tuple[int, int] | None = None, mask_id: int) -> torch.Tensor:
+    """Exact decoding log-likelihood l_pi(o) = sum_s sum_{k revealed at s} log pi(o_k | c, x^(s)), (B,) fp32 (§3),
+    x^(s) the state the sampler saw at step s (trajectory_masks). One batched forward per step."""
+    assert order.shape == x.shape, "order: (B, L), the step each position was revealed at"
+    total = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)  # (B,)
+    for state, revealed in zip(*trajectory_masks(order)):
+        if revealed.any():
+            total = total + token_logprobs(model, x.masked_fill(state, mask_id), x, revealed,
+                                           attention_mask=attention_mask, vocab_slice=vocab_slice).sum(-1)
+    return total

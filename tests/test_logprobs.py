@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import importance as imp
-from tools import diagnose
 from model import ModelConfig, Transformer
 from test_importance import (ContextFree, Tiny, make_batch)  # noqa: F401
 
@@ -144,7 +143,7 @@ def test_decoding_logprob_matches_naive_loop():
     am = torch.ones(B, P + N, dtype=torch.long)
     am[1, 0] = 0  # left padding on one row
     with torch.no_grad():
-        got = diagnose.decoding_logprob(model, x, order, attention_mask=am, mask_id=V - 1)
+        got = imp.decoding_logprob(model, x, order, attention_mask=am, mask_id=V - 1)
         naive = torch.zeros(B, dtype=torch.float64)
         for b in range(B):  # one forward per revealed position, on the state the sampler saw
             for k in range(P + N):
@@ -157,7 +156,7 @@ def test_decoding_logprob_matches_naive_loop():
     torch.testing.assert_close(got.double(), naive, rtol=1e-5, atol=1e-5)
     # Called with gradients on (as tools/diagnose.py does), it must not keep one graph across all the
     # steps: that held every step's activations and ran a 40-step trajectory out of memory.
-    assert not diagnose.decoding_logprob(model, x, order, attention_mask=am, mask_id=V - 1).requires_grad
+    assert not imp.decoding_logprob(model, x, order, attention_mask=am, mask_id=V - 1).requires_grad
 
 
 def test_decoding_logprob_vocab_slice_and_skipped_steps():
@@ -169,7 +168,7 @@ def test_decoding_logprob_vocab_slice_and_skipped_steps():
     order = torch.full((B, P + N), -1, dtype=torch.long)
     order[:, P:] = torch.tensor([0, 0, 2, 2, 5, 5])  # steps 1, 3 and 4 reveal nothing
     with torch.no_grad():
-        got = diagnose.decoding_logprob(model, x, order, vocab_slice=(lo, hi), mask_id=V - 1)
+        got = imp.decoding_logprob(model, x, order, vocab_slice=(lo, hi), mask_id=V - 1)
         want = torch.zeros(B)
         for s in (0, 2, 5):
             state = x.masked_fill(order >= s, V - 1)
@@ -184,11 +183,10 @@ def test_decoding_log_ratio_exactly_zero_for_same_policy():
     old = tiny_transformer(4, V)  # the same weights in a separate module: pi_theta = pi_old
     x, order = random_trajectory(B, P, N, steps, V, seed=5)
     with torch.no_grad():
-        delta = (diagnose.decoding_logprob(theta, x, order, mask_id=V - 1)
-                 - diagnose.decoding_logprob(old, x, order, mask_id=V - 1))
-        other = diagnose.decoding_logprob(tiny_transformer(6, V), x, order, mask_id=V - 1)
+        delta = imp.decoding_logprob(theta, x, order, mask_id=V - 1) - imp.decoding_logprob(old, x, order, mask_id=V - 1)
+        other = imp.decoding_logprob(tiny_transformer(6, V), x, order, mask_id=V - 1)
     assert torch.equal(delta, torch.zeros(B))
-    assert (other != diagnose.decoding_logprob(old, x, order, mask_id=V - 1)).all()  # a different policy moves it
+    assert (other != imp.decoding_logprob(old, x, order, mask_id=V - 1)).all()  # a different policy moves it
 
 
 def test_settings_an_estimator_ignores_are_named():

@@ -57,7 +57,7 @@ def test_quoted_figures_of_the_official_operator():
     # First window token: 1 - 2 (1 - r) (1 - 149/404) = 0.5371 exactly; the paper's operator gives 2r - 1.
     assert p[0] == pytest.approx(1 - 2 * (1 - r) * (1 - 149 / 404), abs=1e-12)
     assert p[0] == pytest.approx(0.537, abs=5e-4)
-    assert diagnose.official_completion_ratio(150, 256, r) == pytest.approx(sum(p) / 256, abs=1e-6)
+    assert imp.official_completion_ratio(150, 256, r) == pytest.approx(sum(p) / 256, abs=1e-6)
     # At P = N = 256 the gamma = 0.6 schedule lands on the paper formula's gamma = 0.8 schedule: the window
     # is the second half of the ramp, whose mean mask is (1 + r) / 2 up to the L - 2 vs L - 1 rounding.
     for j in range(11):

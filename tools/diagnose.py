@@ -7,7 +7,7 @@
 GRPO needs log pi_theta(o) - log pi_old(o) for each rollout o. For a masked diffusion model the exact
 value along the path the sampler took is the decoding log-likelihood difference
 Delta = l_theta(o) - l_old(o), l_pi(o) = sum_s sum_{k revealed at step s} log pi(o_k | c, x^(s))
-(decoding_logprob, from the order the sampler recorded). The estimators instead sum per-token
+(importance.decoding_logprob, from the order the sampler recorded). The estimators instead sum per-token
 log-ratios on one seeded masked copy of o (importance.build_masks + token_logprobs, the code training
 runs). This script measures, in the training regime, how well each estimate tracks Delta:
 
@@ -116,20 +116,6 @@ def metrics(draws: torch.Tensor, exact: torch.Tensor, ratios: torch.Tensor, clip
     }
 
 
-@torch.no_grad()  # a measurement: a graph kept across all the steps would hold every step's activations
-def decoding_logprob(model, x: torch.Tensor, order: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-                     vocab_slice: tuple[int, int] | None = None, mask_id: int) -> torch.Tensor:
-    """Exact decoding log-likelihood l_pi(o) = sum_s sum_{k revealed at s} log pi(o_k | c, x^(s)), (B,) fp32 (§3),
-    x^(s) the state the sampler saw at step s (importance.trajectory_masks). One batched forward per step."""
-    assert order.shape == x.shape, "order: (B, L), the step each position was revealed at"
-    total = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)  # (B,)
-    for state, revealed in zip(*importance.trajectory_masks(order)):
-        if revealed.any():
-            total = total + importance.token_logprobs(model, x.masked_fill(state, mask_id), x, revealed,
-                                                      attention_mask=attention_mask, vocab_slice=vocab_slice).sum(-1)
-    return total
-
-
 @torch.no_grad()
 def estimate(theta, old, r, mask_in, mask_loss, ids) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence sum of log pi_theta - log pi_old over the scored positions of one mask, as training
@@ -176,8 +162,8 @@ def diagnose_task(o: Options, task: str, old, tok, ids, device) -> dict:
     thetas = opt.thetas
     # 3. exact Delta_j and every estimator's estimates
     b, kw = r.batch, dict(attention_mask=r.batch.attention_mask, vocab_slice=r.batch.vocab_slice, mask_id=ids.mask)
-    l_old = decoding_logprob(old, b.x, order, **kw)                           # (B,)
-    deltas = [decoding_logprob(t, b.x, order, **kw) - l_old for t in thetas]  # (mu-1) x (B,)
+    l_old = importance.decoding_logprob(old, b.x, order, **kw)                           # (B,)
+    deltas = [importance.decoding_logprob(t, b.x, order, **kw) - l_old for t in thetas]  # (mu-1) x (B,)
     B, L = b.x.shape
     window = torch.ones(B, b.window, dtype=torch.bool, device=device)
     eos_window = importance.completion_mask_until_eos(b.x[:, b.window_slice], ids.eos)
@@ -222,11 +208,6 @@ def order_curve(b, order, cfg, task: str) -> dict:
     return {"ratio": t, "sampler": sampler, "arlike": arlike, "random": [t] * N}
 
 
-def official_completion_ratio(P: int, N: int, ratio: float) -> float:
-    """Expected masked fraction of an N-token window behind a P-token prompt under "arlike_official"."""
-    return float((1.0 - importance._arlike_official_keep(P, N, ratio)).mean())
-
-
 def official_ratio_table(prompt_lens=(20, 100, 150, 256), N: int = 256, gammas=(0.6, 0.8), mu: int = 12) -> str:
     """Markdown: the masked fraction of an N-token window under the official AR-like operator, per prompt length
     P and per ratio of the gamma schedules (importance.mask_ratios); the paper's operator masks the ratio itself."""
@@ -234,7 +215,7 @@ def official_ratio_table(prompt_lens=(20, 100, 150, 256), N: int = 256, gammas=(
              "|---|---|" + "---|" * len(prompt_lens)]
     for g in gammas:
         for t in importance.mask_ratios(mu, g):
-            cells = " | ".join(f"{official_completion_ratio(p, N, t):.3f}" for p in prompt_lens)
+            cells = " | ".join(f"{importance.official_completion_ratio(p, N, t):.3f}" for p in prompt_lens)
             lines.append(f"| {g} | {t:.3f} | {cells} |")
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ with, measured without its code:
    mu - 1, where _step counts micro-batches; strided_indices simulates that counter under gradient
    accumulation.
 
-The effective mask ratios of the official AR-like operator are tools.diagnose.official_completion_ratio
+The effective mask ratios of the official AR-like operator are importance.official_completion_ratio
 (`python -m tools.diagnose --official_ratios` prints the table).
 """
 from __future__ import annotations
