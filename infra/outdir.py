@@ -278,8 +278,7 @@ def before_rl(run):
         for p in (run.out / "log.jsonl", run.out / "times.jsonl") if scale.rank() == 0 else ():
             if p.is_file() and p.stat().st_size == 0:
                 p.unlink()
-        sft_dir = run.cfg.sft_dir or run.out / "sft"
-        kept = f"the SFT model in {sft_dir} is kept; " if run.cfg.init_from == "scratch" else ""
+        kept = f"the SFT model in {run.cfg.sft_dir or run.out / 'sft'} is kept; " * (run.cfg.init_from == "scratch")
         _exit(s, "during the held-out evaluation before RL: no RL step was taken, so no checkpoint was written "
               f"({kept}the evaluation starts again); continue with: {resume_command()}")
     finally:
