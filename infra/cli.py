@@ -38,8 +38,7 @@ EPILOGS = {"Config": (  # what --help prints after the flags, per dataclass name
 # Flags whose value is a path, or a list of them: a shell expands `~` only at the start of a word, so here.
 PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
 PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
-# Bounds and choices of settings (of any entry point that has them), refused as "NAME (VALUE) must be OP BOUND" or
-# "must be A, B or C", and the hint in HINTS.
+# Bounds and choices of settings (of any entry point that has them): "NAME (VALUE) must be OP BOUND" + its HINTS.
 BOUNDS = {(">=", 1): ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "prompts_per_step", "sft_batch_size",
                       "gen_length", "block_length", "steps", "image_steps", "image_width"),
           (">=", 0): ("beta", "threads", "sample_every", "vocab_size", "weight_decay", "sft_steps", "rl_steps",
@@ -258,13 +257,12 @@ def validate(cfg) -> None:
     idle = sorted(given & set(SCRATCH_SHAPE)) if cfg.init_from != "scratch" and not cfg.dry_run else []
     need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the toy model's "
          f"shape, but --init_from={cfg.init_from} has its own: drop {'it' if len(idle) == 1 else 'them'}")
-    benchmarks = [t for t in chosen if t not in tasks.TOY_TASKS and t not in tasks.IMAGE_TASKS]
     idle = [f"--{k} (it acts on {what})" for keys, what, unread in (
         (SCRATCH_SFT, "the SFT stage of a model trained from scratch, not of --init_from", cfg.init_from != "scratch"
          and not cfg.dry_run), (("system_prompt", "prompt_prefill", "reward_shaping"), "benchmark prompts: gsm8k, "
-         "math, mbpp, countdown, sudoku", not benchmarks), (("text_reward", "text_max_steps"), "the toy text task",
-         "text" not in chosen), (("image_scorer_timeout",), "the image scorer of --image_scorer_url, for geneval",
-         not cfg.image_scorer_url)) if unread for k in keys if k in given]
+         "math, mbpp, countdown, sudoku", set(real) <= set(tasks.IMAGE_TASKS)), (("text_reward", "text_max_steps"),
+         "the toy text task", "text" not in chosen), (("image_scorer_timeout",), "the image scorer of "
+         "--image_scorer_url, for geneval", not cfg.image_scorer_url)) if unread for k in keys if k in given]
     idle += [f"--{k} (--estimator={cfg.estimator} does not read it: importance.READ_BY)"
              for k in importance.ignored_settings(cfg, type(cfg)())]
     if idle:  # recorded in config.json, so a silent no-op would read as a setting; a warning keeps old commands working
