@@ -122,9 +122,8 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
     """One flag per field (and --preset), None unless typed; --help shows the values under argv's preset."""
     usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below; a " \
         "flag given twice takes its last value)"
-    # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
     p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False, allow_abbrev=False,
-                                epilog=EPILOGS.get(cls.__name__), prog=prog)
+                                epilog=EPILOGS.get(cls.__name__), prog=prog)  # no prefix silently sets a flag
     base, name, preset = dict(defaults or {}), None, {}
     if presets is not None:
         first = next(iter(presets))
