@@ -38,8 +38,7 @@ EPILOGS = {"Config": (  # what --help prints after the flags, per dataclass name
 # Flags whose value is a path, or a list of them: a shell expands `~` only at the start of a word, so here.
 PATH_FLAGS = {"out_dir", "init_from", "sft_dir", "ckpt", "data", "out", "run", "png"}
 PATH_LIST_FLAGS = {"train_data", "eval_data", "compare"}
-# Bounds and choices of settings (of any entry point that has them), refused as "NAME (VALUE) must be OP BOUND" or
-# "must be A, B or C", and the hint in HINTS.
+# Bounds and choices of settings (of any entry point that has them): "NAME (VALUE) must be OP BOUND" + its HINTS.
 BOUNDS = {(">=", 1): ("mu", "eval_samples", "dry_run_gpus", "max_bad_steps", "prompts_per_step", "sft_batch_size",
                       "gen_length", "block_length", "steps", "image_steps", "image_width"),
           (">=", 0): ("beta", "threads", "sample_every", "vocab_size", "weight_decay", "sft_steps", "rl_steps",
@@ -57,7 +56,7 @@ HINTS = {"group_size": ": GRPO compares completions of a group", "clip_eps": " (
          "trajectory_states": " (0 = every decoding state; K > 0 scores K of them per update)",
          "lora_rank": " (0 = full fine-tuning)", "checkpoint_every": " (0 = never)", "keep_last": " (0 = keep all)",
          "cfg_scale": " (0 = no guidance; MaskGRPO uses 3.0)", "image_text_len": " (0 = the longest toy caption)",
-         "dtype": " (float16 needs a grad scaler)"}
+         "dtype": " (float16 needs a grad scaler)", "threshold": " (0 = off; Fast-dLLM uses 0.9)"}
 # What --change_on_resume may name (a run stopped by bad steps continues more carefully; see outdir.RESUMABLE).
 CHANGEABLE = ("lr", "grad_clip")
 # The toy model's shape and SFT flags (init_from=scratch): with --init_from the shape is refused, SFT warned of.
@@ -123,9 +122,8 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
     """One flag per field (and --preset), None unless typed; --help shows the values under argv's preset."""
     usage = "%(prog)s" + (" [--preset NAME]" if presets else "") + " [--FIELD=VALUE ...]  (every FIELD below; a " \
         "flag given twice takes its last value)"
-    # allow_abbrev=False: a prefix of a flag would otherwise silently set the longer one.
     p = argparse.ArgumentParser(description=description, usage=usage, exit_on_error=False, allow_abbrev=False,
-                                epilog=EPILOGS.get(cls.__name__), prog=prog)
+                                epilog=EPILOGS.get(cls.__name__), prog=prog)  # no prefix silently sets a flag
     base, name, preset = dict(defaults or {}), None, {}
     if presets is not None:
         first = next(iter(presets))
@@ -229,7 +227,8 @@ def validate_generation(o) -> None:
          f"of blocks ({blocks}); try --steps={blocks * max(1, o.steps // blocks)}")
     for k in filter(functools.partial(hasattr, o), CHOICES):
         need(getattr(o, k) in CHOICES[k], f"{k} ({getattr(o, k)!r}) must be {_one_of(CHOICES[k])}{HINTS.get(k, '')}")
-    need(0 <= o.threshold < 1, f"threshold ({o.threshold}) must be in [0, 1) (0 = off; Fast-dLLM uses 0.9)")
+    for k in filter(functools.partial(hasattr, o), ("threshold", "gamma_text", "gamma_image")):  # train.Config: all
+        need(0 <= getattr(o, k) < 1, f"{k} ({getattr(o, k)}) must be in [0, 1){HINTS.get(k, '')}")
 
 
 def validate(cfg) -> None:
@@ -240,8 +239,6 @@ def validate(cfg) -> None:
             need(getattr(cfg, k) >= 1, f"{k} ({getattr(cfg, k)}) must be >= 1: a model needs at least one of each")
         need(cfg.d_model % cfg.n_heads == 0 and (cfg.d_model // cfg.n_heads) % 2 == 0,
              f"d_model ({cfg.d_model}) must be n_heads ({cfg.n_heads}) times an even head size (rotary embeddings)")
-    for g in ("gamma_text", "gamma_image"):
-        need(0 <= getattr(cfg, g) < 1, f"{g} ({getattr(cfg, g)}) must be in [0, 1)")
     need(cfg.estimator != "trajectory" or cfg.loss_norm == "token", "estimator 'trajectory' scores each token at "
          "its own decoding step, which only the token mean adds up: use --loss_norm=token")
     need(cfg.estimator == "trajectory" or not cfg.trajectory_states, f"trajectory_states ({cfg.trajectory_states}) "
@@ -256,17 +253,15 @@ def validate(cfg) -> None:
          f"tasks {real} need a pretrained model: pass --init_from=DIR (a LLaDA/MMaDA checkpoint directory)")
     need(cfg.init_from != "" or cfg.dry_run, "init_from is empty: pass --init_from=DIR, the local checkpoint")
     given = getattr(cfg, "_given", frozenset())  # the flags typed (parse); empty when built in code
-    if cfg.init_from != "scratch" and not cfg.dry_run:
-        idle = sorted(given & set(SCRATCH_SHAPE))
-        need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the toy model's "
-             f"shape, but --init_from={cfg.init_from} has its own: drop {'it' if len(idle) == 1 else 'them'}")
-    benchmarks = [t for t in chosen if t not in tasks.TOY_TASKS and t not in tasks.IMAGE_TASKS]
+    idle = sorted(given & set(SCRATCH_SHAPE)) if cfg.init_from != "scratch" and not cfg.dry_run else []
+    need(not idle, f"{', '.join('--' + k for k in idle)} {'sets' if len(idle) == 1 else 'set'} the toy model's "
+         f"shape, but --init_from={cfg.init_from} has its own: drop {'it' if len(idle) == 1 else 'them'}")
     idle = [f"--{k} (it acts on {what})" for keys, what, unread in (
         (SCRATCH_SFT, "the SFT stage of a model trained from scratch, not of --init_from", cfg.init_from != "scratch"
          and not cfg.dry_run), (("system_prompt", "prompt_prefill", "reward_shaping"), "benchmark prompts: gsm8k, "
-         "math, mbpp, countdown, sudoku", not benchmarks), (("text_reward", "text_max_steps"), "the toy text task",
-         "text" not in chosen), (("image_scorer_timeout",), "the image scorer of --image_scorer_url, for geneval",
-         not cfg.image_scorer_url)) if unread for k in keys if k in given]
+         "math, mbpp, countdown, sudoku", set(real) <= set(tasks.IMAGE_TASKS)), (("text_reward", "text_max_steps"),
+         "the toy text task", "text" not in chosen), (("image_scorer_timeout",), "the image scorer of "
+         "--image_scorer_url, for geneval", not cfg.image_scorer_url)) if unread for k in keys if k in given]
     idle += [f"--{k} (--estimator={cfg.estimator} does not read it: importance.READ_BY)"
              for k in importance.ignored_settings(cfg, type(cfg)())]
     if idle:  # recorded in config.json, so a silent no-op would read as a setting; a warning keeps old commands working

@@ -245,12 +245,10 @@ def start_up():
     previous = {sig: signal.signal(sig, handler) for sig in checkpoint.STOP_SIGNALS}
     try:
         yield
-    except Stopped as e:
-        _exit(e, "during start-up (loading data or the model, before any RL step): no checkpoint was touched; "
-              f"start it again with: {start_command()}")
-    except KeyboardInterrupt as e:  # a second signal during SFT (its step-finishing handler raises it)
-        _exit(e, "during start-up or SFT: SFT keeps no checkpoint and nothing was written to the sft_dir; start it "
-              f"again with: {start_command()}")
+    except (Stopped, KeyboardInterrupt) as e:  # KeyboardInterrupt: a second signal during SFT (its handler raises it)
+        how = "start-up (loading data or the model, before any RL step): no checkpoint was touched" if isinstance(
+            e, Stopped) else "start-up or SFT: SFT keeps no checkpoint and nothing was written to the sft_dir"
+        _exit(e, f"during {how}; start it again with: {start_command()}")
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
@@ -278,8 +276,7 @@ def before_rl(run):
         for p in (run.out / "log.jsonl", run.out / "times.jsonl") if scale.rank() == 0 else ():
             if p.is_file() and p.stat().st_size == 0:
                 p.unlink()
-        sft_dir = run.cfg.sft_dir or run.out / "sft"
-        kept = f"the SFT model in {sft_dir} is kept; " if run.cfg.init_from == "scratch" else ""
+        kept = f"the SFT model in {run.cfg.sft_dir or run.out / 'sft'} is kept; " * (run.cfg.init_from == "scratch")
         _exit(s, "during the held-out evaluation before RL: no RL step was taken, so no checkpoint was written "
               f"({kept}the evaluation starts again); continue with: {resume_command()}")
     finally:
