@@ -9,8 +9,6 @@
 Completions come from data.evaluate, as in train.py, so under one Config the numbers are the run's own (`--run`
 checks it). pass@k: arXiv:2107.03374 §2.1 with n = k. A training checkpoint becomes a --ckpt folder with
 `python -m infra.load OUT_DIR/checkpoints/step-N DEST`."""
-from __future__ import annotations
-
 import fcntl
 import json
 import math

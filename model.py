@@ -7,8 +7,6 @@ checkpoint keys behind `model.transformer.` (infra/hf.py).
 
 Shapes: B batch, L sequence length, D d_model, H heads, Hkv key/value heads, Dh head dim, V vocab rows.
 """
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass, field
 

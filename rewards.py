@@ -5,8 +5,6 @@ unit tests that pass (infra/sandbox.py), and keeps d1's (arXiv:2504.12216) count
 output never makes a reward raise; a malformed dataset row raises ValueError naming the value. REWARDS maps a
 benchmark to reward(completion, example); SHAPED holds the official runs' rewards, divided by their maximum.
 """
-from __future__ import annotations
-
 import re
 from fractions import Fraction
 

@@ -2,8 +2,6 @@
 LLaDA (arXiv:2502.09992) and MMaDA (arXiv:2505.15809) formats, the window generated), and the RL step's prompts
 and rewards. The toy data is infra/toy.py, the verifiers rewards.py, benchmark files infra/data.py.
 """
-from __future__ import annotations
-
 import random
 from dataclasses import dataclass
 

@@ -10,8 +10,6 @@ out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880, Alg. 5; docs/met
 log.jsonl, times.jsonl, summary.json, final/, checkpoints/ and pictures to out_dir. Every random draw is seeded by
 (seed, purpose, step, global sequence index) (sample.derive_seed), so the world size changes nothing.
 """
-from __future__ import annotations
-
 import contextlib
 import math
 import random

@@ -1,7 +1,5 @@
 """The dry run (`python train.py --preset llada8b --dry_run`): parameters, FLOPs, time and memory per GPU by phase,
 loading no weights (tests/test_budget.py derives them by hand); start-up checks on them: kill delay, memory, disk."""
-from __future__ import annotations
-
 import dataclasses
 import math
 import os

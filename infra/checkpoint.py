@@ -1,8 +1,6 @@
 """Atomic, sharded, rotated checkpoints (out_dir/checkpoints/step-N/: DCP shards of model and AdamW, and
 state.json; step-N.tmp/ is one being written or a crash's, never loaded); stopping on a signal with one; output
 that survives its reader going away. DCP reshards on load (8 GPUs resume on 4). No RNG state: draws are seeded."""
-from __future__ import annotations
-
 import errno
 import io
 import json

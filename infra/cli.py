@@ -1,8 +1,6 @@
 """Flags and settings: each field of an entry point's dataclass is a flag (`--field=value`, `--field value`, a
 bare boolean; exact, never a prefix; the last of two wins) valued from the flag, else `--preset`, else the default.
 Every setting is checked here once, naming the value and a fix; a user error is one line."""
-from __future__ import annotations
-
 import argparse
 import difflib
 import functools

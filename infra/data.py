@@ -12,8 +12,6 @@ is what `rewards.REWARDS[task](completion, example)` receives, plus "prompt", th
 
 Check a file: python -m infra.data math math500.jsonl
 """
-from __future__ import annotations
-
 import csv
 import json
 import random

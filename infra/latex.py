@@ -3,8 +3,6 @@
 Fractions while exact, else a complex float; `_equiv`, the structure. One-sided: a wrong answer is never accepted, a
 right one in an unknown form may be ("1.414" != \\sqrt2, "0.33" != \\frac13, "2x = 6" is not 6). Sizes are bounded,
 so a hostile completion cannot hang the trainer or eat its memory."""
-from __future__ import annotations
-
 import cmath
 import math
 import re

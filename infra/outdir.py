@@ -1,7 +1,5 @@
 """A run's out_dir: the paths refused before anything is written, the pid files that make it one process's, where
 a resume continues, the closing lines, and what a stop signal keeps in each phase (start_up to final; cli.EPILOGS)."""
-from __future__ import annotations
-
 import atexit
 import json
 import math

@@ -1,8 +1,6 @@
 """The run's pictures, drawn with matplotlib (an optional extra, `pip install -e '.[plots]'`): curves.png and the
 toy's image grid, images.png. `python -m infra.plots RUN_DIR` redraws curves.png; `--compare LABEL=DIR[,DIR...]
 --png FILE [--x=cpu_seconds]` draws several runs' KL and rollout reward on one axis (docs/usage.md)."""
-from __future__ import annotations
-
 import argparse
 import importlib.util
 import itertools

@@ -1,6 +1,4 @@
 """A run's lifecycle around train.py's loop: start-up and its refusals, the Run, machine failures in one line."""
-from __future__ import annotations
-
 import errno
 import json
 import math

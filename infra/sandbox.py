@@ -10,8 +10,6 @@ with small tmpfs scratch dirs; not root, a private network only if user namespac
 child escapes the group kill. Known gaps: world-readable files stay readable; after the uid switch, modules not
 in _PRELOAD may fail to import; a program that finds the nonce in memory can fake a pass. Damage control, not a jail.
 """
-from __future__ import annotations
-
 import contextlib
 import json
 import math

@@ -1,8 +1,6 @@
 """Running at scale (`torchrun --nproc_per_node=8 train.py ...`): process groups, FSDP2 sharding, reductions; in one
 process each is a no-op or the identity. The world size changes no result: every rank builds the global batch from
 generators seeded by (seed, step, global prompt index) and keeps its rows; collectives move only statistics."""
-from __future__ import annotations
-
 import contextlib
 import datetime
 import functools

@@ -5,8 +5,6 @@ tasks.py lays them out: BOS + question with the answer padded with EOS (LLaDA, a
 layout (arXiv:2505.15809) for an image. `noise` gives a fraction of SFT targets one *systematic* mistake, which RL
 fixes in minutes (random ones were measured to leave errors it cannot); held-out evaluation scores the true target.
 """
-from __future__ import annotations
-
 import hashlib
 import random
 

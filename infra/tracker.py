@@ -1,7 +1,5 @@
 """The live experiment tracker (--tracker, docs/usage.md) beside log.jsonl, which stays the record: a tracker that
 fails is reported in one line and dropped. The trackers are optional extras (`pip install -e '.[track]'`)."""
-from __future__ import annotations
-
 import atexit
 import contextlib
 import importlib.util
