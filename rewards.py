@@ -11,7 +11,6 @@ from fractions import Fraction
 from infra.latex import math_equiv, normalize_math  # noqa: F401 (re-exported: callers import them from here)
 from infra.sandbox import run_code  # the public API is rewards.run_code(program, tests, timeout) -> float
 
-# answer extraction
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"\\.|[{}]", re.S)  # an escaped character (\{, \}, \\) never counts as a brace
 
@@ -152,7 +151,6 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
     return 1.0 if sorted(used) == sorted(numbers) and value == target else 0.1
 
 
-# sudoku 4x4 (d1), the reasoning format and code
 def sudoku_reward(completion: str, puzzle: str, solution: str) -> float:
     """Fraction of the puzzle's empty cells (0s) filled correctly, from the 16 digits of the last <answer> block
     (or last \\boxed{}); separators are ignored and any other digit count scores 0 (d1 sudoku reward)."""

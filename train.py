@@ -427,7 +427,7 @@ def _run(cfg: Config, argv) -> dict:
     if isinstance(started, dict):    # --resume of a run that had finished: its summary, nothing to do
         return started
     model, ref, opt, ctx, dtype, sft_seconds = started
-    track = tracker.start(cfg)  # --tracker: the run's settings as the tracked run's config (off by default)
+    track = tracker.Tracker(cfg)  # --tracker: the run's settings as the tracked run's config (off by default)
     with Run(cfg, model, opt, ctx.device) as run:
         held_out_before(run, model, ctx, track)  # once per run (a resumed run has it in its checkpoint)
         for step in range(run.start, cfg.rl_steps):

@@ -257,8 +257,7 @@ def main(argv=None) -> Path:
     elif args.run_dir is None:
         raise ValueError("give RUN_DIR (a train.py out_dir), or --compare LABEL=DIR[,DIR...] --png FILE")
     else:
-        idle = [f"--{k}" for k in ("task", "x") if getattr(args, k) is not None]
-        if idle:  # the run's own curves show every task over steps: nothing for them to choose
+        if idle := [f"--{k}" for k in ("task", "x") if getattr(args, k) is not None]:
             raise ValueError(f"{' and '.join(idle)} choose what --compare draws; the curves of RUN_DIR show every task "
                              f"by step: drop {'it' if len(idle) == 1 else 'them'}, or add --compare LABEL=DIR")
         run_dir = args.run_dir.expanduser()

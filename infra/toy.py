@@ -121,8 +121,7 @@ def make_image_example(rng: random.Random, split: str = "train", noise: float = 
         image = [cells.get(i, 0) for i in range(width * width)]
         if all(image_checks(image, ex["spec"])):
             break
-    # The systematic mistake: every cell of the first named colour drawn in its look-alike (the next palette
-    # colour), which always breaks that colour's count check. Layout is untouched.
+    # the systematic mistake: the first named colour drawn as the next palette colour (its count check fails)
     c = codes[0]
     ex["image"] = [c % len(COLOURS) + 1 if x == c else x for x in image] if rng.random() < noise else image
     return ex

@@ -104,9 +104,6 @@ class Tracker:
         os.replace(out / "tracker.tmp", out / STATE)
 
 
-start = Tracker  # train.py's tracker.start(cfg)
-
-
 def read_state(out: Path) -> dict:
     with contextlib.suppress(OSError, ValueError):
         saved = json.loads((out / STATE).read_text())

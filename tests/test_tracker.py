@@ -246,7 +246,7 @@ def test_a_tracker_that_cannot_start_is_one_line(tmp_path, capsys):
     call is a no-op."""
     (tmp_path / "tensorboard").write_text("in the way")
     cfg = train.Config(out_dir=str(tmp_path), tracker="tensorboard")
-    track = tracker.start(cfg)
+    track = tracker.Tracker(cfg)
     track.held_out("before", {"text": 0.5})
     track.step(0, {"step": 0, "text/reward": 0.5}, {"seconds": 1.0})
     track.finish(tmp_path)
@@ -258,7 +258,7 @@ def test_a_tracker_that_cannot_start_is_one_line(tmp_path, capsys):
 def test_only_rank_0_logs(tmp_path, monkeypatch):
     """Under torchrun every rank makes the calls; on a rank other than 0 they do nothing and write nothing."""
     monkeypatch.setattr(tracker.scale, "rank", lambda: 1)
-    track = tracker.start(train.Config(out_dir=str(tmp_path), tracker="tensorboard"))
+    track = tracker.Tracker(train.Config(out_dir=str(tmp_path), tracker="tensorboard"))
     track.held_out("before", {"text": 0.5})
     track.step(0, {"step": 0, "text/reward": 0.5}, {"seconds": 1.0})
     track.finish(tmp_path)
@@ -269,7 +269,7 @@ def test_only_rank_0_logs(tmp_path, monkeypatch):
 def test_a_skipped_steps_reason_goes_as_text(name, stores, tmp_path):
     """A step skipped for a bad reward logs its reason, a string, beside numbers (Run.record's line)."""
     cfg = train.Config(out_dir=str(tmp_path), tracker=name, rl_steps=2)
-    track = tracker.start(cfg)
+    track = tracker.Tracker(cfg)
     line = {"step": 0, "bad_reward": "1 text reward(s) not a finite number in [0, 1]", "bad_steps": 1}
     track.step(0, line, {"seconds": 0.25})
     track.finish(tmp_path)
@@ -282,7 +282,7 @@ def test_a_changed_setting_goes_as_its_json_text(name, stores, tmp_path):
     """The first step after a resume with --change_on_resume logs {"lr": [old, new]}: no tracker takes a dict as a
     scalar, so it goes as text, and the tracker is not dropped for it (the next step still arrives)."""
     cfg = train.Config(out_dir=str(tmp_path), tracker=name, rl_steps=3)
-    track = tracker.start(cfg)
+    track = tracker.Tracker(cfg)
     track.step(1, {"step": 1, "changed": {"lr": [0.0001, 0.05]}, "text/reward": 0.5}, {"seconds": 0.5})
     track.step(2, {"step": 2, "text/reward": 0.75}, {"seconds": 0.25})
     track.finish(tmp_path)
