@@ -176,7 +176,6 @@ def extract_code(completion: str) -> str:
     return completion if m is None else m.group(1).lstrip("\n")
 
 
-# registry: task name -> reward(completion, example) -> float in [0, 1]
 def _field(example: dict, name: str):
     """example[name] of an example as infra/data.py makes it, else a ValueError naming the keys it has."""
     if name not in example:
@@ -220,9 +219,8 @@ def math_shaped_reward(completion: str, answer: str) -> float:
 SHAPED = {"gsm8k": _on(gsm8k_shaped_reward, "answer"), "math": _on(math_shaped_reward, "answer")}
 
 
-# the toy tasks' verifiers (infra/toy.py makes their examples): a boxed answer, a whole solution, a grid
 def answer_reward(completion_text: str, example: dict) -> float:
-    """1.0 if the completion's last \\boxed{} holds the true answer, else 0.0 (also with no box at all)."""
+    """Toy text (infra/toy.py): 1.0 if the last \\boxed{} holds the true answer, else 0.0 (also with no box)."""
     boxes = re.findall(r"\\boxed\{([^{}]*)\}", completion_text)
     return float(bool(boxes) and boxes[-1].strip() == example["answer"])
 

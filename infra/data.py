@@ -94,7 +94,6 @@ def _int(value, name: str) -> int:
     raise ValueError(f"{name} should be an integer, got {value!r:.60}")
 
 
-# one parser per public format: raw row -> example with its "prompt" (the user turn), ValueError on a bad row
 def _gsm8k(row: dict) -> dict:
     # openai/gsm8k: the worked solution ends in "#### 1,200"; a bare number is accepted too.
     question, solution = _get(row, "question", str), _get(row, "answer", str)
