@@ -196,6 +196,7 @@ def shard(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> t
     if world() == 1:
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     # cast_forward_inputs=False: RoPE tables cast to bf16 would make the logits depend on the world size (model.py)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.blocks:
@@ -249,6 +250,7 @@ def full_state_dict(model) -> dict:
     if world() == 1:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return sd if rank() == 0 else {}
 
@@ -258,6 +260,7 @@ def fill_shard(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy into target (a parameter or buffer of a shard() model) this rank's part of full, the whole CPU tensor;
     only that part travels. FSDP2 splits dim 0 as torch.chunk does (the last ranks may hold fewer rows or none)."""
     from torch.distributed.tensor import DTensor, Shard
+
     if isinstance(target, DTensor):
         if tuple(target.placements) != (Shard(0),):
             raise ValueError(f"fill_shard expects shard()'s dim-0 sharding, got {target.placements}")
