@@ -1,9 +1,8 @@
 """Reward functions: pure functions from a completion (and its example) to a float in [0, 1].
 
-MaskGRPO (arXiv:2510.02880) §6 scores GSM8K and MATH by the last \\boxed{} answer and code by the fraction of
-unit tests that pass (infra/sandbox.py), and keeps d1's (arXiv:2504.12216) countdown and sudoku rewards. Model
-output never makes a reward raise; a malformed dataset row raises ValueError naming the value. REWARDS maps a
-benchmark to reward(completion, example); SHAPED holds the official runs' rewards, divided by their maximum.
+MaskGRPO (arXiv:2510.02880) §6 scores GSM8K and MATH by the last \\boxed{} and code by the fraction of passing unit
+tests (infra/sandbox.py); countdown and sudoku are d1's (arXiv:2504.12216). Model output never makes a reward raise;
+a malformed dataset row raises ValueError naming the value. REWARDS maps a benchmark to reward(completion, example).
 """
 import re
 from fractions import Fraction
@@ -212,8 +211,7 @@ def gsm8k_shaped_reward(completion: str, answer: str) -> float:
 def math_shaped_reward(completion: str, answer: str) -> float:
     """Official MATH reward / 2.5: a correct last \\boxed{} 2.0 (by `math_equiv`, laxer than the official string
     match), plus 0.5 if "\\boxed" occurs at all (closed or not), else 0.25."""
-    total = 2.0 * math_reward(completion, answer) + (0.5 if "\\boxed" in completion else 0.25)
-    return total / SHAPED_MAX["math"]
+    return (2.0 * math_reward(completion, answer) + (0.5 if "\\boxed" in completion else 0.25)) / SHAPED_MAX["math"]
 
 
 SHAPED = {"gsm8k": _on(gsm8k_shaped_reward, "answer"), "math": _on(math_shaped_reward, "answer")}

@@ -182,8 +182,7 @@ _PARSERS = {parse.__name__[1:]: parse for parse in (_gsm8k, _math, _mbpp, _count
 
 
 def load_dataset(task: str, path) -> list[dict]:
-    """All examples of a local file for `task` (one of TASKS), validated, each with its "prompt". sudoku reads a CSV
-    with puzzle,solution columns, the others .jsonl ("mbpp" also HumanEval-style prompt/test/entry_point rows)."""
+    """Checked examples of a local `task` file, each with its "prompt": sudoku's a puzzle,solution CSV, else .jsonl."""
     if task not in _PARSERS:
         raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
     path = Path(path)
@@ -268,8 +267,7 @@ def evaluate_all(model, ctx: tasks.Ctx, prompt_means: dict | None = None, stop=l
 
 
 def image_snapshot(model, ctx: tasks.Ctx) -> list | None:
-    """Toy images for the first GRID_PROMPTS held-out prompts, each from its own fixed generator, so the before and
-    after pictures differ only by the policy. None without the toy image task."""
+    """Toy images of the first GRID_PROMPTS held-out prompts, fixed generators: before and after differ by policy."""
     if "image" not in tasks.task_list(ctx.cfg) or not (exs := eval_examples("image", ctx.cfg, {})[:GRID_PROMPTS]):
         return None
     b = tasks.make_batch("image", exs, ctx.tok, ctx.ids, ctx.cfg, ctx.device, with_targets=False)

@@ -36,8 +36,7 @@ _STUB_HINT = "python -m tools.stub_scorer --port 8765, then use http://127.0.0.1
 
 
 def run_code(program: str, tests: list[str], timeout: float = 5.0, memory_mb: int = 512) -> float:
-    """Fraction of `tests` (Python statements, e.g. asserts) that pass after `program`, each in a sandboxed process;
-    `timeout` is wall-clock seconds per test, `memory_mb` caps each process's address space."""
+    """Fraction of `tests` (e.g. asserts) passing after `program` in a sandbox; timeout (wall s), memory_mb per test."""
     if not (isinstance(tests, (list, tuple)) and tests and all(isinstance(t, str) for t in tests)):
         raise ValueError(f"tests must be a non-empty list of str, got {tests!r:.200}")
     if not (isinstance(timeout, (int, float)) and 0 < timeout <= 600):
@@ -154,8 +153,7 @@ def _isolate(workdir: str, uid: int | None, timeout: float, memory_mb: int, libc
                     libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options)
                 if path == workdir:
                     os.chdir(workdir)  # step onto the fresh tmpfs before /tmp, its parent, is covered
-    cpu = int(timeout) + 1
-    limits = {resource.RLIMIT_CPU: (cpu, cpu + 1), resource.RLIMIT_AS: (memory_mb << 20,) * 2,
+    limits = {resource.RLIMIT_CPU: (int(timeout) + 1, int(timeout) + 2), resource.RLIMIT_AS: (memory_mb << 20,) * 2,
               resource.RLIMIT_FSIZE: (_SCRATCH_MB << 20,) * 2, resource.RLIMIT_NOFILE: (_MAX_OPEN_FILES,) * 2,
               resource.RLIMIT_NPROC: (_MAX_PROCS,) * 2, resource.RLIMIT_CORE: (0, 0)}
     for kind, (soft, hard) in limits.items():
@@ -173,9 +171,8 @@ def _isolate(workdir: str, uid: int | None, timeout: float, memory_mb: int, libc
 
 class RemoteScorer:
     """Scores text-to-image rollouts on a reward server: one POST {"prompts": [...], "image_codes": [[3, 5, ...], ...]}
-    -> {"scores": [0.75, ...]}, one finite number per image (a real server decodes the VQ codes and runs its reward
-    models: CLIP, HPS, UnifiedReward in MMaDA). Connection errors, timeouts, HTTP 429 and 5xx are retried `retries`
-    times (backoff * 2**k s), then ConnectionError; another HTTP error is a RuntimeError, a bad reply a ValueError."""
+    -> {"scores": [0.75, ...]}, a finite number per image. Connection errors, timeouts, HTTP 429 and 5xx are retried
+    `retries` times (backoff * 2**k s), then ConnectionError; other HTTP errors RuntimeError, a bad reply ValueError."""
 
     def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 1.0):
         try:

@@ -1,9 +1,8 @@
 """The toy world of the laptop preset: one vocabulary, two modalities, their data (tasks.TASKS), in pure Python.
 Text: word problems answered as written-out steps and a `\\boxed{N}` a GSM8K-style reward reads (arXiv:2510.02880
 §4.1); image: a tiny grid of palette-colour tokens scored by a GenEval-style verifier (colour, count, position).
-tasks.py lays them out: BOS + question with the answer padded with EOS (LLaDA, arXiv:2502.09992); MMaDA's t2i
-layout (arXiv:2505.15809) for an image. `noise` gives a fraction of SFT targets one *systematic* mistake, which RL
-fixes in minutes (random ones were measured to leave errors it cannot); held-out evaluation scores the true target.
+`noise` gives a fraction of SFT targets one *systematic* mistake, which RL fixes in minutes (random ones were
+measured to leave errors it cannot); held-out evaluation scores the true target.
 """
 import hashlib
 import random
@@ -122,8 +121,7 @@ def make_image_example(rng: random.Random, split: str = "train", noise: float = 
         if all(image_checks(image, ex["spec"])):
             break
     # the systematic mistake: the first named colour drawn as the next palette colour (its count check fails)
-    c = codes[0]
-    ex["image"] = [c % len(COLOURS) + 1 if x == c else x for x in image] if rng.random() < noise else image
+    ex["image"] = [x % len(COLOURS) + 1 if x == codes[0] else x for x in image] if rng.random() < noise else image
     return ex
 
 

@@ -31,8 +31,7 @@ _OPEN: list = []  # the tracker this process has open: closed when the next one 
 
 
 class Tracker:
-    """The calls train.py makes; each does nothing when tracking is off, on ranks but 0, or once it has failed.
-    Opening one on rank 0 reopens the run id in out_dir/tracker.json on a resume."""
+    """train.py's calls (no-ops with tracking off, on ranks but 0, once failed); a resume reuses tracker.json's id."""
 
     def __init__(self, cfg):
         while _OPEN:  # an earlier main() in this process that ended early (tests; a notebook)
