@@ -117,7 +117,6 @@ class Block(nn.Module):
         if self.n_kv_heads != self.n_heads:  # grouped-query attention: each kv head serves H/Hkv heads
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        # No causal mask: this is what makes the model a masked diffusion model rather than an AR LM.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)  # (B, H, L, Dh)
         x = x + self.attn_out(y.transpose(1, 2).reshape(B, L, -1))
         h = self.ff_norm(x)

@@ -9,8 +9,6 @@ is what `rewards.REWARDS[task](completion, example)` receives, plus "prompt", th
     countdown  {"task", "prompt", "numbers": [30, 100, 93], "target": 23}
     sudoku     {"task", "prompt", "puzzle": "3102...", "solution": "3142..."}  (16 digits row by row, 0 = empty)
     geneval    {"task", "prompt": "a photo of a cow", "spec": {"tag", "include", ...}}
-
-Check a file: python -m infra.data math math500.jsonl
 """
 import csv
 import json

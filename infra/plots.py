@@ -31,8 +31,7 @@ def have_matplotlib() -> bool:
 
 
 def text_image(codes: list[int], width: int, stream=None) -> str:
-    """A toy image for the console: ANSI colour blocks on a terminal, else one letter per cell (. background, the
-    initials of toy.COLOURS, ? an invalid code), so that a log file gets no escape codes."""
+    """A toy image for the console: ANSI colour blocks on a terminal, else letters (. background, ? invalid) in logs."""
     from infra import toy
 
     if getattr(stream or sys.stdout, "isatty", bool)():

@@ -22,8 +22,7 @@ OBJECTS = ["apples", "pens", "books", "cards", "coins", "eggs", "shells", "stamp
 ADD_VERBS = ["buys {} more", "finds {} more", "gets {} more"]     # each step: x + n
 SUB_VERBS = ["gives {} away", "loses {}", "sells {}"]            # each step: x - n
 
-# Palette: code 0 is background, code c >= 1 is rewards.COLOURS[c - 1]. ANSI 256-colour index for render_image.
-ANSI = [236, 196, 46, 27, 226, 129, 51, 231]
+ANSI = [236, 196, 46, 27, 226, 129, 51, 231]  # render_image's 256-colour index per code (rewards.COLOURS)
 CODEBOOK_SIZE = 1 + len(COLOURS)
 COUNT_WORDS = {1: "a", 2: "two", 3: "three", 4: "four"}
 
