@@ -224,8 +224,7 @@ def compare(before: str, after: str) -> list[list]:
 
 
 def check_run(run_dir: str, **overrides) -> bool | None:
-    """Re-score a run's model before RL and final/ with its config.json: True if all agree with summary.json, None
-    if a number was not measured."""
+    """Re-score a run's before-RL and final models: True if all agree with summary.json, None if one is not measured."""
     out_dir = Path(run_dir)
     for f in ("config.json", "summary.json"):
         cli.need((out_dir / f).is_file(), f"{out_dir / f} not found; --run takes a finished train.py run's out_dir")
@@ -294,8 +293,7 @@ def main(argv=None) -> int:
         row = score_checkpoint(cfg, o.out, o.limit, samples)
         if row["unscored"]:
             say_unmeasured(f"{row['unscored']} completion(s) got no reward: their metrics are not measured", cfg)
-            return NOT_MEASURED_EXIT
-        return 0
+        return NOT_MEASURED_EXIT if row["unscored"] else 0
     except (ValueError, OSError) as e:  # user errors (bad flag, missing file, scorer down): one line
         print(f"error: {e}", file=sys.stderr)
         return cli.USER_ERROR

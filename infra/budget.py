@@ -111,7 +111,6 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
     acts += tokens * per_tok_block * compute_bytes * activation_checkpointing  # the block being recomputed
     cols = codebook if image else c.vocab_size  # images score the codebook's columns only (vocab_slice)
     head_f32 = cols * c.d_model * 4 * (compute_bytes != 4)  # the float32 copy of the head's rows
-    cfg_rows = 2 if cfg_scale > 0 else 1
     # the sampler's head: text over the current block (at least MIN_HEAD_ROWS rows per chunk), images their slots
     head_rows = chunk * (sampled if image else max(sampled, -(-MIN_HEAD_ROWS // chunk)))
     # images: float64 probabilities and their cumulative sum; text: float64 Gumbel noise (24 B) and a softmax
@@ -124,7 +123,7 @@ def memory(mc: ModelConfig, s: dict, *, world_size: int, chunk: int, seq_len: in
             "allgather_buffer": max(root, block) * compute_bytes * gathered,
             "model_gathered": (n + s["lora_params"]) * compute_bytes * gathered, "activations": acts,
             "logits": chunk * head_len * cols * 8 + head_f32,
-            "sampling": cfg_rows * head_rows * cols * compute_bytes + sampler,
+            "sampling": (1 + (cfg_scale > 0)) * head_rows * cols * compute_bytes + sampler,  # CFG: two rows
             "no_grad_block": tokens * per_tok_block * compute_bytes}
     phases = {"update": ("root_gathered", "blocks_gathered", "allgather_buffer", "activations", "logits"),
               "rollout": ("model_gathered", "allgather_buffer", "sampling"),
@@ -162,8 +161,7 @@ def model_config(cfg) -> ModelConfig:
 
 
 def padded_prompt_len(cfg) -> tuple[int, str]:
-    """The padded prompt length of a text rollout batch and its source: the mean over --train_data's batches with
-    --init_from's tokenizer, else --max_prompt_len."""
+    """A text rollout batch's padded prompt length and its source: measured over --train_data, else --max_prompt_len."""
     paths = data.data_paths(cfg.train_data, "train_data")
     text = [t for t in task_list(cfg) if t not in IMAGE_TASKS and t in paths]
     folder = Path(cfg.init_from) if cfg.init_from not in ("", "scratch") else None
@@ -287,8 +285,7 @@ def torchrun_reads_shutdown_timeout() -> bool:
 
 
 def kill_delay_warning(env: dict, step_seconds: float, checkpoint_seconds: float) -> str | None:
-    """The warning when SIGKILL (torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, or 30 s; Slurm's KillWait, 30 s) would
-    follow a SIGTERM before the step ends and a checkpoint is written; else None."""
+    """The warning when torchrun's or Slurm's SIGKILL would cut off a SIGTERM's step and checkpoint; else None."""
     torchrun, slurm = "TORCHELASTIC_RUN_ID" in env, "SLURM_JOB_ID" in env
     ignored = torchrun and not torchrun_reads_shutdown_timeout()
     delay = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_KILL_DELAY)) if torchrun and not ignored \

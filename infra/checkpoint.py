@@ -172,8 +172,7 @@ class Unbroken:
 
 
 def away_from_gone_output(fds=(1, 2)) -> None:
-    """Output nobody reads any more (a terminal hung up: POLLHUP; a pipe's reader left: POLLERR) goes to /dev/null:
-    after a SIGHUP the run checkpoints instead of dying at a print."""
+    """Output nobody reads (hung-up terminal, pipe reader gone) goes to /dev/null: a SIGHUP'd run still checkpoints."""
     for fd in fds:
         with suppress(OSError, ValueError):
             poller = select.poll()

@@ -1,8 +1,7 @@
 """LaTeX answer equivalence for the MATH reward (arXiv:2510.02880 §6): `math_equiv(a, b) -> bool`, with no CAS:
 `normalize_math`, a canonical string; `value`, a constant's value from a bounded parser (never eval), Gaussian-rational
 Fractions while exact, else a complex float; `_equiv`, the structure. One-sided: a wrong answer is never accepted, a
-right one in an unknown form may be ("1.414" != \\sqrt2, "0.33" != \\frac13, "2x = 6" is not 6). Sizes are bounded,
-so a hostile completion cannot hang the trainer or eat its memory."""
+right one in an unknown form may be ("2x = 6" is not 6). Bounded sizes: a hostile answer cannot hang or fill memory."""
 import cmath
 import math
 import re
@@ -254,12 +253,6 @@ def _rhs_of_name(s: str) -> str | None:
     return None if re.search(r"[-+*/^<>!,]|\\(?:times|cdot|div|pm)", parts[0]) else parts[1]
 
 
-def _matrix_rows(s: str) -> list[list[str]] | None:
-    """Entries of a pmatrix/bmatrix by row, "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}" -> [["1", "2"], ["3", "4"]]."""
-    m = re.fullmatch(r"\\begin\{([pb]matrix)\}(.*?)(?:\\\\)*\\end\{\1\}", s, re.S)
-    return None if m is None else [row.split("&") for row in m.group(2).split("\\\\")]
-
-
 def _all_match(xs: list[str], ys: list[str], ordered: bool, depth: int) -> bool:
     """Element-wise equivalence, in order or as a multiset (greedy: equivalence is an equivalence relation)."""
     if len(xs) != len(ys) or len(xs) > 50:
@@ -293,8 +286,9 @@ def _equiv(x: str, y: str, depth: int = 0, ordered: bool = False) -> bool:
         px, py = _split_top(x, sep), _split_top(y, sep)
         if len(px) > 1 or len(py) > 1:
             return _all_match(px, py, in_order, depth)
-    rows_x, rows_y = _matrix_rows(x), _matrix_rows(y)
-    if rows_x is not None and rows_y is not None:  # the same shape, then entry by entry in order
+    mx, my = (re.fullmatch(r"\\begin\{([pb]matrix)\}(.*?)(?:\\\\)*\\end\{\1\}", t, re.S) for t in (x, y))
+    if mx and my:  # pmatrix/bmatrix rows of "&"-separated entries: the same shape, then entry by entry in order
+        rows_x, rows_y = ([row.split("&") for row in m.group(2).split("\\\\")] for m in (mx, my))
         return ([len(r) for r in rows_x] == [len(r) for r in rows_y]
                 and _all_match(sum(rows_x, []), sum(rows_y, []), True, depth))
     if x.startswith("\\{") and x.endswith("\\}") and y.startswith("\\{") and y.endswith("\\}"):
