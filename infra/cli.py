@@ -204,10 +204,6 @@ def need(ok, msg) -> None:
         raise ValueError(msg)
 
 
-def _one_of(names) -> str:
-    return ", ".join(names[:-1]) + " or " + names[-1]
-
-
 def validate_generation(o) -> None:
     """The sampler settings train.Config and sample.py's options share (same names, same rules)."""
     for k, v in vars(o).items():  # inf or nan would pass the range checks below (inf > 0) and fail mid-run
@@ -224,7 +220,8 @@ def validate_generation(o) -> None:
     need(o.steps % blocks == 0 and o.steps >= blocks, f"steps ({o.steps}) must be a positive multiple of the number "
          f"of blocks ({blocks}); try --steps={blocks * max(1, o.steps // blocks)}")
     for k in filter(functools.partial(hasattr, o), CHOICES):
-        need(getattr(o, k) in CHOICES[k], f"{k} ({getattr(o, k)!r}) must be {_one_of(CHOICES[k])}{HINTS.get(k, '')}")
+        *rest, last = CHOICES[k]
+        need((v := getattr(o, k)) in CHOICES[k], f"{k} ({v!r}) must be {', '.join(rest)} or {last}{HINTS.get(k, '')}")
     for k in filter(functools.partial(hasattr, o), ("threshold", "gamma_text", "gamma_image")):  # train.Config: all
         need(0 <= getattr(o, k) < 1, f"{k} ({getattr(o, k)}) must be in [0, 1){HINTS.get(k, '')}")
 
@@ -291,7 +288,7 @@ def validate(cfg) -> None:
     tracker.check(cfg)  # an unknown tracker, or its package missing: one line with the install command
     other = [k for k in resume_changes(cfg) if k not in CHANGEABLE]
     need(not other, f"change_on_resume ({cfg.change_on_resume!r}) names {', '.join(other)}: only "
-         f"{_one_of(CHANGEABLE)} may change on resume; for other changes start a run with another --out_dir")
+         f"{' or '.join(CHANGEABLE)} may change on resume; for other changes start a run with another --out_dir")
     need(cfg.resume or not cfg.change_on_resume, "--change_on_resume changes settings of a run being continued: "
          "pass --resume=true with it, or drop it")
 
@@ -335,11 +332,8 @@ def generation_settings(cfg) -> dict:
 
 def read_generation_settings(path) -> dict:
     """The generation settings saved beside a checkpoint ({} if none); a value of another type is refused."""
-    f = Path(path) / GENERATION_FILE
-    if not f.is_file():
-        return {}
-    fix = "delete it to use the defaults and flags only"
-    saved = hf.read_json(f, fix)  # an object, or refused naming the file
+    f, fix = Path(path) / GENERATION_FILE, "delete it to use the defaults and flags only"
+    saved = hf.read_json(f, fix) if f.is_file() else {}  # an object, or refused naming the file
     for k, v in saved.items():
         kind = GENERATION_TYPES.get(k, type(v))  # a float takes an int; JSON true is a bool, no int
         if type(v) is not kind and not (kind is float and type(v) is int):

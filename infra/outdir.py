@@ -72,13 +72,10 @@ def check_shared(out: Path, device) -> None:
     if scale.world() == 1:
         return
     mine = int.from_bytes(os.urandom(7), "big") if scale.rank() == 0 else 0
-    nonce = int(scale.all_max(torch.tensor([mine], dtype=torch.int64, device=device)).item())  # rank 0's number
-    probe = out / f".shared-{nonce}"
-    if scale.rank() == 0:
-        probe.touch()
-    scale.barrier()
-    unseen = scale.all_max(torch.tensor([int(not probe.is_file())], device=device)).item()
-    scale.barrier()
+    if scale.rank() == 0:  # before the collective that tells the other ranks its name
+        (out / f".shared-{mine}").touch()
+    probe = out / f".shared-{scale.all_max(torch.tensor([mine], dtype=torch.int64, device=device)).item()}"
+    unseen = scale.all_max(torch.tensor([int(not probe.is_file())], device=device)).item()  # once every rank looked
     if scale.rank() == 0:
         probe.unlink()
     need(not unseen, f"--out_dir {out}: a rank on another node cannot see rank 0's files; pass a folder all share")
