@@ -129,8 +129,7 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
         named = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
         named.add_argument("--preset", default=first)
         name = named.parse_known_args(list(argv))[0].preset
-        preset = presets.get(name, {})
-        base.update(preset)
+        base.update(preset := presets.get(name, {}))
     types = {"int": int, "float": float, "str": str, "bool": parse_bool}
     comments = field_comments(cls)
     own = set(getattr(cls, "__annotations__", {}))
@@ -293,19 +292,19 @@ def validate(cfg) -> None:
          "pass --resume=true with it, or drop it")
 
 
-def check_device(name: str, flag: str = "device") -> None:
+def check_device(name: str) -> None:
     """auto, cpu, cuda or cuda:N (the maths runs on CPU and CUDA only), and CUDA only where torch sees the GPU."""
     hint = " (Apple GPUs are not supported: use --device=cpu)" if name == "mps" else \
         " (for a GPU: --device=cuda)" if name.lower() in ("gpu", "cuda0", "nvidia") else ""
-    need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", name), f"{flag} ({name!r}) must be auto, cpu, cuda or cuda:N{hint}")
+    need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", name), f"device ({name!r}) must be auto, cpu, cuda or cuda:N{hint}")
     need(not name.startswith("cuda") or torch.cuda.is_available(),
-         f"{flag} ({name!r}) asks for CUDA, but torch sees no GPU; use --{flag}=cpu")
+         f"device ({name!r}) asks for CUDA, but torch sees no GPU; use --device=cpu")
     if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
-        raise ValueError(f"{flag} ({name!r}): torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
+        raise ValueError(f"device ({name!r}): torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
 
 
-def check_threads(n: int, flag: str = "threads") -> None:
-    need(n >= 0, f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
+def check_threads(n: int) -> None:
+    need(n >= 0, f"threads ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
 
 
 def resume_changes(cfg) -> tuple:

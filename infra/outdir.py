@@ -159,8 +159,7 @@ def root_causes(e: BaseException) -> list[BaseException]:
     return seen
 
 
-def remember_command(argv) -> None:
-    """Keep this run's arguments for the commands a stop prints."""
+def remember_command(argv) -> None:  # this run's arguments, for the commands a stop prints
     _ARGV[:] = list(sys.argv[1:] if argv is None else argv)
 
 
@@ -306,8 +305,7 @@ def rl_steps(run):
 def final(run):
     """`with final(run) as stop:` checkpoints the last RL step first; a signal stops the evaluation after a batch."""
     def last_step():  # the checkpoint of the run's last RL step, or None
-        last = checkpoint.latest(run.out)
-        return last if step_of(last) == run.cfg.rl_steps else None
+        return last if step_of(last := checkpoint.latest(run.out)) == run.cfg.rl_steps else None
 
     def abort() -> str:
         return f"{kept} is kept and finishes the run" if (kept := last_step()) else \
