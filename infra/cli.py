@@ -129,8 +129,7 @@ def parser(cls, description: str, presets: dict | None = None, argv=(), defaults
         named = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
         named.add_argument("--preset", default=first)
         name = named.parse_known_args(list(argv))[0].preset
-        preset = presets.get(name, {})
-        base.update(preset)
+        base.update(preset := presets.get(name, {}))
     types = {"int": int, "float": float, "str": str, "bool": parse_bool}
     comments = field_comments(cls)
     own = set(getattr(cls, "__annotations__", {}))
@@ -204,10 +203,6 @@ def need(ok, msg) -> None:
         raise ValueError(msg)
 
 
-def _one_of(names) -> str:
-    return ", ".join(names[:-1]) + " or " + names[-1]
-
-
 def validate_generation(o) -> None:
     """The sampler settings train.Config and sample.py's options share (same names, same rules)."""
     for k, v in vars(o).items():  # inf or nan would pass the range checks below (inf > 0) and fail mid-run
@@ -224,7 +219,8 @@ def validate_generation(o) -> None:
     need(o.steps % blocks == 0 and o.steps >= blocks, f"steps ({o.steps}) must be a positive multiple of the number "
          f"of blocks ({blocks}); try --steps={blocks * max(1, o.steps // blocks)}")
     for k in filter(functools.partial(hasattr, o), CHOICES):
-        need(getattr(o, k) in CHOICES[k], f"{k} ({getattr(o, k)!r}) must be {_one_of(CHOICES[k])}{HINTS.get(k, '')}")
+        *rest, last = CHOICES[k]
+        need((v := getattr(o, k)) in CHOICES[k], f"{k} ({v!r}) must be {', '.join(rest)} or {last}{HINTS.get(k, '')}")
     for k in filter(functools.partial(hasattr, o), ("threshold", "gamma_text", "gamma_image")):  # train.Config: all
         need(0 <= getattr(o, k) < 1, f"{k} ({getattr(o, k)}) must be in [0, 1){HINTS.get(k, '')}")
 
@@ -291,24 +287,24 @@ def validate(cfg) -> None:
     tracker.check(cfg)  # an unknown tracker, or its package missing: one line with the install command
     other = [k for k in resume_changes(cfg) if k not in CHANGEABLE]
     need(not other, f"change_on_resume ({cfg.change_on_resume!r}) names {', '.join(other)}: only "
-         f"{_one_of(CHANGEABLE)} may change on resume; for other changes start a run with another --out_dir")
+         f"{' or '.join(CHANGEABLE)} may change on resume; for other changes start a run with another --out_dir")
     need(cfg.resume or not cfg.change_on_resume, "--change_on_resume changes settings of a run being continued: "
          "pass --resume=true with it, or drop it")
 
 
-def check_device(name: str, flag: str = "device") -> None:
+def check_device(name: str) -> None:
     """auto, cpu, cuda or cuda:N (the maths runs on CPU and CUDA only), and CUDA only where torch sees the GPU."""
     hint = " (Apple GPUs are not supported: use --device=cpu)" if name == "mps" else \
         " (for a GPU: --device=cuda)" if name.lower() in ("gpu", "cuda0", "nvidia") else ""
-    need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", name), f"{flag} ({name!r}) must be auto, cpu, cuda or cuda:N{hint}")
+    need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", name), f"device ({name!r}) must be auto, cpu, cuda or cuda:N{hint}")
     need(not name.startswith("cuda") or torch.cuda.is_available(),
-         f"{flag} ({name!r}) asks for CUDA, but torch sees no GPU; use --{flag}=cpu")
+         f"device ({name!r}) asks for CUDA, but torch sees no GPU; use --device=cpu")
     if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
-        raise ValueError(f"{flag} ({name!r}): torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
+        raise ValueError(f"device ({name!r}): torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
 
 
-def check_threads(n: int, flag: str = "threads") -> None:
-    need(n >= 0, f"{flag} ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
+def check_threads(n: int) -> None:
+    need(n >= 0, f"threads ({n}) must be >= 0 (0 = torch's default; on a shared machine pass 1)")
 
 
 def resume_changes(cfg) -> tuple:
@@ -335,11 +331,8 @@ def generation_settings(cfg) -> dict:
 
 def read_generation_settings(path) -> dict:
     """The generation settings saved beside a checkpoint ({} if none); a value of another type is refused."""
-    f = Path(path) / GENERATION_FILE
-    if not f.is_file():
-        return {}
-    fix = "delete it to use the defaults and flags only"
-    saved = hf.read_json(f, fix)  # an object, or refused naming the file
+    f, fix = Path(path) / GENERATION_FILE, "delete it to use the defaults and flags only"
+    saved = hf.read_json(f, fix) if f.is_file() else {}  # an object, or refused naming the file
     for k, v in saved.items():
         kind = GENERATION_TYPES.get(k, type(v))  # a float takes an int; JSON true is a bool, no int
         if type(v) is not kind and not (kind is float and type(v) is int):

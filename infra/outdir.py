@@ -72,13 +72,10 @@ def check_shared(out: Path, device) -> None:
     if scale.world() == 1:
         return
     mine = int.from_bytes(os.urandom(7), "big") if scale.rank() == 0 else 0
-    nonce = int(scale.all_max(torch.tensor([mine], dtype=torch.int64, device=device)).item())  # rank 0's number
-    probe = out / f".shared-{nonce}"
-    if scale.rank() == 0:
-        probe.touch()
-    scale.barrier()
-    unseen = scale.all_max(torch.tensor([int(not probe.is_file())], device=device)).item()
-    scale.barrier()
+    if scale.rank() == 0:  # before the collective that tells the other ranks its name
+        (out / f".shared-{mine}").touch()
+    probe = out / f".shared-{scale.all_max(torch.tensor([mine], dtype=torch.int64, device=device)).item()}"
+    unseen = scale.all_max(torch.tensor([int(not probe.is_file())], device=device)).item()  # once every rank looked
     if scale.rank() == 0:
         probe.unlink()
     need(not unseen, f"--out_dir {out}: a rank on another node cannot see rank 0's files; pass a folder all share")
@@ -162,8 +159,7 @@ def root_causes(e: BaseException) -> list[BaseException]:
     return seen
 
 
-def remember_command(argv) -> None:
-    """Keep this run's arguments for the commands a stop prints."""
+def remember_command(argv) -> None:  # this run's arguments, for the commands a stop prints
     _ARGV[:] = list(sys.argv[1:] if argv is None else argv)
 
 
@@ -309,8 +305,7 @@ def rl_steps(run):
 def final(run):
     """`with final(run) as stop:` checkpoints the last RL step first; a signal stops the evaluation after a batch."""
     def last_step():  # the checkpoint of the run's last RL step, or None
-        last = checkpoint.latest(run.out)
-        return last if step_of(last) == run.cfg.rl_steps else None
+        return last if step_of(last := checkpoint.latest(run.out)) == run.cfg.rl_steps else None
 
     def abort() -> str:
         return f"{kept} is kept and finishes the run" if (kept := last_step()) else \
