@@ -392,16 +392,15 @@ def _sample_categorical(probs, generator):
 
 def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask, cfg_scale, padded=None):
     """float64 p (B, n, C) over the codebook at the slots, with CFG if cfg_scale > 0."""
-    kw = {} if padded is None else {"padded": padded}
     if cfg_scale == 0:
-        logits = _forward(model, x, attention_mask, span.start, span.stop, vocab_slice=codes, **kw)  # (B, n, C)
+        logits = _forward(model, x, attention_mask, span.start, span.stop, vocab_slice=codes, padded=padded)
     else:  # the unconditional input is the empty-caption prompt around the *current* image (MMaDA)
         x_u = uncond_ids.clone()
         x_u[:, span] = x[:, span]
         masks = None if attention_mask is None and uncond_mask is None else torch.cat(
             [m if m is not None else torch.ones_like(x) for m in (attention_mask, uncond_mask)])
         cond, uncond = _forward(model, torch.cat([x, x_u]), masks, span.start, span.stop, vocab_slice=codes,
-                                **kw).chunk(2)
+                                padded=padded).chunk(2)
         logits = (1 + cfg_scale) * cond - cfg_scale * uncond  # MMaDA's (1 + w) l_c - w l_u, in its order
     # float64 (MMaDA samples from bf16 probabilities): with 8192 codes, bf16 rounds away the tail.
     return F.softmax(logits.double(), dim=-1)
