@@ -240,8 +240,7 @@ def _forward(model, x, attention_mask, lo, end, vocab_slice=None, **kw):
         assert logits.shape[:2] == x.shape, f"model returned logits {tuple(logits.shape)} for input {tuple(x.shape)}"
         return logits[:, lo:end] if vocab_slice is None else logits[:, lo:end, vocab_slice[0]:vocab_slice[1]]
     head = FullRows(x, lo, end).head()  # [a, b) holds [lo, end)
-    kw = kw if vocab_slice is None else {**kw, "vocab_slice": vocab_slice}
-    out = model(x, attention_mask, logits_at=head, **kw)
+    out = model(x, attention_mask, logits_at=head, vocab_slice=vocab_slice, **kw)
     a = head.start
     return (out[0][:, lo - a:end - a], out[1]) if kw.get("return_kv") else out[:, lo - a:end - a]
 
@@ -316,14 +315,9 @@ def select_top_k(confidence: torch.Tensor, counts: torch.Tensor, distinct=None) 
 @torch.no_grad()
 def generate_image(model, input_ids, *, image_start, num_tokens, steps, sampler="emerge", cfg_scale=0.0,
                    uncond_input_ids=None, generator=None, attention_mask=None, uncond_attention_mask=None,
-                   temperature=1.0, code_offset=None, codebook_size=None, mask_id=None, return_order=False,
-                   progress=False):
+                   temperature=1.0, code_offset, codebook_size, mask_id, return_order=False, progress=False):
     """Fill input_ids[:, image_start:][:, :num_tokens] with image tokens [, order] by emerge_step or maskgit_step;
-    uncond_*: CFG's prompt; temperature: MaskGIT's (docs/differences.md). Ids default to model.config's."""
-    config = getattr(model, "config", None)
-    code_offset = getattr(config, "image_token_offset", None) if code_offset is None else code_offset
-    codebook_size = getattr(config, "codebook_size", None) if codebook_size is None else codebook_size
-    mask_id = getattr(config, "mask_token_id", None) if mask_id is None else mask_id
+    uncond_*: CFG's prompt; temperature: MaskGIT's (docs/differences.md)."""
     B, n, span = input_ids.shape[0], num_tokens, slice(image_start, image_start + num_tokens)
     assert sampler in IMAGE_SAMPLERS and steps >= 1 and (sampler == "maskgit" or temperature == 1.0), \
         f"sampler {sampler!r}, steps {steps}, temperature {temperature}: emerge samples from p itself (tau = 1)"
@@ -398,16 +392,15 @@ def _sample_categorical(probs, generator):
 
 def _image_probs(model, x, span, codes, attention_mask, uncond_ids, uncond_mask, cfg_scale, padded=None):
     """float64 p (B, n, C) over the codebook at the slots, with CFG if cfg_scale > 0."""
-    kw = {} if padded is None else {"padded": padded}
     if cfg_scale == 0:
-        logits = _forward(model, x, attention_mask, span.start, span.stop, vocab_slice=codes, **kw)  # (B, n, C)
+        logits = _forward(model, x, attention_mask, span.start, span.stop, vocab_slice=codes, padded=padded)
     else:  # the unconditional input is the empty-caption prompt around the *current* image (MMaDA)
         x_u = uncond_ids.clone()
         x_u[:, span] = x[:, span]
         masks = None if attention_mask is None and uncond_mask is None else torch.cat(
             [m if m is not None else torch.ones_like(x) for m in (attention_mask, uncond_mask)])
         cond, uncond = _forward(model, torch.cat([x, x_u]), masks, span.start, span.stop, vocab_slice=codes,
-                                **kw).chunk(2)
+                                padded=padded).chunk(2)
         logits = (1 + cfg_scale) * cond - cfg_scale * uncond  # MMaDA's (1 + w) l_c - w l_u, in its order
     # float64 (MMaDA samples from bf16 probabilities): with 8192 codes, bf16 rounds away the tail.
     return F.softmax(logits.double(), dim=-1)

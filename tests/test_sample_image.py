@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from model import ModelConfig
 from sample import generate, generate_image, select_top_k
 from infra import hf
 from tools import sample as sample_cli
@@ -175,17 +174,6 @@ def test_image_cfg():
     zero = generate_image(cfg_stub(cond, uncond, 1), ids, steps=4, cfg_scale=0.0, uncond_input_ids=uncond_ids,
                           generator=gen(3), **kw)
     assert torch.equal(no_cfg, zero)
-
-
-def test_image_ids_from_model_config():
-    """code_offset / codebook_size / mask_id default to model.config."""
-    model, ids, start = image_stub(2, 8)
-    model.config = ModelConfig(vocab_size=V, mask_token_id=MASK, eos_token_id=EOS, pad_token_id=EOS,
-                               image_token_offset=OFFSET, codebook_size=C)
-    a = generate_image(model, ids, image_start=start, num_tokens=8, steps=3, generator=gen(0))
-    b = generate_image(model, ids, image_start=start, num_tokens=8, steps=3, generator=gen(0),
-                       code_offset=OFFSET, codebook_size=C, mask_id=MASK)
-    assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kw", [dict(sampler="ddim"), dict(steps=0), dict(temperature=0.5), dict(cfg_scale=3.0),
