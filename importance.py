@@ -4,7 +4,6 @@ pi_ref on that input. VIEWS[cfg.estimator] builds one task's views (inputs, the 
 token_logprobs scores them; "trajectory" and decoding_logprob score the exact l_pi(o). See docs/differences.md.
 Shapes: B sequences, P prompt, N window, S suffix (<|eoi|>), L = P + N + S.
 """
-import functools
 import hashlib
 import math
 import struct
@@ -28,15 +27,16 @@ class Views(NamedTuple):
     norm: torch.Tensor | None = None  # --trajectory_states: this rank's loss normaliser
 
 
-def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, estimator="maskgrpo", **_) -> Views:
+def maskgrpo_views(batch, order, cfg, *, image, step, seq_index, mask_id, **_) -> Views:
     """Step 4 (Alg. 5): view j = o^t_j ~ Rev(o, t_j, S_j) (text: Alg. 1 or --text_reversing; images: Alg. 2) for
-    update j ("unigrpo": UniGRPO's ratios, arXiv:2505.15809). seq_index: each row's GLOBAL index. Every VIEWS
-    function also takes eos_id and all_max."""
+    update j. seq_index: each row's GLOBAL index. Every VIEWS function also takes eos_id and all_max."""
     mode, gamma = ("random", cfg.gamma_image) if image else (cfg.text_reversing, cfg.gamma_text)
-    window = torch.ones(batch.x.shape[0], batch.window, dtype=torch.bool, device=batch.x.device)  # (B, N)
-    masks, _ = build_masks(batch.prompt_mask, window, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
-                           seq_index=seq_index, mu=cfg.mu, gamma=gamma, estimator=estimator, mode=mode,
-                           suffix_len=batch.x.shape[1] - batch.window_slice.stop)  # (mu, B, L)
+    (B, L), P, N, seed = batch.x.shape, batch.prompt_len, batch.window, derive_seed(cfg.seed, "masks", batch.task)
+    prompt_len, window = batch.attention_mask[:, :P].bool().sum(1).tolist(), torch.ones(B, N, dtype=torch.bool)
+    masks = torch.zeros(cfg.mu, B, L, dtype=torch.bool, device=batch.x.device)  # never the prompt (§3)
+    for j, t in enumerate(mask_ratios(cfg.mu, gamma)):
+        seeds = [mask_seed(seed, step, int(i), j) for i in seq_index]
+        masks[j, :, P:P + N] = reverse_mask(window, [t] * B, seeds, mode, prompt_len=prompt_len)
     return Views([batch.x.masked_fill(m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
 
 
@@ -110,6 +110,15 @@ def _unigrpo_ratios(seed: int, step: int, seq_index: int, mu: int) -> list[float
     return [math.floor((n - 1) / max(mu - 1, 1) * (UNIGRPO_T - t1) + t1) / UNIGRPO_T for n in range(1, mu + 1)]
 
 
+def unigrpo_views(batch, order, cfg, *, step, seq_index, mask_id, **_) -> Views:
+    """UniGRPO (arXiv:2505.15809): mu random-reversing views at its ratios, one per update."""
+    window = torch.ones(batch.x.shape[0], batch.window, dtype=torch.bool, device=batch.x.device)  # (B, N)
+    masks, _ = build_masks(batch.prompt_mask, window, seed=derive_seed(cfg.seed, "masks", batch.task), step=step,
+                           seq_index=seq_index, mu=cfg.mu, estimator="unigrpo",
+                           suffix_len=batch.x.shape[1] - batch.prompt_len - batch.window)  # (mu, B, L)
+    return Views([batch.x.masked_fill(m, mask_id) for m in masks], masks, [[j] for j in range(cfg.mu)])
+
+
 def d1_views(batch, order, cfg, *, image, step, seq_index, eos_id, mask_id, **_) -> Views:
     """d1 (arXiv:2504.12216): view j = d1_masks' j, scoring text up to its first EOS, every image slot."""
     x, window = batch.x, batch.x[:, batch.window_slice]  # (B, L), (B, N)
@@ -140,8 +149,7 @@ def trajectory_views(batch, order, cfg, *, image, step, seq_index, mask_id, all_
 
 
 # --estimator's views functions, called by train.rl_step
-VIEWS = {"maskgrpo": maskgrpo_views, "d1": d1_views, "unigrpo": functools.partial(maskgrpo_views, estimator="unigrpo"),
-         "trajectory": trajectory_views}
+VIEWS = {"maskgrpo": maskgrpo_views, "d1": d1_views, "unigrpo": unigrpo_views, "trajectory": trajectory_views}
 
 
 def d1_masks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, *, seed: int, step: int, seq_index,
