@@ -464,6 +464,5 @@ def held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds: float) -
 
 
 if __name__ == "__main__":
-    # User errors: one line naming the value and the fix, exit 2 (infra/cli.py); bad steps or the machine: exit 1
     with scale.process_exit(), cli.user_errors(failures=(TrainingStopped, RunFailed)):
         main()
