@@ -116,7 +116,7 @@ def build_config(o: Options) -> tuple[train.Config, int]:
     if not toy:  # load_data keys on train_data, so the evaluation file is given as both (only "test" is scored)
         implied.update(train_data=f"{o.task}={o.data}", eval_data=f"{o.task}={o.data}")
     cfg = replace(train.Config(**{f.name: getattr(o, f.name) for f in fields(train.Config)}), **implied)
-    train.validate(cfg)
+    cli.validate(cfg)
     return cfg, samples
 
 
@@ -233,7 +233,7 @@ def check_run(run_dir: str, **overrides) -> bool | None:
     cli.need(not unknown, f"{out_dir / 'config.json'} has fields unknown to train.Config: {unknown}; it was written "
              f"by another version of train.py (check it out, or delete those fields)")
     cfg = replace(train.Config(**raw), **overrides)  # RUN_OVERRIDES: threads, device
-    train.validate(cfg)
+    cli.validate(cfg)
     summary = json.loads((out_dir / "summary.json").read_text())
     cli.need([k for k in summary if k != "seconds"],  # "all 0 numbers match" would pass on nothing
              f"{out_dir / 'summary.json'} holds no held-out reward (eval_prompts={cfg.eval_prompts}, eval_data="

@@ -7,8 +7,7 @@
 
 Stage 1 (`sft`) trains the toy model with the masked-diffusion loss (LLaDA arXiv:2502.09992), cached in
 out_dir/sft. Stage 2 (`rl_step`) is MaskGRPO (arXiv:2510.02880, Alg. 5; docs/method.md §9). A run writes
-log.jsonl, times.jsonl, summary.json, final/, checkpoints/ and pictures to out_dir. Every random draw is seeded by
-(seed, purpose, step, global sequence index) (sample.derive_seed), so the world size changes nothing.
+log.jsonl, times.jsonl, summary.json, final/, checkpoints/ and pictures to out_dir.
 """
 import contextlib
 import math
@@ -27,7 +26,6 @@ import tasks
 from infra import budget, checkpoint, cli, outdir, scale, tracker
 from infra.run import (Run, RunFailed, TrainingStopped, all_skipped, check_measured, dry_run, eval_batches,
                        failures_in_one_line, start)
-from infra.cli import validate
 from infra.data import evaluate_all, image_snapshot
 from sample import chunks, derive_seed, generator, rollout
 from tasks import IMAGE_TASKS, Batch, Ctx, make_batch, make_example, sft_tasks, step_prompts
@@ -142,8 +140,7 @@ class Config(StepConfig):
     dry_run_gpus: int = 8             # world size assumed by --dry_run
 
 
-# Presets: the settings each one changes from the defaults above. Where each value comes from (the official
-# scripts, the measurements behind the toy ones) is docs/differences.md "Presets"; tests/test_presets.py pins them.
+# Presets: the settings each one changes from the defaults above; where each value comes from: docs/differences.md.
 _8B = {"init_from": "", "d_model": 4096, "n_layers": 32, "n_heads": 32, "mlp_hidden_size": 12288, "beta": 0.01,
        "clip_eps": 0.2, "lr": 3e-6, "weight_decay": 0.1, "grad_clip": 0.2, "lora_rank": 128, "lora_alpha": 64.0,
        "lora_dropout": 0.05, "lora_targets": "official", "activation_checkpointing": True, "eval_samples": 1,
@@ -177,14 +174,11 @@ def parse_args(argv=None) -> Config:
     if any(a.split("=")[0] == "--num_iterations" for a in (sys.argv[1:] if argv is None else argv)):
         raise ValueError("unknown flag --num_iterations: the inner updates per rollout batch are --mu (the paper's mu)")
     cfg = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
-    validate(cfg)
+    cli.validate(cfg)
     for task in tasks.task_list(cfg):  # a verifier the settings name that a task lacks: refused here, not at step 0
         tasks.verifier(task, cfg.text_reward, cfg.reward_shaping)
     return cfg
 
-
-# -----------------------------------------------------------------------------------------------------
-# stage 1: masked-diffusion SFT
 
 def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
     """The masked-diffusion negative ELBO (LLaDA's SFT loss; docs/method.md §1): t ~ U(eps, 1) per sequence, each
@@ -202,8 +196,7 @@ def diffusion_loss(model, b: Batch, ids, gen: torch.Generator, eps: float = 1e-3
 
 
 def sft(model, tok, ids, cfg: Config, device) -> float:
-    """Train the toy model from scratch on noisy data of the run's toy tasks; returns the seconds spent. A signal
-    finishes the step and exits with 128 + signal: SFT (minutes) keeps no checkpoint, sft_dir is left as it was."""
+    """Train the toy model from scratch on noisy data of the run's toy tasks; returns the seconds spent."""
     t0 = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     # Linear warm-up, then cosine decay to 10%: a fixed learning rate plateaus early at this size.
@@ -247,9 +240,6 @@ def sft(model, tok, ids, cfg: Config, device) -> float:
     model.eval()
     return time.time() - t0
 
-
-# -----------------------------------------------------------------------------------------------------
-# stage 2: MaskGRPO
 
 @dataclass
 class Experience:
@@ -410,9 +400,6 @@ def step_stats(updates: list[dict]) -> dict[str, float]:
             "num_tokens": sum(u["tokens"] for u in updates)}
 
 
-# -----------------------------------------------------------------------------------------------------
-# main
-
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     if cfg.dry_run:  # one report under torchrun, after checking the model folder and data files exist
@@ -477,6 +464,5 @@ def held_out_after_and_save(run, model, ctx, track, dtype, sft_seconds: float) -
 
 
 if __name__ == "__main__":
-    # User errors: one line naming the value and the fix, exit 2 (infra/cli.py); bad steps or the machine: exit 1
     with scale.process_exit(), cli.user_errors(failures=(TrainingStopped, RunFailed)):
         main()

@@ -89,7 +89,7 @@ def test_every_step_skipped_for_a_scorer_down_names_it(sft_dir, tmp_path, monkey
     reward after RL, the held-out reward before RL printed as "not measured", one line naming the scorer
     (it wrote final/ and ended with an error about missing log keys)."""
     monkeypatch.setattr(tasks, "TASKS", {**tasks.TASKS, "image": dataclasses.replace(tasks.TASKS["image"], reward=None)})
-    monkeypatch.setattr(train, "validate", lambda cfg: None)  # a toy image task with a scorer url
+    monkeypatch.setattr(train.cli, "validate", lambda cfg: None)  # a toy image task with a scorer url
     monkeypatch.setattr(sandbox.time, "sleep", lambda s: None)   # no back-off waits between the retries
     out = tmp_path / "run"
     url = "http://127.0.0.1:9"

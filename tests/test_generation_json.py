@@ -37,7 +37,7 @@ def trained(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt")
     tok = toy.build_tokenizer()
     cfg = dataclasses.replace(train.parse_args(["--preset=smoke"]), **NON_DEFAULT)
-    train.validate(cfg)
+    train.cli.validate(cfg)
     model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
     load.save_model(model, cfg, path, tok, torch.float32)

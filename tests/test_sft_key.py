@@ -48,7 +48,7 @@ BASE = ["--preset=smoke", "--tasks=text,image"]
 def config(tmp_path, **changes):
     cfg = train.parse_args([*BASE, f"--out_dir={tmp_path / 'run'}", f"--sft_dir={tmp_path / 'sft'}"])
     cfg = dataclasses.replace(cfg, **changes)
-    train.validate(cfg)
+    train.cli.validate(cfg)
     return cfg
 
 
