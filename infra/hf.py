@@ -96,8 +96,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ValueError(f"not a LLaDA/MMaDA checkpoint (model_type {kind!r}); pass a LLaDA/MMaDA checkpoint folder")
     if missing:
         raise ValueError(f"config.json lacks required fields {missing}")
-    small = {k: hf[k] for k in ("d_model", "n_layers", "n_heads") if not (isinstance(hf[k], int) and hf[k] >= 1)}
-    if small:
+    if small := {k: hf[k] for k in ("d_model", "n_layers", "n_heads") if not (isinstance(hf[k], int) and hf[k] >= 1)}:
         raise ValueError(f"config.json sizes {small} must be positive integers")
     n_kv = hf.get("n_kv_heads")
     n_kv = n_kv if n_kv is not None else 1 if hf.get("multi_query_attention") else hf["n_heads"]
@@ -238,8 +237,7 @@ def token_ids(tok: Tokenizer, config: ModelConfig) -> TokenIds:
 # LoRA on the seven nn.Linear of a LLaDA block (the head, also named ff_out, is outside model.blocks), or on the
 # four of the official run's Llama names that peft finds in one (docs/differences.md, "LoRA targets").
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
-OFFICIAL_TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj")
-TARGET_SETS = {"all": LORA_TARGETS, "official": OFFICIAL_TARGETS}
+TARGET_SETS = {"all": LORA_TARGETS, "official": ("q_proj", "k_proj", "v_proj", "up_proj")}
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapters.safetensors", "adapters.json"
 
 
@@ -281,19 +279,17 @@ def _adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS,
              generator: torch.Generator | None = None) -> nn.Module:
     """Wrap each block's nn.Linear named in `targets` in LoRALinear and freeze the rest, before any FSDP wrap."""
-    bad = [f"{name} ({v!r}) must be {rule}" for name, v, ok, rule in (
+    if bad := [f"{name} ({v!r}) must be {rule}" for name, v, ok, rule in (
         ("rank", rank, isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1, "an integer >= 1"),
         ("alpha", alpha, alpha > 0, "> 0 (the update scale is alpha / rank)"),
-        ("dropout", dropout, 0.0 <= dropout < 1.0, "in [0, 1) (0.0 switches it off)")) if not ok]
-    if bad:
+        ("dropout", dropout, 0.0 <= dropout < 1.0, "in [0, 1) (0.0 switches it off)")) if not ok]:
         raise ValueError(f"LoRA {'; '.join(bad)}; the official recipe uses rank=128, alpha=64, dropout=0.05")
     # A lone string is one name, not a list of characters; duplicates would wrap a layer twice.
     targets = tuple(dict.fromkeys((targets,) if isinstance(targets, str) else targets))
     if _adapted(model):
         raise ValueError("model already has LoRA adapters; merge_lora(model) first to stack a new set")
     available = sorted({n for b in model.blocks for n, m in b.named_children() if isinstance(m, nn.Linear)})
-    unknown = [t for t in targets if t not in available]
-    if unknown or not targets:
+    if (unknown := [t for t in targets if t not in available]) or not targets:
         raise ValueError(f"LoRA targets {unknown or targets} match no nn.Linear in model.blocks; "
                          f"available names are {available}")
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -374,12 +370,10 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
     if missing or unexpected:
         raise ValueError(f"adapters in {path} do not fit this model ({len(missing)} missing {missing[:6]}, "
                          f"{len(unexpected)} unexpected {unexpected[:6]}); pass adapters of its targets and n_layers")
-    bad = [f"{k}: saved {tuple(saved[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
-           if saved[k].shape != v.shape]
-    if bad:
+    if bad := [f"{k}: saved {tuple(saved[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
+               if saved[k].shape != v.shape]:
         raise ValueError(f"adapter shapes in {path} differ (another rank?): {bad[:4]}")
-    alphas = {m.alpha for _, m in _adapted(model)}
-    if alphas != {config["alpha"]}:
+    if (alphas := {m.alpha for _, m in _adapted(model)}) != {config["alpha"]}:
         raise ValueError(f"saved alpha {config['alpha']} is not the model's {sorted(alphas)}; rebuild adapters with it")
     model.load_state_dict(saved, strict=False)  # copies: each parameter keeps its dtype (float32) and device
     return model
@@ -387,8 +381,7 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold each adapter into a plain nn.Linear, W <- W + (alpha / r) B A in float32 rounded once (in bf16 the
-    smallest updates vanish: save_adapters' output is the exact record)."""
+    """Fold each adapter into a plain nn.Linear: W <- W + (alpha / r) B A in float32, rounded once to W's dtype."""
     for name, m in _adapted(model):
         parent, _, child = name.rpartition(".")
         delta = m.scaling * (m.lora_B.float() @ m.lora_A.float())                 # (out, in)
