@@ -106,8 +106,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         # MMaDA: codes start at len(text tokenizer), which its config does not store; 126349 is the released value.
         offset = hf.get("text_tokenizer_size", 126349)
     # The HF `vocab_size` may be smaller than the row count (MMaDA); it stays in `extra` for saving.
-    known = {f.name for f in fields(ModelConfig)} - {"vocab_size"}
-    known |= {"embedding_size", "mlp_ratio", "multi_query_attention"}
+    known = {f.name for f in fields(ModelConfig)} | {"embedding_size", "mlp_ratio", "multi_query_attention"}
     return ModelConfig(
         d_model=hf["d_model"], n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=n_kv,
         mlp_hidden_size=hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"],
@@ -117,7 +116,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         mask_token_id=hf["mask_token_id"], eos_token_id=eos,
         pad_token_id=hf.get("pad_token_id", eos),  # LLaDA pads with the EOS id, given or defaulted
         bos_token_id=hf.get("bos_token_id"), image_token_offset=offset, codebook_size=hf.get("codebook_size"),
-        extra={k: v for k, v in hf.items() if k not in known})
+        extra={k: v for k, v in hf.items() if k not in known or k == "vocab_size"})
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
@@ -219,8 +218,7 @@ def load_tokenizer(path, model_config: ModelConfig | None = None):
         tok = Tokenizer.from_file(str(file))
     except Exception as e:  # the tokenizers library raises a bare Exception ("expected ident at line 1 ...")
         raise ValueError(f"{file} is not a valid tokenizer.json ({e}); re-copy the checkpoint's") from None
-    n = tok.get_vocab_size(with_added_tokens=True)
-    if model_config is not None and n > model_config.vocab_size:
+    if model_config is not None and (n := tok.get_vocab_size(with_added_tokens=True)) > model_config.vocab_size:
         raise ValueError(f"tokenizer {file} has {n} tokens but the model has only {model_config.vocab_size} "
                          "embedding rows; they come from different checkpoints")
     return tok
