@@ -61,8 +61,7 @@ def check_sft_cache(cfg) -> bool:
         saved, meta = hf.read_json(meta_file, "pass --retrain_sft=true to train the SFT model again"), sft_key(cfg)
         # A model trained on more toy tasks serves a run on fewer; one without sft_tasks was trained on both.
         trained, wanted = saved.pop("sft_tasks", list(tasks.TOY_TASKS)), meta.pop("sft_tasks")
-        covered = set(wanted) <= set(trained)
-        if saved == meta and covered:
+        if (covered := set(wanted) <= set(trained)) and saved == meta:
             return True
         diff = [f"{k} {saved.get(k)!r} -> {meta[k]!r}" for k in meta if k != "toy_sha1" and saved.get(k) != meta[k]]
         if not covered:
