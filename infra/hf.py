@@ -96,8 +96,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ValueError(f"not a LLaDA/MMaDA checkpoint (model_type {kind!r}); pass a LLaDA/MMaDA checkpoint folder")
     if missing:
         raise ValueError(f"config.json lacks required fields {missing}")
-    small = {k: hf[k] for k in ("d_model", "n_layers", "n_heads") if not (isinstance(hf[k], int) and hf[k] >= 1)}
-    if small:
+    if small := {k: hf[k] for k in ("d_model", "n_layers", "n_heads") if not (isinstance(hf[k], int) and hf[k] >= 1)}:
         raise ValueError(f"config.json sizes {small} must be positive integers")
     n_kv = hf.get("n_kv_heads")
     n_kv = n_kv if n_kv is not None else 1 if hf.get("multi_query_attention") else hf["n_heads"]
@@ -107,8 +106,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         # MMaDA: codes start at len(text tokenizer), which its config does not store; 126349 is the released value.
         offset = hf.get("text_tokenizer_size", 126349)
     # The HF `vocab_size` may be smaller than the row count (MMaDA); it stays in `extra` for saving.
-    known = {f.name for f in fields(ModelConfig)} - {"vocab_size"}
-    known |= {"embedding_size", "mlp_ratio", "multi_query_attention"}
+    known = {f.name for f in fields(ModelConfig)} | {"embedding_size", "mlp_ratio", "multi_query_attention"}
     return ModelConfig(
         d_model=hf["d_model"], n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=n_kv,
         mlp_hidden_size=hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"],
@@ -118,7 +116,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         mask_token_id=hf["mask_token_id"], eos_token_id=eos,
         pad_token_id=hf.get("pad_token_id", eos),  # LLaDA pads with the EOS id, given or defaulted
         bos_token_id=hf.get("bos_token_id"), image_token_offset=offset, codebook_size=hf.get("codebook_size"),
-        extra={k: v for k, v in hf.items() if k not in known})
+        extra={k: v for k, v in hf.items() if k not in known or k == "vocab_size"})
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
@@ -220,8 +218,7 @@ def load_tokenizer(path, model_config: ModelConfig | None = None):
         tok = Tokenizer.from_file(str(file))
     except Exception as e:  # the tokenizers library raises a bare Exception ("expected ident at line 1 ...")
         raise ValueError(f"{file} is not a valid tokenizer.json ({e}); re-copy the checkpoint's") from None
-    n = tok.get_vocab_size(with_added_tokens=True)
-    if model_config is not None and n > model_config.vocab_size:
+    if model_config is not None and (n := tok.get_vocab_size(with_added_tokens=True)) > model_config.vocab_size:
         raise ValueError(f"tokenizer {file} has {n} tokens but the model has only {model_config.vocab_size} "
                          "embedding rows; they come from different checkpoints")
     return tok
@@ -238,8 +235,7 @@ def token_ids(tok: Tokenizer, config: ModelConfig) -> TokenIds:
 # LoRA on the seven nn.Linear of a LLaDA block (the head, also named ff_out, is outside model.blocks), or on the
 # four of the official run's Llama names that peft finds in one (docs/differences.md, "LoRA targets").
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
-OFFICIAL_TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj")
-TARGET_SETS = {"all": LORA_TARGETS, "official": OFFICIAL_TARGETS}
+TARGET_SETS = {"all": LORA_TARGETS, "official": ("q_proj", "k_proj", "v_proj", "up_proj")}
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapters.safetensors", "adapters.json"
 
 
@@ -281,19 +277,17 @@ def _adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS,
              generator: torch.Generator | None = None) -> nn.Module:
     """Wrap each block's nn.Linear named in `targets` in LoRALinear and freeze the rest, before any FSDP wrap."""
-    bad = [f"{name} ({v!r}) must be {rule}" for name, v, ok, rule in (
+    if bad := [f"{name} ({v!r}) must be {rule}" for name, v, ok, rule in (
         ("rank", rank, isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1, "an integer >= 1"),
         ("alpha", alpha, alpha > 0, "> 0 (the update scale is alpha / rank)"),
-        ("dropout", dropout, 0.0 <= dropout < 1.0, "in [0, 1) (0.0 switches it off)")) if not ok]
-    if bad:
+        ("dropout", dropout, 0.0 <= dropout < 1.0, "in [0, 1) (0.0 switches it off)")) if not ok]:
         raise ValueError(f"LoRA {'; '.join(bad)}; the official recipe uses rank=128, alpha=64, dropout=0.05")
     # A lone string is one name, not a list of characters; duplicates would wrap a layer twice.
     targets = tuple(dict.fromkeys((targets,) if isinstance(targets, str) else targets))
     if _adapted(model):
         raise ValueError("model already has LoRA adapters; merge_lora(model) first to stack a new set")
     available = sorted({n for b in model.blocks for n, m in b.named_children() if isinstance(m, nn.Linear)})
-    unknown = [t for t in targets if t not in available]
-    if unknown or not targets:
+    if (unknown := [t for t in targets if t not in available]) or not targets:
         raise ValueError(f"LoRA targets {unknown or targets} match no nn.Linear in model.blocks; "
                          f"available names are {available}")
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -374,12 +368,10 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
     if missing or unexpected:
         raise ValueError(f"adapters in {path} do not fit this model ({len(missing)} missing {missing[:6]}, "
                          f"{len(unexpected)} unexpected {unexpected[:6]}); pass adapters of its targets and n_layers")
-    bad = [f"{k}: saved {tuple(saved[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
-           if saved[k].shape != v.shape]
-    if bad:
+    if bad := [f"{k}: saved {tuple(saved[k].shape)} vs model {tuple(v.shape)}" for k, v in ours.items()
+               if saved[k].shape != v.shape]:
         raise ValueError(f"adapter shapes in {path} differ (another rank?): {bad[:4]}")
-    alphas = {m.alpha for _, m in _adapted(model)}
-    if alphas != {config["alpha"]}:
+    if (alphas := {m.alpha for _, m in _adapted(model)}) != {config["alpha"]}:
         raise ValueError(f"saved alpha {config['alpha']} is not the model's {sorted(alphas)}; rebuild adapters with it")
     model.load_state_dict(saved, strict=False)  # copies: each parameter keeps its dtype (float32) and device
     return model
@@ -387,8 +379,7 @@ def load_adapters(model: nn.Module, path) -> nn.Module:
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold each adapter into a plain nn.Linear, W <- W + (alpha / r) B A in float32 rounded once (in bf16 the
-    smallest updates vanish: save_adapters' output is the exact record)."""
+    """Fold each adapter into a plain nn.Linear: W <- W + (alpha / r) B A in float32, rounded once to W's dtype."""
     for name, m in _adapted(model):
         parent, _, child = name.rpartition(".")
         delta = m.scaling * (m.lora_B.float() @ m.lora_A.float())                 # (out, in)

@@ -16,8 +16,7 @@ import torch
 
 import tasks
 
-from infra import checkpoint, cli, hf, outdir, scale, toy
-from infra.budget import scratch_config
+from infra import budget, checkpoint, cli, hf, outdir, scale, toy
 from infra.scale import print0
 from model import Transformer, num_params
 from sample import generator
@@ -62,8 +61,7 @@ def check_sft_cache(cfg) -> bool:
         saved, meta = hf.read_json(meta_file, "pass --retrain_sft=true to train the SFT model again"), sft_key(cfg)
         # A model trained on more toy tasks serves a run on fewer; one without sft_tasks was trained on both.
         trained, wanted = saved.pop("sft_tasks", list(tasks.TOY_TASKS)), meta.pop("sft_tasks")
-        covered = set(wanted) <= set(trained)
-        if saved == meta and covered:
+        if (covered := set(wanted) <= set(trained)) and saved == meta:
             return True
         diff = [f"{k} {saved.get(k)!r} -> {meta[k]!r}" for k in meta if k != "toy_sha1" and saved.get(k) != meta[k]]
         if not covered:
@@ -97,7 +95,7 @@ def load_or_train_sft(cfg, device, dtype, sft) -> tuple[Path, object, dict, floa
     sft_dir, tok, cached, failed = sft_dir_of(cfg), toy.build_tokenizer(), check_sft_cache(cfg), []
     ids = tasks.token_ids(tok)
     if not cached and scale.rank() == 0:
-        mc = scratch_config(cfg, **tasks.model_config_overrides(tok))
+        mc = budget.scratch_config(cfg, **tasks.model_config_overrides(tok))
         model = Transformer(mc).init_weights(generator("cpu", cfg.seed, "init")).to(device=device, dtype=dtype)
         print(f"SFT from scratch: {num_params(model) / 1e6:.2f}M parameters, {cfg.sft_steps} steps")
         seconds = sft(model, tok, ids, cfg, device)
@@ -176,8 +174,7 @@ def load_policy(cfg, device, dtype, sft):
 
 
 def load_sharded(path, device, dtype, compute_dtype, adapt=None) -> Transformer:
-    """hf.from_pretrained(path) in `dtype`, adapt(model), scale.shard(model); under torchrun no rank holds the
-    whole model: it is sharded on the meta device and each rank copies its rows of each tensor in (fill_shard)."""
+    """from_pretrained in `dtype`, adapt, shard; under torchrun each rank fills only its rows (scale.fill_shard)."""
     if scale.world() == 1:
         model = hf.from_pretrained(path, device=device, dtype=dtype)
         return adapt(model) if adapt else model
@@ -275,8 +272,7 @@ def report_truncation(cfg, tok, datasets: dict) -> dict:
         for split, exs in splits.items():
             texts = [tasks.chat_prompt([{"role": "user", "content": ex["prompt"]}]) + cfg.prompt_prefill for ex in exs]
             lengths = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
-            n = sum(length > cfg.max_prompt_len for length in lengths)
-            if n:
+            if n := sum(length > cfg.max_prompt_len for length in lengths):
                 cut[(task, split)] = (n, len(lengths), max(lengths))
                 print0(f"note: {n} of {len(lengths)} {task} {split} prompts are longer than --max_prompt_len="
                        f"{cfg.max_prompt_len} tokens (the longest {max(lengths)}) and keep only their last "
@@ -288,9 +284,8 @@ def refuse_training_checkpoint(path, flag: str) -> None:
     """Refuse a training checkpoint given where a model folder is needed, naming the command that converts it."""
     path = Path(path)
     if (path / "state.json").is_file() and not (path / "config.json").is_file():
-        raise ValueError(f"{flag} {path} is a training checkpoint (model and optimizer shards), not a model folder; "
-                         f"turn it into one with: python -m infra.load {path} "
-                         f"{path.parent.parent.with_name(path.parent.parent.name + '-' + path.name)}")
+        raise ValueError(f"{flag} {path} is a training checkpoint, not a model folder; turn it into one: python -m "
+                         f"infra.load {path} {path.parents[1].with_name(f'{path.parents[1].name}-{path.name}')}")
 
 
 def export_checkpoint(ckpt, dest) -> Path:

@@ -26,7 +26,7 @@ import torch
 
 import tasks
 import train
-from infra import checkpoint, load, scale, toy
+from infra import budget, checkpoint, load, scale, toy
 from model import Transformer
 from test_rl_step import save_tiny_checkpoint
 from test_signals import printed_command, read_until
@@ -139,7 +139,7 @@ def one_rank_group():
 def tiny_model():
     tok = toy.build_tokenizer()
     cfg = train.parse_args(["--preset=smoke"])
-    m = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    m = Transformer(budget.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     m.init_weights(torch.Generator().manual_seed(0))
     return m
 

@@ -19,7 +19,7 @@ import evaluate
 import sample
 import tasks
 import train
-from infra import data, load, toy
+from infra import budget, data, load, toy
 from tools import sample as sample_cli
 from model import Transformer
 
@@ -38,7 +38,7 @@ def trained(tmp_path_factory):
     tok = toy.build_tokenizer()
     cfg = dataclasses.replace(train.parse_args(["--preset=smoke"]), **NON_DEFAULT)
     train.cli.validate(cfg)
-    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model = Transformer(budget.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
     load.save_model(model, cfg, path, tok, torch.float32)
     return path, tok, cfg
@@ -50,7 +50,7 @@ def test_the_fields_evaluation_reads_are_known():
     tok = toy.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text,image", "--eval_prompts=2", "--eval_samples=1"])
-    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model = Transformer(budget.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
     reading = Reading(cfg)
     data.evaluate_all(model.eval(), tasks.Ctx(reading, tok, ids, torch.device("cpu"), {}))

@@ -18,7 +18,7 @@ from model import ModelConfig, Transformer
 from infra.hf import INDEX_NAME
 from infra import hf
 import math
-from infra.hf import (OFFICIAL_TARGETS, TARGET_SETS, LoRALinear, add_lora, load_adapters,
+from infra.hf import (TARGET_SETS, LoRALinear, add_lora, load_adapters,
                         lora_stats, merge_lora, save_adapters)
 
 
@@ -265,13 +265,13 @@ def test_whole_model_equals_hand_merged_weights():
     reference = tiny_gqa()
     with torch.no_grad():
         for i, blk in enumerate(model.blocks):
-            for name in OFFICIAL_TARGETS:
+            for name in TARGET_SETS["official"]:
                 m = getattr(blk, name)
                 getattr(reference.blocks[i], name).weight += 0.5 * m.lora_B @ m.lora_A
         got, want = model(X_GQA), reference(X_GQA)
     assert (want - tiny_gqa()(X_GQA)).abs().max() > 0.05  # the update is large enough to see a wrong scale
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
-    assert lora_stats(model)["modules"] == 2 * len(OFFICIAL_TARGETS)
+    assert lora_stats(model)["modules"] == 2 * len(TARGET_SETS["official"])
     assert set(TARGET_SETS) == {"all", "official"}
 
 

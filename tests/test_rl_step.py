@@ -26,7 +26,7 @@ import grpo
 import rewards
 import tasks
 import train
-from infra import hf, load, toy
+from infra import budget, hf, load, toy
 from model import Transformer
 from infra import hf
 
@@ -43,7 +43,7 @@ def save_tiny_checkpoint(path, seed=0):
     checkpoint directory that --init_from can load, as a pretrained LLaDA / MMaDA would be."""
     tok = toy.build_tokenizer()
     cfg = train.parse_args(["--preset=smoke"])
-    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model = Transformer(budget.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(seed))
     hf.save_pretrained(model, path)
     tok.save(str(path / "tokenizer.json"))

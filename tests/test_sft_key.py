@@ -16,7 +16,7 @@ import torch
 
 import tasks
 import train
-from infra import load, toy
+from infra import budget, load, toy
 from model import Transformer
 
 # field -> a valid other value (the base is the smoke preset on both toy tasks)
@@ -74,7 +74,7 @@ def test_one_sft_step_reads_exactly_these_fields(tmp_path):
     cfg = Reading(dataclasses.replace(config(tmp_path), sft_steps=1, sft_batch_size=2))
     tok = toy.build_tokenizer()
     ids = tasks.token_ids(tok)
-    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))  # as load_or_train_sft
+    model = Transformer(budget.scratch_config(cfg, **tasks.model_config_overrides(tok)))  # as load_or_train_sft
     model.init_weights(torch.Generator().manual_seed(0))
     train.sft(model, tok, ids, cfg, torch.device("cpu"))
     assert cfg.read == set(SFT_READS)

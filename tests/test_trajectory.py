@@ -20,7 +20,7 @@ import sample
 import tasks
 
 import train
-from infra import hf, load, toy
+from infra import budget, hf, load, toy
 from model import Transformer
 
 
@@ -48,7 +48,7 @@ def base():
     tok = toy.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text,image"])
-    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model = Transformer(budget.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
     return tok, ids, model.eval()
 

@@ -14,7 +14,7 @@ import torch
 import tasks
 
 import train
-from infra import data, hf, load, toy
+from infra import budget, data, hf, load, toy
 from model import Transformer
 
 
@@ -31,7 +31,7 @@ def base():
     tok = toy.build_tokenizer()
     ids = tasks.token_ids(tok)
     cfg = train.parse_args(["--preset=smoke", "--tasks=text"])
-    model = Transformer(load.scratch_config(cfg, **tasks.model_config_overrides(tok)))
+    model = Transformer(budget.scratch_config(cfg, **tasks.model_config_overrides(tok)))
     model.init_weights(torch.Generator().manual_seed(0))
     return tok, ids, model.double().eval()
 
