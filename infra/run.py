@@ -280,8 +280,7 @@ def check_measured(run, after: dict) -> None:
     if unmeasured:
         why = f"the image scorer at {run.cfg.image_scorer_url} failed" if run.cfg.image_scorer_url else "not finite"
         raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} ({why}; see the "
-                        f"warnings above); the model is saved in {run.out / 'final'}; score it: python evaluate.py "
-                        f"--run={run.out}")
+                        f"warnings above); saved in {run.out / 'final'}; score it: python evaluate.py --run={run.out}")
 
 
 class Run:

@@ -40,8 +40,7 @@ def check_torch(version: str = torch.__version__) -> None:
 
 
 def init(device_name: str) -> torch.device:
-    """Join torchrun's process group when WORLD_SIZE > 1 and return this rank's device (train.py's --device; under
-    torchrun each rank takes cuda:LOCAL_RANK, bound to the group so NCCL sets up its communicator at once)."""
+    """Join torchrun's group when WORLD_SIZE > 1; this rank's device (cuda:LOCAL_RANK, bound so NCCL connects now)."""
     want_cuda = device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available())
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return torch.device(("cuda" if want_cuda else "cpu") if device_name == "auto" else device_name)
