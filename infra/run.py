@@ -75,8 +75,7 @@ def check_resume(cfg) -> dict | None:
     saved = hf.read_json(config, f"re-create {config}") if summary.is_file() and config.is_file() else None
     extending = last is not None and saved is not None and state["step"] < saved.get("rl_steps", 0)
     if extending and not cfg.extend:
-        raise ValueError(f"out_dir {out} holds an extension of a finished run stopped at step {state['step']}: "
-                         "pass --extend=true, as it was started, to continue it")
+        raise ValueError(f"out_dir {out} holds an extension stopped at step {state['step']}: pass --extend=true")
     if last is not None and (extending or not summary.is_file()) and cfg.rl_steps < state["step"]:
         raise ValueError(f"cannot resume {out} at --rl_steps={cfg.rl_steps}: its checkpoint {last.name} has taken "
                          f"{state['step']} RL steps already; pass --rl_steps={state['config']['rl_steps']} (the run's "
@@ -86,9 +85,8 @@ def check_resume(cfg) -> dict | None:
     done = (state["config"] if saved is None else saved).get("rl_steps")
     if cfg.rl_steps == done:
         if os.environ.get("RANK", "0") == "0":  # before the process group exists: RANK says who speaks
-            print(f"out_dir {out} holds a finished run ({done} RL steps; {summary}, {out / 'final'}): nothing "
-                  f"to do, nothing rewritten. `python evaluate.py --run={out}` scores it again; --extend=true "
-                  "with a larger --rl_steps trains it further", flush=True)
+            print(f"out_dir {out} holds a finished run ({done} RL steps): nothing to do; `python evaluate.py "
+                  f"--run={out}` scores it again, --extend=true with a larger --rl_steps trains it further", flush=True)
         return hf.read_json(summary, f"delete {summary} and resume to redo the final evaluation")
     if cfg.rl_steps < done or not cfg.extend:
         raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} " + (
@@ -102,8 +100,7 @@ def check_resume(cfg) -> dict | None:
 
 @contextmanager
 def startup_checks(cfg, device):
-    """sft_dir, then out_dir, each agreed by every rank (one failing stops all); rank 0 writes config.json, and holds
-    sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model there."""
+    """sft_dir, then out_dir, agreed by all ranks; rank 0 writes config.json, holds sft_dir while training SFT there."""
     out, pid_file = Path(cfg.out_dir), None
     try:
         with agreed(device):
@@ -289,8 +286,7 @@ class Run:
 
     def __init__(self, cfg, model, opt, device):
         self.cfg, self.model, self.opt, self.device = cfg, model, opt, device
-        self.out = Path(cfg.out_dir)
-        self.identity = reference_identity(cfg)
+        self.out, self.identity = Path(cfg.out_dir), reference_identity(cfg)
         self.state = {"step": 0, "before": None, "before_by_prompt": None, "bad_steps": 0, "bad_run": 0,
                       "rl_seconds": 0.0, "last_good": None, "grid_before": None}
         last = resume_point(self.out, quiet=False) if cfg.resume and checkpoint.latest(self.out) else None
@@ -372,7 +368,7 @@ class Run:
         return self.state["bad_steps"]
 
     def after_step(self, step: int, rolls: list, tok, ids) -> None:
-        """Stop after max_bad_steps bad steps in a row; show a sample; checkpoint on cadence or on a signal."""
+        """Stop after max_bad_steps bad steps in a row; show a sample; checkpoint on cadence or a signal (all ranks)."""
         cfg = self.cfg
         if self.state["bad_run"] >= cfg.max_bad_steps:
             raise TrainingStopped(
@@ -383,7 +379,6 @@ class Run:
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
                 show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
-        # Every rank must stop at the same step: the flag is reduced over ranks.
         stopping = scale.all_max(torch.tensor([self.signal["signal"]], device=self.device)).item()
         if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or stopping:
             print0(f"checkpoint {self._save_checkpoint(step + 1)}")

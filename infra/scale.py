@@ -1,6 +1,5 @@
-"""Running at scale (`torchrun --nproc_per_node=8 train.py ...`): process groups, FSDP2 sharding, reductions; in one
-process each is a no-op or the identity. The world size changes no result: every rank builds the global batch from
-generators seeded by (seed, step, global prompt index) and keeps its rows; collectives move only statistics."""
+"""Running at scale (torchrun): process groups, FSDP2, reductions; in one process, no-ops. The world size changes no
+result: ranks build the global batch seeded by (seed, step, prompt index), keep their rows and reduce statistics."""
 import contextlib
 import datetime
 import functools
