@@ -14,15 +14,14 @@ import torch.distributed as dist
 # How long a collective waits for the slowest rank, in minutes: rank 0 alone writing an 8B checkpoint with AdamW
 # moments (96 GB) to a network file system while the others wait takes past NCCL's 10-minute default.
 TIMEOUT_ENV = "MASKGRPO_COLLECTIVE_TIMEOUT_MIN"
-DEFAULT_TIMEOUT_MIN = 60
 
 
 def collective_timeout() -> datetime.timedelta:
-    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_MIN))
+    raw = os.environ.get(TIMEOUT_ENV, "60")
     with contextlib.suppress(ValueError):
         if float(raw) > 0:
             return datetime.timedelta(minutes=float(raw))
-    raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of minutes (default {DEFAULT_TIMEOUT_MIN})")
+    raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of minutes (default 60)")
 
 
 # The oldest torch the multi-process path runs on (pyproject.toml): these FSDPModule methods are new in torch 2.8.
