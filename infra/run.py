@@ -14,28 +14,23 @@ from pathlib import Path
 import torch
 
 import tasks
-from infra import budget, checkpoint, data, hf, scale
+from infra import budget, checkpoint, data, hf, load, outdir, scale
 from sample import FastSampler
-from infra.load import (WriteFailed, check_sft_cache, load_policy, reference_identity, refuse_training_checkpoint,
-                        report_truncation, save_model, sft_dir_of, writer_error)
-from infra.outdir import (PID_FILE, RESUMABLE, check_paths, check_shared, claim, claim_out_dir, continue_command,
-                          kept_line, release, remember_command, resume_command, resume_point, rl_steps,
-                          root_causes, show, start_up, step_lines, step_of, write_pictures)
+from infra.outdir import continue_command, kept_line, root_causes, step_lines
 from infra.scale import duration, print0
 from infra.sandbox import RemoteScorer
 from infra.cli import SCRATCH_SHAPE, resume_changes, setup
 
 
-EVAL_BATCH = 64  # rows per data.evaluate batch
 DISK_ERRORS = {errno.EFBIG: ("a file outgrew the file-size limit", "raise the limit (ulimit -f)"), **dict.fromkeys(
     (errno.ENOSPC, errno.EDQUOT), ("the disk is full", "free space there (or lower --keep_last)"))}
 
 
 def start(cfg, argv, sft):
     """train.py's start-up: (model, ref, opt, ctx, dtype, sft_seconds), or a finished run's summary (--resume)."""
-    remember_command(argv)   # for the messages that name the command continuing this run
-    check_paths(cfg)         # nothing of anyone else's is written over
-    with start_up():             # a signal before RL stops at once and names the command to rerun
+    outdir.remember_command(argv)  # for the messages that name the command continuing this run
+    outdir.check_paths(cfg)  # nothing of anyone else's is written over
+    with outdir.start_up():  # a signal before RL stops at once and names the command to rerun
         finished = check_resume(cfg)
         if finished is not None:
             return finished
@@ -43,10 +38,10 @@ def start(cfg, argv, sft):
         datasets = data.load_data(cfg)       # malformed data fails here, before any model is loaded
         with startup_checks(cfg, device):
             scorer = RemoteScorer(cfg.image_scorer_url, cfg.image_scorer_timeout) if cfg.image_scorer_url else None
-            model, ref, tok, ids, sft_seconds = load_policy(cfg, device, dtype, sft)
+            model, ref, tok, ids, sft_seconds = load.load_policy(cfg, device, dtype, sft)
         fast = FastSampler(cfg.kv_cache, cfg.threshold) if cfg.kv_cache != "none" or cfg.threshold > 0 else None
         ctx = tasks.Ctx(cfg, tok, ids, device, datasets, scorer, fast)  # fast: Fast-dLLM text rollouts
-        report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
+        load.report_truncation(cfg, tok, datasets)  # --max_prompt_len cuts long prompts from the left: say how many
         opt = torch.optim.AdamW(hf.trainable_parameters(model), lr=cfg.lr, betas=(0.9, 0.99),
                                 weight_decay=cfg.weight_decay)
     print0(f"RL: {cfg.rl_steps} rollout batches x {cfg.mu} optimizer steps, {cfg.prompts_per_step} "
@@ -61,22 +56,21 @@ def check_resume(cfg) -> dict | None:
         raise ValueError("--extend=true continues a finished run: pass --resume=true with it (and a larger --rl_steps)")
     if not cfg.resume:
         return None
-    out, may_change = Path(cfg.out_dir), RESUMABLE + resume_changes(cfg)
+    out, may_change = Path(cfg.out_dir), outdir.RESUMABLE + resume_changes(cfg)
     last, config, summary = checkpoint.latest(out), out / "config.json", out / "summary.json"
     if last is None and not config.is_file():
         raise ValueError(f"--resume: out_dir {out} holds no run (no config.json, no {checkpoint.DIRNAME}/); check "
                          "the path, or drop --resume to start a new run there")
     # The real conflicts first (the SFT cache check names only SFT settings); no checkpoint yet: config.json's settings
-    last = resume_point(out) if last is not None else None
+    last = outdir.resume_point(out) if last is not None else None
     state = hf.read_json(last / "state.json", "remove that checkpoint directory") if last else {
         "config": hf.read_json(config, f"delete {config} to start a new run there"), "reference": None}
-    checkpoint.check_resumable(last or config, state, asdict(cfg), last and reference_identity(cfg), may_change)
+    checkpoint.check_resumable(last or config, state, asdict(cfg), last and load.reference_identity(cfg), may_change)
     # An unfinished extension (config.json: its larger --rl_steps; summary.json: the earlier finish's) continues.
     saved = hf.read_json(config, f"re-create {config}") if summary.is_file() and config.is_file() else None
     extending = last is not None and saved is not None and state["step"] < saved.get("rl_steps", 0)
     if extending and not cfg.extend:
-        raise ValueError(f"out_dir {out} holds an extension of a finished run stopped at step {state['step']}: "
-                         "pass --extend=true, as it was started, to continue it")
+        raise ValueError(f"out_dir {out} holds an extension stopped at step {state['step']}: pass --extend=true")
     if last is not None and (extending or not summary.is_file()) and cfg.rl_steps < state["step"]:
         raise ValueError(f"cannot resume {out} at --rl_steps={cfg.rl_steps}: its checkpoint {last.name} has taken "
                          f"{state['step']} RL steps already; pass --rl_steps={state['config']['rl_steps']} (the run's "
@@ -86,40 +80,38 @@ def check_resume(cfg) -> dict | None:
     done = (state["config"] if saved is None else saved).get("rl_steps")
     if cfg.rl_steps == done:
         if os.environ.get("RANK", "0") == "0":  # before the process group exists: RANK says who speaks
-            print(f"out_dir {out} holds a finished run ({done} RL steps; {summary}, {out / 'final'}): nothing "
-                  f"to do, nothing rewritten. `python evaluate.py --run={out}` scores it again; --extend=true "
-                  "with a larger --rl_steps trains it further", flush=True)
+            print(f"out_dir {out} holds a finished run ({done} RL steps): nothing to do; `python evaluate.py "
+                  f"--run={out}` scores it again, --extend=true with a larger --rl_steps trains it further", flush=True)
         return hf.read_json(summary, f"delete {summary} and resume to redo the final evaluation")
     if cfg.rl_steps < done or not cfg.extend:
         raise ValueError(f"out_dir {out} holds a finished run of {done} RL steps; --rl_steps={cfg.rl_steps} " + (
             "asks for fewer, and a finished run is final: drop --rl_steps, or choose another --out_dir"
             if cfg.rl_steps < done else "would train it further and replace its final/ and summary.json: pass "
             "--extend=true to do that, or start a new run with another --out_dir"))
-    if last is None or step_of(last) != done:
+    if last is None or outdir.step_of(last) != done:
         raise ValueError(f"--extend: out_dir {out} has no checkpoint of its last step ({done}) to continue from "
                          f"(latest: {last.name if last else 'none'}); start a new run with another --out_dir")
 
 
 @contextmanager
 def startup_checks(cfg, device):
-    """sft_dir, then out_dir, each agreed by every rank (one failing stops all); rank 0 writes config.json, and holds
-    sft_dir (SFT_DIR.run.pid) while it trains the toy SFT model there."""
+    """sft_dir, then out_dir, agreed by all ranks; rank 0 writes config.json, holds sft_dir while training SFT there."""
     out, pid_file = Path(cfg.out_dir), None
     try:
         with agreed(device):
-            pid_file = _claim_sft_dir(cfg, sft_dir_of(cfg)) if cfg.init_from == "scratch" else None
+            pid_file = _claim_sft_dir(cfg, load.sft_dir_of(cfg)) if cfg.init_from == "scratch" else None
         with agreed(device):
             _check_out_dir(cfg, out)
         if scale.rank() == 0:
             (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
         scale.barrier()
-        check_shared(out, device)
+        outdir.check_shared(out, device)
         print0("\n".join(f"  {k} = {v}" for k, v in sorted(asdict(cfg).items())))
         budget.warn_kill_delay(cfg, scale.world())  # SIGTERM's checkpoint must fit in the launcher's kill delay
         yield
     finally:
         if pid_file is not None:
-            release(pid_file)
+            outdir.release(pid_file)
 
 
 def _claim_sft_dir(cfg, sft_dir: Path) -> Path | None:
@@ -128,14 +120,14 @@ def _claim_sft_dir(cfg, sft_dir: Path) -> Path | None:
     if not existing.is_dir():
         raise ValueError(f"sft_dir {sft_dir}: {'it' if existing == sft_dir else existing} is a file, not a folder "
                          "(it is left as it is); pass --sft_dir=a folder for the SFT model")
-    if check_sft_cache(cfg) or scale.rank() != 0:
+    if load.check_sft_cache(cfg) or scale.rank() != 0:
         return None
     pid_file = sft_dir.with_name(sft_dir.name + ".run.pid")
     try:
         pid_file.parent.mkdir(parents=True, exist_ok=True)
         if sft_dir.is_dir() and not os.access(sft_dir, os.W_OK):
             raise PermissionError(13, "Permission denied")
-        claim(pid_file, f"sft_dir {sft_dir}", "is being trained", "pass another --sft_dir",
+        outdir.claim(pid_file, f"sft_dir {sft_dir}", "is being trained", "pass another --sft_dir",
               " (a run with the same settings then reuses its model)")
     except OSError as e:
         raise ValueError(f"sft_dir {sft_dir} is not writable ({e.strerror}); pass a writable --sft_dir") from None
@@ -165,7 +157,7 @@ def _check_out_dir(cfg, out: Path) -> None:
         raise ValueError(f"out_dir {out} is not writable ({e.strerror}); pass --out_dir=a writable directory") from None
     mc = None
     if cfg.init_from != "scratch":
-        refuse_training_checkpoint(cfg.init_from, "--init_from")
+        load.refuse_training_checkpoint(cfg.init_from, "--init_from")
         mc = hf.read_config(cfg.init_from)  # a missing config.json is refused there
         preset = getattr(cfg, "_preset_values", {})
         other = [k for k in SCRATCH_SHAPE if k in preset and getattr(mc, k) != preset[k]]
@@ -197,13 +189,13 @@ def _check_out_dir(cfg, out: Path) -> None:
     if not logged and (out / "log.jsonl").exists() and last is None:
         print0(f"out_dir {out} holds a run that took no RL step (its log.jsonl is empty): starting it again")
     if scale.rank() == 0:
-        claim_out_dir(out)
+        outdir.claim_out_dir(out)
 
 
 def dry_run(cfg, report):
     """--dry_run: report(cfg) on RANK 0 (no process group) once the --init_from folder and data files are there."""
     if cfg.init_from not in ("", "scratch"):
-        refuse_training_checkpoint(cfg.init_from, "--init_from")
+        load.refuse_training_checkpoint(cfg.init_from, "--init_from")
         hf.read_config(cfg.init_from)  # no config.json (or not a model's) would stop the run there
     for flag in ("train_data", "eval_data"):
         for task, path in data.data_paths(getattr(cfg, flag), flag).items():
@@ -213,9 +205,9 @@ def dry_run(cfg, report):
 
 
 def eval_batches(ctx) -> int:
-    """How many batches data.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
+    """How many 64-row batches data.evaluate_all takes on ctx's held-out sets (sampled, and greedy for text)."""
     cfg = ctx.cfg
-    return sum(-(-len(data.eval_examples(t, cfg, ctx.datasets)) * k // EVAL_BATCH) for t in tasks.task_list(cfg)
+    return sum(-(-len(data.eval_examples(t, cfg, ctx.datasets)) * k // 64) for t in tasks.task_list(cfg)
                for k in ((cfg.eval_samples,) if t in tasks.IMAGE_TASKS else (cfg.eval_samples, 1)))
 
 
@@ -263,13 +255,13 @@ def explain_failure(e: BaseException, cfg) -> str | None:
                     f"run); {kept_line(out)}; continue with: {continue_command(out)} --device_batch_size={fewer}")
         if isinstance(x, OSError) and x.errno in DISK_ERRORS:
             what, fix = DISK_ERRORS[x.errno]
-            return f"{what} ({writer_error(x)}); {kept_line(out)}; {fix}, then continue with: {continue_command(out)}"
+            return f"{what} ({load.writer_error(x)}); {kept_line(out)}; {fix}; continue with: {continue_command(out)}"
         if scale.world() > 1 and isinstance(x, RuntimeError) and any(w in text.lower() for w in (
                 "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer")):
             text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text).split(". ")[0]  # gloo's source location
             return (f"another process of this torchrun run stopped ({text[:120]}; torchrun's report names it); "
                     f"{kept_line(out)}; once the cause is fixed, --resume=true continues: {continue_command(out)}")
-    written = [x for x in root_causes(e) if isinstance(x, WriteFailed)]  # a model folder's writer failed
+    written = [x for x in root_causes(e) if isinstance(x, load.WriteFailed)]  # a model folder's writer failed
     return (f"{written[0]}; {kept_line(out)}; free space there (or raise the file-size limit, ulimit -f), then "
             f"continue with: {continue_command(out)}") if written else None
 
@@ -280,8 +272,7 @@ def check_measured(run, after: dict) -> None:
     if unmeasured:
         why = f"the image scorer at {run.cfg.image_scorer_url} failed" if run.cfg.image_scorer_url else "not finite"
         raise RunFailed(f"not measured: the held-out reward of {', '.join(sorted(set(unmeasured)))} ({why}; see the "
-                        f"warnings above); the model is saved in {run.out / 'final'}; score it: python evaluate.py "
-                        f"--run={run.out}")
+                        f"warnings above); saved in {run.out / 'final'}; score it: python evaluate.py --run={run.out}")
 
 
 class Run:
@@ -290,11 +281,10 @@ class Run:
 
     def __init__(self, cfg, model, opt, device):
         self.cfg, self.model, self.opt, self.device = cfg, model, opt, device
-        self.out = Path(cfg.out_dir)
-        self.identity = reference_identity(cfg)
+        self.out, self.identity = Path(cfg.out_dir), load.reference_identity(cfg)
         self.state = {"step": 0, "before": None, "before_by_prompt": None, "bad_steps": 0, "bad_run": 0,
                       "rl_seconds": 0.0, "last_good": None, "grid_before": None}
-        last = resume_point(self.out, quiet=False) if cfg.resume and checkpoint.latest(self.out) else None
+        last = outdir.resume_point(self.out, quiet=False) if cfg.resume and checkpoint.latest(self.out) else None
         self.changed = {}  # {setting: [the run's value, this segment's]}: --change_on_resume, logged at run.start
         if last is not None:
             saved = checkpoint.load(last, model, opt, trainable_only=cfg.lora_rank > 0)
@@ -325,7 +315,7 @@ class Run:
         self.step_seconds: list[float] = []
 
     def __enter__(self):
-        self._steps = rl_steps(self)  # a signal sets self.signal; a second one drops the step at once
+        self._steps = outdir.rl_steps(self)  # a signal sets self.signal; a second one drops the step at once
         self._steps.__enter__()
         return self
 
@@ -373,7 +363,7 @@ class Run:
         return self.state["bad_steps"]
 
     def after_step(self, step: int, rolls: list, tok, ids) -> None:
-        """Stop after max_bad_steps bad steps in a row; show a sample; checkpoint on cadence or on a signal."""
+        """Stop after max_bad_steps bad steps in a row; show a sample; checkpoint on cadence or a signal (all ranks)."""
         cfg = self.cfg
         if self.state["bad_run"] >= cfg.max_bad_steps:
             raise TrainingStopped(
@@ -383,14 +373,13 @@ class Run:
                 "scorer), delete the newer checkpoints and continue with --resume=true")
         if cfg.sample_every and (step + 1) % cfg.sample_every == 0:
             for r in rolls:
-                show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
-        # Every rank must stop at the same step: the flag is reduced over ranks.
+                outdir.show(r.batch, r.rewards[scale.shard_rows(len(r.rewards))], tok, ids)
         stopping = scale.all_max(torch.tensor([self.signal["signal"]], device=self.device)).item()
         if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or stopping:
             print0(f"checkpoint {self._save_checkpoint(step + 1)}")
         if stopping:
             print0(f"stopped by {signal.Signals(int(stopping)).name} after step {step}; continue with: "
-                   f"{resume_command()}")
+                   f"{outdir.resume_command()}")
             raise SystemExit(128 + int(stopping))
 
     def _save_checkpoint(self, step: int) -> Path:
@@ -405,7 +394,7 @@ class Run:
             if isinstance(e, KeyboardInterrupt) or not isinstance(e, Exception) and not hasattr(e, "failures"):
                 raise
             cause = ([x for x in root_causes(e) if isinstance(x, Exception)] or [e])[-1]  # the writer's own words
-            message = explain_failure(e, self.cfg) or (f"{writer_error(cause)}; {kept_line(self.out)}; fix the "
+            message = explain_failure(e, self.cfg) or (f"{load.writer_error(cause)}; {kept_line(self.out)}; fix the "
                                                        f"cause, then continue with: {continue_command(self.out)}")
             if scale.rank() == 0:  # the half-written directory, never loaded, would only take the room
                 shutil.rmtree(checkpoint._step_dir(self.out, step, tmp=True), ignore_errors=True)
@@ -417,7 +406,7 @@ class Run:
     def finish(self, after: dict, after_by_prompt: dict, grid_after, tok, dtype, sft_seconds: float) -> dict:
         """Write final/ (policy, tokenizer, generation.json), summary.json (held-out rewards) and the pictures."""
         before, before_by_prompt = self.state["before"], self.state.get("before_by_prompt") or {}
-        save_model(self.model, self.cfg, self.out / "final", tok, dtype)
+        load.save_model(self.model, self.cfg, self.out / "final", tok, dtype)
         summary = {k: {"before": measured(before[k]), "after": measured(after[k])} for k in before}
         for k in summary:
             if len(before_by_prompt.get(k, ())) == len(after_by_prompt.get(k, ())) > 1:
@@ -426,8 +415,8 @@ class Run:
         summary["seconds"] = {"sft": sft_seconds, "rl": self.rl_end}
         if scale.rank() == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            write_pictures(self.cfg, self.out, self.state["grid_before"], grid_after, summary)
-            release(self.out / PID_FILE)
+            outdir.write_pictures(self.cfg, self.out, self.state["grid_before"], grid_after, summary)
+            outdir.release(self.out / outdir.PID_FILE)
         print0(f"wrote {self.out / 'final'} and {self.out / 'summary.json'}")
         return summary
 

@@ -1,6 +1,5 @@
-"""Running at scale (`torchrun --nproc_per_node=8 train.py ...`): process groups, FSDP2 sharding, reductions; in one
-process each is a no-op or the identity. The world size changes no result: every rank builds the global batch from
-generators seeded by (seed, step, global prompt index) and keeps its rows; collectives move only statistics."""
+"""Running at scale (torchrun): process groups, FSDP2, reductions; in one process, no-ops. The world size changes no
+result: ranks build the global batch seeded by (seed, step, prompt index), keep their rows and reduce statistics."""
 import contextlib
 import datetime
 import functools
@@ -15,15 +14,14 @@ import torch.distributed as dist
 # How long a collective waits for the slowest rank, in minutes: rank 0 alone writing an 8B checkpoint with AdamW
 # moments (96 GB) to a network file system while the others wait takes past NCCL's 10-minute default.
 TIMEOUT_ENV = "MASKGRPO_COLLECTIVE_TIMEOUT_MIN"
-DEFAULT_TIMEOUT_MIN = 60
 
 
 def collective_timeout() -> datetime.timedelta:
-    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_MIN))
+    raw = os.environ.get(TIMEOUT_ENV, "60")
     with contextlib.suppress(ValueError):
         if float(raw) > 0:
             return datetime.timedelta(minutes=float(raw))
-    raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of minutes (default {DEFAULT_TIMEOUT_MIN})")
+    raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of minutes (default 60)")
 
 
 # The oldest torch the multi-process path runs on (pyproject.toml): these FSDPModule methods are new in torch 2.8.
@@ -40,8 +38,7 @@ def check_torch(version: str = torch.__version__) -> None:
 
 
 def init(device_name: str) -> torch.device:
-    """Join torchrun's process group when WORLD_SIZE > 1 and return this rank's device (train.py's --device; under
-    torchrun each rank takes cuda:LOCAL_RANK, bound to the group so NCCL sets up its communicator at once)."""
+    """Join torchrun's group when WORLD_SIZE > 1; this rank's device (cuda:LOCAL_RANK, bound so NCCL connects now)."""
     want_cuda = device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available())
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return torch.device(("cuda" if want_cuda else "cpu") if device_name == "auto" else device_name)

@@ -201,7 +201,7 @@ def test_signal_during_evaluation_before_rl(sft_dir, tmp_path, monkeypatch, caps
 
 def test_signal_during_the_final_save_finishes_it(sft_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    signal_on_call(monkeypatch, run_mod, "save_model", 1, signal.SIGINT)
+    signal_on_call(monkeypatch, run_mod.load, "save_model", 1, signal.SIGINT)
     with pytest.raises(SystemExit) as e:
         train.main([*TINY, f"--sft_dir={sft_dir}", f"--out_dir={out}", "--rl_steps=1"])
     assert e.value.code == 130
