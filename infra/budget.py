@@ -155,7 +155,7 @@ def scratch_config(cfg, **vocab) -> ModelConfig:
 def model_config(cfg) -> ModelConfig:
     """The model shape of a train.Config: --init_from's config.json, else the scratch shape."""
     if cfg.init_from not in ("", "scratch") and (Path(cfg.init_from) / "config.json").is_file():
-        return hf.read_config(cfg.init_from)
+        return hf.read_config(cfg.init_from, "--init_from")
     vocab = cfg.vocab_size or tasks.model_config_overrides(toy.build_tokenizer())["vocab_size"]
     return scratch_config(cfg, vocab_size=vocab, mask_token_id=vocab - 1)
 

@@ -63,11 +63,11 @@ def _safetensors_file(file: Path, device="cpu"):
         raise ValueError(f"{file} is not a complete safetensors file ({e}); re-download the checkpoint") from None
 
 
-def read_config(path) -> ModelConfig:
+def read_config(path, flag: str = "the path") -> ModelConfig:
     """The ModelConfig of checkpoint directory `path` (its config.json), every error naming the file."""
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(f"{file} not found: a LLaDA/MMaDA checkpoint directory holds config.json")
+        raise FileNotFoundError(f"{file} not found: {flag} must be a LLaDA/MMaDA checkpoint directory (config.json)")
     hf = read_json(file, "re-copy the checkpoint's config.json")
     if is_run_settings(hf):
         raise ValueError(f"{file} holds a training run's settings, not a model's: {path} is a run's out_dir; "

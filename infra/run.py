@@ -158,7 +158,7 @@ def _check_out_dir(cfg, out: Path) -> None:
     mc = None
     if cfg.init_from != "scratch":
         load.refuse_training_checkpoint(cfg.init_from, "--init_from")
-        mc = hf.read_config(cfg.init_from)  # a missing config.json is refused there
+        mc = hf.read_config(cfg.init_from, "--init_from")  # a missing config.json is refused there
         preset = getattr(cfg, "_preset_values", {})
         other = [k for k in SCRATCH_SHAPE if k in preset and getattr(mc, k) != preset[k]]
         if other:  # the preset's lr, lengths and batch sizes were chosen for a model of its shape
@@ -196,7 +196,7 @@ def dry_run(cfg, report):
     """--dry_run: report(cfg) on RANK 0 (no process group) once the --init_from folder and data files are there."""
     if cfg.init_from not in ("", "scratch"):
         load.refuse_training_checkpoint(cfg.init_from, "--init_from")
-        hf.read_config(cfg.init_from)  # no config.json (or not a model's) would stop the run there
+        hf.read_config(cfg.init_from, "--init_from")  # no config.json (or not a model's) would stop the run there
     for flag in ("train_data", "eval_data"):
         for task, path in data.data_paths(getattr(cfg, flag), flag).items():
             if not Path(path).is_file():

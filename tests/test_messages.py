@@ -111,7 +111,7 @@ def test_dry_run_prints_once_under_torchrun(monkeypatch, capsys):
     assert capsys.readouterr().out.count("model: ") == 1
 
 
-@pytest.mark.parametrize("flag,problem", [("--init_from=/no/such/model", "/no/such/model/config.json not found"),
+@pytest.mark.parametrize("flag,problem", [("--init_from=/no/such/model", "/no/such/model/config.json not found: --init_from must be"),
                                           ("--train_data=gsm8k=/no/such.jsonl", "--train_data gsm8k=/no/such.jsonl: "
                                                                                 "no such file")])
 def test_dry_run_checks_the_model_folder_and_data_files(capsys, flag, problem):

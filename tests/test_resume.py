@@ -265,7 +265,7 @@ INPUTS = [
      FileNotFoundError, r"dataset file not found: .*none.jsonl .* never downloads"),
     ("init_from without config.json", None, ["--init_from={out}/../model", "--tasks=gsm8k",
                                              f"--train_data=gsm8k={FIX}/gsm8k.jsonl"],
-     FileNotFoundError, r"config.json not found: a LLaDA/MMaDA checkpoint directory holds config.json"),
+     FileNotFoundError, r"config.json not found: --init_from must be a LLaDA/MMaDA checkpoint directory \(config.json\)"),
     ("sequence longer than the model", None, ["--init_from={sft}", "--tasks=gsm8k", f"--train_data=gsm8k={FIX}/gsm8k.jsonl",
                                               "--max_prompt_len=5000"],
      ValueError, r"sequences of up to 5012 tokens exceed the model's max_sequence_length \(4096\)"),

@@ -82,7 +82,7 @@ def main(argv=None):
         raise ValueError(f"--image: {o.ckpt} was trained for {', '.join(trained)} only (its {GENERATION_FILE}), "
                          "never to draw, so its picture would be noise; drop --image, or pass a checkpoint of a run "
                          "with an image task (e.g. --tasks=text,image)")
-    config = hf.read_config(o.ckpt)  # config.json and tokenizer.json first: the prompt is checked before
+    config = hf.read_config(o.ckpt, "--ckpt")  # config.json and tokenizer.json first: the prompt is checked before
     tok = load_tokenizer(o.ckpt, config)  # gigabytes of weights are read
     if o.image:
         return _sample_image(config, tok, o)
